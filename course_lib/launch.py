@@ -1,0 +1,522 @@
+"""Run a function on N real ranks from a notebook cell, a script or ``torchrun``.
+
+    results = launch(fn, 4, x, backend="gloo")   # fn(x) on ranks 0..3, results in rank order
+    results.spans                                # what every rank recorded with trace.span
+
+How it avoids the walls learners hit with ``mp.spawn``:
+
+* ``fn`` travels **by value** (cloudpickle), so a function defined in a notebook
+  cell, a closure or a lambda runs in the ranks.
+* Ranks start from a **forkserver** that has imported torch but never run a torch
+  op. Plain ``fork`` of a kernel that has run a matmul hangs (OpenMP is not
+  fork-safe); ``spawn`` re-imports torch in every rank (seconds).
+* Rendezvous goes through a :class:`torch.distributed.FileStore` in a private
+  temporary directory: no port to choose, no race between two launches, and no
+  TCPStore listening on every interface. Gloo and NCCL are told to use the
+  loopback interface, so nothing listens on a non-loopback address.
+* Each rank gets ``max(1, cores // world_size)`` intra-op threads: oversubscribed
+  ranks make communication look 5-15x slower than it is.
+* Rank output goes to per-rank files and is printed afterwards in rank order,
+  each line tagged ``[rank r]``: notebook output is deterministic.
+* The first failing rank (exception, ``os._exit``, a signal) raises
+  :class:`RankError` in the caller at once and the other ranks are killed; a run
+  past ``timeout`` raises :class:`LaunchTimeout` naming the stuck ranks, the span
+  each was in and the torch.distributed call each was waiting in. Nothing (no
+  process, directory or socket) outlives the call.
+
+Under ``torchrun`` (RANK and WORLD_SIZE set) the same call runs ``fn`` in this
+process only, with the process group initialised from the environment, and
+returns every rank's result (all-gathered), so each demo is a real script too.
+"""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import cloudpickle
+
+from course_lib import trace as _trace
+
+BACKENDS = ("gloo", "nccl")
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception or died. ``.rank``, ``.exitcode``, ``.remote_traceback``."""
+
+    def __init__(self, message, rank, exitcode=None, exc_type=None, remote_traceback=""):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+class LaunchTimeout(TimeoutError):
+    """Ranks did not finish within ``timeout``. ``.stuck`` maps rank -> what it was doing."""
+
+    def __init__(self, message, stuck):
+        super().__init__(message)
+        self.stuck = stuck
+
+
+class LaunchResult(list):
+    """The per-rank return values, in rank order, plus ``.spans`` and ``.elapsed``."""
+
+    spans: list
+    elapsed: float
+
+    def spans_of(self, rank):
+        return [s for s in self.spans if s.rank == rank]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def cpu_count() -> int:
+    """Cores this process may use (respects affinity masks and containers)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads(world_size: int) -> int:
+    return max(1, cpu_count() // world_size)
+
+
+def loopback_interface() -> str:
+    """Name of the loopback interface: 'lo' on Linux, 'lo0' on macOS/BSD."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        names = []
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def to_cpu(obj):
+    """Move every tensor inside lists/tuples/dicts to the CPU (detached)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(to_cpu(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+_CONTEXTS: dict = {}
+_STARTING = threading.local()
+
+
+def _install_no_main_reimport():
+    """Ranks get fn by value, so they never need to re-import the caller's __main__.
+
+    multiprocessing's spawn/forkserver children normally re-run the main script
+    (hence the ``if __name__ == "__main__"`` idiom); a launch from an unguarded
+    script or ``python -m`` module would then recurse. While *we* start ranks,
+    drop the main-module entries from the preparation data.
+    """
+    import multiprocessing.spawn as mp_spawn
+
+    if getattr(mp_spawn.get_preparation_data, "_course_lib", False):
+        return
+    original = mp_spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        if getattr(_STARTING, "active", False):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+    get_preparation_data._course_lib = True
+    mp_spawn.get_preparation_data = get_preparation_data
+
+
+def _context(start_method):
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if start_method == "fork":
+        raise ValueError(
+            "start_method='fork' is unsafe once torch has run an op in this process "
+            "(forked ranks hang in OpenMP); use 'forkserver' (default) or 'spawn'")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    _install_no_main_reimport()
+    if start_method not in _CONTEXTS:
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            # Import torch once in the server; every rank is then a cheap fork of it.
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "course_lib.launch"])
+        _CONTEXTS[start_method] = ctx
+    return _CONTEXTS[start_method]
+
+
+def _validate(fn, world_size, backend, timeout):
+    if not callable(fn):
+        raise TypeError(f"launch needs a callable fn, got {type(fn).__name__}: {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend == "nccl":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < world_size:
+            raise RuntimeError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size} but this machine "
+                f"has {n} CUDA device(s). Use backend='gloo' (it also handles CUDA tensors) "
+                f"or fewer ranks.")
+
+
+# ----------------------------------------------------------------------------- the rank side
+
+def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, ifname):
+    """Entry point of one rank process."""
+    out_fd = os.open(os.path.join(workdir, f"out{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    err_fd = os.open(os.path.join(workdir, f"err{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
+    stack_file = open(os.path.join(workdir, f"stack{rank}"), "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    _start_watchdog(timeout)
+
+    def report(kind, data):
+        path = os.path.join(workdir, f"{kind}{rank}")
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)  # atomic: the parent never reads half a file
+
+    try:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        os.environ["NCCL_SOCKET_IFNAME"] = ifname
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        fn, args, kwargs = cloudpickle.loads(payload)
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        init = dict(backend=backend, store=store, rank=rank, world_size=world_size,
+                    timeout=datetime.timedelta(seconds=timeout + 30))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            init["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(**init)
+        dist.barrier()  # every rank leaves this together: the shared zero of the trace clock
+        rec = _trace.install(_trace.Recorder(rank, status_path=os.path.join(workdir, f"status{rank}")))
+        result = to_cpu(fn(*args, **kwargs))
+        try:
+            data = cloudpickle.dumps((result, rec.spans))
+        except Exception as exc:
+            raise TypeError(f"the value returned by rank {rank} cannot be pickled "
+                            f"({type(result).__name__}): {exc}") from exc
+        report("returned", b"")
+        dist.barrier()  # nobody tears down the group while a peer may still receive from it
+        report("result", data)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        sys.stdout.flush()
+        sys.stderr.flush()
+        report("error", pickle.dumps({
+            "time": time.time(),
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        }))
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: fast, and cannot hang in a destructor
+
+
+def _start_watchdog(timeout):
+    """Kill this rank if its launcher disappears or the run overstays by far."""
+    parent = os.getppid()
+    hard_deadline = time.monotonic() + timeout + 60
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent or time.monotonic() > hard_deadline:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="course_lib-watchdog").start()
+
+
+# ----------------------------------------------------------------------------- the caller side
+
+def launch(fn, world_size, *args, backend="gloo", timeout=60.0, threads=None,
+           start_method=None, quiet=False, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
+
+    backend: 'gloo' (CPU, or CUDA tensors) or 'nccl' (one GPU per rank).
+    timeout: seconds for the whole run; past it every rank is stopped and
+        :class:`LaunchTimeout` says where each unfinished rank was.
+    threads: intra-op threads per rank (default ``max(1, cores // world_size)``).
+    start_method: 'forkserver' (default where available) or 'spawn'.
+    quiet: do not print the ranks' output.
+
+    Returns a :class:`LaunchResult` (a list) with ``.spans`` (every rank's
+    :class:`~course_lib.trace.Span`, on one clock) and ``.elapsed`` (seconds).
+    """
+    if under_torchrun():
+        return _launch_here(fn, world_size, args, kwargs, backend, timeout)
+    _validate(fn, world_size, backend, timeout)
+    threads = default_threads(world_size) if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"launch cannot send fn or its arguments to the ranks (they must be "
+                        f"picklable): {type(exc).__name__}: {exc}") from exc
+    ctx = _context(start_method)
+    workdir = tempfile.mkdtemp(prefix="course_lib_launch_")
+    procs = []
+    started = time.perf_counter()
+    try:
+        _STARTING.active = True
+        try:
+            for rank in range(world_size):
+                p = ctx.Process(target=_rank_main, name=f"course_lib-rank{rank}",
+                                args=(rank, world_size, backend, workdir, payload, threads, timeout,
+                                      loopback_interface()))
+                p.start()
+                procs.append(p)
+        finally:
+            _STARTING.active = False
+        failure = _wait(procs, workdir, started + timeout)
+        _kill(procs)
+        if not quiet:
+            _print_outputs(workdir, world_size)
+        if failure is not None:
+            raise failure
+        results, spans = LaunchResult(), []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"result{rank}"), "rb") as f:
+                value, rank_spans = cloudpickle.loads(f.read())
+            results.append(value)
+            spans.extend(rank_spans)
+        results.spans = spans
+        results.elapsed = time.perf_counter() - started
+        return results
+    finally:
+        _kill(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait(procs, workdir, deadline):
+    """Wait for all ranks; return None on success, or the exception to raise."""
+    pending = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while pending:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return _timeout_error(procs, sorted(pending.values()), workdir)
+        for sentinel in mp.connection.wait(list(pending), timeout=min(remaining, 1.0)):
+            rank = pending.pop(sentinel)
+            procs[rank].join()
+            if procs[rank].exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}")):
+                time.sleep(0.05)  # let peers that fail because of this rank report too
+                return _first_failure(procs, workdir, first_seen=rank)
+    return None
+
+
+def _describe_exit(code):
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
+def _first_failure(procs, workdir, first_seen):
+    """Pick the root cause among failed ranks: a silent death, else the earliest exception."""
+    errors, deaths = {}, []
+    for rank, p in enumerate(procs):
+        path = os.path.join(workdir, f"error{rank}")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                errors[rank] = pickle.load(f)
+        elif p.exitcode is not None and (p.exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}"))):
+            deaths.append(rank)
+    if deaths:
+        rank = first_seen if first_seen in deaths else deaths[0]
+        code = procs[rank].exitcode
+        hint = " without returning (did fn call sys.exit or os._exit?)" if code == 0 else ""
+        msg = f"rank {rank} {_describe_exit(code)}{hint}"
+        others = [r for r in errors]
+        if others:
+            msg += f"; ranks {others} then failed because it was gone"
+        return RankError(msg, rank, exitcode=code)
+    rank = min(errors, key=lambda r: errors[r]["time"])
+    e = errors[rank]
+    msg = f"rank {rank} raised {e['type']}: {e['message']}\n\n--- traceback of rank {rank} ---\n{e['traceback']}"
+    return RankError(msg, rank, exitcode=procs[rank].exitcode, exc_type=e["type"],
+                     remote_traceback=e["traceback"])
+
+
+def _timeout_error(procs, pending, workdir):
+    returned = [r for r in pending if os.path.exists(os.path.join(workdir, f"returned{r}"))]
+    stuck_ranks = [r for r in pending if r not in returned]
+    for rank in stuck_ranks:  # ask each stuck rank for its Python stack (faulthandler)
+        if procs[rank].is_alive() and hasattr(signal, "SIGUSR1"):
+            try:
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.3)
+    stuck = {}
+    for rank in stuck_ranks:
+        status = _read(os.path.join(workdir, f"status{rank}"), binary=True).rstrip(b"\0").decode("utf-8", "replace")
+        where = describe_stack(_read(os.path.join(workdir, f"stack{rank}")))
+        parts = []
+        if status:
+            parts.append(f"in span '{status}'")
+        if where:
+            parts.append(where)
+        stuck[rank] = "; ".join(parts) or "no trace available"
+    lines = "\n".join(f"  rank {r}: {what}" for r, what in stuck.items())
+    done = [r for r in range(len(procs)) if r not in stuck]
+    msg = (f"ranks {stuck_ranks} did not finish within the timeout"
+           + (f" (ranks {done} returned from fn and waited for them)" if done else "") + f":\n{lines}\n"
+           "A collective or recv that never gets its partner waits forever: check that every rank "
+           "calls the same collectives in the same order, and that each send has a matching recv.")
+    return LaunchTimeout(msg, stuck)
+
+
+def describe_stack(dump: str) -> str:
+    """From a faulthandler dump, name the torch.distributed call a rank waits in and its caller."""
+    if not dump.strip():
+        return ""
+    threads = dump.split("\n\n")
+    main = next((t for t in threads if "_rank_main" in t), threads[0])
+    frames = []  # most recent first: (file, line, function)
+    for line in main.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            try:
+                file_part, rest = line[len("File "):].rsplit(", line ", 1)
+                lineno, func = rest.split(" in ", 1)
+                frames.append((file_part.strip('"'), lineno, func.strip()))
+            except ValueError:
+                continue
+
+    def is_torch(f):
+        return f"{os.sep}torch{os.sep}" in f[0]
+
+    def is_launcher(f):
+        return (f[0].endswith(os.path.join("course_lib", "launch.py"))
+                or f"{os.sep}multiprocessing{os.sep}" in f[0])
+
+    caller_idx = next((i for i, f in enumerate(frames) if not is_torch(f) and not is_launcher(f)), None)
+    if caller_idx is None:
+        return ""
+    caller = frames[caller_idx]
+    op = next((f for f in reversed(frames[:caller_idx]) if f[2] != "wrapper" and "c10d_logger" not in f[0]), None)
+    where = f"{caller[2]} ({os.path.basename(caller[0])}:{caller[1]})"
+    if op is not None:
+        return f"waiting in torch.distributed.{op[2]}, called from {where}"
+    return f"waiting at {where}"
+
+
+def _read(path, binary=False):
+    try:
+        with open(path, "rb" if binary else "r", **({} if binary else {"errors": "replace"})) as f:
+            return f.read()
+    except OSError:
+        return b"" if binary else ""
+
+
+def _kill(procs):
+    for p in procs:
+        try:
+            if p.is_alive():
+                p.kill()
+        except ValueError:  # already closed by an earlier call
+            continue
+    for p in procs:
+        try:
+            p.join(5)
+            p.close()
+        except ValueError:
+            pass
+
+
+def _print_outputs(workdir, world_size):
+    for stream, name in ((sys.stdout, "out"), (sys.stderr, "err")):
+        for rank in range(world_size):
+            text = _read(os.path.join(workdir, f"{name}{rank}"))
+            for line in text.splitlines():
+                print(f"[rank {rank}] {line}", file=stream)
+        stream.flush()
+
+
+# ----------------------------------------------------------------------------- under torchrun
+
+def _launch_here(fn, world_size, args, kwargs, backend, timeout):
+    """torchrun started this process as one rank: run fn here, return all ranks' results."""
+    import torch
+    import torch.distributed as dist
+
+    env_world = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and world_size != env_world:
+        raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}: "
+                         f"pass world_size=None or match --nproc_per_node * --nnodes")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+    if not dist.is_initialized():
+        init = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError("backend='nccl' under torchrun but this process sees no CUDA device")
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local)
+            init["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(**init)
+    rank = dist.get_rank()
+    dist.barrier()
+    rec = _trace.install(_trace.Recorder(rank))
+    started = time.perf_counter()
+    value = to_cpu(fn(*args, **kwargs))
+    gathered = [None] * env_world
+    dist.all_gather_object(gathered, (value, rec.spans))
+    results = LaunchResult(v for v, _ in gathered)
+    results.spans = [s for _, spans in gathered for s in spans]
+    results.elapsed = time.perf_counter() - started
+    return results
