@@ -277,7 +277,7 @@ def _start_watchdog(timeout):
 
 # ----------------------------------------------------------------------------- the caller side
 
-def launch(fn, world_size, *args, backend="gloo", timeout=60.0, threads=None,
+def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
            start_method=None, quiet=False, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 

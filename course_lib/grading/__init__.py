@@ -1,0 +1,172 @@
+"""Graders for the exercises: run a learner's function on several cases and world
+sizes, compare with a reference, print ONE stable line.
+
+    ring_all_reduce: 6/6 cases passed
+    ring_all_reduce: FAILED case 3/6 (world_size=3, numel=7, dtype=float32): rank 1 got ... expected ...
+
+Never a raw rank traceback, never a hang: an exception inside a rank becomes a
+one-line hint naming the rank, a deadlock becomes a hint naming the stuck ranks
+and the call they wait in. Chapter-specific checks live in the modules of this
+package (``grading.collectives``, ...) and are built from :func:`check` and
+:func:`check_distributed`.
+
+In an exercise notebook the check cell carries ``# NBVAL_CHECK_OUTPUT`` and its
+pass line is stored as output, so ``pytest --nbval-lax`` grades the notebook.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from course_lib.launch import LaunchTimeout, RankError, launch
+
+
+@dataclass
+class Case:
+    """One graded case. ``params`` go to the harness; ``label`` is shown in hints."""
+
+    params: dict = field(default_factory=dict)
+    world_size: int = 1
+    label: str = ""
+
+    def describe(self) -> str:
+        parts = [f"world_size={self.world_size}"] if self.world_size > 1 or "world_size" not in self.label else []
+        if self.label:
+            parts.append(self.label)
+        return ", ".join(parts)
+
+
+class Mismatch(AssertionError):
+    """Raised by a harness (or returned as a string) when the learner's answer is wrong."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _explain_rank_error(err: RankError) -> str:
+    if err.exc_type == "NotImplementedError":
+        return f"rank {err.rank}: not implemented yet (NotImplementedError)"
+    if err.exc_type in ("Mismatch", "AssertionError"):
+        return _one_line(str(err).split("\n\n--- traceback")[0].split(": ", 1)[-1])
+    if err.exc_type is None:
+        return _one_line(str(err))
+    last = [ln for ln in err.remote_traceback.strip().splitlines() if ln.strip()]
+    where = ""
+    for ln in reversed(last):  # the learner's innermost frame, if any
+        ln = ln.strip()
+        if ln.startswith("File ") and "course_lib" not in ln and "torch" not in ln:
+            where = " at " + ln[len("File "):]
+            break
+    head = str(err).split("\n\n--- traceback")[0]
+    return _one_line(f"{head}{where}")
+
+
+def _explain(exc: BaseException) -> str:
+    if isinstance(exc, RankError):
+        return _explain_rank_error(exc)
+    if isinstance(exc, LaunchTimeout):
+        stuck = "; ".join(f"rank {r} {what}" for r, what in exc.stuck.items())
+        return _one_line(f"deadlock or hang (timed out): {stuck}", 400)
+    if isinstance(exc, NotImplementedError):
+        return "not implemented yet (NotImplementedError)"
+    if isinstance(exc, Mismatch):
+        return _one_line(str(exc))
+    return _one_line(f"{type(exc).__name__}: {exc}")
+
+
+def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
+    """Run ``run_case(case)`` for each case; a case passes if it returns None/True.
+
+    ``run_case`` may return a mismatch string, return False, or raise. Prints one
+    line: all passed, or the first failing case with a hint. Returns True iff all passed.
+    """
+    cases = list(cases)
+    for i, case in enumerate(cases, 1):
+        try:
+            outcome = run_case(case)
+        except BaseException as exc:  # noqa: BLE001 - a learner's error becomes a hint
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            outcome = _explain(exc)
+        if outcome is None or outcome is True:
+            continue
+        detail = "wrong answer" if outcome is False else outcome
+        where = case.describe()
+        print(f"{name}: FAILED case {i}/{len(cases)}" + (f" ({where})" if where else "") + f": {detail}")
+        return False
+    print(f"{name}: {len(cases)}/{len(cases)} cases passed")
+    return True
+
+
+def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0) -> bool:
+    """Run ``harness(**case.params)`` on ``case.world_size`` ranks for every case.
+
+    On each rank the harness returns None when the rank's answer is right, or a
+    mismatch string (it may also raise :class:`Mismatch`). Learner code runs
+    inside the harness, so its exceptions and deadlocks become hints.
+    """
+
+    def run_case(case: Case):
+        results = launch(harness, case.world_size, timeout=timeout, quiet=True, **case.params)
+        for rank, outcome in enumerate(results):
+            if outcome is not None and outcome is not True:
+                return f"rank {rank}: {outcome}"
+        return None
+
+    return check(name, cases, run_case)
+
+
+def compare(got, expected, rtol: float = 1e-5, atol: float = 1e-6, what: str = "") -> str | None:
+    """None if ``got`` matches ``expected`` (tensors, numbers or sequences), else a short message."""
+    import torch
+
+    prefix = f"{what}: " if what else ""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{prefix}expected a tensor, got {type(got).__name__}"
+        if tuple(got.shape) != tuple(expected.shape):
+            return f"{prefix}shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        if got.dtype != expected.dtype:
+            return f"{prefix}dtype {got.dtype}, expected {expected.dtype}"
+        if expected.is_floating_point():
+            ok = torch.allclose(got.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=False)
+        else:
+            ok = torch.equal(got, expected)
+        if ok:
+            return None
+        diff = (got.double() - expected.double()).abs()
+        idx = int(diff.flatten().argmax())
+        return (f"{prefix}got {_short(got)} expected {_short(expected)} "
+                f"(largest difference {float(diff.flatten()[idx]):.3g} at flat index {idx})")
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return f"{prefix}expected a number, got {type(got).__name__}"
+        if math.isclose(float(got), float(expected), rel_tol=rtol, abs_tol=atol):
+            return None
+        return f"{prefix}got {got!r} expected {expected!r}"
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            return f"{prefix}expected a sequence of length {len(expected)}, got {_short(got)}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            msg = compare(g, e, rtol, atol, what=f"{what}[{i}]" if what else f"[{i}]")
+            if msg:
+                return msg
+        return None
+    return None if got == expected else f"{prefix}got {got!r} expected {expected!r}"
+
+
+def _short(x, n: int = 6) -> str:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().flatten()
+        vals = ", ".join(f"{v:.4g}" if x.is_floating_point() else str(int(v)) for v in flat[:n].tolist())
+        more = ", ..." if flat.numel() > n else ""
+        return f"[{vals}{more}]"
+    return _one_line(repr(x), 80)
+
+
+__all__ = ["Case", "Mismatch", "check", "check_distributed", "compare"]
