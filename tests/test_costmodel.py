@@ -1,0 +1,93 @@
+"""course_lib.costmodel: formulas, volumes, bandwidths, the alpha-beta fit, crossovers."""
+import math
+
+import pytest
+
+from course_lib import costmodel as cm
+
+A, B = 20e-6, 1e-9  # 20 us per message, 1 GB/s
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 5, 8])
+def test_ring_all_reduce_is_reduce_scatter_plus_all_gather(N):
+    n = 3 << 20
+    assert cm.ring_all_reduce(n, N, A, B) == pytest.approx(
+        cm.ring_reduce_scatter(n, N, A, B) + cm.ring_all_gather(n, N, A, B))
+    assert cm.ring_all_reduce(n, N, A, B) == pytest.approx(2 * (N - 1) * A + 2 * (N - 1) / N * n * B)
+
+
+def test_world_size_one_costs_nothing():
+    for name, f in cm.COSTS.items():
+        if name != "point_to_point":
+            assert f(1 << 20, 1, A, B) == 0, name
+
+
+def test_serialized_ring_costs_about_n_times_the_ring_in_bandwidth():
+    n, N = 64 << 20, 8
+    ratio = cm.serialized_ring_all_reduce(n, N, 0, B) / cm.ring_all_reduce(n, N, 0, B)
+    assert ratio == pytest.approx(N)
+
+
+def test_tree_and_recursive_doubling_rounds():
+    assert cm.coefficients("tree_broadcast", 1, 8) == (3, 3)
+    assert cm.coefficients("tree_broadcast", 1, 5) == (3, 3)
+    assert cm.coefficients("recursive_doubling_all_reduce", 1, 8) == (3, 3)
+    assert cm.coefficients("recursive_doubling_all_reduce", 1, 6) == (4, 4)  # 2 + 2 extra rounds
+
+
+def test_volumes_are_the_standard_ones():
+    n, N = 1000, 4
+    assert cm.volume_per_rank("all_reduce", n, N) == pytest.approx(1500)
+    assert cm.volume_per_rank("all_gather", n, N) == pytest.approx(750)   # not (N-1) * n
+    assert cm.volume_per_rank("reduce_scatter", n, N) == pytest.approx(750)
+    assert cm.volume_per_rank("broadcast", n, N) == n
+    with pytest.raises(ValueError, match="unknown collective"):
+        cm.volume_per_rank("allreduce", n, N)
+
+
+def test_algbw_busbw():
+    assert cm.algbw(1e9, 2.0) == 5e8
+    assert cm.busbw("all_reduce", 1e9, 2.0, 4) == pytest.approx(5e8 * 1.5)
+
+
+def test_fit_recovers_alpha_beta_from_exact_and_noisy_data():
+    ms = [cm.Measurement(algo, n, N, cm.cost(algo, n, N, A, B))
+          for algo in ("ring_all_reduce", "ring_all_gather", "tree_broadcast")
+          for n in (4 << 10, 256 << 10, 16 << 20) for N in (2, 3, 4, 8)]
+    fit = cm.fit_alpha_beta(ms)
+    assert fit.alpha == pytest.approx(A, rel=1e-6) and fit.beta == pytest.approx(B, rel=1e-6)
+    assert fit.max_abs_rel_error < 1e-9 and fit.bandwidth == pytest.approx(1 / B)
+    noisy = [m._replace(seconds=m.seconds * (1.1 if i % 2 else 0.9)) for i, m in enumerate(ms)]
+    fit = cm.fit_alpha_beta(noisy)
+    assert fit.alpha == pytest.approx(A, rel=0.2) and fit.beta == pytest.approx(B, rel=0.2)
+    assert fit.max_abs_rel_error < 0.25
+    # dicts and plain tuples work too; prediction goes through the same formula
+    fit2 = cm.fit_alpha_beta([m._asdict() for m in ms[:5]] + [tuple(m) for m in ms[5:]])
+    assert fit2.predict("ring_all_reduce", 1 << 20, 4) == pytest.approx(cm.ring_all_reduce(1 << 20, 4, A, B))
+    assert "alpha" in str(fit2)
+
+
+def test_fit_keeps_alpha_and_beta_nonnegative():
+    # pure bandwidth data with noise that would push alpha below 0 in plain least squares
+    ms = [("ring_all_reduce", n, 4, 1.5 * n * B * (0.8 if n < 1e5 else 1.0)) for n in (1e4, 1e5, 1e6, 1e7)]
+    fit = cm.fit_alpha_beta(ms)
+    assert fit.alpha >= 0 and fit.beta > 0
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least 2"):
+        cm.fit_alpha_beta([("ring_all_reduce", 1, 2, 1.0)])
+    with pytest.raises(ValueError, match="seconds > 0"):
+        cm.fit_alpha_beta([("ring_all_reduce", 1, 2, 1.0), ("ring_all_reduce", 1, 2, 0.0)])
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        cm.fit_alpha_beta([("ringg", 1, 2, 1.0), ("ring_all_reduce", 1, 2, 1.0)])
+
+
+def test_crossover_tree_vs_ring():
+    N = 4
+    n = cm.crossover_bytes("recursive_doubling_all_reduce", "ring_all_reduce", N, A, B)
+    assert n == pytest.approx(8 * A / B)  # 2a + 2nb = 6a + 1.5nb
+    assert cm.recursive_doubling_all_reduce(n / 2, N, A, B) < cm.ring_all_reduce(n / 2, N, A, B)
+    assert cm.recursive_doubling_all_reduce(n * 2, N, A, B) > cm.ring_all_reduce(n * 2, N, A, B)
+    assert cm.crossover_bytes("ring_all_reduce", "ring_all_reduce", N, A, B) is None
+    assert math.isfinite(cm.crossover_bytes("tree_all_reduce", "ring_all_reduce", 8, A, B))
