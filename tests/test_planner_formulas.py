@@ -1,0 +1,134 @@
+"""course_lib/planner/formulas.py: each formula against a count, a paper or a derivation."""
+import dataclasses
+import importlib
+import inspect
+import math
+
+import pytest
+
+from course_lib.planner import formulas as F
+
+
+LLAMA3_8B = dict(n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256)
+
+
+def test_param_count_llama3_published_sizes():
+    assert F.param_count(**LLAMA3_8B) == 8_030_261_248          # Meta's model card: 8.03B
+    assert F.param_count(n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8, ffn=28672,
+                         vocab=128256) == 70_553_706_496       # 70.6B
+    assert F.param_count(n_layers=126, hidden=16384, n_heads=128, n_kv_heads=8, ffn=53248,
+                         vocab=128256) == 405_853_388_800      # 405.9B
+
+
+def test_param_count_matches_torch_modules():
+    """Build the layer out of torch modules and count what torch counts."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    for mlp, bias, norm, tied, kv in [("swiglu", False, "rmsnorm", False, 2), ("gelu", True, "layernorm", True, 4)]:
+        L, h, a, f, V, pos = 3, 32, 4, 48, 101, 16
+        hd = h // a
+
+        def norm_mod():
+            return nn.LayerNorm(h, bias=True) if norm == "layernorm" else nn.RMSNorm(h)
+        layers = []
+        for _ in range(L):
+            layers += [norm_mod(), nn.Linear(h, h, bias=bias), nn.Linear(h, kv * hd, bias=bias),
+                       nn.Linear(h, kv * hd, bias=bias), nn.Linear(h, h, bias=bias), norm_mod()]
+            mats = 3 if mlp == "swiglu" else 2
+            layers += [nn.Linear(h, f, bias=bias) for _ in range(mats - 1)] + [nn.Linear(f, h, bias=bias)]
+        emb = nn.Embedding(V, h)
+        head = nn.Linear(h, V, bias=False)
+        if tied:
+            head.weight = emb.weight
+        model = nn.ModuleList(layers + [emb, nn.Embedding(pos, h), norm_mod(), head])
+        counted = sum(p.numel() for p in model.parameters())
+        assert F.param_count(n_layers=L, hidden=h, n_heads=a, n_kv_heads=kv, ffn=f, vocab=V, mlp=mlp,
+                             bias=bias, norm=norm, tied=tied, learned_pos=pos) == counted
+
+
+def _course_tiny_gpt():
+    """course_lib.models' tiny GPT and its config, found by shape (the module is another
+    chapter's; this test adapts to its names)."""
+    try:
+        models = importlib.import_module("course_lib.models")
+    except ImportError:
+        return None
+    torch = importlib.import_module("torch")
+    cfgs = [obj for _, obj in inspect.getmembers(models, inspect.isclass)
+            if dataclasses.is_dataclass(obj) and obj.__module__ == models.__name__
+            and any(f.name in F._ALIASES["n_layers"] for f in dataclasses.fields(obj))]
+    for cfg_cls in cfgs:
+        try:
+            cfg = cfg_cls()
+        except TypeError:
+            continue
+        for _, cls in inspect.getmembers(models, inspect.isclass):
+            if not issubclass(cls, torch.nn.Module) or cls.__module__ != models.__name__:
+                continue
+            try:
+                model = cls(cfg)
+            except Exception:  # noqa: BLE001 - not the model that takes this config
+                continue
+            if any(isinstance(m, torch.nn.Embedding) for m in model.modules()):
+                return cfg, model
+    return None
+
+
+def test_param_count_matches_course_tiny_gpt():
+    found = _course_tiny_gpt()
+    if found is None:
+        pytest.skip("course_lib.models has no tiny GPT yet")
+    cfg, model = found
+    counted = sum(p.numel() for p in model.parameters())  # tied weights count once
+    assert F.param_count(cfg) == counted
+
+
+def test_flops_per_token_is_narayanan_for_gpt3_shapes():
+    L, h, s, V = 96, 12288, 2048, 51200
+    cfg = dict(n_layers=L, hidden=h, n_heads=96, vocab=V, mlp="gelu")
+    narayanan = 72 * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L)) / s
+    assert math.isclose(F.flops_per_token(cfg, s), narayanan, rel_tol=1e-12)
+    full = 96 * s * L * h * h * (1 + s / (6 * h) + V / (16 * h * L)) / s
+    assert math.isclose(F.flops_per_token(cfg, s, "full"), full, rel_tol=1e-12)
+    sel = F.flops_per_token(cfg, s, "selective")
+    assert narayanan < sel < full
+    # 6 N D over the matmul weights, plus attention's 12 L s h, is the same count
+    parts = F.param_breakdown(cfg)
+    n_mm = parts["attention"] + parts["mlp"] + parts["lm_head"]
+    assert math.isclose(F.training_flops(n_mm, 1) + 12 * L * s * h, narayanan, rel_tol=1e-12)
+
+
+def test_activation_formulas_korthikanti():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    assert F.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert F.activation_bytes_per_layer(s, b, h, a, t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert F.activation_bytes_per_layer(s, b, h, a, t, sp=True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert F.activation_bytes_per_layer(s, b, h, a, t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert F.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * sbh
+    with pytest.raises(ValueError, match="recompute"):
+        F.activation_bytes_per_layer(s, b, h, a, recompute="some")
+
+
+@pytest.mark.parametrize("dp,expected", [
+    (1, (120, 120, 120)), (4, (52.5, 41.3, 30)), (16, (35.6, 21.6, 7.5)), (64, (31.4, 16.6, 1.88)),
+    (256, (30.4, 15.4, 0.47)), (1024, (30.1, 15.1, 0.12))])
+def test_zero_table1(dp, expected):
+    """ZeRO paper Table 1 (7.5B, K=12), within 1% or the table's printed rounding."""
+    for stage, paper in zip((1, 2, 3), expected):
+        ours = F.zero_memory_bytes(7.5e9, stage, dp)["total"] / 1e9
+        assert abs(ours - paper) <= max(0.01 * paper, 0.005 + 1e-9), (dp, stage, ours, paper)
+    assert F.zero_memory_bytes(7.5e9, 0, dp)["total"] == 120e9
+
+
+def test_bubble_and_collectives():
+    assert F.bubble_fraction(4, 16, "1f1b") == pytest.approx(3 / 19)
+    assert F.bubble_fraction(4, 16, "gpipe") == F.bubble_fraction(4, 16, "1f1b")
+    assert F.bubble_fraction(4, 16, "interleaved", v=2) == pytest.approx(3 / 35)
+    assert F.bubble_fraction(1, 5) == 0
+    assert F.collective_bytes_per_rank("all_gather", 100.0, 4) == 75.0      # (N-1)/N n, not (N-1) n
+    assert F.collective_bytes_per_rank("all_reduce", 100.0, 4) == 150.0
+    assert F.collective_time("all_reduce", 1e6, 4, alpha=1e-5, bandwidth=1e9) == pytest.approx(6e-5 + 1.5e-3)
+    assert F.collective_time("all_reduce", 1e6, 1, alpha=1e-5, bandwidth=1e9) == 0.0
+    with pytest.raises(ValueError, match="schedule"):
+        F.bubble_fraction(4, 8, "zigzag")
