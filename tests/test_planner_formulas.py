@@ -1,7 +1,4 @@
 """course_lib/planner/formulas.py: each formula against a count, a paper or a derivation."""
-import dataclasses
-import importlib
-import inspect
 import math
 
 import pytest
@@ -46,40 +43,14 @@ def test_param_count_matches_torch_modules():
                              bias=bias, norm=norm, tied=tied, learned_pos=pos) == counted
 
 
-def _course_tiny_gpt():
-    """course_lib.models' tiny GPT and its config, found by shape (the module is another
-    chapter's; this test adapts to its names)."""
-    try:
-        models = importlib.import_module("course_lib.models")
-    except ImportError:
-        return None
-    torch = importlib.import_module("torch")
-    cfgs = [obj for _, obj in inspect.getmembers(models, inspect.isclass)
-            if dataclasses.is_dataclass(obj) and obj.__module__ == models.__name__
-            and any(f.name in F._ALIASES["n_layers"] for f in dataclasses.fields(obj))]
-    for cfg_cls in cfgs:
-        try:
-            cfg = cfg_cls()
-        except TypeError:
-            continue
-        for _, cls in inspect.getmembers(models, inspect.isclass):
-            if not issubclass(cls, torch.nn.Module) or cls.__module__ != models.__name__:
-                continue
-            try:
-                model = cls(cfg)
-            except Exception:  # noqa: BLE001 - not the model that takes this config
-                continue
-            if any(isinstance(m, torch.nn.Embedding) for m in model.modules()):
-                return cfg, model
-    return None
-
-
-def test_param_count_matches_course_tiny_gpt():
-    found = _course_tiny_gpt()
-    if found is None:
-        pytest.skip("course_lib.models has no tiny GPT yet")
-    cfg, model = found
-    counted = sum(p.numel() for p in model.parameters())  # tied weights count once
+@pytest.mark.parametrize("variant", [{}, {"n_kv_heads": 2}, {"block": "gpt2"},
+                                     {"block": "gpt2", "tie_embeddings": True}, {"tie_embeddings": True}])
+def test_param_count_matches_course_tiny_gpt(variant):
+    """Instantiate course_lib.models' tiny GPT and count its parameters."""
+    models = pytest.importorskip("course_lib.models")
+    cfg = models.GPTConfig(**variant)
+    model = models.TinyGPT(cfg)
+    counted = sum(p.numel() for p in model.parameters())  # a tied weight counts once
     assert F.param_count(cfg) == counted
 
 

@@ -39,26 +39,34 @@ def model_dims(cfg=None, **override) -> dict:
     """Read a model config (any object with attributes, a dict, or keywords) into plain ints.
 
     Missing optional fields take Llama defaults: n_kv_heads = n_heads (no GQA),
-    ffn = 4h for GeLU, SwiGLU, RMSNorm, no biases, untied head, rotary positions.
+    ffn = 4h, SwiGLU, RMSNorm, no biases, untied head, rotary positions; a config
+    with ``block="gpt2"`` (course_lib.models.GPTConfig) defaults to GPT-2's GeLU MLP,
+    biases, LayerNorm and learned positions (``seq_len`` of them).
     """
     src = dict(cfg) if isinstance(cfg, dict) else {}
+
+    def lookup(name):
+        if name in override:
+            return override[name]
+        if name in src:
+            return src[name]
+        return getattr(cfg, name, None) if cfg is not None and not isinstance(cfg, dict) else None
+
+    defaults = dict(_DEFAULTS)
+    if str(lookup("block") or "").lower() in ("gpt2", "gpt"):
+        # course_lib.models' GPT-2 block: GeLU MLP, biases, LayerNorm, learned positions
+        defaults.update(mlp="gelu", bias=True, norm="layernorm", learned_pos=lookup("seq_len") or 0)
     out = {}
     for key, names in _ALIASES.items():
         val = None
         for n in names:
-            if n in override:
-                val = override[n]
-                break
-            if n in src:
-                val = src[n]
-                break
-            if cfg is not None and not isinstance(cfg, dict) and hasattr(cfg, n):
-                val = getattr(cfg, n)
+            val = lookup(n)
+            if val is not None:
                 break
         if val is None:
-            if key not in _DEFAULTS:
+            if key not in defaults:
                 raise ValueError(f"model config needs {key!r} (any of {names})")
-            val = _DEFAULTS[key]
+            val = defaults[key]
         out[key] = val
     if out["n_kv_heads"] is None:
         out["n_kv_heads"] = out["n_heads"]
