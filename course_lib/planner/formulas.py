@@ -11,6 +11,8 @@ N (or G) ranks in a collective.
 """
 from __future__ import annotations
 
+from course_lib import costmodel
+
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -137,38 +139,57 @@ def training_flops(n_params: float, tokens: float) -> float:
     return 6.0 * n_params * tokens
 
 
-def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **override) -> float:
-    """Exact matmul FLOPs of one training step per token (forward + backward).
+def layer_flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **override):
+    """(forward, backward) matmul FLOPs of ONE transformer layer per token.
 
-    Model FLOPs (``recompute="none"``): 6 N_mm + 12 L s h_attn, where N_mm are the
-    matmul weights (every linear layer and the LM head, which is a matmul even when
-    tied; not the embedding lookup, norms or biases) and 12 L s h_attn is attention
-    itself (QK^T and AV: 4 s h FLOPs per token per layer forward, x3 with backward;
-    the causal mask is not subtracted, as in PaLM, Chowdhery et al. 2022, App. B).
-    For GPT-3 shapes this is Narayanan et al. 2021's 72 B s L h^2 (1 + s/6h + V/12hL)
-    divided by B s.
-
-    Hardware FLOPs add what recomputation runs again: ``"selective"`` re-runs the
-    attention core forward (+4 L s h_attn), ``"full"`` re-runs every layer's forward
-    (+2 N_layers + 4 L s h_attn), i.e. 96 B s L h^2 (1 + s/6h + V/16hL) (Korthikanti
-    et al. 2022, App. A). A mixture-of-experts model counts top_k experts per token.
+    Forward: 2 per matmul weight (attention projections, MLP, router; top_k experts
+    of a mixture) plus attention itself, QK^T and AV: 4 s h_attn (the causal mask is
+    not subtracted, as in PaLM, Chowdhery et al. 2022, App. B). Backward: twice the
+    forward (a gradient for the input and one for the weight), plus what
+    recomputation re-runs first: ``"selective"`` the attention core forward
+    (+4 s h_attn, Korthikanti et al. 2022, Sec. 5), ``"full"`` the whole forward.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     d = model_dims(cfg, **override)
-    L, h = d["n_layers"], d["hidden"]
-    attn_w = L * (2 * h * h + 2 * h * d["n_kv_heads"] * (h // d["n_heads"]))
-    mlp_w = L * (d["top_k"] * (3 if d["mlp"] == "swiglu" else 2) * h * d["ffn"]
-                 + (h * d["n_experts"] if d["n_experts"] > 1 else 0))
-    layer_mm = attn_w + mlp_w
-    head_mm = d["vocab"] * h
-    attn_core = 4.0 * L * seq_len * h                       # QK^T + AV, forward, per token
-    flops = 6.0 * (layer_mm + head_mm) + 3.0 * attn_core
+    h = d["hidden"]
+    attn_w = 2 * h * h + 2 * h * d["n_kv_heads"] * (h // d["n_heads"])
+    mlp_w = d["top_k"] * (3 if d["mlp"] == "swiglu" else 2) * h * d["ffn"] + \
+        (h * d["n_experts"] if d["n_experts"] > 1 else 0)
+    core = 4.0 * seq_len * h                        # QK^T + AV forward, per token
+    forward = 2.0 * (attn_w + mlp_w) + core
+    backward = 2.0 * forward
     if recompute == "selective":
-        flops += attn_core
+        backward += core
     elif recompute == "full":
-        flops += 2.0 * layer_mm + attn_core
-    return flops
+        backward += forward
+    return forward, backward
+
+
+def head_flops_per_token(cfg=None, **override):
+    """(forward, backward) FLOPs of the LM head per token: 2 V h and 4 V h. It is a
+    matmul even when tied to the embeddings, and recomputation leaves it alone."""
+    d = model_dims(cfg, **override)
+    return 2.0 * d["vocab"] * d["hidden"], 4.0 * d["vocab"] * d["hidden"]
+
+
+def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **override) -> float:
+    """FLOPs of one training step per token (forward + backward), all layers and the head.
+
+    Model FLOPs (``recompute="none"``): 6 N_mm + 12 L s h_attn, where N_mm are the
+    matmul weights (every linear layer and the LM head; not the embedding lookup,
+    norms or biases) and 12 L s h_attn is attention itself. For GPT-3 shapes this is
+    Narayanan et al. 2021's 72 B s L h^2 (1 + s/6h + V/12hL) divided by B s.
+
+    Hardware FLOPs add what recomputation runs again (:func:`layer_flops_per_token`):
+    with ``"full"`` it is 96 B s L h^2 (1 + s/6h + V/16hL) / (B s) (Korthikanti et al.
+    2022, App. A). Korthikanti's HFU for selective recomputation counts
+    1 + s/3h, the whole attention term twice; we count the matmuls re-run (4 s h).
+    """
+    d = model_dims(cfg, **override)
+    lf, lb = layer_flops_per_token(d, seq_len, recompute)
+    hf, hb = head_flops_per_token(d)
+    return d["n_layers"] * (lf + lb) + hf + hb
 
 
 def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", cp=1) -> float:
@@ -270,14 +291,9 @@ def collective_bytes_per_rank(kind: str, n_bytes: float, N: int) -> float:
     all_reduce = reduce_scatter + all_gather: 2 (N-1)/N n (Patarasuk & Yuan 2009).
     send_recv: n. Never (N-1) n: that is a rank sending the whole tensor N-1 times.
     """
-    if N < 1:
-        raise ValueError(f"N must be >= 1, got {N}")
-    if kind == "send_recv":
-        return float(n_bytes)
-    factor = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}.get(kind)
-    if factor is None:
+    if kind not in ("send_recv", "all_gather", "reduce_scatter", "all_to_all", "all_reduce"):
         raise ValueError(f"unknown collective {kind!r}")
-    return factor * (N - 1) / N * n_bytes
+    return costmodel.volume_per_rank(kind, n_bytes, N)
 
 
 def ring_steps(kind: str, N: int) -> int:
@@ -294,12 +310,21 @@ def collective_time(kind: str, n_bytes: float, N: int, alpha: float, bandwidth: 
     """alpha-beta time of a ring collective (Hockney 1994; Thakur et al. 2005):
     steps x alpha + bytes per rank / bandwidth. All N ranks send their n/N chunk at
     the same time in every step, so a ring all-reduce costs 2(N-1) alpha +
-    2(N-1)/N n / B, not N-1 full transfers one after another."""
+    2(N-1)/N n / B, not N-1 full transfers one after another. The cost functions
+    are course_lib.costmodel's (the collectives chapter fits alpha and beta to them)."""
     if N <= 1 and kind != "send_recv":
         return 0.0
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    return ring_steps(kind, N) * alpha + collective_bytes_per_rank(kind, n_bytes, N) / bandwidth
+    algorithm = _RING_ALGORITHM.get(kind)
+    if algorithm is None:
+        raise ValueError(f"unknown collective {kind!r}")
+    return costmodel.cost(algorithm, n_bytes, N, alpha, 1.0 / bandwidth)
+
+
+_RING_ALGORITHM = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
+                   "reduce_scatter": "ring_reduce_scatter", "all_to_all": "pairwise_all_to_all",
+                   "send_recv": "point_to_point"}
 
 
 # ---- communication volume per dimension (bytes one rank sends) ---------------------------
@@ -336,20 +361,22 @@ def pp_bytes_per_microbatch(s, b, h, t=1, sp=False, dtype_bytes=2, cp=1) -> floa
 def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_bytes=2,
                       microbatches=1) -> float:
     """Data parallelism over dp ranks, for the n_params_local this rank's replica
-    holds. Stages 0-2: one all-reduce of the gradients, or (ZeRO-1/2) its two halves,
-    a reduce-scatter of gradients and an all-gather of updated parameters: 2(N-1)/N
-    of the model either way. ZeRO-3 all-gathers the parameters in forward and again
-    in backward and reduce-scatters the gradients, every micro-batch: 3 (N-1)/N
-    (Rajbhandari et al. 2020, Sec. 7)."""
+    holds. Stage 0: one all-reduce of the gradients, 2(N-1)/N of the model. ZeRO-1:
+    its two halves, a reduce-scatter of the gradients and an all-gather of the
+    updated parameters, the same bytes. ZeRO-2 keeps only its gradient shard, so it
+    reduce-scatters after every micro-batch. ZeRO-3 also all-gathers the parameters
+    in forward and again in backward, every micro-batch (Rajbhandari et al. 2020,
+    Sec. 7: 1.5x the bytes of DP with one micro-batch)."""
     P = float(n_params_local)
-    if zero_stage == 3:
-        per_mb = 2 * collective_bytes_per_rank("all_gather", P * param_bytes, dp) + \
-            collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp)
-        return microbatches * per_mb
+    rs = collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp)
+    ag = collective_bytes_per_rank("all_gather", P * param_bytes, dp)
     if zero_stage == 0:
         return collective_bytes_per_rank("all_reduce", P * grad_bytes, dp)
-    return collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp) + \
-        collective_bytes_per_rank("all_gather", P * param_bytes, dp)
+    if zero_stage == 1:
+        return rs + ag
+    if zero_stage == 2:
+        return microbatches * rs + ag
+    return microbatches * (2 * ag + rs)
 
 
 def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1) -> float:

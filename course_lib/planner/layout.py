@@ -1,0 +1,159 @@
+"""A parallel layout (DP x TP x PP x CP, EP inside DP) and the constraints it must meet.
+
+Ranks are numbered with TP innermost, then CP, then PP, then DP (the order of the
+Llama 3 paper, Dubey et al. 2024, Sec. 3.3.2): the dimension that talks most sits
+on the fastest links. A group is inside one node when its rank span fits in one
+node; otherwise its ring crosses the network and runs at the network's speed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
+from course_lib.planner.presets import Hardware, ModelSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread over dp * tp * pp * cp GPUs.
+
+    ``global_batch`` and ``micro_batch`` count sequences; each DP rank runs
+    global_batch / dp sequences as m = global_batch / (dp * micro_batch)
+    micro-batches (the pipeline's micro-batches, or gradient accumulation).
+    ``zero`` is the ZeRO stage (0-3) over the dp * cp ranks that hold the same
+    parameters. ``v`` model chunks per stage for the interleaved schedule. ``ep``
+    experts are split over ep ranks taken from the DP group.
+    ``overlap_dp``: gradient reduction overlaps the last micro-batch's backward and
+    the parameter all-gather the first forward (bucketed DDP / ZeRO).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    v: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    recompute: str = "none"
+    seq_len: int | None = None        # None: the model's training sequence length
+    overlap_dp: bool = True
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline stage (1 unless interleaved)."""
+        return self.v if self.schedule == "interleaved" else 1
+
+    def with_(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        dims = [f"DP{self.dp}" + (f"(ZeRO-{self.zero})" if self.zero else ""),
+                f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
+                f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
+                                  if self.pp > 1 else ""),
+                f"CP{self.cp}"]
+        if self.ep > 1:
+            dims.append(f"EP{self.ep}")
+        return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None = None) -> None:
+    """Raise ValueError naming the first violated constraint (nothing if the layout is valid).
+
+    These are the hard constraints, the ones that make a layout impossible to run.
+    Memory is a soft one: ``estimate`` reports a layout that does not fit instead.
+    """
+    for name in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch", "global_batch"):
+        _positive_int(f"layout.{name}", getattr(layout, name))
+    s = layout.seq_len or model.seq_len
+    _positive_int("seq_len", s)
+    if n_gpus is not None and layout.n_gpus != n_gpus:
+        raise ValueError(f"DP*TP*PP*CP must equal the GPU count: {layout.dp}*{layout.tp}*{layout.pp}*"
+                         f"{layout.cp} = {layout.n_gpus}, not {n_gpus}")
+    if layout.zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {layout.zero!r}")
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {layout.schedule!r}")
+    if layout.recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
+    if model.n_heads % layout.tp:
+        raise ValueError(f"TP must divide the attention heads: {model.n_heads} heads, TP = {layout.tp}")
+    if model.n_kv_heads % layout.tp and layout.tp % model.n_kv_heads:
+        raise ValueError(f"TP must divide the KV heads or be a multiple of them (KV heads replicated): "
+                         f"{model.n_kv_heads} KV heads, TP = {layout.tp}")
+    if model.ffn % layout.tp:
+        raise ValueError(f"TP must divide the FFN size: ffn = {model.ffn}, TP = {layout.tp}")
+    if layout.pp > model.n_layers:
+        raise ValueError(f"more pipeline stages than layers: PP = {layout.pp} > {model.n_layers} layers")
+    if layout.schedule == "interleaved":
+        if layout.pp < 2 or layout.v < 2:
+            raise ValueError(f"the interleaved schedule needs PP >= 2 and v >= 2 chunks per stage, "
+                             f"got PP = {layout.pp}, v = {layout.v}")
+        if layout.pp * layout.v > model.n_layers:
+            raise ValueError(f"more pipeline chunks than layers: PP*v = {layout.pp * layout.v} > "
+                             f"{model.n_layers} layers")
+    elif layout.v != 1:
+        raise ValueError(f"v (chunks per stage) > 1 needs schedule='interleaved', got {layout.schedule!r}")
+    if layout.global_batch % (layout.dp * layout.micro_batch):
+        raise ValueError(f"micro-batch x DP must divide the global batch: {layout.micro_batch} x {layout.dp} "
+                         f"does not divide {layout.global_batch} sequences")
+    m = layout.microbatches
+    if layout.schedule == "interleaved" and m % layout.pp:
+        raise ValueError(f"the interleaved schedule needs the micro-batches divisible by PP: "
+                         f"{m} micro-batches, PP = {layout.pp}")
+    if s % layout.cp:
+        raise ValueError(f"CP must divide the sequence length: seq_len = {s}, CP = {layout.cp}")
+    if layout.ep > 1:
+        if model.n_experts <= 1:
+            raise ValueError(f"EP > 1 needs a mixture-of-experts model; {model.name} is dense")
+        if model.n_experts % layout.ep:
+            raise ValueError(f"EP must divide the experts: {model.n_experts} experts, EP = {layout.ep}")
+        if layout.dp % layout.ep:
+            raise ValueError(f"EP is carved out of DP, so it must divide DP: DP = {layout.dp}, EP = {layout.ep}")
+
+
+def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
+    """Transformer layers on each pipeline stage (all chunks), as even as possible;
+    the extra layers go to the middle stages (the first holds the embedding, the
+    last the LM head)."""
+    chunks = layout.pp * layout.chunks
+    base, extra = divmod(model.n_layers, chunks)
+    per_chunk = [base] * chunks
+    order = sorted(range(chunks), key=lambda c: (abs(c - (chunks - 1) / 2), c))
+    for c in order[:extra]:
+        per_chunk[c] += 1
+    return [sum(per_chunk[c] for c in range(chunks) if c % layout.pp == st) for st in range(layout.pp)]
+
+
+def group_span(layout: Layout, dim: str) -> int:
+    """How many consecutive ranks one group of ``dim`` spans (order TP, CP, PP, DP; EP in DP)."""
+    t, c, p = layout.tp, layout.cp, layout.pp
+    return {"tp": t, "cp": t * c, "pp": t * c * p, "dp": layout.n_gpus,
+            "ep": t * c * p * layout.ep}[dim]
+
+
+def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:
+    """True if every ring of ``dim`` stays inside one node (NVLink)."""
+    return group_span(layout, dim) <= hw.gpus_per_node
+
+
+def math_ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf

@@ -1,0 +1,141 @@
+"""Model and hardware presets: the shapes of real models and the numbers of real GPUs.
+
+A model is a :class:`ModelSpec` (the config fields ``formulas.param_count`` reads);
+a GPU is a :class:`Hardware`, whose nominal numbers come from the vendor's data
+sheet and whose *achievable* fractions (matmul efficiency, bus-bandwidth
+efficiency, per-message latency) are named assumptions: the planner applies the
+same ones to every layout, and the notebook prints them next to every result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from course_lib.planner import formulas
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer: shapes only (no weights)."""
+
+    name: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int                 # the training sequence length
+    mlp: str = "swiglu"          # "swiglu" (3 matrices) or "gelu" (2)
+    tied: bool = False
+    bias: bool = False
+    norm: str = "rmsnorm"
+    learned_pos: int = 0         # learned position embeddings (GPT-3), 0 for rotary
+    n_experts: int = 1           # > 1: mixture of experts, every layer's MLP
+    top_k: int = 1
+
+    @property
+    def n_params(self) -> int:
+        return formulas.param_count(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    def with_(self, **changes) -> "ModelSpec":
+        return replace(self, **changes)
+
+
+def _gpt(name, L, h, a, V=51200, s=2048):
+    # GPT-3 / Megatron shapes (Brown et al. 2020; Narayanan et al. 2021; Korthikanti et al. 2022)
+    return ModelSpec(name, L, h, a, a, 4 * h, V, s, mlp="gelu", tied=True, bias=True,
+                     norm="layernorm", learned_pos=s)
+
+
+MODELS = {
+    # Brown et al. 2020, Table 2.1 (GPT-3's tokenizer has 50257 tokens): 174.6B
+    "gpt3-175b": _gpt("GPT-3 175B", 96, 12288, 96, V=50257),
+    # Llama 3 herd (Dubey et al. 2024, Table 3); trained at sequence 8192
+    "llama3-8b": ModelSpec("Llama 3 8B", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": ModelSpec("Llama 3 70B", 80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": ModelSpec("Llama 3 405B", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # the 1T GPT of Narayanan et al. 2021 / Korthikanti et al. 2022 (Table 3)
+    "gpt-1t": _gpt("GPT 1T", 128, 25600, 160),
+    # Korthikanti et al. 2022, Table 3: the models of its Table 5 (vocabulary 51200, s = 2048)
+    "megatron-22b": _gpt("GPT 22B", 48, 6144, 64),
+    "megatron-175b": _gpt("GPT 175B", 96, 12288, 96),
+    "megatron-530b": _gpt("GPT 530B", 105, 20480, 128),
+    # a mixture of experts, for expert parallelism (Jiang et al. 2024): 8 experts, top-2
+    "mixtral-8x7b": ModelSpec("Mixtral 8x7B", 32, 4096, 32, 8, 14336, 32000, 4096,
+                              n_experts=8, top_k=2),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU model in its usual 8-GPU server.
+
+    Nominal (data sheet): ``peak_flops`` dense bf16 FLOP/s, ``hbm_bytes``,
+    ``hbm_bandwidth`` B/s, ``nvlink_bandwidth`` and ``network_bandwidth`` B/s per GPU
+    per direction (NVLink inside a node, InfiniBand across nodes), ``gpus_per_node``.
+    Achievable (named assumptions, shared by every layout): ``matmul_efficiency`` the
+    fraction of peak a large bf16 GEMM sustains; ``nvlink_efficiency`` /
+    ``network_efficiency`` the bus bandwidth a ring collective reaches as a fraction
+    of nominal; ``nvlink_latency`` / ``network_latency`` alpha, seconds per ring step.
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bandwidth: float
+    nvlink_bandwidth: float
+    network_bandwidth: float
+    gpus_per_node: int = 8
+    matmul_efficiency: float = 0.70
+    nvlink_efficiency: float = 0.80
+    network_efficiency: float = 0.80
+    nvlink_latency: float = 10e-6
+    network_latency: float = 20e-6
+
+    @property
+    def achievable_flops(self) -> float:
+        return self.peak_flops * self.matmul_efficiency
+
+    def link(self, intra_node: bool) -> tuple[float, float]:
+        """(alpha seconds, achievable bandwidth B/s) of one ring step on NVLink or the network."""
+        if intra_node:
+            return self.nvlink_latency, self.nvlink_bandwidth * self.nvlink_efficiency
+        return self.network_latency, self.network_bandwidth * self.network_efficiency
+
+    def with_(self, **changes) -> "Hardware":
+        return replace(self, **changes)
+
+
+HARDWARE = {
+    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 600 GB/s both
+    # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)
+    "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9),
+    # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
+    # direction), one 400 Gb/s NDR NIC per GPU (DGX H100)
+    "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9),
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
+    "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9),
+}
+
+
+def get_model(model) -> ModelSpec:
+    """A ModelSpec from a preset name or a ModelSpec (anything else: ValueError)."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str) and model in MODELS:
+        return MODELS[model]
+    raise ValueError(f"unknown model {model!r}; presets: {sorted(MODELS)}")
+
+
+def get_hardware(hw) -> Hardware:
+    if isinstance(hw, Hardware):
+        return hw
+    if isinstance(hw, str) and hw in HARDWARE:
+        return HARDWARE[hw]
+    raise ValueError(f"unknown hardware {hw!r}; presets: {sorted(HARDWARE)}")
