@@ -1,9 +1,17 @@
 """Cluster-scale planning: the memory, time and MFU of an N-D parallel layout.
 
-``formulas`` holds every formula as one small function (parameter count, FLOPs,
-activation memory, ZeRO, bubble, communication); the rest of the package builds
-on it.
+    from course_lib.planner import estimate, simulate, Layout
+    est = estimate("llama3-70b", "h100-sxm", Layout(dp=2, tp=8, pp=4, sp=True, global_batch=64))
+    print(est.summary())
+    viz.timeline(simulate("llama3-70b", "h100-sxm", layout))
+
+Rooms: ``formulas`` (every formula, one small function each), ``presets`` (models,
+GPUs), ``layout`` (a layout and its constraints), ``costs`` (what one pipeline stage
+costs), ``estimate`` (the analytic step), ``simulator`` (the same step, event by
+event, as trace spans), ``search`` (rank valid layouts), ``validation`` (against
+published tables), ``calibration`` (against a measured run on this machine).
 """
+from course_lib.planner.estimate import Estimate, estimate
 from course_lib.planner.formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
@@ -17,9 +25,13 @@ from course_lib.planner.formulas import (
     training_flops,
     zero_memory_bytes,
 )
+from course_lib.planner.layout import Layout, validate
+from course_lib.planner.presets import HARDWARE, MODELS, Hardware, ModelSpec
+from course_lib.planner.simulator import simulate
 
 __all__ = [
-    "activation_bytes_per_layer", "bubble_fraction", "collective_bytes_per_rank",
+    "estimate", "Estimate", "simulate", "Layout", "validate", "MODELS", "HARDWARE", "ModelSpec",
+    "Hardware", "activation_bytes_per_layer", "bubble_fraction", "collective_bytes_per_rank",
     "collective_time", "flops_per_token", "in_flight_microbatches", "model_dims",
     "param_breakdown", "param_count", "training_flops", "zero_memory_bytes",
 ]

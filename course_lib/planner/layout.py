@@ -7,7 +7,6 @@ node; otherwise its ring crosses the network and runs at the network's speed.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
@@ -155,5 +154,3 @@ def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:
     return group_span(layout, dim) <= hw.gpus_per_node
 
 
-def math_ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else math.inf

@@ -82,7 +82,10 @@ class Hardware:
     Achievable (named assumptions, shared by every layout): ``matmul_efficiency`` the
     fraction of peak a large bf16 GEMM sustains; ``nvlink_efficiency`` /
     ``network_efficiency`` the bus bandwidth a ring collective reaches as a fraction
-    of nominal; ``nvlink_latency`` / ``network_latency`` alpha, seconds per ring step.
+    of nominal; ``nvlink_latency`` / ``network_latency`` alpha, seconds per ring step;
+    ``elementwise_passes`` how many times the non-matmul kernels (norms, activation
+    functions, dropout, residual adds) stream each stored activation byte through HBM
+    in the forward pass (written once, read once: 2; backward moves twice that).
     """
 
     name: str
@@ -97,6 +100,7 @@ class Hardware:
     network_efficiency: float = 0.80
     nvlink_latency: float = 10e-6
     network_latency: float = 20e-6
+    elementwise_passes: float = 2.0
 
     @property
     def achievable_flops(self) -> float:

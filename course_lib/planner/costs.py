@@ -1,0 +1,191 @@
+"""What one pipeline stage costs: memory held, and the duration of each piece of work
+of one micro-batch (compute, and the communication each dimension adds).
+
+``estimate`` composes these pieces analytically, the simulator composes the very same
+pieces event by event; only the composition differs, so the two can be compared.
+
+What overlaps with what (the assumptions, stated once):
+
+- TP collectives sit on the critical path (the next matmul needs their result).
+- CP's ring passes K/V while attention computes: only the excess is exposed.
+- EP's all-to-alls and PP's sends are exposed (a send blocks its stage).
+- DP's gradient reduction overlaps the last micro-batch's backward and the ZeRO
+  parameter all-gather the next forward, when ``layout.overlap_dp``; ZeRO-2/3's
+  per-micro-batch collectives overlap that micro-batch's compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from course_lib.planner import formulas as F
+from course_lib.planner.layout import Layout, intra_node, layers_per_stage
+from course_lib.planner.presets import Hardware, ModelSpec
+
+# Bytes of HBM traffic per parameter in an AdamW step: read and write the fp32
+# master weight, momentum and variance (24), read the bf16 gradient (2), write the
+# bf16 weight (2). The step is memory bound, so time = bytes / HBM bandwidth.
+OPTIMIZER_BYTES_PER_PARAM = 28
+# The logits of the last stage: bf16 logits plus the fp32 softmax the loss keeps.
+LOGIT_BYTES = 2 + 4
+
+
+@dataclass
+class StageCost:
+    stage: int
+    layers: int
+    params: float                 # parameters this GPU holds (before ZeRO sharding)
+    expert_params: float          # of which expert weights (reduced over dp * cp / ep ranks)
+    memory: dict                  # bytes by category, and "total"
+    fwd: dict                     # seconds per micro-batch (all chunks of the stage) by kind
+    bwd: dict
+    p2p: float                    # seconds for one activation (or gradient) send
+    grad_sync: float              # DP gradient all-reduce / reduce-scatter, whole step
+    param_gather: float           # ZeRO-1/2 all-gather of updated parameters
+    optimizer: float
+    comm_bytes: dict = field(default_factory=dict)   # bytes this GPU sends per step, by dimension
+
+    @property
+    def fwd_time(self) -> float:
+        return sum(self.fwd.values())
+
+    @property
+    def bwd_time(self) -> float:
+        return sum(self.bwd.values())
+
+
+def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
+    """(dense params, expert params) this GPU holds on ``stage``, after TP and EP."""
+    parts = F.param_breakdown(model)
+    expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
+    dense_layer = parts["per_layer"] - expert_layer
+    dense = n_layers * dense_layer
+    if stage == 0:
+        dense += parts["embedding"]
+    if stage == layout.pp - 1:
+        # the LM head (a tied head is a second copy on the last stage, as in Megatron)
+        dense += parts["lm_head"] or model.vocab * model.hidden
+    return dense / layout.tp, n_layers * expert_layer / (layout.tp * layout.ep)
+
+
+def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCost]:
+    s = layout.seq_len or model.seq_len
+    b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
+    h, a = model.hidden, model.n_heads
+    rate = hw.achievable_flops
+    tokens = b * s / c                               # tokens of one micro-batch on this GPU
+    lf, lb = F.layer_flops_per_token(model, s, layout.recompute)
+    hf, hb = F.head_flops_per_token(model)
+    core = 4.0 * s * h                                # attention-core forward FLOPs per token
+    a_tp, bw_tp = hw.link(intra_node(layout, hw, "tp"))
+    a_cp, bw_cp = hw.link(intra_node(layout, hw, "cp"))
+    a_pp, bw_pp = hw.link(intra_node(layout, hw, "pp"))
+    a_dp, bw_dp = hw.link(intra_node(layout, hw, "dp"))
+    a_ep, bw_ep = hw.link(intra_node(layout, hw, "ep"))
+    act = b * s * h * 2 / c                           # bytes of one (s/cp, b, h) bf16 activation
+
+    # TP per layer: 2 all-reduces forward, 2 backward, (+2 for full recompute); with SP
+    # each is a reduce-scatter + all-gather of the same total size.
+    def tp_time(n_collectives):
+        if t == 1:
+            return 0.0
+        if layout.sp:
+            return n_collectives * (F.collective_time("reduce_scatter", act, t, a_tp, bw_tp)
+                                    + F.collective_time("all_gather", act, t, a_tp, bw_tp))
+        return n_collectives * F.collective_time("all_reduce", act, t, a_tp, bw_tp)
+    tp_fwd_layer = tp_time(2)
+    tp_bwd_layer = tp_time(4 if layout.recompute == "full" else 2)
+    # CP per layer: ring attention passes K and V (this TP rank's heads) c-1 times.
+    kv_local = max(1, model.n_kv_heads // t) * model.head_dim
+    kv_bytes = 2 * s * b * kv_local * 2              # K and V of the whole sequence, bf16
+    cp_ring = F.collective_time("all_gather", kv_bytes, c, a_cp, bw_cp) if c > 1 else 0.0
+    core_f = core * tokens / t / rate
+    cp_fwd_layer = max(0.0, cp_ring - core_f)
+    cp_bwd_layer = max(0.0, 2 * cp_ring - 2 * core_f)
+    # EP per layer: dispatch + combine all-to-all forward, the same backward
+    ep_n = tokens * model.top_k * h * 2 / (t if layout.sp else 1)
+    ep_layer = 2 * F.collective_time("all_to_all", ep_n, layout.ep, a_ep, bw_ep) if layout.ep > 1 else 0.0
+    p2p_bytes = act / (t if layout.sp else 1)
+    p2p = F.collective_time("send_recv", p2p_bytes, 2, a_pp, bw_pp) if p > 1 else 0.0
+
+    # non-matmul kernels are memory bound: they stream the layer's activations (the
+    # (s, b, h)-sized ones; the attention scores stay inside the fused softmax) through HBM
+    stream = hw.elementwise_passes * F.activation_bytes_per_layer(
+        s, b, h, a, t, layout.sp, "selective", cp=c) / hw.hbm_bandwidth
+    ew_fwd_layer = stream
+    ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
+
+    n_zero = layout.dp * c                            # ranks holding the same parameters
+    out = []
+    for st, n_l in enumerate(layers_per_stage(model, layout)):
+        dense, expert = _split_params(model, layout, st, n_l)
+        n_exp_group = max(1, n_zero // layout.ep)
+        last = st == p - 1
+        fwd = {"compute": (n_l * lf + (hf if last else 0.0)) * tokens / t / rate,
+               "elementwise": n_l * ew_fwd_layer, "tp": n_l * tp_fwd_layer, "cp": n_l * cp_fwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
+        bwd = {"compute": (n_l * lb + (hb if last else 0.0)) * tokens / t / rate,
+               "elementwise": n_l * ew_bwd_layer, "tp": n_l * tp_bwd_layer, "cp": n_l * cp_bwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
+
+        def coll(kind, n_params, N, nbytes=2):
+            return F.collective_time(kind, n_params * nbytes, N, a_dp, bw_dp) if N > 1 else 0.0
+        grad_rs = coll("reduce_scatter", dense, n_zero) + coll("reduce_scatter", expert, n_exp_group)
+        gather = coll("all_gather", dense, n_zero) + coll("all_gather", expert, n_exp_group)
+        if layout.zero == 0:
+            grad_sync = coll("all_reduce", dense, n_zero) + coll("all_reduce", expert, n_exp_group)
+            param_gather = 0.0
+        elif layout.zero == 1:
+            grad_sync, param_gather = grad_rs, gather
+        else:
+            grad_sync, param_gather = 0.0, (gather if layout.zero == 2 else 0.0)
+            # per micro-batch: ZeRO-2 reduce-scatters the gradients, ZeRO-3 also
+            # all-gathers the parameters in forward and in backward; they overlap that
+            # micro-batch's compute, the excess is exposed
+            z_f = gather if layout.zero == 3 else 0.0
+            z_b = grad_rs + (gather if layout.zero == 3 else 0.0)
+            if layout.overlap_dp:
+                fwd["zero"] = max(0.0, z_f - fwd["compute"])
+                bwd["zero"] = max(0.0, z_b - bwd["compute"])
+            else:
+                fwd["zero"], bwd["zero"] = z_f, z_b
+        shard = n_zero if layout.zero >= 1 else 1
+        shard_e = n_exp_group if layout.zero >= 1 else 1
+        optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
+
+        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s)
+        sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
+        comm = {
+            "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
+            "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c) if c > 1 else 0.0,
+            "pp": sends * p2p_bytes if p > 1 else 0.0,
+            "dp": (F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
+            + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
+            "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c) / (t if layout.sp else 1)
+            if layout.ep > 1 else 0.0,
+        }
+        out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
+                             optimizer, comm))
+    return out
+
+
+def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s) -> dict:
+    """Bytes one GPU of stage ``st`` holds at its peak, by category."""
+    t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
+    z = F.zero_memory_bytes(dense, layout.zero, n_zero)
+    ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group)
+    per_layer = F.activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, layout.sp,
+                                             layout.recompute, cp=c)
+    in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)
+    activations = per_layer * n_l * in_flight
+    temporaries = 0.0
+    if st == p - 1:
+        temporaries += b * s / c * model.vocab / t * LOGIT_BYTES
+    if layout.recompute != "none" and n_l:
+        # the one layer being recomputed holds its activations during its backward
+        temporaries += F.activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, layout.sp, "none", cp=c) \
+            - per_layer
+    if layout.zero == 3 and n_l:
+        # the gathered parameters of the layer computing and of the one prefetched
+        temporaries += 2 * 2 * (dense + expert) / n_l
+    return {"params": z["params"] + ze["params"], "grads": z["grads"] + ze["grads"],
+            "optimizer": z["optimizer"] + ze["optimizer"], "activations": activations,
+            "temporaries": temporaries,
+            "total": z["total"] + ze["total"] + activations + temporaries}

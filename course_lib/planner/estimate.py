@@ -1,0 +1,139 @@
+"""``estimate(model, hardware, layout)``: memory per GPU, step time and MFU of a layout.
+
+The pieces come from :mod:`course_lib.planner.costs`; here they are composed into a
+step analytically:
+
+- the pipeline: with equal stages a step lasts (m v + p - 1) chunk-times, m v of
+  work and p - 1 of fill and drain (the bubble). With unequal stages (the first
+  holds the embedding, the last the LM head) the fill and drain pass each stage
+  once and the steady state runs at the slowest one:
+  T_pipe = sum_i op_i + (m v - 1) max_i op_i, op_i = stage i's work on one chunk of
+  one micro-batch, including its sends;
+- then each stage's exposed DP communication and its optimizer step; a stage that
+  finished its last backward early has that much slack.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from course_lib.planner import formulas as F
+from course_lib.planner.costs import StageCost, stage_costs
+from course_lib.planner.layout import Layout, intra_node, validate
+from course_lib.planner.presets import Hardware, ModelSpec, get_hardware, get_model
+
+GiB = 2**30
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
+TIME_KINDS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "zero", "bubble", "dp", "optimizer")
+
+
+@dataclass
+class Estimate:
+    model: ModelSpec
+    hardware: Hardware
+    layout: Layout
+    memory: dict                  # bytes on the GPU that needs the most, by MEMORY_KINDS + "total"
+    memory_by_stage: list
+    time: dict                    # seconds of the step by TIME_KINDS (they add up to step_time)
+    step_time: float
+    model_flops: float            # per step, whole cluster (no recomputation)
+    hardware_flops: float         # per step, with recomputation
+    tflops_per_gpu: float         # model TFLOP/s per GPU
+    mfu: float
+    hfu: float
+    bubble_fraction: float        # of the pipeline phase (p-1)/(m v + p - 1) for equal stages
+    comm_bytes: dict              # bytes one GPU sends per step, by dimension (the busiest GPU)
+    violations: list = field(default_factory=list)   # why it cannot run as is (memory)
+    notes: list = field(default_factory=list)        # what is slow about it
+    stages: list = field(default_factory=list)       # the StageCost of every stage
+
+    @property
+    def fits(self) -> bool:
+        return not self.violations
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.layout.global_batch * (self.layout.seq_len or self.model.seq_len) / self.step_time
+
+    def summary(self) -> str:
+        mem = ", ".join(f"{k} {self.memory[k] / GiB:.1f}" for k in MEMORY_KINDS)
+        tm = ", ".join(f"{k} {self.time[k]:.3g}" for k in TIME_KINDS if self.time[k] > 0)
+        lines = [f"{self.model.name} on {self.layout.n_gpus} x {self.hardware.name}: {self.layout.describe()}",
+                 f"  memory/GPU {self.memory['total'] / GiB:.1f} GiB of {self.hardware.hbm_bytes / GiB:.0f} "
+                 f"({mem} GiB)",
+                 f"  step {self.step_time:.3g} s ({tm} s)",
+                 f"  {self.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {self.mfu:.1%}, bubble {self.bubble_fraction:.1%}"]
+        lines += [f"  VIOLATED: {v}" for v in self.violations]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[float]]:
+    """(T_pipe, op_i): the pipeline phase of a step and each stage's time per chunk op."""
+    v, p, m = layout.chunks, layout.pp, layout.microbatches
+    ops = []
+    for st in stages:
+        sends = (1 if (st.stage < p - 1 or v > 1) else 0) + (1 if (st.stage > 0 or v > 1) else 0)
+        ops.append((st.fwd_time + st.bwd_time) / v + (sends * st.p2p if p > 1 else 0.0))
+    return sum(ops) + (m * v - 1) * max(ops), ops
+
+
+def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Estimate:
+    """Predict one training step of ``model`` on ``hardware`` GPUs laid out as ``layout``.
+
+    Raises ValueError naming the constraint if the layout is impossible; a layout that
+    runs out of memory is returned with ``violations`` saying so.
+    """
+    model, hw = get_model(model), get_hardware(hardware)
+    validate(model, hw, layout, n_gpus)
+    stages = stage_costs(model, hw, layout)
+    v, m = layout.chunks, layout.microbatches
+    t_pipe, ops = pipeline_time(stages, layout)
+
+    # tail: each stage's exposed DP communication and optimizer, after its last backward
+    finish, slack = [], 0.0
+    for st, op in zip(stages, ops):
+        # the last backward op (and its send, on stages after the first) hides the gradient ring
+        window_b = st.bwd_time / v + (st.p2p if st.stage > 0 else 0.0) if layout.overlap_dp else 0.0
+        window_f = st.fwd_time / v if layout.overlap_dp else 0.0
+        tail = max(0.0, st.grad_sync - window_b) + st.optimizer + max(0.0, st.param_gather - window_f)
+        finish.append((t_pipe - slack + tail, tail, st))
+        slack += st.bwd_time / v + (st.p2p if layout.pp > 1 else 0.0)
+    step, tail, st_end = max(finish, key=lambda x: x[0])
+    step = max(step, t_pipe)
+
+    k = max(range(len(ops)), key=lambda i: ops[i])
+    busy = stages[k]
+    work = m * v
+    time = {kind: work * (busy.fwd.get(kind, 0.0) + busy.bwd.get(kind, 0.0)) / v
+            for kind in ("compute", "elementwise", "tp", "cp", "ep", "zero")}
+    time["pp"] = work * (ops[k] - (busy.fwd_time + busy.bwd_time) / v)
+    time["bubble"] = max(0.0, t_pipe - work * ops[k])
+    time["optimizer"] = min(st_end.optimizer, step - t_pipe)
+    time["dp"] = max(0.0, step - t_pipe - time["optimizer"])
+
+    s = layout.seq_len or model.seq_len
+    tokens = layout.global_batch * s
+    model_flops = F.flops_per_token(model, s, "none") * tokens
+    hw_flops = F.flops_per_token(model, s, layout.recompute) * tokens
+    G = layout.n_gpus
+    worst = max(stages, key=lambda x: x.memory["total"])
+    comm = max(stages, key=lambda x: sum(x.comm_bytes.values())).comm_bytes
+    est = Estimate(
+        model=model, hardware=hw, layout=layout, memory=dict(worst.memory),
+        memory_by_stage=[dict(x.memory) for x in stages], time=time, step_time=step,
+        model_flops=model_flops, hardware_flops=hw_flops,
+        tflops_per_gpu=model_flops / (step * G) / 1e12,
+        mfu=model_flops / (step * G * hw.peak_flops), hfu=hw_flops / (step * G * hw.peak_flops),
+        bubble_fraction=F.bubble_fraction(layout.pp, m, layout.schedule, layout.v) if layout.pp > 1 else 0.0,
+        comm_bytes=dict(comm), stages=stages)
+    if worst.memory["total"] > hw.hbm_bytes:
+        est.violations.append(
+            f"memory: stage {worst.stage} needs {worst.memory['total'] / GiB:.1f} GiB per GPU, "
+            f"more than the {hw.hbm_bytes / GiB:.0f} GiB of HBM")
+    for dim, size in (("tp", layout.tp), ("cp", layout.cp)):
+        if size > 1 and not intra_node(layout, hw, dim):
+            est.notes.append(f"{dim.upper()} group spans nodes: its collectives run on the network, "
+                             f"not NVLink")
+    if layout.pp > 1 and m < layout.pp:
+        est.notes.append(f"fewer micro-batches ({m}) than stages ({layout.pp}): the bubble dominates")
+    return est
