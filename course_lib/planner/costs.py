@@ -178,10 +178,11 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s) -> di
     temporaries = 0.0
     if st == p - 1:
         temporaries += b * s / c * model.vocab / t * LOGIT_BYTES
-    if layout.recompute != "none" and n_l:
+    if layout.recompute == "full" and n_l:
         # the one layer being recomputed holds its activations during its backward
-        temporaries += F.activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, layout.sp, "none", cp=c) \
-            - per_layer
+        # (its attention scores a block at a time, inside the fused attention kernel)
+        temporaries += F.activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, layout.sp,
+                                                    "selective", cp=c) - per_layer
     if layout.zero == 3 and n_l:
         # the gathered parameters of the layer computing and of the one prefetched
         temporaries += 2 * 2 * (dense + expert) / n_l
