@@ -30,6 +30,7 @@ returns every rank's result (all-gathered), so each demo is a real script too.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -509,6 +510,9 @@ def _launch_here(fn, world_size, args, kwargs, backend, timeout):
             torch.cuda.set_device(local)
             init["device_id"] = torch.device("cuda", local)
         dist.init_process_group(**init)
+        # We created the group, so we tear it down; a live gloo group at interpreter
+        # exit aborts the process ("terminate called without an active exception").
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     rank = dist.get_rank()
     dist.barrier()
     rec = _trace.install(_trace.Recorder(rank))

@@ -1,0 +1,408 @@
+"""course_lib.launch: every failure mode a learner hits, as a real multi-process run."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import launch
+from course_lib.launch import LaunchTimeout, RankError, cpu_count, describe_stack
+from course_lib.trace import span
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- helpers run in ranks
+
+def rank_sum(scale):
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return t * scale
+
+
+def raise_on(bad_rank, sleep=30.0):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom on {bad_rank}")
+    time.sleep(sleep)
+
+
+def die_on(bad_rank, how):
+    if dist.get_rank() == bad_rank:
+        if how == "exit":
+            os._exit(7)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "segfault":
+            import ctypes
+
+            ctypes.string_at(0)
+    time.sleep(30)
+
+
+def hang_in_recv():
+    if dist.get_rank() == 1:
+        with span("waiting for a message that never comes", kind="comm"):
+            dist.recv(torch.zeros(1), src=0)
+    return dist.get_rank()
+
+
+def pid_and_threads():
+    return os.getpid(), torch.get_num_threads()
+
+
+def listening_sockets(pids):
+    """(address, port) of every TCP socket in LISTEN state owned by ``pids`` (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # 0A = LISTEN
+                    addr_hex, port_hex = local.split(":")
+                    found.append((_decode_addr(addr_hex), int(port_hex, 16)))
+    return found
+
+
+def _decode_addr(hex_addr):
+    import ipaddress
+
+    raw = bytes.fromhex(hex_addr)
+    # /proc stores each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw))
+
+
+def _is_loopback(addr):
+    import ipaddress
+
+    ip = ipaddress.ip_address(addr)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def report_listeners():
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    dist.barrier()  # every rank's gloo pairs are connected now
+    found = listening_sockets(pids) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return found
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+# ----------------------------------------------------------------------------- results
+
+def test_results_in_rank_order_and_world_size_one():
+    out = launch(rank_sum, 3, 2.0)
+    assert [t.tolist() for t in out] == [[12.0] * 4] * 3
+    assert launch(rank_sum, 1, 1.0)[0].tolist() == [1.0] * 4
+
+
+def test_closure_and_lambda_and_kwargs():
+    offset = 10
+
+    def with_closure(x, *, y):
+        return dist.get_rank() + x + y + offset
+
+    assert launch(with_closure, 2, 1, y=100) == [111, 112]
+    assert launch(lambda: dist.get_world_size(), 2) == [2, 2]
+
+
+def test_threads_per_rank_default_and_override():
+    out = launch(pid_and_threads, 2)
+    assert [t for _, t in out] == [max(1, cpu_count() // 2)] * 2
+    assert [t for _, t in launch(pid_and_threads, 2, threads=1)] == [1, 1]
+
+
+def test_rank_output_tagged_in_rank_order(capsys):
+    def talk():
+        rank = dist.get_rank()
+        time.sleep(0.05 * (3 - rank))  # rank 2 prints first in wall time
+        print(f"line one from {rank}")
+        print(f"line two from {rank}")
+        print(f"to stderr from {rank}", file=sys.stderr)
+
+    launch(talk, 3)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"[rank {r}] line {n} from {r}" for r in range(3) for n in ("one", "two")]
+    assert err.splitlines() == [f"[rank {r}] to stderr from {r}" for r in range(3)]
+
+
+def test_spans_on_one_clock():
+    def traced():
+        dist.barrier()
+        with span("after barrier", kind="compute"):
+            time.sleep(0.05)
+        with span("all_reduce", kind="comm"):
+            dist.all_reduce(torch.ones(8))
+        return None
+
+    out = launch(traced, 3)
+    firsts = [next(s for s in out.spans_of(r) if s.name == "after barrier") for r in range(3)]
+    starts = [s.start for s in firsts]
+    assert max(starts) - min(starts) < 0.05, starts  # same instant on every rank's clock
+    assert all(s.duration >= 0.05 for s in firsts)
+    assert {s.kind for s in out.spans} == {"compute", "comm"}
+
+
+def test_spawn_start_method():
+    assert [t.tolist() for t in launch(rank_sum, 2, 1.0, start_method="spawn")] == [[3.0] * 4] * 2
+
+
+# ----------------------------------------------------------------------------- failures
+
+def test_exception_raises_fast_names_rank_and_traceback():
+    started = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        launch(raise_on, 4, 2)
+    assert time.perf_counter() - started < 2.0 + 1.5  # 2 s budget + process start
+    err = info.value
+    assert err.rank == 2 and err.exc_type == "ValueError"
+    assert "rank 2 raised ValueError: boom on 2" in str(err)
+    assert "raise_on" in err.remote_traceback
+
+
+@pytest.mark.parametrize("how, code", [("exit", "exited with code 7"), ("sigkill", "SIGKILL"),
+                                       ("segfault", "SIGSEGV")])
+def test_rank_death_reported(how, code):
+    started = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        launch(die_on, 3, 1, how)
+    assert time.perf_counter() - started < 2.0 + 1.5
+    assert info.value.rank == 1
+    assert code in str(info.value)
+
+
+def test_timeout_names_stuck_rank_span_and_operation():
+    started = time.perf_counter()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(hang_in_recv, 3, timeout=2)
+    assert time.perf_counter() - started < 2 + 3
+    stuck = info.value.stuck
+    assert list(stuck) == [1]
+    assert "waiting for a message that never comes" in stuck[1]
+    assert "torch.distributed.recv" in stuck[1] and "hang_in_recv" in stuck[1]
+    assert "ranks [0, 2] returned" in str(info.value)
+
+
+def test_describe_stack_picks_the_distributed_call():
+    dump = textwrap.dedent("""\
+        Thread 0x01 (most recent call first):
+          File "/x/site-packages/torch/distributed/distributed_c10d.py", line 10 in recv
+          File "/x/site-packages/torch/distributed/c10d_logger.py", line 5 in wrapper
+          File "/home/me/ring.py", line 7 in my_ring
+          File "/x/course_lib/launch.py", line 9 in _rank_main
+        """)
+    assert describe_stack(dump) == "waiting in torch.distributed.recv, called from my_ring (ring.py:7)"
+    assert describe_stack("") == ""
+
+
+def test_failed_runs_leave_nothing_and_next_launch_works(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # our launches' work dirs only
+    launch(pid_and_threads, 3)
+    before = _open_fds()
+    pids = []
+
+    def record_then_fail():
+        pid = os.getpid()
+        if dist.get_rank() == 0:
+            raise RuntimeError("first")
+        time.sleep(30)
+        return pid
+
+    for _ in range(3):
+        with pytest.raises(RankError):
+            launch(record_then_fail, 3)
+    out = launch(pid_and_threads, 3)
+    pids = [pid for pid, _ in out]
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+    assert _open_fds() == before
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_launches_at_once():
+    results = {}
+
+    def run(name, scale):
+        results[name] = launch(rank_sum, 3, scale, quiet=True)
+
+    threads = [threading.Thread(target=run, args=(i, float(i + 1))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [t.tolist() for t in results[0]] == [[6.0] * 4] * 3
+    assert [t.tolist() for t in results[1]] == [[12.0] * 4] * 3
+
+
+def test_two_processes_launch_at_once():
+    code = "from course_lib import launch; import torch.distributed as d; print(sum(launch(lambda: d.get_rank(), 4, quiet=True)))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["6", "6"] and all(p.returncode == 0 for p in procs)
+
+
+def test_200_launches_leak_no_process_or_fd():
+    launch(pid_and_threads, 2)  # warm the forkserver
+    before = _open_fds()
+    seen = []
+    for _ in range(200):
+        seen.extend(pid for pid, _ in launch(pid_and_threads, 2, quiet=True))
+    time.sleep(0.2)
+    assert len(set(seen)) == 400
+    assert not [p for p in seen if _alive(p)]
+    assert _open_fds() == before
+
+
+def test_listener_scan_sees_a_public_listener():
+    import socket
+
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen()
+    try:
+        found = listening_sockets([os.getpid()])
+        assert any(not _is_loopback(addr) and port == s.getsockname()[1] for addr, port in found)
+    finally:
+        s.close()
+
+
+def test_nothing_listens_beyond_loopback_during_a_run():
+    found = launch(report_listeners, 3)[0]
+    assert all(_is_loopback(addr) for addr, _ in found), found
+
+
+def test_interrupt_stops_every_rank(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from course_lib import launch
+        def sleeper(d):
+            open(os.path.join(d, str(os.getpid())), "w").close()
+            time.sleep(60)
+        try:
+            launch(sleeper, 3, {str(tmp_path)!r}, timeout=120)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while len([f for f in os.listdir(tmp_path) if f.isdigit()]) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    pids = [int(f) for f in os.listdir(tmp_path) if f.isdigit()]
+    assert len(pids) == 3
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert "interrupted" in out
+    time.sleep(0.3)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_function_from_a_jupyter_kernel_after_matmuls():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import torch\nx = torch.randn(256, 256)\nfor _ in range(5): x = x @ x.T / 256"),
+        nbformat.v4.new_code_cell(textwrap.dedent("""\
+            import torch, torch.distributed as dist
+            from course_lib import launch
+            factor = 3
+            def cell_fn():
+                y = torch.randn(128, 128) @ torch.randn(128, 128)  # a matmul in each rank
+                t = torch.tensor([float(dist.get_rank())])
+                dist.all_reduce(t)
+                return float(t) * factor
+            print(list(launch(cell_fn, 2, timeout=30)))""")),
+    ]
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert "[3.0, 3.0]" in text
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(fn=rank_sum, world_size=0), ValueError, "world_size must be >= 1"),
+    (dict(fn=rank_sum, world_size="2"), TypeError, "world_size must be an int"),
+    (dict(fn=42, world_size=2), TypeError, "callable"),
+    (dict(fn=rank_sum, world_size=2, backend="mpi"), ValueError, "unknown backend"),
+    (dict(fn=rank_sum, world_size=2, timeout=0), ValueError, "timeout"),
+])
+def test_bad_input_raises_before_start(kwargs, exc, words):
+    fn, ws = kwargs.pop("fn"), kwargs.pop("world_size")
+    with pytest.raises(exc, match=words):
+        launch(fn, ws, 1.0, **kwargs)
+
+
+def test_unpicklable_argument_and_result():
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="picklable"):
+        launch(rank_sum, 2, lock)
+    with pytest.raises(RankError, match="cannot be pickled"):
+        launch(lambda: threading.Lock(), 2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 64, reason="a machine with 64 GPUs")
+def test_nccl_without_enough_gpus_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="one GPU per rank"):
+        launch(rank_sum, 64, 1.0, backend="nccl")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gloo_with_cuda_tensors_and_nccl_world_size_one():
+    def on_gpu():
+        t = torch.ones(4, device="cuda") * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        return t
+
+    assert launch(on_gpu, 2)[0].device.type == "cpu"
+    assert launch(on_gpu, 1, backend="nccl")[0].tolist() == [1.0] * 4
+
+
+def test_torchrun_runs_the_same_call(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "course_lib.examples.hello"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "results in rank order: [3.0, 3.0]" in proc.stdout
