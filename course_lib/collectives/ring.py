@@ -1,0 +1,265 @@
+"""Ring collectives: reduce-scatter, all-gather and all-reduce, bandwidth optimal.
+
+Ranks sit on a ring; every step each rank sends one chunk (n/N bytes) to its
+right neighbour while receiving one from its left, so all links are busy at
+once. N-1 steps of reduce-scatter leave rank r with chunk r fully reduced; N-1
+steps of all-gather pass the finished chunks around. Each rank sends
+2(N-1)/N * n bytes in all, which no algorithm can beat.
+
+The schedule (which chunk moves where at each step) is :func:`ring_schedule`;
+the implementation and the figures both read it.
+"""
+from __future__ import annotations
+
+import torch
+
+from course_lib.collectives.core import (
+    Comm, ReduceOp, _EXTRA, _NUMEL, agree, check_dtype, check_op, chunks, contiguous_flat, describe,
+    finish_avg, reduce_, span)
+
+
+def ring_schedule(world_size: int, phase: str, rank: int, step: int) -> tuple[int, int]:
+    """(chunk rank sends right, chunk it receives from the left) at ``step`` of ``phase``.
+
+    reduce_scatter: send (r - s - 1) % N, receive (r - s - 2) % N and reduce it
+    into its own copy; after N-1 steps rank r holds the full sum of chunk r.
+    all_gather: send (r - s) % N (step 0: its own chunk), receive (r - s - 1) % N.
+    """
+    N, r, s = world_size, rank, step
+    if phase == "reduce_scatter":
+        return (r - s - 1) % N, (r - s - 2) % N
+    if phase == "all_gather":
+        return (r - s) % N, (r - s - 1) % N
+    raise ValueError(f"phase must be 'reduce_scatter' or 'all_gather', got {phase!r}")
+
+
+def simulate_ring_all_reduce(world_size: int):
+    """Symbolic run of the ring all-reduce: which contributions each rank holds, step by step.
+
+    Returns a list of states; state ``k`` is after ``k`` steps (0 = the start,
+    2(N-1) = the end). A state is ``{"phase", "step", "sends": [(chunk, dst) per rank],
+    "holds": [[frozenset of ranks summed in chunk c] per rank]}``.
+    """
+    N = world_size
+    holds = [[frozenset([r]) for _ in range(N)] for r in range(N)]
+    states = [{"phase": "start", "step": 0, "sends": [None] * N, "holds": [list(h) for h in holds]}]
+    for phase in ("reduce_scatter", "all_gather"):
+        for s in range(N - 1):
+            plan = [ring_schedule(N, phase, r, s) for r in range(N)]
+            msgs = [holds[r][send] for r, (send, _) in enumerate(plan)]  # what is on the wire
+            for r, (_, recv) in enumerate(plan):
+                incoming = msgs[(r - 1) % N]
+                holds[r][recv] = holds[r][recv] | incoming if phase == "reduce_scatter" else incoming
+            states.append({"phase": phase, "step": s + 1,
+                           "sends": [(send, (r + 1) % N) for r, (send, _) in enumerate(plan)],
+                           "holds": [list(h) for h in holds]})
+    return states
+
+
+# ----------------------------------------------------------------------------- the two phases
+
+
+def _reduce_scatter_ring(comm: Comm, pieces, out, op):
+    """pieces: N contiguous 1-D tensors (untouched); out <- reduction of every rank's pieces[rank]."""
+    N, r = comm.size, comm.rank
+    if N == 1:
+        out.copy_(pieces[0])
+        return out
+    right, left = (r + 1) % N, (r - 1) % N
+    biggest = max(p.numel() for p in pieces)
+    incoming = torch.empty(biggest, dtype=out.dtype)     # (n/N,) the left neighbour's partial sum
+    partial = torch.empty(biggest, dtype=out.dtype)      # (n/N,) ours, to send next step
+    sending = pieces[ring_schedule(N, "reduce_scatter", r, 0)[0]]
+    for s in range(N - 1):
+        c = ring_schedule(N, "reduce_scatter", r, s)[1]
+        got = incoming[:pieces[c].numel()]
+        comm.exchange(sending, right, got, left)
+        target = out if s == N - 2 else partial[:pieces[c].numel()]  # last step: c == r
+        reduce_(target, pieces[c], got, op)
+        sending = target
+    return out
+
+
+def _all_gather_ring(comm: Comm, outs):
+    """outs: N contiguous 1-D tensors; outs[rank] holds this rank's part; fills the others."""
+    N, r = comm.size, comm.rank
+    right, left = (r + 1) % N, (r - 1) % N
+    for s in range(N - 1):
+        send, recv = ring_schedule(N, "all_gather", r, s)
+        comm.exchange(outs[send], right, outs[recv], left)
+    return outs
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
+    """In place: every rank's ``tensor`` becomes the reduction over ranks (ring: RS + AG)."""
+    comm = Comm.of(group, counter)
+    if comm is None:
+        return None
+    with span("ring all_reduce"):
+        if validate:
+            agree(comm, "ring all_reduce", describe(tensor, op))
+        check_dtype(tensor)
+        op = check_op(op, tensor.dtype)
+        if comm.size == 1:
+            return tensor
+        with contiguous_flat(tensor) as flat:              # (n,)
+            parts = chunks(flat, comm.size)                # N x (n/N,), uneven when N does not divide n
+            mine = parts[comm.rank]
+            _reduce_scatter_ring(comm, parts, mine, op)    # in place: only parts[rank] is written
+            finish_avg(mine, op, comm.size)
+            _all_gather_ring(comm, parts)
+    return tensor
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
+    """``output`` <- the reduction over ranks of piece ``rank`` of ``input`` (N equal pieces)."""
+    comm = Comm.of(group, counter)
+    if comm is None:
+        return None
+    with span("ring reduce_scatter"):
+        check_dtype(output, "output")
+        if validate:
+            agree(comm, "ring reduce_scatter_tensor", describe(input, op, extra=[output.numel()]),
+                  extra_names=["output numel"])
+        check_dtype(input, "input")
+        op = check_op(op, input.dtype)
+        if input.numel() != comm.size * output.numel() or input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter_tensor: input must hold world_size ({comm.size}) x output "
+                             f"elements of output's dtype; got input {input.dtype} {tuple(input.shape)}, "
+                             f"output {output.dtype} {tuple(output.shape)}")
+        src = input.reshape(-1).contiguous()
+        with contiguous_flat(output) as out:
+            _reduce_scatter_ring(comm, list(src.view(comm.size, -1)), out, op)
+            finish_avg(out, op, comm.size)
+    return output
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
+    """``output`` <- reduction over ranks of ``input_list[rank]``; pieces may differ in size."""
+    comm = Comm.of(group, counter)
+    if comm is None:
+        return None
+    with span("ring reduce_scatter"):
+        check_dtype(output, "output")
+        sizes = [t.numel() for t in input_list]
+        if validate:
+            rows = agree(comm, "ring reduce_scatter", describe(output, op, extra=[hash(tuple(sizes))]),
+                         same_shape=False)
+            _check_split(comm, "reduce_scatter", "input_list", rows, sizes)
+        if len(input_list) != comm.size or output.numel() != sizes[comm.rank]:
+            raise ValueError(f"reduce_scatter: input_list needs world_size ({comm.size}) tensors and "
+                             f"output as many elements as input_list[rank]; got {len(input_list)} tensors, "
+                             f"sizes {sizes}, output {tuple(output.shape)}")
+        op = check_op(op, output.dtype)
+        pieces = [t.reshape(-1).contiguous() for t in input_list]
+        for p in pieces:
+            check_dtype(p, "input_list entry")
+        with contiguous_flat(output) as out:
+            _reduce_scatter_ring(comm, pieces, out, op)
+            finish_avg(out, op, comm.size)
+    return output
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, *, validate=True, counter=None):
+    """``output_tensor`` <- every rank's ``input_tensor``, concatenated in rank order."""
+    comm = Comm.of(group, counter)
+    if comm is None:
+        return None
+    with span("ring all_gather"):
+        check_dtype(output_tensor, "output_tensor")
+        if validate:
+            agree(comm, "ring all_gather_into_tensor", describe(input_tensor, extra=[output_tensor.numel()]),
+                  extra_names=["output numel"])
+        check_dtype(input_tensor, "input_tensor")
+        if output_tensor.numel() != comm.size * input_tensor.numel() or output_tensor.dtype != input_tensor.dtype:
+            raise ValueError(f"all_gather_into_tensor: output must hold world_size ({comm.size}) x input "
+                             f"elements of input's dtype; got output {output_tensor.dtype} "
+                             f"{tuple(output_tensor.shape)}, input {input_tensor.dtype} {tuple(input_tensor.shape)}")
+        with contiguous_flat(output_tensor) as out:
+            outs = list(out.view(comm.size, -1))
+            outs[comm.rank].copy_(input_tensor.reshape(-1))
+            _all_gather_ring(comm, outs)
+    return output_tensor
+
+
+def all_gather(tensor_list, tensor, group=None, *, validate=True, counter=None):
+    """``tensor_list[i]`` <- rank i's ``tensor``; ranks may contribute different sizes."""
+    comm = Comm.of(group, counter)
+    if comm is None:
+        return None
+    with span("ring all_gather"):
+        check_dtype(tensor)
+        sizes = [t.numel() for t in tensor_list]
+        if validate:
+            rows = agree(comm, "ring all_gather", describe(tensor, extra=[hash(tuple(sizes))]), same_shape=False)
+            _check_split(comm, "all_gather", "tensor_list", rows, sizes)
+        if len(tensor_list) != comm.size or sizes[comm.rank] != tensor.numel():
+            raise ValueError(f"all_gather: tensor_list needs world_size ({comm.size}) tensors, entry rank "
+                             f"sized like tensor; got {len(tensor_list)} tensors, sizes {sizes}, "
+                             f"tensor {tuple(tensor.shape)}")
+        for t in tensor_list:
+            if t.dtype != tensor.dtype:
+                raise ValueError(f"all_gather: tensor_list has dtype {t.dtype}, tensor {tensor.dtype}")
+        outs = [t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype) for t in tensor_list]
+        outs[comm.rank].copy_(tensor.reshape(-1))
+        _all_gather_ring(comm, outs)
+        for t, o in zip(tensor_list, outs):
+            if not t.is_contiguous():
+                t.copy_(o.view(t.shape))
+    return tensor_list
+
+
+def _check_split(comm, name, what, rows, sizes):
+    """Every rank must pass the same list of sizes, and rank i's own tensor must match entry i."""
+    if len({row[_EXTRA] for row in rows}) > 1:
+        raise ValueError(f"{name}: ranks passed {what}s of different sizes; every rank must pass the same "
+                         f"list of sizes (entry i = rank i's part)")
+    if len(sizes) != comm.size:
+        raise ValueError(f"{name}: {what} needs world_size ({comm.size}) tensors, got {len(sizes)}")
+    own = [row[_NUMEL] for row in rows]  # numel of each rank's own tensor
+    bad = [i for i in range(comm.size) if own[i] != sizes[i]]
+    if bad:
+        raise ValueError(f"{name}: {what} entry sizes {sizes} do not match the tensors the ranks hold "
+                         f"({own}) at ranks {bad}")
+    dtypes = {row[0] for row in rows}
+    if len(dtypes) > 1:
+        raise ValueError(f"{name}: ranks passed different dtypes; every rank must use the same dtype")
+
+
+def serialized_ring_all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
+    """The WRONG ring, kept to be measured: the whole buffer hops rank 0 -> 1 -> ... -> N-1
+    (each adding its own), then the result hops on around the ring.
+
+    Correct result, but 2(N-1) sequential messages of n bytes: one link busy at a
+    time and N times the bytes of the real ring on the critical path.
+    """
+    comm = Comm.of(group, counter)
+    if comm is None:
+        return None
+    with span("serialized ring all_reduce"):
+        if validate:
+            agree(comm, "serialized_ring_all_reduce", describe(tensor, op))
+        check_dtype(tensor)
+        op = check_op(op, tensor.dtype)
+        N, r = comm.size, comm.rank
+        if N == 1:
+            return tensor
+        with contiguous_flat(tensor) as flat:
+            incoming = torch.empty_like(flat)
+            if r > 0:                                    # first lap: partial sums travel 0 -> N-1
+                comm.recv(incoming, r - 1)
+                reduce_(flat, incoming, flat, op)
+            if r < N - 1:
+                comm.send(flat, r + 1)
+            else:
+                finish_avg(flat, op, N)
+            if r == N - 1:                               # second lap: N-1 -> 0 -> 1 -> ... -> N-2
+                comm.send(flat, 0)
+            else:
+                comm.recv(flat, (r - 1) % N)
+                if r < N - 2:
+                    comm.send(flat, r + 1)
+    return tensor
