@@ -1,0 +1,236 @@
+"""The rendered book: _toc.yml matches the notebooks, the Colab buttons point at the
+repository the setup cell installs from, the bibliography is complete, and
+`jupyter-book build . --all -W --keep-going` passes with zero warnings, while a committed
+notebook with an error output or an incomplete run fails it."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+import yaml
+
+from conftest import ROOT, notebooks_in
+
+sys.path.insert(0, os.path.join(ROOT, "book", "_ext"))
+import notebook_checks  # noqa: E402
+
+from colab_cell import BRANCH, COLAB_CELL, REPO_URL  # noqa: E402
+
+BUILD_TIMEOUT = 600
+
+
+def load_yaml(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def toc_files(toc) -> list[str]:
+    """Every document of _toc.yml (root included), as written there (no extension)."""
+    found = [toc["root"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                found.append(node["file"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk({k: v for k, v in toc.items() if k != "root"})
+    return found
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(path)[0]
+
+
+def test_every_toc_entry_exists():
+    missing = [f for f in toc_files(load_yaml("_toc.yml"))
+               if not any(os.path.exists(os.path.join(ROOT, _stem(f) + ext)) for ext in (".md", ".ipynb"))]
+    assert not missing, f"_toc.yml lists documents that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("folder", ["notebooks", "exercises"])
+def test_every_notebook_is_in_the_toc(folder):
+    listed = {_stem(f) for f in toc_files(load_yaml("_toc.yml"))}
+    absent = [p for p in notebooks_in(folder) if _stem(p) not in listed]
+    assert not absent, ("only_build_toc_files is on, so these notebooks would silently be left out "
+                        "of the book; add them to _toc.yml: "
+                        + ", ".join(f"- file: {_stem(p)}" for p in absent))
+
+
+def test_solutions_are_not_published():
+    toc = toc_files(load_yaml("_toc.yml"))
+    assert not [f for f in toc if f.startswith("solutions/")]
+    assert "solutions" in load_yaml("_config.yml")["exclude_patterns"]
+
+
+def test_launch_buttons_open_the_repository_the_setup_cell_installs():
+    config = load_yaml("_config.yml")
+    assert config["repository"]["url"] == REPO_URL
+    assert config["repository"]["branch"] == BRANCH
+    assert config["launch_buttons"]["colab_url"] == "https://colab.research.google.com"
+    assert f"git+{REPO_URL}@{BRANCH}" in COLAB_CELL
+    with open(os.path.join(ROOT, "book", "how_to_run.md"), encoding="utf-8") as f:
+        assert f"git+{REPO_URL}@{BRANCH}" in f.read(), "book/how_to_run.md shows a stale setup cell"
+
+
+def test_execution_is_off_and_strict():
+    execute = load_yaml("_config.yml")["execute"]
+    assert execute["execute_notebooks"] == "off"  # see the comment in _config.yml
+    assert execute["raise_on_error"] is True and execute["allow_errors"] is False
+    assert execute["timeout"] >= 120
+
+
+# ----------------------------------------------------------------------------- bibliography
+
+REQUIRED_KEYS = [
+    "rajbhandari2020zero", "shoeybi2019megatron", "narayanan2021megatron", "korthikanti2022reducing",
+    "huang2019gpipe", "narayanan2019pipedream", "liu2023ring", "grattafiori2024llama3",
+    "gibiansky2017baidu", "patarasuk2009bandwidth", "thakur2005mpich", "zhao2023fsdp", "li2020ddp",
+    "kaplan2020scaling", "hoffmann2022chinchilla", "fedus2022switch", "lepikhin2021gshard",
+    "jacobs2023ulysses", "qi2024zerobubble",
+]
+
+
+def bib_entries() -> dict:
+    with open(os.path.join(ROOT, "book", "references.bib"), encoding="utf-8") as f:
+        text = f.read()
+    entries = {}
+    for m in re.finditer(r"^@(\w+)\{([^,]+),(.*?)^\}", text, re.S | re.M):
+        kind, key, body = m.group(1).lower(), m.group(2).strip(), m.group(3)
+        assert key not in entries, f"duplicate bibliography key {key}"
+        fields = dict(re.findall(r"^\s*(\w+)\s*=\s*\{(.*)\},?\s*$", body, re.M))
+        entries[key] = (kind, fields)
+    return entries
+
+
+def test_bibliography_has_the_course_papers():
+    entries = bib_entries()
+    assert not [k for k in REQUIRED_KEYS if k not in entries]
+    for key, (kind, fields) in entries.items():
+        for needed in ("title", "author"):
+            assert fields.get(needed), f"{key}: no {needed}"
+        assert fields.get("year") or kind == "misc", f"{key}: no year"
+        assert fields.get("url") or fields.get("doi"), f"{key}: give a url or doi so a reader can find it"
+        year = re.search(r"(19|20)\d\d", key)
+        if year and fields.get("year"):
+            assert year.group(0) == fields["year"], f"{key}: key says {year.group(0)}, year is {fields['year']}"
+
+
+def cited_keys() -> dict:
+    """{key: [where]} for every {cite} role in book/*.md and in notebooks' markdown cells."""
+    cites = {}
+    role = re.compile(r"\{cite(?::\w+)?\}`([^`]+)`")
+
+    def scan(text, where):
+        for m in role.finditer(text):
+            for key in m.group(1).split(","):
+                cites.setdefault(key.strip(), []).append(where)
+
+    for name in sorted(os.listdir(os.path.join(ROOT, "book"))):
+        if name.endswith(".md"):
+            with open(os.path.join(ROOT, "book", name), encoding="utf-8") as f:
+                scan(f.read(), f"book/{name}")
+    for path in notebooks_in("notebooks") + notebooks_in("exercises"):
+        nb = nbformat.read(os.path.join(ROOT, path), as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                scan(cell.source, path)
+    return cites
+
+
+def test_every_citation_is_in_the_bibliography():
+    entries = bib_entries()
+    unknown = {k: v for k, v in cited_keys().items() if k not in entries}
+    assert not unknown, f"cited keys missing from book/references.bib: {unknown}"
+
+
+# ----------------------------------------------------------------------------- the build
+
+def build(source: str, out: str) -> subprocess.CompletedProcess:
+    jb = shutil.which("jupyter-book", path=os.path.dirname(sys.executable)) or shutil.which("jupyter-book")
+    assert jb, "jupyter-book is not installed (pip install -r requirements.txt)"
+    return subprocess.run([jb, "build", source, "--all", "-W", "--keep-going", "--path-output", out],
+                          capture_output=True, text=True, timeout=BUILD_TIMEOUT, stdin=subprocess.DEVNULL)
+
+
+def test_book_builds_without_warnings(tmp_path):
+    result = build(ROOT, str(tmp_path))
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert "WARNING" not in log, log[-6000:]
+    html = tmp_path / "_build" / "html"
+    assert (html / "index.html").exists()
+    for path in notebooks_in("notebooks"):  # each notebook page opens in Colab from the repository
+        page = (html / _stem(path)).with_suffix(".html").read_text(encoding="utf-8")
+        owner_repo = REPO_URL.split("github.com/")[1]
+        assert f"https://colab.research.google.com/github/{owner_repo}/blob/{BRANCH}/{path}" in page
+
+
+def _notebook(cells, executed=True):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells.append(nbformat.v4.new_markdown_cell("# A page"))
+    for i, (source, outputs) in enumerate(cells, 1):
+        cell = nbformat.v4.new_code_cell(source, execution_count=i if executed else None)
+        cell.outputs = outputs
+        nb.cells.append(cell)
+    return nb
+
+
+def _stdout(text):
+    return [nbformat.v4.new_output("stream", name="stdout", text=text)]
+
+
+def _error(ename, evalue):
+    return [nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])]
+
+
+def test_problems_spots_errors_and_incomplete_runs():
+    good = _notebook([("print(1)", _stdout("1\n")), ("x = 2", [])])
+    assert notebook_checks.problems(good, require_executed=True) == []
+    failed = _notebook([("print(1)", _stdout("1\n")), ("1/0", _error("ZeroDivisionError", "division by zero"))])
+    assert "ZeroDivisionError" in notebook_checks.problems(failed, require_executed=False)[0]
+    lesson = _notebook([("# NBVAL_RAISES_EXCEPTION\n1/0", _error("ZeroDivisionError", "division by zero"))])
+    assert notebook_checks.problems(lesson, require_executed=True) == []
+    unexecuted = _notebook([("print(1)", [])], executed=False)
+    assert "never executed" in notebook_checks.problems(unexecuted, require_executed=True)[0]
+    assert notebook_checks.problems(unexecuted, require_executed=False) == []  # exercises: cleared on purpose
+    by_hand = _notebook([("a = 1", []), ("b = 2", [])])
+    by_hand.cells[2].execution_count = 1
+    assert "not run once, top to bottom" in notebook_checks.problems(by_hand, require_executed=True)[0]
+
+
+def test_a_committed_failure_fails_the_build(tmp_path):
+    """A small book with the real configuration: one good notebook, one with a stored
+    traceback, one that stopped half-way (the later cells never ran)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(os.path.join(ROOT, "_config.yml"), src)
+    shutil.copytree(os.path.join(ROOT, "book"), src / "book")
+    (src / "notebooks").mkdir()
+    nbformat.write(_notebook([("print('hello')", _stdout("hello\n"))]), src / "notebooks" / "good.ipynb")
+    nbformat.write(_notebook([("print('a')", _stdout("a\n")), ("1/0", _error("ZeroDivisionError", "division by zero"))]),
+                   src / "notebooks" / "error_output.ipynb")
+    stopped = _notebook([("print('a')", _stdout("a\n")), ("print('b')", [])])
+    stopped.cells[2].execution_count = None
+    nbformat.write(stopped, src / "notebooks" / "stopped.ipynb")
+    (src / "_toc.yml").write_text(
+        "format: jb-book\nroot: book/intro\nchapters:\n"
+        + "".join(f"  - file: {f}\n" for f in ["book/how_to_run", "book/glossary", "book/references",
+                                                 "notebooks/good", "notebooks/error_output", "notebooks/stopped"]))
+    result = build(str(src), str(tmp_path / "out"))
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-4000:]
+    warnings = [line for line in log.splitlines() if "WARNING" in line]
+    assert any("error_output" in w and "ZeroDivisionError" in w for w in warnings), log[-4000:]
+    assert any("stopped" in w and "never executed" in w for w in warnings), log[-4000:]
+    assert not any("good.ipynb" in w for w in warnings), warnings

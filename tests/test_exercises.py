@@ -1,0 +1,189 @@
+"""The exercise pipeline: exercises/ is exactly what scripts/generate_exercises.py makes
+from solutions/, every untouched exercise fails grading and every solution passes it, and
+scripts/grade.py scores a notebook the way `pytest --nbval-lax` judges it."""
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+
+import generate_exercises as gen
+import grade
+from conftest import ROOT, notebooks_in
+from test_notebooks import run_nbval
+
+SOLUTIONS = notebooks_in("solutions")
+
+
+# ----------------------------------------------------------------------------- the generator
+
+def _nb(*cells):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for count, cell in enumerate(cells, 1):
+        if cell.cell_type == "code" and cell.execution_count is None and cell.outputs:
+            cell.execution_count = count
+        nb.cells.append(cell)
+    return nb
+
+
+def _code(source, stdout=None):
+    cell = nbformat.v4.new_code_cell(source)
+    if stdout is not None:
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=stdout)]
+    return cell
+
+
+SOLVED_FUNCTION = '''import math
+
+def hypot(a, b):
+    """Length of the hypotenuse."""
+    ### BEGIN SOLUTION
+    s = a * a + b * b
+    return math.sqrt(s)
+    ### END SOLUTION
+
+class Ring:
+    def step(self, x):
+        if x:
+            ### BEGIN SOLUTION send to the right neighbour
+            return x + 1
+            ### END SOLUTION
+        return 0'''
+
+CHECK = '# NBVAL_CHECK_OUTPUT\nprint("hypot:", "1/1 cases passed" if hypot(3, 4) == 5 else "FAILED")'
+
+
+def test_regions_become_stubs_at_their_indentation():
+    out = gen.strip_code(SOLVED_FUNCTION, "t")
+    assert '    raise NotImplementedError("Exercise: implement hypot")\n' in out
+    assert '            raise NotImplementedError("Exercise: send to the right neighbour")\n        return 0' in out
+    assert "math.sqrt" not in out and "x + 1" not in out and "SOLUTION" not in out
+    compile(out, "stub", "exec")  # the stubbed cell still runs
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("### BEGIN SOLUTION\nx = 1\n### END SOLUTION", "not inside a function"),
+    ("def f():\n    ### BEGIN SOLUTION\n    return 1", "has no"),
+    ("def f():\n    return 1\n    ### END SOLUTION", "without"),
+    ("def f():\n    ### BEGIN SOLUTION\n    ### BEGIN SOLUTION\n    ### END SOLUTION", "nested"),
+    ("def f():\n    ### BEGIN SOLUTION\n    return 1\n### END SOLUTION", "not indented"),
+])
+def test_malformed_regions_are_named(source, problem):
+    with pytest.raises(gen.SolutionFormatError, match=problem):
+        gen.strip_code(source, "t")
+
+
+def test_exercise_keeps_check_outputs_and_clears_the_rest():
+    solution = _nb(_code(SOLVED_FUNCTION, stdout="side output\n"), _code(CHECK, stdout="hypot: 1/1 cases passed\n"),
+                   nbformat.v4.new_markdown_cell("Why?\n\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n"))
+    exercise = gen.make_exercise(solution)
+    work, check, answer = exercise.cells
+    assert work.outputs == [] and work.execution_count is None
+    assert check.outputs == solution.cells[1].outputs and check.execution_count == 2  # nbval-lax compares it
+    assert check.source == CHECK
+    assert "Because" not in answer.source and gen.MARKDOWN_STUB in answer.source
+    assert solution.cells[0].outputs, "the solution notebook itself is left untouched"
+    assert gen.render(exercise) == gen.render(gen.make_exercise(solution)), "not deterministic"
+
+
+def test_a_check_cell_without_stored_output_is_an_error():
+    with pytest.raises(gen.SolutionFormatError, match="no stored output"):
+        gen.make_exercise(_nb(_code(CHECK)))
+
+
+def test_check_mode_reports_stale_and_orphaned_exercises(tmp_path, capsys):
+    sol, ex = tmp_path / "solutions", tmp_path / "exercises"
+    sol.mkdir()
+    nbformat.write(_nb(_code(SOLVED_FUNCTION), _code(CHECK, stdout="hypot: 1/1 cases passed\n")), sol / "a.ipynb")
+    args = ["--solutions", str(sol), "--exercises", str(ex)]
+    assert gen.main(args + ["--check"]) == 1  # missing
+    assert gen.main(args) == 0
+    assert gen.main(args + ["--check"]) == 0
+    (ex / "orphan.ipynb").write_text((ex / "a.ipynb").read_text())
+    with open(ex / "a.ipynb", "a") as f:
+        f.write(" ")
+    assert gen.main(args + ["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "a.ipynb: differs" in out and "orphan.ipynb: has no solution notebook" in out
+    assert gen.main(args) == 0 and not (ex / "orphan.ipynb").exists()
+    assert gen.main(args + ["--check"]) == 0
+
+
+# ----------------------------------------------------------------------------- the repository
+
+def test_exercises_are_generated_from_solutions():
+    assert gen.main(["--check"]) == 0, "exercises/ is stale: run python scripts/generate_exercises.py"
+
+
+def check_cells(path):
+    return [c for c in nbformat.read(os.path.join(ROOT, path), as_version=4).cells if grade.is_check_cell(c)]
+
+
+@pytest.mark.parametrize("path", SOLUTIONS)
+def test_untouched_exercise_fails_every_question(path):
+    exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
+    result = grade.grade_notebook(exercise, os.path.join(ROOT, "solutions"))
+    assert result.total == len(check_cells(path)) > 0, result
+    passed = [q.name for q in result.questions if q.passed]
+    assert not passed, f"{exercise}: these questions pass before the learner wrote anything: {passed}"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS)
+def test_solution_passes_every_question(path):
+    result = grade.grade_notebook(os.path.join(ROOT, path), os.path.join(ROOT, "solutions"))
+    failed = [f"{q.name}: {q.got}" for q in result.questions if not q.passed]
+    assert result.total == len(check_cells(path)) > 0 and not failed, (result.error, failed)
+
+
+# ----------------------------------------------------------------------------- grade.py itself
+
+@pytest.fixture(scope="module")
+def tiny_course(tmp_path_factory):
+    """A solution, its generated exercise, a solved learner copy and a cheating one."""
+    root = tmp_path_factory.mktemp("course")
+    for d in ("solutions", "exercises", "learner"):
+        (root / d).mkdir()
+    second = '# NBVAL_CHECK_OUTPUT\nprint("twice:", "ok" if Ring().step(1) == 2 else "FAILED")'
+    solution = _nb(_code(SOLVED_FUNCTION), _code(CHECK, stdout="hypot: 1/1 cases passed\n"),
+                   _code(second, stdout="twice: ok\n"))
+    nbformat.write(solution, root / "solutions" / "t.ipynb")
+    assert gen.main(["--solutions", str(root / "solutions"), "--exercises", str(root / "exercises")]) == 0
+    nbformat.write(solution, root / "learner" / "t.ipynb")
+    cheat = nbformat.read(root / "exercises" / "t.ipynb", as_version=4)
+    cheat.cells[1].source = '# NBVAL_CHECK_OUTPUT\nprint("hypot: 1/1 cases passed")'
+    del cheat.cells[2]  # and drop the second question
+    nbformat.write(cheat, root / "learner" / "cheat.ipynb")
+    return root
+
+
+def test_grade_scores_questions(tiny_course):
+    ref = str(tiny_course / "solutions")
+    blank = grade.grade_notebook(str(tiny_course / "exercises" / "t.ipynb"), ref)
+    assert (blank.passed, blank.total) == (0, 2)
+    assert "NotImplementedError" in blank.questions[0].got
+    solved = grade.grade_notebook(str(tiny_course / "learner" / "t.ipynb"), ref)
+    assert (solved.passed, solved.total) == (2, 2), solved
+    assert [q.name for q in solved.questions] == ["hypot", "twice"]
+
+
+def test_grade_takes_checks_from_the_reference(tiny_course):
+    ref = str(tiny_course / "solutions")
+    learner = tiny_course / "learner" / "t.ipynb"
+    cheat = tiny_course / "learner" / "cheat.ipynb"
+    (tiny_course / "solutions" / "cheat.ipynb").write_bytes((tiny_course / "solutions" / "t.ipynb").read_bytes())
+    try:
+        result = grade.grade_notebook(str(cheat), ref)
+    finally:
+        os.remove(tiny_course / "solutions" / "cheat.ipynb")
+    assert (result.passed, result.total) == (0, 2), result
+    assert grade.main([str(learner), "--reference", ref]) == 0
+    assert grade.main([str(tiny_course / "exercises"), "--reference", ref]) == 1
+
+
+def test_grade_agrees_with_nbval_lax(tiny_course):
+    """`pytest --nbval-lax` is the one-notebook grader: it fails the untouched exercise and
+    passes the solved copy, as grade.py does."""
+    assert run_nbval(str(tiny_course / "exercises" / "t.ipynb"), "--nbval-lax").returncode == 1
+    assert run_nbval(str(tiny_course / "learner" / "t.ipynb"), "--nbval-lax").returncode == 0
