@@ -28,17 +28,21 @@ API (stable: the planner and the book call these; one formula, one place)::
     bus_factor(collective, N)          busbw / algbw (nccl-tests convention)
     algbw(n, seconds)                  n / seconds (bytes/s)
     busbw(collective, n, seconds, N)   algbw * bus_factor: comparable across N, vs link bandwidth
-    coefficients(algorithm, n, N)      (steps, bytes): cost = steps * alpha + bytes * beta
-    fit_alpha_beta(measurements, relative=True) -> AlphaBetaFit(alpha, beta, bandwidth, ...)
+    coefficients(algorithm, n, N, cores=None)  (steps, bytes): cost = steps * alpha + bytes * beta
+    shared_cores(N, cores)             max(1, N / cores): slowdown when N ranks share `cores` CPU cores
+    fit_alpha_beta(measurements, relative=True, cores=None) -> AlphaBetaFit(alpha, beta, bandwidth, ...)
         measurements: iterable of (algorithm, n_bytes, world_size, seconds) tuples,
         Measurement namedtuples or dicts with those keys; least squares, all
         algorithms at once, relative errors weighted equally by default.
+        cores: ranks on one machine share its cores (see shared_cores); None: they do not.
     crossover_bytes(algo_a, algo_b, N, alpha, beta) -> n where both cost the same (or None)
 
 Sizes follow the nccl-tests convention: ``n`` is the size of the whole buffer
 (all-reduce's tensor, all-gather's output, reduce-scatter's input). The model
 ignores the reduction's arithmetic (it folds into beta when beta is fitted) and
-contention between ranks that share cores or a link.
+contention for a shared link. Ranks that share CPU cores (a laptop running 8
+ranks on 2 cores, the loopback "network" being memory copies by the CPU) take
+turns: pass ``cores`` to fit and predict with every step slowed by N / cores.
 """
 from __future__ import annotations
 
@@ -172,10 +176,25 @@ def _lookup(algorithm) -> Callable:
         raise ValueError(f"unknown algorithm {algorithm!r}; known: {sorted(COSTS)}") from None
 
 
-def coefficients(algorithm, n_bytes, world_size) -> tuple[float, float]:
+def shared_cores(world_size: int, cores: int | None) -> float:
+    """How much slower each step is when ``world_size`` ranks share ``cores`` CPU cores.
+
+    Every rank's share of a step (syscalls, copies through the loopback device,
+    the reduction) is CPU work; with more ranks than cores they take turns:
+    max(1, N / cores). 1 when ``cores`` is None (a rank per device, as on a cluster).
+    """
+    if cores is None:
+        return 1.0
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    return max(1.0, world_size / cores)
+
+
+def coefficients(algorithm, n_bytes, world_size, cores=None) -> tuple[float, float]:
     """(steps, bytes) with cost = steps * alpha + bytes * beta (every cost here is linear in both)."""
     f = _lookup(algorithm)
-    return f(n_bytes, world_size, 1.0, 0.0), f(n_bytes, world_size, 0.0, 1.0)
+    k = shared_cores(world_size, cores)
+    return k * f(n_bytes, world_size, 1.0, 0.0), k * f(n_bytes, world_size, 0.0, 1.0)
 
 
 # ----------------------------------------------------------------------------- volumes and bandwidths
@@ -241,13 +260,16 @@ class AlphaBetaFit(NamedTuple):
     max_abs_rel_error: float
     median_abs_rel_error: float
     n_points: int
+    cores: int | None = None    # the fit assumed ranks share this many cores (None: they do not)
 
     def predict(self, algorithm, n_bytes, world_size) -> float:
-        return cost(algorithm, n_bytes, world_size, self.alpha, self.beta)
+        steps, nbytes = coefficients(algorithm, n_bytes, world_size, self.cores)
+        return steps * self.alpha + nbytes * self.beta
 
     def __str__(self):
+        shared = f", ranks sharing {self.cores} cores" if self.cores else ""
         return (f"alpha = {self.alpha * 1e6:.1f} us, beta = {self.beta * 1e9:.3f} ns/B "
-                f"(bandwidth {self.bandwidth / 1e9:.2f} GB/s); |error| median "
+                f"(bandwidth {self.bandwidth / 1e9:.2f} GB/s{shared}); |error| median "
                 f"{self.median_abs_rel_error:.0%}, max {self.max_abs_rel_error:.0%} over {self.n_points} points")
 
 
@@ -276,13 +298,14 @@ def _lstsq_nonneg(rows, targets):
     return min(candidates, key=lambda x: float(np.sum((A @ x - t) ** 2)))
 
 
-def fit_alpha_beta(measurements, relative: bool = True) -> AlphaBetaFit:
+def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None) -> AlphaBetaFit:
     """Least-squares alpha and beta (both >= 0) from measured times of known algorithms.
 
     Each measurement is (algorithm, n_bytes, world_size, seconds); its predicted
     time is steps * alpha + bytes * beta (:func:`coefficients`). With
     ``relative=True`` each row is divided by its measured time, so a 4 KiB point
     counts as much as a 16 MiB one (plain least squares would fit only the big ones).
+    ``cores``: the ranks shared this many CPU cores (:func:`shared_cores`).
     """
     ms = [_as_measurement(m) for m in measurements]
     if len(ms) < 2:
@@ -292,19 +315,20 @@ def fit_alpha_beta(measurements, relative: bool = True) -> AlphaBetaFit:
             raise ValueError(f"bad measurement {m}: need seconds > 0, n_bytes >= 0, world_size >= 1")
     rows, targets = [], []
     for m in ms:
-        steps, nbytes = coefficients(m.algorithm, m.n_bytes, m.world_size)
+        steps, nbytes = coefficients(m.algorithm, m.n_bytes, m.world_size, cores)
         w = 1.0 / m.seconds if relative else 1.0
         rows.append((steps * w, nbytes * w))
         targets.append(m.seconds * w)
     if all(r == (0.0, 0.0) for r in rows):
         raise ValueError("every measurement has zero cost in the model (world_size 1?): nothing to fit")
     alpha, beta = (float(v) for v in _lstsq_nonneg(rows, targets))
-    errs = tuple((cost(m.algorithm, m.n_bytes, m.world_size, alpha, beta) - m.seconds) / m.seconds for m in ms)
+    errs = tuple((r[0] / w_ * alpha + r[1] / w_ * beta - m.seconds) / m.seconds
+                 for r, m, w_ in zip(rows, ms, [(1.0 / m.seconds if relative else 1.0) for m in ms]))
     abs_errs = sorted(abs(e) for e in errs)
     mid = len(abs_errs) // 2
     median = abs_errs[mid] if len(abs_errs) % 2 else (abs_errs[mid - 1] + abs_errs[mid]) / 2
     return AlphaBetaFit(alpha, beta, (1.0 / beta) if beta > 0 else math.inf, errs,
-                        abs_errs[-1], median, len(ms))
+                        abs_errs[-1], median, len(ms), cores)
 
 
 def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
@@ -323,5 +347,5 @@ def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
 
 
 __all__ = sorted(COSTS) + [
-    "COSTS", "COLLECTIVES", "cost", "coefficients", "bus_factor", "volume_per_rank", "algbw", "busbw",
+    "COSTS", "COLLECTIVES", "cost", "coefficients", "shared_cores", "bus_factor", "volume_per_rank", "algbw", "busbw",
     "Measurement", "AlphaBetaFit", "fit_alpha_beta", "crossover_bytes"]

@@ -91,3 +91,15 @@ def test_crossover_tree_vs_ring():
     assert cm.recursive_doubling_all_reduce(n * 2, N, A, B) > cm.ring_all_reduce(n * 2, N, A, B)
     assert cm.crossover_bytes("ring_all_reduce", "ring_all_reduce", N, A, B) is None
     assert math.isfinite(cm.crossover_bytes("tree_all_reduce", "ring_all_reduce", 8, A, B))
+
+
+def test_shared_cores_slows_every_step_when_ranks_outnumber_cores():
+    assert cm.shared_cores(8, 2) == 4 and cm.shared_cores(2, 2) == 1 and cm.shared_cores(8, None) == 1
+    ms = [("ring_all_reduce", n, N, cm.ring_all_reduce(n, N, A, B) * cm.shared_cores(N, 2))
+          for n in (4 << 10, 1 << 20, 16 << 20) for N in (2, 4, 8)]
+    fit = cm.fit_alpha_beta(ms, cores=2)
+    assert fit.alpha == pytest.approx(A) and fit.beta == pytest.approx(B) and fit.cores == 2
+    assert fit.predict("ring_all_reduce", 1 << 20, 8) == pytest.approx(4 * cm.ring_all_reduce(1 << 20, 8, A, B))
+    assert cm.fit_alpha_beta(ms).max_abs_rel_error > 0.3   # ignoring the sharing fits badly
+    with pytest.raises(ValueError):
+        cm.shared_cores(4, 0)

@@ -13,12 +13,16 @@ from course_lib.collectives.core import _EXTRA, Comm, agree, check_dtype, descri
 
 
 def _pairwise(comm, outs, ins):
-    """outs, ins: N contiguous 1-D tensors each; outs[i] <- rank i's ins[rank]."""
+    """outs, ins: N contiguous 1-D tensors each; outs[i] <- rank i's ins[rank].
+
+    All receives are posted first (round order), then the sends in round order:
+    no round waits for the previous one, and nothing can deadlock.
+    """
     N, r = comm.size, comm.rank
     outs[r].copy_(ins[r])
-    for s in range(1, N):
-        to, frm = (r + s) % N, (r - s) % N
-        comm.exchange(ins[to], to, outs[frm], frm)
+    recvs = [comm.post_recv(outs[(r - s) % N], (r - s) % N) for s in range(1, N)]
+    sends = [comm.post_send(ins[(r + s) % N], (r + s) % N) for s in range(1, N)]
+    comm.wait(*recvs, *sends)
 
 
 def _check_sizes(comm, name, rows):

@@ -178,6 +178,19 @@ class Comm:
             self.counter.bytes_received += tensor.numel() * tensor.element_size()
         return dist.irecv(tensor, self._peers[peer], group=self.group)
 
+    def post_send(self, tensor, peer: int):
+        """isend, or None for an empty tensor (nothing to send; the receiver skips it too)."""
+        return self.isend(tensor, peer) if tensor.numel() else None
+
+    def post_recv(self, tensor, peer: int):
+        return self.irecv(tensor, peer) if tensor.numel() else None
+
+    @staticmethod
+    def wait(*works):
+        for w in works:
+            if w is not None:
+                w.wait()
+
     def send(self, tensor, peer: int):
         if tensor.numel():
             self.isend(tensor, peer).wait()
