@@ -61,6 +61,7 @@ def test_dp_ring_steps_are_concurrent_chunks():
     assert len(ring) == 16 * 2 * 15
     n = sum(st.params for st in estimate("llama3-8b", hw, layout).stages) * 2
     alpha, bw = hw.link(False)
+    alpha *= 32 + 2                         # a message per layer, the embedding and the head
     total = F.collective_time("all_reduce", n, 16, alpha, bw)
     for rank in range(16):
         mine = [s for s in ring if s.rank == rank]

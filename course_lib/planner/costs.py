@@ -107,10 +107,10 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, a_pp, bw_pp) if p > 1 else 0.0
 
-    # non-matmul kernels are memory bound: they stream the layer's activations (the
-    # (s, b, h)-sized ones; the attention scores stay inside the fused softmax) through HBM
+    # non-matmul kernels are memory bound: they stream the layer's activations through
+    # HBM (with a fused attention kernel, not the s x s scores)
     stream = hw.elementwise_passes * F.activation_bytes_per_layer(
-        s, b, h, a, t, layout.sp, "selective", cp=c) / hw.hbm_bandwidth
+        s, b, h, a, t, layout.sp, "selective" if hw.fused_attention else "none", cp=c) / hw.hbm_bandwidth
     ew_fwd_layer = stream
     ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
 
@@ -125,8 +125,14 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         bwd = {"compute": (n_l * lb + (hb if last else 0.0)) * tokens / t / rate,
                "elementwise": n_l * ew_bwd_layer, "tp": n_l * tp_bwd_layer, "cp": n_l * cp_bwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
 
+        # DP collectives go layer by layer (DDP buckets, FSDP units): one collective per
+        # layer (and one for the embedding / the head), each paying its own latency
+        pieces = dp_pieces(layout, st, n_l)
+
         def coll(kind, n_params, N, nbytes=2):
-            return F.collective_time(kind, n_params * nbytes, N, a_dp, bw_dp) if N > 1 else 0.0
+            if N <= 1 or n_params <= 0:
+                return 0.0
+            return F.collective_time(kind, n_params * nbytes, N, a_dp * pieces, bw_dp)
         grad_rs = coll("reduce_scatter", dense, n_zero) + coll("reduce_scatter", expert, n_exp_group)
         gather = coll("all_gather", dense, n_zero) + coll("all_gather", expert, n_exp_group)
         if layout.zero == 0:
@@ -164,6 +170,11 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
                              optimizer, comm))
     return out
+
+
+def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
+    """How many separate DP collectives (one per layer, plus embedding and head) a stage runs."""
+    return max(1, n_layers + (stage == 0) + (stage == layout.pp - 1))
 
 
 def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s) -> dict:

@@ -85,7 +85,9 @@ class Hardware:
     of nominal; ``nvlink_latency`` / ``network_latency`` alpha, seconds per ring step;
     ``elementwise_passes`` how many times the non-matmul kernels (norms, activation
     functions, dropout, residual adds) stream each stored activation byte through HBM
-    in the forward pass (written once, read once: 2; backward moves twice that).
+    in the forward pass (written once, read once: 2; backward moves twice that);
+    ``fused_attention`` whether the s x s attention scores stay inside a fused kernel
+    (FlashAttention, Megatron's fused softmax) instead of travelling through HBM.
     """
 
     name: str
@@ -101,6 +103,7 @@ class Hardware:
     nvlink_latency: float = 10e-6
     network_latency: float = 20e-6
     elementwise_passes: float = 2.0
+    fused_attention: bool = True
 
     @property
     def achievable_flops(self) -> float:

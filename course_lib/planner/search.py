@@ -39,19 +39,24 @@ def _divisors(n: int) -> list[int]:
 
 def search(model, hardware, n_gpus: int, global_batch: int, memory_limit: float | None = None,
            micro_batches=(1, 2, 4), recomputes=("none", "selective", "full"), zero_stages=(0, 1, 2, 3),
-           cp_sizes=(1, 2, 4, 8), interleave=(1, 2), ep_sizes=None) -> SearchResult:
+           cp_sizes=(1, 2, 4, 8), interleave=(1, 2), ep_sizes=None, tp_sizes=None, pp_sizes=None,
+           seq_len=None) -> SearchResult:
     """Rank every valid layout of ``model`` on ``n_gpus`` GPUs for one ``global_batch``
-    (sequences). ``memory_limit`` bytes per GPU (default: the GPU's HBM)."""
+    (sequences of ``seq_len``, default the model's). ``memory_limit`` bytes per GPU
+    (default: the GPU's HBM). ``tp_sizes`` / ``pp_sizes`` restrict TP (default: the
+    divisors of the node size) and PP (default: every divisor)."""
     model, hw = get_model(model), get_hardware(hardware)
     limit = hw.hbm_bytes if memory_limit is None else memory_limit
     if ep_sizes is None:
         ep_sizes = _divisors(model.n_experts) if model.n_experts > 1 else (1,)
     ranked, too_big, rejected = [], [], Counter()
-    for tp in _divisors(min(n_gpus, hw.gpus_per_node)):
+    for tp in (tp_sizes or _divisors(min(n_gpus, hw.gpus_per_node))):
         for cp in cp_sizes:
             if n_gpus % (tp * cp):
                 continue
             for pp in _divisors(n_gpus // (tp * cp)):
+                if pp_sizes is not None and pp not in pp_sizes:
+                    continue
                 dp = n_gpus // (tp * cp * pp)
                 schedules = [("1f1b", 1)] if pp == 1 else \
                     [("1f1b", 1)] + [("interleaved", v) for v in interleave if v > 1]
@@ -64,7 +69,7 @@ def search(model, hardware, n_gpus: int, global_batch: int, memory_limit: float 
                                 for ep in ep_sizes:
                                     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1,
                                                     schedule=sched, v=v, micro_batch=mbs,
-                                                    global_batch=global_batch, recompute=rc)
+                                                    global_batch=global_batch, recompute=rc, seq_len=seq_len)
                                     try:
                                         est = estimate(model, hw, layout, n_gpus)
                                     except ValueError as err:

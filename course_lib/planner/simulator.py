@@ -16,7 +16,7 @@ import heapq
 from collections import defaultdict
 
 from course_lib.planner import formulas as F
-from course_lib.planner.costs import stage_costs
+from course_lib.planner.costs import dp_pieces, stage_costs
 from course_lib.planner.layout import Layout, intra_node, validate
 from course_lib.planner.presets import get_hardware, get_model
 from course_lib.trace import Span
@@ -127,6 +127,8 @@ def _data_parallel_tail(hw, layout, sc, t):
     optimizer step, the ZeRO parameter all-gather."""
     N = layout.dp * layout.cp
     alpha, bw = hw.link(intra_node(layout, hw, "dp"))
+    # one ring step carries every layer's chunk, each layer its own message (costs.dp_pieces)
+    alpha *= dp_pieces(layout, sc.stage, sc.layers)
     window_f = sc.fwd_time / layout.chunks if layout.overlap_dp else 0.0
     # (name, bf16 bytes, ring size): dense weights over all dp * cp replicas, experts
     # over the replicas that hold the same experts

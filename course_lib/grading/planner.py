@@ -1,0 +1,126 @@
+"""Graders of the planning chapter. The reference is the planner itself.
+
+    check_memory_per_gpu(memory_per_gpu)          # bytes per GPU of a TP x PP x DP(ZeRO) layout
+    check_bubble(bubble_1f1b, bubble_interleaved) # against the simulator's idle time
+    check_layout(choose_layout)                   # Llama 3 70B on 64 H100s under a memory limit
+
+Each prints one line and returns True/False; a learner's exception becomes a hint.
+"""
+from __future__ import annotations
+
+import math
+
+from course_lib.grading import Case, check
+from course_lib.planner import HARDWARE, Layout, ModelSpec, estimate, simulate
+from course_lib.planner import formulas as F
+from course_lib.planner.search import search
+
+GiB = 2**30
+
+# ----------------------------------------------------------------------------- memory per GPU
+
+MEMORY_CASES = [
+    # per-layer parameters, layers, (s, b, h, a), t, p, d, ZeRO stage, micro-batches
+    dict(layer_params=12 * 4096**2, layers=32, s=2048, b=1, h=4096, a=32, t=1, p=1, d=1, zero=0, m=1),
+    dict(layer_params=12 * 4096**2, layers=32, s=2048, b=1, h=4096, a=32, t=8, p=1, d=4, zero=1, m=4),
+    dict(layer_params=12 * 8192**2, layers=80, s=4096, b=1, h=8192, a=64, t=8, p=4, d=2, zero=1, m=16),
+    dict(layer_params=12 * 8192**2, layers=80, s=4096, b=2, h=8192, a=64, t=4, p=8, d=8, zero=2, m=4),
+    dict(layer_params=12 * 12288**2, layers=96, s=2048, b=1, h=12288, a=96, t=8, p=8, d=16, zero=3, m=32),
+    dict(layer_params=12 * 2048**2, layers=24, s=8192, b=1, h=2048, a=16, t=2, p=3, d=3, zero=3, m=2),
+]
+
+
+def reference_memory_per_gpu(layer_params, layers, s, b, h, a, t, p, d, zero, m) -> float:
+    """Model states (ZeRO over d ranks of the 1/(t p) slice a GPU holds) plus the
+    activations of the first 1F1B stage (TP + SP, selective recomputation)."""
+    states = F.zero_memory_bytes(layer_params * layers / (t * p), zero, d)["total"]
+    per_layer = F.activation_bytes_per_layer(s, b, h, a, t, sp=True, recompute="selective")
+    return states + per_layer * (layers / p) * F.in_flight_microbatches(p, m, "1f1b")
+
+
+def check_memory_per_gpu(fn) -> bool:
+    """fn(layer_params, layers, s, b, h, a, t, p, d, zero, m) -> bytes on the first stage's GPU."""
+    cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items() if k != "layer_params"))
+             for c in MEMORY_CASES]
+
+    def run(case):
+        got = fn(**case.params)
+        want = reference_memory_per_gpu(**case.params)
+        if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
+            return f"expected a finite number of bytes, got {got!r}"
+        if not math.isclose(got, want, rel_tol=1e-6):
+            return f"got {got / GiB:.3f} GiB, expected {want / GiB:.3f} GiB"
+        return None
+    return check("memory_per_gpu", cases, run)
+
+
+# ----------------------------------------------------------------------------- bubble
+
+_IDEAL = HARDWARE["h100-sxm"].with_(nvlink_latency=0, network_latency=0, nvlink_bandwidth=1e30,
+                                    network_bandwidth=1e30, elementwise_passes=0)
+_EVEN = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)     # equal stages, no LM-head imbalance
+BUBBLE_CASES = [(2, 4, 2), (4, 8, 2), (4, 16, 3), (8, 8, 2), (3, 9, 4), (6, 12, 2)]
+
+
+def simulated_bubble(p, m, schedule, v=1) -> float:
+    """The idle fraction of a stage in the simulator (equal stages, free communication)."""
+    layout = Layout(pp=p, schedule=schedule, v=v if schedule == "interleaved" else 1, global_batch=m)
+    return simulate(_EVEN, _IDEAL, layout).bubble(0)
+
+
+def check_bubble(bubble_1f1b, bubble_interleaved) -> bool:
+    """bubble_1f1b(p, m) and bubble_interleaved(p, m, v): idle fraction of a step, graded
+    against the discrete-event simulator."""
+    cases = [Case(params=dict(p=p, m=m, v=v), label=f"p={p}, m={m}, v={v}") for p, m, v in BUBBLE_CASES]
+
+    def run(case):
+        p, m, v = case.params["p"], case.params["m"], case.params["v"]
+        for name, got, want in (("bubble_1f1b", bubble_1f1b(p, m), simulated_bubble(p, m, "1f1b")),
+                                ("bubble_interleaved", bubble_interleaved(p, m, v),
+                                 simulated_bubble(p, m, "interleaved", v))):
+            if not isinstance(got, (int, float)) or isinstance(got, bool):
+                return f"{name} returned {got!r}, expected a fraction"
+            if abs(got - want) > 2e-3:
+                return f"{name}: got {got:.4f}, the simulated pipeline idles {want:.4f} of the step"
+        return None
+    return check("bubble", cases, run)
+
+
+# ----------------------------------------------------------------------------- choose a layout
+
+LAYOUT_TASK = dict(model="llama3-70b", hardware="h100-sxm", n_gpus=64, global_batch=128,
+                   memory_limit=60 * GiB)
+LAYOUT_MIN_SHARE = 0.9      # of the best throughput the planner's search finds
+
+
+def best_throughput(task=LAYOUT_TASK) -> float:
+    """tokens/s of the fastest layout the search finds for ``task``."""
+    result = search(task["model"], task["hardware"], task["n_gpus"], task["global_batch"],
+                    memory_limit=task["memory_limit"], micro_batches=(1, 2),
+                    recomputes=("selective", "full"), zero_stages=(0, 1, 3))
+    return result.best.tokens_per_second
+
+
+def check_layout(choose_layout) -> bool:
+    """choose_layout() -> Layout for Llama 3 70B on 64 H100s, 128 sequences of 8192 tokens
+    per step, at most 60 GiB per GPU; it must be valid, fit, and reach 90% of the best
+    throughput the planner finds."""
+    t = LAYOUT_TASK
+
+    def run(case):
+        layout = choose_layout()
+        if not isinstance(layout, Layout):
+            return f"expected a planner Layout, got {type(layout).__name__}"
+        if layout.global_batch != t["global_batch"]:
+            return f"the global batch is {t['global_batch']} sequences, not {layout.global_batch}"
+        est = estimate(t["model"], t["hardware"], layout, n_gpus=t["n_gpus"])   # ValueError -> hint
+        if est.memory["total"] > t["memory_limit"]:
+            return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
+                    f"over the {t['memory_limit'] / GiB:.0f} GiB limit")
+        best = best_throughput(t)
+        share = est.tokens_per_second / best
+        if share < LAYOUT_MIN_SHARE:
+            return (f"{layout.describe()} fits but runs {est.tokens_per_second:.4g} tokens/s, "
+                    f"{share:.0%} of the best layout found ({best:.4g}); aim for {LAYOUT_MIN_SHARE:.0%}")
+        return None
+    return check("choose_layout", [Case(label="Llama 3 70B, 64 x H100, <= 60 GiB")], run)
