@@ -110,6 +110,9 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Esti
     time["bubble"] = max(0.0, t_pipe - work * ops[k])
     time["optimizer"] = min(st_end.optimizer, step - t_pipe)
     time["dp"] = max(0.0, step - t_pipe - time["optimizer"])
+    for kind in time:                       # rounding leftovers of the subtractions above
+        if time[kind] < 1e-12 * step:
+            time[kind] = 0.0
 
     s = layout.seq_len or model.seq_len
     tokens = layout.global_batch * s

@@ -192,7 +192,7 @@ def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **ov
     return d["n_layers"] * (lf + lb) + hf + hb
 
 
-def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", cp=1) -> float:
+def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", cp=1, value_bytes=2) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al.
     2022, Sec. 4, 16-bit activations, GPT-3 block with dropout):
 
@@ -203,18 +203,25 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", cp=1
       recomputed, so it drops out
     - full recompute:      only the layer input, 2 s b h (2 s b h / t with SP)
 
-    Context parallelism ``cp`` splits the sequence: each rank keeps s/cp tokens, and
-    its attention scores are (s/cp) x s, so every term divides by cp.
+    Of the 34: 32 are 2-byte values (2 norm inputs, QKV input, Q, K, V, attention
+    projection input, MLP input, GeLU input and output: 4h wide) and 2 are 1-byte
+    dropout masks; of the 5: the softmax output and its dropout (2 bytes each) and the
+    mask (1). ``value_bytes=4`` counts fp32 values (masks stay 1 byte). Context
+    parallelism ``cp`` splits the sequence: each rank keeps s/cp tokens, and its
+    attention scores are (s/cp) x s, so every term divides by cp.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if t < 1 or cp < 1:
         raise ValueError(f"t and cp must be >= 1, got t={t}, cp={cp}")
+    w = value_bytes / 2.0                           # bytes of a value relative to 16 bits
     sbh = s * b * h / cp
     if recompute == "full":
-        return 2.0 * sbh / (t if sp else 1)
-    scores = 0.0 if recompute == "selective" else 5.0 * a * s / (h * t)
-    linear = 34.0 / t if sp else 10.0 + 24.0 / t
+        return 2.0 * w * sbh / (t if sp else 1)
+    scores = 0.0 if recompute == "selective" else (4.0 * w + 1.0) * a * s / (h * t)
+    # values replicated across TP ranks without SP: 2 norm inputs, QKV and MLP inputs (8);
+    # split across them: Q, K, V, projection input, GeLU input and output (24); masks (2)
+    linear = (32.0 * w + 2.0) / t if sp else 8.0 * w + 2.0 + 24.0 * w / t
     return sbh * (linear + scores)
 
 
