@@ -1,0 +1,37 @@
+"""course_lib.trace: spans, kinds, the status a stuck rank reports."""
+import time
+
+import pytest
+
+from course_lib import trace
+
+
+def test_span_records_interval_and_kind(tmp_path):
+    rec = trace.Recorder(rank=3, status_path=str(tmp_path / "status"))
+    with rec.span("forward", kind="compute"):
+        with rec.span("all_reduce", kind="comm"):
+            status = (tmp_path / "status").read_bytes().rstrip(b"\0").decode()
+            assert status == "all_reduce [comm]"  # innermost open span
+            time.sleep(0.01)
+    assert [(s.rank, s.name, s.kind) for s in rec.spans] == [(3, "all_reduce", "comm"), (3, "forward", "compute")]
+    inner, outer = rec.spans
+    assert outer.start <= inner.start and inner.end <= outer.end and inner.duration >= 0.01
+    assert (tmp_path / "status").read_bytes().rstrip(b"\0") == b""
+    rec.close()
+
+
+def test_unknown_kind_is_rejected():
+    with pytest.raises(ValueError, match="span kind must be one of"):
+        with trace.span("x", kind="network"):
+            pass
+
+
+def test_module_level_span_uses_installed_recorder():
+    rec = trace.install(trace.Recorder(rank=1))
+    with trace.span("step"):
+        pass
+    assert [s.name for s in trace.spans()] == ["step"] and trace.spans()[0].rank == 1
+    trace.reset()
+    assert trace.spans() == []
+    rec.add("measured elsewhere", "idle", 0.0, 0.5)
+    assert trace.spans()[0].duration == 0.5
