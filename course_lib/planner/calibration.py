@@ -8,8 +8,8 @@ the cores exactly as in training):
 3. all-reduce times over a range of sizes, from which alpha and beta are fitted with
    ``costmodel.fit_alpha_beta`` (as in the collectives chapter);
 4. the real thing: steps of the course's data-parallel training (``DDP`` from
-   ``course_lib.parallel.data_parallel``, gradients all-reduced after backward) of a
-   tiny Llama-style GPT.
+   ``course_lib.parallel.data_parallel``, gradients all-reduced after backward; a plain
+   per-parameter all-reduce if that module is absent) of a tiny Llama-style GPT.
 
 From 1-3 alone a :class:`Hardware` for "this machine" is built, and ``estimate``
 predicts 4, which is compared with the measured step time.
@@ -47,6 +47,35 @@ def _median_time(fn, repeats):
     return statistics.median(times)
 
 
+def _data_parallel(module, sync):
+    """The course's DDP when it is there, else a per-parameter all-reduce wrapper."""
+    try:
+        from course_lib.parallel.data_parallel import DDP
+    except ImportError:
+        import torch.distributed as dist
+
+        class PerParameterDP:
+            def __init__(self, m):
+                self.module = m
+                for p in m.parameters():                 # start from rank 0's weights
+                    dist.broadcast(p.data, 0)
+
+            def __call__(self, *args):
+                return self.module(*args)
+
+            def parameters(self):
+                return self.module.parameters()
+
+            def finish_gradient_synchronization(self):
+                world = dist.get_world_size()
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+        return PerParameterDP(module)
+    return DDP(module, sync=sync)
+
+
 def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
     """Runs on every rank: the three measurements, then the training steps."""
     import time
@@ -55,7 +84,6 @@ def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
     import torch.distributed as dist
 
     from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel.data_parallel import DDP
 
     rank = dist.get_rank()
     cfg = GPTConfig(**cfg_kwargs)
@@ -81,7 +109,7 @@ def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
         ar.append((n, _median_time(lambda: dist.all_reduce(buf), repeats)))
     # 4. data-parallel training of the tiny GPT
     torch.manual_seed(0)
-    model = DDP(TinyGPT(cfg, seed=0), sync=sync)
+    model = _data_parallel(TinyGPT(cfg, seed=0), sync)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)          # random tokens: the timing does not care
     step_times = []
