@@ -36,6 +36,7 @@ API (stable: the planner and the book call these; one formula, one place)::
         algorithms at once, relative errors weighted equally by default.
         cores: ranks on one machine share its cores (see shared_cores); None: they do not.
     crossover_bytes(algo_a, algo_b, N, alpha, beta) -> n where both cost the same (or None)
+    measured_crossover(sizes, times_a, times_b) -> n where measured times cross (log interpolation)
 
 Sizes follow the nccl-tests convention: ``n`` is the size of the whole buffer
 (all-reduce's tensor, all-gather's output, reduce-scatter's input). The model
@@ -346,6 +347,20 @@ def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
     return n if n > 0 else None
 
 
+def measured_crossover(sizes, times_a, times_b):
+    """Where two measured curves cross: the first sign change of log(t_a / t_b) between
+    neighbouring sizes, interpolated on log(size). None if they never cross."""
+    pts = sorted(zip(sizes, times_a, times_b))
+    diffs = [(n, math.log(a / b)) for n, a, b in pts]
+    for (n0, d0), (n1, d1) in zip(diffs, diffs[1:]):
+        if d0 == 0:
+            return float(n0)
+        if (d0 < 0) != (d1 < 0):
+            f = d0 / (d0 - d1)
+            return float(math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0))))
+    return float(diffs[-1][0]) if diffs and diffs[-1][1] == 0 else None
+
+
 __all__ = sorted(COSTS) + [
     "COSTS", "COLLECTIVES", "cost", "coefficients", "shared_cores", "bus_factor", "volume_per_rank", "algbw", "busbw",
-    "Measurement", "AlphaBetaFit", "fit_alpha_beta", "crossover_bytes"]
+    "Measurement", "AlphaBetaFit", "fit_alpha_beta", "crossover_bytes", "measured_crossover"]

@@ -103,3 +103,11 @@ def test_shared_cores_slows_every_step_when_ranks_outnumber_cores():
     assert cm.fit_alpha_beta(ms).max_abs_rel_error > 0.3   # ignoring the sharing fits badly
     with pytest.raises(ValueError):
         cm.shared_cores(4, 0)
+
+
+def test_measured_crossover_interpolates_on_log_size():
+    sizes = [1 << 10, 1 << 12, 1 << 14]
+    tree, ring = [1.0, 2.0, 8.0], [2.0, 2.0 * 2 ** 0.5, 4.0]
+    n = cm.measured_crossover(sizes, tree, ring)
+    assert (1 << 12) < n < (1 << 14)   # log(tree / ring): -0.69, -0.35, +0.69
+    assert cm.measured_crossover(sizes, [1, 1, 1], [2, 2, 2]) is None

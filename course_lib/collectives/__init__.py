@@ -21,12 +21,11 @@ not divisible by N, non-contiguous tensors. Not supported: async_op (use torch's
 
 Rooms: core (group, counted send/recv, ops, agreement check), ring, tree (binomial
 tree, recursive doubling, dissemination barrier), naive (through a root, linear
-scatter/gather), all_to_all (pairwise exchange).
+scatter/gather), pairwise (all-to-all by pairwise exchange), measure (timing).
 """
 from __future__ import annotations
 
-from course_lib.collectives import all_to_all as _a2a
-from course_lib.collectives import naive, ring, tree
+from course_lib.collectives import naive, pairwise, ring, tree
 from course_lib.collectives.core import SUPPORTED_DTYPES, Comm, ReduceOp, TrafficCounter
 from course_lib.collectives.ring import ring_schedule, simulate_ring_all_reduce
 
@@ -39,8 +38,8 @@ ALGORITHMS = {
     "all_gather": {"ring": ring.all_gather},
     "broadcast": {"tree": tree.broadcast, "naive": naive.broadcast},
     "reduce": {"tree": tree.reduce, "naive": naive.reduce},
-    "all_to_all": {"pairwise": _a2a.all_to_all},
-    "all_to_all_single": {"pairwise": _a2a.all_to_all_single},
+    "all_to_all": {"pairwise": pairwise.all_to_all},
+    "all_to_all_single": {"pairwise": pairwise.all_to_all_single},
     "scatter": {"linear": naive.scatter},
     "gather": {"linear": naive.gather},
     "barrier": {"dissemination": tree.barrier},
@@ -109,4 +108,4 @@ def barrier(group=None, *, algorithm="dissemination", **kw):
 __all__ = ["ALGORITHMS", "ReduceOp", "TrafficCounter", "Comm", "SUPPORTED_DTYPES", "ring_schedule",
            "simulate_ring_all_reduce", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
            "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "all_to_all_single",
-           "scatter", "gather", "barrier", "ring", "tree", "naive"]
+           "scatter", "gather", "barrier", "ring", "tree", "naive", "pairwise"]

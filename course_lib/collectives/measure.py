@@ -17,6 +17,7 @@ sends as much as an all-reduce).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -73,17 +74,47 @@ def builtin_ops(n_bytes: int, collectives=("all_reduce",), group=None, dtype=tor
     return {c: make[c] for c in collectives}
 
 
-def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: int = 1, group=None):
-    """Inside ranks: costmodel Measurement rows of gloo's collectives (median of ``reps``)."""
+def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: int = 1, group=None,
+                    stat: str = "median"):
+    """Inside ranks: costmodel Measurement rows of gloo's collectives.
+
+    ``stat``: "median" of ``reps`` (what a run typically takes) or "min" (the
+    machine's capability, least disturbed by other programs).
+    """
     from course_lib.costmodel import Measurement
 
+    reduce_times = {"median": median, "min": min}[stat]
     N = dist.get_world_size(group)
     rows = []
     for n in sizes:
         ops = builtin_ops(n, collectives, group)
         for name, ts in time_ops(ops, reps, warmup, group).items():
-            rows.append(Measurement(BUILTIN_MODEL[name], n, N, median(ts)))
+            rows.append(Measurement(BUILTIN_MODEL[name], n, N, reduce_times(ts)))
     return rows
+
+
+@contextlib.contextmanager
+def simulated_link(alpha: float, beta: float):
+    """Inside a rank: give it a virtual network link of latency ``alpha`` s and ``1/beta`` B/s.
+
+    Every ``isend`` of our collectives first sleeps ``alpha + bytes * beta`` (the
+    time the message would occupy this rank's link), as a NIC would. Sleeping uses
+    no CPU, so ranks on different links really run in parallel, as on a cluster;
+    on a laptop the loopback "network" is the CPU copying bytes, which all ranks
+    share. Affects course_lib's collectives (they send through ``dist.isend``),
+    not gloo's built-ins.
+    """
+    original = dist.isend
+
+    def isend(tensor, *args, **kwargs):
+        time.sleep(alpha + tensor.numel() * tensor.element_size() * beta)
+        return original(tensor, *args, **kwargs)
+
+    dist.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = original
 
 
 def bytes_written() -> int | None:
@@ -112,5 +143,5 @@ def bytes_sent_by(fn, group=None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "bytes_written",
-           "bytes_sent_by"]
+__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "simulated_link",
+           "bytes_written", "bytes_sent_by"]

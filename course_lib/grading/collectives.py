@@ -357,7 +357,8 @@ def _fit_cases():
                     wobble = 1 + noise * (1 if k % 2 else -1) * ((k % 3) / 2)
                     rows.append((n, N, costmodel.ring_all_reduce(n, N, alpha, beta) * wobble))
             cases.append(Case(dict(rows=rows), 1, f"alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/B, "
-                                                   f"noise={noise:.0%}, {len(rows)} points"))
+                                                   f"noise={noise:.0%}, {len(rows)} points on world_sizes "
+                                                   f"{'/'.join(map(str, worlds))}"))
     return cases
 
 

@@ -182,14 +182,17 @@ def measured_vs_model(measurements, fit, title=None):
     ax.set_yscale("log")
     _size_axis(ax, sizes)
     ax.set_ylabel("time (ms)")
-    ax.set_title(title or f"measured (points) vs alpha-beta model (lines)\n{fit}", fontsize=9)
+    shared = f", ranks sharing {fit.cores} cores" if getattr(fit, "cores", None) else ""
+    ax.set_title(title or (f"measured (points) vs alpha-beta model (lines)\nalpha = {fit.alpha * 1e6:.1f} us, "
+                           f"beta = {fit.beta * 1e9:.3f} ns/B{shared}"), fontsize=9)
     ax.legend(fontsize=7)
     _size_axis(ax2, sizes)
     ax2.axhline(0, color="0.3", lw=0.8)
     for lim in (-25, 25):
         ax2.axhline(lim, color="0.6", lw=0.8, ls="--")
     ax2.set_ylabel("model error (%)")
-    ax2.set_title("(predicted - measured) / measured", fontsize=9)
+    ax2.set_title(f"(predicted - measured) / measured: |error| median {fit.median_abs_rel_error:.0%}, "
+                  f"max {fit.max_abs_rel_error:.0%}", fontsize=9)
     fig.tight_layout()
     return fig
 
