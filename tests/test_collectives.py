@@ -174,18 +174,21 @@ def subgroups_and_counts():
     counter.reset()
     C.all_gather_into_tensor(torch.empty(n), torch.ones(12), counter=counter)
     ag = counter.bytes_sent
-    return x[0].item(), y[0].item(), outside, ar, rs, ag
+    from course_lib.collectives import measure
+    gloo_ar = measure.bytes_sent_by(lambda: dist.all_reduce(torch.ones(n)))  # the kernel's count
+    return x[0].item(), y[0].item(), outside, ar, rs, ag, gloo_ar
 
 
 def test_subgroups_and_byte_counts():
     N = 5
     res = launch(subgroups_and_counts, N, quiet=True)
-    for r, (x, y, outside, ar, rs, ag) in enumerate(res):
+    for r, (x, y, outside, ar, rs, ag, gloo_ar) in enumerate(res):
         members = [q for q in range(N) if q % 2 == r % 2]
         assert x == sum(members) and y == members[-1]
         assert outside is None if r % 2 == 0 else outside == "member"
         n_bytes = 12 * N * 4
         assert ar == 2 * (N - 1) * n_bytes // N and rs == ag == (N - 1) * n_bytes // N
+        assert gloo_ar is None or ar <= gloo_ar < ar + 4096   # gloo's ring: same payload + headers
 
 
 def bad_inputs():
@@ -246,3 +249,56 @@ def test_ring_schedule_and_symbolic_run():
             assert sorted(ring_schedule(N, "reduce_scatter", r, s)[0] for r in range(N)) == list(range(N))
     with pytest.raises(ValueError):
         ring_schedule(4, "broadcast", 0, 0)
+
+
+# ----------------------------------------------------------------------------- the graders
+
+
+def _whole_buffer_ring(tensor):
+    """Correct sums, but the whole buffer goes around: the byte check must catch it."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total, cur, buf = tensor.clone(), tensor.clone(), torch.empty_like(tensor)
+    for _ in range(world - 1):
+        reqs = [dist.isend(cur, (rank + 1) % world), dist.irecv(buf, (rank - 1) % world)]
+        for q in reqs:
+            q.wait()
+        total += buf
+        cur = buf.clone()
+    tensor.copy_(total)
+
+
+def _deadlocking_ring(tensor):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.recv(tensor, (rank - 1) % world)   # everyone waits to receive first
+    dist.send(tensor, (rank + 1) % world)
+
+
+def test_graders_name_the_mistake_in_one_line(capsys):
+    from course_lib.grading import collectives as G
+
+    assert not G.check_ring_all_reduce(_whole_buffer_ring)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("ring_all_reduce: FAILED case") and "not the whole buffer" in line
+    assert "\n" not in line
+    assert not G.check_ring_all_reduce(_deadlocking_ring, timeout=4)
+    line = capsys.readouterr().out.strip()
+    assert "deadlock: rank 0 waits in recv from rank 1, called from _deadlocking_ring()" in line
+    assert "rank 1 waits in recv from rank 0" in line
+
+
+def test_fit_grader_accepts_the_relative_least_squares(capsys):
+    import numpy as np
+
+    from course_lib.grading import collectives as G
+
+    def fit(ms):
+        rows = [[2 * (N - 1) / t, 2 * (N - 1) / N * n / t] for n, N, t in ms]
+        return tuple(np.linalg.lstsq(np.array(rows), np.ones(len(rows)), rcond=None)[0])
+
+    assert G.check_fit_alpha_beta(fit)
+    assert capsys.readouterr().out.strip() == "fit_alpha_beta: 6/6 cases passed"
+    assert not G.check_fit_alpha_beta(lambda ms: (0.0, 1e-9))
