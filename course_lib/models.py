@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -223,8 +224,8 @@ class Attention(nn.Module):
             cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
-        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
-        self.register_buffer("causal_mask", mask, persistent=False)
+        future = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)  # True above the diagonal
+        self.register_buffer("future_mask", future, persistent=False)
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
         b, s, h = x.shape
@@ -237,7 +238,7 @@ class Attention(nn.Module):
             k = apply_rotary(k, self.cos[:s], self.sin[:s])
         q = q.reshape(b, kv, (a // kv) * s, d)             # (b, kv, group * s, d): a group's queries
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (b, kv, group * s, s)
-        scores = scores.view(b, a, s, s).masked_fill(~self.causal_mask[:s, :s], float("-inf"))
+        scores = scores.view(b, a, s, s).masked_fill(self.future_mask[:s, :s], float("-inf"))
         att = self.attn_dropout(F.softmax(scores, dim=-1))  # (b, a, s, s)
         y = att.view(b, kv, (a // kv) * s, s) @ v           # (b, kv, group * s, d)
         y = y.view(b, a, s, d).transpose(1, 2).reshape(b, s, h)
@@ -346,10 +347,89 @@ class TinyGPT(nn.Module):
         return logits, loss
 
 
+# ----------------------------------------------------------------------------- measuring memory
+
+
+class SavedTensor(NamedTuple):
+    saved_by: str        # submodule(s) whose forward saved it, e.g. "attn.wq,attn.wk,attn.wv"
+    made_by: str         # autograd node that produced it ("-": a mask or other constant)
+    shape: tuple
+    dtype: torch.dtype
+    nbytes: int          # bytes of the underlying storage, counted once
+    refs: int            # how many times autograd saved (a view of) this storage
+
+
+def saved_activations(module: nn.Module, *inputs):
+    """Run ``module(*inputs)`` and list what autograd keeps for backward, one row per storage.
+
+    A ``saved_tensors_hooks`` pack hook sees every tensor an op saves. Many saved
+    tensors share a storage (the normed input of W_q, W_k and W_v is one tensor;
+    a view shares its base's bytes), so rows are unique storages: the bytes really
+    held. The module's own parameters and buffers are not activations and are left out.
+    Returns ``(output, rows)``.
+    """
+    constant = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    where, hooks, rows = [""], [], {}
+
+    def enter(name):
+        return lambda mod, args: where.append(name)  # returns None: inputs unchanged
+
+    def leave(mod, args, out):
+        where.pop()  # returns None: output unchanged
+
+    for name, sub in module.named_modules():
+        hooks.append(sub.register_forward_pre_hook(enter(name)))
+        hooks.append(sub.register_forward_hook(leave))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in constant:
+            return t
+        if key in rows:
+            row = rows[key]
+            saved_by = row.saved_by if where[-1] in row.saved_by.split(",") else f"{row.saved_by},{where[-1]}"
+            rows[key] = row._replace(refs=row.refs + 1, saved_by=saved_by)
+        else:
+            made_by = type(t.grad_fn).__name__.replace("Backward0", "") if t.grad_fn is not None else "-"
+            rows[key] = SavedTensor(where[-1] or "(top)", made_by, tuple(t.shape), t.dtype, storage.nbytes(), 1)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, list(rows.values())
+
+
+def training_state_bytes(model: nn.Module, optimizer=None) -> dict:
+    """Bytes of parameters, gradients and optimizer state, counting each storage once
+    (a tied weight is one tensor; a frozen parameter has no gradient)."""
+    def total(tensors):
+        seen = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    state = []
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state.extend(per_param.values())
+    out = {"params": total(params), "grads": total(p.grad for p in params if p.grad is not None),
+           "optimizer": total(state)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
 def n_params(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of distinct parameter elements (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 __all__ = ["MLP", "SmallCNN", "GPTConfig", "TinyGPT", "Block", "Attention", "SwiGLU", "GeLUMLP",
-           "RMSNorm", "Dropout", "rotary_tables", "apply_rotary", "init_uniform_", "n_params"]
+           "RMSNorm", "Dropout", "rotary_tables", "apply_rotary", "init_uniform_", "n_params",
+           "SavedTensor", "saved_activations", "training_state_bytes"]

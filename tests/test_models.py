@@ -5,6 +5,15 @@ import torch
 from course_lib.models import MLP, GPTConfig, SmallCNN, TinyGPT, n_params
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one intra-op thread is as fast, and immune to oversubscribed cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_tinygpt_shapes_and_loss():
     model = TinyGPT(seed=0)
     idx = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
@@ -48,7 +57,7 @@ def test_variants_run_backward(cfg):
         assert model.lm_head.weight is model.tok_emb.weight
 
 
-def test_gqa_with_one_group_equals_full_attention_of_repeated_kv():
+def test_grouped_query_attention_equals_attention_with_repeated_kv():
     cfg = GPTConfig(n_layers=1, n_kv_heads=2)
     model = TinyGPT(cfg, seed=0).eval()
     attn = model.blocks[0].attn
@@ -117,3 +126,38 @@ def test_tinygpt_overfits_one_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.5 * first
+
+
+def test_saved_activations_counts_unique_storages_and_leaves_output_alone():
+    from course_lib.models import saved_activations
+    from course_lib.planner.formulas import activation_bytes_per_layer
+
+    s, b = 32, 2
+    cfg = GPTConfig(block="gpt2", dropout=0.1, n_layers=1, seq_len=s)
+    block = TinyGPT(cfg, seed=0).to(torch.bfloat16).train().blocks[0]
+    x = torch.randn(b, s, cfg.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out, rows = saved_activations(block, x.requires_grad_() * 1.0)
+    assert isinstance(out, torch.Tensor) and out.shape == (b, s, cfg.hidden)
+    big = sum(r.nbytes for r in rows if r.shape[-1] != 1)
+    assert big == activation_bytes_per_layer(s, b, cfg.hidden, cfg.n_heads)  # Korthikanti, byte for byte
+    assert sum(r.nbytes for r in rows if r.shape[-1] == 1) == 4 * 2 * b * s  # LayerNorm mean, rstd
+    assert any(r.refs == 3 for r in rows)  # the normed input of W_q, W_k, W_v: one storage
+
+    llama = TinyGPT(GPTConfig(n_layers=1, seq_len=s, n_kv_heads=2), seed=0).to(torch.bfloat16).train()
+    h, a, kv, f = 64, 4, 2, llama.config.ffn_hidden
+    _, rows = saved_activations(llama.blocks[0], x * 1.0)
+    assert sum(r.nbytes for r in rows) == s * b * h * (16 + 4 * kv / a + 8 * f / h + 2 * a * s / h) + 2 * 2 * b * s
+
+
+def test_training_state_bytes_counts_tied_once_and_skips_missing_grads():
+    from course_lib.models import training_state_bytes
+
+    m = MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    m(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    trainable_used = [p for p in m.parameters() if p.grad is not None]
+    got = training_state_bytes(m, opt)
+    assert got["params"] == 4 * n_params(m)
+    assert got["grads"] == 4 * sum(p.numel() for p in trainable_used)
+    assert got["optimizer"] == sum(8 * p.numel() + 4 for p in trainable_used)  # m, v, step
