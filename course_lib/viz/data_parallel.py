@@ -1,0 +1,70 @@
+"""Figures of chapters 3-4 (data parallelism, ZeRO, FSDP)."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from course_lib.trace import Span
+from course_lib.viz.timeline import KIND_COLORS, timeline
+
+CATEGORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_state": "#55A868"}
+
+
+def overlap_timeline(spans, title=None, ranks=None, **kwargs):
+    """Each rank on two lanes, compute above communication, so overlap is visible.
+
+    Async collectives run on the backend's threads while the rank computes: on one lane
+    their spans would hide the compute spans they overlap.
+    """
+    spans = list(spans)
+    ranks = sorted({s.rank for s in spans}) if ranks is None else list(ranks)
+    lanes, names = [], {}
+    for k, r in enumerate(ranks):
+        names[2 * k], names[2 * k + 1] = f"rank {r} compute", f"rank {r} comm"
+        for s in spans:
+            if s.rank == r:
+                lane = 2 * k + (1 if s.kind == "comm" else 0)
+                lanes.append(Span(lane, s.name, s.kind, s.start, s.end))
+    kwargs.setdefault("figsize", (10, 0.45 * len(names) + 1.4))
+    return timeline(lanes, title=title, ranks=sorted(names), row_names=names, **kwargs)
+
+
+def memory_bars(rows, title="bytes per rank: measured (bars) and ZeRO formula (black line)"):
+    """Stacked bars of measured model states per (config, ranks), formula as a tick.
+
+    rows: dicts with ``label`` (e.g. "ZeRO-2, N=4"), ``parameters``, ``gradients``,
+    ``optimizer_state`` (bytes, measured) and ``formula`` (bytes).
+    """
+    rows = list(rows)
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(rows) + 2), 3.6))
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for cat, color in CATEGORY_COLORS.items():
+        vals = [r[cat] / 2**20 for r in rows]
+        ax.bar(x, vals, bottom=bottom, color=color, label=cat.replace("_", " "), width=0.7)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        ax.plot([i - 0.4, i + 0.4], [r["formula"] / 2**20] * 2, color="black", lw=2)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([r["label"] for r in rows], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def step_time_bars(times, title="median step time"):
+    """``times``: {label: seconds}. One bar each, compute-coloured."""
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    labels = list(times)
+    ax.barh(labels, [times[k] * 1e3 for k in labels], color=KIND_COLORS["compute"])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["overlap_timeline", "memory_bars", "step_time_bars", "CATEGORY_COLORS"]

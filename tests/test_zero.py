@@ -1,0 +1,126 @@
+"""ZeRO-1 / ZeRO-2 (course_lib/parallel/zero.py) against plain AdamW on one device."""
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib import launch
+from course_lib.models import MLP
+from course_lib.parallel.zero import ShardedOptimizer
+
+SIZES = (16, 32, 16, 32)
+AWKWARD = dict(frozen=(1,), shared=True, unused=True)
+BATCH, STEPS = 24, 5
+LR, WD = 1e-2, 0.1
+
+
+def make_data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X, Y = torch.randn(BATCH, SIZES[0], generator=g), torch.randn(BATCH, SIZES[-1], generator=g)
+    return X, Y, [torch.randperm(BATCH, generator=g) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(micro=1, tiny=False):
+    model = nn.Linear(1, 1) if tiny else MLP(SIZES, seed=0, **AWKWARD)
+    if tiny:
+        with torch.no_grad():
+            model.weight.fill_(0.5), model.bias.fill_(-0.25)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    X, Y, perms = make_data()
+    if tiny:
+        X, Y = X[:, :1], Y[:, :1]
+    for perm in perms:
+        for x, y in zip(X[perm].chunk(micro), Y[perm].chunk(micro)):
+            (F.mse_loss(model(x), y) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def rank_checks():
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    X, Y, perms = make_data()
+    out = {}
+    for stage in (1, 2):
+        for micro, cap, tiny in ((1, 0.001, False), (2, 25, False), (1, 25, True)):
+            if tiny:  # 2 elements: with 4 ranks, two of them own nothing
+                model = nn.Linear(1, 1)
+                with torch.no_grad():
+                    model.weight.fill_(0.5 + rank), model.bias.fill_(-0.25)  # differs until broadcast
+                x_all, y_all = X[:, :1], Y[:, :1]
+            else:
+                model = MLP(SIZES, seed=rank, **AWKWARD)
+                x_all, y_all = X, Y
+            opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_cap_mb=cap,
+                                   lr=LR, weight_decay=WD)
+            grads_kept = []
+            for perm in perms:
+                xs = x_all[perm].chunk(world)[rank].chunk(micro)
+                ys = y_all[perm].chunk(world)[rank].chunk(micro)
+                for x, y in zip(xs, ys):
+                    (F.mse_loss(model(x), y) / micro).backward()
+                grads_kept.append(sum(p.grad is not None for p in model.parameters()))
+                opt.step()
+                opt.zero_grad()
+            state_numel = sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim())
+            out[stage, micro, tiny] = dict(state=model.state_dict(), sent=opt.comm.bytes_sent(),
+                                           grads_kept=grads_kept, state_numel=state_numel)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {n: launch(rank_checks, n, timeout=120) for n in (1, 2, 3, 4)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("micro,tiny", [(1, False), (2, False), (1, True)])
+def test_matches_adamw(runs, world, stage, micro, tiny):
+    ref = reference(micro, tiny)
+    for result in runs[world]:
+        got = result[stage, micro, tiny]["state"]
+        for name in ref:
+            if world == 1:
+                assert torch.equal(got[name], ref[name]), name
+            else:
+                torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_state_and_gradients(runs, world):
+    trainable = sum(p.numel() for p in MLP(SIZES, **AWKWARD).parameters() if p.requires_grad)
+    unused = SIZES[-1]  # never used: no Adam state anywhere, as on one device
+    for stage in (1, 2):
+        numel = [r[stage, 1, False]["state_numel"] for r in runs[world]]
+        assert sum(numel) == 2 * (trainable - unused)  # exp_avg + exp_avg_sq, each element once
+        assert max(numel) < 2 * trainable  # ... split over the ranks
+    # ZeRO-2 frees every full-size gradient during backward: none is left for step()
+    assert all(k == 0 for k in runs[world][0][2, 1, False]["grads_kept"])
+    assert all(k > 0 for k in runs[world][0][1, 1, False]["grads_kept"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_sent_is_2P(runs, world):
+    """reduce-scatter (gradients) + all-gather (parameters): 2 (N-1)/N P, as DDP."""
+    model = MLP(SIZES, **AWKWARD)
+    params = [p for p in model.parameters() if p.requires_grad]
+    shard = -(-sum(p.numel() for p in params) // world)  # one 25 MiB bucket, padded
+    per_step = 2 * (world - 1) / world * shard * world * 4 + 2 * (world - 1) / world * len(params) * 4
+    assert runs[world][0][1, 2, False]["sent"] == pytest.approx(STEPS * per_step)
+    assert runs[world][0][2, 1, False]["sent"] >= STEPS * 2 * (world - 1) / world * shard * world * 4
+
+
+def test_bad_input():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="stage"):
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=3)
+    with pytest.raises(TypeError, match="optimizer_cls"):
+        ShardedOptimizer(model.parameters(), "adamw")
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=0)
