@@ -1,10 +1,12 @@
 """Calibrate the planner on this machine and predict a real data-parallel run.
 
 One ``launch`` of ``world_size`` gloo ranks measures, all ranks at once (so they share
-the cores exactly as in training):
+the cores exactly as in training), between the training steps of 4:
 
-1. the matmul rate: the tiny GPT's own GEMM shapes, forward, FLOP/s per rank;
-2. the memory bandwidth: a large copy, bytes/s per rank;
+1. the matmul rate: the tiny GPT's own matmuls (its linear layers, the head, and
+   attention's batched QK^T and AV), forward and backward, FLOP/s per rank;
+2. the memory bandwidth that small elementwise kernels reach (with autograd) on tensors
+   of the activations' size, bytes/s per rank;
 3. all-reduce times over a range of sizes, from which alpha and beta are fitted with
    ``costmodel.fit_alpha_beta`` (as in the collectives chapter);
 4. the real thing: steps of the course's data-parallel training (``DDP`` from
@@ -77,7 +79,8 @@ def _data_parallel(module, sync):
 
 
 def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
-    """Runs on every rank: the three measurements, then the training steps."""
+    """Runs on every rank. The rates are measured between the training steps, so both
+    see the same load on the machine; all ranks run each phase together (barriers)."""
     import time
 
     import torch
@@ -85,36 +88,53 @@ def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
 
     from course_lib.models import GPTConfig, TinyGPT
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kwargs)
-    tokens = batch * cfg.seq_len
-    # 1. matmul rate on the model's GEMMs: (tokens, h) x (h, out) for each linear layer
-    shapes = [(cfg.hidden, cfg.hidden)] * 2 + [(cfg.hidden, cfg.n_kv_heads * cfg.head_dim)] * 2 + \
-        [(cfg.hidden, cfg.ffn_hidden)] * (2 if cfg.block == "llama" else 1) + [(cfg.ffn_hidden, cfg.hidden)] + \
-        [(cfg.hidden, cfg.vocab_size)]
+    tokens, s, d = batch * cfg.seq_len, cfg.seq_len, cfg.head_dim
     gen = torch.Generator().manual_seed(rank)
-    mats = [(torch.randn(tokens, k, generator=gen), torch.randn(k, n, generator=gen)) for k, n in shapes]
-    flops = sum(2 * tokens * k * n for k, n in shapes)
-    dist.barrier()
-    t_mm = _median_time(lambda: [a @ b for a, b in mats], repeats)
-    # 2. memory bandwidth: copy 32 MiB (read + write)
-    src, dst = torch.randn(2**23), torch.empty(2**23)
-    dist.barrier()
-    t_copy = _median_time(lambda: dst.copy_(src), repeats)
-    # 3. all-reduce times
+    # the model's own matmuls, forward and backward (autograd, as in training): each
+    # linear layer of one transformer layer, the head, and attention's batched QK^T and AV
+    shapes = [(cfg.hidden, cfg.hidden)] * 2 + [(cfg.hidden, cfg.n_kv_heads * d)] * 2 + \
+        [(cfg.hidden, cfg.ffn_hidden)] * (2 if cfg.block == "llama" else 1) + \
+        [(cfg.ffn_hidden, cfg.hidden), (cfg.hidden, cfg.vocab_size)]
+    mats = [(torch.randn(tokens, k, generator=gen, requires_grad=True),
+             torch.randn(k, n, generator=gen, requires_grad=True)) for k, n in shapes]
+    q = torch.randn(batch * cfg.n_heads, s, d, generator=gen, requires_grad=True)
+    k_t = torch.randn(batch * cfg.n_heads, d, s, generator=gen, requires_grad=True)
+    flops = sum(6 * tokens * k * n for k, n in shapes) + 2 * 6 * batch * cfg.n_heads * s * s * d
+
+    def matmuls():
+        outs = [a @ b for a, b in mats]
+        att = torch.bmm(q, k_t)                     # (b * heads, s, s)
+        outs += [att, torch.bmm(att, q)]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    # the memory-bound side: a chain of elementwise kernels with autograd on a tensor of
+    # the activations' size, (tokens, hidden) fp32; forward reads and writes each tensor
+    # once, backward reads two and writes one: 5 tensor-sizes per kernel. On a CPU in
+    # eager mode each small kernel also pays its dispatch, which this bandwidth includes.
+    act = torch.randn(tokens, cfg.hidden, generator=gen, requires_grad=True)
+    chain = 8
+
+    def elementwise():
+        y = act
+        for _ in range(chain):
+            y = torch.nn.functional.silu(y)
+        y.backward(torch.ones_like(y))
+
+    # alpha and beta: all-reduce times over a range of sizes
     ar = []
     for n in ALLREDUCE_SIZES:
         buf = torch.ones(n // 4)
         dist.barrier()
         ar.append((n, _median_time(lambda: dist.all_reduce(buf), repeats)))
-    # 4. data-parallel training of the tiny GPT
+    # data-parallel training of the tiny GPT, with the rates measured between steps
     torch.manual_seed(0)
     model = _data_parallel(TinyGPT(cfg, seed=0), sync)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)          # random tokens: the timing does not care
-    step_times = []
-    for _ in range(steps + 1):
-        xy = torch.randint(0, cfg.vocab_size, (dist.get_world_size(), batch, cfg.seq_len + 1), generator=gen)[rank]
+    step_times, mm_times, copy_times = [], [], []
+    for _ in range(steps + 1):                      # the first round warms up
+        xy = torch.randint(0, cfg.vocab_size, (world, batch, cfg.seq_len + 1), generator=gen)[rank]
         x, y = xy[:, :-1], xy[:, 1:]
         dist.barrier()
         t0 = time.perf_counter()
@@ -124,12 +144,16 @@ def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
-    return {"matmul_flops": flops / t_mm, "copy_bandwidth": 2 * src.numel() * 4 / t_copy,
-            "allreduce": ar, "step_times": step_times[1:]}
+        dist.barrier()
+        mm_times.append(_median_time(matmuls, repeats))
+        dist.barrier()
+        copy_times.append(_median_time(elementwise, repeats))
+    return {"matmul_flops": flops, "matmul_times": mm_times[1:], "copy_bytes": 5 * chain * act.numel() * 4,
+            "copy_times": copy_times[1:], "allreduce": ar, "step_times": step_times[1:]}
 
 
 def machine_hardware(measured: dict, world_size: int) -> Hardware:
-    """A Hardware for this machine from the measurements (medians over the ranks).
+    """A Hardware for this machine from the measurements (the slowest rank, median over rounds).
     Activations and gradients are fp32 here: the planner's bf16 byte counts are
     doubled through the bandwidths (half the bandwidth, the same seconds)."""
     fit = measured["fit"]
@@ -155,13 +179,16 @@ def calibrate(cfg, world_size: int = 4, batch: int = 8, steps: int = 5, repeats:
     rows = [costmodel.Measurement("ring_all_reduce", n, world_size, statistics.median(r["allreduce"][i][1]
                                                                                         for r in res))
             for i, n in enumerate(ALLREDUCE_SIZES)]
+    def slowest(key):
+        # a data-parallel step runs at the pace of its slowest rank: per round, the
+        # slowest rank's time; then the median over rounds
+        return statistics.median(max(r[key][k] for r in res) for k in range(steps))
     measured = {
-        "matmul_flops": statistics.median(r["matmul_flops"] for r in res),
-        "copy_bandwidth": statistics.median(r["copy_bandwidth"] for r in res),
+        "matmul_flops": res[0]["matmul_flops"] / slowest("matmul_times"),
+        "copy_bandwidth": res[0]["copy_bytes"] / slowest("copy_times"),
         "allreduce": rows,
         "fit": costmodel.fit_alpha_beta(rows),
-        # a step ends when the slowest rank is done
-        "step_time": statistics.median(max(r["step_times"][k] for r in res) for k in range(steps)),
+        "step_time": slowest("step_times"),
     }
     hw = machine_hardware(measured, world_size)
     spec = model_spec(cfg)

@@ -26,7 +26,7 @@ MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
 TIME_KINDS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "zero", "bubble", "dp", "optimizer")
 
 
-@dataclass
+@dataclass(repr=False)
 class Estimate:
     model: ModelSpec
     hardware: Hardware
@@ -53,6 +53,11 @@ class Estimate:
     @property
     def tokens_per_second(self) -> float:
         return self.layout.global_batch * (self.layout.seq_len or self.model.seq_len) / self.step_time
+
+    def __repr__(self) -> str:
+        return (f"<Estimate {self.model.name}, {self.layout.n_gpus} x {self.hardware.name}, "
+                f"{self.layout.describe()}: {self.memory['total'] / GiB:.1f} GiB/GPU, step "
+                f"{self.step_time:.4g} s, MFU {self.mfu:.1%}{'' if self.fits else ', does not fit'}>")
 
     def summary(self) -> str:
         mem = ", ".join(f"{k} {self.memory[k] / GiB:.1f}" for k in MEMORY_KINDS)

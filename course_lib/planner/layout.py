@@ -152,5 +152,3 @@ def group_span(layout: Layout, dim: str) -> int:
 def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:
     """True if every ring of ``dim`` stays inside one node (NVLink)."""
     return group_span(layout, dim) <= hw.gpus_per_node
-
-
