@@ -404,27 +404,6 @@ def saved_activations(module: nn.Module, *inputs):
     return out, list(rows.values())
 
 
-def training_state_bytes(model: nn.Module, optimizer=None) -> dict:
-    """Bytes of parameters, gradients and optimizer state, counting each storage once
-    (a tied weight is one tensor; a frozen parameter has no gradient)."""
-    def total(tensors):
-        seen = {}
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
-
-    params = list(model.parameters())
-    state = []
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state.extend(per_param.values())
-    out = {"params": total(params), "grads": total(p.grad for p in params if p.grad is not None),
-           "optimizer": total(state)}
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
-
-
 def n_params(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of distinct parameter elements (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
@@ -432,4 +411,4 @@ def n_params(model: nn.Module, trainable_only: bool = False) -> int:
 
 __all__ = ["MLP", "SmallCNN", "GPTConfig", "TinyGPT", "Block", "Attention", "SwiGLU", "GeLUMLP",
            "RMSNorm", "Dropout", "rotary_tables", "apply_rotary", "init_uniform_", "n_params",
-           "SavedTensor", "saved_activations", "training_state_bytes"]
+           "SavedTensor", "saved_activations"]

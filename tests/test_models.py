@@ -147,17 +147,3 @@ def test_saved_activations_counts_unique_storages_and_leaves_output_alone():
     h, a, kv, f = 64, 4, 2, llama.config.ffn_hidden
     _, rows = saved_activations(llama.blocks[0], x * 1.0)
     assert sum(r.nbytes for r in rows) == s * b * h * (16 + 4 * kv / a + 8 * f / h + 2 * a * s / h) + 2 * 2 * b * s
-
-
-def test_training_state_bytes_counts_tied_once_and_skips_missing_grads():
-    from course_lib.models import training_state_bytes
-
-    m = MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
-    m(torch.randn(2, 16)).sum().backward()
-    opt.step()
-    trainable_used = [p for p in m.parameters() if p.grad is not None]
-    got = training_state_bytes(m, opt)
-    assert got["params"] == 4 * n_params(m)
-    assert got["grads"] == 4 * sum(p.numel() for p in trainable_used)
-    assert got["optimizer"] == sum(8 * p.numel() + 4 for p in trainable_used)  # m, v, step

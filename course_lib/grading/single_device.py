@@ -58,11 +58,12 @@ _STATE_CASES = [
 
 def check_state_bytes(state_bytes) -> bool:
     """``state_bytes(model, optimizer) -> {"params": int, "grads": int, "optimizer": int}``."""
-    from course_lib.models import training_state_bytes
+    from course_lib.memory import model_state_bytes
 
     def run_case(case):
         model, opt = _state_case(case.params["kind"])
-        expected = training_state_bytes(model, opt)
+        held = model_state_bytes(model, opt)
+        expected = {"params": held["parameters"], "grads": held["gradients"], "optimizer": held["optimizer_state"]}
         got = state_bytes(model, opt)
         if not isinstance(got, dict):
             return f"expected a dict with keys params, grads, optimizer; got {type(got).__name__}"
