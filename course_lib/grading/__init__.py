@@ -31,7 +31,7 @@ class Case:
     label: str = ""
 
     def describe(self) -> str:
-        parts = [f"world_size={self.world_size}"] if self.world_size > 1 or "world_size" not in self.label else []
+        parts = [f"world_size={self.world_size}"] if self.world_size > 1 and "world_size" not in self.label else []
         if self.label:
             parts.append(self.label)
         return ", ".join(parts)
