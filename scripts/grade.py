@@ -31,6 +31,8 @@ import copy
 import csv
 import glob
 import os
+import re
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -56,6 +58,7 @@ class NotebookGrade:
     path: str
     questions: list = field(default_factory=list)
     error: str = ""  # the notebook could not be run at all (bad JSON, dead kernel, ...)
+    note: str = ""
     seconds: float = 0.0
 
     @property
@@ -165,7 +168,9 @@ def execute(nb, cwd: str, timeout: int):
     km = KernelManager(kernel_name="python3", kernel_spec_manager=current_env_kernel_specs())
     client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
                             record_timing=False, resources={"metadata": {"path": cwd}})
-    client.execute()
+    # The kernel's own stderr (ipykernel start-up notices) is noise in a score table; what
+    # the cells print reaches us through the kernel's messages, not through this stream.
+    client.execute(stderr=subprocess.DEVNULL)
 
 
 def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 300) -> NotebookGrade:
@@ -177,9 +182,11 @@ def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 3
         grade.error = f"cannot read notebook: {type(exc).__name__}: {exc}"
         return grade
     reference = learner
-    ref_path = os.path.join(reference_dir, os.path.basename(path)) if reference_dir else None
-    if ref_path and os.path.exists(ref_path) and os.path.abspath(ref_path) != os.path.abspath(path):
+    ref_path = reference_for(path, reference_dir) if reference_dir else None
+    if ref_path and os.path.abspath(ref_path) != os.path.abspath(path):
         reference = nbformat.read(ref_path, as_version=4)
+    elif reference_dir:
+        grade.note = "no reference notebook: expected lines taken from the notebook itself"
     nb, plan = prepare(learner, reference)
     if not plan:
         grade.error = "no check cells (# NBVAL_CHECK_OUTPUT) to grade"
@@ -195,6 +202,18 @@ def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 3
             grade.questions.append(Question(question_name(expected, k), ok, _first_line(got)))
     grade.seconds = time.perf_counter() - started
     return grade
+
+
+def reference_for(path: str, reference_dir: str) -> str | None:
+    """The solution notebook a learner's file answers: same name, give or take the
+    'Copy of ' that Colab's "Save a copy in Drive" adds and a ' (1)' from a re-download."""
+    name = os.path.basename(path)
+    candidates = [name, re.sub(r"^Copy of ", "", re.sub(r"\s*\(\d+\)(?=\.ipynb$)", "", name))]
+    for candidate in candidates:
+        ref = os.path.join(reference_dir, candidate)
+        if os.path.exists(ref):
+            return ref
+    return None
 
 
 def find_notebooks(paths):
@@ -215,8 +234,9 @@ def table(grades, base: str) -> str:
     for g in grades:
         label = os.path.relpath(g.path, base) if base else g.path
         marks = "  ".join(f"{q.name} {'ok' if q.passed else 'FAIL'}" for q in g.questions)
-        if g.error:
-            marks = (marks + "  " if marks else "") + f"[{g.error}]"
+        for extra in (g.error, g.note):
+            if extra:
+                marks = (marks + "  " if marks else "") + f"[{extra}]"
         rows.append((label, f"{g.passed}/{g.total}", marks))
     width = max([len("notebook")] + [len(r[0]) for r in rows])
     lines = [f"{'notebook':<{width}}  score  questions", f"{'-' * width}  -----  ---------"]

@@ -1,16 +1,65 @@
 """Shared paths and helpers for the tests of the book, the notebooks and the exercises."""
 from __future__ import annotations
 
+import functools
 import glob
 import os
+import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 if SCRIPTS not in sys.path:  # generate_exercises, grade, colab_cell are plain scripts
     sys.path.insert(0, SCRIPTS)
 
+SANITIZE = os.path.join(ROOT, "tests", "nbval_sanitize.cfg")
+CELL_TIMEOUT = 300      # seconds per cell: a cell may start several multi-process launches
+NOTEBOOK_TIMEOUT = 900  # seconds per notebook, so a hang cannot stall the suite
+
 
 def notebooks_in(folder: str) -> list[str]:
     """Repository-relative paths of the notebooks directly in ``folder`` (sorted)."""
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, folder, "*.ipynb")))
+
+
+@dataclass
+class NbvalRun:
+    returncode: int
+    log: str
+    cells: dict = field(default_factory=dict)  # nbval's "Cell N" (N counts code cells) -> outcome
+
+    def outcome(self, code_cell: int) -> str:
+        return self.cells.get(code_cell, "not run")
+
+
+def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT) -> NbvalRun:
+    """``pytest --nbval`` (strict: every output compared, sanitized) or ``--nbval-lax``
+    (only check cells compared) on one notebook, in a subprocess: a fresh kernel of this
+    Python environment whose cwd is the notebook's folder."""
+    options = ["--nbval", f"--nbval-sanitize-with={SANITIZE}"] if mode == "strict" else ["--nbval-lax"]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "junit.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
+               *options, path]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL)
+        cells = {}
+        if os.path.exists(report):
+            for case in ET.parse(report).iter("testcase"):
+                name = case.get("name", "")
+                if name.startswith("Cell "):
+                    tags = {child.tag for child in case}
+                    cells[int(name.split()[1])] = ("failed" if tags & {"failure", "error"} else
+                                                   "skipped" if "skipped" in tags else "passed")
+    return NbvalRun(result.returncode, result.stdout + result.stderr, cells)
+
+
+@functools.lru_cache(maxsize=None)
+def nbval_strict(path: str) -> NbvalRun:
+    """The strict run of a notebook, once per session: tests/test_notebooks.py checks every
+    output with it, tests/test_exercises.py reads the solution's check cells from it."""
+    return run_nbval(path, "strict")

@@ -10,8 +10,7 @@ import pytest
 
 import generate_exercises as gen
 import grade
-from conftest import ROOT, notebooks_in
-from test_notebooks import run_nbval
+from conftest import ROOT, nbval_strict, notebooks_in, run_nbval
 
 SOLUTIONS = notebooks_in("solutions")
 
@@ -132,9 +131,18 @@ def test_untouched_exercise_fails_every_question(path):
 
 @pytest.mark.parametrize("path", SOLUTIONS)
 def test_solution_passes_every_question(path):
-    result = grade.grade_notebook(os.path.join(ROOT, path), os.path.join(ROOT, "solutions"))
-    failed = [f"{q.name}: {q.got}" for q in result.questions if not q.passed]
-    assert result.total == len(check_cells(path)) > 0 and not failed, (result.error, failed)
+    """Every check cell of the solution reproduces its pass line in a fresh kernel.
+
+    Read from the strict nbval run of the solution (shared with test_notebooks.py, so each
+    solution runs once): strict mode compares every check cell exactly as `--nbval-lax`
+    grades it, and test_grade_agrees_with_nbval_lax shows grade.py judges the same way."""
+    nb = nbformat.read(os.path.join(ROOT, path), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    questions = [(k, grade.question_name(c.outputs, k)) for k, c in enumerate(code) if grade.is_check_cell(c)]
+    assert questions, f"{path} has no check cell (# NBVAL_CHECK_OUTPUT)"
+    run = nbval_strict(path)
+    failed = [f"{name} (nbval Cell {k}): {run.outcome(k)}" for k, name in questions if run.outcome(k) != "passed"]
+    assert not failed, f"{path}: questions the solution does not pass: {failed}\n" + run.log[-6000:]
 
 
 # ----------------------------------------------------------------------------- grade.py itself
@@ -185,5 +193,7 @@ def test_grade_takes_checks_from_the_reference(tiny_course):
 def test_grade_agrees_with_nbval_lax(tiny_course):
     """`pytest --nbval-lax` is the one-notebook grader: it fails the untouched exercise and
     passes the solved copy, as grade.py does."""
-    assert run_nbval(str(tiny_course / "exercises" / "t.ipynb"), "--nbval-lax").returncode == 1
-    assert run_nbval(str(tiny_course / "learner" / "t.ipynb"), "--nbval-lax").returncode == 0
+    blank = run_nbval(str(tiny_course / "exercises" / "t.ipynb"), "lax")
+    assert blank.returncode == 1 and blank.outcome(1) == blank.outcome(2) == "failed", blank.log
+    solved = run_nbval(str(tiny_course / "learner" / "t.ipynb"), "lax")
+    assert solved.returncode == 0 and solved.outcome(1) == solved.outcome(2) == "passed", solved.log

@@ -7,25 +7,16 @@ environment, cwd = the notebook's folder), so plain `pytest` needs no notebook o
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import nbformat
 import pytest
 
-from conftest import ROOT, notebooks_in
+from conftest import ROOT, nbval_strict, notebooks_in
 from colab_cell import COLAB_CELL
 
-SANITIZE = os.path.join(ROOT, "tests", "nbval_sanitize.cfg")
-CELL_TIMEOUT = 300      # seconds per cell: a cell may start several multi-process launches
-NOTEBOOK_TIMEOUT = 900  # seconds per notebook, so a hang cannot stall the suite
-
-
-def run_nbval(path: str, *options: str, timeout: int = NOTEBOOK_TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", *options, path]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+sys.path.insert(0, os.path.join(ROOT, "book", "_ext"))
+import notebook_checks  # noqa: E402
 
 
 @pytest.mark.parametrize("path", notebooks_in("notebooks") + notebooks_in("solutions") + notebooks_in("exercises"))
@@ -39,9 +30,17 @@ def test_first_cell_is_the_colab_setup_cell(path):
 
 
 @pytest.mark.parametrize("path", notebooks_in("notebooks") + notebooks_in("solutions"))
+def test_committed_outputs_are_one_complete_run(path):
+    """nbval compares only cells that have an execution count, so a notebook committed
+    unexecuted (or half-executed) would pass it: check the run is complete and error-free."""
+    nb = nbformat.read(os.path.join(ROOT, path), as_version=4)
+    problems = notebook_checks.problems(nb, require_executed=True)
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("path", notebooks_in("notebooks") + notebooks_in("solutions"))
 def test_notebook_reproduces_its_outputs(path):
-    result = run_nbval(path, "--nbval", f"--nbval-sanitize-with={SANITIZE}")
+    result = nbval_strict(path)
     assert result.returncode == 0, (
-        f"pytest --nbval {path} failed (exit {result.returncode}); re-execute it with "
-        f"python scripts/run_notebooks.py {path} if the change is intended:\n"
-        + (result.stdout + result.stderr)[-8000:])
+        f"pytest --nbval {path} failed (exit {result.returncode}); if the change is intended, "
+        f"re-execute it with python scripts/run_notebooks.py {path}:\n" + result.log[-8000:])
