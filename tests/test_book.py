@@ -66,6 +66,18 @@ def test_every_notebook_is_in_the_toc(folder):
                         + ", ".join(f"- file: {_stem(p)}" for p in absent))
 
 
+@pytest.mark.parametrize("path", notebooks_in("notebooks") + notebooks_in("exercises"))
+def test_every_notebook_page_has_one_title(path):
+    """The first heading is the page's title in the book's sidebar: one '# Title', first."""
+    nb = nbformat.read(os.path.join(ROOT, path), as_version=4)
+    headings = [line for cell in nb.cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if re.match(r"^#{1,6} ", line)]
+    titles = [h for h in headings if h.startswith("# ")]
+    assert headings and headings[0].startswith("# ") and len(titles) == 1, (
+        f"{path}: needs exactly one '# Title' heading, before any '## Section' "
+        f"(found first {headings[:1]}, titles {titles}); the book would title the page with its first heading")
+
+
 def test_solutions_are_not_published():
     toc = toc_files(load_yaml("_toc.yml"))
     assert not [f for f in toc if f.startswith("solutions/")]
