@@ -130,7 +130,7 @@ def test_tinygpt_overfits_one_batch():
 
 def test_saved_activations_counts_unique_storages_and_leaves_output_alone():
     from course_lib.models import saved_activations
-    from course_lib.planner.formulas import activation_bytes_per_layer
+    from course_lib.planner.formulas import activation_bytes_per_layer, llama_activation_bytes_per_layer
 
     s, b = 32, 2
     cfg = GPTConfig(block="gpt2", dropout=0.1, n_layers=1, seq_len=s)
@@ -146,4 +146,5 @@ def test_saved_activations_counts_unique_storages_and_leaves_output_alone():
     llama = TinyGPT(GPTConfig(n_layers=1, seq_len=s, n_kv_heads=2), seed=0).to(torch.bfloat16).train()
     h, a, kv, f = 64, 4, 2, llama.config.ffn_hidden
     _, rows = saved_activations(llama.blocks[0], x * 1.0)
-    assert sum(r.nbytes for r in rows) == s * b * h * (16 + 4 * kv / a + 8 * f / h + 2 * a * s / h) + 2 * 2 * b * s
+    assert sum(r.nbytes for r in rows) == llama_activation_bytes_per_layer(s, b, h, a, kv, f)  # rstd included
+    assert sum(r.nbytes for r in rows if r.shape[-1] == 1) == 2 * 2 * b * s  # the two RMSNorms' rstd

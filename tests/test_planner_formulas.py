@@ -119,3 +119,107 @@ def test_activation_formula_matches_bytes_autograd_saves(s):
     formula = F.activation_bytes_per_layer(s, b, 64, 4, value_bytes=4)
     # the difference: LayerNorm's mean and 1/std per token
     assert formula <= counted <= formula * 1.01
+
+
+def _llama_block_rows(s, b, h, a, kv, dtype="bfloat16", ffn=None, checkpointed=False):
+    """(rows saved by one course_lib.models Llama-style block, its config, bytes per value)."""
+    torch = pytest.importorskip("torch")
+    models = pytest.importorskip("course_lib.models")
+    cfg = models.GPTConfig(n_layers=1, seq_len=s, hidden=h, n_heads=a, n_kv_heads=kv, ffn_hidden=ffn)
+    dt = getattr(torch, dtype)
+    block = models.TinyGPT(cfg, seed=0).to(dt).train().blocks[0]
+    if checkpointed:  # full recomputation: the block runs under activation checkpointing
+        inner = block
+
+        class Checkpointed(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = inner
+
+            def forward(self, x):
+                return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        block = Checkpointed()
+    x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(0)).to(dt).requires_grad_()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and immune to oversubscribed cores
+    try:
+        _, rows = models.saved_activations(block, x * 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    return rows, cfg, x.element_size()
+
+
+LLAMA_SHAPES = [  # s, b, h, a, kv, dtype, ffn: kv = a, kv = 1, grouped, fp32, an odd f / h
+    (32, 2, 64, 4, 4, "bfloat16", None), (64, 2, 64, 4, 1, "bfloat16", None),
+    (16, 3, 48, 6, 2, "bfloat16", None), (24, 2, 64, 4, 1, "float32", None),
+    (64, 1, 64, 8, 8, "float32", None), (16, 2, 48, 4, 2, "bfloat16", 100)]
+
+
+@pytest.mark.parametrize("s,b,h,a,kv,dtype,ffn", LLAMA_SHAPES)
+def test_llama_activation_formula_matches_bytes_autograd_saves(s, b, h, a, kv, dtype, ffn):
+    """Our Llama-style block, byte for byte: every storage autograd keeps (rstd included)."""
+    rows, cfg, w = _llama_block_rows(s, b, h, a, kv, dtype, ffn)
+    f = cfg.ffn_hidden
+    counted = sum(r.nbytes for r in rows)
+    formula = F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, value_bytes=w)
+    assert counted == formula
+    if w == 2:
+        assert formula == s * b * h * (16 + 4 * kv / a + 8 * f / h + 2 * a * s / h) + 4 * b * s
+    # without the two (b, s, 1) rstd tensors
+    assert sum(r.nbytes for r in rows if r.shape[-1] != 1) == \
+        F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, value_bytes=w, rstd=False)
+    # selective recomputation drops the one storage saved inside the attention core
+    # (its inputs Q, K, V stay): the softmax output, (b, a, s, s)
+    core = [r for r in rows if r.made_by == "Softmax"]
+    assert [r.shape for r in core] == [(b, a, s, s)]
+    assert counted - core[0].nbytes == \
+        F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, recompute="selective", value_bytes=w)
+
+
+@pytest.mark.parametrize("s,b,h,a,kv,dtype,ffn", LLAMA_SHAPES[:4])
+def test_llama_full_recompute_matches_a_checkpointed_block(s, b, h, a, kv, dtype, ffn):
+    rows, cfg, w = _llama_block_rows(s, b, h, a, kv, dtype, ffn, checkpointed=True)
+    assert sum(r.nbytes for r in rows) == \
+        F.llama_activation_bytes_per_layer(s, b, h, a, kv, cfg.ffn_hidden, recompute="full", value_bytes=w) \
+        == s * b * h * w
+
+
+@pytest.mark.parametrize("a,kv", [(4, 4), (8, 4), (8, 2)])
+def test_llama_tensor_parallel_split_of_the_counted_tensors(a, kv):
+    """TP keeps the norms' tensors and the column-parallel inputs whole and splits the
+    rest (heads, f) t ways; SP splits everything. Checked on the counted rows for every
+    t that divides kv (the TP variants are derived, there is no TP block to count)."""
+    s, b, h = 32, 2, 64
+    rows, cfg, w = _llama_block_rows(s, b, h, a, kv)
+    replicated_by = {"attn_norm", "mlp_norm", "attn.wq,attn.wk,attn.wv", "mlp.w1,mlp.w3"}
+    replicated = sum(r.nbytes for r in rows if r.saved_by in replicated_by)
+    total = sum(r.nbytes for r in rows)
+    assert replicated == (12 * s * b * h + 4 * b * s) * w // 2
+    for t in (t for t in (1, 2, 4) if kv % t == 0):
+        tp = F.llama_activation_bytes_per_layer(s, b, h, a, kv, cfg.ffn_hidden, t=t)
+        assert tp == pytest.approx(replicated + (total - replicated) / t, rel=1e-12)
+        sp = F.llama_activation_bytes_per_layer(s, b, h, a, kv, cfg.ffn_hidden, t=t, sp=True)
+        assert sp == pytest.approx(total / t, rel=1e-12)
+
+
+def test_llama_activation_formulas_at_llama3_shapes():
+    s, b, h, a, kv, f = 8192, 1, 8192, 64, 8, 28672   # Llama 3 70B
+    sbh = s * b * h
+    none = sbh * (16 + 4 * kv / a + 8 * f / h + 2 * a * s / h) + 4 * b * s
+    assert F.llama_activation_bytes_per_layer(s, b, h, a, kv, f) == pytest.approx(none, rel=1e-12)
+    for t in (2, 8):   # t <= kv: K and V split like every other head
+        tp = sbh * (12 + 4 / t + 4 * kv / (a * t) + 8 * f / (h * t) + 2 * a * s / (h * t)) + 4 * b * s
+        assert F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, t) == pytest.approx(tp, rel=1e-12)
+        assert F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, t, sp=True) == pytest.approx(none / t, rel=1e-12)
+    # t = 16 > kv = 8: each rank keeps a copy of one K/V head, 4 s b h / a instead of 4 s b h kv / (a t)
+    t = 16
+    sp16 = (sbh * (16 + 8 * f / h + 2 * a * s / h) + 4 * b * s) / t + sbh * 4 / a
+    assert F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, t, sp=True) == pytest.approx(sp16, rel=1e-12)
+    sel = F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, 8, sp=True, recompute="selective")
+    assert sel == pytest.approx((none - 2 * a * s * s * b) / 8, rel=1e-12)
+    assert F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, 8, sp=True, recompute="full") == 2 * sbh / 8
+    assert F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, cp=4) == pytest.approx(none / 4, rel=1e-12)
+    with pytest.raises(ValueError, match="recompute"):
+        F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, recompute="some")
+    with pytest.raises(ValueError, match="kv_heads"):
+        F.llama_activation_bytes_per_layer(s, b, h, a, 3, f)
