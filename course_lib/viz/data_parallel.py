@@ -13,19 +13,30 @@ def overlap_timeline(spans, title=None, ranks=None, **kwargs):
     """Each rank on two lanes, compute above communication, so overlap is visible.
 
     Async collectives run on the backend's threads while the rank computes: on one lane
-    their spans would hide the compute spans they overlap.
+    their spans would hide the compute spans they overlap. An async collective's span
+    runs from its launch to its completion; the backend runs a rank's collectives one
+    after the other, so one queued behind another is drawn from the moment the previous
+    one completed.
     """
     spans = list(spans)
     ranks = sorted({s.rank for s in spans}) if ranks is None else list(ranks)
     lanes, names = [], {}
     for k, r in enumerate(ranks):
         names[2 * k], names[2 * k + 1] = f"rank {r} compute", f"rank {r} comm"
-        for s in spans:
-            if s.rank == r:
-                lane = 2 * k + (1 if s.kind == "comm" else 0)
-                lanes.append(Span(lane, s.name, s.kind, s.start, s.end))
-    kwargs.setdefault("figsize", (10, 0.45 * len(names) + 1.4))
-    return timeline(lanes, title=title, ranks=sorted(names), row_names=names, **kwargs)
+        busy_until = float("-inf")
+        for s in sorted((s for s in spans if s.rank == r), key=lambda s: (s.kind == "comm", s.start)):
+            if s.kind == "comm":
+                start = min(max(s.start, busy_until), s.end)
+                busy_until = max(busy_until, s.end)
+                lanes.append(Span(2 * k + 1, s.name, s.kind, start, s.end))
+            else:
+                lanes.append(Span(2 * k, s.name, s.kind, s.start, s.end))
+    kwargs.setdefault("figsize", (10, 0.45 * len(names) + 1.5))
+    fig = timeline(lanes, ranks=sorted(names), row_names=names, **kwargs)
+    if title:
+        fig.axes[0].set_title(title, pad=14)
+        fig.tight_layout()
+    return fig
 
 
 def memory_bars(rows, title="bytes per rank: measured (bars) and ZeRO formula (black line)"):
