@@ -100,6 +100,17 @@ def rank_checks():
         sent = fsdp.comm.bytes_sent()  # the last step's
         out[kind, dtype] = dict(state=fsdp.gather_full_params(), held=held, sent=sent,
                                 spans=trace.spans(), units=[(u.name, u.numel, u.is_root) for u in fsdp.units])
+    model = MLP(SIZES, seed=rank, **AWKWARD)  # gradient accumulation: two micro-batches per step
+    fsdp = FSDP(model)
+    opt = make_opt(fsdp.parameters(), "mlp", None)
+    for x, y in mlp_data():
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            (loss_of(fsdp, (xm, ym), "mlp") / 2).backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    out["accumulate"] = fsdp.gather_full_params()
     tiny = nn.Linear(1, 2)  # 4 elements: on 3 ranks one slice is empty, on 4 each holds one
     with torch.no_grad():
         tiny.weight.copy_(torch.tensor([[1.0], [2.0]]) + rank), tiny.bias.fill_(rank)
@@ -131,6 +142,21 @@ def test_matches_single_device(runs, world, kind, dtype):
                 assert torch.equal(got[name], ref[name]), name
             else:
                 torch.testing.assert_close(got[name], ref[name], rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gradient_accumulation(runs, world):
+    model = MLP(SIZES, seed=0, **AWKWARD)
+    opt = make_opt(model.parameters(), "mlp", None)
+    for x, y in mlp_data():
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            (loss_of(model, (xm, ym), "mlp") / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = model.state_dict()
+    for result in runs[world]:
+        for name in ref:
+            torch.testing.assert_close(result["accumulate"][name], ref[name], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

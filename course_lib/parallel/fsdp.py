@@ -99,6 +99,9 @@ class FSDP(nn.Module):
         compute_dtype). units: submodules that get their own all-gather (default
         :func:`default_units`); the root always is one. A parameter shared by two units
         (tied weights) belongs to the root. Every rank must run the same units in forward.
+
+    Call ``finish_gradient_synchronization()`` after the last backward, before
+    ``optimizer.step()``; several forward/backward passes before it accumulate gradients.
     """
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, group=None,
@@ -167,9 +170,10 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        if self._reducing:
-            raise RuntimeError("FSDP: call finish_gradient_synchronization() after backward and "
-                               "before the next forward (gradients are still being reduced)")
+        while self._reducing:  # an earlier backward of this step (gradient accumulation)
+            self._fold_oldest()
+        for u in self.units:   # nothing stays gathered from a forward that had no backward
+            self._reshard(u)
         if self.compute_dtype != self.master_dtype:  # inputs in the compute dtype, like the weights
             args = [self._cast(a) for a in args]
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
