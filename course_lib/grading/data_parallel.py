@@ -287,19 +287,24 @@ def check_fsdp_unit(GatherParams):
 
 
 # ----------------------------------------------------------------------------- 5. bytes
+# Measured with course_lib.memory.model_state_bytes on rank 0 after one fp32 AdamW step of
+# TinyGPT(MEASURED_CONFIG) (notebook 04 prints the same table; tests/test_memory.py re-measures
+# it): (stage, world size) -> (parameters, gradients, optimizer state) bytes.
+MEASURED_CONFIG = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=128, n_heads=4)
+MEASURED_PARAMS = 869_504
+MEASURED_BYTES = {
+    (0, 2): (3478016, 3478016, 6956188), (1, 2): (3478016, 3478016, 3478096),
+    (2, 2): (3478016, 1739008, 3478096), (3, 2): (1739008, 1739008, 3478172),
+    (0, 4): (3478016, 3478016, 6956188), (1, 4): (3478016, 3478016, 1739044),
+    (2, 4): (3478016, 869504, 1739044), (3, 4): (869504, 869504, 1739164),
+}
+
+
 def check_memory_prediction(predict):
     """predict(n_params, stage, world_size) -> {"params", "grads", "optimizer"} bytes per rank
     for fp32 AdamW (stage 0 = DDP), compared with the bytes course_lib.memory measured on
-    our DDP / ShardedOptimizer / FSDP (recorded in the table below) within 5%."""
-    # Measured with course_lib.memory.model_state_bytes on TinyGPT(vocab 256, s 32, L 4, h 128,
-    # Llama blocks; 869,504 parameters) after one AdamW step (notebook 04 reproduces them).
-    n = 869_504
-    measured = {  # (stage, world): (params, grads, optimizer) bytes on rank 0
-        (0, 2): (3478016, 3478016, 6956188), (1, 2): (3478016, 3478016, 3478096),
-        (2, 2): (3478016, 1739008, 3478096), (3, 2): (1739008, 1739008, 3478172),
-        (0, 4): (3478016, 3478016, 6956188), (1, 4): (3478016, 3478016, 1739044),
-        (2, 4): (3478016, 869504, 1739044), (3, 4): (869504, 869504, 1739164),
-    }
+    our DDP / ShardedOptimizer / FSDP (``MEASURED_BYTES``) within 5%."""
+    n, measured = MEASURED_PARAMS, MEASURED_BYTES
     names = ("params", "grads", "optimizer")
 
     def run(case):
