@@ -36,7 +36,7 @@ def bench_rank(cfg, steps, rounds, batch):
     from course_lib.models import TinyGPT
     from course_lib.parallel import DDP, FSDP
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
 
     def build(kind):
         model = TinyGPT(cfg, seed=0)
@@ -116,7 +116,10 @@ def main(argv=None):
                 t0, s0, p0 = res[theirs]
                 print(f"{n:>5}  {k:<15}{t * 1e3:>10.1f}ms{t / t0:>9.2f}x"
                       f"{states / 2**20:>11.2f}MiB{states / s0:>9.2f}x{peak / 2**20:>7.1f}MiB{peak / p0:>9.2f}x")
-        print()
+        ratio = lambda a, b, i: res[a][i] / res[b][i]
+        print(f"       goals: DDP step <= 1.15x: {ratio('ours DDP', 'torch DDP', 0) <= 1.15}; "
+              f"FSDP step <= 1.3x: {ratio('ours FSDP', 'torch FSDP', 0) <= 1.3}; "
+              f"FSDP model states within 10%: {abs(ratio('ours FSDP', 'torch FSDP', 1) - 1) <= 0.1}\n")
 
 
 if __name__ == "__main__":
