@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 from course_lib.trace import Span
 from course_lib.viz.timeline import KIND_COLORS, timeline
@@ -32,10 +33,12 @@ def overlap_timeline(spans, title=None, ranks=None, **kwargs):
             else:
                 lanes.append(Span(2 * k, s.name, s.kind, s.start, s.end))
     kwargs.setdefault("figsize", (10, 0.45 * len(names) + 1.5))
-    fig = timeline(lanes, ranks=sorted(names), row_names=names, **kwargs)
-    if title:
-        fig.axes[0].set_title(title, pad=14)
-        fig.tight_layout()
+    fig = timeline(lanes, ranks=sorted(names), row_names=names, title=title, legend=False, **kwargs)
+    ax = fig.axes[0]
+    kinds = [k for k in KIND_COLORS if any(s.kind == k for s in lanes)]
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
     return fig
 
 
