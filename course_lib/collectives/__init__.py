@@ -19,9 +19,10 @@ Supported: dtypes float16/bfloat16/float32/float64/(u)int8/16/32/64; ReduceOp SU
 (floating point), PRODUCT, MIN, MAX, BAND/BOR/BXOR (integers); world sizes 1..N, sizes
 not divisible by N, non-contiguous tensors. Not supported: async_op (use torch's).
 
-Rooms: core (group, counted send/recv, ops, agreement check), ring, tree (binomial
-tree, recursive doubling, dissemination barrier), naive (through a root, linear
-scatter/gather), pairwise (all-to-all by pairwise exchange), measure (timing).
+Rooms: core (group, counted send/recv, ops, the traced-call decorator), checks (agreement
+check, each collective's argument rules), ring, tree (binomial tree, recursive doubling,
+dissemination barrier), naive (through a root, linear scatter/gather), pairwise
+(all-to-all by pairwise exchange), measure (timing).
 """
 from __future__ import annotations
 

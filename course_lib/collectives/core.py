@@ -1,20 +1,22 @@
 """What every from-scratch collective shares: the group, point-to-point messages
-(counted), reduction operators, chunking, and the up-front agreement check.
+(counted), reduction operators, chunking, and the wrapper that traces each call.
 
 * :class:`Comm` wraps a process group: ``rank``/``size`` inside the group, and
   ``exchange`` = post an isend and an irecv, wait for both. Every byte our
   collectives move goes through it, so a :class:`TrafficCounter` passed to a
   collective counts exactly what was sent and received (payload bytes; the
   transport's headers are not included).
-* :func:`agree` is a cheap metadata all-gather (dtype, shape, op, root, ...)
-  before the real work: ranks that disagree get a ValueError naming the ranks
-  and their shapes instead of a hang or garbage. ``validate=False`` skips it.
+* :func:`collective` makes a function a collective: a rank outside the group
+  returns at once, the others run inside a trace span named after the algorithm.
 * :func:`reduce_` applies a ReduceOp elementwise; :func:`chunks` splits a flat
   buffer like ``torch.tensor_split`` (the first ``n % N`` chunks one longer).
+* The agreement check and each collective's argument rules: ``checks``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -111,6 +113,13 @@ def contiguous_flat(tensor):
         tensor.copy_(work)
 
 
+@contextlib.contextmanager
+def contiguous_flats(tensors):
+    """:func:`contiguous_flat` for a list: contiguous 1-D views (copies written back after)."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(contiguous_flat(t)) for t in tensors]
+
+
 # ----------------------------------------------------------------------------- counting
 
 
@@ -149,11 +158,14 @@ class Comm:
         self._peers = [compat.global_rank(group, r) for r in range(self.size)]
         self.counter = counter
 
+    @staticmethod
+    def outside(group) -> bool:
+        """True on a rank that is not a member of ``group``."""
+        return dist.is_initialized() and group is not None and dist.get_rank(group) < 0
+
     @classmethod
     def of(cls, group=None, counter: TrafficCounter | None = None):
-        if dist.is_initialized() and group is not None and dist.get_rank(group) < 0:
-            return None
-        return cls(group, counter)
+        return None if cls.outside(group) else cls(group, counter)
 
     def group_rank(self, global_rank: int, what: str = "root") -> int:
         """The group rank of a global rank (torch's src/dst are global ranks)."""
@@ -215,80 +227,25 @@ class Comm:
             w.wait()
 
 
-# ----------------------------------------------------------------------------- agreement
-
-_MAX_DIMS = 8
-
-
-def _shape_text(row) -> str:
-    dtype_code, ndim = int(row[0]), int(row[1])
-    dtype = str(SUPPORTED_DTYPES[dtype_code]).replace("torch.", "") if dtype_code >= 0 else "unsupported dtype"
-    dims = [int(d) for d in row[2:2 + min(ndim, _MAX_DIMS)]]
-    more = ", ..." if ndim > _MAX_DIMS else ""
-    return f"{dtype} {tuple(dims) if not more else '(' + ', '.join(map(str, dims)) + more + ')'}"
-
-
-def describe(tensor, op=None, root=-1, extra=()) -> list[int]:
-    """This rank's metadata row: dtype code, ndim, dims, numel, op code, root, extras."""
-    dims = list(tensor.shape)[:_MAX_DIMS]
-    row = [_DTYPE_CODE.get(tensor.dtype, -1), tensor.dim(), *dims, *([0] * (_MAX_DIMS - len(dims))),
-           tensor.numel(), -1 if op is None else _OP_CODE.get(getattr(op, "op", op), -2), root]
-    return row + [int(e) for e in extra]
-
-
-_NUMEL, _OP, _ROOT, _EXTRA = 2 + _MAX_DIMS, 3 + _MAX_DIMS, 4 + _MAX_DIMS, 5 + _MAX_DIMS
-
-
-def agree(comm: Comm, name: str, row: list[int], same_shape: bool = True,
-          extra_names=()) -> list[list[int]]:
-    """All-gather every rank's metadata row; raise the same ValueError on every rank if they disagree.
-
-    ``same_shape``: the collective needs identical shapes (all_reduce, broadcast, ...).
-    Returns all rows, so a collective can check its own constraints (sizes of lists).
-    """
-    if comm.size == 1:
-        rows = [row]
-    else:
-        mine = torch.tensor(row, dtype=torch.int64)
-        everyone = torch.empty(comm.size * mine.numel(), dtype=torch.int64)
-        compat.all_gather_into_tensor(everyone, mine, group=comm.group)
-        rows = everyone.view(comm.size, -1).tolist()
-    key = (lambda r: r[:_NUMEL + 1] + r[_EXTRA:_EXTRA + len(extra_names)]) if same_shape else (lambda r: r[:1])
-
-    def text(r):
-        extras = ", ".join(f"{label} {v}" for label, v in zip(extra_names, r[_EXTRA:]))
-        return _shape_text(r) + (f" ({extras})" if extras else "")
-
-    _raise_if_split(name, rows, key, "tensors differ across ranks",
-                    "every rank must pass a tensor of the same shape and dtype", text=text)
-    _raise_if_split(name, rows, lambda r: r[_OP], "ranks passed different ReduceOps",
-                    "every rank must pass the same op", text=lambda r: _op_text(r[_OP]))
-    _raise_if_split(name, rows, lambda r: r[_ROOT], "ranks passed different roots",
-                    "every rank must name the same src/dst", text=lambda r: f"root {r[_ROOT]}")
-    return rows
-
-
-def _op_text(code):
-    for op, c in _OP_CODE.items():
-        if c == code:
-            return op_name(op)
-    return "an unsupported op"
-
-
-def _raise_if_split(name, rows, key, problem, rule, text=_shape_text):
-    groups = defaultdict(list)
-    for r, row in enumerate(rows):
-        k = key(row)
-        groups[tuple(k) if isinstance(k, list) else k].append(r)
-    if len(groups) <= 1:
-        return
-    parts = []
-    for ranks in sorted(groups.values()):
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        parts.append(f"{who}: {text(rows[ranks[0]])}")
-    raise ValueError(f"{name}: {problem} ({'; '.join(parts)}); {rule}")
+# ----------------------------------------------------------------------------- one call
 
 
 def span(name):
     """A trace span for one collective call (its name shows in a stuck rank's report)."""
     return trace.span(name, kind="comm")
+
+
+def collective(name):
+    """Decorator for a collective ``fn(..., group=None, ...)``: like torch.distributed, a
+    rank outside ``group`` returns None at once; elsewhere ``fn`` runs in ``span(name)``."""
+    def wrap(fn):
+        at = list(inspect.signature(fn).parameters).index("group")   # where group sits positionally
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if Comm.outside(args[at] if len(args) > at else kwargs.get("group")):
+                return None
+            with span(name):
+                return fn(*args, **kwargs)
+        return call
+    return wrap

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.collectives.core import _EXTRA, Comm, agree, check_dtype, describe, span
+from course_lib.collectives.checks import check_all_to_all
+from course_lib.collectives.core import Comm, check_dtype, collective, contiguous_flats
 
 
 def _pairwise(comm, outs, ins):
@@ -25,44 +26,14 @@ def _pairwise(comm, outs, ins):
     comm.wait(*recvs, *sends)
 
 
-def _check_sizes(comm, name, rows):
-    """rows[i] extras: rank i's N input sizes then N output sizes; out[j][i] must equal in[i][j]."""
-    N = comm.size
-    ins = [row[_EXTRA:_EXTRA + N] for row in rows]
-    outs = [row[_EXTRA + N:_EXTRA + 2 * N] for row in rows]
-    if len({row[0] for row in rows}) > 1:
-        raise ValueError(f"{name}: ranks passed different dtypes; all must use the same dtype")
-    bad = [(i, j) for i in range(N) for j in range(N) if ins[i][j] != outs[j][i]]
-    if bad:
-        i, j = bad[0]
-        raise ValueError(f"{name}: rank {i} sends {ins[i][j]} elements to rank {j}, which expects "
-                         f"{outs[j][i]}; output piece i on rank j must match input piece j on rank i "
-                         f"({len(bad)} mismatched pair(s))")
-
-
+@collective("pairwise all_to_all")
 def all_to_all(output_tensor_list, input_tensor_list, group=None, *, validate=True, counter=None):
     """``output_tensor_list[i]`` <- rank i's ``input_tensor_list[rank]`` (sizes may differ)."""
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("pairwise all_to_all"):
-        N = comm.size
-        if len(output_tensor_list) != N or len(input_tensor_list) != N:
-            raise ValueError(f"all_to_all: both lists need world_size ({N}) tensors, got "
-                             f"{len(output_tensor_list)} outputs and {len(input_tensor_list)} inputs")
-        for t in list(input_tensor_list) + list(output_tensor_list):
-            check_dtype(t, "all_to_all list entry")
-        if validate:
-            sizes = [t.numel() for t in input_tensor_list] + [t.numel() for t in output_tensor_list]
-            rows = agree(comm, "all_to_all", describe(input_tensor_list[0], extra=sizes), same_shape=False)
-            _check_sizes(comm, "all_to_all", rows)
-        ins = [t.reshape(-1).contiguous() for t in input_tensor_list]
-        outs = [t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype)
-                for t in output_tensor_list]
+    comm = Comm(group, counter)
+    check_all_to_all(comm, output_tensor_list, input_tensor_list, validate)
+    ins = [t.reshape(-1).contiguous() for t in input_tensor_list]
+    with contiguous_flats(output_tensor_list) as outs:
         _pairwise(comm, outs, ins)
-        for t, o in zip(output_tensor_list, outs):
-            if not t.is_contiguous():
-                t.copy_(o.view(t.shape))
     return output_tensor_list
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.collectives.checks import (
+    check_all_gather, check_all_gather_into_tensor, check_all_reduce, check_reduce_scatter,
+    check_reduce_scatter_tensor)
 from course_lib.collectives.core import (
-    Comm, ReduceOp, _EXTRA, _NUMEL, agree, check_dtype, check_op, chunks, contiguous_flat, describe,
-    finish_avg, reduce_, span)
+    Comm, ReduceOp, chunks, collective, contiguous_flat, contiguous_flats, finish_avg, reduce_)
 
 
 def ring_schedule(world_size: int, phase: str, rank: int, step: int) -> tuple[int, int]:
@@ -121,142 +123,70 @@ def _all_gather_ring(comm: Comm, outs, prepost=True):
 # ----------------------------------------------------------------------------- public API
 
 
+@collective("ring all_reduce")
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=None, prepost=True):
     """In place: every rank's ``tensor`` becomes the reduction over ranks (ring: RS + AG)."""
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("ring all_reduce"):
-        if validate:
-            agree(comm, "ring all_reduce", describe(tensor, op))
-        check_dtype(tensor)
-        op = check_op(op, tensor.dtype)
-        if comm.size == 1:
-            return tensor
-        with contiguous_flat(tensor) as flat:              # (n,)
-            parts = chunks(flat, comm.size)                # N x (n/N,), uneven when N does not divide n
-            mine = parts[comm.rank]
-            _reduce_scatter_ring(comm, parts, mine, op, prepost)  # only parts[rank] is written
-            finish_avg(mine, op, comm.size)
-            _all_gather_ring(comm, parts, prepost)
+    comm = Comm(group, counter)
+    op = check_all_reduce(comm, "ring all_reduce", tensor, op, validate)
+    if comm.size == 1:
+        return tensor
+    with contiguous_flat(tensor) as flat:              # (n,)
+        parts = chunks(flat, comm.size)                # N x (n/N,), uneven when N does not divide n
+        mine = parts[comm.rank]
+        _reduce_scatter_ring(comm, parts, mine, op, prepost)  # only parts[rank] is written
+        finish_avg(mine, op, comm.size)
+        _all_gather_ring(comm, parts, prepost)
     return tensor
 
 
+@collective("ring reduce_scatter")
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
     """``output`` <- the reduction over ranks of piece ``rank`` of ``input`` (N equal pieces)."""
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("ring reduce_scatter"):
-        check_dtype(output, "output")
-        if validate:
-            agree(comm, "ring reduce_scatter_tensor", describe(input, op, extra=[output.numel()]),
-                  extra_names=["output numel"])
-        check_dtype(input, "input")
-        op = check_op(op, input.dtype)
-        if input.numel() != comm.size * output.numel() or input.dtype != output.dtype:
-            raise ValueError(f"reduce_scatter_tensor: input must hold world_size ({comm.size}) x output "
-                             f"elements of output's dtype; got input {input.dtype} {tuple(input.shape)}, "
-                             f"output {output.dtype} {tuple(output.shape)}")
-        src = input.reshape(-1).contiguous()
-        with contiguous_flat(output) as out:
-            _reduce_scatter_ring(comm, list(src.view(comm.size, -1)), out, op)
-            finish_avg(out, op, comm.size)
+    comm = Comm(group, counter)
+    op = check_reduce_scatter_tensor(comm, "ring reduce_scatter_tensor", output, input, op, validate)
+    src = input.reshape(-1).contiguous()
+    with contiguous_flat(output) as out:
+        _reduce_scatter_ring(comm, list(src.view(comm.size, -1)), out, op)
+        finish_avg(out, op, comm.size)
     return output
 
 
+@collective("ring reduce_scatter")
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
     """``output`` <- reduction over ranks of ``input_list[rank]``; pieces may differ in size."""
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("ring reduce_scatter"):
-        check_dtype(output, "output")
-        sizes = [t.numel() for t in input_list]
-        if validate:
-            rows = agree(comm, "ring reduce_scatter", describe(output, op, extra=[hash(tuple(sizes))]),
-                         same_shape=False)
-            _check_split(comm, "reduce_scatter", "input_list", rows, sizes)
-        if len(input_list) != comm.size or output.numel() != sizes[comm.rank]:
-            raise ValueError(f"reduce_scatter: input_list needs world_size ({comm.size}) tensors and "
-                             f"output as many elements as input_list[rank]; got {len(input_list)} tensors, "
-                             f"sizes {sizes}, output {tuple(output.shape)}")
-        op = check_op(op, output.dtype)
-        pieces = [t.reshape(-1).contiguous() for t in input_list]
-        for p in pieces:
-            check_dtype(p, "input_list entry")
-        with contiguous_flat(output) as out:
-            _reduce_scatter_ring(comm, pieces, out, op)
-            finish_avg(out, op, comm.size)
+    comm = Comm(group, counter)
+    op = check_reduce_scatter(comm, "ring reduce_scatter", output, input_list, op, validate)
+    pieces = [t.reshape(-1).contiguous() for t in input_list]
+    with contiguous_flat(output) as out:
+        _reduce_scatter_ring(comm, pieces, out, op)
+        finish_avg(out, op, comm.size)
     return output
 
 
+@collective("ring all_gather")
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, *, validate=True, counter=None):
     """``output_tensor`` <- every rank's ``input_tensor``, concatenated in rank order."""
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("ring all_gather"):
-        check_dtype(output_tensor, "output_tensor")
-        if validate:
-            agree(comm, "ring all_gather_into_tensor", describe(input_tensor, extra=[output_tensor.numel()]),
-                  extra_names=["output numel"])
-        check_dtype(input_tensor, "input_tensor")
-        if output_tensor.numel() != comm.size * input_tensor.numel() or output_tensor.dtype != input_tensor.dtype:
-            raise ValueError(f"all_gather_into_tensor: output must hold world_size ({comm.size}) x input "
-                             f"elements of input's dtype; got output {output_tensor.dtype} "
-                             f"{tuple(output_tensor.shape)}, input {input_tensor.dtype} {tuple(input_tensor.shape)}")
-        with contiguous_flat(output_tensor) as out:
-            outs = list(out.view(comm.size, -1))
-            outs[comm.rank].copy_(input_tensor.reshape(-1))
-            _all_gather_ring(comm, outs)
+    comm = Comm(group, counter)
+    check_all_gather_into_tensor(comm, "ring all_gather_into_tensor", output_tensor, input_tensor, validate)
+    with contiguous_flat(output_tensor) as out:
+        outs = list(out.view(comm.size, -1))
+        outs[comm.rank].copy_(input_tensor.reshape(-1))
+        _all_gather_ring(comm, outs)
     return output_tensor
 
 
+@collective("ring all_gather")
 def all_gather(tensor_list, tensor, group=None, *, validate=True, counter=None):
     """``tensor_list[i]`` <- rank i's ``tensor``; ranks may contribute different sizes."""
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("ring all_gather"):
-        check_dtype(tensor)
-        sizes = [t.numel() for t in tensor_list]
-        if validate:
-            rows = agree(comm, "ring all_gather", describe(tensor, extra=[hash(tuple(sizes))]), same_shape=False)
-            _check_split(comm, "all_gather", "tensor_list", rows, sizes)
-        if len(tensor_list) != comm.size or sizes[comm.rank] != tensor.numel():
-            raise ValueError(f"all_gather: tensor_list needs world_size ({comm.size}) tensors, entry rank "
-                             f"sized like tensor; got {len(tensor_list)} tensors, sizes {sizes}, "
-                             f"tensor {tuple(tensor.shape)}")
-        for t in tensor_list:
-            if t.dtype != tensor.dtype:
-                raise ValueError(f"all_gather: tensor_list has dtype {t.dtype}, tensor {tensor.dtype}")
-        outs = [t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype) for t in tensor_list]
+    comm = Comm(group, counter)
+    check_all_gather(comm, "ring all_gather", tensor_list, tensor, validate)
+    with contiguous_flats(tensor_list) as outs:
         outs[comm.rank].copy_(tensor.reshape(-1))
         _all_gather_ring(comm, outs)
-        for t, o in zip(tensor_list, outs):
-            if not t.is_contiguous():
-                t.copy_(o.view(t.shape))
     return tensor_list
 
 
-def _check_split(comm, name, what, rows, sizes):
-    """Every rank must pass the same list of sizes, and rank i's own tensor must match entry i."""
-    if len({row[_EXTRA] for row in rows}) > 1:
-        raise ValueError(f"{name}: ranks passed {what}s of different sizes; every rank must pass the same "
-                         f"list of sizes (entry i = rank i's part)")
-    if len(sizes) != comm.size:
-        raise ValueError(f"{name}: {what} needs world_size ({comm.size}) tensors, got {len(sizes)}")
-    own = [row[_NUMEL] for row in rows]  # numel of each rank's own tensor
-    bad = [i for i in range(comm.size) if own[i] != sizes[i]]
-    if bad:
-        raise ValueError(f"{name}: {what} entry sizes {sizes} do not match the tensors the ranks hold "
-                         f"({own}) at ranks {bad}")
-    dtypes = {row[0] for row in rows}
-    if len(dtypes) > 1:
-        raise ValueError(f"{name}: ranks passed different dtypes; every rank must use the same dtype")
-
-
+@collective("serialized ring all_reduce")
 def serialized_ring_all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
     """The WRONG ring, kept to be measured: the whole buffer hops rank 0 -> 1 -> ... -> N-1
     (each adding its own), then the result hops on around the ring.
@@ -264,30 +194,24 @@ def serialized_ring_all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=
     Correct result, but 2(N-1) sequential messages of n bytes: one link busy at a
     time and N times the bytes of the real ring on the critical path.
     """
-    comm = Comm.of(group, counter)
-    if comm is None:
-        return None
-    with span("serialized ring all_reduce"):
-        if validate:
-            agree(comm, "serialized_ring_all_reduce", describe(tensor, op))
-        check_dtype(tensor)
-        op = check_op(op, tensor.dtype)
-        N, r = comm.size, comm.rank
-        if N == 1:
-            return tensor
-        with contiguous_flat(tensor) as flat:
-            incoming = torch.empty_like(flat)
-            if r > 0:                                    # first lap: partial sums travel 0 -> N-1
-                comm.recv(incoming, r - 1)
-                reduce_(flat, incoming, flat, op)
-            if r < N - 1:
+    comm = Comm(group, counter)
+    op = check_all_reduce(comm, "serialized_ring_all_reduce", tensor, op, validate)
+    N, r = comm.size, comm.rank
+    if N == 1:
+        return tensor
+    with contiguous_flat(tensor) as flat:
+        incoming = torch.empty_like(flat)
+        if r > 0:                                    # first lap: partial sums travel 0 -> N-1
+            comm.recv(incoming, r - 1)
+            reduce_(flat, incoming, flat, op)
+        if r < N - 1:
+            comm.send(flat, r + 1)
+        else:
+            finish_avg(flat, op, N)
+        if r == N - 1:                               # second lap: N-1 -> 0 -> 1 -> ... -> N-2
+            comm.send(flat, 0)
+        else:
+            comm.recv(flat, (r - 1) % N)
+            if r < N - 2:
                 comm.send(flat, r + 1)
-            else:
-                finish_avg(flat, op, N)
-            if r == N - 1:                               # second lap: N-1 -> 0 -> 1 -> ... -> N-2
-                comm.send(flat, 0)
-            else:
-                comm.recv(flat, (r - 1) % N)
-                if r < N - 2:
-                    comm.send(flat, r + 1)
     return tensor
