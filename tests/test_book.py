@@ -223,28 +223,38 @@ def test_problems_spots_errors_and_incomplete_runs():
     assert "not run once, top to bottom" in notebook_checks.problems(by_hand, require_executed=True)[0]
 
 
-def test_a_committed_failure_fails_the_build(tmp_path):
-    """A small book with the real configuration: one good notebook, one with a stored
-    traceback, one that stopped half-way (the later cells never ran)."""
-    src = tmp_path / "src"
+def _small_book(root, notebooks) -> str:
+    """A book with the real _config.yml, book/ (bibliography, extension) and the given notebooks."""
+    src = root / "src"
     src.mkdir()
     shutil.copy(os.path.join(ROOT, "_config.yml"), src)
     shutil.copytree(os.path.join(ROOT, "book"), src / "book")
+    (src / "start.md").write_text("# A small book\n\nSee {cite}`rajbhandari2020zero`.\n")
     (src / "notebooks").mkdir()
-    nbformat.write(_notebook([("print('hello')", _stdout("hello\n"))]), src / "notebooks" / "good.ipynb")
-    nbformat.write(_notebook([("print('a')", _stdout("a\n")), ("1/0", _error("ZeroDivisionError", "division by zero"))]),
-                   src / "notebooks" / "error_output.ipynb")
+    for name, nb in notebooks.items():
+        nbformat.write(nb, src / "notebooks" / f"{name}.ipynb")
+    (src / "_toc.yml").write_text("format: jb-book\nroot: start\nchapters:\n  - file: book/references\n"
+                                  + "".join(f"  - file: notebooks/{name}\n" for name in notebooks))
+    return str(src)
+
+
+def test_a_committed_failure_fails_the_build(tmp_path):
+    """The real configuration builds a good notebook cleanly, and fails on a notebook with
+    a stored traceback and on one whose run stopped half-way (the later cells never ran)."""
+    good = _notebook([("print('hello')", _stdout("hello\n"))])
+    (tmp_path / "ok").mkdir()
+    clean = build(_small_book(tmp_path / "ok", {"good": good}), str(tmp_path / "ok" / "out"))
+    assert clean.returncode == 0 and "WARNING" not in clean.stdout + clean.stderr, clean.stdout[-4000:]
+
+    error_output = _notebook([("print('a')", _stdout("a\n")), ("1/0", _error("ZeroDivisionError", "division by zero"))])
     stopped = _notebook([("print('a')", _stdout("a\n")), ("print('b')", [])])
     stopped.cells[2].execution_count = None
-    nbformat.write(stopped, src / "notebooks" / "stopped.ipynb")
-    (src / "_toc.yml").write_text(
-        "format: jb-book\nroot: book/intro\nchapters:\n"
-        + "".join(f"  - file: {f}\n" for f in ["book/how_to_run", "book/glossary", "book/references",
-                                                 "notebooks/good", "notebooks/error_output", "notebooks/stopped"]))
-    result = build(str(src), str(tmp_path / "out"))
+    (tmp_path / "bad").mkdir()
+    src = _small_book(tmp_path / "bad", {"good": good, "error_output": error_output, "stopped": stopped})
+    result = build(src, str(tmp_path / "bad" / "out"))
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-4000:]
     warnings = [line for line in log.splitlines() if "WARNING" in line]
-    assert any("error_output" in w and "ZeroDivisionError" in w for w in warnings), log[-4000:]
-    assert any("stopped" in w and "never executed" in w for w in warnings), log[-4000:]
-    assert not any("good.ipynb" in w for w in warnings), warnings
+    assert len(warnings) == 2, warnings
+    assert any("error_output" in w and "ZeroDivisionError" in w for w in warnings), warnings
+    assert any("stopped" in w and "never executed" in w for w in warnings), warnings
