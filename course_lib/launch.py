@@ -51,6 +51,10 @@ import cloudpickle
 from course_lib import trace as _trace
 
 BACKENDS = ("gloo", "nccl")
+# Seconds allowed to start the ranks and build the process group. ``timeout`` counts
+# from when every rank is ready, so a slow first start (the forkserver imports torch;
+# spawn imports it in every rank) never eats into the time a learner gave fn.
+STARTUP_TIMEOUT = 120.0
 
 
 class RankError(RuntimeError):
@@ -240,6 +244,7 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
         dist.init_process_group(**init)
         dist.barrier()  # every rank leaves this together: the shared zero of the trace clock
         rec = _trace.install(_trace.Recorder(rank, status_path=os.path.join(workdir, f"status{rank}")))
+        report("ready", b"")  # the launcher's timeout for fn starts now
         result = to_cpu(fn(*args, **kwargs))
         try:
             data = cloudpickle.dumps((result, rec.spans))
@@ -267,7 +272,7 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
 def _start_watchdog(timeout):
     """Kill this rank if its launcher disappears or the run overstays by far."""
     parent = os.getppid()
-    hard_deadline = time.monotonic() + timeout + 60
+    hard_deadline = time.monotonic() + STARTUP_TIMEOUT + timeout + 60
 
     def watch():
         while True:
@@ -285,8 +290,10 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
     backend: 'gloo' (CPU, or CUDA tensors) or 'nccl' (one GPU per rank).
-    timeout: seconds for the whole run; past it every rank is stopped and
-        :class:`LaunchTimeout` says where each unfinished rank was.
+    timeout: seconds for fn, counted once every rank has started and joined the
+        process group (starting has its own limit, ``STARTUP_TIMEOUT``); past it
+        every rank is stopped and :class:`LaunchTimeout` says where each unfinished
+        rank was.
     threads: intra-op threads per rank (default ``max(1, cores // world_size)``).
     start_method: 'forkserver' (default where available) or 'spawn'.
     quiet: do not print the ranks' output.
@@ -320,7 +327,7 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
                 procs.append(p)
         finally:
             _STARTING.active = False
-        failure = _wait(procs, workdir, started + timeout)
+        failure = _wait(procs, workdir, timeout)
         _kill(procs)
         if not quiet:
             _print_outputs(workdir, world_size)
@@ -340,14 +347,27 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait(procs, workdir, deadline):
-    """Wait for all ranks; return None on success, or the exception to raise."""
+def _wait(procs, workdir, timeout):
+    """Wait for all ranks; return None on success, or the exception to raise.
+
+    Up to STARTUP_TIMEOUT for every rank to be ready, then ``timeout`` for fn.
+    """
     pending = {p.sentinel: rank for rank, p in enumerate(procs)}
+    ready = [os.path.join(workdir, f"ready{rank}") for rank in range(len(procs))]
+    start_deadline, deadline = time.perf_counter() + STARTUP_TIMEOUT, None
     while pending:
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+        now = time.perf_counter()
+        if deadline is None and all(os.path.exists(path) for path in ready):
+            deadline = now + timeout
+        limit = start_deadline if deadline is None else deadline
+        if now >= limit:
+            if deadline is None:
+                late = [r for r, path in enumerate(ready) if not os.path.exists(path)]
+                return LaunchTimeout(f"ranks {late} did not start within {STARTUP_TIMEOUT:g} s (starting the "
+                                     f"process and building the process group)", {r: "starting" for r in late})
             return _timeout_error(procs, sorted(pending.values()), workdir)
-        for sentinel in mp.connection.wait(list(pending), timeout=min(remaining, 1.0)):
+        poll = 1.0 if deadline is not None else 0.02  # while starting, look for readiness often
+        for sentinel in mp.connection.wait(list(pending), timeout=min(limit - now, poll)):
             rank = pending.pop(sentinel)
             procs[rank].join()
             if procs[rank].exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}")):

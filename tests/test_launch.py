@@ -179,8 +179,10 @@ def test_spans_on_one_clock():
     assert {s.kind for s in out.spans} == {"compute", "comm"}
 
 
-def test_spawn_start_method():
-    assert [t.tolist() for t in launch(rank_sum, 2, 1.0, start_method="spawn")] == [[3.0] * 4] * 2
+def test_spawn_start_method_and_timeout_excludes_start_up():
+    # spawn re-imports torch in every rank (seconds): that must not count against fn's timeout
+    out = launch(rank_sum, 2, 1.0, start_method="spawn", timeout=1.0)
+    assert [t.tolist() for t in out] == [[3.0] * 4] * 2
 
 
 # ----------------------------------------------------------------------------- failures
