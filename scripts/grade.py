@@ -185,7 +185,7 @@ def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 3
     ref_path = reference_for(path, reference_dir) if reference_dir else None
     if ref_path and os.path.abspath(ref_path) != os.path.abspath(path):
         reference = nbformat.read(ref_path, as_version=4)
-    elif reference_dir:
+    elif reference_dir and not ref_path:
         grade.note = "no reference notebook: expected lines taken from the notebook itself"
     nb, plan = prepare(learner, reference)
     if not plan:
