@@ -10,6 +10,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 if SCRIPTS not in sys.path:  # generate_exercises, grade, colab_cell are plain scripts
@@ -63,3 +65,14 @@ def nbval_strict(path: str) -> NbvalRun:
     """The strict run of a notebook, once per session: tests/test_notebooks.py checks every
     output with it, tests/test_exercises.py reads the solution's check cells from it."""
     return run_nbval(path, "strict")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one intra-op thread is as fast, and immune to oversubscribed cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

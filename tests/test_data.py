@@ -6,13 +6,7 @@ from course_lib.data import (batches, byte_tokens, decode, digits, python_source
                              train_val_split, zen_text)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread is as fast, and immune to oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_synthetic_text_is_deterministic_and_sized():

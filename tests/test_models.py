@@ -5,13 +5,7 @@ import torch
 from course_lib.models import MLP, GPTConfig, SmallCNN, TinyGPT, n_params
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread is as fast, and immune to oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_tinygpt_shapes_and_loss():
