@@ -13,31 +13,13 @@ import torch.nn.functional as F
 from course_lib import launch
 from course_lib.models import MLP
 from course_lib.parallel.data_parallel import DDP, SYNC_MODES, assign_buckets
-
-SIZES = (16, 32, 16, 32)          # shared=True ties the last weight to the first
-AWKWARD = dict(frozen=(1,), shared=True, unused=True)
-BATCH, STEPS = 24, 5              # 24 rows: even micro-batches on 1, 2, 3 and 4 ranks
-
-
-def make_data(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    X, Y = torch.randn(BATCH, SIZES[0], generator=g), torch.randn(BATCH, SIZES[-1], generator=g)
-    perms = [torch.randperm(BATCH, generator=g) for _ in range(STEPS)]  # reshuffled every step
-    return X, Y, perms
-
+from single_device import AWKWARD, LR, SIZES, STEPS, WD, make_data, train
 
 @functools.lru_cache(maxsize=None)
 def reference(micro=1):
     """Single device, full batch, AdamW with weight decay."""
-    model = MLP(SIZES, seed=0, **AWKWARD)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     X, Y, perms = make_data()
-    for perm in perms:
-        for x, y in zip(X[perm].chunk(micro), Y[perm].chunk(micro)):
-            (F.mse_loss(model(x), y) / micro).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
+    return train(MLP(SIZES, seed=0, **AWKWARD), X, Y, perms, micro)
 
 
 def rank_checks():
@@ -53,7 +35,7 @@ def rank_checks():
         for micro in (1, 2):
             model = MLP(SIZES, seed=rank, **AWKWARD)  # different on every rank until the broadcast
             ddp = DDP(model, bucket_cap_mb=0.001, sync=sync)  # 1 KiB buckets: several of them
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
             ddp.comm.reset()
             trace.reset()
             for perm in perms:

@@ -9,35 +9,17 @@ import torch.nn.functional as F
 from course_lib import launch
 from course_lib.models import MLP
 from course_lib.parallel.zero import ShardedOptimizer
-
-SIZES = (16, 32, 16, 32)
-AWKWARD = dict(frozen=(1,), shared=True, unused=True)
-BATCH, STEPS = 24, 5
-LR, WD = 1e-2, 0.1
-
-
-def make_data(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    X, Y = torch.randn(BATCH, SIZES[0], generator=g), torch.randn(BATCH, SIZES[-1], generator=g)
-    return X, Y, [torch.randperm(BATCH, generator=g) for _ in range(STEPS)]
-
+from single_device import AWKWARD, LR, SIZES, STEPS, WD, make_data, train
 
 @functools.lru_cache(maxsize=None)
 def reference(micro=1, tiny=False):
     model = nn.Linear(1, 1) if tiny else MLP(SIZES, seed=0, **AWKWARD)
+    X, Y, perms = make_data()
     if tiny:
         with torch.no_grad():
             model.weight.fill_(0.5), model.bias.fill_(-0.25)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    X, Y, perms = make_data()
-    if tiny:
         X, Y = X[:, :1], Y[:, :1]
-    for perm in perms:
-        for x, y in zip(X[perm].chunk(micro), Y[perm].chunk(micro)):
-            (F.mse_loss(model(x), y) / micro).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
+    return train(model, X, Y, perms, micro)
 
 
 def rank_checks():
