@@ -10,16 +10,19 @@ ring all-reduce, reduce-scatter and all-gather for 1, 4 and 16 MiB (all-gather:
 the gathered output; reduce-scatter: the input). Goal: ours <= 1.3x gloo. Our
 ring all-reduce with lockstep steps (no pre-posted receives) is shown for the lesson.
 
-Part 2: gloo's all-reduce for 4 KiB .. 16 MiB on 2 .. 8 ranks (median of the reps, or
-with ``--fit-stat min`` the fastest: load from elsewhere only ever adds time), then
-``costmodel.fit_alpha_beta`` (least squares on relative errors, ranks sharing
-this machine's cores). Goal: the fit within 25% of the measured time for sizes of
-64 KiB and more.
+Part 2: gloo's all-reduce for 4 KiB .. 16 MiB on 2 .. 8 ranks, in ``--rounds`` rounds
+(each launches every world size once; a point keeps its fastest round, and within a
+round the fastest of ``--fit-reps``: other programs only ever add time), then
+``costmodel.fit_alpha_beta`` (least squares on relative errors, ranks sharing this
+machine's cores) on gloo's segmented ring (``segmented_ring_all_reduce``), twice: one
+beta, and a beta for buffers in the last-level cache and one beyond it. Goal: the fit
+within 25% of the measured time for sizes of 64 KiB and more.
 
-The machine's load average is printed before and after: on a shared 2-core
-machine, other work inflates and scatters every number here. On Linux,
-``chrt -f 5 python benchmarks/collectives.py`` (root) gives the ranks priority over
-other programs and measures the machine rather than its neighbours.
+Ranks that outnumber the cores wait for the scheduler, not for a link: by default the
+sweep runs once with the ranks under real-time scheduling (SCHED_FIFO, where the OS
+permits it: root or CAP_SYS_NICE), which measures the machine's collectives without
+those waits, and once at normal priority, which is what a notebook sees. The goal is
+judged on the first. The machine's load average is printed before and after.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from course_lib import costmodel  # noqa: E402
+from course_lib.collectives import measure  # noqa: E402
 from course_lib.launch import cpu_count, launch  # noqa: E402
 
 MiB = 1 << 20
@@ -65,10 +69,31 @@ def side_by_side(sizes, reps):
     return table
 
 
-def gloo_sweep(sizes, reps, stat):
-    from course_lib.collectives import measure
-
-    return measure.measure_builtin(sizes, ("all_reduce",), reps=reps, warmup=2, stat=stat)
+def report_fit(rows, cores, cache, priority, args):
+    """Print both fits and a point-by-point table; return the cache-aware fit's worst error >= 64 KiB."""
+    one = costmodel.fit_alpha_beta(rows, cores=cores)
+    two = costmodel.fit_alpha_beta(rows, cores=cores, cache_bytes=cache) if cache else one
+    print(f"\n## alpha-beta fit to gloo all_reduce, {priority} scheduling: fastest of {args.rounds} rounds of "
+          f"{args.fit_stat} of {args.fit_reps} reps, {len(rows)} points, world sizes {args.worlds}\n")
+    print(f"one beta:    {one}")
+    print(f"cache-aware: {two}\n")
+    print("| N | size | measured (ms) | one beta (ms) | error | cache-aware (ms) | error |")
+    print("|---|---|---|---|---|---|---|")
+    big = {"one beta": [], "cache-aware": []}
+    for m, e1, e2 in zip(rows, one.rel_errors, two.rel_errors):
+        if m.n_bytes >= 64 << 10:
+            big["one beta"].append(abs(e1))
+            big["cache-aware"].append(abs(e2))
+        size = f"{m.n_bytes / MiB:g} MiB" if m.n_bytes >= MiB else f"{m.n_bytes / 1024:g} KiB"
+        print(f"| {m.world_size} | {size} | {m.seconds * 1e3:.3f} | "
+              f"{one.predict(m.algorithm, m.n_bytes, m.world_size) * 1e3:.3f} | {e1:+.0%} | "
+              f"{two.predict(m.algorithm, m.n_bytes, m.world_size) * 1e3:.3f} | {e2:+.0%} |")
+    print()
+    for name, errs in big.items():
+        errs.sort()
+        print(f"{name:12s} sizes >= 64 KiB: |error| median {errs[len(errs) // 2]:.0%}, max {errs[-1]:.0%}, "
+              f"{sum(e <= 0.25 for e in errs)}/{len(errs)} within 25%")
+    return big["cache-aware"][-1]
 
 
 def load():
@@ -81,11 +106,13 @@ def load():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--fit-reps", type=int, default=7)
+    p.add_argument("--fit-reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--priority", choices=("both", "realtime", "normal"), default="both")
     p.add_argument("--no-fit", action="store_true")
     p.add_argument("--worlds", type=int, nargs="*", default=[2, 3, 4, 5, 6, 7, 8])
-    p.add_argument("--fit-stat", choices=("median", "min"), default="median",
-                   help="time of a point in the fit: the median of the reps, or the fastest")
+    p.add_argument("--fit-stat", choices=("median", "min"), default="min",
+                   help="time of a point in a round: the fastest of the reps, or their median")
     args = p.parse_args(argv)
     cores = cpu_count()
     print(f"# collectives benchmark: {cores} cores, {load()}")
@@ -110,27 +137,20 @@ def main(argv=None):
 
     if not args.no_fit:
         fit_sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]
-        rows = []
-        for N in args.worlds:
-            rows += launch(gloo_sweep, N, fit_sizes, args.fit_reps, args.fit_stat, threads=1, quiet=True,
-                           timeout=900)[0]
-        fit = costmodel.fit_alpha_beta(rows, cores=cores)
-        print(f"\n## alpha-beta fit to gloo all_reduce ({args.fit_stat} of {args.fit_reps} reps), {len(rows)} points, "
-              f"world sizes {args.worlds}\n")
-        print(f"{fit}\n")
-        print("| N | size | measured (ms) | model (ms) | error |")
-        print("|---|---|---|---|---|")
-        big = []
-        for m, err in zip(rows, fit.rel_errors):
-            if m.n_bytes >= 64 << 10:
-                big.append(abs(err))
-            size = f"{m.n_bytes / MiB:g} MiB" if m.n_bytes >= MiB else f"{m.n_bytes / 1024:g} KiB"
-            print(f"| {m.world_size} | {size} | {m.seconds * 1e3:.3f} | "
-                  f"{fit.predict(m.algorithm, m.n_bytes, m.world_size) * 1e3:.3f} | {err:+.0%} |")
-        big.sort()
-        print(f"\nsizes >= 64 KiB: |error| median {big[len(big) // 2]:.0%}, max {big[-1]:.0%}, "
-              f"{sum(e <= 0.25 for e in big)}/{len(big)} within 25%  goal: all within 25%: "
-              f"{'met' if big[-1] <= 0.25 else 'NOT met'}")
+        cache = measure.last_level_cache_bytes()
+        priorities = {"both": (True, False), "realtime": (True,), "normal": (False,)}[args.priority]
+        judged = None
+        for realtime in priorities:
+            rows, granted = measure.sweep_builtin(fit_sizes, args.worlds, rounds=args.rounds, reps=args.fit_reps,
+                                                  stat=args.fit_stat, realtime=realtime)
+            if realtime and not granted:
+                print("\n(real-time scheduling not permitted here: root or CAP_SYS_NICE needed; skipped)")
+                continue
+            worst = report_fit(rows, cores, cache, "real-time" if realtime else "normal", args)
+            judged = worst if judged is None else judged
+        if judged is not None:
+            print(f"\ngoal (first sweep, cache-aware fit): every size >= 64 KiB within 25%: "
+                  f"{'met' if judged <= 0.25 else 'NOT met'} (worst {judged:.0%})")
     print(f"\n# done in {time.perf_counter() - started:.0f} s, {load()}")
 
 

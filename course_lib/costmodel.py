@@ -18,6 +18,7 @@ API (stable: the planner and the book call these; one formula, one place)::
     naive_broadcast / naive_reduce         (N-1) (a + n b)              the root talks to each rank in turn
     naive_all_reduce                       2 (N-1) (a + n b)            reduce to a root, broadcast back
     naive_all_gather, naive_reduce_scatter through a root
+    segmented_ring_all_reduce              2 S (N-1)/N a + 2(N-1)/N n b gloo's ring: S = N ceil(max(n / 1 MiB, 2N) / N) segments
     serialized_ring_all_reduce             2 (N-1) (a + n b)            the whole buffer hops rank to rank
     pairwise_all_to_all                    (N-1) (a + n/N b)            n = one rank's input size
     linear_scatter / linear_gather         (N-1) (a + n/N b)
@@ -30,11 +31,14 @@ API (stable: the planner and the book call these; one formula, one place)::
     busbw(collective, n, seconds, N)   algbw * bus_factor: comparable across N, vs link bandwidth
     coefficients(algorithm, n, N, cores=None)  (steps, bytes): cost = steps * alpha + bytes * beta
     shared_cores(N, cores)             max(1, N / cores): slowdown when N ranks share `cores` CPU cores
-    fit_alpha_beta(measurements, relative=True, cores=None) -> AlphaBetaFit(alpha, beta, bandwidth, ...)
+    fit_alpha_beta(measurements, relative=True, cores=None, cache_bytes=None) -> AlphaBetaFit
         measurements: iterable of (algorithm, n_bytes, world_size, seconds) tuples,
         Measurement namedtuples or dicts with those keys; least squares, all
         algorithms at once, relative errors weighted equally by default.
         cores: ranks on one machine share its cores (see shared_cores); None: they do not.
+        cache_bytes: two betas, in cache and beyond it (see in_memory); None: one.
+        AlphaBetaFit(alpha, beta, bandwidth, rel_errors, ..., beta_memory, cache_bytes).predict(algo, n, N)
+    in_memory(n, N, cache_bytes)       N buffers of n bytes fill the cache: copies run at memory speed
     crossover_bytes(algo_a, algo_b, N, alpha, beta) -> n where both cost the same (or None)
     measured_crossover(sizes, times_a, times_b) -> n where measured times cross (log interpolation)
 
@@ -43,7 +47,10 @@ Sizes follow the nccl-tests convention: ``n`` is the size of the whole buffer
 ignores the reduction's arithmetic (it folds into beta when beta is fitted) and
 contention for a shared link. Ranks that share CPU cores (a laptop running 8
 ranks on 2 cores, the loopback "network" being memory copies by the CPU) take
-turns: pass ``cores`` to fit and predict with every step slowed by N / cores.
+turns: pass ``cores`` to fit and predict with every step slowed by N / cores. And
+there the "link" is the CPU copying bytes, as fast as the cache while all ranks'
+buffers fit in it and as slow as memory beyond: pass ``cache_bytes`` to fit a beta
+for each side.
 """
 from __future__ import annotations
 
@@ -77,6 +84,27 @@ def ring_all_gather(n_bytes, world_size, alpha, beta):
 def ring_all_reduce(n_bytes, world_size, alpha, beta):
     """Reduce-scatter then all-gather: 2(N-1) steps of n/N bytes. Bandwidth optimal."""
     return ring_reduce_scatter(n_bytes, world_size, alpha, beta) + ring_all_gather(n_bytes, world_size, alpha, beta)
+
+
+GLOO_MAX_SEGMENT_BYTES = 1 << 20   # gloo's ring all-reduce sends at most 1 MiB per message
+
+
+def segmented_ring_all_reduce(n_bytes, world_size, alpha, beta, max_segment_bytes=GLOO_MAX_SEGMENT_BYTES):
+    """The ring as gloo runs it: each rank's chunk cut into segments, two messages in flight.
+
+    gloo cuts the buffer into S segments, S a multiple of N with at least 2 per rank
+    (one travels while the other is reduced) and at most ``max_segment_bytes`` each:
+    S = N * ceil(max(ceil(n / max_segment_bytes), 2N) / N). Each phase sends
+    S (N-1) / N segments: 2 S (N-1) / N messages in all, 4(N-1) for small buffers,
+    twice the textbook ring's 2(N-1); the bytes are the ring's, 2(N-1)/N n. (Buffers of
+    fewer than about 2N elements leave some segments empty, which gloo skips.)
+    """
+    N = world_size
+    if N <= 1:
+        return 0.0
+    wanted = max(math.ceil(n_bytes / max_segment_bytes), 2 * N)
+    segments = math.ceil(wanted / N) * N
+    return 2 * (N - 1) * segments / N * alpha + 2 * (N - 1) / N * n_bytes * beta
 
 
 def serialized_ring_all_reduce(n_bytes, world_size, alpha, beta):
@@ -157,7 +185,8 @@ def pairwise_all_to_all(n_bytes, world_size, alpha, beta):
 
 
 COSTS: dict[str, Callable] = {f.__name__: f for f in (
-    point_to_point, ring_reduce_scatter, ring_all_gather, ring_all_reduce, serialized_ring_all_reduce,
+    point_to_point, ring_reduce_scatter, ring_all_gather, ring_all_reduce, segmented_ring_all_reduce,
+    serialized_ring_all_reduce,
     tree_broadcast, tree_reduce, tree_all_reduce, recursive_doubling_all_reduce,
     naive_broadcast, naive_reduce, naive_all_reduce, linear_gather, linear_scatter,
     naive_all_gather, naive_reduce_scatter, pairwise_all_to_all)}
@@ -255,23 +284,41 @@ class Measurement(NamedTuple):
 
 class AlphaBetaFit(NamedTuple):
     alpha: float            # seconds per message
-    beta: float             # seconds per byte
+    beta: float             # seconds per byte (buffers in the cache, when cache_bytes is set)
     bandwidth: float        # 1 / beta, bytes per second
     rel_errors: tuple       # (predicted - measured) / measured, one per measurement, in input order
     max_abs_rel_error: float
     median_abs_rel_error: float
     n_points: int
     cores: int | None = None    # the fit assumed ranks share this many cores (None: they do not)
+    beta_memory: float | None = None    # seconds per byte once the ranks' buffers outgrow the cache
+    cache_bytes: int | None = None      # the cache size that separates the two (None: one beta)
+
+    def beta_for(self, n_bytes, world_size) -> float:
+        """beta, or beta_memory when the buffers of all ranks together do not fit in the cache."""
+        return self.beta_memory if in_memory(n_bytes, world_size, self.cache_bytes) else self.beta
 
     def predict(self, algorithm, n_bytes, world_size) -> float:
         steps, nbytes = coefficients(algorithm, n_bytes, world_size, self.cores)
-        return steps * self.alpha + nbytes * self.beta
+        return steps * self.alpha + nbytes * self.beta_for(n_bytes, world_size)
 
     def __str__(self):
         shared = f", ranks sharing {self.cores} cores" if self.cores else ""
-        return (f"alpha = {self.alpha * 1e6:.1f} us, beta = {self.beta * 1e9:.3f} ns/B "
-                f"(bandwidth {self.bandwidth / 1e9:.2f} GB/s{shared}); |error| median "
+        beta = f"beta = {self.beta * 1e9:.3f} ns/B (bandwidth {self.bandwidth / 1e9:.2f} GB/s{shared})"
+        if self.cache_bytes:
+            beta = (f"beta = {self.beta * 1e9:.3f} ns/B while N n < {self.cache_bytes / 2**20:g} MiB of cache, "
+                    f"{self.beta_memory * 1e9:.3f} ns/B beyond{shared}")
+        return (f"alpha = {self.alpha * 1e6:.1f} us, {beta}; |error| median "
                 f"{self.median_abs_rel_error:.0%}, max {self.max_abs_rel_error:.0%} over {self.n_points} points")
+
+
+def in_memory(n_bytes, world_size, cache_bytes) -> bool:
+    """True when ``world_size`` buffers of ``n_bytes`` (every rank's) fill ``cache_bytes`` or more.
+
+    On one machine the "link" is the CPU copying bytes: while all ranks' buffers fit in
+    the last-level cache the copies run at cache speed, beyond it at memory speed.
+    """
+    return cache_bytes is not None and world_size * n_bytes >= cache_bytes
 
 
 def _as_measurement(m) -> Measurement:
@@ -282,24 +329,33 @@ def _as_measurement(m) -> Measurement:
 
 
 def _lstsq_nonneg(rows, targets):
-    """min ||A x - t|| over x = (alpha, beta) >= 0 (two unknowns: try the interior, then each edge)."""
+    """min ||A x - t|| over x >= 0, for a few unknowns: the best unconstrained solution
+    over every subset of columns (the others held at zero) that comes out nonnegative."""
+    import itertools
+
     import numpy as np
 
     A, t = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
-    candidates = []
-    sol, *_ = np.linalg.lstsq(A, t, rcond=None)
-    if (sol >= 0).all():
-        candidates.append(sol)
-    for keep in (0, 1):  # one of the two at zero
-        col = A[:, keep]
-        denom = float(col @ col)
-        x = np.zeros(2)
-        x[keep] = max(0.0, float(col @ t) / denom) if denom > 0 else 0.0
-        candidates.append(x)
-    return min(candidates, key=lambda x: float(np.sum((A @ x - t) ** 2)))
+    k = A.shape[1]
+    best, best_res = np.zeros(k), float(t @ t)
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            sub = A[:, cols]
+            if not sub.any():
+                continue
+            sol, *_ = np.linalg.lstsq(sub, t, rcond=None)
+            if (sol < 0).any():
+                continue
+            x = np.zeros(k)
+            x[list(cols)] = sol
+            res = float(np.sum((A @ x - t) ** 2))
+            if res < best_res - 1e-15 * max(1.0, best_res):
+                best, best_res = x, res
+    return best
 
 
-def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None) -> AlphaBetaFit:
+def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None,
+                   cache_bytes: int | None = None) -> AlphaBetaFit:
     """Least-squares alpha and beta (both >= 0) from measured times of known algorithms.
 
     Each measurement is (algorithm, n_bytes, world_size, seconds); its predicted
@@ -307,6 +363,8 @@ def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None
     ``relative=True`` each row is divided by its measured time, so a 4 KiB point
     counts as much as a 16 MiB one (plain least squares would fit only the big ones).
     ``cores``: the ranks shared this many CPU cores (:func:`shared_cores`).
+    ``cache_bytes``: fit two betas, ``beta`` while the ranks' buffers fit in this much
+    cache and ``beta_memory >= beta`` beyond (:func:`in_memory`); None: one beta.
     """
     ms = [_as_measurement(m) for m in measurements]
     if len(ms) < 2:
@@ -314,22 +372,25 @@ def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None
     for m in ms:
         if not (m.seconds > 0 and m.n_bytes >= 0 and m.world_size >= 1):
             raise ValueError(f"bad measurement {m}: need seconds > 0, n_bytes >= 0, world_size >= 1")
+    if cache_bytes is not None and not cache_bytes > 0:
+        raise ValueError(f"cache_bytes must be > 0 or None, got {cache_bytes}")
     rows, targets = [], []
     for m in ms:
         steps, nbytes = coefficients(m.algorithm, m.n_bytes, m.world_size, cores)
         w = 1.0 / m.seconds if relative else 1.0
-        rows.append((steps * w, nbytes * w))
+        extra = nbytes if in_memory(m.n_bytes, m.world_size, cache_bytes) else 0.0
+        rows.append((steps * w, nbytes * w, extra * w))
         targets.append(m.seconds * w)
-    if all(r == (0.0, 0.0) for r in rows):
+    if all(r[:2] == (0.0, 0.0) for r in rows):
         raise ValueError("every measurement has zero cost in the model (world_size 1?): nothing to fit")
-    alpha, beta = (float(v) for v in _lstsq_nonneg(rows, targets))
-    errs = tuple((r[0] / w_ * alpha + r[1] / w_ * beta - m.seconds) / m.seconds
-                 for r, m, w_ in zip(rows, ms, [(1.0 / m.seconds if relative else 1.0) for m in ms]))
+    alpha, beta, beta_extra = (float(v) for v in _lstsq_nonneg(rows, targets))
+    fit = AlphaBetaFit(alpha, beta, (1.0 / beta) if beta > 0 else math.inf, (), 0.0, 0.0, len(ms), cores,
+                       beta + beta_extra if cache_bytes else None, cache_bytes)
+    errs = tuple((fit.predict(m.algorithm, m.n_bytes, m.world_size) - m.seconds) / m.seconds for m in ms)
     abs_errs = sorted(abs(e) for e in errs)
     mid = len(abs_errs) // 2
     median = abs_errs[mid] if len(abs_errs) % 2 else (abs_errs[mid - 1] + abs_errs[mid]) / 2
-    return AlphaBetaFit(alpha, beta, (1.0 / beta) if beta > 0 else math.inf, errs,
-                        abs_errs[-1], median, len(ms), cores)
+    return fit._replace(rel_errors=errs, max_abs_rel_error=abs_errs[-1], median_abs_rel_error=median)
 
 
 def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
@@ -363,4 +424,4 @@ def measured_crossover(sizes, times_a, times_b):
 
 __all__ = sorted(COSTS) + [
     "COSTS", "COLLECTIVES", "cost", "coefficients", "shared_cores", "bus_factor", "volume_per_rank", "algbw", "busbw",
-    "Measurement", "AlphaBetaFit", "fit_alpha_beta", "crossover_bytes", "measured_crossover"]
+    "Measurement", "AlphaBetaFit", "fit_alpha_beta", "in_memory", "GLOO_MAX_SEGMENT_BYTES", "crossover_bytes", "measured_crossover"]

@@ -111,3 +111,41 @@ def test_measured_crossover_interpolates_on_log_size():
     n = cm.measured_crossover(sizes, tree, ring)
     assert (1 << 12) < n < (1 << 14)   # log(tree / ring): -0.69, -0.35, +0.69
     assert cm.measured_crossover(sizes, [1, 1, 1], [2, 2, 2]) is None
+
+
+def test_segmented_ring_counts_gloos_messages():
+    MiB = 1 << 20
+    # small buffers: 2 segments per rank, each phase sends N-1 chunks of 2 segments
+    assert cm.coefficients("segmented_ring_all_reduce", 4096, 2) == (4, 4096)
+    assert cm.coefficients("segmented_ring_all_reduce", 4096, 5)[0] == 16
+    # 16 MiB on 2 ranks: 16 segments of 1 MiB; on 3 ranks: 16 rounded up to 18
+    assert cm.coefficients("segmented_ring_all_reduce", 16 * MiB, 2)[0] == 16
+    assert cm.coefficients("segmented_ring_all_reduce", 16 * MiB, 3)[0] == pytest.approx(24)
+    for n, N in ((4096, 3), (5 * MiB + 3, 4), (64 * MiB, 8)):   # the bytes are the ring's
+        assert cm.segmented_ring_all_reduce(n, N, 0, B) == pytest.approx(cm.ring_all_reduce(n, N, 0, B))
+        assert cm.segmented_ring_all_reduce(n, N, A, 0) >= 2 * cm.ring_all_reduce(n, N, A, 0)
+    assert cm.segmented_ring_all_reduce(MiB, 4, A, B, max_segment_bytes=MiB // 16) == pytest.approx(
+        2 * 3 * 16 / 4 * A + 1.5 * MiB * B)
+
+
+def test_cache_aware_fit_recovers_two_betas():
+    cache, B_mem = 8 << 20, 1.6 * B
+    ms = []
+    for n in (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20):
+        for N in (2, 3, 4, 8):
+            beta = B_mem if cm.in_memory(n, N, cache) else B
+            ms.append(("segmented_ring_all_reduce", n, N,
+                       cm.segmented_ring_all_reduce(n, N, A, beta) * cm.shared_cores(N, 2)))
+    assert cm.in_memory(4 << 20, 2, cache) and not cm.in_memory(1 << 20, 4, cache)
+    fit = cm.fit_alpha_beta(ms, cores=2, cache_bytes=cache)
+    assert fit.alpha == pytest.approx(A) and fit.beta == pytest.approx(B) and fit.beta_memory == pytest.approx(B_mem)
+    assert fit.max_abs_rel_error < 1e-9 and "MiB of cache" in str(fit)
+    assert fit.predict("ring_all_reduce", 16 << 20, 2) == pytest.approx(cm.ring_all_reduce(16 << 20, 2, A, B_mem))
+    one = cm.fit_alpha_beta(ms, cores=2)                      # one beta cannot do both
+    assert one.beta_memory is None and one.cache_bytes is None and one.max_abs_rel_error > 0.1
+    # beta_memory >= beta even when the data say otherwise (a cache never slows a copy)
+    faster = [(a, n, N, t * (0.5 if cm.in_memory(n, N, cache) else 1)) for a, n, N, t in ms]
+    fit = cm.fit_alpha_beta(faster, cores=2, cache_bytes=cache)
+    assert fit.beta_memory == fit.beta
+    with pytest.raises(ValueError, match="cache_bytes"):
+        cm.fit_alpha_beta(ms, cache_bytes=0)

@@ -11,9 +11,15 @@
   setup) are not timed.
 
 ``builtin_ops`` gives gloo's own collectives in the same shape as ours, and
-``builtin_model`` says which alpha-beta formula each follows (found by counting
-the bytes gloo writes to its sockets, ``bytes_written``: gloo's reduce-scatter
-sends as much as an all-reduce).
+``BUILTIN_MODEL`` says which alpha-beta formula each follows, found by counting what
+gloo writes to its sockets: the bytes (``bytes_written``; gloo's reduce-scatter sends
+as much as an all-reduce) and the write system calls (``writes_made``; gloo's
+all-reduce sends 1 MiB segments, at least two per rank, three writes each).
+
+``sweep_builtin`` (called outside ranks) times gloo's collectives over sizes and world
+sizes in several rounds, and keeps each point's fastest round: one launch that a
+burst of other work slowed does not spoil the fit. With ``realtime=True`` the ranks
+run under real-time scheduling where the OS allows it (``realtime_priority``).
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ def median(xs) -> float:
 
 # collective -> the costmodel formula gloo's implementation follows, and what n means
 BUILTIN_MODEL = {
-    "all_reduce": "ring_all_reduce",            # n = the tensor
+    "all_reduce": "segmented_ring_all_reduce",  # n = the tensor; 1 MiB segments, >= 2 per rank
     "all_gather": "ring_all_gather",            # n = the gathered output
     "reduce_scatter": "ring_all_reduce",        # n = the input: gloo all-reduces, then keeps a piece
     "broadcast": "tree_broadcast",              # n = the tensor (binomial tree: root sends log2 N times)
@@ -93,6 +99,69 @@ def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: i
     return rows
 
 
+def _sweep_rank(sizes, collectives, reps, warmup, stat, realtime):
+    with realtime_priority(realtime) as granted:
+        return granted, measure_builtin(sizes, collectives, reps, warmup, stat=stat)
+
+
+def sweep_builtin(sizes, world_sizes, collectives=("all_reduce",), rounds: int = 3, reps: int = 5,
+                  warmup: int = 2, stat: str = "min", realtime: bool = False, timeout: float = 900.0):
+    """Outside ranks: Measurement rows of gloo's collectives for every size and world size.
+
+    Each round launches every world size once (one thread per rank); a point's time is
+    ``stat`` ("min" or "median") of its ``reps``, then the fastest of the ``rounds``.
+    Returns ``(rows, realtime_granted)``: whether every rank of every launch ran under
+    real-time scheduling (False when not asked for or not permitted).
+    """
+    from course_lib.launch import launch
+
+    if rounds < 1 or reps < 1:
+        raise ValueError(f"rounds and reps must be >= 1, got rounds={rounds}, reps={reps}")
+    best, granted = {}, bool(realtime)
+    for _ in range(rounds):
+        for N in world_sizes:
+            results = launch(_sweep_rank, N, list(sizes), tuple(collectives), reps, warmup, stat, realtime,
+                             threads=1, quiet=True, timeout=timeout)
+            granted = granted and all(g for g, _ in results)
+            for m in results[0][1]:
+                key = (m.algorithm, m.n_bytes, m.world_size)
+                best[key] = m if key not in best or m.seconds < best[key].seconds else best[key]
+    return list(best.values()), granted
+
+
+@contextlib.contextmanager
+def realtime_priority(enabled: bool = True, priority: int = 1):
+    """Inside a rank: run all of this process's threads (gloo's too) under SCHED_FIFO.
+
+    Yields whether it was granted. Under the normal (fair) scheduler, a rank whose
+    message has arrived may wait for a core while other ranks' threads run, and gloo's
+    network thread polls; with more ranks than cores those waits, not the
+    alpha-beta link, dominate small messages and vary from run to run. Real-time
+    scheduling runs a woken rank at once. Needs root or CAP_SYS_NICE (Linux); elsewhere
+    yields False and changes nothing. The previous policy is restored on exit.
+    """
+    import os
+
+    tids = []
+    if enabled and hasattr(os, "sched_setscheduler"):
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+            before = {t: (os.sched_getscheduler(t), os.sched_getparam(t)) for t in tids}
+            for t in tids:
+                os.sched_setscheduler(t, os.SCHED_FIFO, os.sched_param(priority))
+        except (OSError, PermissionError):
+            for t in tids:
+                with contextlib.suppress(OSError):
+                    os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+            tids = []
+    try:
+        yield bool(tids)
+    finally:
+        for t in tids:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(t, *before[t])
+
+
 @contextlib.contextmanager
 def simulated_link(alpha: float, beta: float):
     """Inside a rank: give it a virtual network link of latency ``alpha`` s and ``1/beta`` B/s.
@@ -117,20 +186,59 @@ def simulated_link(alpha: float, beta: float):
         dist.isend = original
 
 
+def last_level_cache_bytes() -> int | None:
+    """Size of this machine's largest CPU cache (Linux sysfs, then glibc's sysconf); None if unknown."""
+    import glob
+    import os
+
+    best = None
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(index, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * unit)
+    if best is None:
+        for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+            try:
+                size = os.sysconf(name)
+            except (ValueError, OSError, AttributeError):
+                continue
+            if size and size > 0:
+                return int(size)
+    return best
+
+
+def _proc_io(field: str) -> int | None:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def bytes_written() -> int | None:
     """Bytes this process has passed to write/send system calls (Linux /proc/self/io ``wchar``).
 
     Gloo writes through sockets from its own threads; their bytes count too. None
     where /proc is not available (macOS, Windows).
     """
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+    return _proc_io("wchar")
+
+
+def writes_made() -> int | None:
+    """Write system calls this process has made (Linux /proc/self/io ``syscw``); None elsewhere."""
+    return _proc_io("syscw")
 
 
 def bytes_sent_by(fn, group=None) -> int | None:
@@ -143,5 +251,5 @@ def bytes_sent_by(fn, group=None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "simulated_link",
-           "bytes_written", "bytes_sent_by"]
+__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "sweep_builtin",
+           "realtime_priority", "simulated_link", "bytes_written", "writes_made", "bytes_sent_by", "last_level_cache_bytes"]

@@ -183,8 +183,11 @@ def measured_vs_model(measurements, fit, title=None):
     _size_axis(ax, sizes)
     ax.set_ylabel("time (ms)")
     shared = f", ranks sharing {fit.cores} cores" if getattr(fit, "cores", None) else ""
+    beta = f"beta = {fit.beta * 1e9:.3f} ns/B"
+    if getattr(fit, "cache_bytes", None):
+        beta += f" in cache, {fit.beta_memory * 1e9:.3f} beyond"
     ax.set_title(title or (f"measured (points) vs alpha-beta model (lines)\nalpha = {fit.alpha * 1e6:.1f} us, "
-                           f"beta = {fit.beta * 1e9:.3f} ns/B{shared}"), fontsize=9)
+                           f"{beta}{shared}"), fontsize=9)
     ax.legend(fontsize=7)
     _size_axis(ax2, sizes)
     ax2.axhline(0, color="0.3", lw=0.8)
