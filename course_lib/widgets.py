@@ -147,5 +147,27 @@ def interactive_figure(fig_fn, *, show_static: bool = True, **controls):
             plt.close(fig)
     for w in boxes.values():
         w.observe(redraw, names="value")
-    display(widgets.VBox([widgets.HBox(list(boxes.values())[i:i + 3]) for i in range(0, len(boxes), 3)] + [out]))
+    box = widgets.VBox([widgets.HBox(list(boxes.values())[i:i + 3]) for i in range(0, len(boxes), 3)] + [out])
+    display(with_fallback(box, list(boxes)), raw=True)
     return None
+
+
+def fallback_note(names) -> str:
+    """What a page without a kernel (the rendered book, nbviewer, a text front-end) shows instead."""
+    return (f"[interactive: in a running notebook, controls for {', '.join(names)} redraw the figure above; "
+            f"open this page in Colab or JupyterLab to use them]")
+
+
+def with_fallback(widget, names) -> dict:
+    """The widget's display bundle, its text/plain saying what it does.
+
+    Front-ends with a live kernel render the widget (its MIME type ranks first); the
+    book drops that type (_config.yml: nb_mime_priority_overrides), since a widget
+    needs a kernel, and shows the note in its place instead of an empty box.
+    """
+    get_bundle = getattr(widget, "_repr_mimebundle_", None)       # ipywidgets >= 8
+    bundle = dict(get_bundle() or {}) if get_bundle else {
+        "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                     "model_id": widget.model_id}}
+    bundle["text/plain"] = fallback_note(names)
+    return bundle

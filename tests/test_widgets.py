@@ -64,3 +64,18 @@ def test_widgets_built_when_available():
     built = [widgets._widget(c, ipywidgets) for c in ctrls]
     assert [type(w).__name__ for w in built] == ["IntSlider", "FloatSlider", "Dropdown", "Checkbox"]
     assert built[2].value == "a"
+
+
+def test_widget_bundle_carries_a_note_for_pages_without_a_kernel():
+    ipywidgets = pytest.importorskip("ipywidgets")
+    box = ipywidgets.VBox([ipywidgets.IntSlider()])
+    bundle = widgets.with_fallback(box, ["step", "world_size"])
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == box.model_id
+    assert "step, world_size" in bundle["text/plain"] and "Colab" in bundle["text/plain"]
+    # the book drops the widget's MIME type, so the note is what it renders
+    import os
+
+    import yaml
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_config.yml")) as f:
+        overrides = yaml.safe_load(f)["sphinx"]["config"]["nb_mime_priority_overrides"]
+    assert ["*", "application/vnd.jupyter.widget-view+json", None] in overrides
