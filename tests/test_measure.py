@@ -50,6 +50,8 @@ def test_sweep_builtin_keeps_each_points_fastest_round():
     assert all(m.algorithm == "segmented_ring_all_reduce" and m.seconds > 0 for m in rows)
     with pytest.raises(ValueError, match="rounds"):
         measure.sweep_builtin([4096], [2], rounds=0)
+    with pytest.raises(ValueError, match="stat must be one of"):
+        measure.sweep_builtin([4096], [2], stat="mean")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling API")

@@ -80,6 +80,13 @@ def builtin_ops(n_bytes: int, collectives=("all_reduce",), group=None, dtype=tor
     return {c: make[c] for c in collectives}
 
 
+def _stat(name: str):
+    stats = {"median": median, "min": min}
+    if name not in stats:
+        raise ValueError(f"stat must be one of {sorted(stats)}, got {name!r}")
+    return stats[name]
+
+
 def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: int = 1, group=None,
                     stat: str = "median"):
     """Inside ranks: costmodel Measurement rows of gloo's collectives.
@@ -89,7 +96,7 @@ def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: i
     """
     from course_lib.costmodel import Measurement
 
-    reduce_times = {"median": median, "min": min}[stat]
+    reduce_times = _stat(stat)
     N = dist.get_world_size(group)
     rows = []
     for n in sizes:
@@ -115,6 +122,7 @@ def sweep_builtin(sizes, world_sizes, collectives=("all_reduce",), rounds: int =
     """
     from course_lib.launch import launch
 
+    _stat(stat)
     if rounds < 1 or reps < 1:
         raise ValueError(f"rounds and reps must be >= 1, got rounds={rounds}, reps={reps}")
     best, granted = {}, bool(realtime)
