@@ -1,0 +1,157 @@
+"""Fitting alpha and beta to measured times, and where two algorithms' costs cross
+(course_lib.costmodel re-exports all of it; its docstring is the API)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from course_lib.costmodel.algorithms import coefficients
+
+# ----------------------------------------------------------------------------- fitting
+
+
+class Measurement(NamedTuple):
+    algorithm: str      # a key of COSTS, e.g. "ring_all_reduce"
+    n_bytes: float
+    world_size: int
+    seconds: float
+
+
+class AlphaBetaFit(NamedTuple):
+    alpha: float            # seconds per message
+    beta: float             # seconds per byte (buffers in the cache, when cache_bytes is set)
+    bandwidth: float        # 1 / beta, bytes per second
+    rel_errors: tuple       # (predicted - measured) / measured, one per measurement, in input order
+    max_abs_rel_error: float
+    median_abs_rel_error: float
+    n_points: int
+    cores: int | None = None    # the fit assumed ranks share this many cores (None: they do not)
+    beta_memory: float | None = None    # seconds per byte once the ranks' buffers outgrow the cache
+    cache_bytes: int | None = None      # the cache size that separates the two (None: one beta)
+
+    def beta_for(self, n_bytes, world_size) -> float:
+        """beta, or beta_memory when the buffers of all ranks together do not fit in the cache."""
+        return self.beta_memory if in_memory(n_bytes, world_size, self.cache_bytes) else self.beta
+
+    def predict(self, algorithm, n_bytes, world_size) -> float:
+        steps, nbytes = coefficients(algorithm, n_bytes, world_size, self.cores)
+        return steps * self.alpha + nbytes * self.beta_for(n_bytes, world_size)
+
+    def __str__(self):
+        shared = f", ranks sharing {self.cores} cores" if self.cores else ""
+        beta = f"beta = {self.beta * 1e9:.3f} ns/B (bandwidth {self.bandwidth / 1e9:.2f} GB/s{shared})"
+        if self.cache_bytes:
+            beta = (f"beta = {self.beta * 1e9:.3f} ns/B while N n < {self.cache_bytes / 2**20:g} MiB of cache, "
+                    f"{self.beta_memory * 1e9:.3f} ns/B beyond{shared}")
+        return (f"alpha = {self.alpha * 1e6:.1f} us, {beta}; |error| median "
+                f"{self.median_abs_rel_error:.0%}, max {self.max_abs_rel_error:.0%} over {self.n_points} points")
+
+
+def in_memory(n_bytes, world_size, cache_bytes) -> bool:
+    """True when ``world_size`` buffers of ``n_bytes`` (every rank's) fill ``cache_bytes`` or more.
+
+    On one machine the "link" is the CPU copying bytes: while all ranks' buffers fit in
+    the last-level cache the copies run at cache speed, beyond it at memory speed.
+    """
+    return cache_bytes is not None and world_size * n_bytes >= cache_bytes
+
+
+def _as_measurement(m) -> Measurement:
+    if isinstance(m, dict):
+        return Measurement(m["algorithm"], float(m["n_bytes"]), int(m["world_size"]), float(m["seconds"]))
+    algorithm, n_bytes, world_size, seconds = m
+    return Measurement(algorithm, float(n_bytes), int(world_size), float(seconds))
+
+
+def _lstsq_nonneg(rows, targets):
+    """min ||A x - t|| over x >= 0, for a few unknowns: the best unconstrained solution
+    over every subset of columns (the others held at zero) that comes out nonnegative."""
+    import itertools
+
+    import numpy as np
+
+    A, t = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    k = A.shape[1]
+    best, best_res = np.zeros(k), float(t @ t)
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            sub = A[:, cols]
+            if not sub.any():
+                continue
+            sol, *_ = np.linalg.lstsq(sub, t, rcond=None)
+            if (sol < 0).any():
+                continue
+            x = np.zeros(k)
+            x[list(cols)] = sol
+            res = float(np.sum((A @ x - t) ** 2))
+            if res < best_res - 1e-15 * max(1.0, best_res):
+                best, best_res = x, res
+    return best
+
+
+def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None,
+                   cache_bytes: int | None = None) -> AlphaBetaFit:
+    """Least-squares alpha and beta (both >= 0) from measured times of known algorithms.
+
+    Each measurement is (algorithm, n_bytes, world_size, seconds); its predicted
+    time is steps * alpha + bytes * beta (:func:`coefficients`). With
+    ``relative=True`` each row is divided by its measured time, so a 4 KiB point
+    counts as much as a 16 MiB one (plain least squares would fit only the big ones).
+    ``cores``: the ranks shared this many CPU cores (:func:`shared_cores`).
+    ``cache_bytes``: fit two betas, ``beta`` while the ranks' buffers fit in this much
+    cache and ``beta_memory >= beta`` beyond (:func:`in_memory`); None: one beta.
+    """
+    ms = [_as_measurement(m) for m in measurements]
+    if len(ms) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least 2 measurements, got {len(ms)}")
+    for m in ms:
+        if not (m.seconds > 0 and m.n_bytes >= 0 and m.world_size >= 1):
+            raise ValueError(f"bad measurement {m}: need seconds > 0, n_bytes >= 0, world_size >= 1")
+    if cache_bytes is not None and not cache_bytes > 0:
+        raise ValueError(f"cache_bytes must be > 0 or None, got {cache_bytes}")
+    rows, targets = [], []
+    for m in ms:
+        steps, nbytes = coefficients(m.algorithm, m.n_bytes, m.world_size, cores)
+        w = 1.0 / m.seconds if relative else 1.0
+        extra = nbytes if in_memory(m.n_bytes, m.world_size, cache_bytes) else 0.0
+        rows.append((steps * w, nbytes * w, extra * w))
+        targets.append(m.seconds * w)
+    if all(r[:2] == (0.0, 0.0) for r in rows):
+        raise ValueError("every measurement has zero cost in the model (world_size 1?): nothing to fit")
+    alpha, beta, beta_extra = (float(v) for v in _lstsq_nonneg(rows, targets))
+    fit = AlphaBetaFit(alpha, beta, (1.0 / beta) if beta > 0 else math.inf, (), 0.0, 0.0, len(ms), cores,
+                       beta + beta_extra if cache_bytes else None, cache_bytes)
+    errs = tuple((fit.predict(m.algorithm, m.n_bytes, m.world_size) - m.seconds) / m.seconds for m in ms)
+    abs_errs = sorted(abs(e) for e in errs)
+    mid = len(abs_errs) // 2
+    median = abs_errs[mid] if len(abs_errs) % 2 else (abs_errs[mid - 1] + abs_errs[mid]) / 2
+    return fit._replace(rel_errors=errs, max_abs_rel_error=abs_errs[-1], median_abs_rel_error=median)
+
+
+def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
+    """The buffer size where ``algo_a`` and ``algo_b`` cost the same, or None if they never do.
+
+    Below it the algorithm with fewer steps (e.g. a tree) wins; above it the one
+    moving fewer bytes (a ring) wins.
+    """
+    sa, ba = coefficients(algo_a, 1.0, world_size)   # (steps, bytes moved per byte of buffer)
+    sb, bb = coefficients(algo_b, 1.0, world_size)
+    d_bytes = (ba - bb) * beta                       # cost = steps * alpha + n * bytes * beta
+    if d_bytes == 0:
+        return None
+    n = (sb - sa) * alpha / d_bytes
+    return n if n > 0 else None
+
+
+def measured_crossover(sizes, times_a, times_b):
+    """Where two measured curves cross: the first sign change of log(t_a / t_b) between
+    neighbouring sizes, interpolated on log(size). None if they never cross."""
+    pts = sorted(zip(sizes, times_a, times_b))
+    diffs = [(n, math.log(a / b)) for n, a, b in pts]
+    for (n0, d0), (n1, d1) in zip(diffs, diffs[1:]):
+        if d0 == 0:
+            return float(n0)
+        if (d0 < 0) != (d1 < 0):
+            f = d0 / (d0 - d1)
+            return float(math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0))))
+    return float(diffs[-1][0]) if diffs and diffs[-1][1] == 0 else None
