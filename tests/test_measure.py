@@ -43,15 +43,21 @@ def test_gloo_all_reduce_sends_the_segmented_rings_messages(N):
             assert writes > 3 * cm.coefficients("ring_all_reduce", n, N)[0]
 
 
-def test_sweep_builtin_keeps_each_points_fastest_round():
-    rows, granted = measure.sweep_builtin([4 << 10, 64 << 10], [2, 3], rounds=2, reps=2, warmup=1)
-    assert not granted                                      # not asked for
+def test_sweep_builtin_measures_every_point_once():
+    rows = measure.sweep_builtin([4 << 10, 64 << 10], [2, 3], rounds=2, reps=2, warmup=1)
     assert sorted((int(m.n_bytes), m.world_size) for m in rows) == [(4096, 2), (4096, 3), (65536, 2), (65536, 3)]
     assert all(m.algorithm == "segmented_ring_all_reduce" and m.seconds > 0 for m in rows)
     with pytest.raises(ValueError, match="rounds"):
         measure.sweep_builtin([4096], [2], rounds=0)
     with pytest.raises(ValueError, match="stat must be one of"):
         measure.sweep_builtin([4096], [2], stat="mean")
+
+
+def test_fastest_keeps_each_points_fastest_round():
+    M = cm.Measurement
+    rounds = [M("a", 4096, 2, 3.0), M("a", 4096, 4, 1.0), M("a", 4096, 2, 2.0), M("a", 4096, 4, 5.0),
+              M("b", 4096, 2, 9.0), M("a", 4096, 2, 2.5)]
+    assert measure.fastest(rounds) == [M("a", 4096, 2, 2.0), M("a", 4096, 4, 1.0), M("b", 4096, 2, 9.0)]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling API")

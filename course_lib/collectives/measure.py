@@ -107,8 +107,8 @@ def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: i
 
 
 def _sweep_rank(sizes, collectives, reps, warmup, stat, realtime):
-    with realtime_priority(realtime) as granted:
-        return granted, measure_builtin(sizes, collectives, reps, warmup, stat=stat)
+    with realtime_priority(realtime):
+        return measure_builtin(sizes, collectives, reps, warmup, stat=stat)
 
 
 def sweep_builtin(sizes, world_sizes, collectives=("all_reduce",), rounds: int = 3, reps: int = 5,
@@ -116,25 +116,31 @@ def sweep_builtin(sizes, world_sizes, collectives=("all_reduce",), rounds: int =
     """Outside ranks: Measurement rows of gloo's collectives for every size and world size.
 
     Each round launches every world size once (one thread per rank); a point's time is
-    ``stat`` ("min" or "median") of its ``reps``, then the fastest of the ``rounds``.
-    Returns ``(rows, realtime_granted)``: whether every rank of every launch ran under
-    real-time scheduling (False when not asked for or not permitted).
+    ``stat`` ("min" or "median") of its ``reps``, then the fastest of the ``rounds``
+    (:func:`fastest`). ``realtime``: the ranks run under :func:`realtime_priority`, where
+    the OS permits it (check first with ``with realtime_priority() as permitted``).
     """
     from course_lib.launch import launch
 
     _stat(stat)
     if rounds < 1 or reps < 1:
         raise ValueError(f"rounds and reps must be >= 1, got rounds={rounds}, reps={reps}")
-    best, granted = {}, bool(realtime)
+    rows = []
     for _ in range(rounds):
         for N in world_sizes:
-            results = launch(_sweep_rank, N, list(sizes), tuple(collectives), reps, warmup, stat, realtime,
-                             threads=1, quiet=True, timeout=timeout)
-            granted = granted and all(g for g, _ in results)
-            for m in results[0][1]:
-                key = (m.algorithm, m.n_bytes, m.world_size)
-                best[key] = m if key not in best or m.seconds < best[key].seconds else best[key]
-    return list(best.values()), granted
+            rows += launch(_sweep_rank, N, list(sizes), tuple(collectives), reps, warmup, stat, realtime,
+                           threads=1, quiet=True, timeout=timeout)[0]
+    return fastest(rows)
+
+
+def fastest(rows) -> list:
+    """One Measurement per (algorithm, size, world size): the fastest, in first-seen order."""
+    best = {}
+    for m in rows:
+        key = (m.algorithm, m.n_bytes, m.world_size)
+        if key not in best or m.seconds < best[key].seconds:
+            best[key] = m
+    return list(best.values())
 
 
 @contextlib.contextmanager
@@ -157,7 +163,7 @@ def realtime_priority(enabled: bool = True, priority: int = 1):
             before = {t: (os.sched_getscheduler(t), os.sched_getparam(t)) for t in tids}
             for t in tids:
                 os.sched_setscheduler(t, os.SCHED_FIFO, os.sched_param(priority))
-        except (OSError, PermissionError):
+        except OSError:                                  # PermissionError: not root, no CAP_SYS_NICE
             for t in tids:
                 with contextlib.suppress(OSError):
                     os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
@@ -259,5 +265,5 @@ def bytes_sent_by(fn, group=None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "sweep_builtin",
+__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "sweep_builtin", "fastest",
            "realtime_priority", "simulated_link", "bytes_written", "writes_made", "bytes_sent_by", "last_level_cache_bytes"]
