@@ -18,21 +18,28 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 KINDS = ("compute", "comm", "idle", "other")
+_thread_state = threading.local()  # .muted: spans of this thread are not recorded
 
 
 @dataclass(frozen=True)
 class Span:
-    """One interval on one rank. Times are seconds on the launch's shared clock."""
+    """One interval on one rank. Times are seconds on the launch's shared clock.
+
+    ``dim`` names the mesh dimension a communication span belongs to ("dp", "tp",
+    "pp", "cp", "ep", or a flattened "dp+cp"); "" when it belongs to none.
+    """
 
     rank: int
     name: str
     kind: str
     start: float
     end: float
+    dim: str = ""
 
     @property
     def duration(self) -> float:
@@ -64,24 +71,31 @@ class Recorder:
         os.pwrite(self._status_fd, text.ljust(256, b"\0"), 0)
 
     @contextlib.contextmanager
-    def span(self, name: str, kind: str = "compute"):
+    def span(self, name: str, kind: str = "compute", dim: str = ""):
         if kind not in KINDS:
             raise ValueError(f"span kind must be one of {KINDS}, got {kind!r}")
-        self._open.append(f"{name} [{kind}]")
+        entry = f"{name} [{kind}]"
+        self._open.append(entry)
         self._publish()
         start = self.now()
         try:
             yield
         finally:
-            self.spans.append(Span(self.rank, name, kind, start, self.now()))
-            self._open.pop()
+            if not getattr(_thread_state, "muted", False):
+                self.spans.append(Span(self.rank, name, kind, start, self.now(), dim or ""))
+            # a communication thread may have opened a span meanwhile: drop this one's entry
+            for i in range(len(self._open) - 1, -1, -1):
+                if self._open[i] == entry:
+                    del self._open[i]
+                    break
             self._publish()
 
-    def add(self, name: str, kind: str, start: float, end: float) -> None:
+    def add(self, name: str, kind: str, start: float, end: float, dim: str = "") -> None:
         """Record an interval measured elsewhere (times on this recorder's clock)."""
         if kind not in KINDS:
             raise ValueError(f"span kind must be one of {KINDS}, got {kind!r}")
-        self.spans.append(Span(self.rank, name, kind, start, end))
+        if not getattr(_thread_state, "muted", False):
+            self.spans.append(Span(self.rank, name, kind, start, end, dim or ""))
 
     def close(self) -> None:
         if self._status_fd is not None:
@@ -105,9 +119,20 @@ def install(rec: Recorder) -> Recorder:
     return rec
 
 
-def span(name: str, kind: str = "compute"):
-    """Context manager recording a span on this process's recorder."""
-    return _recorder.span(name, kind)
+def span(name: str, kind: str = "compute", dim: str = ""):
+    """Context manager recording a span on this process's recorder (``dim``: its mesh dimension)."""
+    return _recorder.span(name, kind, dim)
+
+
+@contextlib.contextmanager
+def muted():
+    """Spans opened by this thread inside are not recorded (a caller records one of its own)."""
+    previous = getattr(_thread_state, "muted", False)
+    _thread_state.muted = True
+    try:
+        yield
+    finally:
+        _thread_state.muted = previous
 
 
 def now() -> float:

@@ -1,8 +1,8 @@
 """What every from-scratch collective shares: the group, point-to-point messages
 (counted), reduction operators, chunking, and the wrapper that traces each call.
 
-* :class:`Comm` wraps a process group: ``rank``/``size`` inside the group, and
-  ``exchange`` = post an isend and an irecv, wait for both. Every byte our
+* :class:`Comm` (in ``comm.py``) wraps a process group: ``rank``/``size`` inside the
+  group, and ``exchange`` = post an isend and an irecv, wait for both. Every byte our
   collectives move goes through it, so a :class:`TrafficCounter` passed to a
   collective counts exactly what was sent and received (payload bytes; the
   transport's headers are not included).
@@ -17,14 +17,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from course_lib import compat
 from course_lib import trace
+# The group object (counted point-to-point messages, and torch's collectives traced and
+# measured); the algorithms build one per call with Comm.of(group, counter).
+from course_lib.collectives.comm import Comm, TrafficCounter  # noqa: F401
 
 ReduceOp = dist.ReduceOp
 
@@ -120,111 +120,6 @@ def contiguous_flats(tensors):
         yield [stack.enter_context(contiguous_flat(t)) for t in tensors]
 
 
-# ----------------------------------------------------------------------------- counting
-
-
-@dataclass
-class TrafficCounter:
-    """Payload bytes and messages this rank sent and received through our collectives."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    messages_sent: int = 0
-    sent_to: dict = field(default_factory=lambda: defaultdict(int))  # group peer -> bytes
-
-    def reset(self):
-        self.bytes_sent = self.bytes_received = self.messages_sent = 0
-        self.sent_to.clear()
-
-
-# ----------------------------------------------------------------------------- the group
-
-
-class Comm:
-    """A process group seen from one rank: group ranks, counted point-to-point messages.
-
-    ``Comm.of(group)`` is None on a rank outside ``group``: like torch.distributed,
-    a collective called there returns at once and does nothing.
-    """
-
-    def __init__(self, group=None, counter: TrafficCounter | None = None):
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: run inside course_lib.launch(fn, world_size)")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group")
-        self.size = dist.get_world_size(group)
-        self._peers = [compat.global_rank(group, r) for r in range(self.size)]
-        self.counter = counter
-
-    @staticmethod
-    def outside(group) -> bool:
-        """True on a rank that is not a member of ``group``."""
-        return dist.is_initialized() and group is not None and dist.get_rank(group) < 0
-
-    @classmethod
-    def of(cls, group=None, counter: TrafficCounter | None = None):
-        return None if cls.outside(group) else cls(group, counter)
-
-    def group_rank(self, global_rank: int, what: str = "root") -> int:
-        """The group rank of a global rank (torch's src/dst are global ranks)."""
-        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
-            raise TypeError(f"{what} must be an int (a global rank), got {global_rank!r}")
-        members = self._peers
-        if global_rank not in members:
-            raise ValueError(f"{what}={global_rank} is not a rank of this group (its global ranks: {members})")
-        return members.index(global_rank)
-
-    def isend(self, tensor, peer: int):
-        """Start sending ``tensor`` (contiguous) to group rank ``peer``; returns the work handle."""
-        if self.counter is not None:
-            nbytes = tensor.numel() * tensor.element_size()
-            self.counter.bytes_sent += nbytes
-            self.counter.messages_sent += 1
-            self.counter.sent_to[peer] += nbytes
-        return dist.isend(tensor, self._peers[peer], group=self.group)
-
-    def irecv(self, tensor, peer: int):
-        if self.counter is not None:
-            self.counter.bytes_received += tensor.numel() * tensor.element_size()
-        return dist.irecv(tensor, self._peers[peer], group=self.group)
-
-    def post_send(self, tensor, peer: int):
-        """isend, or None for an empty tensor (nothing to send; the receiver skips it too)."""
-        return self.isend(tensor, peer) if tensor.numel() else None
-
-    def post_recv(self, tensor, peer: int):
-        return self.irecv(tensor, peer) if tensor.numel() else None
-
-    @staticmethod
-    def wait(*works):
-        for w in works:
-            if w is not None:
-                w.wait()
-
-    def send(self, tensor, peer: int):
-        if tensor.numel():
-            self.isend(tensor, peer).wait()
-
-    def recv(self, tensor, peer: int):
-        if tensor.numel():
-            self.irecv(tensor, peer).wait()
-
-    def exchange(self, send=None, to: int | None = None, recv=None, frm: int | None = None):
-        """Send ``send`` to ``to`` while receiving ``recv`` from ``frm``; return when both are done.
-
-        Posting both before waiting is what keeps a ring from deadlocking:
-        every rank sends right and receives left at the same time. Empty
-        tensors are skipped on both sides (both sides know the sizes).
-        """
-        works = []
-        if recv is not None and recv.numel():
-            works.append(self.irecv(recv, frm))
-        if send is not None and send.numel():
-            works.append(self.isend(send, to))
-        for w in works:
-            w.wait()
 
 
 # ----------------------------------------------------------------------------- one call

@@ -1,0 +1,345 @@
+"""One communication object per process group: every byte any chapter moves goes through it.
+
+    comm = Comm(group, dim="dp")                 # or mesh.comm("dp")
+    comm.rank, comm.size, comm.next, comm.prev   # ranks INSIDE the group, everywhere
+    work = comm.all_reduce(t, async_op=True)     # torch's semantics; .wait() on the handle
+    comm.reduce_scatter_tensor(out, inp); comm.all_gather_into_tensor(out, inp)
+    comm.broadcast(t, src=0)                     # src is a rank of this group
+    comm.exchange(send, to=comm.next, recv=buf, frm=comm.prev)   # point-to-point
+    with comm.measuring():                       # bytes that left this rank, per call
+        ...
+    comm.log                                     # [CommCall(op, name, payload, sent)]
+
+``impl`` picks who runs the collectives: ``"torch"`` (torch.distributed, default),
+``"course"`` (the from-scratch algorithms of :mod:`course_lib.collectives`), or a dict
+``{"all_reduce": my_ring_all_reduce, ...}`` of functions with torch's signature (what is
+missing falls back to torch): a learner's ring from chapter 2 can drive DDP. Our
+algorithms are blocking, so their ``async_op=True`` calls run, in order, on one
+communication thread per Comm: they still overlap the caller's compute.
+
+Bytes are **measured**, not computed: inside ``measuring()`` every call runs alone (async
+calls complete before they return) between two reads of the bytes this process handed to
+the kernel's write and send calls (Linux ``/proc/self/io``: payload plus the transport's
+headers). Where that counter does not exist (macOS, Windows) our own algorithms still
+report their payload bytes (counted message by message); torch's report None. On GPUs
+(NCCL over NVLink) the kernel sees nothing: measured bytes are meaningful on gloo.
+
+Every call records a ``comm`` span tagged with ``dim``, from launch to completion.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from course_lib import compat, trace
+
+IMPLS = ("torch", "course")
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
+               "all_to_all_single", "barrier")
+
+
+@dataclass
+class TrafficCounter:
+    """Payload bytes and messages this rank sent and received through point-to-point calls."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    sent_to: dict = field(default_factory=lambda: defaultdict(int))  # group peer -> bytes
+
+    def reset(self):
+        self.bytes_sent = self.bytes_received = self.messages_sent = 0
+        self.sent_to.clear()
+
+
+class CommCall(NamedTuple):
+    """One logged collective: ``payload`` = the tensor torch names (all-reduce: the tensor,
+    all-gather: the output, reduce-scatter: the input, all-to-all: the input), ``sent`` =
+    bytes measured leaving this rank (None outside ``measuring()``)."""
+    op: str
+    name: str
+    payload: int
+    sent: int | None
+
+
+def bytes_written() -> int | None:
+    """Bytes this process has handed to write/send system calls, all threads (Linux ``wchar``)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class Handle:
+    """The handle of an async call: ``wait()`` blocks until it is done, ends its span."""
+
+    def __init__(self, comm, wait_fn, name, start, done=False):
+        self._comm, self._wait_fn = comm, wait_fn
+        self._span = None if done else (name, start)  # done: the caller recorded the span
+
+    def _end(self):
+        if self._span is not None:
+            name, start = self._span
+            self._span = None
+            trace.recorder().add(name, "comm", start, trace.now(), self._comm.dim)
+
+    def wait(self):
+        if self._wait_fn is not None:
+            self._wait_fn()
+            self._wait_fn = None
+        self._end()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._span is None
+
+
+class Comm:
+    """A process group seen from one rank: group ranks, counted point-to-point messages,
+    and torch.distributed's collectives (torch's or ours), traced and measured.
+
+    ``Comm.of(group)`` is None on a rank outside ``group``: like torch.distributed,
+    a collective called there returns at once and does nothing.
+    """
+
+    def __init__(self, group=None, counter: TrafficCounter | None = None, *, dim: str = "",
+                 impl="torch", validate: bool = False):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: run inside course_lib.launch(fn, world_size)")
+        if not (impl in IMPLS or isinstance(impl, dict)):
+            raise ValueError(f"impl must be one of {IMPLS} or a dict {{collective: function}}, got {impl!r}")
+        if isinstance(impl, dict) and set(impl) - set(COLLECTIVES):
+            raise ValueError(f"impl: unknown collective(s) {sorted(set(impl) - set(COLLECTIVES))}; "
+                             f"known: {COLLECTIVES}")
+        self.group, self.dim, self.impl, self.validate = group, dim, impl, validate
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group")
+        self.size = dist.get_world_size(group)
+        self.ranks = [compat.global_rank(group, r) for r in range(self.size)]  # group rank -> global
+        self.counter = counter
+        self.log: list[CommCall] = []
+        self._measuring = False
+        self._thread = self._pending = None  # our algorithms' async calls run there, in order
+
+    world_size = property(lambda self: self.size)
+    next = property(lambda self: (self.rank + 1) % self.size, doc="the next group rank on the ring")
+    prev = property(lambda self: (self.rank - 1) % self.size, doc="the previous group rank on the ring")
+
+    @staticmethod
+    def outside(group) -> bool:
+        """True on a rank that is not a member of ``group``."""
+        return dist.is_initialized() and group is not None and dist.get_rank(group) < 0
+
+    @classmethod
+    def of(cls, group=None, counter: TrafficCounter | None = None, **kw):
+        return None if cls.outside(group) else cls(group, counter, **kw)
+
+    def group_rank(self, global_rank: int, what: str = "root") -> int:
+        """The group rank of a global rank (torch's src/dst are global ranks)."""
+        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+            raise TypeError(f"{what} must be an int (a global rank), got {global_rank!r}")
+        if global_rank not in self.ranks:
+            raise ValueError(f"{what}={global_rank} is not a rank of this group (its global ranks: {self.ranks})")
+        return self.ranks.index(global_rank)
+
+    # ------------------------------------------------------------------ point-to-point
+    def isend(self, tensor, peer: int):
+        """Start sending ``tensor`` (contiguous) to group rank ``peer``; returns the work handle."""
+        if self.counter is not None:
+            nbytes = _nbytes(tensor)
+            self.counter.bytes_sent += nbytes
+            self.counter.messages_sent += 1
+            self.counter.sent_to[peer] += nbytes
+        return dist.isend(tensor, self.ranks[peer], group=self.group)
+
+    def irecv(self, tensor, peer: int):
+        if self.counter is not None:
+            self.counter.bytes_received += _nbytes(tensor)
+        return dist.irecv(tensor, self.ranks[peer], group=self.group)
+
+    def post_send(self, tensor, peer: int):
+        """isend, or None for an empty tensor (nothing to send; the receiver skips it too)."""
+        return self.isend(tensor, peer) if tensor.numel() else None
+
+    def post_recv(self, tensor, peer: int):
+        return self.irecv(tensor, peer) if tensor.numel() else None
+
+    @staticmethod
+    def wait(*works):
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def send(self, tensor, peer: int):
+        if tensor.numel():
+            self.isend(tensor, peer).wait()
+
+    def recv(self, tensor, peer: int):
+        if tensor.numel():
+            self.irecv(tensor, peer).wait()
+
+    def exchange(self, send=None, to: int | None = None, recv=None, frm: int | None = None):
+        """Send ``send`` to ``to`` while receiving ``recv`` from ``frm``; return when both are done.
+
+        Posting both before waiting is what keeps a ring from deadlocking:
+        every rank sends right and receives left at the same time. Empty
+        tensors are skipped on both sides (both sides know the sizes).
+        """
+        works = []
+        if recv is not None and recv.numel():
+            works.append(self.irecv(recv, frm))
+        if send is not None and send.numel():
+            works.append(self.isend(send, to))
+        for w in works:
+            w.wait()
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, name="all-reduce"):
+        return self._call("all_reduce", name, _nbytes(tensor), async_op, (tensor,), dict(op=op))
+
+    def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, name="reduce-scatter"):
+        """``output`` (n, ...) <- the sum over ranks of this rank's n-row slice of ``input`` (size * n, ...)."""
+        return self._call("reduce_scatter_tensor", name, _nbytes(input), async_op, (output, input), dict(op=op))
+
+    def all_gather_into_tensor(self, output, input, async_op=False, name="all-gather"):
+        """``output`` (size * n, ...) <- every rank's ``input`` (n, ...), in group-rank order."""
+        return self._call("all_gather_into_tensor", name, _nbytes(output), async_op, (output, input), {})
+
+    def broadcast(self, tensor, src: int = 0, async_op=False, name="broadcast"):
+        """``src`` is a rank of THIS group (torch's ``group_src``), not a global rank."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast: src={src} must be a rank of this group (0..{self.size - 1})")
+        return self._call("broadcast", name, _nbytes(tensor), async_op, (tensor,), dict(src=self.ranks[src]))
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                          async_op=False, name="all-to-all"):
+        return self._call("all_to_all_single", name, _nbytes(input), async_op, (output, input, output_split_sizes,
+                          input_split_sizes), {})
+
+    def barrier(self, name="barrier"):
+        return self._call("barrier", name, 0, False, (), {})
+
+    # ------------------------------------------------------------------ measuring
+    @contextlib.contextmanager
+    def measuring(self, enabled: bool = True):
+        """Inside: every call completes before it returns and logs the bytes that left this rank."""
+        previous, self._measuring = self._measuring, enabled
+        try:
+            yield self
+        finally:
+            self._measuring = previous
+
+    def bytes_sent(self) -> int | None:
+        """Measured bytes of the logged calls (None if a call was not measured)."""
+        sent = [c.sent for c in self.log]
+        return None if any(s is None for s in sent) else sum(sent)
+
+    def payload_bytes(self) -> int:
+        return sum(c.payload for c in self.log)
+
+    def reset(self):
+        self.log.clear()
+
+    # ------------------------------------------------------------------ dispatch
+    def _function(self, op):
+        """The function that runs ``op`` and who wrote it: "torch", "course" or "custom"."""
+        if isinstance(self.impl, dict) and op in self.impl:
+            return self.impl[op], "custom"
+        if self.impl == "course" and op != "barrier":
+            from course_lib import collectives as C  # the package imports this module
+            fn = getattr(C, op)
+            return (lambda *a, **kw: fn(*a, validate=self.validate, **kw)), "course"
+        if self.size == 1 and op in ("all_reduce", "broadcast", "barrier"):
+            return (lambda *a, **kw: None), "course"  # nothing to exchange with anyone
+        if op == "all_gather_into_tensor":
+            return compat.all_gather_into_tensor, "torch"
+        if op == "reduce_scatter_tensor":
+            return compat.reduce_scatter_tensor, "torch"
+        return getattr(dist, op), "torch"
+
+    def _call(self, op, name, payload, async_op, args, kwargs):
+        fn, who = self._function(op)
+        start = trace.now()
+        if self._measuring:
+            return self._measured_call(op, name, payload, async_op, args, kwargs, fn, who, start)
+        self.log.append(CommCall(op, name, payload, None))
+        if who == "torch":
+            work = fn(*args, group=self.group, async_op=async_op, **kwargs)
+            if work is None:
+                trace.recorder().add(name, "comm", start, trace.now(), self.dim)
+                return None
+            handle = Handle(self, work.wait, name, start)
+            try:  # the span ends when the backend finishes the work, not when someone waits
+                work.get_future().then(lambda _: handle._end())
+            except RuntimeError:  # gloo's reduce-scatter has no future
+                pass
+            return handle
+        run = self._quiet(fn, args, kwargs)
+        if not async_op:
+            self._drain()  # keep this group's calls in order
+            run()
+            trace.recorder().add(name, "comm", start, trace.now(), self.dim)
+            return None
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{self.dim}")
+        self._pending = future = self._thread.submit(run)
+        handle = Handle(self, future.result, name, start)
+        future.add_done_callback(lambda _: handle._end())
+        return handle
+
+    def _quiet(self, fn, args, kwargs):
+        """``fn`` on this group, its own algorithm span muted (this call records one, with dim)."""
+        def run():
+            with trace.muted():
+                fn(*args, group=self.group, **kwargs)
+        return run
+
+    def _measured_call(self, op, name, payload, async_op, args, kwargs, fn, who, start):
+        """Alone and blocking, between two reads of the kernel's byte counter."""
+        self._drain()
+        counter = TrafficCounter()
+        if who == "course":
+            kwargs = dict(kwargs, counter=counter)
+        before = bytes_written()
+        if who == "torch":
+            fn(*args, group=self.group, **kwargs)
+        else:
+            self._quiet(fn, args, kwargs)()
+        after = bytes_written()
+        trace.recorder().add(name, "comm", start, trace.now(), self.dim)
+        if before is not None and after is not None:
+            sent = after - before
+        else:
+            sent = counter.bytes_sent if who == "course" else None
+        self.log.append(CommCall(op, name, payload, sent))
+        return Handle(self, None, name, start, done=True) if async_op else None
+
+    def _drain(self):
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def __del__(self):
+        if getattr(self, "_thread", None) is not None:
+            self._thread.shutdown(wait=False)
+
+    def __repr__(self):
+        impl = self.impl if isinstance(self.impl, str) else "custom"
+        return f"Comm(dim={self.dim or '-'}, rank {self.rank} of {self.size}, ranks={self.ranks}, impl={impl})"
+
+
+__all__ = ["Comm", "CommCall", "Handle", "TrafficCounter", "bytes_written", "IMPLS", "COLLECTIVES"]

@@ -1,0 +1,225 @@
+"""A named device mesh: which ranks talk to which, for every parallel dimension.
+
+    mesh = Mesh(dp=2, pp=2, cp=1, tp=2)          # inside launch(fn, 8): builds every group
+    mesh.coord                                   # {'dp': 1, 'pp': 0, 'cp': 0, 'tp': 1} of this rank
+    mesh.comm("tp").all_reduce(partial)          # one Comm per group (course_lib.collectives.comm)
+    mesh.comm(("dp", "cp"))                      # flattened: the ranks that share (pp, tp)
+    mesh.group("tp")                             # the torch ProcessGroup, for torch's own calls
+    mesh.pp_prev, mesh.pp_next                   # pipeline neighbours (global ranks, None at the ends)
+
+Ranks are laid out with TP innermost, then CP, then PP, then DP: the order of the
+planner's :class:`~course_lib.planner.layout.Layout` (and of Megatron-LM, torchtitan and
+the Llama 3 paper), so the dimension that talks most sits on the fastest links:
+
+    rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
+
+Expert parallelism takes its ranks from DP: ``ep`` must divide ``dp``; an "ep" group is
+``ep`` consecutive DP indexes (same pp, cp, tp), and an "edp" group (expert data
+parallel) holds the ranks with the same expert shard, across the ``dp / ep`` EP groups.
+
+Every group, of every single dimension and of every combination of dimensions, is made
+in the constructor, in the same order on every rank (``dist.new_group`` is collective:
+a rank that made its groups in another order would hang). The same call builds the same
+rank sets as ``torch.distributed.device_mesh.init_device_mesh`` on the shape
+``(dp, pp, cp, tp)``; ``tests/test_mesh.py`` checks them side by side.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch.distributed as dist
+
+from course_lib.collectives.comm import Comm
+
+DIMS = ("dp", "pp", "cp", "tp")    # outermost -> innermost
+EXPERT_DIMS = ("ep", "edp")        # carved out of dp
+
+
+class MeshShape:
+    """The pure arithmetic of a mesh (no process group): coordinates and rank sets."""
+
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
+        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mesh dimension {name} must be an integer >= 1, got {value!r}")
+        if dp % ep:
+            raise ValueError(f"expert parallelism takes its ranks from DP: ep={ep} must divide dp={dp}")
+        self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        self.ep = ep
+        self.world_size = dp * pp * cp * tp
+
+    def size(self, dims) -> int:
+        """Number of ranks along ``dims`` (a name or a tuple of names)."""
+        names = _names(dims)
+        _check(names)
+        out = 1
+        for d in names:
+            out *= {"ep": self.ep, "edp": self.sizes["dp"] // self.ep}.get(d) or self.sizes[d]
+        return out
+
+    def coords(self, rank: int) -> dict:
+        """{'dp': i, 'pp': j, 'cp': k, 'tp': l} of a global rank (plus 'ep', 'edp')."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the mesh (world size {self.world_size})")
+        out = {}
+        for d in reversed(DIMS):
+            rank, out[d] = divmod(rank, self.sizes[d])
+        out = {d: out[d] for d in DIMS}
+        out["edp"], out["ep"] = divmod(out["dp"], self.ep)
+        return out
+
+    def rank_of(self, **coords) -> int:
+        """The global rank at these coordinates (missing dimensions: 0)."""
+        unknown = set(coords) - set(DIMS)
+        if unknown:
+            raise ValueError(f"unknown mesh dimension(s) {sorted(unknown)}; the mesh has {DIMS}")
+        rank = 0
+        for d in DIMS:
+            i = coords.get(d, 0)
+            if not 0 <= i < self.sizes[d]:
+                raise ValueError(f"{d}={i} is outside the mesh ({d} has size {self.sizes[d]})")
+            rank = rank * self.sizes[d] + i
+        return rank
+
+    def rank_sets(self, dims) -> list[list[int]]:
+        """Every group along ``dims``: lists of global ranks that differ only in ``dims``,
+        each in group-rank order (the outermost named dimension outermost), sorted by first rank."""
+        names = _names(dims)
+        _check(names)
+        groups = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            key = tuple(c[d] for d in ("dp", "pp", "cp", "tp", "ep", "edp") if not _covers(names, d))
+            order = tuple(c[d] for d in ("dp", "pp", "cp", "tp", "edp", "ep") if d in names)
+            groups.setdefault(key, []).append((order, rank))
+        return sorted([r for _, r in sorted(members)] for members in groups.values())
+
+    def describe(self) -> str:
+        dims = " x ".join(f"{d}={self.sizes[d]}" for d in DIMS)
+        return f"{dims}" + (f" (ep={self.ep} inside dp)" if self.ep > 1 else "") + f": {self.world_size} ranks"
+
+
+def _names(dims) -> tuple:
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    if not names:
+        raise ValueError("name at least one mesh dimension")
+    return names
+
+
+def _invalid(names) -> str:
+    """Why ``names`` is not a set of mesh dimensions ("" if it is)."""
+    unknown = [d for d in names if d not in DIMS + EXPERT_DIMS]
+    if unknown:
+        return f"unknown mesh dimension(s) {unknown}; the mesh has {DIMS + EXPERT_DIMS}"
+    if len(set(names)) != len(names):
+        return f"a mesh dimension is named twice in {names}"
+    if "dp" in names and ({"ep", "edp"} & set(names)):
+        return f"'ep' and 'edp' are parts of 'dp': do not combine them with it ({names})"
+    if {"ep", "edp"} <= set(names):
+        return f"'ep' and 'edp' together are 'dp': name 'dp' ({names})"
+    return ""
+
+
+def _check(names):
+    problem = _invalid(names)
+    if problem:
+        raise ValueError(problem)
+
+
+def _covers(names, d) -> bool:
+    """Does a group along ``names`` vary dimension ``d``? (dp is made of ep and edp: naming
+    dp varies both; naming one of them leaves the other fixed, and dp with it.)"""
+    if d == "dp":
+        return "dp" in names or bool(set(EXPERT_DIMS) & set(names))
+    return d in names or (d in EXPERT_DIMS and "dp" in names)
+
+
+class Mesh(MeshShape):
+    """A :class:`MeshShape` inside a launch: every group made once, one :class:`Comm` per group.
+
+    ``impl``: who runs the collectives of every Comm ("torch", "course" or a dict of
+    functions, see :class:`~course_lib.collectives.comm.Comm`); ``mesh.comm(dims, impl=...)``
+    overrides it for one group.
+    """
+
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, *, impl="torch"):
+        super().__init__(dp, pp, cp, tp, ep)
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh builds process groups: run it inside course_lib.launch(fn, world_size)")
+        world = dist.get_world_size()
+        if world != self.world_size:
+            raise ValueError(f"mesh {self.describe()} needs dp*pp*cp*tp = world size, "
+                             f"but the world has {world} ranks")
+        self.impl, self.rank = impl, dist.get_rank()
+        self.coord = self.coords(self.rank)
+        self._groups, self._comms, self._made = {}, {}, {}
+        for names in self._all_dim_sets():  # the same order on every rank: new_group is collective
+            self._groups[names] = self._make_group(names)
+
+    @classmethod
+    def from_layout(cls, layout, **kw) -> "Mesh":
+        """The mesh of a planner :class:`~course_lib.planner.layout.Layout` (dp, pp, cp, tp, ep)."""
+        return cls(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, ep=layout.ep, **kw)
+
+    def _all_dim_sets(self):
+        """Every valid combination of dimensions, in one fixed order."""
+        singles = DIMS + EXPERT_DIMS
+        for k in range(1, len(singles) + 1):
+            for names in itertools.combinations(singles, k):
+                if not _invalid(names):
+                    yield names
+
+    def _make_group(self, names):
+        sets = self.rank_sets(names)
+        if len(sets) == 1 and sets[0] == list(range(self.world_size)):
+            return None  # the whole world in rank order: the default group
+        key = tuple(map(tuple, sets))
+        if key not in self._made:  # the same rank sets under another name: one group
+            mine = None
+            for ranks in sets:
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+            self._made[key] = mine
+        return self._made[key]
+
+    def _key(self, dims):
+        names = _names(dims)
+        _check(names)
+        return tuple(sorted(names, key=(DIMS + EXPERT_DIMS).index))
+
+    def group(self, dims):
+        """The torch ProcessGroup of this rank along ``dims`` (None = the default group)."""
+        return self._groups[self._key(dims)]
+
+    def comm(self, dims, impl=None) -> Comm:
+        """This rank's :class:`Comm` along ``dims``: group ranks, traced calls tagged ``dims``."""
+        key = self._key(dims)
+        impl = self.impl if impl is None else impl
+        cache = (key, impl if isinstance(impl, str) else id(impl))
+        if cache not in self._comms:
+            self._comms[cache] = Comm(self.group(key), dim="+".join(key), impl=impl)
+        return self._comms[cache]
+
+    def ranks(self, dims) -> list[int]:
+        """Global ranks of this rank's group along ``dims``, in group-rank order."""
+        return next(s for s in self.rank_sets(dims) if self.rank in s)
+
+    def peer(self, dim: str, offset: int, wrap: bool = False):
+        """Global rank ``offset`` steps along ``dim`` (None past the ends unless ``wrap``)."""
+        i = self.coord[dim] + offset
+        n = self.sizes[dim]
+        if wrap:
+            i %= n
+        elif not 0 <= i < n:
+            return None
+        return self.rank_of(**{**{d: self.coord[d] for d in DIMS}, dim: i})
+
+    pp_prev = property(lambda self: self.peer("pp", -1), doc="previous pipeline stage's rank (None on stage 0)")
+    pp_next = property(lambda self: self.peer("pp", +1), doc="next pipeline stage's rank (None on the last)")
+
+    def __repr__(self):
+        return f"Mesh({self.describe()}, rank {self.rank} at {self.coord})"
+
+
+__all__ = ["DIMS", "EXPERT_DIMS", "MeshShape", "Mesh"]
