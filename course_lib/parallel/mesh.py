@@ -222,4 +222,64 @@ class Mesh(MeshShape):
         return f"Mesh({self.describe()}, rank {self.rank} at {self.coord})"
 
 
-__all__ = ["DIMS", "EXPERT_DIMS", "MeshShape", "Mesh"]
+class GroupMesh:
+    """A one-dimensional stand-in for a :class:`Mesh`: one process group (None = the world)
+    named ``dim``. What a wrapper given ``group=`` instead of ``mesh=`` talks through."""
+
+    def __init__(self, group=None, dim: str = "dp", impl="torch"):
+        self.dim, self.impl = dim, impl
+        self._comm = Comm(group, dim=dim, impl=impl) if not isinstance(group, Comm) else group
+        self.sizes = {dim: self._comm.size}
+
+    def size(self, dims) -> int:
+        return self.comm(dims).size
+
+    def comm(self, dims, impl=None) -> Comm:
+        names = _names(dims)
+        if names != (self.dim,):
+            raise ValueError(f"a parameter's gradient is reduced over {names}, but this wrapper was given "
+                             f"one process group ({self.dim!r}); pass mesh=Mesh(...) instead of group=")
+        return self._comm
+
+    def group(self, dims):
+        return self.comm(dims).group
+
+
+def as_mesh(mesh=None, group=None, dim: str = "dp"):
+    """What a parallel wrapper talks through: ``mesh`` if given, else ``group`` (a ProcessGroup,
+    None for the world, or a Comm) as a one-dimensional mesh named ``dim``."""
+    if mesh is not None and group is not None:
+        raise ValueError("pass mesh= or group=, not both")
+    return mesh if mesh is not None else GroupMesh(group, dim)
+
+
+# ------------------------------------------------------------------ which dims reduce a gradient
+# A parameter replicated along a mesh dimension, whose copies see different data there, has a
+# partial gradient on each copy: it must be summed over that dimension. So each parameter
+# carries the dimensions its gradient is reduced over (UvA DL notebooks' ``sync_gradients``):
+# data-parallel wrappers default to their own data dims; tensor parallelism marks a
+# sequence-parallel norm weight ("dp", "tp"); expert parallelism marks an expert ("edp",).
+
+def set_reduce_dims(params, dims):
+    """Mark ``params`` (a tensor, an iterable of them, or a module's parameters): their
+    gradients are reduced (summed) over mesh dimensions ``dims``; () = never reduced."""
+    names = () if dims in ((), None) else _names(dims)
+    problem = _invalid(names) if names else ""
+    if problem:
+        raise ValueError(problem)
+    if hasattr(params, "parameters"):
+        params = params.parameters()
+    elif hasattr(params, "shape"):
+        params = [params]
+    for p in params:
+        p.reduce_dims = names
+    return names
+
+
+def get_reduce_dims(param, default=("dp",)) -> tuple:
+    """The mesh dimensions ``param``'s gradient is reduced over (``default`` if unmarked)."""
+    return getattr(param, "reduce_dims", tuple(default))
+
+
+__all__ = ["DIMS", "EXPERT_DIMS", "MeshShape", "Mesh", "GroupMesh", "as_mesh", "set_reduce_dims",
+           "get_reduce_dims"]
