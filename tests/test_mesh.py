@@ -67,6 +67,8 @@ def build_and_compare(shape):
         elif dims in (("dp", "cp"), ("pp", "tp")):
             out["torch"][dims] = dist.get_process_group_ranks(dm[dims]._flatten().get_group())
     out["comm_dim"] = mesh.comm(("dp", "cp")).dim
+    layout = Layout(dp=mesh.sizes["dp"], pp=mesh.sizes["pp"], cp=mesh.sizes["cp"], tp=mesh.sizes["tp"], ep=mesh.ep)
+    out["from_layout"] = Mesh.from_layout(layout).ranks(("dp", "tp"))
     return out
 
 
@@ -85,6 +87,7 @@ def test_groups_match_init_device_mesh(shape):
         nxt = ref.rank_of(dp=c["dp"], pp=c["pp"] + 1, cp=c["cp"], tp=c["tp"]) if c["pp"] < ref.sizes["pp"] - 1 else None
         assert out["neighbours"] == (prev, nxt)
         assert out["comm_dim"] == "dp+cp"
+        assert out["from_layout"] == next(s for s in ref.rank_sets(("dp", "tp")) if rank in s)
 
 
 def wrong_world():
@@ -94,9 +97,3 @@ def wrong_world():
 def test_mesh_must_cover_the_world():
     with pytest.raises(Exception, match=r"dp\*pp\*cp\*tp = world size"):
         launch(wrong_world, 3, timeout=60)
-
-
-def test_from_layout():
-    layout = Layout(dp=2, tp=2, pp=2, cp=1)
-    m = MeshShape(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp)
-    assert m.world_size == layout.n_gpus

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from course_lib import compat, trace
+from course_lib.collectives.measure import bytes_written  # /proc/self/io wchar, None off Linux
 
 IMPLS = ("torch", "course")
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
@@ -65,18 +66,6 @@ class CommCall(NamedTuple):
     name: str
     payload: int
     sent: int | None
-
-
-def bytes_written() -> int | None:
-    """Bytes this process has handed to write/send system calls, all threads (Linux ``wchar``)."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def _nbytes(t):

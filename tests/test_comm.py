@@ -1,0 +1,118 @@
+"""Comm (course_lib/collectives/comm.py): one object per group, torch's or our collectives,
+async handles, bytes measured leaving the rank, spans tagged with the mesh dimension."""
+import pytest
+import torch
+
+from course_lib import launch
+
+N_ELEMS = 3 * 4 * 5 * 1024  # divisible by 1..5 ranks: one reduce-scatter shape for every world
+
+
+def naive_all_reduce(tensor, op=None, group=None):
+    """A learner's all-reduce with torch's signature: all-gather everything, sum locally."""
+    import torch.distributed as dist
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    tensor.copy_(torch.stack(parts).sum(0))
+
+
+def rank_checks():
+    import torch.distributed as dist
+
+    from course_lib import trace
+    from course_lib.collectives.comm import Comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for impl in ("torch", "course", {"all_reduce": naive_all_reduce}):
+        key = impl if isinstance(impl, str) else "custom"
+        comm = Comm(dim="dp", impl=impl)
+        x = torch.arange(N_ELEMS, dtype=torch.float32) * (rank + 1)
+        ar = x.clone()
+        comm.all_reduce(ar)
+        rs = torch.empty(N_ELEMS // world)
+        comm.reduce_scatter_tensor(rs, x)
+        ag = torch.empty(N_ELEMS * world)
+        comm.all_gather_into_tensor(ag, x)
+        bc = x.clone()
+        comm.broadcast(bc, src=world - 1)
+        a = [torch.full((1000,), float(rank + k)) for k in range(3)]
+        handles = [comm.all_reduce(t, async_op=True) for t in a]
+        busy = torch.randn(64, 64) @ torch.randn(64, 64)  # compute while they are in flight
+        for h in handles:
+            h.wait()
+        with comm.measuring():
+            comm.all_reduce(x.clone(), name="measured all-reduce")
+            comm.reduce_scatter_tensor(rs, x, name="measured reduce-scatter")
+            comm.all_gather_into_tensor(ag, x, name="measured all-gather")
+        measured = {c.op: (c.payload, c.sent) for c in comm.log[-3:]}
+        out[key] = dict(ar=ar, rs=rs, ag=ag, bc=bc, asyncs=[t[0].item() for t in a], measured=measured,
+                        unmeasured=comm.log[0].sent, busy=busy.shape)
+    out["dims"] = sorted({s.dim for s in trace.spans() if s.kind == "comm"})
+    out["names"] = [s.name for s in trace.spans() if s.name.startswith("measured")]
+    odd = dist.new_group([0]) if world > 1 else None
+    out["outside"] = Comm.of(odd) is None if world > 1 else None
+    errors = []
+    for bad in (lambda: Comm(impl="nccl2"), lambda: Comm(impl={"allreduce": naive_all_reduce}),
+                lambda: Comm().broadcast(torch.zeros(1), src=world)):
+        try:
+            bad()
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    c = Comm()
+    out["neighbours"] = (c.prev, c.next, c.ranks)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {n: launch(rank_checks, n, timeout=120) for n in (1, 2, 3, 4)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("impl", ["torch", "course", "custom"])
+def test_results_are_torchs(runs, world, impl):
+    x = torch.arange(N_ELEMS, dtype=torch.float32)
+    total = x * sum(range(1, world + 1))
+    for rank, out in enumerate(runs[world]):
+        got = out[impl]
+        torch.testing.assert_close(got["ar"], total)
+        torch.testing.assert_close(got["rs"], total.chunk(world)[rank])
+        torch.testing.assert_close(got["ag"], torch.cat([x * (r + 1) for r in range(world)]))
+        torch.testing.assert_close(got["bc"], x * world)
+        assert got["asyncs"] == [sum(r + k for r in range(world)) for k in range(3)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bytes_are_measured_not_computed(runs, world):
+    """Our ring sends the ring formula (plus a few header bytes); gloo's reduce-scatter sends
+    as much as its all-reduce, about twice the formula."""
+    payload = N_ELEMS * 4
+    ring = (world - 1) / world * payload
+    for out in runs[world]:
+        ours, gloo = out["course"]["measured"], out["torch"]["measured"]
+        assert out["torch"]["unmeasured"] is None  # outside measuring(): not measured
+        assert ours["all_reduce"][1] == pytest.approx(2 * ring, rel=0.01)
+        assert ours["reduce_scatter_tensor"][1] == pytest.approx(ring, rel=0.01)
+        assert ours["all_gather_into_tensor"][0] == payload * world
+        assert ours["all_gather_into_tensor"][1] == pytest.approx(ring * world, rel=0.01)
+        assert gloo["all_reduce"][1] >= 2 * ring
+        assert gloo["reduce_scatter_tensor"][1] == pytest.approx(gloo["all_reduce"][1], rel=0.05)
+
+
+def test_spans_carry_the_dimension(runs):
+    assert runs[2][0]["dims"] == ["dp"]
+    assert runs[2][0]["names"] == ["measured all-reduce", "measured reduce-scatter", "measured all-gather"] * 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_group_ranks_and_bad_input(runs, world):
+    for rank, out in enumerate(runs[world]):
+        assert out["neighbours"] == ((rank - 1) % world, (rank + 1) % world, list(range(world)))
+        assert out["outside"] == (rank != 0)
+        impl_err, key_err, src_err = out["errors"]
+        assert "impl must be one of" in impl_err
+        assert "unknown collective" in key_err and "allreduce" in key_err
+        assert f"src={world} must be a rank of this group" in src_err
