@@ -1,0 +1,167 @@
+"""The communication operators of tensor and sequence parallelism, as autograd functions.
+
+Each is a pair: what it does to activations in forward, and what that forces on their
+gradients in backward (the transpose). Named as in the papers:
+
+    op                            forward          backward         paper
+    copy_to_parallel              identity         all-reduce       f      (Shoeybi et al. 2019, Megatron-LM)
+    reduce_from_parallel          all-reduce       identity         g      (Shoeybi et al. 2019)
+    gather_from_sequence_parallel all-gather       reduce-scatter   g-bar  (Korthikanti et al. 2022)
+    scatter_to_sequence_parallel  reduce-scatter   all-gather       g-bar transpose (Korthikanti et al. 2022)
+    split_to_parallel             keep my slice    all-gather       (enter a sharded region, no sum)
+
+``f`` sits where a replicated activation enters a column-parallel layer: every rank uses
+the same input, so the input's gradient is the SUM of every rank's partial gradient.
+``g`` sits after a row-parallel layer: each rank holds a partial sum of the output.
+With sequence parallelism (SP), the activations between the layers are split along the
+sequence instead of replicated: ``g`` becomes a reduce-scatter (g-bar transpose) and
+``f`` an all-gather (g-bar); the bytes are the same, the activation memory is 1/t.
+
+Every op takes the :class:`~course_lib.collectives.comm.Comm` of its group (e.g.
+``mesh.comm("tp")``), so the calls are counted, measured and traced like any other.
+``dim`` is the tensor dimension that is gathered or scattered (the sequence: 1 for
+(batch, seq, hidden)); it must split evenly over the group.
+"""
+from __future__ import annotations
+
+import torch
+
+from course_lib.collectives.comm import Comm
+
+
+def _check(comm, x, dim=None):
+    if not isinstance(comm, Comm):
+        raise TypeError(f"pass the group's Comm (e.g. mesh.comm('tp')), got {type(comm).__name__}")
+    if dim is not None and not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is not a dimension of a tensor of shape {tuple(x.shape)}")
+
+
+def _all_gather(comm, x, dim, name):
+    """(.., n, ..) on each rank -> (.., size * n, ..): the pieces in group-rank order along ``dim``."""
+    x = x.movedim(dim, 0).contiguous()                               # (n, ...) gathered along dim 0
+    out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
+    comm.all_gather_into_tensor(out, x, name=name)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(comm, x, dim, name):
+    """(.., size * n, ..) on each rank -> (.., n, ..): the sum over ranks of this rank's piece."""
+    if x.shape[dim] % comm.size:
+        raise ValueError(f"{name}: dimension {dim} of size {x.shape[dim]} does not split evenly over the "
+                         f"{comm.size} ranks of the group (sequence parallelism needs seq % tp == 0)")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // comm.size, *x.shape[1:]))
+    comm.reduce_scatter_tensor(out, x, name=name)
+    return out.movedim(0, dim)
+
+
+def _split(comm, x, dim):
+    if x.shape[dim] % comm.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split evenly over the "
+                         f"{comm.size} ranks of the group")
+    return x.chunk(comm.size, dim)[comm.rank].contiguous()
+
+
+def _all_reduce(comm, x, name):
+    x = x.contiguous().clone()  # an op must not modify its input in place (autograd saved it)
+    comm.all_reduce(x, name=name)
+    return x
+
+
+class CopyToParallel(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (the input was used by every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)"), None
+
+
+class ReduceFromParallel(torch.autograd.Function):
+    """g: all-reduce forward (sum the partial outputs), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(comm, x, "g: all-reduce")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSequenceParallel(torch.autograd.Function):
+    """g-bar: all-gather along ``dim`` forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(comm, x, dim, "g-bar: all-gather")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(ctx.comm, grad, ctx.dim, "g-bar: reduce-scatter (backward)"), None, None
+
+
+class ScatterToSequenceParallel(torch.autograd.Function):
+    """g-bar transpose: reduce-scatter along ``dim`` forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _reduce_scatter(comm, x, dim, "g-bar T: reduce-scatter")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(ctx.comm, grad, ctx.dim, "g-bar T: all-gather (backward)"), None, None
+
+
+class SplitToParallel(torch.autograd.Function):
+    """Keep this rank's slice along ``dim`` forward (no communication), all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _split(comm, x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(ctx.comm, grad, ctx.dim, "split: all-gather (backward)"), None, None
+
+
+def copy_to_parallel(x, comm):
+    """f (Megatron): identity forward, all-reduce of the gradient backward."""
+    _check(comm, x)
+    return CopyToParallel.apply(x, comm) if comm.size > 1 else x
+
+
+def reduce_from_parallel(x, comm):
+    """g (Megatron): all-reduce forward, identity backward."""
+    _check(comm, x)
+    return ReduceFromParallel.apply(x, comm) if comm.size > 1 else x
+
+
+def gather_from_sequence_parallel(x, comm, dim=1):
+    """g-bar (sequence parallelism): all-gather along ``dim`` forward, reduce-scatter backward."""
+    _check(comm, x, dim)
+    return GatherFromSequenceParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
+
+
+def scatter_to_sequence_parallel(x, comm, dim=1):
+    """g-bar transpose: reduce-scatter along ``dim`` forward, all-gather backward."""
+    _check(comm, x, dim)
+    return ScatterToSequenceParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
+
+
+def split_to_parallel(x, comm, dim=1):
+    """This rank's even slice along ``dim`` (forward: no communication; backward: all-gather)."""
+    _check(comm, x, dim)
+    return SplitToParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
+
+
+__all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_sequence_parallel",
+           "scatter_to_sequence_parallel", "split_to_parallel", "CopyToParallel", "ReduceFromParallel",
+           "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel"]

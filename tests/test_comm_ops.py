@@ -1,0 +1,95 @@
+"""The Megatron communication operators (course_lib/parallel/comm_ops.py): forward and backward
+of a column -> row parallel MLP, with and without sequence parallelism, equal to one device."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import launch
+
+B, S, H, FF = 2, 6, 4, 12  # S and FF split over 1, 2 and 3 ranks
+
+
+def problem():
+    g = torch.Generator().manual_seed(0)
+    X, W1, W2, C = (torch.randn(*shape, generator=g) for shape in ((B, S, H), (FF, H), (H, FF), (B, S, H)))
+    return X, W1, W2, C
+
+
+def reference():
+    X, W1, W2, C = (t.clone().requires_grad_(k < 3) for k, t in enumerate(problem()))
+    Y = F.linear(F.relu(F.linear(X, W1)), W2)
+    (Y * C).sum().backward()
+    return Y.detach(), X.grad, W1.grad, W2.grad
+
+
+def rank_run():
+    import torch.distributed as dist
+
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel import comm_ops as ops
+
+    comm = Comm(dim="tp")
+    r, t = dist.get_rank(), dist.get_world_size()
+    X, W1, W2, C = problem()
+    w1, w2 = W1.chunk(t, 0)[r].clone().requires_grad_(), W2.chunk(t, 1)[r].clone().requires_grad_()
+    out = {}
+    # tensor parallel: f -> column -> ReLU -> row -> g
+    x = X.clone().requires_grad_()
+    y = ops.reduce_from_parallel(F.linear(F.relu(F.linear(ops.copy_to_parallel(x, comm), w1)), w2), comm)
+    (y * C).sum().backward()
+    out["tp"] = (y.detach(), x.grad, w1.grad.clone(), w2.grad.clone())
+    # sequence parallel: my rows of the sequence -> g-bar (all-gather) -> column -> row -> g-bar T
+    w1.grad = w2.grad = None
+    xs = X.chunk(t, 1)[r].clone().requires_grad_()
+    ys = ops.scatter_to_sequence_parallel(
+        F.linear(F.relu(F.linear(ops.gather_from_sequence_parallel(xs, comm, dim=1), w1)), w2), comm, dim=1)
+    (ys * C.chunk(t, 1)[r]).sum().backward()
+    out["sp"] = (ys.detach(), xs.grad, w1.grad.clone(), w2.grad.clone())
+    x = X.clone().requires_grad_()
+    (ops.split_to_parallel(x, comm, dim=1) * C.chunk(t, 1)[r]).sum().backward()
+    out["split"] = x.grad
+    out["bytes"] = [(c.op, c.payload) for c in comm.log]
+    try:
+        ops.scatter_to_sequence_parallel(torch.zeros(1, t + 1, 2), comm) if t > 1 else None
+        out["uneven"] = None
+    except ValueError as exc:
+        out["uneven"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {t: launch(rank_run, t, timeout=120) for t in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_tensor_and_sequence_parallel_mlp_equal_one_device(runs, t):
+    Y, gX, gW1, gW2 = reference()
+    _, _, _, C = problem()
+    for r, out in enumerate(runs[t]):
+        y, gx, gw1, gw2 = out["tp"]
+        torch.testing.assert_close(y, Y)
+        torch.testing.assert_close(gx, gX)                       # f all-reduced the input's gradient
+        torch.testing.assert_close(gw1, gW1.chunk(t, 0)[r])      # my rows of W1
+        torch.testing.assert_close(gw2, gW2.chunk(t, 1)[r])      # my columns of W2
+        ys, gxs, gw1, gw2 = out["sp"]
+        torch.testing.assert_close(ys, Y.chunk(t, 1)[r])         # my part of the sequence
+        torch.testing.assert_close(gxs, gX.chunk(t, 1)[r])
+        torch.testing.assert_close(gw1, gW1.chunk(t, 0)[r])
+        torch.testing.assert_close(gw2, gW2.chunk(t, 1)[r])
+        torch.testing.assert_close(out["split"], C)              # every rank's slice gradient, gathered
+
+
+@pytest.mark.parametrize("t", [2, 3])
+def test_bytes_and_errors(runs, t):
+    act = B * S * H * 4
+    ops = runs[t][0]["bytes"]
+    assert ops[:2] == [("all_reduce", act), ("all_reduce", act)]   # g forward, f backward
+    assert ("all_gather_into_tensor", act) in ops and ("reduce_scatter_tensor", act) in ops  # SP: same volume
+    assert "does not split evenly" in runs[t][0]["uneven"]
+
+
+def test_bad_comm():
+    from course_lib.parallel.comm_ops import copy_to_parallel
+    with pytest.raises(TypeError, match="Comm"):
+        copy_to_parallel(torch.zeros(2), None)
