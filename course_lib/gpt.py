@@ -1,0 +1,385 @@
+"""TinyGPT: a decoder-only transformer in parts that every parallelism can cut.
+
+    model = TinyGPT(GPTConfig(), seed=0)
+    logits, loss = model(idx, targets)                       # the whole model, as nanoGPT
+    x = model.embed(idx, positions)                          # (b, s) -> (b, s, h): first stage
+    for block in model.blocks:
+        x = block(x, positions)                              # (b, s, h) -> (b, s, h)
+    loss = model.loss(model.head(x), targets, n_tokens)      # last stage
+
+Llama-style by default (RMSNorm, rotary positions, causal attention with grouped KV heads,
+SwiGLU MLP) or a GPT-2-style block (LayerNorm, learned positions, GeLU 4h MLP, dropout)
+for the activation-memory lesson. The shapes the parallel dimensions cut it into:
+
+* pipeline: ``embed`` / ``blocks`` (an ``nn.ModuleList``) / ``head`` + ``loss`` run separately;
+* tensor: :class:`Attention` reads its head counts from its weights, so a copy whose
+  W_q, W_k, W_v rows and W_o columns were sliced to a subset of heads computes those
+  heads' share of the output (the shares sum to the full output);
+* context: ``positions`` are the absolute positions of the local tokens (int64, (s,);
+  None = 0..s-1): rotary angles and the causal mask ``q_pos >= k_pos`` follow them, and
+  :func:`causal_attention` takes keys and values from another shard with their own positions;
+* loss: a SUM over the local tokens divided by ``n_tokens``, the GLOBAL token count, so the
+  losses of all shards (vocabulary, sequence, micro-batch) add up to the global mean.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256        # bytes
+    seq_len: int = 64            # longest sequence (rotary / position table size)
+    n_layers: int = 4
+    hidden: int = 64             # h
+    n_heads: int = 4             # a; head_dim = hidden / n_heads
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
+    ffn_hidden: int | None = None  # None: SwiGLU 8h/3 rounded up to multiple_of; GPT-2 4h
+    multiple_of: int = 16
+    block: str = "llama"         # "llama" or "gpt2"
+    dropout: float = 0.0         # GPT-2 style only (Llama trains without dropout)
+    tie_embeddings: bool = False  # lm_head.weight is tok_emb.weight
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.block not in ("llama", "gpt2"):
+            raise ValueError(f"block must be 'llama' or 'gpt2', got {self.block!r}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads", "n_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.block == "llama" and (self.hidden // self.n_heads) % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.hidden // self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.ffn_hidden is None:
+            if self.block == "gpt2":
+                self.ffn_hidden = 4 * self.hidden
+            else:  # Llama: 2/3 of 4h (three matrices instead of two), rounded up
+                f = int(2 * 4 * self.hidden / 3)
+                self.ffn_hidden = self.multiple_of * math.ceil(f / self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (no mean subtraction, no bias). Written in plain ops, so autograd
+    keeps both x and x / rms(x): a fused kernel would keep x and 1/rms only."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (..., dim)
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., 1)
+        return (x * rstd) * self.weight
+
+
+class Dropout(nn.Module):
+    """nn.Dropout, except the saved mask is 1 byte per element on every device.
+
+    CUDA's fused dropout keeps a bool mask; on CPU ``F.dropout`` keeps a mask in the
+    activation's dtype. ``torch.native_dropout`` keeps the bool mask everywhere, so the
+    activation bytes counted here are the ones a GPU would hold.
+    """
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def check_positions(positions, s, seq_len):
+    """None, or ``positions`` checked: an int64 tensor of shape (s,) with values in [0, seq_len)."""
+    if positions is None:
+        if s > seq_len:
+            raise ValueError(f"sequence length {s} exceeds config.seq_len={seq_len}")
+        return None
+    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be an int64 tensor, got {getattr(positions, 'dtype', type(positions))}")
+    if positions.shape != (s,):
+        raise ValueError(f"positions must have shape (s,) = ({s},), one per token, got {tuple(positions.shape)}")
+    if s and (positions.min() < 0 or positions.max() >= seq_len):
+        raise ValueError(f"positions must lie in [0, seq_len={seq_len}), got "
+                         f"[{positions.min().item()}, {positions.max().item()}]")
+    return positions
+
+
+def rotary_tables(seq_len, head_dim, theta=10000.0):
+    """cos, sin of shape (seq_len, head_dim): position t rotates pair (i, i + d/2) by t * theta^(-2i/d)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)           # (s, d/2)
+    angles = torch.cat([angles, angles], dim=-1)                                          # (s, d)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotary_rows(cos, sin, positions, s):
+    """The (s, d) rows of the tables for the tokens at ``positions`` (None = 0..s-1).
+
+    Contiguous positions take a slice, a view of the tables, so autograd saves nothing new
+    (the tables are buffers); other positions (a load-balanced context-parallel shard) gather."""
+    if positions is None:
+        return cos[:s], sin[:s]
+    start = int(positions[0]) if s else 0
+    if torch.equal(positions, torch.arange(start, start + s, device=positions.device)):
+        return cos[start:start + s], sin[start:start + s]
+    return cos[positions], sin[positions]
+
+
+def apply_rotary(x, cos, sin):  # x (b, heads, s, d); cos, sin (s, d)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # the pair (x1, x2) turned by 90 degrees
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_scores(q, k, q_positions=None, k_positions=None, future=None):
+    """Scaled causal scores: q (b, a, s_q, d), k (b, kv, s_k, d) -> (b, a, s_q, s_k).
+
+    Grouped-query: the a / kv query heads of a group are stacked along the sequence axis,
+    so K is used (and saved for backward) at its own small size. A query sees the keys
+    with ``q_pos >= k_pos`` (absolute positions, None = 0..s-1); ``future`` (s_q, s_k) bool,
+    True where the key comes later, may be passed precomputed. The mask is added as a
+    0 / -inf bias: an addition saves nothing for backward (a masked_fill would save it).
+    """
+    b, a, s_q, d = q.shape
+    kv, s_k = k.shape[1], k.shape[2]
+    if a % kv:
+        raise ValueError(f"query heads ({a}) must be a multiple of key/value heads ({kv})")
+    dev = q.device
+    q_pos = torch.arange(s_q, device=dev) if q_positions is None else q_positions
+    k_pos = torch.arange(s_k, device=dev) if k_positions is None else k_positions
+    if q_pos.shape != (s_q,) or k_pos.shape != (s_k,):
+        raise ValueError(f"need one position per query ({s_q}) and per key ({s_k}), got "
+                         f"{tuple(q_pos.shape)} and {tuple(k_pos.shape)}")
+    if future is None:
+        future = q_pos[:, None] < k_pos[None, :]                        # (s_q, s_k)
+    bias = torch.zeros(s_q, s_k, dtype=q.dtype, device=dev).masked_fill(future, float("-inf"))
+    scores = (q.reshape(b, kv, (a // kv) * s_q, d) @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+    return scores.view(b, a, s_q, s_k) + bias                           # (b, a, s_q, s_k)
+
+
+def attention_output(probs, v):  # probs (b, a, s_q, s_k), v (b, kv, s_k, d) -> (b, a, s_q, d)
+    b, a, s_q, s_k = probs.shape
+    kv, d = v.shape[1], v.shape[3]
+    return (probs.reshape(b, kv, (a // kv) * s_q, s_k) @ v).view(b, a, s_q, d)
+
+
+def causal_attention(q, k, v, q_positions=None, k_positions=None, dropout=None, future=None):
+    """softmax(q k^T / sqrt(d) + causal bias) v, grouped-query, at explicit positions.
+
+    q (b, a, s_q, d); k, v (b, kv, s_k, d) -> (b, a, s_q, d). Keys may come from another
+    context-parallel shard (their own ``k_positions``); every query must see at least one
+    key, else its softmax has nothing to normalise (ring attention merges blocks itself,
+    from :func:`attention_scores` and :func:`attention_output`)."""
+    if q_positions is not None and k_positions is not None and k_positions.numel() and \
+            q_positions.numel() and q_positions.min() < k_positions.min():
+        raise ValueError(f"every query needs a key at or before its position: query position "
+                         f"{q_positions.min().item()} < first key position {k_positions.min().item()}")
+    probs = F.softmax(attention_scores(q, k, q_positions, k_positions, future), dim=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    return attention_output(probs, v)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, written out (no fused kernel) so each saved tensor is visible.
+
+    Grouped-query attention: ``n_kv_heads`` key/value heads, each shared by
+    ``n_heads / n_kv_heads`` query heads. The head counts are read from the weights
+    (``wq`` has ``n_heads * head_dim`` rows), so a tensor-parallel copy holding a slice of
+    the heads runs its own heads, and ``wo`` (columns sliced alike) gives its share.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim, self.max_len = cfg.head_dim, cfg.seq_len
+        bias = cfg.block == "gpt2"
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
+        self.wk = nn.Linear(cfg.hidden, kv_dim, bias=bias)
+        self.wv = nn.Linear(cfg.hidden, kv_dim, bias=bias)
+        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
+        self.attn_dropout = Dropout(cfg.dropout)
+        self.rotary = cfg.block == "llama"
+        if self.rotary:
+            cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        future = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)  # True above the diagonal
+        self.register_buffer("future_mask", future, persistent=False)
+
+    @property
+    def n_heads(self) -> int:  # local query heads: all of them, or this tensor-parallel rank's
+        return self.wq.weight.shape[0] // self.head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.wk.weight.shape[0] // self.head_dim
+
+    def forward(self, x, positions=None):  # (b, s, h) -> (b, s, h); positions (s,) or None
+        b, s, _ = x.shape
+        d = self.head_dim
+        positions = check_positions(positions, s, self.max_len)
+        q = self.wq(x).view(b, s, -1, d).transpose(1, 2)   # (b, a, s, d): a local query heads
+        k = self.wk(x).view(b, s, -1, d).transpose(1, 2)   # (b, kv, s, d)
+        v = self.wv(x).view(b, s, -1, d).transpose(1, 2)   # (b, kv, s, d)
+        if self.rotary:
+            cos, sin = rotary_rows(self.cos, self.sin, positions, s)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        future = self.future_mask[:s, :s] if positions is None else None  # else built from positions
+        y = causal_attention(q, k, v, positions, positions, self.attn_dropout, future)  # (b, a, s, d)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, a * d) -> (b, s, h)
+
+
+# ----------------------------------------------------------------------------- MLP, block, model
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: w2(silu(w1 x) * w3 x), three (h x f) matrices."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, f) -> (b, s, h)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GeLUMLP(nn.Module):
+    """GPT-2 MLP: proj(gelu(fc x)), h -> 4h -> h, with biases."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn_hidden)
+        self.proj = nn.Linear(cfg.ffn_hidden, cfg.hidden)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, 4h) -> (b, s, h)
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.block == "llama":
+            self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+            self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+            self.mlp = SwiGLU(cfg)
+        else:
+            self.attn_norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+            self.mlp_norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+            self.mlp = GeLUMLP(cfg)
+        self.attn = Attention(cfg)
+        self.attn_out_dropout = Dropout(cfg.dropout)
+        self.mlp_out_dropout = Dropout(cfg.dropout)
+
+    def forward(self, x, positions=None):  # (b, s, h) -> (b, s, h)
+        x = x + self.attn_out_dropout(self.attn(self.attn_norm(x), positions))
+        return x + self.mlp_out_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class TinyGPT(nn.Module):
+    """tokens (b, s) -> logits (b, s, vocab); ``forward(idx, targets)`` returns (logits, loss).
+
+    Parts, in order: ``tok_emb`` (+ ``pos_emb`` for GPT-2), ``blocks`` (ModuleList of
+    :class:`Block`), ``norm``, ``lm_head``; run them one by one with :meth:`embed`, each
+    block, :meth:`head` and :meth:`loss`. Initialisation (GPT-2's): N(0, 0.02) for
+    matrices and embeddings, N(0, 0.02 / sqrt(2 n_layers)) for the two projections that
+    write into the residual stream, zeros for biases, ones for norm weights.
+    """
+
+    def __init__(self, cfg: GPTConfig | None = None, seed: int = 0):
+        super().__init__()
+        cfg = GPTConfig() if cfg is None else cfg
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        if cfg.block == "gpt2":
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.emb_dropout = Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps) if cfg.block == "llama" else nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one Parameter, two names
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():  # registration order; a tied weight once
+            if name.endswith("bias"):
+                p.zero_()
+            elif isinstance(self.get_submodule(name.rsplit(".", 1)[0]), (RMSNorm, nn.LayerNorm)):
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w2.weight", "proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def embed(self, idx, positions=None):  # idx (b, s) int64 -> (b, s, h)
+        s = idx.shape[1]
+        positions = check_positions(positions, s, self.config.seq_len)
+        x = self.tok_emb(idx)                                   # (b, s, h)
+        if self.config.block == "gpt2":
+            x = x + self.pos_emb(torch.arange(s, device=idx.device) if positions is None else positions)
+        return self.emb_dropout(x)
+
+    def head(self, x):  # (b, s, h) -> logits (b, s, vocab)
+        return self.lm_head(self.norm(x))
+
+    def loss(self, logits, targets, n_tokens=None):
+        """Cross entropy SUMMED over the local tokens and divided by ``n_tokens``, the number
+        of tokens in the GLOBAL batch (every shard passes the same count, so the shards'
+        losses add up to the global mean). None: the local count of targets that are not
+        ignored (-100), i.e. the plain mean."""
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError(f"targets must have the shape of logits without the vocabulary axis, "
+                             f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+        logits, targets = logits.float().flatten(0, 1), targets.flatten()   # (b*s, vocab), (b*s,)
+        if n_tokens is None:
+            return F.cross_entropy(logits, targets)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, float, torch.Tensor)) or \
+                (isinstance(n_tokens, torch.Tensor) and n_tokens.numel() != 1) or n_tokens < 1:
+            raise ValueError(f"n_tokens (the global token count) must be a number >= 1, got {n_tokens!r}")
+        return F.cross_entropy(logits, targets, reduction="sum") / n_tokens
+
+    def forward(self, idx, targets=None, *, positions=None, n_tokens=None):  # idx (b, s) int64
+        x = self.embed(idx, positions)                          # (b, s, h)
+        for block in self.blocks:
+            x = block(x, positions)                             # (b, s, h)
+        logits = self.head(x)                                   # (b, s, vocab)
+        loss = None if targets is None else self.loss(logits, targets, n_tokens)
+        return logits, loss
+
+
+__all__ = ["GPTConfig", "TinyGPT", "Block", "Attention", "SwiGLU", "GeLUMLP", "RMSNorm", "Dropout",
+           "check_positions", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
+           "attention_output", "causal_attention"]
