@@ -26,7 +26,7 @@ import torch.nn.functional as F
 # The GPT lives in its own room; the names are re-exported so every import keeps working.
 from course_lib.gpt import (Attention, Block, Dropout, GeLUMLP, GPTConfig, RMSNorm, SwiGLU, TinyGPT,
                             apply_rotary, attention_output, attention_scores, causal_attention,
-                            rotary_tables)
+                            check_positions, rotary_rows, rotary_tables)
 
 # ----------------------------------------------------------------------------- MLP
 
@@ -174,5 +174,5 @@ def n_params(model: nn.Module, trainable_only: bool = False) -> int:
 
 
 __all__ = ["MLP", "SmallCNN", "GPTConfig", "TinyGPT", "Block", "Attention", "SwiGLU", "GeLUMLP",
-           "RMSNorm", "Dropout", "rotary_tables", "apply_rotary", "attention_scores", "attention_output",
-           "causal_attention", "init_uniform_", "n_params", "SavedTensor", "saved_activations"]
+           "RMSNorm", "Dropout", "rotary_tables", "rotary_rows", "apply_rotary", "check_positions",
+           "attention_scores", "attention_output", "causal_attention", "init_uniform_", "n_params", "SavedTensor", "saved_activations"]
