@@ -1,8 +1,11 @@
-"""FSDP / ZeRO-3 (course_lib/parallel/fsdp.py) against single-device training on the full batch."""
-import copy
-import math
+"""FSDP / ZeRO-3 (course_lib/parallel/fsdp.py) against single-device training on the full batch.
 
+One launch per world size (1, 2, 3, 4) runs every check; the 4-rank launch also runs
+TP + FSDP on Mesh(dp=2, tp=2).
+"""
+import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ import torch.nn.functional as F
 from course_lib import launch
 from course_lib.models import MLP, GPTConfig, TinyGPT
 from course_lib.parallel.fsdp import FSDP
+from course_lib.parallel.fsdp_params import dim0_rows
+from course_lib.planner.formulas import collective_bytes_per_rank
 
 SIZES = (16, 32, 16, 32)
 AWKWARD = dict(frozen=(1,), shared=True, unused=True)
@@ -20,9 +25,9 @@ GPT = GPTConfig(vocab_size=64, seq_len=16, n_layers=3, hidden=32, n_heads=4, n_k
                 tie_embeddings=True)
 
 
-def mlp_data(seed=0):
+def mlp_data(seed=0, sizes=SIZES):
     g = torch.Generator().manual_seed(seed)
-    X, Y = torch.randn(BATCH, SIZES[0], generator=g), torch.randn(BATCH, SIZES[-1], generator=g)
+    X, Y = torch.randn(BATCH, sizes[0], generator=g), torch.randn(BATCH, sizes[-1], generator=g)
     return [(X[p], Y[p]) for p in (torch.randperm(BATCH, generator=g) for _ in range(STEPS))]
 
 
@@ -38,30 +43,49 @@ def loss_of(model, batch, kind):
     return F.mse_loss(model(x).float(), y)
 
 
+class Uneven(nn.Module):
+    """A (5, 3) weight: on 2 ranks 3 + 2 rows, on 4 ranks 2 + 2 + 1 + 0; a (2, 5) one: 1 + 1 + 0 + 0."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList([nn.Linear(3, 5), nn.Linear(5, 2)])
+
+    def forward(self, x):
+        return self.layers[1](torch.tanh(self.layers[0](x)))
+
+
 def build(kind, seed):
+    if kind == "uneven":
+        return Uneven(seed)
     return TinyGPT(GPT, seed=seed) if kind == "gpt" else MLP(SIZES, seed=seed, **AWKWARD)
 
 
+def data_of(kind):
+    return {"gpt": gpt_data, "mlp": mlp_data, "uneven": functools.partial(mlp_data, sizes=(3, 2))}[kind]()
+
+
 def make_opt(params, kind, dtype):
-    """AdamW on the small MLP. On the GPT's 10^5 weights, Adam's m / sqrt(v) turns the last-bit
+    """AdamW on the small MLPs. On the GPT's 10^5 weights, Adam's m / sqrt(v) turns the last-bit
     differences of a sum in another order into ~1e-5 wherever m nearly cancels between
     steps: a linear optimizer (SGD + momentum + weight decay) keeps them at rounding level."""
-    if kind == "mlp" and dtype is None:
+    if kind != "gpt" and dtype is None:
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     return torch.optim.SGD(params, lr=0.2, momentum=0.9 if dtype is None else 0.0, weight_decay=0.01)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind, dtype=None):
+def reference(kind, dtype=None, accumulate=1):
     """One device, full batch; with a dtype: forward/backward on a copy in that dtype,
     fp32 master weights and optimizer (what FSDP's mixed precision does)."""
     model = build(kind, 0)
     opt = make_opt(model.parameters(), kind, dtype)
-    for batch in (gpt_data() if kind == "gpt" else mlp_data()):
+    for batch in data_of(kind):
         work = copy.deepcopy(model).to(dtype) if dtype else model
-        if dtype and kind == "mlp":
+        if dtype and kind != "gpt":
             batch = (batch[0].to(dtype), batch[1])
-        loss_of(work, batch, kind).backward()
+        for part in zip(*[b.chunk(accumulate) for b in batch]) if kind != "gpt" else batch.chunk(accumulate):
+            (loss_of(work, part, kind) / accumulate).backward()
         if dtype:
             for p, q in zip(model.parameters(), work.parameters()):
                 p.grad = None if q.grad is None else q.grad.float()
@@ -70,48 +94,78 @@ def reference(kind, dtype=None):
     return model.state_dict()
 
 
-CONFIGS = [("mlp", None), ("gpt", None), ("gpt", torch.bfloat16), ("mlp", torch.float16)]
+CONFIGS = [("mlp", None), ("gpt", None), ("gpt", torch.bfloat16), ("mlp", torch.float16), ("uneven", None)]
+
+
+def local_rows(batch, kind, rank, world):
+    if kind == "gpt":
+        return batch.chunk(world)[rank]
+    return batch[0].chunk(world)[rank], batch[1].chunk(world)[rank]
+
+
+def train(kind, dtype, rank, world, accumulate=1, **fsdp_kw):
+    from course_lib import memory
+
+    model = build(kind, seed=rank)  # different on every rank: FSDP broadcasts rank 0's, then shards
+    fsdp = FSDP(model, compute_dtype=dtype, **fsdp_kw)
+    opt = make_opt(fsdp.parameters(), kind, dtype)
+    for batch in data_of(kind):
+        mine = local_rows(batch, kind, rank, world)
+        parts = zip(*[b.chunk(accumulate) for b in mine]) if kind != "gpt" else mine.chunk(accumulate)
+        for part in parts:
+            (loss_of(fsdp, part, kind) / accumulate).backward()
+        fsdp.finish_gradient_synchronization()
+        if kind == "mlp":
+            assert model.unused.grad is None
+        held = memory.model_state_bytes(fsdp, opt)
+        opt.step()
+        opt.zero_grad()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return fsdp, opt, dict(state=fsdp.gather_full_params(), held=held, shapes=shapes,
+                           units=[(u.numel, u.grad_numel, u.is_root) for u in fsdp.units])
+
+
+def measured_step(fsdp, opt, batch):
+    """One GPT step with every collective measured: [(op, bytes sent)]."""
+    fsdp.comm.reset()
+    with fsdp.comm.measuring():
+        loss_of(fsdp, batch, "gpt").backward()
+        fsdp.finish_gradient_synchronization()
+    opt.step()
+    opt.zero_grad()
+    return [(c.op, c.sent) for c in fsdp.comm.log]
+
+
+def torch_shapes(kind):
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(kind, 0)
+    for block in (model.blocks if kind == "gpt" else model.layers):
+        fully_shard(block)
+    fully_shard(model)
+    return {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
 
 
 def rank_checks():
     import torch.distributed as dist
 
-    from course_lib import memory, trace
+    from course_lib import trace
+    from course_lib.collectives.comm import Comm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for kind, dtype in CONFIGS:
-        model = build(kind, seed=rank)  # different on every rank: FSDP broadcasts rank 0's, then shards
-        fsdp = FSDP(model, compute_dtype=dtype)
-        opt = make_opt(fsdp.parameters(), kind, dtype)
         trace.reset()
-        for batch in (gpt_data() if kind == "gpt" else mlp_data()):
-            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-            local = batch[rows] if kind == "gpt" else (batch[0][rows], batch[1][rows])
-            if kind == "gpt" and dtype is None:
-                fsdp.comm.reset()
-            loss_of(fsdp, local, kind).backward()
-            fsdp.finish_gradient_synchronization()
-            if kind == "mlp":
-                assert model.unused.grad is None
-            held = memory.model_state_bytes(fsdp, opt)
-            opt.step()
-            opt.zero_grad()
-        sent = fsdp.comm.bytes_sent()  # the last step's
-        out[kind, dtype] = dict(state=fsdp.gather_full_params(), held=held, sent=sent,
-                                spans=trace.spans(), units=[(u.name, u.numel, u.is_root) for u in fsdp.units])
-    model = MLP(SIZES, seed=rank, **AWKWARD)  # gradient accumulation: two micro-batches per step
-    fsdp = FSDP(model)
-    opt = make_opt(fsdp.parameters(), "mlp", None)
-    for x, y in mlp_data():
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        for xm, ym in zip(x.chunk(2), y.chunk(2)):
-            (loss_of(fsdp, (xm, ym), "mlp") / 2).backward()
-        fsdp.finish_gradient_synchronization()
-        opt.step()
-        opt.zero_grad()
-    out["accumulate"] = fsdp.gather_full_params()
-    tiny = nn.Linear(1, 2)  # 4 elements: on 3 ranks one slice is empty, on 4 each holds one
+        fsdp, opt, out[kind, dtype] = train(kind, dtype, rank, world)
+        out[kind, dtype]["spans"] = trace.spans()
+        if kind == "gpt" and dtype is None and world > 1:  # bytes: gloo's collectives, then our ring
+            batch = local_rows(gpt_data()[0], kind, rank, world)
+            out["bytes torch"] = measured_step(fsdp, opt, batch)
+            ours = FSDP(build("gpt", 0), group=Comm(None, dim="dp", impl="course"))
+            out["bytes course"] = measured_step(ours, make_opt(ours.parameters(), kind, None), batch)
+    out["accumulate"] = train("mlp", None, rank, world, accumulate=2)[2]["state"]
+    out["fully_shard"] = {kind: torch_shapes(kind) for kind in ("uneven", "gpt")}
+    tiny = nn.Linear(1, 2)  # weight (2, 1): on 3 and 4 ranks the last shards have 0 rows
     with torch.no_grad():
         tiny.weight.copy_(torch.tensor([[1.0], [2.0]]) + rank), tiny.bias.fill_(rank)
     fsdp = FSDP(tiny)
@@ -120,9 +174,159 @@ def rank_checks():
     out["tiny"] = dict(shapes=[tuple(p.shape) for p in fsdp.parameters()],
                        grads=[None if p.grad is None else p.grad.clone() for p in fsdp.parameters()],
                        state=fsdp.gather_full_params())
+    if world == 2:
+        out["errors"] = bad_distributed_input()
+    if world == 4:
+        out["tp"] = tp_fsdp()
     return out
 
 
+# ----------------------------------------------------------------------------- TP + FSDP
+IN, HID, OUT = 8, 12, 6
+
+
+class TPMLP(nn.Module):
+    """x (b, IN) -> column-parallel fc1 (HID / tp rows) -> relu -> row-parallel fc2 (HID / tp
+    columns) -> all-reduce -> + bias -> this tp rank's rows (sequence parallel) * scale.
+    ``tp=None``: the single-device model. ``scale`` sees only this rank's rows: its gradient
+    is partial over tp, so it is reduced over ("dp", "tp")."""
+
+    def __init__(self, seed, tp=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        w1, b1 = torch.randn(HID, IN, generator=g) / IN ** 0.5, torch.randn(HID, generator=g) * 0.1
+        w2, b2 = torch.randn(OUT, HID, generator=g) / HID ** 0.5, torch.randn(OUT, generator=g) * 0.1
+        scale = 1 + 0.1 * torch.randn(OUT, generator=g)
+        if tp is not None:
+            w1, b1, w2 = w1.chunk(tp.size)[tp.rank], b1.chunk(tp.size)[tp.rank], w2.chunk(tp.size, dim=1)[tp.rank]
+        self.tp = tp
+        self.fc1, self.fc2 = nn.Linear(IN, w1.shape[0]), nn.Linear(w2.shape[1], OUT, bias=False)
+        with torch.no_grad():
+            for p, v in ((self.fc1.weight, w1), (self.fc1.bias, b1), (self.fc2.weight, w2)):
+                p.copy_(v)
+        self.bias, self.scale = nn.Parameter(b2), nn.Parameter(scale)  # after the all-reduce
+
+    def forward(self, x):                                      # x (b, IN)
+        if self.tp is not None:
+            x = CopyToTP.apply(x, self.tp)
+        h = F.relu(self.fc1(x))                                # (b, HID / tp)
+        z = self.fc2(h)                                        # (b, OUT), partial over tp
+        if self.tp is not None:
+            z = ReduceFromTP.apply(z, self.tp)
+        z = z + self.bias
+        if self.tp is not None:
+            z = KeepMyRows.apply(z, self.tp)                   # (b / tp, OUT)
+        return z * self.scale
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        ctx.comm.all_reduce(g)
+        return g, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, z, comm):
+        z = z.contiguous()
+        comm.all_reduce(z)
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class KeepMyRows(torch.autograd.Function):
+    """Enter the sequence-parallel region: keep my rows forward, all-gather them backward."""
+
+    @staticmethod
+    def forward(ctx, z, comm):
+        ctx.comm = comm
+        return z.chunk(comm.size)[comm.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        full = g.new_empty(g.shape[0] * ctx.comm.size, *g.shape[1:])
+        ctx.comm.all_gather_into_tensor(full, g.contiguous())
+        return full, None
+
+
+def tp_data():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, IN, generator=g), torch.randn(8, OUT, generator=g)) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def tp_reference():
+    model = TPMLP(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in tp_data():
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def tp_fsdp():
+    from course_lib.parallel.mesh import Mesh, set_reduce_dims
+
+    mesh = Mesh(dp=2, tp=2)
+    dp, tp = mesh.comm("dp"), mesh.comm("tp")
+    model = TPMLP(seed=dp.rank, tp=tp)  # dp rank 1 starts elsewhere: FSDP broadcasts dp rank 0's
+    set_reduce_dims(model.scale, ("dp", "tp"))
+    fsdp = FSDP(model, mesh=mesh, units=[model.fc1, model.fc2])
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in tp_data():
+        x, y = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]   # (4, .) per dp rank
+        y = y.chunk(tp.size)[tp.rank]                                  # (2, OUT): my rows
+        loss = ((fsdp(x) - y) ** 2).sum() / (x.shape[0] * OUT)         # summed over tp: dp rank's mean
+        loss.backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    full = fsdp.gather_full_params()  # over dp; then over tp by hand
+    for name, dim in (("fc1.weight", 0), ("fc1.bias", 0), ("fc2.weight", 1)):
+        t = full[name].movedim(dim, 0).contiguous()
+        parts = t.new_empty(tp.size * t.shape[0], *t.shape[1:])
+        tp.all_gather_into_tensor(parts, t)
+        full[name] = parts.movedim(0, dim)  # the tp slices side by side along dim
+    return dict(state=full, shapes=shapes)
+
+
+def bad_distributed_input():
+    from course_lib.parallel.mesh import set_reduce_dims
+
+    errors = []
+    for make in (lambda: FSDP(nn.Linear(2, 2), dims=("dp", "tp")),
+                 lambda: FSDP(_marked(nn.Linear(2, 2), ("dp", "tp"), set_reduce_dims)),
+                 lambda: FSDP(_marked(nn.Linear(2, 2), ("tp",), set_reduce_dims))):
+        try:
+            make()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _marked(module, dims, set_reduce_dims):
+    set_reduce_dims(module.weight, dims)
+    return module
+
+
+# ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def runs():
     return {n: launch(rank_checks, n, timeout=180) for n in (1, 2, 3, 4)}
@@ -145,40 +349,71 @@ def test_matches_single_device(runs, world, kind, dtype):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_each_parameter_is_sharded_along_dim0_like_fully_shard(runs, world):
+    for rank, result in enumerate(runs[world]):
+        for kind in ("uneven", "gpt"):
+            ours, full = result[kind, None]["shapes"], reference(kind)
+            assert ours == result["fully_shard"][kind], kind  # torch's FSDP2 local shards
+            for name, shape in ours.items():
+                d0 = full[name].shape[0]
+                assert shape == (dim0_rows(d0, world, rank)[1], *full[name].shape[1:]), name
+        if world == 4:  # (5, 3) on 4 ranks: 2, 2, 1, 0 rows; (2, 5): 1, 1, 0, 0
+            assert result["uneven", None]["shapes"]["layers.0.weight"] == ([2, 2, 1, 0][rank], 3)
+            assert result["uneven", None]["shapes"]["layers.1.weight"] == ([1, 1, 0, 0][rank], 5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_gradient_accumulation(runs, world):
-    model = MLP(SIZES, seed=0, **AWKWARD)
-    opt = make_opt(model.parameters(), "mlp", None)
-    for x, y in mlp_data():
-        for xm, ym in zip(x.chunk(2), y.chunk(2)):
-            (loss_of(model, (xm, ym), "mlp") / 2).backward()
-        opt.step()
-        opt.zero_grad()
-    ref = model.state_dict()
+    ref = reference("mlp", None, accumulate=2)
     for result in runs[world]:
         for name in ref:
             torch.testing.assert_close(result["accumulate"][name], ref[name], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_each_rank_holds_a_shard(runs, world):
+def test_each_rank_holds_its_shards(runs, world):
     for kind in ("mlp", "gpt"):
-        res = runs[world][0][kind, None]
-        shard_bytes = sum(math.ceil(numel / world) * 4 for _, numel, _ in res["units"])
-        assert res["held"]["parameters"] == shard_bytes  # 1/N of every unit, padded
-        total = sum(p.numel() for p in build(kind, 0).parameters()) * 4
-        assert shard_bytes < total / world + 4 * len(res["units"])
+        full = dict(build(kind, 0).named_parameters())  # a tied weight once
+        for rank, result in enumerate(runs[world]):
+            res = result[kind, None]
+            padded = sum(dim0_rows(p.shape[0], world, 0)[0] * p[0].numel() for p in full.values())
+            assert res["held"]["parameters"] == 4 * padded  # every shard, padded to ceil(d0 / N) rows
+            assert sum(numel for numel, _, _ in res["units"]) == padded
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_bytes_sent_is_3P_minus_the_root(runs, world):
-    """Per step: all-gather in forward, again in backward (not the root: it stays gathered
-    between the two), reduce-scatter of the gradients; plus the int32 'used' flags."""
-    res = runs[world][0]["gpt", None]
+def step_formula(units, world, n_params):
+    """Ring bytes per rank and step: all-gather every unit in forward, again in backward
+    (not the root: it stays gathered in between), reduce-scatter the trainable gradients."""
+    ag = sum(collective_bytes_per_rank("all_gather", world * S * 4, world) * (1 if root else 2)
+             for S, _, root in units)
+    rs = sum(collective_bytes_per_rank("reduce_scatter", world * G * 4, world) for _, G, _ in units)
+    used = collective_bytes_per_rank("all_reduce", 4 * n_params, world)  # int32 'used' flags
+    return ag, rs, used
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bytes_measured_per_step(runs, world):
+    """Measured bytes (payload + the transport's few hundred header bytes per call): our ring
+    sends the ring formula; gloo's all-gather too, its reduce-scatter about twice it (as much
+    as an all-reduce)."""
     n_params = len(list(TinyGPT(GPT).parameters()))
-    padded = [math.ceil(numel / world) * world * 4 for _, numel, _ in res["units"]]
-    root = sum(p for p, (_, _, is_root) in zip(padded, res["units"]) if is_root)
-    expected = (world - 1) / world * (3 * sum(padded) - root) + 2 * (world - 1) / world * 4 * n_params
-    assert res["sent"] == pytest.approx(expected)
+    header = 1024  # bytes per call, at most
+    for result in runs[world]:
+        units = result["gpt", None]["units"]
+        ag, rs, used = step_formula(units, world, n_params)
+        for impl in ("course", "torch"):
+            log = result[f"bytes {impl}"]
+            sent = {op: sum(s for o, s in log if o == op) for op, _ in log}
+            calls = {op: sum(o == op for o, _ in log) for op, _ in log}
+            assert calls["all_gather_into_tensor"] == 2 * len(units) - 1  # one per unit and pass
+            assert calls["reduce_scatter_tensor"] == len(units)
+            assert ag <= sent["all_gather_into_tensor"] <= ag + header * calls["all_gather_into_tensor"]
+            if impl == "course":
+                assert rs <= sent["reduce_scatter_tensor"] <= rs + header * len(units)
+            else:
+                assert sent["reduce_scatter_tensor"] == pytest.approx(2 * rs, rel=0.05)
+            assert log[-1][0] == "all_reduce"  # the 'used' flags: one int32 per parameter
+            assert used <= log[-1][1] <= used + header * 2 * (world - 1)
 
 
 def test_prefetch_overlaps_the_next_all_gather(runs):
@@ -188,22 +423,37 @@ def test_prefetch_overlaps_the_next_all_gather(runs):
         assert first(f"all-gather blocks.{i + 1}").start < first(f"forward blocks.{i}").end
     assert any(s.name.startswith("reduce-scatter") for s in spans)
     assert any(s.name.startswith("backward blocks") for s in spans)
+    assert {s.dim for s in spans if s.kind == "comm"} == {"dp"}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_more_ranks_than_elements(runs, world):
+def test_more_ranks_than_rows(runs, world):
     for rank, result in enumerate(runs[world]):
         tiny = result["tiny"]
         assert list(tiny["state"]) == ["weight", "bias"]
         torch.testing.assert_close(tiny["state"]["weight"], torch.tensor([[1.0], [2.0]]))  # rank 0's
         torch.testing.assert_close(tiny["state"]["bias"], torch.zeros(2))
-        sizes = [s[0] for s in tiny["shapes"]]
-        assert sum(sizes) == max(0, min(math.ceil(4 / world), 4 - rank * math.ceil(4 / world)))
-        for g, shape in zip(tiny["grads"], tiny["shapes"]):  # empty slices get empty gradients
+        rows = dim0_rows(2, world, rank)[1]
+        assert tiny["shapes"] == [(rows, 1), (rows,)]
+        for g, shape in zip(tiny["grads"], tiny["shapes"]):  # 0-row shards get 0-row gradients
             assert g is not None and tuple(g.shape) == shape and torch.all(g == 3)
 
 
-def test_bad_input():
+def test_tp_then_fsdp_matches_one_device(runs):
+    """Mesh(dp=2, tp=2): TP cuts fc1 by rows and fc2 by columns, FSDP cuts them again by rows."""
+    ref = tp_reference()
+    for rank, result in enumerate(runs[4]):
+        tp = rank % 2
+        got = result["tp"]
+        assert got["shapes"]["fc1.weight"] == (3, IN)          # 12 rows / tp 2 / dp 2
+        assert got["shapes"]["fc2.weight"] == (3, HID // 2)    # 6 rows / dp 2, 6 of 12 columns
+        assert got["shapes"]["scale"] == (3,)
+        for name in ref:
+            torch.testing.assert_close(got["state"][name], ref[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} (tp {tp}): {name}")
+
+
+def test_bad_input(runs):
     with pytest.raises(ValueError, match="no parameters"):
         FSDP(nn.ReLU())
     with pytest.raises(ValueError, match="one dtype"):
@@ -214,3 +464,11 @@ def test_bad_input():
         FSDP(nn.Linear(2, 2), compute_dtype=torch.int8)
     with pytest.raises(ValueError, match="one device"):
         FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")))
+    scalar = nn.Linear(2, 2)
+    scalar.gain = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="0-dimensional"):
+        FSDP(scalar)
+    several, no_tp, not_dp = runs[2][0]["errors"]
+    assert "needs mesh=" in several
+    assert "pass mesh=Mesh" in no_tp          # reduced over tp, but only a dp group given
+    assert "must be reduced over the dimensions it is sharded on" in not_dp

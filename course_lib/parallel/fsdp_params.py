@@ -1,0 +1,184 @@
+"""FSDP's bookkeeping: which unit a parameter belongs to, and one unit's parameters, each
+sharded along dim 0, all packed for one collective.
+
+A parameter of shape (d0, *trailing) on N ranks is cut like ``torch.chunk`` and torch's
+``fully_shard``: chunk = ceil(d0 / N) rows, rank r holds rows [r*chunk, min((r+1)*chunk, d0))
+(maybe none). Padded to ``chunk`` rows, every rank's shard of p has the same size
+``chunk * t`` (t = prod(trailing)), so one collective moves all of a unit's parameters:
+
+    shard buffer  (S,)       this rank's padded shards, p after p (S = sum_p chunk_p t_p):
+                             the fp32 master weights; each Parameter is a view of its rows
+    gathered      (N * S,)   what all_gather_into_tensor returns: rank after rank
+    full          (N * S,)   parameter after parameter: p = full[N off_p : N off_p + d0_p t_p]
+
+Gradients take the reverse path: the full gradient (N * S,), p after p, is packed rank
+after rank, trainable parameters only, (N * S_grad,), and reduce-scattered: each rank
+receives its (S_grad,) slice, summed over ranks.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+
+class Slot(NamedTuple):
+    """Where one parameter lives in its unit's buffers."""
+    shape: tuple      # the full (d0, *trailing) shape
+    chunk: int        # rows per rank (padded): ceil(d0 / N)
+    rows: int         # rows this rank really holds (chunk, fewer on the last ranks, maybe 0)
+    width: int        # elements per row: prod(trailing)
+    offset: int       # start of its padded shard in the shard buffer (S,)
+    grad_offset: int  # start in the gradient shard (S_grad,); -1 if frozen
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.width  # elements of one rank's padded shard
+
+
+def dim0_rows(d0: int, world: int, rank: int) -> tuple[int, int]:
+    """(chunk, rows): torch.chunk's cut of d0 rows over ``world`` ranks, seen from ``rank``."""
+    chunk = math.ceil(d0 / world)
+    return chunk, max(0, min(chunk, d0 - rank * chunk))
+
+
+def default_units(module):
+    """Every child of an ``nn.ModuleList`` (e.g. each transformer block) becomes a unit."""
+    return [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
+
+
+def check_module(module):
+    """The inputs FSDP refuses, with the constraint named."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+    named = list(module.named_parameters())
+    if not named:
+        raise ValueError("FSDP: the module has no parameters: there is nothing to shard")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(f"FSDP: all parameters must be on one device (one device per rank), found {devices}")
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) > 1:
+        raise ValueError(f"FSDP: all parameters must share one dtype (the master dtype), got {dtypes}")
+    for name, p in named:
+        if p.dim() == 0:
+            raise ValueError(f"FSDP shards every parameter along dim 0: {name!r} is 0-dimensional "
+                             f"(make it shape (1,))")
+    if not any(p.requires_grad for _, p in named):
+        raise ValueError("FSDP: every parameter is frozen (requires_grad=False): nothing to train")
+
+
+def broadcast_module_states(module, comm, src: int = 0):
+    """Every rank of ``comm`` takes group rank ``src``'s parameters and buffers."""
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            t = t.detach()
+            comm.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src, name=f"broadcast {name}")
+
+
+def assign_units(module, unit_modules):
+    """[(unit module, name, parameters, [(owner module, attribute, parameter index)])], the
+    root first. A parameter belongs to the innermost unit around every module that owns it
+    (a weight tied across two units belongs to the root); units without parameters drop out."""
+    unit_modules = [module] + [m for m in unit_modules if m is not module]
+    index = {id(m): k for k, m in enumerate(unit_modules)}
+    enclosing = {}  # module -> units it sits in (innermost)
+
+    def visit(m, current):
+        current = index.get(id(m), current)
+        enclosing.setdefault(id(m), set()).add(current)
+        for child in m.children():
+            visit(child, current)
+
+    visit(module, 0)
+    owners, unit_of = {}, {}  # parameter -> (module, attribute name) pairs, its unit
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(p, []).append((m, attr))
+                units = set().union(*(enclosing[id(m)] for m, _ in owners[p]))
+                unit_of[p] = units.pop() if len(units) == 1 else 0  # shared: the root
+    out = []
+    for k, m in enumerate(unit_modules):
+        params = [p for p in owners if unit_of[p] == k]
+        if params:
+            where = [(mod, attr, j) for j, p in enumerate(params) for mod, attr in owners[p]]
+            name = "root" if k == 0 else next(n for n, sub in module.named_modules() if sub is m)
+            out.append((m, name, params, where))
+    return out
+
+
+class ShardedUnit:
+    """One unit: its parameters as dim-0 shards of one padded buffer, and per-step state."""
+
+    def __init__(self, index, name, module, params, owners, rank, world):
+        self.index, self.name, self.module, self.owners = index, name, module, owners
+        self.world = world
+        self.slots, offset, grad_offset = [], 0, 0
+        for p in params:
+            chunk, rows = dim0_rows(p.shape[0], world, rank)
+            width = math.prod(p.shape[1:])
+            g = grad_offset if p.requires_grad else -1
+            self.slots.append(Slot(tuple(p.shape), chunk, rows, width, offset, g))
+            offset += chunk * width
+            grad_offset += chunk * width if p.requires_grad else 0
+        self.numel, self.grad_numel = offset, grad_offset   # S and S_grad
+        self.flat_shard = params[0].new_zeros(self.numel)    # (S,) master weights, zero padding
+        self.pieces = []                                      # the Parameters the module shows
+        for p, s in zip(params, self.slots):
+            mine = p.detach()[rank * s.chunk:rank * s.chunk + s.rows]  # (rows, *trailing)
+            view = self.flat_shard[s.offset:s.offset + s.rows * s.width].view(s.rows, *s.shape[1:])
+            view.copy_(mine)
+            self.pieces.append(nn.Parameter(view, requires_grad=p.requires_grad))
+        self.trainable = [q for q in self.pieces if q.requires_grad]
+        self.grad_shard = None   # (S_grad,) master dtype: this rank's gradient, accumulated
+        self.full = None         # (N * S,) compute dtype: the gathered parameters
+        self.gather = None       # in flight: (work, send buffer, gathered buffer)
+        self.used = [False] * len(params)
+        self.extra = []          # [(Comm, [slot indexes])]: gradients reduced over more dims
+        self.reset_step()
+
+    def reset_step(self):
+        self.forward_ran = self.backward_started = self.reduced = False
+
+    # ------------------------------------------------------------------ parameters
+    def copy_out(self, gathered):
+        """(N * S,) rank after rank -> (N * S,) parameter after parameter."""
+        by_rank = gathered.view(self.world, self.numel)
+        full = torch.empty_like(gathered)
+        for s in self.slots:
+            start = self.world * s.offset
+            full[start:start + self.world * s.padded].view(self.world, s.padded).copy_(
+                by_rank[:, s.offset:s.offset + s.padded])
+        return full
+
+    def full_views(self, full):
+        """Every parameter, full shape, as a view of ``full`` (one split: one backward node)."""
+        parts = full.split([self.world * s.padded for s in self.slots])
+        return [part[:s.shape[0] * s.width].view(s.shape) for part, s in zip(parts, self.slots)]
+
+    # ------------------------------------------------------------------ gradients
+    def pack_gradients(self, grad_full, dtype):
+        """(N * S,) parameter after parameter -> (N * S_grad,) rank after rank, trainable only."""
+        packed = grad_full.new_empty(self.world, self.grad_numel, dtype=dtype)
+        for s in self.slots:
+            if s.grad_offset >= 0:
+                start = self.world * s.offset
+                packed[:, s.grad_offset:s.grad_offset + s.padded].copy_(
+                    grad_full[start:start + self.world * s.padded].view(self.world, s.padded))
+        return packed.view(-1)
+
+    def gradient_view(self, i, grad_shard):
+        """Parameter i's gradient: its rows of the (S_grad,) gradient shard."""
+        s = self.slots[i]
+        return grad_shard[s.grad_offset:s.grad_offset + s.rows * s.width].view(s.rows, *s.shape[1:])
+
+    def gradient_rows(self, indexes, grad_shard):
+        """The real (unpadded) elements of parameters ``indexes`` in the gradient shard."""
+        return [self.gradient_view(i, grad_shard).view(-1) for i in indexes]
+
+
+__all__ = ["Slot", "ShardedUnit", "dim0_rows", "default_units", "check_module", "broadcast_module_states",
+           "assign_units"]
