@@ -147,28 +147,30 @@ def check_ddp_hook(hook):
 # ----------------------------------------------------------------------------- 2. buckets
 def check_assign_buckets(assign_buckets):
     """Compare with course_lib's bucketing on a few parameter lists and caps."""
-    from course_lib.parallel.data_parallel import assign_buckets as reference
+    from course_lib.parallel.grad_sync import assign_buckets as course_buckets
 
-    lists = {
-        "5 params, cap 130 B": ([10, 20, 30, 5, 5], 130),
-        "cap 0: one bucket each": ([3, 4, 5], 0),
-        "everything fits": ([3, 4, 5], 10**6),
-        "one param larger than the cap": ([100, 2, 2], 40),
-        "MLP(16, 64, 8), 1 KiB": ([16 * 64, 64, 64 * 8, 8], 1024),
+    lists = {  # name: (numel of each parameter, cap in bytes, indexes of the float64 ones)
+        "5 params, cap 130 B": ([10, 20, 30, 5, 5], 130, ()),
+        "cap 0: one bucket each": ([3, 4, 5], 0, ()),
+        "everything fits": ([3, 4, 5], 10**6, ()),
+        "one param larger than the cap": ([100, 2, 2], 40, ()),
+        "MLP(16, 64, 8), 1 KiB": ([16 * 64, 64, 64 * 8, 8], 1024, ()),
+        "float32 and float64 mixed": ([4, 4, 4, 4, 8], 48, (1, 3)),
     }
 
     def run(case):
-        sizes, cap = case.params["sizes"], case.params["cap"]
-        params = [torch.zeros(n) for n in sizes]
+        sizes, cap, doubles = case.params["sizes"], case.params["cap"], case.params["doubles"]
+        params = [torch.zeros(n, dtype=torch.float64 if i in doubles else torch.float32) for i, n in enumerate(sizes)]
         got = assign_buckets(params, cap)
-        expected = reference(params, cap)
+        expected = course_buckets(params, cap)
         if not isinstance(got, list) or any(not isinstance(b, list) for b in got):
             return f"expected a list of lists of parameter indexes, got {got!r}"
         if got != expected:
-            return f"sizes {sizes} (4-byte floats), cap {cap} bytes: got {got}, expected {expected}"
+            kinds = f"float64 at {list(doubles)}, float32 elsewhere" if doubles else "4-byte floats"
+            return f"sizes {sizes} ({kinds}), cap {cap} bytes: got {got}, expected {expected}"
         return None
 
-    cases = [Case({"sizes": s, "cap": c}, label=k) for k, (s, c) in lists.items()]
+    cases = [Case({"sizes": s, "cap": c, "doubles": d}, label=k) for k, (s, c, d) in lists.items()]
     return check("assign_buckets", cases, run)
 
 
@@ -282,13 +284,14 @@ def check_fsdp_unit(GatherParams):
 # ----------------------------------------------------------------------------- 5. bytes
 # Measured with course_lib.memory.model_state_bytes on rank 0 after one fp32 AdamW step of
 # TinyGPT(MEASURED_CONFIG) (notebook 04 prints the same table; tests/test_memory.py re-measures
-# it): (stage, world size) -> (parameters, gradients, optimizer state) bytes.
+# it): (stage, world size) -> (parameters, gradients, optimizer state) bytes. DDP's gradients
+# are views of its buckets, which also hold one fp32 "had a gradient" flag per parameter tensor.
 MEASURED_CONFIG = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=128, n_heads=4)
 MEASURED_PARAMS = 869_504
 MEASURED_BYTES = {
-    (0, 2): (3478016, 3478016, 6956188), (1, 2): (3478016, 3478016, 3478096),
+    (0, 2): (3478016, 3478172, 6956188), (1, 2): (3478016, 3478016, 3478096),
     (2, 2): (3478016, 1739008, 3478096), (3, 2): (1739008, 1739008, 3478172),
-    (0, 4): (3478016, 3478016, 6956188), (1, 4): (3478016, 3478016, 1739044),
+    (0, 4): (3478016, 3478172, 6956188), (1, 4): (3478016, 3478016, 1739044),
     (2, 4): (3478016, 869504, 1739044), (3, 4): (869504, 869504, 1739164),
 }
 

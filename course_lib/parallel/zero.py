@@ -25,8 +25,9 @@ import math
 
 import torch
 
-from course_lib.parallel.data_parallel import (Collectives, assign_buckets, broadcast_module_states,
-                                               register_grad_ready_hooks)
+from course_lib.parallel.data_parallel import broadcast_module_states
+from course_lib.parallel.grad_sync import assign_buckets, register_grad_ready_hooks
+from course_lib.parallel.mesh import as_mesh
 
 MAX_IN_FLIGHT = 2  # buckets being reduced at once: bounds the full-size temporaries
 
@@ -64,13 +65,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, stage=2)
         loss.backward(); opt.step(); opt.zero_grad()
 
-    The model is *not* wrapped in DDP: this class does the gradient communication.
+    The model is *not* wrapped in DDP: this class does the gradient communication, through
+    ``mesh.comm(dims)`` (or one process group ``group=``, None = the world), as DDP does.
     Parameters are broadcast from rank 0 when it is built. After ``step()`` every rank
     holds the updated full parameters; with stage 1, only the owned slices of ``p.grad``
     hold the averaged gradient.
     """
 
-    def __init__(self, params, optimizer_cls, *, stage=1, group=None, bucket_cap_mb=25, **kwargs):
+    def __init__(self, params, optimizer_cls, *, stage=1, mesh=None, group=None, dims=("dp",), bucket_cap_mb=25,
+                 **kwargs):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
         if stage not in (1, 2):
@@ -86,11 +89,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer: no parameter requires a gradient: nothing to optimize")
         if any(not p.is_contiguous() for p in self._params):
             raise ValueError("ShardedOptimizer: parameters must be contiguous (owned slices are views)")
-        self.stage, self.comm = stage, Collectives(group)
-        rank, n = self.comm.rank, self.comm.world_size
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        self.stage, self.comm = stage, as_mesh(mesh, group, dim=dims[0]).comm(dims)  # the ranks that shard
+        rank, n = self.comm.rank, self.comm.size
         holder = torch.nn.ParameterList(everything)  # broadcast rank 0's values: identical replicas
         broadcast_module_states(holder, self.comm)
-        self.comm.reset()
         ids = assign_buckets(self._params, bucket_cap_mb * 2**20)
         self.buckets = [_ShardedBucket(k, b, self._params, rank, n) for k, b in enumerate(ids)]
         self._bucket_of = {i: b for b in self.buckets for i in b.param_ids}
@@ -111,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _reduce_scatter(self, b):
         """Launch the reduce-scatter of bucket b's full gradients into this rank's slice."""
         out = b.empty(b.shard)
-        work = self.comm.reduce_scatter(out, b.flat_grad, async_op=True, name=f"reduce-scatter b{b.index}")
+        work = self.comm.reduce_scatter_tensor(out, b.flat_grad, async_op=True, name=f"reduce-scatter b{b.index}")
         self._in_flight.append((b, out, work))
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._fold_oldest()
@@ -120,7 +123,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         b, out, work = self._in_flight.pop(0)
         work.wait()
         b.flat_grad = None  # the full-size gradients are gone: only the slice stays
-        out.div_(self.comm.world_size)  # sum over ranks -> mean
+        out.div_(self.comm.size)  # sum over ranks -> mean
         if b.grad_shard is None:
             b.grad_shard = out
         else:  # several backward passes before step(): accumulate
@@ -129,7 +132,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _fill_flat(self, b, i):
         p = self._params[i]
         if b.flat_grad is None:
-            b.flat_grad = b.empty(b.shard * self.comm.world_size)
+            b.flat_grad = b.empty(b.shard * self.comm.size)
         if p.grad is not None:
             b.flat_grad[b.offsets[i]:b.offsets[i] + p.numel()].copy_(p.grad.view(-1))
             self._used[i] = True
@@ -155,7 +158,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _end_of_backward(self):
         for b in self.buckets[self._next:]:  # buckets holding a parameter unused on this rank
             if b.flat_grad is None:
-                b.flat_grad = b.empty(b.shard * self.comm.world_size)
+                b.flat_grad = b.empty(b.shard * self.comm.size)
             self._reduce_scatter(b)
         self._rounds += 1
         self._start_round()
@@ -208,8 +211,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             send = b.empty(b.shard)
             for i, lo, hi, at, view in b.pieces:
                 send[at:at + hi - lo].copy_(view)
-            full = b.empty(b.shard * self.comm.world_size)
-            pending.append((b, full, self.comm.all_gather(full, send, async_op=True, name=f"all-gather b{b.index}")))
+            full = b.empty(b.shard * self.comm.size)
+            work = self.comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")
+            pending.append((b, full, work))
             if len(pending) >= MAX_IN_FLIGHT or b is self.buckets[-1]:
                 for b_, full_, work in pending:
                     work.wait()

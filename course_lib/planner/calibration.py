@@ -10,8 +10,8 @@ the cores exactly as in training), between the training steps of 4:
 3. all-reduce times over a range of sizes, from which alpha and beta are fitted with
    ``costmodel.fit_alpha_beta`` (as in the collectives chapter);
 4. the real thing: steps of the course's data-parallel training (``DDP`` from
-   ``course_lib.parallel.data_parallel``, gradients all-reduced after backward; a plain
-   per-parameter all-reduce if that module is absent) of a tiny Llama-style GPT.
+   ``course_lib.parallel.data_parallel``, gradient buckets all-reduced after backward, or
+   during it with ``sync="overlap"``) of a tiny Llama-style GPT.
 
 From 1-3 alone a :class:`Hardware` for "this machine" is built, and ``estimate``
 predicts 4, which is compared with the measured step time.
@@ -27,6 +27,7 @@ from course_lib.planner.layout import Layout
 from course_lib.planner.presets import Hardware, ModelSpec
 
 ALLREDUCE_SIZES = (2**12, 2**15, 2**18, 2**20, 2**22)     # bytes (float32 buffers)
+SYNC = ("bucketed", "overlap")                            # DDP after backward / overlapped with it
 
 
 def model_spec(cfg) -> ModelSpec:
@@ -50,32 +51,10 @@ def _median_time(fn, repeats):
 
 
 def _data_parallel(module, sync):
-    """The course's DDP when it is there, else a per-parameter all-reduce wrapper."""
-    try:
-        from course_lib.parallel.data_parallel import DDP
-    except ImportError:
-        import torch.distributed as dist
+    """The course's DDP: buckets all-reduced after backward ("bucketed") or during it ("overlap")."""
+    from course_lib.parallel.data_parallel import DDP
 
-        class PerParameterDP:
-            def __init__(self, m):
-                self.module = m
-                for p in m.parameters():                 # start from rank 0's weights
-                    dist.broadcast(p.data, 0)
-
-            def __call__(self, *args):
-                return self.module(*args)
-
-            def parameters(self):
-                return self.module.parameters()
-
-            def finish_gradient_synchronization(self):
-                world = dist.get_world_size()
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
-        return PerParameterDP(module)
-    return DDP(module, sync=sync)
+    return DDP(module, overlap=(sync == "overlap"))
 
 
 def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
@@ -174,6 +153,8 @@ def calibrate(cfg, world_size: int = 4, batch: int = 8, steps: int = 5, repeats:
     """
     from course_lib.launch import launch
 
+    if sync not in SYNC:  # before any rank starts
+        raise ValueError(f"sync must be one of {SYNC}, got {sync!r}")
     res = launch(_measure_rank, world_size, dataclasses.asdict(cfg), batch, steps, repeats, sync,
                  timeout=timeout, quiet=True)
     rows = [costmodel.Measurement("ring_all_reduce", n, world_size, statistics.median(r["allreduce"][i][1]
