@@ -57,3 +57,44 @@ def test_measured_vs_model_plots_the_fit_and_its_errors():
     plotted = sorted(y for line in ax2.get_lines() if len(line.get_ydata()) == 3 for y in line.get_ydata())
     assert plotted == pytest.approx(sorted(100 * e for e in fit.rel_errors))
     plt.close(fig)
+
+
+def _spans_with_dims():
+    return [Span(0, "forward", "compute", 0.0, 0.010), Span(0, "all-reduce", "comm", 0.010, 0.014, "dp"),
+            Span(0, "all-gather", "comm", 0.002, 0.006, "tp"), Span(1, "forward", "compute", 0.001, 0.011),
+            Span(1, "all-reduce", "comm", 0.011, 0.015, "dp")]
+
+
+def test_timeline_marks_the_mesh_dimension_of_comm_spans():
+    from course_lib.viz.timeline import dim_style
+
+    fig = timeline(_spans_with_dims())
+    ax = fig.axes[0]
+    by_label = {}
+    for bar in ax.patches:  # one bar per span, in order
+        by_label.setdefault(bar.get_hatch(), set()).add(matplotlib.colors.to_hex(bar.get_edgecolor()))
+    assert by_label[dim_style("dp")[1]] == {dim_style("dp")[0].lower()}
+    assert by_label[dim_style("tp")[1]] == {dim_style("tp")[0].lower()}
+    assert dim_style("dp") != dim_style("tp") and dim_style("dp+cp") == dim_style("dp+cp")
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["compute", "comm over dp", "comm over tp"]
+    plt.close(fig)
+
+
+def test_timeline_by_dim_gives_each_rank_and_dimension_a_lane():
+    fig = timeline(_spans_with_dims(), by_dim=True, row_names={1: "stage 1"})
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 0 · dp", "rank 0 · tp",
+                                                          "stage 1", "stage 1 · dp"]
+    lanes = sorted(round(bar.get_y() + bar.get_height() / 2) for bar in ax.patches)
+    assert lanes == [0, 1, 2, 3, 4]
+    plt.close(fig)
+
+
+def test_overlap_timeline_keeps_the_dimension():
+    from course_lib.viz.data_parallel import overlap_timeline
+
+    fig = overlap_timeline(_spans_with_dims())
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "comm over dp" in labels and "comm over tp" in labels
+    plt.close(fig)

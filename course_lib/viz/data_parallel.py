@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
 
 from course_lib.trace import Span
-from course_lib.viz.timeline import KIND_COLORS, timeline
+from course_lib.viz.timeline import KIND_COLORS, legend_handles, timeline
 
 CATEGORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_state": "#55A868"}
 
@@ -17,7 +16,7 @@ def overlap_timeline(spans, title=None, ranks=None, **kwargs):
     their spans would hide the compute spans they overlap. An async collective's span
     runs from its launch to its completion; the backend runs a rank's collectives one
     after the other, so one queued behind another is drawn from the moment the previous
-    one completed.
+    one completed. A collective's mesh dimension (``Span.dim``) is its edge colour and hatch.
     """
     spans = list(spans)
     ranks = sorted({s.rank for s in spans}) if ranks is None else list(ranks)
@@ -29,15 +28,14 @@ def overlap_timeline(spans, title=None, ranks=None, **kwargs):
             if s.kind == "comm":
                 start = min(max(s.start, busy_until), s.end)
                 busy_until = max(busy_until, s.end)
-                lanes.append(Span(2 * k + 1, s.name, s.kind, start, s.end))
+                lanes.append(Span(2 * k + 1, s.name, s.kind, start, s.end, s.dim))
             else:
-                lanes.append(Span(2 * k, s.name, s.kind, s.start, s.end))
+                lanes.append(Span(2 * k, s.name, s.kind, s.start, s.end, s.dim))
     kwargs.setdefault("figsize", (10, 0.45 * len(names) + 1.5))
     fig = timeline(lanes, ranks=sorted(names), row_names=names, title=title, legend=False, **kwargs)
     ax = fig.axes[0]
-    kinds = [k for k in KIND_COLORS if any(s.kind == k for s in lanes)]
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(handles=legend_handles(lanes), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              frameon=False)
     fig.tight_layout()
     return fig
 

@@ -1,10 +1,13 @@
 """Static figures. Every figure of the course is a function here that returns a
 matplotlib Figure; a widget only wraps one of them (see ``widgets``), so the
 rendered book always has the picture.
+
+A span's colour says its kind (compute, comm, idle, other). A communication span that
+carries a mesh dimension (``Span.dim``: "dp", "tp", "dp+cp", ...) also gets that
+dimension's edge colour and hatch, and the legend names both; ``by_dim=True`` instead
+gives each (rank, dimension) a lane of its own.
 """
 from __future__ import annotations
-
-
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
@@ -15,6 +18,31 @@ KIND_COLORS = {
     "idle": "#C8C8C8",     # grey
     "other": "#55A868",    # green
 }
+DIM_STYLES = {  # mesh dimension -> (edge colour, hatch)
+    "dp": ("#1B5E20", "//"), "tp": ("#B71C1C", "\\\\"), "pp": ("#4A148C", ".."),
+    "cp": ("#0D47A1", "xx"), "ep": ("#5D4037", "oo"), "edp": ("#33691E", "--"),
+}
+_MORE_DIMS = [("#263238", "++"), ("#880E4F", "||"), ("#E65100", "**"), ("#006064", "OO")]
+
+
+def dim_style(dim: str):
+    """(edge colour, hatch) of a mesh dimension; a flattened one ("dp+cp") gets a style of its own."""
+    if dim in DIM_STYLES:
+        return DIM_STYLES[dim]
+    return _MORE_DIMS[sum(map(ord, dim)) % len(_MORE_DIMS)]
+
+
+def legend_handles(spans):
+    """One patch per kind drawn, then one per mesh dimension drawn (edge colour + hatch;
+    "comm" alone only for communication spans that carry no dimension)."""
+    spans = list(spans)
+    kinds = list(dict.fromkeys(s.kind for s in spans if s.kind != "comm" or not getattr(s, "dim", "")))
+    dims = list(dict.fromkeys(getattr(s, "dim", "") for s in spans if getattr(s, "dim", "")))
+    handles = [Patch(color=KIND_COLORS.get(k, KIND_COLORS["other"]), label=k) for k in kinds]
+    for d in dims:
+        edge, hatch = dim_style(d)
+        handles.append(Patch(facecolor=KIND_COLORS["comm"], edgecolor=edge, hatch=hatch, label=f"comm over {d}"))
+    return handles
 
 
 def _time_unit(span_seconds: float):
@@ -26,7 +54,7 @@ def _time_unit(span_seconds: float):
 
 
 def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_frac=0.04,
-             unit=None, legend=True, figsize=None):
+             unit=None, legend=True, figsize=None, by_dim=False):
     """Draw spans as one row per rank, coloured by kind and labelled when wide enough.
 
     spans: iterable of objects with ``rank, name, kind, start, end`` (``trace.Span``;
@@ -36,11 +64,15 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     label_min_frac: a span is labelled only if it is at least this fraction of the
         drawn time range (keeps the figure readable).
     unit: 's', 'ms' or 'µs' (default: chosen from the time range).
+    by_dim: one row per (rank, mesh dimension): a rank's spans without a dimension on
+        its first row, then one row per dimension its spans carry.
     """
     spans = list(spans)
     if ranks is None:
         ranks = sorted({s.rank for s in spans})
     ranks = list(ranks)
+    if by_dim:
+        spans, ranks, row_names = _lanes_by_dim(spans, ranks, row_names)
     if figsize is None:
         figsize = (10, 0.55 * max(len(ranks), 1) + 1.2)
     if ax is None:
@@ -55,16 +87,18 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     total = max(t1 - t0, 1e-12)
     scale, unit_name = _time_unit(total) if unit is None else ({"s": 1.0, "ms": 1e3, "µs": 1e6}[unit], unit)
     row = {r: i for i, r in enumerate(ranks)}
-    kinds_seen = []
+    drawn = []
     for s in spans:
         if s.rank not in row:
             continue
         y = row[s.rank]
+        drawn.append(s)
         color = KIND_COLORS.get(s.kind, KIND_COLORS["other"])
-        if s.kind not in kinds_seen:
-            kinds_seen.append(s.kind)
+        edge, hatch, lw = "white", None, 0.5
+        if getattr(s, "dim", ""):
+            (edge, hatch), lw = dim_style(s.dim), 1.2
         left, width = (s.start - t0) * scale, max((s.end - s.start) * scale, 0.0)
-        ax.barh(y, width, left=left, height=0.8, color=color, edgecolor="white", linewidth=0.5)
+        ax.barh(y, width, left=left, height=0.8, color=color, edgecolor=edge, linewidth=lw, hatch=hatch)
         if (s.end - s.start) / total >= label_min_frac and s.name:
             ax.text(left + width / 2, y, s.name, ha="center", va="center", fontsize=7,
                     color="white" if s.kind in ("compute", "comm") else "black", clip_on=True)
@@ -76,12 +110,28 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     if title:
         ax.set_title(title)
     if legend:
-        ax.legend(handles=[Patch(color=KIND_COLORS.get(k, KIND_COLORS["other"]), label=k) for k in kinds_seen],
-                  loc="upper right", fontsize=7, ncol=len(kinds_seen), frameon=False,
+        handles = legend_handles(drawn)
+        ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles), frameon=False,
                   bbox_to_anchor=(1.0, 1.0 + 0.9 / max(len(ranks) + 2, 3)))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _lanes_by_dim(spans, ranks, row_names):
+    """Spans moved to one lane per (rank, dimension): lane names "rank 0", "rank 0 · dp", ..."""
+    from course_lib.trace import Span
+
+    lanes = []
+    for r in ranks:
+        lanes.append((r, ""))
+        lanes += [(r, d) for d in sorted({getattr(s, "dim", "") for s in spans if s.rank == r} - {""})]
+    index = {lane: i for i, lane in enumerate(lanes)}
+    moved = [Span(index[s.rank, getattr(s, "dim", "")], s.name, s.kind, s.start, s.end, getattr(s, "dim", ""))
+             for s in spans if s.rank in ranks]
+    base = row_names or {}
+    names = {i: base.get(r, f"rank {r}") + (f" · {d}" if d else "") for (r, d), i in index.items()}
+    return moved, list(range(len(lanes))), names
 
 
 def busy_fraction(spans, kind=None):
