@@ -20,11 +20,14 @@ so a rank holds 1/N of the model plus about two gathered units (Rajbhandari et a
 Zhao et al. 2023). Freed parameters that autograd saved for backward are kept as
 (unit, offset, shape) tokens by ``saved_tensors_hooks`` and re-gathered on use.
 
-Gradients: the reduce-scatter sums over the FSDP ranks and FSDP divides by their number
-(each rank's loss is the mean over its own batch). A parameter whose gradient is reduced
-over more mesh dimensions (``get_reduce_dims``, e.g. ("dp", "tp") for a sequence-parallel
-norm weight) is then all-reduced (summed) over the others. Rank 0's values are broadcast
-before sharding: no rank draws its own shard.
+Gradients: the reduce-scatter sums over the FSDP ranks, then FSDP divides by ``divisor``
+(default their number: each rank's loss is the mean over its own batch; 1 when the loss is
+already divided by the global token count), as ``grad_sync.GradSync`` does for DDP. A
+parameter whose gradient is reduced over more mesh dimensions (``get_reduce_dims``, e.g.
+("dp", "tp") for a sequence-parallel norm weight) is then all-reduced (summed) over the
+others. The reduce-scatter also carries one flag per parameter, "used on this rank": a
+parameter no rank used keeps ``grad = None``, as on one device. Rank 0's values are
+broadcast before sharding: no rank draws its own shard.
 """
 from __future__ import annotations
 
@@ -73,6 +76,8 @@ class FSDP(nn.Module):
     compute_dtype: dtype of the gathered parameters, the buffers and the floating inputs
         (None: the parameters' own); master weights, gradients and optimizer stay in the
         parameters' dtype. reduce_dtype: dtype of the reduce-scatter (None: compute_dtype).
+    dims: the mesh dimension(s) FSDP shards over ("dp"; ("dp", "cp") needs ``mesh``).
+    divisor: the summed gradients are divided by it (None: the number of FSDP ranks).
     units: submodules that get their own all-gather (default :func:`default_units`); the
         root always is one; a parameter shared by two units (tied weights) is the root's.
 
@@ -82,7 +87,7 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
-                 dims="dp", prefetch=True):
+                 dims="dp", divisor=None, prefetch=True):
         super().__init__()
         check_module(module)
         for dt in (compute_dtype, reduce_dtype):
@@ -97,6 +102,9 @@ class FSDP(nn.Module):
             raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
         self.mesh = as_mesh(mesh, group, dim=self.dims[0])
         self.module, self.comm, self.prefetch = module, self.mesh.comm(self.dims), prefetch
+        self.divisor = self.comm.size if divisor is None else divisor
+        if isinstance(self.divisor, bool) or not isinstance(self.divisor, (int, float)) or self.divisor <= 0:
+            raise ValueError(f"FSDP: divisor must be a positive number, got {divisor!r}")
         self.master_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
@@ -251,9 +259,10 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------------ gradients
     def _reduce_scatter(self, u, grad_full):
         """u's full gradients (N * S,) -> this rank's (S_grad,) shard, summed over ranks."""
-        packed = u.pack_gradients(grad_full, self.reduce_dtype)  # (N * S_grad,) rank after rank
-        out = packed.new_empty(u.grad_numel)
-        work = self.comm.reduce_scatter_tensor(out, packed, async_op=True, name=f"reduce-scatter {u.name}")
+        packed = u.pack_gradients(grad_full, self.reduce_dtype)  # (N, S_grad + T) rank after rank
+        out = packed.new_empty(packed.shape[1])                   # (S_grad + T,): my shard, summed
+        work = self.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=True,
+                                               name=f"reduce-scatter {u.name}")
         self._reducing.append((u, out, work, packed))
         u.reduced = True
         if not u.is_root and u.backward_started:
@@ -265,7 +274,9 @@ class FSDP(nn.Module):
     def _fold_oldest(self):
         u, out, work, _ = self._reducing.pop(0)
         work.wait()
-        out = out.to(self.master_dtype).div_(self.comm.size)  # mean over the FSDP ranks
+        used = out[u.grad_numel:] > 0                      # some rank's backward reached it
+        u.used_anywhere = used if u.used_anywhere is None else u.used_anywhere | used
+        out = out[:u.grad_numel].to(self.master_dtype).div(self.divisor)  # e.g. mean over dp
         for comm, indexes in u.extra:  # e.g. a sequence-parallel weight: sum over tp too
             rows = u.gradient_rows(indexes, out)
             flat = torch.cat(rows)
@@ -285,20 +296,17 @@ class FSDP(nn.Module):
                 self._reduce_scatter(u, u.flat_shard.new_zeros(self.comm.size * u.numel))
         while self._reducing:
             self._fold_oldest()
-        flags = [f for u in self.units for f in u.used]
-        used = torch.tensor(flags, dtype=torch.int32, device=self.units[0].flat_shard.device)
-        self.comm.all_reduce(used, name="all-reduce used")  # parameters no rank used: grad None
-        used, k = used.tolist(), 0
         for u in self.units:
-            for i, piece in enumerate(u.pieces):
-                if piece.requires_grad and used[k] and u.grad_shard is not None:
-                    grad = u.gradient_view(i, u.grad_shard)  # a view: no copy
+            if u.grad_shard is not None:
+                for j, i in enumerate(u.trainable_slots):
+                    if not u.used_anywhere[j]:
+                        continue  # no rank used it: grad stays None, as on one device
+                    grad, piece = u.gradient_view(i, u.grad_shard), u.pieces[i]  # a view: no copy
                     if piece.grad is None:
                         piece.grad = grad
                     else:  # not zeroed since the last step: accumulate, as on one device
                         piece.grad.add_(grad)
-                k += 1
-            u.grad_shard, u.used = None, [False] * len(u.pieces)
+            u.grad_shard, u.used_anywhere, u.used = None, None, [False] * len(u.pieces)
             self._reshard(u)
 
     # ------------------------------------------------------------------ checkpoints

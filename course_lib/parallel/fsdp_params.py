@@ -133,7 +133,9 @@ class ShardedUnit:
             view.copy_(mine)
             self.pieces.append(nn.Parameter(view, requires_grad=p.requires_grad))
         self.trainable = [q for q in self.pieces if q.requires_grad]
+        self.trainable_slots = [i for i, s in enumerate(self.slots) if s.grad_offset >= 0]
         self.grad_shard = None   # (S_grad,) master dtype: this rank's gradient, accumulated
+        self.used_anywhere = None  # (trainable,) bool: did some rank's backward reach it
         self.full = None         # (N * S,) compute dtype: the gathered parameters
         self.gather = None       # in flight: (work, send buffer, gathered buffer)
         self.used = [False] * len(params)
@@ -161,14 +163,17 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ gradients
     def pack_gradients(self, grad_full, dtype):
-        """(N * S,) parameter after parameter -> (N * S_grad,) rank after rank, trainable only."""
-        packed = grad_full.new_empty(self.world, self.grad_numel, dtype=dtype)
+        """(N * S,) parameter after parameter -> (N, S_grad + T) rank after rank, trainable
+        only, then T flags "this rank used trainable parameter j" in every rank's chunk: summed
+        by the same reduce-scatter, they say which parameters some rank used."""
+        packed = grad_full.new_empty(self.world, self.grad_numel + len(self.trainable_slots), dtype=dtype)
+        packed[:, self.grad_numel:] = torch.tensor([float(self.used[i]) for i in self.trainable_slots])
         for s in self.slots:
             if s.grad_offset >= 0:
                 start = self.world * s.offset
                 packed[:, s.grad_offset:s.grad_offset + s.padded].copy_(
                     grad_full[start:start + self.world * s.padded].view(self.world, s.padded))
-        return packed.view(-1)
+        return packed
 
     def gradient_view(self, i, grad_shard):
         """Parameter i's gradient: its rows of the (S_grad,) gradient shard."""
