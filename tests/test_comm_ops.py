@@ -1,5 +1,6 @@
 """The Megatron communication operators (course_lib/parallel/comm_ops.py): forward and backward
-of a column -> row parallel MLP, with and without sequence parallelism, equal to one device."""
+of a column -> row parallel MLP, with and without sequence parallelism, equal to one device;
+the all-gather that concatenates column outputs; the gradient sum over copies of one tensor."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,16 @@ def rank_run():
     x = X.clone().requires_grad_()
     (ops.split_to_parallel(x, comm, dim=1) * C.chunk(t, 1)[r]).sum().backward()
     out["split"] = x.grad
+    # leaving a sharded region: the concatenated column outputs (an all-gather), my slice's gradient back
+    x = X.clone().requires_grad_()
+    w1.grad = None
+    yg = ops.gather_from_parallel(F.linear(x, w1), comm, dim=-1)
+    (yg * F.linear(X, W1)).sum().backward()
+    out["gather"] = (yg.detach(), w1.grad.clone())
+    # one tensor held by every rank: its gradient is the sum of the copies' gradients
+    w = torch.ones(3, requires_grad=True)
+    (ops.sum_over_copies(w, comm, 0, 1) * (r + 1)).sum().backward()
+    out["copies"] = w.grad
     out["bytes"] = [(c.op, c.payload) for c in comm.log]
     try:
         ops.scatter_to_sequence_parallel(torch.zeros(1, t + 1, 2), comm) if t > 1 else None
@@ -78,6 +89,12 @@ def test_tensor_and_sequence_parallel_mlp_equal_one_device(runs, t):
         torch.testing.assert_close(gw1, gW1.chunk(t, 0)[r])
         torch.testing.assert_close(gw2, gW2.chunk(t, 1)[r])
         torch.testing.assert_close(out["split"], C)              # every rank's slice gradient, gathered
+        yg, gw1 = out["gather"]
+        torch.testing.assert_close(yg, F.linear(problem()[0], problem()[1]))   # the whole output everywhere
+        Xf, W1f = problem()[0], problem()[1].clone().requires_grad_()
+        (F.linear(Xf, W1f) * F.linear(Xf, problem()[1])).sum().backward()
+        torch.testing.assert_close(gw1, W1f.grad.chunk(t, 0)[r])  # backward keeps my slice only
+        torch.testing.assert_close(out["copies"], torch.full((3,), t * (t + 1) / 2))
 
 
 @pytest.mark.parametrize("t", [2, 3])
@@ -93,3 +110,14 @@ def test_bad_comm():
     from course_lib.parallel.comm_ops import copy_to_parallel
     with pytest.raises(TypeError, match="Comm"):
         copy_to_parallel(torch.zeros(2), None)
+
+
+def test_bad_slot():
+    def bad():
+        from course_lib.collectives.comm import Comm
+        from course_lib.parallel.comm_ops import sum_over_copies
+        try:
+            sum_over_copies(torch.zeros(2), Comm(), 2, 2)
+        except ValueError as exc:
+            return str(exc)
+    assert "slot" in launch(bad, 2)[0]

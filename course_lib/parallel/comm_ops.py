@@ -9,6 +9,9 @@ gradients in backward (the transpose). Named as in the papers:
     gather_from_sequence_parallel all-gather       reduce-scatter   g-bar  (Korthikanti et al. 2022)
     scatter_to_sequence_parallel  reduce-scatter   all-gather       g-bar transpose (Korthikanti et al. 2022)
     split_to_parallel             keep my slice    all-gather       (enter a sharded region, no sum)
+    gather_from_parallel          all-gather       keep my slice    (leave it: "concatenate the outputs")
+    sum_over_copies               identity         all-reduce of the copies' gradients (a weight several
+                                                   ranks hold, e.g. a K/V head shared by their query heads)
 
 ``f`` sits where a replicated activation enters a column-parallel layer: every rank uses
 the same input, so the input's gradient is the SUM of every rank's partial gradient.
@@ -41,7 +44,7 @@ def _all_gather(comm, x, dim, name):
     x = x.movedim(dim, 0).contiguous()                               # (n, ...) gathered along dim 0
     out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
     comm.all_gather_into_tensor(out, x, name=name)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # one copy here, not one per layer that reads it
 
 
 def _reduce_scatter(comm, x, dim, name):
@@ -119,6 +122,39 @@ class ScatterToSequenceParallel(torch.autograd.Function):
         return _all_gather(ctx.comm, grad, ctx.dim, "g-bar T: all-gather (backward)"), None, None
 
 
+class GatherFromParallel(torch.autograd.Function):
+    """All-gather along ``dim`` forward (every rank's slice, concatenated), keep my slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(comm, x, dim, "gather: all-gather")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(ctx.comm, grad, ctx.dim), None, None
+
+
+class SumOverCopies(torch.autograd.Function):
+    """Identity forward; backward: the sum of the gradients of every rank holding the same copy.
+
+    ``slot`` (0..n_slots-1) names the copy this rank holds: copies with the same slot are one
+    tensor of the single-device model, so its gradient is the sum of theirs. One all-reduce of
+    ``n_slots`` gradient-sized pieces, each rank writing its own piece (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, slot, n_slots):
+        ctx.comm, ctx.slot, ctx.n_slots = comm, slot, n_slots
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = grad.new_zeros((ctx.n_slots, *grad.shape))              # (copies, *grad.shape)
+        pieces[ctx.slot] = grad
+        ctx.comm.all_reduce(pieces, name="copies: all-reduce (backward)")
+        return pieces[ctx.slot], None, None, None
+
+
 class SplitToParallel(torch.autograd.Function):
     """Keep this rank's slice along ``dim`` forward (no communication), all-gather backward."""
 
@@ -162,6 +198,23 @@ def split_to_parallel(x, comm, dim=1):
     return SplitToParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
 
 
+def gather_from_parallel(x, comm, dim=-1):
+    """Every rank's slice along ``dim``, concatenated in group-rank order (forward: all-gather;
+    backward: keep my slice). Concatenating column-parallel outputs IS communication."""
+    _check(comm, x, dim)
+    return GatherFromParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
+
+
+def sum_over_copies(x, comm, slot, n_slots):
+    """Identity forward; backward: the gradient summed over the ranks whose ``slot`` is the same."""
+    _check(comm, x)
+    if not (isinstance(slot, int) and isinstance(n_slots, int) and 0 <= slot < n_slots):
+        raise ValueError(f"slot must be an int in [0, n_slots={n_slots}), got {slot!r}")
+    return SumOverCopies.apply(x, comm, slot, n_slots) if comm.size > 1 and n_slots < comm.size else x
+
+
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_sequence_parallel",
-           "scatter_to_sequence_parallel", "split_to_parallel", "CopyToParallel", "ReduceFromParallel",
-           "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel"]
+           "scatter_to_sequence_parallel", "split_to_parallel", "gather_from_parallel", "sum_over_copies",
+           "CopyToParallel", "ReduceFromParallel",
+           "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel",
+           "GatherFromParallel", "SumOverCopies"]

@@ -1,0 +1,238 @@
+"""Tensor (+ sequence) parallelism applied to the tiny GPT by a plan: which weight is column,
+which is row, where a region starts (torchtitan's ``parallelize_module`` plan, in our words).
+
+    model = TinyGPT(cfg, seed=0)                          # the same single-device model on every rank
+    parallelize(model, mesh, sequence_parallel=True)      # slices it in place, returns it
+    logits, loss = model(idx, targets)                    # logits (b, s, V_r): my vocabulary slice
+    loss.backward()
+    sync_tensor_parallel_grads(model)                     # SP: norm gradients summed over "tp"
+    optimizer.step()                                      # on the local shards
+
+Not a second model: the same modules, some replaced by their parallel versions built from
+them (the names stay, so a checkpoint maps one to one), a hook where a region starts, and
+the loss made vocabulary-parallel. With a data-parallel dimension too, sum the gradients
+with ``GradSync(model.parameters(), mesh)`` instead: it reads the ("dp", "tp") marks.
+"""
+from __future__ import annotations
+
+import fnmatch
+import types
+
+import torch
+import torch.nn as nn
+
+from course_lib.collectives.comm import Comm
+from course_lib.parallel.comm_ops import copy_to_parallel
+from course_lib.parallel.mesh import get_reduce_dims, set_reduce_dims
+from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDropout,
+                                                 TensorParallelRNG, enter_sequence_parallel, head_rows)
+from course_lib.parallel.vocab_parallel import VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy
+
+# module name pattern -> how it is split. "region": a tensor-parallel region starts at this
+# module's input (f, or g-bar with SP); "norm" / "positions": whole on every rank without SP,
+# on the rank's s/t tokens with SP (gradients then summed over tp); dropout: the mask's stream.
+PLAN = {
+    "tok_emb": "vocab_embedding",              # rows of the table; output: g, or SP reduce-scatter
+    "pos_emb": "positions",                    # GPT-2's learned positions: SP keeps my tokens' rows
+    "emb_dropout": "dropout",
+    "blocks.*.attn_norm": "norm",
+    "blocks.*.attn": "region",
+    "blocks.*.attn.wq": "column_heads",        # my query heads' rows
+    "blocks.*.attn.wk": "column_kv_heads",     # my K/V heads' rows (or a copy of one)
+    "blocks.*.attn.wv": "column_kv_heads",
+    "blocks.*.attn.attn_dropout": "dropout_heads",
+    "blocks.*.attn.wo": "row_heads",           # my heads' columns; output: g, or SP reduce-scatter
+    "blocks.*.attn_out_dropout": "dropout",
+    "blocks.*.mlp_norm": "norm",
+    "blocks.*.mlp": "region",
+    "blocks.*.mlp.w1": "column", "blocks.*.mlp.w3": "column", "blocks.*.mlp.fc": "column",
+    "blocks.*.mlp.w2": "row", "blocks.*.mlp.proj": "row",
+    "blocks.*.mlp_out_dropout": "dropout",
+    "norm": "norm",
+    "lm_head": "column_vocab",                 # logits stay split along the vocabulary
+}
+SP_DIMS = ("dp", "tp")  # a parameter used on s/t tokens: its gradient is summed over tp too
+
+
+def tp_comm(mesh) -> Comm:
+    """The tensor-parallel Comm of ``mesh``: a Mesh / GroupMesh with a "tp" dimension, or a Comm."""
+    if isinstance(mesh, Comm):
+        return mesh
+    sizes = getattr(mesh, "sizes", None)
+    if not isinstance(sizes, dict) or "tp" not in sizes:
+        raise ValueError(f"tensor parallelism needs a mesh with a 'tp' dimension (Mesh(tp=...), "
+                         f"as_mesh(group=..., dim='tp') or a Comm), got {mesh!r}")
+    comm = mesh.comm("tp")
+    if comm.size != sizes["tp"]:
+        raise ValueError(f"the mesh says tp={sizes['tp']} but its tp group has {comm.size} ranks")
+    return comm
+
+
+def _same_model_everywhere(model, comm):
+    """ValueError unless every rank of the group holds the same single-device model: each
+    rank keeps a slice of it, so slices of different models are no model at all (ranks that
+    built it with seed=rank, or another config). One all-gather of 4 numbers, on every rank
+    before any other check can differ between ranks."""
+    params = [p.detach().double() for p in model.parameters()]
+    mine = torch.tensor([len(params), sum(p.numel() for p in params), sum(p.sum().item() for p in params),
+                         sum(p.square().sum().item() for p in params)], dtype=torch.float64)
+    every = mine.new_empty(comm.size * 4)
+    comm.all_gather_into_tensor(every, mine, name="parallelize: same model?")
+    if not all(torch.equal(row, mine) for row in every.view(comm.size, 4)):
+        raise ValueError("the ranks of the tensor-parallel group hold different models: build the same "
+                         "single-device model (same config, same seed) on every rank, each keeps a slice of it")
+
+
+def _style(name, plan):
+    return next((style for pattern, style in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def _parent(model, name):
+    parent, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), attr
+
+
+def _check(model, plan, comm, sequence_parallel):
+    """Every split the plan asks for is possible (ValueError naming the constraint), and every
+    Linear / Embedding has a place in the plan. Runs before anything is modified."""
+    t, r = comm.size, comm.rank
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError("this model is already tensor-parallel: parallelize it once")
+    for name, mod in model.named_modules():
+        style = _style(name, plan)
+        if style is None and isinstance(mod, (nn.Linear, nn.Embedding)):
+            raise ValueError(f"the plan does not say how to split {name} ({type(mod).__name__}); add it "
+                             f"to the plan")
+        if style in ("column_heads", "column_kv_heads", "row_heads"):
+            attn = _parent(model, name)[0]
+            head_rows(attn.n_heads, attn.n_kv_heads, attn.head_dim, t, r)
+        elif style == "column" and mod.out_features % t:
+            raise ValueError(f"{name}: the MLP width {mod.out_features} is not divisible by tp={t}")
+        elif style == "row" and mod.in_features % t:
+            raise ValueError(f"{name}: the MLP width {mod.in_features} is not divisible by tp={t}")
+        elif style in ("vocab_embedding", "column_vocab") and \
+                (mod.weight.shape[0] < t):
+            raise ValueError(f"{name}: a vocabulary of {mod.weight.shape[0]} rows cannot be split over tp={t}")
+
+
+def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, seed=0, plan=None):
+    """Make ``model`` (a TinyGPT, the same on every rank) tensor-parallel over ``mesh``'s "tp"
+    group, in place; with ``sequence_parallel`` the activations between the regions are split
+    along the sequence. ``keep_gathered``: SP keeps the all-gathered region inputs for backward
+    (torch DTensor's way: less communication, t x more memory for them) instead of re-gathering
+    them (Megatron's). ``seed``: of the dropout streams (:class:`TensorParallelRNG`)."""
+    plan = PLAN if plan is None else plan
+    comm = tp_comm(mesh)
+    t, r, sp = comm.size, comm.rank, bool(sequence_parallel)
+    _same_model_everywhere(model, comm)
+    _check(model, plan, comm, sp)
+    device = next(model.parameters()).device
+    rng = TensorParallelRNG(comm, seed, device)
+    out = "reduce_scatter" if sp else "reduce"
+    heads = {name: (m.n_heads, m.n_kv_heads, m.head_dim) for name, m in model.named_modules()  # before any slicing
+             if hasattr(m, "n_kv_heads") and hasattr(m, "head_dim")}
+    for name, mod in list(model.named_modules()):
+        style = _style(name, plan)
+        if style is None:
+            continue
+        parent, attr = _parent(model, name)
+        new = None
+        if style in ("column_heads", "column_kv_heads", "row_heads"):
+            q, kv, copies = head_rows(*heads[name.rpartition(".")[0]], t, r)
+            if style == "column_heads":
+                new = ColumnParallelLinear(mod, comm, input="entered", rows=q)
+            elif style == "column_kv_heads":
+                new = ColumnParallelLinear(mod, comm, input="entered", rows=kv, copies=copies)
+            else:
+                new = RowParallelLinear(mod, comm, output=out, cols=q)
+        elif style == "column":
+            new = ColumnParallelLinear(mod, comm, input="entered")
+        elif style == "row":
+            new = RowParallelLinear(mod, comm, output=out)
+        elif style == "column_vocab":
+            new = ColumnParallelLinear(mod, comm, input="sequence" if sp else "replicated", keep_gathered=keep_gathered,
+                                       rows=shard_range(mod.out_features, t, r))
+        elif style == "vocab_embedding":
+            new = VocabParallelEmbedding(mod, comm, output=out)
+        elif style == "region":
+            mod.register_forward_pre_hook(_region_entry(comm, sp, keep_gathered))
+        elif style in ("norm", "positions") and sp:
+            set_reduce_dims(mod, SP_DIMS)              # each rank's gradient covers its tokens only
+            if style == "positions":                   # (s, h) -> my (s/t, h) rows
+                mod.register_forward_hook(lambda m, args, y: y.chunk(t, 0)[r])
+        elif style in ("dropout", "dropout_heads"):
+            sharded = sp or style == "dropout_heads"
+            new = TensorParallelDropout(mod.p, rng.sharded if sharded else rng.replicated,
+                                        region="sharded" if sharded else "replicated")
+        if new is not None:
+            if isinstance(new, RowParallelLinear) and new.bias is not None and sp:
+                set_reduce_dims(new.bias, SP_DIMS)     # added to my s/t tokens only
+            setattr(parent, attr, new)
+    if getattr(getattr(model, "config", None), "tie_embeddings", False):
+        model.lm_head.weight = model.tok_emb.weight    # the same rows of the same table: still one
+    model.tensor_parallel = types.SimpleNamespace(comm=comm, sequence_parallel=sp, rng=rng, plan=plan,
+                                                  keep_gathered=keep_gathered)
+    model.loss = types.MethodType(_vocab_parallel_loss, model)
+    return model
+
+
+def _region_entry(comm, sp, keep_gathered):
+    def enter(module, args):  # f, or g-bar with SP: once for every column layer of the region
+        x, *rest = args
+        x = enter_sequence_parallel(x, comm, keep_gathered) if sp else copy_to_parallel(x, comm)
+        return (x, *rest)
+    return enter
+
+
+def _vocab_parallel_loss(model, logits, targets, n_tokens=None):
+    """TinyGPT.loss on vocabulary-split logits (the same number on every rank)."""
+    return vocab_parallel_cross_entropy(logits, targets, model.tensor_parallel.comm, model.lm_head.rows[0],
+                                        n_tokens)
+
+
+def sync_tensor_parallel_grads(model):
+    """Sum over the tp group the gradients of the parameters marked ("dp", "tp") (sequence
+    parallelism: norm weights, row-parallel biases, positions, each used on s/t tokens).
+    One all-reduce; returns how many parameters it summed. Sharded weights are NOT summed:
+    each rank's gradient of its own slice is already complete."""
+    state = getattr(model, "tensor_parallel", None)
+    if state is None:
+        raise ValueError("sync_tensor_parallel_grads: the model is not tensor-parallel (call parallelize first)")
+    params = [p for p in model.parameters() if p.grad is not None and "tp" in get_reduce_dims(p, ())]
+    if params and state.comm.size > 1:
+        flat = torch.cat([p.grad.flatten() for p in params])
+        state.comm.all_reduce(flat, name="SP: norm gradients all-reduce")
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p.grad))
+    return len(params)
+
+
+def local_shards(model, grads=False) -> dict:
+    """{name: (tensor, tp_shard)}: this rank's parameters (or gradients) and where each sits in
+    the single-device tensor, ``(dim, start, stop, full size)`` or None (whole). Picklable."""
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.grad if grads else p
+        out[name] = (None if value is None else value.detach().clone(), getattr(p, "tp_shard", None))
+    return out
+
+
+def assemble(per_rank) -> dict:
+    """The single-device tensors from every rank's :func:`local_shards` (in rank order)."""
+    full = {}
+    for name, (first, shard) in per_rank[0].items():
+        if first is None or shard is None:
+            full[name] = first
+            continue
+        dim, _, _, size = shard
+        shape = list(first.shape)
+        shape[dim] = size
+        out = first.new_zeros(shape)
+        for shards in per_rank:
+            value, (_, start, stop, _) = shards[name]
+            out.narrow(dim, start, stop - start).copy_(value)
+        full[name] = out
+    return full
+
+
+__all__ = ["PLAN", "parallelize", "sync_tensor_parallel_grads", "local_shards", "assemble", "tp_comm"]
