@@ -1,4 +1,4 @@
-"""course_lib.models (and course_lib.gpt, which it re-exports): shapes, deterministic init, the
+"""course_lib.models (and course_lib.gpt, course_lib.attention, which it re-exports): shapes, deterministic init, the
 awkward MLP cases, a tiny overfit, and the parts every parallel dimension cuts the GPT into."""
 import pytest
 import torch

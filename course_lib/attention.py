@@ -1,0 +1,119 @@
+"""Causal attention at explicit token positions: the arithmetic every parallel dimension reuses.
+
+    q, k = apply_rotary(q, *rotary_rows(cos, sin, q_pos, s_q)), ...   # rotary at the tokens' positions
+    y = causal_attention(q, k, v, q_pos, k_pos)    # (b, a, s_q, d): q_pos >= k_pos is visible
+
+Positions are absolute (int64, one per token; None = 0..s-1), so a context-parallel shard
+(the second half of a sequence, or two chunks for load balance) attends to keys from
+another shard. Head counts come from the tensors' shapes (grouped-query: a multiple of
+the key/value heads), so a tensor-parallel rank runs the heads it holds.
+``course_lib.gpt.Attention`` is the module around these functions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def check_positions(positions, s, seq_len):
+    """None, or ``positions`` checked: an int64 tensor of shape (s,) with values in [0, seq_len)."""
+    if positions is None:
+        if s > seq_len:
+            raise ValueError(f"sequence length {s} exceeds config.seq_len={seq_len}")
+        return None
+    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be an int64 tensor, got {getattr(positions, 'dtype', type(positions))}")
+    if positions.shape != (s,):
+        raise ValueError(f"positions must have shape (s,) = ({s},), one per token, got {tuple(positions.shape)}")
+    if s and (positions.min() < 0 or positions.max() >= seq_len):
+        raise ValueError(f"positions must lie in [0, seq_len={seq_len}), got "
+                         f"[{positions.min().item()}, {positions.max().item()}]")
+    return positions
+
+
+def rotary_tables(seq_len, head_dim, theta=10000.0):
+    """cos, sin of shape (seq_len, head_dim): position t rotates pair (i, i + d/2) by t * theta^(-2i/d)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)           # (s, d/2)
+    angles = torch.cat([angles, angles], dim=-1)                                          # (s, d)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotary_rows(cos, sin, positions, s):
+    """The (s, d) rows of the tables for the tokens at ``positions`` (None = 0..s-1).
+
+    Contiguous positions take a slice, a view of the tables, so autograd saves nothing new
+    (the tables are buffers); other positions (a load-balanced context-parallel shard) gather."""
+    if positions is None:
+        return cos[:s], sin[:s]
+    start = int(positions[0]) if s else 0
+    if torch.equal(positions, torch.arange(start, start + s, device=positions.device)):
+        return cos[start:start + s], sin[start:start + s]
+    return cos[positions], sin[positions]
+
+
+def apply_rotary(x, cos, sin):  # x (b, heads, s, d); cos, sin (s, d)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # the pair (x1, x2) turned by 90 degrees
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_scores(q, k, q_positions=None, k_positions=None, future=None):
+    """Scaled causal scores: q (b, a, s_q, d), k (b, kv, s_k, d) -> (b, a, s_q, s_k).
+
+    Grouped-query: the a / kv query heads of a group are stacked along the sequence axis,
+    so K is used (and saved for backward) at its own small size. A query sees the keys
+    with ``q_pos >= k_pos`` (absolute positions, None = 0..s-1); ``future`` (s_q, s_k) bool,
+    True where the key comes later, may be passed precomputed. The mask is added as a
+    0 / -inf bias: an addition saves nothing for backward (a masked_fill would save it).
+    """
+    b, a, s_q, d = q.shape
+    kv, s_k = k.shape[1], k.shape[2]
+    if a % kv:
+        raise ValueError(f"query heads ({a}) must be a multiple of key/value heads ({kv})")
+    dev = q.device
+    q_pos = torch.arange(s_q, device=dev) if q_positions is None else q_positions
+    k_pos = torch.arange(s_k, device=dev) if k_positions is None else k_positions
+    if q_pos.shape != (s_q,) or k_pos.shape != (s_k,):
+        raise ValueError(f"need one position per query ({s_q}) and per key ({s_k}), got "
+                         f"{tuple(q_pos.shape)} and {tuple(k_pos.shape)}")
+    if future is None:
+        future = q_pos[:, None] < k_pos[None, :]                        # (s_q, s_k)
+    bias = torch.zeros(s_q, s_k, dtype=q.dtype, device=dev).masked_fill(future, float("-inf"))
+    scores = (q.reshape(b, kv, (a // kv) * s_q, d) @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+    return scores.view(b, a, s_q, s_k) + bias                           # (b, a, s_q, s_k)
+
+
+def attention_output(probs, v):  # probs (b, a, s_q, s_k), v (b, kv, s_k, d) -> (b, a, s_q, d)
+    b, a, s_q, s_k = probs.shape
+    kv, d = v.shape[1], v.shape[3]
+    return (probs.reshape(b, kv, (a // kv) * s_q, s_k) @ v).view(b, a, s_q, d)
+
+
+def causal_attention(q, k, v, q_positions=None, k_positions=None, dropout=None, future=None):
+    """softmax(q k^T / sqrt(d) + causal bias) v, grouped-query, at explicit positions.
+
+    q (b, a, s_q, d); k, v (b, kv, s_k, d) -> (b, a, s_q, d). Keys may come from another
+    context-parallel shard (their own ``k_positions``); every query must see at least one
+    key, else its softmax has nothing to normalise (ring attention merges blocks itself,
+    from :func:`attention_scores` and :func:`attention_output`)."""
+    if q_positions is not None and k_positions is not None and k_positions.numel() and \
+            q_positions.numel() and q_positions.min() < k_positions.min():
+        raise ValueError(f"every query needs a key at or before its position: query position "
+                         f"{q_positions.min().item()} < first key position {k_positions.min().item()}")
+    probs = F.softmax(attention_scores(q, k, q_positions, k_positions, future), dim=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    return attention_output(probs, v)
+
+
+__all__ = ["check_positions", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
+           "attention_output", "causal_attention"]
