@@ -105,10 +105,12 @@ def causal_attention(q, k, v, q_positions=None, k_positions=None, dropout=None, 
     context-parallel shard (their own ``k_positions``); every query must see at least one
     key, else its softmax has nothing to normalise (ring attention merges blocks itself,
     from :func:`attention_scores` and :func:`attention_output`)."""
-    if q_positions is not None and k_positions is not None and k_positions.numel() and \
-            q_positions.numel() and q_positions.min() < k_positions.min():
-        raise ValueError(f"every query needs a key at or before its position: query position "
-                         f"{q_positions.min().item()} < first key position {k_positions.min().item()}")
+    if (q_positions is not None or k_positions is not None) and q.shape[2] and k.shape[2]:
+        first_q = 0 if q_positions is None else int(q_positions.min())
+        first_k = 0 if k_positions is None else int(k_positions.min())
+        if first_q < first_k:
+            raise ValueError(f"every query needs a key at or before its position: query position "
+                             f"{first_q} < first key position {first_k}")
     probs = F.softmax(attention_scores(q, k, q_positions, k_positions, future), dim=-1)
     if dropout is not None:
         probs = dropout(probs)
