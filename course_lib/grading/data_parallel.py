@@ -232,45 +232,50 @@ def _fsdp_unit_harness(GatherParams):
     import torch.distributed as dist
 
     from course_lib import compat
+    from course_lib.parallel.fsdp_params import ShardedUnit
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _mlp(rank)
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
-    layers = list(model.layers)
-    shards, meta = [], []  # one unit per Linear: (weight, bias) flattened, padded, sharded
-    for layer in layers:
-        flat = torch.cat([layer.weight.detach().view(-1), layer.bias.detach()])
-        s = math.ceil(flat.numel() / world)
-        flat = torch.cat([flat, flat.new_zeros(s * world - flat.numel())])
-        shards.append(flat[rank * s:(rank + 1) * s].clone().requires_grad_())
-        meta.append((layer.weight.shape, layer.weight.numel(), layer.bias.numel()))
+    units = []  # one unit per Linear: weight and bias cut along dim 0, this rank's rows packed: (S,)
+    for layer in model.layers:
+        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
+        units.append((unit, unit.flat_shard.clone().requires_grad_()))
     for batch in _data():
         x, y = _local(batch, rank, world)
         h = x
-        for k, (shard, (shape, nw, nb)) in enumerate(zip(shards, meta)):
+        for k, (unit, shard) in enumerate(units):
             full = GatherParams.apply(shard)
             if not isinstance(full, torch.Tensor) or full.numel() != shard.numel() * world:
                 return f"GatherParams.apply(shard) should return the ({shard.numel() * world},) gathered vector"
-            h = F.linear(h, full[:nw].view(shape), full[nw:nw + nb])
-            h = F.relu(h) if k < len(shards) - 1 else h
+            h = F.linear(h, *_unit_params(unit, full))
+            h = F.relu(h) if k < len(units) - 1 else h
         with CollectiveWatch() as watch:
             F.mse_loss(h, y).backward()
         if world > 1 and "reduce_scatter" not in watch.kinds():
             return ("backward should reduce-scatter the full gradient (each rank keeps the mean of its "
                     f"slice), saw {sorted(watch.kinds()) or 'no collective'}")
         with torch.no_grad():
-            for shard in shards:
+            for _, shard in units:
                 if shard.grad is None or shard.grad.shape != shard.shape:
                     return "backward should return the gradient of this rank's shard (same shape)"
                 shard -= LR * shard.grad
                 shard.grad = None
     got = []
-    for shard, (shape, nw, nb) in zip(shards, meta):  # gather the trained shards
+    for unit, shard in units:  # gather the trained shards
         full = torch.empty(shard.numel() * world)
         compat.all_gather_into_tensor(full, shard.detach())
-        got += [full[:nw].view(shape), full[nw:nw + nb]]
+        got += _unit_params(unit, full)
     return _compare_params(got, _single_device(_sgd))
+
+
+def _unit_params(unit, full):
+    """(N * S,) rank after rank -> each parameter, full shape (differentiable: the checker's
+    part; FSDP's copy_out does the same)."""
+    by_rank = full.view(unit.world, unit.numel)
+    return [by_rank[:, s.offset:s.offset + s.padded].reshape(unit.world * s.chunk, *s.shape[1:])[:s.shape[0]]
+            for s in unit.slots]
 
 
 def check_fsdp_unit(GatherParams):
