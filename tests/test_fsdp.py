@@ -286,6 +286,8 @@ def tp_fsdp():
     dp, tp = mesh.comm("dp"), mesh.comm("tp")
     model = TPMLP(seed=dp.rank, tp=tp)  # dp rank 1 starts elsewhere: FSDP broadcasts dp rank 0's
     set_reduce_dims(model.scale, ("dp", "tp"))
+    with torch.no_grad():
+        model.scale.add_(tp.rank)  # replicated over dp and tp: FSDP broadcasts rank 0's over both
     fsdp = FSDP(model, mesh=mesh, units=[model.fc1, model.fc2], divisor=1)  # the loss is global
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, weight_decay=0.1)

@@ -70,12 +70,14 @@ def check_module(module):
         raise ValueError("FSDP: every parameter is frozen (requires_grad=False): nothing to train")
 
 
-def broadcast_module_states(module, comm, src: int = 0):
-    """Every rank of ``comm`` takes group rank ``src``'s parameters and buffers."""
+def broadcast_module_states(module, comm, comm_of=None, src: int = 0):
+    """Every rank of ``comm`` takes group rank ``src``'s parameters and buffers; a parameter
+    ``p`` over ``comm_of(p)`` instead where given (e.g. all the dims it is replicated on)."""
     with torch.no_grad():
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            group = comm_of(t) if comm_of is not None and isinstance(t, nn.Parameter) else comm
             t = t.detach()
-            comm.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src, name=f"broadcast {name}")
+            group.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src, name=f"broadcast {name}")
 
 
 def assign_units(module, unit_modules):
