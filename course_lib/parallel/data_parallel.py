@@ -57,7 +57,12 @@ def broadcast_module_states(module: nn.Module, comm, src: int = 0):
     (one broadcast per tensor, in registration order: the same on every rank)."""
     with torch.no_grad():
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            comm.broadcast(t.detach(), src=src, name=f"broadcast {name}")
+            comm.broadcast(as_bytes_if_bool(t.detach()), src=src, name=f"broadcast {name}")
+
+
+def as_bytes_if_bool(t):
+    """A bool tensor (a mask buffer) as uint8, the same bytes: not every collective takes bool."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 # ------------------------------------------------------------------ 1. the textbook loop
@@ -108,12 +113,13 @@ class DDP(nn.Module):
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
         self.module, self.mesh = module, as_mesh(mesh, group, dim=dims[0])
         self.comm = self.mesh.comm(dims)  # the data-parallel group
-        with torch.no_grad():  # the same start: each replica gets the values of its group's rank 0
+        with torch.no_grad():  # the same start: every replica takes the values of its group's rank 0
             for name, p in module.named_parameters():
-                if get_reduce_dims(p, dims):  # replicated over its reduce dims
-                    self.mesh.comm(get_reduce_dims(p, dims)).broadcast(p.detach(), src=0, name=f"broadcast {name}")
+                replicated_on = get_reduce_dims(p, dims)  # the dims its gradient is summed over
+                if replicated_on:
+                    self.mesh.comm(replicated_on).broadcast(p.detach(), src=0, name=f"broadcast {name}")
             for name, b in module.named_buffers():
-                self.comm.broadcast(b, src=0, name=f"broadcast {name}")
+                self.comm.broadcast(as_bytes_if_bool(b), src=0, name=f"broadcast {name}")
         divisor = self.comm.size if divisor is None else divisor
         sync_cls = OverlappedGradSync if overlap else GradSync
         self.grad_sync = sync_cls(module, self.mesh, divisor=divisor, bucket_cap_mb=bucket_cap_mb,

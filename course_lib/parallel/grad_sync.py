@@ -94,7 +94,7 @@ class Bucket:
 
     def launch(self):
         """Start summing the buffer over this bucket's ranks (async: returns at once)."""
-        self.work = self.comm.all_reduce(self.buffer, async_op=True, name=f"all-reduce bucket {self.index}")
+        self.work = self.comm.all_reduce(self.buffer, async_op=True, name=f"all-reduce b{self.index}")
 
     def complete(self) -> bool:
         return all(self.filled)
