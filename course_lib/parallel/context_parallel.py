@@ -1,0 +1,337 @@
+"""Context parallelism: the sequence split over the "cp" ranks, attention made whole again.
+
+    pos = zigzag_positions(seq_len, cp.size, cp.rank)      # chunks i and 2N-1-i of 2N
+    y = ring_attention(q, k, v, pos, cp)                   # K/V blocks go round the ring
+    y = ulysses_attention(q, k, v, pos, cp)                # all-to-all: sequence -> heads -> sequence
+    context_parallel(model, cp, method="ring")             # every block's attention, in place
+
+Everything outside attention is per token, so a rank runs it on its own tokens at their
+absolute positions (``model.embed(idx, pos)``, ``block(x, pos)``); only attention needs
+keys from the other shards. Two ways to get them:
+
+* **Ring attention** (Liu et al. 2023; Megatron's CP): K/V blocks travel round the ring,
+  N-1 hops; each rank merges the partial attentions of the blocks with the online-softmax
+  rule (running max / log-sum-exp), so the (s, s) scores never exist whole. The exchange of
+  the next block is posted before the current block is computed: communication hides behind
+  compute. Backward runs the ring again, passing dK/dV along with K/V.
+* **Ulysses** (Jacobs et al. 2023): an all-to-all turns the sequence shards of q, k, v into
+  head shards over the whole sequence, plain attention runs on a/N heads, an all-to-all
+  turns the result back. Needs heads (and K/V heads) divisible by N.
+
+Causal masking makes a contiguous split unfair: rank N-1 sees every key, rank 0 only its
+own. The zigzag layout gives rank i chunks i and 2N-1-i, equal work everywhere.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from course_lib import trace
+from course_lib.attention import apply_rotary, attention_output, attention_scores, causal_attention, rotary_rows
+from course_lib.gpt import Attention
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ----------------------------------------------------------------------------- layouts
+def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two chunks (of 2N) that rank i holds: i and 2N-1-i (one early, one late)."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """Absolute positions (int64, (seq_len / N,)) of the tokens rank ``cp_rank`` holds."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} is outside 0..{cp_size - 1}")
+    if layout == "contiguous":
+        if seq_len % cp_size:
+            raise ValueError(f"sequence length {seq_len} must be divisible by CP={cp_size}")
+        n = seq_len // cp_size
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size} "
+                         f"(2N chunks, two per rank)")
+    c = seq_len // (2 * cp_size)
+    first, second = zigzag_chunks(cp_size, cp_rank)
+    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    return shard_positions(seq_len, cp_size, cp_rank, "zigzag")
+
+
+def shard_sequence(x: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of ``x`` (the full sequence along ``dim``)."""
+    return x.index_select(dim, positions)
+
+
+# ----------------------------------------------------------------------------- one block
+def _span(idx: torch.Tensor):
+    """A slice when the indexes are one contiguous run (a view, no copy), else the indexes."""
+    if idx.numel() and int(idx[-1]) - int(idx[0]) + 1 == idx.numel():
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def visible_rows_cols(q_pos, k_pos):
+    """The query rows that see at least one of these keys, and the keys seen by at least one
+    query (causal: q_pos >= k_pos). Everything else of the (s_q, s_k) block is masked: skipped."""
+    rows = torch.nonzero(q_pos >= k_pos.min()).flatten()
+    cols = torch.nonzero(k_pos <= q_pos.max()).flatten()
+    return _span(rows), _span(cols)
+
+
+def block_attention(q, k, v, q_pos, k_pos):
+    """Attention of q (b, a, s_q, d) over ONE block of keys k, v (b, kv, s_k, d), unnormalised
+    across blocks: returns out (b, a, s_q, d) = softmax within the block @ v, and its
+    log-sum-exp lse (b, a, s_q) (-inf for a query that sees none of these keys)."""
+    scores = attention_scores(q, k, q_pos, k_pos)                  # (b, a, s_q, s_k)
+    lse = torch.logsumexp(scores, dim=-1)                          # (b, a, s_q)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return attention_output(torch.exp(scores - safe[..., None]), v), lse
+
+
+def merge_partial(out1, lse1, out2, lse2):
+    """The online-softmax rule: two partial attentions over disjoint key sets -> the attention
+    over their union. lse = log(e^lse1 + e^lse2); out = out1 e^(lse1-lse) + out2 e^(lse2-lse).
+    A side with lse = -inf (saw no key) gets weight 0."""
+    lse = torch.logaddexp(lse1, lse2)                              # (b, a, s)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w1, w2 = torch.exp(lse1 - safe)[..., None], torch.exp(lse2 - safe)[..., None]
+    return out1 * w1 + out2 * w2, lse
+
+
+def attention_flops(q_pos, k_pos, heads, head_dim, batch=1):
+    """FLOPs of the computed (unmasked-trimmed) block: 2 matmuls of 2 * rows * cols * d each."""
+    if not (q_pos >= k_pos.min()).any():
+        return 0
+    rows = int((q_pos >= k_pos.min()).sum())
+    cols = int((k_pos <= q_pos.max()).sum())
+    return 4 * batch * heads * rows * cols * head_dim
+
+
+# ----------------------------------------------------------------------------- ring attention
+def _block_forward(q, k, v, q_pos, k_pos, out, lse):
+    """Merge block (k, v) into (out, lse), computing only its visible rows and columns."""
+    if not (q_pos >= k_pos.min()).any():
+        return out, lse                                            # fully masked: skipped
+    rows, cols = visible_rows_cols(q_pos, k_pos)
+    o, l = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], q_pos[rows], k_pos[cols])
+    out, lse = out.clone(), lse.clone()
+    out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o, l)
+    return out, lse
+
+
+def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
+    """FlashAttention's backward for one block, with the GLOBAL lse (so P is the final softmax):
+    dV += P^T dO; dP = dO V^T; dS = P (dP - delta); dQ += dS K / sqrt(d); dK += dS^T Q / sqrt(d)."""
+    if not (q_pos >= k_pos.min()).any():
+        return
+    rows, cols = visible_rows_cols(q_pos, k_pos)
+    b, a, _, d = q.shape
+    kv = k.shape[1]
+    qr, kc, vc, do = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+    s_q, s_k = qr.shape[2], kc.shape[2]
+    p = torch.exp(attention_scores(qr, kc, q_pos[rows], k_pos[cols]) - lse[:, :, rows, None])  # (b, a, s_q, s_k)
+    p_g = p.reshape(b, kv, (a // kv) * s_q, s_k)                   # query heads of a group stacked
+    do_g = do.reshape(b, kv, (a // kv) * s_q, d)
+    dv[:, :, cols] += p_g.transpose(-2, -1) @ do_g
+    dp = (do_g @ vc.transpose(-2, -1)).view(b, a, s_q, s_k)
+    ds = (p * (dp - delta[:, :, rows, None])).reshape(b, kv, (a // kv) * s_q, s_k) / math.sqrt(d)
+    dq[:, :, rows] += (ds @ kc).view(b, a, s_q, d)
+    dk[:, :, cols] += ds.transpose(-2, -1) @ qr.reshape(b, kv, (a // kv) * s_q, d)
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention, forward and backward (one ring each), on a Comm of the "cp" ranks.
+
+    forward: post (send my K/V block right, receive the next from the left), attend to the
+    current block, merge, wait; N blocks, N-1 hops. backward: the same ring for K/V, plus an
+    accumulator dK/dV that travels WITH each block and arrives home after N hops.
+    ``layout`` tells every rank which positions another rank's block holds (nothing extra sent).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, comm, seq_len, layout):
+        n, r = comm.size, comm.rank
+        pos_of = [shard_positions(seq_len, n, j, layout) for j in range(n)]
+        out = torch.zeros_like(q)                                  # (b, a, s/N, d)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)  # (b, a, s/N)
+        kv = torch.stack([k, v]).contiguous()                      # (2, b, kv, s/N, d): one message
+        for step in range(n):
+            src = (r - step) % n                                   # whose block I hold now
+            works, nxt = [], None
+            if step < n - 1:                                       # post the next hop first...
+                nxt = torch.empty_like(kv)
+                works = [comm.irecv(nxt, comm.prev), comm.isend(kv, comm.next)]
+                start = trace.now()
+            with trace.span(f"attend block {src}", kind="compute"):  # ...then compute under it
+                out, lse = _block_forward(q, kv[0], kv[1], positions, pos_of[src], out, lse)
+            if works:
+                comm.wait(*works)
+                trace.recorder().add(f"K/V hop {step + 1}", "comm", start, trace.now(), comm.dim)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.pos_of = comm, pos_of
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, pos_of = ctx.comm, ctx.pos_of
+        n, r = comm.size, comm.rank
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)                               # (b, a, s/N): rowsum(dO * O)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v]).contiguous()
+        dkv_send = None
+        for step in range(n):
+            src = (r - step) % n
+            works, nxt, acc_in = [], None, None
+            if step > 0:   # the dK/dV accumulator of block src, from the left (posted before K/V:
+                acc_in = torch.empty_like(kv)  # the left neighbour sent it before its next K/V)
+                works.append(comm.irecv(acc_in, comm.prev))
+            if step < n - 1:
+                nxt = torch.empty_like(kv)
+                works += [comm.irecv(nxt, comm.prev), comm.isend(kv, comm.next)]
+            dkv = torch.zeros_like(kv)
+            with trace.span(f"attend block {src} (backward)", kind="compute"):
+                _block_backward(q, kv[0], kv[1], pos_of[r], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1])
+            comm.wait(*works)
+            if dkv_send is not None:
+                comm.wait(dkv_send)
+            if acc_in is not None:
+                dkv += acc_in
+            dkv_send = comm.isend(dkv, comm.next)                  # on to the next rank (home after N)
+            ctx.keep = dkv                                         # alive until the send completes
+            if nxt is not None:
+                kv = nxt
+        home = torch.empty_like(kv)
+        comm.wait(comm.irecv(home, comm.prev), dkv_send)
+        return dq, home[0], home[1], None, None, None, None
+
+
+def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"):
+    """Causal attention of this rank's queries over the WHOLE sequence's keys.
+
+    q (b, a, s/N, d); k, v (b, kv, s/N, d): this rank's tokens at ``positions`` (those of
+    ``shard_positions(seq_len, N, rank, layout)``) -> (b, a, s/N, d)."""
+    n = comm.size
+    seq_len = positions.numel() * n if seq_len is None else seq_len
+    expected = shard_positions(seq_len, n, comm.rank, layout)
+    if not torch.equal(positions, expected):
+        raise ValueError(f"ring attention: positions must be this rank's {layout} shard of a sequence of "
+                         f"{seq_len} tokens ({expected.tolist()[:4]}...), got {positions.tolist()[:4]}...")
+    if n == 1:
+        return causal_attention(q, k, v, positions, positions)
+    return RingAttention.apply(q, k, v, positions, comm, seq_len, layout)
+
+
+# ----------------------------------------------------------------------------- Ulysses
+class SeqToHeads(torch.autograd.Function):
+    """All-to-all (b, heads, s/N, d) -> (b, heads/N, s, d): send head group j to rank j,
+    receive every rank's sequence shard of my heads. Backward: the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _seq_to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g.contiguous(), ctx.comm), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """The inverse: (b, heads/N, s, d) -> (b, heads, s/N, d). Backward: SeqToHeads."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _heads_to_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g.contiguous(), ctx.comm), None
+
+
+def _seq_to_heads(x, comm):
+    n = comm.size
+    b, h, s, d = x.shape
+    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()   # (N, b, h/N, s/N, d): row j -> rank j
+    recv = torch.empty_like(send)                                       # row j: rank j's tokens
+    comm.all_to_all_single(recv, send, name="ulysses seq->heads")
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)     # (b, h/N, s, d)
+
+
+def _heads_to_seq(x, comm):
+    n = comm.size
+    b, h, s, d = x.shape
+    send = x.reshape(b, h, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()  # (N, b, h/N, s/N, d)
+    recv = torch.empty_like(send)                                       # row j: head group j
+    comm.all_to_all_single(recv, send, name="ulysses heads->seq")
+    return recv.transpose(0, 1).reshape(b, n * h, s // n, d)           # (b, h, s/N, d)
+
+
+def ulysses_attention(q, k, v, positions, comm):
+    """DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, all-to-all back.
+    Any layout works: the gathered positions say where every token sits."""
+    n = comm.size
+    a, kv = q.shape[1], k.shape[1]
+    if a % n or kv % n:
+        raise ValueError(f"Ulysses needs the query heads ({a}) and key/value heads ({kv}) divisible by "
+                         f"CP={n}; use ring attention instead")
+    if n == 1:
+        return causal_attention(q, k, v, positions, positions)
+    everyone = torch.empty(n * positions.numel(), dtype=positions.dtype)
+    comm.all_gather_into_tensor(everyone, positions.contiguous(), name="ulysses positions")
+    qh, kh, vh = (SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))  # (b, heads/N, s, d)
+    with trace.span("attention on a/N heads", kind="compute"):
+        y = causal_attention(qh, kh, vh, everyone, everyone)
+    return HeadsToSeq.apply(y.contiguous(), comm)                      # (b, a, s/N, d)
+
+
+# ----------------------------------------------------------------------------- in a model
+class ContextParallelAttention(Attention):
+    """``course_lib.gpt.Attention`` with its core replaced: same weights, same names; only the
+    attention over the sequence talks to the other CP ranks."""
+
+    def forward(self, x, positions=None):                          # (b, s/N, h), positions (s/N,)
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.wq(x).view(b, s, -1, d).transpose(1, 2)           # (b, a, s/N, d)
+        k = self.wk(x).view(b, s, -1, d).transpose(1, 2)           # (b, kv, s/N, d)
+        v = self.wv(x).view(b, s, -1, d).transpose(1, 2)
+        if self.rotary:
+            cos, sin = rotary_rows(self.cos, self.sin, positions, s)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.cp_method == "ring":
+            y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout)
+        else:
+            y = ulysses_attention(q, k, v, positions, self.cp_comm)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def context_parallel(model, comm, method: str = "ring", layout: str = "zigzag"):
+    """Make every ``block.attn`` of ``model`` context-parallel over ``comm`` (in place; the
+    module keeps its parameters and their names). Returns ``model``."""
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"method must be 'ring' or 'ulysses', got {method!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for m in model.modules():
+        if isinstance(m, Attention) and not isinstance(m, ContextParallelAttention):
+            if getattr(m, "attn_dropout", None) is not None and getattr(m.attn_dropout, "p", 0.0):
+                raise ValueError("context parallelism here has no attention dropout (Llama trains without)")
+            m.__class__ = ContextParallelAttention                 # same parameters, new forward
+            m.cp_comm, m.cp_method, m.cp_layout = comm, method, layout
+    return model
+
+
+__all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "shard_sequence",
+           "visible_rows_cols", "block_attention", "merge_partial", "attention_flops", "RingAttention",
+           "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
+           "context_parallel"]
