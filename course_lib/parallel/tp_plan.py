@@ -96,8 +96,6 @@ def _check(model, plan, comm, sequence_parallel):
     """Every split the plan asks for is possible (ValueError naming the constraint), and every
     Linear / Embedding has a place in the plan. Runs before anything is modified."""
     t, r = comm.size, comm.rank
-    if getattr(model, "tensor_parallel", None) is not None:
-        raise ValueError("this model is already tensor-parallel: parallelize it once")
     for name, mod in model.named_modules():
         style = _style(name, plan)
         if style is None and isinstance(mod, (nn.Linear, nn.Embedding)):
@@ -124,6 +122,8 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
     plan = PLAN if plan is None else plan
     comm = tp_comm(mesh)
     t, r, sp = comm.size, comm.rank, bool(sequence_parallel)
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError("this model is already tensor-parallel: parallelize it once")
     _same_model_everywhere(model, comm)
     _check(model, plan, comm, sp)
     device = next(model.parameters()).device

@@ -116,7 +116,8 @@ def vocab_parallel_cross_entropy(logits, targets, comm: Comm, start: int, n_toke
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets must have the shape of logits without the vocabulary axis, "
                          f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
-    logits, targets = logits.float().flatten(0, -2), targets.flatten()    # (N, V_r), (N,)
+    dtype = torch.promote_types(logits.dtype, torch.float32)              # at least fp32 (float64 stays)
+    logits, targets = logits.to(dtype).flatten(0, -2), targets.flatten()  # (N, V_r), (N,)
     per_token = VocabParallelCrossEntropy.apply(logits, targets, comm, start) if comm.size > 1 else \
         F.cross_entropy(logits, targets, reduction="none")
     if n_tokens is None:
