@@ -1,0 +1,158 @@
+"""Our tensor (+ sequence) parallelism next to torch's DTensor version, on the same tiny GPT.
+
+    python benchmarks/tensor_parallel.py                  # TP = 2 and 4, gloo on this machine
+    python benchmarks/tensor_parallel.py --tp 2 --rounds 6 --hidden 256
+
+For each TP size one launch builds four models from the same single-device weights:
+ours (``course_lib.parallel.tp_plan.parallelize``) and torch's
+(``torch.distributed.tensor.parallel.parallelize_module`` with ColwiseParallel /
+RowwiseParallel / SequenceParallel / PrepareModuleInput and ``loss_parallel``: torchtitan's
+Llama plan), each without and with sequence parallelism. A step is forward + backward
+(+ our SP norm-gradient all-reduce) + AdamW. The implementations run in alternating rounds
+(ours, torch's, torch's, ours, ...) so machine noise hits both alike; reported: the median
+step time (slowest rank), the ratio ours / torch's (goal: <= 1.3 at TP = 2 and 4), and the
+bytes one rank handed to the kernel in one step (``/proc/self/io``: every gloo message,
+headers included), next to ``planner.formulas.tp_bytes_per_layer`` x layers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from course_lib.launch import launch  # noqa: E402
+
+
+def dtensor_parallelize(model, t, sp):
+    """torchtitan's Llama plan for our TinyGPT (the same plan tests/test_tensor_parallel.py checks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (t,))
+    seq = Shard(1) if sp else Replicate()
+    parallelize_module(model, mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        **({"norm": SequenceParallel()} if sp else {}),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)})
+    for block in model.blocks:
+        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=seq), "mlp.w1": ColwiseParallel(),
+                "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq)}
+        if sp:
+            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                    desired_input_layouts=(Replicate(), None)),
+                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def bench_rank(cfg, steps, rounds, batch):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from course_lib import trace
+    from course_lib.collectives.measure import bytes_written
+    from course_lib.models import TinyGPT
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.parallel.tp_plan import parallelize, sync_tensor_parallel_grads
+
+    t = dist.get_world_size()
+    mesh = Mesh(tp=t)
+    kinds = ["ours TP", "torch TP", "ours TP+SP", "torch TP+SP"]
+
+    def build(kind):
+        model, sp = TinyGPT(cfg, seed=0), kind.endswith("SP")
+        model = parallelize(model, mesh, sequence_parallel=sp) if kind.startswith("ours") else \
+            dtensor_parallelize(model, t, sp)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    gen = torch.Generator().manual_seed(0)  # the same batch on every rank: TP splits the model, not the data
+    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen) for _ in range(4)]
+
+    def step(kind, model, opt, k):
+        x = data[k % len(data)]
+        with loss_parallel():
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+        if kind.startswith("ours"):
+            sync_tensor_parallel_grads(model)
+        opt.step()
+        opt.zero_grad()
+
+    built = {k: build(k) for k in kinds}
+    sent = {}
+    for k, (model, opt) in built.items():  # warm-up, then one step's bytes
+        for i in range(2):
+            step(k, model, opt, i)
+        dist.barrier()
+        before = bytes_written()
+        step(k, model, opt, 0)
+        after = bytes_written()
+        sent[k] = None if before is None else after - before
+    times = {k: [] for k in kinds}
+    for r in range(rounds):
+        for k in (kinds if r % 2 == 0 else kinds[::-1]):
+            model, opt = built[k]
+            for i in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(k, model, opt, i)
+                elapsed = torch.tensor(time.perf_counter() - t0)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                times[k].append(elapsed.item())
+    trace.reset()
+    return {k: (statistics.median(times[k]), sent[k]) for k in kinds}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    args = parser.parse_args(argv)
+    import torch
+
+    from course_lib.models import GPTConfig, TinyGPT, n_params
+    from course_lib.planner.formulas import tp_bytes_per_layer
+
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq, n_layers=args.layers, hidden=args.hidden,
+                    n_heads=max(4, args.hidden // 64))
+    print(f"TinyGPT (Llama block): {n_params(TinyGPT(cfg)) / 1e6:.2f} M parameters, h={cfg.hidden}, "
+          f"a={cfg.n_heads}, f={cfg.ffn_hidden}, L={cfg.n_layers}, s={cfg.seq_len}, batch {args.batch}, "
+          f"AdamW fp32; torch {torch.__version__}, {os.cpu_count()} cores; median of {args.rounds} x "
+          f"{args.steps} interleaved steps\n")
+    print(f"{'tp':>3}  {'implementation':<13}{'median step':>12}{'ours/torch':>11}{'bytes/rank/step':>17}"
+          f"{'formula (layers)':>18}")
+    goals = []
+    for t in args.tp:
+        res = launch(bench_rank, t, cfg, args.steps, args.rounds, args.batch, timeout=1800)
+        for mode in ("TP", "TP+SP"):
+            formula = cfg.n_layers * tp_bytes_per_layer(cfg.seq_len, args.batch, cfg.hidden, t,
+                                                        sp=mode == "TP+SP", dtype_bytes=4)
+            ours, theirs = f"ours {mode}", f"torch {mode}"
+            for k in (ours, theirs):
+                step_t = statistics.median(r[k][0] for r in res)
+                sent = res[0][k][1]
+                ratio = step_t / statistics.median(r[theirs][0] for r in res)
+                print(f"{t:>3}  {k:<13}{step_t * 1e3:>10.1f}ms{ratio:>10.2f}x"
+                      f"{'n/a' if sent is None else f'{sent:,}':>17}{formula:>18,.0f}")
+            goals.append((t, mode, statistics.median(r[ours][0] for r in res) /
+                          statistics.median(r[theirs][0] for r in res)))
+    print("\ngoal (ours <= 1.3x torch's step time): " +
+          "; ".join(f"TP={t} {m}: {ratio:.2f}x {'met' if ratio <= 1.3 else 'NOT met'}" for t, m, ratio in goals))
+
+
+if __name__ == "__main__":
+    main()
