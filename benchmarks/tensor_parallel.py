@@ -27,32 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from course_lib.launch import launch  # noqa: E402
 
 
-def dtensor_parallelize(model, t, sp):
-    """torchtitan's Llama plan for our TinyGPT (the same plan tests/test_tensor_parallel.py checks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    mesh = init_device_mesh("cpu", (t,))
-    seq = Shard(1) if sp else Replicate()
-    parallelize_module(model, mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        **({"norm": SequenceParallel()} if sp else {}),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)})
-    for block in model.blocks:
-        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=seq), "mlp.w1": ColwiseParallel(),
-                "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq)}
-        if sp:
-            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                    desired_input_layouts=(Replicate(), None)),
-                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-        parallelize_module(block, mesh, plan)
-    return model
-
-
 def bench_rank(cfg, steps, rounds, batch):
     import torch
     import torch.distributed as dist
@@ -62,7 +36,7 @@ def bench_rank(cfg, steps, rounds, batch):
     from course_lib.collectives.measure import bytes_written
     from course_lib.models import TinyGPT
     from course_lib.parallel.mesh import Mesh
-    from course_lib.parallel.tp_plan import parallelize, sync_tensor_parallel_grads
+    from course_lib.parallel.tp_plan import parallelize, sync_tensor_parallel_grads, torch_parallelize
 
     t = dist.get_world_size()
     mesh = Mesh(tp=t)
@@ -71,7 +45,7 @@ def bench_rank(cfg, steps, rounds, batch):
     def build(kind):
         model, sp = TinyGPT(cfg, seed=0), kind.endswith("SP")
         model = parallelize(model, mesh, sequence_parallel=sp) if kind.startswith("ours") else \
-            dtensor_parallelize(model, t, sp)
+            torch_parallelize(model, t, sp)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     gen = torch.Generator().manual_seed(0)  # the same batch on every rank: TP splits the model, not the data

@@ -242,32 +242,6 @@ def test_activation_bytes_per_rank_equal_korthikanti(measured, t):
 # ----------------------------------------------------------------------------- torch's own version
 
 
-def dtensor_parallelize(model, t, sp):
-    """torch.distributed.tensor.parallel on the same model: torchtitan's Llama plan."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    mesh = init_device_mesh("cpu", (t,))
-    seq = Shard(1) if sp else Replicate()
-    parallelize_module(model, mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        **({"norm": SequenceParallel()} if sp else {}),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)})
-    for block in model.blocks:
-        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=seq), "mlp.w1": ColwiseParallel(),
-                "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq)}
-        if sp:
-            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                    desired_input_layouts=(Replicate(), None)),
-                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-        parallelize_module(block, mesh, plan)
-    return model
-
-
 def _ours_and_dtensor():
     """Two AdamW steps of the same model, ours and DTensor's: losses and whole gradients."""
     import torch.distributed as dist
@@ -275,13 +249,13 @@ def _ours_and_dtensor():
     from torch.distributed.tensor.parallel import loss_parallel
 
     from course_lib.parallel.mesh import Mesh
-    from course_lib.parallel.tp_plan import local_shards, parallelize, sync_tensor_parallel_grads
+    from course_lib.parallel.tp_plan import local_shards, parallelize, sync_tensor_parallel_grads, torch_parallelize
 
     t, cfg = dist.get_world_size(), CONFIGS[2][0]
     out = {}
     for sp in (False, True):
         ours = parallelize(TinyGPT(cfg, seed=0).double(), Mesh(tp=t), sequence_parallel=sp)
-        theirs = dtensor_parallelize(TinyGPT(cfg, seed=0).double(), t, sp)
+        theirs = torch_parallelize(TinyGPT(cfg, seed=0).double(), t, sp)
         theirs.loss = _f64_loss
         runs = {}
         for name, model in (("ours", ours), ("torch", theirs)):
@@ -376,3 +350,62 @@ def test_bad_input_is_a_clear_error_on_every_rank_not_a_hang():
     for rank, out in enumerate(launch(_bad_inputs, 3, timeout=60)):
         for name, fragment in expected.items():
             assert out[name] is not None and fragment in out[name], (rank, name, out[name])
+
+
+# ----------------------------------------------------------------------------- the layers alone
+
+
+def _layers_alone():
+    """Megatron's MLP from two nn.Linear (GeLU between), the gathered column output, the
+    vocabulary-parallel loss (uneven vocabulary, ignored targets) with its gradient."""
+    import torch.distributed as dist
+
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from course_lib.parallel.vocab_parallel import shard_range, vocab_parallel_cross_entropy
+
+    comm, g = Comm(dim="tp"), torch.Generator().manual_seed(0)
+    torch.manual_seed(dist.get_rank())
+    fc, proj = torch.nn.Linear(8, 12).double(), torch.nn.Linear(12, 8).double()
+    with torch.no_grad():
+        for p in (*fc.parameters(), *proj.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))                  # the same layers on every rank
+    x = torch.randn(3, 5, 8, generator=g).double()
+    col, row = ColumnParallelLinear(fc, comm), RowParallelLinear(proj, comm)
+    xin = x.clone().requires_grad_()
+    y = row(F.gelu(col(xin)))
+    y.square().sum().backward()
+    whole = ColumnParallelLinear(fc, comm, gather_output=True)(x)
+    logits = torch.randn(3, 5, 10, generator=g)                         # V = 10 over 3 ranks: 4, 3, 3
+    targets = torch.randint(0, 10, (3, 5), generator=g)
+    targets[0, :2] = -100
+    start, stop = shard_range(10, comm.size, comm.rank)
+    mine = logits[..., start:stop].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, targets, comm, start)
+    loss.backward()
+    return y.detach(), xin.grad, col.weight.grad, row.weight.grad, whole, loss.detach(), mine.grad, (start, stop)
+
+
+def test_megatron_mlp_and_vocab_parallel_loss_equal_one_device():
+    results = launch(_layers_alone, 3, timeout=60)
+    g = torch.Generator().manual_seed(0)
+    fc, proj = torch.nn.Linear(8, 12).double(), torch.nn.Linear(12, 8).double()
+    with torch.no_grad():
+        for p in (*fc.parameters(), *proj.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(3, 5, 8, generator=g).double().requires_grad_()
+    y = proj(F.gelu(fc(x)))
+    y.square().sum().backward()
+    logits = torch.randn(3, 5, 10, generator=g).requires_grad_()
+    targets = torch.randint(0, 10, (3, 5), generator=g)
+    targets[0, :2] = -100
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())   # mean over the 13 counted tokens
+    loss.backward()
+    for r, (yr, gx, gfc, gproj, whole, lr, glog, (a, b)) in enumerate(results):
+        torch.testing.assert_close(yr, y.detach())                                   # g: the whole output
+        torch.testing.assert_close(gx, x.grad)                                       # f: the whole gradient
+        torch.testing.assert_close(gfc, fc.weight.grad[4 * r:4 * r + 4])             # my rows
+        torch.testing.assert_close(gproj, proj.weight.grad[:, 4 * r:4 * r + 4])      # my columns
+        torch.testing.assert_close(whole, fc(x).detach())                            # gathered: all of Y
+        torch.testing.assert_close(lr, loss.detach())
+        torch.testing.assert_close(glog, logits.grad[..., a:b])

@@ -235,4 +235,34 @@ def assemble(per_rank) -> dict:
     return full
 
 
-__all__ = ["PLAN", "parallelize", "sync_tensor_parallel_grads", "local_shards", "assemble", "tp_comm"]
+def torch_parallelize(model, t, sequence_parallel=False):
+    """The same split with torch's own tensor parallelism (``torch.distributed.tensor.parallel``
+    on DTensor, torchtitan's Llama plan): ColwiseParallel / RowwiseParallel on the weights,
+    SequenceParallel on the norms, PrepareModuleInput where a region starts. Llama blocks;
+    run forward and backward inside ``loss_parallel()`` (the logits stay vocabulary-split)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (t,))
+    seq = Shard(1) if sequence_parallel else Replicate()  # the activations between the regions
+    parallelize_module(model, mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)})
+    for block in model.blocks:
+        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=seq), "mlp.w1": ColwiseParallel(),
+                "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq)}
+        if sequence_parallel:
+            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                    desired_input_layouts=(Replicate(), None)),
+                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+__all__ = ["PLAN", "parallelize", "sync_tensor_parallel_grads", "local_shards", "assemble", "tp_comm",
+           "torch_parallelize"]
