@@ -1,0 +1,187 @@
+"""Run any valid pipeline schedule (``schedules.validate``) on real ranks, one action at a time.
+
+    result = run_schedule(actions_of_this_rank, stages, comm, p=4, m=8, inputs=..., targets=...,
+                          loss_fn=..., act_shape=(b, s, h))
+    result.losses, result.peak_activation_bytes
+
+Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s on pp rank
+s % p). Messages go through the pipeline's :class:`~course_lib.collectives.comm.Comm`
+(group ranks, bytes counted in its TrafficCounter) with a tag per (kind, stage,
+micro-batch), so an activation and a gradient travelling between the same two ranks can
+never be confused, whatever order the schedule posts them in. Receives block (traced as
+``comm`` spans: a rank waiting there is the bubble); sends are posted and waited at the
+end of the step.
+
+The zero-bubble split (Qi et al. 2023): ``B`` computes the gradient of the stage's input
+and of every Linear layer's *output* (one backward pass through the activations, no
+weight GEMM), keeping each Linear's input and output gradient; ``W`` later does the
+weight GEMMs ``dW = dy^T x`` (and ``db = sum dy``). The few other parameters (norm weights,
+embeddings) get their gradients in ``B``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib import trace
+from course_lib.memory import storage_bytes
+from course_lib.parallel.schedules import Action
+
+
+@dataclass
+class StepResult:
+    losses: dict = field(default_factory=dict)        # micro-batch -> loss (last stage only)
+    peak_activation_bytes: int = 0                    # saved for backward, at the worst moment
+    bytes_sent: int = 0
+    messages: int = 0
+
+
+def _tag(kind: str, stage: int, mb: int, n_stages: int, m: int) -> int:
+    return ((kind == "grad") * n_stages + stage) * m + mb
+
+
+class _Saved:
+    """What autograd saves during one forward (storages, parameters excluded)."""
+
+    def __init__(self, params):
+        self.params = {id(p.untyped_storage()) for p in params}
+        self.tensors = []
+
+    def pack(self, t):
+        if id(t.untyped_storage()) not in self.params:
+            self.tensors.append(t)
+        return t
+
+    def bytes(self):
+        return storage_bytes(self.tensors)
+
+
+def _linears(module):
+    return [mod for mod in module.modules() if isinstance(mod, nn.Linear)]
+
+
+def _accumulate(p, g):
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad += g
+
+
+def backward_input(y, dy, x, record):
+    """B: gradients of the stage input ``x`` and of each Linear output recorded in the
+    forward, in one pass; non-Linear parameters get their gradient now. Returns (dx, for_w)
+    where ``for_w`` = [(linear, its input, grad of its output)] for :func:`backward_weight`."""
+    calls, others = record["calls"], record["others"]
+    wanted = ([x] if x is not None else []) + [out for _, _, out in calls] + others
+    grads = torch.autograd.grad(y, wanted, dy, allow_unused=True)
+    k = 1 if x is not None else 0
+    for p, g in zip(others, grads[k + len(calls):]):
+        _accumulate(p, g)
+    for_w = [(mod, inp, g) for (mod, inp, _), g in zip(calls, grads[k:k + len(calls)]) if g is not None]
+    return (grads[0] if x is not None else None), for_w
+
+
+def backward_weight(for_w):
+    """W: the weight-gradient GEMMs of every Linear, from what B kept."""
+    for mod, inp, dout in for_w:
+        dout2, inp2 = dout.reshape(-1, dout.shape[-1]), inp.reshape(-1, inp.shape[-1])
+        if mod.weight.requires_grad:
+            _accumulate(mod.weight, dout2.t() @ inp2)        # (out, in)
+        if mod.bias is not None and mod.bias.requires_grad:
+            _accumulate(mod.bias, dout2.sum(0))
+
+
+def run_schedule(actions, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
+                 loss_fn=None, act_shape=None, act_dtype=torch.float32) -> StepResult:
+    """Run this rank's ``actions`` [(op, stage, mb), ...] on its ``stages`` {stage: module}.
+
+    inputs / targets: the m micro-batches (needed where stage 0 / stage p*v - 1 live).
+    loss_fn(output, target) -> the micro-batch's loss, already scaled for the whole step
+    (e.g. summed over tokens / the global token count): gradients accumulate over micro-batches.
+    act_shape: the shape of every activation sent between stages (one micro-batch).
+    """
+    n_stages = p * v
+    me = comm.rank
+    for s in stages:
+        if s % p != me:
+            raise ValueError(f"stage {s} lives on pp rank {s % p}, but rank {me} was given it")
+    actions = [Action(*a) for a in actions]     # validated by the caller, on every rank
+    split = {(s, mb) for op, s, mb in actions if op == "W"}
+    state, sends, live, out = {}, [], {}, StepResult()
+    counter = comm.counter
+    sent0 = counter.bytes_sent if counter is not None else 0
+    msgs0 = counter.messages_sent if counter is not None else 0
+
+    def send(t, stage_to, kind, s, mb):
+        t = t.detach().contiguous()
+        if counter is not None:
+            counter.bytes_sent += t.numel() * t.element_size()
+            counter.messages_sent += 1
+        sends.append((dist.isend(t, comm.ranks[stage_to % p], group=comm.group,
+                                 tag=_tag(kind, s, mb, n_stages, m)), t))
+
+    def recv(stage_from, kind, s, mb, like=None):
+        buf = torch.empty(act_shape, dtype=act_dtype) if like is None else torch.empty_like(like)
+        if counter is not None:
+            counter.bytes_received += buf.numel() * buf.element_size()
+        with trace.span(f"recv {kind} {mb}", "comm", "pp"):
+            dist.irecv(buf, comm.ranks[stage_from % p], group=comm.group, tag=_tag(kind, s, mb, n_stages, m)).wait()
+        return buf
+
+    for op, s, mb in actions:
+        module = stages[s]
+        if op == "F":
+            x = inputs[mb] if s == 0 else recv(s - 1, "act", s, mb).requires_grad_()
+            saved, record = _Saved(module.parameters()), {"calls": []}
+            hooks = []
+            if (s, mb) in split:     # remember each Linear call's input and output for B and W
+                hooks = [lin.register_forward_hook(lambda mod, a, o: record["calls"].append((mod, a[0], o)))
+                         for lin in _linears(module)]
+                in_linear = {id(q) for lin in _linears(module) for q in lin.parameters()}
+                record["others"] = [q for q in module.parameters() if q.requires_grad and id(q) not in in_linear]
+            with trace.span(f"F{mb}" + (f"@{s}" if s else ""), "compute", "pp"), \
+                    torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                y = module(x)
+                if s == n_stages - 1:
+                    y = loss_fn(y, targets[mb])
+                    out.losses[mb] = float(y.detach())
+            for h in hooks:
+                h.remove()
+            live[(s, mb)] = saved.bytes()
+            out.peak_activation_bytes = max(out.peak_activation_bytes, sum(live.values()))
+            if s < n_stages - 1:
+                send(y, s + 1, "act", s + 1, mb)
+            state[(s, mb)] = (x if s > 0 else None, y, record)
+        elif op == "B":
+            x, y, record = state[(s, mb)]
+            dy = None if s == n_stages - 1 else recv(s + 1, "grad", s, mb, like=y)
+            with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
+                if (s, mb) in split:
+                    dx, for_w = backward_input(y, dy, x, record)
+                    state[(s, mb)] = for_w
+                    live[(s, mb)] = storage_bytes([t for _, i, g in for_w for t in (i, g)])
+                else:
+                    torch.autograd.backward(y, dy)
+                    dx = None if x is None else x.grad
+                    del state[(s, mb)]
+                    del live[(s, mb)]
+            if s > 0:
+                send(dx, s - 1, "grad", s - 1, mb)
+        else:  # W
+            with trace.span(f"W{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
+                backward_weight(state.pop((s, mb)))
+            del live[(s, mb)]
+    with trace.span("wait sends", "comm", "pp"):
+        for work, _ in sends:
+            work.wait()
+    if counter is not None:
+        out.bytes_sent, out.messages = counter.bytes_sent - sent0, counter.messages_sent - msgs0
+    return out
+
+
+__all__ = ["run_schedule", "StepResult", "backward_input", "backward_weight"]
