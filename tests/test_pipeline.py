@@ -1,0 +1,207 @@
+"""course_lib/parallel/pipeline.py (+ schedules.py, pipeline_executor.py): every schedule equal
+to one device (losses, gradients through the parameters, parameters) over 5 steps, p = 2, 3, 4,
+m = 1..8 (m < p too), tied embeddings, DP around PP, and torch.distributed.pipelining.
+Few launches, each running many configurations."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import course_lib
+from course_lib import reference
+from course_lib.models import GPTConfig, TinyGPT
+from course_lib.parallel import schedules as S
+from course_lib.parallel.mesh import Mesh
+from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, partition_layers
+
+STEPS = 5
+
+
+def _cfg(tied):
+    return GPTConfig(vocab_size=32, seq_len=8, n_layers=8, hidden=16, n_heads=2, tie_embeddings=tied)
+
+
+def _equal_to_one_device(dp, pp, configs, batch=24):
+    """On every rank: train each (schedule, m, v, tied) for STEPS steps, compare with one device."""
+    mesh = Mesh(dp=dp, pp=pp)
+    out = []
+    for sched, m, v, tied in configs:
+        cfg = _cfg(tied)
+        batches = reference.gpt_batches(cfg, batch=batch, steps=STEPS)
+        ref = TinyGPT(cfg, seed=0)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        state, ref_losses = reference.train_gpt(ref, batches, ropt, micro=m * dp)
+        pipe = PipelineParallel(TinyGPT(cfg, seed=0), mesh, sched, microbatches=m, v=v)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        losses, d = [], mesh.coord["dp"]
+        for x, y in batches:
+            rows = slice(d * batch // dp, (d + 1) * batch // dp)   # this replica's rows
+            losses.append(pipe.step(x[rows], y[rows], n_tokens=y.numel()))
+            opt.step()
+            opt.zero_grad()
+        worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        for st in pipe.stages.values():
+            for name, q in st.named_in_model().items():
+                worst = max(worst, (q.detach() - state[name]).abs().max().item())
+        out.append((sched, m, v, tied, worst))
+    return out
+
+
+def _suite(jobs):
+    """Several checks in one launch (starting ranks costs more than a small run)."""
+    out = {}
+    for name, fn, args in jobs:
+        out[name] = fn(*args)
+    return out
+
+
+def _check(rows):
+    for sched, m, v, tied, worst in rows:
+        assert worst < 2e-5, f"{sched} m={m} v={v} tied={tied}: differs from one device by {worst}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    configs = [("gpipe", 1, 1, True), ("gpipe", 3, 1, False), ("1f1b", 2, 1, True), ("1f1b", 8, 1, False),
+               ("zb-h1", 1, 1, False), ("zb-h1", 4, 1, True), ("zb-h1", 8, 1, True),
+               ("interleaved", 4, 2, True), ("interleaved", 2, 4, False)]
+    torch_configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1)]
+    jobs = [("equal", _equal_to_one_device, (1, 2, configs)), ("torch", _same_as_torch, (torch_configs,)),
+            ("bad", _bad_ranks, ())]
+    return course_lib.launch(_suite, 2, jobs, timeout=180)
+
+
+def test_p2_every_schedule_and_m(two_ranks):
+    for rank in two_ranks:
+        _check(rank["equal"])
+
+
+def test_p3_m_below_p():
+    configs = [("gpipe", 2, 1, True), ("1f1b", 1, 1, True), ("zb-h1", 6, 1, False), ("interleaved", 3, 2, True)]
+    for rank in course_lib.launch(_equal_to_one_device, 3, 1, 3, configs, timeout=180):
+        _check(rank)
+
+
+def test_p4_and_dp_around_pp():
+    configs4 = [("gpipe", 6, 1, False), ("1f1b", 2, 1, True), ("zb-h1", 3, 1, True), ("interleaved", 4, 2, True)]
+    configs22 = [("1f1b", 2, 1, True), ("zb-h1", 3, 1, True), ("interleaved", 2, 2, True)]
+    jobs = [("p4", _equal_to_one_device, (1, 4, configs4)), ("dp2pp2", _equal_to_one_device, (2, 2, configs22))]
+    for rank in course_lib.launch(_suite, 4, jobs, timeout=180):
+        _check(rank["p4"])
+        _check(rank["dp2pp2"])
+
+
+def _same_as_torch(configs):
+    mesh = Mesh(pp=dist.get_world_size())
+    out = []
+    for sched, m, v in configs:
+        cfg = _cfg(False)
+        batches = reference.gpt_batches(cfg, batch=8, steps=3)
+        runs = []
+        for cls in (PipelineParallel, TorchPipeline):
+            pipe = cls(TinyGPT(cfg, seed=0), mesh, sched, microbatches=m, v=v)
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+            losses = []
+            for x, y in batches:
+                losses.append(pipe.step(x, y, n_tokens=y.numel()))
+                opt.step()
+                opt.zero_grad()
+            runs.append((losses, [q.detach().clone() for st in pipe.stages.values() for q in st.parameters()]))
+        ours, theirs = runs
+        worst = max((a - b).abs().max().item() for a, b in zip(ours[1], theirs[1]))
+        if mesh.coord["pp"] == mesh.sizes["pp"] - 1:    # torch reports losses on the last stage
+            worst = max([worst] + [abs(a - b) for a, b in zip(ours[0], theirs[0])])
+        out.append((sched, m, v, worst))
+    return out
+
+
+def test_same_as_torch_pipelining(two_ranks):
+    for rank in two_ranks:
+        for sched, m, v, worst in rank["torch"]:
+            assert worst < 1e-5, f"{sched}: ours and torch.distributed.pipelining differ by {worst}"
+
+
+# ---------------------------------------------------------------- schedules as data (no ranks)
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 8), (4, 16)])
+def test_simulated_bubble_matches_formula(p, m):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        if name == "interleaved" and m % p:
+            continue
+        if name == "zb-h1" and m < p:   # no steady state: the formula assumes m >= p
+            continue
+        sched = S.make_schedule(name, p, m, v)
+        spans = S.simulate(sched, p, v)
+        assert S.bubble(spans) == pytest.approx(S.formula_bubble(name, p, m, v), abs=1e-9), name
+
+
+def test_simulated_bubble_matches_planner():
+    from course_lib.planner import HARDWARE, Layout, ModelSpec, simulate
+    ideal = HARDWARE["h100-sxm"].with_(nvlink_latency=0, network_latency=0, nvlink_bandwidth=1e30,
+                                       network_bandwidth=1e30, elementwise_passes=0)
+    even = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        sim = simulate(even, ideal, Layout(pp=4, schedule=name, v=v, global_batch=8))
+        ours = S.simulate(S.make_schedule(name, 4, 8, v), 4, v)
+        assert S.bubble(ours) == pytest.approx(sim.bubble(0), abs=3e-3)
+
+
+def test_activation_peaks():
+    p, m = 4, 8
+    assert [S.in_flight(r) for r in S.gpipe(p, m)] == [m] * p
+    assert [S.in_flight(r) for r in S.one_f_one_b(p, m)] == [4, 3, 2, 1]
+    assert [S.in_flight(r) for r in S.zero_bubble_h1(p, m)] == [p] * p   # 1F1B's first-stage peak
+
+
+def test_validator_names_the_first_bad_action():
+    good = S.one_f_one_b(2, 2)
+    assert S.validate(good, 2, 2) == good
+    cases = [
+        ([[("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)],
+          [("F", 1, 1), ("B", 1, 1), ("F", 1, 0), ("B", 1, 0)]], "deadlock: rank 0, action 1 B0"),
+        ([[("B", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("B", 1, 0)]], "rank 0, action 0 B0: B of stage 0"),
+        ([[("F", 0, 0), ("B", 0, 0)], [("F", 1, 0)]], "rank 1: B of stage 1, micro-batch 0 is missing"),
+        ([[("F", 1, 0)], []], "stage 1 lives on rank 1"),
+        ([[("X", 0, 0)], []], "op 'X'"),
+        ([[("F", 0, 0), ("F", 0, 0)], []], "runs twice"),
+        ([[("F", 0, 0), ("B", 0, 0)]], "expected 2 lists"),
+        ([[("F", 0, 5)], []], "micro-batch 5 is outside"),
+    ]
+    for sched, message in cases:
+        m = 2 if message.startswith(("deadlock", "micro-batch 5")) else 1
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            S.validate(sched, 2, m)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="more pipeline stages"):
+        partition_layers(3, 4)
+    with pytest.raises(ValueError, match="multiple of p"):
+        S.interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="m \\(micro-batches\\)"):
+        S.one_f_one_b(2, 0)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        S.make_schedule("pipedream", 2, 2)
+    assert [list(r) for r in partition_layers(10, 4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+
+
+def _bad_ranks():
+    out = []
+    for make in (lambda: Mesh(pp=3),                                       # 2 ranks, mesh of 3
+                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "interleaved", 3, v=2),
+                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "1f1b", 4, v=1).step(
+                     torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long), 48),
+                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), S.one_f_one_b(3, 2), 2)):
+        try:
+            make()
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_bad_input_on_ranks(two_ranks):
+    msgs = two_ranks[0]["bad"]
+    assert "world has 2 ranks" in msgs[0]
+    assert "multiple of p" in msgs[1]
+    assert "does not cut into microbatches=4" in msgs[2]
+    assert "expected 2 lists" in msgs[3]
