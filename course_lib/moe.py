@@ -1,0 +1,99 @@
+"""A mixture-of-experts MLP on one device: the reference expert parallelism is checked against.
+
+    moe = MoE(hidden=16, ffn=32, n_experts=4, top_k=2, capacity_factor=1.25, seed=0)
+    y, aux = moe(x, groups=2)        # x (T, h) -> y (T, h); aux: load-balancing loss
+
+Routing (Switch Transformer / GShard): a linear router gives each token a softmax over the
+E experts; the token goes to its top-k experts, its output is the sum of their outputs
+weighted by their router probabilities. Each expert takes at most
+``capacity = ceil(capacity_factor * T_group * k / E)`` tokens of a group; assignments are
+served first choices first, then in token order, and the rest are **dropped** (output 0
+for that choice: the residual connection carries the token). ``groups``: the tokens are
+routed in ``groups`` equal groups, capacity and auxiliary loss computed per group (GShard's
+groups): with expert parallelism, a group is one rank's tokens.
+
+Auxiliary loss (Switch, eq. 4): ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the
+group's assignments routed to expert e (before dropping) and ``P_e`` the mean router
+probability of e; 1 when balanced, E when one expert takes everything. Averaged over groups.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Expert(nn.Module):
+    """One expert: a GeLU MLP h -> ffn -> h."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):  # (n, h) -> (n, h)
+        return self.w2(F.gelu(self.w1(x)))
+
+
+def check_moe_config(n_experts, top_k, capacity_factor):
+    if n_experts < 1:
+        raise ValueError(f"n_experts must be >= 1, got {n_experts}")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({n_experts})")
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+
+
+def capacity(tokens, n_experts, top_k, capacity_factor) -> int:
+    """Most tokens an expert takes from a group of ``tokens``."""
+    return math.ceil(capacity_factor * tokens * top_k / n_experts)
+
+
+def route(logits, top_k, capacity_factor):
+    """logits (T, E) -> expert (T, k), weight (T, k), keep (T, k) bool, counts (E,), aux.
+
+    keep: the assignment fits in its expert's capacity (first choices first, then by token);
+    counts: assignments per expert before dropping."""
+    T, E = logits.shape
+    probs = F.softmax(logits, dim=-1)                              # (T, E)
+    weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
+    flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
+    one_hot = F.one_hot(flat, E)                                   # (k*T, E)
+    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
+    keep = (slot < capacity(T, E, top_k, capacity_factor)).view(top_k, T).t()   # (T, k)
+    counts = one_hot.sum(0)                                        # (E,)
+    aux = E * ((counts.float() / (T * top_k)) * probs.mean(0)).sum()
+    return expert, weight, keep, counts, aux
+
+
+class MoE(nn.Module):
+    """Router + E experts on one device (see the module docstring)."""
+
+    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0):
+        super().__init__()
+        check_moe_config(n_experts, top_k, capacity_factor)
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        g = torch.Generator().manual_seed(seed)
+        self.router = nn.Linear(hidden, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_experts))
+        with torch.no_grad():  # one generator, in registration order: the same on every rank
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
+
+    def forward(self, x, groups: int = 1):  # x (T, h) -> (T, h), aux loss
+        if x.shape[0] % groups:
+            raise ValueError(f"{x.shape[0]} tokens do not cut into {groups} equal groups")
+        ys, auxes = [], []
+        for xg in x.chunk(groups):
+            expert, weight, keep, _, aux = route(self.router(xg), self.top_k, self.capacity_factor)
+            y = torch.zeros_like(xg)
+            for e, net in enumerate(self.experts):
+                tok, j = torch.nonzero((expert == e) & keep, as_tuple=True)
+                y = y.index_add(0, tok, net(xg[tok]) * weight[tok, j, None])
+            ys.append(y)
+            auxes.append(aux)
+        return torch.cat(ys), torch.stack(auxes).mean()
+
+
+__all__ = ["Expert", "MoE", "route", "capacity", "check_moe_config"]
