@@ -169,7 +169,8 @@ class ShardedUnit:
         only, then T flags "this rank used trainable parameter j" in every rank's chunk: summed
         by the same reduce-scatter, they say which parameters some rank used."""
         packed = grad_full.new_empty(self.world, self.grad_numel + len(self.trainable_slots), dtype=dtype)
-        packed[:, self.grad_numel:] = torch.tensor([float(self.used[i]) for i in self.trainable_slots])
+        used = [float(self.used[i]) for i in self.trainable_slots]
+        packed[:, self.grad_numel:] = torch.tensor(used, device=packed.device)
         for s in self.slots:
             if s.grad_offset >= 0:
                 start = self.world * s.offset
