@@ -178,7 +178,8 @@ class RowParallelLinear(nn.Module):
 
     output="reduce"          ``g``: all-reduce forward (identity backward): every rank has Y
     output="reduce_scatter"  ``g-bar`` transpose (SP): each rank keeps its s/t tokens of Y
-    output="partial"         no collective: a partial sum (wrong unless the caller sums it)
+    output="partial"         no collective, no bias: a partial sum (wrong unless the caller sums
+                             it and adds the bias once)
 
     The bias is added once, after the sum (added before, it would count t times).
     """
@@ -212,6 +213,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_parallel(y, self.comm)                              # g
         elif self.output == "reduce_scatter":
             y = scatter_to_sequence_parallel(y, self.comm, dim=1)               # g-bar transpose
+        else:
+            return y
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
