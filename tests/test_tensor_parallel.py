@@ -4,7 +4,8 @@ vocab_parallel.py): the tiny GPT, sliced over t ranks, trains exactly like one d
 K/V heads split or copied; an uneven vocabulary; tied embeddings); dropout draws the same
 mask where the activations are replicated and independent ones where they are sharded;
 bytes per layer = the formula; activation bytes per rank = Korthikanti's formula; torch's
-DTensor tensor parallelism gives the same numbers; bad input is a ValueError on every rank."""
+DTensor tensor parallelism gives the same numbers; bad input is a ValueError on every rank;
+on a dp x tp mesh, GradSync (reading the SP marks) makes it data-parallel too."""
 import functools
 
 import pytest
@@ -409,3 +410,49 @@ def test_megatron_mlp_and_vocab_parallel_loss_equal_one_device():
         torch.testing.assert_close(whole, fc(x).detach())                            # gathered: all of Y
         torch.testing.assert_close(lr, loss.detach())
         torch.testing.assert_close(glog, logits.grad[..., a:b])
+
+
+# ----------------------------------------------------------------------------- with data parallelism
+
+
+def _dp_tp_train(cfg):
+    """Mesh(dp=2, tp=2): each data-parallel replica a TP pair on half the batch; GradSync sums
+    every gradient over its reduce dims (dp; the SP marks over dp and tp). Without and with SP."""
+    from course_lib.parallel.grad_sync import GradSync
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.parallel.tp_plan import local_shards, parallelize
+
+    mesh, out = Mesh(dp=2, tp=2), {}
+    mine = slice(mesh.coord["dp"] * BATCH // 2, (mesh.coord["dp"] + 1) * BATCH // 2)
+    for sp in (False, True):
+        model = parallelize(TinyGPT(cfg, seed=0).double(), mesh, sequence_parallel=sp)
+        sync = GradSync(model.parameters(), mesh, divisor=1)  # the loss is over the global token count
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        losses = []
+        for x, y in gpt_batches(cfg, batch=BATCH, steps=STEPS):
+            _, loss = model(x[mine], y[mine], n_tokens=y.numel())
+            loss.backward()
+            sync.start()
+            sync.finish()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[sp] = (losses, local_shards(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp_tp_runs():
+    return launch(_dp_tp_train, 4, CONFIGS[2][0], timeout=120)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["dp2xtp2", "dp2xtp2+sp"])
+def test_composes_with_data_parallel_grad_sync(dp_tp_runs, sp):
+    results = [r[sp] for r in dp_tp_runs]
+    ref_losses, _, ref_params = reference(2, 0)
+    for dp in (0, 1):                                           # ranks (0, 1) and (2, 3): one replica each
+        full = assemble([r[1] for r in results[2 * dp:2 * dp + 2]])
+        for name in ref_params:
+            torch.testing.assert_close(full[name], ref_params[name], rtol=1e-9, atol=1e-12, msg=name)
+    total = [results[0][0][k] + results[2][0][k] for k in range(STEPS)]   # the replicas' shares of the loss
+    torch.testing.assert_close(torch.tensor(total), torch.tensor(ref_losses), rtol=1e-12, atol=0)
