@@ -19,6 +19,10 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from colab_cell import COLAB_CELL  # noqa: E402
+
+COLAB_SETUP_FIRST_LINE = COLAB_CELL.splitlines()[0]
 
 
 def run(path: str, timeout: int = 600) -> float:
@@ -32,6 +36,12 @@ def run(path: str, timeout: int = 600) -> float:
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
+    # The Colab setup cell stays first but is not shown in the rendered book (CONTRIBUTING.md).
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "code" and first.source.startswith(COLAB_SETUP_FIRST_LINE):
+        tags = first.metadata.setdefault("tags", [])
+        if "remove-cell" not in tags:
+            tags.append("remove-cell")
     nbformat.write(nb, path)
     return elapsed
 

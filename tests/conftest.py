@@ -37,10 +37,11 @@ class NbvalRun:
         return self.cells.get(code_cell, "not run")
 
 
-def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT) -> NbvalRun:
+def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, env: dict | None = None) -> NbvalRun:
     """``pytest --nbval`` (strict: every output compared, sanitized) or ``--nbval-lax``
     (only check cells compared) on one notebook, in a subprocess: a fresh kernel of this
-    Python environment whose cwd is the notebook's folder."""
+    Python environment whose cwd is the notebook's folder. ``env``: variables added to this
+    process's environment for the run (the kernel and the ranks it launches inherit them)."""
     options = ["--nbval", f"--nbval-sanitize-with={SANITIZE}"] if mode == "strict" else ["--nbval-lax"]
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
@@ -48,7 +49,7 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT) 
                "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
                *options, path]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         cells = {}
         if os.path.exists(report):
             for case in ET.parse(report).iter("testcase"):
