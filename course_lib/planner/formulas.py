@@ -256,8 +256,8 @@ def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, t=1, sp=False, r
     or dropout output, two tensors per norm, K and V shrunk by kv/a, the MLP four f-wide
     tensors. ``value_bytes=4``: fp32 (every tensor, there are no masks).
 
-    Parallel variants, derived by Korthikanti et al. 2022's rule (Sec. 4.2), not counted
-    (course_lib has no tensor-parallel Llama block to count them on): TP splits what
+    Parallel variants, derived by Korthikanti et al. 2022's rule (Sec. 4.2) and counted on
+    course_lib's tensor-parallel Llama block (tests/test_tensor_parallel.py): TP splits what
     has a head or an f axis (Q, K, V, scores, W_o's input, the MLP's f-wide tensors)
     and replicates the norms' tensors and the column-parallel inputs; SP splits those
     along the sequence, keeping the column-parallel inputs as their s/t shard (all-
