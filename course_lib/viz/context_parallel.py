@@ -1,5 +1,4 @@
-"""Figures of chapters 7-8: causal work per CP rank, activation memory vs sequence length,
-tokens per expert."""
+"""Figures of chapter 7: causal work per CP rank, activation memory vs sequence length."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -37,19 +36,4 @@ def memory_vs_length(lengths, series: dict, title="attention activations per ran
     return fig
 
 
-def tokens_per_expert(counts, capacity=None, title="tokens routed to each expert"):
-    """Bars of routed tokens per expert; a line at the capacity (tokens above it are dropped)."""
-    fig, ax = plt.subplots(figsize=(6.4, 2.8))
-    ax.bar(range(len(counts)), counts, color="tab:blue")
-    if capacity is not None:
-        ax.axhline(capacity, color="tab:red", linestyle="--", label=f"capacity {capacity}")
-        ax.legend()
-    ax.set_xticks(range(len(counts)))
-    ax.set_xlabel("expert")
-    ax.set_ylabel("tokens")
-    ax.set_title(title)
-    fig.tight_layout()
-    return fig
-
-
-__all__ = ["work_per_rank", "memory_vs_length", "tokens_per_expert"]
+__all__ = ["work_per_rank", "memory_vs_length"]
