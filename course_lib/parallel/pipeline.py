@@ -128,7 +128,30 @@ def naive_model_parallel_step(stage, comm, x, y, loss_fn, act_shape):
             loss.backward()
     if r > 0:
         comm.send(x.grad.contiguous(), r - 1)              # gradient of my input, back
-    return None if loss is None else float(loss)
+    return None if loss is None else float(loss.detach())
+
+
+def embedding_group(mesh):
+    """Megatron-LM's embedding group: the first and last stage ranks of every (dp, cp, tp), which
+    both hold the tied embedding / LM-head matrix. A Comm on those two ranks, None elsewhere."""
+    mine = None
+    for ranks in mesh.rank_sets("pp"):                     # the same order on every rank
+        group = dist.new_group([ranks[0], ranks[-1]])      # (new_group is collective)
+        if mesh.rank in ranks:
+            mine = group
+    return Comm(mine, dim="pp") if mesh.coord["pp"] in (0, mesh.sizes["pp"] - 1) else None
+
+
+def sum_tied_gradient(comm, stages):
+    """First stage: the embedding's gradient; last stage: the LM head's, the same matrix.
+    Both apply the sum, so both copies stay equal."""
+    if comm is None:
+        return
+    st = stages[min(stages)] if min(stages) == 0 else stages[max(stages)]
+    w = st.part.tok_emb.weight if st.first else st.part.lm_head.weight
+    if w.grad is None:
+        w.grad = torch.zeros_like(w)
+    comm.all_reduce(w.grad)
 
 
 class PipelineParallel:
@@ -154,21 +177,12 @@ class PipelineParallel:
         self.stages = {s: GPTStage(model, s, n_stages) for s in range(me, n_stages, p)}
         self.comm = Comm(mesh.group("pp"), TrafficCounter(), dim="pp")
         self.tied = bool(model.config.tie_embeddings) and p > 1
-        self.embedding_comm = self._embedding_group() if self.tied else None
+        self.embedding_comm = embedding_group(mesh) if self.tied else None
         params = self.parameters()
         for q in params:
             set_reduce_dims(q, ("dp",))
         self.grad_sync = GradSync(params, mesh, divisor=1) if mesh.sizes["dp"] > 1 else None
         self.last_result = None
-
-    def _embedding_group(self):
-        """The first and last stage ranks of every (dp, cp, tp): both hold the tied weight."""
-        mine = None
-        for ranks in self.mesh.rank_sets("pp"):               # same order on every rank
-            group = dist.new_group([ranks[0], ranks[-1]])
-            if self.mesh.rank in ranks:
-                mine = group
-        return Comm(mine, dim="pp") if self.mesh.coord["pp"] in (0, self.p - 1) else None
 
     def parameters(self):
         seen = {}
@@ -176,15 +190,6 @@ class PipelineParallel:
             for q in st.parameters():
                 seen.setdefault(id(q), q)
         return list(seen.values())
-
-    def tied_weight(self):
-        """The embedding / LM-head weight this rank holds (None on the middle stages)."""
-        for st in self.stages.values():
-            if st.first:
-                return st.part.tok_emb.weight
-            if st.last:
-                return st.part.lm_head.weight
-        return None
 
     def step(self, x, y, n_tokens: int):
         """Forward + backward of every micro-batch by the schedule, then the gradient sums.
@@ -200,11 +205,7 @@ class PipelineParallel:
                            inputs=xs, targets=ys, act_shape=(b, x.shape[1], hidden),
                            loss_fn=(lambda out, t: last.loss(out, t, n_tokens)) if last else None)
         self.last_result = res
-        if self.embedding_comm is not None:                   # tied: sum the two stages' parts
-            w = self.tied_weight()
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            self.embedding_comm.all_reduce(w.grad)
+        sum_tied_gradient(self.embedding_comm, self.stages)    # tied: sum the two stages' parts
         if self.grad_sync is not None:
             self.grad_sync.start()
             self.grad_sync.finish()
@@ -220,7 +221,8 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 class TorchPipeline:
     """The same stages run by ``torch.distributed.pipelining`` (PipelineStage + its schedule
     of the same name), for side-by-side checks and timings. Gradients are not rescaled
-    (``scale_grads=False``): our loss is already divided by the global token count."""
+    (``scale_grads=False``): our loss is already divided by the global token count. torch's
+    schedules leave a tied weight to the caller: we sum it as ours do (:func:`sum_tied_gradient`)."""
 
     def __init__(self, model, mesh, schedule="1f1b", microbatches: int = 4, v: int = 1):
         from torch.distributed import pipelining
@@ -239,6 +241,7 @@ class TorchPipeline:
                             loss_fn=lambda out, t: last.loss(out, t, self.n_tokens),   # every rank: it
                             scale_grads=False)                                  # tells torch to run backward
         self.is_first, self.is_last = 0 in self.stages, last is not None
+        self.tied_comm = embedding_group(mesh) if model.config.tie_embeddings and p > 1 else None
 
     def parameters(self):
         return list({id(q): q for st in self.stages.values() for q in st.parameters()}.values())
@@ -248,8 +251,9 @@ class TorchPipeline:
         self.n_tokens, losses = n_tokens, []
         args = (x,) if self.is_first else ()
         self.schedule.step(*args, target=y if self.is_last else None, losses=losses)
+        sum_tied_gradient(self.tied_comm, self.stages)
         return float(sum(loss.detach() for loss in losses)) if losses else 0.0
 
 
-__all__ = ["TorchPipeline", "partition_layers", "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step",
+__all__ = ["TorchPipeline", "embedding_group", "sum_tied_gradient", "partition_layers", "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step",
            "PipelineParallel"]

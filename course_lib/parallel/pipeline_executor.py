@@ -35,6 +35,7 @@ from course_lib.parallel.schedules import Action
 class StepResult:
     losses: dict = field(default_factory=dict)        # micro-batch -> loss (last stage only)
     peak_activation_bytes: int = 0                    # saved for backward, at the worst moment
+    saved_bytes: dict = field(default_factory=dict)   # (stage, mb) -> bytes its forward saved
     bytes_sent: int = 0
     messages: int = 0
 
@@ -152,7 +153,7 @@ def run_schedule(actions, stages: dict, comm, *, p: int, m: int, v: int = 1, inp
                     out.losses[mb] = float(y.detach())
             for h in hooks:
                 h.remove()
-            live[(s, mb)] = saved.bytes()
+            live[(s, mb)] = out.saved_bytes[(s, mb)] = saved.bytes()
             out.peak_activation_bytes = max(out.peak_activation_bytes, sum(live.values()))
             if s < n_stages - 1:
                 send(y, s + 1, "act", s + 1, mb)
