@@ -377,5 +377,33 @@ def check_fit_alpha_beta(fn) -> bool:
     return check("fit_alpha_beta", _fit_cases(), run_case)
 
 
+# ----------------------------------------------------------------------------- bus bandwidth
+
+_BUSBW_CASES = [  # (collective, n_bytes, world_size, seconds): the nccl-tests convention decides
+    ("all_reduce", 64 << 20, 8, 2.5e-3), ("all_reduce", 1 << 20, 2, 4e-4), ("all_gather", 256 << 20, 16, 0.02),
+    ("reduce_scatter", 3 << 20, 3, 1e-3), ("broadcast", 8 << 20, 4, 3e-3), ("all_to_all", 16 << 20, 8, 0.01),
+    ("all_reduce", 4 << 10, 1, 1e-5),
+]
+
+
+def check_bus_bandwidth(fn) -> bool:
+    """fn(collective, n_bytes, world_size, seconds) -> busbw in bytes per second, for all_reduce,
+    all_gather, reduce_scatter, broadcast and all_to_all (n = the whole buffer, as nccl-tests)."""
+    from course_lib.costmodel import busbw
+
+    def run_case(case):
+        got = fn(*case.params["args"])
+        want = busbw(*case.params["args"][:2], case.params["args"][3], case.params["args"][2])
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            return f"expected bytes per second as a number, got {got!r}"
+        if not math.isclose(got, want, rel_tol=1e-9):
+            algbw = case.params["args"][1] / case.params["args"][3]
+            return (f"got {got / 1e9:.4g} GB/s, expected {want / 1e9:.4g} GB/s (algbw is {algbw / 1e9:.4g} GB/s: "
+                    f"which fraction of n must the busiest rank move in this collective?)")
+        return None
+    cases = [Case({"args": c}, label=f"{c[0]}, n = {c[1]:,} B, N = {c[2]}, t = {c[3]:g} s") for c in _BUSBW_CASES]
+    return check("bus_bandwidth", cases, run_case)
+
+
 __all__ = ["P2PWatch", "check_tree_broadcast", "check_ring_all_reduce", "check_ring_reduce_scatter",
-           "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta"]
+           "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta", "check_bus_bandwidth"]

@@ -3,6 +3,7 @@ compared with single-device training on the full batch.
 
     check_ddp_hook(hook)                   # hook(param, world_size, handles): async all-reduce
     check_assign_buckets(assign_buckets)   # (params, cap_bytes) -> [[indexes]], reverse order
+    check_bucket_hooks(make_bucket_hooks)  # one async all-reduce per bucket, launched from hooks
     check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
     check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
     check_memory_prediction(predict)       # (n_params, stage, world_size) -> bytes by category
@@ -174,6 +175,59 @@ def check_assign_buckets(assign_buckets):
     return check("assign_buckets", cases, run)
 
 
+# ----------------------------------------------------------------------------- 2b. overlapped buckets
+_BUCKET_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
+
+
+def _bucket_hooks_harness(make_hooks, cap):
+    """Train with the learner's hooks; per step check: one all-reduce per bucket, the first
+    buckets launched before backward produced its last gradient (overlap), the result."""
+    import torch.distributed as dist
+
+    from course_lib.parallel.grad_sync import assign_buckets as course_buckets
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _mlp(rank)
+    for p in model.parameters():
+        dist.broadcast(p.detach(), 0)
+    params = list(model.parameters())
+    buckets = course_buckets(params, cap)
+    seen_at_last_grad = []
+    # registered before the learner's hooks, so it runs first: how many all-reduces had started
+    # when the last gradient of backward (params[0], the first layer's weight) was ready
+    params[0].register_post_accumulate_grad_hook(lambda p: seen_at_last_grad.append(len(watch.calls)))
+    watch = CollectiveWatch()
+    with watch:
+        finish = make_hooks(params, buckets, world)
+        if not callable(finish):
+            return f"make_bucket_hooks must return a finish() function, got {finish!r}"
+        for step, batch in enumerate(_data()):
+            watch.calls.clear()
+            seen_at_last_grad.clear()
+            x, y = _local(batch, rank, world)
+            F.mse_loss(model(x), y).backward()
+            finish()
+            reduces = [c for c in watch.calls if c[0] == "all_reduce"]
+            if len(reduces) != len(buckets):
+                return (f"step {step}: {len(reduces)} all-reduces for {len(buckets)} buckets: one flat "
+                        f"all-reduce per bucket")
+            if len(buckets) > 1 and (not seen_at_last_grad or seen_at_last_grad[0] == 0):
+                return (f"step {step}: no bucket's all-reduce had started when backward produced its last "
+                        f"gradient: launch a bucket from the hook that completes it (async_op=True)")
+            _sgd(params)
+            model.zero_grad()
+    return _compare_params(params, _single_device(_sgd))
+
+
+def check_bucket_hooks(make_bucket_hooks):
+    """make_bucket_hooks(params, buckets, world_size) registers gradient hooks and returns
+    finish(); each bucket is one async all-reduce, launched when its last gradient is ready,
+    and after finish() every p.grad holds the mean over ranks."""
+    cases = [Case({"make_hooks": make_bucket_hooks, "cap": cap}, world_size=n, label=name)
+             for name, cap in _BUCKET_CAPS.items() for n in (2, 3)]
+    return check_distributed("bucket_hooks", _bucket_hooks_harness, cases)
+
+
 # ----------------------------------------------------------------------------- 3. ZeRO-1
 def _zero1_harness(zero1_step):
     import torch.distributed as dist
@@ -324,5 +378,5 @@ def check_memory_prediction(predict):
     return check("memory_prediction", cases, run)
 
 
-__all__ = ["CollectiveWatch", "check_ddp_hook", "check_assign_buckets", "check_zero1_step", "check_fsdp_unit",
-           "check_memory_prediction"]
+__all__ = ["CollectiveWatch", "check_ddp_hook", "check_assign_buckets", "check_bucket_hooks", "check_zero1_step",
+           "check_fsdp_unit", "check_memory_prediction"]

@@ -3,6 +3,7 @@
     check_memory_per_gpu(memory_per_gpu)          # bytes per GPU of a TP x PP x DP(ZeRO) layout
     check_bubble(bubble_1f1b, bubble_interleaved) # against the simulator's idle time
     check_layout(choose_layout)                   # Llama 3 70B on 64 H100s under a memory limit
+    check_min_pipeline_stages(min_pipeline_stages) # the fewest stages that make a layout fit
 
 Each prints one line and returns True/False; a learner's exception becomes a hint.
 """
@@ -124,3 +125,41 @@ def check_layout(choose_layout) -> bool:
                     f"{share:.0%} of the best layout found ({best:.4g}); aim for {LAYOUT_MIN_SHARE:.0%}")
         return None
     return check("choose_layout", [Case(label="Llama 3 70B, 64 x H100, <= 60 GiB")], run)
+
+
+# ----------------------------------------------------------------------------- fewest pipeline stages
+
+PP_CHOICES = (1, 2, 4, 8, 16, 32)
+PP_CASES = [  # model, tp, dp, global batch (8192-token sequences), H100s
+    ("llama3-8b", 1, 8, 64), ("llama3-8b", 2, 1, 16), ("llama3-70b", 8, 2, 128), ("llama3-70b", 4, 4, 128),
+    ("llama3-70b", 2, 8, 64), ("llama3-405b", 8, 16, 1024), ("llama3-405b", 1, 1, 8),
+]
+
+
+def reference_min_pipeline_stages(model, tp, dp, global_batch, hardware="h100-sxm"):
+    """The smallest PP in PP_CHOICES whose 1F1B layout (ZeRO-1, TP + SP, selective
+    recomputation, micro-batch 1) is valid and fits in HBM; None if none does."""
+    for pp in PP_CHOICES:
+        layout = Layout(dp=dp, tp=tp, pp=pp, sp=tp > 1, zero=1, recompute="selective", global_batch=global_batch)
+        try:
+            if estimate(model, hardware, layout).fits:
+                return pp
+        except ValueError:          # e.g. more stages than layers
+            continue
+    return None
+
+
+def check_min_pipeline_stages(fn) -> bool:
+    """fn(model, tp, dp, global_batch) -> the fewest pipeline stages (from 1, 2, 4, ..., 32) that
+    make the layout fit on H100s, or None."""
+    cases = [Case(params=dict(model=m, tp=t, dp=d, global_batch=g), label=f"{m}, TP {t}, DP {d}, {g} sequences")
+             for m, t, d, g in PP_CASES]
+
+    def run(case):
+        got = fn(**case.params)
+        want = reference_min_pipeline_stages(**case.params)
+        if got != want:
+            return (f"got {got!r}, expected {want!r}" +
+                    (": no PP in 1..32 fits" if want is None else f" (PP {want} is the first that fits in 80 GB)"))
+        return None
+    return check("min_pipeline_stages", cases, run)

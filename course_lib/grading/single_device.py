@@ -139,6 +139,26 @@ def check_llama_activation_bytes(llama_activation_bytes) -> bool:
 # ----------------------------------------------------------------------------- 3. averaging gradients
 
 
+class RareBranch(torch.nn.Module):
+    """A layer that only rows whose first feature is positive go through, like an expert that
+    only some tokens are routed to: on a rank where no row reaches it, its ``.grad`` is None."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.rare = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+    def forward(self, x):                       # x: (rows, 16)
+        out = self.main(x)
+        routed = x[:, :1] > 0                   # (rows, 1)
+        if routed.any():                        # skipped entirely when no row is routed
+            out = out + routed * self.rare(x)
+        return out
+
+
 def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_batch=6):
     """On each rank: my slice of the global batch, backward, the learner's averaging, a step;
     then compare with the single-device run of the whole batch (done on this rank too)."""
@@ -155,10 +175,12 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
     def build():
         if model_kind == "mlp":
             return MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
+        if model_kind == "branch":
+            return RareBranch()
         return TinyGPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, seq_len=16), seed=0)
 
     def loss_of(model, batch):
-        if model_kind == "mlp":
+        if model_kind in ("mlp", "branch"):
             x, y = batch
             return torch.nn.functional.mse_loss(model(x), y)
         return model(batch[0], batch[1])[1]
@@ -166,6 +188,13 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
     if model_kind == "mlp":
         data = [(torch.randn(global_batch, 16, generator=gen), torch.randn(global_batch, 32, generator=gen))
                 for _ in range(n_steps)]
+    elif model_kind == "branch":        # only the first row of the global batch takes the rare branch
+        data = []
+        for _ in range(n_steps):
+            x = torch.randn(global_batch, 16, generator=gen)
+            x[:, 0] = -x[:, 0].abs() - 0.1
+            x[0, 0] = 1.0
+            data.append((x, torch.randn(global_batch, 32, generator=gen)))
     else:
         data = []
         for _ in range(n_steps):
@@ -197,6 +226,8 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
 _AVG_CASES = [
     Case({"model_kind": "mlp"}, world_size=2, label="MLP with frozen, shared and unused parameters"),
     Case({"model_kind": "mlp"}, world_size=3, label="MLP with frozen, shared and unused parameters"),
+    Case({"model_kind": "branch"}, world_size=2, label="a layer only rank 0's rows reach (its grad is None on rank 1)"),
+    Case({"model_kind": "branch"}, world_size=3, label="a layer only rank 0's rows reach (its grad is None on ranks 1, 2)"),
     Case({"model_kind": "gpt"}, world_size=2, label="TinyGPT, grouped KV heads"),
     Case({"model_kind": "gpt"}, world_size=3, label="TinyGPT, grouped KV heads"),
 ]
