@@ -192,10 +192,12 @@ def validate(schedule, p: int, m: int, v: int = 1):
 
 
 def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0,
-             t_comm: float = 0.0, _validated: bool = False) -> list[Span]:
+             t_comm: float = 0.0, durations: dict | None = None, _validated: bool = False) -> list[Span]:
     """Run the action lists on a virtual clock: F takes t_f, a full backward t_b, a split
-    one t_b - t_w (its W t_w), a message t_comm. Returns compute Spans (name "F3@1"...)
-    and ``idle`` spans, rank by rank. Raises ValueError when the ranks deadlock."""
+    one t_b - t_w (its W t_w), a message t_comm; ``durations`` {action name ("F3@1"): time}
+    overrides them action by action (a measured trace replayed with free messages).
+    Returns compute Spans (name "F3@1"...) and ``idle`` spans, rank by rank. Raises
+    ValueError when the ranks deadlock."""
     if not _validated:
         m = 1 + max((a[2] for row in schedule for a in row), default=0)
         schedule = validate(schedule, p, m, v)
@@ -213,6 +215,7 @@ def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t
                 if start > clock[r]:
                     spans.append(Span(r, "idle", "idle", clock[r], start, "pp"))
                 dur = t_f if a.op == "F" else t_w if a.op == "W" else t_b - t_w if (a.stage, a.mb) in split else t_b
+                dur = durations.get(str(a), dur) if durations else dur
                 clock[r] = done[a] = start + dur
                 spans.append(Span(r, str(a), "compute", start, clock[r], "pp"))
                 pc[r] += 1
