@@ -27,7 +27,6 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
 def bench_rank(cfg, m, rounds, batch):
-    import torch
     import torch.distributed as dist
 
     from course_lib import reference

@@ -36,8 +36,6 @@ def _first_difference(got, want):
 
 def _run_on_ranks(schedule, p, m):
     """Train a tiny GPT for 2 steps with ``schedule``; return the largest difference from one device."""
-    import torch
-
     from course_lib import reference
     from course_lib.models import GPTConfig, TinyGPT
     from course_lib.parallel.mesh import Mesh
