@@ -6,7 +6,10 @@ compared with single-device training on the full batch.
     check_bucket_hooks(make_bucket_hooks)  # one async all-reduce per bucket, launched from hooks
     check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
     check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
+    check_zero2_hooks(make_zero2_hooks)    # one async reduce-scatter per bucket; keep the shard only
+    check_clip_sharded(clip)               # find the bug: clip sharded gradients by the global norm
     check_memory_prediction(predict)       # (n_params, stage, world_size) -> bytes by category
+    check_bytes_per_step(predict)          # (n_params, root, stage, world_size, impl) -> bytes sent
 
 Each prints one line (``ddp_hook: 3/3 cases passed`` or the first failing case with a
 hint) and returns True/False. The training cases use an MLP whose sizes the world size
@@ -340,6 +343,115 @@ def check_fsdp_unit(GatherParams):
     return check_distributed("fsdp_unit", _fsdp_unit_harness, cases)
 
 
+# ----------------------------------------------------------------------------- 4b. ZeRO-2 hooks
+_ZERO2_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
+
+
+def _zero2_hooks_harness(make_hooks, cap):
+    """Train with the learner's ZeRO-2 hooks; per step check: one reduce-scatter per bucket and
+    no all-reduce, the first buckets launched before backward's last gradient (overlap), the
+    full-size gradients freed, each shard the mean of this rank's slice; then SGD on the
+    owned slices, all-gathered by the harness, against single-device training."""
+    import torch.distributed as dist
+
+    from course_lib import compat
+    from course_lib.parallel.grad_sync import assign_buckets as course_buckets
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _mlp(rank)
+    for p in model.parameters():
+        dist.broadcast(p.detach(), 0)
+    params = list(model.parameters())
+    buckets = course_buckets(params, cap)
+    sizes = [math.ceil(sum(params[i].numel() for i in ids) / world) for ids in buckets]  # S_b
+    seen_at_last_grad = []
+    # registered before the learner's hooks, so it runs first: how many reduce-scatters had
+    # started when the last gradient of backward (params[0], the first layer's weight) was ready
+    params[0].register_post_accumulate_grad_hook(lambda p: seen_at_last_grad.append(len(watch.calls)))
+    watch = CollectiveWatch()
+    with watch:
+        finish = make_hooks(params, buckets, world)
+        if not callable(finish):
+            return f"make_zero2_hooks must return a finish() function, got {finish!r}"
+        for step, batch in enumerate(_data()):
+            watch.calls.clear()
+            seen_at_last_grad.clear()
+            x, y = _local(batch, rank, world)
+            F.mse_loss(model(x), y).backward()
+            shards = finish()
+            kinds = [k for k, _ in watch.calls]
+            if world > 1 and "all_reduce" in kinds:
+                return (f"step {step}: an all-reduce: each rank needs only the mean of its own slice, one "
+                        f"reduce-scatter per bucket (and never reduce a reduced slice again)")
+            if kinds.count("reduce_scatter") != len(buckets):
+                return (f"step {step}: {kinds.count('reduce_scatter')} reduce-scatters for {len(buckets)} "
+                        f"buckets: one per bucket, launched when its last gradient is ready")
+            if len(buckets) > 1 and (not seen_at_last_grad or seen_at_last_grad[0] == 0):
+                return (f"step {step}: no bucket's reduce-scatter had started when backward produced its "
+                        f"last gradient: launch a bucket from the hook that completes it (async_op=True)")
+            kept = [i for i, p in enumerate(params) if p.grad is not None]
+            if kept:
+                return (f"step {step}: parameters {kept} still hold their full-size gradient after "
+                        f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
+            if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
+                return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
+            with torch.no_grad():
+                for b, (ids, size) in enumerate(zip(buckets, sizes)):
+                    shard = shards[b]
+                    if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
+                        got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                        return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
+                    flat = torch.zeros(size * world)  # (N * S_b,) this bucket's parameters, padded
+                    flat[:sum(params[i].numel() for i in ids)] = torch.cat([params[i].reshape(-1) for i in ids])
+                    mine = flat[rank * size:(rank + 1) * size] - LR * shard   # SGD on the owned slice
+                    compat.all_gather_into_tensor(flat, mine.contiguous())
+                    offset = 0
+                    for i in ids:
+                        params[i].copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
+                        offset += params[i].numel()
+    return _compare_params(params, _single_device(_sgd))
+
+
+def check_zero2_hooks(make_zero2_hooks):
+    """make_zero2_hooks(params, buckets, world_size) registers gradient hooks and returns
+    finish(); when a bucket's last gradient is ready its flat gradients (in bucket order,
+    zero-padded to a multiple of world_size) are reduce-scattered asynchronously and the
+    full-size gradients freed; finish() returns [mean gradient shard of this rank, per bucket]."""
+    cases = [Case({"make_hooks": make_zero2_hooks, "cap": cap}, world_size=n, label=name)
+             for name, cap in _ZERO2_CAPS.items() for n in (2, 3)]
+    return check_distributed("zero2_hooks", _zero2_hooks_harness, cases, timeout=60)
+
+
+# ----------------------------------------------------------------------------- 4c. find the bug: clipping
+_CLIP_CASES = {  # label: (gradient length, max_norm)
+    "10 elements, the norm is clipped": (10, 0.5),
+    "10 elements, the norm is below max_norm": (10, 100.0),
+    "2 elements on 3 ranks: one rank owns none": (2, 0.5),
+}
+
+
+def _clip_harness(clip, numel, max_norm):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(numel))  # the mean gradient
+    size = math.ceil(numel / world)
+    shard = g[rank * size:(rank + 1) * size].clone()  # this rank's reduced slice (maybe empty)
+    expected = shard * min(1.0, max_norm / (g.norm().item() + 1e-6))
+    got = clip(shard, max_norm)
+    if got is None:
+        got = shard
+    return compare(got, expected, rtol=1e-5, atol=1e-7, what=f"the clipped shard (global norm {g.norm():.3f})")
+
+
+def check_clip_sharded(clip_sharded_grad):
+    """clip_sharded_grad(grad_shard, max_norm) -> this rank's slice of the mean gradient scaled
+    by min(1, max_norm / (norm + 1e-6)), where norm is the 2-norm of the WHOLE gradient."""
+    cases = [Case({"clip": clip_sharded_grad, "numel": n, "max_norm": m}, world_size=w, label=label)
+             for label, (n, m) in _CLIP_CASES.items() for w in ((3,) if "3 ranks" in label else (2, 3))]
+    return check_distributed("clip_sharded", _clip_harness, cases, timeout=15)
+
+
 # ----------------------------------------------------------------------------- 5. bytes
 # Measured with course_lib.memory.model_state_bytes on rank 0 after one fp32 AdamW step of
 # TinyGPT(MEASURED_CONFIG) (notebook 04 prints the same table; tests/test_memory.py re-measures
@@ -378,5 +490,42 @@ def check_memory_prediction(predict):
     return check("memory_prediction", cases, run)
 
 
+# Bytes that rank 0 handed to the kernel (Linux /proc/self/io) during one step of the same
+# TinyGPT, fp32, as notebook 04 measures them: (impl, stage, world size) -> bytes sent, payload
+# plus a few hundred bytes of transport headers per call. "gloo": torch's collectives; "ring":
+# the course's bandwidth-optimal ring of chapter 2. FSDP's root unit (embeddings, final norm,
+# head) stays gathered from forward to backward: it is all-gathered once per step.
+MEASURED_ROOT_PARAMS = 65_664
+MEASURED_SENT = {
+    ("gloo", 0, 2): 3478748, ("gloo", 0, 4): 5218988, ("gloo", 1, 2): 5218620, ("gloo", 1, 4): 7830092,
+    ("gloo", 2, 2): 5218620, ("gloo", 2, 4): 7830092, ("gloo", 3, 2): 6830488, ("gloo", 3, 4): 10254448,
+    ("ring", 0, 2): 3478972, ("ring", 0, 4): 5218632, ("ring", 1, 2): 3480284, ("ring", 1, 4): 5220520,
+    ("ring", 2, 2): 3480284, ("ring", 2, 4): 5220520, ("ring", 3, 2): 5095036, ("ring", 3, 4): 7642228,
+}
+
+
+def check_bytes_per_step(predict):
+    """predict(n_params, root_params, stage, world_size, impl) -> bytes one rank sends per step
+    (fp32, stage 0 = DDP, impl "gloo" or "ring"), compared within 1% with ``MEASURED_SENT``."""
+    n, root = MEASURED_PARAMS, MEASURED_ROOT_PARAMS
+    labels = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+    def run(case):
+        impl, stage, world = case.params["impl"], case.params["stage"], case.world_size
+        got = predict(n, root, stage, world, impl)
+        measured = MEASURED_SENT[impl, stage, world]
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return f"expected a number of bytes, got {got!r}"
+        if abs(got - measured) > 0.01 * measured:
+            return (f"predicted {got:,.0f} bytes, measured {measured:,} ({got / measured:.3f}x; P = {n:,}, "
+                    f"root unit {root:,}, {labels[stage]}, {world} ranks, {impl})")
+        return None
+
+    cases = [Case({"impl": impl, "stage": s}, world_size=w, label=f"{labels[s]}, {impl}")
+             for (impl, s, w) in MEASURED_SENT]
+    return check("bytes_per_step", cases, run)
+
+
 __all__ = ["CollectiveWatch", "check_ddp_hook", "check_assign_buckets", "check_bucket_hooks", "check_zero1_step",
-           "check_fsdp_unit", "check_memory_prediction"]
+           "check_fsdp_unit", "check_zero2_hooks", "check_clip_sharded", "check_memory_prediction",
+           "check_bytes_per_step"]
