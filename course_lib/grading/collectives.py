@@ -377,6 +377,32 @@ def check_fit_alpha_beta(fn) -> bool:
     return check("fit_alpha_beta", _fit_cases(), run_case)
 
 
+# ----------------------------------------------------------------------------- find the bug: a ring shift
+
+def _ring_shift_harness(fn, numel, dtype, seed):
+    r, N = _rank_info()
+    x = _data(seed, r, numel, dtype)
+    sent = x.clone()
+    with P2PWatch():
+        got = fn(x)
+    if not isinstance(got, torch.Tensor):
+        return f"expected the tensor received from the left neighbour, got {type(got).__name__}"
+    msg = compare(got, _data(seed, (r - 1) % N, numel, dtype), rtol=0, atol=0,
+                  what=f"the tensor rank {r} received (rank {(r - 1) % N}'s)")
+    if msg:
+        return msg
+    if not torch.equal(x, sent):
+        return "the tensor this rank passed in was changed: receive into a new tensor"
+    return None
+
+
+def check_ring_shift(fn, timeout: float = 20.0) -> bool:
+    """fn(tensor) on every rank returns the left neighbour's tensor (rank r gets rank r-1's),
+    with blocking send/recv; 1 MiB tensors, so a blocking send waits for its receive."""
+    cases = _cases(lambda N: (1 << 18,))
+    return _check_distributed("ring_shift", _harness(_ring_shift_harness, fn), cases, timeout)
+
+
 # ----------------------------------------------------------------------------- bus bandwidth
 
 _BUSBW_CASES = [  # (collective, n_bytes, world_size, seconds): the nccl-tests convention decides
@@ -406,4 +432,5 @@ def check_bus_bandwidth(fn) -> bool:
 
 
 __all__ = ["P2PWatch", "check_tree_broadcast", "check_ring_all_reduce", "check_ring_reduce_scatter",
-           "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta", "check_bus_bandwidth"]
+           "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta", "check_bus_bandwidth",
+           "check_ring_shift"]
