@@ -7,6 +7,7 @@ compared with single-device training on the full batch.
     check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
     check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
     check_zero2_hooks(make_zero2_hooks)    # one async reduce-scatter per bucket; keep the shard only
+    check_fsdp_prefetch(run_units)         # next unit's all-gather in flight while a unit computes
     check_clip_sharded(clip)               # find the bug: clip sharded gradients by the global norm
     check_memory_prediction(predict)       # (n_params, stage, world_size) -> bytes by category
     check_bytes_per_step(predict)          # (n_params, root, stage, world_size, impl) -> bytes sent
@@ -422,6 +423,153 @@ def check_zero2_hooks(make_zero2_hooks):
     return check_distributed("zero2_hooks", _zero2_hooks_harness, cases, timeout=60)
 
 
+# ----------------------------------------------------------------------------- 4b'. FSDP prefetch
+class _PrefetchLog:
+    """Inside a rank: the events of one pass of the learner's run_units, and the checks."""
+
+    def __init__(self, units, world):
+        self.units, self.world, self.events, self.live, self.peak = units, world, [], set(), 0
+
+    def start_gather(self, k):
+        from course_lib import compat
+
+        unit, shard = self.units[k]
+        full = torch.empty(shard.numel() * self.world)          # (N * S,) rank after rank
+        work = compat.all_gather_into_tensor(full, shard.detach(), async_op=True)
+        self.events.append(("gather", k))
+        self.live.add(k)
+        self.peak = max(self.peak, len(self.live))
+        log = self
+
+        class Handle:
+            def wait(self):
+                if work is not None:
+                    work.wait()
+                log.events.append(("wait", k))
+                return _unit_params(unit, full)
+        return Handle()
+
+    def free(self, k):
+        self.live.discard(k)
+        self.events.append(("free", k))
+
+    def problem(self, order, what):
+        computed = [k for e, k in self.events if e == "compute"]
+        if computed != list(order):
+            return f"{what}: compute ran on units {computed}, expected each unit once in the order {list(order)}"
+        gathers = [k for e, k in self.events if e == "gather"]
+        if sorted(gathers) != sorted(order):
+            return f"{what}: all-gathers of units {gathers}: each unit's parameters gathered exactly once"
+        for i in range(1, len(order)):
+            started = self.events.index(("gather", order[i]))
+            if started > self.events.index(("compute", order[i - 1])):
+                return (f"{what}: unit {order[i]}'s all-gather started after unit {order[i - 1]} computed: "
+                        f"start the next unit's all-gather before computing this one (prefetch)")
+        if self.peak > 2:
+            return f"{what}: {self.peak} units gathered at once: free each unit after it computed (at most 2)"
+        if self.live:
+            return f"{what}: units {sorted(self.live)} still gathered at the end: free(k) after compute"
+        return None
+
+
+def _prefetch_harness(run_units, n_layers):
+    """A stack of Linear units, FSDP-sharded by rows; forward and backward (recomputing each
+    unit from its saved input) both driven by the learner's run_units; SGD on the shards."""
+    import torch.distributed as dist
+
+    from course_lib import compat
+    from course_lib.parallel.fsdp_params import ShardedUnit
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = (SIZES[0],) + (10,) * (n_layers - 1) + (SIZES[-1],)  # n_layers Linear units
+    model = _mlp_sizes(sizes, rank)
+    for p in model.parameters():
+        dist.broadcast(p.detach(), 0)
+    units = []
+    for layer in model.layers:
+        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
+        units.append((unit, unit.flat_shard.clone()))
+    last = len(units) - 1
+    for batch in _data_sizes(sizes):
+        x, y = _local(batch, rank, world)
+        inputs, h = {}, [x]
+
+        def forward(k, full):
+            inputs[k] = h[0]
+            out = F.linear(h[0], *full)
+            h[0] = F.relu(out) if k < last else out
+
+        log = _PrefetchLog(units, world)
+        order = list(range(len(units)))
+        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), forward(k, full)),
+                  log.free)
+        msg = log.problem(order, "forward")
+        if msg:
+            return msg
+        out = h[0].detach().requires_grad_()
+        grad = [torch.autograd.grad(F.mse_loss(out, y), out)[0]]
+        grads = {}
+
+        def backward(k, full):
+            params = [p.detach().requires_grad_() for p in full]
+            inp = inputs[k].detach().requires_grad_()
+            out = F.linear(inp, *params)
+            out = F.relu(out) if k < last else out
+            *g_params, g_in = torch.autograd.grad(out, params + [inp], grad[0])
+            grad[0] = g_in
+            full_grad = torch.zeros(world, units[k][0].numel)  # packed like the shards, then reduce-scattered
+            for s, g in zip(units[k][0].slots, g_params):
+                rows = torch.zeros(world * s.chunk, *s.shape[1:])
+                rows[:s.shape[0]] = g
+                full_grad[:, s.offset:s.offset + s.padded] = rows.reshape(world, -1)
+            mine = torch.empty(units[k][0].numel)
+            compat.reduce_scatter_tensor(mine, full_grad.view(-1))
+            grads[k] = mine / world
+
+        log = _PrefetchLog(units, world)
+        order = order[::-1]
+        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), backward(k, full)),
+                  log.free)
+        msg = log.problem(order, "backward")
+        if msg:
+            return msg
+        with torch.no_grad():
+            for k, (_, shard) in enumerate(units):
+                shard -= LR * grads[k]
+    got = []
+    for unit, shard in units:
+        full = torch.empty(shard.numel() * world)
+        compat.all_gather_into_tensor(full, shard)
+        got += _unit_params(unit, full)
+    return _compare_params(got, _single_device_sizes(sizes))
+
+
+def _mlp_sizes(sizes, seed):
+    from course_lib.models import MLP
+
+    return MLP(sizes, seed=seed)
+
+
+def _data_sizes(sizes):
+    return reference.mlp_batches(seed=0, batch=BATCH, steps=STEPS, sizes=sizes)
+
+
+def _single_device_sizes(sizes):
+    model = _mlp_sizes(sizes, 0)
+    reference.train(model, _data_sizes(sizes), _sgd)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_fsdp_prefetch(run_units):
+    """run_units(order, start_gather, compute, free): for each unit k of ``order`` call
+    compute(k, full) with its gathered parameters (start_gather(k) -> handle, handle.wait() ->
+    full), the next unit's all-gather started before this unit computes, each unit freed after
+    (free(k)), at most two gathered at once. Driven in forward and in backward (reverse order)."""
+    cases = [Case({"run_units": run_units, "n_layers": n}, world_size=w, label=f"{n} Linear units")
+             for n, w in ((3, 2), (5, 3), (2, 2))]
+    return check_distributed("fsdp_prefetch", _prefetch_harness, cases, timeout=60)
+
+
 # ----------------------------------------------------------------------------- 4c. find the bug: clipping
 _CLIP_CASES = {  # label: (gradient length, max_norm)
     "10 elements, the norm is clipped": (10, 0.5),
@@ -527,5 +675,5 @@ def check_bytes_per_step(predict):
 
 
 __all__ = ["CollectiveWatch", "check_ddp_hook", "check_assign_buckets", "check_bucket_hooks", "check_zero1_step",
-           "check_fsdp_unit", "check_zero2_hooks", "check_clip_sharded", "check_memory_prediction",
+           "check_fsdp_unit", "check_fsdp_prefetch", "check_zero2_hooks", "check_clip_sharded", "check_memory_prediction",
            "check_bytes_per_step"]
