@@ -201,7 +201,7 @@ class PipelineParallel:
         last = self.stages.get(self.p * self.v - 1)
         b = len(xs[0])
         hidden = next(iter(self.stages.values())).part.config.hidden
-        res = run_schedule(self.schedule[self.comm.rank], self.stages, self.comm, p=self.p, m=self.m, v=self.v,
+        res = run_schedule(self.schedule, self.stages, self.comm, p=self.p, m=self.m, v=self.v,
                            inputs=xs, targets=ys, act_shape=(b, x.shape[1], hidden),
                            loss_fn=(lambda out, t: last.loss(out, t, n_tokens)) if last else None)
         self.last_result = res

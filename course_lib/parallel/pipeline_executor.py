@@ -1,7 +1,7 @@
 """Run any valid pipeline schedule (``schedules.validate``) on real ranks, one action at a time.
 
-    result = run_schedule(actions_of_this_rank, stages, comm, p=4, m=8, inputs=..., targets=...,
-                          loss_fn=..., act_shape=(b, s, h))
+    result = run_schedule(schedule, stages, comm, p=4, m=8, inputs=..., targets=...,
+                          loss_fn=..., act_shape=(b, s, h))     # schedule: every rank's action list
     result.losses, result.peak_activation_bytes
 
 Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s on pp rank
@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
-from course_lib.parallel.schedules import Action
+from course_lib.parallel.schedules import validate
 
 
 @dataclass
@@ -97,9 +97,10 @@ def backward_weight(for_w):
             _accumulate(mod.bias, dout2.sum(0))
 
 
-def run_schedule(actions, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
+def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
                  loss_fn=None, act_shape=None, act_dtype=torch.float32) -> StepResult:
-    """Run this rank's ``actions`` [(op, stage, mb), ...] on its ``stages`` {stage: module}.
+    """Run this rank's actions of ``schedule`` (one list of (op, stage, mb) per pp rank, validated
+    first on every rank: a bad one is a ValueError, never a hang) on its ``stages`` {stage: module}.
 
     inputs / targets: the m micro-batches (needed where stage 0 / stage p*v - 1 live).
     loss_fn(output, target) -> the micro-batch's loss, already scaled for the whole step
@@ -108,10 +109,12 @@ def run_schedule(actions, stages: dict, comm, *, p: int, m: int, v: int = 1, inp
     """
     n_stages = p * v
     me = comm.rank
+    if comm.size != p:
+        raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
     for s in stages:
         if s % p != me:
             raise ValueError(f"stage {s} lives on pp rank {s % p}, but rank {me} was given it")
-    actions = [Action(*a) for a in actions]     # validated by the caller, on every rank
+    actions = validate(schedule, p, m, v)[me]
     split = {(s, mb) for op, s, mb in actions if op == "W"}
     state, sends, live, out = {}, [], {}, StepResult()
     counter = comm.counter
