@@ -11,7 +11,9 @@ from course_lib import reference
 from course_lib.models import GPTConfig, TinyGPT
 from course_lib.parallel import schedules as S
 from course_lib.parallel.mesh import Mesh
+from course_lib.collectives.comm import Comm
 from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, partition_layers
+from course_lib.parallel.pipeline_executor import run_schedule
 
 STEPS = 5
 
@@ -190,7 +192,8 @@ def _bad_ranks():
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "interleaved", 3, v=2),
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "1f1b", 4, v=1).step(
                      torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long), 48),
-                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), S.one_f_one_b(3, 2), 2)):
+                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), S.one_f_one_b(3, 2), 2),
+                 lambda: run_schedule(S.one_f_one_b(3, 2), {}, Comm(None), p=3, m=2)):
         try:
             make()
             out.append("no error")
@@ -205,3 +208,4 @@ def test_bad_input_on_ranks(two_ranks):
     assert "multiple of p" in msgs[1]
     assert "does not cut into microbatches=4" in msgs[2]
     assert "expected 2 lists" in msgs[3]
+    assert "pipeline group of p ranks; this one has 2" in msgs[4]
