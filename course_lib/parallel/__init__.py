@@ -16,7 +16,8 @@
     context_parallel  ring attention (zigzag), Ulysses
     expert_parallel   MoE dispatch / combine over expert-parallel ranks
 """
-from course_lib.parallel.context_parallel import context_parallel, ring_attention, ulysses_attention
+# (context_parallel the function is not re-exported: it would hide the module of the same name)
+from course_lib.parallel.context_parallel import ring_attention, ulysses_attention
 from course_lib.parallel.data_parallel import DDP, average_gradients
 from course_lib.parallel.expert_parallel import ExpertParallelMoE
 from course_lib.parallel.fsdp import FSDP
@@ -29,5 +30,5 @@ from course_lib.parallel.zero import ShardedOptimizer
 
 __all__ = ["Mesh", "MeshShape", "set_reduce_dims", "get_reduce_dims", "DDP", "average_gradients", "GradSync",
            "OverlappedGradSync", "ShardedOptimizer", "FSDP", "ColumnParallelLinear", "RowParallelLinear",
-           "parallelize", "PipelineParallel", "context_parallel", "ring_attention", "ulysses_attention",
+           "parallelize", "PipelineParallel", "ring_attention", "ulysses_attention",
            "ExpertParallelMoE"]
