@@ -64,7 +64,9 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
 # Notebooks whose strict run uses other CPU kernels than this machine's own (ATen's portable
 # "default" kernels instead of AVX2/AVX-512), as a learner's CPU would: a checked output that
 # depends on the CPU fails here (tests/test_portability.py), at no extra cost to the suite.
-OTHER_KERNELS = {"notebooks/00_single_device.ipynb": {"ATEN_CPU_CAPABILITY": "default"}}
+OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} for name in (
+    "00_single_device", "03_data_parallel", "04_zero_fsdp", "05_tensor_parallel", "06_pipeline_parallel",
+    "07_context_parallel", "08_expert_parallel")}  # every notebook that trains or compares float results
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,8 +4,8 @@ Matmul and reduction kernels differ between CPUs (AVX-512 vs AVX2, Intel vs AMD,
 paths), and a training loss after many steps differs in its last digits between them. The rule
 (CONTRIBUTING.md, "Portable outputs"): checked cells print only exact things, or claims through
 a check with a stated tolerance; raw kernel-dependent numbers go to `# NBVAL_IGNORE_OUTPUT`
-cells. The strict nbval run of chapter 0 (200 training steps, the most sensitive output of the
-course) uses ATen's portable "default" kernels instead of this machine's own
+cells. The strict nbval runs of the training chapters (0 and 3-8; chapter 0's 200 training
+steps are the most sensitive output of the course) use ATen's portable "default" kernels instead of this machine's own
 (``conftest.OTHER_KERNELS``), as a learner's CPU would, so a checked cell that prints a
 kernel-dependent number fails in CI, not on a learner's machine. The same run serves
 tests/test_notebooks.py: no notebook is run twice.
