@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from course_lib import launch
 from course_lib.models import MLP, GPTConfig, TinyGPT
+from course_lib.parallel.comm_ops import copy_to_parallel, reduce_from_parallel, split_to_parallel
 from course_lib.parallel.fsdp import FSDP
 from course_lib.parallel.fsdp_params import dim0_rows
 from course_lib.planner.formulas import collective_bytes_per_rank
@@ -208,59 +209,15 @@ class TPMLP(nn.Module):
 
     def forward(self, x):                                      # x (b, IN)
         if self.tp is not None:
-            x = CopyToTP.apply(x, self.tp)
+            x = copy_to_parallel(x, self.tp)              # f: all-reduce backward
         h = F.relu(self.fc1(x))                                # (b, HID / tp)
         z = self.fc2(h)                                        # (b, OUT), partial over tp
         if self.tp is not None:
-            z = ReduceFromTP.apply(z, self.tp)
+            z = reduce_from_parallel(z, self.tp)           # g: all-reduce forward
         z = z + self.bias
         if self.tp is not None:
-            z = KeepMyRows.apply(z, self.tp)                   # (b / tp, OUT)
+            z = split_to_parallel(z, self.tp, dim=0)       # (b / tp, OUT): all-gather backward
         return z * self.scale
-
-
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        ctx.comm.all_reduce(g)
-        return g, None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, z, comm):
-        z = z.contiguous()
-        comm.all_reduce(z)
-        return z
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class KeepMyRows(torch.autograd.Function):
-    """Enter the sequence-parallel region: keep my rows forward, all-gather them backward."""
-
-    @staticmethod
-    def forward(ctx, z, comm):
-        ctx.comm = comm
-        return z.chunk(comm.size)[comm.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        full = g.new_empty(g.shape[0] * ctx.comm.size, *g.shape[1:])
-        ctx.comm.all_gather_into_tensor(full, g.contiguous())
-        return full, None
 
 
 def tp_data():
