@@ -1,7 +1,7 @@
 """Graders of chapters 1-2: a learner's collectives, run on 2, 3, 4 and 5 real ranks
 with sizes the world size does not divide, plus the alpha-beta fit.
 
-    check_tree_broadcast(tree_broadcast)      # fn(tensor, src): in place, log2(N) rounds
+    check_pipelined_broadcast(fn)             # fn(tensor, src, segments): chain, segments pipelined
     check_ring_all_reduce(ring_all_reduce)    # fn(tensor): in place SUM, 2(N-1)/N n bytes per rank
     check_ring_reduce_scatter(fn)             # fn(output, input): output <- sum of piece rank
     check_ring_all_gather(fn)                 # fn(output, input): output <- all inputs, rank order
@@ -14,8 +14,8 @@ the learner's messages: a :class:`P2PWatch` wraps torch.distributed's send /
 recv / isend / irecv in the rank (batch_isend_irecv goes through them too) to
 count the bytes each rank sends and to stamp each message with a round number
 (a Lamport clock: a rank's k-th send after it has seen round t is round t + k),
-so a "broadcast" that sends N-1 messages from the root, or a "ring" that sends
-the whole buffer around, is named as such.
+so a "broadcast" that waits for every segment before forwarding the first, or a "ring"
+that sends the whole buffer around, is named as such.
 """
 from __future__ import annotations
 
@@ -238,32 +238,44 @@ def _rank_info():
 # ----------------------------------------------------------------------------- broadcast
 
 
-def _broadcast_harness(fn, numel, dtype, seed, src):
+def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
     r, N = _rank_info()
     want = _data(seed, src, numel, dtype)
     x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
     with P2PWatch() as w:
-        fn(x, src)
-    msg = compare(x, want, what=f"tensor after broadcast from rank {src}")
+        fn(x, src, segments)
+    msg = compare(x, want, rtol=0, atol=0, what=f"tensor after broadcast from rank {src}")
     if msg:
         return msg
-    rounds = math.ceil(math.log2(N))
+    v = (r - src) % N                                   # position in the chain, the root is 0
+    last = v == N - 1
+    want_messages, want_bytes = (0, 0) if last else (segments, numel * x.element_size())
+    if (w.messages, w.bytes_sent) != (want_messages, want_bytes):
+        role = "the last rank of the chain" if last else f"position {v} of the chain"
+        return (f"rank {r} ({role}) sent {w.messages} messages, {w.bytes_sent} bytes; expected "
+                f"{want_messages} messages, {want_bytes} bytes: every rank but the last passes each of the "
+                f"{segments} segments (tensor.view(-1).tensor_split(segments)) once, to the next rank")
+    rounds = max(N - 1, 0) + segments - 1
     if w.clock > rounds:
-        return (f"rank {r} was still sending or receiving in round {w.clock} (a rank's sends happen one "
-                f"round after another); "
-                f"a tree broadcast reaches all {N} ranks in ceil(log2 {N}) = {rounds} rounds: in each round "
-                f"every rank that has the data sends it to one rank that does not")
+        return (f"rank {r} was still sending or receiving in round {w.clock}: not pipelined. With "
+                f"{segments} segments on {N} ranks the last segment arrives in round (N-1) + (segments-1) = "
+                f"{rounds}: forward each segment as soon as it has arrived, before waiting for the next")
     return None
 
 
-def check_tree_broadcast(fn, timeout: float = 30.0) -> bool:
-    cases = []
-    for c in _cases(lambda N: (N + 1,)):
-        N = c.world_size
-        c.params["src"] = (c.params["seed"] * 3) % N  # roots other than 0 too
-        c.label += f", src={c.params['src']}"
-        cases.append(c)
-    return _check_distributed("tree_broadcast", _harness(_broadcast_harness, fn), cases, timeout)
+_CHAIN_CASES = [  # (world_size, numel, dtype, src, segments): roots other than 0, sizes segments do not divide
+    (1, 5, "float32", 0, 2), (2, 7, "float32", 1, 3), (3, 10, "int64", 2, 4),
+    (4, 9, "float32", 1, 3), (5, 11, "int64", 3, 4), (5, 6, "float32", 2, 1),
+]
+
+
+def check_pipelined_broadcast(fn, timeout: float = 30.0) -> bool:
+    """fn(tensor, src, segments): in place, along the chain src -> src+1 -> ... (mod N), in
+    ``segments`` pieces, each forwarded as soon as it arrives."""
+    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src, segments=k), N,
+                  f"world_size={N}, numel={n}, dtype={dt}, src={src}, segments={k}")
+             for i, (N, n, dt, src, k) in enumerate(_CHAIN_CASES)]
+    return _check_distributed("pipelined_broadcast", _harness(_chain_broadcast_harness, fn), cases, timeout)
 
 
 def _harness(h, fn):
@@ -431,6 +443,6 @@ def check_bus_bandwidth(fn) -> bool:
     return check("bus_bandwidth", cases, run_case)
 
 
-__all__ = ["P2PWatch", "check_tree_broadcast", "check_ring_all_reduce", "check_ring_reduce_scatter",
+__all__ = ["P2PWatch", "check_pipelined_broadcast", "check_ring_all_reduce", "check_ring_reduce_scatter",
            "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta", "check_bus_bandwidth",
            "check_ring_shift"]

@@ -1,7 +1,7 @@
 """Graders of the planning chapter. The reference is the planner itself.
 
     check_memory_per_gpu(memory_per_gpu)          # bytes per GPU of a TP x PP x DP(ZeRO) layout
-    check_bubble(bubble_1f1b, bubble_interleaved) # against the simulator's idle time
+    check_step_time_1f1b(step_time_1f1b)          # 1F1B with unequal stages, against the simulator
     check_layout(choose_layout)                   # Llama 3 70B on 64 H100s under a memory limit
     check_min_pipeline_stages(min_pipeline_stages) # the fewest stages that make a layout fit
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from course_lib.grading import Case, check
-from course_lib.planner import HARDWARE, Layout, ModelSpec, estimate, simulate
+from course_lib.planner import Layout, estimate
 from course_lib.planner import formulas as F
 from course_lib.planner.search import search
 
@@ -55,36 +55,91 @@ def check_memory_per_gpu(fn) -> bool:
     return check("memory_per_gpu", cases, run)
 
 
-# ----------------------------------------------------------------------------- bubble
+# ----------------------------------------------------------------------------- 1F1B step, unequal stages
 
-_IDEAL = HARDWARE["h100-sxm"].with_(nvlink_latency=0, network_latency=0, nvlink_bandwidth=1e30,
-                                    network_bandwidth=1e30, elementwise_passes=0)
-_EVEN = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)     # equal stages, no LM-head imbalance
-BUBBLE_CASES = [(2, 4, 2), (4, 8, 2), (4, 16, 3), (8, 8, 2), (3, 9, 4), (6, 12, 2)]
+# (per-stage forward times, per-stage backward times, micro-batches, time of one message);
+# integer times, so every step time is exact
+STEP_CASES = [
+    ((2, 2, 2), (4, 4, 4), 4, 0),          # equal stages: (m + p - 1)(t_f + t_b)
+    ((1, 3), (2, 6), 4, 0),                # the slow second stage sets the pace
+    ((3, 1, 1, 2), (6, 2, 3, 4), 6, 1),    # the first stage is the slowest, messages cost 1
+    ((2, 5, 2, 2), (3, 9, 8, 2), 2, 0),    # fewer micro-batches than stages: never steady
+    ((1, 5, 3, 5), (3, 5, 2, 2), 3, 2),
+    ((5, 1, 3, 4), (6, 4, 9, 8), 8, 1),
+    ((2, 3, 2), (5, 4, 6), 1, 3),          # one micro-batch: a forward chain and a backward chain
+]
 
 
-def simulated_bubble(p, m, schedule, v=1) -> float:
-    """The idle fraction of a stage in the simulator (equal stages, free communication)."""
-    layout = Layout(pp=p, schedule=schedule, v=v if schedule == "interleaved" else 1, global_batch=m)
-    return simulate(_EVEN, _IDEAL, layout).bubble(0)
+def simulated_step_time_1f1b(f, b, m, t_comm) -> float:
+    """The step time (first forward to last backward) course_lib.parallel.schedules.simulate
+    measures for 1F1B with stage r's forward taking f[r], its backward b[r], a message t_comm."""
+    from course_lib.parallel import schedules as S
+
+    p = len(f)
+    schedule = S.one_f_one_b(p, m)
+    durations = {str(a): (f if a.op == "F" else b)[a.stage] for row in schedule for a in row}
+    spans = S.simulate(schedule, p, t_comm=t_comm, durations=durations)
+    return max(s.end for s in spans) - min(s.start for s in spans)
 
 
-def check_bubble(bubble_1f1b, bubble_interleaved) -> bool:
-    """bubble_1f1b(p, m) and bubble_interleaved(p, m, v): idle fraction of a step, graded
-    against the discrete-event simulator."""
-    cases = [Case(params=dict(p=p, m=m, v=v), label=f"p={p}, m={m}, v={v}") for p, m, v in BUBBLE_CASES]
+def _no_simulator():
+    """Inside the learner's call, the course's simulators raise: the exercise is to write one."""
+    import contextlib
+
+    from course_lib import planner
+    from course_lib.grading import Mismatch
+    from course_lib.parallel import schedules
+
+    def refuse(*args, **kwargs):
+        raise Mismatch("step_time_1f1b calls the course's simulator: play the schedule on your own clock")
+
+    @contextlib.contextmanager
+    def patched():
+        saved = [(mod, name, getattr(mod, name)) for mod, name in
+                 ((schedules, "simulate"), (planner, "simulate"), (planner, "estimate"))]
+        for mod, name, _ in saved:
+            setattr(mod, name, refuse)
+        try:
+            yield
+        finally:
+            for mod, name, fn in saved:
+                setattr(mod, name, fn)
+    return patched()
+
+
+def _step_time_harness(step_time_1f1b, f, b, m, t_comm):
+    """In a process of its own (a learner's endless loop is stopped by the timeout)."""
+    want = simulated_step_time_1f1b(f, b, m, t_comm)
+    with _no_simulator():
+        got = step_time_1f1b(list(f), list(b), m, t_comm)
+    if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
+        return f"expected a time (a number), got {got!r}"
+    if abs(got - want) > 1e-9:
+        p = len(f)
+        pace = sum(f) + sum(b) + 2 * (p - 1) * t_comm + (m - 1) * max(x + y for x, y in zip(f, b))
+        return (f"got {got:g}, the simulated 1F1B step takes {want:g} (fill and drain sum(f) + sum(b) + "
+                f"2(p-1) t_comm, plus m-1 times the slowest stage's f+b, gives {pace:g}: not always exact)")
+    return None
+
+
+def check_step_time_1f1b(step_time_1f1b, timeout: float = 20.0) -> bool:
+    """step_time_1f1b(f, b, m, t_comm) -> the time of one 1F1B step with per-stage forward
+    times f, backward times b (lists of length p), m micro-batches and t_comm per message,
+    graded against the discrete-event simulator of chapter 6 (exact: integer times). Each
+    case runs in a process of its own, so an endless loop becomes a hint, not a hang."""
+    from course_lib.launch import LaunchTimeout, launch
+
+    cases = [Case(params=dict(f=f, b=b, m=m, t_comm=t), label=f"f={list(f)}, b={list(b)}, m={m}, t_comm={t}")
+             for f, b, m, t in STEP_CASES]
 
     def run(case):
-        p, m, v = case.params["p"], case.params["m"], case.params["v"]
-        for name, got, want in (("bubble_1f1b", bubble_1f1b(p, m), simulated_bubble(p, m, "1f1b")),
-                                ("bubble_interleaved", bubble_interleaved(p, m, v),
-                                 simulated_bubble(p, m, "interleaved", v))):
-            if not isinstance(got, (int, float)) or isinstance(got, bool):
-                return f"{name} returned {got!r}, expected a fraction"
-            if abs(got - want) > 2e-3:
-                return f"{name}: got {got:.4f}, the simulated pipeline idles {want:.4f} of the step"
-        return None
-    return check("bubble", cases, run)
+        try:
+            [outcome] = launch(_step_time_harness, 1, step_time_1f1b, timeout=timeout, quiet=True, **case.params)
+        except LaunchTimeout:
+            return (f"no answer after {timeout:g} s: an endless loop? (a rank waiting for an action "
+                    f"that never runs must not spin forever)")
+        return outcome
+    return check("step_time_1f1b", cases, run)
 
 
 # ----------------------------------------------------------------------------- choose a layout

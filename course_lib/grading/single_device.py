@@ -1,7 +1,7 @@
 """Graders of the single-device chapter (solutions/00_single_device_exercises.ipynb).
 
     check_state_bytes(state_bytes)                      # bytes of params / grads / optimizer state
-    check_llama_activation_bytes(llama_activation_bytes)  # the activation formula of our block
+    check_max_micro_batch(max_micro_batch)              # the largest micro-batch that fits a budget
     check_average_gradients(average_gradients)          # data-parallel gradient averaging, 2-3 ranks
 
 Each prints one stable line (``name: k/k cases passed`` or the first failing case with
@@ -78,62 +78,79 @@ def check_state_bytes(state_bytes) -> bool:
     return check("state_bytes", _STATE_CASES, run_case)
 
 
-# ----------------------------------------------------------------------------- 2. activations
+# ----------------------------------------------------------------------------- 2. the largest micro-batch
 
-_ACT_CASES = [
-    Case(dict(s=16, b=2, hidden=32, n_heads=4, n_kv_heads=4, dtype="bfloat16"), label="s=16 b=2 h=32 a=4 kv=4 bf16"),
-    Case(dict(s=32, b=1, hidden=32, n_heads=4, n_kv_heads=4, dtype="bfloat16"), label="s=32 b=1 h=32 a=4 kv=4 bf16"),
-    Case(dict(s=16, b=3, hidden=48, n_heads=6, n_kv_heads=2, dtype="bfloat16"), label="s=16 b=3 h=48 a=6 kv=2 bf16"),
-    Case(dict(s=24, b=2, hidden=64, n_heads=4, n_kv_heads=1, dtype="float32"), label="s=24 b=2 h=64 a=4 kv=1 fp32"),
+_CFGS = {
+    "llama-2x32": dict(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, seq_len=16),
+    "gpt2-dropout-3x48": dict(n_layers=3, hidden=48, n_heads=6, seq_len=24, block="gpt2", dropout=0.1),
+    "llama-1x64-mqa": dict(n_layers=1, hidden=64, n_heads=4, n_kv_heads=1, seq_len=32, tie_embeddings=True),
+}
+# (config, micro-batch whose total sets the budget, extra bytes): budget = state + activations(b) + extra;
+# extra < 0 puts the budget one byte short of b, extra = "state-1" leaves no room for the state itself
+_FIT_CASES = [
+    ("llama-2x32", 3, 0), ("llama-2x32", 4, -1), ("llama-2x32", 1, -1), ("llama-2x32", 0, -1),
+    ("gpt2-dropout-3x48", 5, 0), ("llama-1x64-mqa", 7, "half"),
 ]
 
 
-def _measured_block_bytes(s, b, hidden, n_heads, n_kv_heads, dtype):
-    """Bytes one Llama-style TinyGPT block really saves (unique storages, everything)."""
+def _training_bytes(cfg_kwargs, batches):
+    """(fp32 AdamW state after one step, {b: activation bytes of model(idx, targets)})."""
+    from course_lib.memory import model_state_bytes
     from course_lib.models import GPTConfig, TinyGPT, saved_activations
 
-    cfg = GPTConfig(n_layers=1, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, seq_len=s)
-    dt = getattr(torch, dtype)
-    model = TinyGPT(cfg, seed=0).to(dt)
-    x = torch.randn(b, s, hidden, generator=torch.Generator().manual_seed(0)).to(dt).requires_grad_()
-    _, rows = saved_activations(model.blocks[0], x * 1.0)
-    return cfg.ffn_hidden, sum(r.nbytes for r in rows)
+    cfg = GPTConfig(**cfg_kwargs)
+    model = TinyGPT(cfg, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    acts = {0: 0}
+    for b in batches:
+        idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1), generator=gen)
+        _, rows = saved_activations(model, idx[:, :-1], idx[:, 1:])
+        acts[b] = sum(r.nbytes for r in rows)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=gen)
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    opt.step()
+    return model_state_bytes(model, opt)["total"], acts
 
 
-def _known_slip(got, s, b, h, a, kv, f, dtype_bytes) -> str:
-    """A hint when ``got`` is the course formula (planner.formulas) with one known slip."""
-    from course_lib.planner.formulas import llama_activation_bytes_per_layer as formula
+def _fit_harness(max_micro_batch, cfg_name, b, extra):
+    """One case, in a process of its own (an endless search is stopped by the timeout)."""
+    from course_lib.models import GPTConfig
 
-    slips = [(formula(s, b, h, a, kv, f, value_bytes=dtype_bytes, rstd=False),
-              "the two (b, s, 1) rstd tensors are missing"),
-             (formula(s, b, h, a, a, f, value_bytes=dtype_bytes),
-              "K and V have kv heads of h/a channels each, not a heads"),
-             (formula(s, b, h, a, kv, f, value_bytes=2), "multiply the elements by dtype_bytes")]
-    for value, hint in slips:
-        if abs(got - value) <= 0.5:
-            return f": {hint}"
-    return ""
+    torch.set_num_threads(1)
+    state, acts = _training_bytes(_CFGS[cfg_name], range(1, b + 2))
+    budget = state + acts[b] + ((acts[b + 1] - acts[b]) // 2 if extra == "half" else extra)
+    want = max(q for q in acts if state + acts[q] <= budget) if state <= budget else 0
+    got = max_micro_batch(GPTConfig(**_CFGS[cfg_name]), budget)
+    if isinstance(got, bool) or not isinstance(got, int):
+        return f"expected an int (a number of sequences), got {got!r}"
+    if got == want:
+        return None
+    if got > want:
+        over = state + acts.get(got, acts[max(acts)]) - budget
+        return (f"budget {budget:,} B: got b={got}, expected b={want}" +
+                (f" (b={got} needs {over:,} B more than the budget)" if got in acts else ""))
+    return (f"budget {budget:,} B: got b={got}, expected b={want} (state {state:,} B + activations "
+            f"{acts[want]:,} B = {state + acts[want]:,} B fits)")
 
 
-def check_llama_activation_bytes(llama_activation_bytes) -> bool:
-    """``llama_activation_bytes(s, b, h, a, kv, f, dtype_bytes)``: bytes one block saves,
-    compared with a count of a real forward (rstd tensors included), which
-    ``planner.formulas.llama_activation_bytes_per_layer`` equals (tests/test_planner_formulas.py)."""
+def check_max_micro_batch(max_micro_batch, timeout: float = 60.0) -> bool:
+    """``max_micro_batch(cfg, budget_bytes) -> int``: the largest b whose fp32 AdamW training
+    state plus the activations TinyGPT(cfg) saves for a (b, seq_len) batch fit the budget,
+    0 if none; budgets are set exactly on the boundaries from a real count."""
+    from course_lib.launch import LaunchTimeout, launch
 
     def run_case(case):
-        p = dict(case.params)
-        f, expected = _measured_block_bytes(**p)
-        dtype_bytes = torch.empty(0, dtype=getattr(torch, p["dtype"])).element_size()
-        s, b, h, a, kv = p["s"], p["b"], p["hidden"], p["n_heads"], p["n_kv_heads"]
-        got = llama_activation_bytes(s, b, h, a, kv, f, dtype_bytes)
-        if got is None:
-            return "returned None: return the number of bytes"
-        msg = compare(got, expected, rtol=0, atol=0.5, what=f"f={f}")
-        if msg and isinstance(got, (int, float)):
-            msg += f" (off by {got - expected:+,.0f} bytes{_known_slip(got, s, b, h, a, kv, f, dtype_bytes)})"
-        return msg
+        try:
+            [outcome] = launch(_fit_harness, 1, max_micro_batch, timeout=timeout, quiet=True, **case.params)
+        except LaunchTimeout:
+            return f"no answer after {timeout:g} s: an endless search?"
+        return outcome
 
-    return check("llama_activation_bytes", _ACT_CASES, run_case)
+    cases = [Case(dict(cfg_name=c, b=b, extra=e), label=f"{c}, budget = state + activations(b={b})"
+                  + ("" if e == 0 else " - 1 byte" if e == -1 else " + half a sequence"))
+             for c, b, e in _FIT_CASES]
+    return check("max_micro_batch", cases, run_case)
 
 
 # ----------------------------------------------------------------------------- 3. averaging gradients
@@ -240,4 +257,4 @@ def check_average_gradients(average_gradients, timeout: float = 60.0) -> bool:
     return check_distributed("average_gradients", _average_gradients_harness, cases, timeout=timeout)
 
 
-__all__ = ["check_state_bytes", "check_llama_activation_bytes", "check_average_gradients"]
+__all__ = ["check_state_bytes", "check_max_micro_batch", "check_average_gradients"]
