@@ -67,6 +67,8 @@ def build_and_compare(shape):
         elif dims in (("dp", "cp"), ("pp", "tp")):
             out["torch"][dims] = dist.get_process_group_ranks(dm[dims]._flatten().get_group())
     out["comm_dim"] = mesh.comm(("dp", "cp")).dim
+    emb = mesh.embedding_comm()
+    out["embedding"] = None if emb is None else emb.ranks
     layout = Layout(dp=mesh.sizes["dp"], pp=mesh.sizes["pp"], cp=mesh.sizes["cp"], tp=mesh.sizes["tp"], ep=mesh.ep)
     out["from_layout"] = Mesh.from_layout(layout).ranks(("dp", "tp"))
     return out
@@ -87,6 +89,8 @@ def test_groups_match_init_device_mesh(shape):
         nxt = ref.rank_of(dp=c["dp"], pp=c["pp"] + 1, cp=c["cp"], tp=c["tp"]) if c["pp"] < ref.sizes["pp"] - 1 else None
         assert out["neighbours"] == (prev, nxt)
         assert out["comm_dim"] == "dp+cp"
+        pipeline = next(s for s in ref.rank_sets("pp") if rank in s)   # the embedding group: its two ends
+        assert out["embedding"] == (sorted({pipeline[0], pipeline[-1]}) if rank in (pipeline[0], pipeline[-1]) else None)
         assert out["from_layout"] == next(s for s in ref.rank_sets(("dp", "tp")) if rank in s)
 
 

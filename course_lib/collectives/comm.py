@@ -146,19 +146,20 @@ class Comm:
         return self.ranks.index(global_rank)
 
     # ------------------------------------------------------------------ point-to-point
-    def isend(self, tensor, peer: int):
-        """Start sending ``tensor`` (contiguous) to group rank ``peer``; returns the work handle."""
+    def isend(self, tensor, peer: int, tag: int = 0):
+        """Start sending ``tensor`` (contiguous) to group rank ``peer``; returns the work handle.
+        ``tag`` tells apart messages between the same two ranks (a pipeline's activations and gradients)."""
         if self.counter is not None:
             nbytes = _nbytes(tensor)
             self.counter.bytes_sent += nbytes
             self.counter.messages_sent += 1
             self.counter.sent_to[peer] += nbytes
-        return dist.isend(tensor, self.ranks[peer], group=self.group)
+        return dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag)
 
-    def irecv(self, tensor, peer: int):
+    def irecv(self, tensor, peer: int, tag: int = 0):
         if self.counter is not None:
             self.counter.bytes_received += _nbytes(tensor)
-        return dist.irecv(tensor, self.ranks[peer], group=self.group)
+        return dist.irecv(tensor, self.ranks[peer], group=self.group, tag=tag)
 
     def post_send(self, tensor, peer: int):
         """isend, or None for an empty tensor (nothing to send; the receiver skips it too)."""

@@ -52,17 +52,18 @@ def check_module(module, what: str):
     return trainable
 
 
-def broadcast_module_states(module: nn.Module, comm, src: int = 0):
-    """Make every rank of ``comm`` hold group rank ``src``'s parameters and buffers
-    (one broadcast per tensor, in registration order: the same on every rank)."""
+def broadcast_module_states(module: nn.Module, comm, comm_of=None, src: int = 0):
+    """Make every rank of ``comm`` hold group rank ``src``'s parameters and buffers (one
+    broadcast per tensor, in registration order: the same on every rank). ``comm_of(p)``:
+    the Comm a parameter is broadcast over instead (all the dims it is replicated on; None:
+    not replicated, not broadcast). Bool tensors travel as bytes."""
     with torch.no_grad():
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            comm.broadcast(as_bytes_if_bool(t.detach()), src=src, name=f"broadcast {name}")
-
-
-def as_bytes_if_bool(t):
-    """A bool tensor (a mask buffer) as uint8, the same bytes: not every collective takes bool."""
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
+            group = comm_of(t) if comm_of is not None and isinstance(t, nn.Parameter) else comm
+            if group is not None:
+                t = t.detach()
+                group.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src,
+                                name=f"broadcast {name}")
 
 
 # ------------------------------------------------------------------ 1. the textbook loop
@@ -113,13 +114,10 @@ class DDP(nn.Module):
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
         self.module, self.mesh = module, as_mesh(mesh, group, dim=dims[0])
         self.comm = self.mesh.comm(dims)  # the data-parallel group
-        with torch.no_grad():  # the same start: every replica takes the values of its group's rank 0
-            for name, p in module.named_parameters():
-                replicated_on = get_reduce_dims(p, dims)  # the dims its gradient is summed over
-                if replicated_on:
-                    self.mesh.comm(replicated_on).broadcast(p.detach(), src=0, name=f"broadcast {name}")
-            for name, b in module.named_buffers():
-                self.comm.broadcast(as_bytes_if_bool(b), src=0, name=f"broadcast {name}")
+        # the same start: every replica takes the values of its group's rank 0, each parameter
+        # over the dims its gradient is summed over (the dims it is replicated on)
+        replicated_on = lambda p: self.mesh.comm(get_reduce_dims(p, dims)) if get_reduce_dims(p, dims) else None
+        broadcast_module_states(module, self.comm, replicated_on)
         divisor = self.comm.size if divisor is None else divisor
         sync_cls = OverlappedGradSync if overlap else GradSync
         self.grad_sync = sync_cls(module, self.mesh, divisor=divisor, bucket_cap_mb=bucket_cap_mb,

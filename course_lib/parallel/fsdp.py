@@ -38,8 +38,8 @@ import torch
 import torch.nn as nn
 
 from course_lib import trace
-from course_lib.parallel.fsdp_params import (ShardedUnit, assign_units, broadcast_module_states, check_module,
-                                             default_units)
+from course_lib.parallel.data_parallel import broadcast_module_states
+from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_module, default_units
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
 
 MAX_IN_FLIGHT = 1  # gradient reduce-scatters in flight (each keeps a full-size gradient alive)

@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from course_lib.parallel import data_parallel
+
 
 class Slot(NamedTuple):
     """Where one parameter lives in its unit's buffers."""
@@ -50,15 +52,10 @@ def default_units(module):
 
 
 def check_module(module):
-    """The inputs FSDP refuses, with the constraint named."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+    """The inputs FSDP refuses, with the constraint named: DDP's (``data_parallel.check_module``),
+    plus one master dtype and no 0-d parameter (a shard is a range of dim 0)."""
+    data_parallel.check_module(module, "FSDP")
     named = list(module.named_parameters())
-    if not named:
-        raise ValueError("FSDP: the module has no parameters: there is nothing to shard")
-    devices = sorted({str(p.device) for _, p in named})
-    if len(devices) > 1:
-        raise ValueError(f"FSDP: all parameters must be on one device (one device per rank), found {devices}")
     dtypes = {p.dtype for _, p in named}
     if len(dtypes) > 1:
         raise ValueError(f"FSDP: all parameters must share one dtype (the master dtype), got {dtypes}")
@@ -66,18 +63,6 @@ def check_module(module):
         if p.dim() == 0:
             raise ValueError(f"FSDP shards every parameter along dim 0: {name!r} is 0-dimensional "
                              f"(make it shape (1,))")
-    if not any(p.requires_grad for _, p in named):
-        raise ValueError("FSDP: every parameter is frozen (requires_grad=False): nothing to train")
-
-
-def broadcast_module_states(module, comm, comm_of=None, src: int = 0):
-    """Every rank of ``comm`` takes group rank ``src``'s parameters and buffers; a parameter
-    ``p`` over ``comm_of(p)`` instead where given (e.g. all the dims it is replicated on)."""
-    with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            group = comm_of(t) if comm_of is not None and isinstance(t, nn.Parameter) else comm
-            t = t.detach()
-            group.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src, name=f"broadcast {name}")
 
 
 def assign_units(module, unit_modules):
@@ -188,5 +173,5 @@ class ShardedUnit:
         return [self.gradient_view(i, grad_shard).view(-1) for i in indexes]
 
 
-__all__ = ["Slot", "ShardedUnit", "dim0_rows", "default_units", "check_module", "broadcast_module_states",
+__all__ = ["Slot", "ShardedUnit", "dim0_rows", "default_units", "check_module",
            "assign_units"]

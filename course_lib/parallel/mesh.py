@@ -154,7 +154,10 @@ class Mesh(MeshShape):
         self.coord = self.coords(self.rank)
         self._groups, self._comms, self._made = {}, {}, {}
         for names in self._all_dim_sets():  # the same order on every rank: new_group is collective
-            self._groups[names] = self._make_group(names)
+            self._groups[names] = self._make_group(self.rank_sets(names))
+        # Megatron's embedding group: the first and last stage of every pipeline, which both
+        # hold a tied embedding / LM-head matrix and sum its gradient
+        self._embedding_group = self._make_group(sorted({(s[0], s[-1]) for s in self.rank_sets("pp")}))
 
     @classmethod
     def from_layout(cls, layout, **kw) -> "Mesh":
@@ -169,8 +172,8 @@ class Mesh(MeshShape):
                 if not _invalid(names):
                     yield names
 
-    def _make_group(self, names):
-        sets = self.rank_sets(names)
+    def _make_group(self, sets):
+        sets = [sorted(set(ranks)) for ranks in sets]
         if len(sets) == 1 and sets[0] == list(range(self.world_size)):
             return None  # the whole world in rank order: the default group
         key = tuple(map(tuple, sets))
@@ -200,6 +203,15 @@ class Mesh(MeshShape):
         if cache not in self._comms:
             self._comms[cache] = Comm(self.group(key), dim="+".join(key), impl=impl)
         return self._comms[cache]
+
+    def embedding_comm(self):
+        """A Comm over this pipeline's first and last stage ranks (Megatron's embedding group),
+        on those two ranks; None on the stages between. (With pp = 1: this rank alone.)"""
+        if self.coord["pp"] not in (0, self.sizes["pp"] - 1):
+            return None
+        if "embedding" not in self._comms:
+            self._comms["embedding"] = Comm(self._embedding_group, dim="pp", impl=self.impl)
+        return self._comms["embedding"]
 
     def ranks(self, dims) -> list[int]:
         """Global ranks of this rank's group along ``dims``, in group-rank order."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -133,13 +132,9 @@ def naive_model_parallel_step(stage, comm, x, y, loss_fn, act_shape):
 
 def embedding_group(mesh):
     """Megatron-LM's embedding group: the first and last stage ranks of every (dp, cp, tp), which
-    both hold the tied embedding / LM-head matrix. A Comm on those two ranks, None elsewhere."""
-    mine = None
-    for ranks in mesh.rank_sets("pp"):                     # the same order on every rank
-        group = dist.new_group([ranks[0], ranks[-1]])      # (new_group is collective)
-        if mesh.rank in ranks:
-            mine = group
-    return Comm(mine, dim="pp") if mesh.coord["pp"] in (0, mesh.sizes["pp"] - 1) else None
+    both hold the tied embedding / LM-head matrix. Made by the mesh with its other groups;
+    a Comm on those two ranks, None elsewhere."""
+    return mesh.embedding_comm()
 
 
 def sum_tied_gradient(comm, stages):
@@ -210,7 +205,8 @@ class PipelineParallel:
             self.grad_sync.start()
             self.grad_sync.finish()
         loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64)
-        dist.all_reduce(loss)                                 # only the last stages hold losses
+        # only the last stages hold losses, each its replica's (sum / global tokens): sum them all
+        self.mesh.comm(("dp", "pp", "cp")).all_reduce(loss, name="all-reduce loss")
         return float(loss)
 
 

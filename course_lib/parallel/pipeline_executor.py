@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import trace
@@ -123,18 +122,12 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
 
     def send(t, stage_to, kind, s, mb):
         t = t.detach().contiguous()
-        if counter is not None:
-            counter.bytes_sent += t.numel() * t.element_size()
-            counter.messages_sent += 1
-        sends.append((dist.isend(t, comm.ranks[stage_to % p], group=comm.group,
-                                 tag=_tag(kind, s, mb, n_stages, m)), t))
+        sends.append((comm.isend(t, stage_to % p, tag=_tag(kind, s, mb, n_stages, m)), t))
 
     def recv(stage_from, kind, s, mb, like=None):
         buf = torch.empty(act_shape, dtype=act_dtype) if like is None else torch.empty_like(like)
-        if counter is not None:
-            counter.bytes_received += buf.numel() * buf.element_size()
         with trace.span(f"recv {kind} {mb}", "comm", "pp"):
-            dist.irecv(buf, comm.ranks[stage_from % p], group=comm.group, tag=_tag(kind, s, mb, n_stages, m)).wait()
+            comm.irecv(buf, stage_from % p, tag=_tag(kind, s, mb, n_stages, m)).wait()
         return buf
 
     for op, s, mb in actions:
