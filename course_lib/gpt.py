@@ -50,6 +50,10 @@ class GPTConfig:
     tie_embeddings: bool = False  # lm_head.weight is tok_emb.weight
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_experts: int = 0           # > 0: every block's MLP is a mixture of experts (course_lib.moe)
+    top_k: int = 1               # experts per token
+    capacity_factor: float = 1.25
+    moe_aux_coef: float = 0.01   # weight of the load-balancing loss (Switch's alpha)
 
     def __post_init__(self):
         if self.block not in ("llama", "gpt2"):
@@ -65,6 +69,9 @@ class GPTConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if self.block == "llama" and (self.hidden // self.n_heads) % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.hidden // self.n_heads}")
+        if self.n_experts:
+            from course_lib.moe import check_moe_config
+            check_moe_config(self.n_experts, self.top_k, self.capacity_factor)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.ffn_hidden is None:
@@ -189,6 +196,51 @@ class GeLUMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class AddAuxLoss(torch.autograd.Function):
+    """Returns ``y`` unchanged; in backward, ``aux`` receives the gradient ``scale``: the
+    load-balancing loss joins the gradients without joining the loss value, wherever the
+    layer sits (a pipeline stage far from the loss included). Megatron-LM's
+    MoEAuxLossAutoScaler."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale, ctx.aux_shape = scale, aux.shape
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.new_full(ctx.aux_shape, ctx.scale), None
+
+
+class MoEMLP(nn.Module):
+    """The MLP of a mixture-of-experts block: (b, s, h) -> T = b*s tokens -> MoE -> (b, s, h).
+
+    ``groups``: routing groups of this call (capacity and load balance per group, GShard);
+    ``aux_weight``: this call's share of the step's tokens. The gradient of the step's
+    load-balancing loss, ``moe_aux_coef * sum over calls of aux_weight * aux``, is added in
+    backward (:class:`AddAuxLoss`). A single device that stands for dp ranks with m
+    micro-batches each routes in ``groups = dp * m`` groups with weight 1; each rank routes its
+    own tokens (groups 1) with weight 1 / (dp * m): the same loss, the same gradients.
+    ``moe`` may be replaced by an ``ExpertParallelMoE`` built from it (``forward(x) -> y, aux``).
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        from course_lib.moe import MoE
+        self.moe = MoE(cfg.hidden, cfg.ffn_hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+        self.aux_coef, self.groups, self.aux_weight = cfg.moe_aux_coef, 1, 1.0
+        self.last_aux = None
+
+    def forward(self, x):  # (b, s, h) -> (b, s, h)
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)                              # (T, h)
+        y, aux = self.moe(tokens, groups=self.groups) if self.groups != 1 else self.moe(tokens)
+        self.last_aux = aux.detach()
+        if self.aux_coef and torch.is_grad_enabled():
+            y = AddAuxLoss.apply(y, aux, self.aux_coef * self.aux_weight)
+        return y.view(b, s, h)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -197,11 +249,11 @@ class Block(nn.Module):
         if cfg.block == "llama":
             self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
             self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-            self.mlp = SwiGLU(cfg)
+            self.mlp = SwiGLU(cfg) if not cfg.n_experts else MoEMLP(cfg)
         else:
             self.attn_norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
             self.mlp_norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
-            self.mlp = GeLUMLP(cfg)
+            self.mlp = GeLUMLP(cfg) if not cfg.n_experts else MoEMLP(cfg)
         self.attn = Attention(cfg)
         self.attn_out_dropout = Dropout(cfg.dropout)
         self.mlp_out_dropout = Dropout(cfg.dropout)
@@ -287,5 +339,5 @@ class TinyGPT(nn.Module):
 
 
 __all__ = ["GPTConfig", "TinyGPT", "Block", "Attention", "SwiGLU", "GeLUMLP", "RMSNorm", "Dropout",
-           "check_positions", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
+           "MoEMLP", "AddAuxLoss", "check_positions", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
            "attention_output", "causal_attention"]

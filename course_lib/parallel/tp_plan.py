@@ -168,7 +168,8 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
             if isinstance(new, RowParallelLinear) and new.bias is not None and sp:
                 set_reduce_dims(new.bias, SP_DIMS)     # added to my s/t tokens only
             setattr(parent, attr, new)
-    if getattr(getattr(model, "config", None), "tie_embeddings", False):
+    if getattr(getattr(model, "config", None), "tie_embeddings", False) and \
+            getattr(model, "lm_head", None) is not None and getattr(model, "tok_emb", None) is not None:
         model.lm_head.weight = model.tok_emb.weight    # the same rows of the same table: still one
     model.tensor_parallel = types.SimpleNamespace(comm=comm, sequence_parallel=sp, rng=rng, plan=plan,
                                                   keep_gathered=keep_gathered)
