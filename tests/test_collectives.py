@@ -302,3 +302,47 @@ def test_fit_grader_accepts_the_relative_least_squares(capsys):
     assert G.check_fit_alpha_beta(fit)
     assert capsys.readouterr().out.strip() == "fit_alpha_beta: 6/6 cases passed"
     assert not G.check_fit_alpha_beta(lambda ms: (0.0, 1e-9))
+
+
+def segmented_vs_unsegmented():
+    """The segmented ring against the unsegmented one: bitwise the same, more and smaller messages."""
+    import torch.distributed as dist
+
+    from course_lib.collectives import ring
+
+    r, N = dist.get_rank(), dist.get_world_size()
+    same, counts = [], {}
+    for numel in (0, 1, 2 * N + 3, 1000 * N + 7):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            x = make(r, numel, dtype, seed=7)
+            for op in (R.SUM, R.MAX) + ((R.AVG,) if dtype.is_floating_point else ()):
+                outs = []
+                for seg in (None, 64, 1000):                   # one segment; many; a few, uneven
+                    y = x.clone()
+                    ring.all_reduce(y, op, segment_bytes=seg)
+                    outs.append(y)
+                same.append(all(torch.equal(o, outs[0]) for o in outs))
+            sizes = [numel + q for q in range(N)]             # uneven pieces
+            pieces = [make(r, s, dtype, seed=8 + q) for q, s in enumerate(sizes)]
+            got = []
+            for seg in (None, 64):
+                out = torch.empty(sizes[r], dtype=dtype)
+                ring.reduce_scatter(out, [p.clone() for p in pieces], segment_bytes=seg)
+                gathered = [torch.empty(s, dtype=dtype) for s in sizes]
+                ring.all_gather(gathered, pieces[r], segment_bytes=seg)
+                got.append((out, gathered))
+            same.append(torch.equal(got[0][0], got[1][0]) and all(map(torch.equal, got[0][1], got[1][1])))
+    for seg in (None, 1000):                                  # 1000 floats per chunk: 4 KB
+        counter = C.TrafficCounter()
+        ring.all_reduce(torch.ones(1000 * N), segment_bytes=seg, counter=counter)
+        counts[seg] = (counter.messages_sent, counter.bytes_sent)
+    return all(same), counts
+
+
+@pytest.mark.parametrize("N", [2, 3, 5])
+def test_segmented_ring_is_bitwise_the_unsegmented_ring(N):
+    for ok, counts in launch(segmented_vs_unsegmented, N, quiet=True):
+        assert ok
+        # 4 segments of 1000 B per chunk: 4x the messages, the same bytes
+        assert counts[None] == (2 * (N - 1), 2 * (N - 1) * 4000)
+        assert counts[1000] == (2 * (N - 1) * 4, 2 * (N - 1) * 4000)

@@ -60,62 +60,113 @@ def simulate_ring_all_reduce(world_size: int):
 
 # ----------------------------------------------------------------------------- the two phases
 
+SEGMENT_BYTES = 1 << 20   # the largest message of the segmented ring (gloo's too; see segments())
 
-def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True):
-    """pieces: N contiguous 1-D tensors (untouched); out <- reduction of every rank's pieces[rank].
+
+def segments(chunk, segment_bytes=SEGMENT_BYTES):
+    """Views of a 1-D ``chunk`` cut into ceil(bytes / segment_bytes) nearly equal segments.
+
+    The count depends only on the chunk's size and dtype, which sender and receiver
+    share, so both cut it alike. ``segment_bytes=None``: one segment (the unsegmented ring).
+    """
+    if not segment_bytes or chunk.numel() == 0:
+        return [chunk]
+    if segment_bytes < 0:
+        raise ValueError(f"segment_bytes must be > 0 or None, got {segment_bytes}")
+    count = -(-chunk.numel() * chunk.element_size() // segment_bytes)
+    return chunks(chunk, count)
+
+
+def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_bytes=SEGMENT_BYTES,
+                         in_place=False, window=2):
+    """out <- the reduction over ranks of every rank's pieces[rank]; pieces: N contiguous 1-D tensors.
 
     Step s: receive the left neighbour's partial sum of chunk c, add our own
-    piece c, pass it right. ``prepost``: post all N-1 receives before the first
-    send, so every message finds its receive waiting and lands at once; False
-    waits for each step's send and receive in lockstep (one more handshake per
-    step: measured 1.5-3x slower on a loaded CPU machine, see the benchmark).
+    piece c, pass it right. Each chunk travels in segments (:func:`segments`), step
+    by step and, within a step, segment by segment: segment j is sent on as soon as
+    it is reduced, while segment j+1 is still on the wire, so a hop's transfer, the
+    reduction and the next hop overlap (the pipelining term of
+    ``costmodel.pipelined_ring_all_reduce``). Every element is still combined in the
+    unsegmented ring's order (the left neighbour's partial sum op ours; at the end
+    ours op the rest): the results are bitwise the same.
+
+    ``in_place`` (all-reduce; out is pieces[rank]): sums go into ``pieces`` and are sent
+    from there, and the arriving segments land in ``window`` scratch buffers, reused
+    round-robin: the receive of message i + window is posted once message i is
+    reduced. The scratch stays in the cache, as in gloo's ring. Otherwise ``pieces``
+    are left untouched: every message gets its own buffer, all receives posted first.
+    ``prepost=False``: no receive posted ahead, each step's send and receive in
+    lockstep, unsegmented (one more handshake per step: measured 1.5-3x slower on a
+    loaded CPU machine, see the benchmark).
     """
     N, r = comm.size, comm.rank
     if N == 1:
         out.copy_(pieces[0])
         return out
+    if not prepost:
+        segment_bytes, in_place = None, False   # lockstep: a step's send must finish before the next receive
     right, left = (r + 1) % N, (r - 1) % N
     plan = [ring_schedule(N, "reduce_scatter", r, s) for s in range(N - 1)]
-    incoming = [torch.empty(pieces[c].numel(), dtype=out.dtype) for _, c in plan]  # (N-1) x (n/N,)
-    recvs = [comm.post_recv(buf, left) for buf in incoming] if prepost else [None] * (N - 1)
-    sends = [comm.post_send(pieces[plan[0][0]], right)]      # step 0: our own piece, as is
-    for s, (_, c) in enumerate(plan):
+    # one row per message, in the order they travel (step-major, segment-minor):
+    # (our piece's segment, where the sum goes); the last step's sums go to out
+    work = [(mine, dst) for s, (_, c) in enumerate(plan)
+            for mine, dst in zip(segments(pieces[c], segment_bytes),
+                                 segments(out if s == N - 2 else pieces[c], segment_bytes))]
+    if in_place:                                   # window x (segment,) scratch, reused
+        scratch = [torch.empty(max(m.numel() for m, _ in work), dtype=out.dtype)
+                   for _ in range(min(window, len(work)))]
+        landing = [scratch[i % len(scratch)][:mine.numel()] for i, (mine, _) in enumerate(work)]
+        ahead = len(scratch)
+    else:                                          # (N-1) x (n/N,) in all, one buffer per message
+        landing = [torch.empty(mine.numel(), dtype=out.dtype) for mine, _ in work]
+        ahead = len(work) if prepost else 0
+    recvs = [comm.post_recv(landing[i], left) for i in range(ahead)]
+    sends = [comm.post_send(seg, right) for seg in segments(pieces[plan[0][0]], segment_bytes)]  # ours, as is
+    last = len(work) - len(segments(out, segment_bytes))       # rows from here on: the last step, c == r
+    for i, (mine, dst) in enumerate(work):
         if not prepost:
-            recvs[s] = comm.post_recv(incoming[s], left)
-        comm.wait(recvs[s])
+            recvs.append(comm.post_recv(landing[i], left))
+        comm.wait(recvs[i])
         if not prepost:
             comm.wait(*sends)
             sends = []
-        if s == N - 2:                                       # last step: c == r, the result
-            reduce_(out, pieces[c], incoming[s], op)
-        else:                                                # add ours, pass it on
-            reduce_(incoming[s], incoming[s], pieces[c], op)
-            sends.append(comm.post_send(incoming[s], right))
+        if i >= last:                                           # the result: ours op the rest
+            reduce_(dst, mine, landing[i], op)
+        else:                                                   # the rest op ours, passed on
+            dst = dst if in_place else landing[i]
+            reduce_(dst, landing[i], mine, op)
+            sends.append(comm.post_send(dst, right))
+        if prepost and len(recvs) < len(work):                  # landing[i]'s buffer is free again
+            recvs.append(comm.post_recv(landing[len(recvs)], left))
     comm.wait(*sends)
     return out
 
 
-def _all_gather_ring(comm: Comm, outs, prepost=True):
+def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES):
     """outs: N contiguous 1-D tensors; outs[rank] holds this rank's part; fills the others.
 
-    Step s: pass on the chunk that arrived at step s-1 (step 0: our own).
+    Step s: pass on the chunk that arrived at step s-1 (step 0: our own), segment by
+    segment, each as soon as it has arrived.
     """
     N, r = comm.size, comm.rank
     if N == 1:
         return outs
+    if not prepost:
+        segment_bytes = None
     right, left = (r + 1) % N, (r - 1) % N
     plan = [ring_schedule(N, "all_gather", r, s) for s in range(N - 1)]
-    recvs = [comm.post_recv(outs[c], left) for _, c in plan] if prepost else [None] * (N - 1)
-    sends = [comm.post_send(outs[plan[0][0]], right)]
-    for s, (_, c) in enumerate(plan):
+    work = [(s, seg) for s, (_, c) in enumerate(plan) for seg in segments(outs[c], segment_bytes)]
+    recvs = [comm.post_recv(seg, left) for _, seg in work] if prepost else [None] * len(work)
+    sends = [comm.post_send(seg, right) for seg in segments(outs[plan[0][0]], segment_bytes)]
+    for i, (s, seg) in enumerate(work):
         if not prepost:
-            recvs[s] = comm.post_recv(outs[c], left)
-        comm.wait(recvs[s])
+            recvs[i] = comm.post_recv(seg, left)
+        comm.wait(recvs[i])
         if not prepost:
             comm.wait(*sends)
             sends = []
         if s < N - 2:
-            sends.append(comm.post_send(outs[c], right))
+            sends.append(comm.post_send(seg, right))
     comm.wait(*sends)
     return outs
 
@@ -124,8 +175,12 @@ def _all_gather_ring(comm: Comm, outs, prepost=True):
 
 
 @collective("ring all_reduce")
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=None, prepost=True):
-    """In place: every rank's ``tensor`` becomes the reduction over ranks (ring: RS + AG)."""
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=None, prepost=True,
+               segment_bytes=SEGMENT_BYTES):
+    """In place: every rank's ``tensor`` becomes the reduction over ranks (ring: RS + AG).
+
+    ``segment_bytes``: the largest message (:func:`segments`); None: one message per chunk.
+    """
     comm = Comm(group, counter)
     op = check_all_reduce(comm, "ring all_reduce", tensor, op, validate)
     if comm.size == 1:
@@ -133,56 +188,59 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=No
     with contiguous_flat(tensor) as flat:              # (n,)
         parts = chunks(flat, comm.size)                # N x (n/N,), uneven when N does not divide n
         mine = parts[comm.rank]
-        _reduce_scatter_ring(comm, parts, mine, op, prepost)  # only parts[rank] is written
+        _reduce_scatter_ring(comm, parts, mine, op, prepost, segment_bytes, in_place=True)  # sums into parts
         finish_avg(mine, op, comm.size)
-        _all_gather_ring(comm, parts, prepost)
+        _all_gather_ring(comm, parts, prepost, segment_bytes)
     return tensor
 
 
 @collective("ring reduce_scatter")
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, *, validate=True, counter=None,
+                          segment_bytes=SEGMENT_BYTES):
     """``output`` <- the reduction over ranks of piece ``rank`` of ``input`` (N equal pieces)."""
     comm = Comm(group, counter)
     op = check_reduce_scatter_tensor(comm, "ring reduce_scatter_tensor", output, input, op, validate)
     src = input.reshape(-1).contiguous()
     with contiguous_flat(output) as out:
-        _reduce_scatter_ring(comm, list(src.view(comm.size, -1)), out, op)
+        _reduce_scatter_ring(comm, list(src.view(comm.size, -1)), out, op, segment_bytes=segment_bytes)
         finish_avg(out, op, comm.size)
     return output
 
 
 @collective("ring reduce_scatter")
-def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, *, validate=True, counter=None):
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, *, validate=True, counter=None,
+                   segment_bytes=SEGMENT_BYTES):
     """``output`` <- reduction over ranks of ``input_list[rank]``; pieces may differ in size."""
     comm = Comm(group, counter)
     op = check_reduce_scatter(comm, "ring reduce_scatter", output, input_list, op, validate)
     pieces = [t.reshape(-1).contiguous() for t in input_list]
     with contiguous_flat(output) as out:
-        _reduce_scatter_ring(comm, pieces, out, op)
+        _reduce_scatter_ring(comm, pieces, out, op, segment_bytes=segment_bytes)
         finish_avg(out, op, comm.size)
     return output
 
 
 @collective("ring all_gather")
-def all_gather_into_tensor(output_tensor, input_tensor, group=None, *, validate=True, counter=None):
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, *, validate=True, counter=None,
+                           segment_bytes=SEGMENT_BYTES):
     """``output_tensor`` <- every rank's ``input_tensor``, concatenated in rank order."""
     comm = Comm(group, counter)
     check_all_gather_into_tensor(comm, "ring all_gather_into_tensor", output_tensor, input_tensor, validate)
     with contiguous_flat(output_tensor) as out:
         outs = list(out.view(comm.size, -1))
         outs[comm.rank].copy_(input_tensor.reshape(-1))
-        _all_gather_ring(comm, outs)
+        _all_gather_ring(comm, outs, segment_bytes=segment_bytes)
     return output_tensor
 
 
 @collective("ring all_gather")
-def all_gather(tensor_list, tensor, group=None, *, validate=True, counter=None):
+def all_gather(tensor_list, tensor, group=None, *, validate=True, counter=None, segment_bytes=SEGMENT_BYTES):
     """``tensor_list[i]`` <- rank i's ``tensor``; ranks may contribute different sizes."""
     comm = Comm(group, counter)
     check_all_gather(comm, "ring all_gather", tensor_list, tensor, validate)
     with contiguous_flats(tensor_list) as outs:
         outs[comm.rank].copy_(tensor.reshape(-1))
-        _all_gather_ring(comm, outs)
+        _all_gather_ring(comm, outs, segment_bytes=segment_bytes)
     return tensor_list
 
 
