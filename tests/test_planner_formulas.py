@@ -223,3 +223,71 @@ def test_llama_activation_formulas_at_llama3_shapes():
         F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, recompute="some")
     with pytest.raises(ValueError, match="kv_heads"):
         F.llama_activation_bytes_per_layer(s, b, h, a, 3, f)
+
+
+# ---- GEMM efficiency by shape (course_lib/planner/gemm.py) ------------------------------------
+
+def test_gemm_time_tile_and_wave_quantisation():
+    from course_lib.planner import HARDWARE
+    from course_lib.planner.gemm import gemm_efficiency, gemm_time
+    hw = HARDWARE["a100-80gb"]                       # 108 SMs, 128 x 128 tiles
+    rate = hw.peak_flops * hw.matmul_efficiency
+    tile = 2 * 128 * 128 * 4096 / (rate / 108)       # one tile of depth K = 4096 on one SM
+    # 108 tiles: one full wave; 109 tiles: a second wave for one tile
+    assert gemm_time(128 * 108, 128, 4096, hw) == pytest.approx(tile)
+    assert gemm_time(128 * 109, 128, 4096, hw) == pytest.approx(2 * tile)
+    assert gemm_efficiency(128 * 108, 128, 4096, hw) == pytest.approx(hw.matmul_efficiency)
+    assert gemm_efficiency(128 * 109, 128, 4096, hw) == pytest.approx(hw.matmul_efficiency * 109 / 216)
+    # a partial tile costs a whole one
+    assert gemm_time(128 * 108 - 1, 128, 4096, hw) == pytest.approx(tile)
+    # the roofline: a GEMM with a short K is bound by HBM (writing its M x N result), not the tiles
+    M, N, K = 4096, 4096, 16
+    assert gemm_time(M, N, K, hw) == pytest.approx(2 * (M * K + K * N + M * N) / hw.hbm_bandwidth)
+    # the flat model (sm_count = 0): every GEMM at matmul_efficiency
+    assert gemm_efficiency(100, 7, 3, hw.with_(sm_count=0)) == pytest.approx(hw.matmul_efficiency)
+    # large, well-shaped GEMMs come close to the ceiling; small hidden sizes lose to quantisation
+    assert gemm_efficiency(2048, 16384, 16384, hw) > 0.66
+    assert gemm_efficiency(2048, 2304, 2304, hw) < 0.9 * hw.matmul_efficiency
+
+
+def test_layer_gemms_flops_match_the_flop_formulas():
+    from course_lib.planner import MODELS
+    from course_lib.planner.gemm import gemms_flops, head_gemms, layer_gemms
+    for key in ("llama3-8b", "gpt3-175b"):
+        m = MODELS[key]
+        s, b, t = 2048, 2, 4
+        tokens = b * s
+        for rc in F.RECOMPUTE:
+            f, g = layer_gemms(m, s, b, t, recompute=rc, fused_attention=False)
+            lf, lb = F.layer_flops_per_token(m, s, rc)
+            assert gemms_flops(f) == pytest.approx(lf * tokens / t)
+            assert gemms_flops(g) == pytest.approx(lb * tokens / t)
+        # fused: the causal half of attention, and FlashAttention's backward recomputes QK^T
+        f, g = layer_gemms(m, s, b, t, recompute="none", fused_attention=True)
+        lf, lb = F.layer_flops_per_token(m, s, "none", causal=True)
+        assert gemms_flops(f) == pytest.approx(lf * tokens / t)
+        assert gemms_flops(g) == pytest.approx((lb + s * m.hidden) * tokens / t)   # + QK^T causal: 1 s h
+        hf, hb = head_gemms(m, s, b, t)
+        assert gemms_flops(hf) + gemms_flops(hb) == pytest.approx(sum(F.head_flops_per_token(m)) * tokens / t)
+
+
+def test_causal_flops_halve_attention():
+    m = dict(n_layers=2, hidden=64, n_heads=4, vocab=10)
+    full, causal = F.flops_per_token(m, 512), F.flops_per_token(m, 512, causal=True)
+    assert full - causal == 2 * 6 * 512 * 64       # half of 12 L s h
+
+
+def test_layer_activation_bytes_choose_the_block_and_follow_fused_attention():
+    from course_lib.planner import MODELS
+    from course_lib.planner.activations import layer_activation_bytes, lse_bytes
+    llama, gpt = MODELS["llama3-70b"], MODELS["megatron-175b"]
+    s, b, t = 8192, 1, 8
+    args = (llama.hidden, llama.n_heads, llama.n_kv_heads, llama.ffn, t, True)
+    assert layer_activation_bytes(llama, s, b, t, True, "none", fused_attention=False) == \
+        F.llama_activation_bytes_per_layer(s, b, *args, "none")
+    assert layer_activation_bytes(llama, s, b, t, True, "none", fused_attention=True) == pytest.approx(
+        F.llama_activation_bytes_per_layer(s, b, *args, "selective") + lse_bytes(s, b, llama.n_heads, t))
+    assert layer_activation_bytes(gpt, 2048, b, t, True, "none", fused_attention=False) == \
+        F.activation_bytes_per_layer(2048, b, gpt.hidden, gpt.n_heads, t, True, "none")
+    assert layer_activation_bytes(gpt, 2048, b, t, True, "full") == F.activation_bytes_per_layer(
+        2048, b, gpt.hidden, gpt.n_heads, t, True, "full")

@@ -8,7 +8,7 @@ from course_lib.trace import Span
 
 # equal stages and free communication: the textbook pipeline
 IDEAL = HARDWARE["h100-sxm"].with_(nvlink_latency=0, network_latency=0, nvlink_bandwidth=1e30,
-                                   network_bandwidth=1e30, elementwise_passes=0)
+                                   network_bandwidth=1e30, elementwise_passes=0, sm_count=0)
 EVEN = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)   # a 2-token vocabulary: no LM-head imbalance
 
 

@@ -7,7 +7,12 @@ pieces event by event; only the composition differs, so the two can be compared.
 What overlaps with what (the assumptions, stated once):
 
 - TP collectives sit on the critical path (the next matmul needs their result).
-- CP's ring passes K/V while attention computes: only the excess is exposed.
+- CP's ring (``layout.cp_comm="ring"``) passes K/V while attention computes, hop by hop: in each of the cp - 1 steps
+  the next block's K/V travels while this block's attention runs, and only the excess of
+  the hop over the block's attention is exposed (backward: K/V and their gradients).
+  Causal attention is load-balanced over the CP ranks (the zigzag layout of the CP chapter).
+  Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
+- Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
 - EP's all-to-alls and PP's sends are exposed (a send blocks its stage).
 - DP's gradient reduction overlaps the last micro-batch's backward and the ZeRO
   parameter all-gather the next forward, when ``layout.overlap_dp``; ZeRO-2/3's
@@ -18,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.planner import formulas as F
+from course_lib.planner import gemm as G
+from course_lib.planner.activations import layer_activation_bytes
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage
 from course_lib.planner.presets import Hardware, ModelSpec
 
@@ -43,6 +50,7 @@ class StageCost:
     param_gather: float           # ZeRO-1/2 all-gather of updated parameters
     optimizer: float
     comm_bytes: dict = field(default_factory=dict)   # bytes this GPU sends per step, by dimension
+    gemm_flops: float = 0.0       # matmul FLOPs this GPU runs per micro-batch (all chunks)
 
     @property
     def fwd_time(self) -> float:
@@ -70,12 +78,16 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
 def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCost]:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
-    h, a = model.hidden, model.n_heads
-    rate = hw.achievable_flops
+    h = model.hidden
     tokens = b * s / c                               # tokens of one micro-batch on this GPU
-    lf, lb = F.layer_flops_per_token(model, s, layout.recompute)
-    hf, hb = F.head_flops_per_token(model)
-    core = 4.0 * s * h                                # attention-core forward FLOPs per token
+    fused = hw.fused_attention
+    # matmul seconds of one layer / the head for one micro-batch, by the GEMMs' shapes
+    lg_f, lg_b = G.layer_gemms(model, s, b, t, c, layout.ep, layout.recompute, fused)
+    lf, lb = G.gemms_time(lg_f, hw), G.gemms_time(lg_b, hw)
+    hg_f, hg_b = G.head_gemms(model, s, b, t, c)
+    hf, hb = G.gemms_time(hg_f, hw), G.gemms_time(hg_b, hw)
+    layer_ran = G.gemms_flops(lg_f) + G.gemms_flops(lg_b)
+    head_ran = G.gemms_flops(hg_f) + G.gemms_flops(hg_b)
     a_tp, bw_tp = hw.link(intra_node(layout, hw, "tp"))
     a_cp, bw_cp = hw.link(intra_node(layout, hw, "cp"))
     a_pp, bw_pp = hw.link(intra_node(layout, hw, "pp"))
@@ -94,13 +106,21 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         return n_collectives * F.collective_time("all_reduce", act, t, a_tp, bw_tp)
     tp_fwd_layer = tp_time(2)
     tp_bwd_layer = tp_time(4 if layout.recompute == "full" else 2)
-    # CP per layer: ring attention passes K and V (this TP rank's heads) c-1 times.
+    # CP per layer: ring attention passes K and V (this TP rank's heads) c-1 times, hop by
+    # hop under the attention of the block in hand (1/c of this rank's attention)
     kv_local = max(1, model.n_kv_heads // t) * model.head_dim
     kv_bytes = 2 * s * b * kv_local * 2              # K and V of the whole sequence, bf16
-    cp_ring = F.collective_time("all_gather", kv_bytes, c, a_cp, bw_cp) if c > 1 else 0.0
-    core_f = core * tokens / t / rate
-    cp_fwd_layer = max(0.0, cp_ring - core_f)
-    cp_bwd_layer = max(0.0, 2 * cp_ring - 2 * core_f)
+    cp_fwd_layer = cp_bwd_layer = 0.0
+    if c > 1 and layout.cp_comm == "all_gather":
+        # Llama 3's CP: all-gather K and V before attention (again in backward), reduce-scatter
+        # dK and dV after it; on the critical path
+        cp_fwd_layer = F.collective_time("all_gather", kv_bytes, c, a_cp, bw_cp)
+        cp_bwd_layer = cp_fwd_layer + F.collective_time("reduce_scatter", kv_bytes, c, a_cp, bw_cp)
+    elif c > 1:
+        at_f, at_b = G.attention_gemms(model, s, b, t, c, fused)
+        hop = F.collective_time("send_recv", kv_bytes / c, 2, a_cp, bw_cp)
+        cp_fwd_layer = (c - 1) * max(0.0, hop - G.gemms_time(at_f, hw) / c)
+        cp_bwd_layer = (c - 1) * max(0.0, 2 * hop - G.gemms_time(at_b, hw) / c)   # K/V and dK/dV
     # EP per layer: dispatch + combine all-to-all forward, the same backward
     ep_n = tokens * model.top_k * h * 2 / (t if layout.sp else 1)
     ep_layer = 2 * F.collective_time("all_to_all", ep_n, layout.ep, a_ep, bw_ep) if layout.ep > 1 else 0.0
@@ -109,8 +129,8 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
 
     # non-matmul kernels are memory bound: they stream the layer's activations through
     # HBM (with a fused attention kernel, not the s x s scores)
-    stream = hw.elementwise_passes * F.activation_bytes_per_layer(
-        s, b, h, a, t, layout.sp, "selective" if hw.fused_attention else "none", cp=c) / hw.hbm_bandwidth
+    stream = hw.elementwise_passes * layer_activation_bytes(
+        model, s, b, t, layout.sp, "none", cp=c, fused_attention=fused) / hw.hbm_bandwidth
     ew_fwd_layer = stream
     ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
 
@@ -120,9 +140,9 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         dense, expert = _split_params(model, layout, st, n_l)
         n_exp_group = max(1, n_zero // layout.ep)
         last = st == p - 1
-        fwd = {"compute": (n_l * lf + (hf if last else 0.0)) * tokens / t / rate,
+        fwd = {"compute": n_l * lf + (hf if last else 0.0),
                "elementwise": n_l * ew_fwd_layer, "tp": n_l * tp_fwd_layer, "cp": n_l * cp_fwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
-        bwd = {"compute": (n_l * lb + (hb if last else 0.0)) * tokens / t / rate,
+        bwd = {"compute": n_l * lb + (hb if last else 0.0),
                "elementwise": n_l * ew_bwd_layer, "tp": n_l * tp_bwd_layer, "cp": n_l * cp_bwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
 
         # DP collectives go layer by layer (DDP buckets, FSDP units): one collective per
@@ -156,7 +176,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         shard_e = n_exp_group if layout.zero >= 1 else 1
         optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
 
-        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s)
+        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
@@ -168,7 +188,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
             if layout.ep > 1 else 0.0,
         }
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
-                             optimizer, comm))
+                             optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0)))
     return out
 
 
@@ -177,13 +197,12 @@ def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
     return max(1, n_layers + (stage == 0) + (stage == layout.pp - 1))
 
 
-def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s) -> dict:
+def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True) -> dict:
     """Bytes one GPU of stage ``st`` holds at its peak, by category."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
     z = F.zero_memory_bytes(dense, layout.zero, n_zero)
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group)
-    per_layer = F.activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, layout.sp,
-                                             layout.recompute, cp=c)
+    per_layer = layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c, fused_attention=fused)
     in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)
     activations = per_layer * n_l * in_flight
     temporaries = 0.0
@@ -192,8 +211,8 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s) -> di
     if layout.recompute == "full" and n_l:
         # the one layer being recomputed holds its activations during its backward
         # (its attention scores a block at a time, inside the fused attention kernel)
-        temporaries += F.activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, layout.sp,
-                                                    "selective", cp=c) - per_layer
+        temporaries += layer_activation_bytes(model, s, b, t, layout.sp, "selective", cp=c,
+                                              fused_attention=fused) - per_layer
     if layout.zero == 3 and n_l:
         # the gathered parameters of the layer computing and of the one prefetched
         temporaries += 2 * 2 * (dense + expert) / n_l

@@ -23,6 +23,16 @@ from course_lib.planner.presets import Hardware, ModelSpec, get_hardware, get_mo
 
 GiB = 2**30
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
+# Which FLOPs a utilization counts. Publications differ: Megatron-LM and PaLM count full
+# (non-causal) attention; some count the causal half; HFU adds what recomputation re-runs.
+FLOPS_CONVENTIONS = {
+    "model": "model FLOPs, full attention (4 s h per layer and token forward; Megatron, PaLM): MFU",
+    "model_causal": "model FLOPs, causal attention (the unmasked half, 2 s h)",
+    "hardware": "hardware FLOPs: model FLOPs + what recomputation re-runs, full attention: HFU",
+    "hardware_causal": "hardware FLOPs with causal attention",
+    "executed": "the matmul FLOPs the planner's GPUs run (causal tiles skipped and QK^T recomputed "
+                "by a fused kernel, recomputation)",
+}
 TIME_KINDS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "zero", "bubble", "dp", "optimizer")
 
 
@@ -42,6 +52,7 @@ class Estimate:
     hfu: float
     bubble_fraction: float        # of the pipeline phase (p-1)/(m v + p - 1) for equal stages
     comm_bytes: dict              # bytes one GPU sends per step, by dimension (the busiest GPU)
+    flops: dict = field(default_factory=dict)        # per step, whole cluster, by FLOPS_CONVENTIONS
     violations: list = field(default_factory=list)   # why it cannot run as is (memory)
     notes: list = field(default_factory=list)        # what is slow about it
     stages: list = field(default_factory=list)       # the StageCost of every stage
@@ -49,6 +60,18 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return not self.violations
+
+    def utilization(self) -> dict:
+        """FLOPs per second per GPU over peak, in every convention of :data:`FLOPS_CONVENTIONS`
+        (``mfu`` is "model", ``hfu`` is "hardware")."""
+        denom = self.step_time * self.layout.n_gpus * self.hardware.peak_flops
+        return {k: v / denom for k, v in self.flops.items()}
+
+    def conventions(self) -> str:
+        """Which FLOPs count, one line per convention, with its utilization."""
+        u = self.utilization()
+        return "\n".join(f"  {k:16s} {self.flops[k] / self.layout.n_gpus / self.step_time / 1e12:7.1f} TFLOP/s/GPU "
+                         f"= {u[k]:6.1%} of peak: {FLOPS_CONVENTIONS[k]}" for k in FLOPS_CONVENTIONS)
 
     @property
     def tokens_per_second(self) -> float:
@@ -123,6 +146,9 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Esti
     tokens = layout.global_batch * s
     model_flops = F.flops_per_token(model, s, "none") * tokens
     hw_flops = F.flops_per_token(model, s, layout.recompute) * tokens
+    flops = {"model": model_flops, "model_causal": F.flops_per_token(model, s, "none", causal=True) * tokens,
+             "hardware": hw_flops, "hardware_causal": F.flops_per_token(model, s, layout.recompute, causal=True) * tokens,
+             "executed": m * layout.dp * layout.tp * layout.cp * sum(st.gemm_flops for st in stages)}
     G = layout.n_gpus
     worst = max(stages, key=lambda x: x.memory["total"])
     comm = max(stages, key=lambda x: sum(x.comm_bytes.values())).comm_bytes
@@ -133,7 +159,7 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Esti
         tflops_per_gpu=model_flops / (step * G) / 1e12,
         mfu=model_flops / (step * G * hw.peak_flops), hfu=hw_flops / (step * G * hw.peak_flops),
         bubble_fraction=F.bubble_fraction(layout.pp, m, layout.schedule, layout.v) if layout.pp > 1 else 0.0,
-        comm_bytes=dict(comm), stages=stages)
+        comm_bytes=dict(comm), stages=stages, flops=flops)
     if worst.memory["total"] > hw.hbm_bytes:
         est.violations.append(
             f"memory: stage {worst.stage} needs {worst.memory['total'] / GiB:.1f} GiB per GPU, "

@@ -11,9 +11,24 @@ N (or G) ranks in a collective.
 """
 from __future__ import annotations
 
-from course_lib import costmodel
+# the activation-memory and communication formulas live in rooms of their own; they are
+# part of this namespace live in their own room; they are part of this namespace
+from course_lib.planner.activations import (  # noqa: F401
+    RECOMPUTE,
+    activation_bytes_per_layer,
+    llama_activation_bytes_per_layer,
+)
+from course_lib.planner.communication import (  # noqa: F401
+    collective_bytes_per_rank,
+    collective_time,
+    cp_bytes_per_layer,
+    dp_bytes_per_step,
+    ep_bytes_per_layer,
+    pp_bytes_per_microbatch,
+    ring_steps,
+    tp_bytes_per_layer,
+)
 
-RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 # Accepted spellings of the config fields, so a nanoGPT-, Hugging Face- or
@@ -78,6 +93,8 @@ def model_dims(cfg=None, **override) -> dict:
         raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {mlp!r}")
     if out["ffn"] is None:
         out["ffn"] = 4 * out["hidden"]
+    if out["n_experts"] == 0:                       # course_lib.models' GPTConfig: 0 experts = dense
+        out["n_experts"] = 1
     for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab", "n_experts", "top_k"):
         if int(out[k]) != out[k] or out[k] < 1:
             raise ValueError(f"model config {k} must be a positive integer, got {out[k]!r}")
@@ -139,7 +156,8 @@ def training_flops(n_params: float, tokens: float) -> float:
     return 6.0 * n_params * tokens
 
 
-def layer_flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **override):
+def layer_flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", causal: bool = False,
+                          **override):
     """(forward, backward) matmul FLOPs of ONE transformer layer per token.
 
     Forward: 2 per matmul weight (attention projections, MLP, router; top_k experts
@@ -148,6 +166,9 @@ def layer_flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none"
     forward (a gradient for the input and one for the weight), plus what
     recomputation re-runs first: ``"selective"`` the attention core forward
     (+4 s h_attn, Korthikanti et al. 2022, Sec. 5), ``"full"`` the whole forward.
+    ``causal=True`` counts only the unmasked half of QK^T and AV (2 s h_attn forward):
+    the work a causal kernel that skips masked tiles does, and the convention of
+    publications that count causal attention.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -156,7 +177,7 @@ def layer_flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none"
     attn_w = 2 * h * h + 2 * h * d["n_kv_heads"] * (h // d["n_heads"])
     mlp_w = d["top_k"] * (3 if d["mlp"] == "swiglu" else 2) * h * d["ffn"] + \
         (h * d["n_experts"] if d["n_experts"] > 1 else 0)
-    core = 4.0 * seq_len * h                        # QK^T + AV forward, per token
+    core = (2.0 if causal else 4.0) * seq_len * h   # QK^T + AV forward, per token
     forward = 2.0 * (attn_w + mlp_w) + core
     backward = 2.0 * forward
     if recompute == "selective":
@@ -173,7 +194,8 @@ def head_flops_per_token(cfg=None, **override):
     return 2.0 * d["vocab"] * d["hidden"], 4.0 * d["vocab"] * d["hidden"]
 
 
-def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **override) -> float:
+def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", causal: bool = False,
+                    **override) -> float:
     """FLOPs of one training step per token (forward + backward), all layers and the head.
 
     Model FLOPs (``recompute="none"``): 6 N_mm + 12 L s h_attn, where N_mm are the
@@ -187,107 +209,9 @@ def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", **ov
     1 + s/3h, the whole attention term twice; we count the matmuls re-run (4 s h).
     """
     d = model_dims(cfg, **override)
-    lf, lb = layer_flops_per_token(d, seq_len, recompute)
+    lf, lb = layer_flops_per_token(d, seq_len, recompute, causal)
     hf, hb = head_flops_per_token(d)
     return d["n_layers"] * (lf + lb) + hf + hb
-
-
-def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", cp=1, value_bytes=2) -> float:
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al.
-    2022, Sec. 4, 16-bit activations, GPT-3 block with dropout):
-
-    - no parallelism:      s b h (34 + 5 a s / h)
-    - tensor parallel t:   s b h (10 + 24/t + 5 a s / (h t))
-    - TP + sequence par.:  s b h (34/t + 5 a s / (h t))
-    - selective recompute: the 5 a s / h term (softmax, its dropout, the scores) is
-      recomputed, so it drops out
-    - full recompute:      only the layer input, 2 s b h (2 s b h / t with SP)
-
-    Of the 34: 32 are 2-byte values (2 norm inputs, QKV input, Q, K, V, attention
-    projection input, MLP input, GeLU input and output: 4h wide) and 2 are 1-byte
-    dropout masks; of the 5: the softmax output and its dropout (2 bytes each) and the
-    mask (1). ``value_bytes=4`` counts fp32 values (masks stay 1 byte). Context
-    parallelism ``cp`` splits the sequence: each rank keeps s/cp tokens, and its
-    attention scores are (s/cp) x s, so every term divides by cp.
-    """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    if t < 1 or cp < 1:
-        raise ValueError(f"t and cp must be >= 1, got t={t}, cp={cp}")
-    w = value_bytes / 2.0                           # bytes of a value relative to 16 bits
-    sbh = s * b * h / cp
-    if recompute == "full":
-        return 2.0 * w * sbh / (t if sp else 1)
-    scores = 0.0 if recompute == "selective" else (4.0 * w + 1.0) * a * s / (h * t)
-    # values replicated across TP ranks without SP: 2 norm inputs, QKV and MLP inputs (8);
-    # split across them: Q, K, V, projection input, GeLU input and output (24); masks (2)
-    linear = (32.0 * w + 2.0) / t if sp else 8.0 * w + 2.0 + 24.0 * w / t
-    return sbh * (linear + scores)
-
-
-def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, t=1, sp=False, recompute="none", cp=1,
-                                     value_bytes=2, rstd=True) -> float:
-    """Activation bytes one Llama-style layer keeps for backward: course_lib.models' block
-    (RMSNorm in plain ops, rotary Q and K, grouped-query attention with ``kv_heads`` K/V
-    heads, SwiGLU of width f = ``ffn``; no dropout, no biases). 16-bit values:
-
-    - no parallelism:      s b h (16 + 4 kv/a + 8 f/h + 2 a s/h) + 4 b s
-    - tensor parallel t:   s b h (12 + 4/t + 4 kv_t/a + 8 f/(h t) + 2 a s/(h t)) + 4 b s
-    - TP + sequence par.:  s b h (16/t + 4 kv_t/a + 8 f/(h t) + 2 a s/(h t)) + 4 b s / t,
-      which is the first line / t when t <= kv
-    - selective recompute: the 2 a s/h term (the softmax output) drops out
-    - full recompute:      only the layer input, 2 s b h (2 s b h / t with SP)
-
-    kv_t = max(kv/t, 1) K/V heads per TP rank (when t > kv each rank keeps a copy of
-    the one K/V head its queries use). The terms, one saved tensor each (the census in
-    notebooks/00_single_device.ipynb, checked against ``models.saved_activations``):
-
-    - each of the 2 RMSNorms: its input x and x * rstd (for the weight's gradient),
-      4 s b h, and rstd itself, (b, s, 1): 2 b s. The 4 b s is in the activations'
-      dtype here (``rstd=False`` leaves it out);
-    - attention: the input of W_q, W_k, W_v (one tensor) 2 s b h; Q after rotary 2 s b h;
-      K after rotary and V, 2 s b h kv/a each; the softmax output, used by the softmax's
-      backward and by att @ V, 2 a s^2 b; the input of W_o 2 s b h;
-    - MLP: the input of w1 and w3 (one tensor) 2 s b h; w1 x, w3 x, silu(w1 x) and
-      their product (w2's input), 2 s b f each.
-
-    Sum: 16 s b h + 4 s b h kv/a + 8 s b f + 2 a s^2 b + 4 b s, against the GPT-3
-    block's 34 s b h + 5 a s^2 b (:func:`activation_bytes_per_layer`): no dropout masks
-    or dropout output, two tensors per norm, K and V shrunk by kv/a, the MLP four f-wide
-    tensors. ``value_bytes=4``: fp32 (every tensor, there are no masks).
-
-    Parallel variants, derived by Korthikanti et al. 2022's rule (Sec. 4.2) and counted on
-    course_lib's tensor-parallel Llama block (tests/test_tensor_parallel.py): TP splits what
-    has a head or an f axis (Q, K, V, scores, W_o's input, the MLP's f-wide tensors)
-    and replicates the norms' tensors and the column-parallel inputs; SP splits those
-    along the sequence, keeping the column-parallel inputs as their s/t shard (all-
-    gathered again in backward). Selective recomputation re-runs the attention core
-    from the Q, K, V it keeps; full keeps only the layer input. Context parallelism
-    ``cp``: every term divides by cp, as in :func:`activation_bytes_per_layer`.
-
-    Not derived: fused kernels, which keep less (a fused RMSNorm keeps x and rstd;
-    FlashAttention no s x s matrix but its output and an fp32 log-sum-exp per row and
-    head; a fused SwiGLU w1 x and w3 x only); mixture-of-experts MLPs (top_k of them
-    per token, plus the router); the embedding, final norm, logits and loss.
-    """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    if t < 1 or cp < 1:
-        raise ValueError(f"t and cp must be >= 1, got t={t}, cp={cp}")
-    if h % a or a % kv_heads:
-        raise ValueError(f"need a | h and kv_heads | a, got h={h}, a={a}, kv_heads={kv_heads}")
-    w = float(value_bytes)
-    tok = s * b / cp                                # tokens this rank holds
-    sp_div = t if sp else 1
-    if recompute == "full":
-        return tok * h * w / sp_div                 # the layer input, (s/cp, b, h)
-    kv_width = max(kv_heads / t, 1.0) * (h // a)    # channels of K (and of V) on one TP rank
-    norms = 2 * (2 * tok * h + (tok if rstd else 0)) * w    # x and x * rstd (and rstd) per norm
-    column_inputs = 2 * tok * h * w                 # inputs of W_q/W_k/W_v and of w1/w3
-    heads = (2 * tok * h + 4 * tok * ffn) * w / t   # Q, W_o's input; w1 x, w3 x, silu, product
-    kv = 2 * tok * kv_width * w                     # K and V
-    scores = 0.0 if recompute == "selective" else a * s * tok * w / t  # softmax output (a, s/cp, s)
-    return (norms + column_inputs) / sp_div + heads + kv + scores
 
 
 def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0) -> float:
@@ -350,110 +274,3 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
         raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
     vv = v if schedule == "interleaved" else 1
     return (p - 1) / (vv * m + p - 1)
-
-
-# ---- communication: what each rank sends, and how long a ring takes -------------------
-
-def collective_bytes_per_rank(kind: str, n_bytes: float, N: int) -> float:
-    """Bytes each rank sends in a bandwidth-optimal (ring) collective on N ranks.
-
-    ``n_bytes`` is the size of the whole tensor (the all-reduce input, the all-gather
-    output, the reduce-scatter input). all_gather / reduce_scatter / all_to_all:
-    (N-1)/N n (each rank sends the N-1 pieces it is responsible for, each n/N);
-    all_reduce = reduce_scatter + all_gather: 2 (N-1)/N n (Patarasuk & Yuan 2009).
-    send_recv: n. Never (N-1) n: that is a rank sending the whole tensor N-1 times.
-    """
-    if kind not in ("send_recv", "all_gather", "reduce_scatter", "all_to_all", "all_reduce"):
-        raise ValueError(f"unknown collective {kind!r}")
-    return costmodel.volume_per_rank(kind, n_bytes, N)
-
-
-def ring_steps(kind: str, N: int) -> int:
-    """Ring steps of a collective: N-1 for all_gather / reduce_scatter / all_to_all
-    (pairwise), 2(N-1) for all_reduce, 1 for send_recv, 0 when N == 1."""
-    if kind == "send_recv":
-        return 1
-    if N <= 1:
-        return 0
-    return (2 if kind == "all_reduce" else 1) * (N - 1)
-
-
-def collective_time(kind: str, n_bytes: float, N: int, alpha: float, bandwidth: float) -> float:
-    """alpha-beta time of a ring collective (Hockney 1994; Thakur et al. 2005):
-    steps x alpha + bytes per rank / bandwidth. All N ranks send their n/N chunk at
-    the same time in every step, so a ring all-reduce costs 2(N-1) alpha +
-    2(N-1)/N n / B, not N-1 full transfers one after another. The cost functions
-    are course_lib.costmodel's (the collectives chapter fits alpha and beta to them)."""
-    if N <= 1 and kind != "send_recv":
-        return 0.0
-    if bandwidth <= 0:
-        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    algorithm = _RING_ALGORITHM.get(kind)
-    if algorithm is None:
-        raise ValueError(f"unknown collective {kind!r}")
-    return costmodel.cost(algorithm, n_bytes, N, alpha, 1.0 / bandwidth)
-
-
-_RING_ALGORITHM = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
-                   "reduce_scatter": "ring_reduce_scatter", "all_to_all": "pairwise_all_to_all",
-                   "send_recv": "point_to_point"}
-
-
-# ---- communication volume per dimension (bytes one rank sends) ---------------------------
-
-def tp_bytes_per_layer(s, b, h, t, sp=False, recompute="none", dtype_bytes=2, cp=1) -> float:
-    """Tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022): bytes one rank
-    sends per layer per micro-batch. TP is not communication-free: the row-parallel
-    outputs must be summed. Without SP: 2 all-reduces of (s/cp, b, h) forward (after
-    attention and after the MLP) and 2 backward (the column-parallel inputs' grads).
-    With SP each all-reduce becomes a reduce-scatter + an all-gather: same volume.
-    Full recomputation runs the forward's 2 again; selective recomputes inside the
-    attention core and adds none."""
-    n = s * b * h * dtype_bytes / cp
-    n_allreduce = 4 + (2 if recompute == "full" else 0)
-    return n_allreduce * collective_bytes_per_rank("all_reduce", n, t)
-
-
-def cp_bytes_per_layer(s, b, kv_dim, cp, dtype_bytes=2) -> float:
-    """Context parallelism, ring attention (Liu et al. 2023; Llama 3's all-gather variant
-    sends the same bytes): forward passes the local K and V, (s/cp, b, kv_dim) each,
-    around the ring: (cp-1)/cp of the full K and V; backward passes K, V and their
-    gradients: twice that."""
-    kv = 2 * s * b * kv_dim * dtype_bytes               # K and V of the whole sequence
-    return 3 * collective_bytes_per_rank("all_gather", kv, cp)
-
-
-def pp_bytes_per_microbatch(s, b, h, t=1, sp=False, dtype_bytes=2, cp=1) -> float:
-    """Pipeline parallelism: a stage sends its output activation (s/cp, b, h) forward
-    and the input gradient of the same shape backward, per micro-batch; with SP
-    each TP rank sends its 1/t slice (Narayanan et al. 2021's scatter/gather)."""
-    return 2 * s * b * h * dtype_bytes / cp / (t if sp else 1)
-
-
-def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_bytes=2,
-                      microbatches=1) -> float:
-    """Data parallelism over dp ranks, for the n_params_local this rank's replica
-    holds. Stage 0: one all-reduce of the gradients, 2(N-1)/N of the model. ZeRO-1:
-    its two halves, a reduce-scatter of the gradients and an all-gather of the
-    updated parameters, the same bytes. ZeRO-2 keeps only its gradient shard, so it
-    reduce-scatters after every micro-batch. ZeRO-3 also all-gathers the parameters
-    in forward and again in backward, every micro-batch (Rajbhandari et al. 2020,
-    Sec. 7: 1.5x the bytes of DP with one micro-batch)."""
-    P = float(n_params_local)
-    rs = collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp)
-    ag = collective_bytes_per_rank("all_gather", P * param_bytes, dp)
-    if zero_stage == 0:
-        return collective_bytes_per_rank("all_reduce", P * grad_bytes, dp)
-    if zero_stage == 1:
-        return rs + ag
-    if zero_stage == 2:
-        return microbatches * rs + ag
-    return microbatches * (2 * ag + rs)
-
-
-def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1) -> float:
-    """Expert parallelism (Lepikhin et al. 2020): each token's hidden state goes to its
-    top_k experts and comes back, an all-to-all each way forward and each way
-    backward: 4 all-to-alls of (s/cp, b, top_k, h)."""
-    n = s * b * top_k * h * dtype_bytes / cp
-    return 4 * collective_bytes_per_rank("all_to_all", n, ep)

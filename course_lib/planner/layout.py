@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 
+CP_COMM = ("ring", "all_gather")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -25,6 +27,9 @@ class Layout:
     experts are split over ep ranks taken from the DP group.
     ``overlap_dp``: gradient reduction overlaps the last micro-batch's backward and
     the parameter all-gather the first forward (bucketed DDP / ZeRO).
+    ``cp_comm``: how CP moves K/V: ``"ring"`` (ring attention, Liu et al. 2023, as built in
+    the CP chapter: each hop under a block's attention) or ``"all_gather"`` (Llama 3's:
+    all-gather K and V before attention, reduce-scatter their gradients; exposed).
     """
 
     dp: int = 1
@@ -41,6 +46,7 @@ class Layout:
     recompute: str = "none"
     seq_len: int | None = None        # None: the model's training sequence length
     overlap_dp: bool = True
+    cp_comm: str = "ring"
 
     @property
     def n_gpus(self) -> int:
@@ -63,7 +69,7 @@ class Layout:
                 f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
                 f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
                                   if self.pp > 1 else ""),
-                f"CP{self.cp}"]
+                f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
         if self.ep > 1:
             dims.append(f"EP{self.ep}")
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
@@ -118,6 +124,8 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
     if layout.schedule == "interleaved" and m % layout.pp:
         raise ValueError(f"the interleaved schedule needs the micro-batches divisible by PP: "
                          f"{m} micro-batches, PP = {layout.pp}")
+    if layout.cp_comm not in CP_COMM:
+        raise ValueError(f"cp_comm must be one of {CP_COMM}, got {layout.cp_comm!r}")
     if s % layout.cp:
         raise ValueError(f"CP must divide the sequence length: seq_len = {s}, CP = {layout.cp}")
     if layout.ep > 1:

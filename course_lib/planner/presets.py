@@ -86,8 +86,12 @@ class Hardware:
     ``elementwise_passes`` how many times the non-matmul kernels (norms, activation
     functions, dropout, residual adds) stream each stored activation byte through HBM
     in the forward pass (written once, read once: 2; backward moves twice that);
-    ``fused_attention`` whether the s x s attention scores stay inside a fused kernel
-    (FlashAttention, Megatron's fused softmax) instead of travelling through HBM.
+    ``fused_attention`` whether attention runs in a fused kernel (FlashAttention): the s x s
+    scores stay on chip (not stored for backward, not streamed through HBM), masked causal
+    tiles are skipped, and the backward recomputes QK^T. ``sm_count`` and ``gemm_tile``:
+    the streaming multiprocessors and the output tile of the GEMM-by-shape model
+    (:data:`course_lib.planner.gemm.GEMM_MODEL`); ``sm_count = 0`` keeps every GEMM at
+    ``matmul_efficiency`` of peak (a hand-made or calibrated Hardware).
     """
 
     name: str
@@ -104,6 +108,8 @@ class Hardware:
     network_latency: float = 20e-6
     elementwise_passes: float = 2.0
     fused_attention: bool = True
+    sm_count: int = 0
+    gemm_tile: tuple = (128, 128)
 
     @property
     def achievable_flops(self) -> float:
@@ -122,12 +128,12 @@ class Hardware:
 HARDWARE = {
     # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 600 GB/s both
     # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)
-    "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9),
+    "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
     # direction), one 400 Gb/s NDR NIC per GPU (DGX H100)
-    "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9),
+    "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
-    "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9),
+    "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, sm_count=132),
 }
 
 

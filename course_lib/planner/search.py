@@ -44,7 +44,8 @@ def search(model, hardware, n_gpus: int, global_batch: int, memory_limit: float 
     """Rank every valid layout of ``model`` on ``n_gpus`` GPUs for one ``global_batch``
     (sequences of ``seq_len``, default the model's). ``memory_limit`` bytes per GPU
     (default: the GPU's HBM). ``tp_sizes`` / ``pp_sizes`` restrict TP (default: the
-    divisors of the node size) and PP (default: every divisor)."""
+    divisors of the node size) and PP (default: every divisor). With fused attention,
+    "selective" stores and runs what "none" does, so only "none" is tried when both are asked."""
     model, hw = get_model(model), get_hardware(hardware)
     limit = hw.hbm_bytes if memory_limit is None else memory_limit
     if ep_sizes is None:
@@ -65,6 +66,8 @@ def search(model, hardware, n_gpus: int, global_batch: int, memory_limit: float 
                         if zero and dp * cp == 1:
                             continue                    # nothing to shard over
                         for rc in recomputes:
+                            if rc == "selective" and hw.fused_attention and "none" in recomputes:
+                                continue                # the same step: a fused kernel already recomputes
                             for mbs in micro_batches:
                                 for ep in ep_sizes:
                                     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1,

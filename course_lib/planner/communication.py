@@ -1,0 +1,114 @@
+"""The planner's communication formulas: what each rank sends, and how long a ring takes.
+
+Re-exported by :mod:`course_lib.planner.formulas` (one namespace for every formula).
+"""
+from __future__ import annotations
+
+from course_lib import costmodel
+
+
+# ---- communication: what each rank sends, and how long a ring takes -------------------
+
+def collective_bytes_per_rank(kind: str, n_bytes: float, N: int) -> float:
+    """Bytes each rank sends in a bandwidth-optimal (ring) collective on N ranks.
+
+    ``n_bytes`` is the size of the whole tensor (the all-reduce input, the all-gather
+    output, the reduce-scatter input). all_gather / reduce_scatter / all_to_all:
+    (N-1)/N n (each rank sends the N-1 pieces it is responsible for, each n/N);
+    all_reduce = reduce_scatter + all_gather: 2 (N-1)/N n (Patarasuk & Yuan 2009).
+    send_recv: n. Never (N-1) n: that is a rank sending the whole tensor N-1 times.
+    """
+    if kind not in ("send_recv", "all_gather", "reduce_scatter", "all_to_all", "all_reduce"):
+        raise ValueError(f"unknown collective {kind!r}")
+    return costmodel.volume_per_rank(kind, n_bytes, N)
+
+
+def ring_steps(kind: str, N: int) -> int:
+    """Ring steps of a collective: N-1 for all_gather / reduce_scatter / all_to_all
+    (pairwise), 2(N-1) for all_reduce, 1 for send_recv, 0 when N == 1."""
+    if kind == "send_recv":
+        return 1
+    if N <= 1:
+        return 0
+    return (2 if kind == "all_reduce" else 1) * (N - 1)
+
+
+def collective_time(kind: str, n_bytes: float, N: int, alpha: float, bandwidth: float) -> float:
+    """alpha-beta time of a ring collective (Hockney 1994; Thakur et al. 2005):
+    steps x alpha + bytes per rank / bandwidth. All N ranks send their n/N chunk at
+    the same time in every step, so a ring all-reduce costs 2(N-1) alpha +
+    2(N-1)/N n / B, not N-1 full transfers one after another. The cost functions
+    are course_lib.costmodel's (the collectives chapter fits alpha and beta to them)."""
+    if N <= 1 and kind != "send_recv":
+        return 0.0
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    algorithm = _RING_ALGORITHM.get(kind)
+    if algorithm is None:
+        raise ValueError(f"unknown collective {kind!r}")
+    return costmodel.cost(algorithm, n_bytes, N, alpha, 1.0 / bandwidth)
+
+
+_RING_ALGORITHM = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
+                   "reduce_scatter": "ring_reduce_scatter", "all_to_all": "pairwise_all_to_all",
+                   "send_recv": "point_to_point"}
+
+
+# ---- communication volume per dimension (bytes one rank sends) ---------------------------
+
+def tp_bytes_per_layer(s, b, h, t, sp=False, recompute="none", dtype_bytes=2, cp=1) -> float:
+    """Tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022): bytes one rank
+    sends per layer per micro-batch. TP is not communication-free: the row-parallel
+    outputs must be summed. Without SP: 2 all-reduces of (s/cp, b, h) forward (after
+    attention and after the MLP) and 2 backward (the column-parallel inputs' grads).
+    With SP each all-reduce becomes a reduce-scatter + an all-gather: same volume.
+    Full recomputation runs the forward's 2 again; selective recomputes inside the
+    attention core and adds none."""
+    n = s * b * h * dtype_bytes / cp
+    n_allreduce = 4 + (2 if recompute == "full" else 0)
+    return n_allreduce * collective_bytes_per_rank("all_reduce", n, t)
+
+
+def cp_bytes_per_layer(s, b, kv_dim, cp, dtype_bytes=2) -> float:
+    """Context parallelism, ring attention (Liu et al. 2023; Llama 3's all-gather variant
+    sends the same bytes): forward passes the local K and V, (s/cp, b, kv_dim) each,
+    around the ring: (cp-1)/cp of the full K and V; backward passes K, V and their
+    gradients: twice that."""
+    kv = 2 * s * b * kv_dim * dtype_bytes               # K and V of the whole sequence
+    return 3 * collective_bytes_per_rank("all_gather", kv, cp)
+
+
+def pp_bytes_per_microbatch(s, b, h, t=1, sp=False, dtype_bytes=2, cp=1) -> float:
+    """Pipeline parallelism: a stage sends its output activation (s/cp, b, h) forward
+    and the input gradient of the same shape backward, per micro-batch; with SP
+    each TP rank sends its 1/t slice (Narayanan et al. 2021's scatter/gather)."""
+    return 2 * s * b * h * dtype_bytes / cp / (t if sp else 1)
+
+
+def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_bytes=2,
+                      microbatches=1) -> float:
+    """Data parallelism over dp ranks, for the n_params_local this rank's replica
+    holds. Stage 0: one all-reduce of the gradients, 2(N-1)/N of the model. ZeRO-1:
+    its two halves, a reduce-scatter of the gradients and an all-gather of the
+    updated parameters, the same bytes. ZeRO-2 keeps only its gradient shard, so it
+    reduce-scatters after every micro-batch. ZeRO-3 also all-gathers the parameters
+    in forward and again in backward, every micro-batch (Rajbhandari et al. 2020,
+    Sec. 7: 1.5x the bytes of DP with one micro-batch)."""
+    P = float(n_params_local)
+    rs = collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp)
+    ag = collective_bytes_per_rank("all_gather", P * param_bytes, dp)
+    if zero_stage == 0:
+        return collective_bytes_per_rank("all_reduce", P * grad_bytes, dp)
+    if zero_stage == 1:
+        return rs + ag
+    if zero_stage == 2:
+        return microbatches * rs + ag
+    return microbatches * (2 * ag + rs)
+
+
+def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1) -> float:
+    """Expert parallelism (Lepikhin et al. 2020): each token's hidden state goes to its
+    top_k experts and comes back, an all-to-all each way forward and each way
+    backward: 4 all-to-alls of (s/cp, b, top_k, h)."""
+    n = s * b * top_k * h * dtype_bytes / cp
+    return 4 * collective_bytes_per_rank("all_to_all", n, ep)

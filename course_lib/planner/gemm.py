@@ -1,0 +1,133 @@
+"""GEMM efficiency as a function of the GEMM's shape, and the GEMMs of one layer.
+
+The assumption, named (``GEMM_MODEL``): a GPU computes a GEMM C = A B (M x K times
+K x N) as output tiles of ``hw.gemm_tile`` = (t_m, t_n), one tile per SM at a time
+(CUTLASS / cuBLAS's data-parallel kernels). Every tile costs the same, 2 t_m t_n K
+FLOPs at the per-SM share of the achievable rate (``peak x matmul_efficiency /
+sm_count``, what a large, well-shaped GEMM sustains), so
+
+    time = ceil(tiles / SMs) x 2 t_m t_n K / (rate / SMs),  tiles = ceil(M/t_m) ceil(N/t_n)
+
+which charges both **tile quantisation** (a partial tile costs a whole one) and **wave
+quantisation** (a last, partly filled wave of tiles costs a whole wave); the kernel takes
+the better of the tile and its transpose. And the **roofline**: a GEMM cannot beat the
+time to move its operands and result through HBM once, 2 (MK + KN + MN) bytes in bf16
+(a fused attention kernel keeps its M x N scores on chip: no MN term). A Hardware with
+``sm_count = 0`` (the default for a hand-made or calibrated one) keeps the flat model:
+every GEMM at ``matmul_efficiency`` of peak.
+
+Left out: split-K and stream-K kernels (which soften wave quantisation for small M N and
+large K), L2 effects, and the tile choice of a real library (several shapes, chosen per
+problem); so a small GEMM's efficiency here is a lower-end estimate.
+"""
+from __future__ import annotations
+
+import math
+
+GEMM_MODEL = ("tile x wave quantisation over the GPU's SMs (output tiles of hw.gemm_tile, one per SM at a "
+              "time, every tile at peak x matmul_efficiency / SMs) and an HBM roofline (operands and result "
+              "read/written once, bf16)")
+
+
+def gemm_time(M: float, N: float, K: float, hw, batch: int = 1, writes_output: bool = True) -> float:
+    """Seconds of ``batch`` GEMMs of (M x K) @ (K x N) on ``hw`` (see the module doc)."""
+    if min(M, N, K, batch) <= 0:
+        return 0.0
+    rate = hw.peak_flops * hw.matmul_efficiency
+    flops = 2.0 * M * N * K * batch
+    if not getattr(hw, "sm_count", 0):
+        return flops / rate                        # the flat model
+    tm, tn = hw.gemm_tile
+    per_tile = 2.0 * tm * tn * K / (rate / hw.sm_count)
+    best = min(math.ceil(math.ceil(M / a) * math.ceil(N / b) * batch / hw.sm_count) * per_tile
+               for a, b in ((tm, tn), (tn, tm)))
+    moved = 2.0 * batch * (M * K + K * N + (M * N if writes_output else 0.0))
+    return max(best, moved / hw.hbm_bandwidth)
+
+
+def gemm_efficiency(M: float, N: float, K: float, hw, batch: int = 1, writes_output: bool = True) -> float:
+    """Fraction of peak a GEMM of this shape reaches under :data:`GEMM_MODEL`."""
+    t = gemm_time(M, N, K, hw, batch, writes_output)
+    return 2.0 * M * N * K * batch / (t * hw.peak_flops) if t > 0 else 0.0
+
+
+def _weight_gemms(M, N, K, batch=1):
+    """The three GEMMs of a linear layer y = x W (x: M x K, W: K x N): forward, the input's
+    gradient dx = dy W^T, the weight's gradient dW = x^T dy."""
+    return [(M, N, K, batch)], [(M, K, N, batch), (K, N, M, batch)]
+
+
+def layer_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none",
+                fused_attention: bool = True):
+    """(forward, backward) GEMMs of one transformer layer for one micro-batch on one GPU:
+    lists of (M, N, K, batch, writes_output, weight), ``weight`` the share of the GEMM
+    that runs (1, or 1/2 for causal attention in a fused kernel, which skips the masked
+    tiles; Megatron's unfused path computes the whole s x s scores and masks them).
+
+    Tokens on this GPU T = b s / cp (sequence parallelism all-gathers before the
+    column-parallel GEMMs, so they see all T). Attention: QK^T and AV per head, a/t heads x
+    b sequences, queries s/cp, keys s. Backward: dgrad and wgrad of every weight GEMM; of
+    attention, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q, and a fused kernel (Flash-
+    Attention) recomputes QK^T first. Recomputation: ``selective`` re-runs the attention
+    core forward (unfused; the fused kernel already recomputes), ``full`` the layer forward.
+    """
+    h, d = model.hidden, model.hidden // model.n_heads
+    T = b * s / cp
+    kv_dim = model.n_kv_heads * d
+    fwd, bwd = [], []
+
+    def linear(M, N, K, batch=1):
+        f, g = _weight_gemms(M, N, K, batch)
+        fwd.extend((*x, True, 1.0) for x in f)
+        bwd.extend((*x, True, 1.0) for x in g)
+    linear(T, (h + 2 * kv_dim) / t, h)               # W_q, W_k, W_v (column parallel)
+    linear(T, h, h / t)                              # W_o (row parallel)
+    if model.n_experts > 1:
+        linear(T, model.n_experts, h)                # the router (replicated)
+        local = model.n_experts / ep                 # experts on this GPU, each gets its share
+        per_expert = T * model.top_k * ep / model.n_experts
+        n_up = 2 if model.mlp == "swiglu" else 1
+        linear(per_expert, n_up * model.ffn / t, h, local)
+        linear(per_expert, h, model.ffn / t, local)
+    else:
+        n_up = 2 if model.mlp == "swiglu" else 1
+        linear(T, n_up * model.ffn / t, h)           # w1 (and w3)
+        linear(T, h, model.ffn / t)                  # w2
+    attn_fwd, attn_bwd = attention_gemms(model, s, b, t, cp, fused_attention)
+    fwd += attn_fwd
+    bwd += attn_bwd
+    if recompute == "selective" and not fused_attention:
+        bwd += attn_fwd
+    elif recompute == "full":
+        bwd += fwd
+    return fwd, bwd
+
+
+def attention_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, fused_attention: bool = True):
+    """(forward, backward) GEMMs of the attention core (see :func:`layer_gemms`)."""
+    a, d = model.n_heads, model.hidden // model.n_heads
+    heads, sq = b * a / t, s / cp
+    w = 0.5 if fused_attention else 1.0              # causal: a fused kernel skips masked tiles
+    out = not fused_attention                        # unfused: the scores go to HBM
+    qk, av = (sq, s, d, heads, out, w), (sq, d, s, heads, True, w)
+    bwd = [(s, d, sq, heads, True, w), (sq, s, d, heads, out, w),     # dV, dP
+           (sq, d, s, heads, True, w), (s, d, sq, heads, True, w)]    # dQ, dK
+    if fused_attention:
+        bwd = [qk] + bwd                             # FlashAttention's backward recomputes QK^T
+    return [qk, av], bwd
+
+
+def head_gemms(model, s: int, b: int, t: int = 1, cp: int = 1):
+    """(forward, backward) GEMMs of the LM head: T x h times h x V/t."""
+    f, g = _weight_gemms(b * s / cp, model.vocab / t, model.hidden)
+    return [(*x, True, 1.0) for x in f], [(*x, True, 1.0) for x in g]
+
+
+def gemms_time(gemms, hw) -> float:
+    """Seconds of a list of GEMMs from :func:`layer_gemms` / :func:`head_gemms`."""
+    return sum(wt * gemm_time(M, N, K, hw, batch, out) for M, N, K, batch, out, wt in gemms)
+
+
+def gemms_flops(gemms) -> float:
+    """FLOPs of a list of GEMMs (the work that runs: causal halves counted as halves)."""
+    return sum(wt * 2.0 * M * N * K * batch for M, N, K, batch, _, wt in gemms)
