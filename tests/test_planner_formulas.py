@@ -291,3 +291,34 @@ def test_layer_activation_bytes_choose_the_block_and_follow_fused_attention():
         F.activation_bytes_per_layer(2048, b, gpt.hidden, gpt.n_heads, t, True, "none")
     assert layer_activation_bytes(gpt, 2048, b, t, True, "full") == F.activation_bytes_per_layer(
         2048, b, gpt.hidden, gpt.n_heads, t, True, "full")
+
+
+def _ring_traffic(s, b, heads, kv_heads, d):
+    """One ring-attention forward + backward on this rank: bytes it sent (forward, backward)."""
+    import torch
+
+    from course_lib.collectives.comm import Comm, TrafficCounter
+    from course_lib.parallel.context_parallel import ring_attention, zigzag_positions
+    counter = TrafficCounter()
+    comm = Comm(None, counter, dim="cp")
+    gen = torch.Generator().manual_seed(comm.rank)
+    n = s // comm.size
+    q = torch.randn(b, heads, n, d, generator=gen, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, n, d, generator=gen, requires_grad=True) for _ in range(2))
+    y = ring_attention(q, k, v, zigzag_positions(s, comm.size, comm.rank), comm, s)
+    fwd = counter.bytes_sent
+    y.sum().backward()
+    return fwd, counter.bytes_sent - fwd
+
+
+def test_cp_bytes_per_layer_are_what_the_course_ring_sends():
+    from course_lib import launch
+    s, b, a, kv, d, N = 48, 2, 4, 2, 8, 3
+    sent = launch(_ring_traffic, N, s, b, a, kv, d)
+    KV = 2 * s * b * kv * d * 4                              # K and V of the whole sequence, fp32
+    for fwd, bwd in sent:
+        assert fwd == (N - 1) * KV // N and bwd == (2 * N - 1) * KV // N
+        assert fwd + bwd == F.cp_bytes_per_layer(s, b, kv * d, N, dtype_bytes=4)
+    assert F.cp_bytes_per_layer(s, b, kv * d, N, 4, "all_gather") == 3 * (N - 1) * KV / N
+    with pytest.raises(ValueError, match="algorithm"):
+        F.cp_bytes_per_layer(s, b, kv * d, N, algorithm="tree")

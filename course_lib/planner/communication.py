@@ -69,13 +69,24 @@ def tp_bytes_per_layer(s, b, h, t, sp=False, recompute="none", dtype_bytes=2, cp
     return n_allreduce * collective_bytes_per_rank("all_reduce", n, t)
 
 
-def cp_bytes_per_layer(s, b, kv_dim, cp, dtype_bytes=2) -> float:
-    """Context parallelism, ring attention (Liu et al. 2023; Llama 3's all-gather variant
-    sends the same bytes): forward passes the local K and V, (s/cp, b, kv_dim) each,
-    around the ring: (cp-1)/cp of the full K and V; backward passes K, V and their
-    gradients: twice that."""
+def cp_bytes_per_layer(s, b, kv_dim, cp, dtype_bytes=2, algorithm="ring") -> float:
+    """Context parallelism: bytes one rank sends per layer per micro-batch. K and V of the
+    whole sequence are KV = 2 s b kv_dim bytes-per-value; each rank holds KV/cp.
+
+    ``"ring"`` (ring attention, Liu et al. 2023, as built in the CP chapter, whose messages
+    the chapter-10 notebook counts): forward passes its K/V block cp-1 hops, (cp-1)/cp KV;
+    backward passes the K/V blocks again (cp-1 hops) and a dK/dV accumulator that travels
+    with them and comes home after cp hops: (2cp-1)/cp KV. In all (3cp-2)/cp KV.
+    ``"all_gather"`` (Llama 3): all-gather K and V forward and again backward, reduce-scatter
+    dK and dV: 3 (cp-1)/cp KV."""
+    if algorithm not in ("ring", "all_gather"):
+        raise ValueError(f"algorithm must be 'ring' or 'all_gather', got {algorithm!r}")
+    if cp <= 1:
+        return 0.0
     kv = 2 * s * b * kv_dim * dtype_bytes               # K and V of the whole sequence
-    return 3 * collective_bytes_per_rank("all_gather", kv, cp)
+    if algorithm == "all_gather":
+        return 3 * collective_bytes_per_rank("all_gather", kv, cp)
+    return (3 * cp - 2) / cp * kv
 
 
 def pp_bytes_per_microbatch(s, b, h, t=1, sp=False, dtype_bytes=2, cp=1) -> float:

@@ -9,7 +9,8 @@ What overlaps with what (the assumptions, stated once):
 - TP collectives sit on the critical path (the next matmul needs their result).
 - CP's ring (``layout.cp_comm="ring"``) passes K/V while attention computes, hop by hop: in each of the cp - 1 steps
   the next block's K/V travels while this block's attention runs, and only the excess of
-  the hop over the block's attention is exposed (backward: K/V and their gradients).
+  the hop over the block's attention is exposed (backward: K/V and the dK/dV accumulator,
+  whose last hop home is exposed).
   Causal attention is load-balanced over the CP ranks (the zigzag layout of the CP chapter).
   Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
 - Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
@@ -120,7 +121,8 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         at_f, at_b = G.attention_gemms(model, s, b, t, c, fused)
         hop = F.collective_time("send_recv", kv_bytes / c, 2, a_cp, bw_cp)
         cp_fwd_layer = (c - 1) * max(0.0, hop - G.gemms_time(at_f, hw) / c)
-        cp_bwd_layer = (c - 1) * max(0.0, 2 * hop - G.gemms_time(at_b, hw) / c)   # K/V and dK/dV
+        # backward: K/V and the dK/dV accumulator per hop; the accumulator's last hop home is exposed
+        cp_bwd_layer = (c - 1) * max(0.0, 2 * hop - G.gemms_time(at_b, hw) / c) + hop
     # EP per layer: dispatch + combine all-to-all forward, the same backward
     ep_n = tokens * model.top_k * h * 2 / (t if layout.sp else 1)
     ep_layer = 2 * F.collective_time("all_to_all", ep_n, layout.ep, a_ep, bw_ep) if layout.ep > 1 else 0.0
@@ -180,7 +182,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
-            "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c) if c > 1 else 0.0,
+            "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c, algorithm=layout.cp_comm) if c > 1 else 0.0,
             "pp": sends * p2p_bytes if p > 1 else 0.0,
             "dp": (F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
             + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
