@@ -10,6 +10,21 @@ on identical stages and data, and times one step (forward + backward of every mi
 gradients in place) in alternating rounds (ours, torch's, ours, ...), so machine noise hits
 both alike. Reported: the median step time of each and their ratio (goal: <= 1.3x), and one
 rank's point-to-point bytes per step. One intra-op thread per rank.
+
+    python benchmarks/pipeline.py --bubble             # the measured bubble once compute dominates
+
+``--bubble``: every schedule on p=2 ranks, m=8, with equal stages big enough that compute
+dominates (two ``--hidden`` x ``--hidden`` Linear+ReLU layers per rank, default 4096, on
+micro-batches of ``--rows`` rows, default 64; interleaved: 2 chunks of one layer). Stage 0's
+input requires a gradient, so its backward does the same GEMMs as the other stages' (the
+formula assumes equal stages; without it stage 0 skips one of its 4 backward GEMMs). The
+schedules run in rotated order each round, so the load of the machine hits them alike. Per
+step and rank, the bubble is the formula's: the idle fraction of the step (first forward to
+last backward, over all ranks) outside the rank's F, B and W; reported: the median over steps
+of the mean over ranks, next to the formula, the trace replayed on the schedule with free
+messages, the same replay with the costs measured between actions
+(``pipeline_executor.measured_costs``: per-action overhead and message latency), and the
+planner's simulator with those costs as its per-message time.
 """
 from __future__ import annotations
 
@@ -56,6 +71,113 @@ def bench_rank(cfg, m, rounds, batch):
     return out
 
 
+def equal_stage(stage, n_layers, hidden):
+    """``n_layers`` Linear(hidden, hidden) + ReLU, weights ~ N(0, 1/hidden): equal stages."""
+    import torch
+    gen = torch.Generator().manual_seed(stage)
+    layers = []
+    for _ in range(n_layers):
+        lin = torch.nn.Linear(hidden, hidden)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / hidden**0.5)
+        layers += [lin, torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def bubble_rank(hidden, rows, m, rounds, jobs):
+    """Every job once per round (order rotated), round 0 a warm-up: {job: [this rank's spans per step]}."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from course_lib import trace
+    from course_lib.collectives.comm import Comm, TrafficCounter
+    from course_lib.parallel import schedules as S
+    from course_lib.parallel.pipeline_executor import run_schedule
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    comm = Comm(None, TrafficCounter(), dim="pp")
+    xs = [torch.randn(rows, hidden, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(m)]
+    built = {(name, v): (S.make_schedule(name, p, m, v), {s: equal_stage(s, 2 // v, hidden) for s in range(me, p * v, p)})
+             for name, v in jobs}
+    out = {job: [] for job in jobs}
+    for r in range(rounds + 1):
+        for k in range(len(jobs)):
+            name, v = job = jobs[(k + r) % len(jobs)]
+            sched, stages = built[job]
+            dist.barrier()
+            t0 = trace.now()
+            run_schedule(sched, stages, comm, p=p, m=m, v=v, inputs=xs, targets=xs,
+                         loss_fn=lambda o, t: (o - t).pow(2).sum(), act_shape=(rows, hidden))
+            dist.barrier()
+            if r:    # on this machine's clock (perf_counter is system-wide), not the rank's own zero
+                shift = trace.recorder().origin
+                out[job].append([dataclasses.replace(s, start=s.start + shift, end=s.end + shift)
+                                 for s in trace.spans() if s.start >= t0])
+            for q in [x for x in xs] + [q for st in stages.values() for q in st.parameters()]:
+                q.grad = None
+    return out
+
+
+def planner_bubble(name, v, m, latency_in_forwards):
+    """The planner's simulator on equal stages, ideal hardware except a per-message time of
+    ``latency_in_forwards`` times its own forward: its bubble, the formula's way."""
+    from course_lib.parallel import schedules as S
+    from course_lib.planner import HARDWARE, Layout, ModelSpec, simulate
+    even = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)      # equal stages, a 2-token vocabulary
+    layout = Layout(pp=2, schedule=name, v=v, global_batch=m)
+    hw = HARDWARE["h100-sxm"].with_(nvlink_latency=0, network_latency=0, nvlink_bandwidth=1e30,
+                                    network_bandwidth=1e30, elementwise_passes=0)
+    t_f = next(s.end - s.start for s in simulate(even, hw, layout) if s.kind == "compute" and s.name.startswith("F"))
+    spans = simulate(even, hw.with_(nvlink_latency=latency_in_forwards * t_f), layout)
+    return S.bubble([s for s in spans if s.kind == "compute" and s.name[:1] in ("F", "B")])
+
+
+def bubble_main(args):
+    import statistics
+
+    from course_lib.parallel import schedules as S
+    from course_lib.parallel.pipeline_executor import measured_costs
+
+    jobs = tuple((name, v) for name, v in SCHEDULES if name in args.schedules)
+    m = args.microbatches
+    res = launch(bubble_rank, 2, args.hidden, args.rows, m, args.rounds, jobs, threads=1, timeout=1200)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"p=2, m={m}, 2 x Linear({args.hidden}, {args.hidden}) per rank, {args.rows} rows per micro-batch, "
+          f"1 thread per rank, {args.rounds} steps each (load average after: {load:.1f} on {os.cpu_count()} cores)")
+    print("bubble = idle fraction of the step per rank, mean over ranks; 'fastest': the fastest step's, "
+          "'median': over steps; replay: the step's own action times on the schedule with free messages; "
+          "+costs: and with its measured per-action overhead and message latency; planner: "
+          "planner.simulate with that latency (in forwards) as its per-message time")
+    print(f"{'schedule':<12}{'fastest':>8}{'median':>8}{'formula':>8}{'rel.':>6}{'replay':>8}{'+costs':>8}{'planner':>8}"
+          f"{'F ms':>7}{'B ms':>7}{'W ms':>6}{'ovh us':>8}{'lat us':>7}{'send us':>8}{'ready us':>9}")
+    for name, v in jobs:
+        rows = []
+        sched = S.make_schedule(name, 2, m, v)
+        for spans0, spans1 in zip(res[0][name, v], res[1][name, v]):
+            spans = spans0 + spans1
+            c = measured_costs(spans, sched, 2, v)
+            comp = [s for s in spans if s.kind == "compute"]
+            t = {op: statistics.median(s.end - s.start for s in comp if s.name[0] == op) for op in "FBW"
+                 if any(s.name[0] == op for s in comp)}
+            free = S.simulate(sched, 2, v, durations=c["durations"])
+            costs = S.simulate(sched, 2, v, durations=c["durations"], t_comm=c["t_comm"], t_overhead=c["t_overhead"])
+            step = max(s.end for s in comp) - min(s.start for s in comp)
+            rows.append(dict(step=step, measured=S.bubble(comp), free=S.bubble(free), costs=S.bubble(costs), t=t,
+                             **{k: c[k] for k in ("t_overhead", "t_comm", "t_send", "t_recv_ready")}))
+        fastest = min(rows, key=lambda r: r["step"])
+        med = lambda k: statistics.median(r[k] for r in rows)
+        t = fastest["t"]
+        formula = S.formula_bubble(name, 2, m, v)
+        planner = f"{planner_bubble(name, v, m, fastest['t_comm'] / t['F']):8.3f}" if name != "zb-h1" else f"{'-':>8}"
+        print(f"{name:<12}{fastest['measured']:8.3f}{med('measured'):8.3f}{formula:8.3f}"
+              f"{fastest['measured'] / formula - 1:+6.0%}{fastest['free']:8.3f}{fastest['costs']:8.3f}{planner}"
+              f"{t['F'] * 1e3:7.1f}{t['B'] * 1e3:7.1f}{t.get('W', 0) * 1e3:6.1f}"
+              + "".join(f"{fastest[k] * 1e6:{w}.0f}" for k, w in (("t_overhead", 8), ("t_comm", 7), ("t_send", 8),
+                                                                  ("t_recv_ready", 9))))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -65,7 +187,14 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bubble", action="store_true", help="measure the bubble of equal stages (p=2) instead")
+    ap.add_argument("--rows", type=int, default=64, help="--bubble: rows per micro-batch")
+    ap.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES])
     args = ap.parse_args(argv)
+    if args.bubble:
+        if args.hidden == 256:
+            args.hidden = 4096
+        return bubble_main(args)
     from course_lib.models import GPTConfig
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq, n_layers=args.layers, hidden=args.hidden, n_heads=4)
     res = launch(bench_rank, args.ranks, cfg, args.microbatches, args.rounds, args.batch, threads=1, timeout=600)

@@ -13,7 +13,7 @@ from course_lib.parallel import schedules as S
 from course_lib.parallel.mesh import Mesh
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, partition_layers
-from course_lib.parallel.pipeline_executor import run_schedule
+from course_lib.parallel.pipeline_executor import measured_costs, run_schedule
 
 STEPS = 5
 
@@ -137,14 +137,39 @@ def test_simulated_bubble_matches_formula(p, m):
 
 
 def test_simulated_bubble_matches_planner():
+    """The two simulators run the same schedule: given the planner's own action times (its stages
+    are nearly equal: the last one also holds the head), ours finds the planner's bubble."""
     from course_lib.planner import HARDWARE, Layout, ModelSpec, simulate
     ideal = HARDWARE["h100-sxm"].with_(nvlink_latency=0, network_latency=0, nvlink_bandwidth=1e30,
                                        network_bandwidth=1e30, elementwise_passes=0)
     even = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)
+    p = 4
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        sim = simulate(even, ideal, Layout(pp=4, schedule=name, v=v, global_batch=8))
-        ours = S.simulate(S.make_schedule(name, 4, 8, v), 4, v)
-        assert S.bubble(ours) == pytest.approx(sim.bubble(0), abs=3e-3)
+        sim = simulate(even, ideal, Layout(pp=p, schedule=name, v=v, global_batch=8))
+        durations = {}
+        for s in sim:
+            if s.kind == "compute" and s.name[0] in "FB":
+                mb, _, ch = s.name[1:].partition(".")
+                stage = int(ch or 0) * p + s.rank
+                durations[f"{s.name[0]}{mb}" + (f"@{stage}" if stage else "")] = s.duration
+        ours = S.simulate(S.make_schedule(name, p, 8, v), p, v, durations=durations)
+        assert S.bubble(ours, rank=0) == pytest.approx(sim.bubble(0), abs=1e-6), name
+        assert S.bubble(S.simulate(S.make_schedule(name, p, 8, v), p, v)) == pytest.approx(
+            S.formula_bubble(name, p, 8, v), abs=1e-9)
+
+
+def test_simulated_costs_between_actions():
+    """GPipe, p=2, m=1: F, message, F, overhead, B, message, B: the step is 6 + 2 t_comm + t_overhead;
+    and measured_costs reads both costs back from a simulated trace of 1F1B and interleaved."""
+    spans = S.simulate(S.gpipe(2, 1), 2, t_comm=0.25, t_overhead=0.125)
+    compute = [s for s in spans if s.kind == "compute"]
+    assert max(s.end for s in compute) - min(s.start for s in compute) == pytest.approx(6.5 + 0.125)
+    for name, v in (("1f1b", 1), ("interleaved", 2)):
+        sched = S.make_schedule(name, 2, 8, v)
+        c = measured_costs(S.simulate(sched, 2, v, t_comm=0.25, t_overhead=0.125), sched, 2, v)
+        assert (c["t_comm"], c["t_overhead"]) == pytest.approx((0.25, 0.125)), name
+        assert S.bubble(S.simulate(sched, 2, v, durations=c["durations"])) == pytest.approx(
+            S.formula_bubble(name, 2, 8, v), abs=1e-9)
 
 
 def test_activation_peaks():

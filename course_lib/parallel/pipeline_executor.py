@@ -20,6 +20,7 @@ embeddings) get their gradients in ``B``.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
-from course_lib.parallel.schedules import validate
+from course_lib.parallel.schedules import _dependency, validate
 
 
 @dataclass
@@ -37,6 +38,9 @@ class StepResult:
     saved_bytes: dict = field(default_factory=dict)   # (stage, mb) -> bytes its forward saved
     bytes_sent: int = 0
     messages: int = 0
+
+
+RECV_DEPTH = 2   # receives posted ahead: the current one and the next (one extra activation buffer)
 
 
 def _tag(kind: str, stage: int, mb: int, n_stages: int, m: int) -> int:
@@ -63,11 +67,12 @@ def _linears(module):
     return [mod for mod in module.modules() if isinstance(mod, nn.Linear)]
 
 
-def _accumulate(p, g):
+def _accumulate(p, g, fresh=False):
+    """p.grad += g; the first time, p.grad = g (a copy unless ``fresh``: a tensor nobody else holds)."""
     if g is None:
         return
     if p.grad is None:
-        p.grad = g.clone()
+        p.grad = g if fresh else g.clone()
     else:
         p.grad += g
 
@@ -91,9 +96,9 @@ def backward_weight(for_w):
     for mod, inp, dout in for_w:
         dout2, inp2 = dout.reshape(-1, dout.shape[-1]), inp.reshape(-1, inp.shape[-1])
         if mod.weight.requires_grad:
-            _accumulate(mod.weight, dout2.t() @ inp2)        # (out, in)
+            _accumulate(mod.weight, dout2.t() @ inp2, fresh=True)        # (out, in)
         if mod.bias is not None and mod.bias.requires_grad:
-            _accumulate(mod.bias, dout2.sum(0))
+            _accumulate(mod.bias, dout2.sum(0), fresh=True)
 
 
 def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
@@ -119,28 +124,51 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
     counter = comm.counter
     sent0 = counter.bytes_sent if counter is not None else 0
     msgs0 = counter.messages_sent if counter is not None else 0
+    # per stage, once: its Linear layers, and the parameters outside them (their gradients come in B)
+    linears = {s: _linears(module) for s, module in stages.items()}
+    others = {s: [q for q in module.parameters() if q.requires_grad
+                  and id(q) not in {id(w) for lin in linears[s] for w in lin.parameters()}]
+              for s, module in stages.items()}
+
+    # Receives are posted ahead: the one an action needs, and the next one, so that the
+    # message is read by the transport while this rank computes instead of after it asks.
+    needs = [(i, ("act", s - 1, s, mb) if op == "F" else ("grad", s + 1, s, mb))
+             for i, (op, s, mb) in enumerate(actions)
+             if (op == "F" and s > 0) or (op == "B" and s < n_stages - 1)]
+    posted, nxt = {}, 0          # action index -> (work, buffer); nxt: next entry of needs to post
+
+    def post_recvs(i):
+        nonlocal nxt
+        while nxt < len(needs) and (needs[nxt][0] <= i or len(posted) < RECV_DEPTH):
+            j, (kind, stage_from, s, mb) = needs[nxt]
+            buf = torch.empty(act_shape, dtype=act_dtype)        # (b, s, h): activation or its gradient
+            posted[j] = (comm.irecv(buf, stage_from % p, tag=_tag(kind, s, mb, n_stages, m)), buf)
+            nxt += 1
+
+    def recv(i, kind, mb):
+        post_recvs(i)
+        work, buf = posted.pop(i)
+        with trace.span(f"recv {kind} {mb}", "comm", "pp"):
+            work.wait()
+        post_recvs(i)                      # the next receive, before this action computes
+        return buf
 
     def send(t, stage_to, kind, s, mb):
         t = t.detach().contiguous()
-        sends.append((comm.isend(t, stage_to % p, tag=_tag(kind, s, mb, n_stages, m)), t))
+        with trace.span(f"send {kind} {mb}", "comm", "pp"):     # gloo writes to the socket here
+            sends.append((comm.isend(t, stage_to % p, tag=_tag(kind, s, mb, n_stages, m)), t))
 
-    def recv(stage_from, kind, s, mb, like=None):
-        buf = torch.empty(act_shape, dtype=act_dtype) if like is None else torch.empty_like(like)
-        with trace.span(f"recv {kind} {mb}", "comm", "pp"):
-            comm.irecv(buf, stage_from % p, tag=_tag(kind, s, mb, n_stages, m)).wait()
-        return buf
-
-    for op, s, mb in actions:
+    post_recvs(-1)
+    for i, (op, s, mb) in enumerate(actions):
         module = stages[s]
         if op == "F":
-            x = inputs[mb] if s == 0 else recv(s - 1, "act", s, mb).requires_grad_()
+            x = inputs[mb] if s == 0 else recv(i, "act", mb).requires_grad_()
             saved, record = _Saved(module.parameters()), {"calls": []}
             hooks = []
             if (s, mb) in split:     # remember each Linear call's input and output for B and W
                 hooks = [lin.register_forward_hook(lambda mod, a, o: record["calls"].append((mod, a[0], o)))
-                         for lin in _linears(module)]
-                in_linear = {id(q) for lin in _linears(module) for q in lin.parameters()}
-                record["others"] = [q for q in module.parameters() if q.requires_grad and id(q) not in in_linear]
+                         for lin in linears[s]]
+                record["others"] = others[s]
             with trace.span(f"F{mb}" + (f"@{s}" if s else ""), "compute", "pp"), \
                     torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 y = module(x)
@@ -156,7 +184,7 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
             state[(s, mb)] = (x if s > 0 else None, y, record)
         elif op == "B":
             x, y, record = state[(s, mb)]
-            dy = None if s == n_stages - 1 else recv(s + 1, "grad", s, mb, like=y)
+            dy = None if s == n_stages - 1 else recv(i, "grad", mb)
             with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
                 if (s, mb) in split:
                     dx, for_w = backward_input(y, dy, x, record)
@@ -181,4 +209,35 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
     return out
 
 
-__all__ = ["run_schedule", "StepResult", "backward_input", "backward_weight"]
+def measured_costs(spans, schedule, p: int, v: int = 1) -> dict:
+    """What one measured step spent between its actions, from its trace (compute spans named
+    as the actions, "F3@1"; times on one clock for all ranks), in the terms of ``schedules.simulate``:
+
+    * ``t_overhead``: median time a rank spends between two of its actions when no message
+      keeps it waiting (posting a send, Python, the transport's threads taking its core);
+    * ``t_comm``: median time from the end of a sender's action to the start of the receiver's
+      when the receiver was free before it (the message's latency, on the critical path);
+    * ``durations``: {action: its compute time}, to replay the step;
+    * where the overhead goes: ``t_send`` (median time to post a send: gloo writes into the
+      socket there) and ``t_recv_ready`` (median wait in a receive whose message was sent
+      before the rank asked for it).
+    """
+    compute = {s.name: s for s in spans if s.kind == "compute"}
+    recvs = [s for s in spans if s.kind == "comm" and s.name.startswith("recv")]
+    gaps, latencies, ready = [], [], []
+    for r, actions in enumerate(validate(schedule, p, 1 + max(a[2] for row in schedule for a in row), v)):
+        for prev, a in zip(actions, actions[1:]):
+            before, this = compute[str(prev)], compute[str(a)]
+            dep = _dependency(a, p, v)
+            if dep is not None and compute[str(dep)].end > before.end:     # it waited for the message
+                latencies.append(this.start - compute[str(dep)].end)
+                continue
+            gaps.append(this.start - before.end)
+            ready += [s.end - s.start for s in recvs if s.rank == r and before.end <= s.start and s.end <= this.start]
+    med = lambda xs: statistics.median(xs) if xs else 0.0
+    sends = [s.end - s.start for s in spans if s.kind == "comm" and s.name.startswith("send")]
+    return {"t_overhead": med(gaps), "t_comm": med(latencies), "t_send": med(sends), "t_recv_ready": med(ready),
+            "durations": {name: s.end - s.start for name, s in compute.items()}}
+
+
+__all__ = ["run_schedule", "StepResult", "backward_input", "backward_weight", "measured_costs"]

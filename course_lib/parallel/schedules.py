@@ -192,10 +192,14 @@ def validate(schedule, p: int, m: int, v: int = 1):
 
 
 def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0,
-             t_comm: float = 0.0, durations: dict | None = None, _validated: bool = False) -> list[Span]:
+             t_comm: float = 0.0, durations: dict | None = None, t_overhead: float = 0.0,
+             _validated: bool = False) -> list[Span]:
     """Run the action lists on a virtual clock: F takes t_f, a full backward t_b, a split
-    one t_b - t_w (its W t_w), a message t_comm; ``durations`` {action name ("F3@1"): time}
-    overrides them action by action (a measured trace replayed with free messages).
+    one t_b - t_w (its W t_w), a message t_comm (from the end of the sender's action to the
+    start of the receiver's), and every action costs its rank t_overhead more after it
+    (posting its send, Python: time that is neither compute nor waiting); ``durations``
+    {action name ("F3@1"): time} overrides the compute times action by action (a measured
+    trace replayed; with t_comm = t_overhead = 0, on free messages).
     Returns compute Spans (name "F3@1"...) and ``idle`` spans, rank by rank. Raises
     ValueError when the ranks deadlock."""
     if not _validated:
@@ -216,8 +220,11 @@ def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t
                     spans.append(Span(r, "idle", "idle", clock[r], start, "pp"))
                 dur = t_f if a.op == "F" else t_w if a.op == "W" else t_b - t_w if (a.stage, a.mb) in split else t_b
                 dur = durations.get(str(a), dur) if durations else dur
-                clock[r] = done[a] = start + dur
-                spans.append(Span(r, str(a), "compute", start, clock[r], "pp"))
+                done[a] = start + dur
+                spans.append(Span(r, str(a), "compute", start, done[a], "pp"))
+                clock[r] = done[a] + t_overhead
+                if t_overhead:
+                    spans.append(Span(r, "overhead", "other", done[a], clock[r], "pp"))
                 pc[r] += 1
                 progressed = True
         if all(pc[r] == len(schedule[r]) for r in range(p)):
