@@ -33,3 +33,61 @@ def test_torchrun_four_ranks_every_strategy():
 def test_bad_arguments_fail_cleanly():
     proc = run([sys.executable, "-m", "course_lib.examples.train", "--parallel", "zero3"])
     assert proc.returncode != 0 and "invalid choice" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- mesh mode (parallelize_nd)
+
+TINY = ["--steps", "3", "--batch", "4", "--seq-len", "16", "--hidden", "32", "--layers", "2", "--log-every", "1"]
+
+
+def single_device_losses(steps=3, batch=4, seq_len=16, hidden=32, layers=2):
+    """The same model, batches and AdamW on one device (course_lib.reference.train_gpt)."""
+    import torch
+
+    from course_lib.examples.train import gpt_config, training_batches
+    from course_lib.models import TinyGPT
+    from course_lib.reference import train_gpt
+
+    model = TinyGPT(gpt_config(seq_len, hidden, layers), seed=0)
+    return train_gpt(model, training_batches(batch, seq_len, steps), torch.optim.AdamW(model.parameters(), lr=3e-3))[1]
+
+
+def test_torchrun_eight_ranks_dp_tp_pp_equals_one_device():
+    """3D (dp=2 x pp=2 x tp=2) under torchrun, 8 CPU processes: the printed losses are one device's."""
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+                "-m", "course_lib.examples.train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2",
+                *TINY])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    losses = [float(v) for v in re.findall(r"^step +\d+  loss ([\d.]+)$", proc.stdout, re.M)]
+    expected = single_device_losses()
+    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (losses, expected)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("dp=2 x pp=2 x cp=1 x tp=2: 8 ranks (ddp, 1f1b, 2 microbatches): loss "), summary
+    assert summary.endswith(" in 3 steps"), summary
+
+
+def test_bad_layout_fails_before_any_rank_starts():
+    """A dimension the model cannot be cut by: the constraint named, status 2, no traceback."""
+    proc = run([sys.executable, "-m", "course_lib.examples.train", "--dp", "2", "--tp", "3", *TINY])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "n_heads=4 is not divisible by tp=3" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout  # no rank was started
+
+
+def test_layout_against_torchrun_world_checked_before_the_process_group(monkeypatch, capsys):
+    """Under torchrun (RANK / WORLD_SIZE set), dp*pp*cp*tp != WORLD_SIZE exits before init_process_group."""
+    import pytest
+    import torch.distributed as dist
+
+    from course_lib.examples.train import main
+
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "0")
+    for argv, constraint in ((["--dp", "2", "--tp", "2"], "the product of the dimensions must equal it"),
+                             (["--dp", "2", "--batch", "3"], "must be divisible by dp=2"),
+                             (["--pp", "2", "--layers", "1"], "layers"),
+                             (["--dp", "2", "--ep", "2"], "has none")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and constraint in err and "Traceback" not in err, (argv, err)
+        assert not dist.is_initialized()

@@ -1,18 +1,28 @@
-"""Train the tiny GPT data-parallel with our DDP, ZeRO-1, ZeRO-2 or FSDP.
+"""Train the tiny GPT on a mesh (DP x PP x CP x TP, EP inside DP), or data-parallel only.
 
-    python -m course_lib.examples.train --parallel fsdp --nproc 4        # course_lib.launch starts 4 ranks
-    torchrun --standalone --nproc_per_node=4 -m course_lib.examples.train --parallel zero2   # gloo, CPU
+    python -m course_lib.examples.train --dp 2 --tp 2                  # course_lib.launch starts 4 ranks
+    torchrun --standalone --nproc_per_node=8 -m course_lib.examples.train --dp 2 --tp 2 --pp 2
+    torchrun --standalone --nproc_per_node=16 -m course_lib.examples.train --dp 2 --tp 2 --pp 2 --cp 2
+    torchrun --standalone --nproc_per_node=4 -m course_lib.examples.train --dp 4 --ep 2 --experts 4
+    torchrun --standalone --nproc_per_node=8 -m course_lib.examples.train --dp 2 --tp 2 --pp 2 \\
+        --backend nccl                                                 # one GPU per rank
+
+    python -m course_lib.examples.train --parallel fsdp --nproc 4      # data parallel only: our DDP,
     torchrun --standalone --nproc_per_node=8 -m course_lib.examples.train --parallel fsdp --backend nccl \\
-        --dtype bf16                                                    # one GPU per rank
+        --dtype bf16                                                   # ZeRO-1, ZeRO-2 or FSDP
 
-Every rank draws the same global batch (same seed) and trains on its own rows; the loss
-printed is the mean over ranks. The same ``launch`` call runs ``train`` on this process
-only when torchrun started it.
+Mesh mode (the --dp/--pp/--cp/--tp/--ep flags; dimensions left out are 1, and with none of them
+the ranks are all DP) cuts the model with ``parallelize_nd``: the world size is the product of
+the dimensions. The layout is checked (``check_layout``, plain arithmetic) before any rank starts
+or joins a process group: a bad one prints the violated constraint and exits with status 2.
+Every rank draws the same global batch (same seed) and takes its part; the loss printed is the
+step's global loss, equal to one device's.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,20 +30,42 @@ import torch.distributed as dist
 from course_lib.launch import launch, under_torchrun
 
 PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
+MESH_DIMS = ("dp", "pp", "cp", "tp", "ep")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def gpt_config(seq_len=32, hidden=64, layers=2, experts=0, top_k=2):
+    """The tiny GPT both modes train (and a single-device reference rebuilds)."""
+    from course_lib.models import GPTConfig
+
+    moe = dict(n_experts=experts, top_k=min(top_k, experts)) if experts else {}
+    return GPTConfig(vocab_size=256, seq_len=seq_len, n_layers=layers, hidden=hidden, n_heads=4, **moe)
+
+
+def training_batches(batch, seq_len, steps):
+    """The global batches, the same on every rank: [(x, y)] of shape (batch, seq_len)."""
+    from course_lib.data import batches, byte_tokens, synthetic_text
+
+    tokens = byte_tokens(synthetic_text(20_000, seed=0))
+    return list(batches(tokens, batch, seq_len, seed=1, n_batches=steps))
+
+
+def _device(backend):
+    # launch (and torchrun through launch) has pinned this rank to its LOCAL_RANK GPU under nccl
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3, dtype=None,
           backend="gloo", log_every=5):
-    from course_lib.data import batches, byte_tokens, synthetic_text
-    from course_lib.models import GPTConfig, TinyGPT
+    """Data parallel only: our DDP, ZeRO-1/2 (sharded AdamW) or FSDP. Returns the step losses."""
+    from course_lib.models import TinyGPT
     from course_lib.parallel import DDP, FSDP, ShardedOptimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if batch % world:
         raise ValueError(f"--batch ({batch}) must be divisible by the number of ranks ({world})")
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    cfg = GPTConfig(vocab_size=256, seq_len=seq_len, n_layers=layers, hidden=hidden, n_heads=4)
-    model = TinyGPT(cfg, seed=0).to(device)
+    device = _device(backend)
+    model = TinyGPT(gpt_config(seq_len, hidden, layers), seed=0).to(device)
     if parallel == "ddp":
         net = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -45,9 +77,8 @@ def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3,
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
     else:
         raise ValueError(f"--parallel must be one of {PARALLEL}, got {parallel!r}")
-    tokens = byte_tokens(synthetic_text(20_000, seed=0))
     losses = []
-    for step, (x, y) in enumerate(batches(tokens, batch, seq_len, seed=1, n_batches=steps)):
+    for step, (x, y) in enumerate(training_batches(batch, seq_len, steps)):
         rows = slice(rank * batch // world, (rank + 1) * batch // world)  # this rank's rows
         _, loss = net(x[rows].to(device), y[rows].to(device))
         loss.backward()
@@ -63,25 +94,125 @@ def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3,
     return losses
 
 
+def train_nd(dims, cfg, steps=20, batch=8, microbatches=1, schedule="1f1b", v=1, data="ddp", lr=3e-3,
+             backend="gloo", log_every=5):
+    """The tiny GPT cut along every dimension of ``Mesh(**dims)`` by ``parallelize_nd``; AdamW on
+    this rank's parameters (shards). Returns the step losses (global: the same on every rank)."""
+    from course_lib.models import TinyGPT
+    from course_lib.parallel import Mesh
+    from course_lib.parallel.compose import parallelize_nd
+
+    device = _device(backend)
+    net = parallelize_nd(TinyGPT(cfg, seed=0).to(device), Mesh(**dims), microbatches=microbatches,
+                         schedule=schedule, v=v, data=data)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr)
+    losses = []
+    for step, (x, y) in enumerate(training_batches(batch, cfg.seq_len, steps)):
+        losses.append(net.step(x.to(device), y.to(device)))  # the global batch; every rank takes its part
+        opt.step()
+        opt.zero_grad()
+        if dist.get_rank() == 0 and (step % log_every == 0 or step == steps - 1):
+            print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
+    return losses
+
+
+def _parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mesh = p.add_argument_group("mesh mode (parallelize_nd)")
+    for d, what in (("dp", "data parallel"), ("pp", "pipeline stages"), ("cp", "context parallel"),
+                    ("tp", "tensor parallel"), ("ep", "expert parallel, inside dp (needs --experts)")):
+        mesh.add_argument(f"--{d}", type=int, default=None, help=f"{what} degree (default 1)")
+    mesh.add_argument("--microbatches", type=int, default=1, help="per DP replica and step")
+    mesh.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved (with --v) or zb-h1")
+    mesh.add_argument("--v", type=int, default=1, help="virtual stages per pp rank (interleaved)")
+    mesh.add_argument("--data", default="ddp", help="ddp (gradient sums) or fsdp (sharded over dp x cp)")
+    mesh.add_argument("--experts", type=int, default=0, help="MoE variant: experts per block (0: dense)")
+    mesh.add_argument("--top-k", type=int, default=2, help="experts per token (MoE variant)")
+    p.add_argument("--parallel", choices=PARALLEL, nargs="+", default=None,
+                   help="data parallel only, one or more strategies trained one after the other")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to start (ignored under torchrun; mesh mode: the product of the dimensions)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="FSDP compute dtype with --parallel fsdp (master weights stay fp32)")
+    return p
+
+
+def _fail(message):
+    """A bad layout or argument: one clean line, status 2. Under torchrun every rank prints it:
+    torchrun stops the others as soon as one exits, so rank 0 alone might not get to print."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _is_rank0():
+    return not under_torchrun() or dist.get_rank() == 0
+
+
+def _positive(args, names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parallel", choices=PARALLEL, nargs="+", default=["ddp"],
-                        help="one or more, trained one after the other")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                        help="FSDP compute dtype (master weights stay fp32)")
-    args = parser.parse_args(argv)
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    world = None if under_torchrun() else args.nproc
+    args = _parser().parse_args(argv)
+    torchrun_world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    _positive(args, MESH_DIMS + ("nproc", "steps", "batch", "seq_len", "hidden", "layers", "log_every"))
+    given = [d for d in MESH_DIMS if getattr(args, d) is not None]
+    if args.parallel is not None:
+        if given:
+            _fail(f"--parallel (data parallel only) and the mesh flags ({', '.join('--' + d for d in given)}) "
+                  f"are two modes: use one")
+        return _main_data_parallel(args, torchrun_world)
+    if args.dtype != "fp32":
+        _fail("--dtype applies to --parallel fsdp; the mesh mode trains in fp32")
+    dims = {d: getattr(args, d) or 1 for d in MESH_DIMS}
+    if not given:  # no layout named: every rank data parallel
+        dims["dp"] = torchrun_world or args.nproc or 2
+    try:
+        from course_lib.parallel.compose import check_layout
+
+        cfg = gpt_config(args.seq_len, args.hidden, args.layers, args.experts, args.top_k)
+        shape = check_layout(cfg, **dims, world_size=torchrun_world, batch=args.batch,
+                             microbatches=args.microbatches, schedule=args.schedule, v=args.v, data=args.data)
+        if torchrun_world is None and args.nproc is not None and args.nproc != shape.world_size:
+            raise ValueError(f"--nproc {args.nproc}, but the layout dp*pp*cp*tp has {shape.world_size} ranks "
+                             f"(leave --nproc out in mesh mode)")
+    except ValueError as exc:  # before any rank starts or joins a process group
+        _fail(str(exc))
+    mesh_dims = {d: dims[d] for d in MESH_DIMS}
+    losses = launch(train_nd, None if under_torchrun() else shape.world_size, mesh_dims, cfg,
+                    steps=args.steps, batch=args.batch, microbatches=args.microbatches, schedule=args.schedule,
+                    v=args.v, data=args.data, lr=args.lr, backend=args.backend, log_every=args.log_every,
+                    timeout=600)[0]
+    if _is_rank0():
+        layout = shape.describe()
+        moe = f", {cfg.n_experts} experts top-{cfg.top_k}" if cfg.n_experts else ""
+        print(f"{layout} ({args.data}, {args.schedule}, {args.microbatches} microbatches{moe}): "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps", flush=True)
+
+
+def _main_data_parallel(args, torchrun_world):
+    world = torchrun_world or args.nproc or 2
+    if args.batch % world:
+        _fail(f"--batch ({args.batch}) must be divisible by the number of ranks ({world})")
+    dtype = DTYPES[args.dtype]
     for parallel in args.parallel:
-        losses = launch(train, world, parallel, steps=args.steps, batch=args.batch, dtype=dtype,
-                        backend=args.backend, timeout=600)[0]
-        if not under_torchrun() or int(os.environ["RANK"]) == 0:
+        losses = launch(train, None if under_torchrun() else world, parallel, steps=args.steps, batch=args.batch,
+                        seq_len=args.seq_len, hidden=args.hidden, layers=args.layers, lr=args.lr, dtype=dtype,
+                        backend=args.backend, log_every=args.log_every, timeout=600)[0]
+        if _is_rank0():
             print(f"{parallel}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps "
-                  f"on {dist.get_world_size() if under_torchrun() else world} ranks", flush=True)
+                  f"on {world} ranks", flush=True)
 
 
 if __name__ == "__main__":
