@@ -213,7 +213,7 @@ class NDParallel:
         x, y = x.chunk(s["dp"])[c["dp"]], y.chunk(s["dp"])[c["dp"]]
         pos = None
         if s["cp"] > 1:
-            pos = shard_positions(x.shape[1], s["cp"], c["cp"], self.cp_layout)
+            pos = shard_positions(x.shape[1], s["cp"], c["cp"], self.cp_layout).to(x.device)
             x, y = x[:, pos], y[:, pos]
         return x, y, pos
 
@@ -222,7 +222,8 @@ class NDParallel:
         every rank; each takes its part), then every gradient sum the layout needs. Returns the
         step's loss (the single-device value, on every rank)."""
         n_tokens = int((y != -100).sum())
-        x, y, pos = self.local_batch(x, y)
+        device = self.parameters()[0].device
+        x, y, pos = self.local_batch(x.to(device), y.to(device))
         for st in self.stages.values():
             st.positions = pos
         for st in self.stages.values():
@@ -243,7 +244,7 @@ class NDParallel:
         for mod in self.modules.values():
             if isinstance(mod, FSDP):
                 mod.finish_gradient_synchronization()
-        loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64)
+        loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64, device=device)  # NCCL: on the GPU
         dims = tuple(d for d in ("dp", "pp", "cp") if self.sizes[d] > 1)
         if dims:  # the last stages hold the losses, each of its tokens / the global count
             self.mesh.comm(dims).all_reduce(loss, name="all-reduce loss")

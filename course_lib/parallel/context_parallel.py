@@ -159,7 +159,7 @@ class RingAttention(torch.autograd.Function):
         n, r = comm.size, comm.rank
         pos_of = [shard_positions(seq_len, n, j, layout) for j in range(n)]
         out = torch.zeros_like(q)                                  # (b, a, s/N, d)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)  # (b, a, s/N)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)  # (b, a, s/N)
         kv = torch.stack([k, v]).contiguous()                      # (2, b, kv, s/N, d): one message
         for step in range(n):
             src = (r - step) % n                                   # whose block I hold now
@@ -286,8 +286,8 @@ def ulysses_attention(q, k, v, positions, comm):
                          f"CP={n}; use ring attention instead")
     if n == 1:
         return causal_attention(q, k, v, positions, positions)
-    everyone = torch.empty(n * positions.numel(), dtype=positions.dtype)
-    comm.all_gather_into_tensor(everyone, positions.contiguous(), name="ulysses positions")
+    everyone = torch.empty(n * positions.numel(), dtype=positions.dtype, device=q.device)
+    comm.all_gather_into_tensor(everyone, positions.to(q.device).contiguous(), name="ulysses positions")
     qh, kh, vh = (SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))  # (b, heads/N, s, d)
     with trace.span("attention on a/N heads", kind="compute"):
         y = causal_attention(qh, kh, vh, everyone, everyone)

@@ -81,7 +81,7 @@ class ExpertParallelMoE(nn.Module):
         recv_splits = recv_counts.sum(1).tolist()
         rows = AllToAll.apply(x[tok], self.comm, recv_splits, send_splits, "dispatch")   # (R, h)
         with trace.span("experts", kind="compute"):
-            local_e = torch.arange(self.local).repeat(self.ep).repeat_interleave(recv_counts.flatten())  # (R,)
+            local_e = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts.flatten())  # (R,)
             by_expert = torch.sort(local_e, stable=True).indices    # rows of expert 0, 1, ...
             sizes = torch.bincount(local_e, minlength=self.local).tolist()
             outs = [net(chunk) for net, chunk in zip(self.experts, rows[by_expert].split(sizes))]

@@ -75,7 +75,8 @@ def _same_model_everywhere(model, comm):
     before any other check can differ between ranks."""
     params = [p.detach().double() for p in model.parameters()]
     mine = torch.tensor([len(params), sum(p.numel() for p in params), sum(p.sum().item() for p in params),
-                         sum(p.square().sum().item() for p in params)], dtype=torch.float64)
+                         sum(p.square().sum().item() for p in params)], dtype=torch.float64,
+                        device=next(model.parameters()).device)   # NCCL talks in device tensors
     every = mine.new_empty(comm.size * 4)
     comm.all_gather_into_tensor(every, mine, name="parallelize: same model?")
     if not all(torch.equal(row, mine) for row in every.view(comm.size, 4)):

@@ -1,0 +1,65 @@
+"""Figures of the N-D chapter: loss curves overlaid, the 0D -> 4D story (memory and step
+time measured next to the planner), a step's timeline measured over simulated."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from course_lib.viz.timeline import timeline
+
+
+def loss_curves(reference_losses, runs, title="every layout on the one-device curve"):
+    """The one-device losses (thick grey) and each layout's (markers): they overlap."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    steps = np.arange(len(reference_losses))
+    ax.plot(steps, reference_losses, color="0.75", lw=6, label="one device", zorder=1)
+    markers = "os^vDPX*"
+    for k, run in enumerate(runs):
+        ax.plot(steps, run.losses, marker=markers[k % len(markers)], ls="none", ms=6 - k * 0.5,
+                label=f"{run.name} ({run.world_size} ranks)", zorder=2 + k)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ticks)"):
+    """rows: dicts with name, measured/predicted memory (bytes) and step time (s) per layout."""
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 3.8))
+    names = [r["name"] for r in rows]
+    x = np.arange(len(rows))
+    states = np.array([r["measured_states"] for r in rows]) / 2**20
+    rest = np.array([r["measured_peak"] for r in rows]) / 2**20 - states
+    ax_m.bar(x, states, color="#4C72B0", label="model states (measured)")
+    ax_m.bar(x, rest, bottom=states, color="#DD8452", label="activations + buffers (measured peak)")
+    ax_m.scatter(x, np.array([r["predicted_states"] for r in rows]) / 2**20, marker="_", s=600, color="k",
+                 label="planner: model states", zorder=3)
+    ax_m.scatter(x, np.array([r["predicted_peak"] for r in rows]) / 2**20, marker="_", s=600, color="k",
+                 linestyle="--", label="planner: total", zorder=3)
+    ax_m.set_ylabel("MiB on the busiest rank")
+    ax_t.bar(x, [r["measured_time"] * 1e3 for r in rows], color="#55A868", label="measured")
+    ax_t.scatter(x, [r["predicted_time"] * 1e3 for r in rows], marker="_", s=600, color="k",
+                 label="planner (calibrated)", zorder=3)
+    ax_t.set_ylabel("step time (ms)")
+    for ax in (ax_m, ax_t):
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def step_timelines(measured, simulated, ranks, title):
+    """A measured step (lanes per rank and mesh dimension) over the planner's simulated step."""
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 1.3]})
+    timeline(measured, ax=axes[0], ranks=ranks, by_dim=True, title=f"{title}: measured", legend=True)
+    sim_ranks = sorted({s.rank for s in simulated})[:len(ranks)]
+    timeline(simulated, ax=axes[1], ranks=sim_ranks, title=f"{title}: planner's simulation", legend=False)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["loss_curves", "story", "step_timelines"]
