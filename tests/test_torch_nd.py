@@ -1,7 +1,8 @@
 """Torch's own 2-D composition (course_lib/parallel/torch_nd.py: init_device_mesh +
 parallelize_module on mesh["tp"] + fully_shard / replicate on mesh["dp"]) next to ours
 (compose.parallelize_nd on Mesh(dp=2, tp=2)): 5 AdamW steps of the same tiny GPT on 4 ranks
-give the single-device losses and final parameters (within 1e-5); bad layouts are a
+give the single-device losses and final parameters (within 1e-5), torch's first gradients
+are the single-device ones (sums over dp, not averages); bad layouts are a
 ValueError on every rank."""
 import functools
 
@@ -30,6 +31,9 @@ def _train(cfg, batches, variants):
     from course_lib.parallel.mesh import Mesh
     from course_lib.parallel.torch_nd import torch_parallelize_2d, torch_step
 
+    def full(t):  # a DTensor (its shards over dp and tp) -> the whole tensor
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
     out = {}
     for impl, data, sp in variants:
         model = TinyGPT(cfg, seed=0).double()
@@ -40,17 +44,18 @@ def _train(cfg, batches, variants):
             net = parallelize_nd(model, Mesh(dp=2, tp=2), data=data, sequence_parallel=sp)
             params, step = net.parameters(), net.step
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-        losses = []
+        losses, grads = [], None
         for x, y in batches:
             losses.append(step(x, y))
+            if grads is None and impl == "torch":   # AdamW hides a gradient's scale: check the sum itself
+                grads = {n: full(p.grad) for n, p in net.named_parameters()}
             opt.step()
             opt.zero_grad()
         if impl == "torch":
-            final = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                     for n, p in net.named_parameters()}
+            final = {n: full(p) for n, p in net.named_parameters()}
         else:
             final = net.shards()
-        out[(impl, data, sp)] = (losses, final)
+        out[(impl, data, sp)] = (losses, final, grads)
     try:                                  # 2 x 3 on 4 ranks: the same ValueError on every rank, no hang
         torch_parallelize_2d(TinyGPT(cfg, seed=0), 2, 3)
         out["error"] = None
@@ -64,13 +69,17 @@ def runs():
     batches = gpt_batches(CFG, batch=BATCH, steps=STEPS)
     ref = TinyGPT(CFG, seed=0).double()
     state, losses = train_gpt(ref, batches, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1))
-    return state, losses, launch(_train, 4, CFG, batches, VARIANTS, threads=1, timeout=120, quiet=True)
+    first = TinyGPT(CFG, seed=0).double()          # the first step's single-device gradients
+    x, y = batches[0]
+    first(x, y, n_tokens=y.numel())[1].backward()
+    grads = {n: p.grad for n, p in first.named_parameters()}
+    return state, losses, grads, launch(_train, 4, CFG, batches, VARIANTS, threads=1, timeout=120, quiet=True)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_same_losses_and_parameters_as_one_device(runs, variant):
-    state, ref_losses, results = runs
-    losses, final = results[0][variant]
+    state, ref_losses, _, results = runs
+    losses, final, _ = results[0][variant]
     for rank in results:   # the loss is the whole step's, on every rank
         assert rank[variant][0] == pytest.approx(losses, abs=1e-12)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
@@ -82,6 +91,16 @@ def test_same_losses_and_parameters_as_one_device(runs, variant):
         torch.testing.assert_close(final[name], value, rtol=0, atol=TOL, msg=name)
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v[0] == "torch"], ids=lambda v: "-".join(map(str, v)))
+def test_torch_gradients_are_the_sums_not_the_averages(runs, variant):
+    """fully_shard / replicate average over dp unless told otherwise (torch_nd._sum_gradients):
+    the first step's gradients are the single-device ones, not half of them."""
+    _, _, ref_grads, results = runs
+    grads = results[0][variant][2]
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_bad_layout_is_a_value_error_on_every_rank(runs):
-    for rank in runs[2]:
+    for rank in runs[3]:
         assert rank["error"] is not None and "world size is 4" in rank["error"]
