@@ -149,3 +149,67 @@ def test_cache_aware_fit_recovers_two_betas():
     assert fit.beta_memory == fit.beta
     with pytest.raises(ValueError, match="cache_bytes"):
         cm.fit_alpha_beta(ms, cache_bytes=0)
+
+
+@pytest.mark.parametrize("N", [2, 3, 4, 8])
+def test_pipelined_ring_unsegmented_and_link_bound(N):
+    n, G = 16 << 20, 0.4e-9
+    # one segment: the textbook ring, plus every step's reduction on the critical path
+    assert cm.pipelined_ring_all_reduce(n, N, A, B, 0.0, 1) == pytest.approx(cm.ring_all_reduce(n, N, A, B))
+    assert cm.pipelined_ring_all_reduce(n, N, A, B, G, 1) == pytest.approx(
+        cm.ring_all_reduce(n, N, A, B) + (N - 1) / N * n * G)
+    assert cm.pipelined_ring_all_gather(n, N, A, B, 1) == pytest.approx(cm.ring_all_gather(n, N, A, B))
+    # k >= 2, link-bound: k times the messages, the same bytes, one segment's reduction exposed
+    for k in (2, 4, 16):
+        assert cm.pipelined_ring_all_reduce(n, N, A, B, G, k) == pytest.approx(
+            2 * (N - 1) * k * A + 2 * (N - 1) / N * n * B + n / (N * k) * G)
+    assert cm.pipelined_ring_all_reduce(n, 1, A, B, G, 4) == 0
+
+
+def test_pipelined_ring_reduction_bound_and_best_segments():
+    n, N = 16 << 20, 4
+    G = 3 * B                    # reducing slower than the link: each step waits for a reduction
+    s = n / (N * 2)
+    assert cm.pipelined_ring_reduce_scatter(n, N, A, B, G, 2) == pytest.approx(
+        (N - 2) * (A + s * B + s * G) + 2 * (A + s * B) + s * G)
+    k = cm.best_segments(n, N, A, B, G)
+    assert all(cm.pipelined_ring_all_reduce(n, N, A, B, G, k) <= cm.pipelined_ring_all_reduce(n, N, A, B, G, j)
+               for j in range(1, 200))
+    assert cm.best_segments(n, N, A, B, 0.0) == 1          # nothing to hide: segments only add alphas
+    with pytest.raises(ValueError, match="segments"):
+        cm.pipelined_ring_all_reduce(n, N, A, B, G, 0)
+
+
+def test_ring_segments_matches_the_implementation():
+    import torch
+
+    from course_lib.collectives import ring
+    for n_bytes, N, seg in ((16 << 20, 4, 1 << 20), (1000 * 4 * 3, 3, 1000), (64 << 10, 4, 1 << 20)):
+        chunk = torch.empty(n_bytes // 4 // N)
+        assert cm.ring_segments(n_bytes, N, seg) == len(ring.segments(chunk, seg))
+    assert cm.ring_segments(1 << 20, 4, None) == 1
+    with pytest.raises(ValueError, match="segment_bytes"):
+        cm.ring_segments(1 << 20, 4, 0)
+
+
+def test_fit_per_regime_recovers_each_regimes_alpha_beta():
+    # ranks <= cores: idle cores to wake (a larger alpha); beyond: busy cores shared
+    cores, regimes = 2, cm.CoreRegimes(2)
+    truth = {"ranks <= cores": (2 * A, B), "ranks > cores": (A, 1.5 * B)}
+    ms = []
+    for N in (2, 3, 4, 8):
+        a, b = truth[regimes(0, N)]
+        k = cm.shared_cores(N, cores)
+        ms += [cm.Measurement("ring_all_reduce", n, N, k * cm.ring_all_reduce(n, N, a, b))
+               for n in (4 << 10, 256 << 10, 16 << 20)]
+    fit = cm.fit_per_regime(ms, regimes, cores=cores)
+    assert list(fit.fits) == ["ranks <= cores", "ranks > cores"]
+    for name, (a, b) in truth.items():
+        assert fit.fits[name].alpha == pytest.approx(a, rel=1e-6) and fit.fits[name].beta == pytest.approx(b, rel=1e-6)
+    assert fit.max_abs_rel_error < 1e-9 and len(fit.rel_errors) == len(ms)
+    assert fit.predict("ring_all_reduce", 1 << 20, 4) == pytest.approx(2 * cm.ring_all_reduce(1 << 20, 4, A, 1.5 * B))
+    assert cm.fit_alpha_beta(ms, cores=cores).max_abs_rel_error > 0.1     # one alpha-beta cannot fit both
+    with pytest.raises(ValueError, match="at least 2"):
+        cm.fit_per_regime(ms[:4], regimes, cores=cores)
+    with pytest.raises(ValueError, match="cores"):
+        cm.CoreRegimes(0)

@@ -69,10 +69,10 @@ def segments(chunk, segment_bytes=SEGMENT_BYTES):
     The count depends only on the chunk's size and dtype, which sender and receiver
     share, so both cut it alike. ``segment_bytes=None``: one segment (the unsegmented ring).
     """
-    if not segment_bytes or chunk.numel() == 0:
+    if segment_bytes is not None and not (isinstance(segment_bytes, int) and segment_bytes > 0):
+        raise ValueError(f"segment_bytes must be an int > 0 or None, got {segment_bytes!r}")
+    if segment_bytes is None or chunk.numel() == 0:
         return [chunk]
-    if segment_bytes < 0:
-        raise ValueError(f"segment_bytes must be > 0 or None, got {segment_bytes}")
     count = -(-chunk.numel() * chunk.element_size() // segment_bytes)
     return chunks(chunk, count)
 

@@ -25,6 +25,15 @@ API (stable: the planner and the book call these; one formula, one place)::
     point_to_point(n, N, a, b)             a + n b
     COSTS                                  {name: function} of all the above
 
+    # course_lib's segmented ring, with the reduction's cost g (seconds per byte reduced):
+    pipelined_ring_reduce_scatter(n, N, a, b, g=0, segments=1)   (N-2) max(k t, t + s g) + k t + s g,
+                                           s = n/(N k) bytes a segment, t = a + s b one segment's hop
+    pipelined_ring_all_gather(n, N, a, b, segments=1)            (N-1) k t
+    pipelined_ring_all_reduce(n, N, a, b, g=0, segments=1)       the two; k = 1: the ring + (N-1)/N n g;
+                                           link-bound k >= 2: 2(N-1) k a + 2(N-1)/N n b + n/(N k) g
+    ring_segments(n, N, segment_bytes)     k of course_lib.collectives.ring for that segment size
+    best_segments(n, N, a, b, g)           the k that minimises pipelined_ring_all_reduce
+
     volume_per_rank(collective, n, N)  bytes each rank sends in a bandwidth-optimal algorithm
     bus_factor(collective, N)          busbw / algbw (nccl-tests convention)
     algbw(n, seconds)                  n / seconds (bytes/s)
@@ -39,6 +48,10 @@ API (stable: the planner and the book call these; one formula, one place)::
         cache_bytes: two betas, in cache and beyond it (see in_memory); None: one.
         AlphaBetaFit(alpha, beta, bandwidth, rel_errors, ..., beta_memory, cache_bytes).predict(algo, n, N)
     in_memory(n, N, cache_bytes)       N buffers of n bytes fill the cache: copies run at memory speed
+    fit_per_regime(measurements, regime, relative=True, cores=None, cache_bytes=None) -> RegimeFit
+        one fit per regime(n, N) name; RegimeFit(fits={name: AlphaBetaFit}, ..., rel_errors).predict(algo, n, N)
+    CoreRegimes(cores)                 regime(n, N): "ranks <= cores" or "ranks > cores" (idle cores to
+                                       wake vs busy cores taken in turns: one alpha-beta cannot fit both)
     crossover_bytes(algo_a, algo_b, N, alpha, beta) -> n where both cost the same (or None)
     measured_crossover(sizes, times_a, times_b) -> n where measured times cross (log interpolation)
 
@@ -59,6 +72,7 @@ from course_lib.costmodel.algorithms import (  # noqa: F401
     COSTS,
     GLOO_MAX_SEGMENT_BYTES,
     algbw,
+    best_segments,
     bus_factor,
     busbw,
     coefficients,
@@ -71,11 +85,15 @@ from course_lib.costmodel.algorithms import (  # noqa: F401
     naive_reduce,
     naive_reduce_scatter,
     pairwise_all_to_all,
+    pipelined_ring_all_gather,
+    pipelined_ring_all_reduce,
+    pipelined_ring_reduce_scatter,
     point_to_point,
     recursive_doubling_all_reduce,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
+    ring_segments,
     segmented_ring_all_reduce,
     serialized_ring_all_reduce,
     shared_cores,
@@ -86,14 +104,19 @@ from course_lib.costmodel.algorithms import (  # noqa: F401
 )
 from course_lib.costmodel.fit import (  # noqa: F401
     AlphaBetaFit,
+    CoreRegimes,
+    RegimeFit,
     Measurement,
     _as_measurement,
     crossover_bytes,
     fit_alpha_beta,
+    fit_per_regime,
     in_memory,
     measured_crossover,
 )
 
 __all__ = sorted(COSTS) + [
     "COSTS", "COLLECTIVES", "cost", "coefficients", "shared_cores", "bus_factor", "volume_per_rank", "algbw", "busbw",
-    "Measurement", "AlphaBetaFit", "fit_alpha_beta", "in_memory", "GLOO_MAX_SEGMENT_BYTES", "crossover_bytes", "measured_crossover"]
+    "Measurement", "AlphaBetaFit", "fit_alpha_beta", "in_memory", "fit_per_regime", "RegimeFit", "CoreRegimes",
+    "pipelined_ring_reduce_scatter", "pipelined_ring_all_gather", "pipelined_ring_all_reduce", "ring_segments",
+    "best_segments", "GLOO_MAX_SEGMENT_BYTES", "crossover_bytes", "measured_crossover"]

@@ -55,6 +55,74 @@ def segmented_ring_all_reduce(n_bytes, world_size, alpha, beta, max_segment_byte
     return 2 * (N - 1) * segments / N * alpha + 2 * (N - 1) / N * n_bytes * beta
 
 
+# ----------------------------------------------------------------------------- the segmented ring, with
+# the reduction's own cost: gamma seconds per byte reduced (not a COSTS entry: not linear in alpha, beta alone)
+
+
+def ring_segments(n_bytes, world_size, segment_bytes) -> int:
+    """Segments per chunk of course_lib's segmented ring: ceil((n / N) / segment_bytes), at least 1."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if segment_bytes is None:
+        return 1
+    if segment_bytes <= 0:
+        raise ValueError(f"segment_bytes must be > 0 or None, got {segment_bytes}")
+    return max(1, math.ceil(n_bytes / world_size / segment_bytes))
+
+
+def pipelined_ring_reduce_scatter(n_bytes, world_size, alpha, beta, gamma=0.0, segments=1):
+    """Ring reduce-scatter with each chunk sent in ``segments`` (k) pieces, reducing at gamma s/B.
+
+    A segment of s = n / (N k) bytes takes t = alpha + s beta to cross a link. A step's k
+    segments occupy the link for k t; the first segment of the next step can leave only
+    once this step's first one has arrived and been reduced: t + s gamma. Each of the N-2
+    steps that forward a partial sum lasts the longer of the two; the last step adds its k
+    arrivals and the last reduction: (N-2) max(k t, t + s gamma) + k t + s gamma.
+
+    k = 1 is the unsegmented ring, (N-1)(alpha + n/N (beta + gamma)): each step waits for
+    its whole chunk to be reduced. With k >= 2 and (k-1) t >= s gamma (the link is the
+    bottleneck) it is (N-1) k alpha + (N-1)/N n beta + n/(N k) gamma: the reduction hides
+    behind the next segment's transfer except for the last segment (the pipelining term),
+    at the price of (N-1)(k-1) more messages.
+    """
+    N, k = world_size, segments
+    if N <= 1:
+        return 0.0
+    if not (isinstance(k, int) and k >= 1):
+        raise ValueError(f"segments must be an int >= 1, got {k!r}")
+    s = n_bytes / (N * k)
+    t = alpha + s * beta
+    return (N - 2) * max(k * t, t + s * gamma) + k * t + s * gamma
+
+
+def pipelined_ring_all_gather(n_bytes, world_size, alpha, beta, segments=1):
+    """Ring all-gather in ``segments`` pieces per chunk: (N-1) k (alpha + n/(N k) beta).
+
+    Nothing to reduce: segments only add messages in this model (a segment is forwarded
+    as soon as it arrives, but every link was busy at every step anyway)."""
+    N, k = world_size, segments
+    if N <= 1:
+        return 0.0
+    return (N - 1) * k * (alpha + n_bytes / (N * k) * beta)
+
+
+def pipelined_ring_all_reduce(n_bytes, world_size, alpha, beta, gamma=0.0, segments=1):
+    """Segmented ring all-reduce: pipelined reduce-scatter + all-gather.
+
+    k = 1: 2(N-1) alpha + 2(N-1)/N n beta + (N-1)/N n gamma (the textbook ring plus its
+    reductions). Link-bound k >= 2: 2(N-1) k alpha + 2(N-1)/N n beta + n/(N k) gamma,
+    smallest near k = sqrt(n gamma / (2 N (N-1) alpha)) (:func:`best_segments`).
+    """
+    return (pipelined_ring_reduce_scatter(n_bytes, world_size, alpha, beta, gamma, segments)
+            + pipelined_ring_all_gather(n_bytes, world_size, alpha, beta, segments))
+
+
+def best_segments(n_bytes, world_size, alpha, beta, gamma, max_segments=4096) -> int:
+    """The k in 1..max_segments that makes :func:`pipelined_ring_all_reduce` smallest."""
+    return min(range(1, max_segments + 1),
+               key=lambda k: pipelined_ring_all_reduce(n_bytes, world_size, alpha, beta, gamma, k))
+
+
 def serialized_ring_all_reduce(n_bytes, world_size, alpha, beta):
     """The whole buffer hops from rank to rank (sum around, result around): 2(N-1) full messages.
 

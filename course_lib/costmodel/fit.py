@@ -128,6 +128,67 @@ def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None
     return fit._replace(rel_errors=errs, max_abs_rel_error=abs_errs[-1], median_abs_rel_error=median)
 
 
+# ----------------------------------------------------------------------------- one fit per regime
+
+
+class CoreRegimes:
+    """Which side of the core count a run of ``world_size`` ranks falls on (a regime for
+    :func:`fit_per_regime`): "ranks <= cores" or "ranks > cores".
+
+    On one machine the two behave differently. With a core per rank, a rank's core is
+    idle while it waits, and every message pays for waking it; with more ranks than cores
+    the cores never idle, the ranks take turns (:func:`shared_cores`), and what a message
+    costs is a share of a busy core. One alpha and beta cannot describe both.
+    """
+
+    def __init__(self, cores: int):
+        if not (isinstance(cores, int) and cores >= 1):
+            raise ValueError(f"cores must be an int >= 1, got {cores!r}")
+        self.cores = cores
+
+    def __call__(self, n_bytes, world_size) -> str:
+        return "ranks <= cores" if world_size <= self.cores else "ranks > cores"
+
+    def __repr__(self):
+        return f"CoreRegimes({self.cores})"
+
+
+class RegimeFit(NamedTuple):
+    fits: dict              # regime name -> AlphaBetaFit, in first-seen order
+    regime: object          # (n_bytes, world_size) -> regime name
+    rel_errors: tuple       # (predicted - measured) / measured, in input order
+    max_abs_rel_error: float
+    median_abs_rel_error: float
+    n_points: int
+
+    def predict(self, algorithm, n_bytes, world_size) -> float:
+        return self.fits[self.regime(n_bytes, world_size)].predict(algorithm, n_bytes, world_size)
+
+    def __str__(self):
+        return "\n".join(f"{name} ({f.n_points} points): {f}" for name, f in self.fits.items())
+
+
+def fit_per_regime(measurements, regime, relative: bool = True, cores: int | None = None,
+                   cache_bytes: int | None = None) -> RegimeFit:
+    """One :func:`fit_alpha_beta` per regime: ``regime(n_bytes, world_size)`` names each point's
+    (e.g. :class:`CoreRegimes`); every regime needs at least 2 points."""
+    ms = [_as_measurement(m) for m in measurements]
+    groups: dict = {}
+    for i, m in enumerate(ms):
+        groups.setdefault(regime(m.n_bytes, m.world_size), []).append(i)
+    fits, errs = {}, [0.0] * len(ms)
+    for name, idx in groups.items():
+        if len(idx) < 2:
+            raise ValueError(f"regime {name!r} has {len(idx)} measurement(s); a fit needs at least 2")
+        fits[name] = fit_alpha_beta([ms[i] for i in idx], relative, cores, cache_bytes)
+        for i, e in zip(idx, fits[name].rel_errors):
+            errs[i] = e
+    abs_errs = sorted(abs(e) for e in errs)
+    mid = len(abs_errs) // 2
+    median = abs_errs[mid] if len(abs_errs) % 2 else (abs_errs[mid - 1] + abs_errs[mid]) / 2
+    return RegimeFit(fits, regime, tuple(errs), abs_errs[-1], median, len(ms))
+
+
 def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
     """The buffer size where ``algo_a`` and ``algo_b`` cost the same, or None if they never do.
 

@@ -250,4 +250,29 @@ def size_sweep(sizes, times, model=None, crossovers=None, title=None, ylabel="ti
     return fig
 
 
-__all__ = ["rank_buffers", "ring_all_reduce_steps", "measured_vs_model", "bandwidths", "size_sweep"]
+def segments_sweep(segments, times, model=None, reference=None, title=None):
+    """Time of one all-reduce against the number of segments per chunk (log axis).
+
+    times: {label: [seconds per k]} measured; model: {label: [seconds per k]} dashed;
+    reference: {label: seconds} drawn as horizontal lines (gloo's time, say).
+    """
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, ts) in enumerate(times.items()):
+        ax.plot(segments, [t * 1e3 for t in ts], "o-", color=RANK_COLORS[i % 10], label=f"{label} (measured)")
+    for i, (label, ts) in enumerate((model or {}).items()):
+        ax.plot(segments, [t * 1e3 for t in ts], "--", color=RANK_COLORS[i % 10], alpha=0.8, label=f"{label} (model)")
+    for j, (label, t) in enumerate((reference or {}).items()):
+        ax.axhline(t * 1e3, color="0.4" if j == 0 else "0.7", ls=":", lw=1.5, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(segments), [str(k) for k in segments])
+    ax.set_xlabel("segments per chunk (k)")
+    ax.set_ylabel("time (ms)")
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["rank_buffers", "ring_all_reduce_steps", "measured_vs_model", "bandwidths", "size_sweep",
+           "segments_sweep"]
