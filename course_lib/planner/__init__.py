@@ -5,10 +5,12 @@
     print(est.summary())
     viz.timeline(simulate("llama3-70b", "h100-sxm", layout))
 
-Rooms: ``formulas`` (every formula, one small function each), ``presets`` (models,
-GPUs), ``layout`` (a layout and its constraints), ``costs`` (what one pipeline stage
-costs), ``estimate`` (the analytic step), ``simulator`` (the same step, event by
-event, as trace spans), ``search`` (rank valid layouts), ``validation`` (against
+Rooms: ``formulas`` (every formula, one small function each; the activation-memory and
+communication ones live in ``activations`` and ``communication`` and are re-exported),
+``gemm`` (matmul time by the GEMM's shape), ``presets`` (models, GPUs), ``layout`` (a
+layout and its constraints), ``costs`` (what one pipeline stage costs), ``estimate``
+(the analytic step, its FLOPs in every convention), ``simulator`` (the same step, event
+by event, as trace spans), ``search`` (rank valid layouts), ``validation`` (against
 published tables), ``calibration`` (against a measured run on this machine).
 """
 from course_lib.planner.estimate import Estimate, estimate
