@@ -14,8 +14,8 @@ rank's point-to-point bytes per step. One intra-op thread per rank.
     python benchmarks/pipeline.py --bubble             # the measured bubble once compute dominates
 
 ``--bubble``: every schedule on p=2 ranks, m=8, with equal stages big enough that compute
-dominates (two ``--hidden`` x ``--hidden`` Linear+ReLU layers per rank, default 4096, on
-micro-batches of ``--rows`` rows, default 64; interleaved: 2 chunks of one layer). Stage 0's
+dominates (``--stage-layers`` ``--hidden`` x ``--hidden`` Linear+ReLU layers per rank, default 2 of
+4096, on micro-batches of ``--rows`` rows, default 64; interleaved: 2 chunks of half of them). Stage 0's
 input requires a gradient, so its backward does the same GEMMs as the other stages' (the
 formula assumes equal stages; without it stage 0 skips one of its 4 backward GEMMs). The
 schedules run in rotated order each round, so the load of the machine hits them alike. Per
@@ -84,7 +84,7 @@ def equal_stage(stage, n_layers, hidden):
     return torch.nn.Sequential(*layers)
 
 
-def bubble_rank(hidden, rows, m, rounds, jobs):
+def bubble_rank(hidden, rows, m, rounds, jobs, layers=2):
     """Every job once per round (order rotated), round 0 a warm-up: {job: [this rank's spans per step]}."""
     import dataclasses
 
@@ -99,7 +99,7 @@ def bubble_rank(hidden, rows, m, rounds, jobs):
     p, me = dist.get_world_size(), dist.get_rank()
     comm = Comm(None, TrafficCounter(), dim="pp")
     xs = [torch.randn(rows, hidden, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(m)]
-    built = {(name, v): (S.make_schedule(name, p, m, v), {s: equal_stage(s, 2 // v, hidden) for s in range(me, p * v, p)})
+    built = {(name, v): (S.make_schedule(name, p, m, v), {s: equal_stage(s, layers // v, hidden) for s in range(me, p * v, p)})
              for name, v in jobs}
     out = {job: [] for job in jobs}
     for r in range(rounds + 1):
@@ -142,15 +142,15 @@ def bubble_main(args):
 
     jobs = tuple((name, v) for name, v in SCHEDULES if name in args.schedules)
     m = args.microbatches
-    res = launch(bubble_rank, 2, args.hidden, args.rows, m, args.rounds, jobs, threads=1, timeout=1200)
+    res = launch(bubble_rank, 2, args.hidden, args.rows, m, args.rounds, jobs, args.stage_layers, threads=1, timeout=1800)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"p=2, m={m}, 2 x Linear({args.hidden}, {args.hidden}) per rank, {args.rows} rows per micro-batch, "
+    print(f"p=2, m={m}, {args.stage_layers} x Linear({args.hidden}, {args.hidden}) per rank, {args.rows} rows per micro-batch, "
           f"1 thread per rank, {args.rounds} steps each (load average after: {load:.1f} on {os.cpu_count()} cores)")
     print("bubble = idle fraction of the step per rank, mean over ranks; 'fastest': the fastest step's, "
-          "'median': over steps; replay: the step's own action times on the schedule with free messages; "
+          "'median': over steps; at F,B,W: the formula at the measured times (ZB-H1's depends on them); replay: the step's own action times on the schedule with free messages; "
           "+costs: and with its measured per-action overhead and message latency; planner: "
           "planner.simulate with that latency (in forwards) as its per-message time")
-    print(f"{'schedule':<12}{'fastest':>8}{'median':>8}{'formula':>8}{'rel.':>6}{'replay':>8}{'+costs':>8}{'planner':>8}"
+    print(f"{'schedule':<12}{'fastest':>8}{'median':>8}{'formula':>8}{'rel.':>6}{'at F,B,W':>9}{'replay':>8}{'+costs':>8}{'planner':>8}"
           f"{'F ms':>7}{'B ms':>7}{'W ms':>6}{'ovh us':>8}{'lat us':>7}{'send us':>8}{'ready us':>9}")
     for name, v in jobs:
         rows = []
@@ -170,9 +170,10 @@ def bubble_main(args):
         med = lambda k: statistics.median(r[k] for r in rows)
         t = fastest["t"]
         formula = S.formula_bubble(name, 2, m, v)
+        at_times = S.formula_bubble(name, 2, m, v, t["F"], t["B"] + t.get("W", 0.0), t.get("W", 0.0))
         planner = f"{planner_bubble(name, v, m, fastest['t_comm'] / t['F']):8.3f}" if name != "zb-h1" else f"{'-':>8}"
         print(f"{name:<12}{fastest['measured']:8.3f}{med('measured'):8.3f}{formula:8.3f}"
-              f"{fastest['measured'] / formula - 1:+6.0%}{fastest['free']:8.3f}{fastest['costs']:8.3f}{planner}"
+              f"{fastest['measured'] / formula - 1:+6.0%}{at_times:9.3f}{fastest['free']:8.3f}{fastest['costs']:8.3f}{planner}"
               f"{t['F'] * 1e3:7.1f}{t['B'] * 1e3:7.1f}{t.get('W', 0) * 1e3:6.1f}"
               + "".join(f"{fastest[k] * 1e6:{w}.0f}" for k, w in (("t_overhead", 8), ("t_comm", 7), ("t_send", 8),
                                                                   ("t_recv_ready", 9))))
@@ -189,6 +190,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bubble", action="store_true", help="measure the bubble of equal stages (p=2) instead")
     ap.add_argument("--rows", type=int, default=64, help="--bubble: rows per micro-batch")
+    ap.add_argument("--stage-layers", type=int, default=2, help="--bubble: Linear layers per rank (even)")
     ap.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES])
     args = ap.parse_args(argv)
     if args.bubble:

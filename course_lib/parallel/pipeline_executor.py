@@ -8,9 +8,11 @@ Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s o
 s % p). Messages go through the pipeline's :class:`~course_lib.collectives.comm.Comm`
 (group ranks, bytes counted in its TrafficCounter) with a tag per (kind, stage,
 micro-batch), so an activation and a gradient travelling between the same two ranks can
-never be confused, whatever order the schedule posts them in. Receives block (traced as
-``comm`` spans: a rank waiting there is the bubble); sends are posted and waited at the
-end of the step.
+never be confused, whatever order the schedule posts them in. A receive is posted one
+receiving action ahead, so the transport reads the message while the rank computes, and an
+action waits for its own (traced as a ``comm`` span: a rank waiting there is the bubble);
+sends are posted (gloo copies the tensor into the socket there: a ``send`` span) and waited
+at the end of the step. ``measured_costs`` reads from a trace what a step spent between actions.
 
 The zero-bubble split (Qi et al. 2023): ``B`` computes the gradient of the stage's input
 and of every Linear layer's *output* (one backward pass through the activations, no
@@ -65,6 +67,12 @@ class _Saved:
 
 def _linears(module):
     return [mod for mod in module.modules() if isinstance(mod, nn.Linear)]
+
+
+def _outside(module, linears):
+    """The trainable parameters of ``module`` that no Linear of ``linears`` holds."""
+    in_linear = {id(w) for lin in linears for w in lin.parameters()}
+    return [q for q in module.parameters() if q.requires_grad and id(q) not in in_linear]
 
 
 def _accumulate(p, g, fresh=False):
@@ -126,9 +134,7 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
     msgs0 = counter.messages_sent if counter is not None else 0
     # per stage, once: its Linear layers, and the parameters outside them (their gradients come in B)
     linears = {s: _linears(module) for s, module in stages.items()}
-    others = {s: [q for q in module.parameters() if q.requires_grad
-                  and id(q) not in {id(w) for lin in linears[s] for w in lin.parameters()}]
-              for s, module in stages.items()}
+    others = {s: _outside(module, linears[s]) for s, module in stages.items()}
 
     # Receives are posted ahead: the one an action needs, and the next one, so that the
     # message is read by the transport while this rank computes instead of after it asks.
@@ -213,14 +219,17 @@ def measured_costs(spans, schedule, p: int, v: int = 1) -> dict:
     """What one measured step spent between its actions, from its trace (compute spans named
     as the actions, "F3@1"; times on one clock for all ranks), in the terms of ``schedules.simulate``:
 
-    * ``t_overhead``: median time a rank spends between two of its actions when no message
+    * ``t_overhead``: mean time a rank spends between two of its actions when no message
       keeps it waiting (posting a send, Python, the transport's threads taking its core);
-    * ``t_comm``: median time from the end of a sender's action to the start of the receiver's
+    * ``t_comm``: mean time from the end of a sender's action to the start of the receiver's
       when the receiver was free before it (the message's latency, on the critical path);
     * ``durations``: {action: its compute time}, to replay the step;
-    * where the overhead goes: ``t_send`` (median time to post a send: gloo writes into the
-      socket there) and ``t_recv_ready`` (median wait in a receive whose message was sent
+    * where the overhead goes: ``t_send`` (mean time to post a send: gloo writes into the
+      socket there) and ``t_recv_ready`` (mean wait in a receive whose message was sent
       before the rank asked for it).
+
+    Means, not medians: the step pays the total, tail included (a rank descheduled by another
+    process counts).
     """
     compute = {s.name: s for s in spans if s.kind == "compute"}
     recvs = [s for s in spans if s.kind == "comm" and s.name.startswith("recv")]
@@ -234,9 +243,9 @@ def measured_costs(spans, schedule, p: int, v: int = 1) -> dict:
                 continue
             gaps.append(this.start - before.end)
             ready += [s.end - s.start for s in recvs if s.rank == r and before.end <= s.start and s.end <= this.start]
-    med = lambda xs: statistics.median(xs) if xs else 0.0
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0
     sends = [s.end - s.start for s in spans if s.kind == "comm" and s.name.startswith("send")]
-    return {"t_overhead": med(gaps), "t_comm": med(latencies), "t_send": med(sends), "t_recv_ready": med(ready),
+    return {"t_overhead": mean(gaps), "t_comm": mean(latencies), "t_send": mean(sends), "t_recv_ready": mean(ready),
             "durations": {name: s.end - s.start for name, s in compute.items()}}
 
 
