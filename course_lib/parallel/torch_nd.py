@@ -26,31 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-
-def tp_plan_on(model, tp_mesh, sequence_parallel=False):
-    """:func:`~course_lib.parallel.tp_plan.torch_parallelize`'s plan applied on a given 1-D
-    device mesh (``mesh["tp"]`` of a 2-D one) instead of a mesh of all ranks. The same plan,
-    written again here because ``torch_parallelize`` builds its own mesh over the world."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    seq = Shard(1) if sequence_parallel else Replicate()  # the activations between the regions
-    parallelize_module(model, tp_mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        **({"norm": SequenceParallel()} if sequence_parallel else {}),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)})
-    for block in model.blocks:
-        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=seq), "mlp.w1": ColwiseParallel(),
-                "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq)}
-        if sequence_parallel:
-            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                    desired_input_layouts=(Replicate(), None)),
-                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-        parallelize_module(block, tp_mesh, plan)
-    return model
+from course_lib.parallel.tp_plan import torch_parallelize
 
 
 def _sum_gradients(model):
@@ -92,7 +68,7 @@ def torch_parallelize_2d(model, dp, tp, sequence_parallel=False, fsdp=True):
         raise ValueError(f"sequence parallelism splits the {cfg.seq_len} tokens over tp={tp}: not divisible")
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     if tp > 1:
-        tp_plan_on(model, mesh["tp"], sequence_parallel)
+        torch_parallelize(model, mesh["tp"], sequence_parallel)   # chapter 5's DTensor plan on mesh["tp"]
     if fsdp:
         from torch.distributed.fsdp import fully_shard as wrap
     else:
@@ -128,4 +104,4 @@ def torch_step(model, x, y, mesh=None):
     return float(loss)
 
 
-__all__ = ["torch_parallelize_2d", "torch_step", "tp_plan_on"]
+__all__ = ["torch_parallelize_2d", "torch_step"]

@@ -241,13 +241,14 @@ def torch_parallelize(model, t, sequence_parallel=False):
     """The same split with torch's own tensor parallelism (``torch.distributed.tensor.parallel``
     on DTensor, torchtitan's Llama plan): ColwiseParallel / RowwiseParallel on the weights,
     SequenceParallel on the norms, PrepareModuleInput where a region starts. Llama blocks;
-    run forward and backward inside ``loss_parallel()`` (the logits stay vocabulary-split)."""
+    run forward and backward inside ``loss_parallel()`` (the logits stay vocabulary-split).
+    ``t``: the TP degree (a 1-D mesh over all ranks), or a 1-D DeviceMesh (``mesh["tp"]``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    mesh = init_device_mesh("cpu", (t,))
+    mesh = init_device_mesh("cpu", (t,)) if isinstance(t, int) else t
     seq = Shard(1) if sequence_parallel else Replicate()  # the activations between the regions
     parallelize_module(model, mesh, {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
