@@ -7,8 +7,8 @@ import pytest
 from course_lib.planner import HARDWARE, MODELS, Layout, ModelSpec, estimate, simulate
 from course_lib.planner import formulas as F
 from course_lib.planner.search import search
-from course_lib.planner.validation import (error_by_source, korthikanti_table5, llama3_table4, narayanan_table1,
-                                          published_rows, zero_table1)
+from course_lib.planner.validation import (bloom_row, error_by_source, korthikanti_table5, llama3_table4,
+                                          narayanan_table1, published_rows, zero_table1)
 
 GiB = 2**30
 
@@ -220,10 +220,19 @@ def test_llama3_table4_rows_and_memory():
     assert all(r["fits"] for r in llama3_table4(recompute="full"))
 
 
+def test_bloom_row_takes_the_least_recomputation_that_fits():
+    from course_lib.planner.validation import BLOOM, JEAN_ZAY
+    assert F.param_count(BLOOM) == pytest.approx(176.2e9, rel=1e-3)          # "176B"
+    (row,) = bloom_row()
+    assert row["fits"] and "(full)" in row["model"] and abs(row["rel_err"]) <= 0.15
+    none = estimate(BLOOM, JEAN_ZAY, Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048))
+    assert not none.fits
+
+
 def test_error_by_source():
     rows = published_rows()
     stats = {r["source"]: r for r in error_by_source(rows)}
-    assert set(stats) == {"Korthikanti 2022 T5", "Narayanan 2021 T1", "Llama 3 T4"}
+    assert set(stats) == {"Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4"}
     for st in stats.values():
         errs = [abs(r["rel_err"]) for r in rows if r["source"] == st["source"]]
         assert st["worst_abs_err"] == max(errs) and st["mean_abs_err"] == pytest.approx(sum(errs) / len(errs))

@@ -1,7 +1,7 @@
 """The planner against published numbers: ZeRO's Table 1 (memory), and the step time of
 published runs that state their layouts: Korthikanti et al. 2022 Table 5, Narayanan et
-al. 2021 Table 1 (both Megatron-LM on A100s) and Llama 3's Table 4 (Dubey et al. 2024,
-H100s, with context parallelism at 128k tokens).
+al. 2021 Table 1 (both Megatron-LM on A100s), BLOOM's run (Megatron-DeepSpeed on A100s)
+and Llama 3's Table 4 (Dubey et al. 2024, H100s, with context parallelism at 128k tokens).
 
 Every row of a source uses the same hardware preset and the same rule for what the source
 does not state: no per-row factor. What a source's software did is stated per source, not
@@ -15,7 +15,7 @@ from __future__ import annotations
 from course_lib.planner import formulas as F
 from course_lib.planner.estimate import estimate
 from course_lib.planner.layout import Layout
-from course_lib.planner.presets import HARDWARE, MODELS, _gpt
+from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, _gpt
 
 # Megatron-LM of 2021-22 on A100s: attention not fused (scale-mask-softmax kernel between two
 # batched GEMMs, the s x s scores through HBM; FlashAttention came later, Dao et al. 2022)
@@ -145,6 +145,33 @@ def llama3_table4(hardware=None, tolerance: float = 0.15, recompute="selective")
     return rows
 
 
+# BLOOM (BigScience 2022; model card and training notes): 176B parameters, 70 layers, h = 14336,
+# 112 heads, vocabulary 250880, s = 2048, GeLU, LayerNorm, biases, tied embeddings, ALiBi (no
+# learned positions); 384 A100 80GB in 48 nodes of Jean Zay (4 x 100 Gb/s Omni-Path per node:
+# 6.25 GB/s per GPU), TP 4 x PP 12 x DP 8 with ZeRO-1, micro-batch 2, global batch 2048;
+# "about 150 TFLOPs" per GPU, counted by Megatron-DeepSpeed's formula (hardware FLOPs, with
+# recomputation when it is on).
+BLOOM = ModelSpec("BLOOM 176B", 70, 14336, 112, 112, 4 * 14336, 250880, 2048, mlp="gelu", tied=True, bias=True,
+                  norm="layernorm")
+JEAN_ZAY = MEGATRON_2022.with_(name="A100 80GB (Jean Zay)", network_bandwidth=4 * 100e9 / 8 / 8)
+
+
+def bloom_row(hardware=None, tolerance: float = 0.15) -> list[dict]:
+    """BLOOM's run: stated layout, Megatron-DeepSpeed (2022: unfused attention, no sequence
+    parallelism, no selective recomputation). Recomputation is not stated: the rule is the
+    least recomputation whose memory fits in HBM (the run ran)."""
+    hw = hardware or JEAN_ZAY
+    for rc in ("none", "full"):
+        layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048, recompute=rc)
+        est = estimate(BLOOM, hw, layout)
+        if est.fits:
+            break
+    ours = est.hardware_flops / (est.step_time * layout.n_gpus) / 1e12
+    row = _row("BLOOM 2022", f"{BLOOM.name} ({layout.recompute})", layout.n_gpus, layout, "HFU TFLOP/s", 150.0,
+               ours, est, tolerance)
+    return [row]
+
+
 def _row(source, model, gpus, layout, metric, paper, ours, est, tolerance) -> dict:
     rel = ours / paper - 1
     return {"source": source, "model": model, "GPUs": gpus,
@@ -161,7 +188,8 @@ def published_rows(tolerance: float = 0.15) -> list[dict]:
                      "layout": f"TP8 CP1 PP{r['PP']} DP1", "metric": "MFU %", "paper": 100 * r["paper_MFU"],
                      "ours": 100 * r["ours_MFU"], "rel_err": r["rel_err"], "ok": r["ok"],
                      "memory_GiB": r["memory_GiB"], "fits": r["memory_GiB"] <= 80})
-    return rows + narayanan_table1(tolerance=tolerance) + llama3_table4(tolerance=tolerance)
+    return rows + narayanan_table1(tolerance=tolerance) + bloom_row(tolerance=tolerance) + \
+        llama3_table4(tolerance=tolerance)
 
 
 def error_by_source(rows: list[dict]) -> list[dict]:
