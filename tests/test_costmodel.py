@@ -213,3 +213,15 @@ def test_fit_per_regime_recovers_each_regimes_alpha_beta():
         cm.fit_per_regime(ms[:4], regimes, cores=cores)
     with pytest.raises(ValueError, match="cores"):
         cm.CoreRegimes(0)
+
+
+@pytest.mark.parametrize("G", [0.2e-9, 3e-9])          # link-bound; reduction-bound for small k
+def test_fit_pipelined_ring_recovers_alpha_beta(G):
+    n, N, cores = 16 << 20, 4, 2
+    ms = [(k, n, N, cm.shared_cores(N, cores) * cm.pipelined_ring_all_reduce(n, N, A, B, G, k))
+          for k in (1, 2, 4, 8, 16, 64)]
+    fit = cm.fit_pipelined_ring(ms, G, cores=cores)
+    assert fit.alpha == pytest.approx(A, rel=1e-6) and fit.beta == pytest.approx(B, rel=1e-6)
+    assert fit.max_abs_rel_error < 1e-9 and fit.predict(n, N, 4) == pytest.approx(ms[2][3])
+    with pytest.raises(ValueError, match="needs"):
+        cm.fit_pipelined_ring(ms[:1], G)

@@ -7,7 +7,11 @@ steps of all-gather pass the finished chunks around. Each rank sends
 2(N-1)/N * n bytes in all, which no algorithm can beat.
 
 The schedule (which chunk moves where at each step) is :func:`ring_schedule`;
-the implementation and the figures both read it.
+the implementation and the figures both read it. Each chunk travels in segments of
+at most ``SEGMENT_BYTES`` (:func:`segments`), each sent on as soon as it has arrived
+and been reduced, so a chunk's transfer and its reduction overlap (a pipeline, as
+in gloo's ring); ``segment_bytes=None`` sends one message per chunk. Segmenting
+does not change the order of any addition: results are bitwise the same.
 """
 from __future__ import annotations
 
@@ -73,7 +77,7 @@ def segments(chunk, segment_bytes=SEGMENT_BYTES):
         raise ValueError(f"segment_bytes must be an int > 0 or None, got {segment_bytes!r}")
     if segment_bytes is None or chunk.numel() == 0:
         return [chunk]
-    count = -(-chunk.numel() * chunk.element_size() // segment_bytes)
+    count = min(chunk.numel(), -(-chunk.numel() * chunk.element_size() // segment_bytes))
     return chunks(chunk, count)
 
 

@@ -33,6 +33,7 @@ API (stable: the planner and the book call these; one formula, one place)::
                                            link-bound k >= 2: 2(N-1) k a + 2(N-1)/N n b + n/(N k) g
     ring_segments(n, N, segment_bytes)     k of course_lib.collectives.ring for that segment size
     best_segments(n, N, a, b, g)           the k that minimises pipelined_ring_all_reduce
+    fit_pipelined_ring([(k, n, N, seconds)], g, cores=None) -> PipelinedRingFit(alpha, beta, ...).predict(n, N, k)
 
     volume_per_rank(collective, n, N)  bytes each rank sends in a bandwidth-optimal algorithm
     bus_factor(collective, N)          busbw / algbw (nccl-tests convention)
@@ -105,12 +106,14 @@ from course_lib.costmodel.algorithms import (  # noqa: F401
 from course_lib.costmodel.fit import (  # noqa: F401
     AlphaBetaFit,
     CoreRegimes,
+    PipelinedRingFit,
     RegimeFit,
     Measurement,
     _as_measurement,
     crossover_bytes,
     fit_alpha_beta,
     fit_per_regime,
+    fit_pipelined_ring,
     in_memory,
     measured_crossover,
 )
@@ -118,5 +121,6 @@ from course_lib.costmodel.fit import (  # noqa: F401
 __all__ = sorted(COSTS) + [
     "COSTS", "COLLECTIVES", "cost", "coefficients", "shared_cores", "bus_factor", "volume_per_rank", "algbw", "busbw",
     "Measurement", "AlphaBetaFit", "fit_alpha_beta", "in_memory", "fit_per_regime", "RegimeFit", "CoreRegimes",
+    "fit_pipelined_ring", "PipelinedRingFit",
     "pipelined_ring_reduce_scatter", "pipelined_ring_all_gather", "pipelined_ring_all_reduce", "ring_segments",
     "best_segments", "GLOO_MAX_SEGMENT_BYTES", "crossover_bytes", "measured_crossover"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from course_lib.costmodel.algorithms import coefficients
+from course_lib.costmodel.algorithms import coefficients, pipelined_ring_all_reduce, shared_cores
 
 # ----------------------------------------------------------------------------- fitting
 
@@ -187,6 +187,68 @@ def fit_per_regime(measurements, regime, relative: bool = True, cores: int | Non
     mid = len(abs_errs) // 2
     median = abs_errs[mid] if len(abs_errs) % 2 else (abs_errs[mid - 1] + abs_errs[mid]) / 2
     return RegimeFit(fits, regime, tuple(errs), abs_errs[-1], median, len(ms))
+
+
+# ----------------------------------------------------------------------------- the segmented ring
+
+
+class PipelinedRingFit(NamedTuple):
+    alpha: float
+    beta: float
+    gamma: float                # given, not fitted: seconds per byte reduced
+    cores: int | None
+    rel_errors: tuple           # (predicted - measured) / measured, in input order
+    max_abs_rel_error: float
+
+    def predict(self, n_bytes, world_size, segments) -> float:
+        return shared_cores(world_size, self.cores) * pipelined_ring_all_reduce(
+            n_bytes, world_size, self.alpha, self.beta, self.gamma, segments)
+
+    def __str__(self):
+        shared = f", ranks sharing {self.cores} cores" if self.cores else ""
+        return (f"alpha = {self.alpha * 1e6:.1f} us, beta = {self.beta * 1e9:.3f} ns/B, gamma = "
+                f"{self.gamma * 1e9:.3f} ns/B (given){shared}; |error| max {self.max_abs_rel_error:.0%} "
+                f"over {len(self.rel_errors)} points")
+
+
+def _pipelined_terms(k, n_bytes, N, alpha, beta, gamma):
+    """(c_t, c_g, s): the all-reduce costs c_t (alpha + s beta) + c_g s gamma on the branch of
+    pipelined_ring_reduce_scatter's max() that (alpha, beta) pick."""
+    s = n_bytes / (N * k)
+    t = alpha + s * beta
+    link_bound = N <= 2 or k * t >= t + s * gamma
+    rs_t, rs_g = ((N - 1) * k, 1) if link_bound else (N - 2 + k, N - 1)
+    return rs_t + (N - 1) * k, rs_g, s
+
+
+def fit_pipelined_ring(measurements, gamma: float, cores: int | None = None) -> PipelinedRingFit:
+    """alpha and beta (>= 0) of :func:`pipelined_ring_all_reduce` from measured
+    (segments, n_bytes, world_size, seconds), with ``gamma`` timed on its own.
+
+    Least squares on relative errors. Within a branch of the formula's max() the cost is
+    linear in alpha and beta; the fit starts on the link-bound branch and refits until
+    the branches its alpha and beta pick stop changing.
+    """
+    ms = [(int(k), float(n), int(N), float(t)) for k, n, N, t in measurements]
+    if len(ms) < 2 or any(k < 1 or N < 2 or t <= 0 for k, _, N, t in ms):
+        raise ValueError("fit_pipelined_ring needs >= 2 measurements (segments >= 1, world_size >= 2, seconds > 0)")
+    alpha, beta, branches = 0.0, 0.0, None
+    for _ in range(5):
+        rows, targets, picked = [], [], []
+        for k, n, N, t in ms:
+            c_t, c_g, s = _pipelined_terms(k, n, N, alpha, beta, gamma) if branches else \
+                _pipelined_terms(k, n, N, 1.0, 1.0, 0.0)          # first round: link-bound
+            f = shared_cores(N, cores) / t
+            rows.append((c_t * f, c_t * s * f))
+            targets.append(1.0 - c_g * s * gamma * f)
+            picked.append((c_t, c_g))
+        if picked == branches:
+            break
+        branches = picked
+        alpha, beta = (float(v) for v in _lstsq_nonneg(rows, targets))
+    fit = PipelinedRingFit(alpha, beta, gamma, cores, (), 0.0)
+    errs = tuple((fit.predict(n, N, k) - t) / t for k, n, N, t in ms)
+    return fit._replace(rel_errors=errs, max_abs_rel_error=max(abs(e) for e in errs))
 
 
 def crossover_bytes(algo_a, algo_b, world_size, alpha, beta):
