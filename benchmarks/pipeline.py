@@ -142,10 +142,12 @@ def bubble_main(args):
 
     jobs = tuple((name, v) for name, v in SCHEDULES if name in args.schedules)
     m = args.microbatches
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     res = launch(bubble_rank, 2, args.hidden, args.rows, m, args.rounds, jobs, args.stage_layers, threads=1, timeout=1800)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"p=2, m={m}, {args.stage_layers} x Linear({args.hidden}, {args.hidden}) per rank, {args.rows} rows per micro-batch, "
-          f"1 thread per rank, {args.rounds} steps each (load average after: {load:.1f} on {os.cpu_count()} cores)")
+          f"1 thread per rank, {args.rounds} steps each; load average before {load0:.1f}, after {load:.1f} "
+          f"on {os.cpu_count()} cores (other processes' work lengthens steps and gaps alike)")
     print("bubble = idle fraction of the step per rank, mean over ranks; 'fastest': the fastest step's, "
           "'median': over steps; at F,B,W: the formula at the measured times (ZB-H1's depends on them); replay: the step's own action times on the schedule with free messages; "
           "+costs: and with its measured per-action overhead and message latency; planner: "
