@@ -129,16 +129,28 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, timed=3) -> 
                      [r["memory"] for r in res], step_time, res.spans, res.elapsed)
 
 
-def calibrated_hardware(cfg, world_size, batch):
-    """The planner's Hardware for this machine with ``world_size`` ranks running at once
-    (``course_lib.planner.calibration``: matmul rate, elementwise bandwidth, all-reduce
-    alpha-beta, all measured by every rank together, so they share the cores as in training).
-    One rank (0D) has nothing to fit alpha and beta on: it takes the 2-rank calibration, whose
-    ranks also get one core each (ranks run one thread)."""
+def calibrated_hardware(cfg, world_size, batch, cores=None, alone=None):
+    """The planner's Hardware for this machine with ``world_size`` ranks of one thread each.
+
+    Two calibrations (``course_lib.planner.calibration``): the all-reduce alpha-beta with
+    ``world_size`` ranks at once (a message waits for its peer to be scheduled: that is in the
+    fit), and the matmul rate and elementwise bandwidth of one rank per core (``alone``: the
+    2-rank calibration, measured once and reused). A calibration times short bursts, which a
+    rank can run on a core of its own even when there are more ranks than cores; in a training
+    step every rank computes at once, so with N ranks on C cores each gets C / N of a core:
+    the rates are scaled by min(1, C / N). Returns (Hardware, the alone one)."""
+    import os
+
     from course_lib.planner import calibration
 
-    return calibration.calibrate(cfg, world_size=max(2, world_size), batch=max(1, batch // world_size), steps=2,
-                                 repeats=2, timeout=300)["hardware"]
+    cores = cores or os.cpu_count() or 1
+    run = lambda n: calibration.calibrate(cfg, world_size=n, batch=max(1, batch // n), steps=2, repeats=3,
+                                          timeout=300)["hardware"]
+    alone = alone or run(2)
+    hw = run(world_size) if world_size > 2 else alone
+    share = min(1.0, cores / world_size)
+    return dataclasses.replace(hw, name=f"this CPU, {world_size} ranks on {cores} cores",
+                               peak_flops=alone.peak_flops * share, hbm_bandwidth=alone.hbm_bandwidth * share), alone
 
 
 def planner_layout(run: LayoutRun):
@@ -166,6 +178,57 @@ def predict(run: LayoutRun, hardware):
     return estimate(spec, hardware, layout), simulate(spec, hardware, layout)
 
 
+def _torch_side_by_side(dp, tp, cfg_dict, batch, steps, timed):
+    """Ours (``parallelize_nd``, FSDP) and torch's (``torch_nd``: init_device_mesh +
+    parallelize_module + fully_shard) on the same DP x TP layout, trained then timed in
+    alternation: losses, median step time (this rank) and memory of one step for each."""
+    import time
+
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from course_lib import memory
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.parallel.torch_nd import torch_parallelize_2d, torch_step
+
+    cfg = GPTConfig(**cfg_dict)
+    ours = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(dp=dp, tp=tp), data="fsdp", sequence_parallel=True)
+    theirs = torch_parallelize_2d(TinyGPT(cfg, seed=0), dp, tp, sequence_parallel=True, fsdp=True)
+    nets = {"ours": (lambda x, y: ours.step(x, y), _adamw(ours.parameters()), nn.ModuleList(ours.modules.values())),
+            "torch": (lambda x, y: torch_step(theirs, x, y), _adamw(theirs.parameters()), theirs)}
+    batches = reference.gpt_batches(cfg, batch=batch, steps=steps)
+    out = {k: {"losses": [], "times": []} for k in nets}
+    for x, y in batches:
+        for k, (step, opt, _) in nets.items():
+            out[k]["losses"].append(step(x, y))
+            opt.step()
+            opt.zero_grad()
+    x, y = batches[0]
+    for k, (step, opt, module) in nets.items():
+        out[k]["memory"] = dataclasses.asdict(memory.measure(lambda: (step(x, y), opt.step()), module, opt))
+        opt.zero_grad()
+    for i in range(timed):
+        for k in (list(nets) if i % 2 == 0 else list(nets)[::-1]):   # alternate who goes first
+            step, opt, _ = nets[k]
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(x, y)
+            opt.step()
+            opt.zero_grad()
+            out[k]["times"].append(time.perf_counter() - t0)
+    return out
+
+
+def torch_side_by_side(cfg, batch, steps, dp=2, tp=2, timed=6) -> dict:
+    """{"ours" / "torch": losses, step times (the slowest rank per step), memory per rank}."""
+    res = launch(_torch_side_by_side, dp * tp, dp, tp, dataclasses.asdict(cfg), batch, steps, timed,
+                 threads=1, timeout=300)
+    return {k: {"losses": res[0][k]["losses"],
+                "step_time": statistics.median(max(r[k]["times"][i] for r in res) for i in range(timed)),
+                "memory": [r[k]["memory"] for r in res]} for k in ("ours", "torch")}
+
+
 def planner_memory(est) -> dict:
     """The planner's bytes per GPU in this course's fp32 terms. Model states are 16 bytes per
     parameter in both conventions (bf16 weight + bf16 gradient + fp32 master, momentum and
@@ -183,4 +246,4 @@ def measured_memory(run: LayoutRun) -> dict:
 
 
 __all__ = ["Reference", "single_device", "LayoutRun", "run_layout", "calibrated_hardware", "planner_layout",
-           "predict", "planner_memory", "measured_memory"]
+           "predict", "planner_memory", "measured_memory", "torch_side_by_side"]
