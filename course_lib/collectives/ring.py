@@ -100,8 +100,8 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
     reduced. The scratch stays in the cache, as in gloo's ring. Otherwise ``pieces``
     are left untouched: every message gets its own buffer, all receives posted first.
     ``prepost=False``: no receive posted ahead, each step's send and receive in
-    lockstep, unsegmented (one more handshake per step: measured 1.5-3x slower on a
-    loaded CPU machine, see the benchmark).
+    lockstep, unsegmented (one more handshake per step; benchmarks/collectives.py
+    times it).
     """
     N, r = comm.size, comm.rank
     if N == 1:
