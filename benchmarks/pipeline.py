@@ -154,6 +154,7 @@ def bubble_main(args):
           "planner.simulate with that latency (in forwards) as its per-message time")
     print(f"{'schedule':<12}{'fastest':>8}{'median':>8}{'formula':>8}{'rel.':>6}{'at F,B,W':>9}{'replay':>8}{'+costs':>8}{'planner':>8}"
           f"{'F ms':>7}{'B ms':>7}{'W ms':>6}{'ovh us':>8}{'lat us':>7}{'send us':>8}{'ready us':>9}")
+    parts = []
     for name, v in jobs:
         rows = []
         sched = S.make_schedule(name, 2, m, v)
@@ -179,6 +180,12 @@ def bubble_main(args):
               f"{t['F'] * 1e3:7.1f}{t['B'] * 1e3:7.1f}{t.get('W', 0) * 1e3:6.1f}"
               + "".join(f"{fastest[k] * 1e6:{w}.0f}" for k, w in (("t_overhead", 8), ("t_comm", 7), ("t_send", 8),
                                                                   ("t_recv_ready", 9))))
+        parts.append((name, fastest["free"] - formula, fastest["costs"] - fastest["free"],
+                      fastest["measured"] - fastest["costs"]))
+    print("measured - formula, fastest step, split: uneven action times (replay - formula), overhead and latency "
+          "(+costs - replay), not explained by them (measured - +costs)")
+    for name, uneven, costs, rest in parts:
+        print(f"  {name:<12} {uneven:+.3f} {costs:+.3f} {rest:+.3f}")
 
 
 def main(argv=None):

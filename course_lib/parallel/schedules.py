@@ -252,9 +252,10 @@ def bubble(spans, rank=None):
 def formula_bubble(name: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=1.0) -> float:
     """The textbook bubble as a fraction of the step: ``planner.formulas.bubble_fraction``
     for GPipe / 1F1B / interleaved; ZB-H1 idles (p-1)(t_f + t_b - 2 t_w) per step
-    (Qi et al. 2023, Sec. 3.1: the W passes fill the rest of the cool-down)."""
+    (Qi et al. 2023, Sec. 3.1: the W passes fill the rest of the cool-down; no less than 0, where
+    a W outlasts a forward and an input-gradient pass together)."""
     if name == "zb-h1":
-        idle = (p - 1) * (t_f + t_b - 2 * t_w)
+        idle = max(0.0, (p - 1) * (t_f + t_b - 2 * t_w))
         return idle / (m * (t_f + t_b) + idle)
     return formulas.bubble_fraction(p, m, name, v)
 
