@@ -98,3 +98,38 @@ def test_overlap_timeline_keeps_the_dimension():
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "comm over dp" in labels and "comm over tp" in labels
     plt.close(fig)
+
+
+def test_segments_sweep_draws_measured_model_and_reference():
+    from course_lib.viz.collectives import segments_sweep
+
+    fig = segments_sweep([1, 2, 4], {"ring": [3e-3, 2e-3, 1.5e-3]}, model={"ring": [2.9e-3, 2.1e-3, 1.6e-3]},
+                         reference={"gloo": 1.4e-3})
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert [list(line.get_ydata()) for line in lines[:2]] == [[3.0, 2.0, 1.5], [2.9, 2.1, 1.6]]   # ms
+    assert any(line.get_linestyle() == ":" for line in lines)                                     # gloo's line
+    plt.close(fig)
+
+
+def test_nd_figures():
+    from types import SimpleNamespace
+
+    from course_lib.viz import nd
+
+    runs = [SimpleNamespace(name="2D", world_size=4, losses=[3.0, 2.0]),
+            SimpleNamespace(name="4D", world_size=16, losses=[3.0, 2.0])]
+    fig = nd.loss_curves([3.0, 2.0], runs)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["one device", "2D (4 ranks)",
+                                                                             "4D (16 ranks)"]
+    plt.close(fig)
+    rows = [dict(name=n, measured_states=2**20, predicted_states=2**20, measured_peak=3 * 2**20,
+                 predicted_peak=2.5 * 2**20, measured_time=0.1, predicted_time=0.08) for n in ("0D", "4D")]
+    fig = nd.story(rows)
+    assert [round(b.get_height(), 3) for b in fig.axes[0].patches] == [1.0, 1.0, 2.0, 2.0]    # MiB, stacked
+    assert [round(b.get_height(), 3) for b in fig.axes[1].patches] == [100.0, 100.0]          # ms
+    plt.close(fig)
+    measured = _spans()
+    fig = nd.step_timelines(measured, _spans(), [0, 1], "2D")
+    assert fig.axes[0].get_title() == "2D: measured" and "simulation" in fig.axes[1].get_title()
+    plt.close(fig)
