@@ -243,7 +243,13 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
             init["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(**init)
         dist.barrier()  # every rank leaves this together: the shared zero of the trace clock
-        rec = _trace.install(_trace.Recorder(rank, status_path=os.path.join(workdir, f"status{rank}")))
+        origin = None
+        if sys.platform == "linux":  # one machine, one CLOCK_MONOTONIC: rank 0's reading is every rank's zero
+            zero = torch.tensor([time.perf_counter()], dtype=torch.float64,  # (a barrier's exits are ms
+                                device=init.get("device_id", "cpu"))         # apart under load)
+            dist.broadcast(zero, 0)
+            origin = float(zero)
+        rec = _trace.install(_trace.Recorder(rank, origin=origin, status_path=os.path.join(workdir, f"status{rank}")))
         report("ready", b"")  # the launcher's timeout for fn starts now
         result = to_cpu(fn(*args, **kwargs))
         try:
