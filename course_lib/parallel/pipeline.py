@@ -107,7 +107,7 @@ def naive_model_parallel_step(stage, comm, x, y, loss_fn, act_shape):
     rank computes at a time. Returns the loss on the last rank (None elsewhere)."""
     r, p = comm.rank, comm.size
     if r > 0:
-        x = torch.empty(act_shape)
+        x = torch.empty(act_shape, device=next(stage.parameters()).device)
         with trace.span("recv activation", "comm", "pp"):
             comm.recv(x, r - 1)
         x.requires_grad_()
@@ -204,7 +204,8 @@ class PipelineParallel:
         if self.grad_sync is not None:
             self.grad_sync.start()
             self.grad_sync.finish()
-        loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64)
+        loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64,
+                            device=self.parameters()[0].device)          # NCCL talks in GPU tensors
         # only the last stages hold losses, each its replica's (sum / global tokens): sum them all
         self.mesh.comm(("dp", "pp", "cp")).all_reduce(loss, name="all-reduce loss")
         return float(loss)

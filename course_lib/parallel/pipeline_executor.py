@@ -135,6 +135,7 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
     # per stage, once: its Linear layers, and the parameters outside them (their gradients come in B)
     linears = {s: _linears(module) for s, module in stages.items()}
     others = {s: _outside(module, linears[s]) for s, module in stages.items()}
+    device = next((q.device for module in stages.values() for q in module.parameters()), None)  # NCCL: the GPU
 
     # Receives are posted ahead: the one an action needs, and the next one, so that the
     # message is read by the transport while this rank computes instead of after it asks.
@@ -147,7 +148,7 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
         nonlocal nxt
         while nxt < len(needs) and (needs[nxt][0] <= i or len(posted) < RECV_DEPTH):
             j, (kind, stage_from, s, mb) = needs[nxt]
-            buf = torch.empty(act_shape, dtype=act_dtype)        # (b, s, h): activation or its gradient
+            buf = torch.empty(act_shape, dtype=act_dtype, device=device)   # (b, s, h): activation or its gradient
             posted[j] = (comm.irecv(buf, stage_from % p, tag=_tag(kind, s, mb, n_stages, m)), buf)
             nxt += 1
 
