@@ -4,8 +4,8 @@ measured (losses, memory by category, step time, timeline) and predicted by the 
     ref = single_device(cfg, batch, steps)                       # the reference every layout meets
     run = run_layout("3D", dict(dp=2, tp=2, pp=2), dict(microbatches=2), cfg, batch, steps, ref)
     run.max_param_diff, run.loss_diff, run.memory[rank], run.step_time, run.spans
-    hw = calibrated_hardware(cfg, world_size=8, batch=batch)     # this machine, 8 ranks at once
-    est = predict(run, hw)                                       # the planner on the same layout
+    hw, alone = calibrated_hardware(cfg, world_size=8, batch=batch)   # this machine, 8 ranks at once
+    est, sim = predict(run, hw)                                  # the planner on the same layout
 
 One ``launch`` per layout: every rank trains ``steps`` steps (traced), hands back its shards
 (:meth:`NDParallel.shards`), then runs one more step under the memory tracker and a few
@@ -36,9 +36,13 @@ class Reference:
     state: dict
 
 
-def single_device(cfg, batch, steps, groups=1) -> Reference:
-    """The one-device run (``groups``: MoE routing groups, one per rank and micro-batch)."""
+def single_device(cfg, batch, steps, groups=1, frozen=()) -> Reference:
+    """The one-device run (``groups``: MoE routing groups, one per rank and micro-batch;
+    ``frozen``: names of parameters that do not train)."""
     model = TinyGPT(cfg, seed=0)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     for block in model.blocks:
         if hasattr(block.mlp, "groups"):
             block.mlp.groups = groups
@@ -101,6 +105,7 @@ class LayoutRun:
     loss_diff: float        # max |loss - one device's|
     max_param_diff: float   # max |parameter - one device's| after the steps
     memory: list            # per rank: MemoryReport fields (bytes)
+    p2p_bytes: list         # per rank: pipeline point-to-point bytes sent in one step (payload counted)
     step_time: float        # median over timed steps of the slowest rank's time
     spans: list             # the last timed step, every rank
     elapsed: float          # the whole launch, seconds
@@ -126,7 +131,7 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, timed=3) -> 
     loss_diff = max(abs(a - b) for r in res for a, b in zip(r["losses"], ref.losses))
     step_time = statistics.median(max(r["times"][k] for r in res) for k in range(timed))
     return LayoutRun(name, layout, kw, cfg, batch, res[0]["losses"], loss_diff, diff,
-                     [r["memory"] for r in res], step_time, res.spans, res.elapsed)
+                     [r["memory"] for r in res], [r["p2p_bytes"] for r in res], step_time, res.spans, res.elapsed)
 
 
 def calibrated_hardware(cfg, world_size, batch, cores=None, alone=None):

@@ -15,13 +15,14 @@ import torch
 
 from course_lib import launch, reference
 from course_lib.gpt import GPTConfig, TinyGPT
+from course_lib.nd_runs import LR, single_device
 from course_lib.parallel.compose import assemble_nd, check_layout
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2)
 TIED = dataclasses.replace(CFG, tie_embeddings=True, n_layers=5)          # 5 layers: uneven stages
 ODD = GPTConfig(vocab_size=96, seq_len=12, n_layers=3, hidden=48, n_heads=6, n_kv_heads=3, ffn_hidden=96)
 MOE = GPTConfig(vocab_size=96, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_experts=4, top_k=2)
-STEPS, LR, TOL = 5, 1e-3, dict(atol=1e-5, rtol=1e-5)
+STEPS, TOL = 5, dict(atol=1e-5, rtol=1e-5)
 
 
 def _freeze(model, frozen):
@@ -46,12 +47,8 @@ def _run(layout, kw, cfg, batch, frozen):
 
 
 def _reference(cfg, batch, frozen, groups):
-    model = _freeze(TinyGPT(cfg, seed=0), frozen)
-    for block in model.blocks:          # MoE: one routing group per rank and micro-batch
-        if hasattr(block.mlp, "groups"):
-            block.mlp.groups = groups
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
-    return reference.train_gpt(model, reference.gpt_batches(cfg, batch=batch, steps=STEPS), opt)
+    ref = single_device(cfg, batch, STEPS, groups=groups, frozen=frozen)   # AdamW, LR = 1e-3 as _run's
+    return ref.state, ref.losses
 
 
 CASES = {
