@@ -14,14 +14,17 @@ rank's point-to-point bytes per step. One intra-op thread per rank.
     python benchmarks/pipeline.py --bubble             # the measured bubble once compute dominates
 
 ``--bubble``: every schedule on p=2 ranks, m=8, with equal stages big enough that compute
-dominates (``--stage-layers`` ``--hidden`` x ``--hidden`` Linear+ReLU layers per rank, default 2 of
+dominates (``--stage-layers`` ``--hidden`` x ``--hidden`` Linear+ReLU layers per rank, default 4 of
 4096, on micro-batches of ``--rows`` rows, default 64; interleaved: 2 chunks of half of them). Stage 0's
-input requires a gradient, so its backward does the same GEMMs as the other stages' (the
-formula assumes equal stages; without it stage 0 skips one of its 4 backward GEMMs). The
+input requires a gradient, so its backward does the same GEMMs as the other stages', split
+(ZB-H1) or not (the formula assumes equal stages; without it stage 0 skips one GEMM of its
+backward). The
 schedules run in rotated order each round, so the load of the machine hits them alike. Per
 step and rank, the bubble is the formula's: the idle fraction of the step (first forward to
 last backward, over all ranks) outside the rank's F, B and W; reported: the median over steps
-of the mean over ranks, next to the formula, the trace replayed on the schedule with free
+of the mean over ranks and the fastest step's (the one least disturbed by the machine's other
+work), next to the formula at (F, B, W) = (1, 2, 1) and at the measured times, the trace
+replayed on the schedule with free
 messages, the same replay with the costs measured between actions
 (``pipeline_executor.measured_costs``: per-action overhead and message latency), and the
 planner's simulator with those costs as its per-message time.
@@ -149,10 +152,10 @@ def bubble_main(args):
           f"1 thread per rank, {args.rounds} steps each; load average before {load0:.1f}, after {load:.1f} "
           f"on {os.cpu_count()} cores (other processes' work lengthens steps and gaps alike)")
     print("bubble = idle fraction of the step per rank, mean over ranks; 'fastest': the fastest step's, "
-          "'median': over steps; at F,B,W: the formula at the measured times (ZB-H1's depends on them); replay: the step's own action times on the schedule with free messages; "
+          "'median': over steps; at F,B,W: the formula at the measured times (ZB-H1's depends on them; the others' do not); rel.: fastest / at F,B,W - 1; imbal.: how much longer one rank computed than the other in that step (equal stages: the machine's doing); replay: the step's own action times on the schedule with free messages; "
           "+costs: and with its measured per-action overhead and message latency; planner: "
           "planner.simulate with that latency (in forwards) as its per-message time")
-    print(f"{'schedule':<12}{'fastest':>8}{'median':>8}{'formula':>8}{'rel.':>6}{'at F,B,W':>9}{'replay':>8}{'+costs':>8}{'planner':>8}"
+    print(f"{'schedule':<12}{'fastest':>8}{'median':>8}{'formula':>8}{'at F,B,W':>9}{'rel.':>6}{'imbal.':>7}{'replay':>8}{'+costs':>8}{'planner':>8}"
           f"{'F ms':>7}{'B ms':>7}{'W ms':>6}{'ovh us':>8}{'lat us':>7}{'send us':>8}{'ready us':>9}")
     parts = []
     for name, v in jobs:
@@ -167,7 +170,9 @@ def bubble_main(args):
             free = S.simulate(sched, 2, v, durations=c["durations"])
             costs = S.simulate(sched, 2, v, durations=c["durations"], t_comm=c["t_comm"], t_overhead=c["t_overhead"])
             step = max(s.end for s in comp) - min(s.start for s in comp)
+            busy = [sum(s.end - s.start for s in comp if s.rank == r) for r in (0, 1)]
             rows.append(dict(step=step, measured=S.bubble(comp), free=S.bubble(free), costs=S.bubble(costs), t=t,
+                             imbalance=max(busy) / min(busy) - 1,
                              **{k: c[k] for k in ("t_overhead", "t_comm", "t_send", "t_recv_ready")}))
         fastest = min(rows, key=lambda r: r["step"])
         med = lambda k: statistics.median(r[k] for r in rows)
@@ -176,7 +181,7 @@ def bubble_main(args):
         at_times = S.formula_bubble(name, 2, m, v, t["F"], t["B"] + t.get("W", 0.0), t.get("W", 0.0))
         planner = f"{planner_bubble(name, v, m, fastest['t_comm'] / t['F']):8.3f}" if name != "zb-h1" else f"{'-':>8}"
         print(f"{name:<12}{fastest['measured']:8.3f}{med('measured'):8.3f}{formula:8.3f}"
-              f"{fastest['measured'] / formula - 1:+6.0%}{at_times:9.3f}{fastest['free']:8.3f}{fastest['costs']:8.3f}{planner}"
+              f"{at_times:9.3f}{fastest['measured'] / at_times - 1:+6.0%}{fastest['imbalance']:7.1%}{fastest['free']:8.3f}{fastest['costs']:8.3f}{planner}"
               f"{t['F'] * 1e3:7.1f}{t['B'] * 1e3:7.1f}{t.get('W', 0) * 1e3:6.1f}"
               + "".join(f"{fastest[k] * 1e6:{w}.0f}" for k, w in (("t_overhead", 8), ("t_comm", 7), ("t_send", 8),
                                                                   ("t_recv_ready", 9))))
@@ -199,7 +204,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bubble", action="store_true", help="measure the bubble of equal stages (p=2) instead")
     ap.add_argument("--rows", type=int, default=64, help="--bubble: rows per micro-batch")
-    ap.add_argument("--stage-layers", type=int, default=2, help="--bubble: Linear layers per rank (even)")
+    ap.add_argument("--stage-layers", type=int, default=4, help="--bubble: Linear layers per rank (even)")
     ap.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES])
     args = ap.parse_args(argv)
     if args.bubble:

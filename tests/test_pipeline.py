@@ -68,7 +68,7 @@ def two_ranks():
                ("interleaved", 4, 2, True), ("interleaved", 2, 4, False)]
     torch_configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1)]
     jobs = [("equal", _equal_to_one_device, (1, 2, configs)), ("torch", _same_as_torch, (torch_configs,)),
-            ("bad", _bad_ranks, ())]
+            ("bad", _bad_ranks, ()), ("input grad", _input_grads, ())]
     return course_lib.launch(_suite, 2, jobs, timeout=180)
 
 
@@ -197,6 +197,40 @@ def test_validator_names_the_first_bad_action():
         m = 2 if message.startswith(("deadlock", "micro-batch 5")) else 1
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             S.validate(sched, 2, m)
+
+
+def _mlp(seed, layers=2, h=8):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[mod for _ in range(layers) for mod in (torch.nn.Linear(h, h), torch.nn.ReLU())])
+
+
+def _input_grads(m=4):
+    """Each schedule on 2 ranks with inputs that want a gradient: stage 0 fills their .grad
+    (split backward too) and the parameters' gradients, as one device's backward does."""
+    me = dist.get_rank()
+    out = {}
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(m)]
+        stage = _mlp(me)
+        run_schedule(S.make_schedule(name, 2, m), {me: stage}, Comm(None), p=2, m=m, inputs=xs, targets=xs,
+                     loss_fn=lambda o, t: (o - t.detach()).pow(2).sum(), act_shape=(3, 8))
+        out[name] = ([x.grad for x in xs] if me == 0 else None, [q.grad for q in stage.parameters()])
+    return out
+
+
+def test_input_gradient_every_schedule(two_ranks):
+    whole = torch.nn.Sequential(*_mlp(0), *_mlp(1))
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(4)]
+    sum((whole(x) - x.detach()).pow(2).sum() for x in xs).backward()
+    grads = [q.grad for q in whole.parameters()]
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        x_grads, g0 = two_ranks[0]["input grad"][name]
+        g1 = two_ranks[1]["input grad"][name][1]
+        assert x_grads[0] is not None, f"{name}: stage 0's input has no gradient"
+        for x, g in zip(xs, x_grads):
+            torch.testing.assert_close(g, x.grad, msg=f"{name}: input gradient differs from one device")
+        for q, g in zip(grads, g0 + g1):
+            torch.testing.assert_close(g, q, msg=f"{name}: parameter gradient differs from one device")
 
 
 def test_bad_input():

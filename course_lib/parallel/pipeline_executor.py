@@ -100,13 +100,15 @@ def backward_input(y, dy, x, record):
 
 
 def backward_weight(for_w):
-    """W: the weight-gradient GEMMs of every Linear, from what B kept."""
+    """W: the weight-gradient GEMMs of every Linear, from what B kept. From the second
+    micro-batch on, the GEMM adds into ``.grad`` in place (one pass, no temporary)."""
     for mod, inp, dout in for_w:
         dout2, inp2 = dout.reshape(-1, dout.shape[-1]), inp.reshape(-1, inp.shape[-1])
-        if mod.weight.requires_grad:
-            _accumulate(mod.weight, dout2.t() @ inp2, fresh=True)        # (out, in)
-        if mod.bias is not None and mod.bias.requires_grad:
-            _accumulate(mod.bias, dout2.sum(0), fresh=True)
+        w, b = mod.weight, mod.bias
+        if w.requires_grad:                                              # dW = dout^T inp: (out, in)
+            w.grad = dout2.t() @ inp2 if w.grad is None else w.grad.addmm_(dout2.t(), inp2)
+        if b is not None and b.requires_grad:
+            b.grad = dout2.sum(0) if b.grad is None else b.grad.add_(dout2.sum(0))
 
 
 def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
@@ -188,7 +190,9 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
             out.peak_activation_bytes = max(out.peak_activation_bytes, sum(live.values()))
             if s < n_stages - 1:
                 send(y, s + 1, "act", s + 1, mb)
-            state[(s, mb)] = (x if s > 0 else None, y, record)
+            # stage 0's input wants a gradient only if the caller's tensor asks for one (as in
+            # the full backward, where autograd fills its .grad); later stages' always do
+            state[(s, mb)] = (x if s > 0 or x.requires_grad else None, y, record)
         elif op == "B":
             x, y, record = state[(s, mb)]
             dy = None if s == n_stages - 1 else recv(i, "grad", mb)
@@ -204,6 +208,8 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
                     del live[(s, mb)]
             if s > 0:
                 send(dx, s - 1, "grad", s - 1, mb)
+            elif (s, mb) in split and x is not None:
+                _accumulate(x, dx)                      # the caller's input: x.grad, as backward() gives
         else:  # W
             with trace.span(f"W{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
                 backward_weight(state.pop((s, mb)))
