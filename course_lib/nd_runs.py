@@ -80,17 +80,18 @@ def _rank(layout, kw, cfg_dict, batch, steps, timed):
         opt.step()
     report = memory.measure(step, modules, opt)
     opt.zero_grad()
-    times = []
+    times, cpu = [], []
     for _ in range(timed):
         dist.barrier()
         trace.reset()                           # keep the last timed step's spans only
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         net.step(x, y)
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)    # every thread of the rank: its compute, gloo's threads
     dist.barrier()
-    return dict(losses=losses, shards=shards, memory=dataclasses.asdict(report), times=times,
+    return dict(losses=losses, shards=shards, memory=dataclasses.asdict(report), times=times, cpu=cpu,
                 p2p_bytes=net.last_result.bytes_sent if net.last_result else 0)
 
 
@@ -109,10 +110,19 @@ class LayoutRun:
     step_time: float        # median over timed steps of the slowest rank's time
     spans: list             # the last timed step, every rank
     elapsed: float          # the whole launch, seconds
+    cpu_time: float = 0.0   # CPU seconds of one step summed over ranks (median over timed steps)
 
     @property
     def world_size(self) -> int:
         return check_layout(self.cfg, **self.layout).world_size
+
+    def cores_busy(self, cores=None) -> float:
+        """The fraction of the cores the step kept busy: CPU seconds over ranks / (cores x step
+        time), cores = min(ranks, this machine's). Near 1: the step took as long as the cores
+        needed for all the ranks' work, whatever the order of its messages."""
+        import os
+        cores = min(self.world_size, cores or os.cpu_count() or 1)
+        return self.cpu_time / (cores * self.step_time)
 
     def matches(self, tol=1e-5) -> bool:
         return self.loss_diff <= tol and self.max_param_diff <= tol
@@ -130,8 +140,10 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, timed=3) -> 
     diff = max(float((full[n] - w).abs().max()) for n, w in ref.state.items())
     loss_diff = max(abs(a - b) for r in res for a, b in zip(r["losses"], ref.losses))
     step_time = statistics.median(max(r["times"][k] for r in res) for k in range(timed))
+    cpu_time = statistics.median(sum(r["cpu"][k] for r in res) for k in range(timed))
     return LayoutRun(name, layout, kw, cfg, batch, res[0]["losses"], loss_diff, diff,
-                     [r["memory"] for r in res], [r["p2p_bytes"] for r in res], step_time, res.spans, res.elapsed)
+                     [r["memory"] for r in res], [r["p2p_bytes"] for r in res], step_time, res.spans, res.elapsed,
+                     cpu_time)
 
 
 def calibrated_hardware(cfg, world_size, batch, cores=None, alone=None):
