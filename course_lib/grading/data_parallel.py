@@ -183,9 +183,12 @@ def check_assign_buckets(assign_buckets):
 _BUCKET_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
 
 
-def _bucket_hooks_harness(make_hooks, cap):
-    """Train with the learner's hooks; per step check: one all-reduce per bucket, the first
-    buckets launched before backward produced its last gradient (overlap), the result."""
+def _hooked_steps(make_hooks, cap, fn_name):
+    """The hook harnesses' shared training: the model (rank 0's weights everywhere), the
+    course's buckets, the learner's hooks registered by ``make_hooks``. Yields first
+    (params, buckets), then per step (step, finish()'s return, the collectives called, whether
+    one had started before backward's last gradient); the caller checks them and updates the
+    parameters. A str yielded is the learner's error: stop."""
     import torch.distributed as dist
 
     from course_lib.parallel.grad_sync import assign_buckets as course_buckets
@@ -197,29 +200,48 @@ def _bucket_hooks_harness(make_hooks, cap):
     params = list(model.parameters())
     buckets = course_buckets(params, cap)
     seen_at_last_grad = []
-    # registered before the learner's hooks, so it runs first: how many all-reduces had started
+    # registered before the learner's hooks, so it runs first: how many collectives had started
     # when the last gradient of backward (params[0], the first layer's weight) was ready
     params[0].register_post_accumulate_grad_hook(lambda p: seen_at_last_grad.append(len(watch.calls)))
     watch = CollectiveWatch()
     with watch:
         finish = make_hooks(params, buckets, world)
         if not callable(finish):
-            return f"make_bucket_hooks must return a finish() function, got {finish!r}"
+            yield f"{fn_name} must return a finish() function, got {finish!r}"
+            return
+        yield params, buckets
         for step, batch in enumerate(_data()):
             watch.calls.clear()
             seen_at_last_grad.clear()
             x, y = _local(batch, rank, world)
             F.mse_loss(model(x), y).backward()
-            finish()
-            reduces = [c for c in watch.calls if c[0] == "all_reduce"]
-            if len(reduces) != len(buckets):
-                return (f"step {step}: {len(reduces)} all-reduces for {len(buckets)} buckets: one flat "
-                        f"all-reduce per bucket")
-            if len(buckets) > 1 and (not seen_at_last_grad or seen_at_last_grad[0] == 0):
-                return (f"step {step}: no bucket's all-reduce had started when backward produced its last "
-                        f"gradient: launch a bucket from the hook that completes it (async_op=True)")
-            _sgd(params)
+            result = finish()
+            overlapped = len(buckets) == 1 or bool(seen_at_last_grad and seen_at_last_grad[0] > 0)
+            yield step, result, list(watch.calls), overlapped
             model.zero_grad()
+
+
+def _not_overlapped(step, kind):
+    return (f"step {step}: no bucket's {kind} had started when backward produced its last "
+            f"gradient: launch a bucket from the hook that completes it (async_op=True)")
+
+
+def _bucket_hooks_harness(make_hooks, cap):
+    """Train with the learner's hooks; per step check: one all-reduce per bucket, the first
+    buckets launched before backward produced its last gradient (overlap), the result."""
+    steps = _hooked_steps(make_hooks, cap, "make_bucket_hooks")
+    first = next(steps)
+    if isinstance(first, str):
+        return first
+    params, buckets = first
+    for step, _, calls, overlapped in steps:
+        reduces = [c for c in calls if c[0] == "all_reduce"]
+        if len(reduces) != len(buckets):
+            return (f"step {step}: {len(reduces)} all-reduces for {len(buckets)} buckets: one flat "
+                    f"all-reduce per bucket")
+        if not overlapped:
+            return _not_overlapped(step, "all-reduce")
+        _sgd(params)
     return _compare_params(params, _single_device(_sgd))
 
 
@@ -356,60 +378,44 @@ def _zero2_hooks_harness(make_hooks, cap):
     import torch.distributed as dist
 
     from course_lib import compat
-    from course_lib.parallel.grad_sync import assign_buckets as course_buckets
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _mlp(rank)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    params = list(model.parameters())
-    buckets = course_buckets(params, cap)
+    steps = _hooked_steps(make_hooks, cap, "make_zero2_hooks")
+    first = next(steps)
+    if isinstance(first, str):
+        return first
+    params, buckets = first
     sizes = [math.ceil(sum(params[i].numel() for i in ids) / world) for ids in buckets]  # S_b
-    seen_at_last_grad = []
-    # registered before the learner's hooks, so it runs first: how many reduce-scatters had
-    # started when the last gradient of backward (params[0], the first layer's weight) was ready
-    params[0].register_post_accumulate_grad_hook(lambda p: seen_at_last_grad.append(len(watch.calls)))
-    watch = CollectiveWatch()
-    with watch:
-        finish = make_hooks(params, buckets, world)
-        if not callable(finish):
-            return f"make_zero2_hooks must return a finish() function, got {finish!r}"
-        for step, batch in enumerate(_data()):
-            watch.calls.clear()
-            seen_at_last_grad.clear()
-            x, y = _local(batch, rank, world)
-            F.mse_loss(model(x), y).backward()
-            shards = finish()
-            kinds = [k for k, _ in watch.calls]
-            if world > 1 and "all_reduce" in kinds:
-                return (f"step {step}: an all-reduce: each rank needs only the mean of its own slice, one "
-                        f"reduce-scatter per bucket (and never reduce a reduced slice again)")
-            if kinds.count("reduce_scatter") != len(buckets):
-                return (f"step {step}: {kinds.count('reduce_scatter')} reduce-scatters for {len(buckets)} "
-                        f"buckets: one per bucket, launched when its last gradient is ready")
-            if len(buckets) > 1 and (not seen_at_last_grad or seen_at_last_grad[0] == 0):
-                return (f"step {step}: no bucket's reduce-scatter had started when backward produced its "
-                        f"last gradient: launch a bucket from the hook that completes it (async_op=True)")
-            kept = [i for i, p in enumerate(params) if p.grad is not None]
-            if kept:
-                return (f"step {step}: parameters {kept} still hold their full-size gradient after "
-                        f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
-            if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
-                return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
-            with torch.no_grad():
-                for b, (ids, size) in enumerate(zip(buckets, sizes)):
-                    shard = shards[b]
-                    if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
-                        got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
-                        return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
-                    flat = torch.zeros(size * world)  # (N * S_b,) this bucket's parameters, padded
-                    flat[:sum(params[i].numel() for i in ids)] = torch.cat([params[i].reshape(-1) for i in ids])
-                    mine = flat[rank * size:(rank + 1) * size] - LR * shard   # SGD on the owned slice
-                    compat.all_gather_into_tensor(flat, mine.contiguous())
-                    offset = 0
-                    for i in ids:
-                        params[i].copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
-                        offset += params[i].numel()
+    for step, shards, calls, overlapped in steps:
+        kinds = [k for k, _ in calls]
+        if world > 1 and "all_reduce" in kinds:
+            return (f"step {step}: an all-reduce: each rank needs only the mean of its own slice, one "
+                    f"reduce-scatter per bucket (and never reduce a reduced slice again)")
+        if kinds.count("reduce_scatter") != len(buckets):
+            return (f"step {step}: {kinds.count('reduce_scatter')} reduce-scatters for {len(buckets)} "
+                    f"buckets: one per bucket, launched when its last gradient is ready")
+        if not overlapped:
+            return _not_overlapped(step, "reduce-scatter")
+        kept = [i for i, p in enumerate(params) if p.grad is not None]
+        if kept:
+            return (f"step {step}: parameters {kept} still hold their full-size gradient after "
+                    f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
+        if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
+            return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
+        with torch.no_grad():
+            for b, (ids, size) in enumerate(zip(buckets, sizes)):
+                shard = shards[b]
+                if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
+                    got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                    return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
+                flat = torch.zeros(size * world)  # (N * S_b,) this bucket's parameters, padded
+                flat[:sum(params[i].numel() for i in ids)] = torch.cat([params[i].reshape(-1) for i in ids])
+                mine = flat[rank * size:(rank + 1) * size] - LR * shard   # SGD on the owned slice
+                compat.all_gather_into_tensor(flat, mine.contiguous())
+                offset = 0
+                for i in ids:
+                    params[i].copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
+                    offset += params[i].numel()
     return _compare_params(params, _single_device(_sgd))
 
 
