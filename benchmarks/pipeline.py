@@ -18,14 +18,13 @@ dominates (``--stage-layers`` ``--hidden`` x ``--hidden`` Linear+ReLU layers per
 4096, on micro-batches of ``--rows`` rows, default 64; interleaved: 2 chunks of half of them). Stage 0's
 input requires a gradient, so its backward does the same GEMMs as the other stages', split
 (ZB-H1) or not (the formula assumes equal stages; without it stage 0 skips one GEMM of its
-backward). The
-schedules run in rotated order each round, so the load of the machine hits them alike. Per
+backward). The schedules run in rotated order each round, so the load of the machine hits them
+alike. Per
 step and rank, the bubble is the formula's: the idle fraction of the step (first forward to
 last backward, over all ranks) outside the rank's F, B and W; reported: the median over steps
 of the mean over ranks and the fastest step's (the one least disturbed by the machine's other
 work), next to the formula at (F, B, W) = (1, 2, 1) and at the measured times, the trace
-replayed on the schedule with free
-messages, the same replay with the costs measured between actions
+replayed on the schedule with free messages, the same replay with the costs measured between actions
 (``pipeline_executor.measured_costs``: per-action overhead and message latency), and the
 planner's simulator with those costs as its per-message time.
 """

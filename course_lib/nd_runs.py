@@ -14,6 +14,7 @@ timed steps; only the last timed step's spans are kept, for the timeline.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 
 import torch
@@ -120,7 +121,6 @@ class LayoutRun:
         """The fraction of the cores the step kept busy: CPU seconds over ranks / (cores x step
         time), cores = min(ranks, this machine's). Near 1: the step took as long as the cores
         needed for all the ranks' work, whatever the order of its messages."""
-        import os
         cores = min(self.world_size, cores or os.cpu_count() or 1)
         return self.cpu_time / (cores * self.step_time)
 
@@ -156,8 +156,6 @@ def calibrated_hardware(cfg, world_size, batch, cores=None, alone=None):
     rank can run on a core of its own even when there are more ranks than cores; in a training
     step every rank computes at once, so with N ranks on C cores each gets C / N of a core:
     the rates are scaled by min(1, C / N). Returns (Hardware, the alone one)."""
-    import os
-
     from course_lib.planner import calibration
 
     cores = cores or os.cpu_count() or 1

@@ -75,12 +75,12 @@ def _outside(module, linears):
     return [q for q in module.parameters() if q.requires_grad and id(q) not in in_linear]
 
 
-def _accumulate(p, g, fresh=False):
-    """p.grad += g; the first time, p.grad = g (a copy unless ``fresh``: a tensor nobody else holds)."""
+def _accumulate(p, g):
+    """p.grad += g; the first time, p.grad = a copy of g."""
     if g is None:
         return
     if p.grad is None:
-        p.grad = g if fresh else g.clone()
+        p.grad = g.clone()
     else:
         p.grad += g
 
