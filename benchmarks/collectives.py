@@ -12,6 +12,8 @@ the gathered output; reduce-scatter: the input). Ours is the segmented ring (mes
 at most ``ring.SEGMENT_BYTES``); the unsegmented ring (one message per chunk,
 ``segment_bytes=None``) runs beside it, and our ring all-reduce with lockstep steps (no
 pre-posted receives) is shown for the lesson. Goal: the segmented ring <= 1.1x gloo.
+The last column is the CPU time of one call summed over all ranks' threads (gloo's own
+included): 4 ranks on 2 cores keep both busy, so the time follows the CPU a collective uses.
 
 Part 2: gloo's all-reduce for 4 KiB .. 16 MiB on 2 .. 8 ranks, in ``--rounds`` rounds
 (each launches every world size once; a point keeps its fastest round, and within a
@@ -81,7 +83,24 @@ def _side_by_side(sizes, reps):
         }
         for name, ts in measure.time_ops(ops, reps=reps, warmup=2).items():
             table[(n_bytes, name)] = measure.median(ts)
+        for coll in ("all_reduce", "reduce_scatter", "all_gather"):   # the cores both keep busy
+            for who in ("ours", "gloo"):
+                table[(n_bytes, f"{coll} {who} cpu")] = cpu_seconds(ops[f"{coll} {who}"], max(3, reps // 3))
     return table
+
+
+def cpu_seconds(op, reps):
+    """CPU seconds one call takes, summed over every thread of every rank (gloo's own included)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.process_time()
+    for _ in range(reps):
+        op()
+    used = torch.tensor([time.process_time() - start], dtype=torch.float64)
+    dist.all_reduce(used)
+    return used.item() / reps
 
 
 def report_side_by_side(table, sizes, scheduling, reps):
@@ -89,19 +108,21 @@ def report_side_by_side(table, sizes, scheduling, reps):
     print(f"\n## ours vs gloo, 4 ranks, threads=1, {scheduling} scheduling, median of {reps} "
           f"(slowest rank per rep)\n")
     print("| collective | size | segmented (ms) | unsegmented (ms) | gloo (ms) | segmented / gloo | "
-          "unsegmented / gloo |")
-    print("|---|---|---|---|---|---|---|")
+          "unsegmented / gloo | CPU per call, all ranks: segmented / gloo (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for coll in ("all_reduce", "reduce_scatter", "all_gather"):
         for n in sizes:
             ours, whole, gloo = (table[(n, f"{coll} {who}")] for who in ("ours", "unsegmented", "gloo"))
+            cpu, cpu_gloo = table[(n, f"{coll} ours cpu")], table[(n, f"{coll} gloo cpu")]
             worst = max(worst, ours / gloo)
             print(f"| {coll} | {size_text(n)} | {ours * 1e3:.2f} | {whole * 1e3:.2f} | {gloo * 1e3:.2f} | "
-                  f"{ours / gloo:.2f}x | {whole / gloo:.2f}x |")
+                  f"{ours / gloo:.2f}x | {whole / gloo:.2f}x | {cpu / cpu_gloo:.2f}x "
+                  f"({cpu * 1e3:.2f} / {cpu_gloo * 1e3:.2f}) |")
     for n in sizes:
         lock, gloo = table[(n, "all_reduce ours, lockstep")], table[(n, "all_reduce gloo")]
         print(f"| all_reduce, lockstep (no pre-posted recv) | {size_text(n)} | | {lock * 1e3:.2f} | "
-              f"{gloo * 1e3:.2f} | | {lock / gloo:.2f}x |")
+              f"{gloo * 1e3:.2f} | | {lock / gloo:.2f}x | |")
     print(f"\nworst ratio (ring vs gloo), {scheduling} scheduling: {worst:.2f}x")
     return worst
 

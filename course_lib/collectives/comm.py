@@ -161,12 +161,12 @@ class Comm:
             self.counter.bytes_received += _nbytes(tensor)
         return dist.irecv(tensor, self.ranks[peer], group=self.group, tag=tag)
 
-    def post_send(self, tensor, peer: int):
+    def post_send(self, tensor, peer: int, tag: int = 0):
         """isend, or None for an empty tensor (nothing to send; the receiver skips it too)."""
-        return self.isend(tensor, peer) if tensor.numel() else None
+        return self.isend(tensor, peer, tag) if tensor.numel() else None
 
-    def post_recv(self, tensor, peer: int):
-        return self.irecv(tensor, peer) if tensor.numel() else None
+    def post_recv(self, tensor, peer: int, tag: int = 0):
+        return self.irecv(tensor, peer, tag) if tensor.numel() else None
 
     @staticmethod
     def wait(*works):

@@ -15,6 +15,8 @@ does not change the order of any addition: results are bitwise the same.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from course_lib.collectives.checks import (
@@ -65,6 +67,7 @@ def simulate_ring_all_reduce(world_size: int):
 # ----------------------------------------------------------------------------- the two phases
 
 SEGMENT_BYTES = 1 << 20   # the largest message of the segmented ring (gloo's too; see segments())
+GATHER_TAG = 1            # all_reduce's all-gather messages, posted early (see all_reduce)
 
 
 def segments(chunk, segment_bytes=SEGMENT_BYTES):
@@ -78,7 +81,23 @@ def segments(chunk, segment_bytes=SEGMENT_BYTES):
     if segment_bytes is None or chunk.numel() == 0:
         return [chunk]
     count = min(chunk.numel(), -(-chunk.numel() * chunk.element_size() // segment_bytes))
-    return chunks(chunk, count)
+    return [chunk] if count == 1 else chunks(chunk, count)
+
+
+_kept = threading.local()   # this thread's scratch buffers, by dtype
+
+
+def _scratch(count: int, numel: int, dtype):
+    """``count`` buffers of ``numel`` elements, kept by this thread from one call to the next.
+    A fresh megabyte would be faulted in page by page (and zeroed by the kernel) on every call.
+    Per thread: two collectives running at once on two communication threads never share one."""
+    pool = _kept.__dict__.setdefault("pool", {})
+    bufs = pool.get(dtype, [])
+    if len(bufs) < count or bufs[0].numel() < numel:
+        if numel * torch.empty(0, dtype=dtype).element_size() > SEGMENT_BYTES:
+            return [torch.empty(numel, dtype=dtype) for _ in range(count)]   # unsegmented: not kept
+        bufs = pool[dtype] = [torch.empty(numel, dtype=dtype) for _ in range(max(count, len(bufs)))]
+    return [b[:numel] for b in bufs[:count]]
 
 
 def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_bytes=SEGMENT_BYTES,
@@ -97,8 +116,9 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
     ``in_place`` (all-reduce; out is pieces[rank]): sums go into ``pieces`` and are sent
     from there, and the arriving segments land in ``window`` scratch buffers, reused
     round-robin: the receive of message i + window is posted once message i is
-    reduced. The scratch stays in the cache, as in gloo's ring. Otherwise ``pieces``
-    are left untouched: every message gets its own buffer, all receives posted first.
+    reduced. The scratch stays in the cache, as in gloo's ring, and is kept from call to
+    call (:func:`_scratch`). Otherwise ``pieces`` are left untouched: every message gets
+    its own buffer, all receives posted first.
     ``prepost=False``: no receive posted ahead, each step's send and receive in
     lockstep, unsegmented (one more handshake per step; benchmarks/collectives.py
     times it).
@@ -117,8 +137,7 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
             for mine, dst in zip(segments(pieces[c], segment_bytes),
                                  segments(out if s == N - 2 else pieces[c], segment_bytes))]
     if in_place:                                   # window x (segment,) scratch, reused
-        scratch = [torch.empty(max(m.numel() for m, _ in work), dtype=out.dtype)
-                   for _ in range(min(window, len(work)))]
+        scratch = _scratch(min(window, len(work)), max(m.numel() for m, _ in work), out.dtype)
         landing = [scratch[i % len(scratch)][:mine.numel()] for i, (mine, _) in enumerate(work)]
         ahead = len(scratch)
     else:                                          # (N-1) x (n/N,) in all, one buffer per message
@@ -146,11 +165,19 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
     return out
 
 
-def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES):
+def _post_gather_recvs(comm: Comm, outs, segment_bytes, tag):
+    """The all-gather's receives, every segment of every step, in the order they arrive."""
+    N, r = comm.size, comm.rank
+    return [comm.post_recv(seg, (r - 1) % N, tag) for s in range(N - 1)
+            for seg in segments(outs[ring_schedule(N, "all_gather", r, s)[1]], segment_bytes)]
+
+
+def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES, recvs=None, tag=0):
     """outs: N contiguous 1-D tensors; outs[rank] holds this rank's part; fills the others.
 
     Step s: pass on the chunk that arrived at step s-1 (step 0: our own), segment by
-    segment, each as soon as it has arrived.
+    segment, each as soon as it has arrived. ``recvs``: its receives, already posted
+    (:func:`_post_gather_recvs`); ``tag`` tells its messages from a reduce-scatter's.
     """
     N, r = comm.size, comm.rank
     if N == 1:
@@ -160,17 +187,18 @@ def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES
     right, left = (r + 1) % N, (r - 1) % N
     plan = [ring_schedule(N, "all_gather", r, s) for s in range(N - 1)]
     work = [(s, seg) for s, (_, c) in enumerate(plan) for seg in segments(outs[c], segment_bytes)]
-    recvs = [comm.post_recv(seg, left) for _, seg in work] if prepost else [None] * len(work)
-    sends = [comm.post_send(seg, right) for seg in segments(outs[plan[0][0]], segment_bytes)]
+    if recvs is None:
+        recvs = _post_gather_recvs(comm, outs, segment_bytes, tag) if prepost else [None] * len(work)
+    sends = [comm.post_send(seg, right, tag) for seg in segments(outs[plan[0][0]], segment_bytes)]
     for i, (s, seg) in enumerate(work):
         if not prepost:
-            recvs[i] = comm.post_recv(seg, left)
+            recvs[i] = comm.post_recv(seg, left, tag)
         comm.wait(recvs[i])
         if not prepost:
             comm.wait(*sends)
             sends = []
         if s < N - 2:
-            sends.append(comm.post_send(seg, right))
+            sends.append(comm.post_send(seg, right, tag))
     comm.wait(*sends)
     return outs
 
@@ -192,9 +220,14 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, validate=True, counter=No
     with contiguous_flat(tensor) as flat:              # (n,)
         parts = chunks(flat, comm.size)                # N x (n/N,), uneven when N does not divide n
         mine = parts[comm.rank]
+        # the all-gather's receives, posted before the reduce-scatter starts (on their own tag):
+        # gloo sends a message only after the receiver has said its receive is posted, so that
+        # notice is already there when a chunk is finished. Safe: chunk c arrives here only
+        # after this rank's send of its partial sum of c has been read.
+        gathers = _post_gather_recvs(comm, parts, segment_bytes, GATHER_TAG) if prepost else None
         _reduce_scatter_ring(comm, parts, mine, op, prepost, segment_bytes, in_place=True)  # sums into parts
         finish_avg(mine, op, comm.size)
-        _all_gather_ring(comm, parts, prepost, segment_bytes)
+        _all_gather_ring(comm, parts, prepost, segment_bytes, recvs=gathers, tag=GATHER_TAG)
     return tensor
 
 
