@@ -105,6 +105,21 @@ def test_bubble_and_collectives():
         F.bubble_fraction(4, 8, "zigzag")
 
 
+def test_in_flight_microbatches_count_the_schedules_every_stage():
+    """The planner's activations in flight per stage, against the course's own schedules
+    (the action lists its pipeline runs): forwards run minus last backwards, at the peak."""
+    from course_lib.parallel import schedules as S
+
+    for p in (2, 3, 4, 8):
+        for m in sorted({1, 2, p - 1, p, 2 * p, 3 * p} - {0}):
+            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4)):
+                if name == "interleaved" and m % p:
+                    continue
+                counted = [S.in_flight(actions) / v for actions in S.make_schedule(name, p, m, v)]
+                formula = [F.in_flight_microbatches(p, m, name, v, stage=i) for i in range(p)]
+                assert counted == pytest.approx(formula), (name, p, m, v)
+
+
 @pytest.mark.parametrize("s", [32, 64])
 def test_activation_formula_matches_bytes_autograd_saves(s):
     """Korthikanti's count against the tiny GPT-2 block (fp32 values, 1-byte dropout masks)."""

@@ -220,7 +220,11 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
     GPipe runs all m forwards first: m. 1F1B (Narayanan et al. 2021) lets stage i
     start backward after p - i forwards: min(p - i, m). Interleaving v chunks makes
     the first stage hold p (1 + (p-1)/(p v)) micro-batches' worth of its layers
-    (Korthikanti et al. 2022, Sec. 4.2.3).
+    (Korthikanti et al. 2022, Sec. 4.2.3): it runs 2 (p-1) + (v-1) p chunk forwards
+    before its first backward, plus the one of the steady state, and each chunk holds
+    1/v of its layers. Stage i warms up with two chunk forwards fewer per stage
+    before it (Megatron-LM's schedule, and the course's: tests/test_planner_formulas.py
+    counts it on ``parallel.schedules``): p + (p - 1 - 2 i)/v, at most m.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -228,7 +232,7 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
         return float(m)
     if schedule == "1f1b" or v == 1:
         return float(min(p - stage, m))
-    return min(p * (1.0 + (p - 1) / (p * v)), float(m))
+    return min(p + (p - 1 - 2 * stage) / v, float(m))
 
 
 def zero_memory_bytes(n_params, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
