@@ -1,4 +1,5 @@
 """course_lib/planner/formulas.py: each formula against a count, a paper or a derivation."""
+import contextlib
 import math
 
 import pytest
@@ -136,7 +137,7 @@ def test_activation_formula_matches_bytes_autograd_saves(s):
     assert formula <= counted <= formula * 1.01
 
 
-def _llama_block_rows(s, b, h, a, kv, dtype="bfloat16", ffn=None, checkpointed=False):
+def _llama_block_rows(s, b, h, a, kv, dtype="bfloat16", ffn=None, checkpointed=False, fused=False):
     """(rows saved by one course_lib.models Llama-style block, its config, bytes per value)."""
     torch = pytest.importorskip("torch")
     models = pytest.importorskip("course_lib.models")
@@ -157,8 +158,10 @@ def _llama_block_rows(s, b, h, a, kv, dtype="bfloat16", ffn=None, checkpointed=F
     x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(0)).to(dt).requires_grad_()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and immune to oversubscribed cores
+    from course_lib import fused as fused_kernels
     try:
-        _, rows = models.saved_activations(block, x * 1.0)
+        with fused_kernels.kernels() if fused else contextlib.nullcontext():
+            _, rows = models.saved_activations(block, x * 1.0)
     finally:
         torch.set_num_threads(threads)
     return rows, cfg, x.element_size()
@@ -189,6 +192,47 @@ def test_llama_activation_formula_matches_bytes_autograd_saves(s, b, h, a, kv, d
     assert [r.shape for r in core] == [(b, a, s, s)]
     assert counted - core[0].nbytes == \
         F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, recompute="selective", value_bytes=w)
+
+
+@pytest.mark.parametrize("s,b,h,a,kv,dtype,ffn", LLAMA_SHAPES)
+def test_llama_fused_kernels_formula_matches_bytes_autograd_saves(s, b, h, a, kv, dtype, ffn):
+    """The same block with course_lib.fused's RMSNorm and SwiGLU: each norm keeps x and an
+    fp32 rstd, SwiGLU its two inputs; the formula with fused_kernels=True, byte for byte."""
+    rows, cfg, w = _llama_block_rows(s, b, h, a, kv, dtype, ffn, fused=True)
+    f = cfg.ffn_hidden
+    counted = sum(r.nbytes for r in rows)
+    assert counted == F.llama_activation_bytes_per_layer(s, b, h, a, kv, f, value_bytes=w, fused_kernels=True)
+    if w == 2:
+        assert counted == s * b * h * (12 + 4 * kv / a + 6 * f / h + 2 * a * s / h) + 8 * b * s
+    plain, _, _ = _llama_block_rows(s, b, h, a, kv, dtype, ffn)
+    # one f-wide tensor (silu) and, per norm, one h-wide one (x * rstd) fewer
+    assert sum(r.nbytes for r in plain) - counted == (s * b * f + 2 * s * b * h) * w + 2 * b * s * (w - 4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_kernels_give_the_plain_ops_results_and_gradients(dtype):
+    torch = pytest.importorskip("torch")
+    from course_lib import fused, gpt
+
+    cfg = gpt.GPTConfig(n_layers=2, seq_len=16, hidden=32, n_heads=4, n_kv_heads=2)
+    model = gpt.TinyGPT(cfg, seed=0).to(getattr(torch, dtype))
+    with torch.no_grad():                    # weights away from 1, so the norm's gradient is not trivial
+        for m in model.modules():
+            if isinstance(m, gpt.RMSNorm):
+                m.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for use in (False, True):
+        model.zero_grad()
+        with fused.kernels() if use else contextlib.nullcontext():
+            loss = model(idx, idx)[1]
+            loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(results[1][0], results[0][0], **tol)
+    for g_fused, g_plain in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(g_fused, g_plain, **tol)
+    assert gpt.RMSNorm.forward is not fused.rms_norm      # kernels() put the plain forward back
 
 
 @pytest.mark.parametrize("s,b,h,a,kv,dtype,ffn", LLAMA_SHAPES[:4])

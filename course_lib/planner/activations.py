@@ -54,7 +54,7 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", cp=1
 
 
 def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, t=1, sp=False, recompute="none", cp=1,
-                                     value_bytes=2, rstd=True) -> float:
+                                     value_bytes=2, rstd=True, fused_kernels=False) -> float:
     """Activation bytes one Llama-style layer keeps for backward: course_lib.models' block
     (RMSNorm in plain ops, rotary Q and K, grouped-query attention with ``kv_heads`` K/V
     heads, SwiGLU of width f = ``ffn``; no dropout, no biases). 16-bit values:
@@ -93,10 +93,16 @@ def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, t=1, sp=False, r
     from the Q, K, V it keeps; full keeps only the layer input. Context parallelism
     ``cp``: every term divides by cp, as in :func:`activation_bytes_per_layer`.
 
-    Not derived: fused kernels, which keep less (a fused RMSNorm keeps x and rstd;
-    FlashAttention no s x s matrix but its output and an fp32 log-sum-exp per row and
-    head; a fused SwiGLU w1 x and w3 x only); mixture-of-experts MLPs (top_k of them
-    per token, plus the router); the embedding, final norm, logits and loss.
+    ``fused_kernels``: RMSNorm and SwiGLU as fused kernels (Megatron-LM, Transformer
+    Engine; the course's own in :mod:`course_lib.fused`, counted the same way): a norm
+    keeps x and an fp32 rstd, 2 s b h + 8 b s for both (not x * rstd), and SwiGLU its two
+    inputs w1 x and w3 x (silu(w1 x) is recomputed; the product is W_2's input, kept by
+    the matmul): three f-wide tensors, not four. The 16 above becomes 12 and the 8 f/h
+    becomes 6 f/h; rstd is fp32 whatever the activations' dtype.
+
+    Not derived here: FlashAttention (no s x s matrix but its output and an fp32
+    log-sum-exp per row and head: :func:`layer_activation_bytes`); mixture-of-experts MLPs
+    (top_k of them per token, plus the router); the embedding, final norm, logits and loss.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -110,9 +116,13 @@ def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, t=1, sp=False, r
     if recompute == "full":
         return tok * h * w / sp_div                 # the layer input, (s/cp, b, h)
     kv_width = max(kv_heads / t, 1.0) * (h // a)    # channels of K (and of V) on one TP rank
-    norms = 2 * (2 * tok * h + (tok if rstd else 0)) * w    # x and x * rstd (and rstd) per norm
+    if fused_kernels:                               # x (and an fp32 rstd) per norm
+        norms = 2 * (tok * h * w + (4 * tok if rstd else 0))
+    else:                                           # x and x * rstd (and rstd) per norm
+        norms = 2 * (2 * tok * h + (tok if rstd else 0)) * w
     column_inputs = 2 * tok * h * w                 # inputs of W_q/W_k/W_v and of w1/w3
-    heads = (2 * tok * h + 4 * tok * ffn) * w / t   # Q, W_o's input; w1 x, w3 x, silu, product
+    f_wide = 3 if fused_kernels else 4              # w1 x, w3 x, (silu,) product
+    heads = (2 * tok * h + f_wide * tok * ffn) * w / t   # Q, W_o's input; the f-wide tensors
     kv = 2 * tok * kv_width * w                     # K and V
     scores = 0.0 if recompute == "selective" else a * s * tok * w / t  # softmax output (a, s/cp, s)
     return (norms + column_inputs) / sp_div + heads + kv + scores
@@ -122,17 +132,21 @@ def is_llama_block(model) -> bool:
     return model.mlp == "swiglu" and model.norm == "rmsnorm"
 
 
-def layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1, fused_attention=True) -> float:
+def layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1, fused_attention=True,
+                           fused_kernels=False) -> float:
     """Bytes one layer of ``model`` keeps for backward, per micro-batch, on one GPU (16-bit).
 
     A mixture of experts keeps its MLP tensors for each of the top_k experts a token visits
-    (the f-wide terms times top_k); the router's few bytes are left out.
+    (the f-wide terms times top_k); the router's few bytes are left out. ``fused_kernels``
+    (fused RMSNorm and SwiGLU) applies to the Llama block; the GPT-3 block's formula is
+    Megatron-LM's kernels already (its fused bias-GeLU keeps the same two tensors).
     """
     scores_kept = recompute == "none" and not fused_attention
     rc = "none" if scores_kept else ("full" if recompute == "full" else "selective")
     if is_llama_block(model):
         out = llama_activation_bytes_per_layer(s, b, model.hidden, model.n_heads, model.n_kv_heads,
-                                                 model.ffn * model.top_k, t, sp, rc, cp=cp)
+                                                 model.ffn * model.top_k, t, sp, rc, cp=cp,
+                                                 fused_kernels=fused_kernels)
     else:
         out = activation_bytes_per_layer(s, b, model.hidden, model.n_heads, t, sp, rc, cp=cp)
     if fused_attention and recompute != "full":

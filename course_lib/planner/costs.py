@@ -132,7 +132,8 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
     # non-matmul kernels are memory bound: they stream the layer's activations through
     # HBM (with a fused attention kernel, not the s x s scores)
     stream = hw.elementwise_passes * layer_activation_bytes(
-        model, s, b, t, layout.sp, "none", cp=c, fused_attention=fused) / hw.hbm_bandwidth
+        model, s, b, t, layout.sp, "none", cp=c, fused_attention=fused,
+        fused_kernels=hw.fused_kernels) / hw.hbm_bandwidth
     ew_fwd_layer = stream
     ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
 
@@ -178,7 +179,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         shard_e = n_exp_group if layout.zero >= 1 else 1
         optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
 
-        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused)
+        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused, hw.fused_kernels)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
@@ -199,12 +200,14 @@ def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
     return max(1, n_layers + (stage == 0) + (stage == layout.pp - 1))
 
 
-def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True) -> dict:
+def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True,
+            fused_kernels=False) -> dict:
     """Bytes one GPU of stage ``st`` holds at its peak, by category."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
     z = F.zero_memory_bytes(dense, layout.zero, n_zero)
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group)
-    per_layer = layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c, fused_attention=fused)
+    per_layer = layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c, fused_attention=fused,
+                                       fused_kernels=fused_kernels)
     in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)
     activations = per_layer * n_l * in_flight
     temporaries = 0.0
@@ -214,7 +217,7 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
         # the one layer being recomputed holds its activations during its backward
         # (its attention scores a block at a time, inside the fused attention kernel)
         temporaries += layer_activation_bytes(model, s, b, t, layout.sp, "selective", cp=c,
-                                              fused_attention=fused) - per_layer
+                                              fused_attention=fused, fused_kernels=fused_kernels) - per_layer
     if layout.zero == 3 and n_l:
         # the gathered parameters of the layer computing and of the one prefetched
         temporaries += 2 * 2 * (dense + expert) / n_l

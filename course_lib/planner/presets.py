@@ -88,7 +88,10 @@ class Hardware:
     in the forward pass (written once, read once: 2; backward moves twice that);
     ``fused_attention`` whether attention runs in a fused kernel (FlashAttention): the s x s
     scores stay on chip (not stored for backward, not streamed through HBM), masked causal
-    tiles are skipped, and the backward recomputes QK^T. ``sm_count`` and ``gemm_tile``:
+    tiles are skipped, and the backward recomputes QK^T. ``fused_kernels`` whether RMSNorm
+    and SwiGLU run fused (Megatron-LM, Transformer Engine), keeping less for backward
+    (``llama_activation_bytes_per_layer``); off by default: the course's block, written in
+    plain ops, as counted in chapter 0. ``sm_count`` and ``gemm_tile``:
     the streaming multiprocessors and the output tile of the GEMM-by-shape model
     (:data:`course_lib.planner.gemm.GEMM_MODEL`); ``sm_count = 0`` keeps every GEMM at
     ``matmul_efficiency`` of peak (a hand-made or calibrated Hardware).
@@ -108,6 +111,7 @@ class Hardware:
     network_latency: float = 20e-6
     elementwise_passes: float = 2.0
     fused_attention: bool = True
+    fused_kernels: bool = False
     sm_count: int = 0
     gemm_tile: tuple = (128, 128)
 
