@@ -39,7 +39,7 @@ def rank_run():
     y = ops.reduce_from_parallel(F.linear(F.relu(F.linear(ops.copy_to_parallel(x, comm), w1)), w2), comm)
     (y * C).sum().backward()
     out["tp"] = (y.detach(), x.grad, w1.grad.clone(), w2.grad.clone())
-    # sequence parallel: my rows of the sequence -> g-bar (all-gather) -> column -> row -> g-bar T
+    # sequence parallel: my rows of the sequence -> SP g (all-gather) -> column -> row -> SP g-bar
     w1.grad = w2.grad = None
     xs = X.chunk(t, 1)[r].clone().requires_grad_()
     ys = ops.scatter_to_sequence_parallel(

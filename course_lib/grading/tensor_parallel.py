@@ -3,7 +3,7 @@ ranks inside a Megatron MLP or a loss, compared with one device.
 
     check_megatron_f_g(CopyToParallel, ReduceFromParallel)   # autograd.Functions: f and g
     check_vocab_parallel_loss(vocab_parallel_loss)            # (logits_r, targets, start) -> loss, dlogits_r
-    check_sequence_parallel_pair(AllGatherSequence, ReduceScatterSequence)   # g-bar and its transpose
+    check_sequence_parallel_pair(AllGatherSequence, ReduceScatterSequence)   # SP g and g-bar
     check_tp_bytes_prediction(tp_bytes_per_layer)             # bytes one rank sends per layer, vs counted
 
 Each prints one line (``megatron_f_g: 3/3 cases passed`` or the first failing case with a

@@ -6,8 +6,8 @@ gradients in backward (the transpose). Named as in the papers:
     op                            forward          backward         paper
     copy_to_parallel              identity         all-reduce       f      (Shoeybi et al. 2019, Megatron-LM)
     reduce_from_parallel          all-reduce       identity         g      (Shoeybi et al. 2019)
-    gather_from_sequence_parallel all-gather       reduce-scatter   g-bar  (Korthikanti et al. 2022)
-    scatter_to_sequence_parallel  reduce-scatter   all-gather       g-bar transpose (Korthikanti et al. 2022)
+    gather_from_sequence_parallel all-gather       reduce-scatter   g      (Korthikanti et al. 2022, SP)
+    scatter_to_sequence_parallel  reduce-scatter   all-gather       g-bar  (Korthikanti et al. 2022, SP)
     split_to_parallel             keep my slice    all-gather       (enter a sharded region, no sum)
     gather_from_parallel          all-gather       keep my slice    (leave it: "concatenate the outputs")
     sum_over_copies               identity         all-reduce of the copies' gradients (a weight several
@@ -17,8 +17,12 @@ gradients in backward (the transpose). Named as in the papers:
 the same input, so the input's gradient is the SUM of every rank's partial gradient.
 ``g`` sits after a row-parallel layer: each rank holds a partial sum of the output.
 With sequence parallelism (SP), the activations between the layers are split along the
-sequence instead of replicated: ``g`` becomes a reduce-scatter (g-bar transpose) and
-``f`` an all-gather (g-bar); the bytes are the same, the activation memory is 1/t.
+sequence instead of replicated: ``g`` becomes a reduce-scatter and ``f`` an all-gather; the
+bytes are the same, the activation memory is 1/t. The two papers name them differently:
+Korthikanti et al. call the TP pair f and f-bar (2019's f and g) and the SP pair g (the
+all-gather entering a region) and g-bar (the reduce-scatter leaving it), so "g" is the
+exit all-reduce in one paper and the entry all-gather in the other. Spans and docstrings
+here say "SP g" and "SP g-bar" for the second pair.
 
 Every op takes the :class:`~course_lib.collectives.comm.Comm` of its group (e.g.
 ``mesh.comm("tp")``), so the calls are counted, measured and traced like any other.
@@ -97,29 +101,29 @@ class ReduceFromParallel(torch.autograd.Function):
 
 
 class GatherFromSequenceParallel(torch.autograd.Function):
-    """g-bar: all-gather along ``dim`` forward, reduce-scatter backward."""
+    """SP g: all-gather along ``dim`` forward, reduce-scatter backward."""
 
     @staticmethod
     def forward(ctx, x, comm, dim):
         ctx.comm, ctx.dim = comm, dim
-        return _all_gather(comm, x, dim, "g-bar: all-gather")
+        return _all_gather(comm, x, dim, "SP g: all-gather")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(ctx.comm, grad, ctx.dim, "g-bar: reduce-scatter (backward)"), None, None
+        return _reduce_scatter(ctx.comm, grad, ctx.dim, "SP g: reduce-scatter (backward)"), None, None
 
 
 class ScatterToSequenceParallel(torch.autograd.Function):
-    """g-bar transpose: reduce-scatter along ``dim`` forward, all-gather backward."""
+    """SP g-bar: reduce-scatter along ``dim`` forward, all-gather backward."""
 
     @staticmethod
     def forward(ctx, x, comm, dim):
         ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(comm, x, dim, "g-bar T: reduce-scatter")
+        return _reduce_scatter(comm, x, dim, "SP g-bar: reduce-scatter")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(ctx.comm, grad, ctx.dim, "g-bar T: all-gather (backward)"), None, None
+        return _all_gather(ctx.comm, grad, ctx.dim, "SP g-bar: all-gather (backward)"), None, None
 
 
 class GatherFromParallel(torch.autograd.Function):
@@ -181,13 +185,13 @@ def reduce_from_parallel(x, comm):
 
 
 def gather_from_sequence_parallel(x, comm, dim=1):
-    """g-bar (sequence parallelism): all-gather along ``dim`` forward, reduce-scatter backward."""
+    """SP g (sequence parallelism): all-gather along ``dim`` forward, reduce-scatter backward."""
     _check(comm, x, dim)
     return GatherFromSequenceParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
 
 
 def scatter_to_sequence_parallel(x, comm, dim=1):
-    """g-bar transpose: reduce-scatter along ``dim`` forward, all-gather backward."""
+    """SP g-bar: reduce-scatter along ``dim`` forward, all-gather backward."""
     _check(comm, x, dim)
     return ScatterToSequenceParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
 

@@ -19,8 +19,8 @@ activations are split along the sequence instead of replicated, ``g`` becomes a
 reduce-scatter and ``f`` an all-gather (same bytes), and the column layers keep only their
 s/t input tokens for backward, gathering them again there (:class:`SequenceShardInput`).
 
-The ops ``f``, ``g``, ``g-bar`` live in :mod:`course_lib.parallel.comm_ops`; applying all of
-this to the tiny GPT is :func:`course_lib.parallel.tp_plan.parallelize`.
+The ops ``f``, ``g`` and SP's ``g``, ``g-bar`` live in :mod:`course_lib.parallel.comm_ops`;
+applying all of this to the tiny GPT is :func:`course_lib.parallel.tp_plan.parallelize`.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class SequenceShardInput:
 
     def full(self, shard):
         if self._full is None:
-            self._full = _all_gather(self.comm, shard.detach(), self.dim, "g-bar: all-gather again (backward)")
+            self._full = _all_gather(self.comm, shard.detach(), self.dim, "SP g: all-gather again (backward)")
         return self._full
 
     def release(self):
@@ -74,7 +74,7 @@ class SequenceShardInput:
 
 
 def enter_sequence_parallel(x, comm, keep_gathered=False):
-    """g-bar: all-gather the s/t tokens of every rank (backward: reduce-scatter). Unless
+    """SP g: all-gather the s/t tokens of every rank (backward: reduce-scatter). Unless
     ``keep_gathered``, the column layers that read the result keep only ``x`` for backward."""
     full = gather_from_sequence_parallel(x, comm, dim=1)  # (b, s/t, h) -> (b, s, h)
     if not keep_gathered and comm.size > 1:
@@ -110,9 +110,9 @@ class ColumnParallelLinear(nn.Module):
     needs the whole input X, and where that input comes from decides the collective:
 
     input="replicated"  every rank holds X: ``f`` (identity forward, all-reduce of dX backward)
-    input="sequence"    each rank holds s/t tokens of X (SP): ``g-bar`` (all-gather forward,
+    input="sequence"    each rank holds s/t tokens of X (SP): SP ``g`` (all-gather forward,
                         reduce-scatter backward), keeping only the s/t tokens for backward
-    input="entered"     the caller applied f or g-bar once for several layers reading the
+    input="entered"     the caller applied f or SP g once for several layers reading the
                         same X (W_q, W_k, W_v): no collective here
 
     rows: default an even split of the output features (must divide); ``copies``: how
@@ -157,7 +157,7 @@ class ColumnParallelLinear(nn.Module):
         if self.input == "replicated":
             x = copy_to_parallel(x, self.comm)                                 # f
         elif self.input == "sequence":
-            x = enter_sequence_parallel(x, self.comm, self.keep_gathered)     # g-bar
+            x = enter_sequence_parallel(x, self.comm, self.keep_gathered)     # SP g
         weight, bias = self._params()
         source = getattr(x, "sequence_shard", None)
         if source is not None:   # SP: keep the s/t shard for backward, not the gathered input
@@ -177,7 +177,7 @@ class RowParallelLinear(nn.Module):
     rank computes a partial sum of the whole output:
 
     output="reduce"          ``g``: all-reduce forward (identity backward): every rank has Y
-    output="reduce_scatter"  ``g-bar`` transpose (SP): each rank keeps its s/t tokens of Y
+    output="reduce_scatter"  SP ``g-bar`` (reduce-scatter): each rank keeps its s/t tokens of Y
     output="partial"         no collective, no bias: a partial sum (wrong unless the caller sums
                              it and adds the bias once)
 
@@ -212,7 +212,7 @@ class RowParallelLinear(nn.Module):
         if self.output == "reduce":
             y = reduce_from_parallel(y, self.comm)                              # g
         elif self.output == "reduce_scatter":
-            y = scatter_to_sequence_parallel(y, self.comm, dim=1)               # g-bar transpose
+            y = scatter_to_sequence_parallel(y, self.comm, dim=1)               # SP g-bar
         else:
             return y
         return y + self.bias if self.bias is not None else y

@@ -29,7 +29,7 @@ from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParall
 from course_lib.parallel.vocab_parallel import VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy
 
 # module name pattern -> how it is split. "region": a tensor-parallel region starts at this
-# module's input (f, or g-bar with SP); "norm" / "positions": whole on every rank without SP,
+# module's input (f, or SP's g); "norm" / "positions": whole on every rank without SP,
 # on the rank's s/t tokens with SP (gradients then summed over tp); dropout: the mask's stream.
 PLAN = {
     "tok_emb": "vocab_embedding",              # rows of the table; output: g, or SP reduce-scatter
@@ -179,7 +179,7 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
 
 
 def _region_entry(comm, sp, keep_gathered):
-    def enter(module, args):  # f, or g-bar with SP: once for every column layer of the region
+    def enter(module, args):  # f, or SP's g: once for every column layer of the region
         x, *rest = args
         x = enter_sequence_parallel(x, comm, keep_gathered) if sp else copy_to_parallel(x, comm)
         return (x, *rest)

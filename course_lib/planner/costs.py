@@ -179,7 +179,8 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCos
         shard_e = n_exp_group if layout.zero >= 1 else 1
         optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
 
-        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused, hw.fused_kernels)
+        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused,
+                      hw.fused_kernels)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
