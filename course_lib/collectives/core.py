@@ -86,20 +86,9 @@ def finish_avg(tensor, op, size):
     return tensor
 
 
-def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """[(start, stop)] of ``parts`` nearly equal pieces (the first numel % parts are one longer)."""
-    q, r = divmod(numel, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + q + (1 if i < r else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 def chunks(flat, parts: int):
-    """Views of a 1-D tensor in ``parts`` nearly equal pieces (the first numel % parts one
-    longer, as :func:`chunk_bounds`): ``torch.tensor_split``, one call instead of a Python slice each."""
+    """Views of a 1-D tensor in ``parts`` nearly equal pieces, the first numel % parts one
+    element longer (``torch.tensor_split``: one call, not one Python slice per piece)."""
     return list(flat.tensor_split(parts))
 
 

@@ -98,7 +98,7 @@ def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, t=1, sp=False, r
     keeps x and an fp32 rstd, 2 s b h + 8 b s for both (not x * rstd), and SwiGLU its two
     inputs w1 x and w3 x (silu(w1 x) is recomputed; the product is W_2's input, kept by
     the matmul): three f-wide tensors, not four. The 16 above becomes 12 and the 8 f/h
-    becomes 6 f/h; rstd is fp32 whatever the activations' dtype.
+    becomes 6 f/h; rstd is fp32 for 16-bit activations (the formula counts 4 bytes).
 
     Not derived here: FlashAttention (no s x s matrix but its output and an fp32
     log-sum-exp per row and head: :func:`layer_activation_bytes`); mixture-of-experts MLPs
