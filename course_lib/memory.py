@@ -12,9 +12,19 @@ counted twice.
 (on any device, CPU included), follows its storage until it is freed, and marks the
 storages handed to a collective (``c10d`` ops): all-gather outputs, bucket and gradient
 buffers. On CUDA, ``torch.cuda.max_memory_allocated`` is reported next to it as a check.
+
+A storage is freed when its last reference goes, and that reference is not always the
+program's: gloo's worker threads hold a collective's tensors until they have finished with
+the work, a few microseconds after ``wait()`` has returned. When the program drops a buffer
+in that window, the free happens on the transport's thread a little later, so a peak can move
+by the size of such a buffer from one run to the next (a few KiB in chapter 9's tiny runs).
+Frees from other threads are queued and applied by the tracker's own thread at its next
+event (never a race on the counters).
 """
 from __future__ import annotations
 
+import collections
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -87,6 +97,8 @@ class MemoryTracker(TorchDispatchMode):
         self.comm = set()    # serials of storages handed to a collective
         self._alive = {}     # id(storage) -> (serial, bytes), for the live ones
         self._finalizers = []
+        self._owner = threading.get_ident()
+        self._foreign = collections.deque()   # storages freed on another thread, not yet applied
 
     def track(self, tensors):
         for t in tensors:
@@ -94,10 +106,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def serial(self, t):
         """The tracker's name for ``t``'s storage (None if it never saw it)."""
+        self._apply_foreign()
         st = _storage(t)
         return None if st is None else self._alive.get(id(st), (None,))[0]
 
     def _see(self, t):
+        self._apply_foreign()
         st = _storage(t)
         if st is None or id(st) in self._alive or st.nbytes() == 0:
             return
@@ -109,17 +123,30 @@ class MemoryTracker(TorchDispatchMode):
         self._finalizers.append(weakref.finalize(st, self._freed, id(st)))
 
     def _freed(self, key):
+        if threading.get_ident() != self._owner:  # a transport thread dropped the last reference
+            self._foreign.append(key)               # deque.append is atomic
+            return
+        self._apply_foreign()
+        self._drop(key)
+
+    def _apply_foreign(self):
+        while self._foreign:
+            self._drop(self._foreign.popleft())
+
+    def _drop(self, key):
         serial, n = self._alive.pop(key, (None, 0))
         if serial is not None:
             self.events.append((serial, -n))
             self.live -= n
 
     def __exit__(self, *exc):
+        self._apply_foreign()
         for f in self._finalizers:  # storages that outlive the measurement: stop following them
             f.detach()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._apply_foreign()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

@@ -46,6 +46,22 @@ def test_tracker_peak_and_frees():
     del b, c
 
 
+def test_a_free_on_another_thread_is_applied_by_the_trackers_thread():
+    """A transport thread may drop a buffer's last reference: the tracker's counters change on
+    its own thread, at its next event, not concurrently with it."""
+    import threading
+    with MemoryTracker() as tracker:
+        box = [torch.empty(1000)]                       # 4000 bytes
+        t = threading.Thread(target=box.clear)           # the last reference dies on that thread
+        t.start()
+        t.join()
+        queued = tracker.live
+        c = torch.empty(10)                              # next event: the free is applied first
+        live, peak = tracker.live, tracker.peak
+    assert queued == 4000 and live == 40 and peak == 4000
+    del c
+
+
 def test_measure_counts_activations_in_the_peak():
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
