@@ -191,6 +191,59 @@ def test_subgroups_and_byte_counts():
         assert gloo_ar is None or ar <= gloo_ar < ar + 4096   # gloo's ring: same payload + headers
 
 
+def torch_conventions():
+    """The same calls, spelled as torch spells them, to ours and to torch.distributed."""
+    import torch.distributed as dist
+
+    r, N = dist.get_rank(), dist.get_world_size()
+    high = dist.new_group(list(range(1, N)))          # global ranks 1..N-1: group rank = global - 1
+    out = {}
+    for name, lib in (("ours", C), ("torch", dist)):
+        got = {}
+        x = torch.arange(4.) + r
+        work = lib.all_reduce(x, R.SUM, None, True)    # positional async_op, as in torch
+        got["handle"] = (work.wait(), work.is_completed())
+        got["all_reduce"] = x.tolist()
+        x = torch.arange(4.) + r
+        got["sync"] = lib.all_reduce(x, async_op=False) is None if lib is dist else True
+        y = torch.full((3,), float(r))
+        if r:                                            # group_src: a rank of the group
+            lib.broadcast(y, group=high, group_src=1)
+            got["group_src"] = y.tolist()
+        z = torch.full((2,), float(r + 1))
+        lib.reduce(z, group_dst=0, async_op=True).wait()
+        got["group_dst"] = z.tolist() if r == 0 else None
+        piece = torch.empty(2)
+        lib.scatter(piece, [torch.full((2,), float(q)) for q in range(N)] if r == 0 else None)   # default root: 0
+        got["scatter"] = piece.tolist()
+        o = torch.empty(N * 2)
+        w = lib.all_gather_into_tensor(o, torch.full((2,), float(r)), async_op=True)
+        w.wait()
+        got["all_gather_into_tensor"] = o.tolist()
+        lib.barrier(async_op=True).wait()
+        out[name] = got
+    errors = []
+    for call in (lambda: C.broadcast(torch.zeros(2), src=0, group_src=0),
+                 lambda: C.broadcast(torch.zeros(2)),
+                 lambda: C.all_reduce(torch.zeros(2), async_op="yes")):
+        try:
+            call()
+            errors.append("no error")
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    return out, errors
+
+
+def test_torch_calling_conventions():
+    """async_op (positional or keyword) returns a completed handle; group_src/group_dst name
+    a rank of the group; scatter's root defaults to rank 0: as torch.distributed does."""
+    for r, (out, errors) in enumerate(launch(torch_conventions, 3, timeout=60, quiet=True)):
+        assert out["ours"] == out["torch"], (r, out)
+        assert out["ours"]["handle"] == (True, True)
+        both, neither, bad_async = errors
+        assert "not both" in both and "group_src" in neither and "async_op must be True or False" in bad_async
+
+
 def bad_inputs():
     import torch.distributed as dist
 
