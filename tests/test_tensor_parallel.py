@@ -301,7 +301,7 @@ def _bad_inputs():
 
     from course_lib.collectives.comm import Comm
     from course_lib.parallel.mesh import Mesh, as_mesh
-    from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelDropout
     from course_lib.parallel.tp_plan import parallelize
 
     t, rank = dist.get_world_size(), dist.get_rank()
@@ -320,6 +320,31 @@ def _bad_inputs():
     def twice():
         parallelize(parallelize(model(), mesh), mesh)
 
+    def own_layer_per_rank():                      # torch.manual_seed(rank): a different layer each
+        torch.manual_seed(rank)
+        ColumnParallelLinear(torch.nn.Linear(6, 6), Comm())
+
+    def vocab_target_out_of_range():
+        from course_lib.parallel.vocab_parallel import shard_range, vocab_parallel_cross_entropy
+        a, b = shard_range(7, t, rank)
+        vocab_parallel_cross_entropy(torch.zeros(2, b - a), torch.tensor([1, 7]), Comm(), a)
+
+    def vocab_too_small():
+        from course_lib.parallel.vocab_parallel import VocabParallelEmbedding
+        VocabParallelEmbedding(torch.nn.Embedding(t - 1, 4), Comm())
+
+    def vocab_group():
+        from course_lib.parallel.vocab_parallel import VocabParallelEmbedding
+        VocabParallelEmbedding(torch.nn.Embedding(6, 4), dist.group.WORLD)
+
+    def same_layer():                              # the same layer everywhere for the cases below
+        g = torch.Generator().manual_seed(0)
+        layer = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        return layer
+
     cases = {
         "heads": lambda: parallelize(model(hidden=32, n_heads=4), mesh),
         "kv heads": lambda: parallelize(model(n_kv_heads=2), mesh),
@@ -331,6 +356,15 @@ def _bad_inputs():
         "row input": row_given_whole_input,
         "twice": twice,
         "not a comm": lambda: ColumnParallelLinear(torch.nn.Linear(6, 6), None),
+        "own layer": own_layer_per_rank,
+        "uneven gather": lambda: ColumnParallelLinear(same_layer(), Comm(), rows=(0, 5 if rank == 0 else 1),
+                                                      gather_output=True),
+        "copies": lambda: ColumnParallelLinear(same_layer(), Comm(), copies=2),
+        "cols": lambda: RowParallelLinear(same_layer(), Comm(), cols=(4, 9)),
+        "dropout p": lambda: TensorParallelDropout(1.5),
+        "target": vocab_target_out_of_range,
+        "vocab size": vocab_too_small,
+        "vocab group": vocab_group,
     }
     out = {}
     for name, case in cases.items():
@@ -347,7 +381,11 @@ def test_bad_input_is_a_clear_error_on_every_rank_not_a_hang():
                 "ffn": "MLP width 100 is not divisible by tp=3", "no tp dim": "'tp' dimension",
                 "mesh size": "world size", "seed per rank": "different models",
                 "sequence": "does not split evenly", "row input": "input features",
-                "twice": "already tensor-parallel", "not a comm": "TypeError"}
+                "twice": "already tensor-parallel", "not a comm": "TypeError",
+                "own layer": "ranks [1, 2] hold a different Linear", "uneven gather": "equal slices",
+                "copies": "copies=2 must be a positive int dividing", "cols": "cols [4, 9)",
+                "dropout p": "between 0 and 1", "target": "1 target(s) are not (they range from 1 to 7)",
+                "vocab size": "2 rows cannot be split over 3 ranks", "vocab group": "TypeError: pass the"}
     for rank, out in enumerate(launch(_bad_inputs, 3, timeout=60)):
         for name, fragment in expected.items():
             assert out[name] is not None and fragment in out[name], (rank, name, out[name])
@@ -410,6 +448,63 @@ def test_megatron_mlp_and_vocab_parallel_loss_equal_one_device():
         torch.testing.assert_close(whole, fc(x).detach())                            # gathered: all of Y
         torch.testing.assert_close(lr, loss.detach())
         torch.testing.assert_close(glog, logits.grad[..., a:b])
+
+
+def _torch_conventions():
+    """A sequence-parallel row layer alone (its bias added to s/t tokens), summed by GradSync;
+    the loss with every target ignored, with another ignore_index; dropout with p = 1."""
+    import torch.distributed as dist
+
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel.grad_sync import GradSync
+    from course_lib.parallel.mesh import Mesh, get_reduce_dims
+    from course_lib.parallel.tensor_parallel import RowParallelLinear, TensorParallelDropout
+    from course_lib.parallel.vocab_parallel import shard_range, vocab_parallel_cross_entropy
+
+    t, r = dist.get_world_size(), dist.get_rank()
+    comm, mesh, g = Comm(dim="tp"), Mesh(tp=t), torch.Generator().manual_seed(0)
+    proj = torch.nn.Linear(4 * t, 5).double()
+    with torch.no_grad():
+        for p in proj.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(2, 2 * t, 4 * t, generator=g).double()            # (b, s, in): s splits over t
+    row = RowParallelLinear(proj, comm, output="reduce_scatter")
+    row(x[..., 4 * r:4 * r + 4]).square().sum().backward()              # my tokens' share of the loss
+    marked = get_reduce_dims(row.bias, ())
+    GradSync(row, mesh, divisor=1).finish()                             # sums what is marked over tp
+    logits = torch.randn(6, 10, generator=g)
+    a, b = shard_range(10, t, r)
+    all_ignored = vocab_parallel_cross_entropy(logits[:, a:b], torch.full((6,), -100), comm, a)
+    targets = torch.tensor([3, 0, 9, 3, 5, 0])
+    mine = logits[:, a:b].clone().requires_grad_()
+    other_ignore = vocab_parallel_cross_entropy(mine, targets, comm, a, ignore_index=0)
+    other_ignore.backward()
+    dropped = TensorParallelDropout(1.0, torch.Generator().manual_seed(0))(torch.ones(5))
+    return marked, row.bias.grad, row.weight.grad, all_ignored, other_ignore.detach(), mine.grad, (a, b), dropped
+
+
+def test_sequence_parallel_bias_loss_and_dropout_follow_torch():
+    g = torch.Generator().manual_seed(0)
+    t = 3
+    proj = torch.nn.Linear(4 * t, 5).double()
+    with torch.no_grad():
+        for p in proj.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(2, 2 * t, 4 * t, generator=g).double()
+    proj(x).square().sum().backward()
+    logits = torch.randn(6, 10, generator=g).requires_grad_()
+    targets = torch.tensor([3, 0, 9, 3, 5, 0])
+    loss = F.cross_entropy(logits, targets, ignore_index=0)
+    loss.backward()
+    assert torch.isnan(F.cross_entropy(logits, torch.full((6,), -100)))          # torch's mean over no token
+    for r, (marked, gb, gw, all_ignored, lr, glog, (a, b), dropped) in enumerate(launch(_torch_conventions, t)):
+        assert marked == ("dp", "tp")
+        torch.testing.assert_close(gb, proj.bias.grad)                   # the whole bias gradient, every rank
+        torch.testing.assert_close(gw, proj.weight.grad[:, 4 * r:4 * r + 4])
+        assert torch.isnan(all_ignored), all_ignored
+        torch.testing.assert_close(lr, loss.detach())
+        torch.testing.assert_close(glog, logits.grad[:, a:b])
+        assert torch.equal(dropped, torch.zeros(5))
 
 
 # ----------------------------------------------------------------------------- with data parallelism

@@ -28,10 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib import compat
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.comm_ops import (_all_gather, copy_to_parallel, gather_from_parallel,
                                           gather_from_sequence_parallel, reduce_from_parallel,
                                           scatter_to_sequence_parallel, sum_over_copies)
+from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.vocab_parallel import shard_range
 
 INPUTS = ("replicated", "sequence", "entered")
@@ -41,6 +43,26 @@ OUTPUTS = ("reduce", "reduce_scatter", "partial")
 def _check_comm(comm):
     if not isinstance(comm, Comm):
         raise TypeError(f"pass the tensor-parallel group's Comm (mesh.comm('tp')), got {type(comm).__name__}")
+
+
+def check_same_everywhere(module: nn.Module, comm: Comm, what: str):
+    """ValueError on every rank unless every rank of ``comm`` holds the same single-device
+    ``module`` (shapes and values): each rank keeps a slice of it, and slices of different
+    layers are no layer at all (torch's parallelize_module takes rank 0's instead). One
+    all-gather of four numbers, a check outside the layer's traffic: not in ``comm.log``."""
+    params = [p.detach().double() for p in module.parameters()]
+    mine = torch.tensor([len(params), sum(p.numel() for p in params), sum(p.sum().item() for p in params),
+                         sum(p.square().sum().item() for p in params)], dtype=torch.float64,
+                        device=params[0].device if params else None)
+    every = mine.new_empty(comm.size * 4)
+    if comm.size > 1:
+        compat.all_gather_into_tensor(every, mine, group=comm.group)
+    else:
+        every.copy_(mine)
+    differ = [r for r, row in enumerate(every.view(comm.size, 4)) if not torch.equal(row, every[:4])]
+    if differ:
+        raise ValueError(f"{what}: ranks {differ} hold a different {type(module).__name__} than rank 0: build "
+                         f"the same single-device layer (same seed) on every rank, each keeps a slice of it")
 
 
 def slice_parameter(p: nn.Parameter, dim: int, start: int, stop: int) -> nn.Parameter:
@@ -118,15 +140,21 @@ class ColumnParallelLinear(nn.Module):
     rows: default an even split of the output features (must divide); ``copies``: how
     many ranks hold these same rows (a K/V head shared by several ranks' query heads):
     their gradients are summed over the copies in backward (``sum_over_copies``).
-    gather_output: all-gather the slices (every rank gets the whole Y: communication).
+    gather_output: all-gather the slices (every rank gets the whole Y: communication; the
+    slices must be equal). check: first verify that every rank was given the same ``linear``
+    (one small all-gather; ``parallelize`` checks the whole model once instead).
     """
 
     def __init__(self, linear: nn.Linear, comm: Comm, *, input="replicated", rows=None, copies=1,
-                 gather_output=False, keep_gathered=False):
+                 gather_output=False, keep_gathered=False, check=True):
         super().__init__()
         _check_comm(comm)
         if input not in INPUTS:
             raise ValueError(f"input must be one of {INPUTS}, got {input!r}")
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1 or comm.size % copies:
+            raise ValueError(f"copies={copies!r} must be a positive int dividing the tensor-parallel size {comm.size}")
+        if check:
+            check_same_everywhere(linear, comm, "ColumnParallelLinear")
         out = linear.out_features
         if rows is None:
             if out % comm.size:
@@ -136,6 +164,9 @@ class ColumnParallelLinear(nn.Module):
         start, stop = rows
         if not 0 <= start < stop <= out:
             raise ValueError(f"rows [{start}, {stop}) are not a slice of the {out} output features")
+        if gather_output and (stop - start) * comm.size != out:
+            raise ValueError(f"gather_output concatenates equal slices: rows [{start}, {stop}) is not 1/{comm.size} "
+                             f"of the {out} output features")
         self.comm, self.input, self.gather_output, self.keep_gathered = comm, input, gather_output, keep_gathered
         self.in_features, self.out_features, self.full_out_features = linear.in_features, stop - start, out
         self.copies, self.rows = copies, (start, stop)
@@ -181,14 +212,20 @@ class RowParallelLinear(nn.Module):
     output="partial"         no collective, no bias: a partial sum (wrong unless the caller sums
                              it and adds the bias once)
 
-    The bias is added once, after the sum (added before, it would count t times).
+    The bias is added once, after the sum (added before, it would count t times). With
+    ``"reduce_scatter"`` a rank adds it to its s/t tokens only, so its gradient is a partial
+    sum: it is marked ``("dp", "tp")`` (``set_reduce_dims``) and ``GradSync`` /
+    ``sync_tensor_parallel_grads`` sum it over the group (torch's DTensor reduces such a
+    Partial gradient itself). check: verify that every rank was given the same ``linear``.
     """
 
-    def __init__(self, linear: nn.Linear, comm: Comm, *, output="reduce", cols=None):
+    def __init__(self, linear: nn.Linear, comm: Comm, *, output="reduce", cols=None, check=True):
         super().__init__()
         _check_comm(comm)
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if check:
+            check_same_everywhere(linear, comm, "RowParallelLinear")
         n_in = linear.in_features
         if cols is None:
             if n_in % comm.size:
@@ -196,12 +233,16 @@ class RowParallelLinear(nn.Module):
                                  f"tensor-parallel size {comm.size}")
             cols = shard_range(n_in, comm.size, comm.rank)
         start, stop = cols
+        if not 0 <= start < stop <= n_in:
+            raise ValueError(f"cols [{start}, {stop}) are not a slice of the {n_in} input features")
         self.comm, self.output = comm, output
         self.in_features, self.full_in_features, self.out_features = stop - start, n_in, linear.out_features
         self.weight = slice_parameter(linear.weight, 1, start, stop)           # (out, in_r)
         self.bias = None
         if linear.bias is not None:  # replicated: every rank adds the same bias to the summed output
             self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+            if output == "reduce_scatter":
+                set_reduce_dims(self.bias, ("dp", "tp"))   # added to my s/t tokens only
 
     def forward(self, x):  # (..., in_r) -> (..., out), (b, s/t, out) with output="reduce_scatter"
         if x.shape[-1] != self.in_features:
@@ -264,6 +305,8 @@ class TensorParallelDropout(nn.Module):
 
     def __init__(self, p: float, generator=None, masks=None, region: str = ""):
         super().__init__()
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, got {p!r}")
         self.p, self.generator, self.masks, self.region = p, generator, masks, region
         self.record = None
 
@@ -276,6 +319,8 @@ class TensorParallelDropout(nn.Module):
             keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
         if self.record is not None:
             self.record.append(keep)
+        if self.p == 1.0:                       # nothing kept (nn.Dropout's p=1): zeros
+            return x * keep
         return x * keep * (1.0 / (1.0 - self.p))
 
     def extra_repr(self):
@@ -283,5 +328,5 @@ class TensorParallelDropout(nn.Module):
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShardInput", "LinearKeepingShard",
-           "enter_sequence_parallel", "slice_parameter", "head_rows", "shard_range", "TensorParallelRNG",
-           "TensorParallelDropout"]
+           "enter_sequence_parallel", "slice_parameter", "check_same_everywhere", "head_rows", "shard_range",
+           "TensorParallelRNG", "TensorParallelDropout"]

@@ -141,18 +141,18 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
         if style in ("column_heads", "column_kv_heads", "row_heads"):
             q, kv, copies = head_rows(*heads[name.rpartition(".")[0]], t, r)
             if style == "column_heads":
-                new = ColumnParallelLinear(mod, comm, input="entered", rows=q)
+                new = ColumnParallelLinear(mod, comm, input="entered", rows=q, check=False)
             elif style == "column_kv_heads":
-                new = ColumnParallelLinear(mod, comm, input="entered", rows=kv, copies=copies)
+                new = ColumnParallelLinear(mod, comm, input="entered", rows=kv, copies=copies, check=False)
             else:
-                new = RowParallelLinear(mod, comm, output=out, cols=q)
+                new = RowParallelLinear(mod, comm, output=out, cols=q, check=False)
         elif style == "column":
-            new = ColumnParallelLinear(mod, comm, input="entered")
+            new = ColumnParallelLinear(mod, comm, input="entered", check=False)
         elif style == "row":
-            new = RowParallelLinear(mod, comm, output=out)
+            new = RowParallelLinear(mod, comm, output=out, check=False)
         elif style == "column_vocab":
             new = ColumnParallelLinear(mod, comm, input="sequence" if sp else "replicated", keep_gathered=keep_gathered,
-                                       rows=shard_range(mod.out_features, t, r))
+                                       rows=shard_range(mod.out_features, t, r), check=False)
         elif style == "vocab_embedding":
             new = VocabParallelEmbedding(mod, comm, output=out)
         elif style == "region":
@@ -165,9 +165,7 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
             sharded = sp or style == "dropout_heads"
             new = TensorParallelDropout(mod.p, rng.sharded if sharded else rng.replicated,
                                         region="sharded" if sharded else "replicated")
-        if new is not None:
-            if isinstance(new, RowParallelLinear) and new.bias is not None and sp:
-                set_reduce_dims(new.bias, SP_DIMS)     # added to my s/t tokens only
+        if new is not None:                            # (a row layer marks its SP bias itself)
             setattr(parent, attr, new)
     if getattr(getattr(model, "config", None), "tie_embeddings", False) and \
             getattr(model, "lm_head", None) is not None and getattr(model, "tok_emb", None) is not None:

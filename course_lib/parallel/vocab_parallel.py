@@ -52,8 +52,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, comm: Comm, output: str = "reduce"):
         super().__init__()
+        if not isinstance(comm, Comm):
+            raise TypeError(f"pass the tensor-parallel group's Comm (mesh.comm('tp')), got {type(comm).__name__}")
         if output not in ("reduce", "reduce_scatter", "partial"):
             raise ValueError(f"output must be 'reduce', 'reduce_scatter' or 'partial', got {output!r}")
+        if embedding.num_embeddings < comm.size:
+            raise ValueError(f"a vocabulary of {embedding.num_embeddings} rows cannot be split over "
+                             f"{comm.size} ranks (each needs at least one row)")
         self.comm, self.output = comm, output
         self.num_embeddings = embedding.num_embeddings             # the full vocabulary V
         self.start, self.stop = shard_range(self.num_embeddings, comm.size, comm.rank)
@@ -79,7 +84,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy of logits split along the vocabulary (never gathered)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, comm, start):  # logits (N, V_r) float, targets (N,)
+    def forward(ctx, logits, targets, comm, start, ignore_index=IGNORE_INDEX):  # logits (N, V_r), targets (N,)
         n, v_local = logits.shape
         m = logits.max(dim=-1).values                                     # (N,) my maximum
         comm.all_reduce(m, op=dist.ReduceOp.MAX, name="loss: all-reduce max")
@@ -88,10 +93,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         mine = (local_t >= 0) & (local_t < v_local)                       # I hold the target's logit
         rows = torch.arange(n, device=logits.device)
         target_logit = torch.where(mine, logits[rows, local_t.clamp(0, v_local - 1)] - m, 0.0)
-        sums = torch.stack([exp.sum(dim=-1), target_logit])               # (2, N): one all-reduce
+        valid = targets != ignore_index
+        owned = (mine & valid).sum().to(exp.dtype).unsqueeze(0)          # targets whose logit I hold
+        sums = torch.cat([exp.sum(dim=-1), target_logit, owned])          # (2N + 1,): one all-reduce
         comm.all_reduce(sums, name="loss: all-reduce sum-exp, target logit")
-        sum_exp, target_logit = sums
-        valid = targets != IGNORE_INDEX
+        sum_exp, target_logit, owned = sums[:n], sums[n:2 * n], sums[2 * n]
+        n_valid = int(valid.sum().item())
+        if int(owned.item()) != n_valid:                                  # the same answer on every rank
+            raise ValueError(f"every target must be a class of the vocabulary (0 .. V-1) or ignore_index="
+                             f"{ignore_index}: {n_valid - int(owned.item())} target(s) are not (they range "
+                             f"from {targets[valid].min().item()} to {targets[valid].max().item()})")
         loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)      # (N,)
         exp.div_(sum_exp.unsqueeze(-1))                                   # softmax over MY columns
         ctx.save_for_backward(exp, local_t, mine & valid, valid)
@@ -104,24 +115,29 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows[hit], local_t[hit]] -= 1.0                                 # - onehot, where I hold it
         g.mul_((grad * valid).unsqueeze(-1))
-        return g, None, None, None
+        return g, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, comm: Comm, start: int, n_tokens=None):
+def vocab_parallel_cross_entropy(logits, targets, comm: Comm, start: int, n_tokens=None,
+                                 ignore_index: int = IGNORE_INDEX):
     """Cross entropy summed over tokens / ``n_tokens`` (the global token count; None: the
-    number of targets that are not ``-100``), from this rank's vocabulary columns
-    [start, start + V_r) of the logits. The same value on every rank of ``comm``."""
+    number of targets that are not ``ignore_index``, as ``F.cross_entropy``'s mean: NaN when
+    every target is ignored), from this rank's vocabulary columns [start, start + V_r) of the
+    logits. The same value on every rank of ``comm``. A target that is neither a class nor
+    ``ignore_index`` is a ValueError on every rank (``F.cross_entropy`` raises too)."""
     if not isinstance(comm, Comm):
         raise TypeError(f"pass the tensor-parallel Comm (mesh.comm('tp')), got {type(comm).__name__}")
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets must have the shape of logits without the vocabulary axis, "
                          f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     dtype = torch.promote_types(logits.dtype, torch.float32)              # at least fp32 (float64 stays)
     logits, targets = logits.to(dtype).flatten(0, -2), targets.flatten()  # (N, V_r), (N,)
-    per_token = VocabParallelCrossEntropy.apply(logits, targets, comm, start) if comm.size > 1 else \
-        F.cross_entropy(logits, targets, reduction="none")
+    per_token = VocabParallelCrossEntropy.apply(logits, targets, comm, start, ignore_index) if comm.size > 1 else \
+        F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
     if n_tokens is None:
-        n_tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        n_tokens = (targets != ignore_index).sum()
     elif isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, float, torch.Tensor)) or n_tokens < 1:
         raise ValueError(f"n_tokens (the global token count) must be a number >= 1, got {n_tokens!r}")
     return per_token.sum() / n_tokens
