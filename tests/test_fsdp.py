@@ -22,6 +22,7 @@ from course_lib.planner.formulas import collective_bytes_per_rank
 SIZES = (16, 32, 16, 32)
 AWKWARD = dict(frozen=(1,), shared=True, unused=True)
 BATCH, STEPS = 24, 5
+CLIP_NORMS = (2.0, 1.0, math.inf)
 GPT = GPTConfig(vocab_size=64, seq_len=16, n_layers=3, hidden=32, n_heads=4, n_kv_heads=2,
                 tie_embeddings=True)
 
@@ -206,6 +207,9 @@ class TPMLP(nn.Module):
             for p, v in ((self.fc1.weight, w1), (self.fc1.bias, b1), (self.fc2.weight, w2)):
                 p.copy_(v)
         self.bias, self.scale = nn.Parameter(b2), nn.Parameter(scale)  # after the all-reduce
+        if tp is not None:  # what course_lib's TP layers tag their slices with (slice_parameter)
+            self.fc1.weight.tp_shard, self.fc1.bias.tp_shard = (0, 0, 0, HID), (0, 0, 0, HID)
+            self.fc2.weight.tp_shard = (1, 0, 0, HID)
 
     def forward(self, x):                                      # x (b, IN)
         if self.tp is not None:
@@ -229,11 +233,13 @@ def tp_data():
 def tp_reference():
     model = TPMLP(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = []
     for x, y in tp_data():
         F.mse_loss(model(x), y).backward()
+        norms.append([torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf, t) for t in CLIP_NORMS])
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    return model.state_dict(), norms
 
 
 def tp_fsdp():
@@ -248,12 +254,14 @@ def tp_fsdp():
     fsdp = FSDP(model, mesh=mesh, units=[model.fc1, model.fc2], divisor=1)  # the loss is global
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = []
     for x, y in tp_data():
         x, y = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]   # (4, .) per dp rank
         y = y.chunk(tp.size)[tp.rank]                                  # (2, OUT): my rows
         loss = ((fsdp(x) - y) ** 2).sum() / (8 * OUT)  # / the global count: the sum over ranks is the loss
         loss.backward()
         fsdp.finish_gradient_synchronization()
+        norms.append([fsdp.clip_grad_norm_(math.inf, t) for t in CLIP_NORMS])  # inf: scales by 1
         opt.step()
         opt.zero_grad()
     full = fsdp.gather_full_params()  # over dp; then over tp by hand
@@ -262,7 +270,7 @@ def tp_fsdp():
         parts = t.new_empty(tp.size * t.shape[0], *t.shape[1:])
         tp.all_gather_into_tensor(parts, t)
         full[name] = parts.movedim(0, dim)  # the tp slices side by side along dim
-    return dict(state=full, shapes=shapes)
+    return dict(state=full, shapes=shapes, norms=norms)
 
 
 def bad_distributed_input():
@@ -398,7 +406,7 @@ def test_more_ranks_than_rows(runs, world):
 
 def test_tp_then_fsdp_matches_one_device(runs):
     """Mesh(dp=2, tp=2): TP cuts fc1 by rows and fc2 by columns, FSDP cuts them again by rows."""
-    ref = tp_reference()
+    ref = tp_reference()[0]
     for rank, result in enumerate(runs[4]):
         tp = rank % 2
         got = result["tp"]
@@ -430,3 +438,166 @@ def test_bad_input(runs):
     assert "needs mesh=" in several
     assert "pass mesh=Mesh" in no_tp          # reduced over tp, but only a dp group given
     assert "must be reduced over the dimensions it is sharded on" in not_dp
+
+
+def test_clip_grad_norm_with_tp_is_the_single_device_norm(runs):
+    """With TP under FSDP the norm sums over dp and tp: a TP slice counts on every TP rank, the
+    replicated bias and the sequence-parallel scale once: every rank gets one device's norm."""
+    ref_norms = tp_reference()[1]
+    for rank, result in enumerate(runs[4]):
+        for step, (got, want) in enumerate(zip(result["tp"]["norms"], ref_norms)):
+            for t, g, w in zip(CLIP_NORMS, got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7,
+                                           msg=f"rank {rank}, step {step}, norm_type {t}")
+
+
+# ----------------------------------------------------------------------------- nesting, clipping, checkpoints
+CLIP_SIZES, MAX_NORM = (5, 7, 5, 7), 0.05  # (7, 5): 4 + 3 rows on 2 ranks, 3 + 3 + 1 on 3
+
+
+def clip_model(seed):
+    """Uneven shards on 2 and 3 ranks, a frozen layer, a tied weight and an unused parameter."""
+    return MLP(CLIP_SIZES, seed=seed, frozen=(1,), shared=True, unused=True)
+
+
+def clip_data():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(12, CLIP_SIZES[0], generator=g), torch.randn(12, CLIP_SIZES[-1], generator=g)
+
+
+def clip_reference(norm_type, seed=0):
+    """One device, full batch: the norm torch.nn.utils.clip_grad_norm_ returns, the parameters
+    after one SGD step (lr 1) on the clipped gradients."""
+    model = clip_model(seed)
+    x, y = clip_data()
+    F.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return norm, model.state_dict()
+
+
+def _error(fn, kind=ValueError):
+    try:
+        fn()
+    except kind as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def api_checks():
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    nested = []  # torch's habit: fully_shard(block), then fully_shard(model)
+    for shape in ((3, 5), (3, 4)):  # (5, 3): uneven on 2 and 3 ranks; (4, 3): even on 2
+        m = nn.Sequential(nn.Linear(*shape), nn.Linear(shape[1], 2))
+        m[0] = FSDP(m[0])
+        nested.append(_error(lambda: FSDP(m)))
+    lin = nn.Linear(3, 4)
+    wrapped = FSDP(lin)
+    out["nested"] = nested + [_error(lambda: FSDP(wrapped)), _error(lambda: FSDP(lin)),
+                              _error(lambda: FSDP(nn.Sequential(nn.Linear(4, 4), lin)))]
+
+    x, y = clip_data()
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    out["clip"] = {}
+    for norm_type in CLIP_NORMS:
+        fsdp = FSDP(clip_model(seed=rank))
+        F.mse_loss(fsdp(x), y).backward()
+        pending = _error(lambda: fsdp.clip_grad_norm_(MAX_NORM, norm_type), RuntimeError)
+        fsdp.finish_gradient_synchronization()
+        per_rank = torch.nn.utils.clip_grad_norm_(fsdp.parameters(), math.inf, norm_type)  # shards only
+        norm = fsdp.clip_grad_norm_(MAX_NORM, norm_type)
+        torch.optim.SGD(fsdp.parameters(), lr=1.0).step()
+        out["clip"][norm_type] = dict(pending=pending, norm=norm, per_rank=per_rank, state=fsdp.gather_full_params())
+    out["clip bad"] = [_error(lambda: fsdp.clip_grad_norm_(-1.0)), _error(lambda: fsdp.clip_grad_norm_(1.0, 0))]
+    F.mse_loss(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()
+    if rank == 0:  # one non-finite element on one rank: every rank sees the non-finite norm
+        fsdp.module.layers[0].bias.grad[0] = math.nan
+    out["nonfinite"] = [_error(lambda: fsdp.clip_grad_norm_(1.0, error_if_nonfinite=True), RuntimeError),
+                        fsdp.clip_grad_norm_(1.0, "inf"), fsdp.clip_grad_norm_(1.0)]
+
+    fsdp = FSDP(clip_model(seed=rank))  # rank 0's model (seed 0) on every rank
+    out["sharded"] = {k: tuple(v.shape) for k, v in fsdp.state_dict().items()}
+    out["full"] = fsdp.full_state_dict()
+    out["rank0_only"] = fsdp.full_state_dict(rank0_only=True)
+    single = clip_model(seed=7).state_dict()  # a single-device checkpoint
+    bad = [{k: v for k, v in single.items() if k != "layers.1.bias"}, {**single, "extra": torch.zeros(1)},
+           {**single, "layers.0.bias": torch.zeros(6)}, fsdp.state_dict()]
+    out["load bad"] = [_error(lambda: fsdp.load_full_state_dict(sd)) for sd in bad]
+    out["after bad"] = fsdp.full_state_dict()  # the failed loads changed nothing
+    fsdp.load_full_state_dict(single)
+    out["loaded"] = fsdp.full_state_dict()
+    out["loaded shapes"] = {n: tuple(p.shape) for n, p in fsdp.module.named_parameters()}
+    F.mse_loss(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()
+    fsdp.clip_grad_norm_(MAX_NORM)
+    torch.optim.SGD(fsdp.parameters(), lr=1.0).step()
+    out["loaded trained"] = fsdp.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def api_runs():
+    return {n: launch(api_checks, n, timeout=120) for n in (2, 3)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nested_fsdp_is_refused(api_runs, world):
+    for result in api_runs[world]:
+        uneven, even, twice, inner_again, inside_again = result["nested"]
+        for msg in (uneven, even):
+            assert msg and "'0' is already an FSDP" in msg and "units=" in msg
+        assert twice and "already an FSDP" in twice
+        for msg in (inner_again, inside_again):
+            assert msg and "already wrapped by an FSDP" in msg and "units=" in msg
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("norm_type", CLIP_NORMS)
+def test_clip_grad_norm_matches_single_device(api_runs, world, norm_type):
+    norm, state = clip_reference(norm_type)
+    assert norm > MAX_NORM  # it clips
+    per_rank = [result["clip"][norm_type]["per_rank"] for result in api_runs[world]]
+    assert max(per_rank) <= norm * (1 + 1e-5) and min(per_rank) < norm * 0.99  # torch's clip on shards: per rank
+    for rank, result in enumerate(api_runs[world]):
+        got = result["clip"][norm_type]
+        assert "pending" in got["pending"] and "finish_gradient_synchronization" in got["pending"]
+        torch.testing.assert_close(got["norm"], norm, rtol=1e-5, atol=1e-7)
+        for name in state:  # the clipped step: frozen layer unchanged, unused parameter untouched
+            torch.testing.assert_close(got["state"][name], state[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clip_grad_norm_bad_input(api_runs, world):
+    for result in api_runs[world]:
+        negative, zero = result["clip bad"]
+        assert "max_norm must be a number >= 0" in negative and "norm_type must be a number > 0" in zero
+        error, inf_norm, norm = result["nonfinite"]  # a NaN on rank 0 only: every rank's norm is NaN
+        assert error and "non-finite" in error and torch.isnan(inf_norm) and torch.isnan(norm)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_state_dict_round_trip(api_runs, world):
+    initial, single = clip_model(0).state_dict(), clip_model(7).state_dict()
+    _, trained = clip_reference(2.0, seed=7)
+    for rank, result in enumerate(api_runs[world]):
+        # state_dict(): this rank's rows under module.<name>, as documented
+        assert result["sharded"] == {f"module.{k}": (dim0_rows(v.shape[0], world, rank)[1], *v.shape[1:])
+                                     for k, v in initial.items()}
+        for key in ("full", "after bad"):
+            assert list(result[key]) == list(initial)
+            assert all(torch.equal(result[key][k], initial[k]) for k in initial), key
+        assert list(result["rank0_only"]) == (list(initial) if rank == 0 else [])
+        assert all(torch.equal(result["loaded"][k], single[k]) for k in single)
+        assert {k: v[0] for k, v in result["loaded shapes"].items()} == \
+            {k: dim0_rows(v.shape[0], world, rank)[1] for k, v in clip_model(0).named_parameters()}
+        for name in trained:
+            torch.testing.assert_close(result["loaded trained"][name], trained[name], rtol=1e-5, atol=1e-6)
+        missing, unexpected, shape, sharded = result["load bad"]
+        assert "missing keys ['layers.1.bias']" in missing
+        assert "unexpected keys ['extra']" in unexpected
+        assert "'layers.0.bias' has shape (6,)" in shape and "(7,)" in shape
+        assert "FSDP.state_dict()'s sharded dict" in sharded

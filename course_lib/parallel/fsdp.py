@@ -31,10 +31,12 @@ broadcast before sharding: no rank draws its own shard.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import trace
@@ -71,6 +73,16 @@ class _UnshardFn(torch.autograd.Function):
 class FSDP(nn.Module):
     """Fully sharded data parallel (ZeRO-3) over mesh dimension(s) ``dims``.
 
+    Gradients are NOT in ``p.grad`` after ``loss.backward()`` (unlike torch's ``fully_shard``):
+    backward only launches the reduce-scatters, ``p.grad`` stays None (or last step's). Call
+    ``finish_gradient_synchronization()`` after the last backward and before
+    ``clip_grad_norm_`` / ``optimizer.step()``: it waits for them and sets each parameter's
+    ``.grad`` to its shard of the gradient (the rows this rank holds, summed over the ranks
+    and divided by ``divisor``). Several forward/backward passes before it accumulate
+    gradients. Every rank must run the same units in forward. Clip with this FSDP's
+    ``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` on the shards gives each rank the
+    norm of its own rows only.
+
     mesh / group: a :class:`~course_lib.parallel.mesh.Mesh`, or one process group (None:
         the world) named ``dims``; every collective goes through ``mesh.comm(...)``.
     compute_dtype: dtype of the gathered parameters, the buffers and the floating inputs
@@ -80,16 +92,27 @@ class FSDP(nn.Module):
     divisor: the summed gradients are divided by it (None: the number of FSDP ranks).
     units: submodules that get their own all-gather (default :func:`default_units`); the
         root always is one; a parameter shared by two units (tied weights) is the root's.
+        FSDP does not nest: torch's ``fully_shard(block)`` per block, then
+        ``fully_shard(model)``, is here one ``FSDP(model, units=blocks)`` (refused otherwise).
 
-    Call ``finish_gradient_synchronization()`` after the last backward, before
-    ``optimizer.step()``; several forward/backward passes before it accumulate gradients.
-    Every rank must run the same units in forward.
+    Checkpoints:
+
+    - ``state_dict()`` (``nn.Module``'s own) is this rank's shards: keys ``module.<name>``
+      (the single-device names behind the ``module.`` prefix, a tied weight under each of its
+      names), each parameter a plain tensor in the master dtype holding rows
+      ``[r * c, r * c + rows)`` of dim 0 (c = ceil(d0 / N); shape (rows, ...), maybe 0 rows:
+      nothing marks it as a shard), buffers whole (in compute_dtype if given).
+      ``load_state_dict`` takes such a dict back on the same rank of the same FSDP layout.
+    - ``full_state_dict()``: the single-device state dict (no prefix, full shapes, master
+      dtype; buffers as held), gathered: what ``model.load_state_dict`` on one device takes.
+    - ``load_full_state_dict(sd)``: each rank keeps its rows of a single-device state dict.
     """
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
                  dims="dp", divisor=None, prefetch=True):
         super().__init__()
         check_module(module)
+        _check_not_wrapped(module)
         for dt in (compute_dtype, reduce_dtype):
             if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
                 raise TypeError(f"FSDP: compute_dtype / reduce_dtype must be floating torch dtypes, got {dt!r}")
@@ -116,7 +139,11 @@ class FSDP(nn.Module):
             for buf in module.buffers():
                 if buf.is_floating_point():
                     buf.data = buf.data.to(compute_dtype)
+        self._norm_dims = self._grad_norm_dims(extra)
+        self._norm_params = []  # [(shard Parameter, counted in the norm on this rank)]
         self.units = self._build_units(module, unit_modules, extra)
+        for m in module.modules():  # its parameters are shards now: wrapping it again is refused
+            m._fsdp_sharded = True
         self._fwd_order = [u.index for u in self.units]  # refined after each forward
         self._pre_order, self._post_order, self._reducing, self._where = [], [], [], {}
         for u in self.units:
@@ -140,6 +167,27 @@ class FSDP(nn.Module):
                 self.mesh.comm(rest)  # a clear error now if the mesh lacks them
         return extra
 
+    def _grad_norm_dims(self, extra):
+        """The mesh dims ``clip_grad_norm_`` sums over: FSDP's, the dims some gradient is also
+        reduced over, and "tp" if the mesh has it (TP slices differ between TP ranks)."""
+        others = set().union(*extra.values()) - set(self.dims)
+        if self.mesh.sizes.get("tp", 1) > 1 and "tp" not in self.dims:
+            others.add("tp")
+        return self.dims + tuple(sorted(others))
+
+    def _counted_in_norm(self, p, extra_dims):
+        """Does this rank count (original, unsharded) parameter p in the norm? A copy held by
+        several ranks of the norm's extra dims counts once: on their coordinate 0."""
+        coord = getattr(self.mesh, "coord", {})
+        for d in self._norm_dims[len(self.dims):]:
+            tp_slice = d == "tp" and getattr(p, "tp_shard", None) is not None
+            replicated = d in extra_dims or d == "cp" or (d == "tp" and not tp_slice)
+            if replicated and coord[d] != 0:
+                return False
+            if tp_slice and coord[d] % getattr(p, "tp_copies", 1):  # a TP slice held by `copies` ranks
+                return False
+        return True
+
     def _build_units(self, module, unit_modules, extra):
         built = []
         for m, name, params, where in assign_units(module, unit_modules):
@@ -150,6 +198,8 @@ class FSDP(nn.Module):
                 if p in extra:
                     groups.setdefault(extra[p], []).append(j)
             unit.extra = [(self.mesh.comm(dims), js) for dims, js in groups.items()]
+            self._norm_params += [(unit.pieces[j], self._counted_in_norm(p, extra.get(p, ())))
+                                  for j, p in enumerate(params) if p.requires_grad]
             for mod, attr, i in where:
                 mod._parameters[attr] = unit.pieces[i]  # the module now holds its shard only
             built.append(unit)
@@ -310,6 +360,56 @@ class FSDP(nn.Module):
             u.grad_shard, u.used_anywhere, u.used = None, None, [False] * len(u.pieces)
             self._reshard(u)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """``torch.nn.utils.clip_grad_norm_`` for the sharded gradients: returns the total
+        ``norm_type`` norm of the gradients of the whole (unsharded) model, as one device
+        computes it, and scales every gradient shard by min(1, max_norm / (norm + 1e-6)).
+
+        Each rank holds rows of each gradient (padding excluded), so: inf norm = a MAX
+        all-reduce of the local max |g|; p-norm = (SUM all-reduce of sum |g|^p)^(1/p). The sum
+        runs over FSDP's dims, plus any dim a gradient is also reduced over (a sequence-
+        parallel weight, replicated there: counted once) and, when the mesh has "tp", over
+        the TP ranks: a weight TP cut (``tp_shard``, as course_lib's TP layers tag it) counts
+        its slice on each TP rank, any other parameter (replicated over tp) counts once; so
+        every rank gets the same norm, that of the single-device model, as torch's DTensor
+        gradients give. Pipeline stages are not summed: each stage's FSDP clips by its own norm.
+        Call it after ``finish_gradient_synchronization()``, on every rank (a collective).
+        """
+        if self._reducing or any(u.grad_shard is not None for u in self.units):
+            raise RuntimeError("FSDP.clip_grad_norm_: gradient reduce-scatters are still pending: call "
+                               "finish_gradient_synchronization() after backward, before clipping")
+        number, order = _number(max_norm), _number(norm_type)  # as torch: "inf", 0-d tensors
+        if number is None or not number >= 0:
+            raise ValueError(f"FSDP.clip_grad_norm_: max_norm must be a number >= 0, got {max_norm!r}")
+        if order is None or not order > 0:
+            raise ValueError(f"FSDP.clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type!r}")
+        max_norm, norm_type = number, order
+        grads = [(p.grad, counted) for p, counted in self._norm_params if p.grad is not None]
+        local = self.units[0].flat_shard.new_zeros((), dtype=torch.float64)  # float64: no overflow
+        for g, counted in grads:
+            if counted and g.numel():
+                a = g.detach().abs()  # (rows, ...): this rank's rows, no padding
+                local = torch.maximum(local, a.max().double()) if norm_type == math.inf \
+                    else local + a.double().pow(norm_type).sum()
+        comm = self.mesh.comm(self._norm_dims)
+        if norm_type == math.inf:  # [max |g|, NaN seen]: a MAX may drop a NaN, a flag does not
+            stats = torch.stack([local.nan_to_num(nan=0.0), local.isnan().double()])
+            comm.all_reduce(stats, op=dist.ReduceOp.MAX, name="all-reduce grad norm")
+            total = stats[0] if stats[1] == 0 else stats[1] * math.nan
+        else:  # sum over ranks of sum |g|^p
+            comm.all_reduce(local, name="all-reduce grad norm")
+            total = local.pow(1.0 / norm_type)
+        total = total.to(self.master_dtype)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it "
+                               f"cannot be clipped. To disable this error and scale the gradients by the "
+                               f"non-finite norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g, _ in grads:  # every shard, counted here or not: replicas stay equal
+            g.mul_(coef.to(g.dtype))
+        return total
+
     # ------------------------------------------------------------------ checkpoints
     @torch.no_grad()
     def gather_full_params(self):
@@ -323,9 +423,78 @@ class FSDP(nn.Module):
         return OrderedDict((name, full.get(id(t), t.detach()))
                            for name, t in self.module.state_dict(keep_vars=True).items())
 
+    def full_state_dict(self, rank0_only=False):
+        """The single-device state dict (``module.state_dict()`` of the unwrapped model: same
+        keys, full shapes, master dtype), gathered; a collective: every rank calls it. With
+        ``rank0_only`` the other ranks get ``{}`` (they still take part in the all-gathers)."""
+        full = self.gather_full_params()
+        return full if not rank0_only or self.comm.rank == 0 else OrderedDict()
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict):
+        """Load a single-device state dict (the unwrapped model's keys and full shapes): each
+        rank copies its rows of every parameter into its shard, and the buffers whole. No
+        communication: every rank must be given the same dict."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"FSDP.load_full_state_dict takes a dict, got {type(state_dict).__name__}")
+        where = {id(piece): (u, i) for u in self.units for i, piece in enumerate(u.pieces)}
+        targets = self.module.state_dict(keep_vars=True)  # name -> shard Parameter or buffer
+        missing = [k for k in targets if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in targets]
+        if missing or unexpected:
+            prefixed = [k for k in unexpected if k.startswith("module.")]
+            hint = (" (keys start with 'module.': that is FSDP.state_dict()'s sharded dict; use "
+                    "load_state_dict for it)") if prefixed else ""
+            raise ValueError(f"FSDP.load_full_state_dict: the state dict does not match the model: "
+                             f"missing keys {missing}, unexpected keys {unexpected}{hint}")
+        plan = []
+        for name, t in targets.items():
+            value, u_i = state_dict[name], where.get(id(t))
+            full_shape = t.shape if u_i is None else u_i[0].slots[u_i[1]].shape
+            if not torch.is_tensor(value):
+                raise TypeError(f"FSDP.load_full_state_dict: {name!r} is a {type(value).__name__}, not a tensor")
+            if tuple(value.shape) != tuple(full_shape):
+                raise ValueError(f"FSDP.load_full_state_dict: {name!r} has shape {tuple(value.shape)}, the "
+                                 f"single-device model's is {tuple(full_shape)} (a full, unsharded tensor)")
+            plan.append((name, t, value, u_i))
+        for name, t, value, u_i in plan:  # checked everything first: all or nothing
+            if u_i is None:
+                t.copy_(value)
+            else:
+                u, i = u_i
+                s = u.slots[i]
+                start = self.comm.rank * s.chunk
+                t.copy_(value[start:start + s.rows])  # (rows, *trailing): my rows, maybe none
+
 
 def _key(t):
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def _number(x):
+    """float(x) for a real number, "inf" or a one-element tensor; None for anything else."""
+    if isinstance(x, bool) or (torch.is_tensor(x) and x.numel() != 1):
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_not_wrapped(module):
+    """FSDP does not nest: an FSDP inside, or parameters some FSDP already sharded, would be
+    sharded twice (a layer that never trains, or mismatched collectives)."""
+    if isinstance(module, FSDP):
+        raise ValueError("FSDP: the module is already an FSDP: wrap the original module once")
+    for name, m in module.named_modules():
+        where = f"submodule {name!r}" if name else "the module"
+        if isinstance(m, FSDP):
+            raise ValueError(f"FSDP: {where} is already an FSDP, and FSDP does not nest (torch's habit: "
+                             f"fully_shard each block, then the root). Wrap the original model once and "
+                             f"pass the blocks as units=[...]: each unit gets its own all-gather")
+        if getattr(m, "_fsdp_sharded", False):
+            raise ValueError(f"FSDP: {where} was already wrapped by an FSDP (its parameters are shards): "
+                             f"wrap the original model once, passing the blocks as units=[...]")
 
 
 __all__ = ["FSDP", "default_units", "check_module", "broadcast_module_states"]
