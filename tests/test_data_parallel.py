@@ -173,3 +173,189 @@ def test_bad_modules():
         DDP(two_devices)
     with pytest.raises(TypeError):
         DDP(lambda x: x)
+
+
+# ------------------------------------------------------------------ torch's DDP conventions
+def bn_model():
+    return nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+
+def buffers_of(model):
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+def _buffers_section(out, rank):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # BatchNorm: ours (broadcast_buffers=True / False) next to torch's DDP, rank-dependent data
+    base = bn_model()
+    ours, theirs = DDP(copy.deepcopy(base)), DistributedDataParallel(copy.deepcopy(base))
+    local = DDP(copy.deepcopy(base), broadcast_buffers=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs, local)]
+    out["steps"] = []
+    for step in range(3):
+        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(10 * step + rank)) * (rank + 1) + rank
+        for m, opt in zip((ours, theirs, local), opts):
+            m(x).square().mean().backward()
+            if m is not theirs:
+                m.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+        out["steps"].append([buffers_of(m.module) for m in (ours, theirs, local)])
+    ours.comm.reset()
+    for m in (ours, theirs, local):
+        m.eval()
+        with torch.no_grad():
+            m(x)  # follows a training forward: sends rank 0's buffers (torch's rule) ...
+            m(x)  # ... follows a no_grad forward: sends nothing
+    out["eval"] = [buffers_of(m.module) for m in (ours, theirs, local)]
+    out["eval calls"] = [c.name for c in ours.comm.log]
+    out["params"] = [[p.detach().clone() for p in m.module.parameters()] for m in (ours, theirs)]
+    mlp = DDP(MLP(SIZES, seed=0))  # non-persistent or no buffers: a forward sends nothing
+    mlp.comm.reset()
+    mlp(torch.zeros(2, SIZES[0]))
+    out["mlp forward calls"] = len(mlp.comm.log)
+
+
+def _keywords_section(out, rank):
+    import torch.distributed as dist
+
+    # torch's keyword arguments
+    def attempt(key, build):
+        try:
+            out[key] = build()
+        except (TypeError, ValueError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    attempt("process_group", lambda: DDP(nn.Linear(2, 2), process_group=dist.group.WORLD).comm.size)
+    attempt("process_group and group", lambda: DDP(nn.Linear(2, 2), process_group=dist.group.WORLD,
+                                                   group=dist.group.WORLD))
+    attempt("torch flags", lambda: type(DDP(nn.Linear(2, 2), device_ids=None, output_device=None,
+                                            find_unused_parameters=True, static_graph=True,
+                                            gradient_as_bucket_view=True)).__name__)
+    attempt("device_ids on cpu", lambda: DDP(nn.Linear(2, 2), device_ids=[0]))
+    attempt("device_ids positional", lambda: DDP(nn.Linear(2, 2), [0]))
+    attempt("flag not bool", lambda: DDP(nn.Linear(2, 2), find_unused_parameters="yes"))
+
+
+def _bucket_view_section(out, rank):
+    # gradient_as_bucket_view: True (ours): p.grad IS the bucket; False: a copy of its own
+    x = torch.full((2, 3), float(rank + 1))
+    for view in (True, False):
+        m = DDP(nn.Linear(3, 1), gradient_as_bucket_view=view)
+        m(x).sum().backward()
+        m.finish_gradient_synchronization()
+        kept = m.module.weight.grad
+        value = kept.clone()
+        m.zero_grad(set_to_none=True)
+        m(3 * x).sum().backward()
+        m.finish_gradient_synchronization()
+        out["bucket view", view] = dict(first=value, kept_changed=not torch.equal(kept, value),
+                                        second=m.module.weight.grad.clone())
+
+
+def _replicas_section(out, rank):
+    from course_lib.parallel.fsdp import FSDP
+    from course_lib.parallel.zero import ShardedOptimizer
+
+    # replicas that differ: a clear ValueError on every rank, from every wrapper
+    def refused(build):
+        try:
+            build()
+            return "accepted"
+        except ValueError as exc:
+            return str(exc)
+
+    out["shapes"] = refused(lambda: DDP(nn.Linear(3, 3 if rank == 2 else 2)))
+    out["counts"] = refused(lambda: DDP(nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 if rank == 1 else 1)])))
+    out["zero shapes"] = refused(lambda: ShardedOptimizer(nn.Linear(3, 3 if rank == 2 else 2).parameters(),
+                                                          torch.optim.SGD, lr=0.1))
+    out["fsdp shapes"] = refused(lambda: FSDP(nn.Sequential(nn.Linear(3, 3 if rank == 2 else 2))))
+    out["dtypes"] = refused(lambda: DDP(nn.Linear(2, 2).to(torch.float64 if rank == 1 else torch.float32)))
+    out["same after refusals"] = type(DDP(nn.Linear(2, 2))).__name__  # the group still works
+
+
+def assert_no_error(results, section):
+    errors = [r[section, "error"] for r in results if (section, "error") in r]
+    assert not errors, errors[0]
+
+
+def convention_checks():
+    """One 3-rank launch: buffers, torch's keyword arguments, gradient copies, mismatched replicas."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {}
+    sections = {"buffers": _buffers_section, "keywords": _keywords_section, "bucket view": _bucket_view_section,
+                "replicas": _replicas_section}
+    for name, section in sections.items():  # a failing section fails its own test, not the launch
+        try:
+            section(out, rank)
+        except Exception as exc:
+            out[name, "error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def conventions():
+    return launch(convention_checks, 3, timeout=120)
+
+
+def test_buffers_broadcast_as_torch_ddp(conventions):
+    """BatchNorm's running statistics: ours equal torch's DDP on every rank after every step
+    (rank 0's buffers are sent before each forward); after the next forward, identical everywhere."""
+    assert_no_error(conventions, "buffers")
+    for result in conventions:
+        for ours, theirs, _ in result["steps"]:
+            for name in theirs:
+                torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-6, msg=name)
+        for a, b in zip(*result["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        # one flat message for all of BatchNorm's buffers (float and int64), then none under no_grad
+        assert result["eval calls"] == ["broadcast buffers"]
+        assert result["mlp forward calls"] == 0
+    for name, ours in conventions[0]["eval"][0].items():
+        for result in conventions[1:]:
+            assert torch.equal(result["eval"][0][name], ours), name
+            assert torch.equal(result["eval"][1][name], conventions[0]["eval"][1][name]), name
+    # broadcast_buffers=False: each replica keeps its own statistics
+    assert not torch.equal(conventions[0]["eval"][2]["1.running_mean"], conventions[1]["eval"][2]["1.running_mean"])
+
+
+def test_torch_keyword_arguments(conventions):
+    assert_no_error(conventions, "keywords")
+    for result in conventions:
+        assert result["process_group"] == 3
+        assert result["process_group and group"].startswith("ValueError") and "process_group" in result[
+            "process_group and group"]
+        assert result["torch flags"] == "DDP"
+        assert result["device_ids on cpu"].startswith("ValueError") and "device_ids" in result["device_ids on cpu"]
+        assert "device_ids=[0]" in result["device_ids positional"]
+        assert result["flag not bool"].startswith("TypeError") and "find_unused_parameters" in result["flag not bool"]
+
+
+def test_gradient_as_bucket_view(conventions):
+    """True: p.grad is a view of the bucket, the next step overwrites a kept reference;
+    False: a copy (torch's default), the same values."""
+    assert_no_error(conventions, "bucket view")
+    for result in conventions:
+        view, copy_ = result["bucket view", True], result["bucket view", False]
+        assert view["kept_changed"] and not copy_["kept_changed"]
+        assert torch.equal(view["first"], copy_["first"]) and torch.equal(view["second"], copy_["second"])
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("shapes", "rank 2's 'weight' has shape (3, 3), rank 0's 'weight' has shape (2, 3)"),
+    ("counts", "rank 1 has 4 parameters and buffers, rank 0 has 2 (the first one only rank 1 has: '1.weight')"),
+    ("zero shapes", "rank 2's tensor 0 has shape (3, 3), rank 0's tensor 0 has shape (2, 3)"),
+    ("fsdp shapes", "rank 2's '0.weight' has shape (3, 3), rank 0's '0.weight' has shape (2, 3)"),
+    ("dtypes", "rank 1's 'weight' is float64, rank 0's 'weight' is float32"),
+])
+def test_replicas_that_differ_are_refused(conventions, case, expected):
+    """A ValueError on EVERY rank at construction (before: the first step aborted or hung)."""
+    assert_no_error(conventions, "replicas")
+    for result in conventions:
+        assert "the replicas differ across ranks" in result[case] and expected in result[case], result[case]
+    assert all(result["same after refusals"] == "DDP" for result in conventions)

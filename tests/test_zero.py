@@ -1,5 +1,7 @@
 """ZeRO-1 / ZeRO-2 (course_lib/parallel/zero.py) against plain AdamW on one device."""
+import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -136,3 +138,218 @@ def test_bad_input():
         ShardedOptimizer(model.parameters(), "adamw")
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         ShardedOptimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=0)
+
+
+# ------------------------------------------------------------------ torch's ZeroRedundancyOptimizer conventions
+def two_part_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _subgroup_section(out, rank, sub):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from course_lib.collectives.comm import Comm
+
+    # sharded over a subgroup: equal to torch's DDP + ZeroRedundancyOptimizer on that subgroup
+    base = two_part_model(seed=rank // 2)  # the two pairs train different models
+    kw = dict(lr=0.05, weight_decay=0.1)
+    theirs = DistributedDataParallel(copy.deepcopy(base), process_group=sub)
+    models = {"torch": theirs.module}
+    opts = {"torch": ZeroRedundancyOptimizer(theirs.parameters(), torch.optim.AdamW, process_group=sub, **kw)}
+    for stage, group in ((1, sub), (2, Comm(sub, dim="dp"))):
+        models[stage] = copy.deepcopy(base)
+        opts[stage] = ShardedOptimizer(models[stage].parameters(), torch.optim.AdamW, process_group=group,
+                                       stage=stage, bucket_cap_mb=1e-4, **kw)
+    for step in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        for key, model in models.items():
+            (theirs if key == "torch" else model)(x).square().mean().backward()
+            opts[key].step()
+            opts[key].zero_grad()
+    out["subgroup"] = {key: [p.detach().clone() for p in m.parameters()] for key, m in models.items()}
+
+
+def _defaults_section(out, rank, sub):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # param_groups carry the inner optimizer's defaults, as torch's
+    ours = ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.Adam)
+    zro = ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.Adam)
+    out["defaults"] = (sorted(ours.param_groups[0]), sorted(zro.param_groups[0]), ours.param_groups[0]["lr"])
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
+        warnings.simplefilter("ignore")
+        torch.optim.lr_scheduler.StepLR(ours, step_size=1, gamma=0.5).step()
+    out["scheduled lr"] = ours.param_groups[0]["lr"]
+
+
+def _checkpoint_section(out, rank, sub):
+    import torch.distributed as dist
+
+    # checkpoints: consolidate on rank 1, next to one device; load on every rank, resharded
+    X, Y, perms = make_data()
+    model = MLP(SIZES, seed=0, **AWKWARD)
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, bucket_cap_mb=0.001, lr=LR, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+
+    def train_step(perm, *pairs):
+        for m, o in pairs:
+            if m is ref:
+                F.mse_loss(m(X[perm]), Y[perm]).backward()
+            else:
+                F.mse_loss(m(X[perm].chunk(4)[rank]), Y[perm].chunk(4)[rank]).backward()
+            o.step()
+            o.zero_grad()
+
+    for perm in perms[:2]:
+        train_step(perm, (model, opt), (ref, ref_opt))
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        out["state_dict before consolidating"] = str(exc)
+    opt.consolidate_state_dict(to=1)
+    try:
+        out["state_dict"] = opt.state_dict()
+    except RuntimeError as exc:
+        out["state_dict"] = f"RuntimeError: {exc}"
+    out["ref state_dict"] = copy.deepcopy(ref_opt.state_dict())  # (its tensors go on changing)
+    saved = [out["state_dict"]]
+    dist.broadcast_object_list(saved, src=1)  # as a checkpoint file would
+    try:
+        opt.load_state_dict(opt.local.state_dict())  # one rank's slice is not a checkpoint
+    except ValueError as exc:
+        out["load a slice"] = str(exc)
+    resumed = copy.deepcopy(model)
+    resumed_opt = ShardedOptimizer(resumed.parameters(), torch.optim.AdamW, stage=2, lr=1.0)  # other layout, lr
+    resumed_opt.load_state_dict(saved[0])
+    out["resumed lr"] = resumed_opt.param_groups[0]["lr"]
+    from_ref = copy.deepcopy(ref)
+    from_ref_opt = ShardedOptimizer(from_ref.parameters(), torch.optim.AdamW, stage=1, lr=LR, weight_decay=WD)
+    from_ref_opt.load_state_dict(ref_opt.state_dict())  # a single-device optimizer's checkpoint
+    for perm in perms[2:]:
+        train_step(perm, (model, opt), (ref, ref_opt), (resumed, resumed_opt), (from_ref, from_ref_opt))
+    try:
+        opt.state_dict()
+        out["state_dict after a step"] = "returned"
+    except RuntimeError as exc:  # the consolidated copy is stale: never returned silently
+        out["state_dict after a step"] = str(exc)
+    out["resumed"] = {key: m.state_dict() for key, m in (("uninterrupted", model), ("resumed", resumed),
+                                                        ("from one device", from_ref), ("one device", ref))}
+
+
+def _add_param_group_section(out, rank, sub):
+    # add_param_group: new parameters are sharded and updated, as on one device
+    for stage in (1, 2):
+        net, one = two_part_model(seed=3), two_part_model(seed=3)
+        o = ShardedOptimizer(net[0].parameters(), torch.optim.AdamW, stage=stage, lr=0.05)
+        o_one = torch.optim.AdamW(one[0].parameters(), lr=0.05)
+        for k in range(3):
+            if k == 1:
+                o.add_param_group({"params": net[2].parameters(), "lr": 0.1})
+                o_one.add_param_group({"params": one[2].parameters(), "lr": 0.1})
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(k))
+            net(x.chunk(4)[rank]).square().sum().backward()
+            one(x).square().sum().div(4).backward()
+            o.step(), o_one.step()
+            o.zero_grad(), o_one.zero_grad()
+        out["add_param_group", stage] = (net.state_dict(), one.state_dict())
+
+
+def assert_no_error(results, section):
+    errors = [r[section, "error"] for r in results if (section, "error") in r]
+    assert not errors, errors[0]
+
+
+def convention_checks():
+    """One 4-rank launch: subgroups next to torch's ZeroRedundancyOptimizer, param_groups'
+    defaults, checkpoints (consolidate / state_dict / load), add_param_group."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    sub = pairs[rank // 2]
+    sections = dict(subgroup=_subgroup_section, defaults=_defaults_section, checkpoint=_checkpoint_section,
+                    add_param_group=_add_param_group_section)
+    for name, section in sections.items():  # a failing section fails its own test, not the launch
+        try:
+            section(out, rank, sub)
+        except Exception as exc:
+            out[name, "error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def conventions():
+    return launch(convention_checks, 4, timeout=120)
+
+
+def test_process_group_subgroups_match_torch(conventions):
+    """process_group= is the group it shards over: two pairs of ranks, two different models,
+    each equal to torch's DDP + ZeroRedundancyOptimizer on its pair (before: the world group)."""
+    assert_no_error(conventions, "subgroup")
+    for result in conventions:
+        for stage in (1, 2):
+            for ours, theirs in zip(result["subgroup"][stage], result["subgroup"]["torch"]):
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    pair0, pair1 = conventions[0]["subgroup"][1], conventions[2]["subgroup"][1]
+    assert not torch.equal(pair0[0], pair1[0])
+
+
+def test_param_groups_carry_the_optimizer_defaults(conventions):
+    assert_no_error(conventions, "defaults")
+    for result in conventions:
+        ours, zro, lr = result["defaults"]
+        assert ours == zro and lr == 1e-3
+        assert result["scheduled lr"] == 5e-4  # StepLR works (before: KeyError 'lr')
+
+
+def test_checkpoint_round_trip(conventions):
+    """consolidate_state_dict(to=1) + state_dict() on rank 1 is the single-device AdamW's state
+    dict; loaded on every rank (into another layout, or from one device's) training goes on
+    as if never interrupted."""
+    assert_no_error(conventions, "checkpoint")
+    assert all("consolidate_state_dict" in r["state_dict before consolidating"] for r in conventions)
+    assert all(r["state_dict"].startswith("RuntimeError") for k, r in enumerate(conventions) if k != 1)
+    ours, ref = conventions[1]["state_dict"], conventions[1]["ref state_dict"]
+    assert ours["param_groups"] == ref["param_groups"]
+    assert sorted(ours["state"]) == sorted(ref["state"])  # the unused parameter has no state in either
+    for index, state in ref["state"].items():
+        assert sorted(ours["state"][index]) == sorted(state)
+        for key, value in state.items():
+            torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-6, atol=1e-7, msg=f"{index} {key}")
+    for result in conventions:
+        assert "consolidate_state_dict" in result["state_dict after a step"]
+        assert "not one rank's self.local.state_dict()" in result["load a slice"], result["load a slice"]
+        assert result["resumed lr"] == LR
+        runs = result["resumed"]
+        for name, value in runs["uninterrupted"].items():
+            torch.testing.assert_close(runs["resumed"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+            torch.testing.assert_close(runs["from one device"][name], runs["one device"][name], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(value, runs["one device"][name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_add_param_group(conventions, stage):
+    assert_no_error(conventions, "add_param_group")
+    for result in conventions:
+        ours, one = result["add_param_group", stage]
+        for name in one:
+            torch.testing.assert_close(ours[name], one[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_torch_keyword_arguments():
+    """Checked before any communication: the inner optimizer's own TypeError, torch's flags."""
+    params = nn.Linear(2, 2).parameters
+    with pytest.raises(TypeError, match="lrr"):
+        ShardedOptimizer(params(), torch.optim.SGD, lr=0.1, lrr=1)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        ShardedOptimizer(params(), torch.optim.SGD, lr=-1)
+    with pytest.raises(ValueError, match="parameters_as_bucket_view"):
+        ShardedOptimizer(params(), torch.optim.SGD, parameters_as_bucket_view=True, lr=0.1)
+    with pytest.raises(ValueError, match="overlap_with_ddp"):
+        ShardedOptimizer(params(), torch.optim.SGD, None, False, True, lr=0.1)
+    with pytest.raises(ValueError, match="process_group"):
+        ShardedOptimizer(params(), torch.optim.SGD, process_group=object(), group=object(), lr=0.1)

@@ -24,8 +24,11 @@ torch's collectives or ours (``Mesh(dp=N, impl="course")``), traced and, inside
 from __future__ import annotations
 
 import contextlib
+import math
+import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.parallel.grad_sync import GradSync, OverlappedGradSync
@@ -52,18 +55,127 @@ def check_module(module, what: str):
     return trainable
 
 
-def broadcast_module_states(module: nn.Module, comm, comm_of=None, src: int = 0):
+def _who(comm, r: int) -> str:
+    """Group rank r, with its global rank when they differ."""
+    return f"rank {r}" if comm.ranks[r] == r else f"group rank {r} (global rank {comm.ranks[r]})"
+
+
+def _first_difference(mine, theirs, who, ref="rank 0"):
+    """What differs between two replicas' [(name, shape, dtype)], in words."""
+    label = lambda name: f"tensor {name}" if name.isdigit() else repr(name)  # (a ParameterList's names)
+    for (name, shape, dtype), (name0, shape0, dtype0) in zip(mine, theirs):
+        if shape != shape0:
+            return f"{who}'s {label(name)} has shape {shape}, {ref}'s {label(name0)} has shape {shape0}"
+        if dtype != dtype0:
+            return f"{who}'s {label(name)} is {dtype}, {ref}'s {label(name0)} is {dtype0}"
+    if len(mine) != len(theirs):
+        extra = (mine if len(mine) > len(theirs) else theirs)[min(len(mine), len(theirs))][0]
+        return (f"{who} has {len(mine)} parameters and buffers, {ref} has {len(theirs)} (the first one "
+                f"only {who if len(mine) > len(theirs) else ref} has: {label(extra)})")
+    return f"{who} and {ref} differ"
+
+
+def check_replicas(named_tensors, comm, what: str = "broadcast_module_states"):
+    """Refuse replicas that differ across the ranks of ``comm`` (a ValueError on every rank,
+    naming the ranks and the first difference) instead of a broadcast of mismatched sizes,
+    which aborts or hangs. Cheap: ONE all-gather of three numbers per rank (tensor count,
+    total elements, a checksum of the shapes and dtypes); the names travel only on a mismatch."""
+    if comm.size == 1:
+        return
+    layout = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in named_tensors]
+    device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
+    digest = torch.tensor([len(layout), sum(math.prod(shape) for _, shape, _ in layout),
+                           zlib.crc32(repr([(shape, dtype) for _, shape, dtype in layout]).encode())],
+                          dtype=torch.int64, device=device)  # (3,); crc32: the same in every process
+    everyone = torch.empty(3 * comm.size, dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(everyone, digest, name="all-gather replica digest")
+    digests = everyone.view(comm.size, 3).tolist()
+    if all(d == digests[0] for d in digests):
+        return
+    layouts = [None] * comm.size  # the error path only: every rank is here, with the same digests
+    dist.all_gather_object(layouts, layout, group=comm.group)
+    problems = [_first_difference(layouts[r], layouts[0], _who(comm, r), _who(comm, 0))
+                for r in range(1, comm.size) if digests[r] != digests[0]]
+    raise ValueError(f"{what}: the replicas differ across ranks: " + "; ".join(problems) +
+                     ". Every rank must build the same model (same parameters and buffers, same shapes, "
+                     "same order) before it is wrapped")
+
+
+def broadcast_module_states(module: nn.Module, comm, comm_of=None, src: int = 0,
+                            what: str = "broadcast_module_states"):
     """Make every rank of ``comm`` hold group rank ``src``'s parameters and buffers (one
     broadcast per tensor, in registration order: the same on every rank). ``comm_of(p)``:
     the Comm a parameter is broadcast over instead (all the dims it is replicated on; None:
-    not replicated, not broadcast). Bool tensors travel as bytes."""
+    not replicated, not broadcast). Bool tensors travel as bytes.
+
+    First, :func:`check_replicas`: replicas of different shapes or counts are a ValueError
+    on every rank (``what`` names the caller), not a crash in the middle of the broadcasts."""
+    plan = []  # (name, tensor, the Comm it is broadcast over)
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        group = comm_of(t) if comm_of is not None and isinstance(t, nn.Parameter) else comm
+        if group is not None:
+            plan.append((name, t, group))
+    check_replicas([(name, t) for name, t, _ in plan], comm, what)
     with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            group = comm_of(t) if comm_of is not None and isinstance(t, nn.Parameter) else comm
-            if group is not None:
-                t = t.detach()
-                group.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src,
-                                name=f"broadcast {name}")
+        for name, t, group in plan:
+            t = t.detach()
+            group.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=src,
+                            name=f"broadcast {name}")
+
+
+def persistent_buffers(module: nn.Module):
+    """[(name, buffer)] of the buffers in ``module.state_dict()`` (a shared one once):
+    BatchNorm's running statistics, not a non-persistent constant (a rotary table, a mask)."""
+    seen, out = set(), []
+    for prefix, m in module.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
+
+
+def broadcast_buffers(module: nn.Module, comm, src: int = 0):
+    """Copy group rank ``src``'s persistent buffers to every rank of ``comm`` in ONE flat
+    message (every buffer's bytes, concatenated: dtypes may differ). No buffer: no message."""
+    buffers = [b for _, b in persistent_buffers(module)]
+    if not buffers or comm.size == 1:
+        return
+    with torch.no_grad():
+        flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])  # (total bytes,)
+        comm.broadcast(flat, src=src, name="broadcast buffers")
+        if comm.rank == src:
+            return
+        with contextlib.ExitStack() as stack:  # as torch: a tensor saved for backward stays usable
+            at = 0
+            for b in buffers:
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(b))
+                n = b.numel() * b.element_size()
+                b.copy_(flat[at:at + n].clone().view(b.dtype).view(b.shape))  # clone: aligned for the dtype
+                at += n
+
+
+def _check_device_ids(module, device_ids, output_device):
+    """torch's rule: a CPU module takes no device ids; a GPU module at most its own device."""
+    device = next(module.parameters()).device
+    if device.type == "cpu":
+        if device_ids is not None or output_device is not None:
+            raise ValueError(f"DDP: device_ids and output_device must be None for a module on the CPU, got "
+                             f"device_ids={device_ids!r}, output_device={output_device!r}")
+        return
+
+    def same(d):
+        try:
+            d = torch.device(device.type, d) if isinstance(d, int) else torch.device(d)
+        except (TypeError, RuntimeError):
+            return False
+        return d.type == device.type and d.index in (None, device.index)
+
+    ok_ids = device_ids is None or (isinstance(device_ids, (list, tuple)) and len(device_ids) == 1
+                                    and same(device_ids[0]))
+    if not ok_ids or not (output_device is None or same(output_device)):
+        raise ValueError(f"DDP: device_ids must be None or [the module's device], and output_device None or "
+                         f"that device ({device}), got device_ids={device_ids!r}, output_device={output_device!r}")
 
 
 # ------------------------------------------------------------------ 1. the textbook loop
@@ -90,15 +202,43 @@ def average_gradients(model: nn.Module, comm):
 class DDP(nn.Module):
     """Distributed data parallel: replicate ``module``, average its gradients.
 
-    bucket_cap_mb: bucket size in MiB (> 0).
+    **The gradients are averaged in** ``finish_gradient_synchronization()``, **not by**
+    ``backward()``: call it after a step's last backward and before ``optimizer.step()``
+    (torch's DDP has no such call: its backward returns with averaged gradients). Until
+    then ``p.grad`` holds this rank's own gradient, and a forward before it is an error.
+    Afterwards ``p.grad`` is a **view of its bucket** (no copy back, torch's
+    ``gradient_as_bucket_view=True``): the next step's synchronisation overwrites it, so
+    clone a gradient you want to keep (or pass ``gradient_as_bucket_view=False``).
+
+    bucket_cap_mb: bucket size in MiB (> 0; None: 25, torch's default).
     mesh / group: what to talk through: a ``Mesh``, or one process group (a ProcessGroup,
         a ``Comm``, or None for the world) seen as the mesh dimension ``dims[0]``.
+        ``process_group=`` (torch's name) is the same as ``group=``.
     dims: the mesh dimensions the batch is split over (default "dp"; ("dp", "cp") with
         context parallelism). The gradients are divided by their size, ``divisor`` if given.
         A parameter's gradient is summed over its own reduce dims (``set_reduce_dims``),
-        ``dims`` if it has none; rank ``0`` of that group broadcasts its value at construction.
+        ``dims`` if it has none; rank ``0`` of that group broadcasts its value at construction
+        (replicas of different shapes or counts: a ValueError on every rank, see
+        :func:`check_replicas`).
     overlap: True: buckets are all-reduced during backward (hooks, torch's behaviour);
         False: all of them after backward, in ``finish_gradient_synchronization()``.
+    broadcast_buffers: True (torch's default): each forward first copies rank 0's
+        *persistent* buffers (those in ``state_dict()``: BatchNorm's running statistics) to
+        every rank, in one flat message, so the replicas' buffers stay identical. As in
+        torch, the forward after one run under ``torch.no_grad()`` or inside ``no_sync()``
+        skips it (an evaluation loop sends nothing). Unlike torch, non-persistent buffers
+        (constant tables) are not sent: nothing changes them. False: only at construction.
+
+    torch's other arguments, accepted for a drop-in ``DistributedDataParallel``:
+    device_ids, output_device: None for a module on the CPU; on a GPU, None or the module's
+        own device (``[d]``, as torch requires of a single-device module). Inputs are not
+        moved: pass them on that device.
+    find_unused_parameters: True or False, no effect: ours always handles a parameter that
+        some or all ranks did not use (a flag per parameter travels with its bucket).
+    gradient_as_bucket_view: True (ours, the default here; torch's default is False): ``p.grad``
+        is a view of the bucket; False: ``finish_gradient_synchronization()`` leaves a copy in
+        ``p.grad`` (memory for a second set of gradients, as in torch).
+    static_graph: True or False, no effect (ours finds each step's graph anew).
 
     Frozen parameters are never communicated; a tied (shared) parameter is one parameter;
     a parameter without a gradient on some ranks counts as zero there, and one that no
@@ -106,28 +246,51 @@ class DDP(nn.Module):
     """
 
     def __init__(self, module, bucket_cap_mb=25, *, mesh=None, group=None, dims=("dp",), divisor=None,
-                 overlap: bool = True):
+                 overlap: bool = True, broadcast_buffers: bool = True, process_group=None, device_ids=None,
+                 output_device=None, find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
+                 static_graph: bool = False):
         super().__init__()
         check_module(module, "DDP")
+        if isinstance(bucket_cap_mb, (list, tuple)):
+            raise ValueError(f"DDP: the second positional argument is bucket_cap_mb (MiB), got {bucket_cap_mb!r}: "
+                             f"pass torch's device_ids as a keyword, device_ids={bucket_cap_mb!r}")
+        bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        for name, flag in (("overlap", overlap), ("broadcast_buffers", broadcast_buffers),
+                           ("find_unused_parameters", find_unused_parameters),
+                           ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"DDP: {name} must be True or False, got {flag!r}")
+        _check_device_ids(module, device_ids, output_device)
+        if process_group is not None:
+            if group is not None:
+                raise ValueError("DDP: pass group= or process_group= (torch's name for it), not both")
+            group = process_group
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
         self.module, self.mesh = module, as_mesh(mesh, group, dim=dims[0])
         self.comm = self.mesh.comm(dims)  # the data-parallel group
         # the same start: every replica takes the values of its group's rank 0, each parameter
         # over the dims its gradient is summed over (the dims it is replicated on)
         replicated_on = lambda p: self.mesh.comm(get_reduce_dims(p, dims)) if get_reduce_dims(p, dims) else None
-        broadcast_module_states(module, self.comm, replicated_on)
+        broadcast_module_states(module, self.comm, replicated_on, what="DDP")
         divisor = self.comm.size if divisor is None else divisor
         sync_cls = OverlappedGradSync if overlap else GradSync
         self.grad_sync = sync_cls(module, self.mesh, divisor=divisor, bucket_cap_mb=bucket_cap_mb,
                                   default_dims=dims)
+        self.broadcast_buffers, self.gradient_as_bucket_view = broadcast_buffers, gradient_as_bucket_view
+        self._sync_buffers = True  # torch's require_forward_param_sync: the next forward sends buffers
 
     def forward(self, *args, **kwargs):
         if self.grad_sync.armed:
             raise RuntimeError("DDP: call finish_gradient_synchronization() after backward and before "
                                "the next forward (gradients of the last step are still in flight)")
-        return self.module(*args, **kwargs)
+        if self.broadcast_buffers and self._sync_buffers:
+            broadcast_buffers(self.module, self.comm)
+        out = self.module(*args, **kwargs)
+        # torch's rule: only a forward that a synchronised backward may follow makes the next one sync
+        self._sync_buffers = torch.is_grad_enabled() and self.grad_sync.require_sync
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -143,9 +306,14 @@ class DDP(nn.Module):
         self.grad_sync.start()
 
     def finish_gradient_synchronization(self):
-        """Wait for the all-reduces; leave the mean gradient in ``p.grad``."""
+        """Wait for the all-reduces; leave the mean gradient in ``p.grad`` (a view of its
+        bucket; a copy with ``gradient_as_bucket_view=False``)."""
         self.grad_sync.finish()
+        if not self.gradient_as_bucket_view and self.grad_sync.require_sync:
+            for p in self.grad_sync.params:
+                if p.grad is not None:
+                    p.grad = p.grad.clone()  # the bucket is reused next step: a copy of its own
 
 
-__all__ = ["DDP", "average_gradients", "broadcast_module_states", "check_module", "GradSync",
-           "OverlappedGradSync"]
+__all__ = ["DDP", "average_gradients", "broadcast_module_states", "broadcast_buffers", "check_replicas",
+           "check_module", "persistent_buffers", "GradSync", "OverlappedGradSync"]

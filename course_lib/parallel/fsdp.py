@@ -133,7 +133,8 @@ class FSDP(nn.Module):
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         extra = self._extra_reduce_dims(module)
         # one model: rank 0's values (over all the dims a parameter is replicated on), then shard
-        broadcast_module_states(module, self.comm, lambda p: self.mesh.comm(self.dims + extra.get(p, ())))
+        broadcast_module_states(module, self.comm, lambda p: self.mesh.comm(self.dims + extra.get(p, ())),
+                                what="FSDP")
         self.comm.reset()
         if compute_dtype is not None:  # buffers (rotary tables...) computed with, in compute_dtype
             for buf in module.buffers():

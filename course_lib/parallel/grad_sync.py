@@ -197,14 +197,15 @@ class GradReadyHook:
             owner._grad_ready(self.i)
 
 
-def register_grad_ready_hooks(owner, params, what):
-    """One :class:`GradReadyHook` per parameter; refuse a parameter another live owner hooks."""
+def register_grad_ready_hooks(owner, params, what, start=0):
+    """One :class:`GradReadyHook` per parameter (numbered from ``start``); refuse a parameter
+    another live owner hooks."""
     for p in params:  # two live wrappers on one parameter would each launch collectives
         hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
         if any(isinstance(h, GradReadyHook) and h.owner() is not None for h in hooks.values()):
             raise ValueError(f"{what}: a parameter is already managed by another live DDP / ZeRO-2 "
                              f"wrapper: wrap a fresh module")
-    for i, p in enumerate(params):
+    for i, p in enumerate(params, start):
         p.register_post_accumulate_grad_hook(GradReadyHook(owner, i))
 
 

@@ -21,9 +21,11 @@ and gets no update, exactly as on one device.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
+import torch.distributed as dist
 
 from course_lib.parallel.data_parallel import broadcast_module_states
 from course_lib.parallel.grad_sync import assign_buckets, register_grad_ready_hooks
@@ -67,21 +69,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     The model is *not* wrapped in DDP: this class does the gradient communication, through
     ``mesh.comm(dims)`` (or one process group ``group=``, None = the world), as DDP does.
-    Parameters are broadcast from rank 0 when it is built. After ``step()`` every rank
-    holds the updated full parameters; with stage 1, only the owned slices of ``p.grad``
-    hold the averaged gradient.
+    Parameters are broadcast from rank 0 when it is built (replicas of different shapes or
+    counts: a ValueError on every rank). After ``step()`` every rank holds the updated full
+    parameters; with stage 1, only the owned slices of ``p.grad`` hold the averaged gradient.
+
+    torch's ``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None,
+    parameters_as_bucket_view=False, overlap_with_ddp=False, **defaults)`` conventions:
+    ``process_group`` (a ProcessGroup, a ``Comm`` or None) is ``group=``; the keyword
+    arguments are ``optimizer_cls``'s own (a misspelt one is its TypeError) and
+    ``param_groups`` carry all its defaults (``lr`` for a scheduler); the two flags must
+    stay False (not implemented). ``add_param_group`` adds new buckets; a checkpoint is
+    ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on rank r (the
+    state dict a single-device ``optimizer_cls`` would have); ``load_state_dict`` of such
+    a dict (or of a single-device optimizer's) on every rank keeps the owned slices.
     """
 
-    def __init__(self, params, optimizer_cls, *, stage=1, mesh=None, group=None, dims=("dp",), bucket_cap_mb=25,
+    def __init__(self, params, optimizer_cls, process_group=None, parameters_as_bucket_view=False,
+                 overlap_with_ddp=False, *, stage=1, mesh=None, group=None, dims=("dp",), bucket_cap_mb=25,
                  **kwargs):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is course_lib.parallel.FSDP), got {stage!r}")
-        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+        if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        if parameters_as_bucket_view is not False:
+            raise ValueError("ShardedOptimizer: parameters_as_bucket_view must be False: the parameters stay "
+                             "separate tensors here (not implemented)")
+        if overlap_with_ddp is not False:
+            raise ValueError("ShardedOptimizer: overlap_with_ddp must be False (torch's DDP-hook variant, not "
+                             "implemented): stage=2 overlaps the gradient reduce-scatter with backward, without DDP")
+        if process_group is not None:
+            if group is not None or mesh is not None:
+                raise ValueError("ShardedOptimizer: pass one of process_group= (torch's name), group= or mesh=")
+            group = process_group
         super().__init__(params, dict(kwargs))
         everything = [p for g in self.param_groups for p in g["params"]]
+        self._optimizer_cls, self._bucket_cap_mb = optimizer_cls, bucket_cap_mb
+        self._with_defaults(everything[0] if everything else None, kwargs)
         if len({str(p.device) for p in everything}) > 1:
             raise ValueError("ShardedOptimizer: all parameters must be on one device (one device per rank)")
         self._params = [p for p in everything if p.requires_grad]
@@ -93,7 +118,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.stage, self.comm = stage, as_mesh(mesh, group, dim=dims[0]).comm(dims)  # the ranks that shard
         rank, n = self.comm.rank, self.comm.size
         holder = torch.nn.ParameterList(everything)  # broadcast rank 0's values: identical replicas
-        broadcast_module_states(holder, self.comm)
+        broadcast_module_states(holder, self.comm, what="ShardedOptimizer")
         ids = assign_buckets(self._params, bucket_cap_mb * 2**20)
         self.buckets = [_ShardedBucket(k, b, self._params, rank, n) for k, b in enumerate(ids)]
         self._bucket_of = {i: b for b in self.buckets for i in b.param_ids}
@@ -106,9 +131,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.local.state
         self._used = [False] * len(self._params)
         self._in_flight, self._rounds = [], 0
+        self._consolidated, self._elementwise = None, None  # see consolidate_state_dict
+        self.register_step_post_hook(ShardedOptimizer._forget_consolidated)
         if stage == 2:
             self._start_round()
             register_grad_ready_hooks(self, self._params, "ShardedOptimizer(stage=2)")
+
+    def _with_defaults(self, p0, kwargs):
+        """Check ``kwargs`` as ``optimizer_cls`` does (by building one on a 1-element tensor)
+        and give every parameter group its defaults, as torch's ZeroRedundancyOptimizer does."""
+        like = dict(dtype=p0.dtype, device=p0.device) if p0 is not None and p0.is_floating_point() else {}
+        try:
+            probe = self._optimizer_cls([torch.zeros(1, requires_grad=True, **like)], **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"ShardedOptimizer: {exc} (the keyword arguments are {self._optimizer_cls.__name__}'s, "
+                            f"plus stage, mesh, group, process_group, dims, bucket_cap_mb)") from None
+        self.defaults = dict(probe.defaults)
+        for g in self.param_groups:
+            for k, v in probe.defaults.items():
+                g.setdefault(k, v)
 
     # ------------------------------------------------------------ gradients: reduce-scatter
     def _reduce_scatter(self, b):
@@ -230,9 +271,162 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.grad_shard = None if set_to_none or b.grad_shard is None else b.grad_shard.zero_()
         self.local.zero_grad(set_to_none=set_to_none)
 
+    # ------------------------------------------------------------ new parameters
+    def add_param_group(self, param_group):
+        """Add a group (torch's semantics; call it on every rank with the same parameters): its
+        parameters are broadcast from rank 0 and sharded in new buckets of their own, so the
+        slices (and optimizer state) of the existing ones do not move."""
+        if not hasattr(self, "buckets"):  # torch.optim.Optimizer.__init__ adding the first groups
+            return super().add_param_group(param_group)
+        if self._in_flight or self._rounds:
+            raise RuntimeError("ShardedOptimizer.add_param_group: gradients of this step are pending: "
+                               "call it before backward or after step()")
+        super().add_param_group(param_group)  # validates, fills in the defaults
+        group = self.param_groups[-1]
+        new = [p for p in group["params"] if p.requires_grad]
+        try:
+            if any(p.device != self._params[0].device for p in group["params"]):
+                raise ValueError("ShardedOptimizer: all parameters must be on one device (one device per rank)")
+            if any(not p.is_contiguous() for p in new):
+                raise ValueError("ShardedOptimizer: parameters must be contiguous (owned slices are views)")
+            broadcast_module_states(torch.nn.ParameterList(group["params"]), self.comm, what="ShardedOptimizer")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        first = len(self._params)
+        self._params += new
+        ids = assign_buckets(new, self._bucket_cap_mb * 2**20)  # new buckets: the old slices stay put
+        buckets = [_ShardedBucket(len(self.buckets) + k, [first + i for i in b], self._params, self.comm.rank,
+                                  self.comm.size) for k, b in enumerate(ids)]
+        self.buckets += buckets
+        self._bucket_of.update({i: b for b in buckets for i in b.param_ids})
+        self.local.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                    "params": [view for b in buckets for *_, view in b.pieces]})
+        self._used += [False] * len(new)
+        self._consolidated = None
+        if self.stage == 2:
+            register_grad_ready_hooks(self, new, "ShardedOptimizer(stage=2)", start=first)
+
+    # ------------------------------------------------------------ checkpoints
+    def _index_of(self):
+        """torch's numbering of the parameters in a state dict: by group, in order."""
+        index = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                index.setdefault(id(p), len(index))
+        return index
+
+    def _elementwise_keys(self):
+        """The state keys ``optimizer_cls`` keeps element by element (exp_avg, momentum_buffer...),
+        found by stepping a throwaway one per group on a 3-element tensor; the others ('step')
+        are one value per parameter."""
+        if self._elementwise is None:
+            p0, keys = self._params[0], set()
+            for g in self.param_groups:
+                x = torch.zeros(3, dtype=p0.dtype, device=p0.device, requires_grad=True)
+                probe = self._optimizer_cls([{**{k: v for k, v in g.items() if k != "params"}, "params": [x]}])
+                x.grad = torch.ones_like(x)
+                probe.step()
+                keys |= {k for k, v in probe.state[x].items() if torch.is_tensor(v) and v.shape == x.shape}
+            self._elementwise = keys
+        return self._elementwise
+
+    def consolidate_state_dict(self, to: int = 0):
+        """Gather every rank's slices of the optimizer state on group rank ``to`` (call it on
+        EVERY rank of the group, as torch's ZeroRedundancyOptimizer): then ``state_dict()``
+        there returns what a single-device ``optimizer_cls`` on all the parameters would hold.
+        The slices travel pickled, once (a checkpoint, not a training step: not traced)."""
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.comm.size:
+            raise ValueError(f"consolidate_state_dict: to={to!r} must be a rank of the group (0..{self.comm.size - 1})")
+        elementwise = self._elementwise_keys()
+        mine = [(i, lo, hi, {k: (v.detach().cpu(), v.device.type) if torch.is_tensor(v) else (v, None)
+                             for k, v in self.local.state[view].items()})
+                for b in self.buckets for i, lo, hi, _, view in b.pieces if view in self.local.state]
+        if self.comm.size == 1:
+            gathered = [mine]
+        else:
+            gathered = [None] * self.comm.size if self.comm.rank == to else None
+            dist.gather_object(mine, gathered, dst=self.comm.ranks[to], group=self.comm.group)
+        self._consolidated = None
+        if self.comm.rank != to:
+            return
+        index, state = self._index_of(), {}
+        for pieces in gathered:
+            for i, lo, hi, piece in pieces:
+                p = self._params[i]
+                full = state.setdefault(index[id(p)], {})
+                for k, (v, device_type) in piece.items():
+                    if k in elementwise:  # (numel,) on the parameter's device, filled slice by slice
+                        if k not in full:
+                            full[k] = torch.zeros(p.numel(), dtype=v.dtype, device=p.device)
+                        full[k][lo:hi] = v
+                    elif k not in full:  # one value per parameter: the same in every slice
+                        full[k] = v.to(p.device) if device_type not in (None, "cpu") else v
+        for i, p in enumerate(self._params):
+            for k, v in state.get(index[id(p)], {}).items():
+                if k in elementwise:
+                    state[index[id(p)]][k] = v.view(p.shape)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        self._consolidated = {"state": state, "param_groups": groups}
+
+    def _forget_consolidated(self, *args):
+        self._consolidated = None  # a step made it stale
+
     def state_dict(self):
-        raise NotImplementedError("ShardedOptimizer holds one slice of the state per rank: "
-                                  "save self.local.state_dict() on every rank")
+        """The state dict gathered by the last ``consolidate_state_dict(to=this rank)``: the
+        format of a single-device ``optimizer_cls`` (loadable into one, or into this class)."""
+        if self._consolidated is None:
+            raise RuntimeError("ShardedOptimizer.state_dict(): the optimizer state is sharded over the ranks: "
+                               "call consolidate_state_dict(to=r) on every rank (after the last step), then "
+                               "state_dict() on rank r. (self.local.state_dict() is this rank's slice only.)")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict):
+        """Load a single-device-format state dict (``state_dict()`` after
+        ``consolidate_state_dict``, or a plain ``optimizer_cls``'s) on EVERY rank: each keeps
+        the slices it owns; the hyperparameters of every group are restored."""
+        def refuse(problem):
+            raise ValueError(f"ShardedOptimizer.load_state_dict: {problem}. It loads the full state dict: "
+                             f"state_dict() after consolidate_state_dict(), or a single-device optimizer's; "
+                             f"not one rank's self.local.state_dict() (that one: self.local.load_state_dict "
+                             f"on the same rank of the same layout)")
+
+        if not (isinstance(state_dict, dict) and {"state", "param_groups"} <= set(state_dict)):
+            refuse("expected a dict with 'state' and 'param_groups'")
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            refuse(f"the state dict has {len(saved)} parameter groups, this optimizer {len(self.param_groups)}")
+        param_of = {}
+        for k, (g, s) in enumerate(zip(self.param_groups, saved)):
+            if len(g["params"]) != len(s["params"]):
+                refuse(f"parameter group {k} has {len(s['params'])} parameters in the state dict, "
+                       f"{len(g['params'])} here")
+            param_of.update(zip(s["params"], g["params"]))
+        elementwise, state = self._elementwise_keys(), state_dict["state"]
+        for index, s in state.items():
+            p = param_of.get(index)
+            if p is None:
+                refuse(f"state for parameter {index!r}, which no group lists")
+            for k, v in s.items():
+                if k in elementwise and (not torch.is_tensor(v) or v.numel() != p.numel()):
+                    refuse(f"state {k!r} of parameter {index} has {v.numel() if torch.is_tensor(v) else v!r} "
+                           f"elements, the parameter {p.numel()} {tuple(p.shape)}")
+        saved_state = {id(param_of[index]): s for index, s in state.items()}
+        for g, s in zip(self.param_groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        for outer, inner in zip(self.param_groups, self.local.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self.local.state.clear()
+        for b in self.buckets:
+            for i, lo, hi, _, view in b.pieces:
+                s = saved_state.get(id(self._params[i]))
+                if s is not None:
+                    self.local.state[view] = {
+                        k: (v.detach().reshape(-1)[lo:hi].to(view.device, view.dtype).clone() if k in elementwise
+                            else v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                        for k, v in s.items()}
+        self._consolidated = None
 
 
 __all__ = ["ShardedOptimizer"]
