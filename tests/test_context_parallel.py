@@ -158,9 +158,11 @@ def _bad_inputs():
 
     comm = Mesh(cp=dist.get_world_size()).comm("cp")
     q = torch.zeros(1, 3, 4, 8)
+    attn = cp.context_parallel(TinyGPT(CFG, seed=0), comm).blocks[0].attn
     errors = []
     for call in (lambda: cp.ulysses_attention(q, q, q, torch.arange(4), comm),          # 3 heads, CP 2
-                 lambda: cp.ring_attention(q, q, q, torch.arange(4), comm, 8, "zigzag")):  # wrong shard
+                 lambda: cp.ring_attention(q, q, q, torch.arange(4), comm, 8, "zigzag"),  # wrong shard
+                 lambda: attn(torch.zeros(1, 6, CFG.hidden))):                            # no positions
         try:
             call()
             errors.append(None)
@@ -174,6 +176,44 @@ def test_bad_input_is_refused():
         cp.zigzag_positions(10, 2, 0)
     with pytest.raises(ValueError, match="layout"):
         cp.shard_positions(8, 2, 0, "striped")
-    ulysses, ring = launch(_bad_inputs, 2)[0]
+    ulysses, ring, positions = launch(_bad_inputs, 2)[0]
     assert "divisible by CP=2" in ulysses
     assert "zigzag shard" in ring
+    assert "needs the positions of this rank's tokens" in positions
+
+
+def _bf16_ring(seq):
+    import torch.distributed as dist
+
+    from course_lib.parallel.mesh import Mesh
+
+    comm = Mesh(cp=dist.get_world_size()).comm("cp")
+    q, k, v, dy = _qkv(seq, 4, 2, seed=3)
+    pos = cp.shard_positions(seq, comm.size, comm.rank, "zigzag")
+    local = [t.index_select(2, pos).bfloat16().requires_grad_() for t in (q, k, v)]
+    y = cp.ring_attention(*local, pos, comm, seq, "zigzag")
+    (y.float() * dy.index_select(2, pos)).sum().backward()
+    return pos, y.detach(), [t.grad for t in local]
+
+
+def test_bf16_ring_attention_is_as_accurate_as_one_device_bf16():
+    """16-bit blocks merge and accumulate in fp32: the error against fp32 attention is no
+    larger than one device's bf16 attention (merging N partial results in bf16 doubled it)."""
+    seq, n = 64, 4
+    q, k, v, dy = _qkv(seq, 4, 2, seed=3)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    y64 = causal_attention(*exact)
+    (y64 * dy.double()).sum().backward()
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    y16 = causal_attention(*low)
+    (y16.float() * dy).sum().backward()
+
+    def rel(got, want):                     # relative error in norm: rounding to bf16 is ~2^-9 of it
+        got, want = got.detach().double(), want.detach()
+        return float((got - want).norm() / want.norm())
+
+    one_device = [rel(y16, y64)] + [rel(t.grad, e.grad) for t, e in zip(low, exact)]
+    for pos, y, grads in launch(_bf16_ring, n, seq):
+        ring = [rel(y, y64.index_select(2, pos))] + [rel(g, e.grad.index_select(2, pos)) for g, e in zip(grads, exact)]
+        for name, mine, single in zip(("out", "dq", "dk", "dv"), ring, one_device):
+            assert mine <= 1.25 * single, (name, mine, single)

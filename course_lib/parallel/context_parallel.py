@@ -28,7 +28,8 @@ import math
 import torch
 
 from course_lib import trace
-from course_lib.attention import apply_rotary, attention_output, attention_scores, causal_attention, rotary_rows
+from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
+                                  check_positions, rotary_rows)
 from course_lib.gpt import Attention
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -87,11 +88,13 @@ def visible_rows_cols(q_pos, k_pos):
 def block_attention(q, k, v, q_pos, k_pos):
     """Attention of q (b, a, s_q, d) over ONE block of keys k, v (b, kv, s_k, d), unnormalised
     across blocks: returns out (b, a, s_q, d) = softmax within the block @ v, and its
-    log-sum-exp lse (b, a, s_q) (-inf for a query that sees none of these keys)."""
+    log-sum-exp lse (b, a, s_q) (-inf for a query that sees none of these keys). For 16-bit
+    inputs the softmax and P V run in fp32 (out, lse fp32: FlashAttention accumulates there)."""
     scores = attention_scores(q, k, q_pos, k_pos)                  # (b, a, s_q, s_k)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in fp32 for 16-bit
     lse = torch.logsumexp(scores, dim=-1)                          # (b, a, s_q)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return attention_output(torch.exp(scores - safe[..., None]), v), lse
+    return attention_output(torch.exp(scores - safe[..., None]), v.to(scores.dtype)), lse
 
 
 def merge_partial(out1, lse1, out2, lse2):
@@ -126,14 +129,15 @@ def _block_forward(q, k, v, q_pos, k_pos, out, lse):
 
 
 def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
-    """FlashAttention's backward for one block, with the GLOBAL lse (so P is the final softmax):
+    """FlashAttention's backward for one block, with the GLOBAL lse (so P is the final softmax;
+    16-bit inputs are computed in lse's fp32, like the forward):
     dV += P^T dO; dP = dO V^T; dS = P (dP - delta); dQ += dS K / sqrt(d); dK += dS^T Q / sqrt(d)."""
     if not (q_pos >= k_pos.min()).any():
         return
     rows, cols = visible_rows_cols(q_pos, k_pos)
     b, a, _, d = q.shape
     kv = k.shape[1]
-    qr, kc, vc, do = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+    qr, kc, vc, do = (t.to(lse.dtype) for t in (q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]))
     s_q, s_k = qr.shape[2], kc.shape[2]
     p = torch.exp(attention_scores(qr, kc, q_pos[rows], k_pos[cols]) - lse[:, :, rows, None])  # (b, a, s_q, s_k)
     p_g = p.reshape(b, kv, (a // kv) * s_q, s_k)                   # query heads of a group stacked
@@ -152,14 +156,18 @@ class RingAttention(torch.autograd.Function):
     current block, merge, wait; N blocks, N-1 hops. backward: the same ring for K/V, plus an
     accumulator dK/dV that travels WITH each block and arrives home after N hops.
     ``layout`` tells every rank which positions another rank's block holds (nothing extra sent).
+    16-bit inputs: the block softmax, P V, the merges (out, lse) and the gradients (dQ, and dK/dV,
+    which then travel in fp32) are computed in fp32, where FlashAttention accumulates;
+    K/V travel in their own dtype; fp32 and fp64 are unchanged.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, positions, comm, seq_len, layout):
         n, r = comm.size, comm.rank
         pos_of = [shard_positions(seq_len, n, j, layout) for j in range(n)]
-        out = torch.zeros_like(q)                                  # (b, a, s/N, d)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)  # (b, a, s/N)
+        acc = torch.promote_types(q.dtype, torch.float32)          # bf16 blocks merge in fp32 (flash-attn's rule)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)     # (b, a, s/N, d)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (b, a, s/N)
         kv = torch.stack([k, v]).contiguous()                      # (2, b, kv, s/N, d): one message
         for step in range(n):
             src = (r - step) % n                                   # whose block I hold now
@@ -174,6 +182,7 @@ class RingAttention(torch.autograd.Function):
                 comm.wait(*works)
                 trace.recorder().add(f"K/V hop {step + 1}", "comm", start, trace.now(), comm.dim)
                 kv = nxt
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.pos_of = comm, pos_of
         return out
@@ -184,20 +193,21 @@ class RingAttention(torch.autograd.Function):
         comm, pos_of = ctx.comm, ctx.pos_of
         n, r = comm.size, comm.rank
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)                               # (b, a, s/N): rowsum(dO * O)
-        dq = torch.zeros_like(q)
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # (b, a, s/N): rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)  # accumulated in fp32 for bf16
         kv = torch.stack([k, v]).contiguous()
         dkv_send = None
         for step in range(n):
             src = (r - step) % n
             works, nxt, acc_in = [], None, None
             if step > 0:   # the dK/dV accumulator of block src, from the left (posted before K/V:
-                acc_in = torch.empty_like(kv)  # the left neighbour sent it before its next K/V)
+                acc_in = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)  # (the left neighbour
+                # sent it before its next K/V)
                 works.append(comm.irecv(acc_in, comm.prev))
             if step < n - 1:
                 nxt = torch.empty_like(kv)
                 works += [comm.irecv(nxt, comm.prev), comm.isend(kv, comm.next)]
-            dkv = torch.zeros_like(kv)
+            dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
             with trace.span(f"attend block {src} (backward)", kind="compute"):
                 _block_backward(q, kv[0], kv[1], pos_of[r], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1])
             comm.wait(*works)
@@ -209,9 +219,9 @@ class RingAttention(torch.autograd.Function):
             ctx.keep = dkv                                         # alive until the send completes
             if nxt is not None:
                 kv = nxt
-        home = torch.empty_like(kv)
+        home = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)
         comm.wait(comm.irecv(home, comm.prev), dkv_send)
-        return dq, home[0], home[1], None, None, None, None
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"):
@@ -301,6 +311,10 @@ class ContextParallelAttention(Attention):
 
     def forward(self, x, positions=None):                          # (b, s/N, h), positions (s/N,)
         b, s, _ = x.shape
+        if positions is None:
+            raise ValueError("context-parallel attention needs the positions of this rank's tokens "
+                             "(shard_positions(seq_len, cp, rank, layout)): its s/N tokens are not 0..s/N-1")
+        check_positions(positions, s, s * self.cp_comm.size)
         d = self.head_dim
         q = self.wq(x).view(b, s, -1, d).transpose(1, 2)           # (b, a, s/N, d)
         k = self.wk(x).view(b, s, -1, d).transpose(1, 2)           # (b, kv, s/N, d)
