@@ -59,6 +59,7 @@ CASES = {
     "pp3-tp2-tied-uneven": (TIED, dict(pp=3, tp=2), dict(microbatches=4), 8, ()),
     "dp2-tp2-pp2-1f1b": (CFG, dict(dp=2, tp=2, pp=2), dict(microbatches=2), 8, ("tok_emb.weight",)),
     "pp2-dp2-interleaved-tied": (TIED, dict(dp=2, pp=2), dict(microbatches=2, schedule="interleaved", v=2), 8, ()),
+    "pp1-tp2-interleaved-tied": (TIED, dict(tp=2), dict(microbatches=2, schedule="interleaved", v=2), 4, ()),
     "pp2-tp2-zb": (CFG, dict(tp=2, pp=2), dict(microbatches=4, schedule="zb-h1"), 8, ()),
     "tp2-pp2-cp2": (CFG, dict(tp=2, pp=2, cp=2), dict(microbatches=2), 4, ()),
     "dp2-cp2-ulysses": (dataclasses.replace(CFG, n_kv_heads=4), dict(dp=2, cp=2),

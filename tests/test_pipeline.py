@@ -5,6 +5,7 @@ Few launches, each running many configurations."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import course_lib
 from course_lib import reference
@@ -12,6 +13,7 @@ from course_lib.models import GPTConfig, TinyGPT
 from course_lib.parallel import schedules as S
 from course_lib.parallel.mesh import Mesh
 from course_lib.collectives.comm import Comm
+from course_lib.launch import RankError
 from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, partition_layers
 from course_lib.parallel.pipeline_executor import measured_costs, run_schedule
 
@@ -68,7 +70,8 @@ def two_ranks():
                ("interleaved", 4, 2, True), ("interleaved", 2, 4, False)]
     torch_configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1)]
     jobs = [("equal", _equal_to_one_device, (1, 2, configs)), ("torch", _same_as_torch, (torch_configs,)),
-            ("bad", _bad_ranks, ()), ("input grad", _input_grads, ())]
+            ("bad", _bad_ranks, ()), ("input grad", _input_grads, ()), ("names", _names_on_ranks, ()),
+            ("scale grads", _scale_grads, ())]
     return course_lib.launch(_suite, 2, jobs, timeout=180)
 
 
@@ -129,11 +132,36 @@ def test_simulated_bubble_matches_formula(p, m):
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         if name == "interleaved" and m % p:
             continue
-        if name == "zb-h1" and m < p:   # no steady state: the formula assumes m >= p
-            continue
         sched = S.make_schedule(name, p, m, v)
         spans = S.simulate(sched, p, v)
         assert S.bubble(spans) == pytest.approx(S.formula_bubble(name, p, m, v), abs=1e-9), name
+
+
+def test_zero_bubble_formula_exact_for_every_m():
+    """ZB-H1's formula is its own timeline's bubble for m < p too (no steady state: the last
+    micro-batch walks back through every stage before rank 0's last W), on the clock it is built on."""
+    for p in range(2, 5):
+        for m in range(1, 9):
+            for scale in (1.0, 0.5):
+                spans = S.simulate(S.zero_bubble_h1(p, m), p, t_f=scale, t_b=2 * scale, t_w=scale)
+                assert S.bubble(spans) == pytest.approx(
+                    S.formula_bubble("zb-h1", p, m, t_f=scale, t_b=2 * scale, t_w=scale), abs=1e-12), (p, m)
+    assert S.formula_bubble("zb-h1", 4, 1) == pytest.approx(6 / 9)    # F, B through 4 stages, then W
+
+
+def test_schedule_names_and_chunks():
+    """torch's names (any case) are the same schedules; an unknown name or v > 1 outside the
+    interleaved schedule is a ValueError naming what is allowed."""
+    for alias, name, v in (("GPipe", "gpipe", 1), ("1F1B", "1f1b", 1), ("Interleaved1F1B", "interleaved", 2),
+                           ("scheduleinterleaved1f1b", "interleaved", 2), ("ZB-H1", "zb-h1", 1)):
+        assert S.make_schedule(alias, 2, 4, v) == S.make_schedule(name, 2, 4, v), alias
+    with pytest.raises(ValueError, match=r"schedule must be one of .*'gpipe'.*got 'pipedream'"):
+        S.make_schedule("pipedream", 2, 4)
+    with pytest.raises(ValueError, match="got 'InterleavedZeroBubble'"):   # not the same schedule as zb-h1
+        S.make_schedule("InterleavedZeroBubble", 2, 4)
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        with pytest.raises(ValueError, match="v=2 chunks per rank needs the interleaved schedule"):
+            S.make_schedule(name, 2, 4, 2)
 
 
 def test_simulated_bubble_matches_planner():
@@ -268,3 +296,128 @@ def test_bad_input_on_ranks(two_ranks):
     assert "does not cut into microbatches=4" in msgs[2]
     assert "expected 2 lists" in msgs[3]
     assert "pipeline group of p ranks; this one has 2" in msgs[4]
+
+
+def _names_on_ranks():
+    """The pipelines' constructors: torch's names accepted, the rest a ValueError on every rank."""
+    cfg, mesh = _cfg(False), Mesh(pp=2)
+    ours = PipelineParallel(TinyGPT(cfg), mesh, "1F1B", 4)
+    theirs = TorchPipeline(TinyGPT(cfg), mesh, "Interleaved1F1B", 4, v=2)
+    out = {"ours 1F1B": ours.schedule == S.one_f_one_b(2, 4),
+           "torch Interleaved1F1B": (type(theirs.schedule).__name__, len(theirs.stages))}
+    for label, make in (("torch pipedream", lambda: TorchPipeline(TinyGPT(cfg), mesh, "pipedream", 4)),
+                        ("ours 1f1b v=2", lambda: PipelineParallel(TinyGPT(cfg), mesh, "1f1b", 4, v=2)),
+                        ("torch zb-h1 v=2", lambda: TorchPipeline(TinyGPT(cfg), mesh, "zb-h1", 4, v=2)),
+                        ("torch batch 10, m=4", lambda: TorchPipeline(TinyGPT(cfg), mesh, "1f1b", 4).step(
+                            torch.zeros(10, 8, dtype=torch.long), torch.zeros(10, 8, dtype=torch.long), 80))):
+        try:
+            make()
+            out[label] = "no error"
+        except ValueError as e:
+            out[label] = str(e)
+    return out
+
+
+def test_names_and_bad_input_on_every_rank(two_ranks):
+    for rank in two_ranks:
+        got = rank["names"]
+        assert got["ours 1F1B"] and got["torch Interleaved1F1B"] == ("ScheduleInterleaved1F1B", 2)
+        assert "schedule must be one of" in got["torch pipedream"] and "'1f1b'" in got["torch pipedream"]
+        assert "needs the interleaved schedule" in got["ours 1f1b v=2"]
+        assert "needs the interleaved schedule" in got["torch zb-h1 v=2"]
+        assert "does not cut into microbatches=4" in got["torch batch 10, m=4"]
+
+
+def _scale_grads(m=4):
+    """A mean loss_fn with scale_grads=True: our gradients against torch's ScheduleGPipe /
+    Schedule1F1B (scale_grads=True, their default) on the same stages and data."""
+    from torch.distributed import pipelining
+    me = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    out = {}
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        stage = _mlp(me)
+        res = run_schedule(S.make_schedule(name, 2, m), {me: stage}, Comm(None), p=2, m=m, inputs=list(x.chunk(m)),
+                           targets=list(y.chunk(m)), loss_fn=F.mse_loss, act_shape=(8 // m, 8), scale_grads=True)
+        ours = [q.grad for q in stage.parameters()]
+        theirs = None
+        if name != "zb-h1":
+            stage2 = _mlp(me)
+            cls = pipelining.ScheduleGPipe if name == "gpipe" else pipelining.Schedule1F1B
+            sched = cls(pipelining.PipelineStage(stage2, me, 2, torch.device("cpu")), m, loss_fn=F.mse_loss,
+                        scale_grads=True)
+            sched.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+            theirs = [q.grad for q in stage2.parameters()]
+        out[name] = (ours, theirs, res.losses)
+    return out
+
+
+def test_scale_grads_like_torch_and_one_device(two_ranks):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    whole = torch.nn.Sequential(*_mlp(0), *_mlp(1))
+    F.mse_loss(whole(x), y).backward()                    # one device: the mean over the whole batch
+    one_device = [q.grad for q in whole.parameters()]
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        ours = two_ranks[0]["scale grads"][name][0] + two_ranks[1]["scale grads"][name][0]
+        for a, b in zip(ours, one_device):
+            torch.testing.assert_close(a, b, msg=f"{name}: scale_grads=True differs from one device")
+        if name != "zb-h1":
+            theirs = two_ranks[0]["scale grads"][name][1] + two_ranks[1]["scale grads"][name][1]
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a, b, msg=f"{name}: scale_grads=True differs from torch's")
+        losses = two_ranks[1]["scale grads"][name][2]     # loss_fn's values, unscaled (as torch's)
+        assert sum(losses.values()) / 4 == pytest.approx(F.mse_loss(whole(x), y).item(), rel=1e-5)
+
+
+def _one_rank_interleaved():
+    """pp = 1, interleaved with v = 2: both stages on this rank (hand-over in memory, one tied matrix)."""
+    out = []
+    for tied in (False, True):
+        cfg = _cfg(tied)
+        batches = reference.gpt_batches(cfg, batch=4, steps=3)
+        ref = TinyGPT(cfg, seed=0)
+        state, ref_losses = reference.train_gpt(ref, batches, torch.optim.SGD(ref.parameters(), lr=0.5), micro=1)
+        for cls in (PipelineParallel, TorchPipeline):
+            pipe = cls(TinyGPT(cfg, seed=0), Mesh(pp=1), "interleaved", microbatches=2, v=2)
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+            losses = []
+            for x, y in batches:
+                losses.append(pipe.step(x, y, n_tokens=y.numel()))
+                opt.step()
+                opt.zero_grad()
+            worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            for st in pipe.stages.values():
+                for name, q in st.named_in_model().items():
+                    worst = max(worst, (q.detach() - state[name]).abs().max().item())
+            one = pipe.stages[0].part.tok_emb.weight is pipe.stages[1].part.lm_head.weight
+            messages = pipe.last_result.messages if cls is PipelineParallel else 0
+            out.append((cls.__name__, tied, worst, one, messages))
+    return out
+
+
+def test_one_rank_interleaved_equals_one_device():
+    for cls, tied, worst, one, messages in course_lib.launch(_one_rank_interleaved, 1, timeout=120)[0]:
+        assert worst < 2e-5, f"{cls} pp=1 v=2 tied={tied}: differs from one device by {worst}"
+        assert one == tied, f"{cls} pp=1 v=2 tied={tied}: tok_emb and lm_head are one parameter: {one}"
+        assert messages == 0, f"{cls}: a stage on the same rank sent {messages} messages to itself"
+
+
+def _wrong_act_shape(act_shape, act_dtype):
+    me = dist.get_rank()
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    run_schedule(S.one_f_one_b(2, 2), {me: _mlp(me)}, Comm(None), p=2, m=2, inputs=xs, targets=xs,
+                 loss_fn=F.mse_loss, act_shape=act_shape, act_dtype=act_dtype)
+
+
+@pytest.mark.parametrize("act_shape,act_dtype", [((3, 6), torch.float32), ((3, 10), torch.float32),
+                                                 ((3, 8), torch.float64)])
+def test_wrong_act_shape_raises_before_sending(act_shape, act_dtype):
+    """The true activation is (3, 8) float32. Before: too small killed the receiver (SIGABRT),
+    too big hung it. Now the sender raises before any message; launch stops the receiver."""
+    with pytest.raises(RankError) as info:
+        course_lib.launch(_wrong_act_shape, 2, act_shape, act_dtype, quiet=True, timeout=20)
+    assert info.value.rank == 0 and info.value.exc_type == "ValueError", str(info.value)
+    msg = str(info.value)
+    assert "(3, 8) torch.float32" in msg and f"act_shape={act_shape}" in msg, msg

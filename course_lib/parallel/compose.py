@@ -160,6 +160,10 @@ class NDParallel:
         me = mesh.coord["pp"]
         # 1. PP: this rank's stages (copies of the model keeping their layers)
         stages = {s: NDStage(model, s, n_stages) for s in range(me, n_stages, self.p)}
+        both_ends = bool(cfg.tie_embeddings) and n_stages > 1 and 0 in stages and n_stages - 1 in stages
+        if both_ends and data == "fsdp":  # (pp = 1 with v > 1 chunks) one weight in two FSDP units
+            raise ValueError("tied embeddings with the first and the last stage on one rank (pp=1, v>1) "
+                             "need data='ddp': FSDP would shard the one weight twice")
         for st in stages.values():
             if sizes["tp"] > 1:                            # 2. TP (+ SP)
                 parallelize(st.part, mesh, sequence_parallel=self.sp, seed=seed)
@@ -168,6 +172,8 @@ class NDParallel:
             self._experts(st, mesh, sizes)                 # 4. EP
             for q in st.parameters():                      # 5. the dims each gradient is summed over
                 set_reduce_dims(q, _data_dims(q, sizes, data == "fsdp"))
+        if both_ends:   # the stages are copies: the embedding and the head become one weight again
+            stages[n_stages - 1].part.lm_head.weight = stages[0].part.tok_emb.weight
         self.stages = stages
         self._tp_shard = {s: {local: getattr(q, "tp_shard", None)            # before FSDP replaces them
                               for local, q in st.part.named_parameters(remove_duplicate=False)}

@@ -26,7 +26,7 @@ from course_lib.collectives.comm import Comm, TrafficCounter
 from course_lib.parallel.grad_sync import GradSync
 from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.pipeline_executor import run_schedule
-from course_lib.parallel.schedules import make_schedule, validate
+from course_lib.parallel.schedules import make_schedule, schedule_name, validate
 
 
 def partition_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -80,6 +80,26 @@ class GPTStage(nn.Module):
 
 def gpt_stage(model, stage: int, n_stages: int) -> GPTStage:
     return GPTStage(model, stage, n_stages)
+
+
+def rank_stages(model, rank: int, p: int, v: int = 1, stage_cls=GPTStage) -> dict:
+    """{virtual stage: stage_cls} of pp rank ``rank``: stages rank, rank + p, ... of p * v. Each is
+    a copy of the model, so where the first and the last stage both live on this rank (p = 1
+    with v > 1 chunks), a tied embedding / LM head would become two matrices training apart:
+    they are made one parameter again, as in the model (autograd adds both stages' gradients)."""
+    n_stages = p * v
+    stages = {s: stage_cls(model, s, n_stages) for s in range(rank, n_stages, p)}
+    if model.config.tie_embeddings and n_stages > 1 and 0 in stages and n_stages - 1 in stages:
+        stages[n_stages - 1].part.lm_head.weight = stages[0].part.tok_emb.weight
+    return stages
+
+
+def _check_chunks(v, schedule):
+    """v: an integer >= 1, and > 1 only for the interleaved schedule (or an explicit action list).
+    Returns the schedule, a name in the course's spelling."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"v (chunks per rank) must be an integer >= 1, got {v!r}")
+    return schedule_name(schedule, v) if isinstance(schedule, str) else schedule
 
 
 class MLPStage(nn.Module):
@@ -152,16 +172,17 @@ def sum_tied_gradient(comm, stages):
 class PipelineParallel:
     """A TinyGPT cut into p * v stages along the mesh's "pp" dimension, trained by a schedule.
 
-    schedule: "gpipe", "1f1b", "interleaved" (v chunks per rank), "zb-h1", or an explicit
-        action list per pp rank (``schedules``), validated before it runs.
+    schedule: "gpipe", "1f1b", "interleaved" (v chunks per rank), "zb-h1" (any case; torch's
+        "GPipe", "1F1B", "Interleaved1F1B" too), or an explicit action list per pp rank
+        (``schedules``), validated before it runs. v > 1 with another schedule: ValueError.
     microbatches: m; each DP replica's batch is cut into m equal micro-batches.
     """
 
     def __init__(self, model, mesh, schedule="1f1b", microbatches: int = 4, v: int = 1):
         p, m = mesh.sizes["pp"], microbatches
-        self.mesh, self.p, self.m = mesh, p, m
-        self.v = v if schedule == "interleaved" or not isinstance(schedule, str) else 1
-        n_stages = p * self.v
+        self.mesh, self.p, self.m, self.v = mesh, p, m, v
+        schedule = _check_chunks(v, schedule)                   # a name: the course's spelling
+        n_stages = p * v
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {m!r}")
         partition_layers(len(model.blocks), n_stages)           # more stages than layers: ValueError
@@ -169,7 +190,7 @@ class PipelineParallel:
             schedule = make_schedule(schedule, p, m, self.v)      # m that a schedule refuses: ValueError
         self.schedule = validate(schedule, p, m, self.v)        # every rank checks the whole schedule
         me = mesh.coord["pp"]
-        self.stages = {s: GPTStage(model, s, n_stages) for s in range(me, n_stages, p)}
+        self.stages = rank_stages(model, me, p, v)             # tied on one rank: one parameter
         self.comm = Comm(mesh.group("pp"), TrafficCounter(), dim="pp")
         self.tied = bool(model.config.tie_embeddings) and p > 1
         self.embedding_comm = embedding_group(mesh) if self.tied else None
@@ -217,17 +238,24 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 
 class TorchPipeline:
     """The same stages run by ``torch.distributed.pipelining`` (PipelineStage + its schedule
-    of the same name), for side-by-side checks and timings. Gradients are not rescaled
-    (``scale_grads=False``): our loss is already divided by the global token count. torch's
-    schedules leave a tied weight to the caller: we sum it as ours do (:func:`sum_tied_gradient`)."""
+    of the same name, :class:`PipelineParallel`'s names), for side-by-side checks and timings.
+    Gradients are not rescaled (``scale_grads=False``): our loss is already divided by the
+    global token count. torch's schedules leave a tied weight to the caller: we sum it as ours
+    do (:func:`sum_tied_gradient`; on one rank it is one parameter, :func:`rank_stages`)."""
 
     def __init__(self, model, mesh, schedule="1f1b", microbatches: int = 4, v: int = 1):
         from torch.distributed import pipelining
         p, me = mesh.sizes["pp"], mesh.coord["pp"]
-        self.v = v if schedule == "interleaved" else 1
-        n_stages = p * self.v
+        schedule = _check_chunks(v, schedule)
+        if not isinstance(schedule, str):
+            raise ValueError(f"TorchPipeline runs torch's schedules by name, one of {tuple(TORCH_SCHEDULES)}; "
+                             f"got {type(schedule).__name__}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        self.v, self.m = v, microbatches
+        n_stages = p * v
         partition_layers(len(model.blocks), n_stages)
-        self.stages = {s: GPTStage(model, s, n_stages) for s in range(me, n_stages, p)}
+        self.stages = rank_stages(model, me, p, v)
         self.torch_stages = [pipelining.PipelineStage(st, s, n_stages, torch.device("cpu"), group=mesh.group("pp"))
                              for s, st in self.stages.items()]
         self.n_tokens = None
@@ -244,7 +272,12 @@ class TorchPipeline:
         return list({id(q): q for st in self.stages.values() for q in st.parameters()}.values())
 
     def step(self, x, y, n_tokens: int):
-        """Returns the sum of this rank's micro-batch losses (0 where the last stage is not)."""
+        """Returns the sum of this rank's micro-batch losses (0 where the last stage is not).
+        x, y: the batch, on every rank (each checks that it cuts into the micro-batches: torch
+        fails on the last stage only, leaving the others waiting)."""
+        if len(x) % self.m or len(y) != len(x):
+            raise ValueError(f"a batch of {len(x)} rows (targets: {len(y)}) does not cut into "
+                             f"microbatches={self.m} equal ones")
         self.n_tokens, losses = n_tokens, []
         args = (x,) if self.is_first else ()
         self.schedule.step(*args, target=y if self.is_last else None, losses=losses)
@@ -252,5 +285,5 @@ class TorchPipeline:
         return float(sum(loss.detach() for loss in losses)) if losses else 0.0
 
 
-__all__ = ["TorchPipeline", "embedding_group", "sum_tied_gradient", "partition_layers", "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step",
+__all__ = ["TorchPipeline", "rank_stages", "embedding_group", "sum_tied_gradient", "partition_layers", "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step",
            "PipelineParallel"]

@@ -12,7 +12,11 @@ never be confused, whatever order the schedule posts them in. A receive is poste
 receiving action ahead, so the transport reads the message while the rank computes, and an
 action waits for its own (traced as a ``comm`` span: a rank waiting there is the bubble);
 sends are posted (gloo copies the tensor into the socket there: a ``send`` span) and waited
-at the end of the step. ``measured_costs`` reads from a trace what a step spent between actions.
+at the end of the step. Where the next (or previous) stage lives on the same rank (p = 1 with
+v chunks), the tensor is handed over in memory: no message. Every tensor handed on is first
+checked against ``act_shape`` / ``act_dtype`` (a ValueError on the sending rank, before a
+wrong message could crash or stall the receiving one). ``measured_costs`` reads from a trace
+what a step spent between actions.
 
 The zero-bubble split (Qi et al. 2023): ``B`` computes the gradient of the stage's input
 and of every Linear layer's *output* (one backward pass through the activations, no
@@ -112,19 +116,31 @@ def backward_weight(for_w):
 
 
 def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
-                 loss_fn=None, act_shape=None, act_dtype=torch.float32) -> StepResult:
+                 loss_fn=None, act_shape=None, act_dtype=torch.float32, scale_grads: bool = False) -> StepResult:
     """Run this rank's actions of ``schedule`` (one list of (op, stage, mb) per pp rank, validated
     first on every rank: a bad one is a ValueError, never a hang) on its ``stages`` {stage: module}.
 
     inputs / targets: the m micro-batches (needed where stage 0 / stage p*v - 1 live).
     loss_fn(output, target) -> the micro-batch's loss, already scaled for the whole step
     (e.g. summed over tokens / the global token count): gradients accumulate over micro-batches.
-    act_shape: the shape of every activation sent between stages (one micro-batch).
+    scale_grads=True (torch.distributed.pipelining's default): each micro-batch's loss is divided
+    by m before its backward, so a mean loss_fn gives one device's mean-loss gradients
+    (``losses`` still reports loss_fn's values, as torch's ``losses`` list does).
+    act_shape, act_dtype: of every activation (and its gradient) sent between stages, one
+    micro-batch; a stage output that differs is a ValueError naming both, raised by the sending
+    rank before it sends (the receiver cannot tell: its buffer is already posted; under
+    ``launch`` the failing rank stops the others).
     """
     n_stages = p * v
     me = comm.rank
     if comm.size != p:
         raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
+    if act_shape is None and n_stages > 1:
+        raise ValueError(f"act_shape (one micro-batch's activation, e.g. (b, s, h)) is needed: "
+                         f"{n_stages} stages hand activations on")
+    act_shape = None if act_shape is None else tuple(act_shape)
+    if not isinstance(scale_grads, bool):
+        raise ValueError(f"scale_grads must be True or False, got {scale_grads!r}")
     for s in stages:
         if s % p != me:
             raise ValueError(f"stage {s} lives on pp rank {s % p}, but rank {me} was given it")
@@ -141,10 +157,13 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
 
     # Receives are posted ahead: the one an action needs, and the next one, so that the
     # message is read by the transport while this rank computes instead of after it asks.
-    needs = [(i, ("act", s - 1, s, mb) if op == "F" else ("grad", s + 1, s, mb))
-             for i, (op, s, mb) in enumerate(actions)
-             if (op == "F" and s > 0) or (op == "B" and s < n_stages - 1)]
+    needs = []
+    for i, (op, s, mb) in enumerate(actions):
+        src = {"F": s - 1, "B": s + 1}.get(op)       # the stage whose message this action reads
+        if src is not None and 0 <= src < n_stages and src % p != me:   # same rank: handed over in ``local``
+            needs.append((i, ("act" if op == "F" else "grad", src, s, mb)))
     posted, nxt = {}, 0          # action index -> (work, buffer); nxt: next entry of needs to post
+    local = {}                   # (kind, stage, mb) -> tensor from a stage on this rank
 
     def post_recvs(i):
         nonlocal nxt
@@ -154,7 +173,9 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
             posted[j] = (comm.irecv(buf, stage_from % p, tag=_tag(kind, s, mb, n_stages, m)), buf)
             nxt += 1
 
-    def recv(i, kind, mb):
+    def recv(i, kind, s, mb):
+        if (kind, s, mb) in local:         # from this rank's own stage: validate ran it before
+            return local.pop((kind, s, mb))
         post_recvs(i)
         work, buf = posted.pop(i)
         with trace.span(f"recv {kind} {mb}", "comm", "pp"):
@@ -163,6 +184,15 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
         return buf
 
     def send(t, stage_to, kind, s, mb):
+        if tuple(t.shape) != act_shape or t.dtype != act_dtype:
+            what = "activation of" if kind == "act" else "input gradient of"
+            raise ValueError(f"the {what} stage {s - 1 if kind == 'act' else s + 1}, micro-batch {mb}, is "
+                             f"{tuple(t.shape)} {t.dtype}, but act_shape={act_shape}, act_dtype={act_dtype}: "
+                             f"every tensor sent between stages must have that shape and dtype "
+                             f"(the receiver's buffer)")
+        if stage_to % p == me:             # the next stage is on this rank: no message
+            local[(kind, s, mb)] = t.detach().clone()
+            return
         t = t.detach().contiguous()
         with trace.span(f"send {kind} {mb}", "comm", "pp"):     # gloo writes to the socket here
             sends.append((comm.isend(t, stage_to % p, tag=_tag(kind, s, mb, n_stages, m)), t))
@@ -171,7 +201,7 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
     for i, (op, s, mb) in enumerate(actions):
         module = stages[s]
         if op == "F":
-            x = inputs[mb] if s == 0 else recv(i, "act", mb).requires_grad_()
+            x = inputs[mb] if s == 0 else recv(i, "act", s, mb).requires_grad_()
             saved, record = _Saved(module.parameters()), {"calls": []}
             hooks = []
             if (s, mb) in split:     # remember each Linear call's input and output for B and W
@@ -184,6 +214,8 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
                 if s == n_stages - 1:
                     y = loss_fn(y, targets[mb])
                     out.losses[mb] = float(y.detach())
+                    if scale_grads:            # torch's default: the step's gradient is the mean over m
+                        y = y / m
             for h in hooks:
                 h.remove()
             live[(s, mb)] = out.saved_bytes[(s, mb)] = saved.bytes()
@@ -195,7 +227,7 @@ def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, in
             state[(s, mb)] = (x if s > 0 or x.requires_grad else None, y, record)
         elif op == "B":
             x, y, record = state[(s, mb)]
-            dy = None if s == n_stages - 1 else recv(i, "grad", mb)
+            dy = None if s == n_stages - 1 else recv(i, "grad", s, mb)
             with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
                 if (s, mb) in split:
                     dx, for_w = backward_input(y, dy, x, record)

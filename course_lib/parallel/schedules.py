@@ -113,17 +113,37 @@ def zero_bubble_h1(p: int, m: int):
     return out
 
 
+# Other spellings of the same schedules, compared case-insensitively: torch.distributed.pipelining's
+# names (``get_schedule_class`` and the class names). Not torch's "InterleavedZeroBubble": with one
+# stage per rank it places the W passes differently when m < p, and with v > 1 it is another schedule.
+SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
+                    "interleaved": "interleaved", "interleaved1f1b": "interleaved",
+                    "scheduleinterleaved1f1b": "interleaved", "zb-h1": "zb-h1", "zero-bubble": "zb-h1"}
+
+
+def schedule_name(name, v: int = 1) -> str:
+    """The course's name (one of SCHEDULES) for ``name``, in any case or in torch's spelling
+    ("GPipe", "1F1B", "Interleaved1F1B"). ValueError for an unknown name, and for v > 1 chunks per
+    rank with a schedule that runs one (only "interleaved" takes v)."""
+    canon = SCHEDULE_ALIASES.get(name.lower()) if isinstance(name, str) else None
+    if canon is None:
+        raise ValueError(f"schedule must be one of {SCHEDULES} (or torch's GPipe, 1F1B, Interleaved1F1B), "
+                         f"got {name!r}")
+    if canon != "interleaved" and v != 1:
+        raise ValueError(f"v={v!r} chunks per rank needs the interleaved schedule; {name!r} runs one stage per rank")
+    return canon
+
+
 def make_schedule(name: str, p: int, m: int, v: int = 1):
-    """One of SCHEDULES by name (``v`` only for "interleaved")."""
+    """One of SCHEDULES by name (:func:`schedule_name`; ``v`` > 1 only for "interleaved")."""
+    name = schedule_name(name, v)
     if name == "gpipe":
         return gpipe(p, m)
     if name == "1f1b":
         return one_f_one_b(p, m)
     if name == "interleaved":
         return interleaved_1f1b(p, m, v)
-    if name in ("zb-h1", "zero-bubble"):
-        return zero_bubble_h1(p, m)
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    return zero_bubble_h1(p, m)
 
 
 def _dependency(a: Action, p: int, v: int):
@@ -251,11 +271,18 @@ def bubble(spans, rank=None):
 
 def formula_bubble(name: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=1.0) -> float:
     """The textbook bubble as a fraction of the step: ``planner.formulas.bubble_fraction``
-    for GPipe / 1F1B / interleaved; ZB-H1 idles (p-1)(t_f + t_b - 2 t_w) per step
-    (Qi et al. 2023, Sec. 3.1: the W passes fill the rest of the cool-down; no less than 0, where
-    a W outlasts a forward and an input-gradient pass together)."""
+    for GPipe / 1F1B / interleaved. ZB-H1 (t_b: the whole backward, B + W) idles
+
+        (p - 1)(t_f + t_b - t_w) - (min(m, p) - 1) t_w     per rank per step:
+
+    1F1B's fill and drain with a split backward, (p - 1)(t_f + t_b - t_w), less the W passes
+    that fill it: p - 1 of them once m >= p (Qi et al. 2023, Sec. 3.1: (p - 1)(t_f + t_b - 2 t_w)),
+    only m - 1 when m < p, where the step is (p - 1 + m)(t_f + t_b - t_w) + t_w: the F and B
+    passes through every stage, then rank 0's last W. No less than 0, where a W outlasts a
+    forward and an input-gradient pass together. Exact for the timeline of :func:`zero_bubble_h1`
+    on the clock it is built on (t_f = t_b - t_w = t_w, any scale); tested for p 2..4, m 1..8."""
     if name == "zb-h1":
-        idle = max(0.0, (p - 1) * (t_f + t_b - 2 * t_w))
+        idle = max(0.0, (p - 1) * (t_f + t_b - t_w) - (min(m, p) - 1) * t_w)
         return idle / (m * (t_f + t_b) + idle)
     return formulas.bubble_fraction(p, m, name, v)
 
@@ -281,4 +308,5 @@ def format_schedule(schedule, width: int = 0) -> str:
 
 
 __all__ = ["Action", "OPS", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
-           "make_schedule", "validate", "simulate", "bubble", "formula_bubble", "in_flight", "format_schedule"]
+           "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
+           "in_flight", "format_schedule"]
