@@ -64,8 +64,12 @@ def build_and_compare(shape):
         out["sums"][dims] = t.item()
         if dims in DIMS:
             out["torch"][dims] = dist.get_process_group_ranks(dm.get_group(dims))
+            out.setdefault("spelling", []).append(   # torch's DeviceMesh accessors, ours and torch's
+                ((dist.get_process_group_ranks(mesh.get_group(dims)), mesh.get_local_rank(dims), mesh.size(dims)),
+                 (out["torch"][dims], dm.get_local_rank(dims), dm.size(dm.mesh_dim_names.index(dims)))))
         elif dims in (("dp", "cp"), ("pp", "tp")):
             out["torch"][dims] = dist.get_process_group_ranks(dm[dims]._flatten().get_group())
+    out["coordinates"] = (mesh.get_coordinate(), dm.get_coordinate(), mesh.size(), dm.size())
     out["comm_dim"] = mesh.comm(("dp", "cp")).dim
     emb = mesh.embedding_comm()
     out["embedding"] = None if emb is None else emb.ranks
@@ -89,6 +93,10 @@ def test_groups_match_init_device_mesh(shape):
         nxt = ref.rank_of(dp=c["dp"], pp=c["pp"] + 1, cp=c["cp"], tp=c["tp"]) if c["pp"] < ref.sizes["pp"] - 1 else None
         assert out["neighbours"] == (prev, nxt)
         assert out["comm_dim"] == "dp+cp"
+        for ours, theirs in out["spelling"]:
+            assert ours == theirs
+        ours, theirs, n, n_torch = out["coordinates"]
+        assert ours == list(theirs) and n == n_torch
         pipeline = next(s for s in ref.rank_sets("pp") if rank in s)   # the embedding group: its two ends
         assert out["embedding"] == (sorted({pipeline[0], pipeline[-1]}) if rank in (pipeline[0], pipeline[-1]) else None)
         assert out["from_layout"] == next(s for s in ref.rank_sets(("dp", "tp")) if rank in s)

@@ -227,6 +227,28 @@ class Mesh(MeshShape):
             return None
         return self.rank_of(**{**{d: self.coord[d] for d in DIMS}, dim: i})
 
+    # ---------------------------------------------------- torch's DeviceMesh spelling
+    mesh_dim_names = DIMS   # init_device_mesh("cpu", (dp, pp, cp, tp), mesh_dim_names=DIMS) has our groups
+
+    def get_group(self, mesh_dim: str):
+        """As ``DeviceMesh.get_group``: the ProcessGroup along one dimension (the world's group
+        object where that dimension spans the world, where :meth:`group` says None)."""
+        group = self.group(mesh_dim)
+        return dist.group.WORLD if group is None else group
+
+    def get_local_rank(self, mesh_dim: str) -> int:
+        """As ``DeviceMesh.get_local_rank``: this rank's index along ``mesh_dim``."""
+        _check(_names(mesh_dim))
+        return self.coord[mesh_dim] if mesh_dim in self.coord else dist.get_rank(self.group(mesh_dim))
+
+    def size(self, mesh_dim: str | None = None) -> int:
+        """As ``DeviceMesh.size``: the number of ranks along ``mesh_dim`` (None: all of them)."""
+        return self.world_size if mesh_dim is None else len(self.ranks(mesh_dim))
+
+    def get_coordinate(self) -> list[int]:
+        """As ``DeviceMesh.get_coordinate``: this rank's index along dp, pp, cp, tp."""
+        return [self.coord[d] for d in DIMS]
+
     pp_prev = property(lambda self: self.peer("pp", -1), doc="previous pipeline stage's rank (None on stage 0)")
     pp_next = property(lambda self: self.peer("pp", +1), doc="next pipeline stage's rank (None on the last)")
 
