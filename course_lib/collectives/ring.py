@@ -89,7 +89,8 @@ _kept = threading.local()   # this thread's scratch buffers, by dtype
 
 def _scratch(count: int, numel: int, dtype):
     """``count`` buffers of ``numel`` elements, kept by this thread from one call to the next.
-    A fresh megabyte would be faulted in page by page (and zeroed by the kernel) on every call.
+    No call allocates them (memory fresh from the OS is faulted in and zeroed page by page;
+    how often a freed buffer comes back fresh depends on the allocator: chapter 2 counts it).
     Per thread: two collectives running at once on two communication threads never share one."""
     pool = _kept.__dict__.setdefault("pool", {})
     bufs = pool.get(dtype, [])
