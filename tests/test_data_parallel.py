@@ -16,6 +16,7 @@ from course_lib import launch
 from course_lib.models import MLP
 from course_lib.parallel.data_parallel import DDP
 from course_lib.planner.formulas import collective_bytes_per_rank
+from sections import assert_no_error, run_sections
 from single_device import AWKWARD, LR, SIZES, STEPS, WD, make_data, train
 
 VERSIONS = ("textbook", "bucketed", "overlapped", "ours", "FFBB", "start/finish")
@@ -277,11 +278,6 @@ def _replicas_section(out, rank):
     out["same after refusals"] = type(DDP(nn.Linear(2, 2))).__name__  # the group still works
 
 
-def assert_no_error(results, section):
-    errors = [r[section, "error"] for r in results if (section, "error") in r]
-    assert not errors, errors[0]
-
-
 def convention_checks():
     """One 3-rank launch: buffers, torch's keyword arguments, gradient copies, mismatched replicas."""
     import torch.distributed as dist
@@ -290,12 +286,7 @@ def convention_checks():
     out = {}
     sections = {"buffers": _buffers_section, "keywords": _keywords_section, "bucket view": _bucket_view_section,
                 "replicas": _replicas_section}
-    for name, section in sections.items():  # a failing section fails its own test, not the launch
-        try:
-            section(out, rank)
-        except Exception as exc:
-            out[name, "error"] = f"{type(exc).__name__}: {exc}"
-    return out
+    return run_sections(sections, out, rank)   # a failing section fails its own test
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,17 @@ def _cfg(tied):
     return GPTConfig(vocab_size=32, seq_len=8, n_layers=8, hidden=16, n_heads=2, tie_embeddings=tied)
 
 
+def _sgd_steps(pipe, batches, lr=0.5):
+    """Train ``pipe`` one SGD step per batch; its losses (the whole batch's, every rank)."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        losses.append(pipe.step(x, y, n_tokens=y.numel()))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def _equal_to_one_device(dp, pp, configs, batch=24):
     """On every rank: train each (schedule, m, v, tied) for STEPS steps, compare with one device."""
     mesh = Mesh(dp=dp, pp=pp)
@@ -104,12 +115,7 @@ def _same_as_torch(configs):
         runs = []
         for cls in (PipelineParallel, TorchPipeline):
             pipe = cls(TinyGPT(cfg, seed=0), mesh, sched, microbatches=m, v=v)
-            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
-            losses = []
-            for x, y in batches:
-                losses.append(pipe.step(x, y, n_tokens=y.numel()))
-                opt.step()
-                opt.zero_grad()
+            losses = _sgd_steps(pipe, batches)
             runs.append((losses, [q.detach().clone() for st in pipe.stages.values() for q in st.parameters()]))
         ours, theirs = runs
         worst = max((a - b).abs().max().item() for a, b in zip(ours[1], theirs[1]))
@@ -381,12 +387,7 @@ def _one_rank_interleaved():
         state, ref_losses = reference.train_gpt(ref, batches, torch.optim.SGD(ref.parameters(), lr=0.5), micro=1)
         for cls in (PipelineParallel, TorchPipeline):
             pipe = cls(TinyGPT(cfg, seed=0), Mesh(pp=1), "interleaved", microbatches=2, v=2)
-            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
-            losses = []
-            for x, y in batches:
-                losses.append(pipe.step(x, y, n_tokens=y.numel()))
-                opt.step()
-                opt.zero_grad()
+            losses = _sgd_steps(pipe, batches)
             worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
             for st in pipe.stages.values():
                 for name, q in st.named_in_model().items():

@@ -382,7 +382,7 @@ def test_bad_input_is_a_clear_error_on_every_rank_not_a_hang():
                 "mesh size": "world size", "seed per rank": "different models",
                 "sequence": "does not split evenly", "row input": "input features",
                 "twice": "already tensor-parallel", "not a comm": "TypeError",
-                "own layer": "ranks [1, 2] hold a different Linear", "uneven gather": "equal slices",
+                "own layer": "ranks [1, 2] differ from rank 0's Linear", "uneven gather": "equal slices",
                 "copies": "copies=2 must be a positive int dividing", "cols": "cols [4, 9)",
                 "dropout p": "between 0 and 1", "target": "1 target(s) are not (they range from 1 to 7)",
                 "vocab size": "2 rows cannot be split over 3 ranks", "vocab group": "TypeError: pass the"}

@@ -12,6 +12,7 @@ from course_lib import launch
 from course_lib.models import MLP
 from course_lib.parallel.zero import ShardedOptimizer
 from course_lib.planner.formulas import collective_bytes_per_rank
+from sections import assert_no_error, run_sections
 from single_device import AWKWARD, LR, SIZES, STEPS, WD, make_data, train
 
 FORMULA = {"reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce"}
@@ -257,11 +258,6 @@ def _add_param_group_section(out, rank, sub):
         out["add_param_group", stage] = (net.state_dict(), one.state_dict())
 
 
-def assert_no_error(results, section):
-    errors = [r[section, "error"] for r in results if (section, "error") in r]
-    assert not errors, errors[0]
-
-
 def convention_checks():
     """One 4-rank launch: subgroups next to torch's ZeroRedundancyOptimizer, param_groups'
     defaults, checkpoints (consolidate / state_dict / load), add_param_group."""
@@ -273,12 +269,7 @@ def convention_checks():
     sub = pairs[rank // 2]
     sections = dict(subgroup=_subgroup_section, defaults=_defaults_section, checkpoint=_checkpoint_section,
                     add_param_group=_add_param_group_section)
-    for name, section in sections.items():  # a failing section fails its own test, not the launch
-        try:
-            section(out, rank, sub)
-        except Exception as exc:
-            out[name, "error"] = f"{type(exc).__name__}: {exc}"
-    return out
+    return run_sections(sections, out, rank, sub)   # a failing section fails its own test
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ def check_same_everywhere(module: nn.Module, comm: Comm, what: str):
     """ValueError on every rank unless every rank of ``comm`` holds the same single-device
     ``module`` (shapes and values): each rank keeps a slice of it, and slices of different
     layers are no layer at all (torch's parallelize_module takes rank 0's instead). One
-    all-gather of four numbers, a check outside the layer's traffic: not in ``comm.log``."""
+    all-gather of four numbers (count, elements, sum, sum of squares), before any other check
+    can differ between ranks; a check outside the model's traffic: not in ``comm.log``."""
     params = [p.detach().double() for p in module.parameters()]
     mine = torch.tensor([len(params), sum(p.numel() for p in params), sum(p.sum().item() for p in params),
                          sum(p.square().sum().item() for p in params)], dtype=torch.float64,
@@ -61,8 +62,9 @@ def check_same_everywhere(module: nn.Module, comm: Comm, what: str):
         every.copy_(mine)
     differ = [r for r, row in enumerate(every.view(comm.size, 4)) if not torch.equal(row, every[:4])]
     if differ:
-        raise ValueError(f"{what}: ranks {differ} hold a different {type(module).__name__} than rank 0: build "
-                         f"the same single-device layer (same seed) on every rank, each keeps a slice of it")
+        raise ValueError(f"{what}: the ranks of the tensor-parallel group hold different models (ranks {differ}"
+                         f" differ from rank 0's {type(module).__name__}): build the same single-device model "
+                         f"(same config, same seed) on every rank, each keeps a slice of it")
 
 
 def slice_parameter(p: nn.Parameter, dim: int, start: int, stop: int) -> nn.Parameter:

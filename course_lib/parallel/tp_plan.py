@@ -25,7 +25,8 @@ from course_lib.collectives.comm import Comm
 from course_lib.parallel.comm_ops import copy_to_parallel
 from course_lib.parallel.mesh import get_reduce_dims, set_reduce_dims
 from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDropout,
-                                                 TensorParallelRNG, enter_sequence_parallel, head_rows)
+                                                 TensorParallelRNG, check_same_everywhere, enter_sequence_parallel,
+                                                 head_rows)
 from course_lib.parallel.vocab_parallel import VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy
 
 # module name pattern -> how it is split. "region": a tensor-parallel region starts at this
@@ -66,22 +67,6 @@ def tp_comm(mesh) -> Comm:
     if comm.size != sizes["tp"]:
         raise ValueError(f"the mesh says tp={sizes['tp']} but its tp group has {comm.size} ranks")
     return comm
-
-
-def _same_model_everywhere(model, comm):
-    """ValueError unless every rank of the group holds the same single-device model: each
-    rank keeps a slice of it, so slices of different models are no model at all (ranks that
-    built it with seed=rank, or another config). One all-gather of 4 numbers, on every rank
-    before any other check can differ between ranks."""
-    params = [p.detach().double() for p in model.parameters()]
-    mine = torch.tensor([len(params), sum(p.numel() for p in params), sum(p.sum().item() for p in params),
-                         sum(p.square().sum().item() for p in params)], dtype=torch.float64,
-                        device=next(model.parameters()).device)   # NCCL talks in device tensors
-    every = mine.new_empty(comm.size * 4)
-    comm.all_gather_into_tensor(every, mine, name="parallelize: same model?")
-    if not all(torch.equal(row, mine) for row in every.view(comm.size, 4)):
-        raise ValueError("the ranks of the tensor-parallel group hold different models: build the same "
-                         "single-device model (same config, same seed) on every rank, each keeps a slice of it")
 
 
 def _style(name, plan):
@@ -125,7 +110,7 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
     t, r, sp = comm.size, comm.rank, bool(sequence_parallel)
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("this model is already tensor-parallel: parallelize it once")
-    _same_model_everywhere(model, comm)
+    check_same_everywhere(model, comm, "parallelize")
     _check(model, plan, comm, sp)
     device = next(model.parameters()).device
     rng = TensorParallelRNG(comm, seed, device)
