@@ -181,6 +181,7 @@ def test_book_builds_without_warnings(tmp_path):
     assert "WARNING" not in log, log[-6000:]
     html = tmp_path / "_build" / "html"
     assert (html / "index.html").exists()
+    assert_maths_offline(html / "notebooks" / "05_tensor_parallel.html")
     owner_repo = REPO_URL.split("github.com/")[1]
     for path in notebooks_in("notebooks") + notebooks_in("exercises"):  # each page opens in Colab
         page = (html / _stem(path)).with_suffix(".html")
@@ -229,13 +230,27 @@ def _small_book(root, notebooks) -> str:
     src.mkdir()
     shutil.copy(os.path.join(ROOT, "_config.yml"), src)
     shutil.copytree(os.path.join(ROOT, "book"), src / "book")
-    (src / "start.md").write_text("# A small book\n\nSee {cite}`rajbhandari2020zero`.\n")
+    (src / "start.md").write_text("# A small book\n\nSee {cite}`rajbhandari2020zero` on $t$ ranks.\n")
     (src / "notebooks").mkdir()
     for name, nb in notebooks.items():
         nbformat.write(nb, src / "notebooks" / f"{name}.ipynb")
     (src / "_toc.yml").write_text("format: jb-book\nroot: start\nchapters:\n  - file: book/references\n"
                                   + "".join(f"  - file: notebooks/{name}\n" for name in notebooks))
     return str(src)
+
+
+def assert_maths_offline(page):
+    """A page with maths loads MathJax from the build itself (book/_ext/offline_mathjax.py), so the
+    book reads without the internet: a relative script path to a file that was copied there."""
+    html = page.read_text(encoding="utf-8")
+    scripts = re.findall(r'<script[^>]*src="([^"]*(?:mathjax|MathJax)[^"]*)"', html)
+    assert scripts, f"{page.name} loads no MathJax, though it has maths"
+    for src in scripts:
+        assert "://" not in src and not src.startswith("//"), f"{page.name} loads MathJax from the internet: {src}"
+        local = page.parent / src.split("?")[0]
+        assert local.is_file(), f"{page.name} loads {src}, which the build does not contain"
+    assert (page.parent / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2").is_dir(), \
+        "MathJax's fonts are not in the build"
 
 
 def test_a_committed_failure_fails_the_build(tmp_path):
@@ -245,6 +260,7 @@ def test_a_committed_failure_fails_the_build(tmp_path):
     (tmp_path / "ok").mkdir()
     clean = build(_small_book(tmp_path / "ok", {"good": good}), str(tmp_path / "ok" / "out"))
     assert clean.returncode == 0 and "WARNING" not in clean.stdout + clean.stderr, clean.stdout[-4000:]
+    assert_maths_offline(tmp_path / "ok" / "out" / "_build" / "html" / "start.html")
 
     error_output = _notebook([("print('a')", _stdout("a\n")), ("1/0", _error("ZeroDivisionError", "division by zero"))])
     stopped = _notebook([("print('a')", _stdout("a\n")), ("print('b')", [])])
