@@ -2,6 +2,7 @@
 
     python scripts/generate_exercises.py            # (re)write exercises/*.ipynb
     python scripts/generate_exercises.py --check    # exit 1 if exercises/ is stale
+    python scripts/generate_exercises.py solutions/02_collective_algorithms_exercises.ipynb  # just one
 
 What a solution notebook turns into:
 
@@ -12,11 +13,17 @@ What a solution notebook turns into:
   ``implement <the enclosing function>``. A region must sit inside a function
   body, so the cell still runs and only calling the function raises.
 * In a markdown cell, a region becomes ``*Your answer here.*``.
-* A check cell (first line ``# NBVAL_CHECK_OUTPUT``) keeps its stored output
-  and execution count: that output is the expected pass line which
-  ``pytest --nbval-lax`` and ``scripts/grade.py`` compare against.
-* Every other output and execution count is cleared; cell ids, tags and the
-  kernel spec are kept, so the output is byte-for-byte reproducible.
+* A check cell (first line ``# NBVAL_CHECK_OUTPUT``) loses that line and its
+  output: a learner never sees the pass line before passing. In a notebook a
+  failed check raises (``course_lib.grading.GradeFailed``), so ``pytest
+  --nbval-lax`` fails until it passes; ``scripts/grade.py`` knows the question by
+  the cell's code and compares its output with the solution's stored pass line.
+* Other ``# NBVAL_*`` comment lines become the equivalent cell tags
+  (``nbval-ignore-output``, ``nbval-skip``, ``raises-exception``): nbval still
+  reads them, readers of the book do not see them.
+* The Colab setup cell gets the tag ``remove-cell`` (the book starts at the title).
+* Every output and execution count is cleared; cell ids, tags and the kernel
+  spec are kept, so the output is byte-for-byte reproducible.
 
 Exercise notebooks that no longer have a solution are deleted (``--check``
 reports them).
@@ -38,6 +45,9 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 MARKDOWN_STUB = "*Your answer here.*"
+# nbval's comment markers and the cell tags nbval reads in their place
+MARKER_TAGS = {"# NBVAL_IGNORE_OUTPUT": "nbval-ignore-output", "# NBVAL_SKIP": "nbval-skip",
+               "# NBVAL_RAISES_EXCEPTION": "raises-exception"}
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)\s*\(")
 
 
@@ -110,6 +120,35 @@ def strip_markdown(source: str, where: str) -> str:
     return result
 
 
+def _add_tag(cell, tag):
+    tags = cell.metadata.setdefault("tags", [])
+    if tag not in tags:
+        tags.append(tag)
+
+
+def markers_to_tags(cell) -> None:
+    """Drop the cell's ``# NBVAL_*`` lines (readers see the source), keeping their effect as tags."""
+    kept = []
+    for line in cell.source.split("\n"):
+        marker = line.strip()
+        if marker == CHECK_MARKER:
+            continue  # a check cell of an exercise is not compared: it raises when it fails
+        if marker in MARKER_TAGS:
+            _add_tag(cell, MARKER_TAGS[marker])
+            continue
+        kept.append(line)
+    cell.source = "\n".join(kept)
+
+
+def _is_setup_cell(cell) -> bool:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from colab_cell import COLAB_CELL
+    finally:
+        sys.path.pop(0)
+    return cell.cell_type == "code" and cell.source.strip() == COLAB_CELL.strip()
+
+
 def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
     """The exercise notebook for one solution notebook (a new object; the input is untouched)."""
     nb = copy.deepcopy(solution)
@@ -127,8 +166,11 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
                     raise SolutionFormatError(
                         f"{where}: check cell has no stored output; execute the solution notebook "
                         f"(python scripts/run_notebooks.py solutions/...) so its pass line is stored")
-                continue  # keep the expected pass line: nbval --nbval-lax compares against it
-            cell.source = strip_code(cell.source, where)
+            else:
+                cell.source = strip_code(cell.source, where)
+            if index == 0 and _is_setup_cell(cell):
+                _add_tag(cell, "remove-cell")
+            markers_to_tags(cell)
             cell.outputs = []
             cell.execution_count = None
     return nb
@@ -140,15 +182,18 @@ def render(nb: nbformat.NotebookNode) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def plan(solutions_dir: str, exercises_dir: str):
-    """(path, wanted text or None for 'delete') for every file under exercises_dir."""
+def plan(solutions_dir: str, exercises_dir: str, only=()):
+    """(path, wanted text or None for 'delete') for every file under exercises_dir
+    (only the solutions named in ``only``, when given)."""
     wanted = {}
     for src in sorted(glob.glob(os.path.join(solutions_dir, "*.ipynb"))):
         name = os.path.basename(src)
+        if only and name not in only:
+            continue
         solution = nbformat.read(src, as_version=4)
         wanted[os.path.join(exercises_dir, name)] = render(make_exercise(solution, name=src))
     for stale in sorted(glob.glob(os.path.join(exercises_dir, "*.ipynb"))):
-        if stale not in wanted:
+        if stale not in wanted and not only:
             wanted[stale] = None
     return wanted
 
@@ -163,13 +208,14 @@ def _read(path):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="only these solution notebooks (file names or paths)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if exercises/ differ from what would be generated")
     parser.add_argument("--solutions", default=os.path.join(ROOT, "solutions"), help="source folder")
     parser.add_argument("--exercises", default=os.path.join(ROOT, "exercises"), help="output folder")
     args = parser.parse_args(argv)
     try:
-        wanted = plan(args.solutions, args.exercises)
+        wanted = plan(args.solutions, args.exercises, {os.path.basename(n) for n in args.names})
     except SolutionFormatError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

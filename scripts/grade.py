@@ -11,11 +11,14 @@ A *question* is a check cell: a code cell whose first line is
 cell prints exactly what the same cell of the solution printed, which is the
 comparison ``pytest --nbval-lax`` makes for one notebook.
 
-For an instructor the expected lines and the check cells' code come from the
-reference notebook of the same name in ``solutions/`` (``--reference``), not
-from the learner's file: an edited check cell or a pasted pass line scores
-nothing. A check cell the learner deleted is run at the end of the notebook.
-Without a reference notebook, the notebook's own stored check outputs are used.
+A question is known by its check cell's code, not by the file name: each notebook
+is matched to the solution in ``--reference`` (default ``solutions/``) whose check
+cells it contains (then whose text it shares), so ``carol_06_pipeline.ipynb`` is
+graded as ``06_pipeline_parallel_exercises.ipynb``. The expected lines come from
+the solution, never from the learner's file. A check cell whose code was edited,
+replaced (``print("one_f_one_b: 6/6 cases passed")``) or deleted scores 0 and is
+flagged EDITED; before each check the grader modules are imported afresh, so a
+learner's cell that redefined a check function changes nothing.
 
 Each notebook runs top to bottom in a fresh kernel of this Python environment,
 in its own folder, continuing past errors; a cell has ``--timeout`` seconds.
@@ -51,6 +54,7 @@ class Question:
     name: str
     passed: bool
     got: str  # first line the learner's run printed, or what went wrong
+    flagged: bool = False  # its check cell was edited, replaced or deleted
 
 
 @dataclass
@@ -113,39 +117,113 @@ def _first_line(outputs) -> str:
     return lines[0] if lines else "(no output)"
 
 
-def match_check_cells(reference, learner):
-    """Pair each reference check cell with a learner cell index: by cell id, then source, then order."""
-    ref_checks = [c for c in reference.cells if is_check_cell(c)]
-    learner_checks = [i for i, c in enumerate(learner.cells) if is_check_cell(c)]
-    by_id = {learner.cells[i].get("id"): i for i in learner_checks if learner.cells[i].get("id")}
-    by_source = {learner.cells[i].source.strip(): i for i in learner_checks}
-    used, pairs = set(), []
-    for k, ref in enumerate(ref_checks):
-        i = by_id.get(ref.get("id")) if ref.get("id") else None
-        if i is None or i in used:
-            i = by_source.get(ref.source.strip())
-        if (i is None or i in used) and k < len(learner_checks) and learner_checks[k] not in used:
-            i = learner_checks[k]
-        if i is not None and i in used:
-            i = None
-        if i is not None:
-            used.add(i)
-        pairs.append((ref, i))
-    return pairs
+def normalized(source: str) -> str:
+    """A check cell's code as grade.py knows it: comment lines (the NBVAL marker among them),
+    blank lines and trailing spaces do not count."""
+    lines = [ln.rstrip() for ln in source.splitlines()]
+    return "\n".join(ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
 
 
-def prepare(learner, reference):
-    """The notebook to run (check cells replaced by the reference's) and [(cell index, expected outputs)]."""
+@dataclass
+class Reference:
+    """One solution notebook: its check cells (code -> expected outputs) and its prose."""
+    path: str
+    checks: list  # [(normalized code, source, expected outputs)]
+    imports: str  # the solution's lines that import graders (re-run fresh before each check)
+    prose: set
+    defs: set     # the functions and classes it asks for
+
+
+_DEFINES = re.compile(r"^\s*(?:def|class)\s+(\w+)", re.M)
+
+
+def defined_names(nb) -> set:
+    return {m for c in nb.cells if c.cell_type == "code" for m in _DEFINES.findall(c.source)}
+
+
+def load_reference(path: str) -> Reference:
+    nb = nbformat.read(path, as_version=4)
+    checks = [(normalized(c.source), c.source, c.outputs) for c in nb.cells if is_check_cell(c)]
+    imports = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and not is_check_cell(cell):
+            imports += [ln for ln in _statements(cell.source) if "course_lib.grading" in ln
+                        and ln.lstrip().startswith(("from ", "import "))]
+    prose = {c.source.strip() for c in nb.cells if c.cell_type == "markdown" and len(c.source.strip()) > 40}
+    return Reference(path, checks, "\n".join(imports), prose, defined_names(nb))
+
+
+def _statements(source: str):
+    """Top-level statements of a cell as source text (an import may span lines)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [ast.get_source_segment(source, node) or "" for node in tree.body]
+
+
+def load_references(reference_dir: str):
+    return [load_reference(p) for p in sorted(glob.glob(os.path.join(reference_dir, "*.ipynb")))]
+
+
+def identify(learner, path: str, references):
+    """The reference a notebook answers, known by its check cells' code (then by its prose,
+    the functions it defines, its file name): a renamed submission is graded against the
+    right solution."""
+    codes = {normalized(c.source) for c in learner.cells if c.cell_type == "code"}
+    prose = {c.source.strip() for c in learner.cells if c.cell_type == "markdown"}
+    name = os.path.basename(path)
+    base = re.sub(r"^Copy of ", "", re.sub(r"\s*\(\d+\)(?=\.ipynb$)", "", name))
+
+    defs = defined_names(learner)
+
+    def score(ref):
+        return (sum(code in codes for code, _, _ in ref.checks), len(ref.prose & prose),
+                len(ref.defs & defs), os.path.basename(ref.path) == base)
+    best = max(references, key=score, default=None)
+    return best if best is not None and any(score(best)) else None
+
+
+GRADER_MODULES = ("course_lib.grading", "course_lib.launch")
+# Before each check: the grader modules afresh, so a learner's cell that replaced a check
+# function (or launch) by one that prints a pass line has no effect on the check.
+FRESH_GRADERS = ("import sys as _sys\n"
+                 "for _m in [m for m in _sys.modules if m.startswith({mods!r})]:\n"
+                 "    del _sys.modules[_m]\n"
+                 "{imports}\n")
+
+
+def prepare(learner, reference: Reference):
+    """The notebook to run and [(question, learner cell index or None, expected outputs)].
+
+    A question is a reference check cell; the learner's notebook answers it with a cell of
+    the same code. An edited, replaced or deleted check cell answers nothing: it scores 0."""
     nb = copy.deepcopy(learner)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    free = {i: normalized(c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     plan = []
-    for ref, index in match_check_cells(reference, nb):
-        if index is None:  # deleted by the learner: run it last
-            nb.cells.append(nbformat.v4.new_code_cell(ref.source))
-            index = len(nb.cells) - 1
-        else:
-            nb.cells[index].source = ref.source
-        plan.append((index, ref.outputs))
-    return nb, plan
+    for k, (code, _, expected) in enumerate(reference.checks):
+        index = next((i for i, c in sorted(free.items()) if c == code), None)
+        if index is not None:
+            del free[index]
+        plan.append((question_name(expected, k), index, expected))
+    # each check cell runs right after a fresh import of the graders (inserted cells, last first)
+    fresh = FRESH_GRADERS.format(mods=GRADER_MODULES, imports=reference.imports)
+    for _, index, _ in sorted((p for p in plan if p[1] is not None), key=lambda p: -p[1]):
+        nb.cells.insert(index, nbformat.v4.new_code_cell(fresh))
+    shift = sorted(p[1] for p in plan if p[1] is not None)
+    plan = [(q, None if i is None else i + 1 + shift.index(i), e) for q, i, e in plan]
+    suspicious = [i for i, code in free.items() if _looks_like_check(learner.cells[i].source)]
+    return nb, plan, suspicious
+
+
+def _looks_like_check(source: str) -> bool:
+    return (CHECK_MARKER in source or "cases passed" in source
+            or re.search(r"\bcheck_\w+\s*\(", source) is not None)
 
 
 def current_env_kernel_specs():
@@ -173,7 +251,8 @@ def execute(nb, cwd: str, timeout: int):
     client.execute(stderr=subprocess.DEVNULL)
 
 
-def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 300) -> NotebookGrade:
+def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 300,
+                   references=None) -> NotebookGrade:
     started = time.perf_counter()
     grade = NotebookGrade(path)
     try:
@@ -181,39 +260,33 @@ def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 3
     except Exception as exc:  # noqa: BLE001 - a broken file scores zero, the table goes on
         grade.error = f"cannot read notebook: {type(exc).__name__}: {exc}"
         return grade
-    reference = learner
-    ref_path = reference_for(path, reference_dir) if reference_dir else None
-    if ref_path and os.path.abspath(ref_path) != os.path.abspath(path):
-        reference = nbformat.read(ref_path, as_version=4)
-    elif reference_dir and not ref_path:
-        grade.note = "no reference notebook: expected lines taken from the notebook itself"
-    nb, plan = prepare(learner, reference)
-    if not plan:
-        grade.error = "no check cells (# NBVAL_CHECK_OUTPUT) to grade"
-    else:
+    if references is None:
+        references = load_references(reference_dir or os.path.join(ROOT, "solutions"))
+    reference = identify(learner, path, references)
+    if reference is None:
+        grade.error = "not an exercise notebook of this course (no check cell or text matches a solution)"
+        return grade
+    if os.path.basename(reference.path) != os.path.basename(path):
+        grade.note = f"graded as {os.path.basename(reference.path)}"
+    nb, plan, suspicious = prepare(learner, reference)
+    flags = [f"{name}: check cell edited or missing (scores 0)" for name, index, _ in plan if index is None]
+    flags += [f"cell {i + 1} looks like an edited check cell" for i in suspicious]
+    if flags:
+        grade.note = "; ".join(([grade.note] if grade.note else []) + flags)
+    if any(index is not None for _, index, _ in plan):
         try:
             execute(nb, os.path.dirname(os.path.abspath(path)), timeout)
         except Exception as exc:  # noqa: BLE001 - dead kernel etc.: cells not run score zero
             grade.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        for k, (index, expected) in enumerate(plan):
-            cell = nb.cells[index]
-            got = cell.get("outputs", [])
-            ok = bool(got) and comparable(got) == comparable(expected)
-            grade.questions.append(Question(question_name(expected, k), ok, _first_line(got)))
+    for name, index, expected in plan:
+        if index is None:
+            grade.questions.append(Question(name, False, "check cell edited or missing", flagged=True))
+            continue
+        got = nb.cells[index].get("outputs", [])
+        ok = bool(got) and comparable(got) == comparable(expected)
+        grade.questions.append(Question(name, ok, _first_line(got)))
     grade.seconds = time.perf_counter() - started
     return grade
-
-
-def reference_for(path: str, reference_dir: str) -> str | None:
-    """The solution notebook a learner's file answers: same name, give or take the
-    'Copy of ' that Colab's "Save a copy in Drive" adds and a ' (1)' from a re-download."""
-    name = os.path.basename(path)
-    candidates = [name, re.sub(r"^Copy of ", "", re.sub(r"\s*\(\d+\)(?=\.ipynb$)", "", name))]
-    for candidate in candidates:
-        ref = os.path.join(reference_dir, candidate)
-        if os.path.exists(ref):
-            return ref
-    return None
 
 
 def find_notebooks(paths):
@@ -233,7 +306,8 @@ def table(grades, base: str) -> str:
     rows = []
     for g in grades:
         label = os.path.relpath(g.path, base) if base else g.path
-        marks = "  ".join(f"{q.name} {'ok' if q.passed else 'FAIL'}" for q in g.questions)
+        marks = "  ".join(f"{q.name} {'ok' if q.passed else ('EDITED' if q.flagged else 'FAIL')}"
+                          for q in g.questions)
         for extra in (g.error, g.note):
             if extra:
                 marks = (marks + "  " if marks else "") + f"[{extra}]"
@@ -267,8 +341,9 @@ def main(argv=None) -> int:
         return 2
     base = paths[0] if len(paths) == 1 and os.path.isdir(paths[0]) else ""
     grades = []
+    references = load_references(args.reference)
     for path in notebooks:
-        grades.append(grade_notebook(path, args.reference, args.timeout))
+        grades.append(grade_notebook(path, args.reference, args.timeout, references))
         g = grades[-1]
         print(f"graded {path}: {g.passed}/{g.total} ({g.seconds:.0f} s)", file=sys.stderr, flush=True)
     print(table(grades, base))

@@ -51,7 +51,8 @@ class Ring:
             ### END SOLUTION
         return 0'''
 
-CHECK = '# NBVAL_CHECK_OUTPUT\nprint("hypot:", "1/1 cases passed" if hypot(3, 4) == 5 else "FAILED")'
+CHECK = ('# NBVAL_CHECK_OUTPUT\nfrom course_lib.grading import Case, check\n'
+         'ok = check("hypot", [Case()], lambda case: hypot(3, 4) == 5)')
 
 
 def test_regions_become_stubs_at_their_indentation():
@@ -74,16 +75,24 @@ def test_malformed_regions_are_named(source, problem):
         gen.strip_code(source, "t")
 
 
-def test_exercise_keeps_check_outputs_and_clears_the_rest():
-    solution = _nb(_code(SOLVED_FUNCTION, stdout="side output\n"), _code(CHECK, stdout="hypot: 1/1 cases passed\n"),
-                   nbformat.v4.new_markdown_cell("Why?\n\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n"))
+def test_exercise_hides_pass_lines_and_markers():
+    """A learner sees no pass line before passing and no NBVAL marker; the setup cell is hidden."""
+    from colab_cell import COLAB_CELL
+
+    ignored = _code("# NBVAL_IGNORE_OUTPUT\nprint(1)", stdout="1\n")
+    solution = _nb(_code(COLAB_CELL), _code(SOLVED_FUNCTION, stdout="side output\n"),
+                   _code(CHECK, stdout="hypot: 1/1 cases passed\n"),
+                   nbformat.v4.new_markdown_cell("Why?\n\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n"), ignored)
     exercise = gen.make_exercise(solution)
-    work, check, answer = exercise.cells
+    setup, work, check, answer, plain = exercise.cells
+    assert setup.metadata["tags"] == ["remove-cell"]
     assert work.outputs == [] and work.execution_count is None
-    assert check.outputs == solution.cells[1].outputs and check.execution_count == 2  # nbval-lax compares it
-    assert check.source == CHECK
+    assert check.outputs == [] and check.execution_count is None
+    assert check.source == CHECK.split("\n", 1)[1] and "NBVAL" not in check.source
+    assert grade.normalized(check.source) == grade.normalized(CHECK)  # grade.py still knows the question
+    assert plain.source == "print(1)" and plain.metadata["tags"] == ["nbval-ignore-output"]
     assert "Because" not in answer.source and gen.MARKDOWN_STUB in answer.source
-    assert solution.cells[0].outputs, "the solution notebook itself is left untouched"
+    assert solution.cells[1].outputs, "the solution notebook itself is left untouched"
     assert gen.render(exercise) == gen.render(gen.make_exercise(solution)), "not deterministic"
 
 
@@ -153,16 +162,23 @@ def tiny_course(tmp_path_factory):
     root = tmp_path_factory.mktemp("course")
     for d in ("solutions", "exercises", "learner"):
         (root / d).mkdir()
-    second = '# NBVAL_CHECK_OUTPUT\nprint("twice:", "ok" if Ring().step(1) == 2 else "FAILED")'
+    second = ('# NBVAL_CHECK_OUTPUT\nfrom course_lib.grading import Case, check\n'
+              'ok = check("twice", [Case()], lambda case: Ring().step(1) == 2)')
     solution = _nb(_code(SOLVED_FUNCTION), _code(CHECK, stdout="hypot: 1/1 cases passed\n"),
-                   _code(second, stdout="twice: ok\n"))
+                   _code(second, stdout="twice: 1/1 cases passed\n"))
     nbformat.write(solution, root / "solutions" / "t.ipynb")
     assert gen.main(["--solutions", str(root / "solutions"), "--exercises", str(root / "exercises")]) == 0
     nbformat.write(solution, root / "learner" / "t.ipynb")
     cheat = nbformat.read(root / "exercises" / "t.ipynb", as_version=4)
     cheat.cells[1].source = '# NBVAL_CHECK_OUTPUT\nprint("hypot: 1/1 cases passed")'
     del cheat.cells[2]  # and drop the second question
-    nbformat.write(cheat, root / "learner" / "cheat.ipynb")
+    nbformat.write(cheat, root / "learner" / "carol_cheat.ipynb")
+    sneaky = nbformat.read(root / "learner" / "t.ipynb", as_version=4)  # solved, but one check faked
+    sneaky.cells[0].source = SOLVED_FUNCTION.replace("return math.sqrt(s)", "return 0")
+    sneaky.cells.insert(1, _code("import course_lib.grading as g\n"
+                                 "def check(name, cases, run):\n    print(name + ': 1/1 cases passed')\n"
+                                 "g.check = check"))
+    nbformat.write(sneaky, root / "learner" / "renamed_sneaky.ipynb")
     return root
 
 
@@ -176,23 +192,25 @@ def test_grade_scores_questions(tiny_course):
     assert [q.name for q in solved.questions] == ["hypot", "twice"]
 
 
-def test_grade_takes_checks_from_the_reference(tiny_course):
+def test_grade_knows_questions_by_their_check_cells(tiny_course):
+    """A renamed notebook is graded against the right solution; a replaced or deleted check
+    cell scores 0 and is flagged; a cell that redefines the check function changes nothing."""
     ref = str(tiny_course / "solutions")
-    learner = tiny_course / "learner" / "t.ipynb"
-    cheat = tiny_course / "learner" / "cheat.ipynb"
-    (tiny_course / "solutions" / "cheat.ipynb").write_bytes((tiny_course / "solutions" / "t.ipynb").read_bytes())
-    try:
-        result = grade.grade_notebook(str(cheat), ref)
-    finally:
-        os.remove(tiny_course / "solutions" / "cheat.ipynb")
-    assert (result.passed, result.total) == (0, 2), result
-    assert grade.main([str(learner), "--reference", ref]) == 0
+    cheat = grade.grade_notebook(str(tiny_course / "learner" / "carol_cheat.ipynb"), ref)
+    assert (cheat.passed, cheat.total) == (0, 2), cheat
+    assert all(q.flagged for q in cheat.questions) and "graded as t.ipynb" in cheat.note
+    assert "looks like an edited check cell" in cheat.note
+    sneaky = grade.grade_notebook(str(tiny_course / "learner" / "renamed_sneaky.ipynb"), ref)
+    assert [q.passed for q in sneaky.questions] == [False, True], sneaky
+    assert grade.main([str(tiny_course / "learner" / "t.ipynb"), "--reference", ref]) == 0
     assert grade.main([str(tiny_course / "exercises"), "--reference", ref]) == 1
 
 
 def test_grade_agrees_with_nbval_lax(tiny_course):
     """`pytest --nbval-lax` is the one-notebook grader: it fails the untouched exercise and
     passes the solved copy, as grade.py does."""
+    exercise = nbformat.read(tiny_course / "exercises" / "t.ipynb", as_version=4)
+    assert not any(c.outputs for c in exercise.cells), "an exercise shows no pass line"
     blank = run_nbval(str(tiny_course / "exercises" / "t.ipynb"), "lax")
     assert blank.returncode == 1 and blank.outcome(1) == blank.outcome(2) == "failed", blank.log
     solved = run_nbval(str(tiny_course / "learner" / "t.ipynb"), "lax")

@@ -10,8 +10,16 @@ and the call they wait in. Chapter-specific checks live in the modules of this
 package (``grading.collectives``, ...) and are built from :func:`check` and
 :func:`check_distributed`.
 
-In an exercise notebook the check cell carries ``# NBVAL_CHECK_OUTPUT`` and its
-pass line is stored as output, so ``pytest --nbval-lax`` grades the notebook.
+Learners never see a pass line before they pass: in ``solutions/`` the check cell
+carries ``# NBVAL_CHECK_OUTPUT`` and stores its pass line; the generated exercise keeps
+the cell without the marker and without output. In a notebook (an IPython kernel) a
+failed check raises :class:`GradeFailed`, shown as its one line, so
+``pytest --nbval-lax exercises/X.ipynb`` fails until every check passes, and
+``scripts/grade.py`` compares each check's output with the solution's. In plain Python
+(tests, scripts) a check prints its line and returns False.
+
+While the learner's function runs, what would do the exercise for it is switched off
+(:mod:`course_lib.grading.guard`): wrap it with ``guard.learner(fn, targets, exercise=...)``.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from course_lib.grading.guard import Shortcut, TimeLimit, learner, learner_class
 from course_lib.launch import LaunchTimeout, RankError, launch
 
 
@@ -49,7 +58,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _explain_rank_error(err: RankError) -> str:
     if err.exc_type == "NotImplementedError":
         return f"rank {err.rank}: not implemented yet (NotImplementedError)"
-    if err.exc_type in ("Mismatch", "AssertionError"):
+    if err.exc_type in ("Mismatch", "AssertionError", "Shortcut", "TimeLimit"):
         return _one_line(str(err).split("\n\n--- traceback")[0].split(": ", 1)[-1])
     if err.exc_type is None:
         return _one_line(str(err))
@@ -72,16 +81,40 @@ def _explain(exc: BaseException) -> str:
         return _one_line(f"deadlock or hang (timed out): {stuck}", 400)
     if isinstance(exc, NotImplementedError):
         return "not implemented yet (NotImplementedError)"
-    if isinstance(exc, Mismatch):
+    if isinstance(exc, (Mismatch, Shortcut, TimeLimit)):
         return _one_line(str(exc))
     return _one_line(f"{type(exc).__name__}: {exc}")
+
+
+class GradeFailed(AssertionError):
+    """A check failed inside a notebook: IPython shows only its one line, not a traceback."""
+
+    def _render_traceback_(self):  # IPython's hook for an exception's own rendering
+        return [f"\x1b[31m{self}\x1b[0m"]
+
+
+def _in_notebook() -> bool:
+    """True inside an IPython kernel (Jupyter, Colab, nbval, grade.py), where a failure raises."""
+    import sys
+
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and shell.__class__.__name__ != "TerminalInteractiveShell"
+
+
+def _report(line: str, passed: bool) -> bool:
+    if not passed and _in_notebook():
+        raise GradeFailed(line)
+    print(line)
+    return passed
 
 
 def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
     """Run ``run_case(case)`` for each case; a case passes if it returns None/True.
 
-    ``run_case`` may return a mismatch string, return False, or raise. Prints one
-    line: all passed, or the first failing case with a hint. Returns True iff all passed.
+    ``run_case`` may return a mismatch string, return False, or raise. Reports one
+    line: all passed, or the first failing case with a hint. Returns True iff all
+    passed; in a notebook a failure raises :class:`GradeFailed` instead (see above).
     """
     cases = list(cases)
     for i, case in enumerate(cases, 1):
@@ -95,10 +128,9 @@ def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
             continue
         detail = "wrong answer" if outcome is False else outcome
         where = case.describe()
-        print(f"{name}: FAILED case {i}/{len(cases)}" + (f" ({where})" if where else "") + f": {detail}")
-        return False
-    print(f"{name}: {len(cases)}/{len(cases)} cases passed")
-    return True
+        return _report(f"{name}: FAILED case {i}/{len(cases)}" + (f" ({where})" if where else "") + f": {detail}",
+                       False)
+    return _report(f"{name}: {len(cases)}/{len(cases)} cases passed", True)
 
 
 def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0) -> bool:
@@ -169,4 +201,5 @@ def _short(x, n: int = 6) -> str:
     return _one_line(repr(x), 80)
 
 
-__all__ = ["Case", "Mismatch", "check", "check_distributed", "compare"]
+__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "TimeLimit", "check", "check_distributed", "compare",
+           "learner", "learner_class"]

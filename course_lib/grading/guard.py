@@ -1,0 +1,246 @@
+"""While a learner's function runs, the code that would do the exercise for it is off.
+
+    answer = learner(fn, "course_lib.collectives.ring:ring_all_reduce", TORCH_COLLECTIVES,
+                     exercise="the ring", seconds=10)
+    answer(x)   # fn(x), with ring_all_reduce and every torch collective raising Shortcut
+
+A grader wraps the learner's function with :func:`learner` and calls the wrapper
+where it called the function, in the grading process or inside a rank (the
+wrapper travels by value with the harness, and switches the targets off in the
+process that calls it). A target is switched off *as an object*, not only as a
+module attribute: a Python function gets a body that raises (its ``__code__`` is
+swapped and restored afterwards), so a copy the learner imported earlier
+(``from course_lib.collectives import ring_all_reduce``) is off too; a class
+cannot be constructed; a method of torch's ``ProcessGroup`` (the C++ object every
+``torch.distributed`` collective ends in) raises. The error says what to do:
+
+    Shortcut: write this yourself: the exercise is the ring (course_lib...ring_all_reduce is off ...)
+
+``seconds`` stops a learner's function that runs too long in the grading process
+(an endless loop) with :class:`TimeLimit`; in ranks, ``launch``'s timeout does it.
+
+Targets: a callable, or "module:attr.path" (imported when the guard starts, so a
+grader names the reference without importing it at module level), "module:*" (every
+function the module defines), or a list of those.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import signal
+import threading
+from typing import Callable
+
+# torch.distributed's collectives, at both levels: the Python functions (learners call these)
+# and the ProcessGroup methods they end in (which a learner could call directly).
+TORCH_COLLECTIVES = tuple(
+    f"torch.distributed.distributed_c10d:{name}" for name in (
+        "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+        "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+        "_reduce_scatter_base", "broadcast", "broadcast_object_list", "reduce", "all_to_all",
+        "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list")
+) + tuple(f"torch._C._distributed_c10d:ProcessGroup.{name}" for name in (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "all_gather_single",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "alltoall",
+    "alltoall_base", "all_to_all_single", "gather", "scatter"))
+# torch's own data-parallel wrappers and optimizers that shard (chapters 3-4)
+TORCH_DATA_PARALLEL = (
+    "torch.nn.parallel:DistributedDataParallel",
+    "torch.distributed.optim:ZeroRedundancyOptimizer",
+    "torch.distributed.fsdp:FullyShardedDataParallel",
+    "torch.distributed.fsdp:fully_shard",
+)
+
+
+class Shortcut(RuntimeError):
+    """The learner's code called what the exercise asks it to write."""
+
+
+class TimeLimit(TimeoutError):
+    """The learner's function ran past its time limit in the grading process."""
+
+
+# The process-wide record of what is switched off (a target may be guarded by nested calls).
+# Guarding is process state by nature: torch's own functions are what is switched off.
+_ACTIVE: dict = {}
+_LOCK = threading.RLock()
+
+
+def _resolve(target):
+    """(owner, attribute name, object) for "module:attr.path", or (None, None, obj) for an object."""
+    if not isinstance(target, str):
+        return None, None, target
+    module, _, path = target.partition(":")
+    owner = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
+
+
+def _flatten(targets):
+    """Targets one by one; "module:*" stands for every function that module defines."""
+    for t in targets:
+        if isinstance(t, (list, tuple)):
+            yield from _flatten(t)
+        elif isinstance(t, str) and t.endswith(":*"):
+            module = importlib.import_module(t[:-2])
+            for name, value in sorted(vars(module).items()):
+                if getattr(value, "__module__", None) == module.__name__ and hasattr(value, "__code__"):
+                    yield f"{module.__name__}:{name}"
+        else:
+            yield t
+
+
+def _stub_code(code, message: str):
+    """A code object that raises Shortcut(message) with the same free variables as ``code``
+    (a function's __code__ may only be swapped for one with as many free variables)."""
+    free = code.co_freevars
+    lines = ["def _outer():"]
+    if free:
+        lines.append("    " + " = ".join(free) + " = None")
+    lines.append("    def stub(*args, **kwargs):")
+    if free:
+        lines.append("        " + ", ".join(free))
+    lines.append("        raise __import__('course_lib.grading.guard', fromlist=['Shortcut'])"
+                 f".Shortcut({message!r})")
+    lines.append("    return stub")
+    namespace: dict = {}
+    exec(compile("\n".join(lines), f"<switched off: {code.co_name}>", "exec"), namespace)
+    return namespace["_outer"]().__code__
+
+
+def _label(owner, name, obj) -> str:
+    if owner is not None:
+        return f"{getattr(owner, '__module__', None) or getattr(owner, '__name__', '')}.{name}".lstrip(".")
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _switch_off(target, exercise: str):
+    """Switch one target off; returns a function that switches it back on."""
+    owner, name, obj = _resolve(target)
+    label = _label(owner, name, obj)
+    message = (f"write this yourself: the exercise is {exercise} ({label} is switched off while "
+               f"your function runs)")
+    raw = getattr(obj, "__func__", obj)  # a bound or class method: its function
+    if hasattr(raw, "__code__"):           # a Python function: every reference to it is off
+        key = ("code", id(raw))
+        if key not in _ACTIVE:
+            _ACTIVE[key] = [raw, raw.__code__, 0]
+            raw.__code__ = _stub_code(raw.__code__, message)
+        _ACTIVE[key][2] += 1
+
+        def restore():
+            entry = _ACTIVE[key]
+            entry[2] -= 1
+            if entry[2] == 0:
+                entry[0].__code__ = entry[1]
+                del _ACTIVE[key]
+        return restore
+    if isinstance(obj, type):              # a class: constructing it raises
+        owner, name = obj, "__new__"
+        saved_attr = obj.__dict__.get("__new__")
+
+        def refuse(cls, *args, **kwargs):
+            raise Shortcut(message)
+        key = ("attr", id(obj), "__new__")
+        replacement = staticmethod(refuse)
+    else:                                  # a builtin method (ProcessGroup.allreduce): replace the attribute
+        if owner is None:
+            raise TypeError(f"cannot switch off {obj!r}: name it as 'module:attr'")
+        saved_attr = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
+
+        def replacement(*args, **kwargs):
+            raise Shortcut(message)
+        key = ("attr", id(owner), name)
+    if key not in _ACTIVE:
+        _ACTIVE[key] = [owner, name, saved_attr, 0]
+        setattr(owner, name, replacement)
+    _ACTIVE[key][3] += 1
+
+    def restore_attr():
+        entry = _ACTIVE[key]
+        entry[3] -= 1
+        if entry[3] == 0:
+            if entry[2] is None:
+                delattr(entry[0], entry[1])
+            else:
+                setattr(entry[0], entry[1], entry[2])
+            del _ACTIVE[key]
+    return restore_attr
+
+
+@contextlib.contextmanager
+def switched_off(targets, exercise: str):
+    """Inside the block, every target raises :class:`Shortcut` naming ``exercise``."""
+    restores = []
+    with _LOCK:
+        try:
+            for target in _flatten(targets):
+                restores.append(_switch_off(target, exercise))
+        except BaseException:
+            for restore in reversed(restores):
+                restore()
+            raise
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for restore in reversed(restores):
+                restore()
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise :class:`TimeLimit` in the block after ``seconds`` (main thread, where SIGALRM exists)."""
+    usable = (seconds and hasattr(signal, "SIGALRM")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeLimit(f"your function ran for more than {seconds:g} s and was stopped "
+                        f"(an endless loop, or far more work than this case needs)")
+    previous = signal.signal(signal.SIGALRM, expire)
+    old_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if old_timer[0]:  # an enclosing limit keeps running
+            signal.setitimer(signal.ITIMER_REAL, old_timer[0])
+
+
+def learner(fn: Callable, *targets, exercise: str, seconds: float | None = None) -> Callable:
+    """``fn`` wrapped so that each call runs with ``targets`` switched off (and a time limit)."""
+    if not callable(fn):
+        raise TypeError(f"expected your function, got {type(fn).__name__}: {fn!r}")
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        with switched_off(targets, exercise), time_limit(seconds):
+            return fn(*args, **kwargs)
+    return guarded
+
+
+def learner_class(cls, *targets, exercise: str, seconds: float | None = None):
+    """A subclass of the learner's class whose methods (and constructor) run guarded."""
+    if not isinstance(cls, type):
+        raise TypeError(f"expected your class, got {type(cls).__name__}: {cls!r}")
+    wrapped = {}
+    for name, value in vars(cls).items():
+        if isinstance(value, staticmethod):
+            wrapped[name] = staticmethod(learner(value.__func__, *targets, exercise=exercise, seconds=seconds))
+        elif isinstance(value, classmethod):
+            wrapped[name] = classmethod(learner(value.__func__, *targets, exercise=exercise, seconds=seconds))
+        elif callable(value) and not isinstance(value, type) and hasattr(value, "__code__"):
+            wrapped[name] = learner(value, *targets, exercise=exercise, seconds=seconds)
+    return type(cls.__name__, (cls,), wrapped)
+
+
+__all__ = ["learner", "learner_class", "switched_off", "time_limit", "Shortcut", "TimeLimit",
+           "TORCH_COLLECTIVES", "TORCH_DATA_PARALLEL"]
