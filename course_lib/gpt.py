@@ -321,7 +321,9 @@ class TinyGPT(nn.Module):
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"targets must have the shape of logits without the vocabulary axis, "
                              f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
-        logits, targets = logits.float().flatten(0, 1), targets.flatten()   # (b*s, vocab), (b*s,)
+        if logits.dtype != torch.float64:       # 16-bit logits: the softmax in fp32; fp64 stays fp64
+            logits = logits.float()
+        logits, targets = logits.flatten(0, 1), targets.flatten()   # (b*s, vocab), (b*s,)
         if n_tokens is None:
             return F.cross_entropy(logits, targets)
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, float, torch.Tensor)) or \
