@@ -10,18 +10,22 @@
     tensor_parallel   ColumnParallelLinear, RowParallelLinear, sequence parallelism, dropout streams
     vocab_parallel    vocabulary-parallel embedding and cross-entropy
     tp_plan           parallelize(model, mesh): the tiny GPT cut by a plan
-    schedules         pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1), validated
-    pipeline_executor run any valid action list over send / recv
+    pipeline_executor ScheduleRunner: any valid action list (course_lib.schedules) over send / recv
+    pipeline_runtime  the one pipeline step: schedule, tied embedding, gradient sums, loss
     pipeline          stages of the tiny GPT, PipelineParallel (tied embeddings, DP around PP)
     context_parallel  ring attention (zigzag), Ulysses
     expert_parallel   MoE dispatch / combine over expert-parallel ranks
+    layout_rules      check_layout: every rule of an N-D layout, shared with the ranks
+    compose           parallelize_nd: the plan (PP -> TP -> CP -> EP -> DP/FSDP), NDParallel
 """
 # (context_parallel the function is not re-exported: it would hide the module of the same name)
+from course_lib.parallel.compose import NDParallel, assemble_nd, parallelize_nd
 from course_lib.parallel.context_parallel import ring_attention, ulysses_attention
 from course_lib.parallel.data_parallel import DDP, average_gradients
 from course_lib.parallel.expert_parallel import ExpertParallelMoE
 from course_lib.parallel.fsdp import FSDP
 from course_lib.parallel.grad_sync import GradSync, OverlappedGradSync
+from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import Mesh, MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.pipeline import PipelineParallel
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -31,4 +35,4 @@ from course_lib.parallel.zero import ShardedOptimizer
 __all__ = ["Mesh", "MeshShape", "set_reduce_dims", "get_reduce_dims", "DDP", "average_gradients", "GradSync",
            "OverlappedGradSync", "ShardedOptimizer", "FSDP", "ColumnParallelLinear", "RowParallelLinear",
            "parallelize", "PipelineParallel", "ring_attention", "ulysses_attention",
-           "ExpertParallelMoE"]
+           "ExpertParallelMoE", "parallelize_nd", "check_layout", "assemble_nd", "NDParallel"]

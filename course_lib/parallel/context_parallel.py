@@ -31,6 +31,7 @@ from course_lib import trace
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_positions, rotary_rows)
 from course_lib.gpt import Attention
+from course_lib.parallel.layout_rules import ulysses_heads
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -291,9 +292,7 @@ def ulysses_attention(q, k, v, positions, comm):
     Any layout works: the gathered positions say where every token sits."""
     n = comm.size
     a, kv = q.shape[1], k.shape[1]
-    if a % n or kv % n:
-        raise ValueError(f"Ulysses needs the query heads ({a}) and key/value heads ({kv}) divisible by "
-                         f"CP={n}; use ring attention instead")
+    ulysses_heads(a, kv, n)                     # the rule check_layout applies before any rank starts
     if n == 1:
         return causal_attention(q, k, v, positions, positions)
     everyone = torch.empty(n * positions.numel(), dtype=positions.dtype, device=q.device)

@@ -5,13 +5,12 @@
     loss = pipe.step(x, y, n_tokens)     # this DP replica's batch; the loss of the whole step
     opt.step(); opt.zero_grad()
 
-* :func:`partition_layers`, :func:`gpt_stage`, :class:`MLPStage`: the model in stages
-  (stage 0 also embeds, the last stage also holds the norm, the head and the loss);
+* :func:`partition_layers`, :class:`GPTStage`, :func:`split_stages`, :class:`MLPStage`: the
+  model in stages (stage 0 also embeds, the last stage also holds the norm, the head and the loss);
 * :func:`naive_model_parallel_step`: one batch, one stage busy at a time;
-* :class:`PipelineParallel`: a schedule (``schedules.py``, checked by ``validate`` on every
-  rank before anything runs) executed by ``pipeline_executor.run_schedule``, then the
-  gradient sums the layout needs: the tied embedding over its two stages (Megatron-LM's
-  "embedding group": the first and last stage ranks), then data parallelism (GradSync).
+* :class:`PipelineParallel`: the stages, data parallelism around them, run by the one
+  pipeline runtime (``pipeline_runtime``: schedule, tied embedding, gradient sums, loss);
+* :class:`TorchPipeline`: the same stages run by ``torch.distributed.pipelining``.
 """
 from __future__ import annotations
 
@@ -22,20 +21,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib import trace
-from course_lib.collectives.comm import Comm, TrafficCounter
 from course_lib.parallel.grad_sync import GradSync
+from course_lib.parallel.layout_rules import partition_layers, positive_int
 from course_lib.parallel.mesh import set_reduce_dims
-from course_lib.parallel.pipeline_executor import run_schedule
-from course_lib.parallel.schedules import make_schedule, schedule_name, validate
-
-
-def partition_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous, balanced: the first ``n_layers % n_stages`` stages get one layer more."""
-    if n_stages > n_layers:
-        raise ValueError(f"more pipeline stages ({n_stages}) than layers ({n_layers}): every stage needs a layer")
-    q, r = divmod(n_layers, n_stages)
-    starts = [i * q + min(i, r) for i in range(n_stages + 1)]
-    return [range(starts[i], starts[i + 1]) for i in range(n_stages)]
+from course_lib.parallel.pipeline_runtime import PipelineRuntime, sum_tied_gradient
+from course_lib.schedules import schedule_name
 
 
 class GPTStage(nn.Module):
@@ -57,48 +47,61 @@ class GPTStage(nn.Module):
             part.norm = part.lm_head = None
         self.part, self.layers = part, layers
 
+    positions = None    # context parallelism: this rank's tokens' positions, set per step
+
     def forward(self, x):  # first: idx (b, s) int64, else (b, s, h) -> (b, s, h); last: logits
         if self.first:
-            x = self.part.embed(x)
+            x = self.part.embed(x, self.positions)
         for block in self.part.blocks:
-            x = block(x)
-        return self.part.head(x) if self.last else x
+            x = block(x, self.positions)
+        return self.part.head(x) if self.last else x.contiguous()    # sent as is: buffers are dense
 
     def loss(self, logits, targets, n_tokens):
         return self.part.loss(logits, targets, n_tokens)
 
+    def model_name(self, local: str) -> str:
+        """A name in this stage -> its name in the whole model (``blocks.j`` renumbered)."""
+        if local.startswith("blocks."):
+            _, j, rest = local.split(".", 2)
+            return f"blocks.{self.layers[int(j)]}.{rest}"
+        return local
+
     def named_in_model(self) -> dict:
-        """{name in the whole model: parameter} (``blocks.j`` renumbered to the model's layer)."""
-        out = {}
-        for name, q in self.part.named_parameters(remove_duplicate=False):
-            if name.startswith("blocks."):
-                _, j, rest = name.split(".", 2)
-                name = f"blocks.{self.layers[int(j)]}.{rest}"
-            out[name] = q
-        return out
+        """{name in the whole model: parameter}."""
+        return {self.model_name(n): q for n, q in self.part.named_parameters(remove_duplicate=False)}
 
 
 def gpt_stage(model, stage: int, n_stages: int) -> GPTStage:
     return GPTStage(model, stage, n_stages)
 
 
-def rank_stages(model, rank: int, p: int, v: int = 1, stage_cls=GPTStage) -> dict:
-    """{virtual stage: stage_cls} of pp rank ``rank``: stages rank, rank + p, ... of p * v. Each is
+def rank_stages(model, rank: int, p: int, v: int = 1) -> dict:
+    """{virtual stage: GPTStage} of pp rank ``rank``: stages rank, rank + p, ... of p * v. Each is
     a copy of the model, so where the first and the last stage both live on this rank (p = 1
     with v > 1 chunks), a tied embedding / LM head would become two matrices training apart:
     they are made one parameter again, as in the model (autograd adds both stages' gradients)."""
     n_stages = p * v
-    stages = {s: stage_cls(model, s, n_stages) for s in range(rank, n_stages, p)}
-    if model.config.tie_embeddings and n_stages > 1 and 0 in stages and n_stages - 1 in stages:
+    return tie_embeddings({s: GPTStage(model, s, n_stages) for s in range(rank, n_stages, p)}, n_stages)
+
+
+def tie_embeddings(stages, n_stages):
+    """Where this rank holds the first and the last stage of a tied model: the last stage's head
+    becomes the first stage's embedding again (call it again after a dimension replaced them)."""
+    st = next(iter(stages.values()))
+    if st.part.config.tie_embeddings and n_stages > 1 and 0 in stages and n_stages - 1 in stages:
         stages[n_stages - 1].part.lm_head.weight = stages[0].part.tok_emb.weight
     return stages
+
+
+def split_stages(model, mesh, v: int = 1) -> dict:
+    """PP: this rank's stages of ``model`` cut into pp * v (:func:`rank_stages`)."""
+    return rank_stages(model, mesh.coord["pp"], mesh.sizes["pp"], v)
 
 
 def _check_chunks(v, schedule):
     """v: an integer >= 1, and > 1 only for the interleaved schedule (or an explicit action list).
     Returns the schedule, a name in the course's spelling."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"v (chunks per rank) must be an integer >= 1, got {v!r}")
+    positive_int("v (chunks per rank)", v)
     return schedule_name(schedule, v) if isinstance(schedule, str) else schedule
 
 
@@ -157,20 +160,9 @@ def embedding_group(mesh):
     return mesh.embedding_comm()
 
 
-def sum_tied_gradient(comm, stages):
-    """First stage: the embedding's gradient; last stage: the LM head's, the same matrix.
-    Both apply the sum, so both copies stay equal."""
-    if comm is None:
-        return
-    st = stages[min(stages)] if min(stages) == 0 else stages[max(stages)]
-    w = st.part.tok_emb.weight if st.first else st.part.lm_head.weight
-    if w.grad is None:
-        w.grad = torch.zeros_like(w)
-    comm.all_reduce(w.grad)
-
-
-class PipelineParallel:
-    """A TinyGPT cut into p * v stages along the mesh's "pp" dimension, trained by a schedule.
+class PipelineParallel(PipelineRuntime):
+    """A TinyGPT cut into p * v stages along the mesh's "pp" dimension, trained by a schedule
+    (the :class:`PipelineRuntime`), with data parallelism around it over "dp".
 
     schedule: "gpipe", "1f1b", "interleaved" (v chunks per rank), "zb-h1" (any case; torch's
         "GPipe", "1F1B", "Interleaved1F1B" too), or an explicit action list per pp rank
@@ -179,33 +171,14 @@ class PipelineParallel:
     """
 
     def __init__(self, model, mesh, schedule="1f1b", microbatches: int = 4, v: int = 1):
-        p, m = mesh.sizes["pp"], microbatches
-        self.mesh, self.p, self.m, self.v = mesh, p, m, v
         schedule = _check_chunks(v, schedule)                   # a name: the course's spelling
-        n_stages = p * v
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"microbatches must be an integer >= 1, got {m!r}")
-        partition_layers(len(model.blocks), n_stages)           # more stages than layers: ValueError
-        if isinstance(schedule, str):
-            schedule = make_schedule(schedule, p, m, self.v)      # m that a schedule refuses: ValueError
-        self.schedule = validate(schedule, p, m, self.v)        # every rank checks the whole schedule
-        me = mesh.coord["pp"]
-        self.stages = rank_stages(model, me, p, v)             # tied on one rank: one parameter
-        self.comm = Comm(mesh.group("pp"), TrafficCounter(), dim="pp")
-        self.tied = bool(model.config.tie_embeddings) and p > 1
-        self.embedding_comm = embedding_group(mesh) if self.tied else None
-        params = self.parameters()
-        for q in params:
-            set_reduce_dims(q, ("dp",))
-        self.grad_sync = GradSync(params, mesh, divisor=1) if mesh.sizes["dp"] > 1 else None
-        self.last_result = None
-
-    def parameters(self):
-        seen = {}
-        for st in self.stages.values():
-            for q in st.parameters():
-                seen.setdefault(id(q), q)
-        return list(seen.values())
+        positive_int("microbatches", microbatches)
+        partition_layers(len(model.blocks), mesh.sizes["pp"] * v)   # more stages than layers: ValueError
+        stages = split_stages(model, mesh, v)                   # tied on one rank: one parameter
+        params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
+        set_reduce_dims(params, ("dp",))
+        grad_sync = GradSync(params, mesh, divisor=1) if mesh.sizes["dp"] > 1 else None
+        super().__init__(stages, mesh, schedule=schedule, microbatches=microbatches, v=v, grad_sync=grad_sync)
 
     def step(self, x, y, n_tokens: int):
         """Forward + backward of every micro-batch by the schedule, then the gradient sums.
@@ -213,23 +186,9 @@ class PipelineParallel:
         Returns the loss of the whole step (the same on every rank)."""
         if len(x) % self.m:
             raise ValueError(f"a batch of {len(x)} rows does not cut into microbatches={self.m} equal ones")
-        xs, ys = list(x.chunk(self.m)), list(y.chunk(self.m))
-        last = self.stages.get(self.p * self.v - 1)
-        b = len(xs[0])
         hidden = next(iter(self.stages.values())).part.config.hidden
-        res = run_schedule(self.schedule, self.stages, self.comm, p=self.p, m=self.m, v=self.v,
-                           inputs=xs, targets=ys, act_shape=(b, x.shape[1], hidden),
-                           loss_fn=(lambda out, t: last.loss(out, t, n_tokens)) if last else None)
-        self.last_result = res
-        sum_tied_gradient(self.embedding_comm, self.stages)    # tied: sum the two stages' parts
-        if self.grad_sync is not None:
-            self.grad_sync.start()
-            self.grad_sync.finish()
-        loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64,
-                            device=self.parameters()[0].device)          # NCCL talks in GPU tensors
-        # only the last stages hold losses, each its replica's (sum / global tokens): sum them all
-        self.mesh.comm(("dp", "pp", "cp")).all_reduce(loss, name="all-reduce loss")
-        return float(loss)
+        return super().step(list(x.chunk(self.m)), list(y.chunk(self.m)), n_tokens,
+                            act_shape=(len(x) // self.m, x.shape[1], hidden))
 
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -250,8 +209,7 @@ class TorchPipeline:
         if not isinstance(schedule, str):
             raise ValueError(f"TorchPipeline runs torch's schedules by name, one of {tuple(TORCH_SCHEDULES)}; "
                              f"got {type(schedule).__name__}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        positive_int("microbatches", microbatches)
         self.v, self.m = v, microbatches
         n_stages = p * v
         partition_layers(len(model.blocks), n_stages)
@@ -266,7 +224,7 @@ class TorchPipeline:
                             loss_fn=lambda out, t: last.loss(out, t, self.n_tokens),   # every rank: it
                             scale_grads=False)                                  # tells torch to run backward
         self.is_first, self.is_last = 0 in self.stages, last is not None
-        self.tied_comm = embedding_group(mesh) if model.config.tie_embeddings and p > 1 else None
+        self.tied_comm = mesh.embedding_comm() if model.config.tie_embeddings and p > 1 else None
 
     def parameters(self):
         return list({id(q): q for st in self.stages.values() for q in st.parameters()}.values())
@@ -285,5 +243,5 @@ class TorchPipeline:
         return float(sum(loss.detach() for loss in losses)) if losses else 0.0
 
 
-__all__ = ["TorchPipeline", "rank_stages", "embedding_group", "sum_tied_gradient", "partition_layers", "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step",
-           "PipelineParallel"]
+__all__ = ["TorchPipeline", "rank_stages", "split_stages", "tie_embeddings", "embedding_group", "sum_tied_gradient", "partition_layers",
+           "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step", "PipelineParallel"]

@@ -1,12 +1,12 @@
 """Run any valid pipeline schedule (``schedules.validate``) on real ranks, one action at a time.
 
-    result = run_schedule(schedule, stages, comm, p=4, m=8, inputs=..., targets=...,
-                          loss_fn=..., act_shape=(b, s, h))     # schedule: every rank's action list
-    result.losses, result.peak_activation_bytes
+    runner = ScheduleRunner(schedule, stages, comm, p=4, m=8)    # validated once
+    result = runner.step(inputs, targets, loss_fn)               # F, B, W, send, recv: one step
+    result.losses, result.peak_activation_bytes, result.bytes_sent
 
 Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s on pp rank
 s % p). Messages go through the pipeline's :class:`~course_lib.collectives.comm.Comm`
-(group ranks, bytes counted in its TrafficCounter) with a tag per (kind, stage,
+(group ranks; the runner counts the bytes it sends) with a tag per (kind, stage,
 micro-batch), so an activation and a gradient travelling between the same two ranks can
 never be confused, whatever order the schedule posts them in. A receive is posted one
 receiving action ahead, so the transport reads the message while the rank computes, and an
@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
-from course_lib.parallel.schedules import _dependency, validate
+from course_lib.schedules import _dependency, validate
 
 
 @dataclass
@@ -53,7 +53,7 @@ def _tag(kind: str, stage: int, mb: int, n_stages: int, m: int) -> int:
     return ((kind == "grad") * n_stages + stage) * m + mb
 
 
-class _Saved:
+class _SavedBytes:
     """What autograd saves during one forward (storages, parameters excluded)."""
 
     def __init__(self, params):
@@ -115,143 +115,184 @@ def backward_weight(for_w):
             b.grad = dout2.sum(0) if b.grad is None else b.grad.add_(dout2.sum(0))
 
 
-def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
-                 loss_fn=None, act_shape=None, act_dtype=torch.float32, scale_grads: bool = False) -> StepResult:
-    """Run this rank's actions of ``schedule`` (one list of (op, stage, mb) per pp rank, validated
-    first on every rank: a bad one is a ValueError, never a hang) on its ``stages`` {stage: module}.
+class ScheduleRunner:
+    """This rank's actions of a pipeline schedule (one list of (op, stage, mb) per pp rank,
+    validated once, here, on every rank: a bad one is a ValueError, never a hang), run on its
+    ``stages`` {stage: module} over ``comm`` (the "pp" group); :meth:`step` runs one step.
 
-    inputs / targets: the m micro-batches (needed where stage 0 / stage p*v - 1 live).
-    loss_fn(output, target) -> the micro-batch's loss, already scaled for the whole step
-    (e.g. summed over tokens / the global token count): gradients accumulate over micro-batches.
+    act_shape, act_dtype: of every tensor handed between stages (one micro-batch's activation,
+    and its gradient); a tensor that differs is a ValueError raised by the sending rank before
+    it sends. ``act_shape=None``: inferred at the first step as torch's ``PipelineStage`` does,
+    by one forward of micro-batch 0 through the stages in order (no gradient, the random state
+    restored), each rank sending the next its output's shape and dtype.
     scale_grads=True (torch.distributed.pipelining's default): each micro-batch's loss is divided
-    by m before its backward, so a mean loss_fn gives one device's mean-loss gradients
-    (``losses`` still reports loss_fn's values, as torch's ``losses`` list does).
-    act_shape, act_dtype: of every activation (and its gradient) sent between stages, one
-    micro-batch; a stage output that differs is a ValueError naming both, raised by the sending
-    rank before it sends (the receiver cannot tell: its buffer is already posted; under
-    ``launch`` the failing rank stops the others).
+    by m before its backward (``losses`` still reports loss_fn's values, as torch's list does).
     """
-    n_stages = p * v
-    me = comm.rank
-    if comm.size != p:
-        raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
-    if act_shape is None and n_stages > 1:
-        raise ValueError(f"act_shape (one micro-batch's activation, e.g. (b, s, h)) is needed: "
-                         f"{n_stages} stages hand activations on")
-    act_shape = None if act_shape is None else tuple(act_shape)
-    if not isinstance(scale_grads, bool):
-        raise ValueError(f"scale_grads must be True or False, got {scale_grads!r}")
-    for s in stages:
-        if s % p != me:
-            raise ValueError(f"stage {s} lives on pp rank {s % p}, but rank {me} was given it")
-    actions = validate(schedule, p, m, v)[me]
-    split = {(s, mb) for op, s, mb in actions if op == "W"}
-    state, sends, live, out = {}, [], {}, StepResult()
-    counter = comm.counter
-    sent0 = counter.bytes_sent if counter is not None else 0
-    msgs0 = counter.messages_sent if counter is not None else 0
-    # per stage, once: its Linear layers, and the parameters outside them (their gradients come in B)
-    linears = {s: _linears(module) for s, module in stages.items()}
-    others = {s: _outside(module, linears[s]) for s, module in stages.items()}
-    device = next((q.device for module in stages.values() for q in module.parameters()), None)  # NCCL: the GPU
 
-    # Receives are posted ahead: the one an action needs, and the next one, so that the
-    # message is read by the transport while this rank computes instead of after it asks.
-    needs = []
-    for i, (op, s, mb) in enumerate(actions):
-        src = {"F": s - 1, "B": s + 1}.get(op)       # the stage whose message this action reads
-        if src is not None and 0 <= src < n_stages and src % p != me:   # same rank: handed over in ``local``
-            needs.append((i, ("act" if op == "F" else "grad", src, s, mb)))
-    posted, nxt = {}, 0          # action index -> (work, buffer); nxt: next entry of needs to post
-    local = {}                   # (kind, stage, mb) -> tensor from a stage on this rank
+    def __init__(self, schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, act_shape=None,
+                 act_dtype=torch.float32, scale_grads: bool = False):
+        if comm.size != p:
+            raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
+        if not isinstance(scale_grads, bool):
+            raise ValueError(f"scale_grads must be True or False, got {scale_grads!r}")
+        self.me, self.p, self.m, self.n = comm.rank, p, m, p * v
+        for s in stages:
+            if s % p != self.me:
+                raise ValueError(f"stage {s} lives on pp rank {s % p}, but rank {self.me} was given it")
+        self.schedule = validate(schedule, p, m, v)
+        self.actions = self.schedule[self.me]
+        self.stages, self.comm, self.scale_grads = stages, comm, scale_grads
+        self.split = {(s, mb) for op, s, mb in self.actions if op == "W"}   # B and W apart (zero bubble)
+        # boundary s (stage s -> s + 1): (shape, dtype) of the activation and of its gradient
+        self.shapes = None if act_shape is None else {s: (tuple(act_shape), act_dtype) for s in range(self.n - 1)}
+        self.linears = {s: _linears(mod) for s, mod in stages.items()}     # their W comes apart from B
+        self.others = {s: _outside(mod, self.linears[s]) for s, mod in stages.items()}
+        self.device = next((q.device for mod in stages.values() for q in mod.parameters()), None)  # NCCL: GPU
+        # the receives, in action order: (action index, (kind, from stage, stage, mb))
+        self.needs = [(i, ("act" if op == "F" else "grad", src, s, mb)) for i, (op, s, mb) in enumerate(self.actions)
+                      for src in [{"F": s - 1, "B": s + 1}.get(op)]
+                      if src is not None and 0 <= src < self.n and src % p != self.me]   # same rank: ``local``
 
-    def post_recvs(i):
-        nonlocal nxt
-        while nxt < len(needs) and (needs[nxt][0] <= i or len(posted) < RECV_DEPTH):
-            j, (kind, stage_from, s, mb) = needs[nxt]
-            buf = torch.empty(act_shape, dtype=act_dtype, device=device)   # (b, s, h): activation or its gradient
-            posted[j] = (comm.irecv(buf, stage_from % p, tag=_tag(kind, s, mb, n_stages, m)), buf)
-            nxt += 1
+    def step(self, inputs=None, targets=None, loss_fn=None, act_shape=None, act_dtype=None) -> StepResult:
+        """One step: inputs / targets, the m micro-batches (where stage 0 / the last stage live);
+        loss_fn(output, target) -> the micro-batch's loss, scaled for the whole step;
+        act_shape, act_dtype: this step's, where the caller knows them."""
+        if act_shape is not None:
+            self.shapes = {s: (tuple(act_shape), act_dtype or torch.float32) for s in range(self.n - 1)}
+        if self.shapes is None and self.n > 1:
+            self.shapes = self._infer_shapes(inputs[0])
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        self.state, self.sends, self.live, self.local, self.posted, self.nxt = {}, [], {}, {}, {}, 0
+        self.out = StepResult()
+        self._post_recvs(-1)
+        for i, (op, s, mb) in enumerate(self.actions):
+            getattr(self, op)(i, s, mb)
+        with trace.span("wait sends", "comm", "pp"):
+            for work, _ in self.sends:
+                work.wait()
+        return self.out
 
-    def recv(i, kind, s, mb):
-        if (kind, s, mb) in local:         # from this rank's own stage: validate ran it before
-            return local.pop((kind, s, mb))
-        post_recvs(i)
-        work, buf = posted.pop(i)
-        with trace.span(f"recv {kind} {mb}", "comm", "pp"):
-            work.wait()
-        post_recvs(i)                      # the next receive, before this action computes
-        return buf
+    def F(self, i, s, mb):
+        """Forward of stage s, micro-batch mb: receive, compute, send the activation on."""
+        x = self.inputs[mb] if s == 0 else self.recv(i, "act", s, mb).requires_grad_()
+        saved, record, hooks = _SavedBytes(self.stages[s].parameters()), {"calls": []}, []
+        if (s, mb) in self.split:      # remember each Linear call's input and output for B and W
+            hooks = [lin.register_forward_hook(lambda mod, a, o: record["calls"].append((mod, a[0], o)))
+                     for lin in self.linears[s]]
+            record["others"] = self.others[s]
+        with trace.span(f"F{mb}" + (f"@{s}" if s else ""), "compute", "pp"), \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            y = self.stages[s](x)
+            if s == self.n - 1:
+                y = self.loss_fn(y, self.targets[mb])
+                self.out.losses[mb] = float(y.detach())
+                y = y / self.m if self.scale_grads else y   # torch's default: the mean over m
+        for h in hooks:
+            h.remove()
+        self.live[(s, mb)] = self.out.saved_bytes[(s, mb)] = saved.bytes()
+        self.out.peak_activation_bytes = max(self.out.peak_activation_bytes, sum(self.live.values()))
+        if s < self.n - 1:
+            self.send(y, "act", s + 1, mb)
+        # stage 0's input wants a gradient only if the caller's tensor asks for one
+        self.state[(s, mb)] = (x if s > 0 or x.requires_grad else None, y, record)
 
-    def send(t, stage_to, kind, s, mb):
-        if tuple(t.shape) != act_shape or t.dtype != act_dtype:
+    def B(self, i, s, mb):
+        """Backward of stage s, micro-batch mb (input gradients only where a W follows)."""
+        x, y, record = self.state[(s, mb)]
+        dy = None if s == self.n - 1 else self.recv(i, "grad", s, mb)
+        with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
+            if (s, mb) in self.split:
+                dx, for_w = backward_input(y, dy, x, record)
+                self.state[(s, mb)] = for_w
+                self.live[(s, mb)] = storage_bytes([t for _, inp, g in for_w for t in (inp, g)])
+            else:
+                torch.autograd.backward(y, dy)
+                dx = None if x is None else x.grad
+                del self.state[(s, mb)], self.live[(s, mb)]
+        if s > 0:
+            self.send(dx, "grad", s - 1, mb)
+        elif (s, mb) in self.split and x is not None:
+            _accumulate(x, dx)                          # the caller's input: x.grad, as backward() gives
+
+    def W(self, i, s, mb):
+        """The weight gradients B left for later."""
+        with trace.span(f"W{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
+            backward_weight(self.state.pop((s, mb)))
+        del self.live[(s, mb)]
+
+    def send(self, t, kind, s, mb):
+        """Hand ``t`` to stage s (its activation input, or its output's gradient)."""
+        boundary = s - 1 if kind == "act" else s
+        shape, dtype = self.shapes[boundary]
+        if tuple(t.shape) != shape or t.dtype != dtype:
             what = "activation of" if kind == "act" else "input gradient of"
             raise ValueError(f"the {what} stage {s - 1 if kind == 'act' else s + 1}, micro-batch {mb}, is "
-                             f"{tuple(t.shape)} {t.dtype}, but act_shape={act_shape}, act_dtype={act_dtype}: "
-                             f"every tensor sent between stages must have that shape and dtype "
-                             f"(the receiver's buffer)")
-        if stage_to % p == me:             # the next stage is on this rank: no message
-            local[(kind, s, mb)] = t.detach().clone()
+                             f"{tuple(t.shape)} {t.dtype}, but act_shape={shape}, act_dtype={dtype}: every "
+                             f"tensor sent between stages must have that shape and dtype (the receiver's buffer)")
+        if s % self.p == self.me:           # the next stage is on this rank: no message
+            self.local[(kind, s, mb)] = t.detach().clone()
             return
         t = t.detach().contiguous()
-        with trace.span(f"send {kind} {mb}", "comm", "pp"):     # gloo writes to the socket here
-            sends.append((comm.isend(t, stage_to % p, tag=_tag(kind, s, mb, n_stages, m)), t))
+        with trace.span(f"send {kind} {mb}", "comm", "pp"):      # gloo writes to the socket here
+            self.sends.append((self.comm.isend(t, s % self.p, tag=self._tag(kind, s, mb)), t))
+        self.out.bytes_sent += t.numel() * t.element_size()
+        self.out.messages += 1
 
-    post_recvs(-1)
-    for i, (op, s, mb) in enumerate(actions):
-        module = stages[s]
-        if op == "F":
-            x = inputs[mb] if s == 0 else recv(i, "act", s, mb).requires_grad_()
-            saved, record = _Saved(module.parameters()), {"calls": []}
-            hooks = []
-            if (s, mb) in split:     # remember each Linear call's input and output for B and W
-                hooks = [lin.register_forward_hook(lambda mod, a, o: record["calls"].append((mod, a[0], o)))
-                         for lin in linears[s]]
-                record["others"] = others[s]
-            with trace.span(f"F{mb}" + (f"@{s}" if s else ""), "compute", "pp"), \
-                    torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                y = module(x)
-                if s == n_stages - 1:
-                    y = loss_fn(y, targets[mb])
-                    out.losses[mb] = float(y.detach())
-                    if scale_grads:            # torch's default: the step's gradient is the mean over m
-                        y = y / m
-            for h in hooks:
-                h.remove()
-            live[(s, mb)] = out.saved_bytes[(s, mb)] = saved.bytes()
-            out.peak_activation_bytes = max(out.peak_activation_bytes, sum(live.values()))
-            if s < n_stages - 1:
-                send(y, s + 1, "act", s + 1, mb)
-            # stage 0's input wants a gradient only if the caller's tensor asks for one (as in
-            # the full backward, where autograd fills its .grad); later stages' always do
-            state[(s, mb)] = (x if s > 0 or x.requires_grad else None, y, record)
-        elif op == "B":
-            x, y, record = state[(s, mb)]
-            dy = None if s == n_stages - 1 else recv(i, "grad", s, mb)
-            with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
-                if (s, mb) in split:
-                    dx, for_w = backward_input(y, dy, x, record)
-                    state[(s, mb)] = for_w
-                    live[(s, mb)] = storage_bytes([t for _, i, g in for_w for t in (i, g)])
-                else:
-                    torch.autograd.backward(y, dy)
-                    dx = None if x is None else x.grad
-                    del state[(s, mb)]
-                    del live[(s, mb)]
-            if s > 0:
-                send(dx, s - 1, "grad", s - 1, mb)
-            elif (s, mb) in split and x is not None:
-                _accumulate(x, dx)                      # the caller's input: x.grad, as backward() gives
-        else:  # W
-            with trace.span(f"W{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
-                backward_weight(state.pop((s, mb)))
-            del live[(s, mb)]
-    with trace.span("wait sends", "comm", "pp"):
-        for work, _ in sends:
+    def recv(self, i, kind, s, mb):
+        """The tensor action i reads: from this rank's own stage, or a message posted ahead."""
+        if (kind, s, mb) in self.local:
+            return self.local.pop((kind, s, mb))
+        self._post_recvs(i)
+        work, buf = self.posted.pop(i)
+        with trace.span(f"recv {kind} {mb}", "comm", "pp"):
             work.wait()
-    if counter is not None:
-        out.bytes_sent, out.messages = counter.bytes_sent - sent0, counter.messages_sent - msgs0
-    return out
+        self._post_recvs(i)                 # the next receive, before this action computes
+        return buf
+
+    def _post_recvs(self, i):
+        """Post the receive action i needs, and RECV_DEPTH ahead: the transport reads the
+        message while this rank computes."""
+        while self.nxt < len(self.needs) and (self.needs[self.nxt][0] <= i or len(self.posted) < RECV_DEPTH):
+            j, (kind, src, s, mb) = self.needs[self.nxt]
+            shape, dtype = self.shapes[s - 1 if kind == "act" else s]
+            buf = torch.empty(shape, dtype=dtype, device=self.device)  # (b, s, h): activation or its gradient
+            self.posted[j] = (self.comm.irecv(buf, src % self.p, tag=self._tag(kind, s, mb)), buf)
+            self.nxt += 1
+
+    def _tag(self, kind, s, mb):
+        return ((kind == "grad") * self.n + s) * self.m + mb
+
+    def _infer_shapes(self, x0):
+        """{boundary: (shape, dtype)}: micro-batch 0 through the stages in order, no gradient."""
+        shapes, header = {}, torch.zeros(2 + MAX_DIMS, dtype=torch.int64)   # dtype, ndim, dims
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for s in range(self.n):
+                if s % self.p != self.me:
+                    continue
+                if s > 0 and (s - 1) % self.p != self.me:              # the previous rank's output
+                    self.comm.recv(header, (s - 1) % self.p)
+                    dims = header[2:2 + int(header[1])].tolist()
+                    shapes[s - 1] = (tuple(dims), DTYPES[int(header[0])])
+                x = x0 if s == 0 else torch.zeros(shapes[s - 1][0], dtype=shapes[s - 1][1], device=self.device)
+                if s < self.n - 1:
+                    y = self.stages[s](x)
+                    shapes[s] = (tuple(y.shape), y.dtype)
+                    if (s + 1) % self.p != self.me:
+                        header.zero_()
+                        header[:2 + y.dim()] = torch.tensor([DTYPES.index(y.dtype), y.dim(), *y.shape])
+                        self.comm.send(header.clone(), (s + 1) % self.p)
+        return shapes
+
+
+MAX_DIMS = 6
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
+                 loss_fn=None, act_shape=None, act_dtype=torch.float32, scale_grads: bool = False) -> StepResult:
+    """One step of :class:`ScheduleRunner` (built, and the schedule validated, for this call)."""
+    return ScheduleRunner(schedule, stages, comm, p=p, m=m, v=v, act_shape=act_shape, act_dtype=act_dtype,
+                          scale_grads=scale_grads).step(inputs, targets, loss_fn)
 
 
 def measured_costs(spans, schedule, p: int, v: int = 1) -> dict:
@@ -288,4 +329,4 @@ def measured_costs(spans, schedule, p: int, v: int = 1) -> dict:
             "durations": {name: s.end - s.start for name, s in compute.items()}}
 
 
-__all__ = ["run_schedule", "StepResult", "backward_input", "backward_weight", "measured_costs"]
+__all__ = ["ScheduleRunner", "run_schedule", "StepResult", "backward_input", "backward_weight", "measured_costs"]

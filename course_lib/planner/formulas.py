@@ -28,6 +28,7 @@ from course_lib.planner.communication import (  # noqa: F401
     ring_steps,
     tp_bytes_per_layer,
 )
+from course_lib.schedules import bubble_fraction  # noqa: F401  (next to the schedules it prices)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -261,20 +262,3 @@ def zero_memory_bytes(n_params, stage: int, dp: int, param_bytes: int = 2, grad_
     return out
 
 
-def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
-    """Fraction of a pipeline step that a stage sits idle (equal stages, free p2p).
-
-    GPipe and 1F1B: the first micro-batch needs p - 1 stage-times to reach the last
-    stage and the last backward p - 1 to come back, so a step lasts (m + p - 1)
-    (t_f + t_b) of which m (t_f + t_b) is work: bubble = (p-1)/(m+p-1) (Huang et al.
-    2019; Narayanan et al. 2021). Interleaved with v chunks per stage: each chunk
-    takes (t_f + t_b)/v, the fill and drain shrink to (p-1)(t_f + t_b)/v, the work
-    stays m (t_f + t_b): bubble = (p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2).
-    The simulator reproduces both (tests/test_planner_simulator.py).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
-    vv = v if schedule == "interleaved" else 1
-    return (p - 1) / (vv * m + p - 1)

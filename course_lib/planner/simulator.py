@@ -19,6 +19,7 @@ from course_lib.planner import formulas as F
 from course_lib.planner.costs import dp_pieces, stage_costs
 from course_lib.planner.layout import Layout, intra_node, validate
 from course_lib.planner.presets import get_hardware, get_model
+from course_lib.schedules import schedule_order
 from course_lib.trace import Span
 
 PIPE_KINDS = ("compute", "elementwise", "tp", "cp", "ep", "zero")
@@ -38,40 +39,6 @@ class SimulatedStep(list):
         busy = sum(min(s.end, end) - s.start for s in self if s.rank == rank and s.kind != "idle"
                    and s.start < end and not s.name.startswith(("dp ", "optimizer")))
         return 1.0 - busy / end if end > 0 else 0.0
-
-
-def schedule_order(p: int, m: int, schedule: str, v: int, stage: int) -> list[tuple[str, int, int]]:
-    """The (phase, micro-batch, chunk) order one stage runs: Megatron-LM's schedules.
-
-    GPipe: all forwards, then all backwards. 1F1B: p - stage - 1 warm-up forwards,
-    then one forward / one backward, then the remaining backwards (Narayanan et al.
-    2021). Interleaved: the same with (p - stage - 1) * 2 + (v - 1) * p warm-up
-    forwards over m * v chunk-micro-batches, taken p micro-batches per chunk.
-    """
-    if schedule == "gpipe":
-        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    total = m * v
-    if schedule == "interleaved" and v > 1:
-        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
-
-        def fwd(k):
-            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
-
-        def bwd(k):
-            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
-    else:
-        warmup = min(p - stage - 1, total)
-
-        def fwd(k):
-            return ("F", k, 0)
-
-        def bwd(k):
-            return ("B", k, 0)
-    order = [fwd(k) for k in range(warmup)]
-    for i in range(total - warmup):
-        order += [fwd(warmup + i), bwd(i)]
-    order += [bwd(k) for k in range(total - warmup, total)]
-    return order
 
 
 def _rank(layout: Layout, dp_i: int, pp_i: int, cp_i: int, tp_i: int) -> int:

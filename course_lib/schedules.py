@@ -1,0 +1,367 @@
+"""A pipeline schedule as data: per rank, the list of actions it runs, in order.
+
+Below both ``parallel/`` (which runs schedules) and ``planner/`` (which prices them): it
+imports neither.
+
+    sched = one_f_one_b(p=4, m=8)          # [[Action('F', 0, 0), ...], ...]: one list per rank
+    validate(sched, p=4, m=8)              # ValueError naming the first bad action, never a hang
+    print(format_schedule(sched))          # rank 0: F0 F1 F2 F3 B0 F4 B1 ...
+    spans = simulate(sched, p=4)           # unit-time timeline (t_f=1, t_b=2), as trace Spans
+
+An action is ``(op, stage, mb)``: op ``F`` (forward), ``B`` (backward) or ``W`` (the weight
+gradient, split off the backward: Qi et al. 2023's zero-bubble notation; a ``B`` whose
+``W`` appears in the schedule computes the input gradient only). ``stage`` is the
+*virtual* stage 0 .. p*v - 1: with v chunks per rank, stage s lives on rank s % p
+(Megatron-LM's interleaved placement: chunk s // p of rank s % p). ``mb`` is the
+micro-batch. Between ranks flow activations (after F of stage s, to F of stage s + 1) and
+input gradients (after B of stage s, to B of stage s - 1): a receive blocks, a send does
+not (it is posted and waited at the end of the step), so a schedule deadlocks exactly when
+the simulation below finds every unfinished rank waiting on a receive.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from course_lib.trace import Span
+
+OPS = ("F", "B", "W")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PLANNED = ("gpipe", "1f1b", "interleaved")   # the ones the planner prices (formulas.SCHEDULES)
+
+
+class Action(NamedTuple):
+    op: str      # "F", "B" or "W"
+    stage: int   # virtual stage: rank stage % p, chunk stage // p
+    mb: int      # micro-batch
+
+    def __str__(self):
+        return f"{self.op}{self.mb}" + (f"@{self.stage}" if self.stage else "")
+
+
+def schedule_order(p: int, m: int, schedule: str, v: int, stage: int) -> list[tuple[str, int, int]]:
+    """The (phase, micro-batch, chunk) order one stage runs: Megatron-LM's schedules.
+
+    GPipe: all forwards, then all backwards. 1F1B: p - stage - 1 warm-up forwards,
+    then one forward / one backward, then the remaining backwards (Narayanan et al.
+    2021). Interleaved: the same with (p - stage - 1) * 2 + (v - 1) * p warm-up
+    forwards over m * v chunk-micro-batches, taken p micro-batches per chunk.
+    """
+    if schedule == "gpipe":
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    total = m * v
+    if schedule == "interleaved" and v > 1:
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+        def fwd(k):
+            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+        def bwd(k):
+            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+    else:
+        warmup = min(p - stage - 1, total)
+
+        def fwd(k):
+            return ("F", k, 0)
+
+        def bwd(k):
+            return ("B", k, 0)
+    order = [fwd(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [fwd(warmup + i), bwd(i)]
+    order += [bwd(k) for k in range(total - warmup, total)]
+    return order
+
+
+def _check_shape(p, m, v=1):
+    for name, val in (("p (pipeline stages)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
+
+
+def _from_order(p, m, name, v=1):
+    """The Megatron-LM order of the planner's simulator, per rank, as Actions."""
+    return [[Action(ph, ch * p + r, mb) for ph, mb, ch in schedule_order(p, m, name, v, r)] for r in range(p)]
+
+
+def gpipe(p: int, m: int):
+    """GPipe (Huang et al. 2019): all m forwards, then all m backwards (m micro-batches held)."""
+    _check_shape(p, m)
+    return _from_order(p, m, "gpipe")
+
+
+def one_f_one_b(p: int, m: int):
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): rank r warms up with min(p - r - 1, m)
+    forwards, then alternates one forward and one backward, then cools down with the
+    remaining backwards; it never holds more than p - r micro-batches."""
+    _check_shape(p, m)
+    return _from_order(p, m, "1f1b")
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2):
+    """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2): v chunks per rank, micro-batches
+    taken p at a time per chunk; needs m to be a multiple of p (as Megatron-LM)."""
+    _check_shape(p, m, v)
+    if v > 1 and m % p:
+        raise ValueError(f"interleaved 1F1B takes micro-batches p={p} at a time: m={m} must be a multiple of p")
+    return _from_order(p, m, "interleaved", v)
+
+
+def zero_bubble_h1(p: int, m: int):
+    """ZB-H1 (Qi et al. 2023): 1F1B's forwards and input-gradient backwards B, in 1F1B
+    order; each weight-gradient pass W runs where the rank would otherwise wait for a
+    message, or before a forward that would hold more micro-batches than 1F1B does
+    (p - r on rank r: the same peak memory), and the rest at the end. Built by running
+    that rule on a clock with t_f = t_b = t_w = 1 (F, B, W of equal length)."""
+    _check_shape(p, m)
+    base = one_f_one_b(p, m)
+    out = [[] for _ in range(p)]
+    pending = [[] for _ in range(p)]       # B done, W not yet
+    pc, clock, live, done = [0] * p, [0] * p, [0] * p, {}
+    while any(pc[r] < len(base[r]) for r in range(p)):
+        best = None                        # (time, rank, what): the earliest next event
+        for r in range(p):
+            if pc[r] == len(base[r]):
+                continue
+            a = base[r][pc[r]]
+            dep = _dependency(a, p, 1)
+            ready = 0 if dep is None else done.get(dep)
+            allowed = a.op != "F" or live[r] < p
+            if ready is not None and ready <= clock[r] and allowed:
+                event = (clock[r], r, a)
+            elif pending[r]:
+                event = (clock[r], r, "W")
+            elif ready is not None and allowed:
+                event = (ready, r, a)
+            else:
+                continue                   # blocked on a message not sent yet
+            best = min(best, event) if best else event
+        t, r, a = best
+        if a == "W":
+            a = pending[r].pop(0)
+        elif a.op == "B":
+            pending[r].append(Action("W", a.stage, a.mb))
+        live[r] += {"F": 1, "W": -1}.get(a.op, 0)
+        clock[r] = done[a] = t + 1
+        out[r].append(a)
+        pc[r] += a.op != "W"
+    for r in range(p):
+        out[r] += pending[r]
+    return out
+
+
+# Other spellings of the same schedules, compared case-insensitively: torch.distributed.pipelining's
+# names (``get_schedule_class`` and the class names). Not torch's "InterleavedZeroBubble": with one
+# stage per rank it places the W passes differently when m < p, and with v > 1 it is another schedule.
+SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
+                    "interleaved": "interleaved", "interleaved1f1b": "interleaved",
+                    "scheduleinterleaved1f1b": "interleaved", "zb-h1": "zb-h1", "zero-bubble": "zb-h1"}
+
+
+def schedule_name(name, v: int = 1) -> str:
+    """The course's name (one of SCHEDULES) for ``name``, in any case or in torch's spelling
+    ("GPipe", "1F1B", "Interleaved1F1B"). ValueError for an unknown name, and for v > 1 chunks per
+    rank with a schedule that runs one (only "interleaved" takes v)."""
+    canon = SCHEDULE_ALIASES.get(name.lower()) if isinstance(name, str) else None
+    if canon is None:
+        raise ValueError(f"schedule must be one of {SCHEDULES} (or torch's GPipe, 1F1B, Interleaved1F1B), "
+                         f"got {name!r}")
+    if canon != "interleaved" and v != 1:
+        raise ValueError(f"v={v!r} chunks per rank needs the interleaved schedule; {name!r} runs one stage per rank")
+    return canon
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1):
+    """One of SCHEDULES by name (:func:`schedule_name`; ``v`` > 1 only for "interleaved")."""
+    name = schedule_name(name, v)
+    if name == "gpipe":
+        return gpipe(p, m)
+    if name == "1f1b":
+        return one_f_one_b(p, m)
+    if name == "interleaved":
+        return interleaved_1f1b(p, m, v)
+    return zero_bubble_h1(p, m)
+
+
+def _dependency(a: Action, p: int, v: int):
+    """The remote action whose message ``a`` receives first (None: nothing to receive)."""
+    if a.op == "F" and a.stage > 0:
+        return Action("F", a.stage - 1, a.mb)
+    if a.op == "B" and a.stage < p * v - 1:
+        return Action("B", a.stage + 1, a.mb)
+    return None
+
+
+def _normalise(schedule, p, m, v):
+    _check_shape(p, m, v)
+    if not isinstance(schedule, (list, tuple)) or len(schedule) != p:
+        n = len(schedule) if isinstance(schedule, (list, tuple)) else type(schedule).__name__
+        raise ValueError(f"a schedule is one list of actions per rank: expected {p} lists, got {n}")
+    out = []
+    for r, actions in enumerate(schedule):
+        if not isinstance(actions, (list, tuple)):
+            raise ValueError(f"rank {r}: expected a list of (op, stage, mb) actions, got {type(actions).__name__}")
+        row = []
+        for i, a in enumerate(actions):
+            try:
+                op, stage, mb = a
+            except (TypeError, ValueError):
+                raise ValueError(f"rank {r}, action {i}: {a!r} is not an (op, stage, mb) triple") from None
+            if op not in OPS:
+                raise ValueError(f"rank {r}, action {i}: op {op!r} is not one of {OPS}")
+            for what, val, n in (("stage", stage, p * v), ("micro-batch", mb, m)):
+                if isinstance(val, bool) or not isinstance(val, int) or not 0 <= val < n:
+                    raise ValueError(f"rank {r}, action {i} {a!r}: {what} {val!r} is outside 0..{n - 1}")
+            a = Action(op, stage, mb)
+            if stage % p != r:
+                raise ValueError(f"rank {r}, action {i} {a}: stage {stage} lives on rank {stage % p}, not {r}")
+            row.append(a)
+        out.append(row)
+    return out
+
+
+def validate(schedule, p: int, m: int, v: int = 1):
+    """Check a schedule before anything runs; return it as lists of :class:`Action`.
+
+    Every (stage, mb) has one F and one B, at most one W; on its rank F comes before B and
+    B before W; every receive has its send (they are implied by the data flow); and the
+    ranks, each running its list in order with blocking receives, all finish (a simulation
+    of the point-to-point dependency graph). Raises ValueError naming the first bad action.
+    """
+    sched = _normalise(schedule, p, m, v)
+    for r, actions in enumerate(sched):
+        seen = {}
+        for i, a in enumerate(actions):
+            if a in seen:
+                raise ValueError(f"rank {r}, action {i} {a}: runs twice (first at action {seen[a]})")
+            seen[a] = i
+            before = {"B": "F", "W": "B"}.get(a.op)
+            if before and Action(before, a.stage, a.mb) not in seen:
+                raise ValueError(f"rank {r}, action {i} {a}: {a.op} of stage {a.stage}, micro-batch {a.mb} "
+                                 f"comes before its {before}")
+        for s in range(r, p * v, p):
+            for mb in range(m):
+                for op in ("F", "B"):
+                    if Action(op, s, mb) not in seen:
+                        raise ValueError(f"rank {r}: {op} of stage {s}, micro-batch {mb} is missing")
+    simulate(sched, p, v, _validated=True)
+    return sched
+
+
+def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0,
+             t_comm: float = 0.0, durations: dict | None = None, t_overhead: float = 0.0,
+             _validated: bool = False) -> list[Span]:
+    """Run the action lists on a virtual clock: F takes t_f, a full backward t_b, a split
+    one t_b - t_w (its W t_w), a message t_comm (from the end of the sender's action to the
+    start of the receiver's), and every action costs its rank t_overhead more after it
+    (posting its send, Python: time that is neither compute nor waiting); ``durations``
+    {action name ("F3@1"): time} overrides the compute times action by action (a measured
+    trace replayed; with t_comm = t_overhead = 0, on free messages).
+    Returns compute Spans (name "F3@1"...) and ``idle`` spans, rank by rank. Raises
+    ValueError when the ranks deadlock."""
+    if not _validated:
+        m = 1 + max((a[2] for row in schedule for a in row), default=0)
+        schedule = validate(schedule, p, m, v)
+    split = {(a.stage, a.mb) for row in schedule for a in row if a.op == "W"}
+    pc, clock, done, spans = [0] * p, [0.0] * p, {}, []
+    while True:
+        progressed = False
+        for r in range(p):
+            while pc[r] < len(schedule[r]):
+                a = schedule[r][pc[r]]
+                dep = _dependency(a, p, v)
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[r], done[dep] + t_comm if dep is not None else 0.0)
+                if start > clock[r]:
+                    spans.append(Span(r, "idle", "idle", clock[r], start, "pp"))
+                dur = t_f if a.op == "F" else t_w if a.op == "W" else t_b - t_w if (a.stage, a.mb) in split else t_b
+                dur = durations.get(str(a), dur) if durations else dur
+                done[a] = start + dur
+                spans.append(Span(r, str(a), "compute", start, done[a], "pp"))
+                clock[r] = done[a] + t_overhead
+                if t_overhead:
+                    spans.append(Span(r, "overhead", "other", done[a], clock[r], "pp"))
+                pc[r] += 1
+                progressed = True
+        if all(pc[r] == len(schedule[r]) for r in range(p)):
+            return spans
+        if not progressed:
+            stuck = [(r, schedule[r][pc[r]]) for r in range(p) if pc[r] < len(schedule[r])]
+            r, a = stuck[0]
+            dep = _dependency(a, p, v)
+            waits = "; ".join(f"rank {q} at {b}" for q, b in stuck)
+            raise ValueError(f"deadlock: rank {r}, action {pc[r]} {a} waits for {dep} from rank {dep.stage % p}, "
+                             f"which never runs it (stuck: {waits})")
+
+
+def bubble(spans, rank=None):
+    """Idle fraction of the step (first start to last end over all ranks) of ``rank``'s
+    compute spans; the mean over ranks if ``rank`` is None. (Narayanan's (p-1)/m is idle
+    time relative to the IDEAL compute time instead: (p-1)/(m+p-1) = x / (1 + x).)"""
+    spans = [s for s in spans if s.kind == "compute"]
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    ranks = sorted({s.rank for s in spans}) if rank is None else [rank]
+    fr = [1.0 - sum(s.end - s.start for s in spans if s.rank == r) / (t1 - t0) for r in ranks]
+    return sum(fr) / len(fr)
+
+
+def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """Fraction of a pipeline step that a stage sits idle (equal stages, free p2p).
+
+    GPipe and 1F1B: the first micro-batch needs p - 1 stage-times to reach the last
+    stage and the last backward p - 1 to come back, so a step lasts (m + p - 1)
+    (t_f + t_b) of which m (t_f + t_b) is work: bubble = (p-1)/(m+p-1) (Huang et al.
+    2019; Narayanan et al. 2021). Interleaved with v chunks per stage: each chunk
+    takes (t_f + t_b)/v, the fill and drain shrink to (p-1)(t_f + t_b)/v, the work
+    stays m (t_f + t_b): bubble = (p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2).
+    The simulator reproduces both (tests/test_planner_simulator.py).
+    """
+    if schedule not in PLANNED:
+        raise ValueError(f"schedule must be one of {PLANNED}, got {schedule!r}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
+    vv = v if schedule == "interleaved" else 1
+    return (p - 1) / (vv * m + p - 1)
+
+
+def formula_bubble(name: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=1.0) -> float:
+    """The textbook bubble as a fraction of the step: :func:`bubble_fraction`
+    for GPipe / 1F1B / interleaved. ZB-H1 (t_b: the whole backward, B + W) idles
+
+        (p - 1)(t_f + t_b - t_w) - (min(m, p) - 1) t_w     per rank per step:
+
+    1F1B's fill and drain with a split backward, (p - 1)(t_f + t_b - t_w), less the W passes
+    that fill it: p - 1 of them once m >= p (Qi et al. 2023, Sec. 3.1: (p - 1)(t_f + t_b - 2 t_w)),
+    only m - 1 when m < p, where the step is (p - 1 + m)(t_f + t_b - t_w) + t_w: the F and B
+    passes through every stage, then rank 0's last W. No less than 0, where a W outlasts a
+    forward and an input-gradient pass together. Exact for the timeline of :func:`zero_bubble_h1`
+    on the clock it is built on (t_f = t_b - t_w = t_w, any scale); tested for p 2..4, m 1..8."""
+    if name == "zb-h1":
+        idle = max(0.0, (p - 1) * (t_f + t_b - t_w) - (min(m, p) - 1) * t_w)
+        return idle / (m * (t_f + t_b) + idle)
+    return bubble_fraction(p, m, name, v)
+
+
+def in_flight(actions) -> int:
+    """Peak number of micro-batches (per chunk) whose forward ran and whose last backward
+    part (B, or W where split) has not: the activations a rank holds at once."""
+    split = {(a.stage, a.mb) for a in actions if a.op == "W"}
+    live = peak = 0
+    for a in actions:
+        if a.op == "F":
+            live += 1
+            peak = max(peak, live)
+        elif a.op == "W" or (a.op == "B" and (a.stage, a.mb) not in split):
+            live -= 1
+    return peak
+
+
+def format_schedule(schedule, width: int = 0) -> str:
+    """One line per rank: ``rank 0: F0 F1 B0 ...`` (``@s``: virtual stage s > 0)."""
+    rows = [f"rank {r}: " + " ".join(str(Action(*a)) for a in row) for r, row in enumerate(schedule)]
+    return "\n".join(rows)
+
+
+__all__ = ["Action", "OPS", "SCHEDULES", "schedule_order", "bubble_fraction", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
+           "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
+           "in_flight", "format_schedule"]
