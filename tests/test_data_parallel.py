@@ -12,12 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib import launch
+from course_lib import launch, tolerance
 from course_lib.models import MLP
 from course_lib.parallel.data_parallel import DDP
 from course_lib.planner.formulas import collective_bytes_per_rank
 from sections import assert_no_error, run_sections
-from single_device import AWKWARD, LR, SIZES, STEPS, WD, make_data, train
+from single_device import AWKWARD, LR, SIZES, STEPS, WD, assert_trained_like, exact, first_step_grads, make_data, train
 
 VERSIONS = ("textbook", "bucketed", "overlapped", "ours", "FFBB", "start/finish")
 HEADERS = 2048  # bytes per call above the ring formula that message headers may add (measured: < 1.8 KiB, N <= 4)
@@ -26,13 +26,16 @@ BIG = (128, 256, 128, 256)  # the bytes check: one 1.2 MB bucket, headers neglig
 
 @functools.lru_cache(maxsize=None)
 def reference(micro=1):
-    """Single device, full batch, AdamW with weight decay."""
-    X, Y, perms = make_data()
-    return train(MLP(SIZES, seed=0, **AWKWARD), X, Y, perms, micro)
+    """Single device, full batch, AdamW with weight decay, float64; and step 1's gradients."""
+    with exact():
+        X, Y, perms = make_data()
+        return (train(MLP(SIZES, seed=0, **AWKWARD), X, Y, perms, micro),
+                first_step_grads(MLP(SIZES, seed=0, **AWKWARD), X, Y, perms, micro))
 
 
 def train_version(version, micro, mesh, X, Y, perms):
-    """Train the awkward MLP with one version of gradient averaging; return its state."""
+    """Train the awkward MLP with one version of gradient averaging; return its state and
+    step 1's gradients (AdamW would hide a gradient summed instead of averaged)."""
     import torch.distributed as dist
 
     from course_lib.parallel.data_parallel import average_gradients, broadcast_module_states
@@ -40,6 +43,7 @@ def train_version(version, micro, mesh, X, Y, perms):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = MLP(SIZES, seed=rank, **AWKWARD)  # different on every rank until the broadcast
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    grads = None
     if version == "textbook":
         comm = mesh.comm("dp")
         broadcast_module_states(model, comm)
@@ -71,9 +75,10 @@ def train_version(version, micro, mesh, X, Y, perms):
                         ddp.start_gradient_synchronization()
                     ddp.finish_gradient_synchronization()
         assert model.unused.grad is None  # nobody used it: no gradient, as on one device
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    return model.state_dict(), grads
 
 
 def measured_step(mesh, impl):
@@ -101,8 +106,10 @@ def rank_checks():
     from course_lib.parallel.mesh import Mesh
 
     mesh = Mesh(dp=dist.get_world_size())
+    with exact():                                  # float64: exactness after AdamW steps is the claim
+        X, Y, perms = make_data()
+        out = {(v, micro): train_version(v, micro, mesh, X, Y, perms) for v in VERSIONS for micro in (1, 2)}
     X, Y, perms = make_data()
-    out = {(v, micro): train_version(v, micro, mesh, X, Y, perms) for v in VERSIONS for micro in (1, 2)}
     out["bytes"] = {impl: measured_step(mesh, impl) for impl in ("torch", "course")}
     # forgetting finish_gradient_synchronization() is an error, not silently unsynced gradients
     ddp = DDP(MLP(SIZES, seed=0), mesh=mesh)
@@ -124,18 +131,18 @@ def runs():
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("micro", [1, 2])
 def test_matches_single_device(runs, world, version, micro):
-    ref = reference(micro)
+    ref, ref_grads = reference(micro)
     for rank, result in enumerate(runs[world]):
-        got = result[version, micro]
+        got, grads = result[version, micro]
         assert list(got) == list(ref)
-        for name in ref:
-            if world == 1:  # one rank: the very same arithmetic
+        if world == 1:  # one rank: the very same arithmetic
+            for name in ref:
                 assert torch.equal(got[name], ref[name]), name
-            else:
-                torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=name)
+        tolerance.assert_matches(grads, ref_grads, what="step 1's gradients")
+        assert_trained_like(got, ref)
         if rank:  # replicas stay bit-identical
             for name in ref:
-                assert torch.equal(got[name], runs[world][0][version, micro][name])
+                assert torch.equal(got[name], runs[world][0][version, micro][0][name])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -299,11 +306,9 @@ def test_buffers_broadcast_as_torch_ddp(conventions):
     (rank 0's buffers are sent before each forward); after the next forward, identical everywhere."""
     assert_no_error(conventions, "buffers")
     for result in conventions:
-        for ours, theirs, _ in result["steps"]:
-            for name in theirs:
-                torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-6, msg=name)
-        for a, b in zip(*result["params"]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        for step, (ours, theirs, _) in enumerate(result["steps"], 1):   # SGD at lr 0.1, fp32
+            tolerance.assert_matches({n: ours[n] for n in theirs}, theirs, optimizer="sgd", steps=step, lr=0.1)
+        tolerance.assert_matches(*result["params"], optimizer="sgd", steps=3, lr=0.1)
         # one flat message for all of BatchNorm's buffers (float and int64), then none under no_grad
         assert result["eval calls"] == ["broadcast buffers"]
         assert result["mlp forward calls"] == 0

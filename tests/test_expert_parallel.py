@@ -1,17 +1,17 @@
 """Expert parallelism (course_lib/parallel/expert_parallel.py) against the one-device MoE
-(course_lib/moe.py): a dense layer + MoE trained 5 AdamW steps with EP (torch's and our
-all-to-all), dense params reduced over "dp", experts over "edp" only, ends with the
-single-device weights (MoE(groups=dp): capacity per rank's tokens); the same dropped set at
+(course_lib/moe.py): a dense layer + MoE trained 5 AdamW steps in float64 with EP (torch's
+and our all-to-all), dense params reduced over "dp", experts over "edp" only, has the
+single-device gradients at step 1 and ends with the single-device weights (bounds from
+course_lib.tolerance) (MoE(groups=dp): capacity per rank's tokens); the same dropped set at
 a small capacity, none at a large one; bytes of the dispatch counted; bad input refused."""
 import pytest
 import torch
 import torch.nn as nn
 
-from course_lib import launch
+from course_lib import launch, tolerance
 from course_lib.moe import MoE, route
 
 H, F_, T, STEPS, LR, AUX = 8, 16, 12, 5, 1e-2, 0.01
-TOL = dict(rtol=1e-4, atol=5e-5)
 
 
 class Net(nn.Module):
@@ -20,11 +20,13 @@ class Net(nn.Module):
         torch.manual_seed(0)
         self.inp = nn.Linear(H, H)
         self.moe = MoE(H, F_, n_experts, top_k, cf, seed=1)
+        self.double()                                    # float64: exactness is the claim
 
 
 def _data(world):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(world * T, H, generator=g), torch.randn(world * T, H, generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(world * T, H, generator=g, dtype=torch.float64),
+             torch.randn(world * T, H, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
 
 
 def _loss(y, target, n_rows):
@@ -34,16 +36,17 @@ def _loss(y, target, n_rows):
 def _reference(world, n_experts, top_k, cf):
     net = Net(n_experts, top_k, cf)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    dropped = []
+    dropped, first_grads = [], None
     for x, t in _data(world):
         h = net.inp(x)
         y, aux = net.moe(h, groups=world)
         for hg in h.chunk(world):
             dropped.append((~route(net.moe.router(hg), top_k, cf)[2]).sum().item())
         (_loss(h + y, t, len(x)) + AUX * aux).backward()
+        first_grads = first_grads or {n: p.grad.clone() for n, p in net.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return net.state_dict(), dropped
+    return net.state_dict(), dropped, first_grads
 
 
 def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
@@ -59,7 +62,7 @@ def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
     net.moe = ExpertParallelMoE(net.moe, mesh, impl=impl)
     ddp = DDP(net, mesh=mesh, dims=("dp",), divisor=1)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    comm = net.moe.comm
+    comm, first_grads = net.moe.comm, None
     for step, (x, t) in enumerate(_data(world)):
         xr, tr = x.chunk(world)[rank], t.chunk(world)[rank]
         h = net.inp(xr)
@@ -70,9 +73,10 @@ def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
         loss = _loss(h + y, tr, len(x)) + AUX * aux / world          # the mean of the groups' aux
         loss.backward()
         ddp.finish_gradient_synchronization()
+        first_grads = first_grads or {n: p.grad.clone() for n, p in net.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return net.state_dict(), mesh.coord["ep"], dispatched, kept
+    return net.state_dict(), mesh.coord["ep"], dispatched, kept, first_grads
 
 
 @pytest.mark.parametrize("mesh_shape,n_experts,top_k,cf,impl", [
@@ -82,19 +86,23 @@ def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
     (dict(dp=4, ep=2), 4, 2, 1.0, "torch")])     # edp = 2: experts reduced over 2 ranks
 def test_expert_parallel_training_equals_one_device(mesh_shape, n_experts, top_k, cf, impl):
     world = mesh_shape["dp"]
-    ref, dropped = _reference(world, n_experts, top_k, cf)
+    ref, dropped, ref_grads = _reference(world, n_experts, top_k, cf)
     assert (sum(dropped) == 0) == (cf >= n_experts / top_k)
     ranks = launch(_train_ep, world, mesh_shape, n_experts, top_k, cf, impl)
     local = n_experts // mesh_shape["ep"]
-    for state, ep_rank, dispatched, kept in ranks:
-        for name, w in state.items():
+    for state, ep_rank, dispatched, kept, grads in ranks:
+        def global_name(name):            # this rank's expert i is expert ep_rank * local + i
             if name.startswith("moe.experts."):
                 i = int(name.split(".")[2])
-                ref_name = name.replace(f"experts.{i}.", f"experts.{ep_rank * local + i}.")
-            else:
-                ref_name = name
-            torch.testing.assert_close(w, ref[ref_name], **TOL, msg=name)
-        assert dispatched == [kept * H * 4]   # dispatch payload: every kept assignment's row
+                return name.replace(f"experts.{i}.", f"experts.{ep_rank * local + i}.")
+            return name
+
+        tolerance.assert_matches({global_name(n): g for n, g in grads.items()},
+                                 {global_name(n): ref_grads[global_name(n)] for n in grads}, what="step 1 gradients")
+        tolerance.assert_matches({global_name(n): w for n, w in state.items()},
+                                 {global_name(n): ref[global_name(n)] for n in state},
+                                 optimizer="adamw", steps=STEPS, lr=LR)
+        assert dispatched == [kept * H * 8]   # dispatch payload: every kept assignment's row (fp64)
 
 
 def _bad_ep():
