@@ -1,19 +1,33 @@
-"""Graders of the pipeline chapter. A learner's schedule is checked by ``schedules.validate``
-(a deadlock or a missing action becomes a hint, never a hang) before it is compared or run.
+"""Graders of chapter 6 (pipeline parallelism). A learner's schedule is checked by
+``schedules.validate`` (a deadlock or a missing action becomes a hint, never a hang) before
+it is compared or run; while the learner's function runs, the library's schedules are
+switched off (the exercise is to write them).
 
     check_one_f_one_b(one_f_one_b)        # (p, m) -> per-rank action lists; one case runs on real ranks
     check_interleaved(interleaved_1f1b)   # (p, m, v) -> Megatron-LM's interleaved order
     check_zero_bubble(zero_bubble)        # (p, m) -> F, B and W placed: ZB-H1's bubble, 1F1B's peak
-    check_bubble(bubble_fraction)         # (spans, rank) -> idle fraction of the step
+    check_bubble(bubble_fraction)         # (spans, rank) -> idle fraction of the step, on irregular traces
+    check_pipeline_step(pipeline_step)    # send / recv a real pipeline: activations forward, gradients back
 
 Each prints one line and returns True/False.
 """
 from __future__ import annotations
 
 import math
+import random
 
-from course_lib.grading import Case, check
+import torch
+
+from course_lib.grading import Case, check, check_distributed, compare
+from course_lib.grading.guard import switched_off
 from course_lib.parallel import schedules as S
+from course_lib.trace import Span
+
+
+# every library function that returns a schedule (or its order): off while a learner's runs
+LIBRARY_SCHEDULES = ("course_lib.schedules:gpipe", "course_lib.schedules:one_f_one_b",
+                     "course_lib.schedules:interleaved_1f1b", "course_lib.schedules:zero_bubble_h1",
+                     "course_lib.schedules:make_schedule", "course_lib.schedules:schedule_order")
 
 
 def _as_schedule(got, p, m, v=1):
@@ -24,13 +38,26 @@ def _as_schedule(got, p, m, v=1):
         return f"invalid schedule: {e}"
 
 
-def _first_difference(got, want):
+def _diagnose(got, want, p):
+    """The first difference, named by the classic mistake it looks like."""
     for r, (g, w) in enumerate(zip(got, want)):
+        if g == w:
+            continue
+        lead_g = next((i for i, a in enumerate(g) if a.op != "F"), len(g))
+        lead_w = next((i for i, a in enumerate(w) if a.op != "F"), len(w))
+        if lead_g != lead_w:
+            return (f"rank {r} runs {lead_g} forwards before its first backward, expected {lead_w} "
+                    f"(its warm-up forwards, then one forward and one backward at a time: how many micro-batches "
+                    f"must be in flight before the last stage can start a backward?)")
+        bwd_g = [a for a in g if a.op == "B"]
+        bwd_w = [a for a in w if a.op == "B"]
+        if bwd_g != bwd_w and sorted(bwd_g) == sorted(bwd_w):
+            return f"rank {r} runs its backwards in the order {[str(a) for a in bwd_g][:6]}..., expected " \
+                   f"{[str(a) for a in bwd_w][:6]}... (oldest micro-batch first, chunks in reverse)"
         for i, (a, b) in enumerate(zip(g, w)):
             if tuple(a) != tuple(b):
-                return f"rank {r}, action {i}: got {S.Action(*a)}, expected {b}"
-        if len(g) != len(w):
-            return f"rank {r}: {len(g)} actions, expected {len(w)}"
+                return f"rank {r}, action {i}: got {a}, expected {b} (stage {b.stage}, micro-batch {b.mb})"
+        return f"rank {r}: {len(g)} actions, expected {len(w)}"
     return None
 
 
@@ -38,8 +65,7 @@ def _run_on_ranks(schedule, p, m):
     """Train a tiny GPT for 2 steps with ``schedule``; return the largest difference from one device."""
     from course_lib import reference
     from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel.mesh import Mesh
-    from course_lib.parallel.pipeline import PipelineParallel
+    from course_lib.parallel import Mesh, PipelineParallel
 
     cfg = GPTConfig(vocab_size=32, seq_len=8, n_layers=4, hidden=16, n_heads=2, tie_embeddings=True)
     batches = reference.gpt_batches(cfg, batch=2 * m, steps=2)
@@ -55,15 +81,25 @@ def _run_on_ranks(schedule, p, m):
                for n, q in st.named_in_model().items())
 
 
-def _compare_to(fn, reference_fn, shape_keys):
+def _compare_to(fn, reference_fn, shape_keys, what):
     def run(case):
         args = [case.params[k] for k in shape_keys]
         p, m = case.params["p"], case.params["m"]
         v = case.params.get("v", 1)
-        got = _as_schedule(fn(*args), p, m, v)
+        want = reference_fn(*args)                       # before the library goes off
+        with switched_off(LIBRARY_SCHEDULES, what):
+            answer = fn(*args)
+        got = _as_schedule(answer, p, m, v)
         if isinstance(got, str):
-            return got
-        diff = _first_difference(got, reference_fn(*args))
+            try:                                         # name the mistake too, where the shape allows
+                rows = [[S.Action(*a) for a in row] for row in answer]
+            except (TypeError, ValueError):
+                return got
+            diff = _diagnose(rows, want, p) if len(rows) == p else None
+            return got + (f"; {diff}" if diff else "")
+        if got == S.gpipe(p, m) and got != want:
+            return "this is GPipe's order (all forwards, then all backwards): 1F1B starts backwards early"
+        diff = _diagnose(got, want, p)
         if diff:
             return diff
         if case.params.get("on_ranks"):
@@ -77,27 +113,30 @@ def _compare_to(fn, reference_fn, shape_keys):
 
 def check_one_f_one_b(fn) -> bool:
     """fn(p, m) -> [[(op, stage, mb), ...] per rank]: warm-up, steady 1F1B, cool-down."""
-    shapes = [(2, 4), (3, 2), (4, 8), (4, 1), (3, 7), (2, 3)]
+    shapes = [(2, 4), (3, 2), (4, 8), (4, 1), (3, 7), (1, 3), (2, 3)]
     cases = [Case(params=dict(p=p, m=m, on_ranks=(p, m) == (2, 3)), label=f"p={p}, m={m}") for p, m in shapes]
-    return check("one_f_one_b", cases, _compare_to(fn, S.one_f_one_b, ("p", "m")))
+    return check("one_f_one_b", cases, _compare_to(fn, S.one_f_one_b, ("p", "m"), "the 1F1B order"))
 
 
 def check_interleaved(fn) -> bool:
     """fn(p, m, v) -> the interleaved 1F1B order (stage s = chunk * p + rank)."""
-    shapes = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (2, 2, 4), (4, 4, 2)]
+    shapes = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (2, 2, 4), (4, 4, 2), (3, 3, 2), (1, 2, 3)]
     cases = [Case(params=dict(p=p, m=m, v=v), label=f"p={p}, m={m}, v={v}") for p, m, v in shapes]
-    return check("interleaved_1f1b", cases, _compare_to(fn, S.interleaved_1f1b, ("p", "m", "v")))
+    return check("interleaved_1f1b", cases,
+                 _compare_to(fn, S.interleaved_1f1b, ("p", "m", "v"), "the interleaved order"))
 
 
 def check_zero_bubble(fn) -> bool:
     """fn(p, m) -> a schedule with every B split off its W; at most p micro-batches live
     per rank, and a simulated bubble (t_f = t_b_input = t_w = 1) no larger than ZB-H1's."""
-    shapes = [(2, 4), (3, 6), (4, 8), (4, 12)]
+    shapes = [(2, 4), (3, 6), (4, 8), (4, 12), (4, 2), (3, 5), (1, 2)]
     cases = [Case(params=dict(p=p, m=m), label=f"p={p}, m={m}") for p, m in shapes]
 
     def run(case):
         p, m = case.params["p"], case.params["m"]
-        got = _as_schedule(fn(p, m), p, m)
+        with switched_off(LIBRARY_SCHEDULES, "placing the W passes"):
+            answer = fn(p, m)
+        got = _as_schedule(answer, p, m)
         if isinstance(got, str):
             return got
         for r, row in enumerate(got):
@@ -114,27 +153,138 @@ def check_zero_bubble(fn) -> bool:
     return check("zero_bubble", cases, run)
 
 
+# ----------------------------------------------------------------------------- the bubble of a trace
+def _idle_fraction(spans, rank):
+    """The grader's own answer (not the library's): idle / step, compute spans only."""
+    work = [(s.start, s.end, s.rank) for s in spans if s.kind == "compute"]
+    t0, t1 = min(a for a, _, _ in work), max(b for _, b, _ in work)
+    return 1.0 - sum(b - a for a, b, r in work if r == rank) / (t1 - t0)
+
+
+def _irregular_trace(name, p, m, v, seed):
+    """A schedule's timeline with random action times (no formula gives its bubble), shifted off
+    the clock's origin, with communication and idle spans that are not work."""
+    sched = S.make_schedule(name, p, m, v)
+    rng = random.Random(seed)
+    durations = {str(a): rng.choice((0.5, 1.0, 1.5, 2.5)) for row in sched for a in row}
+    spans = S.simulate(sched, p, v, durations=durations)
+    spans = [Span(s.rank, s.name, s.kind, s.start + 5.0, s.end + 5.0, s.dim) for s in spans]
+    spans += [Span(r, f"send {r}", "comm", 5.0 + r, 6.0 + r, "pp") for r in range(p)]   # overlaps compute
+    spans.append(Span(p - 1, "recv", "comm", 0.0, 5.0, "pp"))     # before the first compute: not the step
+    rng.shuffle(spans)                                            # in no particular order
+    return spans
+
+
 def check_bubble(fn) -> bool:
     """fn(spans, rank) -> the fraction of the step (first start to last end of any compute
     span) that ``rank`` spends outside its compute spans."""
-    from course_lib.trace import Span
     cases = []
-    for name, p, m, v in (("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 3, 6, 1)):
-        spans = S.simulate(S.make_schedule(name, p, m, v), p, v)
-        spans = [Span(s.rank, s.name, s.kind, s.start + 5.0, s.end + 5.0, s.dim) for s in spans]  # clock origin
-        spans.append(Span(0, "recv act 0", "comm", 5.0, 5.5, "pp"))                          # not compute
-        for rank in (0, p - 1):
-            cases.append(Case(params=dict(spans=spans, rank=rank), label=f"{name}, p={p}, m={m}, rank {rank}"))
+    for seed, (name, p, m, v) in enumerate((("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                            ("zb-h1", 3, 6, 1), ("1f1b", 3, 5, 1))):
+        spans = _irregular_trace(name, p, m, v, seed)
+        for rank in sorted({0, p // 2, p - 1}):
+            cases.append(Case(params=dict(spans=spans, rank=rank),
+                              label=f"{name}, p={p}, m={m}, random action times, rank {rank}"))
 
     def run(case):
-        got = fn(list(case.params["spans"]), case.params["rank"])
-        want = S.bubble(case.params["spans"], case.params["rank"])
+        spans, rank = case.params["spans"], case.params["rank"]
+        want = _idle_fraction(spans, rank)
+        with switched_off(["course_lib.schedules:bubble", "course_lib.schedules:formula_bubble",
+                           "course_lib.schedules:bubble_fraction"],
+                          "measuring the bubble of a trace"):
+            got = fn(list(spans), rank)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
             return f"expected a number, got {got!r}"
-        if not math.isclose(got, want, abs_tol=1e-9):
-            return f"got {got:.4f}, expected {want:.4f} (idle time / step time, compute spans only)"
-        return None
+        if math.isclose(got, want, abs_tol=1e-9):
+            return None
+        mine = [s for s in spans if s.rank == rank and s.kind == "compute"]
+        own = 1.0 - sum(s.end - s.start for s in mine) / (max(s.end for s in mine) - min(s.start for s in mine))
+        if math.isclose(got, own, abs_tol=1e-9):
+            return "you measured the step on this rank's own spans only: the step runs from the first start to " \
+                   "the last end of ANY rank's compute"
+        every = [s for s in spans if s.rank == rank and s.kind != "compute"]
+        if every and got < want - 1e-9:
+            return f"got {got:.4f}, expected {want:.4f}: communication and idle spans are not work"
+        return f"got {got:.4f}, expected {want:.4f} (idle time / step time, compute spans only)"
     return check("bubble_fraction", cases, run)
 
 
-__all__ = ["check_one_f_one_b", "check_interleaved", "check_zero_bubble", "check_bubble"]
+# ----------------------------------------------------------------------------- a real pipeline step
+H = 6   # the stages' width: activations (b, H)
+
+
+def _stage(k):
+    """Stage k of the graded pipeline: Linear(H, H) + tanh, seeded by k."""
+    g = torch.Generator().manual_seed(100 + k)
+    lin = torch.nn.Linear(H, H).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5)
+        lin.bias.copy_(torch.randn(H, generator=g, dtype=torch.float64) * 0.1)
+    return torch.nn.Sequential(lin, torch.nn.Tanh())
+
+
+def _batch(m, b, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m * b, H, generator=g, dtype=torch.float64)
+    return x, torch.randn(m * b, H, generator=g, dtype=torch.float64)
+
+
+def _pipeline_harness(fn, m, b):
+    import torch.distributed as dist
+
+    from course_lib.grading.traffic import counted_calls
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    x, y = _batch(m, b)
+    whole = torch.nn.Sequential(*[_stage(k) for k in range(p)])            # one device: the full batch
+    want_loss = torch.nn.functional.mse_loss(whole(x), y)
+    want_loss.backward()
+    stage = _stage(r)
+    mbs = list(x.chunk(m)) if r == 0 else None
+    targets = list(y.chunk(m)) if r == p - 1 else None
+    from course_lib.parallel import PipelineParallel
+    with counted_calls() as calls, switched_off([PipelineParallel, *LIBRARY_SCHEDULES],
+                                                "the pipeline's sends and receives"):
+        got = fn(stage, mbs, targets, m, (b, H))
+    if r == p - 1:
+        if not isinstance(got, (int, float, torch.Tensor)):
+            return f"the last stage returns the loss (a number), got {got!r}"
+        msg = compare(float(got), float(want_loss), rtol=1e-9, atol=1e-12, what="loss")
+        if msg:
+            return f"{msg}: the loss of the batch is the MEAN over its micro-batches' losses"
+    mine = dict(whole[r].named_parameters())
+    for name, q in stage.named_parameters():
+        if q.grad is None or (not q.grad.any() and mine[name].grad.any()):
+            return (f"stage {r}'s {name} has no gradient: did the gradient reach it (the received activation "
+                    f"must require grad, and the next stage must send back its gradient)?")
+        ratio = float(q.grad.norm() / mine[name].grad.norm())
+        if abs(ratio - m) < 1e-6 * m and m > 1:
+            return (f"stage {r}'s gradients are {m} times too large (m={m}): each micro-batch's loss is 1/m "
+                    f"of the batch's mean loss")
+        msg = compare(q.grad, mine[name].grad, rtol=1e-9, atol=1e-12, what=f"stage {r} {name}.grad")
+        if msg:
+            return msg
+    sends = calls.of("send", "isend")
+    want_sends = m * ((r < p - 1) + (r > 0))                                # activations on, gradients back
+    others = calls.ops() - {"send", "isend", "recv", "irecv"}
+    if others:
+        return f"only point-to-point messages between neighbouring stages: this rank called {sorted(others)}"
+    if len(sends) != want_sends or not calls.peers("send", "isend") <= {r - 1, r + 1}:
+        return (f"rank {r} sent {len(sends)} messages to ranks {sorted(calls.peers('send', 'isend'))}, expected "
+                f"{want_sends}: one activation per micro-batch to the next stage, one gradient to the previous")
+    return None
+
+
+def check_pipeline_step(pipeline_step) -> bool:
+    """pipeline_step(stage, microbatches, targets, m, act_shape) on each of p ranks: stage r of a
+    Linear+tanh pipeline (float64 activations of act_shape); rank 0 holds the list of m input
+    micro-batches, the last rank the list of m targets (None elsewhere);
+    run every forward and backward over send/recv so that each stage's parameters hold the
+    gradient of the batch's mean squared error, and the last rank returns that loss."""
+    shapes = [(2, 1, 3), (2, 4, 2), (3, 3, 2), (1, 2, 2), (4, 5, 1)]
+    cases = [Case({"fn": pipeline_step, "m": m, "b": b}, world_size=p, label=f"p={p}, m={m} micro-batches of {b}")
+             for p, m, b in shapes]
+    return check_distributed("pipeline_step", _pipeline_harness, cases, timeout=20.0)
+
+
+__all__ = ["check_one_f_one_b", "check_interleaved", "check_zero_bubble", "check_bubble", "check_pipeline_step"]
