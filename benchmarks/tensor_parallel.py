@@ -20,70 +20,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from course_lib.benchmarks import tensor_parallel_step_times  # noqa: E402
 from course_lib.launch import launch  # noqa: E402
-
-
-def bench_rank(cfg, steps, rounds, batch):
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from course_lib import trace
-    from course_lib.collectives.measure import bytes_written
-    from course_lib.models import TinyGPT
-    from course_lib.parallel.mesh import Mesh
-    from course_lib.parallel.tp_plan import parallelize, sync_tensor_parallel_grads, torch_parallelize
-
-    t = dist.get_world_size()
-    mesh = Mesh(tp=t)
-    kinds = ["ours TP", "torch TP", "ours TP+SP", "torch TP+SP"]
-
-    def build(kind):
-        model, sp = TinyGPT(cfg, seed=0), kind.endswith("SP")
-        model = parallelize(model, mesh, sequence_parallel=sp) if kind.startswith("ours") else \
-            torch_parallelize(model, t, sp)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    gen = torch.Generator().manual_seed(0)  # the same batch on every rank: TP splits the model, not the data
-    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen) for _ in range(4)]
-
-    def step(kind, model, opt, k):
-        x = data[k % len(data)]
-        with loss_parallel():
-            _, loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-        if kind.startswith("ours"):
-            sync_tensor_parallel_grads(model)
-        opt.step()
-        opt.zero_grad()
-
-    built = {k: build(k) for k in kinds}
-    sent = {}
-    for k, (model, opt) in built.items():  # warm-up, then one step's bytes
-        for i in range(2):
-            step(k, model, opt, i)
-        dist.barrier()
-        before = bytes_written()
-        step(k, model, opt, 0)
-        after = bytes_written()
-        sent[k] = None if before is None else after - before
-    times = {k: [] for k in kinds}
-    for r in range(rounds):
-        for k in (kinds if r % 2 == 0 else kinds[::-1]):
-            model, opt = built[k]
-            for i in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(k, model, opt, i)
-                elapsed = torch.tensor(time.perf_counter() - t0)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                times[k].append(elapsed.item())
-    trace.reset()
-    return {k: (statistics.median(times[k]), sent[k]) for k in kinds}
 
 
 def main(argv=None):
@@ -111,7 +52,7 @@ def main(argv=None):
           f"{'formula (layers)':>18}")
     goals = []
     for t in args.tp:
-        res = launch(bench_rank, t, cfg, args.steps, args.rounds, args.batch, timeout=1800)
+        res = launch(tensor_parallel_step_times, t, cfg, args.steps, args.rounds, args.batch, timeout=1800)
         for mode in ("TP", "TP+SP"):
             formula = cfg.n_layers * tp_bytes_per_layer(cfg.seq_len, args.batch, cfg.hidden, t,
                                                         sp=mode == "TP+SP", dtype_bytes=4)

@@ -117,5 +117,68 @@ def causal_attention(q, k, v, q_positions=None, k_positions=None, dropout=None, 
     return attention_output(probs, v)
 
 
+# ----------------------------------------------------------------------------- memory-efficient
+
+
+class BlockwiseCausalAttention(torch.autograd.Function):
+    """Causal attention over key blocks of ``block`` tokens, FlashAttention's way, on one device.
+
+    Forward keeps a running output and log-sum-exp per query and merges one key block at a
+    time (online softmax), so the largest score tensor is (b, a, s, block), never (s, s).
+    Saved for backward: q, k, v, the output and the log-sum-exp, linear in s; backward
+    recomputes each block's probabilities from them. The FLOPs stay quadratic in s: every
+    query still meets every earlier key. Positions 0..s-1 (one whole sequence).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, block):                     # q (b, a, s, d); k, v (b, kv, s, d)
+        s = q.shape[2]
+        out, lse = None, None
+        for start in range(0, s, block):
+            k_pos = torch.arange(start, min(start + block, s), device=q.device)
+            scores = attention_scores(q, k[:, :, k_pos], None, k_pos)     # (b, a, s, block)
+            blk_lse = torch.logsumexp(scores, dim=-1)                      # -inf: sees no key here
+            probs = torch.exp(scores - blk_lse.masked_fill(blk_lse.isinf(), 0.0)[..., None])
+            blk_out = attention_output(probs, v[:, :, k_pos])              # (b, a, s, d)
+            if out is None:                                                # block 0: every query sees key 0
+                out, lse = blk_out, blk_lse
+                continue
+            new_lse = torch.logaddexp(lse, blk_lse)
+            out = out * torch.exp(lse - new_lse)[..., None] + blk_out * torch.exp(blk_lse - new_lse)[..., None]
+            lse = new_lse
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.block = block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, a, s, d = q.shape
+        kv = k.shape[1]
+        delta = (grad_out * out).sum(-1)                                   # (b, a, s): rowsum(dO o O)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        scale = 1.0 / math.sqrt(d)
+        for start in range(0, s, ctx.block):
+            k_pos = torch.arange(start, min(start + ctx.block, s), device=q.device)
+            probs = torch.exp(attention_scores(q, k[:, :, k_pos], None, k_pos) - lse[..., None])  # true softmax
+            grouped = probs.reshape(b, kv, s * (a // kv), len(k_pos))      # query heads of a K/V head stacked
+            dv[:, :, k_pos] = grouped.transpose(-2, -1) @ grad_out.reshape(b, kv, -1, d)
+            dprobs = (grad_out.reshape(b, kv, -1, d) @ v[:, :, k_pos].transpose(-2, -1)).view_as(probs)
+            dscores = probs * (dprobs - delta[..., None])                 # (b, a, s, block)
+            dq += (dscores.reshape(b, kv, -1, len(k_pos)) @ k[:, :, k_pos]).view_as(q) * scale
+            dk[:, :, k_pos] = dscores.reshape(b, kv, -1, len(k_pos)).transpose(-2, -1) @ q.reshape(b, kv, -1, d) * scale
+        return dq, dk, dv, None
+
+
+def blockwise_causal_attention(q, k, v, block: int = 64):
+    """The same result as :func:`causal_attention` (positions 0..s-1), computed with O(s) saved
+    memory instead of the (s, s) probabilities: see :class:`BlockwiseCausalAttention`."""
+    if block < 1:
+        raise ValueError(f"block must be a positive number of keys, got {block}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    return BlockwiseCausalAttention.apply(q, k, v, block)
+
+
 __all__ = ["check_positions", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
-           "attention_output", "causal_attention"]
+           "attention_output", "causal_attention", "blockwise_causal_attention"]

@@ -24,3 +24,27 @@ def in_colab() -> bool:
     import sys
 
     return "google.colab" in sys.modules
+
+
+# The rendered book's text column holds about 78 monospace characters at 1300 px; a wider output
+# line hides behind a scrollbar (tests/test_portability.py fails on committed lines over 80).
+BOOK_WIDTH = 78
+
+
+def wrap_lines(text: str, width: int = BOOK_WIDTH, indent: str = "  ") -> str:
+    """``text`` with every line longer than ``width`` broken at spaces; a continuation keeps the
+    line's own leading spaces plus ``indent``. Short lines (tables that fit) are left alone."""
+    out = []
+    for line in str(text).split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = line[:len(line) - len(line.lstrip())]
+        out.extend(textwrap.wrap(line.strip(), width, initial_indent=lead, subsequent_indent=lead + indent,
+                                 break_on_hyphens=False, break_long_words=True))
+    return "\n".join(out)
+
+
+def print_wrapped(*parts, sep: str = " ", width: int = BOOK_WIDTH, indent: str = "  "):
+    """``print(*parts)``, long lines wrapped to fit the book's text column (``wrap_lines``)."""
+    print(wrap_lines(sep.join(str(p) for p in parts), width, indent))

@@ -153,9 +153,12 @@ def interactive_figure(fig_fn, *, show_static: bool = True, **controls):
 
 
 def fallback_note(names) -> str:
-    """What a page without a kernel (the rendered book, nbviewer, a text front-end) shows instead."""
-    return (f"[interactive: in a running notebook, controls for {', '.join(names)} redraw the figure above; "
-            f"open this page in Colab or JupyterLab to use them]")
+    """What a page without a kernel (the rendered book, nbviewer, a text front-end) shows instead,
+    wrapped to the book's text column."""
+    from course_lib.notebook import wrap_lines
+
+    return wrap_lines(f"[interactive: in a running notebook, controls for {', '.join(names)} redraw the figure "
+                      f"above; open this page in Colab or JupyterLab to use them]", indent=" ")
 
 
 def with_fallback(widget, names) -> dict:

@@ -76,3 +76,38 @@ def activation_bytes_figure(rows, title=None):
 
 
 __all__ = ["megatron_mlp_figure", "activation_bytes_figure", "RANK_COLORS"]
+
+
+def layer_timeline(spans, title=None, fontsize=9):
+    """``viz.timeline`` of one TP layer's spans (one lane per rank and mesh dimension), sized for
+    the book's text column. Collective bars are numbered in time order on each lane, and a key
+    under the plot names them (``"3  f: all-reduce (backward)"``): the bars are too short for
+    their names, and every rank issues the same collectives in the same order."""
+    from course_lib.viz.timeline import timeline
+
+    fig = timeline(spans, by_dim=True, label_min_frac=0.0, figsize=(7.5, 3.4))
+    ax = fig.axes[0]
+    lanes = {}
+    for text in ax.texts:
+        text.set_fontsize(fontsize)
+        if ":" in text.get_text():                      # a collective: "op: what (when)"
+            lanes.setdefault(text.get_position()[1], []).append(text)
+    key = []
+    for texts in lanes.values():
+        texts.sort(key=lambda t: t.get_position()[0])
+        names = [t.get_text() for t in texts]
+        key = names if len(names) > len(key) else key
+        for i, text in enumerate(texts, 1):
+            text.set_text(str(i))
+            text.set_color("black")
+            text.set_bbox(dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none"))
+    for label in ax.get_yticklabels():
+        label.set_fontsize(fontsize)
+    if title:
+        ax.set_title(title, loc="left", fontsize=fontsize + 1)
+    rows = (len(key) + 1) // 2
+    for i, name in enumerate(key):
+        fig.text(0.02 + 0.5 * (i // rows), -0.02 - 0.055 * (i % rows), f"{i + 1:>2}  {name}", fontsize=fontsize - 1,
+                 va="top", family="monospace")
+    fig.tight_layout()
+    return fig
