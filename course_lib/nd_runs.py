@@ -37,10 +37,11 @@ class Reference:
     state: dict
 
 
-def single_device(cfg, batch, steps, groups=1, frozen=()) -> Reference:
+def single_device(cfg, batch, steps, groups=1, frozen=(), dtype=torch.float32) -> Reference:
     """The one-device run (``groups``: MoE routing groups, one per rank and micro-batch;
-    ``frozen``: names of parameters that do not train)."""
-    model = TinyGPT(cfg, seed=0)
+    ``frozen``: names of parameters that do not train; ``dtype``: float64 where exactness
+    after AdamW steps is the claim, see course_lib.tolerance)."""
+    model = TinyGPT(cfg, seed=0).to(dtype)
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
