@@ -1,41 +1,54 @@
-"""Graders of chapter 8: the pieces of expert parallelism a learner writes.
+"""Graders of chapter 8: the pieces of expert parallelism a learner writes. While the learner's
+function runs, the library's routing and expert-parallel layer are switched off; the expected
+answers come from the grader's own arithmetic, computed before.
 
     check_dispatch_split_sizes(split_sizes)   # (counts (ep, E), ep_rank) -> (input_splits, output_splits)
     check_switch_aux_loss(aux_loss)           # (logits (T, E), top_k) -> scalar tensor, with its gradient
+    check_capacity_keep(keep_mask)            # (expert (T, k), n_experts, capacity) -> keep (T, k) bool
+    check_expert_parallel_forward(moe_fwd)    # on ranks: tokens to their experts and back, by all-to-all
 
 Each prints one line (``dispatch_split_sizes: 6/6 cases passed`` or the first failing case
 with a hint) and returns True/False; a learner's exception becomes the hint, never a traceback.
-Both run on one process: nothing to hang on.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from course_lib.grading import Case, Mismatch, check, compare
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare
+from course_lib.grading.guard import switched_off
+
+ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE")
+EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel:*", "course_lib.parallel.expert_parallel:ExpertParallelMoE",
+                   "course_lib.parallel.expert_parallel:AllToAll.forward")
+
+
+def _keep(expert, n_experts, cap):
+    """The grader's own dropping rule: first choices first, then by token; (T, k) bool."""
+    T, k = expert.shape
+    keep = torch.zeros(T, k, dtype=torch.bool)
+    used = [0] * n_experts
+    for j in range(k):
+        for t in range(T):
+            e = int(expert[t, j])
+            keep[t, j] = used[e] < cap
+            used[e] += 1
+    return keep
 
 
 def _counts(ep, n_experts, tokens, top_k, seed, skew=0.0, capacity_factor=1.0):
-    """(ep, E) kept assignments per (source rank, expert) of a real routing of random tokens."""
-    from course_lib.moe import route
+    """(ep, E) kept assignments per (source rank, expert) of a top-k routing of random tokens."""
+    import math
 
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(ep):
         logits = torch.randn(tokens, n_experts, generator=g)
         logits[:, 0] += skew                                   # skew > 0: expert 0 is popular
-        expert, _, keep, _, _ = route(logits, top_k, capacity_factor)
+        expert = logits.topk(top_k, dim=-1).indices
+        keep = _keep(expert, n_experts, math.ceil(capacity_factor * tokens * top_k / n_experts))
         rows.append(torch.bincount(expert[keep], minlength=n_experts))
     return torch.stack(rows)
-
-
-def _expected_splits(counts, ep_rank):
-    from course_lib.parallel.expert_parallel import dispatch_splits
-
-    ep, n_experts = counts.shape
-    local = n_experts // ep
-    send = dispatch_splits(counts[ep_rank], ep)
-    recv = counts[:, ep_rank * local:(ep_rank + 1) * local].sum(1).tolist()
-    return send, recv
 
 
 def _as_ints(x, what):
@@ -49,6 +62,7 @@ def _as_ints(x, what):
         raise Mismatch(f"{what}: expected a list of ints, got {x!r}") from None
 
 
+# ----------------------------------------------------------------------------- 1. split sizes
 def check_dispatch_split_sizes(split_sizes) -> bool:
     """``split_sizes(counts, ep_rank)``: ``counts[r, e]`` = kept assignments of EP rank r's
     tokens to expert e (E experts, E/ep consecutive ones per rank). Must return this rank's
@@ -59,14 +73,18 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
              Case(dict(ep=4, E=4, T=12, k=2, seed=2), label="ep=4, one expert per rank"),
              Case(dict(ep=2, E=8, T=16, k=2, seed=3, skew=6.0, cf=0.5), label="ep=2, 8 experts, skewed, tokens dropped"),
              Case(dict(ep=4, E=8, T=6, k=1, seed=4, skew=9.0, cf=4.0), label="ep=4: most ranks receive nothing"),
+             Case(dict(ep=3, E=9, T=7, k=3, seed=6), label="ep=3, 9 experts, top-3"),
              Case(dict(ep=1, E=3, T=5, k=2, seed=5), label="ep=1: everything stays")]
 
     def run(case):
         p = case.params
         counts = _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
+        local = p["E"] // p["ep"]
         for r in range(p["ep"]):
-            send, recv = _expected_splits(counts, r)
-            got = split_sizes(counts.clone(), r)
+            send = [int(counts[r, j * local:(j + 1) * local].sum()) for j in range(p["ep"])]
+            recv = [int(counts[j, r * local:(r + 1) * local].sum()) for j in range(p["ep"])]
+            with switched_off(EXPERT_PARALLEL, "the dispatch's split sizes"):
+                got = split_sizes(counts.clone(), r)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
                 return f"rank {r}: return (input_split_sizes, output_split_sizes), got {type(got).__name__}"
             got_send, got_recv = _as_ints(got[0], "input_split_sizes"), _as_ints(got[1], "output_split_sizes")
@@ -74,6 +92,9 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
                 return f"rank {r}: input and output split sizes are swapped (input = rows this rank SENDS)"
             if len(got_send) == p["E"] != p["ep"]:
                 return f"rank {r}: {p['E']} split sizes, one per expert: the all-to-all needs one per RANK (ep={p['ep']})"
+            if got_send == send and got_recv != recv and sum(got_recv) == sum(counts[:, r * local:(r + 1) * local].sum(0).tolist()):
+                return (f"rank {r}: output_split_sizes {got_recv}, expected {recv}: one entry per SOURCE rank, "
+                        f"the rows it sends to my experts (counts {counts.tolist()})")
             msg = (compare(got_send, send, what=f"rank {r} input_split_sizes (counts {counts.tolist()})")
                    or compare(got_recv, recv, what=f"rank {r} output_split_sizes (counts {counts.tolist()})"))
             if msg:
@@ -83,13 +104,22 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
     return check("dispatch_split_sizes", cases, run)
 
 
+# ----------------------------------------------------------------------------- 2. auxiliary loss
+def _aux(logits, k):
+    """The grader's own Switch / GShard loss: E * sum_e f_e P_e, f_e a count (no gradient)."""
+    T, E = logits.shape
+    probs = logits.softmax(-1)
+    chosen = probs.detach().topk(k, dim=-1).indices
+    f = torch.zeros(E, dtype=logits.dtype).index_add_(0, chosen.flatten(),
+                                                      torch.ones(T * k, dtype=logits.dtype)) / (T * k)
+    return E * (f * probs.mean(0)).sum()
+
+
 def check_switch_aux_loss(aux_loss) -> bool:
     """``aux_loss(logits, top_k)`` = E * sum_e f_e * P_e (Switch Transformer eq. 4, top-k as
     in GShard): f_e the fraction of the T*k top-k assignments that chose expert e (before any
-    dropping; no gradient), P_e the mean router probability of e. Value and gradient are
-    compared with ``course_lib.moe.route``'s."""
-    from course_lib.moe import route
-
+    dropping; no gradient), P_e the mean router probability of e. Value and gradient, in the
+    logits' dtype."""
     def balanced(T, E):
         logits = torch.full((T, E), -4.0)
         logits[torch.arange(T), torch.arange(T) % E] = 4.0     # token t -> expert t mod E
@@ -100,32 +130,37 @@ def check_switch_aux_loss(aux_loss) -> bool:
         logits[:, 0] = 20.0                                    # everyone -> expert 0
         return logits
 
-    def random(T, E, seed):
-        return torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
+    def random(T, E, seed, dtype=torch.float32):
+        return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 2
 
     cases = [Case(dict(logits=lambda: random(16, 4, 0), k=1), label="16 tokens, 4 experts, top-1"),
              Case(dict(logits=lambda: random(12, 6, 1), k=2), label="12 tokens, 6 experts, top-2"),
              Case(dict(logits=lambda: balanced(8, 4), k=1), label="balanced routing: the loss is 1"),
              Case(dict(logits=lambda: collapsed(8, 4), k=1), label="every token to expert 0: the loss is about E = 4"),
              Case(dict(logits=lambda: random(5, 8, 2), k=3), label="5 tokens, 8 experts, top-3"),
+             Case(dict(logits=lambda: random(7, 5, 4, torch.float64), k=2), label="float64 logits, top-2"),
              Case(dict(logits=lambda: random(1, 2, 3), k=2), label="1 token, top-k = E = 2")]
 
     def run(case):
         logits = case.params["logits"]()
         k = case.params["k"]
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        expected = route(ref, k, 1.0)[4]
+        expected = _aux(ref, k)
         expected.backward()
-        got = aux_loss(mine, k)
+        with switched_off(ROUTING, "the load-balancing loss"):
+            got = aux_loss(mine, k)
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             return f"return a scalar tensor, got {type(got).__name__}" + (
                 f" of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else "")
-        msg = compare(got.detach().reshape(()).float(), expected.detach(), rtol=1e-5, atol=1e-6, what="aux loss")
+        got = got.reshape(())
+        if k > 1 and abs(got.item() - k * expected.item()) < 1e-5 * k * abs(expected.item()):
+            return f"the loss is {k} times too large (top-{k}): f_e is the fraction of the T*k assignments"
+        msg = compare(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6, what="aux loss")
         if msg:
             return msg
         if not got.requires_grad:
             return "the loss carries no gradient: P_e (the mean router probability) must stay differentiable"
-        got.reshape(()).backward()
+        got.backward()
         msg = compare(mine.grad, ref.grad, rtol=1e-4, atol=1e-6, what="d aux / d logits")
         if msg:
             return msg + " (f_e counts top-k choices: no gradient through it; only P_e carries one)"
@@ -134,4 +169,139 @@ def check_switch_aux_loss(aux_loss) -> bool:
     return check("switch_aux_loss", cases, run)
 
 
-__all__ = ["check_dispatch_split_sizes", "check_switch_aux_loss"]
+# ----------------------------------------------------------------------------- 3. capacity
+def check_capacity_keep(keep_mask) -> bool:
+    """``keep_mask(expert, n_experts, capacity)``: expert (T, k) int64, the top-k choices of T
+    tokens (column 0 the first choice); returns (T, k) bool: the assignment fits in its
+    expert's ``capacity``, serving all first choices (in token order) before any second one."""
+    def routed(T, E, k, seed, skew=0.0):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(T, E, generator=g)
+        logits[:, 0] += skew
+        return logits.topk(k, dim=-1).indices
+
+    cases = [Case(dict(expert=lambda: routed(8, 4, 1, 0), E=4, cap=2), label="8 tokens, top-1, capacity 2"),
+             Case(dict(expert=lambda: routed(10, 4, 2, 1, skew=3.0), E=4, cap=4),
+                  label="10 tokens, top-2, expert 0 popular, capacity 4"),
+             Case(dict(expert=lambda: routed(6, 3, 2, 2), E=3, cap=1), label="top-2, capacity 1"),
+             Case(dict(expert=lambda: routed(5, 4, 3, 3), E=4, cap=0), label="capacity 0: everything dropped"),
+             Case(dict(expert=lambda: routed(7, 5, 2, 4), E=5, cap=14), label="capacity larger than the tokens"),
+             Case(dict(expert=lambda: torch.zeros(0, 2, dtype=torch.int64), E=3, cap=2), label="no tokens")]
+
+    def run(case):
+        expert, E, cap = case.params["expert"](), case.params["E"], case.params["cap"]
+        want = _keep(expert, E, cap)
+        with switched_off(ROUTING, "the capacity rule"):
+            got = keep_mask(expert.clone(), E, cap)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape:
+            return f"return a bool tensor of shape {tuple(want.shape)}, got " + (
+                f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__)
+        if torch.equal(got, want):
+            return None
+        token_major = torch.zeros_like(want)
+        used = [0] * E
+        for t in range(expert.shape[0]):
+            for j in range(expert.shape[1]):
+                token_major[t, j] = used[int(expert[t, j])] < cap
+                used[int(expert[t, j])] += 1
+        if torch.equal(got, token_major):
+            return "you served each token's choices together: all FIRST choices go first, then the second ones"
+        kept = torch.bincount(expert[got], minlength=E) if got.any() else torch.zeros(E, dtype=torch.int64)
+        if (kept > cap).any():
+            return f"expert {int(kept.argmax())} keeps {int(kept.max())} assignments, more than its capacity {cap}"
+        return (f"kept {got.int().tolist()}, expected {want.int().tolist()} (experts {expert.tolist()}): "
+                f"an expert serves assignments in order, first choices first, until it is full")
+
+    return check("capacity_keep", cases, run)
+
+
+# ----------------------------------------------------------------------------- 4. the EP layer on ranks
+HID = 4
+
+
+def _expert(e):
+    g = torch.Generator().manual_seed(50 + e)
+    lin = torch.nn.Linear(HID, HID, bias=False).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(HID, HID, generator=g, dtype=torch.float64))
+    return lin
+
+
+def _tokens(r, T, E, skew, seed=0):
+    """Rank r's tokens (T, h), their expert (T,) and gate weight (T,), and the output gradient."""
+    g = torch.Generator().manual_seed(seed * 100 + r)
+    x = torch.randn(T, HID, generator=g, dtype=torch.float64)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+    logits[:, E - 1] += skew
+    gate, expert = logits.softmax(-1).max(-1)
+    return x, expert, gate, torch.randn(T, HID, generator=g, dtype=torch.float64)
+
+
+def _ep_harness(fn, T, E, skew):
+    import torch.distributed as dist
+
+    from course_lib.grading.traffic import counted_calls
+
+    r, ep = dist.get_rank(), dist.get_world_size()
+    local = E // ep
+    x, expert, gate, C = _tokens(r, T, E, skew)
+    experts = [_expert(e) for e in range(E)]
+    for s in range(ep):                       # one device: every rank's tokens (an expert's gradient sums them)
+        xs, es, gs, Cs = _tokens(s, T, E, skew)
+        xs.requires_grad_()
+        ys = torch.stack([gs[t] * experts[int(es[t])](xs[t]) for t in range(T)])
+        (ys * Cs).sum().backward()
+        if s == r:
+            want_x, want = xs, ys
+    mine = [_expert(e) for e in range(r * local, (r + 1) * local)]          # my block of experts
+    xr = x.clone().requires_grad_()
+    with counted_calls() as calls, switched_off(ROUTING + EXPERT_PARALLEL, "expert parallelism's all-to-alls"):
+        y = fn(xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return f"return this rank's outputs ({T}, {HID}), got " + (
+            f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
+    msg = compare(y.detach(), want.detach(), rtol=1e-9, atol=1e-12, what="output")
+    if msg:
+        return f"{msg}: each token comes back to its own row, times its gate weight"
+    if not y.requires_grad:
+        return ("the output carries no gradient back to the tokens: the all-to-all must be an autograd "
+                "function whose backward is the all-to-all the other way")
+    (y * C).sum().backward()
+    if xr.grad is None:
+        return "the tokens got no gradient: the all-to-all's backward is the all-to-all the other way"
+    msg = compare(xr.grad, want_x.grad, rtol=1e-9, atol=1e-12, what="tokens' gradient")
+    if msg:
+        return f"{msg}: the all-to-all's backward sends each row's gradient back where the row came from"
+    for i, net in enumerate(mine):
+        e = r * local + i
+        if net.weight.grad is None:
+            if (expert == e).any():
+                return f"expert {e} got no gradient"
+            continue
+        msg = compare(net.weight.grad, experts[e].weight.grad if experts[e].weight.grad is not None
+                      else torch.zeros_like(net.weight), rtol=1e-9, atol=1e-12, what=f"expert {e}'s gradient")
+        if msg:
+            return msg
+    rows = calls.elements("all_to_all_single", "all_to_all") // HID if HID else 0
+    other = calls.elements() - calls.elements("all_to_all_single", "all_to_all")
+    if other > 2 * ep * E or rows > 4 * T + 2 * ep * E:
+        return (f"this rank moved {calls.elements()} values ({sorted(calls.ops())}); a row should travel only to "
+                f"its expert's rank and back ({4 * T} rows of {HID} over forward and backward, plus the counts)")
+    return None
+
+
+def check_expert_parallel_forward(moe_forward) -> bool:
+    """moe_forward(x, expert, gate, local_experts, n_experts) on each of ep ranks: x (T, h)
+    this rank's tokens, expert (T,) each token's (top-1) expert, gate (T,) its weight,
+    local_experts this rank's E/ep experts (rank j holds experts j*E/ep ...); returns
+    y (T, h), y[t] = gate[t] * expert_{expert[t]}(x[t]), differentiable. Compared with one
+    device, values and gradients; the rows must travel by all-to-all, each only to its expert."""
+    shapes = [(2, 4, 6, 0.0), (3, 3, 5, 0.0), (4, 8, 4, 6.0), (1, 2, 3, 0.0), (2, 2, 1, 9.0)]
+    cases = [Case({"fn": moe_forward, "T": T, "E": E, "skew": skew}, world_size=ep,
+                  label=f"ep={ep}, {E} experts, {T} tokens per rank" + (", one expert takes most" if skew else ""))
+             for ep, E, T, skew in shapes]
+    return check_distributed("expert_parallel_forward", _ep_harness, cases, timeout=20.0)
+
+
+__all__ = ["check_dispatch_split_sizes", "check_switch_aux_loss", "check_capacity_keep",
+           "check_expert_parallel_forward"]

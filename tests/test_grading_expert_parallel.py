@@ -1,0 +1,221 @@
+"""Chapter 8's graders (course_lib/grading/expert_parallel.py): the solution and a differently
+written right answer pass; classic mistakes, an answer hard-coded to the exercise's printed
+example and a library shortcut each fail with a hint that names the mistake."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib.grading import expert_parallel as G
+from grading_answers import fails_with, graded
+
+
+# ----------------------------------------------------------------------------- split sizes
+def split_sizes(counts, ep_rank):
+    ep, E = counts.shape
+    owner = torch.arange(E) // (E // ep)                    # the rank of each expert
+    send = [int(counts[ep_rank][owner == j].sum()) for j in range(ep)]
+    recv = [int(counts[j][owner == ep_rank].sum()) for j in range(ep)]
+    return send, recv
+
+
+def test_dispatch_split_sizes(capsys):
+    assert graded(capsys, G.check_dispatch_split_sizes, split_sizes)[0]
+    fails_with(capsys, G.check_dispatch_split_sizes, lambda c, r: split_sizes(c, r)[::-1], hint="swapped")
+    fails_with(capsys, G.check_dispatch_split_sizes, lambda c, r: (c[r].tolist(), c[:, r].tolist()),
+               hint="one per RANK")
+    fails_with(capsys, G.check_dispatch_split_sizes,
+               lambda c, r: (split_sizes(c, r)[0], c[:, r * (c.shape[1] // c.shape[0]):(r + 1) * (c.shape[1] // c.shape[0])]
+                             .sum(0).tolist()), hint="SOURCE")
+    fails_with(capsys, G.check_dispatch_split_sizes, lambda c, r: ([7, 8], [7, 6]), hint="input_split_sizes")
+
+    def library(c, r):
+        from course_lib.parallel.expert_parallel import dispatch_splits
+        return dispatch_splits(c[r], c.shape[0]), split_sizes(c, r)[1]
+    fails_with(capsys, G.check_dispatch_split_sizes, library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- aux loss
+def aux_loss(logits, top_k):
+    T, E = logits.shape
+    probs = logits.softmax(-1)
+    mask = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, -1).indices, 1.0)    # (T, E) 0/1
+    return (mask.mean(0) / top_k * probs.mean(0)).sum() * E
+
+
+def over_tokens_only(logits, top_k):                    # f_e divided by T, not T*k
+    return aux_loss(logits, top_k) * top_k
+
+
+def differentiable_f(logits, top_k):                   # f_e carries a gradient
+    probs = logits.softmax(-1)
+    mask = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, -1).indices, 1.0)
+    f = (mask * probs / probs.detach()).mean(0) / top_k
+    return logits.shape[1] * (f * probs.mean(0)).sum()
+
+
+def without_e(logits, top_k):
+    return aux_loss(logits, top_k) / logits.shape[1]
+
+
+def test_switch_aux_loss(capsys):
+    assert graded(capsys, G.check_switch_aux_loss, aux_loss)[0]
+    fails_with(capsys, G.check_switch_aux_loss, over_tokens_only, hint=("times too large", "aux loss"))
+    fails_with(capsys, G.check_switch_aux_loss, differentiable_f, hint="no gradient through it")
+    fails_with(capsys, G.check_switch_aux_loss, without_e, hint="aux loss")
+    fails_with(capsys, G.check_switch_aux_loss, lambda logits, k: torch.tensor(1.0), hint="aux loss")
+
+    def library(logits, k):
+        from course_lib.moe import route
+        return route(logits, k, 1.0)[4]
+    fails_with(capsys, G.check_switch_aux_loss, library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- capacity
+def keep_mask(expert, n_experts, capacity):
+    T, k = expert.shape
+    keep, used = torch.zeros(T, k, dtype=torch.bool), torch.zeros(n_experts, dtype=torch.int64)
+    for j in range(k):                                  # choice by choice: vectorised over tokens
+        e = expert[:, j]
+        before = F.one_hot(e, n_experts).cumsum(0).gather(1, e[:, None]).squeeze(1) - 1   # same-choice queue
+        place = used[e] + before
+        keep[:, j] = place < capacity
+        used += torch.bincount(e, minlength=n_experts)
+    return keep
+
+
+def token_major(expert, n_experts, capacity):
+    flat = expert.reshape(-1)
+    slot = (F.one_hot(flat, n_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+    return (slot < capacity).view(expert.shape)
+
+
+def off_by_one(expert, n_experts, capacity):
+    flat = expert.t().reshape(-1)
+    slot = (F.one_hot(flat, n_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+    return (slot <= capacity).view(expert.shape[1], expert.shape[0]).t()
+
+
+def last_come_first(expert, n_experts, capacity):
+    return keep_mask(expert.flip(0), n_experts, capacity).flip(0)
+
+
+def test_capacity_keep(capsys):
+    assert graded(capsys, G.check_capacity_keep, keep_mask)[0]
+    fails_with(capsys, G.check_capacity_keep, token_major, hint="FIRST choices")
+    fails_with(capsys, G.check_capacity_keep, off_by_one, hint="more than its capacity")
+    fails_with(capsys, G.check_capacity_keep, last_come_first, hint="in order")
+
+    def library(expert, n_experts, capacity):
+        from course_lib.moe import route
+        return route(torch.zeros(expert.shape[0], n_experts), expert.shape[1], 1.0)[2]
+    fails_with(capsys, G.check_capacity_keep, library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- the EP layer
+class Exchange(torch.autograd.Function):
+    """all_to_all_single of rows; backward: the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits):
+        ctx.save = (in_splits, out_splits)
+        out = x.new_empty(sum(out_splits), x.shape[1])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.save
+        grad = g.new_empty(sum(out_splits), g.shape[1])
+        dist.all_to_all_single(grad, g.contiguous(), out_splits, in_splits)
+        return grad, None, None
+
+
+def moe_forward(x, expert, gate, local_experts, n_experts, **bug):
+    """Rows grouped by destination rank with argsort, counts exchanged with all_gather."""
+    ep, r = dist.get_world_size(), dist.get_rank()
+    local = n_experts // ep
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=n_experts)
+    every = [torch.empty_like(counts) for _ in range(ep)]
+    dist.all_gather(every, counts)
+    every = torch.stack(every)                                  # (ep sources, E)
+    send = counts.view(ep, local).sum(1).tolist()
+    mine = every[:, r * local:(r + 1) * local]                  # (ep sources, local experts)
+    recv = mine.sum(1).tolist()
+    rows = (lambda t, o, i: t.clone()) if bug.get("plain") else Exchange.apply
+    got = rows(x[order], recv, send) if not bug.get("plain") else _plain(x[order], recv, send)
+    ids = torch.cat([torch.arange(local).repeat_interleave(mine[s]) for s in range(ep)])
+    out = torch.stack([local_experts[int(i)](row) for i, row in zip(ids, got)]) if len(ids) else got * 0
+    back = Exchange.apply(out, send, recv) if not bug.get("plain") else _plain(out, send, recv)
+    if bug.get("unsorted"):
+        return back * gate[:, None]
+    y = torch.empty_like(back)
+    y = y.index_copy(0, order, back)
+    return y if bug.get("no_gate") else y * gate[:, None]
+
+
+def _plain(x, out_splits, in_splits):
+    out = x.new_empty(sum(out_splits), x.shape[1])
+    dist.all_to_all_single(out, x.detach().contiguous(), out_splits, in_splits)
+    return out
+
+
+class GatherAll(torch.autograd.Function):
+    """all_gather forward; backward: the sum of every rank's gradient of my rows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g)
+        return g.view(dist.get_world_size(), -1, g.shape[1])[dist.get_rank()]
+
+
+class SumAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+def all_gathered(x, expert, gate, local_experts, n_experts):
+    """Right values and gradients, the wrong traffic: every rank gets every token, runs its
+    experts on those routed to them, and the outputs are summed over all ranks (O(ep T h))."""
+    ep, r = dist.get_world_size(), dist.get_rank()
+    local = n_experts // ep
+    es = [torch.empty_like(expert) for _ in range(ep)]
+    dist.all_gather(es, expert)
+    allx, alle = GatherAll.apply(x), torch.cat(es)
+    out = torch.zeros_like(allx)
+    for i, net in enumerate(local_experts):
+        idx = (alle == r * local + i).nonzero().squeeze(1)
+        out = out.index_add(0, idx, net(allx[idx]))
+    return SumAll.apply(out).view(ep, *x.shape)[r] * gate[:, None]
+
+
+def test_expert_parallel_forward(capsys):
+    assert graded(capsys, G.check_expert_parallel_forward, moe_forward)[0]
+    fails_with(capsys, G.check_expert_parallel_forward, lambda *a: moe_forward(*a, no_gate=True), hint="gate")
+    fails_with(capsys, G.check_expert_parallel_forward, lambda *a: moe_forward(*a, unsorted=True), hint="own row")
+    fails_with(capsys, G.check_expert_parallel_forward, lambda *a: moe_forward(*a, plain=True),
+               hint="no gradient")
+    fails_with(capsys, G.check_expert_parallel_forward, all_gathered, hint="travel only")
+
+    def library(x, expert, gate, local_experts, n_experts):
+        from course_lib.moe import MoE
+        return MoE(4, 4, n_experts)(x)[0]
+    fails_with(capsys, G.check_expert_parallel_forward, library, hint="write this yourself")
