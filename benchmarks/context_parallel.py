@@ -6,7 +6,9 @@
 For each world size one launch times, in alternating rounds, forward + backward of causal
 attention (b=1, a=8 heads, d=64, fp32) over a sequence split over the CP ranks: our ring
 attention (zigzag), Ulysses (all-to-all), and the same full attention on one rank (every
-rank computes the whole thing, the 1-device baseline). Reported: the median over rounds of
+rank computes the whole thing, the 1-device baselines): the plain one, which saves the (s, s)
+probabilities, and the blockwise (FlashAttention-style) one, which saves O(s) and recomputes
+them in backward (``course_lib.attention.blockwise_causal_attention``). Reported: the median over rounds of
 the slowest rank, and the ratios. Then torch's
 ``torch.distributed.tensor.experimental.context_parallel`` is tried on the same inputs: on
 CPU (torch 2.13) it raises, and the error it gives is printed.
@@ -29,7 +31,7 @@ def bench_rank(seq, heads, rounds):
     import torch
     import torch.distributed as dist
 
-    from course_lib.attention import causal_attention
+    from course_lib.attention import blockwise_causal_attention, causal_attention
     from course_lib.parallel import context_parallel as cp
     from course_lib.parallel.mesh import Mesh
 
@@ -41,15 +43,16 @@ def bench_rank(seq, heads, rounds):
     local = [t.index_select(2, pos) for t in (q, k, v)]
 
     def run(kind):
-        if kind == "one device":
+        if kind.startswith("one device"):
             ts = [t.clone().requires_grad_() for t in (q, k, v)]
-            causal_attention(*ts).sum().backward()
+            blockwise = kind.endswith("blockwise")
+            (blockwise_causal_attention(*ts, block=128) if blockwise else causal_attention(*ts)).sum().backward()
             return
         ts = [t.clone().requires_grad_() for t in local]
         f = cp.ring_attention if kind == "ring" else cp.ulysses_attention
         f(*ts, pos, comm).sum().backward()
 
-    times = {k: [] for k in ("ring", "ulysses", "one device")}
+    times = {k: [] for k in ("ring", "ulysses", "one device", "one device blockwise")}
     for _ in range(rounds):
         for kind in times:
             dist.barrier()
@@ -94,7 +97,7 @@ def main():
         print(f"CP={n}, seq={args.seq}, heads={args.heads}, d=64, fp32, forward+backward, median of "
               f"{args.rounds} (slowest rank):")
         for kind, t in med.items():
-            print(f"  {kind:<11} {t * 1e3:8.1f} ms   {t / med['ring']:5.2f}x ring")
+            print(f"  {kind:<21} {t * 1e3:8.1f} ms   {t / med['ring']:5.2f}x ring")
         status, detail = res[0][1]
         print(f"  torch context_parallel: {status}: {detail}")
 

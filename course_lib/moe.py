@@ -5,7 +5,8 @@
 
 Routing (Switch Transformer / GShard): a linear router gives each token a softmax over the
 E experts; the token goes to its top-k experts, its output is the sum of their outputs
-weighted by their router probabilities. Each expert takes at most
+weighted by their router probabilities (Switch's rule; with ``normalize_topk=True`` the k
+weights are divided by their sum, GShard's and Mixtral's rule, so they add up to 1). Each expert takes at most
 ``capacity = ceil(capacity_factor * T_group * k / E)`` tokens of a group; assignments are
 served first choices first, then in token order, and the rest are **dropped** (output 0
 for that choice: the residual connection carries the token). ``groups``: the tokens are
@@ -50,14 +51,18 @@ def capacity(tokens, n_experts, top_k, capacity_factor) -> int:
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
-def route(logits, top_k, capacity_factor):
+def route(logits, top_k, capacity_factor, normalize=False):
     """logits (T, E) -> expert (T, k), weight (T, k), keep (T, k) bool, counts (E,), aux.
 
+    weight: the chosen experts' router probabilities; ``normalize``: divided by their sum
+    over the k choices (GShard, Mixtral: a token's weights add up to 1; Switch's top-1 keeps p).
     keep: the assignment fits in its expert's capacity (first choices first, then by token);
     counts: assignments per expert before dropping."""
     T, E = logits.shape
     probs = F.softmax(logits, dim=-1)                              # (T, E)
     weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
+    if normalize:
+        weight = weight / weight.sum(-1, keepdim=True)             # before dropping, as GShard does
     flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
     one_hot = F.one_hot(flat, E)                                   # (k*T, E)
     slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
@@ -70,10 +75,11 @@ def route(logits, top_k, capacity_factor):
 class MoE(nn.Module):
     """Router + E experts on one device (see the module docstring)."""
 
-    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0):
+    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0, normalize_topk=False):
         super().__init__()
         check_moe_config(n_experts, top_k, capacity_factor)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.normalize_topk = normalize_topk
         g = torch.Generator().manual_seed(seed)
         self.router = nn.Linear(hidden, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_experts))
@@ -86,7 +92,8 @@ class MoE(nn.Module):
             raise ValueError(f"{x.shape[0]} tokens do not cut into {groups} equal groups")
         ys, auxes = [], []
         for xg in x.chunk(groups):
-            expert, weight, keep, _, aux = route(self.router(xg), self.top_k, self.capacity_factor)
+            expert, weight, keep, _, aux = route(self.router(xg), self.top_k, self.capacity_factor,
+                                                 self.normalize_topk)
             y = torch.zeros_like(xg)
             for e, net in enumerate(self.experts):
                 tok, j = torch.nonzero((expert == e) & keep, as_tuple=True)

@@ -2,10 +2,12 @@
 time measured next to the planner), a step's timeline measured over simulated."""
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 
-from course_lib.viz.timeline import timeline
+from course_lib.viz.timeline import legend_handles, timeline
 
 
 def loss_curves(reference_losses, runs, title="every layout on the one-device curve"):
@@ -45,20 +47,34 @@ def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ti
     ax_t.set_ylabel("step time (ms)")
     for ax in (ax_m, ax_t):
         ax.set_xticks(x)
-        ax.set_xticklabels(names, fontsize=8)
+        ax.set_xticklabels([textwrap.fill(n, 11) for n in names], fontsize=8)   # "4D DP x TP\nx PP x CP"
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def step_timelines(measured, simulated, ranks, title):
-    """A measured step (lanes per rank and mesh dimension) over the planner's simulated step."""
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 1.3]})
-    timeline(measured, ax=axes[0], ranks=ranks, by_dim=True, title=f"{title}: measured", legend=True)
+def step_timelines(measured, simulated, ranks, title, ranks_per_panel=2):
+    """A measured step over the planner's simulated one. The measured step has a lane per rank
+    and mesh dimension (a rank of a 4D layout has 5-6), so it is drawn ``ranks_per_panel``
+    ranks to a panel, about 0.3 inch per lane; one legend for every panel, under them."""
+    groups = [list(ranks[i:i + ranks_per_panel]) for i in range(0, len(ranks), ranks_per_panel)]
+    lanes = [len({(s.rank, getattr(s, "dim", "")) for s in measured if s.rank in g} | {(r, "") for r in g})
+             for g in groups]
     sim_ranks = sorted({s.rank for s in simulated})[:len(ranks)]
-    timeline(simulated, ax=axes[1], ranks=sim_ranks, title=f"{title}: planner's simulation", legend=False)
-    fig.tight_layout()
+    heights = [0.3 * n + 0.7 for n in lanes] + [0.35 * len(sim_ranks) + 0.7]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.9), gridspec_kw={"height_ratios": heights})
+    for ax, group in zip(axes, groups):
+        names = ", ".join(map(str, group))
+        timeline(measured, ax=ax, ranks=group, by_dim=True, legend=False,
+                 title=f"{title}: measured, rank{'s' if len(group) > 1 else ''} {names}")
+    timeline(simulated, ax=axes[-1], ranks=sim_ranks, title=f"{title}: planner's simulation", legend=False)
+    for ax in axes:
+        ax.tick_params(axis="y", labelsize=8)
+    drawn = [s for s in measured if s.rank in ranks] + list(simulated)
+    handles = legend_handles(drawn)
+    fig.tight_layout(rect=(0, 0.6 / (sum(heights) + 0.9), 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
     return fig
 
 
