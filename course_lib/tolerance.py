@@ -19,7 +19,9 @@ bounded:
    ``|got - want| <= 2 K u max|want|``. fp32: 4.9e-4 of the tensor's scale; fp64: 9.1e-13.
    A missing, doubled or mis-scaled reduction is wrong by O(1) of that scale.
 2. **After k SGD steps**: each step moves a parameter by lr g, so an error a in g adds lr a:
-   ``k lr 2 K u G`` (G: the largest gradient element, ``grad_scale``).
+   ``k lr 2 K u G`` (G: the largest gradient element, ``grad_scale``). With momentum b the
+   error of step j is applied again at every later step, shrunk by b each time: step t adds
+   lr a (1 - b^t) / (1 - b).
 3. **After k AdamW steps**: the update lr m/(sqrt(v) + eps) divides by each element's own
    running RMS. Its derivative in g is at most 1/eps (at g = 0), and the update itself is at
    most B lr (B = 1 at step 1; |m|/sqrt(v) <= (1-b1)/sqrt((1-b2)(1-b1^2/b2)) later, by
@@ -75,7 +77,7 @@ def adam_ratio_bound(steps: int, betas=(0.9, 0.999)) -> float:
 
 
 def parameter_bound(dtype, *, optimizer="none", steps=0, lr=0.0, grad_scale=1.0, eps=1e-8,
-                    betas=(0.9, 0.999), terms: int = TERMS) -> float:
+                    betas=(0.9, 0.999), momentum=0.0, terms: int = TERMS) -> float:
     """The absolute difference a correct run may show in a parameter after ``steps`` optimizer
     steps (the docstring's bounds 2 and 3); 0 for ``optimizer="none"``."""
     if optimizer not in OPTIMIZERS:
@@ -84,7 +86,10 @@ def parameter_bound(dtype, *, optimizer="none", steps=0, lr=0.0, grad_scale=1.0,
         raise ValueError(f"steps, lr and grad_scale must be >= 0, got {steps}, {lr}, {grad_scale}")
     a = reorder_bound(dtype, terms) * grad_scale            # error in one gradient element
     if optimizer == "sgd":
-        return steps * lr * a
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        return sum(lr * a * (1 - momentum ** t) / (1 - momentum) if momentum else lr * a
+                   for t in range(1, steps + 1))
     if optimizer == "adamw":
         return sum(lr * min(2 * adam_ratio_bound(t, betas), a / eps) for t in range(1, steps + 1))
     return 0.0
@@ -118,7 +123,7 @@ def _as_dict(x):
 
 
 def compare(got, want, *, dtype=None, optimizer="none", steps=0, lr=0.0, grad_scale=1.0,
-            eps=1e-8, betas=(0.9, 0.999), terms: int = TERMS) -> Comparison:
+            eps=1e-8, betas=(0.9, 0.999), momentum=0.0, terms: int = TERMS) -> Comparison:
     """Compare ``got`` (a parallel run) with ``want`` (one device), tensor by tensor, with the
     bound the arithmetic allows (module docstring). ``dtype``: the precision both ran in
     (default: ``want``'s). ``optimizer``/``steps``/``lr``: the steps taken since the values
@@ -144,7 +149,8 @@ def compare(got, want, *, dtype=None, optimizer="none", steps=0, lr=0.0, grad_sc
             why = f"one step: 2 K u max|want|, K={terms}, u={unit_roundoff(kind):.3g}"
         else:
             bound = parameter_bound(kind, optimizer=optimizer, steps=steps, lr=lr, grad_scale=grad_scale,
-                                    eps=eps, betas=betas, terms=terms) + 2 * unit_roundoff(kind) * scale
+                                    eps=eps, betas=betas, momentum=momentum, terms=terms) \
+                + 2 * unit_roundoff(kind) * scale
             why = f"{steps} {optimizer} steps at lr {lr:g}, {kind}: lr min(2B, 2KuG/eps) per step + 2u|param|"
         finite = torch.isfinite(w64)
         diff = float((g64 - w64)[finite].abs().max()) if finite.any() else 0.0
