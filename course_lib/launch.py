@@ -19,7 +19,9 @@ How it avoids the walls learners hit with ``mp.spawn``:
 * Rank output goes to per-rank files and is printed afterwards in rank order,
   each line tagged ``[rank r]``: notebook output is deterministic.
 * The first failing rank (exception, ``os._exit``, a signal) raises
-  :class:`RankError` in the caller at once and the other ranks are killed; a run
+  :class:`RankError` in the caller at once and the other ranks are killed (a rank's
+  ValueError arrives as a RankError that is also a ValueError, so ``except ValueError``
+  works; the same for every builtin exception type); a run
   past ``timeout`` raises :class:`LaunchTimeout` naming the stuck ranks, the span
   each was in and the torch.distributed call each was waiting in. Nothing (no
   process, directory or socket) outlives the call.
@@ -27,11 +29,16 @@ How it avoids the walls learners hit with ``mp.spawn``:
 Under ``torchrun`` (RANK and WORLD_SIZE set) the same call runs ``fn`` in this
 process only, with the process group initialised from the environment, and
 returns every rank's result (all-gathered), so each demo is a real script too.
+
+``clock=VirtualCluster(...)`` (:mod:`course_lib.virtual`) runs the same ranks and prices
+their time on a modelled GPU cluster: ``.spans`` are then in virtual seconds.
 """
 from __future__ import annotations
 
 import atexit
+import builtins
 import datetime
+import functools
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
@@ -66,6 +73,20 @@ class RankError(RuntimeError):
         self.exitcode = exitcode
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+
+
+@functools.lru_cache(maxsize=None)
+def rank_error_type(exc_type: str) -> type:
+    """RankError, made also an instance of the rank's exception type when that is a builtin
+    (``RankError[ValueError]``): ``except ValueError`` around launch catches a rank's ValueError."""
+    base = getattr(builtins, exc_type or "", None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(RankError, base):
+        return RankError
+    try:
+        return type(f"RankError[{exc_type}]", (RankError, base), {"__str__": BaseException.__str__,
+                                                                "__module__": __name__})
+    except TypeError:  # a layout that cannot be combined with RuntimeError's
+        return RankError
 
 
 class LaunchTimeout(TimeoutError):
@@ -181,7 +202,7 @@ def _context(start_method):
     return _CONTEXTS[start_method]
 
 
-def _validate(fn, world_size, backend, timeout):
+def _validate(fn, world_size, backend, timeout, clock=None):
     if not callable(fn):
         raise TypeError(f"launch needs a callable fn, got {type(fn).__name__}: {fn!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -192,6 +213,11 @@ def _validate(fn, world_size, backend, timeout):
         raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if clock is not None:
+        if not (hasattr(clock, "check") and hasattr(clock, "start")):
+            raise TypeError(f"clock must be None (the wall clock) or a course_lib.virtual.VirtualCluster, "
+                            f"got {clock!r}")
+        clock.check(world_size)
     if backend == "nccl":
         import torch
 
@@ -234,7 +260,7 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        fn, args, kwargs = cloudpickle.loads(payload)
+        fn, args, kwargs, clock = cloudpickle.loads(payload)
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         init = dict(backend=backend, store=store, rank=rank, world_size=world_size,
                     timeout=datetime.timedelta(seconds=timeout + 30))
@@ -251,7 +277,7 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
             origin = float(zero)
         rec = _trace.install(_trace.Recorder(rank, origin=origin, status_path=os.path.join(workdir, f"status{rank}")))
         report("ready", b"")  # the launcher's timeout for fn starts now
-        result = to_cpu(fn(*args, **kwargs))
+        result = to_cpu(_run(fn, args, kwargs, clock, rank, world_size, rec))
         try:
             data = cloudpickle.dumps((result, rec.spans))
         except Exception as exc:
@@ -275,6 +301,15 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
     os._exit(0)  # skip interpreter teardown: fast, and cannot hang in a destructor
 
 
+def _run(fn, args, kwargs, clock, rank, world_size, rec):
+    """fn on the wall clock, or inside this rank's virtual clock (its spans in virtual seconds)."""
+    if clock is None:
+        return fn(*args, **kwargs)
+    rec.clock = clock.start(rank, world_size, rec)
+    with rec.clock:
+        return fn(*args, **kwargs)
+
+
 def _start_watchdog(timeout):
     """Kill this rank if its launcher disappears or the run overstays by far."""
     parent = os.getppid()
@@ -292,7 +327,7 @@ def _start_watchdog(timeout):
 # ----------------------------------------------------------------------------- the caller side
 
 def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
-           start_method=None, quiet=False, **kwargs):
+           start_method=None, quiet=False, clock=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
     backend: 'gloo' (CPU, or CUDA tensors) or 'nccl' (one GPU per rank).
@@ -303,18 +338,20 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
     threads: intra-op threads per rank (default ``max(1, cores // world_size)``).
     start_method: 'forkserver' (default where available) or 'spawn'.
     quiet: do not print the ranks' output.
+    clock: None (the wall clock) or a :class:`course_lib.virtual.VirtualCluster`: the same
+        run, its spans priced in virtual seconds on that modelled cluster.
 
     Returns a :class:`LaunchResult` (a list) with ``.spans`` (every rank's
     :class:`~course_lib.trace.Span`, on one clock) and ``.elapsed`` (seconds).
     """
     if under_torchrun():
-        return _launch_here(fn, world_size, args, kwargs, backend, timeout)
-    _validate(fn, world_size, backend, timeout)
+        return _launch_here(fn, world_size, args, kwargs, backend, timeout, clock)
+    _validate(fn, world_size, backend, timeout, clock)
     threads = default_threads(world_size) if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     try:
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        payload = cloudpickle.dumps((fn, args, kwargs, clock))
     except Exception as exc:
         raise TypeError(f"launch cannot send fn or its arguments to the ranks (they must be "
                         f"picklable): {type(exc).__name__}: {exc}") from exc
@@ -416,8 +453,8 @@ def _first_failure(procs, workdir, first_seen):
     rank = min(errors, key=lambda r: errors[r]["time"])
     e = errors[rank]
     msg = f"rank {rank} raised {e['type']}: {e['message']}\n\n--- traceback of rank {rank} ---\n{e['traceback']}"
-    return RankError(msg, rank, exitcode=procs[rank].exitcode, exc_type=e["type"],
-                     remote_traceback=e["traceback"])
+    return rank_error_type(e["type"])(msg, rank, exitcode=procs[rank].exitcode, exc_type=e["type"],
+                                      remote_traceback=e["traceback"])
 
 
 def _timeout_error(procs, pending, workdir):
@@ -469,9 +506,10 @@ def describe_stack(dump: str) -> str:
     def is_torch(f):
         return f"{os.sep}torch{os.sep}" in f[0]
 
-    def is_launcher(f):
+    def is_launcher(f):  # (the virtual clock's frames too: a stuck rank waits in the call that used it)
         return (f[0].endswith(os.path.join("course_lib", "launch.py"))
-                or f"{os.sep}multiprocessing{os.sep}" in f[0])
+                or f"{os.sep}multiprocessing{os.sep}" in f[0]
+                or f"course_lib{os.sep}virtual{os.sep}" in f[0])
 
     caller_idx = next((i for i, f in enumerate(frames) if not is_torch(f) and not is_launcher(f)), None)
     if caller_idx is None:
@@ -518,7 +556,7 @@ def _print_outputs(workdir, world_size):
 
 # ----------------------------------------------------------------------------- under torchrun
 
-def _launch_here(fn, world_size, args, kwargs, backend, timeout):
+def _launch_here(fn, world_size, args, kwargs, backend, timeout, clock=None):
     """torchrun started this process as one rank: run fn here, return all ranks' results."""
     import torch
     import torch.distributed as dist
@@ -529,6 +567,8 @@ def _launch_here(fn, world_size, args, kwargs, backend, timeout):
                          f"pass world_size=None or match --nproc_per_node * --nnodes")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+    if clock is not None:
+        clock.check(env_world)
     if not dist.is_initialized():
         init = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
         if backend == "nccl":
@@ -545,7 +585,8 @@ def _launch_here(fn, world_size, args, kwargs, backend, timeout):
     dist.barrier()
     rec = _trace.install(_trace.Recorder(rank))
     started = time.perf_counter()
-    value = to_cpu(fn(*args, **kwargs))
+    value = to_cpu(_run(fn, args, kwargs, clock, rank, env_world, rec))
+    rec.clock = None
     gathered = [None] * env_world
     dist.all_gather_object(gathered, (value, rec.spans))
     results = LaunchResult(v for v, _ in gathered)

@@ -13,10 +13,16 @@ rank 0's ``t=0.010`` and rank 3's ``t=0.010`` are the same instant.
 
 ``viz.timeline`` draws spans; the planner's simulator produces the same
 :class:`Span` objects, so a measured and a simulated step look alike.
+
+Under ``launch(..., clock=VirtualCluster(...))`` a rank's recorder reads the virtual GPU
+clock (:mod:`course_lib.virtual`) instead of ``perf_counter``: the same spans, in
+modelled seconds. :func:`to_chrome_trace` writes spans of either clock as Chrome trace
+JSON (ui.perfetto.dev, chrome://tracing).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import threading
@@ -32,7 +38,9 @@ class Span:
     """One interval on one rank. Times are seconds on the launch's shared clock.
 
     ``dim`` names the mesh dimension a communication span belongs to ("dp", "tp",
-    "pp", "cp", "ep", or a flattened "dp+cp"); "" when it belongs to none.
+    "pp", "cp", "ep", or a flattened "dp+cp"); "" when it belongs to none. ``flow`` ties a
+    message's two ends (virtual clock): "send:ID" on the sender's span, "recv:ID" on the
+    receiver's.
     """
 
     rank: int
@@ -41,6 +49,7 @@ class Span:
     start: float
     end: float
     dim: str = ""
+    flow: str = ""
 
     @property
     def duration(self) -> float:
@@ -58,6 +67,7 @@ class Recorder:
     def __init__(self, rank: int = 0, origin: float | None = None, status_path: str | None = None):
         self.rank = rank
         self.origin = time.perf_counter() if origin is None else origin
+        self.clock = None         # a virtual clock (``.now()``) replaces perf_counter when set
         self.spans: list[Span] = []
         self._open: list[str] = []
         self._status = None       # the status file mapped in memory: publishing is a copy, not a syscall
@@ -70,6 +80,8 @@ class Recorder:
                 os.close(fd)
 
     def now(self) -> float:
+        if self.clock is not None:
+            return self.clock.now()
         return time.perf_counter() - self.origin
 
     def _publish(self) -> None:
@@ -98,12 +110,12 @@ class Recorder:
                     break
             self._publish()
 
-    def add(self, name: str, kind: str, start: float, end: float, dim: str = "") -> None:
+    def add(self, name: str, kind: str, start: float, end: float, dim: str = "", flow: str = "") -> None:
         """Record an interval measured elsewhere (times on this recorder's clock)."""
         if kind not in KINDS:
             raise ValueError(f"span kind must be one of {KINDS}, got {kind!r}")
         if not getattr(_thread_state, "muted", False):
-            self.spans.append(Span(self.rank, name, kind, start, end, dim or ""))
+            self.spans.append(Span(self.rank, name, kind, start, end, dim or "", flow))
 
     def close(self) -> None:
         if self._status is not None:
@@ -148,6 +160,11 @@ def now() -> float:
     return _recorder.now()
 
 
+def clock():
+    """This process's virtual clock (``launch(..., clock=...)``), or None on the wall clock."""
+    return _recorder.clock
+
+
 def spans() -> list[Span]:
     """The spans recorded so far in this process."""
     return list(_recorder.spans)
@@ -156,3 +173,41 @@ def spans() -> list[Span]:
 def reset() -> None:
     """Forget the spans recorded so far (keeps the clock)."""
     _recorder.spans.clear()
+
+
+def to_chrome_trace(spans, path=None) -> dict:
+    """Spans as Chrome trace JSON (``traceEvents``; written to ``path`` when given).
+
+    One process per rank (``pid`` = rank); on it, one thread for compute (and idle, other),
+    one per mesh dimension's communication (``tid`` named "comm dp", "comm tp", ...; "comm"
+    without a dimension). Complete events (``ph`` "X", ``ts``/``dur`` in microseconds); a
+    message's two ends (``Span.flow``) become a flow arrow from its send to its receive.
+    """
+    spans = sorted(spans, key=lambda s: (s.rank, s.start, s.end, s.name))
+    lanes, events = {}, []
+
+    def tid(s):
+        lane = f"comm {s.dim}".strip() if s.kind == "comm" else "compute"
+        if (s.rank, lane) not in lanes:
+            lanes[s.rank, lane] = len([k for k in lanes if k[0] == s.rank])
+            events.append({"ph": "M", "name": "thread_name", "pid": s.rank, "tid": lanes[s.rank, lane],
+                           "args": {"name": lane}})
+        return lanes[s.rank, lane]
+
+    for r in sorted({s.rank for s in spans}):
+        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+    flow_ids = {}
+    for s in spans:
+        base = {"name": s.name, "cat": s.kind, "pid": s.rank, "tid": tid(s), "ts": s.start * 1e6}
+        events.append({**base, "ph": "X", "dur": (s.end - s.start) * 1e6, "args": {"dim": s.dim}})
+        side, _, key = getattr(s, "flow", "").partition(":")
+        if side in ("send", "recv") and key:
+            ident = flow_ids.setdefault(key, len(flow_ids) + 1)
+            bind = {"bp": "e"} if side == "recv" else {}    # the arrow ends on the receive's slice
+            events.append({**base, "ph": "s" if side == "send" else "f", "cat": "message", "name": "message",
+                           "id": ident, **bind})
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace

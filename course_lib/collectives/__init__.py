@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from course_lib.collectives import comm as _comm
 from course_lib.collectives import naive, pairwise, ring, tree
 from course_lib.collectives.core import SUPPORTED_DTYPES, Comm, ReduceOp, TrafficCounter
 from course_lib.collectives.ring import ring_schedule, simulate_ring_all_reduce
@@ -178,6 +179,11 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 def barrier(group=None, async_op=False, device_ids=None, *, algorithm="dissemination", **kw):
     return _finish(_pick("barrier", algorithm)(group, **kw), [], async_op)
 
+
+# Comm(impl="course") runs these (registered here: comm.py does not import its own package)
+_comm.COURSE_ALGORITHMS.update(all_reduce=all_reduce, reduce_scatter_tensor=reduce_scatter_tensor,
+                               all_gather_into_tensor=all_gather_into_tensor, broadcast=broadcast,
+                               all_to_all_single=all_to_all_single)
 
 __all__ = ["ALGORITHMS", "ReduceOp", "Work", "TrafficCounter", "Comm", "SUPPORTED_DTYPES", "ring_schedule",
            "simulate_ring_all_reduce", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",

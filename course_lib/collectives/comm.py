@@ -24,7 +24,10 @@ headers). Where that counter does not exist (macOS, Windows) our own algorithms 
 report their payload bytes (counted message by message); torch's report None. On GPUs
 (NCCL over NVLink) the kernel sees nothing: measured bytes are meaningful on gloo.
 
-Every call records a ``comm`` span tagged with ``dim``, from launch to completion.
+Every call records a ``comm`` span tagged with ``dim``, from launch to completion. Under a
+virtual clock (``launch(..., clock=VirtualCluster(...))``, see :mod:`course_lib.virtual`)
+every call still runs for real (collectives to completion before they return, messages
+with an 8-byte header carrying their send time), and its span is priced on the clock.
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ from course_lib.collectives.measure import bytes_written  # /proc/self/io wchar,
 IMPLS = ("torch", "course")
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
                "all_to_all_single", "barrier")
+# impl="course": course_lib.collectives registers its algorithms here when it is imported
+# (importing this module imports that package first), so this module never imports its package
+COURSE_ALGORITHMS: dict = {}
 
 
 @dataclass
@@ -154,11 +160,17 @@ class Comm:
             self.counter.bytes_sent += nbytes
             self.counter.messages_sent += 1
             self.counter.sent_to[peer] += nbytes
+        clock = trace.clock()
+        if clock is not None and not clock.muted_depth:   # (muted: a message inside a priced collective)
+            return clock.isend(self, tensor, peer, tag)
         return dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag)
 
     def irecv(self, tensor, peer: int, tag: int = 0):
         if self.counter is not None:
             self.counter.bytes_received += _nbytes(tensor)
+        clock = trace.clock()
+        if clock is not None and not clock.muted_depth:
+            return clock.irecv(self, tensor, peer, tag)
         return dist.irecv(tensor, self.ranks[peer], group=self.group, tag=tag)
 
     def post_send(self, tensor, peer: int, tag: int = 0):
@@ -250,8 +262,7 @@ class Comm:
         if isinstance(self.impl, dict) and op in self.impl:
             return self.impl[op], "custom"
         if self.impl == "course" and op != "barrier":
-            from course_lib import collectives as C  # the package imports this module
-            fn = getattr(C, op)
+            fn = COURSE_ALGORITHMS[op]
             return (lambda *a, **kw: fn(*a, validate=self.validate, **kw)), "course"
         if self.size == 1 and op in ("all_reduce", "broadcast", "barrier"):
             return (lambda *a, **kw: None), "course"  # nothing to exchange with anyone
@@ -263,6 +274,9 @@ class Comm:
 
     def _call(self, op, name, payload, async_op, args, kwargs):
         fn, who = self._function(op)
+        clock = trace.clock()
+        if clock is not None and not clock.muted_depth:
+            return self._virtual_call(clock, op, name, payload, async_op, args, kwargs, fn, who)
         start = trace.now()
         if self._measuring:
             return self._measured_call(op, name, payload, async_op, args, kwargs, fn, who, start)
@@ -290,6 +304,26 @@ class Comm:
         handle = Handle(self, future.result, name, start)
         future.add_done_callback(lambda _: handle._end())
         return handle
+
+    def _virtual_call(self, clock, op, name, payload, async_op, args, kwargs, fn, who):
+        """Run the collective for real, to completion (its work is not compute), then price it
+        on the virtual clock: one span from its start on the communication stream to its end."""
+        with clock.muted(), trace.muted():
+            if self._measuring:
+                self._measured_call(op, name, payload, False, args, kwargs, fn, who, 0.0)
+            else:
+                self.log.append(CommCall(op, name, payload, None))
+                self._drain()
+                if who == "torch":
+                    fn(*args, group=self.group, **kwargs)
+                else:
+                    self._quiet(fn, args, kwargs)()
+        start, end = clock.collective(self, op, payload, args[0] if args else None)
+        trace.recorder().add(name, "comm", start, end, self.dim)
+        if not async_op:
+            clock.join(end)
+            return None
+        return Handle(self, lambda: clock.join(end), name, start, done=True)
 
     def _quiet(self, fn, args, kwargs):
         """``fn`` on this group, its own algorithm span muted (this call records one, with dim)."""

@@ -114,10 +114,18 @@ class Hardware:
     fused_kernels: bool = False
     sm_count: int = 0
     gemm_tile: tuple = (128, 128)
+    dtype_flops: tuple = ()
+    launch_overhead: float = 4e-6
+    hbm_efficiency: float = 1.0
 
     @property
     def achievable_flops(self) -> float:
         return self.peak_flops * self.matmul_efficiency
+
+    def peak_flops_for(self, dtype_name: str) -> float | None:
+        """Dense peak FLOP/s for a dtype ("bfloat16", "float32", ...); None if not known."""
+        rates = {"bfloat16": self.peak_flops, **dict(self.dtype_flops)}
+        return rates.get(dtype_name)
 
     def link(self, intra_node: bool) -> tuple[float, float]:
         """(alpha seconds, achievable bandwidth B/s) of one ring step on NVLink or the network."""
@@ -132,12 +140,15 @@ class Hardware:
 HARDWARE = {
     # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 600 GB/s both
     # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)
-    "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108),
+    "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108,
+                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12))),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
     # direction), one 400 Gb/s NDR NIC per GPU (DGX H100)
-    "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132),
+    "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132,
+                         dtype_flops=(("float16", 989e12), ("float32", 67e12))),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
-    "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, sm_count=132),
+    "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, sm_count=132,
+                     dtype_flops=(("float16", 989e12), ("float32", 67e12))),
 }
 
 

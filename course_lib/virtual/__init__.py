@@ -1,0 +1,108 @@
+"""The virtual GPU clock: run the real program, read its time on a modelled GPU cluster.
+
+    from course_lib.virtual import VirtualCluster
+    cluster = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
+    res = launch(fn, 4, clock=cluster)      # the same results, exact
+    res.spans                               # trace.Span in virtual seconds, the same on every run
+    print(cluster.describe())               # every constant the prices come from
+
+Every rank runs the real computation and sends the real messages; only time is modelled,
+from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of truth):
+
+* compute (:mod:`.compute`): each aten op the rank runs, forward and backward, costs
+  ``max(FLOPs / (peak of the dtype x matmul_efficiency), bytes / (HBM x hbm_efficiency))
+  + launch_overhead``, FLOPs from torch's FLOP-counter registry, bytes of its inputs and
+  outputs at the virtual dtype; views and metadata are free; ops inside a communication
+  call belong to its price;
+* communication (:mod:`.clock`): every ``Comm`` call costs its algorithm's alpha-beta time
+  on NVLink when its group fits in one node of ``gpus_per_node`` GPUs, on the network
+  otherwise; bytes at the virtual dtype;
+* clocks: each rank has a compute stream and a communication stream. A collective starts
+  once every member issued it and its stream is free (the members exchange their issue
+  times with a tiny all-reduce beside the real one); a message carries its send time, and
+  its receive completes at max(the receive's issue, send + latency + bytes / bandwidth);
+  ``wait()`` joins the streams. Waits, bubbles and overlap come from the program itself.
+
+Nothing reads the wall clock, so the spans are identical on every run and every CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from course_lib.planner.presets import HARDWARE, Hardware, get_hardware
+
+
+class VirtualCluster:
+    """A modelled cluster: ``hardware`` (a planner preset name or a Hardware), ``gpus_per_node``
+    (NVLink inside a node, the network across), ``dtype`` (the precision the GPUs would
+    compute and communicate in; the CPU run keeps its own dtype and results)."""
+
+    def __init__(self, hardware="h100-sxm", gpus_per_node: int | None = None, dtype=torch.bfloat16):
+        if not isinstance(hardware, Hardware) and hardware not in HARDWARE:
+            raise ValueError(f"unknown hardware {hardware!r}: choose one of {sorted(HARDWARE)} "
+                             f"(planner.HARDWARE) or pass a planner Hardware")
+        self.hw = get_hardware(hardware)
+        gpn = self.hw.gpus_per_node if gpus_per_node is None else gpus_per_node
+        if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+            raise ValueError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
+        self.gpus_per_node = gpn
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        name = str(dtype).removeprefix("torch.")
+        peak = self.hw.peak_flops_for(name)
+        if peak is None:
+            known = ["bfloat16"] + [d for d, _ in self.hw.dtype_flops]
+            raise ValueError(f"dtype {dtype} has no FLOP rate on {self.hw.name}: the preset knows {known}")
+        self.dtype, self.peak_flops = dtype, peak
+        self.flops_rate = peak * self.hw.matmul_efficiency          # FLOP/s a kernel sustains
+        self.bytes_rate = self.hw.hbm_bandwidth * self.hw.hbm_efficiency   # B/s a kernel streams
+        self.launch_overhead = self.hw.launch_overhead
+
+    def check(self, world_size: int) -> None:
+        """ValueError unless ``world_size`` GPUs fill whole nodes (before any rank starts)."""
+        if world_size > self.gpus_per_node and world_size % self.gpus_per_node:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} does not divide the world size {world_size}: "
+                             f"a virtual cluster is whole nodes")
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def link(self, ranks) -> tuple[float, float]:
+        """(alpha seconds, bandwidth B/s) of a group of global ranks: NVLink inside one node,
+        the network when it spans nodes (the planner's ``Hardware.link``)."""
+        ranks = list(ranks)
+        return self.hw.link(all(self.node(r) == self.node(ranks[0]) for r in ranks))
+
+    def itemsize(self, t: torch.Tensor) -> int:
+        """Bytes per element on the virtual GPU: floating tensors at the virtual dtype."""
+        return self.dtype.itemsize if t.is_floating_point() else t.element_size()
+
+    def kernel_time(self, flops: float, nbytes: float) -> float:
+        """The roofline of one kernel plus its launch: max(compute, memory) + overhead."""
+        return max(flops / self.flops_rate, nbytes / self.bytes_rate) + self.launch_overhead
+
+    def start(self, rank: int, world_size: int, recorder):
+        """The clock of one rank (the launcher calls this in each rank, then enters it)."""
+        from course_lib.virtual.clock import RankClock
+        return RankClock(self, rank, world_size, recorder)
+
+    def describe(self) -> str:
+        """Every constant the prices come from, one line each."""
+        hw, dt = self.hw, str(self.dtype).removeprefix("torch.")
+        intra, inter = hw.link(True), hw.link(False)
+        return "\n".join([
+            f"virtual cluster: {hw.name}, {self.gpus_per_node} GPUs per node, {dt}",
+            f"  compute: {self.peak_flops / 1e12:g} TFLOP/s {dt} peak x {hw.matmul_efficiency:g} achievable"
+            f" = {self.flops_rate / 1e12:g} TFLOP/s",
+            f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM x {hw.hbm_efficiency:g}"
+            f" = {self.bytes_rate / 1e12:g} TB/s; launch overhead {hw.launch_overhead * 1e6:g} us per kernel",
+            f"  NVLink:  alpha {intra[0] * 1e6:g} us, {intra[1] / 1e9:g} GB/s; "
+            f"network: alpha {inter[0] * 1e6:g} us, {inter[1] / 1e9:g} GB/s",
+        ])
+
+    def __repr__(self):
+        return (f"VirtualCluster({self.hw.name!r}, gpus_per_node={self.gpus_per_node}, "
+                f"dtype={self.dtype})")
+
+
+__all__ = ["VirtualCluster"]

@@ -1,0 +1,148 @@
+"""One rank's virtual clock: a compute stream, a communication stream, and the times that
+travel with the real messages.
+
+``t`` is the compute stream (and the rank's "now": the host waits for its kernels, as a
+step that synchronises would); ``comm_free`` is when the communication stream finishes its
+last collective. The communication layer (:class:`course_lib.collectives.comm.Comm`) calls:
+
+* ``collective(comm, op, payload, ref)`` after running the real collective: the members
+  all-reduce (MAX) their ready times ``max(t, comm_free)`` in one 8-byte message beside it
+  (not counted in any byte count), so the collective starts at the latest member's ready
+  time and ends ``cost`` later on every member: ``cost`` = the algorithm's alpha-beta time
+  (:data:`ALGORITHMS`, ``course_lib.costmodel``) on the group's link;
+* ``isend`` / ``irecv``: the real message, then an 8-byte header with the send's issue time
+  (same peer, same tag: gloo delivers them in order); the receive completes at
+  ``max(its issue, send issue + alpha + bytes / bandwidth)``;
+* ``join(end)`` when the rank waits on async work: ``t = max(t, end)``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from course_lib.costmodel import cost as algorithm_cost
+from course_lib.virtual.compute import ComputeStream, tensor_bytes
+
+# the algorithm that prices each Comm collective (NCCL's and course_lib's defaults: rings,
+# a binomial-tree broadcast, pairwise all-to-all); n = torch's payload (see Comm's CommCall)
+ALGORITHMS = {"all_reduce": "ring_all_reduce", "reduce_scatter_tensor": "ring_reduce_scatter",
+              "all_gather_into_tensor": "ring_all_gather", "broadcast": "tree_broadcast",
+              "all_to_all_single": "pairwise_all_to_all", "barrier": "ring_all_reduce"}
+
+
+class RankClock:
+    """The virtual clock of one rank (made by ``VirtualCluster.start``; ``with clock:`` prices
+    the compute of the code inside)."""
+
+    def __init__(self, cluster, rank: int, world_size: int, recorder):
+        self.cluster, self.rank, self.world_size, self.recorder = cluster, rank, world_size, recorder
+        self.t = 0.0            # compute stream: when its last kernel ends
+        self.comm_free = 0.0    # communication stream: when its last collective ends
+        self.muted_depth = 0
+        self._messages = defaultdict(int)     # (src, dst, group, tag) -> messages so far: flow ids
+        self._mode = ComputeStream(self)
+
+    def now(self) -> float:
+        return self.t
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def muted(self):
+        """Ops run inside are not compute (a communication call's own work, bookkeeping)."""
+        self.muted_depth += 1
+        try:
+            yield
+        finally:
+            self.muted_depth -= 1
+
+    def join(self, end: float) -> None:
+        """The compute stream waits for work that ends at ``end``."""
+        self.t = max(self.t, end)
+
+    # ------------------------------------------------------------------ collectives
+    def collective(self, comm, op: str, payload: int, ref) -> tuple[float, float]:
+        """(start, end) of a collective every member of ``comm`` has just run for real."""
+        ready = max(self.t, self.comm_free)
+        start = ready
+        if comm.size > 1:
+            with self.muted():
+                issued = torch.tensor([ready], dtype=torch.float64, device=_device(ref))
+                dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group)
+                start = float(issued)
+        nbytes = payload // ref.element_size() * self.cluster.itemsize(ref) if ref is not None else 0
+        alpha, bandwidth = self.cluster.link(comm.ranks)
+        end = start + algorithm_cost(ALGORITHMS[op], nbytes, comm.size, alpha, 1.0 / bandwidth)
+        self.comm_free = end
+        return start, end
+
+    # ------------------------------------------------------------------ point-to-point
+    def _message(self, comm, src: int, dst: int, tag: int, tensor):
+        key = (src, dst, tuple(comm.ranks), tag)
+        k = self._messages[key]
+        self._messages[key] += 1
+        alpha, bandwidth = self.cluster.link((src, dst))
+        return f"{src}>{dst} tag {tag} #{k}", alpha + tensor_bytes(self.cluster, [tensor]) / bandwidth
+
+    def isend(self, comm, tensor, peer: int, tag: int):
+        dst = comm.ranks[peer]
+        with self.muted():
+            work = dist.isend(tensor, dst, group=comm.group, tag=tag)
+            header = torch.tensor([self.t], dtype=torch.float64, device=tensor.device)
+            hwork = dist.isend(header, dst, group=comm.group, tag=tag)
+        flow, cost = self._message(comm, self.rank, dst, tag, tensor)
+        self.recorder.add(f"send to {dst}", "comm", self.t, self.t + cost, comm.dim, "send:" + flow)
+        return Message(self, (work, hwork), (tensor, header))
+
+    def irecv(self, comm, tensor, peer: int, tag: int):
+        src = comm.ranks[peer]
+        with self.muted():
+            work = dist.irecv(tensor, src, group=comm.group, tag=tag)
+            header = torch.empty(1, dtype=torch.float64, device=tensor.device)
+            hwork = dist.irecv(header, src, group=comm.group, tag=tag)
+        flow, cost = self._message(comm, src, self.rank, tag, tensor)
+        return Message(self, (work, hwork), (tensor, header), recv=(self.t, cost, flow, src, comm.dim))
+
+
+class Message:
+    """The work handle of a virtual send or receive: ``wait()`` waits for the real message and,
+    for a receive, moves the compute stream to its arrival."""
+
+    def __init__(self, clock, works, keep, recv=None):
+        self._clock, self._works, self._keep, self._recv = clock, works, keep, recv
+        self._done = False
+
+    def wait(self, timeout=None):
+        if self._done:
+            return True
+        clock = self._clock
+        with clock.muted():
+            for w in self._works:
+                w.wait()
+        if self._recv is not None:
+            issued, cost, flow, src, dim = self._recv
+            with clock.muted():
+                sent = float(self._keep[1])
+            start, end = max(issued, sent), max(issued, sent + cost)
+            clock.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
+            clock.join(end)
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _device(t):
+    return t.device if isinstance(t, torch.Tensor) else "cpu"
+
+
+__all__ = ["RankClock", "Message", "ALGORITHMS"]
