@@ -196,6 +196,24 @@ def test_exception_raises_fast_names_rank_and_traceback():
     assert err.rank == 2 and err.exc_type == "ValueError"
     assert "rank 2 raised ValueError: boom on 2" in str(err)
     assert "raise_on" in err.remote_traceback
+    assert isinstance(err, ValueError)          # ``except ValueError`` around launch catches it
+
+
+def raise_type(name):
+    if dist.get_rank() == 1:
+        raise {"KeyError": KeyError, "custom": type("CustomError", (Exception,), {})}[name]("lost key")
+
+
+def test_rank_exception_keeps_its_builtin_type():
+    """A rank's builtin exception type is also the caller's (a RankError too, with its attributes);
+    a type defined elsewhere stays a plain RankError; clock=None is the wall clock."""
+    with pytest.raises(KeyError) as info:
+        launch(raise_type, 2, "KeyError", clock=None)
+    assert isinstance(info.value, RankError) and info.value.rank == 1 and info.value.exc_type == "KeyError"
+    assert str(info.value).startswith("rank 1 raised KeyError: 'lost key'")   # not KeyError's repr quoting
+    with pytest.raises(RankError) as info:
+        launch(raise_type, 2, "custom")
+    assert type(info.value) is RankError and info.value.exc_type == "CustomError"
 
 
 @pytest.mark.parametrize("how, code", [("exit", "exited with code 7"), ("sigkill", "SIGKILL"),
@@ -368,6 +386,7 @@ def test_function_from_a_jupyter_kernel_after_matmuls():
     (dict(fn=42, world_size=2), TypeError, "callable"),
     (dict(fn=rank_sum, world_size=2, backend="mpi"), ValueError, "unknown backend"),
     (dict(fn=rank_sum, world_size=2, timeout=0), ValueError, "timeout"),
+    (dict(fn=rank_sum, world_size=2, clock="h100"), TypeError, "clock must be None"),
 ])
 def test_bad_input_raises_before_start(kwargs, exc, words):
     fn, ws = kwargs.pop("fn"), kwargs.pop("world_size")

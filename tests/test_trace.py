@@ -1,4 +1,5 @@
 """course_lib.trace: spans, kinds, the status a stuck rank reports."""
+import json
 import time
 
 import pytest
@@ -35,3 +36,18 @@ def test_module_level_span_uses_installed_recorder():
     assert trace.spans() == []
     rec.add("measured elsewhere", "idle", 0.0, 0.5)
     assert trace.spans()[0].duration == 0.5
+
+
+def test_chrome_trace_of_wall_clock_spans(tmp_path):
+    """Spans without messages (the wall clock): slices only, one lane per kind of lane."""
+    spans = [trace.Span(0, "forward", "compute", 0.0, 0.002), trace.Span(0, "all-reduce", "comm", 0.002, 0.003, "dp"),
+             trace.Span(1, "forward", "compute", 0.0, 0.0025), trace.Span(1, "all-gather", "comm", 0.001, 0.002, "tp")]
+    doc = json.loads(json.dumps(trace.to_chrome_trace(spans, tmp_path / "t.json")))
+    assert doc == json.loads((tmp_path / "t.json").read_text())
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"], e["dur"]) for e in slices] == [
+        (0, "forward", 0.0, 2000.0), (0, "all-reduce", 2000.0, 1000.0), (1, "forward", 0.0, 2500.0),
+        (1, "all-gather", 1000.0, 1000.0)]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(names.values()) == ["comm dp", "comm tp", "compute", "compute"]
+    assert not [e for e in doc["traceEvents"] if e["ph"] in ("s", "f")]
