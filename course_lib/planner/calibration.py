@@ -9,9 +9,9 @@ the cores exactly as in training), between the training steps of 4:
    of the activations' size, bytes/s per rank;
 3. all-reduce times over a range of sizes, from which alpha and beta are fitted with
    ``costmodel.fit_alpha_beta`` (as in the collectives chapter);
-4. the real thing: steps of the course's data-parallel training (``DDP`` from
-   ``course_lib.parallel.data_parallel``, gradient buckets all-reduced after backward, or
-   during it with ``sync="overlap"``) of a tiny Llama-style GPT.
+4. the real thing: steps of data-parallel training of a tiny Llama-style GPT, from torch
+   alone (the gradients all-reduced after backward, or during it with ``sync="overlap"``,
+   torch's DDP): the planner imports nothing of ``parallel/``.
 
 From 1-3 alone a :class:`Hardware` for "this machine" is built, and ``estimate``
 predicts 4, which is compared with the measured step time.
@@ -51,10 +51,24 @@ def _median_time(fn, repeats):
 
 
 def _data_parallel(module, sync):
-    """The course's DDP: buckets all-reduced after backward ("bucketed") or during it ("overlap")."""
-    from course_lib.parallel.data_parallel import DDP
+    """Data parallelism as the planner models it, from torch alone (the planner sits below
+    nothing it measures): "overlap", torch's DDP (bucket all-reduces during backward);
+    "bucketed", every gradient in one all-reduce after backward (the course's DDP at this
+    size: the tiny GPT fits one 25 MiB bucket). ``finish`` completes the step's sums."""
+    import torch
+    import torch.distributed as dist
 
-    return DDP(module, overlap=(sync == "overlap"))
+    if sync == "overlap":
+        return torch.nn.parallel.DistributedDataParallel(module), lambda: None
+
+    def finish():
+        grads = [q.grad for q in module.parameters() if q.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])         # (all parameters,)
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    return module, finish
 
 
 def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
@@ -108,7 +122,7 @@ def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
         ar.append((n, _median_time(lambda: dist.all_reduce(buf), repeats)))
     # data-parallel training of the tiny GPT, with the rates measured between steps
     torch.manual_seed(0)
-    model = _data_parallel(TinyGPT(cfg, seed=0), sync)
+    model, finish = _data_parallel(TinyGPT(cfg, seed=0), sync)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)          # random tokens: the timing does not care
     step_times, mm_times, copy_times = [], [], []
@@ -119,7 +133,7 @@ def _measure_rank(cfg_kwargs, batch, steps, repeats, sync):
         t0 = time.perf_counter()
         _, loss = model(x, y)
         loss.backward()
-        model.finish_gradient_synchronization()
+        finish()
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
