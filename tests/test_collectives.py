@@ -331,7 +331,7 @@ def _deadlocking_ring(tensor):
 
 
 def test_graders_name_the_mistake_in_one_line(capsys):
-    from course_lib.grading import collectives as G
+    from course_lib.grading import collective_algorithms as G
 
     assert not G.check_ring_all_reduce(_whole_buffer_ring)
     line = capsys.readouterr().out.strip()
@@ -346,7 +346,7 @@ def test_graders_name_the_mistake_in_one_line(capsys):
 def test_fit_grader_accepts_the_relative_least_squares(capsys):
     import numpy as np
 
-    from course_lib.grading import collectives as G
+    from course_lib.grading import collective_algorithms as G
 
     def fit(ms):
         rows = [[2 * (N - 1) / t, 2 * (N - 1) / N * n / t] for n, N, t in ms]

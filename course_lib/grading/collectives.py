@@ -1,21 +1,14 @@
-"""Graders of chapters 1-2: a learner's collectives, run on 2, 3, 4 and 5 real ranks
-with sizes the world size does not divide, plus the alpha-beta fit.
+"""Graders of chapter 1 (collectives): using torch.distributed's collectives and
+point-to-point messages the way the chapter describes them, on 1 to 5 real ranks.
 
-    check_pipelined_broadcast(fn)             # fn(tensor, src, segments): chain, segments pipelined
-    check_ring_all_reduce(ring_all_reduce)    # fn(tensor): in place SUM, 2(N-1)/N n bytes per rank
-    check_ring_reduce_scatter(fn)             # fn(output, input): output <- sum of piece rank
-    check_ring_all_gather(fn)                 # fn(output, input): output <- all inputs, rank order
-    check_all_reduce_composed(fn)             # fn(tensor): reduce-scatter then all-gather, any size
-    check_fit_alpha_beta(fn)                  # fn([(n_bytes, world_size, seconds)]) -> (alpha, beta)
+    check_ring_shift(fn)                # find the bug: fn(tensor) -> the left neighbour's tensor, no deadlock
+    check_global_mean(fn)               # find the bug: fn(rows) -> the mean over every rank's rows
+    check_all_reduce_from_halves(fn)    # fn(tensor): all-reduce as reduce-scatter + all-gather, any size
+    check_bus_bandwidth(fn)             # fn(collective, n_bytes, world_size, seconds) -> busbw
 
-Each prints one line (``ring_all_reduce: 8/8 cases passed`` or the first failing
-case with a hint) and returns True/False. Beyond the values, the graders watch
-the learner's messages: a :class:`P2PWatch` wraps torch.distributed's send /
-recv / isend / irecv in the rank (batch_isend_irecv goes through them too) to
-count the bytes each rank sends and to stamp each message with a round number
-(a Lamport clock: a rank's k-th send after it has seen round t is round t + k),
-so a "broadcast" that waits for every segment before forwarding the first, or a "ring"
-that sends the whole buffer around, is named as such.
+Each prints one line (``ring_shift: 4/4 cases passed`` or the first failing case with a
+hint) and returns True/False (in a notebook a failure raises, see :mod:`course_lib.grading`).
+While the learner's function runs, what would do the exercise is switched off.
 """
 from __future__ import annotations
 
@@ -23,383 +16,25 @@ import math
 
 import torch
 
-from course_lib.grading import Case, Mismatch, check, compare
-
-_STAMP_TAG = 31337  # side channel of the round stamps; learners use tag 0
-
-
-class P2PWatch:
-    """Inside a rank: count bytes sent and rounds, by wrapping torch.distributed's p2p calls.
-
-    Each blocking wait runs inside a trace span named after the call and the
-    learner's line ("recv from rank 2, called from ring_all_reduce() line 9"), so
-    a deadlock report says who waits for whom. Nested calls (torch's ``send`` is
-    ``isend().wait()`` in recent versions) are counted once.
-    """
-
-    def __init__(self):
-        self.bytes_sent = 0
-        self.messages = 0
-        self.clock = 0      # the round in which this rank last sent or received
-        self._inside = False
-
-    def __enter__(self):
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        self._saved = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
-        orig, watch = self._saved, self
-
-        def peer_of(args, kwargs, key):
-            if len(args) > 1 and args[1] is not None:
-                return args[1]
-            return kwargs.get(key) if kwargs.get(key) is not None else kwargs.get(f"group_{key}")
-
-        def passthrough(name):
-            def call(*args, **kwargs):
-                return orig[name](*args, **kwargs)
-            return call
-
-        def sending(args, kwargs):
-            tensor, dst = args[0], peer_of(args, kwargs, "dst")
-            watch.bytes_sent += tensor.numel() * tensor.element_size()
-            watch.clock += 1
-            watch.messages += 1
-            return dst, torch.tensor([watch.clock], dtype=torch.int64)
-
-        def receiving(args, kwargs):
-            src = peer_of(args, kwargs, "src")
-            if src is None:
-                raise Mismatch("recv from any source (src=None) is not allowed here: name the rank you expect")
-            return src
-
-        def send(*args, **kwargs):
-            if watch._inside:
-                return orig["send"](*args, **kwargs)
-            dst, stamp = sending(args, kwargs)
-            with watch._guard(), _waiting(f"send to rank {dst}"):
-                out = orig["send"](*args, **kwargs)
-                orig["send"](stamp, dst, tag=_STAMP_TAG)
-            return out
-
-        def recv(*args, **kwargs):
-            if watch._inside:
-                return orig["recv"](*args, **kwargs)
-            src = receiving(args, kwargs)
-            stamp = torch.zeros(1, dtype=torch.int64)
-            with watch._guard(), _waiting(f"recv from rank {src}"):
-                out = orig["recv"](*args, **kwargs)
-                orig["recv"](stamp, src, tag=_STAMP_TAG)
-            watch.clock = max(watch.clock, int(stamp))
-            return out
-
-        def isend(*args, **kwargs):
-            if watch._inside:
-                return orig["isend"](*args, **kwargs)
-            dst, stamp = sending(args, kwargs)
-            with watch._guard():
-                work = orig["isend"](*args, **kwargs)
-                return _Both(work, orig["isend"](stamp, dst, tag=_STAMP_TAG), None, watch, f"isend to rank {dst}")
-
-        def irecv(*args, **kwargs):
-            if watch._inside:
-                return orig["irecv"](*args, **kwargs)
-            src = receiving(args, kwargs)
-            stamp = torch.zeros(1, dtype=torch.int64)
-            with watch._guard():
-                work = orig["irecv"](*args, **kwargs)
-                return _Both(work, orig["irecv"](stamp, src, tag=_STAMP_TAG), stamp, watch, f"irecv from rank {src}")
-
-        for name, fn in (("send", send), ("recv", recv), ("isend", isend), ("irecv", irecv)):
-            fn.__name__ = name
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
-        return self
-
-    def _guard(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def inside():
-            self._inside = True
-            try:
-                yield
-            finally:
-                self._inside = False
-        return inside()
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        for name, fn in self._saved.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
-        return False
-
-
-def _waiting(what):
-    """A comm span named after the call and the innermost frame outside this file and torch."""
-    import sys
-
-    from course_lib import trace
-
-    frame = sys._getframe(1)
-    while frame is not None and ("torch" + "/distributed" in frame.f_code.co_filename
-                                 or frame.f_code.co_filename == __file__):
-        frame = frame.f_back
-    where = f", called from {frame.f_code.co_name}() line {frame.f_lineno}" if frame is not None else ""
-    return trace.span(f"{what}{where}", kind="comm")
-
-
-class _Both:
-    """A work handle that also waits for the round stamp travelling with the message."""
-
-    def __init__(self, work, stamp_work, stamp, watch, what):
-        self._work, self._stamp_work, self._stamp, self._watch, self._what = work, stamp_work, stamp, watch, what
-
-    def wait(self, *args, **kwargs):
-        with _waiting(f"wait for {self._what}"):
-            ok = self._work.wait(*args, **kwargs)
-            self._stamp_work.wait()
-        if self._stamp is not None:
-            self._watch.clock = max(self._watch.clock, int(self._stamp))
-        return ok
-
-    def is_completed(self):
-        return self._work.is_completed()
-
-    def __bool__(self):
-        return True
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def _deadlock_hint(exc) -> str:
-    """One line from a LaunchTimeout: who waits in which call (the span the watch opened)."""
-    parts = []
-    for rank, what in exc.stuck.items():
-        span = what.split("in span '", 1)[1].split(" [comm]'", 1)[0] if "in span '" in what else what
-        parts.append(f"rank {rank} waits in {span}")
-    return ("deadlock: " + "; ".join(parts) + ". Each recv needs a matching send that is not itself stuck "
-            "waiting: post isend and irecv first, then wait")
-
-
-def _check_distributed(name, harness, cases, timeout):
-    """check_distributed, with the watch's deadlock hint (which call, which peer, which line)."""
-    from course_lib.launch import LaunchTimeout, launch
-
-    def run_case(case):
-        try:
-            results = launch(harness, case.world_size, timeout=timeout, quiet=True, **case.params)
-        except LaunchTimeout as exc:
-            return _deadlock_hint(exc)
-        for rank, outcome in enumerate(results):
-            if outcome is not None and outcome is not True:
-                return f"rank {rank}: {outcome}"
-        return None
-
-    return check(name, cases, run_case)
-
-
-# ----------------------------------------------------------------------------- data
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
-
-
-def _data(seed, rank, numel, dtype):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    if DTYPES[dtype].is_floating_point:
-        return torch.randn(numel, generator=g, dtype=torch.float64).to(DTYPES[dtype])
-    return torch.randint(-100, 100, (numel,), generator=g)
-
-
-def _sum_of(seed, world, numel, dtype):
-    return torch.stack([_data(seed, q, numel, dtype) for q in range(world)]).sum(0)
-
-
-def _cases(sizes_for, dtypes=("float32",)):
-    """World sizes 2..5, sizes that world_size does not divide (and a tiny one)."""
-    out = []
-    for i, N in enumerate((2, 3, 4, 5)):
-        for numel in sizes_for(N):
-            dtype = dtypes[(i + numel) % len(dtypes)]
-            out.append(Case(dict(numel=numel, dtype=dtype, seed=len(out) + 1), N, f"numel={numel}, dtype={dtype}"))
-    return out
-
-
-def _rank_info():
-    import torch.distributed as dist
-
-    return dist.get_rank(), dist.get_world_size()
-
-
-# ----------------------------------------------------------------------------- broadcast
-
-
-def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
-    r, N = _rank_info()
-    want = _data(seed, src, numel, dtype)
-    x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
-    with P2PWatch() as w:
-        fn(x, src, segments)
-    msg = compare(x, want, rtol=0, atol=0, what=f"tensor after broadcast from rank {src}")
-    if msg:
-        return msg
-    v = (r - src) % N                                   # position in the chain, the root is 0
-    last = v == N - 1
-    want_messages, want_bytes = (0, 0) if last else (segments, numel * x.element_size())
-    if (w.messages, w.bytes_sent) != (want_messages, want_bytes):
-        role = "the last rank of the chain" if last else f"position {v} of the chain"
-        return (f"rank {r} ({role}) sent {w.messages} messages, {w.bytes_sent} bytes; expected "
-                f"{want_messages} messages, {want_bytes} bytes: every rank but the last passes each of the "
-                f"{segments} segments (tensor.view(-1).tensor_split(segments)) once, to the next rank")
-    rounds = max(N - 1, 0) + segments - 1
-    if w.clock > rounds:
-        return (f"rank {r} was still sending or receiving in round {w.clock}: not pipelined. With "
-                f"{segments} segments on {N} ranks the last segment arrives in round (N-1) + (segments-1) = "
-                f"{rounds}: forward each segment as soon as it has arrived, before waiting for the next")
-    return None
-
-
-_CHAIN_CASES = [  # (world_size, numel, dtype, src, segments): roots other than 0, sizes segments do not divide
-    (1, 5, "float32", 0, 2), (2, 7, "float32", 1, 3), (3, 10, "int64", 2, 4),
-    (4, 9, "float32", 1, 3), (5, 11, "int64", 3, 4), (5, 6, "float32", 2, 1),
-]
-
-
-def check_pipelined_broadcast(fn, timeout: float = 30.0) -> bool:
-    """fn(tensor, src, segments): in place, along the chain src -> src+1 -> ... (mod N), in
-    ``segments`` pieces, each forwarded as soon as it arrives."""
-    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src, segments=k), N,
-                  f"world_size={N}, numel={n}, dtype={dt}, src={src}, segments={k}")
-             for i, (N, n, dt, src, k) in enumerate(_CHAIN_CASES)]
-    return _check_distributed("pipelined_broadcast", _harness(_chain_broadcast_harness, fn), cases, timeout)
-
-
-def _harness(h, fn):
-    """Bind the learner's function as the harness's first argument (shipped by value)."""
-    def run(**params):
-        return h(fn, **params)
-    return run
-
-
-# ----------------------------------------------------------------------------- all-reduce family
-
-
-def _budget(N, numel, esize, phases):
-    """Bytes a ring sends per rank: phases * (N-1) chunks of at most ceil(numel / N) elements."""
-    return phases * (N - 1) * math.ceil(numel / N) * esize
-
-
-def _too_many_bytes(w, N, numel, esize, phases, what):
-    limit = _budget(N, numel, esize, phases)
-    if w.bytes_sent > limit:
-        formula = "2(N-1)/N x n" if phases == 2 else "(N-1)/N x n"
-        return (f"this rank sent {w.bytes_sent} bytes; a ring {what} sends {formula} = about {limit} bytes "
-                f"(n = {numel * esize} bytes, N = {N}): send one chunk of n/N per step, not the whole buffer")
-    return None
-
-
-def _all_reduce_harness(fn, numel, dtype, seed):
-    r, N = _rank_info()
-    x = _data(seed, r, numel, dtype)
-    with P2PWatch() as w:
-        fn(x)
-    msg = compare(x, _sum_of(seed, N, numel, dtype).to(x.dtype), rtol=1e-4, atol=1e-5, what="tensor after all-reduce")
-    return msg or _too_many_bytes(w, N, numel, x.element_size(), 2, "all-reduce")
-
-
-def check_ring_all_reduce(fn, timeout: float = 30.0) -> bool:
-    cases = _cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
-    return _check_distributed("ring_all_reduce", _harness(_all_reduce_harness, fn), cases, timeout)
-
-
-def _reduce_scatter_harness(fn, numel, dtype, seed):
-    r, N = _rank_info()
-    full = _data(seed, r, numel * N, dtype)
-    out = torch.full((numel,), -7, dtype=full.dtype)
-    with P2PWatch() as w:
-        fn(out, full.clone())
-    want = _sum_of(seed, N, numel * N, dtype).to(full.dtype)[r * numel:(r + 1) * numel]
-    msg = compare(out, want, rtol=1e-4, atol=1e-5, what=f"output (piece {r} of the sum)")
-    return msg or _too_many_bytes(w, N, numel * N, full.element_size(), 1, "reduce-scatter")
-
-
-def check_ring_reduce_scatter(fn, timeout: float = 30.0) -> bool:
-    cases = _cases(lambda N: (3,), dtypes=("float32", "int64"))
-    return _check_distributed("ring_reduce_scatter", _harness(_reduce_scatter_harness, fn), cases, timeout)
-
-
-def _all_gather_harness(fn, numel, dtype, seed):
-    r, N = _rank_info()
-    out = torch.full((numel * N,), -7, dtype=DTYPES[dtype])
-    with P2PWatch() as w:
-        fn(out, _data(seed, r, numel, dtype))
-    want = torch.cat([_data(seed, q, numel, dtype) for q in range(N)])
-    msg = compare(out, want, what="output (every rank's input, in rank order)")
-    return msg or _too_many_bytes(w, N, numel * N, out.element_size(), 1, "all-gather")
-
-
-def check_ring_all_gather(fn, timeout: float = 30.0) -> bool:
-    cases = _cases(lambda N: (3,), dtypes=("float32", "int64"))
-    return _check_distributed("ring_all_gather", _harness(_all_gather_harness, fn), cases, timeout)
-
-
-def check_all_reduce_composed(fn, timeout: float = 30.0) -> bool:
-    cases = _cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
-    return _check_distributed("all_reduce_composed", _harness(_all_reduce_harness, fn), cases, timeout)
-
-
-# ----------------------------------------------------------------------------- alpha-beta fit
-
-
-def _fit_cases():
-    from course_lib import costmodel
-
-    cases = []
-    grids = [((4 << 10, 64 << 10, 1 << 20, 16 << 20), (2, 4, 8)), ((8 << 10, 1 << 20), (3, 5))]
-    for alpha, beta, noise in ((50e-6, 1e-9, 0.0), (20e-6, 2.5e-10, 0.1), (200e-6, 5e-9, 0.05)):
-        for sizes, worlds in grids:
-            rows, k = [], 0
-            for n in sizes:
-                for N in worlds:
-                    k += 1
-                    wobble = 1 + noise * (1 if k % 2 else -1) * ((k % 3) / 2)
-                    rows.append((n, N, costmodel.ring_all_reduce(n, N, alpha, beta) * wobble))
-            cases.append(Case(dict(rows=rows), 1, f"alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/B, "
-                                                   f"noise={noise:.0%}, {len(rows)} points on world_sizes "
-                                                   f"{'/'.join(map(str, worlds))}"))
-    return cases
-
-
-def check_fit_alpha_beta(fn) -> bool:
-    from course_lib import costmodel
-
-    def run_case(case):
-        rows = case.params["rows"]
-        got = fn([tuple(r) for r in rows])
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            return f"return (alpha, beta), got {got!r}"
-        ref = costmodel.fit_alpha_beta([("ring_all_reduce", n, N, t) for n, N, t in rows], relative=True)
-        return (compare(float(got[0]), ref.alpha, rtol=0.02, atol=1e-9, what="alpha")
-                or compare(float(got[1]), ref.beta, rtol=0.02, atol=1e-14, what="beta"))
-
-    return check("fit_alpha_beta", _fit_cases(), run_case)
+from course_lib.grading import Case, check, compare, learner
+from course_lib.grading.p2p import COLLECTIVES_LIBRARY, DTYPES, P2PWatch, bind, check_p2p, p2p_cases, rank_data, rank_info
+from course_lib.grading.training import CollectiveWatch
+
+# the course's own collectives: an exercise on torch's may not hand the work to ours
+COURSE_COLLECTIVES = COLLECTIVES_LIBRARY[:-2]  # without compat and torch
 
 
 # ----------------------------------------------------------------------------- find the bug: a ring shift
 
 def _ring_shift_harness(fn, numel, dtype, seed):
-    r, N = _rank_info()
-    x = _data(seed, r, numel, dtype)
+    r, N = rank_info()
+    x = rank_data(seed, r, numel, dtype)
     sent = x.clone()
     with P2PWatch():
         got = fn(x)
     if not isinstance(got, torch.Tensor):
         return f"expected the tensor received from the left neighbour, got {type(got).__name__}"
-    msg = compare(got, _data(seed, (r - 1) % N, numel, dtype), rtol=0, atol=0,
+    msg = compare(got, rank_data(seed, (r - 1) % N, numel, dtype), rtol=0, atol=0,
                   what=f"the tensor rank {r} received (rank {(r - 1) % N}'s)")
     if msg:
         return msg
@@ -411,8 +46,9 @@ def _ring_shift_harness(fn, numel, dtype, seed):
 def check_ring_shift(fn, timeout: float = 20.0) -> bool:
     """fn(tensor) on every rank returns the left neighbour's tensor (rank r gets rank r-1's),
     with blocking send/recv; 1 MiB tensors, so a blocking send waits for its receive."""
-    cases = _cases(lambda N: (1 << 18,))
-    return _check_distributed("ring_shift", _harness(_ring_shift_harness, fn), cases, timeout)
+    cases = p2p_cases(lambda N: (1 << 18,))
+    return check_p2p("ring_shift", bind(_ring_shift_harness, fn, COLLECTIVES_LIBRARY, exercise="the ring shift"),
+                     cases, timeout)
 
 
 # ----------------------------------------------------------------------------- bus bandwidth
@@ -429,8 +65,11 @@ def check_bus_bandwidth(fn) -> bool:
     all_gather, reduce_scatter, broadcast and all_to_all (n = the whole buffer, as nccl-tests)."""
     from course_lib.costmodel import busbw
 
+    answer = learner(fn, "course_lib.costmodel:*", "course_lib.costmodel.algorithms:*", exercise="bus bandwidth",
+                     seconds=10)
+
     def run_case(case):
-        got = fn(*case.params["args"])
+        got = answer(*case.params["args"])
         want = busbw(*case.params["args"][:2], case.params["args"][3], case.params["args"][2])
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
             return f"expected bytes per second as a number, got {got!r}"
@@ -443,6 +82,78 @@ def check_bus_bandwidth(fn) -> bool:
     return check("bus_bandwidth", cases, run_case)
 
 
-__all__ = ["P2PWatch", "check_pipelined_broadcast", "check_ring_all_reduce", "check_ring_reduce_scatter",
-           "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta", "check_bus_bandwidth",
-           "check_ring_shift"]
+# ----------------------------------------------------------------------------- find the bug: the logged mean
+# (world size, rows in all, features, dtype): rows split by tensor_split, so sizes differ and a rank may have none
+_MEAN_CASES = [(2, 40, 3, "float32"), (2, 37, 3, "float64"), (3, 50, 2, "float32"), (3, 2, 4, "float64"),
+               (4, 45, 1, "float32"), (1, 5, 3, "float32")]
+
+
+def _global_mean_harness(fn, rows, features, dtype, seed):
+    r, N = rank_info()
+    everything = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed),
+                             dtype=torch.float64).to(DTYPES[dtype])
+    mine = everything.tensor_split(N)[r].clone()        # (rows_r, features), rows_r may be 0
+    with CollectiveWatch() as watch:
+        got = fn(mine)
+    msg = compare(got, everything.double().mean(0).to(mine.dtype), rtol=1e-5, atol=1e-6,
+                  what=f"the mean over all {rows} rows ({len(mine)} on this rank)")
+    if msg:
+        return msg
+    moved = sum(nbytes for _, nbytes in watch.calls)
+    limit = 2 * (features + 1) * 8
+    if moved > limit:
+        return (f"this rank passed {moved} bytes to collectives: the answer needs only a sum of {features} "
+                f"numbers and a row count from each rank, never the rows themselves")
+    return None
+
+
+def check_global_mean(fn, timeout: float = 30.0) -> bool:
+    """fn(rows) on every rank, rows (rows_r, features) with rows_r different per rank (maybe 0):
+    returns the (features,) mean over every rank's rows, on every rank."""
+    cases = [Case(dict(rows=n, features=f, dtype=dt, seed=i + 1), N,
+                  f"{n} rows on {N} ranks ({', '.join(str(len(c)) for c in torch.arange(n).tensor_split(N))}), {dt}")
+             for i, (N, n, f, dt) in enumerate(_MEAN_CASES)]
+    return check_p2p("global_mean", bind(_global_mean_harness, fn, COURSE_COLLECTIVES, "course_lib.compat:all_reduce_avg",
+                                         exercise="the global mean"), cases, timeout)
+
+
+# ----------------------------------------------------------------------------- all-reduce from its two halves
+def _halves_harness(fn, numel, dtype, seed, shape):
+    r, N = rank_info()
+    x = rank_data(seed, r, numel, dtype).reshape(shape)
+    want = torch.stack([rank_data(seed, q, numel, dtype) for q in range(N)]).sum(0).to(x.dtype).reshape(shape)
+    with CollectiveWatch() as watch:
+        fn(x)
+    msg = compare(x, want, rtol=1e-5, atol=1e-6, what="tensor after all-reduce (in place)")
+    if msg:
+        return msg
+    kinds = [k for k, _ in watch.calls]
+    if N > 1 and sorted(kinds) != ["all_gather", "reduce_scatter"]:
+        return (f"collectives called: {kinds or 'none'}; expected exactly one reduce-scatter and one "
+                f"all-gather (pad the flat tensor to a multiple of the world size)")
+    padded = math.ceil(numel / N) * N * x.element_size()
+    too_big = [(k, b) for k, b in watch.calls if b > padded]
+    if too_big:
+        return (f"{too_big[0][0]} of {too_big[0][1]} bytes: pad to the next multiple of the world size only "
+                f"({padded} bytes for {numel} elements on {N} ranks)")
+    return None
+
+
+_HALVES_CASES = [  # (world size, shape, dtype): sizes the world size does not divide, fewer elements than ranks
+    (2, (4, 3), "float32"), (3, (7,), "float32"), (3, (2,), "int64"), (4, (3, 3), "float64"), (5, (11,), "int64"),
+    (1, (3,), "float32")]
+
+
+def check_all_reduce_from_halves(fn, timeout: float = 30.0) -> bool:
+    """fn(tensor): in place SUM over ranks, as one reduce-scatter and one all-gather of torch's
+    (course_lib.compat's), for any shape and any number of elements."""
+    cases = [Case(dict(numel=math.prod(s), dtype=dt, seed=i + 1, shape=s), N, f"shape {s}, dtype={dt}")
+             for i, (N, s, dt) in enumerate(_HALVES_CASES)]
+    return check_p2p("all_reduce_from_halves", bind(_halves_harness, fn, COURSE_COLLECTIVES,
+                                                    "torch.distributed.distributed_c10d:all_reduce",
+                                                    "torch._C._distributed_c10d:ProcessGroup.allreduce",
+                                                    "course_lib.compat:all_reduce_avg",
+                                                    exercise="all-reduce from its two halves"), cases, timeout)
+
+
+__all__ = ["check_ring_shift", "check_global_mean", "check_all_reduce_from_halves", "check_bus_bandwidth"]

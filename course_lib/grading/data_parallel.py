@@ -1,121 +1,27 @@
-"""Graders of chapters 3-4: a learner's data-parallel pieces, trained on real ranks and
-compared with single-device training on the full batch.
+"""Graders of chapter 3 (data parallelism), trained on real ranks and compared with
+single-device training on the full batch (the harness: :mod:`course_lib.grading.training`).
 
     check_ddp_hook(hook)                   # hook(param, world_size, handles): async all-reduce
     check_assign_buckets(assign_buckets)   # (params, cap_bytes) -> [[indexes]], reverse order
     check_bucket_hooks(make_bucket_hooks)  # one async all-reduce per bucket, launched from hooks
-    check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
-    check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
-    check_zero2_hooks(make_zero2_hooks)    # one async reduce-scatter per bucket; keep the shard only
-    check_fsdp_prefetch(run_units)         # next unit's all-gather in flight while a unit computes
-    check_clip_sharded(clip)               # find the bug: clip sharded gradients by the global norm
-    check_memory_prediction(predict)       # (n_params, stage, world_size) -> bytes by category
-    check_bytes_per_step(predict)          # (n_params, root, stage, world_size, impl) -> bytes sent
+    check_uneven_batches(sync_gradients)   # find the bug: a last batch the ranks split unevenly
 
 Each prints one line (``ddp_hook: 3/3 cases passed`` or the first failing case with a
-hint) and returns True/False. The training cases use an MLP whose sizes the world size
-does not divide, reshuffled batches and ranks initialised differently, like the tests.
+hint). While the learner's code runs, course_lib's data parallelism and torch's DDP are
+switched off (:mod:`course_lib.grading.guard`).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 
-from course_lib import reference
-from course_lib.grading import Case, check, check_distributed, compare
+from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.grading import training as T
+from course_lib.grading.guard import TORCH_DATA_PARALLEL
 
-SIZES = (6, 10, 5)   # 60 + 10 + 50 + 5 = 125 parameters: no world size of the cases divides it
-BATCH, STEPS, LR = 12, 4, 0.1
-
-
-def _data():
-    return reference.mlp_batches(seed=0, batch=BATCH, steps=STEPS, sizes=SIZES)
-
-
-def _mlp(seed):
-    from course_lib.models import MLP
-
-    return MLP(SIZES, seed=seed)
-
-
-def _single_device(update):
-    """Full-batch training; ``update(params)`` applies one optimizer step to the grads."""
-    model = _mlp(0)
-    reference.train(model, _data(), update)
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _sgd(params):
-    reference.sgd_step(params, LR)
-
-
-def _local(batch, rank, world):
-    x, y = batch
-    return x.chunk(world)[rank], y.chunk(world)[rank]
-
-
-class CollectiveWatch:
-    """Inside a rank: log the torch.distributed collectives called (kind, bytes per call),
-    by wrapping them for the duration of a ``with`` block. ``course_lib.compat`` looks the
-    functions up on every call, so calls through it are seen too."""
-
-    NAMES = {"all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
-             "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-             "all_gather_single": "all_gather", "reduce_scatter": "reduce_scatter",
-             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
-
-    def __init__(self):
-        self.calls = []
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self._saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-        for name, fn in self._saved.items():
-            setattr(dist, name, self._wrap(name, fn))
-        return self
-
-    def _wrap(self, name, fn):
-        def call(*args, **kwargs):
-            tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-            if name in ("all_gather", "reduce_scatter"):  # lists of tensors
-                tensors = [t for a in args[:2] if isinstance(a, (list, tuple)) for t in a]
-            self.calls.append((self.NAMES[name], max((t.numel() * t.element_size() for t in tensors), default=0)))
-            return fn(*args, **kwargs)
-        return call
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-    def kinds(self):
-        return {k for k, _ in self.calls}
-
-
-def _zero_traffic_hint(watch, world):
-    """None when one step moved reduce-scatter + all-gather worth of data, else a hint."""
-    kinds = watch.kinds()
-    if world > 1 and "broadcast" in kinds:
-        return ("the updated slices travel with broadcasts: every rank contributes a slice and "
-                "needs all of them, which is one all-gather")
-    if world > 1 and "all_reduce" in kinds:
-        return ("the gradients are all-reduced: each rank only needs the mean of its own slice, "
-                "a reduce-scatter (half the bytes, and no full-size averaged gradient to keep)")
-    if world > 1 and not {"reduce_scatter", "all_gather"} <= kinds:
-        return f"expected a reduce-scatter and an all-gather per step, saw {sorted(kinds) or 'no collective'}"
-    return None
-
-
-def _compare_params(got, expected, what="parameters after training"):
-    for i, (g, e) in enumerate(zip(got, expected)):
-        msg = compare(g.detach(), e, rtol=1e-5, atol=1e-6, what=f"{what}, tensor {i}")
-        if msg:
-            return msg
-    return None
+# what would do chapter 3's exercises for the learner
+DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
+              "course_lib.grading.training:single_device", TORCH_DATA_PARALLEL)
 
 
 # ----------------------------------------------------------------------------- 1. DDP hook
@@ -123,29 +29,30 @@ def _ddp_hook_harness(hook):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _mlp(rank)  # different on every rank: broadcast rank 0's first
+    model = T.mlp(rank)  # different on every rank: broadcast rank 0's first
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     handles = []
+    hook = learner(hook, DP_LIBRARY, exercise="the DDP hook")
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: hook(p, world, handles))
-    for batch in _data():
-        x, y = _local(batch, rank, world)
+    for batch in T.data():
+        x, y = T.local(batch, rank, world)
         F.mse_loss(model(x), y).backward()
         if len(handles) != len(list(model.parameters())):
             return f"expected one async all-reduce handle per parameter in `handles`, got {len(handles)}"
         for h in handles:
             h.wait()
         handles.clear()
-        _sgd(model.parameters())
+        T.sgd(model.parameters())
         model.zero_grad()
-    return _compare_params(list(model.parameters()), _single_device(_sgd))
+    return T.compare_params(list(model.parameters()), T.single_device(T.sgd))
 
 
 def check_ddp_hook(hook):
     """hook(param, world_size, handles) runs when param.grad is complete: it must start an
     async all-reduce that leaves the *mean* in param.grad, and append the work handle."""
-    cases = [Case({"hook": hook}, world_size=n, label=f"MLP {SIZES}, {STEPS} SGD steps") for n in (1, 2, 3)]
+    cases = [Case({"hook": hook}, world_size=n, label=f"MLP {T.SIZES}, {T.STEPS} SGD steps") for n in (1, 2, 3)]
     return check_distributed("ddp_hook", _ddp_hook_harness, cases)
 
 
@@ -163,11 +70,13 @@ def check_assign_buckets(assign_buckets):
         "float32 and float64 mixed": ([4, 4, 4, 4, 8], 48, (1, 3)),
     }
 
+    answer = learner(assign_buckets, DP_LIBRARY, exercise="bucketing", seconds=10)
+
     def run(case):
         sizes, cap, doubles = case.params["sizes"], case.params["cap"], case.params["doubles"]
         params = [torch.zeros(n, dtype=torch.float64 if i in doubles else torch.float32) for i, n in enumerate(sizes)]
-        got = assign_buckets(params, cap)
         expected = course_buckets(params, cap)
+        got = answer(params, cap)
         if not isinstance(got, list) or any(not isinstance(b, list) for b in got):
             return f"expected a list of lists of parameter indexes, got {got!r}"
         if got != expected:
@@ -183,53 +92,10 @@ def check_assign_buckets(assign_buckets):
 _BUCKET_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
 
 
-def _hooked_steps(make_hooks, cap, fn_name):
-    """The hook harnesses' shared training: the model (rank 0's weights everywhere), the
-    course's buckets, the learner's hooks registered by ``make_hooks``. Yields first
-    (params, buckets), then per step (step, finish()'s return, the collectives called, whether
-    one had started before backward's last gradient); the caller checks them and updates the
-    parameters. A str yielded is the learner's error: stop."""
-    import torch.distributed as dist
-
-    from course_lib.parallel.grad_sync import assign_buckets as course_buckets
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = _mlp(rank)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    params = list(model.parameters())
-    buckets = course_buckets(params, cap)
-    seen_at_last_grad = []
-    # registered before the learner's hooks, so it runs first: how many collectives had started
-    # when the last gradient of backward (params[0], the first layer's weight) was ready
-    params[0].register_post_accumulate_grad_hook(lambda p: seen_at_last_grad.append(len(watch.calls)))
-    watch = CollectiveWatch()
-    with watch:
-        finish = make_hooks(params, buckets, world)
-        if not callable(finish):
-            yield f"{fn_name} must return a finish() function, got {finish!r}"
-            return
-        yield params, buckets
-        for step, batch in enumerate(_data()):
-            watch.calls.clear()
-            seen_at_last_grad.clear()
-            x, y = _local(batch, rank, world)
-            F.mse_loss(model(x), y).backward()
-            result = finish()
-            overlapped = len(buckets) == 1 or bool(seen_at_last_grad and seen_at_last_grad[0] > 0)
-            yield step, result, list(watch.calls), overlapped
-            model.zero_grad()
-
-
-def _not_overlapped(step, kind):
-    return (f"step {step}: no bucket's {kind} had started when backward produced its last "
-            f"gradient: launch a bucket from the hook that completes it (async_op=True)")
-
-
 def _bucket_hooks_harness(make_hooks, cap):
     """Train with the learner's hooks; per step check: one all-reduce per bucket, the first
     buckets launched before backward produced its last gradient (overlap), the result."""
-    steps = _hooked_steps(make_hooks, cap, "make_bucket_hooks")
+    steps = T.hooked_steps(make_hooks, cap, "make_bucket_hooks", DP_LIBRARY, "bucketed, overlapped all-reduces")
     first = next(steps)
     if isinstance(first, str):
         return first
@@ -240,9 +106,9 @@ def _bucket_hooks_harness(make_hooks, cap):
             return (f"step {step}: {len(reduces)} all-reduces for {len(buckets)} buckets: one flat "
                     f"all-reduce per bucket")
         if not overlapped:
-            return _not_overlapped(step, "all-reduce")
-        _sgd(params)
-    return _compare_params(params, _single_device(_sgd))
+            return T.not_overlapped(step, "all-reduce")
+        T.sgd(params)
+    return T.compare_params(params, T.single_device(T.sgd))
 
 
 def check_bucket_hooks(make_bucket_hooks):
@@ -254,432 +120,53 @@ def check_bucket_hooks(make_bucket_hooks):
     return check_distributed("bucket_hooks", _bucket_hooks_harness, cases)
 
 
-# ----------------------------------------------------------------------------- 3. ZeRO-1
-def _zero1_harness(zero1_step):
+# ----------------------------------------------------------------------------- 4. find the bug: uneven batches
+# (global rows, world size, dtype): the last batch of an epoch rarely divides by the world size
+_UNEVEN_CASES = [(12, 2, "float32"), (7, 2, "float32"), (7, 3, "float64"), (2, 3, "float32"), (5, 1, "float32"),
+                 (11, 4, "float64")]
+
+
+def _uneven_harness(sync_gradients, rows, dtype):
+    """Rank r computes the mean loss over its rows (torch.tensor_split: sizes differ by one, a
+    rank may have none, and then its grads are None); after sync_gradients(model, n_local)
+    every p.grad must be the gradient of the mean loss over all rows."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _mlp(rank)
-    params = list(model.parameters())
-    numel = sum(p.numel() for p in params)
-    shard_size = math.ceil(numel / world)
-    flat = torch.zeros(shard_size * world)  # (world * shard,) padded; parameters are views into it
-    with torch.no_grad():
-        offset = 0
-        for p in params:
-            flat[offset:offset + p.numel()].copy_(p.view(-1))
-            p.data = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-    dist.broadcast(flat, 0)
-    shard = flat[rank * shard_size:(rank + 1) * shard_size].clone()  # this rank's master slice
-    optimizer = torch.optim.AdamW([shard], lr=1e-2, weight_decay=0.1)
-    for batch in _data():
-        x, y = _local(batch, rank, world)
-        F.mse_loss(model(x), y).backward()
-        flat_grad = torch.zeros_like(flat)
-        flat_grad[:numel] = torch.cat([p.grad.view(-1) for p in params])
-        with CollectiveWatch() as watch:
-            zero1_step(flat, flat_grad, shard, optimizer)
-        hint = _zero_traffic_hint(watch, world)
-        if hint:
-            return hint
-        model.zero_grad()
-    state = optimizer.state.get(shard, {})
-    if "exp_avg" not in state:
-        return "optimizer.step() was never called on the shard"
-    if state["exp_avg"].numel() != shard_size:
-        return f"the optimizer state should cover this rank's shard only ({shard_size} elements)"
-    ref_opt = {}
-
-    def adamw(ps):
-        if "opt" not in ref_opt:
-            ref_opt["opt"] = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
-        ref_opt["opt"].step()
-
-    return _compare_params(params, _single_device(adamw))
-
-
-def check_zero1_step(zero1_step):
-    """zero1_step(flat, flat_grad, shard, optimizer): flat (world*S,) the full padded parameters,
-    flat_grad this rank's (unsynchronised) gradient of them, shard (S,) the slice this rank
-    owns with ``optimizer`` over it. Afterwards flat must hold the updated parameters."""
-    cases = [Case({"zero1_step": zero1_step}, world_size=n, label=f"MLP {SIZES}, AdamW") for n in (1, 2, 3)]
-    return check_distributed("zero1_step", _zero1_harness, cases, timeout=60)
-
-
-# ----------------------------------------------------------------------------- 4. FSDP unit
-def _fsdp_unit_harness(GatherParams):
-    import torch.distributed as dist
-
-    from course_lib import compat
-    from course_lib.parallel.fsdp_params import ShardedUnit
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = _mlp(rank)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    units = []  # one unit per Linear: weight and bias cut along dim 0, this rank's rows packed: (S,)
-    for layer in model.layers:
-        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
-        units.append((unit, unit.flat_shard.clone().requires_grad_()))
-    for batch in _data():
-        x, y = _local(batch, rank, world)
-        h = x
-        for k, (unit, shard) in enumerate(units):
-            full = GatherParams.apply(shard)
-            if not isinstance(full, torch.Tensor) or full.numel() != shard.numel() * world:
-                return f"GatherParams.apply(shard) should return the ({shard.numel() * world},) gathered vector"
-            h = F.linear(h, *_unit_params(unit, full))
-            h = F.relu(h) if k < len(units) - 1 else h
-        with CollectiveWatch() as watch:
-            F.mse_loss(h, y).backward()
-        if world > 1 and "reduce_scatter" not in watch.kinds():
-            return ("backward should reduce-scatter the full gradient (each rank keeps the mean of its "
-                    f"slice), saw {sorted(watch.kinds()) or 'no collective'}")
-        with torch.no_grad():
-            for _, shard in units:
-                if shard.grad is None or shard.grad.shape != shard.shape:
-                    return "backward should return the gradient of this rank's shard (same shape)"
-                shard -= LR * shard.grad
-                shard.grad = None
-    got = []
-    for unit, shard in units:  # gather the trained shards
-        full = torch.empty(shard.numel() * world)
-        compat.all_gather_into_tensor(full, shard.detach())
-        got += _unit_params(unit, full)
-    return _compare_params(got, _single_device(_sgd))
-
-
-def _unit_params(unit, full):
-    """(N * S,) rank after rank -> each parameter, full shape (differentiable: the checker's
-    part; FSDP's copy_out does the same)."""
-    by_rank = full.view(unit.world, unit.numel)
-    return [by_rank[:, s.offset:s.offset + s.padded].reshape(unit.world * s.chunk, *s.shape[1:])[:s.shape[0]]
-            for s in unit.slots]
-
-
-def check_fsdp_unit(GatherParams):
-    """GatherParams.apply(shard) -> the all-gathered flat parameters; its backward must
-    reduce-scatter the gradient and return the *mean* gradient of this rank's shard."""
-    cases = [Case({"GatherParams": GatherParams}, world_size=n, label=f"MLP {SIZES}, one unit per layer")
-             for n in (1, 2, 3)]
-    return check_distributed("fsdp_unit", _fsdp_unit_harness, cases)
-
-
-# ----------------------------------------------------------------------------- 4b. ZeRO-2 hooks
-_ZERO2_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
-
-
-def _zero2_hooks_harness(make_hooks, cap):
-    """Train with the learner's ZeRO-2 hooks; per step check: one reduce-scatter per bucket and
-    no all-reduce, the first buckets launched before backward's last gradient (overlap), the
-    full-size gradients freed, each shard the mean of this rank's slice; then SGD on the
-    owned slices, all-gathered by the harness, against single-device training."""
-    import torch.distributed as dist
-
-    from course_lib import compat
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps = _hooked_steps(make_hooks, cap, "make_zero2_hooks")
-    first = next(steps)
-    if isinstance(first, str):
-        return first
-    params, buckets = first
-    sizes = [math.ceil(sum(params[i].numel() for i in ids) / world) for ids in buckets]  # S_b
-    for step, shards, calls, overlapped in steps:
-        kinds = [k for k, _ in calls]
-        if world > 1 and "all_reduce" in kinds:
-            return (f"step {step}: an all-reduce: each rank needs only the mean of its own slice, one "
-                    f"reduce-scatter per bucket (and never reduce a reduced slice again)")
-        if kinds.count("reduce_scatter") != len(buckets):
-            return (f"step {step}: {kinds.count('reduce_scatter')} reduce-scatters for {len(buckets)} "
-                    f"buckets: one per bucket, launched when its last gradient is ready")
-        if not overlapped:
-            return _not_overlapped(step, "reduce-scatter")
-        kept = [i for i, p in enumerate(params) if p.grad is not None]
-        if kept:
-            return (f"step {step}: parameters {kept} still hold their full-size gradient after "
-                    f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
-        if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
-            return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
-        with torch.no_grad():
-            for b, (ids, size) in enumerate(zip(buckets, sizes)):
-                shard = shards[b]
-                if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
-                    got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
-                    return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
-                flat = torch.zeros(size * world)  # (N * S_b,) this bucket's parameters, padded
-                flat[:sum(params[i].numel() for i in ids)] = torch.cat([params[i].reshape(-1) for i in ids])
-                mine = flat[rank * size:(rank + 1) * size] - LR * shard   # SGD on the owned slice
-                compat.all_gather_into_tensor(flat, mine.contiguous())
-                offset = 0
-                for i in ids:
-                    params[i].copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
-                    offset += params[i].numel()
-    return _compare_params(params, _single_device(_sgd))
-
-
-def check_zero2_hooks(make_zero2_hooks):
-    """make_zero2_hooks(params, buckets, world_size) registers gradient hooks and returns
-    finish(); when a bucket's last gradient is ready its flat gradients (in bucket order,
-    zero-padded to a multiple of world_size) are reduce-scattered asynchronously and the
-    full-size gradients freed; finish() returns [mean gradient shard of this rank, per bucket]."""
-    cases = [Case({"make_hooks": make_zero2_hooks, "cap": cap}, world_size=n, label=name)
-             for name, cap in _ZERO2_CAPS.items() for n in (2, 3)]
-    return check_distributed("zero2_hooks", _zero2_hooks_harness, cases, timeout=60)
-
-
-# ----------------------------------------------------------------------------- 4b'. FSDP prefetch
-class _PrefetchLog:
-    """Inside a rank: the events of one pass of the learner's run_units, and the checks."""
-
-    def __init__(self, units, world):
-        self.units, self.world, self.events, self.live, self.peak = units, world, [], set(), 0
-
-    def start_gather(self, k):
-        from course_lib import compat
-
-        unit, shard = self.units[k]
-        full = torch.empty(shard.numel() * self.world)          # (N * S,) rank after rank
-        work = compat.all_gather_into_tensor(full, shard.detach(), async_op=True)
-        self.events.append(("gather", k))
-        self.live.add(k)
-        self.peak = max(self.peak, len(self.live))
-        log = self
-
-        class Handle:
-            def wait(self):
-                if work is not None:
-                    work.wait()
-                log.events.append(("wait", k))
-                return _unit_params(unit, full)
-        return Handle()
-
-    def free(self, k):
-        self.live.discard(k)
-        self.events.append(("free", k))
-
-    def problem(self, order, what):
-        computed = [k for e, k in self.events if e == "compute"]
-        if computed != list(order):
-            return f"{what}: compute ran on units {computed}, expected each unit once in the order {list(order)}"
-        gathers = [k for e, k in self.events if e == "gather"]
-        if sorted(gathers) != sorted(order):
-            return f"{what}: all-gathers of units {gathers}: each unit's parameters gathered exactly once"
-        for i in range(1, len(order)):
-            started = self.events.index(("gather", order[i]))
-            if started > self.events.index(("compute", order[i - 1])):
-                return (f"{what}: unit {order[i]}'s all-gather started after unit {order[i - 1]} computed: "
-                        f"start the next unit's all-gather before computing this one (prefetch)")
-        if self.peak > 2:
-            return f"{what}: {self.peak} units gathered at once: free each unit after it computed (at most 2)"
-        if self.live:
-            return f"{what}: units {sorted(self.live)} still gathered at the end: free(k) after compute"
-        return None
-
-
-def _prefetch_harness(run_units, n_layers):
-    """A stack of Linear units, FSDP-sharded by rows; forward and backward (recomputing each
-    unit from its saved input) both driven by the learner's run_units; SGD on the shards."""
-    import torch.distributed as dist
-
-    from course_lib import compat
-    from course_lib.parallel.fsdp_params import ShardedUnit
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = (SIZES[0],) + (10,) * (n_layers - 1) + (SIZES[-1],)  # n_layers Linear units
-    model = _mlp_sizes(sizes, rank)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    units = []
-    for layer in model.layers:
-        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
-        units.append((unit, unit.flat_shard.clone()))
-    last = len(units) - 1
-    for batch in _data_sizes(sizes):
-        x, y = _local(batch, rank, world)
-        inputs, h = {}, [x]
-
-        def forward(k, full):
-            inputs[k] = h[0]
-            out = F.linear(h[0], *full)
-            h[0] = F.relu(out) if k < last else out
-
-        log = _PrefetchLog(units, world)
-        order = list(range(len(units)))
-        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), forward(k, full)),
-                  log.free)
-        msg = log.problem(order, "forward")
+    dt = getattr(torch, dtype)
+    x, y = (t[:rows].to(dt) for t in T.data()[0])
+    ref, model = T.mlp(0).to(dt), T.mlp(0).to(dt)
+    F.mse_loss(ref(x), y).backward()
+    mine_x, mine_y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+    if len(mine_x):
+        F.mse_loss(model(mine_x), mine_y).backward()
+    with T.CollectiveWatch() as watch:
+        learner(sync_gradients, DP_LIBRARY, exercise="gradient averaging")(model, len(mine_x))
+    moved = [k for k, _ in watch.calls if k != "all_reduce"]
+    if moved:
+        return f"only all-reduces are needed here (saw {sorted(set(moved))}): sum what each rank has, then divide"
+    n_params = len(list(model.parameters()))
+    if len(watch.calls) > n_params + 2:
+        return (f"{len(watch.calls)} all-reduces for {n_params} parameters: one per parameter (or one flat "
+                f"buffer) and one for the row count")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.grad is None:
+            return f"{name}.grad is None on rank {rank} ({len(mine_x)} rows here): one device has a gradient"
+        msg = compare(p.grad, q.grad, rtol=1e-4 if dt == torch.float32 else 1e-10, atol=1e-6 if dt == torch.float32
+                      else 1e-12, what=f"{name}.grad ({len(mine_x)} of {rows} rows on this rank)")
         if msg:
             return msg
-        out = h[0].detach().requires_grad_()
-        grad = [torch.autograd.grad(F.mse_loss(out, y), out)[0]]
-        grads = {}
-
-        def backward(k, full):
-            params = [p.detach().requires_grad_() for p in full]
-            inp = inputs[k].detach().requires_grad_()
-            out = F.linear(inp, *params)
-            out = F.relu(out) if k < last else out
-            *g_params, g_in = torch.autograd.grad(out, params + [inp], grad[0])
-            grad[0] = g_in
-            full_grad = torch.zeros(world, units[k][0].numel)  # packed like the shards, then reduce-scattered
-            for s, g in zip(units[k][0].slots, g_params):
-                rows = torch.zeros(world * s.chunk, *s.shape[1:])
-                rows[:s.shape[0]] = g
-                full_grad[:, s.offset:s.offset + s.padded] = rows.reshape(world, -1)
-            mine = torch.empty(units[k][0].numel)
-            compat.reduce_scatter_tensor(mine, full_grad.view(-1))
-            grads[k] = mine / world
-
-        log = _PrefetchLog(units, world)
-        order = order[::-1]
-        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), backward(k, full)),
-                  log.free)
-        msg = log.problem(order, "backward")
-        if msg:
-            return msg
-        with torch.no_grad():
-            for k, (_, shard) in enumerate(units):
-                shard -= LR * grads[k]
-    got = []
-    for unit, shard in units:
-        full = torch.empty(shard.numel() * world)
-        compat.all_gather_into_tensor(full, shard)
-        got += _unit_params(unit, full)
-    return _compare_params(got, _single_device_sizes(sizes))
+    return None
 
 
-def _mlp_sizes(sizes, seed):
-    from course_lib.models import MLP
-
-    return MLP(sizes, seed=seed)
-
-
-def _data_sizes(sizes):
-    return reference.mlp_batches(seed=0, batch=BATCH, steps=STEPS, sizes=sizes)
-
-
-def _single_device_sizes(sizes):
-    model = _mlp_sizes(sizes, 0)
-    reference.train(model, _data_sizes(sizes), _sgd)
-    return [p.detach().clone() for p in model.parameters()]
+def check_uneven_batches(sync_gradients, timeout: float = 30.0) -> bool:
+    """sync_gradients(model, n_local) on every rank, after backward of the mean loss over this
+    rank's n_local rows (0 rows: no backward, grads None): afterwards each p.grad is the
+    gradient of the mean over ALL rows, as on one device."""
+    cases = [Case({"sync_gradients": sync_gradients, "rows": r, "dtype": dt}, w,
+                  f"{r} rows on {w} ranks ({', '.join(str(len(c)) for c in torch.arange(r).tensor_split(w))}), {dt}")
+             for r, w, dt in _UNEVEN_CASES]
+    return check_distributed("uneven_batches", _uneven_harness, cases, timeout=timeout)
 
 
-def check_fsdp_prefetch(run_units):
-    """run_units(order, start_gather, compute, free): for each unit k of ``order`` call
-    compute(k, full) with its gathered parameters (start_gather(k) -> handle, handle.wait() ->
-    full), the next unit's all-gather started before this unit computes, each unit freed after
-    (free(k)), at most two gathered at once. Driven in forward and in backward (reverse order)."""
-    cases = [Case({"run_units": run_units, "n_layers": n}, world_size=w, label=f"{n} Linear units")
-             for n, w in ((3, 2), (5, 3), (2, 2))]
-    return check_distributed("fsdp_prefetch", _prefetch_harness, cases, timeout=60)
-
-
-# ----------------------------------------------------------------------------- 4c. find the bug: clipping
-_CLIP_CASES = {  # label: (gradient length, max_norm)
-    "10 elements, the norm is clipped": (10, 0.5),
-    "10 elements, the norm is below max_norm": (10, 100.0),
-    "2 elements on 3 ranks: one rank owns none": (2, 0.5),
-}
-
-
-def _clip_harness(clip, numel, max_norm):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.randn(numel, generator=torch.Generator().manual_seed(numel))  # the mean gradient
-    size = math.ceil(numel / world)
-    shard = g[rank * size:(rank + 1) * size].clone()  # this rank's reduced slice (maybe empty)
-    expected = shard * min(1.0, max_norm / (g.norm().item() + 1e-6))
-    got = clip(shard, max_norm)
-    if got is None:
-        got = shard
-    return compare(got, expected, rtol=1e-5, atol=1e-7, what=f"the clipped shard (global norm {g.norm():.3f})")
-
-
-def check_clip_sharded(clip_sharded_grad):
-    """clip_sharded_grad(grad_shard, max_norm) -> this rank's slice of the mean gradient scaled
-    by min(1, max_norm / (norm + 1e-6)), where norm is the 2-norm of the WHOLE gradient."""
-    cases = [Case({"clip": clip_sharded_grad, "numel": n, "max_norm": m}, world_size=w, label=label)
-             for label, (n, m) in _CLIP_CASES.items() for w in ((3,) if "3 ranks" in label else (2, 3))]
-    return check_distributed("clip_sharded", _clip_harness, cases, timeout=15)
-
-
-# ----------------------------------------------------------------------------- 5. bytes
-# Measured with course_lib.memory.model_state_bytes on rank 0 after one fp32 AdamW step of
-# TinyGPT(MEASURED_CONFIG) (notebook 04 prints the same table; tests/test_memory.py re-measures
-# it): (stage, world size) -> (parameters, gradients, optimizer state) bytes. DDP's gradients
-# are views of its buckets, which also hold one fp32 "had a gradient" flag per parameter tensor.
-MEASURED_CONFIG = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=128, n_heads=4)
-MEASURED_PARAMS = 869_504
-MEASURED_BYTES = {
-    (0, 2): (3478016, 3478172, 6956188), (1, 2): (3478016, 3478016, 3478096),
-    (2, 2): (3478016, 1739008, 3478096), (3, 2): (1739008, 1739008, 3478172),
-    (0, 4): (3478016, 3478172, 6956188), (1, 4): (3478016, 3478016, 1739044),
-    (2, 4): (3478016, 869504, 1739044), (3, 4): (869504, 869504, 1739164),
-}
-
-
-def check_memory_prediction(predict):
-    """predict(n_params, stage, world_size) -> {"params", "grads", "optimizer"} bytes per rank
-    for fp32 AdamW (stage 0 = DDP), compared with the bytes course_lib.memory measured on
-    our DDP / ShardedOptimizer / FSDP (``MEASURED_BYTES``) within 5%."""
-    n, measured = MEASURED_PARAMS, MEASURED_BYTES
-    names = ("params", "grads", "optimizer")
-
-    def run(case):
-        stage, world = case.params["stage"], case.world_size
-        got = predict(n, stage, world)
-        if not isinstance(got, dict) or any(k not in got for k in names):
-            return f"expected a dict with keys {names}, got {got!r}"
-        for name, value in zip(names, measured[stage, world]):
-            if not isinstance(got[name], (int, float)) or abs(got[name] - value) > 0.05 * value:
-                return (f"{name}: predicted {got[name]!r} bytes, measured {value:,} "
-                        f"(P = {n:,}, stage {stage}, {world} ranks)")
-        return None
-
-    labels = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-    cases = [Case({"stage": s}, world_size=w, label=labels[s]) for (s, w) in measured]
-    return check("memory_prediction", cases, run)
-
-
-# Bytes that rank 0 handed to the kernel (Linux /proc/self/io) during one step of the same
-# TinyGPT, fp32, as notebook 04 measures them: (impl, stage, world size) -> bytes sent, payload
-# plus a few hundred bytes of transport headers per call. "gloo": torch's collectives; "ring":
-# the course's bandwidth-optimal ring of chapter 2. FSDP's root unit (embeddings, final norm,
-# head) stays gathered from forward to backward: it is all-gathered once per step.
-MEASURED_ROOT_PARAMS = 65_664
-MEASURED_SENT = {
-    ("gloo", 0, 2): 3478748, ("gloo", 0, 4): 5218988, ("gloo", 1, 2): 5218620, ("gloo", 1, 4): 7830092,
-    ("gloo", 2, 2): 5218620, ("gloo", 2, 4): 7830092, ("gloo", 3, 2): 6830488, ("gloo", 3, 4): 10254448,
-    ("ring", 0, 2): 3478972, ("ring", 0, 4): 5218632, ("ring", 1, 2): 3480284, ("ring", 1, 4): 5220520,
-    ("ring", 2, 2): 3480284, ("ring", 2, 4): 5220520, ("ring", 3, 2): 5095036, ("ring", 3, 4): 7642228,
-}
-
-
-def check_bytes_per_step(predict):
-    """predict(n_params, root_params, stage, world_size, impl) -> bytes one rank sends per step
-    (fp32, stage 0 = DDP, impl "gloo" or "ring"), compared within 1% with ``MEASURED_SENT``."""
-    n, root = MEASURED_PARAMS, MEASURED_ROOT_PARAMS
-    labels = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-
-    def run(case):
-        impl, stage, world = case.params["impl"], case.params["stage"], case.world_size
-        got = predict(n, root, stage, world, impl)
-        measured = MEASURED_SENT[impl, stage, world]
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
-            return f"expected a number of bytes, got {got!r}"
-        if abs(got - measured) > 0.01 * measured:
-            return (f"predicted {got:,.0f} bytes, measured {measured:,} ({got / measured:.3f}x; P = {n:,}, "
-                    f"root unit {root:,}, {labels[stage]}, {world} ranks, {impl})")
-        return None
-
-    cases = [Case({"impl": impl, "stage": s}, world_size=w, label=f"{labels[s]}, {impl}")
-             for (impl, s, w) in MEASURED_SENT]
-    return check("bytes_per_step", cases, run)
-
-
-__all__ = ["CollectiveWatch", "check_ddp_hook", "check_assign_buckets", "check_bucket_hooks", "check_zero1_step",
-           "check_fsdp_unit", "check_fsdp_prefetch", "check_zero2_hooks", "check_clip_sharded", "check_memory_prediction",
-           "check_bytes_per_step"]
+__all__ = ["check_ddp_hook", "check_assign_buckets", "check_bucket_hooks", "check_uneven_batches"]

@@ -21,7 +21,7 @@ cannot be constructed; a method of torch's ``ProcessGroup`` (the C++ object ever
 
 Targets: a callable, or "module:attr.path" (imported when the guard starts, so a
 grader names the reference without importing it at module level), "module:*" (every
-function the module defines), or a list of those.
+function the module defines, and every method of its classes), or a list of those.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ TORCH_COLLECTIVES = tuple(
         "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
         "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
         "_reduce_scatter_base", "broadcast", "broadcast_object_list", "reduce", "all_to_all",
-        "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list")
+        "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list",
+        "all_gather_single", "reduce_scatter_single")  # torch 2.13's names; absent names are skipped
 ) + tuple(f"torch._C._distributed_c10d:ProcessGroup.{name}" for name in (
     "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "all_gather_single",
     "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
@@ -52,6 +53,9 @@ TORCH_DATA_PARALLEL = (
     "torch.distributed.fsdp:FullyShardedDataParallel",
     "torch.distributed.fsdp:fully_shard",
 )
+
+
+_DUNDERS = ("__init__", "__call__")
 
 
 class Shortcut(RuntimeError):
@@ -69,7 +73,8 @@ _LOCK = threading.RLock()
 
 
 def _resolve(target):
-    """(owner, attribute name, object) for "module:attr.path", or (None, None, obj) for an object."""
+    """(owner, attribute name, object) for "module:attr.path", or (None, None, obj) for an
+    object; None for a name this torch version does not have."""
     if not isinstance(target, str):
         return None, None, target
     module, _, path = target.partition(":")
@@ -77,6 +82,8 @@ def _resolve(target):
     *parents, name = path.split(".")
     for part in parents:
         owner = getattr(owner, part)
+    if not hasattr(owner, name):
+        return None
     return owner, name, getattr(owner, name)
 
 
@@ -88,8 +95,15 @@ def _flatten(targets):
         elif isinstance(t, str) and t.endswith(":*"):
             module = importlib.import_module(t[:-2])
             for name, value in sorted(vars(module).items()):
-                if getattr(value, "__module__", None) == module.__name__ and hasattr(value, "__code__"):
+                if getattr(value, "__module__", None) != module.__name__:
+                    continue
+                if hasattr(value, "__code__"):
                     yield f"{module.__name__}:{name}"
+                elif isinstance(value, type):  # a class: each method it defines (autograd Functions too)
+                    for attr, member in sorted(vars(value).items()):
+                        raw = getattr(member, "__func__", member)
+                        if hasattr(raw, "__code__") and (not attr.startswith("__") or attr in _DUNDERS):
+                            yield f"{module.__name__}:{name}.{attr}"
         else:
             yield t
 
@@ -120,7 +134,10 @@ def _label(owner, name, obj) -> str:
 
 def _switch_off(target, exercise: str):
     """Switch one target off; returns a function that switches it back on."""
-    owner, name, obj = _resolve(target)
+    resolved = _resolve(target)
+    if resolved is None:
+        return lambda: None
+    owner, name, obj = resolved
     label = _label(owner, name, obj)
     message = (f"write this yourself: the exercise is {exercise} ({label} is switched off while "
                f"your function runs)")

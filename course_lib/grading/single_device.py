@@ -3,16 +3,23 @@
     check_state_bytes(state_bytes)                      # bytes of params / grads / optimizer state
     check_max_micro_batch(max_micro_batch)              # the largest micro-batch that fits a budget
     check_average_gradients(average_gradients)          # data-parallel gradient averaging, 2-3 ranks
+    check_accumulation(accumulate)                      # find the bug: micro-batches, uneven ones too
 
 Each prints one stable line (``name: k/k cases passed`` or the first failing case with
 a hint) and returns True iff every case passed; a learner's exception, NotImplementedError
-or deadlock becomes the hint, never a traceback or a hang.
+or deadlock becomes the hint, never a traceback or a hang. While the learner's function
+runs, the library's counting and data parallelism are switched off (``guard``).
 """
 from __future__ import annotations
 
 import torch
 
-from course_lib.grading import Case, check, check_distributed, compare
+from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.grading.guard import TORCH_DATA_PARALLEL
+
+# what would count the bytes for the learner (exercise 1) or average the gradients (exercise 3)
+MEMORY_LIBRARY = ("course_lib.memory:*",)
+DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*", TORCH_DATA_PARALLEL)
 
 # ----------------------------------------------------------------------------- 1. training state
 
@@ -60,11 +67,13 @@ def check_state_bytes(state_bytes) -> bool:
     """``state_bytes(model, optimizer) -> {"params": int, "grads": int, "optimizer": int}``."""
     from course_lib.memory import model_state_bytes
 
+    answer = learner(state_bytes, MEMORY_LIBRARY, exercise="counting storages", seconds=20)
+
     def run_case(case):
         model, opt = _state_case(case.params["kind"])
         held = model_state_bytes(model, opt)
         expected = {"params": held["parameters"], "grads": held["gradients"], "optimizer": held["optimizer_state"]}
-        got = state_bytes(model, opt)
+        got = answer(model, opt)
         if not isinstance(got, dict):
             return f"expected a dict with keys params, grads, optimizer; got {type(got).__name__}"
         for key in ("params", "grads", "optimizer"):
@@ -121,7 +130,8 @@ def _fit_harness(max_micro_batch, cfg_name, b, extra):
     state, acts = _training_bytes(_CFGS[cfg_name], range(1, b + 2))
     budget = state + acts[b] + ((acts[b + 1] - acts[b]) // 2 if extra == "half" else extra)
     want = max(q for q in acts if state + acts[q] <= budget) if state <= budget else 0
-    got = max_micro_batch(GPTConfig(**_CFGS[cfg_name]), budget)
+    got = learner(max_micro_batch, "course_lib.grading.single_device:*", exercise="the search for the largest b")(
+        GPTConfig(**_CFGS[cfg_name]), budget)
     if isinstance(got, bool) or not isinstance(got, int):
         return f"expected an int (a number of sequences), got {got!r}"
     if got == want:
@@ -227,7 +237,7 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
         ref_opt.step()
         opt.zero_grad()
         loss_of(mine, tuple(t[rank * local:(rank + 1) * local] for t in batch)).backward()
-        average_gradients(mine)
+        learner(average_gradients, DP_LIBRARY, exercise="averaging gradients")(mine)
         for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
             if (p.grad is None) != (q.grad is None):
                 return f"step {step}: {name}.grad is {'None' if p.grad is None else 'set'}, expected " \
@@ -257,4 +267,58 @@ def check_average_gradients(average_gradients, timeout: float = 60.0) -> bool:
     return check_distributed("average_gradients", _average_gradients_harness, cases, timeout=timeout)
 
 
-__all__ = ["check_state_bytes", "check_max_micro_batch", "check_average_gradients"]
+# ----------------------------------------------------------------------------- 4. find the bug: accumulation
+# (rows, micro-batches, dtype): tensor_split makes uneven micro-batches when rows % k != 0
+_ACCUM_CASES = [(12, 3, "float32"), (10, 4, "float32"), (7, 7, "float64"), (5, 1, "float32"), (9, 2, "float64"),
+                (11, 3, "float64")]
+
+
+def _accum_case(rows, k, dtype):
+    """(model, x, y, per-parameter full-batch gradient, rows a micro-batch may hold)."""
+    from course_lib.models import MLP
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(rows * 10 + k)
+    x = torch.randn(rows, 8, generator=gen, dtype=torch.float64).to(dt)
+    y = torch.randn(rows, 4, generator=gen, dtype=torch.float64).to(dt)
+    ref = MLP((8, 16, 4), seed=0).to(dt)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    return MLP((8, 16, 4), seed=0).to(dt), x, y, [p.grad for p in ref.parameters()], -(-rows // k)
+
+
+def check_accumulation(accumulate) -> bool:
+    """accumulate(model, loss_fn, x, y, micro_batches): forward and backward each of
+    x.tensor_split(micro_batches) (never the whole batch at once) so that afterwards every
+    p.grad is the gradient of loss_fn(model(x), y), the mean over the whole batch."""
+    answer = learner(accumulate, "course_lib.grading.single_device:_accum_case", exercise="gradient accumulation",
+                     seconds=20)
+
+    def run_case(case):
+        rows, k, dtype = case.params["rows"], case.params["k"], case.params["dtype"]
+        model, x, y, want, most = _accum_case(rows, k, dtype)
+        seen = []
+        model.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
+        answer(model, torch.nn.functional.mse_loss, x, y, k)
+        if seen and max(seen) > most:
+            return (f"a forward on {max(seen)} rows: accumulation exists to hold one micro-batch's activations "
+                    f"at a time (at most {most} rows here)")
+        if len(seen) != k:
+            return f"{len(seen)} forwards for {k} micro-batches: one forward and backward per micro-batch"
+        tol = dict(rtol=1e-5, atol=1e-7) if dtype == "float32" else dict(rtol=1e-10, atol=1e-12)
+        for (name, p), g in zip(model.named_parameters(), want):
+            if p.grad is None:
+                return f"{name}.grad is None: no backward reached it"
+            ratio = (p.grad.double().norm() / g.double().norm()).item()
+            msg = compare(p.grad, g, what=f"{name}.grad", **tol)
+            if msg:
+                return msg + f" (|grad| is {ratio:.3g}x the full batch's)"
+        return None
+
+    sizes = {(r, k): [len(c) for c in torch.arange(r).tensor_split(k)] for r, k, _ in _ACCUM_CASES}
+    cases = [Case(dict(rows=r, k=k, dtype=dt), label=f"{r} rows in {k} micro-batches {sizes[r, k]}, {dt}")
+             for r, k, dt in _ACCUM_CASES]
+    return check("accumulation", cases, run_case)
+
+
+__all__ = ["check_state_bytes", "check_max_micro_batch", "check_average_gradients", "check_accumulation"]
+

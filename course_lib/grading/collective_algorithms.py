@@ -1,0 +1,245 @@
+"""Graders of chapter 2 (collective algorithms): a learner's collectives built from
+send and receive, run on 1 to 5 real ranks with sizes the world size does not divide,
+roots other than 0 and integer dtypes; the messages are watched (:mod:`.p2p`): bytes,
+messages and rounds, so a ring that sends the whole buffer, a "tree" that is a chain or a
+broadcast that is not pipelined is named as such. While the learner's function runs,
+course_lib's collectives and every torch collective are switched off (send/recv stay).
+
+    check_pipelined_broadcast(fn)             # fn(tensor, src, segments): chain, segments pipelined
+    check_tree_broadcast(fn)                  # fn(tensor, src): binomial tree, ceil(log2 N) rounds
+    check_tree_reduce(fn)                     # fn(tensor, dst): binomial tree SUM onto dst
+    check_ring_all_reduce(ring_all_reduce)    # fn(tensor): in place SUM, 2(N-1)/N n bytes per rank
+    check_ring_reduce_scatter(fn)             # fn(output, input): output <- sum of piece rank
+    check_ring_all_gather(fn)                 # fn(output, input): output <- all inputs, rank order
+    check_all_reduce_composed(fn)             # fn(tensor): reduce-scatter then all-gather, any size
+    check_fit_alpha_beta(fn)                  # fn([(n_bytes, world_size, seconds)]) -> (alpha, beta)
+
+Each prints one line (``ring_all_reduce: 8/8 cases passed`` or the first failing case with
+a hint) and returns True/False (in a notebook a failure raises, see :mod:`course_lib.grading`).
+"""
+from __future__ import annotations
+
+
+import torch
+
+from course_lib.grading import Case, check, compare, learner
+from course_lib.grading.p2p import (COLLECTIVES_LIBRARY, DTYPES, P2PWatch, bind, check_p2p, p2p_cases, rank_data,
+                                    rank_info, sum_of, too_many_bytes)
+
+# ----------------------------------------------------------------------------- broadcast
+
+
+def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
+    r, N = rank_info()
+    want = rank_data(seed, src, numel, dtype)
+    x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
+    with P2PWatch() as w:
+        fn(x, src, segments)
+    msg = compare(x, want, rtol=0, atol=0, what=f"tensor after broadcast from rank {src}")
+    if msg:
+        return msg
+    v = (r - src) % N                                   # position in the chain, the root is 0
+    last = v == N - 1
+    want_messages, want_bytes = (0, 0) if last else (segments, numel * x.element_size())
+    if (w.messages, w.bytes_sent) != (want_messages, want_bytes):
+        role = "the last rank of the chain" if last else f"position {v} of the chain"
+        return (f"rank {r} ({role}) sent {w.messages} messages, {w.bytes_sent} bytes; expected "
+                f"{want_messages} messages, {want_bytes} bytes: every rank but the last passes each of the "
+                f"{segments} segments (tensor.view(-1).tensor_split(segments)) once, to the next rank")
+    rounds = max(N - 1, 0) + segments - 1
+    if w.clock > rounds:
+        return (f"rank {r} was still sending or receiving in round {w.clock}: not pipelined. With "
+                f"{segments} segments on {N} ranks the last segment arrives in round (N-1) + (segments-1) = "
+                f"{rounds}: forward each segment as soon as it has arrived, before waiting for the next")
+    return None
+
+
+_CHAIN_CASES = [  # (world_size, numel, dtype, src, segments): roots other than 0, sizes segments do not divide
+    (1, 5, "float32", 0, 2), (2, 7, "float32", 1, 3), (3, 10, "int64", 2, 4),
+    (4, 9, "float32", 1, 3), (5, 11, "int64", 3, 4), (5, 6, "float32", 2, 1),
+]
+
+
+def check_pipelined_broadcast(fn, timeout: float = 30.0) -> bool:
+    """fn(tensor, src, segments): in place, along the chain src -> src+1 -> ... (mod N), in
+    ``segments`` pieces, each forwarded as soon as it arrives."""
+    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src, segments=k), N,
+                  f"world_size={N}, numel={n}, dtype={dt}, src={src}, segments={k}")
+             for i, (N, n, dt, src, k) in enumerate(_CHAIN_CASES)]
+    return check_p2p("pipelined_broadcast", bind(_chain_broadcast_harness, fn, COLLECTIVES_LIBRARY,
+                                                   exercise="the pipelined chain"), cases, timeout)
+
+
+
+def _all_reduce_harness(fn, numel, dtype, seed):
+    r, N = rank_info()
+    x = rank_data(seed, r, numel, dtype)
+    with P2PWatch() as w:
+        fn(x)
+    msg = compare(x, sum_of(seed, N, numel, dtype).to(x.dtype), rtol=1e-4, atol=1e-5, what="tensor after all-reduce")
+    return msg or too_many_bytes(w, N, numel, x.element_size(), 2, "all-reduce")
+
+
+def check_ring_all_reduce(fn, timeout: float = 30.0) -> bool:
+    cases = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
+    return check_p2p("ring_all_reduce", bind(_all_reduce_harness, fn, COLLECTIVES_LIBRARY, exercise="the ring"),
+                     cases, timeout)
+
+
+def _reduce_scatter_harness(fn, numel, dtype, seed):
+    r, N = rank_info()
+    full = rank_data(seed, r, numel * N, dtype)
+    out = torch.full((numel,), -7, dtype=full.dtype)
+    with P2PWatch() as w:
+        fn(out, full.clone())
+    want = sum_of(seed, N, numel * N, dtype).to(full.dtype)[r * numel:(r + 1) * numel]
+    msg = compare(out, want, rtol=1e-4, atol=1e-5, what=f"output (piece {r} of the sum)")
+    return msg or too_many_bytes(w, N, numel * N, full.element_size(), 1, "reduce-scatter")
+
+
+def check_ring_reduce_scatter(fn, timeout: float = 30.0) -> bool:
+    cases = p2p_cases(lambda N: (3,), dtypes=("float32", "int64"))
+    return check_p2p("ring_reduce_scatter", bind(_reduce_scatter_harness, fn, COLLECTIVES_LIBRARY,
+                                                 exercise="the ring reduce-scatter"), cases, timeout)
+
+
+def _all_gather_harness(fn, numel, dtype, seed):
+    r, N = rank_info()
+    out = torch.full((numel * N,), -7, dtype=DTYPES[dtype])
+    with P2PWatch() as w:
+        fn(out, rank_data(seed, r, numel, dtype))
+    want = torch.cat([rank_data(seed, q, numel, dtype) for q in range(N)])
+    msg = compare(out, want, what="output (every rank's input, in rank order)")
+    return msg or too_many_bytes(w, N, numel * N, out.element_size(), 1, "all-gather")
+
+
+def check_ring_all_gather(fn, timeout: float = 30.0) -> bool:
+    cases = p2p_cases(lambda N: (3,), dtypes=("float32", "int64"))
+    return check_p2p("ring_all_gather", bind(_all_gather_harness, fn, COLLECTIVES_LIBRARY,
+                                             exercise="the ring all-gather"), cases, timeout)
+
+
+def check_all_reduce_composed(fn, timeout: float = 30.0) -> bool:
+    cases = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
+    return check_p2p("all_reduce_composed", bind(_all_reduce_harness, fn, COLLECTIVES_LIBRARY,
+                                                 exercise="all-reduce from your two halves"), cases, timeout)
+
+
+
+# ----------------------------------------------------------------------------- alpha-beta fit
+
+
+def _fit_cases():
+    from course_lib import costmodel
+
+    cases = []
+    grids = [((4 << 10, 64 << 10, 1 << 20, 16 << 20), (2, 4, 8)), ((8 << 10, 1 << 20), (3, 5))]
+    for alpha, beta, noise in ((50e-6, 1e-9, 0.0), (20e-6, 2.5e-10, 0.1), (200e-6, 5e-9, 0.05)):
+        for sizes, worlds in grids:
+            rows, k = [], 0
+            for n in sizes:
+                for N in worlds:
+                    k += 1
+                    wobble = 1 + noise * (1 if k % 2 else -1) * ((k % 3) / 2)
+                    rows.append((n, N, costmodel.ring_all_reduce(n, N, alpha, beta) * wobble))
+            cases.append(Case(dict(rows=rows), 1, f"alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/B, "
+                                                   f"noise={noise:.0%}, {len(rows)} points on world_sizes "
+                                                   f"{'/'.join(map(str, worlds))}"))
+    return cases
+
+
+def check_fit_alpha_beta(fn) -> bool:
+    from course_lib import costmodel
+
+    answer = learner(fn, "course_lib.costmodel:*", "course_lib.costmodel.fit:*", "course_lib.costmodel.algorithms:*",
+                     exercise="the least-squares fit", seconds=20)
+
+    def run_case(case):
+        rows = case.params["rows"]
+        got = answer([tuple(r) for r in rows])
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return f"return (alpha, beta), got {got!r}"
+        ref = costmodel.fit_alpha_beta([("ring_all_reduce", n, N, t) for n, N, t in rows], relative=True)
+        return (compare(float(got[0]), ref.alpha, rtol=0.02, atol=1e-9, what="alpha")
+                or compare(float(got[1]), ref.beta, rtol=0.02, atol=1e-14, what="beta"))
+
+    return check("fit_alpha_beta", _fit_cases(), run_case)
+
+
+# ----------------------------------------------------------------------------- binomial trees
+def _log2_ceil(n):
+    return max(n - 1, 0).bit_length()
+
+
+_TREE_CASES = [  # (world_size, numel, dtype, root): roots other than 0, world sizes not powers of two
+    (1, 4, "float32", 0), (2, 5, "int64", 1), (3, 6, "float32", 2), (4, 7, "float64", 1), (5, 3, "int64", 3),
+    (5, 9, "float32", 0),
+]
+
+
+def _tree_broadcast_harness(fn, numel, dtype, seed, src):
+    r, N = rank_info()
+    want = rank_data(seed, src, numel, dtype)
+    x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
+    with P2PWatch() as w:
+        fn(x, src)
+    msg = compare(x, want, rtol=0, atol=0, what=f"tensor after broadcast from rank {src}")
+    if msg:
+        return msg
+    rounds, n = _log2_ceil(N), numel * x.element_size()
+    if r != src and w.received != 1:
+        return f"rank {r} received {w.received} messages: in a broadcast every rank but the root receives once"
+    if w.bytes_sent > rounds * n:
+        return (f"rank {r} sent {w.bytes_sent} bytes: a binomial tree sends the whole buffer at most "
+                f"ceil(log2 N) = {rounds} times per rank (n = {n} bytes)")
+    if w.clock > rounds:
+        return (f"the data reached rank {r} in round {w.clock}, after more than ceil(log2 N) = {rounds} rounds: "
+                f"in round k every rank that already has the data sends it to one that has not, doubling "
+                f"the ranks that have it (a chain or the root sending to everyone takes N-1 = {N - 1})")
+    return None
+
+
+def check_tree_broadcast(fn, timeout: float = 30.0) -> bool:
+    """fn(tensor, src): in place, every rank's tensor <- rank src's, along a binomial tree:
+    ceil(log2 N) rounds, each rank receiving once."""
+    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src), N, f"world_size={N}, numel={n}, dtype={dt}, src={src}")
+             for i, (N, n, dt, src) in enumerate(_TREE_CASES)]
+    return check_p2p("tree_broadcast", bind(_tree_broadcast_harness, fn, COLLECTIVES_LIBRARY,
+                                            exercise="the binomial tree"), cases, timeout)
+
+
+def _tree_reduce_harness(fn, numel, dtype, seed, dst):
+    r, N = rank_info()
+    x = rank_data(seed, r, numel, dtype)
+    with P2PWatch() as w:
+        fn(x, dst)
+    rounds, n = _log2_ceil(N), numel * x.element_size()
+    if r == dst:
+        msg = compare(x, sum_of(seed, N, numel, dtype).to(x.dtype), rtol=1e-5, atol=1e-6,
+                      what=f"rank {dst}'s tensor after reduce (the sum over ranks)")
+        if msg:
+            return msg
+        if w.messages:
+            return f"the root (rank {dst}) sent {w.messages} messages: in a reduce the root only receives"
+    elif (w.messages, w.bytes_sent) != (1, n):
+        return (f"rank {r} sent {w.messages} messages, {w.bytes_sent} bytes: in a tree reduce every rank but the "
+                f"root sends its partial sum once ({n} bytes), after adding what its children sent it")
+    if w.received > rounds:
+        return (f"rank {r} received {w.received} messages: a binomial tree receives at most ceil(log2 N) = {rounds} "
+                f"(the root receiving from everyone is the naive reduce: N-1 = {N - 1} messages in a row)")
+    if w.clock > rounds:
+        return f"rank {r} was still busy in round {w.clock}: a binomial tree reduce takes ceil(log2 N) = {rounds} rounds"
+    return None
+
+
+def check_tree_reduce(fn, timeout: float = 30.0) -> bool:
+    """fn(tensor, dst): SUM of every rank's tensor into rank dst's tensor, along a binomial
+    tree (other ranks' tensors may be used as scratch)."""
+    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, dst=root), N, f"world_size={N}, numel={n}, dtype={dt}, dst={root}")
+             for i, (N, n, dt, root) in enumerate(_TREE_CASES)]
+    return check_p2p("tree_reduce", bind(_tree_reduce_harness, fn, COLLECTIVES_LIBRARY, exercise="the binomial tree"),
+                     cases, timeout)
+
+
+__all__ = ["check_pipelined_broadcast", "check_tree_broadcast", "check_tree_reduce", "check_ring_all_reduce",
+           "check_ring_reduce_scatter", "check_ring_all_gather", "check_all_reduce_composed", "check_fit_alpha_beta"]

@@ -1,0 +1,483 @@
+"""Graders of chapter 4 (ZeRO and FSDP), trained on real ranks and compared with
+single-device training on the full batch (the harness: :mod:`course_lib.grading.training`).
+
+    check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
+    check_zero2_hooks(make_zero2_hooks)    # one async reduce-scatter per bucket; keep the shard only
+    check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
+    check_fsdp_prefetch(run_units)         # next unit's all-gather in flight while a unit computes
+    check_clip_sharded(clip)               # find the bug: clip sharded gradients by the global norm
+    check_memory_prediction(predict)       # (n_params, stage, world_size) -> bytes by category
+    check_bytes_per_step(predict)          # (n_params, root, stage, world_size, impl) -> bytes sent
+
+Each prints one line (``zero1_step: 3/3 cases passed`` or the first failing case with a
+hint). While the learner's code runs, course_lib's ZeRO / FSDP / data parallelism, torch's
+and the planner's formulas are switched off (:mod:`course_lib.grading.guard`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from course_lib import reference
+from course_lib.grading import Case, check, check_distributed, compare, learner, learner_class
+from course_lib.grading import training as T
+from course_lib.grading.guard import TORCH_DATA_PARALLEL
+
+ZERO_LIBRARY = ("course_lib.parallel.zero:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.grad_sync:*",
+                "course_lib.parallel.data_parallel:*", "course_lib.parallel.comm_ops:*",
+                "course_lib.grading.training:single_device", TORCH_DATA_PARALLEL)
+FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.communication:*", "course_lib.memory:*")
+
+
+def _zero_traffic_hint(watch, world):
+    """None when one step moved reduce-scatter + all-gather worth of data, else a hint."""
+    kinds = watch.kinds()
+    if world > 1 and "broadcast" in kinds:
+        return ("the updated slices travel with broadcasts: every rank contributes a slice and "
+                "needs all of them, which is one all-gather")
+    if world > 1 and "all_reduce" in kinds:
+        return ("the gradients are all-reduced: each rank only needs the mean of its own slice, "
+                "a reduce-scatter (half the bytes, and no full-size averaged gradient to keep)")
+    if world > 1 and not {"reduce_scatter", "all_gather"} <= kinds:
+        return f"expected a reduce-scatter and an all-gather per step, saw {sorted(kinds) or 'no collective'}"
+    return None
+
+
+
+# ----------------------------------------------------------------------------- 3. ZeRO-1
+def _zero1_harness(zero1_step):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = T.mlp(rank)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    shard_size = math.ceil(numel / world)
+    flat = torch.zeros(shard_size * world)  # (world * shard,) padded; parameters are views into it
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            flat[offset:offset + p.numel()].copy_(p.view(-1))
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    dist.broadcast(flat, 0)
+    shard = flat[rank * shard_size:(rank + 1) * shard_size].clone()  # this rank's master slice
+    answer = learner(zero1_step, ZERO_LIBRARY, exercise="the ZeRO-1 step")
+    optimizer = torch.optim.AdamW([shard], lr=1e-2, weight_decay=0.1)
+    for batch in T.data():
+        x, y = T.local(batch, rank, world)
+        F.mse_loss(model(x), y).backward()
+        flat_grad = torch.zeros_like(flat)
+        flat_grad[:numel] = torch.cat([p.grad.view(-1) for p in params])
+        with T.CollectiveWatch() as watch:
+            answer(flat, flat_grad, shard, optimizer)
+        hint = _zero_traffic_hint(watch, world)
+        if hint:
+            return hint
+        model.zero_grad()
+    state = optimizer.state.get(shard, {})
+    if "exp_avg" not in state:
+        return "optimizer.step() was never called on the shard"
+    if state["exp_avg"].numel() != shard_size:
+        return f"the optimizer state should cover this rank's shard only ({shard_size} elements)"
+    ref_opt = {}
+
+    def adamw(ps):
+        if "opt" not in ref_opt:
+            ref_opt["opt"] = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+        ref_opt["opt"].step()
+
+    return T.compare_params(params, T.single_device(adamw))
+
+
+def check_zero1_step(zero1_step):
+    """zero1_step(flat, flat_grad, shard, optimizer): flat (world*S,) the full padded parameters,
+    flat_grad this rank's (unsynchronised) gradient of them, shard (S,) the slice this rank
+    owns with ``optimizer`` over it. Afterwards flat must hold the updated parameters."""
+    cases = [Case({"zero1_step": zero1_step}, world_size=n, label=f"MLP {T.SIZES}, AdamW") for n in (1, 2, 3)]
+    return check_distributed("zero1_step", _zero1_harness, cases, timeout=60)
+
+
+# ----------------------------------------------------------------------------- 4. FSDP unit
+def _fsdp_unit_harness(GatherParams):
+    import torch.distributed as dist
+
+    from course_lib import compat
+    from course_lib.parallel.fsdp_params import ShardedUnit
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = T.mlp(rank)
+    for p in model.parameters():
+        dist.broadcast(p.detach(), 0)
+    units = []  # one unit per Linear: weight and bias cut along dim 0, this rank's rows packed: (S,)
+    for layer in model.layers:
+        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
+        units.append((unit, unit.flat_shard.clone().requires_grad_()))
+    GatherParams = learner_class(GatherParams, ZERO_LIBRARY, exercise="the FSDP unit's gather and reduce-scatter")
+    for batch in T.data():
+        x, y = T.local(batch, rank, world)
+        h = x
+        for k, (unit, shard) in enumerate(units):
+            full = GatherParams.apply(shard)
+            if not isinstance(full, torch.Tensor) or full.numel() != shard.numel() * world:
+                return f"GatherParams.apply(shard) should return the ({shard.numel() * world},) gathered vector"
+            h = F.linear(h, *_unit_params(unit, full))
+            h = F.relu(h) if k < len(units) - 1 else h
+        with T.CollectiveWatch() as watch:
+            F.mse_loss(h, y).backward()
+        if world > 1 and "reduce_scatter" not in watch.kinds():
+            return ("backward should reduce-scatter the full gradient (each rank keeps the mean of its "
+                    f"slice), saw {sorted(watch.kinds()) or 'no collective'}")
+        with torch.no_grad():
+            for _, shard in units:
+                if shard.grad is None or shard.grad.shape != shard.shape:
+                    return "backward should return the gradient of this rank's shard (same shape)"
+                shard -= T.LR * shard.grad
+                shard.grad = None
+    got = []
+    for unit, shard in units:  # gather the trained shards
+        full = torch.empty(shard.numel() * world)
+        compat.all_gather_into_tensor(full, shard.detach())
+        got += _unit_params(unit, full)
+    return T.compare_params(got, T.single_device(T.sgd))
+
+
+def _unit_params(unit, full):
+    """(N * S,) rank after rank -> each parameter, full shape (differentiable: the checker's
+    part; FSDP's copy_out does the same)."""
+    by_rank = full.view(unit.world, unit.numel)
+    return [by_rank[:, s.offset:s.offset + s.padded].reshape(unit.world * s.chunk, *s.shape[1:])[:s.shape[0]]
+            for s in unit.slots]
+
+
+def check_fsdp_unit(GatherParams):
+    """GatherParams.apply(shard) -> the all-gathered flat parameters; its backward must
+    reduce-scatter the gradient and return the *mean* gradient of this rank's shard."""
+    cases = [Case({"GatherParams": GatherParams}, world_size=n, label=f"MLP {T.SIZES}, one unit per layer")
+             for n in (1, 2, 3)]
+    return check_distributed("fsdp_unit", _fsdp_unit_harness, cases)
+
+
+# ----------------------------------------------------------------------------- 4b. ZeRO-2 hooks
+_ZERO2_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
+
+
+def _zero2_hooks_harness(make_hooks, cap):
+    """Train with the learner's ZeRO-2 hooks; per step check: one reduce-scatter per bucket and
+    no all-reduce, the first buckets launched before backward's last gradient (overlap), the
+    full-size gradients freed, each shard the mean of this rank's slice; then SGD on the
+    owned slices, all-gathered by the harness, against single-device training."""
+    import torch.distributed as dist
+
+    from course_lib import compat
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = T.hooked_steps(make_hooks, cap, "make_zero2_hooks", ZERO_LIBRARY, "ZeRO-2's reduce-scatter hooks")
+    first = next(steps)
+    if isinstance(first, str):
+        return first
+    params, buckets = first
+    sizes = [math.ceil(sum(params[i].numel() for i in ids) / world) for ids in buckets]  # S_b
+    for step, shards, calls, overlapped in steps:
+        kinds = [k for k, _ in calls]
+        if world > 1 and "all_reduce" in kinds:
+            return (f"step {step}: an all-reduce: each rank needs only the mean of its own slice, one "
+                    f"reduce-scatter per bucket (and never reduce a reduced slice again)")
+        if kinds.count("reduce_scatter") != len(buckets):
+            return (f"step {step}: {kinds.count('reduce_scatter')} reduce-scatters for {len(buckets)} "
+                    f"buckets: one per bucket, launched when its last gradient is ready")
+        if not overlapped:
+            return T.not_overlapped(step, "reduce-scatter")
+        kept = [i for i, p in enumerate(params) if p.grad is not None]
+        if kept:
+            return (f"step {step}: parameters {kept} still hold their full-size gradient after "
+                    f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
+        if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
+            return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
+        with torch.no_grad():
+            for b, (ids, size) in enumerate(zip(buckets, sizes)):
+                shard = shards[b]
+                if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
+                    got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                    return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
+                flat = torch.zeros(size * world)  # (N * S_b,) this bucket's parameters, padded
+                flat[:sum(params[i].numel() for i in ids)] = torch.cat([params[i].reshape(-1) for i in ids])
+                mine = flat[rank * size:(rank + 1) * size] - T.LR * shard   # SGD on the owned slice
+                compat.all_gather_into_tensor(flat, mine.contiguous())
+                offset = 0
+                for i in ids:
+                    params[i].copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
+                    offset += params[i].numel()
+    return T.compare_params(params, T.single_device(T.sgd))
+
+
+def check_zero2_hooks(make_zero2_hooks):
+    """make_zero2_hooks(params, buckets, world_size) registers gradient hooks and returns
+    finish(); when a bucket's last gradient is ready its flat gradients (in bucket order,
+    zero-padded to a multiple of world_size) are reduce-scattered asynchronously and the
+    full-size gradients freed; finish() returns [mean gradient shard of this rank, per bucket]."""
+    cases = [Case({"make_hooks": make_zero2_hooks, "cap": cap}, world_size=n, label=name)
+             for name, cap in _ZERO2_CAPS.items() for n in (2, 3)]
+    return check_distributed("zero2_hooks", _zero2_hooks_harness, cases, timeout=60)
+
+
+# ----------------------------------------------------------------------------- 4b'. FSDP prefetch
+class _PrefetchLog:
+    """Inside a rank: the events of one pass of the learner's run_units, and the checks."""
+
+    def __init__(self, units, world):
+        self.units, self.world, self.events, self.live, self.peak = units, world, [], set(), 0
+
+    def start_gather(self, k):
+        from course_lib import compat
+
+        unit, shard = self.units[k]
+        full = torch.empty(shard.numel() * self.world)          # (N * S,) rank after rank
+        work = compat.all_gather_into_tensor(full, shard.detach(), async_op=True)
+        self.events.append(("gather", k))
+        self.live.add(k)
+        self.peak = max(self.peak, len(self.live))
+        log = self
+
+        class Handle:
+            def wait(self):
+                if work is not None:
+                    work.wait()
+                log.events.append(("wait", k))
+                return _unit_params(unit, full)
+        return Handle()
+
+    def free(self, k):
+        self.live.discard(k)
+        self.events.append(("free", k))
+
+    def problem(self, order, what):
+        computed = [k for e, k in self.events if e == "compute"]
+        if computed != list(order):
+            return f"{what}: compute ran on units {computed}, expected each unit once in the order {list(order)}"
+        gathers = [k for e, k in self.events if e == "gather"]
+        if sorted(gathers) != sorted(order):
+            return f"{what}: all-gathers of units {gathers}: each unit's parameters gathered exactly once"
+        for i in range(1, len(order)):
+            started = self.events.index(("gather", order[i]))
+            if started > self.events.index(("compute", order[i - 1])):
+                return (f"{what}: unit {order[i]}'s all-gather started after unit {order[i - 1]} computed: "
+                        f"start the next unit's all-gather before computing this one (prefetch)")
+        if self.peak > 2:
+            return f"{what}: {self.peak} units gathered at once: free each unit after it computed (at most 2)"
+        if self.live:
+            return f"{what}: units {sorted(self.live)} still gathered at the end: free(k) after compute"
+        return None
+
+
+def _prefetch_harness(run_units, n_layers):
+    """A stack of Linear units, FSDP-sharded by rows; forward and backward (recomputing each
+    unit from its saved input) both driven by the learner's run_units; SGD on the shards."""
+    import torch.distributed as dist
+
+    from course_lib import compat
+    from course_lib.parallel.fsdp_params import ShardedUnit
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = (T.SIZES[0],) + (10,) * (n_layers - 1) + (T.SIZES[-1],)  # n_layers Linear units
+    model = _mlp_sizes(sizes, rank)
+    for p in model.parameters():
+        dist.broadcast(p.detach(), 0)
+    units = []
+    for layer in model.layers:
+        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
+        units.append((unit, unit.flat_shard.clone()))
+    last = len(units) - 1
+    run_units = learner(run_units, ZERO_LIBRARY, exercise="FSDP's prefetch")
+    for batch in _data_sizes(sizes):
+        x, y = T.local(batch, rank, world)
+        inputs, h = {}, [x]
+
+        def forward(k, full):
+            inputs[k] = h[0]
+            out = F.linear(h[0], *full)
+            h[0] = F.relu(out) if k < last else out
+
+        log = _PrefetchLog(units, world)
+        order = list(range(len(units)))
+        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), forward(k, full)),
+                  log.free)
+        msg = log.problem(order, "forward")
+        if msg:
+            return msg
+        out = h[0].detach().requires_grad_()
+        grad = [torch.autograd.grad(F.mse_loss(out, y), out)[0]]
+        grads = {}
+
+        def backward(k, full):
+            params = [p.detach().requires_grad_() for p in full]
+            inp = inputs[k].detach().requires_grad_()
+            out = F.linear(inp, *params)
+            out = F.relu(out) if k < last else out
+            *g_params, g_in = torch.autograd.grad(out, params + [inp], grad[0])
+            grad[0] = g_in
+            full_grad = torch.zeros(world, units[k][0].numel)  # packed like the shards, then reduce-scattered
+            for s, g in zip(units[k][0].slots, g_params):
+                rows = torch.zeros(world * s.chunk, *s.shape[1:])
+                rows[:s.shape[0]] = g
+                full_grad[:, s.offset:s.offset + s.padded] = rows.reshape(world, -1)
+            mine = torch.empty(units[k][0].numel)
+            compat.reduce_scatter_tensor(mine, full_grad.view(-1))
+            grads[k] = mine / world
+
+        log = _PrefetchLog(units, world)
+        order = order[::-1]
+        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), backward(k, full)),
+                  log.free)
+        msg = log.problem(order, "backward")
+        if msg:
+            return msg
+        with torch.no_grad():
+            for k, (_, shard) in enumerate(units):
+                shard -= T.LR * grads[k]
+    got = []
+    for unit, shard in units:
+        full = torch.empty(shard.numel() * world)
+        compat.all_gather_into_tensor(full, shard)
+        got += _unit_params(unit, full)
+    return T.compare_params(got, _single_device_sizes(sizes))
+
+
+def _mlp_sizes(sizes, seed):
+    from course_lib.models import MLP
+
+    return MLP(sizes, seed=seed)
+
+
+def _data_sizes(sizes):
+    return reference.mlp_batches(seed=0, batch=T.BATCH, steps=T.STEPS, sizes=sizes)
+
+
+def _single_device_sizes(sizes):
+    model = _mlp_sizes(sizes, 0)
+    reference.train(model, _data_sizes(sizes), T.sgd)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_fsdp_prefetch(run_units):
+    """run_units(order, start_gather, compute, free): for each unit k of ``order`` call
+    compute(k, full) with its gathered parameters (start_gather(k) -> handle, handle.wait() ->
+    full), the next unit's all-gather started before this unit computes, each unit freed after
+    (free(k)), at most two gathered at once. Driven in forward and in backward (reverse order)."""
+    cases = [Case({"run_units": run_units, "n_layers": n}, world_size=w, label=f"{n} Linear units")
+             for n, w in ((3, 2), (5, 3), (2, 2))]
+    return check_distributed("fsdp_prefetch", _prefetch_harness, cases, timeout=60)
+
+
+# ----------------------------------------------------------------------------- 4c. find the bug: clipping
+_CLIP_CASES = {  # label: (gradient length, max_norm)
+    "10 elements, the norm is clipped": (10, 0.5),
+    "10 elements, the norm is below max_norm": (10, 100.0),
+    "2 elements on 3 ranks: one rank owns none": (2, 0.5),
+}
+
+
+def _clip_harness(clip, numel, max_norm):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(numel))  # the mean gradient
+    size = math.ceil(numel / world)
+    shard = g[rank * size:(rank + 1) * size].clone()  # this rank's reduced slice (maybe empty)
+    expected = shard * min(1.0, max_norm / (g.norm().item() + 1e-6))
+    got = learner(clip, ZERO_LIBRARY, "torch.nn.utils.clip_grad:clip_grad_norm_",
+                  exercise="clipping by the global norm")(shard, max_norm)
+    if got is None:
+        got = shard
+    return compare(got, expected, rtol=1e-5, atol=1e-7, what=f"the clipped shard (global norm {g.norm():.3f})")
+
+
+def check_clip_sharded(clip_sharded_grad):
+    """clip_sharded_grad(grad_shard, max_norm) -> this rank's slice of the mean gradient scaled
+    by min(1, max_norm / (norm + 1e-6)), where norm is the 2-norm of the WHOLE gradient."""
+    cases = [Case({"clip": clip_sharded_grad, "numel": n, "max_norm": m}, world_size=w, label=label)
+             for label, (n, m) in _CLIP_CASES.items() for w in ((3,) if "3 ranks" in label else (2, 3))]
+    return check_distributed("clip_sharded", _clip_harness, cases, timeout=15)
+
+
+# ----------------------------------------------------------------------------- 5. bytes
+# Measured with course_lib.memory.model_state_bytes on rank 0 after one fp32 AdamW step of
+# TinyGPT(MEASURED_CONFIG) (notebook 04 prints the same table; tests/test_memory.py re-measures
+# it): (stage, world size) -> (parameters, gradients, optimizer state) bytes. DDP's gradients
+# are views of its buckets, which also hold one fp32 "had a gradient" flag per parameter tensor.
+MEASURED_CONFIG = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=128, n_heads=4)
+MEASURED_PARAMS = 869_504
+MEASURED_BYTES = {
+    (0, 2): (3478016, 3478172, 6956188), (1, 2): (3478016, 3478016, 3478096),
+    (2, 2): (3478016, 1739008, 3478096), (3, 2): (1739008, 1739008, 3478172),
+    (0, 4): (3478016, 3478172, 6956188), (1, 4): (3478016, 3478016, 1739044),
+    (2, 4): (3478016, 869504, 1739044), (3, 4): (869504, 869504, 1739164),
+}
+
+
+def check_memory_prediction(predict):
+    """predict(n_params, stage, world_size) -> {"params", "grads", "optimizer"} bytes per rank
+    for fp32 AdamW (stage 0 = DDP), compared with the bytes course_lib.memory measured on
+    our DDP / ShardedOptimizer / FSDP (``MEASURED_BYTES``) within 5%."""
+    n, measured = MEASURED_PARAMS, MEASURED_BYTES
+    names = ("params", "grads", "optimizer")
+
+    predict = learner(predict, ZERO_LIBRARY, FORMULAS, exercise="the memory formulas", seconds=10)
+
+    def run(case):
+        stage, world = case.params["stage"], case.world_size
+        got = predict(n, stage, world)
+        if not isinstance(got, dict) or any(k not in got for k in names):
+            return f"expected a dict with keys {names}, got {got!r}"
+        for name, value in zip(names, measured[stage, world]):
+            if not isinstance(got[name], (int, float)) or abs(got[name] - value) > 0.05 * value:
+                return (f"{name}: predicted {got[name]!r} bytes, measured {value:,} "
+                        f"(P = {n:,}, stage {stage}, {world} ranks)")
+        return None
+
+    labels = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+    cases = [Case({"stage": s}, world_size=w, label=labels[s]) for (s, w) in measured]
+    return check("memory_prediction", cases, run)
+
+
+# Bytes that rank 0 handed to the kernel (Linux /proc/self/io) during one step of the same
+# TinyGPT, fp32, as notebook 04 measures them: (impl, stage, world size) -> bytes sent, payload
+# plus a few hundred bytes of transport headers per call. "gloo": torch's collectives; "ring":
+# the course's bandwidth-optimal ring of chapter 2. FSDP's root unit (embeddings, final norm,
+# head) stays gathered from forward to backward: it is all-gathered once per step.
+MEASURED_ROOT_PARAMS = 65_664
+MEASURED_SENT = {
+    ("gloo", 0, 2): 3478748, ("gloo", 0, 4): 5218988, ("gloo", 1, 2): 5218620, ("gloo", 1, 4): 7830092,
+    ("gloo", 2, 2): 5218620, ("gloo", 2, 4): 7830092, ("gloo", 3, 2): 6830488, ("gloo", 3, 4): 10254448,
+    ("ring", 0, 2): 3478972, ("ring", 0, 4): 5218632, ("ring", 1, 2): 3480284, ("ring", 1, 4): 5220520,
+    ("ring", 2, 2): 3480284, ("ring", 2, 4): 5220520, ("ring", 3, 2): 5095036, ("ring", 3, 4): 7642228,
+}
+
+
+def check_bytes_per_step(predict):
+    """predict(n_params, root_params, stage, world_size, impl) -> bytes one rank sends per step
+    (fp32, stage 0 = DDP, impl "gloo" or "ring"), compared within 1% with ``MEASURED_SENT``."""
+    n, root = MEASURED_PARAMS, MEASURED_ROOT_PARAMS
+    labels = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+    predict = learner(predict, ZERO_LIBRARY, FORMULAS, exercise="the bytes each stage sends", seconds=10)
+
+    def run(case):
+        impl, stage, world = case.params["impl"], case.params["stage"], case.world_size
+        got = predict(n, root, stage, world, impl)
+        measured = MEASURED_SENT[impl, stage, world]
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return f"expected a number of bytes, got {got!r}"
+        if abs(got - measured) > 0.01 * measured:
+            return (f"predicted {got:,.0f} bytes, measured {measured:,} ({got / measured:.3f}x; P = {n:,}, "
+                    f"root unit {root:,}, {labels[stage]}, {world} ranks, {impl})")
+        return None
+
+    cases = [Case({"impl": impl, "stage": s}, world_size=w, label=f"{labels[s]}, {impl}")
+             for (impl, s, w) in MEASURED_SENT]
+    return check("bytes_per_step", cases, run)
+
+__all__ = ["check_zero1_step", "check_fsdp_unit", "check_fsdp_prefetch", "check_zero2_hooks", "check_clip_sharded",
+           "check_memory_prediction", "check_bytes_per_step"]
