@@ -15,9 +15,11 @@ bounded:
    order changes the sum by at most 2 K u sum|terms|, u the format's unit roundoff (Higham,
    *Accuracy and Stability of Numerical Algorithms*, sec. 4.2). We bound K by ``TERMS`` (the
    longest chain of additions in the course's test models: depth x widest sum < 2**12) and
-   compare norm-wise, each tensor against its own largest magnitude:
-   ``|got - want| <= 2 K u max|want|``. fp32: 4.9e-4 of the tensor's scale; fp64: 9.1e-13.
-   A missing, doubled or mis-scaled reduction is wrong by O(1) of that scale.
+   compare norm-wise, against the largest magnitude among everything compared together:
+   ``|got - want| <= 2 K u max|want|``. fp32: 4.9e-4 of that scale; fp64: 9.1e-13. Not each
+   tensor's own scale: a sum's rounding follows its terms, not its result (a key bias's
+   gradient is zero under softmax, yet carries the rounding of the terms that cancel).
+   A missing, doubled or mis-scaled reduction is wrong by O(1) of the scale.
 2. **After k SGD steps**: each step moves a parameter by lr g, so an error a in g adds lr a:
    ``k lr 2 K u G`` (G: the largest gradient element, ``grad_scale``). With momentum b the
    error of step j is applied again at every later step, shrunk by b each time: step t adds
@@ -134,6 +136,8 @@ def compare(got, want, *, dtype=None, optimizer="none", steps=0, lr=0.0, grad_sc
         return Comparison(False, "keys", math.inf, 0.0, f"missing {missing}, unexpected {extra}")
     worst = Comparison(True, "", 0.0, 0.0, "nothing compared")
     worst_ratio = -1.0
+    overall = max([float(torch.as_tensor(w).detach().abs().max()) for w in want.values()
+                   if torch.as_tensor(w).numel()] or [0.0])   # the one-step bound's scale
     for name, w in want.items():
         g = torch.as_tensor(got[name])
         w = torch.as_tensor(w)
@@ -145,7 +149,7 @@ def compare(got, want, *, dtype=None, optimizer="none", steps=0, lr=0.0, grad_sc
         if not torch.isfinite(g64).all() and not torch.equal(g64.isnan(), w64.isnan()):
             return Comparison(False, name, math.nan, 0.0, "non-finite values where one device has none")
         if optimizer == "none":
-            bound = reorder_bound(kind, terms) * scale
+            bound = reorder_bound(kind, terms) * overall
             why = f"one step: 2 K u max|want|, K={terms}, u={unit_roundoff(kind):.3g}"
         else:
             bound = parameter_bound(kind, optimizer=optimizer, steps=steps, lr=lr, grad_scale=grad_scale,

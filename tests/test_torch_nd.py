@@ -1,7 +1,8 @@
 """Torch's own 2-D composition (course_lib/parallel/torch_nd.py: init_device_mesh +
 parallelize_module on mesh["tp"] + fully_shard / replicate on mesh["dp"]) next to ours
 (compose.parallelize_nd on Mesh(dp=2, tp=2)): 5 AdamW steps of the same tiny GPT on 4 ranks
-give the single-device losses and final parameters (within 1e-5), torch's first gradients
+give the single-device losses and final parameters (float64, course_lib.tolerance's AdamW
+bound), torch's first gradients
 are the single-device ones (sums over dp, not averages); bad layouts are a
 ValueError on every rank."""
 import functools
@@ -9,13 +10,13 @@ import functools
 import pytest
 import torch
 
-from course_lib import launch
+from course_lib import launch, tolerance
 from course_lib.models import GPTConfig, TinyGPT
 from course_lib.parallel.compose import assemble_nd
 from course_lib.parallel.mesh import MeshShape
 from course_lib.reference import gpt_batches, train_gpt
 
-STEPS, BATCH, LR, TOL = 5, 8, 1e-3, 1e-5
+STEPS, BATCH, LR = 5, 8, 1e-3
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_kv_heads=2)
 # (implementation, data, sequence parallel): torch's FSDP with and without SP, torch's
 # replicate (DDP on FSDP2's machinery) with SP, ours FSDP with SP
@@ -81,14 +82,12 @@ def test_same_losses_and_parameters_as_one_device(runs, variant):
     state, ref_losses, _, results = runs
     losses, final, _ = results[0][variant]
     for rank in results:   # the loss is the whole step's, on every rank
-        assert rank[variant][0] == pytest.approx(losses, abs=1e-12)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
-                               rtol=0, atol=TOL)
+        tolerance.assert_matches(rank[variant][0], losses, what="losses across ranks")
+    tolerance.assert_matches(losses, ref_losses, optimizer="adamw", steps=STEPS, lr=LR, what="losses")
     if variant[0] == "ours":
         final = assemble_nd([r[variant][1] for r in results], MeshShape(dp=2, tp=2))
     assert set(final) == set(state)
-    for name, value in state.items():
-        torch.testing.assert_close(final[name], value, rtol=0, atol=TOL, msg=name)
+    tolerance.assert_matches(final, state, optimizer="adamw", steps=STEPS, lr=LR)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v[0] == "torch"], ids=lambda v: "-".join(map(str, v)))
@@ -97,8 +96,7 @@ def test_torch_gradients_are_the_sums_not_the_averages(runs, variant):
     the first step's gradients are the single-device ones, not half of them."""
     _, _, ref_grads, results = runs
     grads = results[0][variant][2]
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    tolerance.assert_matches({n: grads[n] for n in ref_grads}, ref_grads, what="step 1's gradients")
 
 
 def test_bad_layout_is_a_value_error_on_every_rank(runs):
