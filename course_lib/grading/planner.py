@@ -2,21 +2,30 @@
 
     check_memory_per_gpu(memory_per_gpu)          # bytes per GPU of a TP x PP x DP(ZeRO) layout
     check_step_time_1f1b(step_time_1f1b)          # 1F1B with unequal stages, against the simulator
-    check_layout(choose_layout)                   # Llama 3 70B on 64 H100s under a memory limit
+    check_layout(choose_layout)                   # (model, n_gpus, batch, memory limit) -> a layout
     check_min_pipeline_stages(min_pipeline_stages) # the fewest stages that make a layout fit
 
-Each prints one line and returns True/False; a learner's exception becomes a hint.
+Each prints one line and returns True/False; a learner's exception becomes a hint. While
+the learner's function runs, what would answer for it is switched off (the planner's
+formulas, simulators and search, chapter 6's schedules, and this module's references).
 """
 from __future__ import annotations
 
 import math
 
-from course_lib.grading import Case, check
+from course_lib.grading import Case, check, learner
 from course_lib.planner import Layout, estimate
 from course_lib.planner import formulas as F
 from course_lib.planner.search import search
 
 GiB = 2**30
+REFERENCES = ("course_lib.grading.planner:_reference_memory_per_gpu", "course_lib.grading.planner:_simulated_step_time_1f1b",
+              "course_lib.grading.planner:_best_layout", "course_lib.grading.planner:_reference_min_pipeline_stages")
+FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.activations:*", "course_lib.planner.estimate:*",
+            "course_lib.planner.costs:*", "course_lib.planner.simulator:*", "course_lib.planner.search:*")
+SIMULATORS = ("course_lib.parallel.schedules:*", "course_lib.planner.simulator:*", "course_lib.planner.estimate:*",
+              "course_lib.planner.search:*")
+SEARCH = ("course_lib.planner.search:*",)
 
 # ----------------------------------------------------------------------------- memory per GPU
 
@@ -31,7 +40,7 @@ MEMORY_CASES = [
 ]
 
 
-def reference_memory_per_gpu(layer_params, layers, s, b, h, a, t, p, d, zero, m) -> float:
+def _reference_memory_per_gpu(layer_params, layers, s, b, h, a, t, p, d, zero, m) -> float:
     """Model states (ZeRO over d ranks of the 1/(t p) slice a GPU holds) plus the
     activations of the first 1F1B stage (TP + SP, selective recomputation)."""
     states = F.zero_memory_bytes(layer_params * layers / (t * p), zero, d)["total"]
@@ -44,9 +53,11 @@ def check_memory_per_gpu(fn) -> bool:
     cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items() if k != "layer_params"))
              for c in MEMORY_CASES]
 
+    answer = learner(fn, FORMULAS, REFERENCES, exercise="the memory of a layout", seconds=10)
+
     def run(case):
-        got = fn(**case.params)
-        want = reference_memory_per_gpu(**case.params)
+        want = _reference_memory_per_gpu(**case.params)
+        got = answer(**case.params)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
             return f"expected a finite number of bytes, got {got!r}"
         if not math.isclose(got, want, rel_tol=1e-6):
@@ -70,7 +81,7 @@ STEP_CASES = [
 ]
 
 
-def simulated_step_time_1f1b(f, b, m, t_comm) -> float:
+def _simulated_step_time_1f1b(f, b, m, t_comm) -> float:
     """The step time (first forward to last backward) course_lib.parallel.schedules.simulate
     measures for 1F1B with stage r's forward taking f[r], its backward b[r], a message t_comm."""
     from course_lib.parallel import schedules as S
@@ -82,36 +93,11 @@ def simulated_step_time_1f1b(f, b, m, t_comm) -> float:
     return max(s.end for s in spans) - min(s.start for s in spans)
 
 
-def _no_simulator():
-    """Inside the learner's call, the course's simulators raise: the exercise is to write one."""
-    import contextlib
-
-    from course_lib import planner
-    from course_lib.grading import Mismatch
-    from course_lib.parallel import schedules
-
-    def refuse(*args, **kwargs):
-        raise Mismatch("step_time_1f1b calls the course's simulator: play the schedule on your own clock")
-
-    @contextlib.contextmanager
-    def patched():
-        saved = [(mod, name, getattr(mod, name)) for mod, name in
-                 ((schedules, "simulate"), (planner, "simulate"), (planner, "estimate"))]
-        for mod, name, _ in saved:
-            setattr(mod, name, refuse)
-        try:
-            yield
-        finally:
-            for mod, name, fn in saved:
-                setattr(mod, name, fn)
-    return patched()
-
-
 def _step_time_harness(step_time_1f1b, f, b, m, t_comm):
     """In a process of its own (a learner's endless loop is stopped by the timeout)."""
-    want = simulated_step_time_1f1b(f, b, m, t_comm)
-    with _no_simulator():
-        got = step_time_1f1b(list(f), list(b), m, t_comm)
+    want = _simulated_step_time_1f1b(f, b, m, t_comm)
+    got = learner(step_time_1f1b, SIMULATORS, REFERENCES, exercise="playing the 1F1B schedule on a clock")(
+        list(f), list(b), m, t_comm)
     if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
         return f"expected a time (a number), got {got!r}"
     if abs(got - want) > 1e-9:
@@ -144,42 +130,45 @@ def check_step_time_1f1b(step_time_1f1b, timeout: float = 20.0) -> bool:
 
 # ----------------------------------------------------------------------------- choose a layout
 
-LAYOUT_TASK = dict(model="llama3-70b", hardware="h100-sxm", n_gpus=64, global_batch=128,
-                   memory_limit=60 * GiB)
+LAYOUT_TASKS = [  # model, H100s, global batch (8192-token sequences), memory limit per GPU
+    ("llama3-70b", 64, 128, 60 * GiB), ("llama3-8b", 16, 64, 40 * GiB), ("llama3-70b", 32, 64, 70 * GiB),
+]
 LAYOUT_MIN_SHARE = 0.9      # of the best throughput the planner's search finds
 
 
-def best_throughput(task=LAYOUT_TASK) -> float:
-    """tokens/s of the fastest layout the search finds for ``task``."""
-    result = search(task["model"], task["hardware"], task["n_gpus"], task["global_batch"],
-                    memory_limit=task["memory_limit"], micro_batches=(1, 2),
+def _best_layout(model, n_gpus, global_batch, memory_limit):
+    """The fastest layout the planner's search finds for the task (its tokens/s and layout)."""
+    result = search(model, "h100-sxm", n_gpus, global_batch, memory_limit=memory_limit, micro_batches=(1, 2),
                     recomputes=("selective", "full"), zero_stages=(0, 1, 3))
-    return result.best.tokens_per_second
+    return result.best.tokens_per_second, result.best.layout
 
 
 def check_layout(choose_layout) -> bool:
-    """choose_layout() -> Layout for Llama 3 70B on 64 H100s, 128 sequences of 8192 tokens
-    per step, at most 60 GiB per GPU; it must be valid, fit, and reach 90% of the best
-    throughput the planner finds."""
-    t = LAYOUT_TASK
+    """choose_layout(model, n_gpus, global_batch, memory_limit) -> a planner Layout for H100s
+    ("h100-sxm"), sequences of 8192 tokens: valid on n_gpus, under memory_limit bytes per GPU,
+    and at least 90% of the throughput of the best layout the planner's search finds."""
+    answer = learner(choose_layout, SEARCH, REFERENCES, exercise="the search for a layout", seconds=60)
 
     def run(case):
-        layout = choose_layout()
+        model, n, batch, limit = (case.params[k] for k in ("model", "n_gpus", "global_batch", "memory_limit"))
+        best, best_layout = _best_layout(model, n, batch, limit)
+        layout = answer(model, n, batch, limit)
         if not isinstance(layout, Layout):
             return f"expected a planner Layout, got {type(layout).__name__}"
-        if layout.global_batch != t["global_batch"]:
-            return f"the global batch is {t['global_batch']} sequences, not {layout.global_batch}"
-        est = estimate(t["model"], t["hardware"], layout, n_gpus=t["n_gpus"])   # ValueError -> hint
-        if est.memory["total"] > t["memory_limit"]:
+        if layout.global_batch != batch:
+            return f"the global batch is {batch} sequences, not {layout.global_batch}"
+        est = estimate(model, "h100-sxm", layout, n_gpus=n)   # ValueError (not valid on n GPUs) -> hint
+        if est.memory["total"] > limit:
             return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
-                    f"over the {t['memory_limit'] / GiB:.0f} GiB limit")
-        best = best_throughput(t)
+                    f"over the {limit / GiB:.0f} GiB limit")
         share = est.tokens_per_second / best
         if share < LAYOUT_MIN_SHARE:
             return (f"{layout.describe()} fits but runs {est.tokens_per_second:.4g} tokens/s, "
                     f"{share:.0%} of the best layout found ({best:.4g}); aim for {LAYOUT_MIN_SHARE:.0%}")
         return None
-    return check("choose_layout", [Case(label="Llama 3 70B, 64 x H100, <= 60 GiB")], run)
+    cases = [Case(dict(model=m, n_gpus=n, global_batch=g, memory_limit=lim),
+                  label=f"{m}, {n} x H100, {g} sequences, <= {lim / GiB:.0f} GiB") for m, n, g, lim in LAYOUT_TASKS]
+    return check("choose_layout", cases, run)
 
 
 # ----------------------------------------------------------------------------- fewest pipeline stages
@@ -191,7 +180,7 @@ PP_CASES = [  # model, tp, dp, global batch (8192-token sequences), H100s
 ]
 
 
-def reference_min_pipeline_stages(model, tp, dp, global_batch, hardware="h100-sxm"):
+def _reference_min_pipeline_stages(model, tp, dp, global_batch, hardware="h100-sxm"):
     """The smallest PP in PP_CHOICES whose 1F1B layout (ZeRO-1, TP + SP, selective
     recomputation, micro-batch 1) is valid and fits in HBM; None if none does."""
     for pp in PP_CHOICES:
@@ -210,11 +199,16 @@ def check_min_pipeline_stages(fn) -> bool:
     cases = [Case(params=dict(model=m, tp=t, dp=d, global_batch=g), label=f"{m}, TP {t}, DP {d}, {g} sequences")
              for m, t, d, g in PP_CASES]
 
+    answer = learner(fn, SEARCH, REFERENCES, exercise="the search for the fewest stages", seconds=20)
+
     def run(case):
-        got = fn(**case.params)
-        want = reference_min_pipeline_stages(**case.params)
+        want = _reference_min_pipeline_stages(**case.params)
+        got = answer(**case.params)
         if got != want:
             return (f"got {got!r}, expected {want!r}" +
                     (": no PP in 1..32 fits" if want is None else f" (PP {want} is the first that fits in 80 GB)"))
         return None
     return check("min_pipeline_stages", cases, run)
+
+
+__all__ = ["check_memory_per_gpu", "check_step_time_1f1b", "check_layout", "check_min_pipeline_stages"]
