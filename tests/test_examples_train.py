@@ -4,6 +4,10 @@ import re
 import subprocess
 import sys
 
+import torch
+
+from course_lib import tolerance
+from course_lib.examples.train import default_microbatches
 from course_lib.launch import loopback_interface
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,10 +64,34 @@ def test_torchrun_eight_ranks_dp_tp_pp_equals_one_device():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     losses = [float(v) for v in re.findall(r"^step +\d+  loss ([\d.]+)$", proc.stdout, re.M)]
     expected = single_device_losses()
-    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (losses, expected)
+    assert len(losses) == 3, proc.stdout
+    tolerance.assert_matches(losses[:1], expected[:1], dtype=torch.float32, what="first loss")
+    tolerance.assert_matches(losses, expected, dtype=torch.float32, optimizer="adamw", steps=2, lr=3e-3,
+                             what="losses")
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("dp=2 x pp=2 x cp=1 x tp=2: 8 ranks (ddp, 1f1b, 2 microbatches): loss "), summary
     assert summary.endswith(" in 3 steps"), summary
+
+
+def test_pp_defaults_to_a_pipeline_and_reports_time_memory_and_one_device():
+    """--pp 2 alone: 4 micro-batches per step (each replica's batch of 4 rows, up to 4 pp); the
+    step time, tokens/s, each rank's peak memory, and with --check the one-device comparison."""
+    assert [default_microbatches(8, 1, 2), default_microbatches(8, 2, 2), default_microbatches(6, 1, 2),
+            default_microbatches(12, 1, 4, "interleaved"), default_microbatches(8, 2, 1)] == [8, 4, 6, 12, 1]
+    proc = run([sys.executable, "-m", "course_lib.examples.train", "--pp", "2", "--check", *TINY])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"^step time [\d.]+ ms \(median\), [\d,]+ tokens/s$", out, re.M), out
+    assert re.search(r"^peak memory per rank \(step 1, MiB\): [\d.]+ [\d.]+$", out, re.M), out
+    assert re.search(r"^one device: first loss within [\d.e+-]+: True;", out, re.M), out
+    assert "(ddp, 1f1b, 4 microbatches)" in out.strip().splitlines()[-1], out
+
+
+def test_torchrun_layout_error_printed_once_with_status_2():
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "course_lib.examples.train", "--dp", "2", "--tp", "3", *TINY])
+    assert proc.returncode != 0 and proc.stderr.count("error: the layout") == 1, proc.stderr
+    assert re.search(r"rank +: 0 \(local_rank: 0\)\s+exitcode +: 2", proc.stderr), proc.stderr   # torchrun's summary
 
 
 def test_bad_layout_fails_before_any_rank_starts():

@@ -16,13 +16,17 @@ the ranks are all DP) cuts the model with ``parallelize_nd``: the world size is 
 the dimensions. The layout is checked (``check_layout``, plain arithmetic) before any rank starts
 or joins a process group: a bad one prints the violated constraint and exits with status 2.
 Every rank draws the same global batch (same seed) and takes its part; the loss printed is the
-step's global loss, equal to one device's.
+step's global loss, equal to one device's (``--check`` runs one device and compares). With
+--pp > 1 the default micro-batch count lets the pipeline pipeline (:func:`default_microbatches`).
+At the end: the median step time, tokens/s, and every rank's peak memory in step 1.
+Under torchrun a bad layout is printed once, by rank 0; every rank exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,23 +101,70 @@ def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3,
 def train_nd(dims, cfg, steps=20, batch=8, microbatches=1, schedule="1f1b", v=1, data="ddp", lr=3e-3,
              backend="gloo", log_every=5):
     """The tiny GPT cut along every dimension of ``Mesh(**dims)`` by ``parallelize_nd``; AdamW on
-    this rank's parameters (shards). Returns the step losses (global: the same on every rank)."""
+    this rank's parameters (shards). Returns {"losses" (global, the same on every rank),
+    "step_time" (median seconds, the first step and the measured one left out), "peaks" (every
+    rank's peak bytes in step 1, by ``course_lib.memory.measure``)}."""
+    import time
+
+    from course_lib.memory import measure
     from course_lib.models import TinyGPT
-    from course_lib.parallel import Mesh
-    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel import Mesh, parallelize_nd
 
     device = _device(backend)
     net = parallelize_nd(TinyGPT(cfg, seed=0).to(device), Mesh(**dims), microbatches=microbatches,
                          schedule=schedule, v=v, data=data)
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
-    losses = []
-    for step, (x, y) in enumerate(training_batches(batch, cfg.seq_len, steps)):
-        losses.append(net.step(x.to(device), y.to(device)))  # the global batch; every rank takes its part
+    held = torch.nn.ModuleList(net.modules.values())           # this rank's stages (or FSDP units)
+    losses, times, peak = [], [], 0
+
+    def one_step(x, y):
+        losses.append(net.step(x.to(device), y.to(device)))    # the global batch; every rank takes its part
         opt.step()
+
+    for step, (x, y) in enumerate(training_batches(batch, cfg.seq_len, steps)):
+        t0 = time.perf_counter()
+        if step == 1:                # optimizer state exists from here: a steady step's peak
+            peak = measure(lambda: one_step(x, y), held, opt).peak
+        else:
+            one_step(x, y)
         opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step > 1 or steps == 1:
+            times.append(time.perf_counter() - t0)
         if dist.get_rank() == 0 and (step % log_every == 0 or step == steps - 1):
             print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
-    return losses
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return {"losses": losses, "step_time": sorted(times)[len(times) // 2] if times else None, "peaks": peaks}
+
+
+def default_microbatches(batch, dp, pp, schedule="1f1b"):
+    """With pp > 1, enough micro-batches for the pipeline to pipeline: the most that divide each
+    replica's batch, up to 4 pp (Megatron's m >= 4p; bubble (p-1)/(m+p-1)), a multiple of pp
+    for the interleaved schedule. 1 without a pipeline."""
+    rows = batch // dp if batch % dp == 0 else 0
+    fits = [m for m in range(1, min(rows, 4 * pp) + 1) if rows % m == 0 and
+            (m % pp == 0 or "interleaved" not in schedule.lower())]
+    return max(fits) if pp > 1 and fits else 1
+
+
+def one_device_check(cfg, dims, batch, microbatches, steps, lr, losses):
+    """The same run on one device (course_lib.reference): the first step's loss within the bound
+    of ``course_lib.tolerance`` (fp32, one step), and the largest loss difference over the run."""
+    from course_lib import reference, tolerance
+    from course_lib.models import TinyGPT
+
+    model = TinyGPT(cfg, seed=0)
+    for block in model.blocks:     # MoE: one routing group per DP replica's micro-batch, as the ranks
+        if hasattr(block.mlp, "aux_weight"):
+            block.mlp.groups = dims["dp"] * microbatches
+    _, want = reference.train_gpt(model, training_batches(batch, cfg.seq_len, steps),
+                                  torch.optim.AdamW(model.parameters(), lr=lr), micro=dims["dp"] * microbatches)
+    first = tolerance.compare(losses[:1], want[:1], dtype=torch.float32)
+    worst = max(abs(a - b) for a, b in zip(losses, want))
+    return (f"one device: first loss within {first.bound:.1e}: {first.ok}; "
+            f"largest loss difference over {steps} steps {worst:.1e}")
 
 
 def _parser():
@@ -122,7 +173,8 @@ def _parser():
     for d, what in (("dp", "data parallel"), ("pp", "pipeline stages"), ("cp", "context parallel"),
                     ("tp", "tensor parallel"), ("ep", "expert parallel, inside dp (needs --experts)")):
         mesh.add_argument(f"--{d}", type=int, default=None, help=f"{what} degree (default 1)")
-    mesh.add_argument("--microbatches", type=int, default=1, help="per DP replica and step")
+    mesh.add_argument("--microbatches", type=int, default=None,
+                      help="per DP replica and step (default: 1, with --pp > 1 enough to pipeline)")
     mesh.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved (with --v) or zb-h1")
     mesh.add_argument("--v", type=int, default=1, help="virtual stages per pp rank (interleaved)")
     mesh.add_argument("--data", default="ddp", help="ddp (gradient sums) or fsdp (sharded over dp x cp)")
@@ -140,15 +192,20 @@ def _parser():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--check", action="store_true", help="mesh mode: compare the losses with one device")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                    help="FSDP compute dtype with --parallel fsdp (master weights stay fp32)")
     return p
 
 
 def _fail(message):
-    """A bad layout or argument: one clean line, status 2. Under torchrun every rank prints it:
-    torchrun stops the others as soon as one exits, so rank 0 alone might not get to print."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """A bad layout or argument: one clean line (rank 0 alone under torchrun), status 2. The other
+    ranks wait a moment first, so rank 0 prints before torchrun stops them (torchrun then adds
+    its own failure summary, naming rank 0's exit code 2)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2)
     sys.exit(2)
 
 
@@ -178,26 +235,32 @@ def main(argv=None):
     dims = {d: getattr(args, d) or 1 for d in MESH_DIMS}
     if not given:  # no layout named: every rank data parallel
         dims["dp"] = torchrun_world or args.nproc or 2
+    m = args.microbatches or default_microbatches(args.batch, dims["dp"], dims["pp"], args.schedule)
     try:
-        from course_lib.parallel.compose import check_layout
+        from course_lib.parallel import check_layout
 
         cfg = gpt_config(args.seq_len, args.hidden, args.layers, args.experts, args.top_k)
         shape = check_layout(cfg, **dims, world_size=torchrun_world, batch=args.batch,
-                             microbatches=args.microbatches, schedule=args.schedule, v=args.v, data=args.data)
+                             microbatches=m, schedule=args.schedule, v=args.v, data=args.data)
         if torchrun_world is None and args.nproc is not None and args.nproc != shape.world_size:
             raise ValueError(f"--nproc {args.nproc}, but the layout dp*pp*cp*tp has {shape.world_size} ranks "
                              f"(leave --nproc out in mesh mode)")
     except ValueError as exc:  # before any rank starts or joins a process group
         _fail(str(exc))
     mesh_dims = {d: dims[d] for d in MESH_DIMS}
-    losses = launch(train_nd, None if under_torchrun() else shape.world_size, mesh_dims, cfg,
-                    steps=args.steps, batch=args.batch, microbatches=args.microbatches, schedule=args.schedule,
-                    v=args.v, data=args.data, lr=args.lr, backend=args.backend, log_every=args.log_every,
-                    timeout=600)[0]
+    out = launch(train_nd, None if under_torchrun() else shape.world_size, mesh_dims, cfg,
+                 steps=args.steps, batch=args.batch, microbatches=m, schedule=args.schedule,
+                 v=args.v, data=args.data, lr=args.lr, backend=args.backend, log_every=args.log_every,
+                 timeout=600)[0]
     if _is_rank0():
-        layout = shape.describe()
+        losses, t = out["losses"], out["step_time"]
+        if t:
+            print(f"step time {t * 1e3:.1f} ms (median), {args.batch * cfg.seq_len / t:,.0f} tokens/s", flush=True)
+        print("peak memory per rank (step 1, MiB): " + " ".join(f"{b / 2**20:.1f}" for b in out["peaks"]))
+        if args.check:
+            print(one_device_check(cfg, dims, args.batch, m, args.steps, args.lr, losses), flush=True)
         moe = f", {cfg.n_experts} experts top-{cfg.top_k}" if cfg.n_experts else ""
-        print(f"{layout} ({args.data}, {args.schedule}, {args.microbatches} microbatches{moe}): "
+        print(f"{shape.describe()} ({args.data}, {args.schedule}, {m} microbatches{moe}): "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps", flush=True)
 
 
