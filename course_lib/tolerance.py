@@ -125,19 +125,22 @@ def _as_dict(x):
 
 
 def compare(got, want, *, dtype=None, optimizer="none", steps=0, lr=0.0, grad_scale=1.0,
-            eps=1e-8, betas=(0.9, 0.999), momentum=0.0, terms: int = TERMS) -> Comparison:
+            eps=1e-8, betas=(0.9, 0.999), momentum=0.0, terms: int = TERMS, scale=None) -> Comparison:
     """Compare ``got`` (a parallel run) with ``want`` (one device), tensor by tensor, with the
     bound the arithmetic allows (module docstring). ``dtype``: the precision both ran in
     (default: ``want``'s). ``optimizer``/``steps``/``lr``: the steps taken since the values
-    were last equal; "none" compares one step's outputs, losses or gradients."""
+    were last equal; "none" compares one step's outputs, losses or gradients. ``scale``: the
+    magnitude of the summed terms where the caller knows it (sum |x_i|), else the largest
+    value compared."""
     got, want = _as_dict(got), _as_dict(want)
     if set(got) != set(want):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         return Comparison(False, "keys", math.inf, 0.0, f"missing {missing}, unexpected {extra}")
     worst = Comparison(True, "", 0.0, 0.0, "nothing compared")
     worst_ratio = -1.0
-    overall = max([float(torch.as_tensor(w).detach().abs().max()) for w in want.values()
-                   if torch.as_tensor(w).numel()] or [0.0])   # the one-step bound's scale
+    overall = float(scale) if scale is not None else max(
+        [float(torch.as_tensor(w).detach().abs().max()) for w in want.values()
+         if torch.as_tensor(w).numel()] or [0.0])   # the one-step bound's scale
     for name, w in want.items():
         g = torch.as_tensor(got[name])
         w = torch.as_tensor(w)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from course_lib import reference
+from course_lib import reference, tolerance
 from course_lib.models import MLP, GPTConfig, TinyGPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -28,16 +28,15 @@ def test_mlp_data_is_seeded_and_reshuffled_every_step():
 def test_train_accumulates_micro_batches_to_the_full_batch_step():
     batches = reference.mlp_batches(batch=24, steps=3)
     runs = {}
-    for micro in (1, 2, 3):
-        model = MLP(seed=0, sizes=(16, 32, 16, 32))
+    for micro in (1, 2, 3):     # float64: AdamW after steps (course_lib.tolerance)
+        model = MLP(seed=0, sizes=(16, 32, 16, 32)).double()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        runs[micro] = reference.train(model, batches, opt, micro=micro)
+        runs[micro] = reference.train(model, [(x.double(), y.double()) for x, y in batches], opt, micro=micro)
     state, losses = runs[1]
     assert len(losses) == 3 and losses[-1] < losses[0]
     for micro in (2, 3):
-        for k in state:
-            torch.testing.assert_close(runs[micro][0][k], state[k], rtol=1e-6, atol=1e-6)
-        assert losses[0] == pytest.approx(runs[micro][1][0], rel=1e-6)  # the step loss is the full mean
+        tolerance.assert_matches(runs[micro][0], state, optimizer="adamw", steps=3, lr=1e-2)
+        tolerance.assert_matches(runs[micro][1][:1], losses[:1], what="the step loss is the full mean")
 
 
 def test_an_update_function_works_like_an_optimizer():
@@ -45,8 +44,7 @@ def test_an_update_function_works_like_an_optimizer():
     by_hand, torch_sgd = MLP((6, 10, 5), seed=0), MLP((6, 10, 5), seed=0)
     state, _ = reference.train(by_hand, batches, lambda params: reference.sgd_step(params, 0.1))
     expected, _ = reference.train(torch_sgd, batches, torch.optim.SGD(torch_sgd.parameters(), lr=0.1))
-    for k in state:
-        torch.testing.assert_close(state[k], expected[k], rtol=1e-6, atol=1e-7)
+    tolerance.assert_matches(state, expected, optimizer="sgd", steps=3, lr=0.1)
     assert all(p.grad is None for p in by_hand.parameters())  # cleared after every step
 
 
@@ -71,16 +69,16 @@ def test_train_gpt_divides_by_the_global_token_count():
     for micro in (1, 2):
         model = TinyGPT(CFG, seed=0)
         runs[micro] = reference.train_gpt(model, batches, torch.optim.SGD(model.parameters(), lr=0.5), micro=micro)
-    for k in runs[1][0]:
-        torch.testing.assert_close(runs[2][0][k], runs[1][0][k], rtol=1e-5, atol=1e-6)
+    tolerance.assert_matches(runs[2][0], runs[1][0], optimizer="sgd", steps=2, lr=0.5)
     x, y = batches[0]
-    assert runs[1][1][0] == pytest.approx(TinyGPT(CFG, seed=0)(x, y)[1].item(), rel=1e-6)
-    assert runs[2][1][0] == pytest.approx(runs[1][1][0], rel=1e-6)
+    tolerance.assert_matches(runs[1][1][:1], [TinyGPT(CFG, seed=0)(x, y)[1].item()], what="loss")
+    tolerance.assert_matches(runs[2][1][:1], runs[1][1][:1], what="loss")
 
     model = TinyGPT(CFG, seed=0)  # the per-micro-batch mean is a different objective
     per_micro_mean, _ = reference.train(model, batches, torch.optim.SGD(model.parameters(), lr=0.5),
                                         loss=lambda m, x, y: m(x, y)[1], micro=2)
-    assert not torch.allclose(per_micro_mean["lm_head.weight"], runs[1][0]["lm_head.weight"], rtol=1e-4, atol=1e-6)
+    assert not tolerance.compare(per_micro_mean["lm_head.weight"], runs[1][0]["lm_head.weight"],
+                                 optimizer="sgd", steps=2, lr=0.5)
 
 
 def test_bad_micro_raises():
