@@ -5,34 +5,63 @@ ranks inside a Megatron MLP or a loss, compared with one device.
     check_vocab_parallel_loss(vocab_parallel_loss)            # (logits_r, targets, start) -> loss, dlogits_r
     check_sequence_parallel_pair(AllGatherSequence, ReduceScatterSequence)   # SP g and g-bar
     check_tp_bytes_prediction(tp_bytes_per_layer)             # bytes one rank sends per layer, vs counted
+    check_tp_mlp_bias(tp_mlp)                                 # find the bug: a row layer's bias, added once
 
 Each prints one line (``megatron_f_g: 3/3 cases passed`` or the first failing case with a
-hint) and returns True/False; a learner's exception or deadlock becomes the hint.
+hint) and returns True/False; a learner's exception or deadlock becomes the hint. While the
+learner's code runs (forward AND backward), the library's tensor-parallel layers and
+communication functions are switched off; the vocabulary loss's communication is counted.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.nn.functional as F
 
 from course_lib.grading import Case, check, check_distributed, compare
+from course_lib.grading.guard import switched_off
+
+
+def _autograd_methods(module_name):
+    """"module:Cls.forward" and ".backward" of every autograd Function the module defines."""
+    module = importlib.import_module(module_name)
+    out = []
+    for name, val in vars(module).items():
+        if isinstance(val, type) and issubclass(val, torch.autograd.Function) and val.__module__ == module_name:
+            out += [f"{module_name}:{name}.forward", f"{module_name}:{name}.backward"]
+    return out
+
+
+def _library():
+    """What would do this chapter's exercises: off while the learner's code runs."""
+    return ["course_lib.parallel.comm_ops:*", "course_lib.parallel.tensor_parallel:*",
+            "course_lib.parallel.vocab_parallel:*", "course_lib.parallel.tensor_parallel:ColumnParallelLinear",
+            "course_lib.parallel.tensor_parallel:RowParallelLinear",
+            *_autograd_methods("course_lib.parallel.comm_ops"), *_autograd_methods("course_lib.parallel.vocab_parallel"),
+            *_autograd_methods("course_lib.parallel.tensor_parallel")]
 
 SIZES = (6, 12, 6)  # an MLP h -> 12 -> h: 12 hidden features split over 1, 2, 3 (and 4) ranks
 S, B = 6, 2         # sequence and batch of the inputs (6 tokens split over 1, 2, 3 ranks)
 
 
-def _problem(seed=0):
-    """X (s, b, h), W1 (12, h), W2 (h, 12), the output's upstream gradient C (s, b, h), in float64."""
+def _problem(seed=0, dtype=torch.float64):
+    """X (s, b, h), W1 (12, h), W2 (h, 12), the output's upstream gradient C (s, b, h)."""
     g = torch.Generator().manual_seed(seed)
     h, f = SIZES[0], SIZES[1]
     shapes = ((S, B, h), (f, h), (h, f), (S, B, h))
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in shapes]
+    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
-def _one_device():
-    X, W1, W2, C = (t.clone().requires_grad_(k < 3) for k, t in enumerate(_problem()))
+def _one_device(dtype=torch.float64):
+    X, W1, W2, C = (t.clone().requires_grad_(k < 3) for k, t in enumerate(_problem(dtype=dtype)))
     Y = F.linear(F.relu(F.linear(X, W1)), W2)
     (Y * C).sum().backward()
     return Y.detach(), X.grad, W1.grad, W2.grad
+
+
+def _tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
 
 
 def _apply(fn_class, x, what):
@@ -46,26 +75,31 @@ def _apply(fn_class, x, what):
 
 
 # ----------------------------------------------------------------------------- 1. f and g
-def _f_g_harness(f_class, g_class):
+def _f_g_harness(f_class, g_class, dtype=torch.float64):
     import torch.distributed as dist
 
     r, t = dist.get_rank(), dist.get_world_size()
-    Y, dX, dW1, dW2 = _one_device()
-    X, W1, W2, C = _problem()
+    tol = _tol(dtype)
+    Y, dX, dW1, dW2 = _one_device(dtype)
+    X, W1, W2, C = _problem(dtype=dtype)
     x = X.clone().requires_grad_()
     w1 = W1.chunk(t, 0)[r].clone().requires_grad_()               # column: my rows of W1
     w2 = W2.chunk(t, 1)[r].clone().requires_grad_()               # row: my columns of W2
-    y = _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
-               "ReduceFromParallel")
-    (y * C).sum().backward()
-    if compare(y.detach(), Y, what="y"):
+    with switched_off(_library(), "Megatron's f and g"):
+        y = _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
+                   "ReduceFromParallel")
+        (y * C).sum().backward()
+    if compare(y.detach(), Y, what="y", **tol):
         return ("the MLP's output is wrong: each rank's row layer gives a PARTIAL sum of the output, g's "
-                "forward must add them over ranks (all-reduce) | " + compare(y.detach(), Y, what="y"))
-    if x.grad is None or compare(x.grad, dX, what="dx"):
+                "forward must add them over ranks (all-reduce) | " + compare(y.detach(), Y, what="y", **tol))
+    if t > 1 and w2.grad is not None and torch.allclose(w2.grad, t * dW2.chunk(t, 1)[r], **tol):
+        return (f"every gradient is {t} times too large: g's backward must not all-reduce (each rank's partial "
+                f"output got the whole output's gradient already)")
+    if x.grad is None or compare(x.grad, dX, what="dx", **tol):
         return ("the output is right but the input's gradient is not: every rank used the whole x, so its "
                 "gradient is the SUM of the ranks' partial gradients: f's backward all-reduces")
-    if w1.grad is None or w2.grad is None or compare(w1.grad, dW1.chunk(t, 0)[r]) or \
-            compare(w2.grad, dW2.chunk(t, 1)[r]):
+    if w1.grad is None or w2.grad is None or compare(w1.grad, dW1.chunk(t, 0)[r], **tol) or \
+            compare(w2.grad, dW2.chunk(t, 1)[r], **tol):
         return ("the weights' gradients are wrong: g's backward passes the gradient through unchanged "
                 "(each rank's partial output got the whole output's gradient), f's forward is the identity")
     return None
@@ -74,76 +108,96 @@ def _f_g_harness(f_class, g_class):
 def check_megatron_f_g(CopyToParallel, ReduceFromParallel):
     """f: identity forward, all-reduce backward; g: all-reduce forward, identity backward.
     Run as f -> column -> ReLU -> row -> g on 1, 2 and 3 ranks; output and gradients vs one device."""
-    cases = [Case({"f_class": CopyToParallel, "g_class": ReduceFromParallel}, world_size=n,
-                  label=f"MLP {SIZES}, W1 by rows, W2 by columns") for n in (1, 2, 3)]
+    cases = [Case({"f_class": CopyToParallel, "g_class": ReduceFromParallel, "dtype": dt}, world_size=n,
+                  label=f"MLP {SIZES}, W1 by rows, W2 by columns, {str(dt)[6:]}")
+             for n, dt in ((1, torch.float64), (2, torch.float64), (3, torch.float64), (4, torch.float32))]
     return check_distributed("megatron_f_g", _f_g_harness, cases)
 
 
 # ----------------------------------------------------------------------------- 2. vocabulary-parallel loss
-def _vocab_harness(fn, vocab, offset):
+def _shard(n, t, r):
+    """Columns [start, stop) of rank r when n split over t ranks as evenly as possible (the first n % t get one more)."""
+    q, extra = divmod(n, t)
+    start = r * q + min(r, extra)
+    return start, start + q + (r < extra)
+
+
+def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64):
     import torch.distributed as dist
 
-    from course_lib.parallel.vocab_parallel import shard_range
+    from course_lib.grading.traffic import counted_calls
 
     r, t = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(10, vocab, generator=g, dtype=torch.float64) * 3 + offset   # (N, V)
-    targets = torch.randint(0, vocab, (10,), generator=g)
+    logits = (torch.randn(n, vocab, generator=g, dtype=torch.float64) * 3 + offset).to(dtype)   # (N, V)
+    targets = torch.randint(0, vocab, (n,), generator=g)
     whole = logits.clone().requires_grad_()
     expected = F.cross_entropy(whole, targets, reduction="none")
     expected.sum().backward()
-    start, stop = shard_range(vocab, t, r)
-    out = fn(logits[:, start:stop].clone(), targets.clone(), start)
+    start, stop = _shard(vocab, t, r)
+    with counted_calls() as calls, switched_off(_library(), "the vocabulary-parallel cross-entropy"):
+        out = fn(logits[:, start:stop].clone(), targets.clone(), start)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         return f"return (loss per token (N,), gradient of the loss sum w.r.t. my logits (N, V_r)), got {out!r}"
     loss, grad = out
-    msg = compare(loss, expected.detach(), rtol=1e-9, atol=1e-9, what="loss per token")
+    tol = _tol(dtype)
+    msg = compare(loss, expected.detach(), what="loss per token", **tol)
     if msg:
         hint = "not finite: subtract the GLOBAL maximum (all-reduce MAX) before exp" if \
             isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all() else msg
         return f"columns [{start}, {stop}) of V={vocab}: {hint}"
-    msg = compare(grad, whole.grad[:, start:stop], rtol=1e-9, atol=1e-9, what="gradient")
+    msg = compare(grad, whole.grad[:, start:stop], what="gradient", **tol)
     if msg:
         return (f"columns [{start}, {stop}): the loss is right, its gradient is not: softmax over the WHOLE "
                 f"vocabulary (my columns), minus 1 at the target where I hold it | {msg}")
+    moved = calls.elements()
+    if t > 1 and moved > 4 * n:
+        return (f"right values, but this rank moved {moved} values ({sorted(calls.ops())}) for N={n} tokens and "
+                f"V={vocab}: never gather the logits; a few numbers per token cross the ranks (O(N), not O(N V))")
     return None
 
 
 def check_vocab_parallel_loss(vocab_parallel_loss):
     """vocab_parallel_loss(logits_r, targets, vocab_start) on each rank, logits_r = columns
-    [vocab_start, vocab_start + V_r) of the logits (N, V): returns the per-token cross entropy
-    (N,) (the same on every rank) and the gradient of its sum w.r.t. logits_r."""
-    cases = [Case({"fn": vocab_parallel_loss, "vocab": v, "offset": o}, world_size=n,
-                  label=f"V={v}" + (f", logits around {o}" if o else ""))
-             for n, v, o in ((1, 8, 0), (2, 8, 0), (3, 11, 0), (3, 11, 1000.0))]
+    [vocab_start, vocab_start + V_r) of the logits (N, V) (the first V % t ranks hold one
+    column more): returns the per-token cross entropy (N,) (the same on every rank) and the
+    gradient of its sum w.r.t. logits_r, in the logits' dtype; at most a few values per token
+    may cross the ranks (counted)."""
+    cases = [Case({"fn": vocab_parallel_loss, "vocab": v, "offset": o, "dtype": dt}, world_size=n,
+                  label=f"V={v}, {str(dt)[6:]}" + (f", logits around {o}" if o else ""))
+             for n, v, o, dt in ((1, 8, 0, torch.float64), (2, 8, 0, torch.float64), (3, 11, 0, torch.float64),
+                                 (3, 11, 1000.0, torch.float64), (2, 64, 0, torch.float32),
+                                 (4, 13, -500.0, torch.float32))]
     return check_distributed("vocab_parallel_loss", _vocab_harness, cases)
 
 
 # ----------------------------------------------------------------------------- 3. the SP pair
-def _sp_harness(gather_class, scatter_class):
+def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
     import torch.distributed as dist
 
     r, t = dist.get_rank(), dist.get_world_size()
-    Y, dX, dW1, dW2 = _one_device()
-    X, W1, W2, C = _problem()
+    tol = _tol(dtype)
+    Y, dX, dW1, dW2 = _one_device(dtype)
+    X, W1, W2, C = _problem(dtype=dtype)
     xs = X.chunk(t, 0)[r].clone().requires_grad_()                # my s/t tokens, (s/t, b, h)
     w1 = W1.chunk(t, 0)[r].clone().requires_grad_()
     w2 = W2.chunk(t, 1)[r].clone().requires_grad_()
-    full = _apply(gather_class, xs, "AllGatherSequence")
-    if tuple(full.shape) != tuple(X.shape):
-        return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
-    if compare(full.detach(), X):
-        return "AllGatherSequence's forward: every rank's tokens, in rank order, along dim 0"
-    partial = F.linear(F.relu(F.linear(full, w1)), w2)            # (s, b, h): a partial sum
-    ys = _apply(scatter_class, partial, "ReduceScatterSequence")
-    if compare(ys.detach(), Y.chunk(t, 0)[r]):
-        return ("ReduceScatterSequence's forward: the SUM over ranks of the partial outputs, this rank keeping "
-                "its own s/t tokens | " + compare(ys.detach(), Y.chunk(t, 0)[r], what="y"))
-    (ys * C.chunk(t, 0)[r]).sum().backward()
-    if xs.grad is None or compare(xs.grad, dX.chunk(t, 0)[r]):
+    with switched_off(_library(), "the sequence-parallel pair"):
+        full = _apply(gather_class, xs, "AllGatherSequence")
+        if tuple(full.shape) != tuple(X.shape):
+            return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
+        if compare(full.detach(), X, **tol):
+            return "AllGatherSequence's forward: every rank's tokens, in rank order, along dim 0"
+        partial = F.linear(F.relu(F.linear(full, w1)), w2)            # (s, b, h): a partial sum
+        ys = _apply(scatter_class, partial, "ReduceScatterSequence")
+        if compare(ys.detach(), Y.chunk(t, 0)[r], **tol):
+            return ("ReduceScatterSequence's forward: the SUM over ranks of the partial outputs, this rank keeping "
+                    "its own s/t tokens | " + compare(ys.detach(), Y.chunk(t, 0)[r], what="y", **tol))
+        (ys * C.chunk(t, 0)[r]).sum().backward()
+    if xs.grad is None or compare(xs.grad, dX.chunk(t, 0)[r], **tol):
         return ("the forward is right, the input's gradient is not: the transpose of an all-gather is a "
                 "reduce-scatter, of a reduce-scatter an all-gather")
-    if compare(w1.grad, dW1.chunk(t, 0)[r]) or compare(w2.grad, dW2.chunk(t, 1)[r]):
+    if compare(w1.grad, dW1.chunk(t, 0)[r], **tol) or compare(w2.grad, dW2.chunk(t, 1)[r], **tol):
         return "the weights' gradients are wrong: ReduceScatterSequence's backward must all-gather the gradient"
     return None
 
@@ -151,63 +205,129 @@ def _sp_harness(gather_class, scatter_class):
 def check_sequence_parallel_pair(AllGatherSequence, ReduceScatterSequence):
     """AllGatherSequence: (s/t, b, h) -> (s, b, h) all-gather forward, reduce-scatter backward;
     ReduceScatterSequence: the transpose. Run around a column -> ReLU -> row MLP on 1, 2, 3 ranks."""
-    cases = [Case({"gather_class": AllGatherSequence, "scatter_class": ReduceScatterSequence}, world_size=n,
-                  label=f"x (s={S}, b={B}, h={SIZES[0]}) split along s") for n in (1, 2, 3)]
+    cases = [Case({"gather_class": AllGatherSequence, "scatter_class": ReduceScatterSequence, "dtype": dt},
+                  world_size=n, label=f"x (s={S}, b={B}, h={SIZES[0]}) split along s, {str(dt)[6:]}")
+             for n, dt in ((1, torch.float64), (2, torch.float64), (3, torch.float64), (3, torch.float32))]
     return check_distributed("sequence_parallel_pair", _sp_harness, cases)
 
 
 # ----------------------------------------------------------------------------- 4. bytes per layer
 MODES = {"TP": (False, False), "TP+SP": (True, False), "TP+SP, re-gathered in backward": (True, True)}
-LAYER = dict(seq_len=64, hidden=128, n_heads=4, n_layers=1)
+# (seq_len, batch, hidden, n_heads, dtype): shapes and dtypes the prediction is counted at
+# large enough that the transport's headers (~150 bytes a message, counted by the kernel) stay under 1%
+LAYERS = ((64, 4, 128, 4, torch.float32), (96, 4, 128, 4, torch.bfloat16), (32, 4, 96, 4, torch.float64))
 
 
-def _count_layer_bytes():
-    """On each rank: bytes one Llama layer's forward + backward sends through our ring, per mode."""
+def _count_layer_bytes(layers):
+    """On each rank: {(layer index, mode): bytes one Llama layer's forward + backward sends
+    through our ring}, counted by the tp Comm."""
     import torch.distributed as dist
 
     from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel.mesh import Mesh
-    from course_lib.parallel.tp_plan import parallelize
+    from course_lib.parallel import Mesh, parallelize
 
     mesh = Mesh(tp=dist.get_world_size(), impl="course")
     t, r, comm = mesh.sizes["tp"], mesh.coord["tp"], mesh.comm("tp")
-    cfg, out = GPTConfig(**LAYER), {}
-    for mode, (sp, regather) in MODES.items():
-        model = parallelize(TinyGPT(cfg, seed=0), mesh, sequence_parallel=sp, keep_gathered=not regather)
-        x = torch.randn(4, cfg.seq_len, cfg.hidden, generator=torch.Generator().manual_seed(0))
-        x = (x.chunk(t, 1)[r] if sp else x).requires_grad_()
-        comm.reset()
-        with comm.measuring():
-            model.blocks[0](x).sum().backward()
-        out[mode] = comm.bytes_sent()
+    out = {}
+    for k, (s, b, h, heads, dtype) in enumerate(layers):
+        cfg = GPTConfig(seq_len=s, hidden=h, n_heads=heads, n_layers=1)
+        for mode, (sp, regather) in MODES.items():
+            model = parallelize(TinyGPT(cfg, seed=0).to(dtype), mesh, sequence_parallel=sp, keep_gathered=not regather)
+            x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(0)).to(dtype)
+            x = (x.chunk(t, 1)[r] if sp else x).requires_grad_()
+            comm.reset()
+            with comm.measuring():
+                model.blocks[0](x).sum().backward()
+            out[(k, mode)] = comm.bytes_sent()
     return out
 
 
 def check_tp_bytes_prediction(tp_bytes_per_layer):
     """tp_bytes_per_layer(s, b, h, t, sp, regather, dtype_bytes) -> bytes one rank sends in one
-    layer's forward + backward; compared with the bytes counted on a real Llama layer (fp32,
-    ring collectives, t = 2 and 4), within 3% (the transport's headers)."""
+    layer's forward + backward; compared with the bytes counted on a real Llama layer (ring
+    collectives, t = 2 and 4, three shapes in float32, bfloat16 and float64), within 3% (the
+    transport's headers)."""
     from course_lib.launch import launch
 
     counted = {}
 
     def run(case):
-        t, mode = case.params["t"], case.params["mode"]
+        t, mode, k = case.params["t"], case.params["mode"], case.params["layer"]
         if t not in counted:
-            counted[t] = launch(_count_layer_bytes, t, timeout=60, quiet=True)[0]
+            counted[t] = launch(_count_layer_bytes, t, LAYERS, timeout=90, quiet=True)[0]
         sp, regather = MODES[mode]
-        got = tp_bytes_per_layer(LAYER["seq_len"], 4, LAYER["hidden"], t, sp, regather, 4)
+        s, b, h, _, dtype = LAYERS[k]
+        size = torch.empty((), dtype=dtype).element_size()
+        got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             return f"return a number of bytes, got {got!r}"
-        measured = counted[t][mode]
+        measured = counted[t][(k, mode)]
         if abs(got - measured) > 0.03 * measured:
-            return (f"predicted {got:,.0f} bytes, counted {measured:,} (s={LAYER['seq_len']}, b=4, "
-                    f"h={LAYER['hidden']}, fp32)")
+            ratio = got / measured if measured else float("inf")
+            why = ""
+            if size != 4 and abs(ratio - 4 / size) < 0.05:
+                why = f": a {size}-byte dtype here (dtype_bytes={size})"
+            return f"predicted {got:,.0f} bytes, counted {measured:,} (s={s}, b={b}, h={h}, {str(dtype)[6:]}){why}"
         return None
 
-    cases = [Case({"t": t, "mode": m}, label=f"t={t}, {m}") for t in (2, 4) for m in MODES]
+    cases = [Case({"t": t, "mode": m, "layer": k}, label=f"t={t}, {m}, s={LAYERS[k][0]} b={LAYERS[k][1]} "
+                  f"h={LAYERS[k][2]} {str(LAYERS[k][4])[6:]}") for t in (2, 4) for k in range(len(LAYERS)) for m in MODES]
     return check("tp_bytes_per_layer", cases, run)
 
 
+# ----------------------------------------------------------------------------- 5. the bias of a row layer
+def _bias_problem(dtype):
+    """x (s, b, h), W1 (f, h), b1 (f,), W2 (h, f), b2 (h,), C (s, b, h)."""
+    g = torch.Generator().manual_seed(7)
+    h, f = SIZES[0], SIZES[1]
+    shapes = ((S, B, h), (f, h), (f,), (h, f), (h,), (S, B, h))
+    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
+
+
+def _bias_harness(fn, dtype=torch.float64):
+    import torch.distributed as dist
+
+    r, t = dist.get_rank(), dist.get_world_size()
+    tol = _tol(dtype)
+    X, W1, b1, W2, b2, C = _bias_problem(dtype)
+    ref = [v.clone().requires_grad_() for v in (X, W1, b1, W2, b2)]
+    Y = F.linear(F.relu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
+    (Y * C).sum().backward()
+    mine = [X.clone(), W1.chunk(t, 0)[r].clone(), b1.chunk(t, 0)[r].clone(), W2.chunk(t, 1)[r].clone(), b2.clone()]
+    mine = [v.requires_grad_() for v in mine]
+    with switched_off(_library(), "a tensor-parallel MLP with biases"):
+        y = fn(*mine)
+        if not isinstance(y, torch.Tensor) or y.shape != Y.shape:
+            return f"return the MLP's output {tuple(Y.shape)}, got " + (
+                f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
+        if y.requires_grad:
+            (y * C).sum().backward()
+    if compare(y.detach(), Y.detach(), **tol):
+        if t > 1 and torch.allclose(y.detach(), Y.detach() + (t - 1) * b2, **tol):
+            return (f"the output holds the bias b2 {t} times: every rank added it to its partial sum before the "
+                    f"all-reduce; add it once, after")
+        return compare(y.detach(), Y.detach(), what="y", **tol)
+    want = [ref[0].grad, ref[1].grad.chunk(t, 0)[r], ref[2].grad.chunk(t, 0)[r], ref[3].grad.chunk(t, 1)[r],
+            ref[4].grad]
+    for name, got, w in zip(("x", "w1", "b1", "w2", "b2"), mine, want):
+        if got.grad is None:
+            return f"{name} got no gradient"
+        if compare(got.grad, w, **tol):
+            if name == "b2" and t > 1 and torch.allclose(got.grad * t, w, **tol):
+                return (f"the output is right, b2's gradient is {t} times too small: a bias divided by t on every "
+                        f"rank sums right, but each copy then learns 1/t of its gradient")
+            return compare(got.grad, w, what=f"{name}.grad", **tol)
+    return None
+
+
+def check_tp_mlp_bias(tp_mlp):
+    """tp_mlp(x, w1, b1, w2, b2) on each rank: the MLP relu(x W1^T + b1) W2^T + b2 with W1, b1
+    split by rows (column-parallel), W2 by columns (row-parallel), b2 whole on every rank;
+    output and every gradient compared with one device."""
+    cases = [Case({"fn": tp_mlp, "dtype": dt}, world_size=n, label=f"{n} ranks, {str(dt)[6:]}")
+             for n, dt in ((1, torch.float64), (2, torch.float64), (3, torch.float64), (4, torch.float32))]
+    return check_distributed("tp_mlp_bias", _bias_harness, cases)
+
+
 __all__ = ["check_megatron_f_g", "check_vocab_parallel_loss", "check_sequence_parallel_pair",
-           "check_tp_bytes_prediction"]
+           "check_tp_bytes_prediction", "check_tp_mlp_bias"]
