@@ -81,7 +81,10 @@ def check_state_bytes(state_bytes) -> bool:
                 return f"the dict has no {key!r} key"
             msg = compare(got[key], expected[key], rtol=0, atol=0.5, what=key)
             if msg:
-                return msg
+                why = {"params": "is a storage counted twice (a tied weight counts once)?",
+                       "grads": "a frozen or unused parameter has no gradient (p.grad is None)",
+                       "optimizer": "count every tensor in optimizer.state, once"}[key]
+                return msg + (f": {why}" if isinstance(got[key], (int, float)) and got[key] > expected[key] else "")
         return None
 
     return check("state_bytes", _STATE_CASES, run_case)

@@ -1,0 +1,107 @@
+"""course_lib/grading/guard.py and the grading core: the library is switched off while a
+learner's function runs (in this process and in ranks), everything comes back afterwards,
+an endless loop stops, and in a notebook a failed check raises a one-line GradeFailed."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import collectives as C
+from course_lib.grading import Case, GradeFailed, Shortcut, TimeLimit, check, check_distributed, learner, learner_class
+from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off
+
+
+def test_a_switched_off_function_raises_whatever_name_holds_it():
+    from course_lib.collectives.ring import all_reduce as imported_before  # a copy made earlier
+
+    def cheat(x):
+        return imported_before(x)
+
+    with pytest.raises(Shortcut, match="write this yourself: the exercise is the ring .*ring.all_reduce"):
+        learner(cheat, "course_lib.collectives.ring:*", exercise="the ring")(torch.ones(2))
+    assert imported_before.__code__.co_name != "stub"  # restored afterwards
+
+
+def test_classes_methods_and_torch_are_switched_off_and_restored():
+    from course_lib.parallel.zero import ShardedOptimizer
+
+    code = ShardedOptimizer.__init__.__code__
+    with switched_off(["course_lib.parallel.zero:*", "torch.nn.parallel:DistributedDataParallel",
+                       TORCH_COLLECTIVES], "ZeRO"):
+        with pytest.raises(Shortcut):
+            ShardedOptimizer([torch.zeros(2, requires_grad=True)], torch.optim.SGD, lr=0.1)
+        with pytest.raises(Shortcut, match="DistributedDataParallel"):
+            torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with pytest.raises(Shortcut):
+            dist.all_reduce(torch.ones(1))
+        with switched_off(["course_lib.parallel.zero:*"], "nested"):  # nested: restored once, at the end
+            pass
+        with pytest.raises(Shortcut):
+            ShardedOptimizer([torch.zeros(2, requires_grad=True)], torch.optim.SGD, lr=0.1)
+    assert ShardedOptimizer.__init__.__code__ is code
+    assert "__new__" not in vars(torch.nn.parallel.DistributedDataParallel)
+    assert dist.all_reduce.__code__.co_name != "stub"
+
+
+def test_an_autograd_function_class_runs_guarded():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return C.ring.all_reduce(x)  # the library inside forward
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(Shortcut):
+        learner_class(Double, "course_lib.collectives.ring:*", exercise="the unit").apply(torch.ones(2))
+
+
+def test_an_endless_loop_stops_with_a_hint():
+    def spin():
+        while True:
+            pass
+
+    started = time.perf_counter()
+    with pytest.raises(TimeLimit, match="more than 1 s"):
+        learner(spin, exercise="x", seconds=1)()
+    assert time.perf_counter() - started < 5
+
+
+def _uses_gloo_all_reduce(x):
+    dist.all_reduce(x)
+
+
+def _uses_course_ring(x):
+    C.all_reduce(x)
+
+
+def _harness(fn):
+    x = torch.ones(3)
+    learner(fn, "course_lib.collectives:*", "course_lib.collectives.ring:*", TORCH_COLLECTIVES,
+            exercise="the ring")(x)
+    dist.all_reduce(x)  # the grader's own collective, after the learner's call: allowed
+    return None
+
+
+@pytest.mark.parametrize("cheat, what", [(_uses_gloo_all_reduce, "distributed_c10d.all_reduce"),
+                                         (_uses_course_ring, "course_lib.collectives")])
+def test_the_guard_is_active_inside_ranks(cheat, what, capsys):
+    assert not check_distributed("ring", _harness, [Case({"fn": cheat}, 2)], timeout=20)
+    line = capsys.readouterr().out.strip()
+    assert "write this yourself: the exercise is the ring" in line and what in line, line
+
+
+def test_in_a_notebook_a_failure_raises_one_line(monkeypatch, capsys):
+    import course_lib.grading as G
+
+    assert check("t", [Case()], lambda case: None)
+    monkeypatch.setattr(G, "_in_notebook", lambda: True)
+    with pytest.raises(GradeFailed) as err:
+        check("t", [Case(label="the only case")], lambda case: "got 1 expected 2")
+    assert str(err.value) == "t: FAILED case 1/1 (the only case): got 1 expected 2"
+    assert err.value._render_traceback_() == ["\x1b[31m" + str(err.value) + "\x1b[0m"]
+    assert capsys.readouterr().out.strip() == "t: 1/1 cases passed"  # the pass line only
