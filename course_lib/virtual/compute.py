@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
@@ -23,6 +22,8 @@ FREE = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.ne
 
 def _elements(t: torch.Tensor) -> int:
     """Elements the op really touches: a broadcast (stride 0) dimension is read once."""
+    if 0 not in t.stride():
+        return t.numel()
     n = 1
     for size, stride in zip(t.shape, t.stride()):
         n *= size if stride else 1
@@ -39,14 +40,39 @@ def op_flops(func, args, kwargs, out) -> int:
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
+def _tensors(values):
+    """The tensors among an op's arguments or results (one level of lists: foreach ops)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+_KINDS: dict = {}   # OpOverload -> (launches a kernel, its FLOP formula or None): a memo of the two lookups
+
+
+def _kind(func):
+    kind = _KINDS.get(func)
+    if kind is None:
+        priced = (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and not func.is_view
+                  and func.overloadpacket not in FREE)
+        kind = _KINDS[func] = (priced, flop_registry.get(func.overloadpacket) if priced else None)
+    return kind
+
+
 def op_time(cluster, func, args, kwargs, out) -> float:
     """Seconds of one aten op on the virtual GPU (0 for views and metadata)."""
-    if func.is_view or func.overloadpacket in FREE:
+    priced, formula = _kind(func)
+    if not priced:
         return 0.0
-    inputs = [t for t in tree_leaves((args, {k: v for k, v in kwargs.items() if k != "out"}))
-              if isinstance(t, torch.Tensor)]
-    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return cluster.kernel_time(op_flops(func, args, kwargs, out), tensor_bytes(cluster, inputs + outputs))
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    kw = [v for k, v in kwargs.items() if k != "out"] if kwargs else ()
+    nbytes, itemsize = 0, cluster.dtype.itemsize
+    for t in _tensors((*args, *kw, *outs)):
+        nbytes += _elements(t) * (itemsize if t.is_floating_point() else t.element_size())
+    flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+    return cluster.kernel_time(flops, nbytes)
 
 
 class ComputeStream(TorchDispatchMode):
@@ -57,10 +83,14 @@ class ComputeStream(TorchDispatchMode):
         super().__init__()
         self.clock = clock
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False      # no torch.compile under the virtual clock: skip the per-op dynamo guard (~10 us)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.clock.muted_depth and isinstance(func, torch._ops.OpOverload) and func.namespace == "aten":
+        if not self.clock.muted_depth:
             self.clock.t += op_time(self.clock.cluster, func, args, kwargs, out)
         return out
 

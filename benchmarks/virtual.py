@@ -1,0 +1,94 @@
+"""What the virtual GPU clock costs: the same program on the wall clock and on a virtual H100.
+
+    python benchmarks/virtual.py [--repeats 5] [--world-size 4]
+
+Two programs, each run ``--repeats`` times per clock, interleaved (wall, virtual, wall, ...)
+so that a change in the machine's load hits both alike: DDP training steps of TinyGPT (one
+bucket all-reduced per layer group, hooks overlapping backward) and a 1F1B pipeline step
+over 4 stages. Each rank times its own work with ``time.perf_counter`` (process start and
+group set-up excluded, the same for both clocks); a run's time is its slowest rank's. With
+more ranks than cores, and other processes on them, wall time swings with the load: the CPU
+seconds the ranks spent (``time.process_time``, summed over ranks) are printed beside it.
+Prints the medians and their ratios; the target is at most 1.5x.
+
+What the virtual clock adds per rank: a Python ``__torch_dispatch__`` call per aten op
+(pricing: a FLOP formula, the bytes of its tensors), a tiny MAX all-reduce per collective
+(the members' issue times), an 8-byte header per point-to-point message.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from course_lib import launch, reference  # noqa: E402
+from course_lib.virtual import VirtualCluster  # noqa: E402
+
+
+def ddp_steps(steps=3):
+    from course_lib.models import GPTConfig, TinyGPT
+    from course_lib.parallel import DDP
+    cfg = GPTConfig(vocab_size=64, seq_len=64, n_layers=4, hidden=128, n_heads=4)
+    model = DDP(TinyGPT(cfg, seed=0), bucket_cap_mb=0.25)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = reference.gpt_batches(cfg, batch=8, steps=steps)
+    started, cpu = time.perf_counter(), time.process_time()
+    for x, y in batches:
+        _, loss = model(x, y, n_tokens=y.numel())
+        loss.backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def pipeline_step(m=8, n_linear=8, h=256, b=32):
+    import torch.nn as nn
+
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel import schedules as S
+    from course_lib.parallel.pipeline_executor import run_schedule
+    comm = Comm(None, dim="pp")
+    p = comm.size
+    torch.manual_seed(comm.rank)
+    stages = {comm.rank: nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.ReLU()) for _ in range(n_linear)])}
+    inputs = [torch.randn(b, h) for _ in range(m)]
+    started, cpu = time.perf_counter(), time.process_time()
+    run_schedule(S.make_schedule("1f1b", p, m), stages, comm, p=p, m=m, inputs=inputs, targets=[None] * m,
+                 loss_fn=lambda y, t: y.pow(2).mean(), act_shape=(b, h))
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--world-size", type=int, default=4)
+    args = ap.parse_args(argv)
+    cluster = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
+    print(f"{args.world_size} ranks on {os.cpu_count()} cores, medians of {args.repeats} runs (seconds of "
+          f"the slowest rank's work)")
+    ratios = {}
+    for name, fn in (("DDP, 3 TinyGPT steps", ddp_steps), ("1F1B pipeline, one step", pipeline_step)):
+        times = {"wall": [], "virtual": []}
+        launch(fn, args.world_size, quiet=True)                  # warm the forkserver and the imports
+        for _ in range(args.repeats):
+            for clock_name, clock in (("wall", None), ("virtual", cluster)):
+                res = launch(fn, args.world_size, clock=clock, quiet=True)
+                times[clock_name].append((max(w for w, _ in res), sum(c for _, c in res)))
+        (w_wall, w_cpu), (v_wall, v_cpu) = ([statistics.median(x[i] for x in times[k]) for i in (0, 1)]
+                                            for k in ("wall", "virtual"))
+        ratios[name] = (v_wall / w_wall, v_cpu / w_cpu)
+        print(f"{name}:\n  wall clock run {w_wall:6.3f} s ({w_cpu:6.3f} CPU s)   virtual clock run {v_wall:6.3f} s "
+              f"({v_cpu:6.3f} CPU s)   ratio {v_wall / w_wall:4.2f}x ({v_cpu / w_cpu:4.2f}x CPU)")
+    worst = max(r for pair in ratios.values() for r in pair)
+    print(f"worst ratio {worst:.2f}x (target <= 1.5x)")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
