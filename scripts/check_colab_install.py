@@ -16,12 +16,21 @@ script rebuilds that situation from scratch, offline except for the package inde
    every ``course_lib`` module imports, and ``course_lib.launch`` runs an all-reduce on
    2 ranks, from a folder outside the checkout (so the installed copy is the one used).
 
+4. every notebook (lectures, exercises, solutions) needs nothing but the installed package: no
+   ``..`` path, no file beside it, no ``benchmarks``/``scripts``/``tests`` import, no
+   ``sys.path`` change, no ``spec_from_file_location``/``runpy``/``%run`` (``files_outside_package``;
+   Colab opens a notebook alone, without the repository around it). This step runs first.
+
 Exits non-zero, naming the failed step, when anything is wrong.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import glob
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +71,56 @@ SMOKE = textwrap.dedent('''
     assert list(results) == [(0, 30.0), (1, 30.0)], list(results)
     print(f"course_lib {course_lib.__version__} from {where}: launch on 2 ranks -> {list(results)}")
 ''')
+
+
+NOTEBOOK_FOLDERS = ("notebooks", "exercises", "solutions")
+REPOSITORY_ONLY = {"benchmarks", "scripts", "tests", "solutions", "exercises", "notebooks", "book"}
+LOADERS = {"spec_from_file_location", "run_path", "run_module", "chdir"}
+DATA_FILE = re.compile(r"[\w./-]+\.(py|ipynb|csv|json|txt|pt|pth|npy|npz|bin|pkl|yaml|yml|cfg|md)")
+
+
+def files_outside_package(path: str) -> list[str]:
+    """Why notebook ``path`` would fail in Colab, where it is opened alone and only ``course_lib``
+    is installed: each place its code reaches for a file of the repository ("cell 43: ...");
+    empty when it needs nothing but the package."""
+    with open(path, encoding="utf-8") as f:
+        nb = json.load(f)
+    folder, found = os.path.dirname(os.path.abspath(path)), []
+    for index, cell in enumerate(nb.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        lines = source.splitlines()
+        found += [f"cell {index}: runs a file ({line.strip()!r})" for line in lines if line.strip().startswith("%run")]
+        python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
+        try:
+            tree = ast.parse(python)
+        except SyntaxError as exc:
+            found.append(f"cell {index}: does not parse ({exc.msg})")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+                if text == ".." or text.startswith(("../", "..\\")) or "/../" in text:
+                    found.append(f"cell {index}: a path above the notebook ({text!r})")
+                elif DATA_FILE.fullmatch(text) and os.path.exists(os.path.join(folder, text)):
+                    found.append(f"cell {index}: reads a file beside the notebook ({text!r})")
+            elif isinstance(node, ast.Attribute) and node.attr in LOADERS:
+                found.append(f"cell {index}: loads code or changes folder by path ({node.attr})")
+            elif (isinstance(node, ast.Attribute) and node.attr in ("insert", "append", "extend")
+                  and isinstance(node.value, ast.Attribute) and node.value.attr == "path"):
+                found.append(f"cell {index}: changes sys.path")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"cell {index}: imports {name!r}, which is not in the package" for name in names
+                          if name.split(".")[0] in REPOSITORY_ONLY]
+    return found
+
+
+def notebooks_outside_package(root: str = ROOT) -> dict:
+    """{notebook: problems} for every notebook of the course that reaches outside the package."""
+    paths = sorted(p for folder in NOTEBOOK_FOLDERS for p in glob.glob(os.path.join(root, folder, "*.ipynb")))
+    return {os.path.relpath(p, root): problems for p in paths if (problems := files_outside_package(p))}
 
 
 class Step:
@@ -112,6 +171,11 @@ def main(argv=None) -> int:
     python = os.path.join(venv, "bin", "python")
     started = time.perf_counter()
     try:
+        with Step("notebooks", "every notebook needs only the installed course_lib (no repository files)"):
+            outside = notebooks_outside_package()
+            if outside:
+                raise RuntimeError("notebooks that read files outside the package (they fail in Colab):\n  "
+                                   + "\n  ".join(f"{nb}: {p}" for nb, problems in outside.items() for p in problems))
         with Step("venv", "a fresh virtual environment"):
             run([sys.executable, "-m", "venv", venv])
         with Step("preinstall", "Colab's packages: " + ", ".join(COLAB_PREINSTALLED)):

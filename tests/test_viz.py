@@ -129,7 +129,25 @@ def test_nd_figures():
     assert [round(b.get_height(), 3) for b in fig.axes[0].patches] == [1.0, 1.0, 2.0, 2.0]    # MiB, stacked
     assert [round(b.get_height(), 3) for b in fig.axes[1].patches] == [100.0, 100.0]          # ms
     plt.close(fig)
-    measured = _spans()
-    fig = nd.step_timelines(measured, _spans(), [0, 1], "2D")
-    assert fig.axes[0].get_title() == "2D: measured" and "simulation" in fig.axes[1].get_title()
+    fig = nd.story([dict(rows[0], name="4D DP x TP x PP x CP")])
+    assert fig.axes[0].get_xticklabels()[0].get_text() == "4D DP x TP\nx PP x CP"   # wrapped: no overlap
+    plt.close(fig)
+    measured = _spans() + [Span(r, "ar", "comm", 0.002, 0.003, d) for r in (2, 3) for d in ("tp", "dp+cp")]
+    fig = nd.step_timelines(measured, _spans(), [0, 1, 2, 3], "2D")       # 2 ranks per measured panel
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["2D: measured, ranks 0, 1", "2D: measured, ranks 2, 3", "2D: planner's simulation"]
+    assert len(fig.axes[1].get_yticks()) == 6 and fig.legends                  # 3 lanes per rank; one legend
+    plt.close(fig)
+
+
+def test_tensor_parallel_layer_timeline_numbers_the_collectives():
+    from course_lib.viz.tensor_parallel import layer_timeline
+
+    spans = [Span(r, "forward", "compute", 0.0, 0.01) for r in (0, 1)] + [
+        Span(r, name, "comm", t, t + 0.001, "tp") for r in (0, 1)
+        for name, t in (("g: all-reduce", 0.002), ("f: all-reduce (backward)", 0.008))]
+    fig = layer_timeline(spans, title="one layer")
+    ax = fig.axes[0]
+    assert sorted(t.get_text() for t in ax.texts) == ["1", "1", "2", "2", "forward", "forward"]
+    assert [t.get_text() for t in fig.texts] == [" 1  g: all-reduce", " 2  f: all-reduce (backward)"]
     plt.close(fig)
