@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import launch
+from course_lib import launch, tolerance
 
 B, S, H, FF = 2, 6, 4, 12  # S and FF split over 1, 2 and 3 ranks
 
@@ -79,22 +79,22 @@ def test_tensor_and_sequence_parallel_mlp_equal_one_device(runs, t):
     _, _, _, C = problem()
     for r, out in enumerate(runs[t]):
         y, gx, gw1, gw2 = out["tp"]
-        torch.testing.assert_close(y, Y)
-        torch.testing.assert_close(gx, gX)                       # f all-reduced the input's gradient
-        torch.testing.assert_close(gw1, gW1.chunk(t, 0)[r])      # my rows of W1
-        torch.testing.assert_close(gw2, gW2.chunk(t, 1)[r])      # my columns of W2
+        tolerance.assert_matches(y, Y)
+        tolerance.assert_matches(gx, gX)                       # f all-reduced the input's gradient
+        tolerance.assert_matches(gw1, gW1.chunk(t, 0)[r])      # my rows of W1
+        tolerance.assert_matches(gw2, gW2.chunk(t, 1)[r])      # my columns of W2
         ys, gxs, gw1, gw2 = out["sp"]
-        torch.testing.assert_close(ys, Y.chunk(t, 1)[r])         # my part of the sequence
-        torch.testing.assert_close(gxs, gX.chunk(t, 1)[r])
-        torch.testing.assert_close(gw1, gW1.chunk(t, 0)[r])
-        torch.testing.assert_close(gw2, gW2.chunk(t, 1)[r])
-        torch.testing.assert_close(out["split"], C)              # every rank's slice gradient, gathered
+        tolerance.assert_matches(ys, Y.chunk(t, 1)[r])         # my part of the sequence
+        tolerance.assert_matches(gxs, gX.chunk(t, 1)[r])
+        tolerance.assert_matches(gw1, gW1.chunk(t, 0)[r])
+        tolerance.assert_matches(gw2, gW2.chunk(t, 1)[r])
+        tolerance.assert_matches(out["split"], C)              # every rank's slice gradient, gathered
         yg, gw1 = out["gather"]
-        torch.testing.assert_close(yg, F.linear(problem()[0], problem()[1]))   # the whole output everywhere
+        tolerance.assert_matches(yg, F.linear(problem()[0], problem()[1]))   # the whole output everywhere
         Xf, W1f = problem()[0], problem()[1].clone().requires_grad_()
         (F.linear(Xf, W1f) * F.linear(Xf, problem()[1])).sum().backward()
-        torch.testing.assert_close(gw1, W1f.grad.chunk(t, 0)[r])  # backward keeps my slice only
-        torch.testing.assert_close(out["copies"], torch.full((3,), t * (t + 1) / 2))
+        tolerance.assert_matches(gw1, W1f.grad.chunk(t, 0)[r])  # backward keeps my slice only
+        tolerance.assert_matches(out["copies"], torch.full((3,), t * (t + 1) / 2))
 
 
 @pytest.mark.parametrize("t", [2, 3])

@@ -8,7 +8,7 @@ One launch runs every check.
 import pytest
 import torch
 
-from course_lib import launch
+from course_lib import launch, tolerance
 from course_lib.parallel.grad_sync import assign_buckets
 from course_lib.planner.formulas import collective_bytes_per_rank
 
@@ -148,7 +148,7 @@ def assert_grads(got, want):
         if want[name] is None:
             assert got[name] is None, name
         else:
-            torch.testing.assert_close(got[name], want[name], msg=name)
+            tolerance.assert_matches(got[name], want[name], what=name)
 
 
 def test_explicit_start_finish_sums_over_each_parameters_dims(runs):

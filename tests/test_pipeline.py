@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import course_lib
-from course_lib import reference
+from course_lib import reference, tolerance
 from course_lib.models import GPTConfig, TinyGPT
 from course_lib.parallel import schedules as S
 from course_lib.parallel.mesh import Mesh
@@ -262,9 +262,9 @@ def test_input_gradient_every_schedule(two_ranks):
         g1 = two_ranks[1]["input grad"][name][1]
         assert x_grads[0] is not None, f"{name}: stage 0's input has no gradient"
         for x, g in zip(xs, x_grads):
-            torch.testing.assert_close(g, x.grad, msg=f"{name}: input gradient differs from one device")
+            tolerance.assert_matches(g, x.grad, what=f"{name}: input gradient differs from one device")
         for q, g in zip(grads, g0 + g1):
-            torch.testing.assert_close(g, q, msg=f"{name}: parameter gradient differs from one device")
+            tolerance.assert_matches(g, q, what=f"{name}: parameter gradient differs from one device")
 
 
 def test_bad_input():
@@ -368,13 +368,13 @@ def test_scale_grads_like_torch_and_one_device(two_ranks):
     for name in ("gpipe", "1f1b", "zb-h1"):
         ours = two_ranks[0]["scale grads"][name][0] + two_ranks[1]["scale grads"][name][0]
         for a, b in zip(ours, one_device):
-            torch.testing.assert_close(a, b, msg=f"{name}: scale_grads=True differs from one device")
+            tolerance.assert_matches(a, b, what=f"{name}: scale_grads=True differs from one device")
         if name != "zb-h1":
             theirs = two_ranks[0]["scale grads"][name][1] + two_ranks[1]["scale grads"][name][1]
             for a, b in zip(ours, theirs):
-                torch.testing.assert_close(a, b, msg=f"{name}: scale_grads=True differs from torch's")
+                tolerance.assert_matches(a, b, what=f"{name}: scale_grads=True differs from torch's")
         losses = two_ranks[1]["scale grads"][name][2]     # loss_fn's values, unscaled (as torch's)
-        assert sum(losses.values()) / 4 == pytest.approx(F.mse_loss(whole(x), y).item(), rel=1e-5)
+        tolerance.assert_matches([sum(losses.values()) / 4], [F.mse_loss(whole(x), y).item()], what="loss")
 
 
 def _one_rank_interleaved():
