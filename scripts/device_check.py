@@ -1,0 +1,149 @@
+"""The virtual GPU clock against the GPU this machine has: virtual / measured time.
+
+    python scripts/device_check.py [--hardware h100-sxm] [--repeats 20]
+
+Four workloads in bf16: a 8192^3 GEMM (the compute roofline), a TinyGPT block forward and
+backward at h = 2048, s = 2048, b = 4 (matmuls, the unfused attention, elementwise kernels),
+1000 one-element additions (the launch overhead), and one 256 MiB all-reduce over NCCL when
+there are at least two GPUs (one GPU: nothing to reduce across, said so). Virtual: the
+workload run once under the virtual clock (:mod:`course_lib.virtual`, the preset named by
+``--hardware`` or guessed from the device's name); measured: CUDA events around the same
+workload, median of ``--repeats`` after warm-up. Without CUDA it prints the virtual times
+(priced on the meta device: shapes only) and says that there is no GPU to compare with.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from course_lib import trace  # noqa: E402
+from course_lib.launch import launch  # noqa: E402
+from course_lib.models import GPTConfig  # noqa: E402
+from course_lib.gpt import Block  # noqa: E402
+from course_lib.virtual import VirtualCluster  # noqa: E402
+
+ALL_REDUCE_BYTES = 256 << 20
+
+
+def workloads(device):
+    """{name: (setup() -> state, run(state))}: each run is one measured unit of work."""
+    def gemm():
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        return a, a.clone()
+
+    def block():
+        cfg = GPTConfig(vocab_size=256, seq_len=2048, n_layers=1, hidden=2048, n_heads=16)
+        with torch.device(device):
+            mod = Block(cfg).to(torch.bfloat16)
+            x = torch.randn(4, 2048, 2048, dtype=torch.bfloat16, requires_grad=True)
+        return mod, x
+
+    def tiny():
+        return torch.zeros(1, device=device, dtype=torch.bfloat16)
+
+    def run_block(state):
+        mod, x = state
+        mod(x).sum().backward()
+
+    def run_tiny(t):
+        for _ in range(1000):
+            t.add_(1)
+
+    return {"GEMM 8192^3": (gemm, lambda s: s[0] @ s[1]),
+            "block fwd+bwd (h 2048, s 2048, b 4)": (block, run_block),
+            "1000 tiny kernels": (tiny, run_tiny)}
+
+
+def virtual_seconds(cluster, setup, run):
+    """One run under a fresh virtual clock (setup outside it)."""
+    state = setup()
+    clock = cluster.start(0, 1, trace.Recorder())
+    with clock:
+        run(state)
+    return clock.t
+
+
+def measured_seconds(setup, run, repeats):
+    state = setup()
+    for _ in range(3):
+        run(state)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(state)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _all_reduce(repeats):
+    """Each rank: CUDA-event time of one all-reduce (median), or its virtual span under a clock."""
+    import torch.distributed as dist
+
+    from course_lib.collectives.comm import Comm
+    comm = Comm(None, dim="dp")
+    t = torch.ones(ALL_REDUCE_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    if trace.clock() is not None:
+        comm.all_reduce(t)
+        return [s.duration for s in trace.spans() if s.name == "all-reduce"][0]
+    for _ in range(3):
+        dist.all_reduce(t)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(t)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def guess_hardware(name: str) -> str:
+    for key, preset in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")):
+        if key in name:
+            return preset
+    return "h100-sxm"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", default=None, help="planner preset (default: from the device's name)")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if gpu else "no GPU"
+    cluster = VirtualCluster(args.hardware or guess_hardware(name), gpus_per_node=8, dtype=torch.bfloat16)
+    print(f"device: {name}; torch {torch.__version__}")
+    print(cluster.describe())
+    rows = []
+    for label, (setup, run) in workloads("cuda" if gpu else "meta").items():
+        virtual = virtual_seconds(cluster, setup, run)
+        measured = measured_seconds(setup, run, args.repeats) if gpu else None
+        rows.append((label, virtual, measured))
+    n = torch.cuda.device_count() if gpu else 0
+    if n >= 2:
+        measured = max(launch(_all_reduce, n, args.repeats, backend="nccl", quiet=True))
+        virtual = max(launch(_all_reduce, n, args.repeats, backend="nccl", clock=cluster, quiet=True))
+        rows.append((f"all-reduce 256 MiB on {n} GPUs (NCCL)", virtual, measured))
+    for label, virtual, measured in rows:
+        line = f"{label:38s} virtual {virtual * 1e3:9.3f} ms"
+        if measured is not None:
+            line += f"   measured {measured * 1e3:9.3f} ms   virtual / measured {virtual / measured:5.2f}"
+        print(line)
+    if not gpu:
+        print("no GPU: virtual times only (priced on the meta device); run this on a CUDA machine to compare")
+    elif n < 2:
+        print("all-reduce: one GPU, nothing to reduce across (needs 2+ GPUs for NCCL)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
