@@ -54,7 +54,7 @@ def _time_unit(span_seconds: float):
 
 
 def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_frac=0.04,
-             unit=None, legend=True, figsize=None, by_dim=False):
+             unit=None, legend=True, figsize=None, by_dim=False, clock=None, messages=True):
     """Draw spans as one row per rank, coloured by kind and labelled when wide enough.
 
     spans: iterable of objects with ``rank, name, kind, start, end`` (``trace.Span``;
@@ -66,6 +66,10 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     unit: 's', 'ms' or 'µs' (default: chosen from the time range).
     by_dim: one row per (rank, mesh dimension): a rank's spans without a dimension on
         its first row, then one row per dimension its spans carry.
+    clock: the ``VirtualCluster`` the spans were priced on (``launch(..., clock=...)``): the
+        axis then says "virtual time on <GPU>"; None: measured (wall-clock) time.
+    messages: draw an arrow from each send to its receive (spans that carry ``flow``, the
+        virtual clock's messages).
     """
     spans = list(spans)
     if ranks is None:
@@ -106,7 +110,9 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     ax.set_yticklabels([(row_names or {}).get(r, f"rank {r}") for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(0, total * scale)
-    ax.set_xlabel(f"time ({unit_name})")
+    ax.set_xlabel(f"virtual time on {clock.hw.name} ({unit_name})" if clock is not None else f"time ({unit_name})")
+    if messages and not by_dim:
+        _arrows(ax, drawn, row, t0, scale)
     if title:
         ax.set_title(title)
     if legend:
@@ -116,6 +122,20 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _arrows(ax, spans, row, t0, scale):
+    """An arrow per message: from its send's start to its receive's end (``Span.flow`` pairs them)."""
+    ends = {}
+    for s in spans:
+        side, _, key = getattr(s, "flow", "").partition(":")
+        if key:
+            ends.setdefault(key, {})[side] = s
+    for pair in ends.values():
+        if "send" in pair and "recv" in pair:
+            a, b = pair["send"], pair["recv"]
+            ax.annotate("", xy=((b.end - t0) * scale, row[b.rank]), xytext=((a.start - t0) * scale, row[a.rank]),
+                        arrowprops=dict(arrowstyle="->", lw=0.6, color="#444444", alpha=0.7))
 
 
 def _lanes_by_dim(spans, ranks, row_names):
