@@ -3,7 +3,7 @@ awkward MLP cases, a tiny overfit, and the parts every parallel dimension cuts t
 import pytest
 import torch
 
-from course_lib import models
+from course_lib import models, tolerance
 from course_lib.models import MLP, GPTConfig, SmallCNN, TinyGPT, n_params
 
 
@@ -67,7 +67,7 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv():
     k, v = k.repeat_interleave(a // kv, dim=1), v.repeat_interleave(a // kv, dim=1)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref = attn.wo(ref.transpose(1, 2).reshape(b, s, h))
-    torch.testing.assert_close(attn(x), ref, rtol=1e-5, atol=1e-6)
+    tolerance.assert_matches(attn(x), ref)
 
 
 def test_causal():
@@ -75,7 +75,7 @@ def test_causal():
     idx = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     changed = idx.clone()
     changed[0, 8:] = (changed[0, 8:] + 1) % 256
-    torch.testing.assert_close(model(idx)[0][:, :8], model(changed)[0][:, :8])
+    tolerance.assert_matches(model(idx)[0][:, :8], model(changed)[0][:, :8])
 
 
 def test_bad_config_raises():
@@ -197,13 +197,13 @@ def test_second_half_with_prefix_keys_equals_rows_of_the_full_run(name):
             k = models.apply_rotary(k, *models.rotary_rows(attn.cos, attn.sin, k_pos, s))
         y = models.causal_attention(q, k, v, q_pos, k_pos)      # (b, a, s_q, d)
         part = attn.wo(y.transpose(1, 2).reshape(b, len(q_pos), -1))
-        torch.testing.assert_close(part, full[:, q_pos], rtol=1e-5, atol=1e-6)
+        tolerance.assert_matches(part, full[:, q_pos])
 
 
 def test_rotary_attention_depends_on_relative_positions_only():
     block = TinyGPT(VARIANTS["gqa"], seed=0).blocks[0]
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(block(x, torch.arange(5, 13)), block(x), rtol=1e-5, atol=1e-6)
+    tolerance.assert_matches(block(x, torch.arange(5, 13)), block(x))
     assert torch.equal(block(x, torch.arange(8)), block(x))     # explicit 0..s-1 is the default
 
 
@@ -245,7 +245,7 @@ def test_head_slices_sum_to_the_full_attention(name, tp):
     x = torch.randn(2, 12, attn.wq.in_features, generator=torch.Generator().manual_seed(0))
     parts = [tp_slice(attn, r, tp) for r in range(tp)]
     assert parts[0].n_heads == attn.n_heads // tp and parts[0].n_kv_heads == max(1, attn.n_kv_heads // tp)
-    torch.testing.assert_close(sum(p(x) for p in parts), attn(x), rtol=1e-5, atol=1e-6)
+    tolerance.assert_matches(sum(p(x) for p in parts), attn(x))
 
 
 def test_loss_over_shards_with_the_global_count_adds_up_to_the_mean():
@@ -258,8 +258,8 @@ def test_loss_over_shards_with_the_global_count_adds_up_to_the_mean():
                 (lambda t: t.chunk(4, 1)),                  # context parallel: sequence chunks
                 (lambda t: [t[:, :5], t[:, 5:]])):         # uneven shards
         total = sum(model.loss(lg, tg, n_tokens=n) for lg, tg in zip(cut(logits), cut(tgt)))
-        torch.testing.assert_close(total, mean, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(model.loss(logits, tgt, n_tokens=torch.tensor(n)), mean)
+        tolerance.assert_matches(total, mean)
+    tolerance.assert_matches(model.loss(logits, tgt, n_tokens=torch.tensor(n)), mean)
     assert torch.equal(model.loss(logits, tgt), torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten()))
 
 

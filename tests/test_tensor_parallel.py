@@ -439,13 +439,13 @@ def test_megatron_mlp_and_vocab_parallel_loss_equal_one_device():
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())   # mean over the 13 counted tokens
     loss.backward()
     for r, (yr, gx, gfc, gproj, whole, lr, glog, (a, b)) in enumerate(results):
-        torch.testing.assert_close(yr, y.detach())                                   # g: the whole output
-        torch.testing.assert_close(gx, x.grad)                                       # f: the whole gradient
-        torch.testing.assert_close(gfc, fc.weight.grad[4 * r:4 * r + 4])             # my rows
-        torch.testing.assert_close(gproj, proj.weight.grad[:, 4 * r:4 * r + 4])      # my columns
-        torch.testing.assert_close(whole, fc(x).detach())                            # gathered: all of Y
-        torch.testing.assert_close(lr, loss.detach())
-        torch.testing.assert_close(glog, logits.grad[..., a:b])
+        tolerance.assert_matches(yr, y.detach())                                   # g: the whole output
+        tolerance.assert_matches(gx, x.grad)                                       # f: the whole gradient
+        tolerance.assert_matches(gfc, fc.weight.grad[4 * r:4 * r + 4])             # my rows
+        tolerance.assert_matches(gproj, proj.weight.grad[:, 4 * r:4 * r + 4])      # my columns
+        tolerance.assert_matches(whole, fc(x).detach())                            # gathered: all of Y
+        tolerance.assert_matches(lr, loss.detach())
+        tolerance.assert_matches(glog, logits.grad[..., a:b])
 
 
 def _torch_conventions():
@@ -497,11 +497,11 @@ def test_sequence_parallel_bias_loss_and_dropout_follow_torch():
     assert torch.isnan(F.cross_entropy(logits, torch.full((6,), -100)))          # torch's mean over no token
     for r, (marked, gb, gw, all_ignored, lr, glog, (a, b), dropped) in enumerate(launch(_torch_conventions, t)):
         assert marked == ("dp", "tp")
-        torch.testing.assert_close(gb, proj.bias.grad)                   # the whole bias gradient, every rank
-        torch.testing.assert_close(gw, proj.weight.grad[:, 4 * r:4 * r + 4])
+        tolerance.assert_matches(gb, proj.bias.grad)                   # the whole bias gradient, every rank
+        tolerance.assert_matches(gw, proj.weight.grad[:, 4 * r:4 * r + 4])
         assert torch.isnan(all_ignored), all_ignored
-        torch.testing.assert_close(lr, loss.detach())
-        torch.testing.assert_close(glog, logits.grad[:, a:b])
+        tolerance.assert_matches(lr, loss.detach())
+        tolerance.assert_matches(glog, logits.grad[:, a:b])
         assert torch.equal(dropped, torch.zeros(5))
 
 
