@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.planner.presets import HARDWARE, Hardware, get_hardware
+from course_lib.virtual import clock, compute  # noqa: F401  (the rooms: clock.RankClock, compute.op_time)
 
 
 class VirtualCluster:
@@ -83,8 +84,7 @@ class VirtualCluster:
 
     def start(self, rank: int, world_size: int, recorder):
         """The clock of one rank (the launcher calls this in each rank, then enters it)."""
-        from course_lib.virtual.clock import RankClock
-        return RankClock(self, rank, world_size, recorder)
+        return clock.RankClock(self, rank, world_size, recorder)
 
     def describe(self) -> str:
         """Every constant the prices come from, one line each."""

@@ -42,6 +42,7 @@ class RankClock:
         self.t = 0.0            # compute stream: when its last kernel ends
         self.comm_free = 0.0    # communication stream: when its last collective ends
         self.muted_depth = 0
+        self.kernels = 0        # kernels priced on the compute stream so far
         self._messages = defaultdict(int)     # (src, dst, group, tag) -> messages so far: flow ids
         self._mode = ComputeStream(self)
 

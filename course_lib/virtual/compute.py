@@ -91,7 +91,10 @@ class ComputeStream(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not self.clock.muted_depth:
-            self.clock.t += op_time(self.clock.cluster, func, args, kwargs, out)
+            cost = op_time(self.clock.cluster, func, args, kwargs, out)
+            if cost:
+                self.clock.t += cost
+                self.clock.kernels += 1
         return out
 
 
