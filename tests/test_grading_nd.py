@@ -1,16 +1,209 @@
-"""The graders of chapter 9's exercises (course_lib/grading/nd_parallel.py): the reference
-answers agree with real runs, the buggy variants of exercise 3 are caught, and a learner's
-exception or hang is a failed case with a hint, never a crash."""
+"""Chapter 9's graders (course_lib/grading/nd_parallel.py, runs in nd_experiments.py): the
+grader's own answers agree with the library and with real runs; a differently written right
+answer passes; classic mistakes, an answer hard-coded to a printed case and a shortcut through
+the library or the grader's answers each fail with a hint; an exception or a hang is a failed
+case with a hint, never a crash."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import torch
 
+from course_lib.grading import nd_experiments as E
 from course_lib.grading import nd_parallel as nd
+from course_lib.parallel import MeshShape
 from course_lib.parallel.compose import check_layout
-from course_lib.parallel.mesh import MeshShape
+from grading_answers import fails_with, graded
 
 
-# ----------------------------------------------------------------------------- solutions
+# ----------------------------------------------------------------------------- 1. groups of a mesh
+def rank_groups(sizes, dims):
+    """Written with a tensor of ranks: (dp, pp, cp, tp) -> dims moved last, flattened."""
+    ep = sizes.get("ep", 1)
+    dp, pp, cp, tp = (sizes.get(d, 1) for d in ("dp", "pp", "cp", "tp"))
+    ranks = torch.arange(dp * pp * cp * tp).view(dp // ep, ep, pp, cp, tp)      # dp split as (edp, ep)
+    axes = {"edp": 0, "ep": 1, "pp": 2, "cp": 3, "tp": 4}
+    named = {a for d in dims for a in (("edp", "ep") if d == "dp" else (d,))}
+    last = [axes[d] for d in ("edp", "ep", "pp", "cp", "tp") if d in named]
+    first = [a for a in range(5) if a not in last]
+    groups = ranks.permute(*first, *last).reshape(-1, int(torch.tensor([ranks.shape[a] for a in last]).prod()))
+    return groups.tolist()
+
+
+def tp_outermost(sizes, dims):
+    order = ("tp", "cp", "pp", "dp")
+    sz = {d: sizes.get(d, 1) for d in order}
+    groups = {}
+    for idx in itertools.product(*(range(sz[d]) for d in order)):
+        c = dict(zip(order, idx))
+        rank = ((c["tp"] * sz["cp"] + c["cp"]) * sz["pp"] + c["pp"]) * sz["dp"] + c["dp"]
+        groups.setdefault(tuple(v for d, v in c.items() if d not in dims), []).append(rank)
+    return list(groups.values())
+
+
+def ep_strided(sizes, dims):             # EP groups as dp indexes i, i + dp/ep, ...: that is edp
+    swap = {"ep": "edp", "edp": "ep"}
+    return rank_groups(sizes, tuple(swap.get(d, d) for d in dims))
+
+
+def test_rank_groups(capsys):
+    assert graded(capsys, nd.check_rank_groups, rank_groups)[0]
+    fails_with(capsys, nd.check_rank_groups, tp_outermost, hint="TP innermost")
+    fails_with(capsys, nd.check_rank_groups, ep_strided, hint="CONSECUTIVE")
+    fails_with(capsys, nd.check_rank_groups, lambda sizes, dims: [[0, 1], [2, 3]], hint=("every rank", "expected"))
+    fails_with(capsys, nd.check_rank_groups, lambda sizes, dims: MeshShape(**sizes).rank_sets(dims),
+               hint="write this yourself")
+
+
+def test_the_graders_arithmetic_is_the_libraries():
+    for sizes in nd.GROUP_SHAPES:
+        dim_sets = [ds for k in (1, 2, 3) for ds in itertools.combinations(("dp", "pp", "cp", "tp"), k)]
+        if "ep" in sizes:
+            dim_sets += [("ep",), ("edp",), ("cp", "edp"), ("pp", "ep")]
+        for dims in dim_sets:
+            assert nd._groups(sizes, dims) == sorted(sorted(g) for g in MeshShape(**sizes).rank_sets(dims))
+
+
+# ----------------------------------------------------------------------------- 2. which group
+def group_of(shape_kwargs, rank, what):
+    """With rank_groups and MeshShape.coords only for the ring's direction."""
+    sizes = dict(shape_kwargs)
+
+    def mine(dims):
+        return next(sorted(g) for g in rank_groups(sizes, dims) if rank in g)
+    if what in ("kv send", "activation send"):
+        dim = "cp" if what == "kv send" else "pp"
+        line = mine((dim,))
+        i = line.index(rank) + 1
+        if dim == "cp":
+            i %= len(line)
+        return [rank] if i == len(line) else sorted({rank, line[i]})
+    return mine({"tp all-reduce": ("tp",), "sp norm grad": ("dp", "cp", "tp"), "expert all-to-all": ("ep",),
+                 "expert grad": ("cp", "edp"), "attention grad": ("dp", "cp"),
+                 "loss all-reduce": ("dp", "pp", "cp")}[what])
+
+
+def test_expected_groups_by_hand():
+    four_d = dict(dp=2, pp=2, cp=2, tp=2)   # rank 5: dp 0, pp 1, cp 0, tp 1
+    assert nd._expected_group(four_d, 5, "tp all-reduce") == [4, 5]
+    assert nd._expected_group(four_d, 5, "attention grad") == [5, 7, 13, 15]
+    assert nd._expected_group(four_d, 5, "sp norm grad") == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert nd._expected_group(four_d, 5, "kv send") == [5, 7]
+    assert nd._expected_group(four_d, 5, "activation send") == [5]           # the last stage
+    assert nd._expected_group(four_d, 1, "activation send") == [1, 5]
+    assert nd._expected_group(four_d, 5, "loss all-reduce") == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert nd._expected_group(dict(pp=3, cp=3), 2, "kv send") == [0, 2]      # the ring wraps
+    moe = dict(dp=4, pp=2, ep=2)             # rank = dp_i * 2 + pp_i; ep = consecutive dp indexes
+    assert nd._expected_group(moe, 0, "expert all-to-all") == [0, 2]
+    assert nd._expected_group(moe, 0, "expert grad") == [0, 4]
+    assert nd._expected_group(moe, 0, "attention grad") == [0, 2, 4, 6]
+
+
+def test_recorded_groups_agree_with_the_graders_arithmetic():
+    """The second answer key (groups a real run used) is complete and says what the first does."""
+    recorded = E.recorded_groups()
+    shapes = {label: shape for label, _, shape, _, _ in E.RECORDED}
+    assert len(recorded) == sum(4 * len(whats) for *_, whats in E.RECORDED)
+    for (label, rank, what), ranks in recorded.items():
+        assert ranks == nd._expected_group(shapes[label], rank, what), (label, rank, what)
+
+
+def test_group_of(capsys, monkeypatch):
+    monkeypatch.setattr(nd, "RECORDED", [run for run in nd.RECORDED if run[0] == "cp=4"])   # quick to record
+    assert graded(capsys, nd.check_group_of, group_of)[0]
+
+    def ring_backwards(shape, rank, what):
+        if what != "kv send":
+            return group_of(shape, rank, what)
+        line = next(sorted(g) for g in rank_groups(shape, ("cp",)) if rank in g)
+        return sorted({rank, line[line.index(rank) - 1]})
+    fails_with(capsys, nd.check_group_of, ring_backwards, hint="'kv send'")
+    fails_with(capsys, nd.check_group_of,
+               lambda shape, rank, what: group_of(shape, rank, "tp all-reduce") if what == "loss all-reduce"
+               else group_of(shape, rank, what), hint="'loss all-reduce'")
+    fails_with(capsys, nd.check_group_of,
+               lambda shape, rank, what: group_of(shape, rank, "attention grad") if what == "expert grad"
+               else group_of(shape, rank, what), hint="'expert grad'")
+    fails_with(capsys, nd.check_group_of, lambda shape, rank, what: 1 / 0 if what == "kv send" else
+               group_of(shape, rank, what), hint="ZeroDivisionError")
+
+    def via_the_grader(shape, rank, what):
+        from course_lib.grading.nd_parallel import _expected_group
+        return _expected_group(shape, rank, what)
+    fails_with(capsys, nd.check_group_of, via_the_grader, hint="write this yourself")
+
+
+def test_group_of_hang_is_a_failed_case(capsys, monkeypatch):
+    def endless(shape_kwargs, rank, what):
+        while True:
+            pass
+    monkeypatch.setattr(nd, "RECORDED", [run for run in nd.RECORDED if run[0] == "cp=4"])
+    fails_with(capsys, nd.check_group_of, endless, hint="endless loop", timeout=6)
+
+
+# ----------------------------------------------------------------------------- 3. the wrong group
+def data_dims(marks, sizes):
+    """Every dim of size > 1 named, in the mesh's order."""
+    edp = sizes["dp"] // sizes.get("ep", 1)
+    out = [d for d in ("dp", "pp", "cp", "tp") if d in (*marks, "cp", "dp") and sizes[d] > 1]
+    if "edp" in marks:
+        out = [d for d in out if d != "dp"] + (["edp"] if edp > 1 else [])
+    return tuple(out)
+
+
+def forgets_cp(marks, sizes):
+    return tuple(d for d in data_dims(marks, sizes) if d != "cp")
+
+
+def sp_norm_over_dp_only(marks, sizes):
+    return tuple(d for d in data_dims(marks, sizes) if d != "tp")
+
+
+def expert_over_dp(marks, sizes):
+    return ("dp", "cp") if "edp" in marks else data_dims(marks, sizes)
+
+
+def expert_without_cp(marks, sizes):      # the issue's wrong answer: no composed run has experts and cp > 1
+    return ("edp",) if "edp" in marks else data_dims(marks, sizes)
+
+
+def _run(label):
+    return [run for run in nd.DATA_DIMS_RUNS if run[0].startswith(label)]
+
+
+@pytest.mark.parametrize("variant, layout", [(forgets_cp, "cp=2 x tp=2"), (sp_norm_over_dp_only, "dp=2 x tp=2"),
+                                             (expert_over_dp, "MoE")], ids=lambda v: getattr(v, "__name__", v))
+def test_each_bug_is_caught_by_its_layout(variant, layout):
+    """The composed runs catch each bug by themselves, not only the rule case."""
+    [problem] = nd.composed_runs(variant, runs=_run(layout))
+    assert problem is not None, f"{variant.__name__} matches one device on {layout}"
+
+
+def test_data_dims(capsys):
+    assert graded(capsys, nd.check_data_dims, data_dims)[0]
+    fails_with(capsys, nd.check_data_dims, nd.buggy_data_dims, hint="missing ['cp']")
+    fails_with(capsys, nd.check_data_dims, expert_without_cp, hint="missing ['cp']")
+    fails_with(capsys, nd.check_data_dims, expert_over_dp, hint="different experts are added together")
+    fails_with(capsys, nd.check_data_dims, sp_norm_over_dp_only, hint="missing ['tp']")
+    fails_with(capsys, nd.check_data_dims, lambda marks, sizes: ("dp", "cp", "tp", "pp"), hint="too")
+    fails_with(capsys, nd.check_data_dims, lambda marks, sizes: 1 / 0, hint="ZeroDivisionError")
+    fails_with(capsys, nd.check_data_dims, lambda marks, sizes: "dp", hint="must return a tuple")
+
+    def library(marks, sizes):
+        from course_lib.parallel.compose import data_dims as lib
+        return lib(None, sizes, False)
+    fails_with(capsys, nd.check_data_dims, library, hint="write this yourself")
+
+
+def test_data_dims_hang_is_a_failed_case(capsys):
+    def endless(marks, sizes):
+        while True:
+            pass
+    fails_with(capsys, nd.check_data_dims, endless, hint="ran for more than")
+
+
+# ----------------------------------------------------------------------------- 4. choose a layout
 def choose_layout(cfg, world_size, budget_bytes, batch, _peaks={}):
     key = (repr(cfg), world_size, batch)
     if key not in _peaks:
@@ -32,110 +225,9 @@ def choose_layout(cfg, world_size, budget_bytes, batch, _peaks={}):
     return max(fitting, key=lambda lay: lay["dp"], default=None)
 
 
-def data_dims(marks, sizes):
-    dims = set(marks) | {"cp"}
-    if "edp" not in dims:
-        dims.add("dp")
-    return tuple(d for d in ("dp", "pp", "cp", "tp", "edp") if d in dims)
-
-
-def forgets_cp(marks, sizes):
-    return tuple(d for d in data_dims(marks, sizes) if d != "cp")
-
-
-def sp_norm_over_dp_only(marks, sizes):
-    return tuple(d for d in data_dims(marks, sizes) if d != "tp")
-
-
-def expert_over_dp(marks, sizes):
-    return ("dp", "cp") if "edp" in marks else data_dims(marks, sizes)
-
-
-# ----------------------------------------------------------------------------- 2. which group
-def test_expected_groups_by_hand():
-    four_d = dict(dp=2, pp=2, cp=2, tp=2)   # rank 5: dp 0, pp 1, cp 0, tp 1
-    assert nd.expected_group(four_d, 5, "tp all-reduce") == [4, 5]
-    assert nd.expected_group(four_d, 5, "attention grad") == [5, 7, 13, 15]
-    assert nd.expected_group(four_d, 5, "sp norm grad") == [4, 5, 6, 7, 12, 13, 14, 15]
-    assert nd.expected_group(four_d, 5, "kv send") == [5, 7]
-    assert nd.expected_group(four_d, 5, "activation send") == [5]           # the last stage
-    assert nd.expected_group(four_d, 1, "activation send") == [1, 5]
-    assert nd.expected_group(four_d, 5, "loss all-reduce") == [1, 3, 5, 7, 9, 11, 13, 15]
-    assert nd.expected_group(dict(pp=3, cp=3), 2, "kv send") == [0, 2]      # the ring wraps
-    moe = dict(dp=4, pp=2, ep=2)             # rank = dp_i * 2 + pp_i; ep = consecutive dp indexes
-    assert nd.expected_group(moe, 0, "expert all-to-all") == [0, 2]
-    assert nd.expected_group(moe, 0, "expert grad") == [0, 4]
-    assert nd.expected_group(moe, 0, "attention grad") == [0, 2, 4, 6]
-
-
-def test_recorded_groups_agree_with_the_mesh_arithmetic():
-    """The second answer key (groups a real run used) is complete and says what the first does."""
-    recorded = nd.recorded_groups()
-    shapes = {label: shape for label, _, shape, _, _ in nd.RECORDED}
-    assert len(recorded) == sum(4 * len(whats) for *_, whats in nd.RECORDED)
-    for (label, rank, what), ranks in recorded.items():
-        assert ranks == nd.expected_group(shapes[label], rank, what), (label, rank, what)
-
-
-def test_group_of_reports_a_learner_error_per_query():
-    answers = nd._group_harness(lambda shape, rank, what: 1 / 0 if what == "kv send" else [rank],
-                                [(dict(tp=2), 0, "kv send"), (dict(tp=2), 0, "loss all-reduce")])
-    assert answers == [("error", "ZeroDivisionError: division by zero"), ("ok", [0])]
-
-
-def test_group_of_hang_is_a_failed_case(capsys, monkeypatch):
-    def endless(shape_kwargs, rank, what):
-        while True:
-            pass
-    monkeypatch.setattr(nd, "RECORDED", [run for run in nd.RECORDED if run[0] == "cp=4"])   # quick to record
-    assert nd.check_group_of(endless, timeout=6) is False
-    out = capsys.readouterr().out.strip()
-    assert out.startswith("group_of: FAILED case 1/") and "endless loop" in out, out
-
-
-# ----------------------------------------------------------------------------- 3. the wrong group
-def _run(label):
-    return [run for run in nd.DATA_DIMS_RUNS if run[0].startswith(label)]
-
-
-@pytest.mark.parametrize("variant, layout", [(forgets_cp, "cp=2 x tp=2"), (sp_norm_over_dp_only, "dp=2 x tp=2"),
-                                             (expert_over_dp, "MoE")], ids=lambda v: getattr(v, "__name__", v))
-def test_each_bug_is_caught_by_its_layout(variant, layout):
-    """One bug at a time (buggy_data_dims has two: test_data_dims_solution_passes_and_buggy_fails)."""
-    [problem] = nd.composed_runs(variant, runs=_run(layout))
-    assert problem is not None, f"{variant.__name__} matches one device on {layout}"
-
-
-def test_data_dims_solution_passes_and_buggy_fails(capsys):
-    assert nd.check_data_dims(data_dims) is True
-    assert nd.check_data_dims(nd.buggy_data_dims) is False
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "data_dims: 3/3 cases passed"
-    assert out[1].startswith("data_dims: FAILED case 1/3 (cp=2 x tp=2, SP)"), out[1]
-
-
-def test_data_dims_exception_and_bad_answer_are_failed_cases(capsys):
-    assert nd.check_data_dims(lambda marks, sizes: 1 / 0) is False
-    assert nd.check_data_dims(lambda marks, sizes: "dp") is False
-    first, second = capsys.readouterr().out.splitlines()
-    assert first.startswith("data_dims: FAILED case 1/3") and "ZeroDivisionError" in first, first
-    assert "must return a tuple of mesh dimension names" in second, second
-
-
-def test_data_dims_hang_is_a_failed_case(capsys, monkeypatch):
-    def endless(marks, sizes):
-        while True:
-            pass
-    monkeypatch.setattr(nd, "DATA_DIMS_RUNS", _run("cp=2"))
-    assert nd.check_data_dims(endless, timeout=5) is False
-    out = capsys.readouterr().out.strip()
-    assert out.startswith("data_dims: FAILED case 1/1") and "hung" in out, out
-
-
-# ----------------------------------------------------------------------------- 1. choose a layout
 def test_budgets_sit_on_the_boundaries():
     measured = [(dict(dp=4), 100), (dict(dp=2), 60), (dict(dp=2), 70), (dict(dp=1), 40)]
-    assert nd._budgets(measured) == [100, 99, 60, 59, 40, 39]
+    assert nd._best_per_dp(measured) == {4: 100, 2: 60, 1: 40}
     assert [nd._largest_fitting_dp(measured, b) for b in (100, 99, 60, 59, 40, 39)] == [4, 2, 2, 1, 1, None]
 
 
@@ -145,23 +237,24 @@ def small_layout_problems(monkeypatch):
     monkeypatch.setattr(nd, "LAYOUT_PROBLEMS", [(dict(), 2, 4)])
 
 
-def test_choose_layout_right_and_wrong(small_layout_problems, capsys):
+def test_choose_layout(small_layout_problems, capsys):
     def most_sharded(cfg, world_size, budget_bytes, batch):     # fits, but not the largest dp
         return dict(dp=1, pp=2, cp=1, tp=1, microbatches=2)
 
     def invalid(cfg, world_size, budget_bytes, batch):
-        return dict(dp=1, pp=1, cp=1, tp=world_size, microbatches=1) if world_size > 2 else \
-            dict(dp=2, pp=1, cp=1, tp=1, microbatches=3)
+        return dict(dp=2, pp=1, cp=1, tp=1, microbatches=3)
 
-    assert nd.check_choose_layout(choose_layout) is True
-    assert nd.check_choose_layout(most_sharded) is False
-    assert nd.check_choose_layout(invalid) is False
-    assert nd.check_choose_layout(lambda *a: 1 / 0) is False
-    ok, sharded, bad, error = capsys.readouterr().out.splitlines()
-    assert ok.startswith("choose_layout: ") and ok.endswith("cases passed"), ok
-    assert "a layout with dp=2 fits too" in sharded, sharded
-    assert "microbatches = pp" in bad, bad
-    assert "ZeroDivisionError" in error, error
+    def via_the_grader(cfg, world_size, budget_bytes, batch):
+        from course_lib.grading.nd_parallel import _valid_layouts
+        return _valid_layouts(cfg, world_size, batch)[0]
+
+    assert graded(capsys, nd.check_choose_layout, choose_layout)[0]
+    fails_with(capsys, nd.check_choose_layout, most_sharded, hint="a layout with dp=2 fits too")
+    fails_with(capsys, nd.check_choose_layout, invalid, hint="microbatches = pp")
+    fails_with(capsys, nd.check_choose_layout, lambda *a: dict(dp=2, pp=1, cp=1, tp=1, microbatches=1),
+               hint="over the budget")
+    fails_with(capsys, nd.check_choose_layout, lambda *a: 1 / 0, hint="ZeroDivisionError")
+    fails_with(capsys, nd.check_choose_layout, via_the_grader, hint="write this yourself")
 
 
 def test_world_sizes_and_valid_layouts():
@@ -180,13 +273,13 @@ def test_measure_layouts_measures_each_layout_once_per_process(monkeypatch):
     cfg = nd.tiny_config()
     one, two = dict(dp=2, pp=1, cp=1, tp=1, microbatches=1), dict(dp=1, pp=2, cp=1, tp=1, microbatches=2)
     launched = []
-    real_launch = nd.launch
+    real_launch = E.launch
 
     def counting_launch(fn, world, cfg_, layouts, *a, **kw):
         launched.append([dict(lay) for lay in layouts])
         return real_launch(fn, world, cfg_, layouts, *a, **kw)
-    monkeypatch.setattr(nd, "launch", counting_launch)
-    monkeypatch.setattr(nd, "_MEASURED", {})
+    monkeypatch.setattr(E, "launch", counting_launch)
+    monkeypatch.setattr(E, "_MEASURED", {})
     first = nd.measure_layouts(cfg, 2, [one], 4)
     both = nd.measure_layouts(cfg, 2, [two, dict(one)], 4)
     assert launched == [[one], [two]]                     # the second call launches only the new layout
