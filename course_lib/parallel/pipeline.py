@@ -25,7 +25,7 @@ from course_lib.parallel.grad_sync import GradSync
 from course_lib.parallel.layout_rules import partition_layers, positive_int
 from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.pipeline_runtime import PipelineRuntime, sum_tied_gradient
-from course_lib.schedules import schedule_name
+from course_lib.schedules import Action, schedule_name
 
 
 class GPTStage(nn.Module):
@@ -228,6 +228,13 @@ class TorchPipeline:
 
     def parameters(self):
         return list({id(q): q for st in self.stages.values() for q in st.parameters()}.values())
+
+    def actions(self):
+        """torch's order of a multi-stage schedule (interleaved, zero bubble) as one list of our
+        Actions per rank: its I (input gradient, W split off) is our B."""
+        op = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+        return [[Action(op[a.computation_type.name], a.stage_index, a.microbatch_index) for a in acts if a is not None]
+                for _, acts in sorted(self.schedule.pipeline_order.items())]
 
     def step(self, x, y, n_tokens: int):
         """Returns the sum of this rank's micro-batch losses (0 where the last stage is not).
