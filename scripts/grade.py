@@ -132,6 +132,7 @@ class Reference:
     imports: str  # the solution's lines that import graders (re-run fresh before each check)
     prose: set
     defs: set     # the functions and classes it asks for
+    codes: set    # every code cell, normalized (a demo that calls a check is not an edited check)
 
 
 _DEFINES = re.compile(r"^\s*(?:def|class)\s+(\w+)", re.M)
@@ -150,7 +151,8 @@ def load_reference(path: str) -> Reference:
             imports += [ln for ln in _statements(cell.source) if "course_lib.grading" in ln
                         and ln.lstrip().startswith(("from ", "import "))]
     prose = {c.source.strip() for c in nb.cells if c.cell_type == "markdown" and len(c.source.strip()) > 40}
-    return Reference(path, checks, "\n".join(imports), prose, defined_names(nb))
+    codes = {normalized(c.source) for c in nb.cells if c.cell_type == "code"}
+    return Reference(path, checks, "\n".join(imports), prose, defined_names(nb), codes)
 
 
 def _statements(source: str):
@@ -217,7 +219,8 @@ def prepare(learner, reference: Reference):
         nb.cells.insert(index, nbformat.v4.new_code_cell(fresh))
     shift = sorted(p[1] for p in plan if p[1] is not None)
     plan = [(q, None if i is None else i + 1 + shift.index(i), e) for q, i, e in plan]
-    suspicious = [i for i, code in free.items() if _looks_like_check(learner.cells[i].source)]
+    suspicious = [i for i, code in free.items()
+                  if code not in reference.codes and _looks_like_check(learner.cells[i].source)]
     return nb, plan, suspicious
 
 

@@ -81,7 +81,9 @@ def check_assign_buckets(assign_buckets):
             return f"expected a list of lists of parameter indexes, got {got!r}"
         if got != expected:
             kinds = f"float64 at {list(doubles)}, float32 elsewhere" if doubles else "4-byte floats"
-            return f"sizes {sizes} ({kinds}), cap {cap} bytes: got {got}, expected {expected}"
+            why = (": walk from the last parameter to the first (backward completes the last layer's "
+                   "gradients first)" if got and got[0] and got[0][0] == 0 and len(sizes) > 1 else "")
+            return f"sizes {sizes} ({kinds}), cap {cap} bytes: got {got}, expected {expected}{why}"
         return None
 
     cases = [Case({"sizes": s, "cap": c, "doubles": d}, label=k) for k, (s, c, d) in lists.items()]

@@ -1,0 +1,230 @@
+"""course_lib/grading/data_parallel.py (chapter 3): each grader fails the classic mistakes of
+data parallelism, an answer hard-coded to the lecture's case and a library shortcut, each
+with a hint naming the mistake and within seconds, and passes a different right answer."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.grading import data_parallel as G
+
+
+def _failed(capsys, name, *hints):
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{name}: FAILED"), line
+    assert "\n" not in line
+    for hint in hints:
+        assert hint in line, line
+
+
+# ----------------------------------------------------------------------------- the DDP hook
+def _hook_sum(param, world, handles):                  # all-reduce without dividing: N x the mean
+    handles.append(dist.all_reduce(param.grad, async_op=True))
+
+
+def _hook_blocking(param, world, handles):             # synchronous: no handle to wait for
+    dist.all_reduce(param.grad)
+    param.grad /= world
+
+
+def _hook_two_ranks(param, world, handles):            # hard-coded to the lecture's 2 ranks
+    param.grad /= 2
+    handles.append(dist.all_reduce(param.grad, async_op=True))
+
+
+def _hook_library(param, world, handles):              # course_lib's DDP does the work
+    from course_lib.parallel.data_parallel import average_gradients
+
+    average_gradients(torch.nn.Linear(1, 1), None)
+
+
+@pytest.mark.parametrize("wrong, hints", [
+    (_hook_sum, ["case 2/", "parameters after training"]),
+    (_hook_blocking, ["one async all-reduce handle per parameter"]),
+    (_hook_two_ranks, ["case 1/", "parameters after training"]),
+    (_hook_library, ["write this yourself: the exercise is the DDP hook"]),
+], ids=["sum", "blocking", "two-ranks", "library"])
+def test_ddp_hook_refuses(wrong, hints, capsys):
+    assert not G.check_ddp_hook(wrong)
+    _failed(capsys, "ddp_hook", *hints)
+
+
+def test_ddp_hook_accepts_dividing_after(capsys):
+    def divide_after(param, world, handles):
+        work = dist.all_reduce(param.grad, async_op=True)
+
+        class Then:
+            def wait(self):
+                work.wait()
+                param.grad /= world
+        handles.append(Then())
+    assert G.check_ddp_hook(divide_after)
+    assert capsys.readouterr().out.strip() == "ddp_hook: 3/3 cases passed"
+
+
+# ----------------------------------------------------------------------------- buckets
+def _buckets_forward(params, cap):                     # first to last: the last bucket is ready first
+    out, cur, size = [], [], 0
+    for i, p in enumerate(params):
+        n = p.numel() * p.element_size()
+        if cur and size + n > cap:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    return out + ([cur] if cur else [])
+
+
+def _buckets_numel_times_4(params, cap):               # every element 4 bytes, one dtype
+    out, cur, size = [], [], 0
+    for i in reversed(range(len(params))):
+        n = params[i].numel() * 4
+        if cur and size + n > cap:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    return out + ([cur] if cur else [])
+
+
+def _buckets_library(params, cap):
+    from course_lib.parallel.grad_sync import assign_buckets
+
+    return assign_buckets(params, cap)
+
+
+@pytest.mark.parametrize("wrong, hints", [
+    (_buckets_forward, ["case 1/", "walk from the last parameter to the first"]),
+    (_buckets_numel_times_4, ["float64 at [1, 3]"]),
+    (_buckets_library, ["write this yourself: the exercise is bucketing"]),
+], ids=["forward-order", "one-dtype", "library"])
+def test_assign_buckets_refuses(wrong, hints, capsys):
+    assert not G.check_assign_buckets(wrong)
+    _failed(capsys, "assign_buckets", *hints)
+
+
+def test_assign_buckets_accepts_a_per_dtype_walk(capsys):
+    def per_dtype(params, cap):
+        order, open_, closed = [], {}, []
+        for i in range(len(params) - 1, -1, -1):
+            p = params[i]
+            ids, size = open_.get(p.dtype, ([], 0))
+            n = p.numel() * p.element_size()
+            if ids and size + n > cap:
+                closed.append(ids)
+                ids, size = [], 0
+            if p.dtype not in open_ or not open_[p.dtype][0] or ids is not open_[p.dtype][0]:
+                if p.dtype in open_ and open_[p.dtype][0] and ids is not open_[p.dtype][0]:
+                    order.remove(p.dtype)
+                if p.dtype not in order:
+                    order.append(p.dtype)
+            open_[p.dtype] = (ids + [i], size + n)
+        return closed + [open_[d][0] for d in order]
+    assert G.check_assign_buckets(per_dtype)
+    assert capsys.readouterr().out.strip() == "assign_buckets: 6/6 cases passed"
+
+
+# ----------------------------------------------------------------------------- bucketed hooks
+def _hooks_in_finish(params, buckets, world):          # every all-reduce after backward: no overlap
+    def finish():
+        for b in buckets:
+            flat = torch.cat([params[i].grad.reshape(-1) for i in b]) / world
+            dist.all_reduce(flat)
+            offset = 0
+            for i in b:
+                params[i].grad.copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
+                offset += params[i].numel()
+    return finish
+
+
+def _hooks_per_param(params, buckets, world):          # one all-reduce per parameter, not per bucket
+    works = []
+
+    def hook(p):
+        p.grad /= world
+        works.append(dist.all_reduce(p.grad, async_op=True))
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for w in works:
+            w.wait()
+        works.clear()
+    return finish
+
+
+def _hooks_library(params, buckets, world):
+    from course_lib.parallel.grad_sync import OverlappedGradSync
+
+    OverlappedGradSync(params, None)
+    return lambda: None
+
+
+@pytest.mark.parametrize("wrong, hints", [
+    (_hooks_in_finish, ["no bucket's all-reduce had started"]),
+    (_hooks_per_param, ["all-reduces for", "one flat all-reduce per bucket"]),
+    (_hooks_library, ["write this yourself"]),
+], ids=["in-finish", "per-parameter", "library"])
+def test_bucket_hooks_refuses(wrong, hints, capsys):
+    assert not G.check_bucket_hooks(wrong)
+    _failed(capsys, "bucket_hooks", *hints)
+
+
+# ----------------------------------------------------------------------------- uneven last batch
+def _uneven_divide_by_world(model, n_local):           # the chapter's averaging
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def _uneven_skip_empty(model, n_local):                # weighted, but a rank without rows sits out
+    total = torch.tensor([float(n_local)])
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= total.item()
+
+
+def _uneven_gather(model, n_local):                    # all-gather every rank's gradients
+    world = dist.get_world_size()
+    counts = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([float(n_local)]))
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(out, g)
+        p.grad = sum(c * o for c, o in zip(counts, out)) / sum(counts)
+
+
+def _uneven_ddp(model, n_local):
+    torch.nn.parallel.DistributedDataParallel(model)
+
+
+@pytest.mark.parametrize("wrong, hints", [
+    (_uneven_divide_by_world, ["case 2/", "7 rows on 2 ranks"]),
+    (_uneven_skip_empty, ["case 4/", "(1, 1, 0)", "hang"]),
+    (_uneven_gather, ["only all-reduces are needed"]),
+    (_uneven_ddp, ["write this yourself", "DistributedDataParallel"]),
+], ids=["divide-by-world", "empty-rank-sits-out", "all-gather", "torch-ddp"])
+def test_uneven_batches_refuses(wrong, hints, capsys):
+    assert not G.check_uneven_batches(wrong, timeout=15)
+    _failed(capsys, "uneven_batches", *hints)
+
+
+def test_uneven_batches_accepts_one_flat_buffer(capsys):
+    def flat(model, n_local):
+        params = list(model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        buf = torch.cat([g.reshape(-1).double() * n_local for g in grads] + [torch.tensor([float(n_local)]).double()])
+        dist.all_reduce(buf)
+        total, offset = buf[-1], 0
+        for p in params:
+            p.grad = (buf[offset:offset + p.numel()] / total).to(p.dtype).view_as(p)
+            offset += p.numel()
+    assert G.check_uneven_batches(flat)
+    assert capsys.readouterr().out.strip() == "uneven_batches: 6/6 cases passed"
