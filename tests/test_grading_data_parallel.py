@@ -171,6 +171,34 @@ def test_bucket_hooks_refuses(wrong, hints, capsys):
     _failed(capsys, "bucket_hooks", *hints)
 
 
+def test_bucket_hooks_accepts_counters_and_views(capsys):
+    def counters(params, buckets, world):
+        left = [len(b) for b in buckets]
+        where = {i: k for k, b in enumerate(buckets) for i in b}
+        flights = []
+
+        def ready(i):
+            k = where[i]
+            left[k] -= 1
+            if left[k] == 0:                    # this bucket's last gradient: launch it now
+                flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]])
+                flights.append((k, flat, dist.all_reduce(flat, async_op=True)))
+
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: ready(i))
+
+        def finish():
+            for k, flat, work in flights:
+                work.wait()
+                for j, piece in zip(buckets[k], flat.split([params[j].numel() for j in buckets[k]])):
+                    params[j].grad = piece.view_as(params[j]) / world
+            flights.clear()
+            left[:] = [len(b) for b in buckets]
+        return finish
+    assert G.check_bucket_hooks(counters)
+    assert capsys.readouterr().out.strip() == "bucket_hooks: 6/6 cases passed"
+
+
 # ----------------------------------------------------------------------------- uneven last batch
 def _uneven_divide_by_world(model, n_local):           # the chapter's averaging
     for p in model.parameters():
