@@ -205,24 +205,19 @@ def test_data_dims_hang_is_a_failed_case(capsys):
 
 # ----------------------------------------------------------------------------- 4. choose a layout
 def choose_layout(cfg, world_size, budget_bytes, batch, _peaks={}):
+    """Candidates from itertools.product, largest dp first; the first one that fits."""
     key = (repr(cfg), world_size, batch)
     if key not in _peaks:
         layouts = []
-        for dp in range(1, world_size + 1):
-            for pp in range(1, world_size + 1):
-                for cp in range(1, world_size + 1):
-                    tp, rest = divmod(world_size, dp * pp * cp)
-                    if rest:
-                        continue
-                    lay = dict(dp=dp, pp=pp, cp=cp, tp=tp, microbatches=pp)
-                    try:
-                        check_layout(cfg, **lay, world_size=world_size, batch=batch)
-                    except ValueError:
-                        continue
-                    layouts.append(lay)
+        for dp, pp, cp, tp in itertools.product(range(world_size, 0, -1), repeat=4):
+            lay = dict(dp=dp, pp=pp, cp=cp, tp=tp, microbatches=pp)
+            try:
+                check_layout(cfg, **lay, world_size=world_size, batch=batch)
+            except ValueError:
+                continue
+            layouts.append(lay)
         _peaks[key] = list(zip(layouts, nd.measure_layouts(cfg, world_size, layouts, batch)))
-    fitting = [lay for lay, peak in _peaks[key] if peak <= budget_bytes]
-    return max(fitting, key=lambda lay: lay["dp"], default=None)
+    return next((lay for lay, peak in _peaks[key] if peak <= budget_bytes), None)
 
 
 def test_budgets_sit_on_the_boundaries():
