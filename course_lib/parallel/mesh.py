@@ -8,8 +8,10 @@
     mesh.pp_prev, mesh.pp_next                   # pipeline neighbours (global ranks, None at the ends)
 
 Ranks are laid out with TP innermost, then CP, then PP, then DP: the order of the
-planner's :class:`~course_lib.planner.layout.Layout` (and of Megatron-LM, torchtitan and
-the Llama 3 paper), so the dimension that talks most sits on the fastest links:
+planner's :class:`~course_lib.planner.layout.Layout` and of the Llama 3 paper ([TP, CP, PP, DP]:
+FSDP's gradient reduce-scatter and prefetch overlap compute, so DP tolerates the slowest links);
+Megatron-LM and torchtitan put PP outermost instead (its point-to-point messages are the fewest
+bytes). Either way the dimension that talks most sits on the fastest links:
 
     rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
 
