@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare
 from course_lib.grading.guard import switched_off
 
-ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE")
+ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE",   # and the grader's own answers
+           "course_lib.grading.expert_parallel:_keep", "course_lib.grading.expert_parallel:_aux")
 EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel:*", "course_lib.parallel.expert_parallel:ExpertParallelMoE",
                    "course_lib.parallel.expert_parallel:AllToAll.forward")
 
