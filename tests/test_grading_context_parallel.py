@@ -1,7 +1,7 @@
-"""Chapter 7's graders (course_lib/grading/context_parallel.py): the solution and a differently
-written right answer pass; classic mistakes (the naive merge's NaN, overflow, masks by index),
-an answer hard-coded to the exercise's printed example and a library shortcut each fail with
-a hint that names the mistake."""
+"""Chapter 7's graders (course_lib/grading/context_parallel.py): a differently written right
+answer passes; classic mistakes (the naive merge's NaN, no rescaling, masks by index), an
+answer hard-coded to a printed case and a shortcut through the library (the lecture's own
+lse-form code) each fail with a hint that names the mistake."""
 from __future__ import annotations
 
 import math
@@ -13,111 +13,128 @@ from course_lib.grading import context_parallel as G
 from grading_answers import fails_with, graded
 
 
-# ----------------------------------------------------------------------------- merge
-def merge(out1, lse1, out2, lse2):
-    """Written with the max, not logaddexp."""
-    m = torch.maximum(lse1, lse2)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    total = w1 + w2
-    lse = m + torch.log(total)
-    total = torch.where(total == 0, torch.ones_like(total), total)
-    return (out1 * w1[..., None] + out2 * w2[..., None]) / total[..., None], lse
+# ----------------------------------------------------------------------------- merge (running form)
+def merge(acc1, m1, l1, acc2, m2, l2):
+    """Written through the log-sum-exp form: lse = m + log l, merged, then back."""
+    lse1, lse2 = m1 + torch.log(l1), m2 + torch.log(l2)       # -inf where a side saw nothing
+    m = torch.maximum(m1, m2)
+    finite = torch.isfinite(m)
+    w1 = torch.where(finite, torch.exp(torch.where(finite, lse1 - torch.where(finite, m, 0), -math.inf)), 0)
+    w2 = torch.where(finite, torch.exp(torch.where(finite, lse2 - torch.where(finite, m, 0), -math.inf)), 0)
+    scale1 = torch.where(l1 > 0, w1 / torch.where(l1 > 0, l1, 1), 0)     # rescale factor of side 1
+    scale2 = torch.where(l2 > 0, w2 / torch.where(l2 > 0, l2, 1), 0)
+    return acc1 * scale1[..., None] + acc2 * scale2[..., None], m, w1 + w2
 
 
-def naive(out1, lse1, out2, lse2):                  # the trap the exercise names: NaN where nothing is visible
-    lse = torch.logaddexp(lse1, lse2)
-    return out1 * torch.exp(lse1 - lse)[..., None] + out2 * torch.exp(lse2 - lse)[..., None], lse
+def naive(acc1, m1, l1, acc2, m2, l2):          # the trap: NaN where neither block has a visible key
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    return acc1 * a1[..., None] + acc2 * a2[..., None], m, l1 * a1 + l2 * a2
 
 
-def no_max(out1, lse1, out2, lse2):                 # exp of raw lse: overflows at large scores
-    w1, w2 = lse1.exp(), lse2.exp()
-    return (out1 * w1[..., None] + out2 * w2[..., None]) / (w1 + w2)[..., None], (w1 + w2).log()
+def no_rescale(acc1, m1, l1, acc2, m2, l2):     # adds the sums without bringing them to one max
+    return acc1 + acc2, torch.maximum(m1, m2), l1 + l2
 
 
-def plain_sum(out1, lse1, out2, lse2):              # forgets to reweight
-    return out1 + out2, torch.logaddexp(lse1, lse2)
+def normalised(acc1, m1, l1, acc2, m2, l2):     # returns the output, not the running form
+    acc, m, l = merge_ok(acc1, m1, l1, acc2, m2, l2)
+    return acc / torch.where(l > 0, l, 1)[..., None], m, torch.ones_like(l)
 
 
-def test_merge_partial(capsys):
-    assert graded(capsys, G.check_merge_partial, merge)[0]
-    fails_with(capsys, G.check_merge_partial, naive, hint="no key of either block")
-    fails_with(capsys, G.check_merge_partial, no_max, hint=("NaN", "out"))
-    fails_with(capsys, G.check_merge_partial, plain_sum, hint="out")
+def merge_ok(acc1, m1, l1, acc2, m2, l2):
+    m = torch.maximum(m1, m2)
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    a1, a2 = torch.exp(m1 - safe), torch.exp(m2 - safe)
+    return acc1 * a1[..., None] + acc2 * a2[..., None], m, l1 * a1 + l2 * a2
 
-    def library(*a):
+
+def test_merge_running(capsys):
+    assert graded(capsys, G.check_merge_running, merge)[0]
+    fails_with(capsys, G.check_merge_running, naive, hint="no key of either block")
+    fails_with(capsys, G.check_merge_running, no_rescale, hint=("l:", "acc:"))
+    fails_with(capsys, G.check_merge_running, normalised, hint="keep the running form")
+
+    def lecture(acc1, m1, l1, acc2, m2, l2):     # the lecture's lse merge, shown in chapter 7
         from course_lib.parallel.context_parallel import merge_partial
-        return merge_partial(*a)
-    fails_with(capsys, G.check_merge_partial, library, hint="write this yourself")
+        return merge_partial(acc1, m1, acc2, m2)
+    fails_with(capsys, G.check_merge_running, lecture, hint="write this yourself")
 
 
-# ----------------------------------------------------------------------------- zigzag
-def positions(seq_len, cp_size, cp_rank):
-    if seq_len % (2 * cp_size):
-        raise ValueError("the sequence must cut into 2 * cp_size equal chunks")
-    chunks = torch.arange(seq_len).view(2 * cp_size, -1)
-    return torch.cat([chunks[cp_rank], chunks[-1 - cp_rank]])
+# ----------------------------------------------------------------------------- zigzag unshard
+def unshard(parts):
+    n = len(parts)
+    if len({p.shape[1] for p in parts}) != 1 or parts[0].shape[1] % 2:
+        raise ValueError("uneven parts")
+    c = parts[0].shape[1] // 2
+    order = [r for r in range(n)] + [r for r in reversed(range(n))]       # chunk j comes from rank order[j]
+    half = [0] * (2 * n)
+    for j, r in enumerate(order):
+        half[j] = parts[r][:, :c] if j < n else parts[r][:, c:]
+    return torch.cat(half, 1)
 
 
-def contiguous(seq_len, cp_size, cp_rank):
-    if seq_len % (2 * cp_size):
-        raise ValueError("uneven")
-    c = seq_len // cp_size
-    return torch.arange(cp_rank * c, (cp_rank + 1) * c)
+def concatenated(parts):
+    if len({p.shape[1] for p in parts}) != 1 or parts[0].shape[1] % 2:
+        raise ValueError("uneven parts")
+    return torch.cat(parts, 1)
 
 
-def mirror_off_by_one(seq_len, cp_size, cp_rank):
-    if seq_len % (2 * cp_size):
-        raise ValueError("uneven")
-    chunks = torch.arange(seq_len).view(2 * cp_size, -1)
-    return torch.cat([chunks[cp_rank], chunks[(2 * cp_size - 2 - cp_rank) % (2 * cp_size)]])
+def mirror_off_by_one(parts):
+    n = len(parts)
+    if len({p.shape[1] for p in parts}) != 1 or parts[0].shape[1] % 2:
+        raise ValueError("uneven parts")
+    chunks = [None] * (2 * n)
+    for r, part in enumerate(parts):
+        a, b = part.chunk(2, dim=1)
+        chunks[r] = a
+        chunks[(2 * n - 2 - r) % (2 * n) if r else 2 * n - 1] = b
+    return torch.cat([c if c is not None else a * 0 for c in chunks], 1)
 
 
-def no_check(seq_len, cp_size, cp_rank):
-    c = seq_len // (2 * cp_size)
-    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                      torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)])
+def no_check(parts):
+    n = len(parts)
+    chunks = [None] * (2 * n)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * n - 1 - r] = part.chunk(2, dim=1)
+    return torch.cat(chunks, 1)
 
 
-def printed_example(seq_len, cp_size, cp_rank):
-    return torch.tensor([[0, 1, 6, 7], [2, 3, 4, 5]][cp_rank])
+def test_zigzag_unshard(capsys):
+    assert graded(capsys, G.check_zigzag_unshard, unshard)[0]
+    fails_with(capsys, G.check_zigzag_unshard, concatenated, hint="concatenated")
+    fails_with(capsys, G.check_zigzag_unshard, mirror_off_by_one, hint="sequence")
+    fails_with(capsys, G.check_zigzag_unshard, no_check, hint="expected ValueError")
+    fails_with(capsys, G.check_zigzag_unshard, lambda parts: torch.arange(8)[None], hint="sequence")
 
-
-def test_zigzag_positions(capsys):
-    assert graded(capsys, G.check_zigzag_positions, positions)[0]
-    fails_with(capsys, G.check_zigzag_positions, contiguous, hint="contiguous")
-    fails_with(capsys, G.check_zigzag_positions, mirror_off_by_one, hint="rank 0")
-    fails_with(capsys, G.check_zigzag_positions, no_check, hint="expected ValueError")
-    fails_with(capsys, G.check_zigzag_positions, printed_example, hint=("rank", "IndexError"))
-
-    def library(seq_len, cp_size, cp_rank):
+    def library(parts):
         from course_lib.parallel.context_parallel import zigzag_positions
-        return zigzag_positions(seq_len, cp_size, cp_rank)
-    fails_with(capsys, G.check_zigzag_positions, library, hint="write this yourself")
+        n, s = len(parts), 2 * sum(p.shape[1] for p in parts) // 2
+        order = torch.cat([zigzag_positions(s, n, r) for r in range(n)])
+        return torch.cat(parts, 1)[:, torch.argsort(order)]
+    fails_with(capsys, G.check_zigzag_unshard, library, hint="write this yourself")
 
 
 # ----------------------------------------------------------------------------- block attention
 def block_attention(q, k, v, q_pos, k_pos):
-    """Softmax written by hand: max-subtracted exponentials, rows with no key kept at 0."""
+    """einsum, where(), and the row max by hand."""
     s = torch.einsum("basd,batd->bast", q, k) / q.shape[-1] ** 0.5
     visible = k_pos[None, :] <= q_pos[:, None]
     s = torch.where(visible, s, torch.full_like(s, -math.inf))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m)
-    z = e.sum(-1, keepdim=True)
-    out = torch.einsum("bast,batd->basd", e / torch.where(z == 0, torch.ones_like(z), z), v)
-    return out, (m + z.log()).squeeze(-1)
+    m = s.max(-1).values
+    e = torch.where(visible, torch.exp(s - torch.where(torch.isinf(m), 0, m)[..., None]), 0)
+    return torch.einsum("bast,batd->basd", e, v), m, e.sum(-1)
 
 
 def by_index(q, k, v, q_pos, k_pos):
     return block_attention(q, k, v, torch.arange(q.shape[2]), torch.arange(k.shape[2]))
 
 
-def softmax_nan(q, k, v, q_pos, k_pos):
+def nan_rows(q, k, v, q_pos, k_pos):
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return s.softmax(-1) @ v, torch.logsumexp(s, -1)
+    m = s.amax(-1)
+    e = torch.exp(s - m[..., None])
+    return e @ v, m, e.sum(-1)
 
 
 def unscaled(q, k, v, q_pos, k_pos):
@@ -127,20 +144,21 @@ def unscaled(q, k, v, q_pos, k_pos):
 def test_block_attention(capsys):
     assert graded(capsys, G.check_block_attention, block_attention)[0]
     fails_with(capsys, G.check_block_attention, by_index, hint="by index")
-    fails_with(capsys, G.check_block_attention, softmax_nan, hint="NaN in out")
+    fails_with(capsys, G.check_block_attention, nan_rows, hint="NaN")
     fails_with(capsys, G.check_block_attention, unscaled, hint="1/sqrt(d)")
 
-    def library(q, k, v, q_pos, k_pos):
+    def lecture(q, k, v, q_pos, k_pos):
         from course_lib.parallel.context_parallel import block_attention
-        return block_attention(q, k, v, q_pos, k_pos)
-    fails_with(capsys, G.check_block_attention, library, hint="write this yourself")
+        out, lse = block_attention(q, k, v, q_pos, k_pos)
+        return out, lse, torch.ones_like(lse)
+    fails_with(capsys, G.check_block_attention, lecture, hint="write this yourself")
 
 
 # ----------------------------------------------------------------------------- ring attention
 def ring_attention(q, k, v, positions, **bug):
     """K and V sent as two messages; the sender's positions recomputed, not sent."""
     r, n = dist.get_rank(), dist.get_world_size()
-    out, lse = block_attention(q, k, v, positions, positions)
+    acc, m, l = block_attention(q, k, v, positions, positions)
     seq = positions.numel() * n
     for step in range(1, n):
         k2, v2 = torch.empty_like(k), torch.empty_like(v)
@@ -154,13 +172,12 @@ def ring_attention(q, k, v, positions, **bug):
         k, v = k2, v2
         src = (r - step) % n if not bug.get("backwards") else (r + step) % n
         k_pos = positions if bug.get("own_positions") else _zigzag(seq, n, src)
-        o2, l2 = block_attention(q, k, v, positions, k_pos)
-        out, lse = merge(out, lse, o2, l2)
+        acc, m, l = merge_ok(acc, m, l, *block_attention(q, k, v, positions, k_pos))
         if bug.get("extra_send"):
             w = dist.isend(k, (r + 1) % n)
             dist.recv(torch.empty_like(k), (r - 1) % n)
             w.wait()
-    return out
+    return acc / l[..., None]
 
 
 def _zigzag(seq, n, r):
@@ -175,7 +192,8 @@ def all_gathered(q, k, v, positions):
     dist.all_gather(ks, k)
     dist.all_gather(vs, v)
     dist.all_gather(ps, positions)
-    return block_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), positions, torch.cat(ps))[0]
+    acc, m, l = block_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), positions, torch.cat(ps))
+    return acc / l[..., None]
 
 
 def test_ring_attention(capsys):

@@ -1,10 +1,12 @@
-"""Graders of chapter 7: the pieces of ring attention a learner writes. While the learner's
-function runs, the library's context-parallel code and attention are switched off; the
-expected answers come from the grader's own attention, computed before.
+"""Graders of chapter 7: the pieces of ring attention a learner writes, in FlashAttention's
+running form (acc, m, l) where the lecture shows the log-sum-exp form (out, lse): the lecture's
+code does not answer them. While the learner's function runs, the library's context-parallel
+code and attention are switched off; the expected answers come from the grader's own
+attention, computed before.
 
-    check_merge_partial(merge)              # (out1, lse1, out2, lse2) -> (out, lse): online softmax
-    check_zigzag_positions(positions)       # (seq_len, cp_size, cp_rank) -> int64 positions
-    check_block_attention(block_attention)  # (q, k, v, q_pos, k_pos) -> (out, lse) over one key block
+    check_merge_running(merge)              # (acc1, m1, l1, acc2, m2, l2) -> (acc, m, l): online softmax
+    check_zigzag_unshard(unshard)           # [rank r's zigzag tokens] -> the sequence in order
+    check_block_attention(block_attention)  # (q, k, v, q_pos, k_pos) -> (acc, m, l) over one key block
     check_ring_attention(ring_attention)    # on ranks: K/V around the ring, blocks merged
 
 Each prints one line (``merge_partial: 5/5 cases passed`` or the first failing case with a
@@ -21,7 +23,8 @@ from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off
 
 CONTEXT_PARALLEL = ("course_lib.parallel.context_parallel:*", "course_lib.attention:causal_attention",
                     "course_lib.attention:attention_scores",      # and the grader's own answers
-                    "course_lib.grading.context_parallel:_attend", "course_lib.grading.context_parallel:_zigzag")
+                    "course_lib.grading.context_parallel:_attend", "course_lib.grading.context_parallel:_running",
+                    "course_lib.grading.context_parallel:_zigzag")
 
 
 def _attend(q, k, v, q_pos, k_pos):
@@ -36,6 +39,17 @@ def _attend(q, k, v, q_pos, k_pos):
     return out.to(q.dtype), lse.to(q.dtype)
 
 
+def _running(q, k, v, q_pos, k_pos):
+    """The grader's own running form of one block: m (b, a, s_q) the largest visible score
+    (-inf: none), l = sum exp(s - m) (0: none), acc = sum exp(s - m) v (b, a, s_q, d) (0: none)."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    m = scores.amax(-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], float("-inf"))
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(scores - safe[..., None])                                            # 0 where hidden
+    return (e @ v.double()).to(q.dtype), m.to(q.dtype), e.sum(-1).to(q.dtype)
+
+
 def _qkv(seq, heads, seed, scale, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, heads, seq, 8, generator=g, dtype=dtype) for _ in range(3))
@@ -47,11 +61,25 @@ def _tol(dtype):
 
 
 # ----------------------------------------------------------------------------- 1. merge
-def check_merge_partial(merge) -> bool:
-    """``merge(out1, lse1, out2, lse2)`` must return the attention over both key blocks and
-    its log-sum-exp; the cases include queries that see no key of one block (lse = -inf),
-    queries that see no key of either (out stays 0, lse -inf, no NaN), and scores large
-    enough to overflow a naive exp."""
+def _as_triple(got, what):
+    if not isinstance(got, (tuple, list)) or len(got) != 3 or not all(isinstance(t, torch.Tensor) for t in got):
+        raise Mismatch(f"{what}: return (acc, m, l) as three tensors, got {type(got).__name__}")
+    return got
+
+
+def _compare_running(got, want, tol):
+    acc, m, l = got
+    if torch.isnan(acc).any() or torch.isnan(l).any() or torch.isnan(m).any():
+        return None   # the caller names the NaN
+    return (compare(m, want[1], what="m", **tol) or compare(l, want[2], what="l", **tol)
+            or compare(acc, want[0], what="acc", **tol))
+
+
+def check_merge_running(merge) -> bool:
+    """``merge(acc1, m1, l1, acc2, m2, l2)`` must return the running form (acc, m, l) of the
+    attention over both key blocks (m the larger max, both sides rescaled to it); the cases
+    include queries that see no key of one block (m = -inf, l = 0), queries that see no key of
+    either (all stays -inf / 0, no NaN), and scores large enough to overflow a naive exp."""
     cases = [Case(dict(seq=6, cut=3, heads=2, seed=0, scale=1.0), label="6 tokens, cut at 3 (rows 0-2 see no key of block 2)"),
              Case(dict(seq=8, cut=1, heads=1, seed=1, scale=1.0), label="8 tokens, cut at 1"),
              Case(dict(seq=8, cut=7, heads=3, seed=2, scale=1.0, dtype=torch.float64), label="8 tokens, cut at 7, float64"),
@@ -64,26 +92,26 @@ def check_merge_partial(merge) -> bool:
         p = dict(case.params)
         q, k, v = _qkv(p["seq"], p["heads"], p["seed"], p["scale"], p.get("dtype", torch.float32))
         pos = torch.arange(p["seq"])
-        late = p.get("late", 0)                  # keys from position `late` on: the first queries see none
-        cut = p["cut"]
-        first = _attend(q, k[:, :, late:cut], v[:, :, late:cut], pos, pos[late:cut])
-        second = _attend(q, k[:, :, cut:], v[:, :, cut:], pos, pos[cut:])
-        want = _attend(q, k[:, :, late:], v[:, :, late:], pos, pos[late:])
+        late, cut = p.get("late", 0), p["cut"]      # keys from position `late` on: the first queries see none
+        first = _running(q, k[:, :, late:cut], v[:, :, late:cut], pos, pos[late:cut])
+        second = _running(q, k[:, :, cut:], v[:, :, cut:], pos, pos[cut:])
+        want = _running(q, k[:, :, late:], v[:, :, late:], pos, pos[late:])
         if p.get("swap"):
             first, second = second, first
         with switched_off(CONTEXT_PARALLEL, "the online-softmax merge"):
-            got = merge(first[0].clone(), first[1].clone(), second[0].clone(), second[1].clone())
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise Mismatch(f"return (out, lse), got {type(got).__name__}")
-        out, lse = got
-        if isinstance(out, torch.Tensor) and torch.isnan(out).any():
-            return ("NaN in out: where a query sees no key of either block both lse are -inf, and "
-                    "exp(-inf - (-inf)) is NaN; its output must stay 0" if late else
-                    "NaN in out: exp overflowed or -inf - -inf; subtract the larger lse first")
-        tol = _tol(q.dtype)
-        return compare(out, want[0], what="out", **tol) or compare(lse, want[1], what="lse", **tol)
+            got = merge(*(t.clone() for t in first), *(t.clone() for t in second))
+        acc, m, l = _as_triple(got, "merge")
+        if torch.isnan(acc).any() or torch.isnan(l).any():
+            return ("NaN: where a query sees no key of either block both m are -inf, and exp(-inf - (-inf)) "
+                    "is NaN; its acc and l must stay 0" if late else
+                    "NaN: exp overflowed or -inf - -inf; rescale both sides to the larger m")
+        msg = _compare_running((acc, m, l), want, _tol(q.dtype))
+        if msg and compare(acc / l.clamp_min(1e-300)[..., None], want[0] / want[2].clamp_min(1e-300)[..., None],
+                           **_tol(q.dtype)) is None:
+            return f"{msg}: the normalised output is right, but keep the running form: m the larger max, l and acc rescaled to it"
+        return msg
 
-    return check("merge_partial", cases, run)
+    return check("merge_running", cases, run)
 
 
 # ----------------------------------------------------------------------------- 2. zigzag
@@ -92,47 +120,52 @@ def _zigzag(seq, n, r):
     return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
 
 
-def check_zigzag_positions(positions) -> bool:
-    """``positions(seq_len, cp_size, cp_rank)``: rank i's tokens are chunks i and 2N-1-i of
-    2N, as an int64 tensor in increasing order; a length not divisible by 2N raises ValueError."""
-    cases = [Case(dict(seq=8, n=2), label="seq_len=8, cp=2"), Case(dict(seq=12, n=3), label="seq_len=12, cp=3"),
+def check_zigzag_unshard(unshard) -> bool:
+    """``unshard(parts)``: parts[r] (b, s/cp, ...) = rank r's tokens in the zigzag layout (its
+    chunks r and 2cp-1-r of 2cp, in that order, along dim 1); returns (b, s, ...), the tokens
+    in sequence order. Parts of unequal or odd length raise ValueError."""
+    cases = [Case(dict(seq=8, n=2), label="seq_len=8, cp=2"), Case(dict(seq=12, n=3, feat=3), label="seq_len=12, cp=3, (b, s, 3)"),
              Case(dict(seq=32, n=4), label="seq_len=32, cp=4"), Case(dict(seq=6, n=1), label="seq_len=6, cp=1"),
-             Case(dict(seq=30, n=5), label="seq_len=30, cp=5"),
-             Case(dict(seq=10, n=2, bad=True), label="seq_len=10, cp=2: must raise ValueError"),
-             Case(dict(seq=12, n=4, bad=True), label="seq_len=12, cp=4: must raise ValueError")]
+             Case(dict(seq=30, n=5, feat=2), label="seq_len=30, cp=5"),
+             Case(dict(seq=10, n=2, bad="odd"), label="parts of 5 tokens: must raise ValueError"),
+             Case(dict(seq=12, n=2, bad="unequal"), label="parts of 6 and 4 tokens: must raise ValueError")]
 
     def run(case):
         p = case.params
-        wants = [] if p.get("bad") else [_zigzag(p["seq"], p["n"], r) for r in range(p["n"])]
+        g = torch.Generator().manual_seed(p["seq"])
+        shape = (2, p["seq"]) + ((p["feat"],) if p.get("feat") else ())
+        full = torch.randn(*shape, generator=g)
+        if p.get("bad") == "odd":
+            parts = list(full.chunk(p["n"], 1))
+        elif p.get("bad") == "unequal":
+            parts = [full[:, :6], full[:, 6:10]]
+        else:
+            parts = [full[:, _zigzag(p["seq"], p["n"], r)] for r in range(p["n"])]
         with switched_off(CONTEXT_PARALLEL, "the zigzag layout"):
             if p.get("bad"):
                 try:
-                    positions(p["seq"], p["n"], 0)
+                    unshard([t.clone() for t in parts])
                 except ValueError:
                     return None
                 except Exception as e:  # noqa: BLE001 - the wrong exception is a hint
                     return f"raised {type(e).__name__}: {e}, expected ValueError"
-                return f"returned positions, expected ValueError ({p['seq']} tokens do not cut into {2 * p['n']} chunks)"
-            for r in range(p["n"]):
-                got, want = positions(p["seq"], p["n"], r), wants[r]
-                if isinstance(got, torch.Tensor) and got.dtype == torch.int64 and got.shape == want.shape:
-                    c = p["seq"] // p["n"]
-                    if torch.equal(got, torch.arange(r * c, (r + 1) * c)) and p["n"] > 1:
-                        return f"rank {r}: a contiguous slice; the zigzag takes chunks {r} and {2 * p['n'] - 1 - r}"
-                msg = compare(got, want, what=f"rank {r}")
-                if msg:
-                    return msg
-        return None
+                return "returned a sequence, expected ValueError (each part holds two equal chunks, all parts alike)"
+            got = unshard([t.clone() for t in parts])
+        if isinstance(got, torch.Tensor) and got.shape == full.shape and p["n"] > 1 and \
+                torch.equal(got, torch.cat(parts, 1)):
+            return "the parts concatenated: each rank holds two chunks, r and 2cp-1-r, not one contiguous slice"
+        return compare(got, full, what="sequence")
 
-    return check("zigzag_positions", cases, run)
+    return check("zigzag_unshard", cases, run)
 
 
 # ----------------------------------------------------------------------------- 3. block attention
 def check_block_attention(block_attention) -> bool:
     """``block_attention(q, k, v, q_pos, k_pos)``: q (b, a, s_q, d), k and v (b, a, s_k, d),
     positions int64; causal by POSITION (a key is visible when k_pos <= q_pos), scale
-    1/sqrt(d); returns (out (b, a, s_q, d), lse (b, a, s_q)): out normalised within the block,
-    0 where a query sees no key, and lse -inf there."""
+    1/sqrt(d); returns the running form (acc (b, a, s_q, d), m (b, a, s_q), l (b, a, s_q)):
+    m the largest visible score, l = sum exp(s - m), acc = sum exp(s - m) v; for a query that
+    sees no key, m = -inf and l = acc = 0."""
     cases = [Case(dict(qp=list(range(6)), kp=list(range(6))), label="one block, causal"),
              Case(dict(qp=[0, 1, 6, 7], kp=[2, 3, 4, 5]), label="zigzag rank 0's queries, keys 2-5 (rows 0-1 see none)"),
              Case(dict(qp=[2, 3, 4, 5], kp=[0, 1, 6, 7]), label="queries 2-5, keys 0, 1, 6, 7 (positions, not indexes)"),
@@ -147,24 +180,20 @@ def check_block_attention(block_attention) -> bool:
         g = torch.Generator().manual_seed(len(p["qp"]) * 10 + len(p["kp"]))
         q = torch.randn(1, 2, len(q_pos), 8, generator=g, dtype=dtype) * p.get("scale", 1.0)
         k, v = (torch.randn(1, 2, len(k_pos), 8, generator=g, dtype=dtype) for _ in range(2))
-        want = _attend(q, k, v, q_pos, k_pos)
+        want = _running(q, k, v, q_pos, k_pos)
         with switched_off(CONTEXT_PARALLEL, "attention over one key block"):
             got = block_attention(q.clone(), k.clone(), v.clone(), q_pos.clone(), k_pos.clone())
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            return f"return (out, lse), got {type(got).__name__}"
-        out, lse = got
-        if isinstance(out, torch.Tensor) and torch.isnan(out).any():
-            return "NaN in out: a query that sees no key has output 0 (a softmax over nothing is not defined)"
-        if isinstance(lse, torch.Tensor) and lse.shape == want[1].shape and torch.isnan(lse).any():
-            return "NaN in lse: a query that sees no key has lse -inf"
+        acc, m, l = _as_triple(got, "block_attention")
+        if torch.isnan(acc).any() or torch.isnan(l).any() or torch.isnan(m).any():
+            return "NaN: a query that sees no key has m = -inf and l = acc = 0 (exp(s - m) is NaN there)"
         tol = _tol(dtype)
-        msg = compare(out, want[0], what="out", **tol) or compare(lse, want[1], what="lse", **tol)
-        if msg and isinstance(out, torch.Tensor) and out.shape == want[0].shape:
-            by_index = _attend(q, k, v, torch.arange(len(q_pos)), torch.arange(len(k_pos)))
-            if compare(out, by_index[0], **tol) is None:
+        msg = _compare_running((acc, m, l), want, tol)
+        if msg and acc.shape == want[0].shape and m.shape == want[1].shape:
+            by_index = _running(q, k, v, torch.arange(len(q_pos)), torch.arange(len(k_pos)))
+            if compare(m, by_index[1], **tol) is None:
                 return "masked by index, not by position: a key is visible when k_pos <= q_pos"
-            unscaled = _attend(q * math.sqrt(q.shape[-1]), k, v, q_pos, k_pos)
-            if compare(out, unscaled[0], **tol) is None:
+            unscaled = _running(q * math.sqrt(q.shape[-1]), k, v, q_pos, k_pos)
+            if compare(m, unscaled[1], **tol) is None:
                 return "scores are not scaled by 1/sqrt(d)"
         return msg
 
@@ -208,11 +237,11 @@ def _ring_harness(fn, seq, heads, scale):
 def check_ring_attention(ring_attention) -> bool:
     """ring_attention(q, k, v, positions) on each of cp ranks: q, k, v (b, a, s/cp, d), this
     rank's zigzag tokens at ``positions``; returns this rank's causal attention output over
-    the whole sequence, K/V blocks passed to the next rank (send/recv) cp-1 times and merged."""
+    the whole sequence (acc / l), K/V blocks passed to the next rank (send/recv) cp-1 times and merged."""
     shapes = [(2, 8, 2, 1.0), (3, 12, 1, 1.0), (4, 16, 2, 1.0), (1, 6, 2, 1.0), (3, 6, 2, 100.0)]
     cases = [Case({"fn": ring_attention, "seq": s, "heads": a, "scale": sc}, world_size=n,
                   label=f"cp={n}, seq_len={s}" + (", large scores" if sc > 1 else "")) for n, s, a, sc in shapes]
     return check_distributed("ring_attention", _ring_harness, cases, timeout=20.0)
 
 
-__all__ = ["check_merge_partial", "check_zigzag_positions", "check_block_attention", "check_ring_attention"]
+__all__ = ["check_merge_running", "check_zigzag_unshard", "check_block_attention", "check_ring_attention"]
