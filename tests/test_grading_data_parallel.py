@@ -40,9 +40,9 @@ def _hook_library(param, world, handles):              # course_lib's DDP does t
 
 
 @pytest.mark.parametrize("wrong, hints", [
-    (_hook_sum, ["case 2/", "parameters after training"]),
+    (_hook_sum, ["case 1/", "parameters after training"]),
     (_hook_blocking, ["one async all-reduce handle per parameter"]),
-    (_hook_two_ranks, ["case 1/", "parameters after training"]),
+    (_hook_two_ranks, ["case 2/", "world_size=3", "parameters after training"]),
     (_hook_library, ["write this yourself: the exercise is the DDP hook"]),
 ], ids=["sum", "blocking", "two-ranks", "library"])
 def test_ddp_hook_refuses(wrong, hints, capsys):
