@@ -72,42 +72,47 @@ def test_switch_aux_loss(capsys):
     fails_with(capsys, G.check_switch_aux_loss, library, hint="write this yourself")
 
 
-# ----------------------------------------------------------------------------- capacity
-def keep_mask(expert, n_experts, capacity):
+# ----------------------------------------------------------------------------- capacity (BPR)
+def keep_mask(expert, weight, n_experts, capacity):
+    """Python loops over a priority list: (choice, -weight, token)."""
     T, k = expert.shape
-    keep, used = torch.zeros(T, k, dtype=torch.bool), torch.zeros(n_experts, dtype=torch.int64)
-    for j in range(k):                                  # choice by choice: vectorised over tokens
-        e = expert[:, j]
-        before = F.one_hot(e, n_experts).cumsum(0).gather(1, e[:, None]).squeeze(1) - 1   # same-choice queue
-        place = used[e] + before
-        keep[:, j] = place < capacity
-        used += torch.bincount(e, minlength=n_experts)
+    keep = torch.zeros(T, k, dtype=torch.bool)
+    used = [0] * n_experts
+    for j, _, t in sorted((j, -float(weight[t, j]), t) for j in range(k) for t in range(T)):
+        e = int(expert[t, j])
+        keep[t, j] = used[e] < capacity
+        used[e] += 1
     return keep
 
 
-def token_major(expert, n_experts, capacity):
-    flat = expert.reshape(-1)
-    slot = (F.one_hot(flat, n_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
-    return (slot < capacity).view(expert.shape)
-
-
-def off_by_one(expert, n_experts, capacity):
+def token_order(expert, weight, n_experts, capacity):      # the lecture's rule: ignores the weights
     flat = expert.t().reshape(-1)
     slot = (F.one_hot(flat, n_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
-    return (slot <= capacity).view(expert.shape[1], expert.shape[0]).t()
+    return (slot < capacity).view(expert.shape[1], expert.shape[0]).t()
 
 
-def last_come_first(expert, n_experts, capacity):
-    return keep_mask(expert.flip(0), n_experts, capacity).flip(0)
+def weight_over_all_choices(expert, weight, n_experts, capacity):   # a confident 2nd choice before a 1st
+    T, k = expert.shape
+    keep = torch.zeros(T, k, dtype=torch.bool)
+    used = [0] * n_experts
+    for _, t, j in sorted((-float(weight[t, j]), t, j) for j in range(k) for t in range(T)):
+        e = int(expert[t, j])
+        keep[t, j] = used[e] < capacity
+        used[e] += 1
+    return keep
+
+
+def off_by_one(expert, weight, n_experts, capacity):
+    return keep_mask(expert, weight, n_experts, capacity + 1)
 
 
 def test_capacity_keep(capsys):
     assert graded(capsys, G.check_capacity_keep, keep_mask)[0]
-    fails_with(capsys, G.check_capacity_keep, token_major, hint="FIRST choices")
+    fails_with(capsys, G.check_capacity_keep, token_order, hint="highest router weight")
+    fails_with(capsys, G.check_capacity_keep, weight_over_all_choices, hint="FIRST choices")
     fails_with(capsys, G.check_capacity_keep, off_by_one, hint="more than its capacity")
-    fails_with(capsys, G.check_capacity_keep, last_come_first, hint="in order")
 
-    def library(expert, n_experts, capacity):
+    def library(expert, weight, n_experts, capacity):
         from course_lib.moe import route
         return route(torch.zeros(expert.shape[0], n_experts), expert.shape[1], 1.0)[2]
     fails_with(capsys, G.check_capacity_keep, library, hint="write this yourself")

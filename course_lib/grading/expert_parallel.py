@@ -4,7 +4,7 @@ answers come from the grader's own arithmetic, computed before.
 
     check_dispatch_split_sizes(split_sizes)   # (counts (ep, E), ep_rank) -> (input_splits, output_splits)
     check_switch_aux_loss(aux_loss)           # (logits (T, E), top_k) -> scalar tensor, with its gradient
-    check_capacity_keep(keep_mask)            # (expert (T, k), n_experts, capacity) -> keep (T, k) bool
+    check_capacity_keep(keep_mask)            # (expert (T, k), weight (T, k), n_experts, capacity) -> keep
     check_expert_parallel_forward(moe_fwd)    # on ranks: tokens to their experts and back, by all-to-all
 
 Each prints one line (``dispatch_split_sizes: 6/6 cases passed`` or the first failing case
@@ -24,13 +24,15 @@ EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel:*", "course_lib.parallel
                    "course_lib.parallel.expert_parallel:AllToAll.forward")
 
 
-def _keep(expert, n_experts, cap):
-    """The grader's own dropping rule: first choices first, then by token; (T, k) bool."""
+def _keep(expert, n_experts, cap, weight=None):
+    """The grader's own dropping rule: first choices first; within a choice, by token (or, with
+    ``weight``, the highest router weight first, ties by token: Batch Prioritized Routing); (T, k) bool."""
     T, k = expert.shape
     keep = torch.zeros(T, k, dtype=torch.bool)
     used = [0] * n_experts
     for j in range(k):
-        for t in range(T):
+        order = range(T) if weight is None else sorted(range(T), key=lambda t: (-float(weight[t, j]), t))
+        for t in order:
             e = int(expert[t, j])
             keep[t, j] = used[e] < cap
             used[e] += 1
@@ -172,46 +174,54 @@ def check_switch_aux_loss(aux_loss) -> bool:
 
 # ----------------------------------------------------------------------------- 3. capacity
 def check_capacity_keep(keep_mask) -> bool:
-    """``keep_mask(expert, n_experts, capacity)``: expert (T, k) int64, the top-k choices of T
-    tokens (column 0 the first choice); returns (T, k) bool: the assignment fits in its
-    expert's ``capacity``, serving all first choices (in token order) before any second one."""
-    def routed(T, E, k, seed, skew=0.0):
+    """``keep_mask(expert, weight, n_experts, capacity)``: expert (T, k) int64, the top-k
+    choices of T tokens (column 0 the first choice), weight (T, k) their router probabilities;
+    returns (T, k) bool: the assignment fits in its expert's ``capacity``. Batch Prioritized
+    Routing (Riquelme et al. 2021): all first choices before any second one, and within a
+    choice the highest weight first (ties: the earlier token)."""
+    def routed(T, E, k, seed, skew=0.0, ties=False):
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(T, E, generator=g)
         logits[:, 0] += skew
-        return logits.topk(k, dim=-1).indices
+        if ties:
+            logits = logits.round()                                   # equal weights: token order decides
+        weight, expert = logits.softmax(-1).topk(k, dim=-1)
+        return expert, weight
 
-    cases = [Case(dict(expert=lambda: routed(8, 4, 1, 0), E=4, cap=2), label="8 tokens, top-1, capacity 2"),
-             Case(dict(expert=lambda: routed(10, 4, 2, 1, skew=3.0), E=4, cap=4),
+    cases = [Case(dict(routed=lambda: routed(8, 4, 1, 0), E=4, cap=2), label="8 tokens, top-1, capacity 2"),
+             Case(dict(routed=lambda: routed(10, 4, 2, 1, skew=3.0), E=4, cap=4),
                   label="10 tokens, top-2, expert 0 popular, capacity 4"),
-             Case(dict(expert=lambda: routed(6, 3, 2, 2), E=3, cap=1), label="top-2, capacity 1"),
-             Case(dict(expert=lambda: routed(5, 4, 3, 3), E=4, cap=0), label="capacity 0: everything dropped"),
-             Case(dict(expert=lambda: routed(7, 5, 2, 4), E=5, cap=14), label="capacity larger than the tokens"),
-             Case(dict(expert=lambda: torch.zeros(0, 2, dtype=torch.int64), E=3, cap=2), label="no tokens")]
+             Case(dict(routed=lambda: routed(6, 3, 2, 2), E=3, cap=1), label="top-2, capacity 1"),
+             Case(dict(routed=lambda: routed(9, 3, 1, 5, ties=True), E=3, cap=2), label="equal weights, capacity 2"),
+             Case(dict(routed=lambda: (torch.tensor([[1, 0], [0, 2], [2, 1]]),
+                                       torch.tensor([[0.45, 0.44], [0.40, 0.35], [0.50, 0.30]])), E=3, cap=1),
+                  label="a confident second choice against a first choice, capacity 1"),
+             Case(dict(routed=lambda: routed(5, 4, 3, 3), E=4, cap=0), label="capacity 0: everything dropped"),
+             Case(dict(routed=lambda: routed(7, 5, 2, 4), E=5, cap=14), label="capacity larger than the tokens"),
+             Case(dict(routed=lambda: (torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)), E=3, cap=2),
+                  label="no tokens")]
 
     def run(case):
-        expert, E, cap = case.params["expert"](), case.params["E"], case.params["cap"]
-        want = _keep(expert, E, cap)
+        (expert, weight), E, cap = case.params["routed"](), case.params["E"], case.params["cap"]
+        want = _keep(expert, E, cap, weight)
+        by_token = _keep(expert, E, cap)
         with switched_off(ROUTING, "the capacity rule"):
-            got = keep_mask(expert.clone(), E, cap)
+            got = keep_mask(expert.clone(), weight.clone(), E, cap)
         if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape:
             return f"return a bool tensor of shape {tuple(want.shape)}, got " + (
                 f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__)
         if torch.equal(got, want):
             return None
-        token_major = torch.zeros_like(want)
-        used = [0] * E
-        for t in range(expert.shape[0]):
-            for j in range(expert.shape[1]):
-                token_major[t, j] = used[int(expert[t, j])] < cap
-                used[int(expert[t, j])] += 1
-        if torch.equal(got, token_major):
-            return "you served each token's choices together: all FIRST choices go first, then the second ones"
+        if torch.equal(got, by_token):
+            return "you served the tokens in order: within a choice, the highest router weight goes first"
         kept = torch.bincount(expert[got], minlength=E) if got.any() else torch.zeros(E, dtype=torch.int64)
         if (kept > cap).any():
             return f"expert {int(kept.argmax())} keeps {int(kept.max())} assignments, more than its capacity {cap}"
+        firsts_dropped = (~got[:, 0] & want[:, 0]).any() if expert.shape[1] > 1 else False
+        if firsts_dropped:
+            return "a first choice was dropped for a second one: all FIRST choices go first, then the second ones"
         return (f"kept {got.int().tolist()}, expected {want.int().tolist()} (experts {expert.tolist()}): "
-                f"an expert serves assignments in order, first choices first, until it is full")
+                f"an expert serves assignments first choices first, the highest weight first, until it is full")
 
     return check("capacity_keep", cases, run)
 
