@@ -72,10 +72,17 @@ def schedule_order(p: int, m: int, schedule: str, v: int, stage: int) -> list[tu
     return order
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` if it is an integer >= 1 (not a bool), else a ValueError naming ``name``: the
+    one validator of counts (stages, micro-batches, mesh dimensions) in the course."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def _check_shape(p, m, v=1):
     for name, val in (("p (pipeline stages)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
+        positive_int(name, val)
 
 
 def _from_order(p, m, name, v=1):
@@ -362,6 +369,6 @@ def format_schedule(schedule, width: int = 0) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["Action", "OPS", "SCHEDULES", "schedule_order", "bubble_fraction", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
+__all__ = ["Action", "OPS", "SCHEDULES", "schedule_order", "bubble_fraction", "positive_int", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
            "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
            "in_flight", "format_schedule"]

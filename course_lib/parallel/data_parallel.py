@@ -200,49 +200,23 @@ def average_gradients(model: nn.Module, comm):
 
 # ------------------------------------------------------------------ 2 and 3: DDP on GradSync
 class DDP(nn.Module):
-    """Distributed data parallel: replicate ``module``, average its gradients.
+    """Distributed data parallel: replicate ``module``, average its gradients over ``dims``.
 
-    **The gradients are averaged in** ``finish_gradient_synchronization()``, **not by**
-    ``backward()``: call it after a step's last backward and before ``optimizer.step()``
-    (torch's DDP has no such call: its backward returns with averaged gradients). Until
-    then ``p.grad`` holds this rank's own gradient, and a forward before it is an error.
-    Afterwards ``p.grad`` is a **view of its bucket** (no copy back, torch's
-    ``gradient_as_bucket_view=True``): the next step's synchronisation overwrites it, so
-    clone a gradient you want to keep (or pass ``gradient_as_bucket_view=False``).
+    Call ``finish_gradient_synchronization()`` after a step's last backward and before
+    ``optimizer.step()``: the gradients are averaged there (torch's DDP does it inside
+    backward). Afterwards ``p.grad`` is a view of its bucket, overwritten by the next step's
+    synchronisation (``gradient_as_bucket_view=False``: a copy).
 
-    bucket_cap_mb: bucket size in MiB (> 0; None: 25, torch's default).
-    mesh / group: what to talk through: a ``Mesh``, or one process group (a ProcessGroup,
-        a ``Comm``, or None for the world) seen as the mesh dimension ``dims[0]``.
-        ``process_group=`` (torch's name) is the same as ``group=``.
-    dims: the mesh dimensions the batch is split over (default "dp"; ("dp", "cp") with
-        context parallelism). The gradients are divided by their size, ``divisor`` if given.
-        A parameter's gradient is summed over its own reduce dims (``set_reduce_dims``),
-        ``dims`` if it has none; rank ``0`` of that group broadcasts its value at construction
-        (replicas of different shapes or counts: a ValueError on every rank, see
-        :func:`check_replicas`).
-    overlap: True: buckets are all-reduced during backward (hooks, torch's behaviour);
-        False: all of them after backward, in ``finish_gradient_synchronization()``.
-    broadcast_buffers: True (torch's default): each forward first copies rank 0's
-        *persistent* buffers (those in ``state_dict()``: BatchNorm's running statistics) to
-        every rank, in one flat message, so the replicas' buffers stay identical. As in
-        torch, the forward after one run under ``torch.no_grad()`` or inside ``no_sync()``
-        skips it (an evaluation loop sends nothing). Unlike torch, non-persistent buffers
-        (constant tables) are not sent: nothing changes them. False: only at construction.
-
-    torch's other arguments, accepted for a drop-in ``DistributedDataParallel``:
-    device_ids, output_device: None for a module on the CPU; on a GPU, None or the module's
-        own device (``[d]``, as torch requires of a single-device module). Inputs are not
-        moved: pass them on that device.
-    find_unused_parameters: True or False, no effect: ours always handles a parameter that
-        some or all ranks did not use (a flag per parameter travels with its bucket).
-    gradient_as_bucket_view: True (ours, the default here; torch's default is False): ``p.grad``
-        is a view of the bucket; False: ``finish_gradient_synchronization()`` leaves a copy in
-        ``p.grad`` (memory for a second set of gradients, as in torch).
-    static_graph: True or False, no effect (ours finds each step's graph anew).
-
-    Frozen parameters are never communicated; a tied (shared) parameter is one parameter;
-    a parameter without a gradient on some ranks counts as zero there, and one that no
-    rank used this step keeps ``grad = None``, as on a single device.
+    bucket_cap_mb: bucket size in MiB. mesh / group (torch's ``process_group``): a Mesh, or one
+        group seen as the dimension ``dims[0]``. dims: what the batch is split over; gradients are
+        divided by its size (or ``divisor``), summed over a parameter's own reduce dims if it has
+        any. Rank 0's values are broadcast at construction (replicas that differ: ValueError).
+    overlap: buckets all-reduced during backward (hooks), or all of them after it.
+    broadcast_buffers: rank 0's persistent buffers (BatchNorm's statistics) sent before each
+        training forward, so the replicas' buffers stay identical.
+    device_ids, output_device, find_unused_parameters, static_graph: torch's, accepted so that
+        DDP can replace DistributedDataParallel; the last two change nothing (a parameter unused
+        on some ranks counts as zero there; one no rank used keeps ``grad = None``).
     """
 
     def __init__(self, module, bucket_cap_mb=25, *, mesh=None, group=None, dims=("dp",), divisor=None,

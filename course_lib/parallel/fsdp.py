@@ -41,13 +41,13 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.parallel.data_parallel import broadcast_module_states
-from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_module, default_units
+from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_fsdp_module, default_units
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
 
 MAX_IN_FLIGHT = 1  # gradient reduce-scatters in flight (each keeps a full-size gradient alive)
 
 
-class _Saved(NamedTuple):
+class _FreedParam(NamedTuple):
     """What autograd keeps instead of a saved view of freed, gathered parameters."""
     unit: int
     offset: int
@@ -111,7 +111,7 @@ class FSDP(nn.Module):
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
                  dims="dp", divisor=None, prefetch=True):
         super().__init__()
-        check_module(module)
+        check_fsdp_module(module)
         _check_not_wrapped(module)
         for dt in (compute_dtype, reduce_dtype):
             if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
@@ -294,10 +294,10 @@ class FSDP(nn.Module):
         unit = self._where.get(_key(t)) if t.numel() else None
         if unit is None:
             return t
-        return _Saved(unit, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return _FreedParam(unit, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
     def _unpack(self, saved):
-        if not isinstance(saved, _Saved):
+        if not isinstance(saved, _FreedParam):
             return saved
         u = self.units[saved.unit]
         if not u.backward_started:
@@ -498,4 +498,4 @@ def _check_not_wrapped(module):
                              f"wrap the original model once, passing the blocks as units=[...]")
 
 
-__all__ = ["FSDP", "default_units", "check_module", "broadcast_module_states"]
+__all__ = ["FSDP", "default_units", "check_fsdp_module", "broadcast_module_states"]

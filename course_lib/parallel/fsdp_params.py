@@ -51,7 +51,7 @@ def default_units(module):
     return [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
 
 
-def check_module(module):
+def check_fsdp_module(module):
     """The inputs FSDP refuses, with the constraint named: DDP's (``data_parallel.check_module``),
     plus one master dtype and no 0-d parameter (a shard is a range of dim 0)."""
     data_parallel.check_module(module, "FSDP")
@@ -173,5 +173,5 @@ class ShardedUnit:
         return [self.gradient_view(i, grad_shard).view(-1) for i in indexes]
 
 
-__all__ = ["Slot", "ShardedUnit", "dim0_rows", "default_units", "check_module",
+__all__ = ["Slot", "ShardedUnit", "dim0_rows", "default_units", "check_fsdp_module",
            "assign_units"]

@@ -14,18 +14,11 @@ from dataclasses import dataclass
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.tensor_parallel import head_rows
 from course_lib.parallel.vocab_parallel import shard_range
-from course_lib.schedules import make_schedule, schedule_name, validate
+from course_lib.schedules import make_schedule, positive_int, schedule_name, validate
 
 DATA = ("ddp", "fsdp")
 CP_METHODS = ("ring", "ulysses")
 CP_LAYOUTS = ("zigzag", "contiguous")
-
-
-def positive_int(name: str, value) -> int:
-    """``value`` if it is an integer >= 1 (not a bool), else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def partition_layers(n_layers: int, n_stages: int) -> list[range]:

@@ -32,6 +32,7 @@ import itertools
 import torch.distributed as dist
 
 from course_lib.collectives.comm import Comm
+from course_lib.schedules import positive_int
 
 DIMS = ("dp", "pp", "cp", "tp")    # outermost -> innermost
 EXPERT_DIMS = ("ep", "edp")        # carved out of dp
@@ -42,8 +43,7 @@ class MeshShape:
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
         for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mesh dimension {name} must be an integer >= 1, got {value!r}")
+            positive_int(f"mesh dimension {name}", value)
         if dp % ep:
             raise ValueError(f"expert parallelism takes its ranks from DP: ep={ep} must divide dp={dp}")
         self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.parallel.tp_plan import torch_parallelize
+from course_lib.schedules import positive_int
 
 
 def _sum_gradients(model):
@@ -52,8 +53,7 @@ def torch_parallelize_2d(model, dp, tp, sequence_parallel=False, fsdp=True):
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"torch_parallelize_2d cuts a course_lib TinyGPT, got {type(model).__name__}")
     for name, value in (("dp", dp), ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        positive_int(name, value)
     world = dist.get_world_size()
     if dp * tp != world:
         raise ValueError(f"dp*tp = {dp}*{tp} = {dp * tp} ranks, but the world size is {world}: "

@@ -31,7 +31,7 @@ from course_lib.parallel.data_parallel import broadcast_module_states
 from course_lib.parallel.grad_sync import assign_buckets, register_grad_ready_hooks
 from course_lib.parallel.mesh import as_mesh
 
-MAX_IN_FLIGHT = 2  # buckets being reduced at once: bounds the full-size temporaries
+BUCKETS_IN_FLIGHT = 2  # buckets being reduced at once: bounds the full-size temporaries
 
 
 class _ShardedBucket:
@@ -157,7 +157,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out = b.empty(b.shard)
         work = self.comm.reduce_scatter_tensor(out, b.flat_grad, async_op=True, name=f"reduce-scatter b{b.index}")
         self._in_flight.append((b, out, work))
-        while len(self._in_flight) > MAX_IN_FLIGHT:
+        while len(self._in_flight) > BUCKETS_IN_FLIGHT:
             self._fold_oldest()
 
     def _fold_oldest(self):
@@ -255,7 +255,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             full = b.empty(b.shard * self.comm.size)
             work = self.comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")
             pending.append((b, full, work))
-            if len(pending) >= MAX_IN_FLIGHT or b is self.buckets[-1]:
+            if len(pending) >= BUCKETS_IN_FLIGHT or b is self.buckets[-1]:
                 for b_, full_, work in pending:
                     work.wait()
                     for i in b_.param_ids:
