@@ -21,7 +21,8 @@ cannot be constructed; a method of torch's ``ProcessGroup`` (the C++ object ever
 
 Targets: a callable, or "module:attr.path" (imported when the guard starts, so a
 grader names the reference without importing it at module level), "module:*" (every
-function the module defines, and every method of its classes), or a list of those.
+function the module defines or lists in ``__all__`` from course_lib, and every method of
+those classes), or a list of those.
 """
 from __future__ import annotations
 
@@ -94,8 +95,10 @@ def _flatten(targets):
             yield from _flatten(t)
         elif isinstance(t, str) and t.endswith(":*"):
             module = importlib.import_module(t[:-2])
+            public = set(getattr(module, "__all__", ()))  # re-exports of a module that moved count too
             for name, value in sorted(vars(module).items()):
-                if getattr(value, "__module__", None) != module.__name__:
+                home = getattr(value, "__module__", None) or ""
+                if home != module.__name__ and not (name in public and home.startswith("course_lib")):
                     continue
                 if hasattr(value, "__code__"):
                     yield f"{module.__name__}:{name}"

@@ -23,7 +23,7 @@ REFERENCES = ("course_lib.grading.planner:_reference_memory_per_gpu", "course_li
               "course_lib.grading.planner:_best_layout", "course_lib.grading.planner:_reference_min_pipeline_stages")
 FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.activations:*", "course_lib.planner.estimate:*",
             "course_lib.planner.costs:*", "course_lib.planner.simulator:*", "course_lib.planner.search:*")
-SIMULATORS = ("course_lib.parallel.schedules:*", "course_lib.planner.simulator:*", "course_lib.planner.estimate:*",
+SIMULATORS = ("course_lib.schedules:*", "course_lib.parallel.schedules:*", "course_lib.planner.simulator:*", "course_lib.planner.estimate:*",
               "course_lib.planner.search:*")
 SEARCH = ("course_lib.planner.search:*",)
 
@@ -177,6 +177,7 @@ PP_CHOICES = (1, 2, 4, 8, 16, 32)
 PP_CASES = [  # model, tp, dp, global batch (8192-token sequences), H100s
     ("llama3-8b", 1, 8, 64), ("llama3-8b", 2, 1, 16), ("llama3-70b", 8, 2, 128), ("llama3-70b", 4, 4, 128),
     ("llama3-70b", 2, 8, 64), ("llama3-405b", 8, 16, 1024), ("llama3-405b", 1, 1, 8),
+    ("llama3-70b", 4, 16, 8),   # 8 sequences on 16 DP ranks: no candidate is valid (estimate raises)
 ]
 
 
