@@ -94,24 +94,24 @@ def bubble_rank(hidden, rows, m, rounds, jobs, layers=2):
     import torch.distributed as dist
 
     from course_lib import trace
-    from course_lib.collectives.comm import Comm, TrafficCounter
-    from course_lib.parallel import schedules as S
-    from course_lib.parallel.pipeline_executor import run_schedule
+    from course_lib import schedules as S
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel.pipeline_executor import ScheduleRunner
 
     p, me = dist.get_world_size(), dist.get_rank()
-    comm = Comm(None, TrafficCounter(), dim="pp")
+    comm = Comm(None, dim="pp")
     xs = [torch.randn(rows, hidden, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(m)]
-    built = {(name, v): (S.make_schedule(name, p, m, v), {s: equal_stage(s, layers // v, hidden) for s in range(me, p * v, p)})
-             for name, v in jobs}
+    stages = {job: {s: equal_stage(s, layers // job[1], hidden) for s in range(me, p * job[1], p)} for job in jobs}
+    built = {(name, v): (ScheduleRunner(S.make_schedule(name, p, m, v), stages[name, v], comm, p=p, m=m, v=v,
+                                        act_shape=(rows, hidden)), stages[name, v]) for name, v in jobs}
     out = {job: [] for job in jobs}
     for r in range(rounds + 1):
         for k in range(len(jobs)):
             name, v = job = jobs[(k + r) % len(jobs)]
-            sched, stages = built[job]
+            runner, stages = built[job]
             dist.barrier()
             t0 = trace.now()
-            run_schedule(sched, stages, comm, p=p, m=m, v=v, inputs=xs, targets=xs,
-                         loss_fn=lambda o, t: (o - t).pow(2).sum(), act_shape=(rows, hidden))
+            runner.step(xs, xs, lambda o, t: (o - t).pow(2).sum())
             dist.barrier()
             if r:    # on this machine's clock (perf_counter is system-wide), not the rank's own zero
                 shift = trace.recorder().origin
@@ -125,7 +125,7 @@ def bubble_rank(hidden, rows, m, rounds, jobs, layers=2):
 def planner_bubble(name, v, m, latency_in_forwards):
     """The planner's simulator on equal stages, ideal hardware except a per-message time of
     ``latency_in_forwards`` times its own forward: its bubble, the formula's way."""
-    from course_lib.parallel import schedules as S
+    from course_lib import schedules as S
     from course_lib.planner import HARDWARE, Layout, ModelSpec, simulate
     even = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)      # equal stages, a 2-token vocabulary
     layout = Layout(pp=2, schedule=name, v=v, global_batch=m)
@@ -139,7 +139,7 @@ def planner_bubble(name, v, m, latency_in_forwards):
 def bubble_main(args):
     import statistics
 
-    from course_lib.parallel import schedules as S
+    from course_lib import schedules as S
     from course_lib.parallel.pipeline_executor import measured_costs
 
     jobs = tuple((name, v) for name, v in SCHEDULES if name in args.schedules)

@@ -11,6 +11,7 @@
     vocab_parallel    vocabulary-parallel embedding and cross-entropy
     tp_plan           parallelize(model, mesh): the tiny GPT cut by a plan
     pipeline_executor ScheduleRunner: any valid action list (course_lib.schedules) over send / recv
+    zero_bubble       the zero-bubble split of a backward: B (input gradients) and W (weights)
     pipeline_runtime  the one pipeline step: schedule, tied embedding, gradient sums, loss
     pipeline          stages of the tiny GPT, PipelineParallel (tied embeddings, DP around PP)
     context_parallel  ring attention (zigzag), Ulysses
