@@ -158,3 +158,26 @@ def test_accepted_layouts_train_as_one_device_in_fp64_and_bf16(cfg, dims, kw, dt
         tolerance.assert_matches(got[:1], want[:1], dtype=dtype, what="first step's loss")
         tolerance.assert_matches(got, want, dtype=dtype, optimizer="sgd", steps=1, lr=0.5, grad_scale=1.0,
                                  what="losses")
+
+
+def _named_grads(cfg):
+    from course_lib.parallel import Mesh, parallelize_nd
+    net = parallelize_nd(TinyGPT(cfg, seed=0).double(), Mesh(dp=2, pp=2), microbatches=2)
+    x, y = reference.gpt_batches(cfg, batch=4, steps=1)[0]
+    net.step(x, y)
+    return {name: q.grad for name, q in net.named_parameters().items()}
+
+
+def test_gradients_by_single_device_name():
+    """NDParallel.named_parameters(): this rank's parameters under the single-device names, their
+    .grad the summed gradient (fp64: equal to one device's first step within tolerance's bound)."""
+    cfg = dataclasses.replace(SMALL, tie_embeddings=True, n_layers=2)
+    model = TinyGPT(cfg, seed=0).double()
+    x, y = reference.gpt_batches(cfg, batch=4, steps=1)[0]
+    model(x, y, n_tokens=y.numel())[1].backward()
+    want = {name: q.grad for name, q in model.named_parameters()}
+    want["lm_head.weight"] = want["tok_emb.weight"]          # tied: the last stage's copy, summed
+    per_rank = launch(_named_grads, 4, cfg, threads=1)
+    assert set().union(*per_rank) == set(want)
+    for got in per_rank:
+        tolerance.assert_matches(got, {n: want[n] for n in got}, dtype=torch.float64, what="gradients")
