@@ -18,6 +18,7 @@ import random
 
 import torch
 
+from course_lib import tolerance
 from course_lib.grading import Case, check, check_distributed, compare
 from course_lib.grading.guard import switched_off
 from course_lib.parallel import schedules as S
@@ -229,6 +230,14 @@ def _batch(m, b, seed=0):
     return x, torch.randn(m * b, H, generator=g, dtype=torch.float64)
 
 
+def _tol(dtype, *wants):
+    """Derived, not tuned (course_lib.tolerance): a sum added in another order moves by at most
+    2 K u of its terms' scale; the scale here is the largest finite value expected."""
+    scale = max([float(w.detach()[torch.isfinite(w.detach())].abs().max()) for w in wants
+                 if isinstance(w, torch.Tensor) and torch.isfinite(w.detach()).any()] + [1e-30])
+    return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
+
+
 def _pipeline_harness(fn, m, b):
     import torch.distributed as dist
 
@@ -239,6 +248,7 @@ def _pipeline_harness(fn, m, b):
     whole = torch.nn.Sequential(*[_stage(k) for k in range(p)])            # one device: the full batch
     want_loss = torch.nn.functional.mse_loss(whole(x), y)
     want_loss.backward()
+    tol = _tol(torch.float64, want_loss, *(q.grad for q in whole.parameters()))
     stage = _stage(r)
     mbs = list(x.chunk(m)) if r == 0 else None
     targets = list(y.chunk(m)) if r == p - 1 else None
@@ -249,7 +259,7 @@ def _pipeline_harness(fn, m, b):
     if r == p - 1:
         if not isinstance(got, (int, float, torch.Tensor)):
             return f"the last stage returns the loss (a number), got {got!r}"
-        msg = compare(float(got), float(want_loss), rtol=1e-9, atol=1e-12, what="loss")
+        msg = compare(float(got), float(want_loss), what="loss", **tol)
         if msg:
             return f"{msg}: the loss of the batch is the MEAN over its micro-batches' losses"
     mine = dict(whole[r].named_parameters())
@@ -261,7 +271,7 @@ def _pipeline_harness(fn, m, b):
         if abs(ratio - m) < 1e-6 * m and m > 1:
             return (f"stage {r}'s gradients are {m} times too large (m={m}): each micro-batch's loss is 1/m "
                     f"of the batch's mean loss")
-        msg = compare(q.grad, mine[name].grad, rtol=1e-9, atol=1e-12, what=f"stage {r} {name}.grad")
+        msg = compare(q.grad, mine[name].grad, what=f"stage {r} {name}.grad", **tol)
         if msg:
             return msg
     sends = calls.of("send", "isend")
