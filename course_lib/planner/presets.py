@@ -139,11 +139,12 @@ class Hardware:
 
 HARDWARE = {
     # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 600 GB/s both
-    # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)
+    # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100);
+    # fp16 as bf16, fp32 19.5 TFLOP/s without TF32 (the virtual clock's dtype_flops)
     "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108,
                           dtype_flops=(("float16", 312e12), ("float32", 19.5e12))),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
-    # direction), one 400 Gb/s NDR NIC per GPU (DGX H100)
+    # direction), one 400 Gb/s NDR NIC per GPU (DGX H100); fp16 as bf16, fp32 67 TFLOP/s without TF32
     "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132,
                          dtype_flops=(("float16", 989e12), ("float32", 67e12))),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
