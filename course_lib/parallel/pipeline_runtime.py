@@ -1,8 +1,8 @@
 """The one pipeline runtime under chapters 6 (:class:`~course_lib.parallel.pipeline.PipelineParallel`)
 and 9 (:class:`~course_lib.parallel.compose.NDParallel`): one training step of this rank's stages.
 
-    runtime = PipelineRuntime(stages, mesh, schedule="1f1b", microbatches=4)
-    loss = runtime.step(xs, ys, n_tokens)     # this rank's micro-batches; the step's loss
+    runtime = PipelineRuntime(stages, mesh, schedule="1f1b", microbatches=4)   # validated once
+    loss = runtime.step(xs, ys, n_tokens, act_shape=(b, s, h))   # this rank's micro-batches
 
 What communicates, in order: the schedule's activations and gradients over "pp"
 (:class:`~course_lib.parallel.pipeline_executor.ScheduleRunner`); the tied embedding's gradient
