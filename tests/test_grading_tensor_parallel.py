@@ -47,68 +47,71 @@ def test_megatron_f_g(capsys):
     fails_with(capsys, G.check_megatron_f_g, f, _fn(library, lambda g: g), hint="write this yourself")
 
 
-# ----------------------------------------------------------------------------- vocabulary loss
-def vocab_loss(logits, targets, vocab_start):
-    """Two all-reduces (max, then the sums), the target logit by a one-hot mask."""
-    n, v = logits.shape
+# ----------------------------------------------------------------------------- vocabulary loss (smoothed)
+def _hit(logits, targets, vocab_start):
+    cols = torch.arange(vocab_start, vocab_start + logits.shape[1])
+    return (cols[None, :] == targets[:, None]).to(logits.dtype)             # (N, V_r): 1 at my target
+
+
+def vocab_loss(logits, targets, vocab_start, vocab_size, smoothing):
+    """Separate all-reduces (max, then the sums); the smoothed target as a (N, V_r) distribution."""
     m = logits.amax(1)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
     z = logits - m[:, None]
-    cols = torch.arange(vocab_start, vocab_start + v)
-    hit = (cols[None, :] == targets[:, None]).to(logits.dtype)          # (N, V_r): 1 at my target
-    parts = torch.stack([z.exp().sum(1), (z * hit).sum(1)])
-    dist.all_reduce(parts)
-    p = z.exp() / parts[0][:, None]
-    return parts[0].log() - parts[1], p - hit
+    target = (1 - smoothing) * _hit(logits, targets, vocab_start) + smoothing / vocab_size   # q over my columns
+    sum_exp, target_z = z.exp().sum(1), (z * target).sum(1)
+    dist.all_reduce(sum_exp)
+    dist.all_reduce(target_z)
+    return sum_exp.log() - target_z, z.exp() / sum_exp[:, None] - target
 
 
-def gathered(logits, targets, vocab_start):         # right values, O(N V) traffic
+def gathered(logits, targets, vocab_start, vocab_size, smoothing):     # right values, O(N V) traffic
     sizes = torch.tensor([logits.shape[1]])
     every = [torch.empty_like(sizes) for _ in range(dist.get_world_size())]
     dist.all_gather(every, sizes)
     parts = [torch.empty(logits.shape[0], int(s), dtype=logits.dtype) for s in every]
     dist.all_gather(parts, logits.contiguous())
     whole = torch.cat(parts, 1).requires_grad_()
-    loss = F.cross_entropy(whole, targets, reduction="none")
+    loss = F.cross_entropy(whole, targets, reduction="none", label_smoothing=smoothing)
     loss.sum().backward()
     return loss.detach(), whole.grad[:, vocab_start:vocab_start + logits.shape[1]]
 
 
-def zero_padded(logits, targets, vocab_start):      # the issue's wrong answer: all-reduce a padded (N, V)
-    v_total = torch.tensor([vocab_start + logits.shape[1]])
-    dist.all_reduce(v_total, op=dist.ReduceOp.MAX)
-    whole = torch.zeros(logits.shape[0], int(v_total), dtype=logits.dtype)
+def zero_padded(logits, targets, vocab_start, vocab_size, smoothing):   # the issue's wrong answer
+    whole = torch.zeros(logits.shape[0], vocab_size, dtype=logits.dtype)
     whole[:, vocab_start:vocab_start + logits.shape[1]] = logits
     dist.all_reduce(whole)
     whole.requires_grad_()
-    loss = F.cross_entropy(whole, targets, reduction="none")
+    loss = F.cross_entropy(whole, targets, reduction="none", label_smoothing=smoothing)
     loss.sum().backward()
     return loss.detach(), whole.grad[:, vocab_start:vocab_start + logits.shape[1]]
 
 
-def local_max(logits, targets, vocab_start):        # each rank its own max: sums of different scales
-    m = logits.amax(1)
-    z = logits - m[:, None]
-    hit = (torch.arange(vocab_start, vocab_start + logits.shape[1])[None, :] == targets[:, None]).to(logits.dtype)
-    parts = torch.stack([z.exp().sum(1), (z * hit).sum(1)])
+def local_max(logits, targets, vocab_start, vocab_size, smoothing):   # each rank its own max
+    z = logits - logits.amax(1)[:, None]
+    target = (1 - smoothing) * _hit(logits, targets, vocab_start) + smoothing / vocab_size
+    parts = torch.stack([z.exp().sum(1), (z * target).sum(1)])
     dist.all_reduce(parts)
-    return parts[0].log() - parts[1], z.exp() / parts[0][:, None] - hit
+    return parts[0].log() - parts[1], z.exp() / parts[0][:, None] - target
 
 
-def no_minus_one(logits, targets, vocab_start):
-    loss, grad = vocab_loss(logits, targets, vocab_start)
-    hit = (torch.arange(vocab_start, vocab_start + logits.shape[1])[None, :] == targets[:, None]).to(logits.dtype)
-    return loss, grad + hit
+def lecture_unsmoothed(logits, targets, vocab_start, vocab_size, smoothing):   # the lecture's loss, no smoothing
+    return vocab_loss(logits, targets, vocab_start, vocab_size, 0.0)
+
+
+def local_vocabulary(logits, targets, vocab_start, vocab_size, smoothing):   # eps / V_r instead of eps / V
+    return vocab_loss(logits, targets, vocab_start, logits.shape[1], smoothing)
 
 
 def test_vocab_parallel_loss(capsys):
     assert graded(capsys, G.check_vocab_parallel_loss, vocab_loss)[0]
     fails_with(capsys, G.check_vocab_parallel_loss, gathered, hint="never gather the logits")
     fails_with(capsys, G.check_vocab_parallel_loss, zero_padded, hint="never gather the logits")
-    fails_with(capsys, G.check_vocab_parallel_loss, local_max, hint=("GLOBAL maximum", "loss per token"))
-    fails_with(capsys, G.check_vocab_parallel_loss, no_minus_one, hint="minus 1 at the target")
+    fails_with(capsys, G.check_vocab_parallel_loss, local_max, hint=("WHOLE vocabulary", "loss per token"))
+    fails_with(capsys, G.check_vocab_parallel_loss, lecture_unsmoothed, hint="without label smoothing")
+    fails_with(capsys, G.check_vocab_parallel_loss, local_vocabulary, hint="loss per token")
 
-    def library(logits, targets, vocab_start):
+    def library(logits, targets, vocab_start, vocab_size, smoothing):
         from course_lib.parallel import Mesh
         from course_lib.parallel.vocab_parallel import vocab_parallel_cross_entropy
         return vocab_parallel_cross_entropy(logits, targets, Mesh(tp=dist.get_world_size()).comm("tp"), vocab_start)

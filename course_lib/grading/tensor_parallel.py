@@ -2,7 +2,7 @@
 ranks inside a Megatron MLP or a loss, compared with one device.
 
     check_megatron_f_g(CopyToParallel, ReduceFromParallel)   # autograd.Functions: f and g
-    check_vocab_parallel_loss(vocab_parallel_loss)            # (logits_r, targets, start) -> loss, dlogits_r
+    check_vocab_parallel_loss(vocab_parallel_loss)            # (logits_r, targets, start, V, smoothing) -> loss, dlogits_r
     check_sequence_parallel_pair(AllGatherSequence, ReduceScatterSequence)   # SP g and g-bar
     check_tp_bytes_prediction(tp_bytes_per_layer)             # bytes one rank sends per layer, vs counted
     check_tp_mlp_bias(tp_mlp)                                 # find the bug: a row layer's bias, added once
@@ -127,7 +127,7 @@ def _shard(n, t, r):
     return start, start + q + (r < extra)
 
 
-def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64):
+def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
     import torch.distributed as dist
 
     from course_lib.grading.traffic import counted_calls
@@ -137,42 +137,48 @@ def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64):
     logits = (torch.randn(n, vocab, generator=g, dtype=torch.float64) * 3 + offset).to(dtype)   # (N, V)
     targets = torch.randint(0, vocab, (n,), generator=g)
     whole = logits.clone().requires_grad_()
-    expected = F.cross_entropy(whole, targets, reduction="none")
+    expected = F.cross_entropy(whole, targets, reduction="none", label_smoothing=smoothing)
     expected.sum().backward()
+    plain = F.cross_entropy(logits, targets, reduction="none")
+    tol = _tol(dtype, expected, whole.grad)
     start, stop = _shard(vocab, t, r)
     with counted_calls() as calls, switched_off(_library(), "the vocabulary-parallel cross-entropy"):
-        out = fn(logits[:, start:stop].clone(), targets.clone(), start)
+        out = fn(logits[:, start:stop].clone(), targets.clone(), start, vocab, smoothing)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         return f"return (loss per token (N,), gradient of the loss sum w.r.t. my logits (N, V_r)), got {out!r}"
     loss, grad = out
-    tol = _tol(dtype, expected, whole.grad)
     msg = compare(loss, expected.detach(), what="loss per token", **tol)
     if msg:
-        hint = "not finite: subtract the GLOBAL maximum (all-reduce MAX) before exp" if \
-            isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all() else msg
-        return f"columns [{start}, {stop}) of V={vocab}: {hint}"
+        if isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all():
+            hint = "not finite: subtract a maximum over the WHOLE vocabulary (all-reduce MAX) before exp"
+        elif smoothing and isinstance(loss, torch.Tensor) and compare(loss, plain, **tol) is None:
+            hint = f"this is the loss without label smoothing (smoothing={smoothing})"
+        else:
+            hint = msg
+        return f"columns [{start}, {stop}) of V={vocab}, smoothing={smoothing}: {hint}"
     msg = compare(grad, whole.grad[:, start:stop], what="gradient", **tol)
     if msg:
-        return (f"columns [{start}, {stop}): the loss is right, its gradient is not: softmax over the WHOLE "
-                f"vocabulary (my columns), minus 1 at the target where I hold it | {msg}")
+        return (f"columns [{start}, {stop}), smoothing={smoothing}: the loss is right, its gradient is not: the "
+                f"softmax over the WHOLE vocabulary, less what the smoothed target puts on each of my columns | {msg}")
     moved = calls.elements()
-    if t > 1 and moved > 4 * n:
+    if t > 1 and moved > 6 * n:
         return (f"right values, but this rank moved {moved} values ({sorted(calls.ops())}) for N={n} tokens and "
                 f"V={vocab}: never gather the logits; a few numbers per token cross the ranks (O(N), not O(N V))")
     return None
 
 
 def check_vocab_parallel_loss(vocab_parallel_loss):
-    """vocab_parallel_loss(logits_r, targets, vocab_start) on each rank, logits_r = columns
-    [vocab_start, vocab_start + V_r) of the logits (N, V) (the first V % t ranks hold one
-    column more): returns the per-token cross entropy (N,) (the same on every rank) and the
+    """vocab_parallel_loss(logits_r, targets, vocab_start, vocab_size, smoothing) on each rank,
+    logits_r = columns [vocab_start, vocab_start + V_r) of the logits (N, V) (the first V % t
+    ranks hold one column more): returns the per-token cross entropy with label smoothing
+    (``F.cross_entropy(..., label_smoothing=smoothing)``), the same on every rank, and the
     gradient of its sum w.r.t. logits_r, in the logits' dtype; at most a few values per token
     may cross the ranks (counted)."""
-    cases = [Case({"fn": vocab_parallel_loss, "vocab": v, "offset": o, "dtype": dt}, world_size=n,
-                  label=f"V={v}, {str(dt)[6:]}" + (f", logits around {o}" if o else ""))
-             for n, v, o, dt in ((1, 8, 0, torch.float64), (2, 8, 0, torch.float64), (3, 11, 0, torch.float64),
-                                 (3, 11, 1000.0, torch.float64), (2, 64, 0, torch.float32),
-                                 (4, 13, -500.0, torch.float32))]
+    cases = [Case({"fn": vocab_parallel_loss, "vocab": v, "offset": o, "dtype": dt, "smoothing": e}, world_size=n,
+                  label=f"V={v}, {str(dt)[6:]}, smoothing {e}" + (f", logits around {o}" if o else ""))
+             for n, v, o, dt, e in ((1, 8, 0, torch.float64, 0.0), (2, 8, 0, torch.float64, 0.0),
+                                    (3, 11, 0, torch.float64, 0.1), (3, 11, 1000.0, torch.float64, 0.0),
+                                    (2, 64, 0, torch.float32, 0.3), (4, 13, -500.0, torch.float32, 0.1))]
     return check_distributed("vocab_parallel_loss", _vocab_harness, cases)
 
 
