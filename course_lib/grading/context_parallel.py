@@ -247,7 +247,7 @@ def check_ring_attention(ring_attention) -> bool:
     shapes = [(2, 8, 2, 1.0), (3, 12, 1, 1.0), (4, 16, 2, 1.0), (1, 6, 2, 1.0), (3, 6, 2, 100.0)]
     cases = [Case({"fn": ring_attention, "seq": s, "heads": a, "scale": sc}, world_size=n,
                   label=f"cp={n}, seq_len={s}" + (", large scores" if sc > 1 else "")) for n, s, a, sc in shapes]
-    return check_distributed("ring_attention", _ring_harness, cases, timeout=20.0)
+    return check_distributed("ring_attention", _ring_harness, cases, timeout=15.0)
 
 
 __all__ = ["check_merge_running", "check_zigzag_unshard", "check_block_attention", "check_ring_attention"]

@@ -322,7 +322,7 @@ def check_expert_parallel_forward(moe_forward) -> bool:
     cases = [Case({"fn": moe_forward, "T": T, "E": E, "skew": skew}, world_size=ep,
                   label=f"ep={ep}, {E} experts, {T} tokens per rank" + (", one expert takes most" if skew else ""))
              for ep, E, T, skew in shapes]
-    return check_distributed("expert_parallel_forward", _ep_harness, cases, timeout=20.0)
+    return check_distributed("expert_parallel_forward", _ep_harness, cases, timeout=15.0)
 
 
 __all__ = ["check_dispatch_split_sizes", "check_switch_aux_loss", "check_capacity_keep",

@@ -294,7 +294,7 @@ def check_pipeline_step(pipeline_step) -> bool:
     shapes = [(2, 1, 3), (2, 4, 2), (3, 3, 2), (1, 2, 2), (4, 5, 1)]
     cases = [Case({"fn": pipeline_step, "m": m, "b": b}, world_size=p, label=f"p={p}, m={m} micro-batches of {b}")
              for p, m, b in shapes]
-    return check_distributed("pipeline_step", _pipeline_harness, cases, timeout=20.0)
+    return check_distributed("pipeline_step", _pipeline_harness, cases, timeout=15.0)
 
 
 __all__ = ["check_one_f_one_b", "check_interleaved", "check_zero_bubble", "check_bubble", "check_pipeline_step"]
