@@ -285,7 +285,7 @@ def _pipeline_harness(fn, m, b):
     return None
 
 
-def check_pipeline_step(pipeline_step) -> bool:
+def check_pipeline_step(pipeline_step, timeout=15.0) -> bool:
     """pipeline_step(stage, microbatches, targets, m, act_shape) on each of p ranks: stage r of a
     Linear+tanh pipeline (float64 activations of act_shape); rank 0 holds the list of m input
     micro-batches, the last rank the list of m targets (None elsewhere);
@@ -294,7 +294,7 @@ def check_pipeline_step(pipeline_step) -> bool:
     shapes = [(2, 1, 3), (2, 4, 2), (3, 3, 2), (1, 2, 2), (4, 5, 1)]
     cases = [Case({"fn": pipeline_step, "m": m, "b": b}, world_size=p, label=f"p={p}, m={m} micro-batches of {b}")
              for p, m, b in shapes]
-    return check_distributed("pipeline_step", _pipeline_harness, cases, timeout=15.0)
+    return check_distributed("pipeline_step", _pipeline_harness, cases, timeout=timeout)
 
 
 __all__ = ["check_one_f_one_b", "check_interleaved", "check_zero_bubble", "check_bubble", "check_pipeline_step"]
