@@ -215,3 +215,19 @@ def test_accumulation_accepts_summed_losses_divided_once(capsys):
             (loss_fn(model(xs), ys, reduction="sum") / y.numel()).backward()
     assert G.check_accumulation(lambda m, lf, x, y, k: by_sum(m, F.mse_loss, x, y, k))
     assert capsys.readouterr().out.strip() == "accumulation: 6/6 cases passed"
+
+
+def test_max_micro_batch_accepts_a_bisection(capsys):
+    def bisect(cfg, budget):
+        state, acts = _state_and_acts(cfg, None)
+        if state > budget:
+            return 0
+        lo, hi = 0, 1
+        while state + acts(hi) <= budget:        # grow until it does not fit
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:                       # the largest b that fits lies in [lo, hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if state + acts(mid) <= budget else (lo, mid)
+        return lo
+    assert G.check_max_micro_batch(bisect)
+    assert capsys.readouterr().out.strip() == "max_micro_batch: 6/6 cases passed"
