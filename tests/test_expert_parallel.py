@@ -15,11 +15,11 @@ H, F_, T, STEPS, LR, AUX = 8, 16, 12, 5, 1e-2, 0.01
 
 
 class Net(nn.Module):
-    def __init__(self, n_experts, top_k, cf):
+    def __init__(self, n_experts, top_k, cf, normalize=False):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(H, H)
-        self.moe = MoE(H, F_, n_experts, top_k, cf, seed=1)
+        self.moe = MoE(H, F_, n_experts, top_k, cf, seed=1, normalize_topk=normalize)
         self.double()                                    # float64: exactness is the claim
 
 
@@ -33,8 +33,8 @@ def _loss(y, target, n_rows):
     return ((y - target) ** 2).sum() / n_rows
 
 
-def _reference(world, n_experts, top_k, cf):
-    net = Net(n_experts, top_k, cf)
+def _reference(world, n_experts, top_k, cf, normalize=False):
+    net = Net(n_experts, top_k, cf, normalize)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     dropped, first_grads = [], None
     for x, t in _data(world):
@@ -49,7 +49,7 @@ def _reference(world, n_experts, top_k, cf):
     return net.state_dict(), dropped, first_grads
 
 
-def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
+def _train_ep(mesh_shape, n_experts, top_k, cf, impl, normalize=False):
     import torch.distributed as dist
 
     from course_lib.parallel.data_parallel import DDP
@@ -58,7 +58,7 @@ def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
 
     mesh = Mesh(**mesh_shape)
     world, rank = dist.get_world_size(), dist.get_rank()
-    net = Net(n_experts, top_k, cf)
+    net = Net(n_experts, top_k, cf, normalize)
     net.moe = ExpertParallelMoE(net.moe, mesh, impl=impl)
     ddp = DDP(net, mesh=mesh, dims=("dp",), divisor=1)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
@@ -85,10 +85,19 @@ def _train_ep(mesh_shape, n_experts, top_k, cf, impl):
     (dict(dp=3, ep=3), 6, 2, 0.75, "torch"),     # odd EP
     (dict(dp=4, ep=2), 4, 2, 1.0, "torch")])     # edp = 2: experts reduced over 2 ranks
 def test_expert_parallel_training_equals_one_device(mesh_shape, n_experts, top_k, cf, impl):
+    _check_equals_one_device(mesh_shape, n_experts, top_k, cf, impl)
+
+
+def test_expert_parallel_normalize_topk_equals_one_device():
+    # MoE(normalize_topk=True): each token's k kept weights renormalised to sum to 1, on every rank
+    _check_equals_one_device(dict(dp=2, ep=2), 4, 2, 4.0, "torch", normalize=True)
+
+
+def _check_equals_one_device(mesh_shape, n_experts, top_k, cf, impl, normalize=False):
     world = mesh_shape["dp"]
-    ref, dropped, ref_grads = _reference(world, n_experts, top_k, cf)
+    ref, dropped, ref_grads = _reference(world, n_experts, top_k, cf, normalize)
     assert (sum(dropped) == 0) == (cf >= n_experts / top_k)
-    ranks = launch(_train_ep, world, mesh_shape, n_experts, top_k, cf, impl)
+    ranks = launch(_train_ep, world, mesh_shape, n_experts, top_k, cf, impl, normalize)
     local = n_experts // mesh_shape["ep"]
     for state, ep_rank, dispatched, kept, grads in ranks:
         def global_name(name):            # this rank's expert i is expert ep_rank * local + i

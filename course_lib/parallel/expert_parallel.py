@@ -61,6 +61,7 @@ class ExpertParallelMoE(nn.Module):
         self.comm = mesh.comm("ep", impl=impl)
         self.ep, self.n_experts, self.local = ep, moe.n_experts, moe.n_experts // ep
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
+        self.normalize_topk = moe.normalize_topk    # renormalise the k weights as one device does
         first = self.comm.rank * self.local
         self.router = moe.router
         self.experts = nn.ModuleList(moe.experts[first:first + self.local])   # (E/ep experts)
@@ -68,7 +69,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x):  # x (T, h): this rank's tokens -> (T, h), aux loss of this rank's group
         T, h = x.shape
-        expert, weight, keep, _, aux = route(self.router(x), self.top_k, self.capacity_factor)
+        expert, weight, keep, _, aux = route(self.router(x), self.top_k, self.capacity_factor,
+                                             self.normalize_topk)
         tok, j = torch.nonzero(keep, as_tuple=True)                 # kept assignments (M,)
         e = expert[tok, j]
         order = torch.sort(e, stable=True).indices                  # grouped by expert
@@ -92,7 +94,7 @@ class ExpertParallelMoE(nn.Module):
 
     def tokens_per_expert(self, x):
         """Assignments per expert (E,) of this rank's tokens, before dropping."""
-        return route(self.router(x), self.top_k, self.capacity_factor)[3]
+        return route(self.router(x), self.top_k, self.capacity_factor, self.normalize_topk)[3]
 
 
 __all__ = ["AllToAll", "ExpertParallelMoE", "dispatch_splits"]
