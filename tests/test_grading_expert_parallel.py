@@ -72,6 +72,15 @@ def test_switch_aux_loss(capsys):
     fails_with(capsys, G.check_switch_aux_loss, library, hint="write this yourself")
 
 
+def test_an_endless_loop_is_stopped_with_a_hint(capsys, monkeypatch):
+    monkeypatch.setattr(G, "SECONDS", 2)
+
+    def endless(logits, top_k):
+        while True:
+            pass
+    fails_with(capsys, G.check_switch_aux_loss, endless, hint="ran for more than")
+
+
 # ----------------------------------------------------------------------------- capacity (BPR)
 def keep_mask(expert, weight, n_experts, capacity):
     """Python loops over a priority list: (choice, -weight, token)."""

@@ -172,6 +172,11 @@ def test_tp_bytes_prediction(capsys):
                lambda s, b, h, t, sp, rg, db: 4 * s * b * h * db * (1 + (sp and rg) / 4), hint="t=4")
     fails_with(capsys, G.check_tp_bytes_prediction, lambda *a: 524288, hint="predicted")
 
+    def library(s, b, h, t, sp, regather, dtype_bytes):
+        from course_lib.planner.communication import tp_bytes_per_layer
+        return tp_bytes_per_layer(s, b, h, t, sp, dtype_bytes=dtype_bytes)
+    fails_with(capsys, G.check_tp_bytes_prediction, library, hint="write this yourself")
+
 
 # ----------------------------------------------------------------------------- the row layer's bias
 def tp_mlp(x, w1, b1, w2, b2):

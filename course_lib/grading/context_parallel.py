@@ -20,7 +20,9 @@ import torch
 
 from course_lib import tolerance
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare
-from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off
+from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off, time_limit
+
+SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 CONTEXT_PARALLEL = ("course_lib.parallel.context_parallel:*", "course_lib.attention:causal_attention",
                     "course_lib.attention:attention_scores",      # and the grader's own answers
@@ -103,7 +105,7 @@ def check_merge_running(merge) -> bool:
         want = _running(q, k[:, :, late:], v[:, :, late:], pos, pos[late:])
         if p.get("swap"):
             first, second = second, first
-        with switched_off(CONTEXT_PARALLEL, "the online-softmax merge"):
+        with switched_off(CONTEXT_PARALLEL, "the online-softmax merge"), time_limit(SECONDS):
             got = merge(*(t.clone() for t in first), *(t.clone() for t in second))
         acc, m, l = _as_triple(got, "merge")
         if torch.isnan(acc).any() or torch.isnan(l).any():
@@ -147,7 +149,7 @@ def check_zigzag_unshard(unshard) -> bool:
             parts = [full[:, :6], full[:, 6:10]]
         else:
             parts = [full[:, _zigzag(p["seq"], p["n"], r)] for r in range(p["n"])]
-        with switched_off(CONTEXT_PARALLEL, "the zigzag layout"):
+        with switched_off(CONTEXT_PARALLEL, "the zigzag layout"), time_limit(SECONDS):
             if p.get("bad"):
                 try:
                     unshard([t.clone() for t in parts])
@@ -187,7 +189,7 @@ def check_block_attention(block_attention) -> bool:
         q = torch.randn(1, 2, len(q_pos), 8, generator=g, dtype=dtype) * p.get("scale", 1.0)
         k, v = (torch.randn(1, 2, len(k_pos), 8, generator=g, dtype=dtype) for _ in range(2))
         want = _running(q, k, v, q_pos, k_pos)
-        with switched_off(CONTEXT_PARALLEL, "attention over one key block"):
+        with switched_off(CONTEXT_PARALLEL, "attention over one key block"), time_limit(SECONDS):
             got = block_attention(q.clone(), k.clone(), v.clone(), q_pos.clone(), k_pos.clone())
         acc, m, l = _as_triple(got, "block_attention")
         if torch.isnan(acc).any() or torch.isnan(l).any() or torch.isnan(m).any():
@@ -220,7 +222,8 @@ def _ring_harness(fn, seq, heads, scale):
     want = _attend(q, k, v, pos, pos)[0]
     mine = _zigzag(seq, n, r)
     args = [t[:, :, mine].clone() for t in (q, k, v)] + [mine.clone()]
-    with counted_calls() as calls, switched_off(CONTEXT_PARALLEL + TORCH_COLLECTIVES, "the ring"):
+    with counted_calls() as calls, switched_off(CONTEXT_PARALLEL + TORCH_COLLECTIVES, "the ring"), \
+            time_limit(SECONDS):
         out = fn(*args)
     if not isinstance(out, torch.Tensor) or out.shape != args[0].shape:
         return f"return this rank's output {tuple(args[0].shape)}, got " + (

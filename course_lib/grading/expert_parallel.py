@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from course_lib import tolerance
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare
-from course_lib.grading.guard import switched_off
+from course_lib.grading.guard import switched_off, time_limit
+
+SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE",   # and the grader's own answers
            "course_lib.grading.expert_parallel:_keep", "course_lib.grading.expert_parallel:_aux")
@@ -95,7 +97,7 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
         for r in range(p["ep"]):
             send = [int(counts[r, j * local:(j + 1) * local].sum()) for j in range(p["ep"])]
             recv = [int(counts[j, r * local:(r + 1) * local].sum()) for j in range(p["ep"])]
-            with switched_off(EXPERT_PARALLEL, "the dispatch's split sizes"):
+            with switched_off(EXPERT_PARALLEL, "the dispatch's split sizes"), time_limit(SECONDS):
                 got = split_sizes(counts.clone(), r)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
                 return f"rank {r}: return (input_split_sizes, output_split_sizes), got {type(got).__name__}"
@@ -159,7 +161,7 @@ def check_switch_aux_loss(aux_loss) -> bool:
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         expected = _aux(ref, k)
         expected.backward()
-        with switched_off(ROUTING, "the load-balancing loss"):
+        with switched_off(ROUTING, "the load-balancing loss"), time_limit(SECONDS):
             got = aux_loss(mine, k)
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             return f"return a scalar tensor, got {type(got).__name__}" + (
@@ -215,7 +217,7 @@ def check_capacity_keep(keep_mask) -> bool:
         (expert, weight), E, cap = case.params["routed"](), case.params["E"], case.params["cap"]
         want = _keep(expert, E, cap, weight)
         by_token = _keep(expert, E, cap)
-        with switched_off(ROUTING, "the capacity rule"):
+        with switched_off(ROUTING, "the capacity rule"), time_limit(SECONDS):
             got = keep_mask(expert.clone(), weight.clone(), E, cap)
         if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape:
             return f"return a bool tensor of shape {tuple(want.shape)}, got " + (
@@ -276,7 +278,8 @@ def _ep_harness(fn, T, E, skew):
             want_x, want = xs, ys
     mine = [_expert(e) for e in range(r * local, (r + 1) * local)]          # my block of experts
     xr = x.clone().requires_grad_()
-    with counted_calls() as calls, switched_off(ROUTING + EXPERT_PARALLEL, "expert parallelism's all-to-alls"):
+    with counted_calls() as calls, switched_off(ROUTING + EXPERT_PARALLEL, "expert parallelism's all-to-alls"), \
+            time_limit(SECONDS):
         y = fn(xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return f"return this rank's outputs ({T}, {HID}), got " + (

@@ -20,9 +20,11 @@ import torch
 
 from course_lib import tolerance
 from course_lib.grading import Case, check, check_distributed, compare
-from course_lib.grading.guard import switched_off
+from course_lib.grading.guard import switched_off, time_limit
 from course_lib.parallel import schedules as S
 from course_lib.trace import Span
+
+SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 
 # every library function that returns a schedule (or its order): off while a learner's runs
@@ -88,7 +90,7 @@ def _compare_to(fn, reference_fn, shape_keys, what):
         p, m = case.params["p"], case.params["m"]
         v = case.params.get("v", 1)
         want = reference_fn(*args)                       # before the library goes off
-        with switched_off(LIBRARY_SCHEDULES, what):
+        with switched_off(LIBRARY_SCHEDULES, what), time_limit(SECONDS):
             answer = fn(*args)
         got = _as_schedule(answer, p, m, v)
         if isinstance(got, str):
@@ -135,7 +137,7 @@ def check_zero_bubble(fn) -> bool:
 
     def run(case):
         p, m = case.params["p"], case.params["m"]
-        with switched_off(LIBRARY_SCHEDULES, "placing the W passes"):
+        with switched_off(LIBRARY_SCHEDULES, "placing the W passes"), time_limit(SECONDS):
             answer = fn(p, m)
         got = _as_schedule(answer, p, m)
         if isinstance(got, str):
@@ -192,7 +194,7 @@ def check_bubble(fn) -> bool:
         want = _idle_fraction(spans, rank)
         with switched_off(["course_lib.schedules:bubble", "course_lib.schedules:formula_bubble",
                            "course_lib.schedules:bubble_fraction", "course_lib.grading.pipeline:_idle_fraction"],
-                          "measuring the bubble of a trace"):
+                          "measuring the bubble of a trace"), time_limit(SECONDS):
             got = fn(list(spans), rank)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
             return f"expected a number, got {got!r}"
@@ -254,7 +256,7 @@ def _pipeline_harness(fn, m, b):
     targets = list(y.chunk(m)) if r == p - 1 else None
     from course_lib.parallel import PipelineParallel
     with counted_calls() as calls, switched_off([PipelineParallel, *LIBRARY_SCHEDULES],
-                                                "the pipeline's sends and receives"):
+                                                "the pipeline's sends and receives"), time_limit(SECONDS):
         got = fn(stage, mbs, targets, m, (b, H))
     if r == p - 1:
         if not isinstance(got, (int, float, torch.Tensor)):

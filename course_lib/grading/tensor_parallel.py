@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from course_lib import tolerance
 from course_lib.grading import Case, check, check_distributed, compare
-from course_lib.grading.guard import switched_off
+from course_lib.grading.guard import switched_off, time_limit
+
+SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 
 def _autograd_methods(module_name):
@@ -90,7 +92,7 @@ def _f_g_harness(f_class, g_class, dtype=torch.float64):
     x = X.clone().requires_grad_()
     w1 = W1.chunk(t, 0)[r].clone().requires_grad_()               # column: my rows of W1
     w2 = W2.chunk(t, 1)[r].clone().requires_grad_()               # row: my columns of W2
-    with switched_off(_library(), "Megatron's f and g"):
+    with switched_off(_library(), "Megatron's f and g"), time_limit(SECONDS):
         y = _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
                    "ReduceFromParallel")
         (y * C).sum().backward()
@@ -142,7 +144,8 @@ def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
     plain = F.cross_entropy(logits, targets, reduction="none")
     tol = _tol(dtype, expected, whole.grad)
     start, stop = _shard(vocab, t, r)
-    with counted_calls() as calls, switched_off(_library(), "the vocabulary-parallel cross-entropy"):
+    with counted_calls() as calls, switched_off(_library(), "the vocabulary-parallel cross-entropy"), \
+            time_limit(SECONDS):
         out = fn(logits[:, start:stop].clone(), targets.clone(), start, vocab, smoothing)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         return f"return (loss per token (N,), gradient of the loss sum w.r.t. my logits (N, V_r)), got {out!r}"
@@ -193,7 +196,7 @@ def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
     xs = X.chunk(t, 0)[r].clone().requires_grad_()                # my s/t tokens, (s/t, b, h)
     w1 = W1.chunk(t, 0)[r].clone().requires_grad_()
     w2 = W2.chunk(t, 1)[r].clone().requires_grad_()
-    with switched_off(_library(), "the sequence-parallel pair"):
+    with switched_off(_library(), "the sequence-parallel pair"), time_limit(SECONDS):
         full = _apply(gather_class, xs, "AllGatherSequence")
         if tuple(full.shape) != tuple(X.shape):
             return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
@@ -269,7 +272,8 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
         sp, regather = MODES[mode]
         s, b, h, _, dtype = LAYERS[k]
         size = torch.empty((), dtype=dtype).element_size()
-        got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
+        with switched_off(["course_lib.planner.communication:*"], "predicting the bytes"), time_limit(SECONDS):
+            got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             return f"return a number of bytes, got {got!r}"
         measured = counted[t][(k, mode)]
@@ -306,7 +310,7 @@ def _bias_harness(fn, dtype=torch.float64):
     tol = _tol(dtype, Y, *(v.grad for v in ref))
     mine = [X.clone(), W1.chunk(t, 0)[r].clone(), b1.chunk(t, 0)[r].clone(), W2.chunk(t, 1)[r].clone(), b2.clone()]
     mine = [v.requires_grad_() for v in mine]
-    with switched_off(_library(), "a tensor-parallel MLP with biases"):
+    with switched_off(_library(), "a tensor-parallel MLP with biases"), time_limit(SECONDS):
         y = fn(*mine)
         if not isinstance(y, torch.Tensor) or y.shape != Y.shape:
             return f"return the MLP's output {tuple(Y.shape)}, got " + (
