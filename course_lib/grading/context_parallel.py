@@ -24,8 +24,8 @@ from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off, time_limit
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
-CONTEXT_PARALLEL = ("course_lib.parallel.context_parallel:*", "course_lib.attention:causal_attention",
-                    "course_lib.attention:attention_scores",      # and the grader's own answers
+CONTEXT_PARALLEL = ("course_lib.parallel.context_parallel:*", "course_lib.attention:*",
+                    "course_lib.attention:BlockwiseCausalAttention.forward",      # and the grader's own answers
                     "course_lib.grading.context_parallel:_attend", "course_lib.grading.context_parallel:_running",
                     "course_lib.grading.context_parallel:_zigzag")
 

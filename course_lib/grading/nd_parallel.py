@@ -163,7 +163,7 @@ def check_choose_layout(choose_layout) -> bool:
                                         f"{cfg.seq_len}, budget {'one byte under' if under else 'on'} the "
                                         f"smallest peak with dp={dp}"))
     measured_of = {}
-    guarded = learner(choose_layout, ANSWERS, exercise="choosing the layout")
+    guarded = learner(choose_layout, ANSWERS, exercise="choosing the layout", seconds=300)   # it may measure
 
     def measured(k):  # measured when a case first needs it: a failing learner costs one launch
         if k not in measured_of:
