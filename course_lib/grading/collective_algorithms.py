@@ -60,7 +60,7 @@ _CHAIN_CASES = [  # (world_size, numel, dtype, src, segments): roots other than 
 ]
 
 
-def check_pipelined_broadcast(fn, timeout: float = 30.0) -> bool:
+def check_pipelined_broadcast(fn, timeout: float = 10.0) -> bool:
     """fn(tensor, src, segments): in place, along the chain src -> src+1 -> ... (mod N), in
     ``segments`` pieces, each forwarded as soon as it arrives."""
     cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src, segments=k), N,
@@ -80,7 +80,7 @@ def _all_reduce_harness(fn, numel, dtype, seed):
     return msg or too_many_bytes(w, N, numel, x.element_size(), 2, "all-reduce")
 
 
-def check_ring_all_reduce(fn, timeout: float = 30.0) -> bool:
+def check_ring_all_reduce(fn, timeout: float = 10.0) -> bool:
     cases = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
     return check_p2p("ring_all_reduce", bind(_all_reduce_harness, fn, COLLECTIVES_LIBRARY, exercise="the ring"),
                      cases, timeout)
@@ -97,7 +97,7 @@ def _reduce_scatter_harness(fn, numel, dtype, seed):
     return msg or too_many_bytes(w, N, numel * N, full.element_size(), 1, "reduce-scatter")
 
 
-def check_ring_reduce_scatter(fn, timeout: float = 30.0) -> bool:
+def check_ring_reduce_scatter(fn, timeout: float = 10.0) -> bool:
     cases = p2p_cases(lambda N: (3,), dtypes=("float32", "int64"))
     return check_p2p("ring_reduce_scatter", bind(_reduce_scatter_harness, fn, COLLECTIVES_LIBRARY,
                                                  exercise="the ring reduce-scatter"), cases, timeout)
@@ -113,13 +113,13 @@ def _all_gather_harness(fn, numel, dtype, seed):
     return msg or too_many_bytes(w, N, numel * N, out.element_size(), 1, "all-gather")
 
 
-def check_ring_all_gather(fn, timeout: float = 30.0) -> bool:
+def check_ring_all_gather(fn, timeout: float = 10.0) -> bool:
     cases = p2p_cases(lambda N: (3,), dtypes=("float32", "int64"))
     return check_p2p("ring_all_gather", bind(_all_gather_harness, fn, COLLECTIVES_LIBRARY,
                                              exercise="the ring all-gather"), cases, timeout)
 
 
-def check_all_reduce_composed(fn, timeout: float = 30.0) -> bool:
+def check_all_reduce_composed(fn, timeout: float = 10.0) -> bool:
     cases = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
     return check_p2p("all_reduce_composed", bind(_all_reduce_harness, fn, COLLECTIVES_LIBRARY,
                                                  exercise="all-reduce from your two halves"), cases, timeout)
@@ -199,7 +199,7 @@ def _tree_broadcast_harness(fn, numel, dtype, seed, src):
     return None
 
 
-def check_tree_broadcast(fn, timeout: float = 30.0) -> bool:
+def check_tree_broadcast(fn, timeout: float = 10.0) -> bool:
     """fn(tensor, src): in place, every rank's tensor <- rank src's, along a binomial tree:
     ceil(log2 N) rounds, each rank receiving once."""
     cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src), N, f"world_size={N}, numel={n}, dtype={dt}, src={src}")
@@ -232,7 +232,7 @@ def _tree_reduce_harness(fn, numel, dtype, seed, dst):
     return None
 
 
-def check_tree_reduce(fn, timeout: float = 30.0) -> bool:
+def check_tree_reduce(fn, timeout: float = 10.0) -> bool:
     """fn(tensor, dst): SUM of every rank's tensor into rank dst's tensor, along a binomial
     tree (other ranks' tensors may be used as scratch)."""
     cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, dst=root), N, f"world_size={N}, numel={n}, dtype={dt}, dst={root}")

@@ -43,7 +43,7 @@ def _ring_shift_harness(fn, numel, dtype, seed):
     return None
 
 
-def check_ring_shift(fn, timeout: float = 20.0) -> bool:
+def check_ring_shift(fn, timeout: float = 10.0) -> bool:
     """fn(tensor) on every rank returns the left neighbour's tensor (rank r gets rank r-1's),
     with blocking send/recv; 1 MiB tensors, so a blocking send waits for its receive."""
     cases = p2p_cases(lambda N: (1 << 18,))
@@ -107,7 +107,7 @@ def _global_mean_harness(fn, rows, features, dtype, seed):
     return None
 
 
-def check_global_mean(fn, timeout: float = 30.0) -> bool:
+def check_global_mean(fn, timeout: float = 10.0) -> bool:
     """fn(rows) on every rank, rows (rows_r, features) with rows_r different per rank (maybe 0):
     returns the (features,) mean over every rank's rows, on every rank."""
     cases = [Case(dict(rows=n, features=f, dtype=dt, seed=i + 1), N,
@@ -144,7 +144,7 @@ _HALVES_CASES = [  # (world size, shape, dtype): sizes the world size does not d
     (1, (3,), "float32")]
 
 
-def check_all_reduce_from_halves(fn, timeout: float = 30.0) -> bool:
+def check_all_reduce_from_halves(fn, timeout: float = 10.0) -> bool:
     """fn(tensor): in place SUM over ranks, as one reduce-scatter and one all-gather of torch's
     (course_lib.compat's), for any shape and any number of elements."""
     cases = [Case(dict(numel=math.prod(s), dtype=dt, seed=i + 1, shape=s), N, f"shape {s}, dtype={dt}")

@@ -161,7 +161,7 @@ def _uneven_harness(sync_gradients, rows, dtype):
     return None
 
 
-def check_uneven_batches(sync_gradients, timeout: float = 30.0) -> bool:
+def check_uneven_batches(sync_gradients, timeout: float = 15.0) -> bool:
     """sync_gradients(model, n_local) on every rank, after backward of the mean loss over this
     rank's n_local rows (0 rows: no backward, grads None): afterwards each p.grad is the
     gradient of the mean over ALL rows, as on one device."""

@@ -147,7 +147,7 @@ def _fit_harness(max_micro_batch, cfg_name, b, extra):
             f"{acts[want]:,} B = {state + acts[want]:,} B fits)")
 
 
-def check_max_micro_batch(max_micro_batch, timeout: float = 60.0) -> bool:
+def check_max_micro_batch(max_micro_batch, timeout: float = 30.0) -> bool:
     """``max_micro_batch(cfg, budget_bytes) -> int``: the largest b whose fp32 AdamW training
     state plus the activations TinyGPT(cfg) saves for a (b, seq_len) batch fit the budget,
     0 if none; budgets are set exactly on the boundaries from a real count."""
@@ -263,7 +263,7 @@ _AVG_CASES = [
 ]
 
 
-def check_average_gradients(average_gradients, timeout: float = 60.0) -> bool:
+def check_average_gradients(average_gradients, timeout: float = 20.0) -> bool:
     """``average_gradients(model)`` on every rank: afterwards each ``p.grad`` must be the
     gradient of the whole global batch (the single-device gradient), on 2 and 3 ranks."""
     cases = [Case({**c.params, "average_gradients": average_gradients}, c.world_size, c.label) for c in _AVG_CASES]
