@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.grading import pipeline as G
-from course_lib.parallel import schedules as S
-from course_lib.parallel.schedules import Action
+from course_lib import schedules as S
+from course_lib.schedules import Action
 from grading_answers import fails_with, graded
 
 LECTURE = {"1f1b": S.one_f_one_b(3, 4), "interleaved": S.interleaved_1f1b(2, 4, 2), "zb": S.zero_bubble_h1(3, 4)}

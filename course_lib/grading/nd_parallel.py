@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from course_lib.grading import Case, Mismatch, _explain, check
+from course_lib.grading import Case, Mismatch, check
 from course_lib.grading.guard import learner
 from course_lib.grading.nd_experiments import (DATA_DIMS_RUNS, RECORDED, composed_runs_with, measure_layouts,
                                                record_and_answer, recorded_from, recorded_runs, tiny_config)
@@ -262,9 +262,17 @@ def _answers(group_of):
                     got = [int(r) for r in got]
                 out.append(("ok", got))
             except Exception as exc:  # noqa: BLE001 - a learner's error becomes a hint
-                out.append(("error", _explain(exc)))
+                out.append(("error", _said(exc)))
         return out
     return answer
+
+
+def _said(exc) -> str:
+    """A learner's exception in one line (guard's Shortcut and TimeLimit say what to do)."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, NotImplementedError):
+        return "not implemented yet (NotImplementedError)"
+    return text if type(exc).__name__ in ("Shortcut", "TimeLimit", "Mismatch") else f"{type(exc).__name__}: {text}"
 
 
 def _judge(answer, want, rank, what):
@@ -299,16 +307,19 @@ def check_group_of(group_of, timeout=60.0) -> bool:
                           label=f"{label}, groups recorded in a real run"))
         queries += qs
     guarded = learner(_answers(group_of), ANSWERS, exercise="naming the group")
+    problem = None
     try:
         per_rank = launch(record_and_answer, 4, recorded_runs(RECORDED), guarded, queries, threads=1,
                           timeout=timeout, quiet=True)
         recorded, answers = recorded_from([found for found, _ in per_rank], RECORDED), per_rank[0][1]
     except LaunchTimeout:
         answers, problem = None, f"no answer after {timeout:g} s: an endless loop?"
-    except Exception as exc:  # noqa: BLE001 - e.g. group_of cannot be shipped to a process
-        answers, problem = None, _explain(exc)
+    except Exception as exc:  # noqa: BLE001 - e.g. group_of cannot be shipped: check() explains it
+        answers, problem = None, exc
 
     def run(case):
+        if isinstance(problem, Exception):
+            raise problem
         if answers is None:
             return problem
         p = case.params
@@ -421,8 +432,10 @@ def check_data_dims(data_dims, timeout=90.0) -> bool:
                 stuck = "; ".join(f"rank {r} {what}" for r, what in sorted(exc.stuck.items())[:2])
                 outcome["problem"] = (f"hung (no result after {timeout:g} s): do the ranks of a group all "
                                       f"agree on its dims? {stuck}")
-            except Exception as exc:  # noqa: BLE001 - a rank died: its hint
-                outcome["problem"] = _explain(exc)
+            except Exception as exc:  # noqa: BLE001 - a rank died: check() turns it into its hint
+                outcome["problem"] = exc
+        if isinstance(outcome.get("problem"), Exception):
+            raise outcome["problem"]
         return outcome.get("problem") or outcome["results"][case.params["i"]]
     return check("data_dims", cases, run)
 

@@ -21,7 +21,7 @@ import torch
 from course_lib import tolerance
 from course_lib.grading import Case, check, check_distributed, compare
 from course_lib.grading.guard import switched_off, time_limit
-from course_lib.parallel import schedules as S
+from course_lib import schedules as S
 from course_lib.trace import Span
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
