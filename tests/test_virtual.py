@@ -60,7 +60,8 @@ def _basics():
 
 
 def test_gemm_chain_and_all_reduce_prices():
-    cluster = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
+    """Two nodes of 2 GPUs: the chain 0 -> 1 stays on NVLink, the all-reduces cross the network."""
+    cluster = VirtualCluster("h100-sxm", gpus_per_node=2, dtype=torch.bfloat16)
     res = launch(_basics, 4, clock=cluster)
     spans = {(s.rank, s.name): s for s in res.spans}
     assert [x[0] for x in res] == [0.0] * 4 and [x[1] for x in res] == [6.0] * 4   # exact results
@@ -71,11 +72,13 @@ def test_gemm_chain_and_all_reduce_prices():
         assert spans[r, "gemm"].duration == pytest.approx(gemm, rel=0.01)
         assert spans[r, "unequal work"].duration == pytest.approx(r * gemm, rel=0.01)
     alpha, bw = H100.link(True)
+    assert (alpha, bw) != H100.link(False)
     # chain: the receive ends one message after the send was issued (at the end of the GEMM)
     recv = spans[1, "recv from 0"]
     assert recv.end == pytest.approx(spans[0, "gemm"].end + alpha + 2 * M * N / bw, rel=REL)
     assert spans[1, "unequal work"].start == pytest.approx(recv.end, rel=REL)
-    # all-reduce: one end on every member, the slowest issue + the ring's cost
+    # all-reduce: one end on every member, the slowest issue + the ring's cost on the network
+    alpha, bw = H100.link(False)
     issue = max(spans[r, "unequal work"].end for r in range(4))
     ring = costmodel.ring_all_reduce(2 * ELEMS, 4, alpha, 1 / bw)
     ends = {spans[r, "all-reduce"].end for r in range(4)}
