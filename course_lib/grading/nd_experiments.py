@@ -111,74 +111,59 @@ RECORDED = [
 ]
 
 
-@contextlib.contextmanager
-def _noting_sends(sends):
-    """Every Comm.isend notes (its mesh dim, the global peer): the grader's probe, put back after."""
-    from course_lib.collectives.comm import Comm
-
-    original = Comm.isend
-
-    def noted(self, tensor, peer, *args, **kwargs):
-        sends.append((self.dim, self.ranks[peer]))
-        return original(self, tensor, peer, *args, **kwargs)
-    Comm.isend = noted
-    try:
-        yield
-    finally:
-        Comm.isend = original
-
-
 def _record_rank(runs):
     """On every rank: each RECORDED layout trains one step; the global ranks of the groups its
-    calls went through are read off the mesh's Comms (collectives), the gradient buckets
-    (gradient sums) and every point-to-point send."""
+    calls went through are read off the mesh's Comms: their logs (collectives), the gradient
+    buckets (gradient sums), and a TrafficCounter on each (the peers of every send)."""
     import torch.distributed as dist
 
+    from course_lib.collectives.comm import TrafficCounter
     from course_lib.gpt import TinyGPT
     from course_lib.parallel import Mesh
     from course_lib.parallel.compose import parallelize_nd
     from course_lib.reference import gpt_batches
 
     me = dist.get_rank()
-    sends, out, meshes = [], {}, {}
-    with _noting_sends(sends):
-        for label, over, shape, kw in runs:
-            cfg = tiny_config(**over)
-            key = tuple(sorted(shape.items()))
-            mesh = meshes[key] = meshes.get(key) or Mesh(**shape)     # new_group is slow: one per shape
-            net = parallelize_nd(TinyGPT(cfg, seed=0), mesh, **kw)
-            used = [d for d in DIM_KEYS if mesh.sizes[d] > 1]          # every group a call can go through
-            comms = {dims: mesh.comm(dims) for k in range(1, len(used) + 1)
-                     for dims in itertools.combinations(used, k)}
-            if mesh.ep > 1:
-                comms[("ep",)] = mesh.comm("ep")
-            for c in comms.values():                                    # this run's calls only
-                c.reset()
-            sends.clear()
-            x, y = gpt_batches(cfg, batch=4, steps=1)[0]
-            net.step(x, y)
-            found = {}
-            for c in comms.values():
-                for call in c.log:
-                    if call.op == "all_reduce" and c.dim == "tp":
-                        found["tp all-reduce"] = sorted(c.ranks)
-                    if call.op == "all_to_all_single" and c.dim == "ep":
-                        found["expert all-to-all"] = sorted(c.ranks)
-                    if call.name == "all-reduce loss":
-                        found["loss all-reduce"] = sorted(c.ranks)
-            buckets = net.grad_sync.buckets if net.grad_sync is not None else []
-            for name, q in net.stages[min(net.stages)].part.named_parameters():
-                bucket = next((b for b in buckets if any(p is q for p in b.params)), None)
-                ranks = sorted(bucket.comm.ranks) if bucket is not None else [me]
-                if "norm" in name and "weight" in name and kw.get("sequence_parallel"):
-                    found.setdefault("sp norm grad", ranks)
-                if name.endswith("attn.wq.weight"):
-                    found.setdefault("attention grad", ranks)
-                if ".moe.experts." in name:
-                    found.setdefault("expert grad", ranks)
-            found["kv send"] = sorted({me, *(p for dim, p in sends if dim == "cp")})
-            found["activation send"] = sorted({me, *(p for dim, p in sends if dim == "pp" and p == mesh.pp_next)})
-            out[label] = found
+    out, meshes = {}, {}
+    for label, over, shape, kw in runs:
+        cfg = tiny_config(**over)
+        key = tuple(sorted(shape.items()))
+        mesh = meshes[key] = meshes.get(key) or Mesh(**shape)     # new_group is slow: one per shape
+        net = parallelize_nd(TinyGPT(cfg, seed=0), mesh, **kw)
+        used = [d for d in DIM_KEYS if mesh.sizes[d] > 1]          # every group a call can go through
+        comms = {dims: mesh.comm(dims) for k in range(1, len(used) + 1)
+                 for dims in itertools.combinations(used, k)}
+        if mesh.ep > 1:
+            comms[("ep",)] = mesh.comm("ep")
+        for c in comms.values():                                    # this run's calls only
+            c.reset()
+            c.counter = TrafficCounter()                            # counts sends by peer
+        x, y = gpt_batches(cfg, batch=4, steps=1)[0]
+        net.step(x, y)
+        found = {}
+        for c in comms.values():
+            for call in c.log:
+                if call.op == "all_reduce" and c.dim == "tp":
+                    found["tp all-reduce"] = sorted(c.ranks)
+                if call.op == "all_to_all_single" and c.dim == "ep":
+                    found["expert all-to-all"] = sorted(c.ranks)
+                if call.name == "all-reduce loss":
+                    found["loss all-reduce"] = sorted(c.ranks)
+        buckets = net.grad_sync.buckets if net.grad_sync is not None else []
+        for name, q in net.stages[min(net.stages)].part.named_parameters():
+            bucket = next((b for b in buckets if any(p is q for p in b.params)), None)
+            ranks = sorted(bucket.comm.ranks) if bucket is not None else [me]
+            if "norm" in name and "weight" in name and kw.get("sequence_parallel"):
+                found.setdefault("sp norm grad", ranks)
+            if name.endswith("attn.wq.weight"):
+                found.setdefault("attention grad", ranks)
+            if ".moe.experts." in name:
+                found.setdefault("expert grad", ranks)
+        sent = {dims: {c.ranks[peer] for peer, n in c.counter.sent_to.items() if n}
+                for dims, c in comms.items()}
+        found["kv send"] = sorted({me, *sent.get(("cp",), ())})
+        found["activation send"] = sorted({me, *(p for p in sent.get(("pp",), ()) if p == mesh.pp_next)})
+        out[label] = found
     return out
 
 
