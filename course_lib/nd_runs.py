@@ -2,19 +2,20 @@
 measured (losses, memory by category, step time, timeline) and predicted by the planner.
 
     ref = single_device(cfg, batch, steps)                       # the reference every layout meets
-    run = run_layout("3D", dict(dp=2, tp=2, pp=2), dict(microbatches=2), cfg, batch, steps, ref)
-    run.max_param_diff, run.loss_diff, run.memory[rank], run.step_time, run.spans
-    hw, alone = calibrated_hardware(cfg, world_size=8, batch=batch)   # this machine, 8 ranks at once
-    est, sim = predict(run, hw)                                  # the planner on the same layout
+    ref = single_device(cfg, batch, steps, dtype=torch.float64)
+    h100 = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
+    run = run_layout("3D", dict(dp=2, tp=2, pp=2), dict(microbatches=2), cfg, batch, steps, ref, h100)
+    run.param_check, run.loss_check, run.memory[rank], run.step_time, run.spans
+    est, sim = predict(run, h100.hw)                             # the planner on the same layout
 
-One ``launch`` per layout: every rank trains ``steps`` steps (traced), hands back its shards
-(:meth:`NDParallel.shards`), then runs one more step under the memory tracker and a few
-timed steps; only the last timed step's spans are kept, for the timeline.
+Two launches per layout: every rank trains ``steps`` steps in float64 (exactness after AdamW
+is the claim: course_lib.tolerance) and hands back its shards (:meth:`NDParallel.shards`);
+then, on the virtual clock, one fp32 step under the memory tracker and one step whose spans
+(virtual seconds on the modelled cluster, the same on every run) give the step time.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 
 import torch
@@ -53,47 +54,48 @@ def single_device(cfg, batch, steps, groups=1, frozen=(), dtype=torch.float32) -
     return Reference(losses, state)
 
 
-def _rank(layout, kw, cfg_dict, batch, steps, timed):
-    import time
-
-    import torch.distributed as dist
-    import torch.nn as nn
-
-    from course_lib import memory, trace
+def _rank(layout, kw, cfg_dict, batch, steps, dtype):
+    """Train ``steps`` AdamW steps in ``dtype``: the losses and this rank's shards."""
     from course_lib.parallel.compose import parallelize_nd
     from course_lib.parallel.mesh import Mesh
 
     cfg = GPTConfig(**cfg_dict)
-    mesh = Mesh(**layout)
-    net = parallelize_nd(TinyGPT(cfg, seed=0), mesh, **kw)
+    net = parallelize_nd(TinyGPT(cfg, seed=0).to(dtype), Mesh(**layout), **kw)
     opt = _adamw(net.parameters())
-    batches = reference.gpt_batches(cfg, batch=batch, steps=steps)
     losses = []
-    for x, y in batches:
+    for x, y in reference.gpt_batches(cfg, batch=batch, steps=steps):
         losses.append(net.step(x, y))
         opt.step()
         opt.zero_grad()
-    shards = net.shards()
-    x, y = batches[0]
-    modules = nn.ModuleList(list(net.modules.values()))
+    return dict(losses=losses, shards=net.shards())
+
+
+def _virtual_rank(layout, kw, cfg_dict, batch):
+    """One step under the memory tracker, then one step whose spans are kept (fp32 on the CPU,
+    priced by the launch's virtual clock); both ranks' clocks start the kept step together."""
+    import torch.nn as nn
+
+    from course_lib import memory, trace
+    from course_lib.collectives import Comm
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    cfg = GPTConfig(**cfg_dict)
+    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**layout), **kw)
+    opt = _adamw(net.parameters())
+    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
 
     def step():
         net.step(x, y)
         opt.step()
-    report = memory.measure(step, modules, opt)
+    report = memory.measure(step, nn.ModuleList(list(net.modules.values())), opt)
     opt.zero_grad()
-    times, cpu = [], []
-    for _ in range(timed):
-        dist.barrier()
-        trace.reset()                           # keep the last timed step's spans only
-        t0, c0 = time.perf_counter(), time.process_time()
-        net.step(x, y)
-        opt.step()
+    Comm(None).barrier()                    # every rank's clock at the same virtual time
+    trace.reset()                           # keep this step's spans only
+    with trace.span("step", "other"):
+        step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)    # every thread of the rank: its compute, gloo's threads
-    dist.barrier()
-    return dict(losses=losses, shards=shards, memory=dataclasses.asdict(report), times=times, cpu=cpu,
+    return dict(memory=dataclasses.asdict(report),
                 p2p_bytes=net.last_result.bytes_sent if net.last_result else 0)
 
 
@@ -104,69 +106,43 @@ class LayoutRun:
     kw: dict
     cfg: GPTConfig
     batch: int
-    losses: list            # the step losses (the same on every rank)
-    loss_diff: float        # max |loss - one device's|
-    max_param_diff: float   # max |parameter - one device's| after the steps
-    memory: list            # per rank: MemoryReport fields (bytes)
+    losses: list            # the step losses (the same on every rank), in ``dtype``
+    loss_check: object      # tolerance.Comparison of the losses with one device's
+    param_check: object     # tolerance.Comparison of the assembled parameters with one device's
+    memory: list            # per rank: MemoryReport fields (bytes) of one fp32 step
     p2p_bytes: list         # per rank: pipeline point-to-point bytes sent in one step (payload counted)
-    step_time: float        # median over timed steps of the slowest rank's time
-    spans: list             # the last timed step, every rank
-    elapsed: float          # the whole launch, seconds
-    cpu_time: float = 0.0   # CPU seconds of one step summed over ranks (median over timed steps)
+    step_time: float        # virtual seconds of one step: first rank's start to last rank's end
+    spans: list             # that step, every rank, virtual seconds
+    cluster: object = None  # the VirtualCluster it was priced on
 
     @property
     def world_size(self) -> int:
         return check_layout(self.cfg, **self.layout).world_size
 
-    def cores_busy(self, cores=None) -> float:
-        """The fraction of the cores the step kept busy: CPU seconds over ranks / (cores x step
-        time), cores = min(ranks, this machine's). Near 1: the step took as long as the cores
-        needed for all the ranks' work, whatever the order of its messages."""
-        cores = min(self.world_size, cores or os.cpu_count() or 1)
-        return self.cpu_time / (cores * self.step_time)
-
-    def matches(self, tol=1e-5) -> bool:
-        return self.loss_diff <= tol and self.max_param_diff <= tol
+    def matches(self) -> bool:
+        return bool(self.loss_check) and bool(self.param_check)
 
 
-def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, timed=3) -> LayoutRun:
-    """Train ``cfg`` on ``layout`` (checked before any rank starts), compare with ``ref``."""
+def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, cluster, dtype=torch.float64) -> LayoutRun:
+    """Train ``cfg`` on ``layout`` (checked before any rank starts) in ``dtype`` and compare with
+    ``ref`` (trained in the same dtype) within course_lib.tolerance's AdamW bound; then time one
+    fp32 step of the same layout on ``cluster`` (a VirtualCluster) and measure its memory."""
+    from course_lib import tolerance
+
     shape = check_layout(cfg, **layout, batch=batch, **kw)
-    res = launch(_rank, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch, steps, timed,
+    res = launch(_rank, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch, steps, dtype,
                  threads=1, timeout=300)
     full = assemble_nd([r["shards"] for r in res], shape)
-    missing = set(ref.state) ^ set(full)
-    if missing:
-        raise AssertionError(f"{name}: parameters on one side only: {sorted(missing)}")
-    diff = max(float((full[n] - w).abs().max()) for n, w in ref.state.items())
-    loss_diff = max(abs(a - b) for r in res for a, b in zip(r["losses"], ref.losses))
-    step_time = statistics.median(max(r["times"][k] for r in res) for k in range(timed))
-    cpu_time = statistics.median(sum(r["cpu"][k] for r in res) for k in range(timed))
-    return LayoutRun(name, layout, kw, cfg, batch, res[0]["losses"], loss_diff, diff,
-                     [r["memory"] for r in res], [r["p2p_bytes"] for r in res], step_time, res.spans, res.elapsed,
-                     cpu_time)
-
-
-def calibrated_hardware(cfg, world_size, batch, cores=None, alone=None):
-    """The planner's Hardware for this machine with ``world_size`` ranks of one thread each.
-
-    Two calibrations (``course_lib.planner.calibration``): the all-reduce alpha-beta with
-    ``world_size`` ranks at once (a message waits for its peer to be scheduled: that is in the
-    fit), and the matmul rate and elementwise bandwidth of one rank per core (``alone``: the
-    2-rank calibration, measured once and reused). A calibration times short bursts, which a
-    rank can run on a core of its own even when there are more ranks than cores; in a training
-    step every rank computes at once, so with N ranks on C cores each gets C / N of a core:
-    the rates are scaled by min(1, C / N). Returns (Hardware, the alone one)."""
-    from course_lib.planner import calibration
-
-    cores = cores or os.cpu_count() or 1
-    run = lambda n: calibration.calibrate(cfg, world_size=n, batch=max(1, batch // n), steps=2, repeats=3,
-                                          timeout=300)["hardware"]
-    alone = alone or run(2)
-    hw = run(world_size) if world_size > 2 else alone
-    share = min(1.0, cores / world_size)
-    return dataclasses.replace(hw, name=f"this CPU, {world_size} ranks on {cores} cores",
-                               peak_flops=alone.peak_flops * share, hbm_bandwidth=alone.hbm_bandwidth * share), alone
+    bounds = dict(dtype=dtype, optimizer="adamw", steps=steps, lr=LR)
+    param_check = tolerance.compare(full, ref.state, **bounds)
+    loss_check = min((tolerance.compare(r["losses"], ref.losses, **bounds) for r in res), key=bool)
+    timed = launch(_virtual_rank, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch,
+                   threads=1, timeout=300, clock=cluster)
+    steps_ = [s for s in timed.spans if s.name == "step"]
+    step_time = max(s.end for s in steps_) - min(s.start for s in steps_)
+    return LayoutRun(name, layout, kw, cfg, batch, res[0]["losses"], loss_check, param_check,
+                     [r["memory"] for r in timed], [r["p2p_bytes"] for r in timed], step_time,
+                     [s for s in timed.spans if s.name != "step"], cluster)
 
 
 def planner_layout(run: LayoutRun):
@@ -261,5 +237,5 @@ def measured_memory(run: LayoutRun) -> dict:
             "peak": worst["peak"]}
 
 
-__all__ = ["Reference", "single_device", "LayoutRun", "run_layout", "calibrated_hardware", "planner_layout",
+__all__ = ["Reference", "single_device", "LayoutRun", "run_layout", "planner_layout",
            "predict", "planner_memory", "measured_memory", "torch_side_by_side"]

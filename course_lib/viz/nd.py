@@ -27,8 +27,9 @@ def loss_curves(reference_losses, runs, title="every layout on the one-device cu
     return fig
 
 
-def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ticks)"):
-    """rows: dicts with name, measured/predicted memory (bytes) and step time (s) per layout."""
+def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ticks)", time_label="measured"):
+    """rows: dicts with name, measured/predicted memory (bytes) and step time (s) per layout;
+    ``time_label``: where the measured step time comes from (e.g. "virtual H100s")."""
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 3.8))
     names = [r["name"] for r in rows]
     x = np.arange(len(rows))
@@ -41,9 +42,9 @@ def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ti
     ax_m.scatter(x, np.array([r["predicted_peak"] for r in rows]) / 2**20, marker="_", s=600, color="k",
                  linestyle="--", label="planner: total", zorder=3)
     ax_m.set_ylabel("MiB on the busiest rank")
-    ax_t.bar(x, [r["measured_time"] * 1e3 for r in rows], color="#55A868", label="measured")
+    ax_t.bar(x, [r["measured_time"] * 1e3 for r in rows], color="#55A868", label=time_label)
     ax_t.scatter(x, [r["predicted_time"] * 1e3 for r in rows], marker="_", s=600, color="k",
-                 label="planner (calibrated)", zorder=3)
+                 label="planner", zorder=3)
     ax_t.set_ylabel("step time (ms)")
     for ax in (ax_m, ax_t):
         ax.set_xticks(x)
@@ -54,8 +55,9 @@ def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ti
     return fig
 
 
-def step_timelines(measured, simulated, ranks, title, ranks_per_panel=2):
-    """A measured step over the planner's simulated one. The measured step has a lane per rank
+def step_timelines(measured, simulated, ranks, title, ranks_per_panel=2, clock=None):
+    """A measured step over the planner's simulated one (``clock``: the VirtualCluster the
+    measured spans were priced on, None for the wall clock). The measured step has a lane per rank
     and mesh dimension (a rank of a 4D layout has 5-6), so it is drawn ``ranks_per_panel``
     ranks to a panel, about 0.3 inch per lane; one legend for every panel, under them."""
     groups = [list(ranks[i:i + ranks_per_panel]) for i in range(0, len(ranks), ranks_per_panel)]
@@ -66,8 +68,8 @@ def step_timelines(measured, simulated, ranks, title, ranks_per_panel=2):
     fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.9), gridspec_kw={"height_ratios": heights})
     for ax, group in zip(axes, groups):
         names = ", ".join(map(str, group))
-        timeline(measured, ax=ax, ranks=group, by_dim=True, legend=False,
-                 title=f"{title}: measured, rank{'s' if len(group) > 1 else ''} {names}")
+        timeline(measured, ax=ax, ranks=group, by_dim=True, legend=False, clock=clock,
+                 title=f"{title}: {'virtual' if clock else 'measured'}, rank{'s' if len(group) > 1 else ''} {names}")
     timeline(simulated, ax=axes[-1], ranks=sim_ranks, title=f"{title}: planner's simulation", legend=False)
     for ax in axes:
         ax.tick_params(axis="y", labelsize=8)
