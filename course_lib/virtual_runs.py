@@ -1,0 +1,96 @@
+"""One training step of an N-D layout on the virtual GPU clock, next to the planner's estimate.
+
+    h100 = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
+    run = virtual_step(cfg, dict(dp=2, tp=2), dict(), batch=8, cluster=h100)
+    run.step_time, run.by_kind          # virtual seconds: the step, and per span kind per rank
+    est = planner_estimate(cfg, run.layout, run.kw, batch=8, hardware=h100.hw)   # the same layout
+
+Chapter 10 checks the planner's closed-form step time against the real program priced on the
+same hardware preset: the virtual clock prices every kernel the ranks actually launch (so
+launch overheads, unfused attention and elementwise passes are counted as they happen) and
+every collective by its ring cost on the link its group spans; the planner composes formulas.
+Their difference is what the formulas leave out, or assume differently.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from course_lib import reference
+from course_lib.gpt import GPTConfig, TinyGPT
+from course_lib.launch import launch
+from course_lib.parallel.compose import check_layout
+
+
+@dataclasses.dataclass
+class VirtualStep:
+    layout: dict            # mesh sizes, e.g. dict(dp=2, tp=2)
+    kw: dict                # parallelize_nd options (microbatches, schedule, ...)
+    step_time: float        # virtual seconds: first rank's start to last rank's end
+    kernels: list           # per rank: kernels its compute stream ran in the step
+    comm: dict              # mesh dim -> the busiest rank's seconds in that dim's communication
+    spans: list             # the step, every rank (trace.Span in virtual seconds)
+
+
+def _rank_step(layout, kw, cfg_dict, batch):
+    """One warm-up step (first-call allocations), then one step with its spans kept; every
+    rank's clock starts the kept step at the same virtual time (a priced barrier)."""
+    from course_lib import trace
+    from course_lib.collectives import Comm
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    cfg = GPTConfig(**cfg_dict)
+    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**layout), **kw)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
+    for _ in range(2):                      # the second step is kept
+        Comm(None).barrier()
+        trace.reset()
+        before = trace.clock().kernels
+        with trace.span("step", "other"):
+            net.step(x, y)
+            opt.step()
+            opt.zero_grad()
+    return trace.clock().kernels - before
+
+
+def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) -> VirtualStep:
+    """One step of ``cfg`` on ``layout`` (refused before any rank starts if invalid), priced on
+    ``cluster`` (a VirtualCluster)."""
+    shape = check_layout(cfg, **layout, batch=batch, **kw)
+    cluster.check(shape.world_size)
+    res = launch(_rank_step, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch,
+                 threads=1, timeout=300, clock=cluster)
+    steps = [s for s in res.spans if s.name == "step"]
+    comm = {}
+    for s in res.spans:
+        if s.kind == "comm" and s.dim and not s.name.startswith("send"):   # a send overlaps its recv
+            comm.setdefault(s.dim, [0.0] * shape.world_size)[s.rank] += s.duration
+    return VirtualStep(dict(layout), dict(kw), max(s.end for s in steps) - min(s.start for s in steps),
+                       list(res), {d: max(t) for d, t in comm.items()}, [s for s in res.spans if s.name != "step"])
+
+
+def planner_layout(layout: dict, kw: dict, batch: int):
+    """The planner's Layout of the same run: dims, micro-batches, schedule, SP as parallelize_nd
+    applies it, gradients all-reduced after backward (the course's DDP: no overlap)."""
+    from course_lib.planner import Layout
+
+    s = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, **layout}
+    m = kw.get("microbatches", 1)
+    return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], cp=s["cp"],
+                  sp=kw.get("sequence_parallel", True) and s["tp"] > 1,
+                  schedule=kw.get("schedule", "1f1b"), v=kw.get("v", 1),
+                  micro_batch=batch // (s["dp"] * m), global_batch=batch, overlap_dp=False)
+
+
+def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardware):
+    """``planner.estimate`` of ``cfg`` on the same layout and hardware preset."""
+    from course_lib.planner import estimate
+    from course_lib.planner.calibration import model_spec
+
+    return estimate(model_spec(cfg), hardware, planner_layout(layout, kw, batch))
+
+
+__all__ = ["VirtualStep", "virtual_step", "planner_layout", "planner_estimate"]

@@ -1,0 +1,46 @@
+"""course_lib/virtual_runs: one N-D step on the virtual clock, and the planner's same layout."""
+import pytest
+import torch
+
+from course_lib import costmodel
+from course_lib.gpt import GPTConfig, TinyGPT
+from course_lib.planner import HARDWARE
+from course_lib.virtual import VirtualCluster
+from course_lib.virtual_runs import planner_estimate, planner_layout, virtual_step
+
+CFG = GPTConfig(n_layers=1, hidden=32, n_heads=2, seq_len=16, vocab_size=64)
+H100 = HARDWARE["h100-sxm"]
+
+
+def test_dp_step_is_deterministic_and_priced_by_its_parts():
+    node = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
+    a = virtual_step(CFG, dict(dp=2), {}, 4, node)
+    b = virtual_step(CFG, dict(dp=2), {}, 4, node)
+    assert a.step_time == b.step_time and a.kernels == b.kernels and a.comm == b.comm
+    assert a.kernels[0] == a.kernels[1] > 0                    # both ranks run the same program
+    # the step holds every kernel's launch and the gradient all-reduce(s) on NVLink, no more
+    # than their sum plus the kernels' own roofline time (each under 1 us at this size)
+    alpha, bw = node.link(range(2))
+    params = sum(p.numel() for p in TinyGPT(CFG).parameters())
+    one_all_reduce = costmodel.ring_all_reduce(2 * params, 2, alpha, 1 / bw)   # bf16 gradients, one bucket
+    assert a.comm["dp"] >= one_all_reduce * (1 - 1e-9)
+    assert a.step_time >= a.kernels[0] * H100.launch_overhead + a.comm["dp"] * (1 - 1e-9)
+    assert a.step_time <= a.kernels[0] * (H100.launch_overhead + 1e-6) + a.comm["dp"]
+
+
+def test_planner_layout_is_the_same_run():
+    lay = planner_layout(dict(pp=2, dp=2), dict(microbatches=2), 8)
+    assert (lay.dp, lay.pp, lay.tp, lay.micro_batch, lay.global_batch, lay.sp, lay.overlap_dp) == \
+        (2, 2, 1, 2, 8, False, False)
+    assert planner_layout(dict(tp=2), {}, 4).sp                  # parallelize_nd's default: SP with TP
+    assert not planner_layout(dict(tp=2), dict(sequence_parallel=False), 4).sp
+    est = planner_estimate(CFG, dict(dp=2), {}, 4, H100)
+    assert est.step_time > 0 and est.time.get("dp", 0) > 0
+
+
+def test_bad_layout_is_refused_before_any_rank_starts():
+    node = VirtualCluster("h100-sxm", gpus_per_node=8)
+    with pytest.raises(ValueError, match="n_heads|heads"):
+        virtual_step(CFG, dict(tp=3), {}, 3, node)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        virtual_step(CFG, dict(dp=4), {}, 4, VirtualCluster("h100-sxm", gpus_per_node=3))
