@@ -205,6 +205,19 @@ def _reduce_forgets_own(tensor, dst):                  # the root keeps the chil
     tensor.copy_(acc)
 
 
+def _reduce_to_zero(tensor, dst):                     # the lecture's tree onto rank 0, whatever dst
+    r, N = _rw()
+    buf, step = torch.empty_like(tensor), 1
+    while step < N:
+        if r % (2 * step):
+            dist.send(tensor, r - step)
+            return
+        if r + step < N:
+            dist.recv(buf, r + step)
+            tensor += buf
+        step *= 2
+
+
 def _reduce_dist(tensor, dst):
     dist.reduce(tensor, dst)
 
@@ -214,7 +227,8 @@ def _reduce_dist(tensor, dst):
     (_reduce_chain, ["case 4/", "rounds"]),
     (_reduce_forgets_own, ["case 1/", "the sum over ranks"]),
     (_reduce_dist, ["write this yourself", "reduce"]),
-], ids=["naive", "chain", "root-forgets-itself", "dist.reduce"])
+    (_reduce_to_zero, ["case 2/", "dst=1"]),
+], ids=["naive", "chain", "root-forgets-itself", "dist.reduce", "root-0"])
 def test_tree_reduce_refuses(wrong, hints, capsys):
     assert not G.check_tree_reduce(wrong, timeout=5)
     _failed(capsys, "tree_reduce", *hints)

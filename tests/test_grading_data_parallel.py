@@ -154,6 +154,25 @@ def _hooks_per_param(params, buckets, world):          # one all-reduce per para
     return finish
 
 
+def _hooks_one_bucket(params, buckets, world):         # hard-coded to one bucket: everything at the end
+    works = []
+
+    def hook(p):
+        if p is params[0]:                                  # the last gradient of backward
+            flat = torch.cat([q.grad.reshape(-1) for q in params]) / world
+            works.append((dist.all_reduce(flat, async_op=True), flat))
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for work, flat in works:
+            work.wait()
+            for q, g in zip(params, flat.split([q.numel() for q in params])):
+                q.grad.copy_(g.view_as(q))
+        works.clear()
+    return finish
+
+
 def _hooks_library(params, buckets, world):
     from course_lib.parallel.grad_sync import OverlappedGradSync
 
@@ -165,7 +184,8 @@ def _hooks_library(params, buckets, world):
     (_hooks_in_finish, ["no bucket's all-reduce had started"]),
     (_hooks_per_param, ["all-reduces for", "one flat all-reduce per bucket"]),
     (_hooks_library, ["write this yourself"]),
-], ids=["in-finish", "per-parameter", "library"])
+    (_hooks_one_bucket, ["case 1/", "1 all-reduces for"]),
+], ids=["in-finish", "per-parameter", "library", "one-bucket"])
 def test_bucket_hooks_refuses(wrong, hints, capsys):
     assert not G.check_bucket_hooks(wrong)
     _failed(capsys, "bucket_hooks", *hints)

@@ -103,6 +103,17 @@ def _run_never_free(order, start_gather, compute, free):
         compute(k, full)
 
 
+def _run_fixed_order(order, start_gather, compute, free):   # the lecture's forward order, whatever order says
+    units = sorted(order)
+    pending = start_gather(units[0])
+    for i, k in enumerate(units):
+        full = pending.wait()
+        if i + 1 < len(units):
+            pending = start_gather(units[i + 1])
+        compute(k, full)
+        free(k)
+
+
 def _run_library(order, start_gather, compute, free):
     from course_lib.parallel.fsdp import FSDP
 
@@ -114,7 +125,8 @@ def _run_library(order, start_gather, compute, free):
     (_run_gather_all_first, ["3 units gathered at once"]),
     (_run_never_free, ["units gathered at once: free each unit"]),
     (_run_library, ["write this yourself: the exercise is FSDP's prefetch"]),
-], ids=["no-prefetch", "all-at-once", "never-free", "library"])
+    (_run_fixed_order, ["compute(0) called when unit 2 was due", "order given"]),
+], ids=["no-prefetch", "all-at-once", "never-free", "library", "fixed-order"])
 def test_fsdp_prefetch_refuses(wrong, hints, capsys):
     assert not G.check_fsdp_prefetch(wrong)
     _failed(capsys, "fsdp_prefetch", *hints)

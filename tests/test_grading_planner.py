@@ -38,11 +38,12 @@ def _mem_library(layer_params, layers, s, b, h, a, t, p, d, zero, m):
 
 
 @pytest.mark.parametrize("wrong, hints", [
+    (_mem(in_flight=lambda p, m: p), ["case 4/", "p=8", "m=4"]),        # the lecture's m >= p
     (_mem(zero_grads=False), ["case 2/", "zero=1", "GiB"]),
     (_mem(in_flight=lambda p, m: m), ["case 2/", "m=4"]),
     (_mem(tp_acts=False), ["case 2/", "t=8"]),
     (_mem_library, ["write this yourself", "formulas"]),
-], ids=["zero1-shards-grads", "all-micro-batches-in-flight", "acts-not-split-by-tp", "library"])
+], ids=["p-in-flight", "zero1-shards-grads", "all-micro-batches-in-flight", "acts-not-split-by-tp", "library"])
 def test_memory_per_gpu_refuses(wrong, hints, capsys):
     assert not G.check_memory_per_gpu(wrong)
     _failed(capsys, "memory_per_gpu", *hints)

@@ -92,6 +92,14 @@ def _rs_wrong_piece(output, input):                    # ends with piece r+1 (th
     output.copy_(chunks[(r + 1) % N])
 
 
+def _rs_two_ranks(output, input):                      # hard-coded to 2 ranks: swap the other half
+    r = dist.get_rank()
+    halves = input.view(2, -1)
+    got = torch.empty_like(halves[0])
+    _exchange(halves[1 - r].contiguous(), 1 - r, got, 1 - r)
+    output.copy_(halves[r] + got)
+
+
 def _rs_torch(output, input):
     from course_lib import compat
 
@@ -102,7 +110,8 @@ def _rs_torch(output, input):
     (_rs_via_all_reduce_ring, ["a ring reduce-scatter sends (N-1)/N x n"]),
     (_rs_wrong_piece, ["piece 0 of the sum"]),
     (_rs_torch, ["write this yourself", "reduce-scatter"]),
-], ids=["all-reduce-then-slice", "wrong-piece", "library"])
+    (_rs_two_ranks, ["case 2/", "world_size=3"]),
+], ids=["all-reduce-then-slice", "wrong-piece", "library", "two-ranks"])
 def test_ring_reduce_scatter_refuses(wrong, hints, capsys):
     assert not G.check_ring_reduce_scatter(wrong, timeout=5)
     _failed(capsys, "ring_reduce_scatter", *hints)
@@ -126,6 +135,13 @@ def _ag_whole(output, input):                          # everyone sends its whol
         output[mask] = buf[mask]
 
 
+def _ag_two_ranks(output, input):                      # hard-coded to 2 ranks: swap with the other one
+    r = dist.get_rank()
+    rows = output.view(2, -1)
+    rows[r].copy_(input)
+    _exchange(input, 1 - r, rows[1 - r], 1 - r)
+
+
 def _ag_torch(output, input):
     out = [torch.empty_like(input) for _ in range(dist.get_world_size())]
     dist.all_gather(out, input)
@@ -136,7 +152,8 @@ def _ag_torch(output, input):
     (_ag_rotated, ["rank order"]),
     (_ag_whole, ["not the whole buffer"]),
     (_ag_torch, ["write this yourself", "all_gather"]),
-], ids=["rotated", "whole-buffer", "library"])
+    (_ag_two_ranks, ["case 2/", "world_size=3"]),
+], ids=["rotated", "whole-buffer", "library", "two-ranks"])
 def test_ring_all_gather_refuses(wrong, hints, capsys):
     assert not G.check_ring_all_gather(wrong, timeout=5)
     _failed(capsys, "ring_all_gather", *hints)

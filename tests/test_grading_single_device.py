@@ -144,6 +144,13 @@ def _avg_skip_none(model):              # the chapter's loop: skips None on each
             p.grad /= dist.get_world_size()
 
 
+def _avg_two_ranks(model):              # hard-coded to the lecture's 2 ranks, every grad present
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+
+
 def _avg_library(model):
     from course_lib.parallel.data_parallel import average_gradients
 
@@ -154,7 +161,8 @@ def _avg_library(model):
     (_avg_sum_only, ["case 1/", "grad"]),
     (_avg_skip_none, ["case 3/", "rank 0's rows"]),
     (_avg_library, ["write this yourself", "averaging gradients"]),
-], ids=["no-division", "skips-None", "library"])
+    (_avg_two_ranks, ["case 2/", "world_size=3"]),
+], ids=["no-division", "skips-None", "library", "two-ranks"])
 def test_average_gradients_refuses(wrong, hints, capsys):
     assert not G.check_average_gradients(wrong, timeout=10)
     _failed(capsys, "average_gradients", *hints)

@@ -52,6 +52,14 @@ def _zero1_sum(flat, flat_grad, shard, opt):            # the sum, not the mean
     compat.all_gather_into_tensor(flat, shard.detach())
 
 
+def _zero1_two_ranks(flat, flat_grad, shard, opt):     # hard-coded to 2 ranks
+    grad = torch.empty_like(shard)
+    compat.reduce_scatter_tensor(grad, flat_grad)
+    shard.grad = grad / 2
+    opt.step()
+    compat.all_gather_into_tensor(flat, shard.detach())
+
+
 def _zero1_library(flat, flat_grad, shard, opt):
     from course_lib.parallel.zero import ShardedOptimizer
 
@@ -63,7 +71,8 @@ def _zero1_library(flat, flat_grad, shard, opt):
     (_zero1_broadcasts, ["broadcasts", "one all-gather"]),
     (_zero1_sum, ["case 1/", "shard.grad (the mean over ranks"]),
     (_zero1_library, ["write this yourself: the exercise is the ZeRO-1 step"]),
-], ids=["all-reduce", "broadcasts", "sum", "library"])
+    (_zero1_two_ranks, ["case 2/", "world_size=3"]),
+], ids=["all-reduce", "broadcasts", "sum", "library", "two-ranks"])
 def test_zero1_step_refuses(wrong, hints, capsys):
     assert not G.check_zero1_step(wrong)
     _failed(capsys, "zero1_step", *hints)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import reference
-from course_lib.grading import Case, check_distributed, learner, learner_class
+from course_lib.grading import Case, Mismatch, check_distributed, learner, learner_class
 from course_lib.grading import training as T
 from course_lib.grading.zero_fsdp import ZERO_LIBRARY
 
@@ -105,6 +105,18 @@ class _PrefetchLog:
                 return _unit_params(unit, full)
         return Handle()
 
+    def computing(self, order, fn):
+        """The compute(k, full) handed to the learner: refuses a unit out of ``order`` at once."""
+        def compute(k, full):
+            done = sum(e == "compute" for e, _ in self.events)
+            due = order[done] if done < len(order) else None
+            if k != due:
+                raise Mismatch(f"compute({k}) called when unit {due} was due: run the units in the order "
+                               f"given ({list(order)}; backward passes them last to first)")
+            self.events.append(("compute", k))
+            fn(k, full)
+        return compute
+
     def free(self, k):
         self.live.discard(k)
         self.events.append(("free", k))
@@ -158,8 +170,7 @@ def _prefetch_harness(run_units, n_layers):
 
         log = _PrefetchLog(units, world)
         order = list(range(len(units)))
-        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), forward(k, full)),
-                  log.free)
+        run_units(order, log.start_gather, log.computing(order, forward), log.free)
         msg = log.problem(order, "forward")
         if msg:
             return msg
@@ -185,8 +196,7 @@ def _prefetch_harness(run_units, n_layers):
 
         log = _PrefetchLog(units, world)
         order = order[::-1]
-        run_units(order, log.start_gather, lambda k, full: (log.events.append(("compute", k)), backward(k, full)),
-                  log.free)
+        run_units(order, log.start_gather, log.computing(order, backward), log.free)
         msg = log.problem(order, "backward")
         if msg:
             return msg
