@@ -92,7 +92,7 @@ def test_zero1_step_accepts_async_collectives(capsys):
 
 
 # ----------------------------------------------------------------------------- ZeRO-2 hooks
-def _zero2(reduce_in_hook=True, keep_grads=False, use_all_reduce=False):
+def _zero2(reduce_in_hook=True, keep_grads=False, use_all_reduce=False, divisor=None):
     def make(params, buckets, world):
         where = {i: b for b, ids in enumerate(buckets) for i in ids}
         left, flights = [len(ids) for ids in buckets], []
@@ -130,7 +130,7 @@ def _zero2(reduce_in_hook=True, keep_grads=False, use_all_reduce=False):
             for b, shard, work in flights:
                 if work is not None:
                     work.wait()
-                shards[b] = shard / world
+                shards[b] = shard / (divisor or world)
             flights.clear()
             left[:] = [len(ids) for ids in buckets]
             return shards
@@ -149,7 +149,8 @@ def _zero2_library(params, buckets, world):
     (_zero2(keep_grads=True), ["still hold their full-size gradient"]),
     (_zero2(reduce_in_hook=False), ["no bucket's reduce-scatter had started"]),
     (_zero2_library, ["write this yourself"]),
-], ids=["all-reduce", "keeps-grads", "in-finish", "library"])
+    (_zero2(divisor=2), ["case 2/", "world_size=3"]),
+], ids=["all-reduce", "keeps-grads", "in-finish", "library", "two-ranks"])
 def test_zero2_hooks_refuses(wrong, hints, capsys):
     assert not G.check_zero2_hooks(wrong)
     _failed(capsys, "zero2_hooks", *hints)
