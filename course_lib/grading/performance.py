@@ -17,6 +17,8 @@ import torch
 from course_lib.grading import Case, check, learner
 from course_lib.launch import launch
 
+__all__ = ["check_bucket_cap", "bucket_inputs", "check_pipeline_plan"]
+
 # what would answer the bucket question for the learner: running DDP under the clock
 DDP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
                "course_lib.launch:launch", "course_lib.grading.performance:_*")
@@ -223,3 +225,16 @@ def check_pipeline_plan(choose_m_v):
         return None
 
     return check("pipeline_plan", cases, run)
+
+
+def bucket_inputs(case: int = 1):
+    """What the bucket question's ``case`` (1 or 2) hands ``choose_bucket_cap_mb``:
+    (grads, backward_s, world_size, cluster), from one rank's run on the virtual clock
+    (every rank computes the same shapes, so its timeline is every rank's)."""
+    from course_lib.gpt import GPTConfig
+    from course_lib.virtual import VirtualCluster
+
+    _, cfg, batch, hw, gpn, world = BUCKET_CASES[case - 1]
+    cluster = VirtualCluster(hw, gpus_per_node=gpn, dtype=torch.bfloat16)
+    (grads, backward), = launch(_gradient_timeline, 1, GPTConfig(**cfg), batch, clock=cluster, quiet=True)
+    return grads, backward, world, cluster

@@ -1,0 +1,156 @@
+"""Performance questions (course_lib/grading/performance.py), graded on virtual time: the
+solution and a differently written right answer pass; classic mistakes, answers hard-coded to
+one case or to the lecture's number, and library shortcuts each fail with a hint."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from course_lib.costmodel import ring_all_reduce
+from course_lib.grading import performance as G
+from grading_answers import fails_with, graded
+
+
+# ----------------------------------------------------------------------------- 1. DDP buckets
+def bucket_cap_simulated(grads, backward_s, world_size, cluster):
+    """The solution's idea: replay the buckets on the gradients' ready times, pick the cap that
+    exposes least among those hiding >= 95% of their all-reduce time."""
+    alpha, bandwidth = cluster.link(range(world_size))
+
+    def simulate(cap_mb):
+        buckets, numel, fp32, ready = [], 0, 0, 0.0
+        for _, n, t in grads:
+            if fp32 and fp32 + 4 * n > cap_mb * 2**20:
+                buckets.append((numel, ready))
+                numel = fp32 = 0
+            numel, fp32, ready = numel + n, fp32 + 4 * n, t
+        buckets.append((numel, ready))
+        free = total = exposed = 0.0
+        for n, t in buckets:
+            cost = ring_all_reduce(n * cluster.dtype.itemsize, world_size, alpha, 1 / bandwidth)
+            start = max(t, free)
+            free = start + cost
+            total, exposed = total + cost, exposed + max(0.0, free - max(start, backward_s))
+        return exposed, 1 - exposed / total
+
+    caps = [2 ** (k / 4) for k in range(-40, 28)]
+    runs = {c: simulate(c) for c in caps}
+    good = [c for c in caps if runs[c][1] >= 0.95]
+    return min(good or caps, key=lambda c: (runs[c][0], -runs[c][1]))
+
+
+def bucket_half_a_block(grads, backward_s, world_size, cluster):
+    """Written differently: a bucket of half a transformer block's fp32 gradients, so that the
+    all-reduce of one bucket runs while the next half block computes its backward."""
+    blocks = {}
+    for name, n, _ in grads:
+        if name.startswith("blocks."):
+            blocks[name.split(".")[1]] = blocks.get(name.split(".")[1], 0) + n
+    return max(blocks.values()) * 4 / 2 / 2**20
+
+
+def torch_default(grads, backward_s, world_size, cluster):
+    return 25                          # torch's bucket_cap_mb: one bucket, sent after backward
+
+
+def lecture_one_mib(grads, backward_s, world_size, cluster):
+    return 1.0                         # the lecture's timeline: right for one model only
+
+
+def one_bucket_per_parameter(grads, backward_s, world_size, cluster):
+    return 1e-4                        # every gradient alone: the latency paid ~100 times
+
+
+def runs_ddp_itself(grads, backward_s, world_size, cluster):
+    from course_lib.gpt import GPTConfig, TinyGPT
+    from course_lib.parallel.data_parallel import DDP
+
+    DDP(TinyGPT(GPTConfig(n_layers=1, hidden=32, n_heads=2), seed=0), bucket_cap_mb=1)
+    return 1.0
+
+
+def test_bucket_cap_right_answers_pass(capsys):
+    for answer in (bucket_cap_simulated, bucket_half_a_block):
+        ok, line = graded(capsys, G.check_bucket_cap, answer)
+        assert ok and line == "bucket_cap: 2/2 cases passed", line
+
+
+def test_bucket_cap_wrong_answers_fail_with_a_hint(capsys):
+    fails_with(capsys, G.check_bucket_cap, torch_default, hint="the last bucket starts only when backward ends")
+    line = fails_with(capsys, G.check_bucket_cap, lecture_one_mib, hint="the last bucket starts only when")
+    assert "case 2/2" in line                                   # right on the first model only
+    fails_with(capsys, G.check_bucket_cap, one_bucket_per_parameter, hint="each bucket pays the latency")
+    fails_with(capsys, G.check_bucket_cap, runs_ddp_itself, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- 2. pipeline m, v
+def m_v_closed_form(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
+    """Written differently: for each v the least m with v m >= 9 (p - 1) (a multiple of p when
+    interleaved), kept if rank 0's p + (p - 1)/v micro-batches (p for 1F1B) fit."""
+    best = None
+    for v in (d for d in range(1, layers // p + 1) if (layers // p) % d == 0):
+        m = math.ceil(9 * (p - 1) / v)
+        if v > 1:
+            m = math.ceil(m / p) * p
+        held = min(p, m) if v == 1 else min(p + (p - 1) / v, m)
+        if m <= max_m and weight_bytes + held * act_bytes <= budget_bytes and (best is None or m < best[0]):
+            best = (m, v)
+    return best
+
+
+def m_v_search(p, layers, act_bytes, weight_bytes, budget_bytes, max_m, held=None, bubble=None, multiple=True):
+    for m in range(1, max_m + 1):
+        for v in range(1, layers // p + 1):
+            if layers % (p * v) or (multiple and v > 1 and m % p):
+                continue
+            b = bubble(p, m, v) if bubble else (p - 1) / (v * m + p - 1)
+            h = held(p, m, v) if held else (min(p, m) if v == 1 else min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v)
+            if b <= 0.1 + 1e-12 and weight_bytes + h * act_bytes <= budget_bytes:
+                return m, v
+    return None
+
+
+def narayanan_bubble(*a):             # idle over ideal compute time, (p-1)/m: too many micro-batches
+    return m_v_search(*a, bubble=lambda p, m, v: (p - 1) / (v * m))
+
+
+def interleaving_is_free(*a):         # every schedule holds p micro-batches: over budget
+    return m_v_search(*a, held=lambda p, m, v: min(p, m))
+
+
+def gpipe_memory(*a):                 # all m forwards first: m micro-batches held
+    return m_v_search(*a, held=lambda p, m, v: m / 1)
+
+
+def any_m(*a):                        # interleaving with m not a multiple of p
+    return m_v_search(*a, multiple=False)
+
+
+def hard_coded(*a):
+    return 16, 2
+
+
+def library_bubble(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
+    from course_lib import schedules as S
+
+    S.bubble_fraction(p, 8, "interleaved", 2)
+    return 8, 2
+
+
+def test_pipeline_plan_right_answers_pass(capsys):
+    for answer in (m_v_search, m_v_closed_form):
+        ok, line = graded(capsys, G.check_pipeline_plan, answer)
+        assert ok and line == "pipeline_plan: 7/7 cases passed", line
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (narayanan_bubble, "micro-batches are enough"),
+    (interleaving_is_free, "interleaving warms up with"),
+    (gpipe_memory, "returned None, but"),
+    (any_m, "needs m to be a multiple of p"),
+    (hard_coded, "micro-batches are enough"),
+    (library_bubble, "write this yourself"),
+])
+def test_pipeline_plan_wrong_answers_fail_with_a_hint(capsys, answer, hint):
+    fails_with(capsys, G.check_pipeline_plan, answer, hint=hint)
