@@ -10,29 +10,12 @@ import torch
 import torch.distributed as dist
 
 from course_lib.grading import collective_algorithms as G
-
-
-def _failed(capsys, name, *hints):
-    line = capsys.readouterr().out.strip()
-    assert line.startswith(f"{name}: FAILED"), line
-    assert "\n" not in line
-    for hint in hints:
-        assert hint in line, line
-
-
-def _rw():
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _exchange(send, dst, recv, src):
-    reqs = [dist.isend(send, dst), dist.irecv(recv, src)]
-    for r in reqs:
-        r.wait()
+from grading_answers import passed, rank_world, refused
 
 
 # ----------------------------------------------------------------------------- pipelined chain broadcast
 def _chain_not_pipelined(tensor, src, segments):     # waits for every segment before forwarding
-    r, N = _rw()
+    r, N = rank_world()
     v = (r - src) % N
     pieces = tensor.view(-1).tensor_split(segments)
     if v > 0:
@@ -44,7 +27,7 @@ def _chain_not_pipelined(tensor, src, segments):     # waits for every segment b
 
 
 def _chain_root_sends_all(tensor, src, segments):    # a star, not a chain
-    r, N = _rw()
+    r, N = rank_world()
     if r == src:
         for q in range(N):
             if q != src:
@@ -56,7 +39,7 @@ def _chain_root_sends_all(tensor, src, segments):    # a star, not a chain
 
 
 def _chain_from_zero(tensor, src, segments):         # hard-coded to the lecture's root 0
-    r, N = _rw()
+    r, N = rank_world()
     for p in tensor.view(-1).tensor_split(segments):
         if r > 0:
             dist.recv(p, r - 1)
@@ -75,13 +58,12 @@ def _chain_broadcast(tensor, src, segments):
     (_chain_broadcast, ["write this yourself", "broadcast"]),
 ], ids=["not-pipelined", "star", "root-0", "dist.broadcast"])
 def test_pipelined_broadcast_refuses(wrong, hints, capsys):
-    assert not G.check_pipelined_broadcast(wrong, timeout=5)
-    _failed(capsys, "pipelined_broadcast", *hints)
+    refused(capsys, "pipelined_broadcast", G.check_pipelined_broadcast(wrong, timeout=5), *hints)
 
 
 def test_pipelined_broadcast_accepts_irecv_ahead(capsys):
     def posted_receives(tensor, src, segments):
-        r, N = _rw()
+        r, N = rank_world()
         v = (r - src) % N
         pieces = tensor.view(-1).tensor_split(segments)
         recvs = [dist.irecv(p, (r - 1) % N) for p in pieces] if v > 0 else []
@@ -93,13 +75,12 @@ def test_pipelined_broadcast_accepts_irecv_ahead(capsys):
                 sends.append(dist.isend(p, (r + 1) % N))
         for s in sends:
             s.wait()
-    assert G.check_pipelined_broadcast(posted_receives)
-    assert capsys.readouterr().out.strip() == "pipelined_broadcast: 6/6 cases passed"
+    passed(capsys, G.check_pipelined_broadcast(posted_receives), "pipelined_broadcast: 6/6 cases passed")
 
 
 # ----------------------------------------------------------------------------- binomial tree broadcast
 def _tree_chain(tensor, src):                          # a chain: N-1 rounds
-    r, N = _rw()
+    r, N = rank_world()
     v = (r - src) % N
     if v > 0:
         dist.recv(tensor, (r - 1) % N)
@@ -108,7 +89,7 @@ def _tree_chain(tensor, src):                          # a chain: N-1 rounds
 
 
 def _tree_star(tensor, src):                           # the root sends to everyone in turn
-    r, N = _rw()
+    r, N = rank_world()
     if r == src:
         for q in range(N):
             if q != src:
@@ -118,7 +99,7 @@ def _tree_star(tensor, src):                           # the root sends to every
 
 
 def _tree_root_zero(tensor, src):                      # the tree of root 0, whatever src
-    r, N = _rw()
+    r, N = rank_world()
     step = 1
     while step < N:
         if r < step and r + step < N:
@@ -141,14 +122,13 @@ def _tree_course(tensor, src):
     (_tree_course, ["write this yourself", "course_lib.collectives"]),
 ], ids=["chain", "star", "root-0", "course"])
 def test_tree_broadcast_refuses(wrong, hints, capsys):
-    assert not G.check_tree_broadcast(wrong, timeout=5)
-    _failed(capsys, "tree_broadcast", *hints)
+    refused(capsys, "tree_broadcast", G.check_tree_broadcast(wrong, timeout=5), *hints)
 
 
 def test_tree_broadcast_accepts_the_far_half_first(capsys):
     def halving(tensor, src):
         """Recursive halving: the root sends to the middle of its range, both halves recurse."""
-        r, N = _rw()
+        r, N = rank_world()
         v = (r - src) % N
         lo, hi = 0, N                                  # my current range of positions [lo, hi)
         while hi - lo > 1:
@@ -161,13 +141,12 @@ def test_tree_broadcast_accepts_the_far_half_first(capsys):
                 hi = mid
             else:
                 lo = mid
-    assert G.check_tree_broadcast(halving)
-    assert capsys.readouterr().out.strip() == "tree_broadcast: 6/6 cases passed"
+    passed(capsys, G.check_tree_broadcast(halving), "tree_broadcast: 6/6 cases passed")
 
 
 # ----------------------------------------------------------------------------- binomial tree reduce
 def _reduce_naive(tensor, dst):                        # everyone sends to the root
-    r, N = _rw()
+    r, N = rank_world()
     if r == dst:
         buf = torch.empty_like(tensor)
         for q in range(N):
@@ -179,7 +158,7 @@ def _reduce_naive(tensor, dst):                        # everyone sends to the r
 
 
 def _reduce_chain(tensor, dst):                        # partial sums along a chain
-    r, N = _rw()
+    r, N = rank_world()
     v = (r - dst) % N
     if v < N - 1:
         buf = torch.empty_like(tensor)
@@ -190,7 +169,7 @@ def _reduce_chain(tensor, dst):                        # partial sums along a ch
 
 
 def _reduce_forgets_own(tensor, dst):                  # the root keeps the children's sum only
-    r, N = _rw()
+    r, N = rank_world()
     v = (r - dst) % N
     buf, acc = torch.empty_like(tensor), tensor.clone() if v else torch.zeros_like(tensor)
     step = 1
@@ -206,7 +185,7 @@ def _reduce_forgets_own(tensor, dst):                  # the root keeps the chil
 
 
 def _reduce_to_zero(tensor, dst):                     # the lecture's tree onto rank 0, whatever dst
-    r, N = _rw()
+    r, N = rank_world()
     buf, step = torch.empty_like(tensor), 1
     while step < N:
         if r % (2 * step):
@@ -230,13 +209,12 @@ def _reduce_dist(tensor, dst):
     (_reduce_to_zero, ["case 2/", "dst=1"]),
 ], ids=["naive", "chain", "root-forgets-itself", "dist.reduce", "root-0"])
 def test_tree_reduce_refuses(wrong, hints, capsys):
-    assert not G.check_tree_reduce(wrong, timeout=5)
-    _failed(capsys, "tree_reduce", *hints)
+    refused(capsys, "tree_reduce", G.check_tree_reduce(wrong, timeout=5), *hints)
 
 
 def test_tree_reduce_accepts_pairs_by_low_bit(capsys):
     def by_bits(tensor, dst):
-        r, N = _rw()
+        r, N = rank_world()
         v = (r - dst) % N
         buf, bit = torch.empty_like(tensor), 0
         while (1 << bit) < N:
@@ -248,5 +226,4 @@ def test_tree_reduce_accepts_pairs_by_low_bit(capsys):
                 dist.recv(buf, (partner + dst) % N)
                 tensor.add_(buf)
             bit += 1
-    assert G.check_tree_reduce(by_bits)
-    assert capsys.readouterr().out.strip() == "tree_reduce: 6/6 cases passed"
+    passed(capsys, G.check_tree_reduce(by_bits), "tree_reduce: 6/6 cases passed")

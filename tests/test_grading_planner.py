@@ -9,14 +9,7 @@ import pytest
 
 from course_lib.grading import planner as G
 from course_lib.planner import Layout, estimate
-
-
-def _failed(capsys, name, *hints):
-    line = capsys.readouterr().out.strip()
-    assert line.startswith(f"{name}: FAILED"), line
-    assert "\n" not in line
-    for hint in hints:
-        assert hint in line, line
+from grading_answers import passed, refused
 
 
 # ----------------------------------------------------------------------------- memory per GPU
@@ -45,8 +38,7 @@ def _mem_library(layer_params, layers, s, b, h, a, t, p, d, zero, m):
     (_mem_library, ["write this yourself", "formulas"]),
 ], ids=["p-in-flight", "zero1-shards-grads", "all-micro-batches-in-flight", "acts-not-split-by-tp", "library"])
 def test_memory_per_gpu_refuses(wrong, hints, capsys):
-    assert not G.check_memory_per_gpu(wrong)
-    _failed(capsys, "memory_per_gpu", *hints)
+    refused(capsys, "memory_per_gpu", G.check_memory_per_gpu(wrong), *hints)
 
 
 def test_memory_per_gpu_accepts_per_category_sums(capsys):
@@ -55,8 +47,7 @@ def test_memory_per_gpu_accepts_per_category_sums(capsys):
         shard = [d if zero >= k else 1 for k in (3, 2, 1)]            # params, grads, optimizer
         states = sum(bytes_ * held / div for bytes_, div in zip((2, 2, 12), shard))
         return states + (layers // p if layers % p == 0 else layers / p) * s * b * h * 34 / t * min(m, p)
-    assert G.check_memory_per_gpu(by_category)
-    assert capsys.readouterr().out.strip() == "memory_per_gpu: 6/6 cases passed"
+    passed(capsys, G.check_memory_per_gpu(by_category), "memory_per_gpu: 6/6 cases passed")
 
 
 # ----------------------------------------------------------------------------- 1F1B step time
@@ -84,8 +75,7 @@ def _step_simulator(f, b, m, t):
     (_step_simulator, ["write this yourself", "schedules"]),
 ], ids=["pace-formula", "equal-stages", "simulator"])
 def test_step_time_1f1b_refuses(wrong, hints, capsys):
-    assert not G.check_step_time_1f1b(wrong)
-    _failed(capsys, "step_time_1f1b", *hints)
+    refused(capsys, "step_time_1f1b", G.check_step_time_1f1b(wrong), *hints)
 
 
 def test_step_time_1f1b_accepts_an_event_loop_by_readiness(capsys):
@@ -114,8 +104,7 @@ def test_step_time_1f1b_accepts_an_event_loop_by_readiness(capsys):
                 queue[r].pop(0)
                 progress = True
         return max(free)
-    assert G.check_step_time_1f1b(by_readiness)
-    assert capsys.readouterr().out.strip() == "step_time_1f1b: 7/7 cases passed"
+    passed(capsys, G.check_step_time_1f1b(by_readiness), "step_time_1f1b: 7/7 cases passed")
 
 
 # ----------------------------------------------------------------------------- choose a layout
@@ -158,8 +147,7 @@ def _layout_ignores_limit(model, n, batch, limit):     # the fastest layout by e
     (_layout_ignores_limit, ["over the", "GiB limit"]),
 ], ids=["lecture-layout", "max-tp", "planner-search", "ignores-limit"])
 def test_choose_layout_refuses(wrong, hints, capsys):
-    assert not G.check_layout(wrong)
-    _failed(capsys, "choose_layout", *hints)
+    refused(capsys, "choose_layout", G.check_layout(wrong), *hints)
 
 
 def test_choose_layout_accepts_a_search_that_prunes_by_memory(capsys):
@@ -178,8 +166,7 @@ def test_choose_layout_accepts_a_search_that_prunes_by_memory(capsys):
                 if est.memory["total"] <= limit and est.tokens_per_second > speed:
                     best, speed = layout, est.tokens_per_second
         return best
-    assert G.check_layout(pruned)
-    assert capsys.readouterr().out.strip() == "choose_layout: 3/3 cases passed"
+    passed(capsys, G.check_layout(pruned), "choose_layout: 3/3 cases passed")
 
 
 # ----------------------------------------------------------------------------- fewest pipeline stages
@@ -209,8 +196,7 @@ def _pp_reference(model, tp, dp, global_batch):
     (_pp_reference, ["write this yourself", "fewest stages"]),
 ], ids=["weights-only", "no-skip", "grader-reference"])
 def test_min_pipeline_stages_refuses(wrong, hints, capsys):
-    assert not G.check_min_pipeline_stages(wrong)
-    _failed(capsys, "min_pipeline_stages", *hints)
+    refused(capsys, "min_pipeline_stages", G.check_min_pipeline_stages(wrong), *hints)
 
 
 def test_min_pipeline_stages_accepts_checking_memory_directly(capsys):
@@ -226,5 +212,4 @@ def test_min_pipeline_stages_accepts_checking_memory_directly(capsys):
             if est.memory["total"] <= HARDWARE["h100-sxm"].hbm_bytes:
                 return pp
         return None
-    assert G.check_min_pipeline_stages(by_memory)
-    assert capsys.readouterr().out.strip() == "min_pipeline_stages: 8/8 cases passed"
+    passed(capsys, G.check_min_pipeline_stages(by_memory), "min_pipeline_stages: 8/8 cases passed")

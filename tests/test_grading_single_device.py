@@ -9,14 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.grading import single_device as G
-
-
-def _failed(capsys, name, *hints):
-    line = capsys.readouterr().out.strip()
-    assert line.startswith(f"{name}: FAILED"), line
-    assert "\n" not in line
-    for hint in hints:
-        assert hint in line, line
+from grading_answers import passed, refused
 
 
 # ----------------------------------------------------------------------------- state_bytes
@@ -56,8 +49,7 @@ def _bytes_library(model, opt):         # the library's own count
     (_bytes_library, ["write this yourself", "memory.model_state_bytes"]),
 ], ids=["tied-twice", "fp32-only", "grads-of-frozen", "library"])
 def test_state_bytes_refuses(wrong, hints, capsys):
-    assert not G.check_state_bytes(wrong)
-    _failed(capsys, "state_bytes", *hints)
+    refused(capsys, "state_bytes", G.check_state_bytes(wrong), *hints)
 
 
 def test_state_bytes_accepts_a_different_right_answer(capsys):
@@ -70,8 +62,7 @@ def test_state_bytes_accepts_a_different_right_answer(capsys):
         params = list(dict.fromkeys(model.parameters()))
         return {"params": once(params), "grads": once([p.grad for p in params if p.grad is not None]),
                 "optimizer": once([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)])}
-    assert G.check_state_bytes(by_data_ptr)
-    assert capsys.readouterr().out.strip() == "state_bytes: 4/4 cases passed"
+    passed(capsys, G.check_state_bytes(by_data_ptr), "state_bytes: 4/4 cases passed")
 
 
 # ----------------------------------------------------------------------------- max_micro_batch
@@ -118,16 +109,14 @@ def _fit_lecture_case(cfg, budget):     # the chapter's printed answer for its m
     (_fit_lecture_case, ["got b=3"]),
 ], ids=["extrapolated", "no-adamw-state", "hard-coded"])
 def test_max_micro_batch_refuses(wrong, hints, capsys):
-    assert not G.check_max_micro_batch(wrong, timeout=30)
-    _failed(capsys, "max_micro_batch", *hints)
+    refused(capsys, "max_micro_batch", G.check_max_micro_batch(wrong, timeout=30), *hints)
 
 
 def test_max_micro_batch_refuses_the_graders_reference(capsys):
     def cheat(cfg, budget):
         from course_lib.grading.single_device import _training_bytes
         return _training_bytes(vars(cfg), range(1, 3))
-    assert not G.check_max_micro_batch(cheat, timeout=30)
-    _failed(capsys, "max_micro_batch", "write this yourself")
+    refused(capsys, "max_micro_batch", G.check_max_micro_batch(cheat, timeout=30), "write this yourself")
 
 
 # ----------------------------------------------------------------------------- average_gradients
@@ -164,8 +153,7 @@ def _avg_library(model):
     (_avg_two_ranks, ["case 2/", "world_size=3"]),
 ], ids=["no-division", "skips-None", "library", "two-ranks"])
 def test_average_gradients_refuses(wrong, hints, capsys):
-    assert not G.check_average_gradients(wrong, timeout=10)
-    _failed(capsys, "average_gradients", *hints)
+    refused(capsys, "average_gradients", G.check_average_gradients(wrong, timeout=10), *hints)
 
 
 def test_average_gradients_accepts_one_flat_buffer(capsys):
@@ -181,8 +169,7 @@ def test_average_gradients_accepts_one_flat_buffer(capsys):
         dist.all_reduce(buf)
         for p, g in zip(live, buf.split([p.numel() for p in live])):
             p.grad.copy_(g.view_as(p))
-    assert G.check_average_gradients(flat)
-    assert capsys.readouterr().out.strip() == "average_gradients: 6/6 cases passed"
+    passed(capsys, G.check_average_gradients(flat), "average_gradients: 6/6 cases passed")
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -213,16 +200,14 @@ def _acc_whole_batch(model, loss_fn, x, y, k):     # the shortcut: one forward o
     (_acc_whole_batch, ["a forward on 12 rows", "one micro-batch's activations"]),
 ], ids=["sum-of-means", "divide-by-k", "zero-grad-inside", "whole-batch"])
 def test_accumulation_refuses(wrong, hints, capsys):
-    assert not G.check_accumulation(wrong)
-    _failed(capsys, "accumulation", *hints)
+    refused(capsys, "accumulation", G.check_accumulation(wrong), *hints)
 
 
 def test_accumulation_accepts_summed_losses_divided_once(capsys):
     def by_sum(model, loss_fn, x, y, k):
         for xs, ys in zip(x.tensor_split(k), y.tensor_split(k)):
             (loss_fn(model(xs), ys, reduction="sum") / y.numel()).backward()
-    assert G.check_accumulation(lambda m, lf, x, y, k: by_sum(m, F.mse_loss, x, y, k))
-    assert capsys.readouterr().out.strip() == "accumulation: 6/6 cases passed"
+    passed(capsys, G.check_accumulation(lambda m, lf, x, y, k: by_sum(m, F.mse_loss, x, y, k)), "accumulation: 6/6 cases passed")
 
 
 def test_max_micro_batch_accepts_a_bisection(capsys):
@@ -237,5 +222,4 @@ def test_max_micro_batch_accepts_a_bisection(capsys):
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if state + acts(mid) <= budget else (lo, mid)
         return lo
-    assert G.check_max_micro_batch(bisect)
-    assert capsys.readouterr().out.strip() == "max_micro_batch: 6/6 cases passed"
+    passed(capsys, G.check_max_micro_batch(bisect), "max_micro_batch: 6/6 cases passed")

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from course_lib import tolerance
 from course_lib.grading.guard import Shortcut, TimeLimit, learner, learner_class
 from course_lib.launch import LaunchTimeout, RankError, launch
 
@@ -151,10 +152,26 @@ def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0
     return check(name, cases, run_case)
 
 
-def compare(got, expected, rtol: float = 1e-5, atol: float = 1e-6, what: str = "") -> str | None:
-    """None if ``got`` matches ``expected`` (tensors, numbers or sequences), else a short message."""
+def compare(got, expected, rtol: float | None = None, atol: float | None = None, what: str = "", *,
+            exact: bool = False, **bounds) -> str | None:
+    """None if ``got`` matches ``expected`` (tensors, numbers or sequences), else a short message.
+
+    How close is close enough (floating point; integers, bools and other values compare exactly):
+    - ``exact=True`` (or ``rtol=0, atol=0``): bit for bit, for what moves data without adding
+      (a broadcast, a shift, a gather, counts).
+    - neither ``rtol`` nor ``atol``: the bound the arithmetic allows, from
+      :func:`course_lib.tolerance.compare` with ``bounds`` (``dtype``, ``terms``, ``scale``,
+      ``optimizer``, ``steps``, ``lr``, ``grad_scale``, ...): a sum of N ranks' values is
+      ``terms=N + 1, scale=max sum |x_i|``; one step's gradients the one-step bound; parameters
+      after optimizer steps the optimizer's bound. Numbers are float64 unless ``dtype`` says.
+    - ``rtol``/``atol``: a stated tolerance, for what is not an equality of two computations
+      (a fit of measurements) or a bound the caller derived itself.
+    """
     import torch
 
+    if bounds and (rtol is not None or atol is not None or exact):
+        raise ValueError("compare takes either rtol/atol, exact=True, or tolerance bounds, not several")
+    exact = exact or (rtol == 0 and atol == 0)
     prefix = f"{what}: " if what else ""
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
@@ -163,27 +180,37 @@ def compare(got, expected, rtol: float = 1e-5, atol: float = 1e-6, what: str = "
             return f"{prefix}shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
         if got.dtype != expected.dtype:
             return f"{prefix}dtype {got.dtype}, expected {expected.dtype}"
-        if expected.is_floating_point():
-            ok = torch.allclose(got.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=False)
-        else:
+        bound = ""
+        if exact or not expected.is_floating_point():
             ok = torch.equal(got, expected)
+        elif rtol is not None or atol is not None:
+            ok = torch.allclose(got.double(), expected.double(), rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=False)
+        else:
+            result = tolerance.compare(got.detach(), expected.detach(), **bounds)
+            ok, bound = result.ok, f", bound {result.bound:.3g} from rounding"
         if ok:
             return None
-        diff = (got.double() - expected.double()).abs()
-        idx = int(diff.flatten().argmax())
+        diff = (got.detach().double() - expected.detach().double()).abs()
+        idx = int(diff.nan_to_num(math.inf).flatten().argmax())
         return (f"{prefix}got {_short(got)} expected {_short(expected)} "
-                f"(largest difference {float(diff.flatten()[idx]):.3g} at flat index {idx})")
+                f"(largest difference {float(diff.flatten()[idx]):.3g} at flat index {idx}{bound})")
     if isinstance(expected, (int, float)) and not isinstance(expected, bool):
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             return f"{prefix}expected a number, got {type(got).__name__}"
-        if math.isclose(float(got), float(expected), rel_tol=rtol, abs_tol=atol):
-            return None
-        return f"{prefix}got {got!r} expected {expected!r}"
+        if exact or (isinstance(expected, int) and rtol is None and atol is None and not bounds):
+            ok = got == expected
+        elif rtol is not None or atol is not None:
+            ok = math.isclose(float(got), float(expected), rel_tol=rtol or 0.0, abs_tol=atol or 0.0)
+        else:
+            bounds.setdefault("dtype", torch.float64)
+            ok = bool(tolerance.compare(torch.tensor(float(got), dtype=torch.float64),
+                                        torch.tensor(float(expected), dtype=torch.float64), **bounds))
+        return None if ok else f"{prefix}got {got!r} expected {expected!r}"
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
             return f"{prefix}expected a sequence of length {len(expected)}, got {_short(got)}"
         for i, (g, e) in enumerate(zip(got, expected)):
-            msg = compare(g, e, rtol, atol, what=f"{what}[{i}]" if what else f"[{i}]")
+            msg = compare(g, e, rtol, atol, what=f"{what}[{i}]" if what else f"[{i}]", exact=exact, **bounds)
             if msg:
                 return msg
         return None

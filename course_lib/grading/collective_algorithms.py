@@ -24,7 +24,7 @@ import torch
 
 from course_lib.grading import Case, check, compare, learner
 from course_lib.grading.p2p import (COLLECTIVES_LIBRARY, DTYPES, P2PWatch, bind, check_p2p, p2p_cases, rank_data,
-                                    rank_info, sum_of, too_many_bytes)
+                                    rank_info, sum_bounds, sum_of, too_many_bytes)
 
 # ----------------------------------------------------------------------------- broadcast
 
@@ -35,7 +35,7 @@ def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
     x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
     with P2PWatch() as w:
         fn(x, src, segments)
-    msg = compare(x, want, rtol=0, atol=0, what=f"tensor after broadcast from rank {src}")
+    msg = compare(x, want, exact=True, what=f"tensor after broadcast from rank {src}")
     if msg:
         return msg
     v = (r - src) % N                                   # position in the chain, the root is 0
@@ -76,7 +76,7 @@ def _all_reduce_harness(fn, numel, dtype, seed):
     x = rank_data(seed, r, numel, dtype)
     with P2PWatch() as w:
         fn(x)
-    msg = compare(x, sum_of(seed, N, numel, dtype).to(x.dtype), rtol=1e-4, atol=1e-5, what="tensor after all-reduce")
+    msg = compare(x, sum_of(seed, N, numel, dtype), what="tensor after all-reduce", **sum_bounds(seed, N, numel, dtype))
     return msg or too_many_bytes(w, N, numel, x.element_size(), 2, "all-reduce")
 
 
@@ -92,8 +92,9 @@ def _reduce_scatter_harness(fn, numel, dtype, seed):
     out = torch.full((numel,), -7, dtype=full.dtype)
     with P2PWatch() as w:
         fn(out, full.clone())
-    want = sum_of(seed, N, numel * N, dtype).to(full.dtype)[r * numel:(r + 1) * numel]
-    msg = compare(out, want, rtol=1e-4, atol=1e-5, what=f"output (piece {r} of the sum)")
+    want = sum_of(seed, N, numel * N, dtype)[r * numel:(r + 1) * numel]
+    msg = compare(out, want, what=f"output (piece {r} of the sum)",
+                  **sum_bounds(seed, N, numel * N, dtype, slice(r * numel, (r + 1) * numel)))
     return msg or too_many_bytes(w, N, numel * N, full.element_size(), 1, "reduce-scatter")
 
 
@@ -109,7 +110,7 @@ def _all_gather_harness(fn, numel, dtype, seed):
     with P2PWatch() as w:
         fn(out, rank_data(seed, r, numel, dtype))
     want = torch.cat([rank_data(seed, q, numel, dtype) for q in range(N)])
-    msg = compare(out, want, what="output (every rank's input, in rank order)")
+    msg = compare(out, want, exact=True, what="output (every rank's input, in rank order)")
     return msg or too_many_bytes(w, N, numel * N, out.element_size(), 1, "all-gather")
 
 
@@ -160,6 +161,9 @@ def check_fit_alpha_beta(fn) -> bool:
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             return f"return (alpha, beta), got {got!r}"
         ref = costmodel.fit_alpha_beta([("ring_all_reduce", n, N, t) for n, N, t in rows], relative=True)
+        # a fit of noisy measurements, not one computation done two ways: no rounding bound applies.
+        # 2% is the stated agreement with the reference fit (the noise of the cases is 5-10%), the
+        # atol a floor far below any alpha (1 ns) or beta (1e-14 s/B) of the cases
         return (compare(float(got[0]), ref.alpha, rtol=0.02, atol=1e-9, what="alpha")
                 or compare(float(got[1]), ref.beta, rtol=0.02, atol=1e-14, what="beta"))
 
@@ -183,7 +187,7 @@ def _tree_broadcast_harness(fn, numel, dtype, seed, src):
     x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
     with P2PWatch() as w:
         fn(x, src)
-    msg = compare(x, want, rtol=0, atol=0, what=f"tensor after broadcast from rank {src}")
+    msg = compare(x, want, exact=True, what=f"tensor after broadcast from rank {src}")
     if msg:
         return msg
     rounds, n = _log2_ceil(N), numel * x.element_size()
@@ -215,8 +219,8 @@ def _tree_reduce_harness(fn, numel, dtype, seed, dst):
         fn(x, dst)
     rounds, n = _log2_ceil(N), numel * x.element_size()
     if r == dst:
-        msg = compare(x, sum_of(seed, N, numel, dtype).to(x.dtype), rtol=1e-5, atol=1e-6,
-                      what=f"rank {dst}'s tensor after reduce (the sum over ranks)")
+        msg = compare(x, sum_of(seed, N, numel, dtype), what=f"rank {dst}'s tensor after reduce (the sum over ranks)",
+                      **sum_bounds(seed, N, numel, dtype))
         if msg:
             return msg
         if w.messages:

@@ -34,7 +34,7 @@ def _ring_shift_harness(fn, numel, dtype, seed):
         got = fn(x)
     if not isinstance(got, torch.Tensor):
         return f"expected the tensor received from the left neighbour, got {type(got).__name__}"
-    msg = compare(got, rank_data(seed, (r - 1) % N, numel, dtype), rtol=0, atol=0,
+    msg = compare(got, rank_data(seed, (r - 1) % N, numel, dtype), exact=True,
                   what=f"the tensor rank {r} received (rank {(r - 1) % N}'s)")
     if msg:
         return msg
@@ -73,7 +73,7 @@ def check_bus_bandwidth(fn) -> bool:
         want = busbw(*case.params["args"][:2], case.params["args"][3], case.params["args"][2])
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
             return f"expected bytes per second as a number, got {got!r}"
-        if not math.isclose(got, want, rel_tol=1e-9):
+        if compare(float(got), float(want), dtype=torch.float64):   # one float64 formula: rounding only
             algbw = case.params["args"][1] / case.params["args"][3]
             return (f"got {got / 1e9:.4g} GB/s, expected {want / 1e9:.4g} GB/s (algbw is {algbw / 1e9:.4g} GB/s: "
                     f"which fraction of n must the busiest rank move in this collective?)")
@@ -95,7 +95,10 @@ def _global_mean_harness(fn, rows, features, dtype, seed):
     mine = everything.tensor_split(N)[r].clone()        # (rows_r, features), rows_r may be 0
     with CollectiveWatch() as watch:
         got = fn(mine)
-    msg = compare(got, everything.double().mean(0).to(mine.dtype), rtol=1e-5, atol=1e-6,
+    # a sum of all the rows in some order, then a division (course_lib.tolerance): rows + 1 roundings
+    # of the mean of |x| per feature
+    msg = compare(got, everything.double().mean(0).to(mine.dtype), dtype=mine.dtype, terms=rows + 1,
+                  scale=float(everything.double().abs().mean(0).max()) if rows else 0.0,
                   what=f"the mean over all {rows} rows ({len(mine)} on this rank)")
     if msg:
         return msg
@@ -121,10 +124,13 @@ def check_global_mean(fn, timeout: float = 10.0) -> bool:
 def _halves_harness(fn, numel, dtype, seed, shape):
     r, N = rank_info()
     x = rank_data(seed, r, numel, dtype).reshape(shape)
-    want = torch.stack([rank_data(seed, q, numel, dtype) for q in range(N)]).sum(0).to(x.dtype).reshape(shape)
+    xs = torch.stack([rank_data(seed, q, numel, dtype) for q in range(N)]).double()   # (N, numel)
+    want = xs.sum(0).to(x.dtype).reshape(shape)
     with CollectiveWatch() as watch:
         fn(x)
-    msg = compare(x, want, rtol=1e-5, atol=1e-6, what="tensor after all-reduce (in place)")
+    # N ranks' values added in any order, + the expected value's own rounding: N + 1 terms of sum |x_i|
+    msg = compare(x, want, dtype=x.dtype, terms=N + 1, scale=float(xs.abs().sum(0).max()),
+                  what="tensor after all-reduce (in place)")
     if msg:
         return msg
     kinds = [k for k, _ in watch.calls]

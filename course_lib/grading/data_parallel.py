@@ -151,11 +151,13 @@ def _uneven_harness(sync_gradients, rows, dtype):
     if len(watch.calls) > n_params + 2:
         return (f"{len(watch.calls)} all-reduces for {n_params} parameters: one per parameter (or one flat "
                 f"buffer) and one for the row count")
+    largest = max(float(q.grad.abs().max()) for q in ref.parameters())   # one scale for all grads
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if p.grad is None:
             return f"{name}.grad is None on rank {rank} ({len(mine_x)} rows here): one device has a gradient"
-        msg = compare(p.grad, q.grad, rtol=1e-4 if dt == torch.float32 else 1e-10, atol=1e-6 if dt == torch.float32
-                      else 1e-12, what=f"{name}.grad ({len(mine_x)} of {rows} rows on this rank)")
+        # one step's gradients: the one-step bound of course_lib.tolerance in this dtype
+        msg = compare(p.grad, q.grad, dtype=dt, scale=largest,
+                      what=f"{name}.grad ({len(mine_x)} of {rows} rows on this rank)")
         if msg:
             return msg
     return None

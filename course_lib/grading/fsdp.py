@@ -222,9 +222,7 @@ def _data_sizes(sizes):
 
 
 def _single_device_sizes(sizes):
-    model = _mlp_sizes(sizes, 0)
-    reference.train(model, _data_sizes(sizes), T.sgd)
-    return [p.detach().clone() for p in model.parameters()]
+    return T.single_device(T.sgd, model=_mlp_sizes(sizes, 0), batches=_data_sizes(sizes))
 
 
 def check_fsdp_prefetch(run_units):

@@ -219,7 +219,17 @@ def rank_data(seed, rank, numel, dtype):
 
 
 def sum_of(seed, world, numel, dtype):
-    return torch.stack([rank_data(seed, q, numel, dtype) for q in range(world)]).sum(0)
+    """The ranks' rank_data summed exactly (float64, or integers), in rank_data's dtype."""
+    xs = torch.stack([rank_data(seed, q, numel, dtype) for q in range(world)])
+    return xs.double().sum(0).to(xs.dtype) if xs.is_floating_point() else xs.sum(0)
+
+
+def sum_bounds(seed, world, numel, dtype, part=slice(None)):
+    """``compare``'s bound for ``sum_of`` (elements ``part``), as course_lib.tolerance derives it:
+    ``world`` values added in any order, + the expected value's own rounding to ``dtype``, so
+    world + 1 roundings of sum |x_i|. Integers compare exactly whatever this says."""
+    terms = torch.stack([rank_data(seed, q, numel, dtype) for q in range(world)]).double().abs().sum(0)[part]
+    return dict(dtype=DTYPES[dtype], terms=world + 1, scale=float(terms.max()) if terms.numel() else 0.0)
 
 
 def p2p_cases(sizes_for, dtypes=("float32",)):
