@@ -9,6 +9,7 @@ import pytest
 
 from course_lib.costmodel import ring_all_reduce
 from course_lib.grading import performance as G
+from course_lib.grading import placement as P
 from grading_answers import fails_with, graded
 
 
@@ -154,3 +155,84 @@ def test_pipeline_plan_right_answers_pass(capsys):
 ])
 def test_pipeline_plan_wrong_answers_fail_with_a_hint(capsys, answer, hint):
     fails_with(capsys, G.check_pipeline_plan, answer, hint=hint)
+
+
+# ----------------------------------------------------------------------------- 3. placement
+def _coords(rank, sizes, order):
+    c = {}
+    for d in reversed(order):
+        rank, c[d] = divmod(rank, sizes[d])
+    return c
+
+
+def place_by_split_groups(sizes, order, gpus_per_node):
+    """Written differently: try every assignment of ranks to nodes, keep the one that splits the
+    fewest TP groups across nodes, then the fewest PP groups (DP crosses the network last)."""
+    import itertools
+
+    world = math.prod(sizes[d] for d in order)
+    coords = [_coords(r, sizes, order) for r in range(world)]
+
+    def split(nodes, dim):              # groups along dim whose ranks sit on more than one node
+        groups = {}
+        for r, c in enumerate(coords):
+            groups.setdefault(tuple(v for d, v in c.items() if d != dim), set()).add(nodes[r])
+        return sum(len(g) > 1 for g in groups.values())
+
+    fits = [n for n in itertools.product(range(world // gpus_per_node), repeat=world)
+            if all(n.count(k) == gpus_per_node for k in set(n))]
+    return list(min(fits, key=lambda n: (split(n, "tp") if "tp" in sizes else 0,
+                                         split(n, "pp") if "pp" in sizes else 0)))
+
+
+def block_placement(sizes, order, gpus_per_node):      # the launcher's order as it comes
+    return [r // gpus_per_node for r in range(math.prod(sizes.values()))]
+
+
+def cyclic_placement(sizes, order, gpus_per_node):     # SLURM's --distribution=cyclic
+    world = math.prod(sizes.values())
+    return [r % (world // gpus_per_node) for r in range(world)]
+
+
+def dp_inside_the_node(sizes, order, gpus_per_node):   # "keep the gradient all-reduce off the network"
+    world = math.prod(sizes.values())
+    other = [d for d in order if d != "dp"]
+    return [_coords(r, sizes, order).get(other[0], 0) if "dp" in sizes else r // gpus_per_node
+            for r in range(world)]
+
+
+def order_read_backwards(sizes, order, gpus_per_node):  # the first dim taken as the innermost
+    return place_by_split_groups(sizes, tuple(reversed(order)), gpus_per_node)
+
+
+def planner_shortcut(sizes, order, gpus_per_node):
+    from course_lib import planner
+
+    planner.estimate(None, None, None)
+    return [0, 0, 1, 1]
+
+
+def place_tp_innermost(sizes, order, gpus_per_node):
+    """The solution's idea: renumber every rank with TP innermost, then DP outermost; fill nodes in that order."""
+    world = math.prod(sizes[d] for d in order)
+    out = []
+    for r in range(world):
+        c, slot = _coords(r, sizes, order), 0
+        for d in (d for d in ("dp", "pp", "cp", "tp") if d in order):
+            slot = slot * sizes[d] + c[d]
+        out.append(slot // gpus_per_node)
+    return out
+
+
+def test_placement_right_answers_pass(capsys):
+    for answer in (place_tp_innermost, place_by_split_groups):
+        ok, line = graded(capsys, P.check_placement, answer)
+        assert ok and line == "placement: 3/3 cases passed", line
+
+
+@pytest.mark.parametrize("answer, case", [(block_placement, 2), (cyclic_placement, 1), (dp_inside_the_node, 1),
+                                          (order_read_backwards, 1), (planner_shortcut, 1)])
+def test_placement_wrong_answers_fail_with_a_hint(capsys, answer, case):
+    hint = "write this yourself" if answer is planner_shortcut else "keep it on one node's NVLink"
+    line = fails_with(capsys, P.check_placement, answer, hint=hint)
+    assert f"case {case}/3" in line, line

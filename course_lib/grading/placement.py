@@ -1,0 +1,136 @@
+"""Chapter 9's performance question, graded on the virtual GPU clock: place a mesh on nodes.
+
+    check_placement(place)    # place(sizes, order, gpus_per_node) -> node of each rank
+
+Two virtual nodes of 2 H100s (NVLink inside, the network across). The grader runs one
+``parallelize_nd`` training step for every way to pair the 4 ranks into the nodes (the
+clock's node map switched between steps of one launch) and accepts a placement within 1% of
+the fastest, on three models, meshes and rank orders: TP, which all-reduces in every layer,
+belongs inside a node. While the learner's function runs, the planner, the virtual runs and
+``launch`` are switched off.
+"""
+from __future__ import annotations
+
+import torch
+
+from course_lib.grading import Case, check, learner
+from course_lib.launch import launch
+from course_lib.virtual import VirtualCluster
+
+__all__ = ["check_placement"]
+
+# what would answer for the learner: the planner's layout search and pricing, running steps
+PLACEMENT_LIBRARY = ("course_lib.planner:*", "course_lib.planner.search:*", "course_lib.planner.layout:*",
+                     "course_lib.planner.estimate:*", "course_lib.launch:launch",
+                     "course_lib.grading.placement:_*")
+
+
+class _PlacedCluster(VirtualCluster):
+    """A VirtualCluster whose rank r sits on node ``nodes[r]`` (set between steps; None: blocks
+    of ``gpus_per_node`` consecutive ranks, VirtualCluster's own placement)."""
+
+    nodes = None
+
+    def node(self, rank: int) -> int:
+        return self.nodes[rank] if self.nodes is not None else rank // self.gpus_per_node
+
+
+def _canonical(nodes):
+    """The node numbering by first appearance: two placements that only rename nodes are equal."""
+    names = {}
+    return [names.setdefault(n, len(names)) for n in nodes]
+
+
+def _placement_steps(cfg_dict, sizes, kw, batch, placements):
+    """One warm-up step, then one step per placement (the clock's node map switched between
+    steps): per placement, this rank's (start, end) of the step in virtual seconds."""
+    from course_lib import reference, trace
+    from course_lib.collectives import Comm
+    from course_lib.gpt import GPTConfig, TinyGPT
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    cfg = GPTConfig(**cfg_dict)
+    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**sizes), **kw)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
+    cluster, out = trace.clock().cluster, []
+    for nodes in [None] + list(placements):
+        cluster.nodes = nodes
+        Comm(None).barrier()
+        trace.reset()
+        with trace.span("step", "other"):
+            net.step(x, y)
+            opt.step()
+            opt.zero_grad()
+        s = next(s for s in trace.spans() if s.name == "step")
+        out.append((s.start, s.end))
+    return out[1:]
+
+
+PLACEMENT_HW, PLACEMENT_GPN = "h100-sxm", 2          # 2 virtual nodes of 2 H100s: 4 ranks
+PAIRINGS = [[0, 0, 1, 1], [0, 1, 0, 1], [0, 1, 1, 0]]  # every way to put 4 ranks on 2 nodes of 2
+PLACEMENT_CASES = [  # (label, TinyGPT config, mesh sizes, parallelize_nd options, the learner's rank order)
+    ("4 blocks of width 64, dp=2 x tp=2, ranks numbered dp-major",
+     dict(vocab_size=128, seq_len=16, n_layers=4, hidden=64, n_heads=4), dict(dp=2, tp=2), {}, ("dp", "tp")),
+    ("2 blocks of width 128, dp=2 x tp=2, ranks numbered tp-major",
+     dict(vocab_size=128, seq_len=16, n_layers=2, hidden=128, n_heads=4), dict(dp=2, tp=2), {}, ("tp", "dp")),
+    ("4 blocks of width 64, pp=2 x tp=2 (2 micro-batches), ranks numbered tp-major",
+     dict(vocab_size=128, seq_len=16, n_layers=4, hidden=64, n_heads=4), dict(pp=2, tp=2),
+     dict(microbatches=2), ("tp", "pp")),
+]
+
+
+def _course_rank(coords, sizes):
+    """The course Mesh's rank of ``coords``: TP innermost, then CP, PP, DP."""
+    s = {d: sizes.get(d, 1) for d in ("dp", "pp", "cp", "tp")}
+    return ((coords.get("dp", 0) * s["pp"] + coords.get("pp", 0)) * s["cp"] + coords.get("cp", 0)) * s["tp"] \
+        + coords.get("tp", 0)
+
+
+def _coords(rank, sizes, order):
+    """Coordinates of ``rank`` numbered with ``order`` (outermost first, last innermost)."""
+    out = {}
+    for d in reversed(order):
+        rank, out[d] = divmod(rank, sizes[d])
+    return out
+
+
+def check_placement(place):
+    """place(sizes, order, gpus_per_node) -> node_of_rank: the node of each rank (ranks numbered
+    with ``order``, outermost dim first), gpus_per_node ranks per node. Graded on 2 virtual nodes
+    of 2 H100s: one training step per way to pair the ranks into nodes, the learner's must be
+    within 1% of the fastest, on three models / meshes / rank orders."""
+    cases = [Case(dict(cfg=c, sizes=s, kw=k, order=o), world_size=4, label=label)
+             for label, c, s, k, o in PLACEMENT_CASES]
+    answer = learner(place, PLACEMENT_LIBRARY, exercise="placing the mesh on the nodes", seconds=10)
+
+    def run(case):
+        from course_lib.gpt import GPTConfig
+
+        k = case.params
+        sizes, order, world = k["sizes"], k["order"], case.world_size
+        got = answer(dict(sizes), tuple(order), PLACEMENT_GPN)
+        if not (isinstance(got, (list, tuple)) and len(got) == world
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in got)):
+            return f"expected a list of {world} node numbers (one per rank), got {got!r}"
+        if sorted(got.count(n) for n in set(got)) != [PLACEMENT_GPN] * (world // PLACEMENT_GPN):
+            return f"{list(got)}: each of the {world // PLACEMENT_GPN} nodes holds exactly {PLACEMENT_GPN} ranks"
+        nodes = [0] * world                     # the course mesh's rank -> node
+        for r, n in enumerate(got):
+            nodes[_course_rank(_coords(r, sizes, order), sizes)] = n
+        mine = PAIRINGS.index(_canonical(nodes))
+        cfg = GPTConfig(**k["cfg"])
+        res = launch(_placement_steps, world, dict(cfg.__dict__), sizes, k["kw"], 8, PAIRINGS,
+                     clock=_PlacedCluster(PLACEMENT_HW, PLACEMENT_GPN, torch.bfloat16), threads=1, timeout=60, quiet=True)
+        steps = [max(r[i][1] for r in res) - min(r[i][0] for r in res) for i in range(len(PAIRINGS))]
+        best = min(range(len(steps)), key=steps.__getitem__)
+        if steps[mine] > steps[best] * 1.01:
+            groups = lambda p: sorted(sorted(r for r in range(world) if p[r] == n) for n in set(p))
+            return (f"nodes {list(got)} (mesh ranks {groups(nodes)} together): step {steps[mine] * 1e6:.0f} us, "
+                    f"but {groups(PAIRINGS[best])} take {steps[best] * 1e6:.0f} us: a TP group all-reduces in "
+                    f"every layer, so keep it on one node's NVLink; DP's one gradient all-reduce per step can "
+                    f"cross the network")
+        return None
+
+    return check("placement", cases, run)
