@@ -219,7 +219,9 @@ def check_pipeline_plan(choose_m_v):
                     f"{peak:g} GiB > budget {k['budget']:g} GiB (interleaving warms up with "
                     f"2(p-1) + (v-1)p + 1 chunk forwards, each 1/v of the layers)")
         if best is None or m > best:
-            return f"(m={m}, v={v}) fits, but m = {best} micro-batches are enough (a smaller global batch)"
+            return (f"(m={m}, v={v}) fits, but m = {best} micro-batches are enough (a smaller global batch; "
+                    f"the bubble as a fraction of the step is (p-1)/(v m + p - 1), (p-1)/(v m) is relative to "
+                    f"the ideal time)")
         return None
 
     return check("pipeline_plan", cases, run)
