@@ -53,6 +53,25 @@ def _zero1_two_ranks(flat, flat_grad, shard, opt):     # hard-coded to 2 ranks
     compat.all_gather_into_tensor(flat, shard.detach())
 
 
+def _zero1_gather_first(flat, flat_grad, shard, opt):  # gathers the slices before the step: one step stale
+    grad = torch.empty_like(shard)
+    compat.reduce_scatter_tensor(grad, flat_grad)
+    shard.grad = grad / dist.get_world_size()
+    compat.all_gather_into_tensor(flat, shard.detach())
+    opt.step()
+
+
+def _zero1_sum_cleared(flat, flat_grad, shard, opt):    # the sum, and shard.grad cleared after the step
+    _zero1_sum(flat, flat_grad, shard, opt)
+    opt.zero_grad()
+
+
+def _zero1_two_steps(flat, flat_grad, shard, opt):      # steps twice (AdamW's bound in fp32 is ~lr a step)
+    _zero1_two_ranks(flat, flat_grad, shard, opt)
+    opt.step()
+    compat.all_gather_into_tensor(flat, shard.detach())
+
+
 def _zero1_library(flat, flat_grad, shard, opt):
     from course_lib.parallel.zero import ShardedOptimizer
 
@@ -65,7 +84,10 @@ def _zero1_library(flat, flat_grad, shard, opt):
     (_zero1_sum, ["case 1/", "shard.grad (the mean over ranks"]),
     (_zero1_library, ["write this yourself: the exercise is the ZeRO-1 step"]),
     (_zero1_two_ranks, ["case 2/", "world_size=3"]),
-], ids=["all-reduce", "broadcasts", "sum", "library", "two-ranks"])
+    (_zero1_gather_first, ["case 1/", "flat after the step"]),
+    (_zero1_sum_cleared, ["case 1/", "shard.grad (the mean over ranks"]),
+    (_zero1_two_steps, ["case 1/", "called 2 times"]),
+], ids=["all-reduce", "broadcasts", "sum", "library", "two-ranks", "gather-first", "sum-cleared", "two-steps"])
 def test_zero1_step_refuses(wrong, hints, capsys):
     refused(capsys, "zero1_step", G.check_zero1_step(wrong), *hints)
 

@@ -45,6 +45,8 @@ def _zero_traffic_hint(watch, world):
 def _zero1_harness(zero1_step):
     import torch.distributed as dist
 
+    from course_lib import compat
+
     rank, world = dist.get_rank(), dist.get_world_size()
     model = T.mlp(rank)
     params = list(model.parameters())
@@ -61,6 +63,9 @@ def _zero1_harness(zero1_step):
     shard = flat[rank * shard_size:(rank + 1) * shard_size].clone()  # this rank's master slice
     answer = learner(zero1_step, ZERO_LIBRARY, exercise="the ZeRO-1 step")
     optimizer = torch.optim.AdamW([shard], lr=1e-2, weight_decay=0.1)
+    stepped = []   # shard.grad as each optimizer.step() found it: fp32 AdamW's parameter bound is
+    # ~lr per step (course_lib.tolerance), so the gradient, the step count and the gather are checked
+    optimizer.register_step_pre_hook(lambda *_: stepped.append(None if shard.grad is None else shard.grad.clone()))
     for batch in T.data():
         x, y = T.local(batch, rank, world)
         F.mse_loss(model(x), y).backward()
@@ -72,18 +77,26 @@ def _zero1_harness(zero1_step):
         magnitude = flat_grad.abs()                    # sum over ranks of |g_i|: the bound's scale
         dist.all_reduce(magnitude)
         magnitude = float(magnitude[rank * shard_size:(rank + 1) * shard_size].max()) / world
+        stepped.clear()
         with T.CollectiveWatch() as watch:
             answer(flat, flat_grad, shard, optimizer)
         hint = _zero_traffic_hint(watch, world)
         if hint:
             return hint
-        if shard.grad is not None:                     # AdamW hides a scale: check the gradient itself
+        if len(stepped) != 1:
+            return f"optimizer.step() was called {len(stepped)} times in one zero1_step: once per step"
+        if stepped[0] is not None:                     # AdamW hides a scale: check the gradient itself
             # world ranks' gradients summed in any order, then divided: world + 1 roundings of
             # sum |g_i| / world on each side (course_lib.tolerance), a sum for the mean is off by x world
-            msg = compare(shard.grad, mean, dtype=mean.dtype, terms=world + 1, scale=magnitude,
+            msg = compare(stepped[0], mean, dtype=mean.dtype, terms=world + 1, scale=magnitude,
                           what="shard.grad (the mean over ranks of this rank's slice)")
             if msg:
                 return msg
+        gathered = torch.empty_like(flat)              # every rank's updated shard: a copy, so exact
+        compat.all_gather_into_tensor(gathered, shard.detach())
+        msg = compare(flat, gathered, exact=True, what="flat after the step (every rank's updated shard)")
+        if msg:
+            return msg
         model.zero_grad()
     state = optimizer.state.get(shard, {})
     if "exp_avg" not in state:
