@@ -30,6 +30,7 @@ class VirtualStep:
     step_time: float        # virtual seconds: first rank's start to last rank's end
     kernels: list           # per rank: kernels its compute stream ran in the step
     comm: dict              # mesh dim -> the busiest rank's seconds in that dim's communication
+    calls: dict             # mesh dim -> communication calls rank 0 made in that dim
     spans: list             # the step, every rank (trace.Span in virtual seconds)
 
 
@@ -64,12 +65,14 @@ def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) ->
     res = launch(_rank_step, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch,
                  threads=1, timeout=300, clock=cluster)
     steps = [s for s in res.spans if s.name == "step"]
-    comm = {}
+    comm, calls = {}, {}
     for s in res.spans:
         if s.kind == "comm" and s.dim and not s.name.startswith("send"):   # a send overlaps its recv
             comm.setdefault(s.dim, [0.0] * shape.world_size)[s.rank] += s.duration
+            calls[s.dim] = calls.get(s.dim, 0) + (s.rank == 0)
     return VirtualStep(dict(layout), dict(kw), max(s.end for s in steps) - min(s.start for s in steps),
-                       list(res), {d: max(t) for d, t in comm.items()}, [s for s in res.spans if s.name != "step"])
+                       list(res), {d: max(t) for d, t in comm.items()}, calls,
+                       [s for s in res.spans if s.name != "step"])
 
 
 def planner_layout(layout: dict, kw: dict, batch: int):

@@ -24,6 +24,7 @@ def test_dp_step_is_deterministic_and_priced_by_its_parts():
     params = sum(p.numel() for p in TinyGPT(CFG).parameters())
     one_all_reduce = costmodel.ring_all_reduce(2 * params, 2, alpha, 1 / bw)   # bf16 gradients, one bucket
     assert a.comm["dp"] >= one_all_reduce * (1 - 1e-9)
+    assert a.calls["dp"] >= 1 and a.comm["dp"] >= a.calls["dp"] * 2 * alpha * (1 - 1e-9)   # 2(N-1) steps each
     assert a.step_time >= a.kernels[0] * H100.launch_overhead + a.comm["dp"] * (1 - 1e-9)
     assert a.step_time <= a.kernels[0] * (H100.launch_overhead + 1e-6) + a.comm["dp"]
 
