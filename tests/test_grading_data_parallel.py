@@ -55,28 +55,23 @@ def test_ddp_hook_accepts_dividing_after(capsys):
 
 
 # ----------------------------------------------------------------------------- buckets
-def _buckets_forward(params, cap):                     # first to last: the last bucket is ready first
+def _greedy(indices, nbytes, cap):                      # fill a bucket up to cap, in the order given
     out, cur, size = [], [], 0
-    for i, p in enumerate(params):
-        n = p.numel() * p.element_size()
-        if cur and size + n > cap:
+    for i in indices:
+        if cur and size + nbytes(i) > cap:
             out.append(cur)
             cur, size = [], 0
         cur.append(i)
-        size += n
+        size += nbytes(i)
     return out + ([cur] if cur else [])
+
+
+def _buckets_forward(params, cap):                     # first to last: the last bucket is ready first
+    return _greedy(range(len(params)), lambda i: params[i].numel() * params[i].element_size(), cap)
 
 
 def _buckets_numel_times_4(params, cap):               # every element 4 bytes, one dtype
-    out, cur, size = [], [], 0
-    for i in reversed(range(len(params))):
-        n = params[i].numel() * 4
-        if cur and size + n > cap:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    return out + ([cur] if cur else [])
+    return _greedy(reversed(range(len(params))), lambda i: params[i].numel() * 4, cap)
 
 
 def _buckets_library(params, cap):

@@ -85,24 +85,23 @@ def _run_gather_all_first(order, start_gather, compute, free):   # everything ga
         free(k)
 
 
-def _run_never_free(order, start_gather, compute, free):
-    pending = start_gather(order[0])
-    for i, k in enumerate(order):
-        full = pending.wait()
-        if i + 1 < len(order):
-            pending = start_gather(order[i + 1])
-        compute(k, full)
-
-
-def _run_fixed_order(order, start_gather, compute, free):   # the lecture's forward order, whatever order says
-    units = sorted(order)
+def _run_prefetching(units, start_gather, compute, free=None):   # the next gather before this compute
     pending = start_gather(units[0])
     for i, k in enumerate(units):
         full = pending.wait()
         if i + 1 < len(units):
             pending = start_gather(units[i + 1])
         compute(k, full)
-        free(k)
+        if free is not None:
+            free(k)
+
+
+def _run_never_free(order, start_gather, compute, free):
+    _run_prefetching(order, start_gather, compute)
+
+
+def _run_fixed_order(order, start_gather, compute, free):   # the lecture's forward order, whatever order says
+    _run_prefetching(sorted(order), start_gather, compute, free)
 
 
 def _run_library(order, start_gather, compute, free):
