@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import collectives as C
-from course_lib.grading import Case, GradeFailed, Shortcut, TimeLimit, check, check_distributed, learner, learner_class
+from course_lib import tolerance
+from course_lib.grading import (Case, GradeFailed, Shortcut, TimeLimit, check, check_distributed, compare, learner,
+                                learner_class)
 from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off
 
 
@@ -105,3 +107,21 @@ def test_in_a_notebook_a_failure_raises_one_line(monkeypatch, capsys):
     assert str(err.value) == "t: FAILED case 1/1 (the only case): got 1 expected 2"
     assert err.value._render_traceback_() == ["\x1b[31m" + str(err.value) + "\x1b[0m"]
     assert capsys.readouterr().out.strip() == "t: 1/1 cases passed"  # the pass line only
+
+
+def test_compare_uses_the_derived_bound_unless_told_exact_or_a_stated_tolerance():
+    want = torch.linspace(-1, 1, 9)                               # fp32, max |want| = 1
+    bound = tolerance.reorder_bound(torch.float32, 3) * 2.0       # 3 terms of sum |x_i| = 2
+    assert compare(want + 0.9 * bound, want, dtype=torch.float32, terms=3, scale=2.0) is None
+    msg = compare(want + 1.1 * bound, want, dtype=torch.float32, terms=3, scale=2.0, what="sum")
+    assert msg.startswith("sum: got") and f"bound {bound:.3g} from rounding" in msg, msg
+    assert compare(want * 2, want) is not None                    # a sum for a mean: far outside
+    assert compare(want + 1e-4, want) is None                     # default: the course's TERMS, 4.9e-4 of 1
+    assert compare(want.nextafter(torch.full_like(want, 2)), want, exact=True) is not None   # one ulp
+    assert compare(torch.arange(3), torch.arange(3) + 1) is not None            # integers: exactly
+    assert compare(1.02, 1.0, rtol=0.02) is None and compare(1.03, 1.0, rtol=0.02) is not None
+    assert compare([1, 2], [1, 2]) is None and compare(3, 4) is not None
+    after_sgd = dict(dtype=torch.float32, optimizer="sgd", steps=4, lr=0.1, grad_scale=1.0)
+    assert compare(want + 1e-5, want, **after_sgd) is None and compare(want + 1e-3, want, **after_sgd)
+    with pytest.raises(ValueError, match="not several"):
+        compare(want, want, rtol=1e-5, terms=3)
