@@ -48,6 +48,29 @@ def test_classes_methods_and_torch_are_switched_off_and_restored():
     assert dist.all_reduce.__code__.co_name != "stub"
 
 
+class _WithInit(torch.nn.Module):
+    def __init__(self, width, *, bias=True):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width, bias=bias)
+
+
+class _Inherits(_WithInit):
+    pass
+
+
+def test_a_switched_off_class_can_be_built_with_arguments_afterwards():
+    """Switching a class off must not break it for the rest of the process (assigning and then
+    deleting a class's __new__ does: CPython then hands the arguments to object.__new__)."""
+    from course_lib.moe import MoE
+
+    for cls, args in ((_WithInit, (3,)), (_Inherits, (3,)), (MoE, (8, 16, 4, 1))):
+        with switched_off([cls], "the layer"):
+            with pytest.raises(Shortcut, match="write this yourself"):
+                cls(*args)
+        assert isinstance(cls(*args), cls)           # built again, with its arguments
+    assert isinstance(_Inherits(2, bias=False), _WithInit)
+
+
 def test_an_autograd_function_class_runs_guarded():
     class Double(torch.autograd.Function):
         @staticmethod

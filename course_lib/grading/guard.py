@@ -135,6 +135,23 @@ def _label(owner, name, obj) -> str:
     return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _switch_off_code(raw, message: str):
+    """Swap a Python function's code for one raising Shortcut; returns the restore function."""
+    key = ("code", id(raw))
+    if key not in _ACTIVE:
+        _ACTIVE[key] = [raw, raw.__code__, 0]
+        raw.__code__ = _stub_code(raw.__code__, message)
+    _ACTIVE[key][2] += 1
+
+    def restore():
+        entry = _ACTIVE[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            entry[0].__code__ = entry[1]
+            del _ACTIVE[key]
+    return restore
+
+
 def _switch_off(target, exercise: str):
     """Switch one target off; returns a function that switches it back on."""
     resolved = _resolve(target)
@@ -146,27 +163,20 @@ def _switch_off(target, exercise: str):
                f"your function runs)")
     raw = getattr(obj, "__func__", obj)  # a bound or class method: its function
     if hasattr(raw, "__code__"):           # a Python function: every reference to it is off
-        key = ("code", id(raw))
-        if key not in _ACTIVE:
-            _ACTIVE[key] = [raw, raw.__code__, 0]
-            raw.__code__ = _stub_code(raw.__code__, message)
-        _ACTIVE[key][2] += 1
-
-        def restore():
-            entry = _ACTIVE[key]
-            entry[2] -= 1
-            if entry[2] == 0:
-                entry[0].__code__ = entry[1]
-                del _ACTIVE[key]
-        return restore
+        return _switch_off_code(raw, message)
     if isinstance(obj, type):              # a class: constructing it raises
-        owner, name = obj, "__new__"
-        saved_attr = obj.__dict__.get("__new__")
+        # Through __init__, never __new__: once a __new__ assigned to a class is deleted again,
+        # CPython's tp_new slot passes the arguments on to object.__new__, and the class can
+        # no longer be built anywhere in the process ("object.__new__() takes exactly one
+        # argument"). A class's own __init__ is switched off like any function.
+        own_init = obj.__dict__.get("__init__")
+        if hasattr(own_init, "__code__"):
+            return _switch_off_code(own_init, message)
+        owner, name, saved_attr = obj, "__init__", None   # inherited: a refusing one, deleted after
 
-        def refuse(cls, *args, **kwargs):
+        def replacement(self, *args, **kwargs):
             raise Shortcut(message)
-        key = ("attr", id(obj), "__new__")
-        replacement = staticmethod(refuse)
+        key = ("attr", id(obj), "__init__")
     else:                                  # a builtin method (ProcessGroup.allreduce): replace the attribute
         if owner is None:
             raise TypeError(f"cannot switch off {obj!r}: name it as 'module:attr'")
