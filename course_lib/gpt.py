@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_positions, rotary_rows, rotary_tables)
+from course_lib.recompute import layer_policies, recompute, set_recompute
 
 
 @dataclass
@@ -54,6 +55,7 @@ class GPTConfig:
     top_k: int = 1               # experts per token
     capacity_factor: float = 1.25
     moe_aux_coef: float = 0.01   # weight of the load-balancing loss (Switch's alpha)
+    recompute: object = "none"   # "none", "selective", "full", or one per block (course_lib.recompute)
 
     def __post_init__(self):
         if self.block not in ("llama", "gpt2"):
@@ -72,6 +74,9 @@ class GPTConfig:
         if self.n_experts:
             from course_lib.moe import check_moe_config
             check_moe_config(self.n_experts, self.top_k, self.capacity_factor)
+        if not isinstance(self.recompute, str):
+            self.recompute = tuple(self.recompute)
+        layer_policies(self.recompute, self.n_layers)   # ValueError naming an unknown policy
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.ffn_hidden is None:
@@ -153,6 +158,16 @@ class Attention(nn.Module):
     def n_kv_heads(self) -> int:
         return self.wk.weight.shape[0] // self.head_dim
 
+    recompute = "none"   # "selective": the core keeps Q, K, V only, re-run in backward
+
+    def attend(self, q, k, v, q_pos=None, k_pos=None, future=None):  # (b, a, s, d) -> (b, a, s, d)
+        """The attention core, softmax(q k^T / sqrt(d)) v, recomputed in backward if selective."""
+        def core(q, k, v):
+            return causal_attention(q, k, v, q_pos, k_pos, self.attn_dropout, future)
+        if self.recompute == "selective":
+            return recompute(core, (q, k, v), rng_of=(self.attn_dropout,))
+        return core(q, k, v)
+
     def forward(self, x, positions=None):  # (b, s, h) -> (b, s, h); positions (s,) or None
         b, s, _ = x.shape
         d = self.head_dim
@@ -164,7 +179,7 @@ class Attention(nn.Module):
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         future = self.future_mask[:s, :s] if positions is None else None  # else built from positions
-        y = causal_attention(q, k, v, positions, positions, self.attn_dropout, future)  # (b, a, s, d)
+        y = self.attend(q, k, v, positions, positions, future)  # (b, a, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, a * d) -> (b, s, h)
 
 
@@ -258,7 +273,14 @@ class Block(nn.Module):
         self.attn_out_dropout = Dropout(cfg.dropout)
         self.mlp_out_dropout = Dropout(cfg.dropout)
 
+    recompute = "none"   # "full": keep only x, re-run the block in backward (course_lib.recompute)
+
     def forward(self, x, positions=None):  # (b, s, h) -> (b, s, h)
+        if self.recompute == "full":
+            return recompute(lambda x: self.layer(x, positions), (x,), params_of=(self,))
+        return self.layer(x, positions)
+
+    def layer(self, x, positions=None):  # the block's arithmetic
         x = x + self.attn_out_dropout(self.attn(self.attn_norm(x), positions))
         return x + self.mlp_out_dropout(self.mlp(self.mlp_norm(x)))
 
@@ -286,6 +308,7 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one Parameter, two names
+        set_recompute(self, cfg.recompute)
         self.init_weights(seed)
 
     @torch.no_grad()

@@ -25,30 +25,38 @@ from course_lib.parallel.mesh import DIMS, MeshShape, get_reduce_dims, set_reduc
 from course_lib.parallel.pipeline import split_stages, tie_embeddings
 from course_lib.parallel.pipeline_runtime import PipelineRuntime
 from course_lib.parallel.tp_plan import parallelize
+from course_lib.precision.mixed import MasterWeights, cast_buffers, check_precision
+from course_lib.recompute import set_recompute
 from course_lib.schedules import SCHEDULES
 
 
 def parallelize_nd(model, mesh, *, microbatches=1, schedule="1f1b", v=1, sequence_parallel=True,
-                   cp_method="ring", cp_layout="zigzag", data="ddp", seed=0) -> "NDParallel":
-    """The same single-device ``model`` on every rank -> this rank's part of it, on ``mesh``."""
+                   cp_method="ring", cp_layout="zigzag", data="ddp", recompute=None, precision="full",
+                   seed=0) -> "NDParallel":
+    """The same single-device ``model`` on every rank -> this rank's part of it, on ``mesh``.
+    ``recompute``: a policy or one per block (course_lib.recompute; None: the model's own);
+    ``precision``: a name of course_lib.precision.mixed (bf16 compute, masters in the model's dtype)."""
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"parallelize_nd cuts a course_lib TinyGPT, got {type(model).__name__}")
+    recompute = model.config.recompute if recompute is None else recompute
     check_layout(model.config, **mesh.sizes, ep=mesh.ep, microbatches=microbatches, schedule=schedule, v=v,
-                 sequence_parallel=sequence_parallel, cp_method=cp_method, cp_layout=cp_layout, data=data)
+                 sequence_parallel=sequence_parallel, cp_method=cp_method, cp_layout=cp_layout, data=data,
+                 recompute=recompute, precision=precision)
     sp = sequence_parallel and mesh.sizes["tp"] > 1
     stages = split_stages(model, mesh, v)             # 1. PP: this rank's stages (a tied weight re-tied)
     for st in stages.values():
         apply_tp(st.part, mesh, sp, seed)             # 2. TP (+ SP): matrices split over "tp"
         apply_cp(st.part, mesh, cp_method, cp_layout)  # 3. CP: attention a ring (or Ulysses) over "cp"
         apply_ep(st.part, mesh)                       # 4. EP: E / ep experts per rank, over "ep"
+        set_recompute(st.part, recompute, st.layers)  # 5. what each block keeps for backward
     tie_embeddings(stages, mesh.sizes["pp"] * v)      # pp = 1, v > 1: embedding and head one weight again
     for st in stages.values():
-        mark_reduce_dims(st, mesh, fsdp=data == "fsdp")   # 5. the dims each gradient is summed over
+        mark_reduce_dims(st, mesh, fsdp=data == "fsdp")   # 6. the dims each gradient is summed over
     slices = {s: tp_slices(st) for s, st in stages.items()}   # where each TP shard sits (before FSDP)
-    modules, grad_sync = apply_data_parallel(stages, mesh, data)   # 6. DDP (GradSync) or FSDP
+    modules, grad_sync, master = apply_data_parallel(stages, mesh, data, precision)   # 7. DDP or FSDP
     return NDParallel(stages, mesh, modules=modules, grad_sync=grad_sync, tp_slices=slices,
                       microbatches=microbatches, schedule=schedule, v=v, sequence_parallel=sp,
-                      cp_layout=cp_layout)
+                      cp_layout=cp_layout, master=master, act_dtype=check_precision(precision)[0])
 
 
 def apply_tp(part, mesh, sequence_parallel, seed=0):
@@ -101,16 +109,26 @@ def tp_slices(stage):
     return {n: getattr(q, "tp_shard", None) for n, q in stage.part.named_parameters(remove_duplicate=False)}
 
 
-def apply_data_parallel(stages, mesh, data="ddp"):
+def apply_data_parallel(stages, mesh, data="ddp", precision="full"):
     """DP: a GradSync over the marked parameters, after the schedule ("ddp"); or each stage
     sharded over ("dp", "cp") (torchtitan's ``dp_shard_cp``), reduce-scattering ("fsdp").
-    Returns ({stage: the module the schedule runs}, grad_sync or None)."""
+    Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
+    gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
+    them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
+    Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
+    compute, reduce = check_precision(precision)
     if data == "fsdp":
-        return {s: FSDP(st, mesh=mesh, dims=("dp", "cp"), units=list(st.part.blocks), divisor=1)
-                for s, st in stages.items()}, None
-    params = [q for q in {id(q): q for st in stages.values() for q in st.parameters()}.values()
-              if get_reduce_dims(q, ())]
-    return dict(stages), (GradSync(params, mesh, divisor=1) if params else None)
+        return {s: FSDP(st, compute, reduce_dtype=reduce, mesh=mesh, dims=("dp", "cp"), units=list(st.part.blocks),
+                        divisor=1) for s, st in stages.items()}, None, None
+    params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
+    master = None
+    if compute is not None:
+        master = MasterWeights(params, compute, reduce)
+        for st in stages.values():
+            cast_buffers(st, compute)
+        params = master.parameters() if master.reduce_on_master else params
+    params = [q for q in params if get_reduce_dims(q, ())]
+    return dict(stages), (GradSync(params, mesh, divisor=1) if params else None), master
 
 
 class NDParallel(PipelineRuntime):
@@ -118,9 +136,9 @@ class NDParallel(PipelineRuntime):
     GLOBAL batch. With pp = 1 the schedule is plain gradient accumulation over ``microbatches``."""
 
     def __init__(self, stages, mesh, *, modules, grad_sync, tp_slices, microbatches=1, schedule="1f1b", v=1,
-                 sequence_parallel=False, cp_layout="zigzag"):
+                 sequence_parallel=False, cp_layout="zigzag", master=None, act_dtype=None):
         super().__init__(stages, mesh, schedule=schedule, microbatches=microbatches, v=v, modules=modules,
-                         grad_sync=grad_sync)
+                         grad_sync=grad_sync, master=master, act_dtype=act_dtype)
         self.cfg, self.sizes = next(iter(stages.values())).part.config, dict(mesh.sizes, ep=mesh.ep)
         self.sp, self.cp_layout, self.tp_slices = sequence_parallel, cp_layout, tp_slices
 
@@ -160,7 +178,7 @@ class NDParallel(PipelineRuntime):
             prefix = "part." if mod is st else ""
             for local, q in mod.named_parameters(remove_duplicate=False):
                 name = local.removeprefix("module.").removeprefix(prefix).removeprefix("part.")
-                out[_model_name(name, st, self.mesh)] = q
+                out[_model_name(name, st, self.mesh)] = self.master.of[id(q)] if self.master else q
         return out
 
     def shards(self) -> dict:
@@ -171,6 +189,7 @@ class NDParallel(PipelineRuntime):
             mod = self.modules[s]
             full = mod.gather_full_params() if isinstance(mod, FSDP) else None
             for local, q in st.part.named_parameters(remove_duplicate=False):
+                q = self.master.of[id(q)] if self.master else q       # mixed precision: the master
                 value = q.detach() if full is None else full["part." + local]
                 out[_model_name(local, st, self.mesh)] = (value.clone(), self.tp_slices[s][local])
         return out

@@ -287,19 +287,20 @@ def _heads_to_seq(x, comm):
     return recv.transpose(0, 1).reshape(b, n * h, s // n, d)           # (b, h, s/N, d)
 
 
-def ulysses_attention(q, k, v, positions, comm):
+def ulysses_attention(q, k, v, positions, comm, attention=causal_attention):
     """DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, all-to-all back.
-    Any layout works: the gathered positions say where every token sits."""
+    Any layout works: the gathered positions say where every token sits. ``attention``: the
+    core on a/N heads (``Attention.attend``: recomputed there under selective recomputation)."""
     n = comm.size
     a, kv = q.shape[1], k.shape[1]
     ulysses_heads(a, kv, n)                     # the rule check_layout applies before any rank starts
     if n == 1:
-        return causal_attention(q, k, v, positions, positions)
+        return attention(q, k, v, positions, positions)
     everyone = torch.empty(n * positions.numel(), dtype=positions.dtype, device=q.device)
     comm.all_gather_into_tensor(everyone, positions.to(q.device).contiguous(), name="ulysses positions")
     qh, kh, vh = (SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))  # (b, heads/N, s, d)
     with trace.span("attention on a/N heads", kind="compute"):
-        y = causal_attention(qh, kh, vh, everyone, everyone)
+        y = attention(qh, kh, vh, everyone, everyone)
     return HeadsToSeq.apply(y.contiguous(), comm)                      # (b, a, s/N, d)
 
 
@@ -321,10 +322,10 @@ class ContextParallelAttention(Attention):
         if self.rotary:
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.cp_method == "ring":
+        if self.cp_method == "ring":   # keeps q, k, v, out, lse: no (s, s) scores for selective to drop
             y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout)
         else:
-            y = ulysses_attention(q, k, v, positions, self.cp_comm)
+            y = ulysses_attention(q, k, v, positions, self.cp_comm, self.attend)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 

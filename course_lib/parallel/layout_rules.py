@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.tensor_parallel import head_rows
 from course_lib.parallel.vocab_parallel import shard_range
+from course_lib.precision.mixed import check_precision
+from course_lib.recompute import layer_policies
 from course_lib.schedules import make_schedule, positive_int, schedule_name, validate
 
 DATA = ("ddp", "fsdp")
@@ -58,6 +60,8 @@ class NDLayout:
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     data: str = "ddp"
+    recompute: object = "none"      # a policy, or one per block (course_lib.recompute)
+    precision: str = "full"         # course_lib.precision.mixed.PRECISIONS
 
 
 # ------------------------------------------------------------------------ the rules, in order
@@ -69,6 +73,8 @@ def rule_names(cfg, L):
                          f"got {L.cp_method!r}, {L.cp_layout!r}")
     positive_int("microbatches", L.microbatches)
     positive_int("v", L.v)
+    layer_policies(L.recompute, cfg.n_layers)      # an unknown recompute policy: ValueError naming it
+    check_precision(L.precision)                   # an unknown precision: ValueError naming it
 
 
 def rule_pipeline(cfg, L):
@@ -132,6 +138,18 @@ def rule_fsdp(cfg, L):
     if split:
         raise ValueError("zb-h1 computes weight gradients outside autograd: it does not run under FSDP here "
                          "(use data='ddp')")
+
+
+def rule_recompute(cfg, L):
+    """Recomputation re-runs a block inside autograd's backward: the zero-bubble split (weight
+    gradients from recorded Linear calls, outside autograd) cannot see inside it."""
+    if all(p == "none" for p in layer_policies(L.recompute, cfg.n_layers)):
+        return
+    split = schedule_name(L.schedule, L.v) == "zb-h1" if isinstance(L.schedule, str) else \
+        any(a[0] == "W" for row in L.schedule for a in row)
+    if split:
+        raise ValueError("recompute with zb-h1: the zero-bubble split records each Linear call's input in "
+                         "forward, which recomputation does not keep; use another schedule or recompute='none'")
     if cfg.tie_embeddings and L.pp * L.v > 1:
         raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
                          "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
@@ -146,7 +164,8 @@ def rule_batch(batch, dp, microbatches):
                          f"{microbatches} equal ones")
 
 
-RULES = (rule_names, rule_pipeline, rule_tensor, rule_context, rule_sequence, rule_experts, rule_fsdp)
+RULES = (rule_names, rule_pipeline, rule_tensor, rule_context, rule_sequence, rule_experts, rule_fsdp,
+         rule_recompute)
 
 
 def check_layout(cfg, *, world_size=None, batch=None, **layout) -> MeshShape:

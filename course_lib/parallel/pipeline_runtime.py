@@ -19,13 +19,15 @@ from course_lib.parallel.pipeline_executor import ScheduleRunner
 from course_lib.schedules import make_schedule, schedule_name
 
 
-def sum_tied_gradient(comm, stages):
+def sum_tied_gradient(comm, stages, master=None):
     """First stage: the embedding's gradient; last stage: the LM head's, the same matrix.
-    Both apply the sum, so both copies stay equal."""
+    Both apply the sum, so both copies stay equal. ``master``: {id(model weight): the master
+    whose gradient is summed} (mixed precision reducing in the masters' dtype)."""
     if comm is None:
         return
     st = stages[min(stages)] if min(stages) == 0 else stages[max(stages)]
     w = st.part.tok_emb.weight if st.first else st.part.lm_head.weight
+    w = master[id(w)] if master else w
     if w.grad is None:
         w.grad = torch.zeros_like(w)
     comm.all_reduce(w.grad)
@@ -39,10 +41,14 @@ class PipelineRuntime:
     modules: {stage: what the schedule runs} (the stage, or its FSDP wrapper); default the stages.
     grad_sync: a GradSync over the parameters that need a sum after the schedule, or None.
     loss_dims: the mesh dims whose ranks hold parts of the loss (the last stages, each its tokens).
+    master: a :class:`~course_lib.precision.mixed.MasterWeights` (mixed precision): the
+        optimizer's parameters, copied into the 16-bit model before each step, given the
+        gradients after it (before the sums if they reduce in the masters' dtype).
+    act_dtype: of what stages hand on (default: the dtype of the modules' parameters).
     """
 
     def __init__(self, stages, mesh, *, schedule="1f1b", microbatches=1, v=1, modules=None, grad_sync=None,
-                 loss_dims=("dp", "pp", "cp")):
+                 loss_dims=("dp", "pp", "cp"), master=None, act_dtype=None):
         p = mesh.sizes["pp"]
         if isinstance(schedule, str):
             schedule = make_schedule(schedule_name(schedule, v), p, microbatches, v)
@@ -55,28 +61,40 @@ class PipelineRuntime:
         self.embedding_comm = mesh.embedding_comm() if tied else None
         self.loss_dims = tuple(d for d in loss_dims if mesh.sizes[d] > 1)
         self.last_result = None
+        self.master, self.act_dtype = master, act_dtype
+
+    def model_parameters(self):
+        """The parameters the stages compute with (shards where a dimension splits them), each once."""
+        return list({id(q): q for mod in self.modules.values() for q in mod.parameters()}.values())
 
     def parameters(self):
-        """This rank's parameters (shards where a dimension splits them), each once."""
-        return list({id(q): q for mod in self.modules.values() for q in mod.parameters()}.values())
+        """This rank's parameters for the optimizer: the master weights under mixed precision."""
+        return self.master.parameters() if self.master else self.model_parameters()
 
     def step(self, xs, ys, n_tokens, act_shape):
         """Forward and backward of the micro-batches ``xs``, ``ys`` (token ids, (b, s) each) by
         the schedule; then every gradient sum the layout needs. n_tokens: the step's GLOBAL
         count of targets; act_shape: (b, s', h) of what stages hand on. Returns the step's loss."""
         last = self.stages.get(self.p * self.v - 1)
-        dtype = next(q.dtype for q in self.parameters() if q.is_floating_point())    # the model's
+        dtype = self.act_dtype or next(q.dtype for q in self.model_parameters() if q.is_floating_point())
+        if self.master:
+            self.master.to_model()                                  # this step's 16-bit weights
         res = self.runner.step(xs, ys, (lambda out, t: last.loss(out, t, n_tokens)) if last else None,
                                act_shape=act_shape, act_dtype=dtype)
         self.last_result = res
-        sum_tied_gradient(self.embedding_comm, self.stages)        # tied: the two stages' parts
+        on_master = self.master is not None and self.master.reduce_on_master
+        if on_master:
+            self.master.to_master()                                 # sum the gradients in the masters' dtype
+        sum_tied_gradient(self.embedding_comm, self.stages, self.master.of if on_master else None)
         if self.grad_sync is not None:
             self.grad_sync.start()
             self.grad_sync.finish()
         for mod in self.modules.values():
             if isinstance(mod, FSDP):
                 mod.finish_gradient_synchronization()
-        device = self.parameters()[0].device                        # NCCL talks in GPU tensors
+        if self.master and not on_master:
+            self.master.to_master()                                 # summed in 16 bits, then widened
+        device = self.model_parameters()[0].device                  # NCCL talks in GPU tensors
         loss = torch.tensor([sum(res.losses.values())], dtype=torch.float64, device=device)
         if self.loss_dims:      # each last stage holds its tokens' loss / the global count: sum them
             self.mesh.comm(self.loss_dims).all_reduce(loss, name="all-reduce loss")

@@ -1,0 +1,134 @@
+"""Mixed precision: 16-bit compute and communication, 32-bit master weights.
+
+    compute, reduce = check_precision("bf16-reduce-fp32")   # (torch.bfloat16, torch.float32)
+    master = MasterWeights(model.parameters(), compute, reduce)   # fp32 copies; model now bf16
+    master.to_model()                     # before forward: model <- master, rounded to bf16
+    loss.backward()                       # bf16 gradients (accumulated in fp32 if reduce is fp32)
+    master.to_master()                    # master.grad <- the gradients, in the master dtype
+    opt = torch.optim.AdamW(master.parameters())       # the optimizer only sees the masters
+
+Micikevicius et al. 2018 ("Mixed Precision Training"): a bf16 weight cannot absorb an
+update smaller than 2**-8 of itself (its unit roundoff u = 2**-8), so the optimizer keeps
+fp32 master weights and its moments, and the model computes with a bf16 copy made each
+step. What a precision name asks for:
+
+* ``"full"``: nothing changes, the model's own dtype everywhere (the course's default);
+* ``"bf16"``: bf16 weights, activations, and gradients, reduced in bf16 (2 bytes on the wire);
+* ``"bf16-reduce-fp32"``: bf16 compute, gradients accumulated and reduced in fp32 (torch
+  FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): 4 bytes per
+  gradient element on the wire, no bf16 rounding of the sum;
+* ``"fp32"``: fp32 compute and reduction under whatever master dtype the model has (with
+  a float64 model: the same plumbing as bf16, checkable to fp32's derived bounds).
+
+The master weights live with the optimizer, on every rank that owns the parameter: with
+DDP / TP / PP in :class:`MasterWeights` (a full fp32 copy of this rank's parameters), with
+FSDP they ARE FSDP's fp32 shards (1/N each), all-gathered in the compute dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+PRECISIONS = {"full": (None, None), "fp32": (torch.float32, torch.float32),
+              "bf16": (torch.bfloat16, torch.bfloat16), "bf16-reduce-fp32": (torch.bfloat16, torch.float32)}
+COPIED = ("tp_shard", "tp_copies", "reduce_dims")   # what the dimensions marked on a parameter
+
+
+def check_precision(name):
+    """(compute dtype, reduce dtype) of a precision name (None, None for "full");
+    a ValueError naming an unknown one."""
+    if not isinstance(name, str) or name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}: must be one of {tuple(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+class MasterWeights:
+    """Master copies (the parameters' dtype now) of ``params``, which are cast to ``compute``.
+
+    Autograd accumulates the micro-batches' gradients in the model, in the compute dtype;
+    :meth:`to_master` moves them to the masters' ``.grad``, before the reduction when
+    ``reduce`` is the masters' dtype (:attr:`reduce_on_master`), after it otherwise.
+    The masters carry the parameters' marks (TP slice, reduce dims), so GradSync and
+    :func:`assemble_nd` treat them as the parameters they stand for."""
+
+    def __init__(self, params, compute, reduce=None):
+        self.model = list({id(p): p for p in params}.values())
+        self.compute, self.reduce = compute, reduce or compute
+        self.master = []
+        for p in self.model:
+            m = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            for attr in COPIED:
+                if hasattr(p, attr):
+                    setattr(m, attr, getattr(p, attr))
+            self.master.append(m)
+        self.dtype = self.master[0].dtype if self.master else None
+        self.reduce_on_master = self.reduce != self.compute
+        self.of = {id(p): m for p, m in zip(self.model, self.master)}   # model parameter -> master
+        for p in self.model:
+            p.data = p.data.to(compute)                  # the model computes in 16 bits
+
+    def parameters(self):
+        return list(self.master)
+
+    def pairs(self):
+        return list(zip(self.model, self.master))
+
+    @torch.no_grad()
+    def to_model(self):
+        """model <- master, rounded to the compute dtype (round to nearest)."""
+        for p, m in zip(self.model, self.master):
+            p.copy_(m)
+
+    @torch.no_grad()
+    def to_master(self):
+        """master.grad <- model.grad in the master dtype (accumulating); the model's cleared."""
+        for p, m in zip(self.model, self.master):
+            if p.grad is not None:
+                g = p.grad.to(m.dtype)
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                p.grad = None
+
+
+def cast_buffers(module, dtype):
+    """Floating buffers (rotary tables) in the compute dtype, as FSDP's ``compute_dtype`` does."""
+    for buf in module.buffers():
+        if buf.is_floating_point():
+            buf.data = buf.data.to(dtype)
+
+
+def train_mixed(model, batches, lr, precision="bf16", weight_decay=0.1):
+    """The single-device run of a precision: ``model`` (its dtype = the masters') trained by
+    AdamW on the masters, one step per batch (the GPT loss of course_lib.reference).
+    Returns (master state {name: tensor}, losses, first step's master gradients)."""
+    compute, reduce = check_precision(precision)
+    names = [n for n, _ in model.named_parameters()]
+    master = None
+    if compute is not None:
+        master = MasterWeights(model.parameters(), compute, reduce)
+        cast_buffers(model, compute)
+    params = master.parameters() if master else list(model.parameters())
+    opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    losses, first = [], None
+    for x, y in batches:
+        if master:
+            master.to_model()
+        loss = model(x, y, n_tokens=int((y != -100).sum()))[1]
+        loss.backward()
+        if master:
+            master.to_master()
+        if first is None:
+            first = {n: p.grad.detach().clone() for n, p in zip(names, params) if p.grad is not None}
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in zip(names, params)}, losses, first
+
+
+def relative_error(got: dict, want: dict) -> float:
+    """Norm-wise relative error over all tensors: ||got - want|| / ||want|| (in float64)."""
+    num = sum(float((got[k].double() - want[k].double()).square().sum()) for k in want)
+    den = sum(float(want[k].double().square().sum()) for k in want)
+    return (num / den) ** 0.5 if den else num ** 0.5
+
+
+__all__ = ["PRECISIONS", "check_precision", "MasterWeights", "cast_buffers", "train_mixed", "relative_error"]
