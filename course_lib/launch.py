@@ -56,6 +56,7 @@ import traceback
 import cloudpickle
 
 from course_lib import trace as _trace
+from course_lib.debug import postmortem as _debug   # flight recorder, desync check, diagnosis
 
 BACKENDS = ("gloo", "nccl")
 # Seconds allowed to start the ranks and build the process group. ``timeout`` counts
@@ -65,7 +66,9 @@ STARTUP_TIMEOUT = 120.0
 
 
 class RankError(RuntimeError):
-    """A rank raised an exception or died. ``.rank``, ``.exitcode``, ``.remote_traceback``."""
+    """A rank raised an exception or died. ``.rank``, ``.exitcode``, ``.remote_traceback``,
+    ``.diagnosis`` (every rank's flight recorder merged: course_lib.debug)."""
+    diagnosis = ""
 
     def __init__(self, message, rank, exitcode=None, exc_type=None, remote_traceback=""):
         super().__init__(message)
@@ -90,7 +93,9 @@ def rank_error_type(exc_type: str) -> type:
 
 
 class LaunchTimeout(TimeoutError):
-    """Ranks did not finish within ``timeout``. ``.stuck`` maps rank -> what it was doing."""
+    """Ranks did not finish within ``timeout``. ``.stuck`` maps rank -> what it was doing;
+    ``.diagnosis``: every rank's flight recorder merged (course_lib.debug)."""
+    diagnosis = ""
 
     def __init__(self, message, stuck):
         super().__init__(message)
@@ -231,7 +236,7 @@ def _validate(fn, world_size, backend, timeout, clock=None):
 
 # ----------------------------------------------------------------------------- the rank side
 
-def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, ifname):
+def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, ifname, debug=((), None)):
     """Entry point of one rank process."""
     out_fd = os.open(os.path.join(workdir, f"out{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err_fd = os.open(os.path.join(workdir, f"err{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -277,7 +282,8 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
             origin = float(zero)
         rec = _trace.install(_trace.Recorder(rank, origin=origin, status_path=os.path.join(workdir, f"status{rank}")))
         report("ready", b"")  # the launcher's timeout for fn starts now
-        result = to_cpu(_run(fn, args, kwargs, clock, rank, world_size, rec))
+        with _debug.in_rank(workdir, rank, debug):
+            result = to_cpu(_run(fn, args, kwargs, clock, rank, world_size, rec))
         try:
             data = cloudpickle.dumps((result, rec.spans))
         except Exception as exc:
@@ -291,7 +297,7 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
         sys.stderr.flush()
         report("error", pickle.dumps({
             "time": time.time(),
-            "type": type(exc).__name__,
+            "type": getattr(exc, "launch_as", None) or type(exc).__name__,  # (a builtin: RankError[it])
             "message": str(exc),
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         }))
@@ -327,7 +333,8 @@ def _start_watchdog(timeout):
 # ----------------------------------------------------------------------------- the caller side
 
 def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
-           start_method=None, quiet=False, clock=None, **kwargs):
+           start_method=None, quiet=False, clock=None, debug=None, flight_recorder=_debug.flight_recorder.SLOTS,
+           **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
     backend: 'gloo' (CPU, or CUDA tensors) or 'nccl' (one GPU per rank).
@@ -340,12 +347,17 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
     quiet: do not print the ranks' output.
     clock: None (the wall clock) or a :class:`course_lib.virtual.VirtualCluster`: the same
         run, its spans priced in virtual seconds on that modelled cluster.
+    debug: None, "desync" (collectives compare fingerprints first), "nonfinite" (the first op
+        making a NaN/Inf raises), or a tuple of them (:mod:`course_lib.debug`).
+    flight_recorder: how many communication calls each rank keeps for the diagnosis of a
+        hang or crash (``.diagnosis`` of the error); None: off.
 
     Returns a :class:`LaunchResult` (a list) with ``.spans`` (every rank's
     :class:`~course_lib.trace.Span`, on one clock) and ``.elapsed`` (seconds).
     """
+    debug = _debug.check_options(debug, flight_recorder)
     if under_torchrun():
-        return _launch_here(fn, world_size, args, kwargs, backend, timeout, clock)
+        return _launch_here(fn, world_size, args, kwargs, backend, timeout, clock, debug)
     _validate(fn, world_size, backend, timeout, clock)
     threads = default_threads(world_size) if threads is None else int(threads)
     if threads < 1:
@@ -365,12 +377,14 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
             for rank in range(world_size):
                 p = ctx.Process(target=_rank_main, name=f"course_lib-rank{rank}",
                                 args=(rank, world_size, backend, workdir, payload, threads, timeout,
-                                      loopback_interface()))
+                                      loopback_interface(), debug))
                 p.start()
                 procs.append(p)
         finally:
             _STARTING.active = False
         failure = _wait(procs, workdir, timeout)
+        if failure is not None:
+            _debug.explain(failure, procs, workdir, min(_debug.SETTLE, timeout))
         _kill(procs)
         if not quiet:
             _print_outputs(workdir, world_size)
@@ -556,7 +570,7 @@ def _print_outputs(workdir, world_size):
 
 # ----------------------------------------------------------------------------- under torchrun
 
-def _launch_here(fn, world_size, args, kwargs, backend, timeout, clock=None):
+def _launch_here(fn, world_size, args, kwargs, backend, timeout, clock=None, debug=((), None)):
     """torchrun started this process as one rank: run fn here, return all ranks' results."""
     import torch
     import torch.distributed as dist
@@ -585,7 +599,8 @@ def _launch_here(fn, world_size, args, kwargs, backend, timeout, clock=None):
     dist.barrier()
     rec = _trace.install(_trace.Recorder(rank))
     started = time.perf_counter()
-    value = to_cpu(_run(fn, args, kwargs, clock, rank, env_world, rec))
+    with _debug.in_rank(None, rank, debug):   # (the ring in memory: no launcher reads it)
+        value = to_cpu(_run(fn, args, kwargs, clock, rank, env_world, rec))
     rec.clock = None
     gathered = [None] * env_world
     dist.all_gather_object(gathered, (value, rec.spans))

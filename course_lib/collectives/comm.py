@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from course_lib import compat, trace
+from course_lib.debug import flight_recorder as flight  # every call recorded (a hang's diagnosis)
 from course_lib.collectives.measure import bytes_written  # /proc/self/io wchar, None off Linux
 
 IMPLS = ("torch", "course")
@@ -80,12 +81,15 @@ def _nbytes(t):
 
 class Handle:
     """The handle of an async call: ``wait()`` blocks until it is done, ends its span."""
+    _entry = None  # its flight-recorder record (course_lib.debug), marked waiting / completed
 
     def __init__(self, comm, wait_fn, name, start, done=False):
         self._comm, self._wait_fn = comm, wait_fn
         self._span = None if done else (name, start)  # done: the caller recorded the span
 
     def _end(self):
+        if self._entry is not None:
+            self._entry.complete()
         if self._span is not None:
             name, start = self._span
             self._span = None
@@ -93,6 +97,8 @@ class Handle:
 
     def wait(self):
         if self._wait_fn is not None:
+            if self._entry is not None:
+                self._entry.waiting()
             self._wait_fn()
             self._wait_fn = None
         self._end()
@@ -162,16 +168,18 @@ class Comm:
             self.counter.sent_to[peer] += nbytes
         clock = trace.clock()
         if clock is not None and not clock.muted_depth:   # (muted: a message inside a priced collective)
-            return clock.isend(self, tensor, peer, tag)
-        return dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag)
+            return flight.p2p(self, "send", tensor, peer, tag, clock.isend(self, tensor, peer, tag))
+        return flight.p2p(self, "send", tensor, peer, tag, dist.isend(tensor, self.ranks[peer], group=self.group,
+                                                                      tag=tag))
 
     def irecv(self, tensor, peer: int, tag: int = 0):
         if self.counter is not None:
             self.counter.bytes_received += _nbytes(tensor)
         clock = trace.clock()
         if clock is not None and not clock.muted_depth:
-            return clock.irecv(self, tensor, peer, tag)
-        return dist.irecv(tensor, self.ranks[peer], group=self.group, tag=tag)
+            return flight.p2p(self, "recv", tensor, peer, tag, clock.irecv(self, tensor, peer, tag))
+        return flight.p2p(self, "recv", tensor, peer, tag, dist.irecv(tensor, self.ranks[peer], group=self.group,
+                                                                      tag=tag))
 
     def post_send(self, tensor, peer: int, tag: int = 0):
         """isend, or None for an empty tensor (nothing to send; the receiver skips it too)."""
@@ -273,6 +281,10 @@ class Comm:
         return getattr(dist, op), "torch"
 
     def _call(self, op, name, payload, async_op, args, kwargs):
+        entry = flight.collective(self, op, args, kwargs, async_op)  # recorded first (None: off)
+        return flight.completed(entry, self._run(op, name, payload, async_op, args, kwargs))
+
+    def _run(self, op, name, payload, async_op, args, kwargs):
         fn, who = self._function(op)
         clock = trace.clock()
         if clock is not None and not clock.muted_depth:

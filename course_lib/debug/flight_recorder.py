@@ -1,0 +1,301 @@
+"""The flight recorder: every rank's last N communication calls, readable after a hang.
+
+Every call through :class:`course_lib.collectives.Comm` (every mesh dimension's collectives
+and point-to-point messages) writes one :class:`Record` into a ring of N fixed-size slots,
+*before* it runs: per-group sequence number (``#17`` = the 17th collective on that group;
+a message's number counts the messages between the same two ranks, direction and tag),
+op, group (mesh dimension and global ranks), shapes, dtypes, the innermost span, the call
+site (the first frame outside the communication layer) and a state: issued, waiting (the
+caller blocks on it), completed.
+
+The ring is a file mapped in memory (like the launcher's status file): writing a record is
+a copy, not a system call, and the launcher reads every rank's ring after a timeout or a
+death **without the rank's help** -- a rank stuck inside gloo's C++ wait cannot run a
+Python signal handler, and a killed rank cannot answer at all. This is the idea of
+PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``), which dumps per rank and
+is merged offline by ``torch.distributed.flight_recorder``; here the merge
+(:mod:`course_lib.debug.diagnosis`) runs in the launcher.
+
+One recorder per rank process (``install``), like the process group itself; outside a
+launch no recorder is installed and the hooks cost one attribute read.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+
+SLOTS = 256                      # default N: the last 256 calls of each rank
+SLOT_BYTES = 384                 # one record: 1 state byte, 2 length bytes, the text
+_HEADER = struct.Struct("<8sQQ")  # magic, calls recorded so far, slots
+_MAGIC = b"CLFLIGHT"
+STATES = {b"i": "issued", b"w": "waiting", b"c": "completed"}
+_SEP = "\x1f"
+# frames of the communication layer itself are not a call site
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LAYER = (_HERE, os.path.join(os.path.dirname(_HERE), "collectives"))
+SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_to_all_single": "all_to_all"}
+
+
+def check_slots(slots):
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"flight_recorder must be None (off) or a number of calls to keep >= 1, got {slots!r}")
+    return slots
+
+
+@dataclass(frozen=True)
+class Record:
+    """One call as a rank recorded it. ``ranks``: the group's global ranks; ``peer``: the
+    other end's global rank (point-to-point) or None."""
+    rank: int
+    index: int          # this rank's n-th call (1-based), any group
+    seq: int            # the n-th call on this group (collectives) / between these two ranks (p2p)
+    op: str
+    dim: str
+    ranks: tuple
+    shapes: tuple       # one tuple per tensor argument
+    dtypes: tuple
+    peer: int | None
+    tag: int
+    extra: str          # reduce op, broadcast root
+    span: str
+    site: str
+    state: str
+
+    @property
+    def group(self) -> str:
+        return f"{self.dim or 'group'} {list(self.ranks)}"
+
+    @property
+    def p2p(self) -> bool:
+        return self.op in ("send", "recv")
+
+    @property
+    def name(self) -> str:
+        """``all_gather #17 on dp [0, 1, 2, 3]``, ``send #2 to rank 1``."""
+        if self.p2p:
+            return f"{self.op} #{self.seq} {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+        return f"{SHORT.get(self.op, self.op)} #{self.seq} on {self.group}"
+
+    def fingerprint(self) -> tuple:
+        """What every member of a collective must agree on (all-to-all: sizes along dim 0 may differ)."""
+        return (self.op, comparable_shapes(self.op, self.shapes), self.dtypes, self.extra)
+
+
+def comparable_shapes(op, shapes):
+    """The part of the shapes that must be equal on every member: all of it, except the split
+    dimension of an all-to-all (uneven splits are legal there)."""
+    if op == "all_to_all_single":
+        return tuple(s[1:] for s in shapes)
+    return shapes
+
+
+def shape_text(shapes) -> str:
+    return ", ".join(str(tuple(s)) if len(s) != 1 else f"({s[0]},)" for s in shapes) or "()"
+
+
+def call_site() -> str:
+    """``function (file:line)`` of the first frame outside the communication layer."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_LAYER):
+        f = f.f_back
+    if f is None:
+        return ""
+    return f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+
+
+class Entry:
+    """A recorded call: its slot, updated in place as the call waits and completes."""
+    __slots__ = ("_fr", "index", "_offset")
+
+    def __init__(self, fr, index, offset):
+        self._fr, self.index, self._offset = fr, index, offset
+
+    def _set(self, state: bytes):
+        fr = self._fr
+        if fr._mm is not None and fr.index - self.index < fr.slots:  # not overwritten by a later call
+            fr._mm[self._offset] = state[0]
+
+    def waiting(self):
+        self._set(b"w")
+
+    def complete(self):
+        self._set(b"c")
+
+
+class FlightRecorder:
+    """This rank's ring of the last ``slots`` calls, in the file ``path`` (or anonymous memory)."""
+
+    def __init__(self, path: str | None, rank: int, slots: int = SLOTS):
+        self.rank, self.slots, self.path = rank, check_slots(slots), path
+        size = _HEADER.size + slots * SLOT_BYTES
+        if path is None:
+            self._mm = mmap.mmap(-1, size)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self.index, self._seq, self._lock = 0, {}, threading.Lock()
+        self._mm[:_HEADER.size] = _HEADER.pack(_MAGIC, 0, slots)
+
+    def record(self, op, dim, ranks, tensors, peer=None, tag=0, extra="", span="", site="",
+               state=b"i") -> Entry:
+        key = (dim, ranks, op, peer, tag) if peer is not None else (dim, ranks)
+        shapes = ";".join("x".join(map(str, t.shape)) for t in tensors)
+        dtypes = ";".join(str(t.dtype).removeprefix("torch.") for t in tensors)
+        with self._lock:
+            self.index += 1
+            seq = self._seq[key] = self._seq.get(key, 0) + 1
+            text = _SEP.join((str(self.index), str(seq), op, dim, ",".join(map(str, ranks)), shapes, dtypes,
+                              "" if peer is None else str(peer), str(tag), extra, span, site))
+            data = text.encode("utf-8", "replace")[:SLOT_BYTES - 3]
+            offset = _HEADER.size + ((self.index - 1) % self.slots) * SLOT_BYTES
+            mm = self._mm
+            mm[offset + 1:offset + 3] = len(data).to_bytes(2, "little")
+            mm[offset + 3:offset + 3 + len(data)] = data
+            mm[offset] = state[0]
+            mm[8:16] = self.index.to_bytes(8, "little")
+            return Entry(self, self.index, offset)
+
+    def records(self) -> list:
+        return parse(bytes(self._mm), self.rank)
+
+    def close(self):
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+def parse(data: bytes, rank: int) -> list:
+    """The records in a ring's bytes, oldest first (a slot being written is skipped)."""
+    if len(data) < _HEADER.size:
+        return []
+    magic, count, slots = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        return []
+    out = []
+    for index in range(max(1, count - slots + 1), count + 1):
+        offset = _HEADER.size + ((index - 1) % slots) * SLOT_BYTES
+        state = STATES.get(data[offset:offset + 1])
+        length = int.from_bytes(data[offset + 1:offset + 3], "little")
+        fields = data[offset + 3:offset + 3 + length].decode("utf-8", "replace").split(_SEP)
+        if state is None or len(fields) != 12 or fields[0] != str(index):
+            continue
+        i, seq, op, dim, ranks, shapes, dtypes, peer, tag, extra, span, site = fields
+        out.append(Record(rank, int(i), int(seq), op, dim, tuple(int(r) for r in ranks.split(",") if r),
+                          tuple(tuple(int(n) for n in s.split("x") if n) for s in shapes.split(";")) if shapes else (),
+                          tuple(dtypes.split(";")) if dtypes else (), int(peer) if peer else None, int(tag),
+                          extra, span, site, state))
+    return out
+
+
+def read(path: str, rank: int) -> list:
+    """A rank's records from its ring file ([] if it never made one)."""
+    try:
+        with open(path, "rb") as f:
+            return parse(f.read(), rank)
+    except OSError:
+        return []
+
+
+# ----------------------------------------------------------------------------- this process's recorder
+
+_recorder: FlightRecorder | None = None
+_desync = False
+
+
+def install(recorder: FlightRecorder | None, desync: bool = False):
+    """Make ``recorder`` this process's flight recorder (the launcher does, in each rank)."""
+    global _recorder, _desync
+    _recorder, _desync = recorder, desync
+    return recorder
+
+
+def recorder() -> FlightRecorder | None:
+    return _recorder
+
+
+def _span() -> str:
+    from course_lib import trace
+    open_spans = trace.recorder()._open
+    return open_spans[-1] if open_spans else ""
+
+
+def _extra(op, kwargs, comm) -> str:
+    if "op" in kwargs:
+        return getattr(kwargs["op"], "name", str(kwargs["op"]))
+    if "src" in kwargs:
+        return f"src {kwargs['src']}"
+    return ""
+
+
+def collective(comm, op, args, kwargs, async_op):
+    """Hook of ``Comm._call``: record the call (and run the desync check); None when off."""
+    if _recorder is None and not _desync:
+        return None
+    tensors = [a for a in args if hasattr(a, "shape")]
+    extra, site = _extra(op, kwargs, comm), call_site()
+    entry = None
+    if _recorder is not None:
+        entry = _recorder.record(op, comm.dim, tuple(comm.ranks), tensors, extra=extra, span=_span(),
+                                 site=site, state=b"i" if async_op else b"w")
+    if _desync and comm.size > 1:
+        from course_lib.debug import desync
+        desync.check(comm, op, tensors, extra, site, entry)
+    return entry
+
+
+def completed(entry, result):
+    """After ``Comm._call``: a blocking call is done; an async one completes with its handle."""
+    if entry is None:
+        return result
+    if result is None:
+        entry.complete()
+        return None
+    result._entry = entry
+    if result.is_completed():
+        entry.complete()
+    return result
+
+
+def p2p(comm, op, tensor, peer, tag, work):
+    """Hook of ``Comm.isend`` / ``irecv``: the work handle, tracked (waiting / completed)."""
+    if _recorder is None:
+        return work
+    entry = _recorder.record(op, comm.dim, tuple(comm.ranks), (tensor,), peer=comm.ranks[peer], tag=tag,
+                             span=_span(), site=call_site())
+    return TrackedWork(work, entry)
+
+
+class TrackedWork:
+    """A point-to-point work handle whose wait marks its record waiting, then completed."""
+    __slots__ = ("_work", "_entry")
+
+    def __init__(self, work, entry):
+        self._work, self._entry = work, entry
+
+    def wait(self, *args, **kwargs):
+        self._entry.waiting()
+        out = self._work.wait(*args, **kwargs)
+        self._entry.complete()
+        return out
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        if done:
+            self._entry.complete()
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+__all__ = ["Record", "FlightRecorder", "Entry", "TrackedWork", "SLOTS", "install", "recorder", "read",
+           "parse", "check_slots", "comparable_shapes", "shape_text", "call_site"]
