@@ -20,10 +20,11 @@ import statistics
 
 import torch
 
-from course_lib import reference
+from course_lib import reference, virtual_runs
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import launch
 from course_lib.parallel.compose import assemble_nd, check_layout
+from course_lib.virtual_runs import rank_step
 
 LR = 1e-3
 
@@ -70,35 +71,6 @@ def _rank(layout, kw, cfg_dict, batch, steps, dtype):
     return dict(losses=losses, shards=net.shards())
 
 
-def _virtual_rank(layout, kw, cfg_dict, batch):
-    """One step under the memory tracker, then one step whose spans are kept (fp32 on the CPU,
-    priced by the launch's virtual clock); both ranks' clocks start the kept step together."""
-    import torch.nn as nn
-
-    from course_lib import memory, trace
-    from course_lib.collectives import Comm
-    from course_lib.parallel.compose import parallelize_nd
-    from course_lib.parallel.mesh import Mesh
-
-    cfg = GPTConfig(**cfg_dict)
-    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**layout), **kw)
-    opt = _adamw(net.parameters())
-    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
-
-    def step():
-        net.step(x, y)
-        opt.step()
-    report = memory.measure(step, nn.ModuleList(list(net.modules.values())), opt)
-    opt.zero_grad()
-    Comm(None).barrier()                    # every rank's clock at the same virtual time
-    trace.reset()                           # keep this step's spans only
-    with trace.span("step", "other"):
-        step()
-        opt.zero_grad()
-    return dict(memory=dataclasses.asdict(report),
-                p2p_bytes=net.last_result.bytes_sent if net.last_result else 0)
-
-
 @dataclasses.dataclass
 class LayoutRun:
     name: str
@@ -136,7 +108,7 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, cluster, dty
     bounds = dict(dtype=dtype, optimizer="adamw", steps=steps, lr=LR)
     param_check = tolerance.compare(full, ref.state, **bounds)
     loss_check = min((tolerance.compare(r["losses"], ref.losses, **bounds) for r in res), key=bool)
-    timed = launch(_virtual_rank, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch,
+    timed = launch(rank_step, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch, True,
                    threads=1, timeout=300, clock=cluster)
     steps_ = [s for s in timed.spans if s.name == "step"]
     step_time = max(s.end for s in steps_) - min(s.start for s in steps_)
@@ -146,28 +118,17 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, cluster, dty
 
 
 def planner_layout(run: LayoutRun):
-    """The planner's Layout of a run: the same dims, micro-batches, schedule, ZeRO-3 for FSDP."""
-    from course_lib.planner import Layout
-
-    s = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, **run.layout}
-    m = run.kw.get("microbatches", 1)
-    return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
-                  zero=3 if run.kw.get("data") == "fsdp" else 0,
-                  sp=run.kw.get("sequence_parallel", True) and s["tp"] > 1,
-                  schedule=run.kw.get("schedule", "1f1b"), v=run.kw.get("v", 1),
-                  micro_batch=run.batch // (s["dp"] * m), global_batch=run.batch, overlap_dp=False)
+    """The planner's Layout of a run (:func:`course_lib.virtual_runs.planner_layout`)."""
+    return virtual_runs.planner_layout(run.layout, run.kw, run.batch)
 
 
-def predict(run: LayoutRun, hardware):
-    """The planner's estimate and simulated timeline of the run's layout on ``hardware``."""
-    from course_lib.planner import estimate, simulate
-    from course_lib.planner.calibration import model_spec
+def predict(run: LayoutRun, hardware, runtime="course"):
+    """The planner's estimate and simulated timeline of the run's layout on ``hardware``, as the
+    course's runtime runs it (``runtime="course"``; "megatron": the published systems')."""
+    from course_lib.planner import simulate
 
-    spec = model_spec(run.cfg)
-    if run.cfg.n_experts:
-        spec = spec.with_(n_experts=run.cfg.n_experts, top_k=run.cfg.top_k)
-    layout = planner_layout(run)
-    return estimate(spec, hardware, layout), simulate(spec, hardware, layout)
+    est = virtual_runs.planner_estimate(run.cfg, run.layout, run.kw, run.batch, hardware, runtime)
+    return est, simulate(est.model, hardware, est.layout, runtime=runtime)
 
 
 def _torch_side_by_side(dp, tp, cfg_dict, batch, steps, timed):

@@ -34,27 +34,38 @@ class VirtualStep:
     spans: list             # the step, every rank (trace.Span in virtual seconds)
 
 
-def _rank_step(layout, kw, cfg_dict, batch):
-    """One warm-up step (first-call allocations), then one step with its spans kept; every
-    rank's clock starts the kept step at the same virtual time (a priced barrier)."""
-    from course_lib import trace
+def rank_step(layout, kw, cfg_dict, batch, measure_memory=False):
+    """One warm-up step (first-call allocations; under the memory tracker if ``measure_memory``),
+    then one step with its spans kept; every rank's clock starts the kept step at the same
+    virtual time (a priced barrier). Returns the kept step's kernels (and memory, p2p bytes)."""
+    from course_lib import memory, trace
     from course_lib.collectives import Comm
     from course_lib.parallel.compose import parallelize_nd
     from course_lib.parallel.mesh import Mesh
 
     cfg = GPTConfig(**cfg_dict)
     net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**layout), **kw)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
     x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
-    for _ in range(2):                      # the second step is kept
-        Comm(None).barrier()
-        trace.reset()
-        before = trace.clock().kernels
-        with trace.span("step", "other"):
-            net.step(x, y)
-            opt.step()
-            opt.zero_grad()
-    return trace.clock().kernels - before
+
+    def step():
+        net.step(x, y)
+        opt.step()
+    out = {}
+    if measure_memory:
+        out["memory"] = dataclasses.asdict(memory.measure(step, torch.nn.ModuleList(list(net.modules.values())), opt))
+    else:
+        step()
+    opt.zero_grad()
+    Comm(None).barrier()                    # every rank's clock at the same virtual time
+    trace.reset()                           # keep the next step's spans only
+    before = trace.clock().kernels
+    with trace.span("step", "other"):
+        step()
+        opt.zero_grad()
+    out["kernels"] = trace.clock().kernels - before
+    out["p2p_bytes"] = net.last_result.bytes_sent if net.last_result else 0
+    return out
 
 
 def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) -> VirtualStep:
@@ -62,7 +73,7 @@ def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) ->
     ``cluster`` (a VirtualCluster)."""
     shape = check_layout(cfg, **layout, batch=batch, **kw)
     cluster.check(shape.world_size)
-    res = launch(_rank_step, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch,
+    res = launch(rank_step, shape.world_size, layout, kw, dataclasses.asdict(cfg), batch,
                  threads=1, timeout=300, clock=cluster)
     steps = [s for s in res.spans if s.name == "step"]
     comm, calls = {}, {}
@@ -71,29 +82,34 @@ def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) ->
             comm.setdefault(s.dim, [0.0] * shape.world_size)[s.rank] += s.duration
             calls[s.dim] = calls.get(s.dim, 0) + (s.rank == 0)
     return VirtualStep(dict(layout), dict(kw), max(s.end for s in steps) - min(s.start for s in steps),
-                       list(res), {d: max(t) for d, t in comm.items()}, calls,
+                       [r["kernels"] for r in res], {d: max(t) for d, t in comm.items()}, calls,
                        [s for s in res.spans if s.name != "step"])
 
 
 def planner_layout(layout: dict, kw: dict, batch: int):
     """The planner's Layout of the same run: dims, micro-batches, schedule, SP as parallelize_nd
-    applies it, gradients all-reduced after backward (the course's DDP: no overlap)."""
+    applies it, ZeRO-3 for FSDP, gradients summed after backward (the course's DDP: no overlap)."""
     from course_lib.planner import Layout
 
-    s = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, **layout}
+    s = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, **layout}
     m = kw.get("microbatches", 1)
-    return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], cp=s["cp"],
+    return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
+                  zero=3 if kw.get("data") == "fsdp" else 0,
                   sp=kw.get("sequence_parallel", True) and s["tp"] > 1,
                   schedule=kw.get("schedule", "1f1b"), v=kw.get("v", 1),
                   micro_batch=batch // (s["dp"] * m), global_batch=batch, overlap_dp=False)
 
 
-def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardware):
-    """``planner.estimate`` of ``cfg`` on the same layout and hardware preset."""
+def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardware, runtime="course"):
+    """``planner.estimate`` of ``cfg`` on the same layout and hardware preset, by default as the
+    course's runtime runs it (``runtime="course"``: its kernels, launches and collectives)."""
     from course_lib.planner import estimate
     from course_lib.planner.calibration import model_spec
 
-    return estimate(model_spec(cfg), hardware, planner_layout(layout, kw, batch))
+    spec = model_spec(cfg)
+    if cfg.n_experts:
+        spec = spec.with_(n_experts=cfg.n_experts, top_k=cfg.top_k)
+    return estimate(spec, hardware, planner_layout(layout, kw, batch), runtime=runtime)
 
 
-__all__ = ["VirtualStep", "virtual_step", "planner_layout", "planner_estimate"]
+__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_layout", "planner_estimate"]

@@ -45,3 +45,22 @@ def test_bad_layout_is_refused_before_any_rank_starts():
         virtual_step(CFG, dict(tp=3), {}, 3, node)
     with pytest.raises(ValueError, match="gpus_per_node"):
         virtual_step(CFG, dict(dp=4), {}, 4, VirtualCluster("h100-sxm", gpus_per_node=3))
+
+
+def test_the_course_runtime_planner_counts_the_programs_collectives():
+    """planner.estimate(runtime="course") against the program itself on the virtual clock (one
+    launch): the same collectives per mesh dimension, and the step within 10% with and without
+    the launch term (launch off: every term is a collective's latency or a kernel's roofline)."""
+    for hw in (H100, H100.with_(launch_overhead=0.0)):
+        node = VirtualCluster(hw, gpus_per_node=8, dtype=torch.bfloat16)
+        run = virtual_step(CFG, dict(dp=2, tp=2), {}, 4, node)
+        est = planner_estimate(CFG, dict(dp=2, tp=2), {}, 4, hw)
+        counted = {d: n for d, n in run.calls.items() if d != "pp"}    # "pp": the runtime's empty wait
+        assert est.stages[0].calls == counted
+        assert abs(est.step_time / run.step_time - 1) < 0.10, (est.step_time, run.step_time)
+
+
+def test_runtime_is_validated():
+    from course_lib.planner import Layout, estimate
+    with pytest.raises(ValueError, match="runtime"):
+        estimate("llama3-8b", "h100-sxm", Layout(tp=8, global_batch=8), runtime="deepspeed")

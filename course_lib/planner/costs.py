@@ -52,6 +52,9 @@ class StageCost:
     optimizer: float
     comm_bytes: dict = field(default_factory=dict)   # bytes this GPU sends per step, by dimension
     gemm_flops: float = 0.0       # matmul FLOPs this GPU runs per micro-batch (all chunks)
+    loss_sync: float = 0.0        # the loss's all-reduce after the step (runtime="course")
+    kernels: int = 0              # kernels this GPU launches per step (runtime="course")
+    calls: dict = field(default_factory=dict)        # collectives and sends per step, by mesh dims
 
     @property
     def fwd_time(self) -> float:
@@ -76,7 +79,26 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
     return dense / layout.tp, n_layers * expert_layer / (layout.tp * layout.ep)
 
 
-def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCost]:
+RUNTIMES = ("megatron", "course")
+
+
+def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "megatron") -> list[StageCost]:
+    """Every stage's cost. ``runtime="megatron"`` (default): the published systems the planner is
+    validated against; ``"course"``: the course's own program (:mod:`course_lib.planner.runtime`),
+    its times replacing the compute and communication ones (memory and bytes are the same)."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    out = _megatron_stage_costs(model, hw, layout)
+    if runtime == "course":
+        from course_lib.planner.runtime import stage_parts
+        for st in out:
+            r = stage_parts(model, hw, layout, st.stage, st.layers)
+            st.fwd, st.bwd, st.p2p, st.grad_sync, st.param_gather = r["fwd"], r["bwd"], r["p2p"], r["grad_sync"], 0.0
+            st.optimizer, st.loss_sync, st.kernels, st.calls = r["optimizer"], r["loss_sync"], r["kernels"], r["calls"]
+    return out
+
+
+def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCost]:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     h = model.hidden

@@ -33,7 +33,7 @@ FLOPS_CONVENTIONS = {
     "executed": "the matmul FLOPs the planner's GPUs run (causal tiles skipped and QK^T recomputed "
                 "by a fused kernel, recomputation)",
 }
-TIME_KINDS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "zero", "bubble", "dp", "optimizer")
+TIME_KINDS = ("compute", "elementwise", "launch", "tp", "cp", "ep", "pp", "zero", "bubble", "dp", "optimizer")
 
 
 @dataclass(repr=False)
@@ -105,15 +105,19 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
     return sum(ops) + (m * v - 1) * max(ops), ops
 
 
-def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Estimate:
+def estimate(model, hardware, layout: Layout, n_gpus: int | None = None, runtime: str = "megatron") -> Estimate:
     """Predict one training step of ``model`` on ``hardware`` GPUs laid out as ``layout``.
+
+    ``runtime``: "megatron" (default) models the published systems of the validation (fused
+    kernels, launches hidden); "course" the course's own program, kernel by kernel with the
+    preset's launch overhead and every collective it issues (:mod:`course_lib.planner.runtime`).
 
     Raises ValueError naming the constraint if the layout is impossible; a layout that
     runs out of memory is returned with ``violations`` saying so.
     """
     model, hw = get_model(model), get_hardware(hardware)
     validate(model, hw, layout, n_gpus)
-    stages = stage_costs(model, hw, layout)
+    stages = stage_costs(model, hw, layout, runtime)
     v, m = layout.chunks, layout.microbatches
     t_pipe, ops = pipeline_time(stages, layout)
 
@@ -123,7 +127,8 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Esti
         # the last backward op (and its send, on stages after the first) hides the gradient ring
         window_b = st.bwd_time / v + (st.p2p if st.stage > 0 else 0.0) if layout.overlap_dp else 0.0
         window_f = st.fwd_time / v if layout.overlap_dp else 0.0
-        tail = max(0.0, st.grad_sync - window_b) + st.optimizer + max(0.0, st.param_gather - window_f)
+        tail = (max(0.0, st.grad_sync - window_b) + st.loss_sync + st.optimizer
+                + max(0.0, st.param_gather - window_f))
         finish.append((t_pipe - slack + tail, tail, st))
         slack += st.bwd_time / v + (st.p2p if layout.pp > 1 else 0.0)
     step, tail, st_end = max(finish, key=lambda x: x[0])
@@ -133,7 +138,7 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None) -> Esti
     busy = stages[k]
     work = m * v
     time = {kind: work * (busy.fwd.get(kind, 0.0) + busy.bwd.get(kind, 0.0)) / v
-            for kind in ("compute", "elementwise", "tp", "cp", "ep", "zero")}
+            for kind in ("compute", "elementwise", "launch", "tp", "cp", "ep", "zero")}
     time["pp"] = work * (ops[k] - (busy.fwd_time + busy.bwd_time) / v)
     time["bubble"] = max(0.0, t_pipe - work * ops[k])
     time["optimizer"] = min(st_end.optimizer, step - t_pipe)

@@ -127,6 +127,12 @@ class Hardware:
         rates = {"bfloat16": self.peak_flops, **dict(self.dtype_flops)}
         return rates.get(dtype_name)
 
+    def kernel_time(self, flops: float, nbytes: float, peak: float | None = None) -> float:
+        """One kernel: its roofline, max(FLOPs / (peak x matmul_efficiency), bytes / (HBM x
+        hbm_efficiency)), plus its launch (``peak``: the dtype's, default bf16)."""
+        return max(flops / ((peak or self.peak_flops) * self.matmul_efficiency),
+                   nbytes / (self.hbm_bandwidth * self.hbm_efficiency)) + self.launch_overhead
+
     def link(self, intra_node: bool) -> tuple[float, float]:
         """(alpha seconds, achievable bandwidth B/s) of one ring step on NVLink or the network."""
         if intra_node:

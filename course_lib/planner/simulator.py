@@ -22,7 +22,7 @@ from course_lib.planner.presets import get_hardware, get_model
 from course_lib.schedules import schedule_order
 from course_lib.trace import Span
 
-PIPE_KINDS = ("compute", "elementwise", "tp", "cp", "ep", "zero")
+PIPE_KINDS = ("compute", "elementwise", "launch", "tp", "cp", "ep", "zero")
 
 
 class SimulatedStep(list):
@@ -45,12 +45,13 @@ def _rank(layout: Layout, dp_i: int, pp_i: int, cp_i: int, tp_i: int) -> int:
     return ((dp_i * layout.pp + pp_i) * layout.cp + cp_i) * layout.tp + tp_i
 
 
-def simulate(model, hardware, layout: Layout, max_gpus: int = 64) -> SimulatedStep:
+def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str = "megatron") -> SimulatedStep:
     """Simulate one step; every GPU when the layout has at most ``max_gpus``, else one
-    GPU per pipeline stage (the others of its TP, CP and DP groups run the same program)."""
+    GPU per pipeline stage (the others of its TP, CP and DP groups run the same program).
+    ``runtime``: as in :func:`~course_lib.planner.estimate` ("course": the course's program)."""
     model, hw = get_model(model), get_hardware(hardware)
     validate(model, hw, layout)
-    stages = stage_costs(model, hw, layout)
+    stages = stage_costs(model, hw, layout, runtime)
     p, m, v = layout.pp, layout.microbatches, layout.chunks
     every = layout.n_gpus <= max_gpus
     coords = [(d, st, c, t) for d in range(layout.dp) for st in range(p)
@@ -70,7 +71,7 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64) -> SimulatedSt
                 prog.append(("wait", ("grad", d, c, t, mb, vs + 1)))
             if phase == "B" and mb == m - 1 and ch == 0:
                 prog.append(("mark", "last backward"))
-            work = (parts["compute"] + parts["elementwise"]) / v
+            work = (parts["compute"] + parts["elementwise"] + parts.get("launch", 0.0)) / v
             prog.append(("span", f"{phase}{mb}" + (f".{ch}" if v > 1 else ""), "compute", work))
             for kind in ("tp", "cp", "ep", "zero"):
                 if parts[kind] > 0:
@@ -79,7 +80,11 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64) -> SimulatedSt
                 prog += [("span", f"send {phase}{mb}", "comm", sc.p2p), ("signal", ("act", d, c, t, mb, vs))]
             if phase == "B" and vs > 0:
                 prog += [("span", f"send {phase}{mb}", "comm", sc.p2p), ("signal", ("grad", d, c, t, mb, vs))]
-        prog += _data_parallel_tail(hw, layout, sc, t)
+        if runtime == "course":     # its buckets' all-reduces, then the loss's, after the schedule
+            prog += [("span", "dp all-reduces", "comm", sc.grad_sync + sc.loss_sync),
+                     ("span", "optimizer", "compute", sc.optimizer)]
+        else:
+            prog += _data_parallel_tail(hw, layout, sc, t)
         programs[_rank(layout, d, st, c, t)] = prog
     spans = _run(programs, layout, every)
     out = SimulatedStep(sorted(spans, key=lambda s: (s.rank, s.start)))

@@ -1,0 +1,176 @@
+"""``runtime="course"``: one step as the course's own program runs it (``parallelize_nd``).
+
+The default planner (``runtime="megatron"``) models the published systems it is validated
+against (Megatron-LM, Llama 3): fused kernels whose launches hide behind the previous kernel,
+one DP collective per layer, 4 TP collectives per layer. The course's runtime differs, and
+this module counts what IT issues, per mesh dimension, from the layout and the model config
+(the same structure the virtual clock prices as it happens):
+
+- compute: the kernels of the course's TinyGPT, traced once on the meta device
+  (:func:`course_lib.planner.kernels.trace_step`), each at its roofline plus the preset's
+  launch overhead. A TP rank runs the same kernels on 1/tp of a layer's elements (heads, FFN
+  columns, or with SP the sequence), a CP rank on 1/cp (its tokens); the counts do not shrink;
+- TP with SP, per layer and micro-batch: forward 2 all-gathers + 2 reduce-scatters; backward
+  2 reduce-scatters, 2 all-gathers again (the column-parallel weight gradient re-gathers its
+  input instead of keeping it) and 2 all-gathers (g-bar's backward): 10, not the paper's 8.
+  The vocabulary-parallel embedding adds a reduce-scatter (+ all-gather backward), the head an
+  all-gather (+ reduce-scatter and all-gather backward), the loss 2 all-reduces (max, sums).
+  Without SP: 2 all-reduces forward and 2 backward per layer, 1 at the embedding, 1 at the
+  head's backward, 2 in the loss;
+- CP (ring): a hop costs alpha + K/V bytes / bandwidth; forward waits cp - 1 hops, backward
+  cp hops (K/V, then each dK/dV accumulator) and the accumulator's hop home;
+- PP: one send per micro-batch and direction between neighbouring stages;
+- DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
+  reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
+  (dp, cp, tp); FSDP: an all-gather per unit (each block, the rest) forward, again per
+  block backward, a reduce-scatter per unit, the SP norms' all-reduce over tp per unit;
+- the loss: one all-reduce over the (dp, pp, cp) ranks that hold parts of it.
+"""
+from __future__ import annotations
+
+import math
+
+from course_lib.planner import formulas as F
+from course_lib.planner.kernels import Kernels, trace_step, vocab_parallel_loss_kernels
+
+BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
+STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
+
+
+def group_in_node(layout, hw, dims) -> bool:
+    """True if the group of mesh ``dims`` (one or several) stays inside one node."""
+    sizes = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
+    stride, last = 1, 0
+    for d in STRIDE_ORDER:
+        if d in dims:
+            last += (sizes[d] - 1) * stride
+        stride *= sizes[d]
+    return last < hw.gpus_per_node
+
+
+def _size(layout, dims) -> int:
+    return math.prod({"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}[d] for d in dims)
+
+
+def collective(layout, hw, kind, nbytes, dims) -> float:
+    """Seconds of one ring collective of ``nbytes`` over the group of ``dims``."""
+    n = _size(layout, dims)
+    if n <= 1:
+        return 0.0
+    alpha, bw = hw.link(group_in_node(layout, hw, dims))
+    return F.collective_time(kind, nbytes, n, alpha, bw)
+
+
+def tp_calls(layout, first: bool, last: bool, n_layers: int) -> dict:
+    """{(pass, kind): calls} of TP in one micro-batch on one stage (see the module doc)."""
+    if layout.tp == 1:
+        return {}
+    if layout.sp:
+        fwd_ag, fwd_rs = 2 * n_layers + last, 2 * n_layers + first
+        bwd_ag, bwd_rs = 4 * n_layers + first + last, 2 * n_layers + last
+        calls = {("fwd", "all_gather"): fwd_ag, ("fwd", "reduce_scatter"): fwd_rs,
+                 ("bwd", "all_gather"): bwd_ag, ("bwd", "reduce_scatter"): bwd_rs}
+    else:
+        calls = {("fwd", "all_reduce"): 2 * n_layers + first, ("bwd", "all_reduce"): 2 * n_layers + last}
+    if last:
+        calls[("fwd", "loss")] = 2
+    return calls
+
+
+def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
+    """The course's runtime on ``stage``: per micro-batch {fwd, bwd}: {kind: seconds} with
+    kinds compute / launch / tp / cp / zero; the step's tail (dp, loss); the optimizer; the
+    p2p send; kernels per step; calls per mesh dim per step."""
+    s = layout.seq_len or model.seq_len
+    b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
+    first, last = stage == 0, stage == p - 1
+    k = trace_step(model, hw, b, s)
+    split = t * c                                    # each rank's share of a layer's elements
+
+    def run(kern, n=1):                              # n copies of a traced part, on 1/split of its elements
+        return Kernels(kern.count * n, kern.flops * n / split, kern.bytes * n / split, kern.time * n / split)
+    fwd_k, bwd_k = run(k["layer_fwd"], n_layers), run(k["layer_bwd"], n_layers)
+    for part, here in (("embedding", first), ("head", last)):
+        if here:
+            fwd_k, bwd_k = fwd_k + run(k[part + "_fwd"]), bwd_k + run(k[part + "_bwd"])
+    fwd = {"compute": fwd_k.time, "launch": fwd_k.count * hw.launch_overhead, "tp": 0.0, "cp": 0.0, "zero": 0.0}
+    bwd = {"compute": bwd_k.time, "launch": bwd_k.count * hw.launch_overhead, "tp": 0.0, "cp": 0.0, "zero": 0.0}
+    calls = {}
+
+    act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
+    copies = 0                                       # TP's own kernels per micro-batch (see below)
+    for (phase, kind), n in tp_calls(layout, first, last, n_layers).items():
+        if kind == "loss":                           # (b s/cp,) maxima, then (2, b s/cp) sums: fp32 -> bf16
+            cost = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
+            copies += vocab_parallel_loss_kernels()
+        else:
+            cost = collective(layout, hw, kind, act, ("tp",))
+            # comm_ops: an all-gather along the sequence copies its input and its output to and
+            # from (s, b, h) order, a reduce-scatter its input (free with one sequence); an
+            # all-reduce clones its input
+            copies += n * {"all_gather": 2 * (b > 1), "reduce_scatter": 1 * (b > 1), "all_reduce": 1}[kind]
+        (fwd if phase == "fwd" else bwd)["tp"] += n * cost
+        calls["tp"] = calls.get("tp", 0) + n * m
+    fwd_k = Kernels(fwd_k.count + copies, fwd_k.flops, fwd_k.bytes, fwd_k.time)
+    fwd["launch"] = fwd_k.count * hw.launch_overhead
+    if c > 1:                                        # ring attention, K and V of this rank's heads
+        kv_heads = max(1, model.n_kv_heads // t)
+        alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
+        hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw
+        fwd["cp"], bwd["cp"] = n_layers * (c - 1) * hop, n_layers * (c + 1) * hop
+        calls["cp"] = m * n_layers * (c - 1 + c + 1)
+    p2p_bytes = act / (t if layout.sp else 1)
+    p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
+    if p > 1:
+        calls["pp"] = m * ((not last) + (not first))
+
+    # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP)
+    parts = F.param_breakdown(model)
+    norms = n_layers * 2 * model.hidden + (model.hidden if last else 0)
+    weights = (n_layers * (parts["per_layer"] - 2 * model.hidden) + (parts["embedding"] if first else 0)
+               + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
+    tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
+    norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
+    if not layout.sp:
+        weights, norms, norm_tensors = weights + norms, 0, 0
+    replicas = ("dp", "cp")
+    tail, sync_kernels = 0.0, 0
+    if layout.zero == 3 and _size(layout, replicas) > 1:   # FSDP: units = blocks + the rest
+        root = ((parts["embedding"] if first else 0) + ((parts["lm_head"] or model.vocab * model.hidden)
+                                                         + model.hidden if last else 0)) / t
+        units = [parts["per_layer"] / t] * n_layers + [root]
+        units = [u for u in units if u > 0]
+        ag = [collective(layout, hw, "all_gather", u * 2, replicas) for u in units]
+        rs = [collective(layout, hw, "reduce_scatter", u * 2, replicas) for u in units]
+        fwd["zero"] = sum(ag)
+        bwd["zero"] = sum(ag[:n_layers]) + sum(rs)
+        calls["dp+cp"] = m * (len(units) + n_layers + len(units))
+        if layout.sp and t > 1:                      # each unit's norms over tp
+            tail += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
+            calls["tp"] = calls.get("tp", 0) + len(units)
+    else:
+        for n_params, n_tensors, dims in ((weights, tensors - norm_tensors, replicas),
+                                          (norms, norm_tensors, replicas + ("tp",))):
+            dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
+            if n_params <= 0 or _size(layout, dims) <= 1:
+                continue
+            buckets = max(1, math.ceil(n_params * 4 / BUCKET_CAP_BYTES))
+            tail += buckets * collective(layout, hw, "all_reduce", n_params * 2 / buckets, dims)
+            calls["+".join(dims)] = calls.get("+".join(dims), 0) + buckets
+            # GradSync's kernels: each gradient copied into its bucket and its flag set; a
+            # bucket's flags read back
+            sync_kernels += 2 * n_tensors + buckets
+    loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
+    loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
+    if loss_dims:
+        calls["+".join(loss_dims)] = calls.get("+".join(loss_dims), 0) + 1
+    shard = _size(layout, replicas) if layout.zero >= 1 else 1
+    adam = k["adamw_per_element"]
+    n_local = (weights + norms) / shard
+    optimizer = adam.time * n_local + (adam.count * tensors + sync_kernels) * hw.launch_overhead
+    kernels = m * (fwd_k.count + bwd_k.count) + adam.count * tensors + sync_kernels
+    return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
+                kernels=kernels, calls=calls)
+
+
+__all__ = ["stage_parts", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
