@@ -1,0 +1,265 @@
+"""Checkpoints across layouts (course_lib/checkpoint/): save at step K in one layout, load
+in another (another world size, odd sizes, FSDP -> DDP, dp2 x tp2 FSDP -> tp4, pp2 x tp2 ->
+pp3, ZeRO on 4 ranks -> ZeRO on 3, N-D -> one device), train on to step STEPS: the losses and
+parameters of the uninterrupted single-device run, in float64 within course_lib.tolerance's
+AdamW bound, with the optimizer state, the LR schedule and the data order restored (a wrong
+one moves the parameters by ~lr, far outside the bound). Resumed models start from another
+seed: everything must come from the checkpoint. Then the failures: a rank killed mid-save,
+missing / truncated / corrupt shards, a changed model, another format version.
+
+Three launches (4, 3 and 2 ranks) carry every layout pair.
+"""
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from course_lib import launch, reference, tolerance
+from course_lib.gpt import GPTConfig, TinyGPT
+from course_lib.launch import RankError
+from course_lib.parallel.compose import assemble_nd
+
+CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2)   # tp4: K/V copies
+TIED = dataclasses.replace(CFG, tie_embeddings=True)
+MOE = GPTConfig(vocab_size=96, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_experts=4, top_k=2)
+BATCH, STEPS, K, LR = 12, 5, 2, 1e-2      # 12 rows: dp 2, 3 and 4; saved after K of STEPS steps
+
+
+def _optimizer(params):
+    opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=LR, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.3, total_iters=4)   # lr changes every step
+
+
+def _reference(cfg, _done={}):
+    """The uninterrupted single-device run: losses and parameters after STEPS steps (once per cfg)."""
+    if repr(cfg) in _done:
+        return _done[repr(cfg)]
+    model = TinyGPT(cfg, seed=0).double()
+    opt, sched = _optimizer(model.parameters())
+    losses = []
+    for x, y in reference.gpt_batches(cfg, batch=BATCH, steps=STEPS):
+        loss = model(x, y, n_tokens=y.numel())[1]
+        loss.backward()
+        opt.step(), sched.step(), opt.zero_grad()
+        losses.append(loss.item())
+    _done[repr(cfg)] = losses, {n: p.detach() for n, p in model.named_parameters()}
+    return _done[repr(cfg)]
+
+
+def _single(cfg, load_from, seed=7):
+    """Load into one device (export), train on to STEPS."""
+    from course_lib.checkpoint import load
+
+    model = TinyGPT(cfg, seed=seed).double()
+    opt, sched = _optimizer(model.parameters())
+    start = load(load_from, model, opt, scheduler=sched)["data_state"]["batches_seen"]
+    losses = []
+    for x, y in reference.gpt_batches(cfg, batch=BATCH, steps=STEPS)[start:]:
+        loss = model(x, y, n_tokens=y.numel())[1]
+        loss.backward()
+        opt.step(), sched.step(), opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _jobs(jobs):
+    """Rank body: for each job (cfg, layout, kw, load_from, save_to, stop), build the layout
+    (ZeRO: kw zero=stage on a plain model), load or start at step 0, train to ``stop``, save.
+    Returns per job (losses, shards, bytes written)."""
+    import torch.distributed as dist
+
+    from course_lib.checkpoint import load, save
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.parallel.zero import ShardedOptimizer
+
+    out = []
+    for cfg, layout, kw, load_from, save_to, stop in jobs:
+        seed = 0 if load_from is None else 11       # loaded: nothing of the init may survive
+        torch.manual_seed(seed)
+        if "zero" in kw:
+            mesh, net = Mesh(**layout), TinyGPT(cfg, seed=seed).double()
+            opt = ShardedOptimizer(net.parameters(), torch.optim.AdamW, mesh=mesh, stage=kw["zero"], lr=LR,
+                                   weight_decay=0.1)
+            sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.3, total_iters=4)
+        else:
+            net = parallelize_nd(TinyGPT(cfg, seed=seed).double(), Mesh(**layout), **kw)
+            opt, sched = _optimizer(net.parameters())
+        start = 0 if load_from is None else load(load_from, net, opt, scheduler=sched)["data_state"]["batches_seen"]
+        losses = []
+        for x, y in reference.gpt_batches(cfg, batch=BATCH, steps=STEPS)[start:stop]:
+            if "zero" in kw:     # plain DP: each rank's mean over its rows; ZeRO averages the ranks
+                rows = x.chunk(mesh.sizes["dp"])[mesh.coord["dp"]], y.chunk(mesh.sizes["dp"])[mesh.coord["dp"]]
+                loss = net(*rows, n_tokens=rows[1].numel())[1]
+                loss.backward()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(float(total) / mesh.sizes["dp"])
+            else:
+                losses.append(net.step(x, y))
+            opt.step(), sched.step(), opt.zero_grad()
+        written = save(save_to, net, opt, step=stop, data_state={"batches_seen": stop}, scheduler=sched) \
+            if save_to else 0
+        shards = {n: (p.detach().clone(), None) for n, p in net.named_parameters()} if "zero" in kw \
+            else net.shards()
+        out.append((losses, shards, written))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Layout L1 on 4 ranks saves at step K (and one pair resumes there); layouts on 3 ranks
+    resume from them."""
+    d = tmp_path_factory.mktemp("ckpt")
+    p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe")}
+    four = launch(_jobs, 4, [
+        (CFG, dict(dp=2, tp=2), dict(data="fsdp", sequence_parallel=False), None, p["fsdp_tp"], K),
+        (CFG, dict(pp=2, tp=2), dict(microbatches=2), None, p["pp_tp"], K),
+        (CFG, dict(dp=4), dict(zero=2), None, p["zero"], K),
+        (TIED, dict(cp=2, tp=2), {}, None, p["cp_tp"], K),
+        (MOE, dict(dp=4, ep=2), {}, None, p["moe"], 1),
+        (CFG, dict(tp=4), {}, p["fsdp_tp"], None, STEPS),                          # dp2 x tp2 FSDP -> tp4
+    ], threads=1, timeout=120)
+    three = launch(_jobs, 3, [
+        (CFG, dict(dp=3), {}, p["fsdp_tp"], None, STEPS),                          # FSDP (4) -> DDP (3)
+        (CFG, dict(pp=3), dict(microbatches=2), p["pp_tp"], None, STEPS),          # pp2 x tp2 -> pp3
+        (CFG, dict(dp=3), dict(zero=1), p["zero"], None, STEPS),                   # ZeRO-2 (4) -> ZeRO-1 (3)
+    ], threads=1, timeout=120)
+    return p, four, three
+
+
+def _check(losses, params, cfg, what):
+    want_losses, want = _reference(cfg)
+    bound = dict(optimizer="adamw", steps=STEPS, lr=LR)
+    tolerance.assert_matches(losses, want_losses[STEPS - len(losses):], what=f"{what}: losses", **bound)
+    tolerance.assert_matches(params, want, what=f"{what}: parameters", **bound)
+
+
+@pytest.mark.parametrize("job", [5])
+def test_four_to_four_ranks_fsdp_tp_to_tp4(runs, job):
+    _, four, _ = runs
+    from course_lib.parallel.mesh import MeshShape
+    losses = four[0][job][0]
+    _check(losses, assemble_nd([r[job][1] for r in four], MeshShape(tp=4)), CFG, "dp2 x tp2 FSDP -> tp4")
+
+
+@pytest.mark.parametrize("job,shape,what", [(0, dict(dp=3), "FSDP (4 ranks) -> DDP (3)"),
+                                            (1, dict(pp=3), "pp2 x tp2 -> pp3"),
+                                            (2, dict(dp=3), "ZeRO-2 (4) -> ZeRO-1 (3)")])
+def test_four_to_three_ranks(runs, job, shape, what):
+    _, _, three = runs
+    from course_lib.parallel.mesh import MeshShape
+    full = assemble_nd([r[job][1] for r in three], MeshShape(**shape))
+    _check(three[0][job][0], full, CFG, what)
+
+
+@pytest.mark.parametrize("name,cfg", [("pp_tp", CFG), ("cp_tp", TIED), ("zero", CFG)])
+def test_n_d_to_one_device(runs, name, cfg):
+    p, _, _ = runs
+    _check(*_single(cfg, p[name]), cfg, f"{name} -> one device")
+
+
+def test_expert_parallel_names_its_experts(runs):
+    """dp4 x ep2 MoE: rank r holds experts 2 (r % 2) .. +1 under local indexes; the checkpoint
+    holds every expert under its single-device name, written once (dp replicas skipped)."""
+    from course_lib.checkpoint import bytes_per_rank, load
+    from course_lib.parallel.mesh import MeshShape
+
+    p, four, _ = runs
+    model = TinyGPT(MOE, seed=9).double()
+    load(p["moe"], model, None)
+    want = assemble_nd([r[4][1] for r in four], MeshShape(dp=4, ep=2))
+    assert all(torch.equal(q, want[n]) for n, q in model.named_parameters())
+    expert = sum(q.numel() * 8 for n, q in model.named_parameters() if ".experts.1." in n)
+    assert set(bytes_per_rank(p["moe"])) == {0, 1}        # ranks 2, 3 replicate 0, 1: they write nothing
+    assert [r[4][2] for r in four][2:] == [0, 0] and expert > 0
+
+
+def _kill_mid_save(root):
+    """2 ranks (dp2 FSDP): a complete save at step 1, then rank 1 dies halfway through writing
+    the next one."""
+    import torch.distributed as dist
+
+    from course_lib.checkpoint import store
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    net = parallelize_nd(TinyGPT(CFG, seed=0).double(), Mesh(dp=2), data="fsdp")
+    opt, sched = _optimizer(net.parameters())
+    x, y = reference.gpt_batches(CFG, batch=BATCH, steps=1)[0]
+    net.step(x, y), opt.step(), sched.step(), opt.zero_grad()
+    store.save(os.path.join(root, "step1"), net, opt, step=1, data_state={"batches_seen": 1}, scheduler=sched)
+    if dist.get_rank() == 1:
+        def die(file, chunks):
+            with open(file, "wb") as f:
+                f.write(bytes(chunks[0])[:100])
+            os._exit(3)
+        store._fsync_write = die
+    store.save(os.path.join(root, "step2"), net, opt, step=2, data_state={"batches_seen": 2}, scheduler=sched)
+
+
+def test_a_rank_killed_mid_save_leaves_the_last_checkpoint(tmp_path):
+    from course_lib.checkpoint import load
+
+    with pytest.raises(RankError, match="rank 1 exited with code 3"):
+        launch(_kill_mid_save, 2, str(tmp_path), threads=1, timeout=60)
+    assert not (tmp_path / "step2").exists()                        # nothing that looks complete
+    assert (tmp_path / "step2.partial").is_dir()
+    with pytest.raises(ValueError, match="metadata.json: not a complete checkpoint"):
+        load(tmp_path / "step2.partial", TinyGPT(CFG).double())
+    model = TinyGPT(CFG, seed=3).double()
+    assert load(tmp_path / "step1", model, _optimizer(model.parameters())[0])["step"] == 1
+
+
+def _damaged(src, dst, how):
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "metadata.json").read_text())
+    shard = meta["tensors"]["model.blocks.1.mlp.w2.weight"]["shards"][0]
+    file = dst / shard["file"]
+    if how == "missing":
+        file.unlink()
+    elif how == "truncated":
+        os.truncate(file, shard["byte_offset"] + shard["nbytes"] - 1)
+    elif how == "corrupt":
+        raw = bytearray(file.read_bytes())
+        raw[shard["byte_offset"]] ^= 1
+        file.write_bytes(bytes(raw))
+    elif how == "version":
+        meta["version"] = 0
+        (dst / "metadata.json").write_text(json.dumps(meta))
+    return file.name
+
+
+@pytest.mark.parametrize("how,message", [
+    ("missing", r"rank0000\d.bin is missing \(it holds tensor 'model\.[a-z_.0-9]*'\)"),
+    ("truncated", r"rank0000\d.bin is truncated: .* tensor 'model.blocks.1.mlp.w2.weight'"),
+    ("corrupt", r"rank0000\d.bin is corrupt: the bytes of tensor 'model.blocks.1.mlp.w2.weight'"),
+    ("version", r"metadata.json is format 'course_lib.checkpoint' version 0"),
+])
+def test_damaged_checkpoints_are_refused(runs, tmp_path, how, message):
+    from course_lib.checkpoint import load
+
+    p, _, _ = runs
+    _damaged(type(tmp_path)(p["pp_tp"]), tmp_path / "c", how)
+    with pytest.raises(ValueError, match=message):
+        load(tmp_path / "c", TinyGPT(CFG).double())
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (dataclasses.replace(CFG, n_layers=3), r"tensor 'model.blocks.3.attn.wq.weight' of the checkpoint is not in"),
+    (dataclasses.replace(CFG, n_layers=5), r"the checkpoint has no tensor 'model.blocks.4.attn_norm.weight'"),
+    (dataclasses.replace(CFG, ffn_hidden=64), r"'model.blocks.0.mlp.w1.weight' is float64 \(96, 32\) in the "
+                                              r"checkpoint, float64 \(64, 32\) here"),
+])
+def test_a_changed_model_is_refused(runs, cfg, message):
+    from course_lib.checkpoint import load
+
+    p, _, _ = runs
+    model = TinyGPT(cfg, seed=0).double()
+    before = {n: q.clone() for n, q in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
+        load(p["pp_tp"], model, _optimizer(model.parameters())[0])
+    assert all(torch.equal(q, before[n]) for n, q in model.named_parameters())   # nothing half-loaded
