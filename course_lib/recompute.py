@@ -121,8 +121,9 @@ class Recompute(torch.autograd.Function):
         with torch.enable_grad(), _swapped(ctx.slots, leaves[ctx.n_inputs:]), _replay(ctx.rng):
             out = ctx.fn(*leaves[:ctx.n_inputs])
         wants = [t for t in leaves if t.requires_grad]
-        got = iter(torch.autograd.grad(out, wants, grad, allow_unused=True))
-        return (None, None, None, None) + tuple(next(got) if t.requires_grad else None for t in leaves)
+        if wants:   # into the copies' .grad (autograd.grad would trip torch's module-tracking hooks)
+            torch.autograd.backward(out, grad, inputs=wants)
+        return (None, None, None, None) + tuple(t.grad if t.requires_grad else None for t in leaves)
 
 
 def _rng_state(modules):

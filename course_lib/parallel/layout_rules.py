@@ -138,6 +138,9 @@ def rule_fsdp(cfg, L):
     if split:
         raise ValueError("zb-h1 computes weight gradients outside autograd: it does not run under FSDP here "
                          "(use data='ddp')")
+    if cfg.tie_embeddings and L.pp * L.v > 1:
+        raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
+                         "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
 
 
 def rule_recompute(cfg, L):
@@ -150,9 +153,6 @@ def rule_recompute(cfg, L):
     if split:
         raise ValueError("recompute with zb-h1: the zero-bubble split records each Linear call's input in "
                          "forward, which recomputation does not keep; use another schedule or recompute='none'")
-    if cfg.tie_embeddings and L.pp * L.v > 1:
-        raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
-                         "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
 
 
 def rule_batch(batch, dp, microbatches):

@@ -157,3 +157,20 @@ def layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1, f
 def lse_bytes(s, b, a, t=1, cp=1) -> float:
     """FlashAttention's saved softmax statistics: one fp32 log-sum-exp per (row, head)."""
     return 4.0 * a * b * s / (t * cp)
+
+
+def stage_activation_bytes(model, s, b, policies, t=1, sp=False, cp=1, in_flight=1.0, fused_attention=False,
+                           fused_kernels=False) -> float:
+    """Bytes a pipeline stage's blocks keep for backward at its peak: ``in_flight`` micro-batches
+    (``formulas.in_flight_microbatches``) times the sum over its blocks of
+    :func:`layer_activation_bytes`, each block with its own recompute policy (``policies``: one
+    per block, or one name for all): per-block checkpointing mixes them. ``fused_attention=False``
+    is the course's TinyGPT (its attention keeps the softmax output); its ring attention (CP)
+    keeps a log-sum-exp instead, as a fused kernel does."""
+    if isinstance(policies, str):
+        policies = [policies] * model.n_layers
+    for p in policies:
+        if p not in RECOMPUTE:
+            raise ValueError(f"unknown recompute policy {p!r}: must be one of {RECOMPUTE}")
+    return in_flight * sum(layer_activation_bytes(model, s, b, t, sp, p, cp=cp, fused_attention=fused_attention,
+                                                  fused_kernels=fused_kernels) for p in policies)
