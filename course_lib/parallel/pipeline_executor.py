@@ -44,7 +44,7 @@ RECV_DEPTH = 2   # receives posted ahead: the current one and the next (one extr
 
 
 class _SavedBytes:
-    """What autograd saves during one forward (storages, parameters excluded)."""
+    """What autograd saves during one forward (storages; parameters and buffers excluded: not activations)."""
 
     def __init__(self, params):
         self.params = {id(p.untyped_storage()) for p in params}
@@ -119,7 +119,7 @@ class ScheduleRunner:
     def F(self, i, s, mb):
         """Forward of stage s, micro-batch mb: receive, compute, send the activation on."""
         x = self.inputs[mb] if s == 0 else self.recv(i, "act", s, mb).requires_grad_()
-        saved, record, hooks = _SavedBytes(self.stages[s].parameters()), {"calls": []}, []
+        saved, record, hooks = _SavedBytes([*self.stages[s].parameters(), *self.stages[s].buffers()]), {"calls": []}, []
         if (s, mb) in self.split:      # remember each Linear call's input and output for B and W
             hooks = [lin.register_forward_hook(lambda mod, a, o: record["calls"].append((mod, a[0], o)))
                      for lin in self.linears[s]]
