@@ -81,6 +81,13 @@ def groups(shape, dims) -> list:
     return sorted(out.values())
 
 
+def _size(shape, dims) -> int:
+    n = 1
+    for d in dims:
+        n *= shape.sizes[d]
+    return n
+
+
 def _matches(got: dict, want: dict, dtype, scale) -> bool:
     return bool(tolerance.compare(got, want, dtype=dtype, scale=scale))
 
@@ -90,7 +97,7 @@ def explain(held: dict, want: dict, shape, dtype=None, scale=None) -> tuple:
     dims = [d for d in DIMS if shape.sizes.get(d, 1) > 1]
     subsets = [s for k in range(1, len(dims) + 1) for s in itertools.combinations(dims, k)]
     for S in subsets:   # a missing sum over S: the sum over each S-group is one device's
-        sums, valid = {}, True
+        sums, valid, differ = {}, True, False
         for members in groups(shape, S):
             here = [r for r in members if r in held]
             if not here:
@@ -100,20 +107,23 @@ def explain(held: dict, want: dict, shape, dtype=None, scale=None) -> tuple:
                 break
             total = sum(held[r][0].double() for r in here)
             sums.update({r: total for r in here})
-        if valid and sums and _matches(sums, {r: want[r] for r in sums}, dtype, scale):
+            differ = differ or not _matches({r: held[r][0] for r in here}, {r: held[here[0]][0] for r in here},
+                                            dtype, scale)
+        # (equal replicas summed once more are a scaling, not a missing sum: tried below)
+        if valid and differ and _matches(sums, {r: want[r] for r in sums}, dtype, scale):
             return ("missing", S, 1.0, f"the reduction over {' and '.join(S)} is missing: the sum over each "
                     f"{'+'.join(S)} group of the ranks' gradients matches one device")
     got = {r: held[r][0].double() for r in held}
-    for S in subsets:
-        n = 1
-        for d in S:
-            n *= shape.sizes[d]
+    sizes = {S: _size(shape, S) for S in subsets}
+    for n in sorted(set(sizes.values())):   # the values cannot tell apart dimensions of one size: name all
+        names = " or ".join(" and ".join(S) for S in subsets if sizes[S] == n)
+        first = next(S for S in subsets if sizes[S] == n)
         if _matches({r: g / n for r, g in got.items()}, want, dtype, scale):
-            return ("scaled", S, float(n), f"the gradient is {n} times one device's: the reduction over "
-                    f"{' and '.join(S)} ran twice, or the loss was divided by a local instead of the global count")
+            return ("scaled", first, float(n), f"the gradient is {n} times one device's: the reduction over "
+                    f"{names} ran twice, or the loss was divided by a local instead of the global count")
         if _matches({r: g * n for r, g in got.items()}, want, dtype, scale):
-            return ("scaled", S, 1.0 / n, f"the gradient is 1/{n} of one device's: averaged over "
-                    f"{' and '.join(S)} where a sum belongs (the loss is already divided by the global count)")
+            return ("scaled", first, 1.0 / n, f"the gradient is 1/{n} of one device's: averaged over "
+                    f"{names} where a sum belongs (the loss is already divided by the global count)")
     num = sum(float((got[r] * want[r].double()).sum()) for r in got)
     den = sum(float((want[r].double() ** 2).sum()) for r in got)
     if den > 0 and _matches({r: g * (den / num) if num else g for r, g in got.items()}, want, dtype, scale):

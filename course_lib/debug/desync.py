@@ -64,8 +64,9 @@ def mismatch_message(calls: list, seq: int | None = None) -> str:
 def check(comm, op, tensors, extra, site, entry=None):
     """All-gather this call's fingerprint over ``comm``'s group; raise DesyncError on a difference."""
     mine = _encode(fingerprint(op, tensors, extra, comm.dim, comm.ranks), site)
-    rows = torch.empty(comm.size, FINGERPRINT_BYTES, dtype=torch.uint8)
-    compat.all_gather_into_tensor(rows, mine, group=comm.group)   # (size, 256) bytes: one small exchange
+    rows = torch.empty(comm.size * FINGERPRINT_BYTES, dtype=torch.uint8)
+    compat.all_gather_into_tensor(rows, mine, group=comm.group)   # (size * 256,) bytes: one small exchange
+    rows = rows.view(comm.size, FINGERPRINT_BYTES)
     seq = None
     if entry is not None:
         from course_lib.debug import flight_recorder
