@@ -1,0 +1,250 @@
+"""Chapter 12's graders: the global boxes a resharding checkpoint is made of.
+
+    check_owned_box(owned_box)        # the box of a weight one rank holds under TP + FSDP
+    check_read_plan(read_plan)        # which saved boxes a new box needs, and which part of each
+    check_writers(writers)            # each distinct box written once, by the lowest rank
+    check_zero_boxes(zero_boxes)      # a ZeRO flat slice of a flattened weight, as boxes
+
+Each check runs seeded random cases (uneven FSDP cuts, ranks holding nothing, boxes that only
+touch, 0-d tensors) against the grader's private reference. While the learner's function runs,
+course_lib.checkpoint (which answers every one of these), FSDP's row cut and the grader's
+references are switched off.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+from course_lib.grading import Case, check, learner
+
+__all__ = ["check_owned_box", "check_read_plan", "check_writers", "check_zero_boxes"]
+
+LIBRARY = ("course_lib.checkpoint.plan:*", "course_lib.checkpoint.layout:*", "course_lib.checkpoint.store:*",
+           "course_lib.checkpoint.load:*", "course_lib.parallel.fsdp_params:dim0_rows",
+           "course_lib.grading.checkpointing:_*")
+
+
+# ------------------------------------------------------------------ the grader's references
+def _owned_box(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank):
+    offsets, lengths = [0] * len(shape), list(shape)
+    if tp_dim is not None:
+        lengths[tp_dim] = shape[tp_dim] // tp
+        offsets[tp_dim] = tp_rank * lengths[tp_dim]
+    chunk = math.ceil(lengths[0] / fsdp)
+    rows = max(0, min(chunk, lengths[0] - fsdp_rank * chunk))
+    if rows == 0:
+        return None
+    offsets[0] += fsdp_rank * chunk
+    lengths[0] = rows
+    return tuple(offsets), tuple(lengths)
+
+
+def _overlap(a, b):
+    offsets, lengths = [], []
+    for a0, an, b0, bn in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return tuple(offsets), tuple(lengths)
+
+
+def _read_plan(box, saved):
+    return [(i, o) for i, s in enumerate(saved) if (o := _overlap(box, s)) is not None]
+
+
+def _writers(per_rank):
+    first, out = {}, [[] for _ in per_rank]
+    for r, items in enumerate(per_rank):
+        for j, item in enumerate(items):
+            key = (item[0], tuple(item[1]), tuple(item[2]))
+            if key not in first:
+                first[key] = r
+                out[r].append(j)
+    return out
+
+
+def _zero_boxes(shape, lo, hi):
+    """Element by element, merged into boxes row by row (a different route from the library's)."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), 0)]
+    inner, out, pos = math.prod(shape[1:]), [], lo
+    while pos < hi:
+        row, col = divmod(pos, inner)
+        if col == 0 and hi - pos >= inner:
+            n = (hi - pos) // inner
+            out.append(((row,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]), pos - lo))
+            pos += n * inner
+            continue
+        end = min(hi, (row + 1) * inner)
+        out += [((row,) + o, (1,) + n, pos - lo + s) for o, n, s in _zero_boxes(shape[1:], col, end - row * inner)]
+        pos = end
+    return out
+
+
+def _as_box(x):
+    """A learner's (offsets, lengths) with lists or tuples -> tuples, or the value as is."""
+    if isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(v, (tuple, list)) for v in x):
+        return tuple(int(v) for v in x[0]), tuple(int(v) for v in x[1])
+    return x
+
+
+# ------------------------------------------------------------------ 1. the box a rank holds
+def _owned_cases():
+    rng = random.Random(12)
+    fixed = [((96, 32), 0, 2, 1, 2, 1), ((32, 96), 1, 2, 0, 3, 2), ((5, 4), None, 1, 0, 3, 2),
+             ((2, 6), None, 1, 0, 3, 2), ((7,), None, 1, 0, 4, 3), ((8, 6), 1, 3, 2, 3, 1)]
+    for _ in range(8):
+        shape = (rng.randint(1, 9) * rng.choice([1, 2, 4]), rng.randint(1, 5) * 2)
+        tp_dim = rng.choice([None, 0, 1])
+        tp = 1 if tp_dim is None else rng.choice([t for t in (1, 2, 4) if shape[tp_dim] % t == 0])
+        fsdp = rng.randint(1, 5)
+        fixed.append((shape, tp_dim, tp, rng.randrange(tp), fsdp, rng.randrange(fsdp)))
+    return [Case(dict(args=a), label=f"shape={a[0]}, tp_dim={a[1]}, tp={a[2]}, tp_rank={a[3]}, fsdp={a[4]}, "
+                                    f"fsdp_rank={a[5]}") for a in fixed]
+
+
+def check_owned_box(owned_box):
+    """owned_box(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank) -> (offsets, lengths) of the
+    global weight this rank holds (TP's even split of dim tp_dim, then FSDP's torch.chunk cut of
+    dim 0 of the TP slice), or None if the rank holds no row."""
+    answer = learner(owned_box, LIBRARY, exercise="the box a rank holds", seconds=10)
+
+    def run(case):
+        args = case.params["args"]
+        want, got = _owned_box(*args), _as_box(answer(*args))
+        if got != want:
+            chunk_hint = " (FSDP cuts like torch.chunk: ceil(rows / fsdp) rows per rank, the last ones fewer or " \
+                         "none)" if args[4] > 1 else ""
+            return f"got {got!r}, expected {want!r}{chunk_hint}"
+        return None
+
+    return check("owned_box", _owned_cases(), run)
+
+
+# ------------------------------------------------------------------ 2. the read plan
+def _random_tiling(rng, shape):
+    """A random cut of ``shape`` into boxes: each dim cut at random points (a grid)."""
+    cuts = []
+    for n in shape:
+        points = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 3)))) if n > 1 else []
+        cuts.append([0] + points + [n])
+    boxes = [((), ())]
+    for c in cuts:
+        boxes = [(o + (a,), l + (b - a,)) for o, l in boxes for a, b in zip(c, c[1:])]
+    return boxes
+
+
+def _plan_cases():
+    rng, cases = random.Random(7), []
+    cases.append(Case(dict(box=((2, 4), (2, 4)), saved=[((0, 0), (2, 8)), ((2, 0), (2, 8))]),
+                      label="rows 2..3 of cols 4..7 against two row blocks that only touch it"))
+    cases.append(Case(dict(box=((), ()), saved=[((), ())]), label="a 0-d tensor (AdamW's step)"))
+    for _ in range(6):
+        shape = tuple(rng.randint(2, 9) for _ in range(rng.randint(1, 3)))
+        saved = _random_tiling(rng, shape)
+        offsets = tuple(rng.randrange(n) for n in shape)
+        lengths = tuple(rng.randint(1, n - o) for n, o in zip(shape, offsets))
+        cases.append(Case(dict(box=(offsets, lengths), saved=saved),
+                          label=f"shape {shape}, {len(saved)} saved boxes, new box {offsets}+{lengths}"))
+    return cases
+
+
+def check_read_plan(read_plan):
+    """read_plan(box, saved) -> [(i, (offsets, lengths))]: for the new box (offsets, lengths),
+    every saved box i it overlaps (in the order of ``saved``) and the overlap, in global
+    coordinates; ends are exclusive: boxes that only touch share nothing."""
+    answer = learner(read_plan, LIBRARY, exercise="the read plan", seconds=10)
+
+    def run(case):
+        box, saved = case.params["box"], case.params["saved"]
+        want = _read_plan(box, saved)
+        got = answer(box, list(saved))
+        if not isinstance(got, (list, tuple)) or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in got):
+            return f"expected a list of (i, (offsets, lengths)), got {got!r}"
+        got = [(int(i), _as_box(b)) for i, b in got]
+        if got != want:
+            extra = [g for g in got if g not in want]
+            hint = " (a box that ends where another starts does not overlap it: ends are exclusive)" if extra else ""
+            return f"got {got!r}, expected {want!r}{hint}"
+        return None
+
+    return check("read_plan", _plan_cases(), run)
+
+
+# ------------------------------------------------------------------ 3. who writes
+def _writer_cases():
+    w = ("w", (0, 0), (4, 8))
+    norm = ("norm", (0,), (8,))
+    step = ("w.step", (), ())
+    dp2_tp2 = [[("w", (0, 0), (2, 8)), norm, step], [("w", (2, 0), (2, 8)), norm, step],
+               [("w", (0, 0), (2, 8)), norm, step], [("w", (2, 0), (2, 8)), norm, step]]
+    fsdp = [[("w", (0, 0), (2, 8)), ("norm", (0,), (4,)), step], [("w", (2, 0), (2, 8)), ("norm", (4,), (4,)), step]]
+    pp = [[w, ("tok_emb", (0, 0), (6, 8))], [("head", (0, 0), (6, 8)), ("tok_emb", (0, 0), (6, 8))]]
+    return [Case(dict(per_rank=[[w, norm, step]] * 3), label="3 DP replicas"),
+            Case(dict(per_rank=dp2_tp2), label="tp2 x dp2: a TP slice on two DP ranks, a norm on all four"),
+            Case(dict(per_rank=fsdp), label="FSDP: disjoint rows, one 'step' scalar on both ranks"),
+            Case(dict(per_rank=pp), label="a tied embedding held by the first and last stage"),
+            Case(dict(per_rank=[[], [norm, w], [w]]), label="rank 0 holds nothing")]
+
+
+def check_writers(writers):
+    """writers(per_rank) -> for every rank, the indexes (into its own list) of the items it
+    writes. per_rank[r] = [(name, offsets, lengths)]: the boxes rank r holds. Every distinct
+    (name, offsets, lengths) is written exactly once, by the lowest rank that holds it."""
+    answer = learner(writers, LIBRARY, exercise="who writes a replicated box", seconds=10)
+
+    def run(case):
+        per_rank = case.params["per_rank"]
+        want = _writers(per_rank)
+        got = answer([list(items) for items in per_rank])
+        if not isinstance(got, (list, tuple)) or len(got) != len(per_rank):
+            return f"expected one list of indexes per rank ({len(per_rank)}), got {got!r}"
+        got = [sorted(int(j) for j in g) for g in got]
+        if got != want:
+            n_got, n_want = sum(map(len, got)), sum(map(len, want))
+            hint = f": {n_got} boxes written, {n_want} distinct ones (a replica written on every rank " \
+                   f"multiplies the checkpoint)" if n_got > n_want else ""
+            return f"got {got!r}, expected {want!r}{hint}"
+        return None
+
+    return check("writers", _writer_cases(), run)
+
+
+# ------------------------------------------------------------------ 4. a ZeRO slice as boxes
+def _zero_cases():
+    rng = random.Random(3)
+    cases = [((4, 3), 2, 9), ((4, 3), 0, 12), ((5,), 1, 4), ((2, 3, 4), 5, 19), ((3, 4), 4, 8), ((3, 4), 6, 7)]
+    for _ in range(6):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
+        n = math.prod(shape)
+        lo = rng.randrange(n)
+        cases.append((shape, lo, rng.randint(lo + 1, n)))
+    return [Case(dict(args=a), label=f"shape={a[0]}, lo={a[1]}, hi={a[2]}") for a in cases]
+
+
+def check_zero_boxes(zero_boxes):
+    """zero_boxes(shape, lo, hi) -> [(offsets, lengths, start)]: elements lo..hi-1 of a
+    row-major tensor of ``shape`` (ZeRO's owned slice of a flattened weight) as the fewest
+    boxes read row by row: a partial first row, whole rows as one box, a partial last row
+    (recursively in more dims); start = where the box's elements begin within lo..hi-1."""
+    answer = learner(zero_boxes, LIBRARY, exercise="a ZeRO slice as boxes", seconds=10)
+
+    def run(case):
+        shape, lo, hi = case.params["args"]
+        want = _zero_boxes(shape, lo, hi)
+        got = answer(shape, lo, hi)
+        try:
+            got = [(tuple(map(int, o)), tuple(map(int, n)), int(s)) for o, n, s in got]
+        except (TypeError, ValueError):
+            return f"expected a list of (offsets, lengths, start), got {got!r}"
+        if got != want:
+            covered = sum(math.prod(n) for _, n, _ in got)
+            hint = f" (they hold {covered} elements, the slice {hi - lo})" if covered != hi - lo else ""
+            return f"got {got!r}, expected {want!r}{hint}"
+        return None
+
+    return check("zero_boxes", _zero_cases(), run)

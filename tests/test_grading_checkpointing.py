@@ -1,0 +1,205 @@
+"""Chapter 12's graders (course_lib/grading/checkpointing.py): the solutions' answers and
+answers written differently pass; classic mistakes (a floor instead of torch.chunk's ceil,
+touching boxes counted as overlapping, replicas written on every rank, boxes that are not row
+by row), answers hard-coded to the lecture's printed case and calls to course_lib.checkpoint
+fail with a hint that names the mistake."""
+from __future__ import annotations
+
+import itertools
+import math
+
+from course_lib.grading import checkpointing as G
+from grading_answers import fails_with, graded
+
+
+# ----------------------------------------------------------------------------- 1. owned box
+def owned_box(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank):
+    """Written with torch.chunk's arithmetic on a list of rows."""
+    offsets, lengths = [0] * len(shape), list(shape)
+    if tp_dim is not None:
+        lengths[tp_dim] //= tp
+        offsets[tp_dim] = tp_rank * lengths[tp_dim]
+    rows = list(range(offsets[0], offsets[0] + lengths[0]))
+    chunk = -(-len(rows) // fsdp)
+    mine = rows[fsdp_rank * chunk:(fsdp_rank + 1) * chunk]
+    if not mine:
+        return None
+    offsets[0], lengths[0] = mine[0], len(mine)
+    return offsets, lengths
+
+
+def owned_box_floor(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank):
+    offsets, lengths = [0] * len(shape), list(shape)
+    if tp_dim is not None:
+        lengths[tp_dim] //= tp
+        offsets[tp_dim] = tp_rank * lengths[tp_dim]
+    chunk = lengths[0] // fsdp                      # floor: the last rows are lost
+    if chunk == 0:
+        return None
+    offsets[0] += fsdp_rank * chunk
+    lengths[0] = chunk
+    return tuple(offsets), tuple(lengths)
+
+
+def owned_box_hard_coded(*args):
+    return (48, 0), (48, 32)                        # the lecture's (96, 32) weight, tp rank 1 of 2, FSDP rank 1
+
+
+def owned_box_library(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank):
+    from course_lib.parallel.fsdp_params import dim0_rows
+    d0 = shape[0] // (tp if tp_dim == 0 else 1)
+    chunk, rows = dim0_rows(d0, fsdp, fsdp_rank)
+    return owned_box(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank)
+
+
+def test_owned_box(capsys):
+    assert graded(capsys, G.check_owned_box, owned_box)[0]
+    fails_with(capsys, G.check_owned_box, owned_box_floor, hint="ceil(rows / fsdp)")
+    fails_with(capsys, G.check_owned_box, owned_box_hard_coded, hint="expected")
+    fails_with(capsys, G.check_owned_box, owned_box_library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- 2. read plan
+def read_plan(box, saved):
+    """Element sets per dim, intersected (a different route from max/min)."""
+    out = []
+    for i, (o, n) in enumerate(saved):
+        ranges = [set(range(a, a + m)) & set(range(b, b + k)) for a, m, b, k in zip(box[0], box[1], o, n)]
+        if all(ranges):
+            out.append((i, ([min(r) for r in ranges], [len(r) for r in ranges])))
+    return out
+
+
+def read_plan_touching(box, saved):
+    out = []
+    for i, (o, n) in enumerate(saved):
+        lo = [max(a, b) for a, b in zip(box[0], o)]
+        hi = [min(a + m, b + k) for a, m, b, k in zip(box[0], box[1], o, n)]
+        if all(h >= l for l, h in zip(lo, hi)):     # <=: boxes that only touch counted
+            out.append((i, (lo, [h - l for l, h in zip(lo, hi)])))
+    return out
+
+
+def read_plan_local(box, saved):
+    """The overlap in the saved box's own coordinates, not global ones."""
+    out = []
+    for i, (o, n) in enumerate(saved):
+        lo = [max(a, b) for a, b in zip(box[0], o)]
+        hi = [min(a + m, b + k) for a, m, b, k in zip(box[0], box[1], o, n)]
+        if all(h > l for l, h in zip(lo, hi)):
+            out.append((i, ([l - b for l, b in zip(lo, o)], [h - l for l, h in zip(lo, hi)])))
+    return out
+
+
+def read_plan_hard_coded(box, saved):
+    return [(1, ((2, 4), (2, 4)))]
+
+
+def read_plan_library(box, saved):
+    from course_lib.checkpoint import read_plan as plan
+    return plan(box[0], box[1], saved)
+
+
+def test_read_plan(capsys):
+    assert graded(capsys, G.check_read_plan, read_plan)[0]
+    fails_with(capsys, G.check_read_plan, read_plan_touching, hint="ends are exclusive")
+    fails_with(capsys, G.check_read_plan, read_plan_local, hint="expected")
+    fails_with(capsys, G.check_read_plan, read_plan_hard_coded, hint="expected")
+    fails_with(capsys, G.check_read_plan, read_plan_library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- 3. writers
+def writers(per_rank):
+    """For each item, the lowest rank holding the same box: does it equal mine?"""
+    return [[j for j, item in enumerate(items)
+             if next(r for r, other in enumerate(per_rank) if item in other) == rank]
+            for rank, items in enumerate(per_rank)]
+
+
+def writers_everyone(per_rank):
+    return [list(range(len(items))) for items in per_rank]
+
+
+def writers_rank0_only(per_rank):
+    return [list(range(len(per_rank[0])))] + [[] for _ in per_rank[1:]]
+
+
+def writers_by_name(per_rank):
+    """Deduplicated by name only: a second rank's other rows are never written."""
+    seen, out = set(), []
+    for items in per_rank:
+        out.append([j for j, (name, *_) in enumerate(items) if not (name in seen or seen.add(name))])
+    return out
+
+
+def writers_library(per_rank):
+    from course_lib.checkpoint import assign_writers
+    return assign_writers([[(n, (), "f", o, l) for n, o, l in items] for items in per_rank])
+
+
+def test_writers(capsys):
+    assert graded(capsys, G.check_writers, writers)[0]
+    fails_with(capsys, G.check_writers, writers_everyone, hint="multiplies the checkpoint")
+    fails_with(capsys, G.check_writers, writers_rank0_only, hint="expected")
+    fails_with(capsys, G.check_writers, writers_by_name, hint="expected")
+    fails_with(capsys, G.check_writers, writers_library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- 4. ZeRO boxes
+def zero_boxes(shape, lo, hi):
+    """Greedy: from each position, the largest box that starts there and stays inside lo..hi."""
+    out, pos = [], lo
+    while pos < hi:
+        index = []
+        rest = pos
+        for k in range(len(shape)):
+            inner = math.prod(shape[k + 1:])
+            index.append(rest // inner)
+            rest %= inner
+        # the deepest dim k from which index[k+1:] are all 0: take whole sub-blocks along k
+        for k in range(len(shape)):
+            if all(i == 0 for i in index[k + 1:]):
+                inner = math.prod(shape[k + 1:])
+                n = min(shape[k] - index[k], (hi - pos) // inner)
+                if n > 0:
+                    out.append((tuple(index[:k + 1]) + (0,) * (len(shape) - k - 1),
+                                (1,) * k + (n,) + tuple(shape[k + 1:]), pos - lo))
+                    pos += n * inner
+                    break
+    return out
+
+
+def zero_boxes_one_per_row(shape, lo, hi):
+    """Every row its own box: right elements, not the fewest boxes."""
+    inner = math.prod(shape[1:])
+    out, pos = [], lo
+    while pos < hi:
+        row, col = divmod(pos, inner)
+        end = min(hi, (row + 1) * inner)
+        if len(shape) == 1:
+            return [((lo,), (hi - lo,), 0)]
+        out.append(((row, col) + (0,) * (len(shape) - 2), (1, end - pos) + (1,) * (len(shape) - 2), pos - lo))
+        pos = end
+    return out
+
+
+def zero_boxes_off_by_one(shape, lo, hi):
+    from test_grading_checkpointing import zero_boxes as right
+    return right(shape, lo, hi + 1) if hi < math.prod(shape) else right(shape, lo, hi)
+
+
+def zero_boxes_hard_coded(shape, lo, hi):
+    return [((0, 2), (1, 1), 0), ((1, 0), (2, 3), 1)]
+
+
+def zero_boxes_library(shape, lo, hi):
+    from course_lib.checkpoint import flat_range_boxes
+    return [tuple(p) for p in flat_range_boxes(shape, lo, hi)]
+
+
+def test_zero_boxes(capsys):
+    assert graded(capsys, G.check_zero_boxes, zero_boxes)[0]
+    fails_with(capsys, G.check_zero_boxes, zero_boxes_one_per_row, hint="expected")
+    fails_with(capsys, G.check_zero_boxes, zero_boxes_off_by_one, hint="they hold")
+    fails_with(capsys, G.check_zero_boxes, zero_boxes_hard_coded, hint="expected")
+    fails_with(capsys, G.check_zero_boxes, zero_boxes_library, hint="write this yourself")
