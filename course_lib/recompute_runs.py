@@ -11,6 +11,8 @@ are the storages alive after its forward (``memory.MemoryTracker``), minus its o
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -44,7 +46,8 @@ def kept_bytes(blocks, x, positions=None, dtype=torch.bfloat16):
         h = x * 1
         for blk in blocks:
             h = blk(h, positions)
-        tracker.serial(h)                # frees made on a transport thread, applied now
+        time.sleep(0.05)                 # gloo's threads drop the last reference to a message buffer
+        tracker.serial(h)                # a little after wait() returns: those frees, applied now
         kept = tracker.live - before - storage_bytes([h])
     h.float().sum().backward()           # the recomputation runs, and everything is freed
     return kept, storage_bytes(saved)
@@ -78,22 +81,32 @@ def activation_bytes(cfg_dict, layout, batch, policies=None, **kw):
     return out
 
 
-def pipeline_peaks(cfg_dict, layout, batch, policy="none", **kw):
-    """One step of the pipeline in bf16: this rank's peak of saved activations (all micro-batches
-    in flight) and the bytes one micro-batch's forward kept, counted by the schedule runner on
-    storages; with the stage's layers."""
+def activation_bytes_of_layouts(cfg_dict, layouts, batch):
+    """:func:`activation_bytes` for several layouts of the same world size, in one launch:
+    {name: {policy: (tracker bytes, saved bytes)}}; ``layouts`` {name: (mesh sizes, keywords)}."""
+    return {name: activation_bytes(cfg_dict, layout, batch, **kw) for name, (layout, kw) in layouts.items()}
+
+
+def pipeline_peaks(cfg_dict, layout, batch, policies=POLICIES, **kw):
+    """One bf16 pipeline step per recompute policy: {policy: this rank's peak of saved activations
+    (every micro-batch in flight), the bytes one micro-batch's forward kept, its stage and layers},
+    counted on storages by the schedule runner."""
     from course_lib import reference
     from course_lib.parallel.compose import parallelize_nd
     from course_lib.parallel.mesh import Mesh
 
     cfg = GPTConfig(**cfg_dict)
-    net = parallelize_nd(TinyGPT(cfg, seed=0).to(torch.bfloat16), Mesh(**layout), recompute=policy, **kw)
+    mesh = Mesh(**layout)
     x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
-    net.step(x, y)
-    res = net.last_result
-    (stage, st), = net.stages.items()
-    return dict(stage=stage, layers=list(st.layers), peak=res.peak_activation_bytes,
-                per_microbatch=res.saved_bytes[(stage, 0)], first=st.first, last=st.last)
+    out = {}
+    for policy in policies:
+        net = parallelize_nd(TinyGPT(cfg, seed=0).to(torch.bfloat16), mesh, recompute=policy, **kw)
+        net.step(x, y)
+        res = net.last_result
+        (stage, st), = net.stages.items()
+        out[policy] = dict(stage=stage, layers=list(st.layers), peak=res.peak_activation_bytes,
+                           per_microbatch=res.saved_bytes[(stage, 0)], first=st.first, last=st.last)
+    return out
 
 
 def recompute_flops(cfg, batch, policies=POLICIES):
@@ -135,4 +148,4 @@ def torch_checkpoint_side_by_side(cfg, batch):
     return out
 
 
-__all__ = ["kept_bytes", "activation_bytes", "pipeline_peaks", "recompute_flops", "torch_checkpoint_side_by_side"]
+__all__ = ["kept_bytes", "activation_bytes", "activation_bytes_of_layouts", "pipeline_peaks", "recompute_flops", "torch_checkpoint_side_by_side"]
