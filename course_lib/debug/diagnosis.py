@@ -24,6 +24,7 @@ import textwrap
 from course_lib.debug.flight_recorder import Record, shape_text
 
 WIDTH = 78
+NOTHING = "no rank is blocked in a communication call and every position recorded agrees"
 
 
 def ranks_text(ranks) -> str:
@@ -166,9 +167,12 @@ def waits(records: dict, outcomes: dict) -> list:
         for m in missing:
             where = _where(records, outcomes, m)
             other = _blocking(records.get(m, []))
-            same = other is not None and other.index == b.index and other.fingerprint() != b.fingerprint()
-            parts.append(f"{ranks_text([m])} never reached #{b.seq}: {where}"
-                         + (f": different ops at the same position (call {b.index} of each rank)" if same else ""))
+            note = ""
+            if other is not None and other.index == b.index:   # the same position in each rank's calls
+                note = (": different ops at the same position" if other.fingerprint() != b.fingerprint()
+                        else ": the same call at the same position, on another group")
+                note += f" (call {b.index} of each rank)"
+            parts.append(f"{ranks_text([m])} never reached #{b.seq}: {where}{note}")
         lines.append(head + ("; " + "; ".join(parts) if parts else ""))
     return lines
 
@@ -197,7 +201,7 @@ def diagnose(records: dict, outcomes: dict | None = None) -> str:
         return "no communication call was recorded (the flight recorder sees calls through course_lib's Comm)"
     lines = disagreements(records) + message_mismatches(records) + waits(records, outcomes)
     if not lines:
-        lines = ["no rank is blocked in a communication call and every position recorded agrees"]
+        lines = [NOTHING]
     return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False)
                      for line in lines)
 

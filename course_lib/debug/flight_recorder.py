@@ -28,6 +28,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from course_lib import trace
+
 SLOTS = 256                      # default N: the last 256 calls of each rank
 SLOT_BYTES = 384                 # one record: 1 state byte, 2 length bytes, the text
 _HEADER = struct.Struct("<8sQQ")  # magic, calls recorded so far, slots
@@ -39,6 +41,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAYER = (_HERE, os.path.join(os.path.dirname(_HERE), "collectives"))
 SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
          "all_to_all_single": "all_to_all"}
+
+
+_DTYPES = {}
+
+
+def _dtype(dtype) -> str:
+    _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+    return _DTYPES[dtype]
 
 
 def check_slots(slots):
@@ -142,27 +152,25 @@ class FlightRecorder:
                 self._mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-        self.index, self._seq, self._lock = 0, {}, threading.Lock()
+        self.index, self._seq, self._groups, self._lock = 0, {}, {}, threading.Lock()
         self._mm[:_HEADER.size] = _HEADER.pack(_MAGIC, 0, slots)
 
     def record(self, op, dim, ranks, tensors, peer=None, tag=0, extra="", span="", site="",
                state=b"i") -> Entry:
         key = (dim, ranks, op, peer, tag) if peer is not None else (dim, ranks)
-        shapes = ";".join("x".join(map(str, t.shape)) for t in tensors)
-        dtypes = ";".join(str(t.dtype).removeprefix("torch.") for t in tensors)
+        shapes = ";".join(["x".join(map(str, t.shape)) for t in tensors])
+        dtypes = ";".join([_DTYPES.get(t.dtype) or _dtype(t.dtype) for t in tensors])
+        group = self._groups.get(ranks) or self._groups.setdefault(ranks, ",".join(map(str, ranks)))
         with self._lock:
-            self.index += 1
+            index = self.index = self.index + 1
             seq = self._seq[key] = self._seq.get(key, 0) + 1
-            text = _SEP.join((str(self.index), str(seq), op, dim, ",".join(map(str, ranks)), shapes, dtypes,
-                              "" if peer is None else str(peer), str(tag), extra, span, site))
-            data = text.encode("utf-8", "replace")[:SLOT_BYTES - 3]
-            offset = _HEADER.size + ((self.index - 1) % self.slots) * SLOT_BYTES
-            mm = self._mm
-            mm[offset + 1:offset + 3] = len(data).to_bytes(2, "little")
-            mm[offset + 3:offset + 3 + len(data)] = data
-            mm[offset] = state[0]
-            mm[8:16] = self.index.to_bytes(8, "little")
-            return Entry(self, self.index, offset)
+            data = _SEP.join((str(index), str(seq), op, dim, group, shapes, dtypes, "" if peer is None else str(peer),
+                              str(tag), extra, span, site)).encode("utf-8", "replace")[:SLOT_BYTES - 3]
+            offset = _HEADER.size + ((index - 1) % self.slots) * SLOT_BYTES
+            mm = self._mm   # one copy: state, length, text; then the count the reader trusts
+            mm[offset:offset + 3 + len(data)] = state + len(data).to_bytes(2, "little") + data
+            mm[8:16] = index.to_bytes(8, "little")
+            return Entry(self, index, offset)
 
     def records(self) -> list:
         return parse(bytes(self._mm), self.rank)
@@ -223,14 +231,26 @@ def recorder() -> FlightRecorder | None:
 
 
 def _span() -> str:
-    from course_lib import trace
-    open_spans = trace.recorder()._open
+    open_spans = trace.recorder()._open   # the innermost open span (what the status file shows)
     return open_spans[-1] if open_spans else ""
 
 
+_REDUCE_OPS = {}
+
+
 def _extra(op, kwargs, comm) -> str:
+    """The reduce op's name (SUM, AVG, ...) or the broadcast root."""
     if "op" in kwargs:
-        return getattr(kwargs["op"], "name", str(kwargs["op"]))
+        red = kwargs["op"]
+        try:
+            return _REDUCE_OPS[red]
+        except (KeyError, TypeError):
+            name = getattr(red, "name", None) or str(red)
+            try:
+                _REDUCE_OPS[red] = name
+            except TypeError:
+                pass
+            return name
     if "src" in kwargs:
         return f"src {kwargs['src']}"
     return ""

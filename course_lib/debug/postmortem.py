@@ -25,7 +25,7 @@ import signal
 import time
 
 from course_lib.debug import flight_recorder
-from course_lib.debug.diagnosis import _blocking, _messages, diagnose
+from course_lib.debug.diagnosis import NOTHING, _blocking, _messages, diagnose
 
 DEBUG_MODES = ("desync", "nonfinite")
 SETTLE = 2.0   # seconds the survivors of a failure get to block (each check: ms)
@@ -137,6 +137,8 @@ def explain(failure, procs, workdir, settle: float = SETTLE):
         return failure
     text = diagnose(recs, ended)
     failure.diagnosis = text
+    if text == NOTHING:   # (a rank's own exception, nobody blocked: its message says it all)
+        return failure
     failure.args = (f"{failure.args[0]}\n\ndiagnosis (every rank's flight recorder, merged):\n{text}",) \
         + tuple(failure.args[1:])
     return failure
