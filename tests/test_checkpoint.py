@@ -65,46 +65,66 @@ def _single(cfg, load_from, seed=7):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _jobs(jobs):
-    """Rank body: for each job (cfg, layout, kw, load_from, save_to, stop), build the layout
-    (ZeRO: kw zero=stage on a plain model), load or start at step 0, train to ``stop``, save.
-    Returns per job (losses, shards, bytes written)."""
-    import torch.distributed as dist
-
-    from course_lib.checkpoint import load, save
-    from course_lib.parallel.compose import parallelize_nd
+def _plain(cfg, layout, kw, seed):
+    """A plain TinyGPT under a chapter 3-4 wrapper: kw wrap= "ddp", "fsdp", "zero1" or "zero2"."""
+    from course_lib.parallel.data_parallel import DDP
+    from course_lib.parallel.fsdp import FSDP
     from course_lib.parallel.mesh import Mesh
     from course_lib.parallel.zero import ShardedOptimizer
+
+    mesh, model, wrap = Mesh(**layout), TinyGPT(cfg, seed=seed).double(), kw["wrap"]
+    if wrap.startswith("zero"):
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mesh=mesh, stage=int(wrap[-1]), lr=LR,
+                               weight_decay=0.1)
+        return mesh, model, opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.3, total_iters=4)
+    net = (DDP if wrap == "ddp" else FSDP)(model, mesh=mesh)
+    return (mesh, net, *_optimizer(net.parameters()))
+
+
+def _plain_step(mesh, net, x, y):
+    """Each rank's mean over its rows; the wrapper averages the ranks: the global mean."""
+    import torch.distributed as dist
+
+    rows = x.chunk(mesh.sizes["dp"])[mesh.coord["dp"]], y.chunk(mesh.sizes["dp"])[mesh.coord["dp"]]
+    loss = net(*rows, n_tokens=rows[1].numel())[1]
+    loss.backward()
+    if hasattr(net, "finish_gradient_synchronization"):
+        net.finish_gradient_synchronization()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total) / mesh.sizes["dp"]
+
+
+def _jobs(jobs):
+    """Rank body: for each job (cfg, layout, kw, load_from, save_to, stop), build the layout
+    (parallelize_nd, or kw wrap= on a plain model), load or start at step 0, train to ``stop``,
+    save. Returns per job (losses, single-device-named shards, bytes written)."""
+    from course_lib.checkpoint import load, save
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.fsdp import FSDP
+    from course_lib.parallel.mesh import Mesh
 
     out = []
     for cfg, layout, kw, load_from, save_to, stop in jobs:
         seed = 0 if load_from is None else 11       # loaded: nothing of the init may survive
-        torch.manual_seed(seed)
-        if "zero" in kw:
-            mesh, net = Mesh(**layout), TinyGPT(cfg, seed=seed).double()
-            opt = ShardedOptimizer(net.parameters(), torch.optim.AdamW, mesh=mesh, stage=kw["zero"], lr=LR,
-                                   weight_decay=0.1)
-            sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.3, total_iters=4)
+        if "wrap" in kw:
+            mesh, net, opt, sched = _plain(cfg, layout, kw, seed)
         else:
             net = parallelize_nd(TinyGPT(cfg, seed=seed).double(), Mesh(**layout), **kw)
             opt, sched = _optimizer(net.parameters())
         start = 0 if load_from is None else load(load_from, net, opt, scheduler=sched)["data_state"]["batches_seen"]
         losses = []
         for x, y in reference.gpt_batches(cfg, batch=BATCH, steps=STEPS)[start:stop]:
-            if "zero" in kw:     # plain DP: each rank's mean over its rows; ZeRO averages the ranks
-                rows = x.chunk(mesh.sizes["dp"])[mesh.coord["dp"]], y.chunk(mesh.sizes["dp"])[mesh.coord["dp"]]
-                loss = net(*rows, n_tokens=rows[1].numel())[1]
-                loss.backward()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                losses.append(float(total) / mesh.sizes["dp"])
-            else:
-                losses.append(net.step(x, y))
+            losses.append(_plain_step(mesh, net, x, y) if "wrap" in kw else net.step(x, y))
             opt.step(), sched.step(), opt.zero_grad()
         written = save(save_to, net, opt, step=stop, data_state={"batches_seen": stop}, scheduler=sched) \
             if save_to else 0
-        shards = {n: (p.detach().clone(), None) for n, p in net.named_parameters()} if "zero" in kw \
-            else net.shards()
+        if "wrap" not in kw:
+            shards = net.shards()
+        elif isinstance(net, FSDP):
+            shards = {n: (t, None) for n, t in net.full_state_dict().items()}
+        else:
+            shards = {n: (p.detach().clone(), None) for n, p in getattr(net, "module", net).named_parameters()}
         out.append((losses, shards, written))
     return out
 
@@ -114,19 +134,23 @@ def runs(tmp_path_factory):
     """Layout L1 on 4 ranks saves at step K (and one pair resumes there); layouts on 3 ranks
     resume from them."""
     d = tmp_path_factory.mktemp("ckpt")
-    p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe")}
+    p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe", "pp_tied", "ddp")}
     four = launch(_jobs, 4, [
         (CFG, dict(dp=2, tp=2), dict(data="fsdp", sequence_parallel=False), None, p["fsdp_tp"], K),
         (CFG, dict(pp=2, tp=2), dict(microbatches=2), None, p["pp_tp"], K),
-        (CFG, dict(dp=4), dict(zero=2), None, p["zero"], K),
+        (CFG, dict(dp=4), dict(wrap="zero2"), None, p["zero"], K),
         (TIED, dict(cp=2, tp=2), {}, None, p["cp_tp"], K),
         (MOE, dict(dp=4, ep=2), {}, None, p["moe"], 1),
         (CFG, dict(tp=4), {}, p["fsdp_tp"], None, STEPS),                          # dp2 x tp2 FSDP -> tp4
+        (TIED, dict(pp=2, dp=2), dict(microbatches=2, schedule="interleaved", v=2), None, p["pp_tied"], K),
+        (CFG, dict(dp=4), dict(wrap="ddp"), None, p["ddp"], K),
     ], threads=1, timeout=120)
     three = launch(_jobs, 3, [
         (CFG, dict(dp=3), {}, p["fsdp_tp"], None, STEPS),                          # FSDP (4) -> DDP (3)
         (CFG, dict(pp=3), dict(microbatches=2), p["pp_tp"], None, STEPS),          # pp2 x tp2 -> pp3
-        (CFG, dict(dp=3), dict(zero=1), p["zero"], None, STEPS),                   # ZeRO-2 (4) -> ZeRO-1 (3)
+        (CFG, dict(dp=3), dict(wrap="zero1"), p["zero"], None, STEPS),             # ZeRO-2 (4) -> ZeRO-1 (3)
+        (CFG, dict(dp=3), dict(wrap="fsdp"), p["ddp"], None, STEPS),               # DDP (4) -> FSDP (3): odd cuts
+        (CFG, dict(dp=3), dict(data="fsdp"), p["pp_tp"], None, STEPS),             # pp2 x tp2 -> N-D FSDP (3)
     ], threads=1, timeout=120)
     return p, four, three
 
@@ -148,15 +172,18 @@ def test_four_to_four_ranks_fsdp_tp_to_tp4(runs, job):
 
 @pytest.mark.parametrize("job,shape,what", [(0, dict(dp=3), "FSDP (4 ranks) -> DDP (3)"),
                                             (1, dict(pp=3), "pp2 x tp2 -> pp3"),
-                                            (2, dict(dp=3), "ZeRO-2 (4) -> ZeRO-1 (3)")])
+                                            (2, dict(dp=3), "ZeRO-2 (4) -> ZeRO-1 (3)"),
+                                            (3, dict(dp=3), "DDP (4) -> FSDP (3)"),
+                                            (4, dict(dp=3), "pp2 x tp2 -> FSDP dp3")])
 def test_four_to_three_ranks(runs, job, shape, what):
     _, _, three = runs
     from course_lib.parallel.mesh import MeshShape
-    full = assemble_nd([r[job][1] for r in three], MeshShape(**shape))
+    full = assemble_nd([r[job][1] for r in three], MeshShape(**shape)) if job != 3 else three[0][job][1]
+    full = {n: v[0] if isinstance(v, tuple) else v for n, v in full.items()}
     _check(three[0][job][0], full, CFG, what)
 
 
-@pytest.mark.parametrize("name,cfg", [("pp_tp", CFG), ("cp_tp", TIED), ("zero", CFG)])
+@pytest.mark.parametrize("name,cfg", [("pp_tp", CFG), ("cp_tp", TIED), ("zero", CFG), ("pp_tied", TIED)])
 def test_n_d_to_one_device(runs, name, cfg):
     p, _, _ = runs
     _check(*_single(cfg, p[name]), cfg, f"{name} -> one device")
@@ -178,20 +205,25 @@ def test_expert_parallel_names_its_experts(runs):
     assert [r[4][2] for r in four][2:] == [0, 0] and expert > 0
 
 
-def _kill_mid_save(root):
-    """2 ranks (dp2 FSDP): a complete save at step 1, then rank 1 dies halfway through writing
-    the next one."""
+def _async_then_kill_mid_save(root):
+    """2 ranks (dp2 FSDP): an asynchronous save at step 1 whose write overlaps step 2 (which
+    changes every parameter: the snapshot must be the step-1 values), then rank 1 dies halfway
+    through writing a synchronous save at step 2."""
     import torch.distributed as dist
 
-    from course_lib.checkpoint import store
+    from course_lib.checkpoint import AsyncSaver, store
     from course_lib.parallel.compose import parallelize_nd
     from course_lib.parallel.mesh import Mesh
 
     net = parallelize_nd(TinyGPT(CFG, seed=0).double(), Mesh(dp=2), data="fsdp")
     opt, sched = _optimizer(net.parameters())
-    x, y = reference.gpt_batches(CFG, batch=BATCH, steps=1)[0]
-    net.step(x, y), opt.step(), sched.step(), opt.zero_grad()
-    store.save(os.path.join(root, "step1"), net, opt, step=1, data_state={"batches_seen": 1}, scheduler=sched)
+    saver = AsyncSaver()
+    for step, (x, y) in enumerate(reference.gpt_batches(CFG, batch=BATCH, steps=2), start=1):
+        net.step(x, y), opt.step(), sched.step(), opt.zero_grad()
+        if step == 1:
+            saver.save(os.path.join(root, "step1"), net, opt, step=1, data_state={"batches_seen": 1},
+                       scheduler=sched)
+    saver.wait()
     if dist.get_rank() == 1:
         def die(file, chunks):
             with open(file, "wb") as f:
@@ -201,17 +233,16 @@ def _kill_mid_save(root):
     store.save(os.path.join(root, "step2"), net, opt, step=2, data_state={"batches_seen": 2}, scheduler=sched)
 
 
-def test_a_rank_killed_mid_save_leaves_the_last_checkpoint(tmp_path):
+def test_async_save_and_a_rank_killed_mid_save(tmp_path):
     from course_lib.checkpoint import load
 
     with pytest.raises(RankError, match="rank 1 exited with code 3"):
-        launch(_kill_mid_save, 2, str(tmp_path), threads=1, timeout=60)
+        launch(_async_then_kill_mid_save, 2, str(tmp_path), threads=1, timeout=60)
     assert not (tmp_path / "step2").exists()                        # nothing that looks complete
     assert (tmp_path / "step2.partial").is_dir()
     with pytest.raises(ValueError, match="metadata.json: not a complete checkpoint"):
         load(tmp_path / "step2.partial", TinyGPT(CFG).double())
-    model = TinyGPT(CFG, seed=3).double()
-    assert load(tmp_path / "step1", model, _optimizer(model.parameters())[0])["step"] == 1
+    _check(*_single(CFG, tmp_path / "step1"), CFG, "async save (dp2 FSDP) -> one device")
 
 
 def _damaged(src, dst, how):
