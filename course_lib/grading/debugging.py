@@ -1,0 +1,259 @@
+"""Graders of chapter 11, debugging (solutions/11_debugging_exercises.ipynb).
+
+    check_divergence(first_divergence)        # merge per-rank records: each group's first bad position
+    check_fingerprint(fingerprint)            # which collectives may run together
+    check_which_reduction(which_reduction)    # missing / scaled reduction from the ranks' gradients
+    check_first_nan(first_nan_module)         # the module whose own computation made the NaN
+
+Each runs the learner's function in this process on cases that include the traps the
+exercise names, prints one line and returns True iff every case passed. While it runs,
+course_lib.debug (the chapter's own implementations) and this module's references are
+switched off.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn as nn
+
+from course_lib.grading import Case, check, learner
+
+LIBRARY = ("course_lib.debug.flight_recorder:*", "course_lib.debug.diagnosis:*", "course_lib.debug.desync:*",
+           "course_lib.debug.bisect:*", "course_lib.debug.nonfinite:*")
+
+
+# ----------------------------------------------------------------------------- 1. merging records
+
+def _first_divergence(calls: dict) -> dict:
+    """{group: first 1-based position on that group where its members' calls differ}."""
+    groups = sorted({c[0] for recs in calls.values() for c in recs})
+    out = {}
+    for g in groups:
+        per = {r: [c[1:] for c in calls.get(r, []) if c[0] == g] for r in g}
+        for k in range(max(len(v) for v in per.values())):
+            if len({tuple(v[k:k + 1]) for v in per.values()}) > 1:
+                out[g] = k + 1
+                break
+    return out
+
+
+def _divergence_cases():
+    rng = random.Random(11)
+    dp0, dp1, tp0, tp1 = (0, 2), (1, 3), (0, 1), (2, 3)
+    ar, ag = ("all_reduce", (8, 64)), ("all_gather", (8, 64))
+
+    def spmd(n):   # every rank: n rounds of (tp all-reduce, dp all-reduce), on its own groups
+        return {r: [c for _ in range(n) for c in (((tp0 if r < 2 else tp1),) + ar, ((dp0 if r % 2 == 0 else dp1),) + ar)]
+                for r in range(4)}
+    cases = [Case({"calls": spmd(3)}, label="2x2 mesh, every rank the same program on its own groups")]
+    c = spmd(3)
+    c[3][3] = (dp1, "all_reduce", (8, 32))
+    cases.append(Case({"calls": c}, label="rank 3's second dp call has another shape"))
+    c = spmd(3)
+    c[2] = c[2][:3]
+    cases.append(Case({"calls": c}, label="rank 2 stopped after 3 calls (never reached the rest)"))
+    c = spmd(2)
+    c[1][0], c[1][1] = c[1][1], c[1][0]
+    cases.append(Case({"calls": c}, label="rank 1 made its first two calls in the other order"))
+    c = {0: [(tp0,) + ar], 1: []}
+    cases.append(Case({"calls": c}, label="rank 1 has no record at all"))
+    c = spmd(2)
+    c[0][2] = (tp0,) + ag
+    cases.append(Case({"calls": c}, label="rank 0 all-gathers where rank 1 all-reduces"))
+    for k in range(3):   # random programs on one group of 3 ranks, one planted difference
+        g = (0, 1, 2)
+        base = [(g, rng.choice(["all_reduce", "broadcast"]), (rng.randint(1, 4), 8)) for _ in range(6)]
+        c = {r: list(base) for r in g}
+        at = rng.randrange(6)
+        c[rng.choice(g)][at] = (g, base[at][1], (9, 8))
+        cases.append(Case({"calls": c}, label=f"one group of 3 ranks, random program {k + 1}"))
+    return cases
+
+
+def check_divergence(first_divergence) -> bool:
+    """``first_divergence(calls) -> {group: position}``; ``calls[rank]`` = [(group, op, shape), ...]."""
+    answer = learner(first_divergence, LIBRARY, "course_lib.grading.debugging:_first_divergence",
+                     exercise="merging the ranks' records", seconds=10)
+
+    def run_case(case):
+        calls = case.params["calls"]
+        want = _first_divergence(calls)
+        got = answer({r: list(v) for r, v in calls.items()})
+        if not isinstance(got, dict):
+            return f"expected a dict {{group: position}}, got {type(got).__name__}"
+        if got != want:
+            return f"got {got}, expected {want} (positions count each group's calls from 1)"
+    return check("first_divergence", _divergence_cases(), run_case)
+
+
+# ----------------------------------------------------------------------------- 2. fingerprints
+
+def _compatible(op, a, b) -> bool:
+    """May two ranks' calls ``op(*a)`` and ``op(*b)`` run together?"""
+    if len(a) != len(b) or any(x.dtype != y.dtype for x, y in zip(a, b)):
+        return False
+    if op == "all_to_all_single":
+        return all(x.shape[1:] == y.shape[1:] for x, y in zip(a, b))
+    return all(x.shape == y.shape for x, y in zip(a, b))
+
+
+def _fingerprint_cases():
+    t = torch.randn
+    pairs = [
+        ("all_reduce", [t(8, 64)], [t(8, 64)], "the same shape, other values"),
+        ("all_reduce", [t(8, 64)], [t(8, 32)], "another shape"),
+        ("all_reduce", [t(8, 64)], [t(8, 64, dtype=torch.float64)], "another dtype"),
+        ("all_to_all_single", [t(3, 5), t(4, 5)], [t(2, 5), t(1, 5)], "uneven all-to-all splits"),
+        ("all_to_all_single", [t(3, 5), t(4, 5)], [t(3, 6), t(4, 6)], "all-to-all rows of another width"),
+        ("all_gather_into_tensor", [t(12, 4), t(3, 4)], [t(4, 4), t(1, 4)], "uneven all-gather shards"),
+        ("broadcast", [torch.zeros(2, 2)], [torch.ones(2, 2)], "a broadcast's receiver holds other values"),
+        ("reduce_scatter_tensor", [t(2, 4), t(4, 4)], [t(2, 4), t(4, 4)], "the same reduce-scatter"),
+    ]
+    return [Case({"op": op, "a": a, "b": b}, label=label) for op, a, b, label in pairs] + \
+        [Case({"op": "all_reduce", "a": [t(8, 64)], "b": [t(8, 64)], "other_op": "broadcast"},
+              label="another op, the same tensors")]
+
+
+def check_fingerprint(fingerprint) -> bool:
+    """``fingerprint(op, tensors) -> hashable``: equal exactly when the calls may run together."""
+    answer = learner(fingerprint, LIBRARY, "course_lib.grading.debugging:_compatible",
+                     exercise="a collective's fingerprint", seconds=10)
+
+    def run_case(case):
+        p = case.params
+        other = p.get("other_op", p["op"])
+        want = _compatible(p["op"], p["a"], p["b"]) and other == p["op"]
+        fa, fb = answer(p["op"], list(p["a"])), answer(other, list(p["b"]))
+        fa2 = answer(p["op"], [x.clone() + 1 for x in p["a"]])
+        if hash(fa) != hash(fa2) or fa != fa2:
+            return "the fingerprint changes with the tensors' values: ranks hold different values in a correct call"
+        if (fa == fb) != want:
+            return f"fingerprints {'differ' if want else 'are equal'}, but these calls {'may' if want else 'may not'} " \
+                   f"run together"
+    return check("fingerprint", _fingerprint_cases(), run_case)
+
+
+# ----------------------------------------------------------------------------- 3. which reduction
+
+def _grads(local, sizes, kind):
+    """Each rank's gradient on a (dp, cp) mesh (rank = dp_i * cp + cp_i) for a planted ``kind``."""
+    dp, cp = sizes["dp"], sizes["cp"]
+    total = sum(local)                                              # the right sum, rank order
+    if kind == "ok":
+        return {r: total.clone() for r in range(dp * cp)}
+    if kind == "missing cp":      # summed over dp only: ranks with the same cp index
+        return {r: sum(local[d * cp + r % cp] for d in range(dp)) for r in range(dp * cp)}
+    if kind == "missing dp":
+        return {r: sum(local[(r // cp) * cp + c] for c in range(cp)) for r in range(dp * cp)}
+    return {r: total * float(kind) for r in range(dp * cp)}        # a scale
+
+
+def _which_cases():
+    out = []
+    for sizes in ({"dp": 2, "cp": 3}, {"dp": 3, "cp": 2}):
+        for kind in ("ok", "missing cp", "missing dp", "2", "0.5", "3", f"{1 / (sizes['dp'] * sizes['cp'])}"):
+            out.append(Case({"sizes": sizes, "kind": kind}, label=f"dp={sizes['dp']}, cp={sizes['cp']}: {kind}"))
+    return out
+
+
+def _expected(kind):
+    if kind in ("ok", "missing cp", "missing dp"):
+        return ("ok", None) if kind == "ok" else ("missing", kind.split()[1])
+    return ("scaled", float(kind))
+
+
+def check_which_reduction(which_reduction) -> bool:
+    """``which_reduction(grads, reference, sizes) -> ("ok", None) | ("missing", dim) | ("scaled", factor)``."""
+    answer = learner(which_reduction, LIBRARY, "course_lib.grading.debugging:_grads",
+                     "course_lib.grading.debugging:_expected", exercise="naming the wrong reduction", seconds=10)
+
+    def run_case(case):
+        sizes, kind = case.params["sizes"], case.params["kind"]
+        gen = torch.Generator().manual_seed(len(kind) + 7 * sizes["dp"])
+        local = [torch.randn(64, 32, generator=gen) for _ in range(sizes["dp"] * sizes["cp"])]  # float32
+        grads = _grads(local, sizes, kind)
+        reference = sum(reversed(local))                          # one device: another order of the sum
+        want = _expected(kind)
+        got = answer({r: g.clone() for r, g in grads.items()}, reference.clone(), dict(sizes))
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return f"expected a pair like ('missing', 'cp'), got {got!r}"
+        if got[0] != want[0] or (want[0] == "missing" and got[1] != want[1]) or \
+                (want[0] == "scaled" and not (isinstance(got[1], (int, float)) and
+                                              abs(got[1] - want[1]) <= 1e-3 * want[1])):
+            return f"got {got!r}, expected {want!r}"
+    return check("which_reduction", _which_cases(), run_case)
+
+
+# ----------------------------------------------------------------------------- 4. the first NaN
+
+class _Mask(nn.Module):
+    def forward(self, scores):          # (rows, keys): hide keys at or after the row's index (a row may hide all)
+        n = scores.shape[-1]
+        hide = torch.arange(n)[None, :] >= torch.arange(scores.shape[0])[:, None]
+        return scores.masked_fill(hide, float("-inf"))     # -inf on purpose: not a NaN
+
+
+class _Softmax(nn.Module):
+    def forward(self, x):
+        return x.softmax(-1)
+
+
+class _RowNorm(nn.Module):
+    def forward(self, x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+
+class _LogThenLinear(nn.Module):
+    """Makes the NaN itself (a log of a negative), then hands it to its child."""
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(torch.log(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(self.inner(x))
+
+
+def _nan_case(kind):
+    torch.manual_seed(0)
+    if kind == "row norm":
+        x = torch.randn(3, 4)
+        x[1] = 0
+        return nn.Sequential(nn.Linear(4, 4, bias=False), _RowNorm(), nn.Linear(4, 2)), x, "1"
+    if kind == "parent's own op":
+        return nn.Sequential(nn.Linear(4, 4), _Block(_LogThenLinear())), torch.randn(5, 4), "1.inner"
+    if kind == "masked attention":
+        return nn.Sequential(nn.Linear(4, 4), _Mask(), _Softmax(), nn.Linear(4, 4)), torch.randn(4, 4), "2"
+    if kind == "none":
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), torch.randn(3, 4), None
+    raise ValueError(kind)
+
+
+def check_first_nan(first_nan_module) -> bool:
+    """``first_nan_module(model, x) -> name`` (as in ``model.named_modules()``) or None."""
+    answer = learner(first_nan_module, LIBRARY, "course_lib.grading.debugging:_nan_case",
+                     exercise="finding the first NaN", seconds=10)
+    kinds = {"row norm": "a zero row divided by its norm", "parent's own op": "a module makes the NaN itself, "
+             "then calls a child", "masked attention": "a -inf mask (on purpose) before a softmax over a row "
+             "that hides every key", "none": "no NaN at all"}
+    cases = [Case({"kind": k}, label=v) for k, v in kinds.items()]
+
+    def run_case(case):
+        model, x, want = _nan_case(case.params["kind"])
+        got = answer(model, x)
+        if got != want:
+            return f"got {got!r}, expected {want!r}"
+    return check("first_nan_module", cases, run_case)
+
+
+__all__ = ["check_divergence", "check_fingerprint", "check_which_reduction", "check_first_nan"]

@@ -1,0 +1,241 @@
+"""course_lib/grading/debugging.py: each chapter-11 grader fails the classic mistakes, a
+hard-coded answer and a call to course_lib.debug (switched off), and passes a right answer
+written differently from the solution."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from course_lib import tolerance
+from course_lib.grading import debugging as G
+from grading_answers import passed, refused
+
+
+# ----------------------------------------------------------------------------- 1. merge
+def _merge_zip_longest(calls):          # right, written differently
+    out = {}
+    groups = {c[0] for recs in calls.values() for c in recs}
+    for g in groups:
+        seqs = [[c[1:] for c in calls.get(m, ()) if c[0] == g] for m in g]
+        for k, row in enumerate(itertools.zip_longest(*seqs), 1):
+            if any(x != row[0] for x in row):
+                out[g] = k
+                break
+    return out
+
+
+def _merge_global_numbering(calls):     # the k-th call of every rank, whatever its group
+    longest = max(len(v) for v in calls.values())
+    for k in range(longest):
+        here = {tuple(v[k][1:]) if k < len(v) else None for v in calls.values()}
+        groups = {v[k][0] for v in calls.values() if k < len(v)}
+        if len(here) > 1 or len(groups) > 1:
+            return {min(groups): k + 1}
+    return {}
+
+
+def _merge_zip(calls):                   # zip stops at the shortest: "never reached" is missed
+    out = {}
+    for g in {c[0] for recs in calls.values() for c in recs}:
+        seqs = [[c[1:] for c in calls.get(m, ()) if c[0] == g] for m in g]
+        for k, row in enumerate(zip(*seqs), 1):
+            if len(set(row)) > 1:
+                out[g] = k
+                break
+    return out
+
+
+def _merge_ops_only(calls):              # compares the op, not the shape
+    return _merge_zip_longest({r: [(c[0], c[1], None) for c in v] for r, v in calls.items()})
+
+
+def _merge_zero_based(calls):
+    return {g: k - 1 for g, k in _merge_zip_longest(calls).items()}
+
+
+def _merge_silent_members_ignored(calls):   # only ranks that recorded something
+    out = {}
+    for g in {c[0] for recs in calls.values() for c in recs}:
+        seqs = [[c[1:] for c in calls[m] if c[0] == g] for m in g if calls.get(m)]
+        for k, row in enumerate(itertools.zip_longest(*seqs), 1):
+            if any(x != row[0] for x in row):
+                out[g] = k
+                break
+    return out
+
+
+def _merge_hard_coded(calls):
+    return {}
+
+
+def _merge_library(calls):
+    from course_lib.debug.diagnosis import disagreements
+    disagreements({})
+    return {}
+
+
+def test_merge(capsys):
+    passed(capsys, G.check_divergence(_merge_zip_longest), "first_divergence: 9/9 cases passed")
+    for wrong, hint in ((_merge_global_numbering, "expected"), (_merge_zip, "stopped after 3 calls"),
+                        (_merge_ops_only, "another shape"), (_merge_zero_based, "from 1"),
+                        (_merge_silent_members_ignored, "no record at all"), (_merge_hard_coded, "expected"),
+                        (_merge_library, "write this yourself")):
+        refused(capsys, "first_divergence", G.check_divergence(wrong), hint)
+
+
+# ----------------------------------------------------------------------------- 2. fingerprint
+def _fp_text(op, tensors):               # right, as one string
+    dims = [list(t.shape)[1:] if op == "all_to_all_single" else list(t.shape) for t in tensors]
+    return f"{op}|{dims}|{[t.dtype for t in tensors]}"
+
+
+def _fp_values(op, tensors):             # the data itself: correct calls never agree
+    return (op, tuple(float(t.sum()) for t in tensors))
+
+
+def _fp_no_all_to_all_rule(op, tensors):
+    return (op, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors))
+
+
+def _fp_no_dtype(op, tensors):
+    return (op, tuple(tuple(t.shape)[1:] if op == "all_to_all_single" else tuple(t.shape) for t in tensors))
+
+
+def _fp_no_op(op, tensors):
+    return _fp_text(op, tensors).split("|", 1)[1]
+
+
+def _fp_hard_coded(op, tensors):
+    return 0
+
+
+def _fp_library(op, tensors):
+    from course_lib.debug.desync import fingerprint
+    return fingerprint(op, tensors, "", "dp", [0, 1])
+
+
+def test_fingerprint(capsys):
+    passed(capsys, G.check_fingerprint(_fp_text), "fingerprint: 9/9 cases passed")
+    for wrong, hint in ((_fp_values, "values"), (_fp_no_all_to_all_rule, "uneven all-to-all"),
+                        (_fp_no_dtype, "another dtype"), (_fp_no_op, "another op"),
+                        (_fp_hard_coded, "may not run together"), (_fp_library, "write this yourself")):
+        refused(capsys, "fingerprint", G.check_fingerprint(wrong), hint)
+
+
+# ----------------------------------------------------------------------------- 3. which reduction
+def _groups(sizes):
+    dp, cp = sizes["dp"], sizes["cp"]
+    return {"cp": [[d * cp + c for c in range(cp)] for d in range(dp)],
+            "dp": [[d * cp + c for d in range(dp)] for c in range(cp)]}
+
+
+def _which_ratio(grads, reference, sizes, close=lambda a, b: bool(tolerance.compare(a, b))):
+    """Right, written differently: a median ratio for the scale."""
+    if all(close(g, reference) for g in grads.values()):
+        return ("ok", None)
+    for dim, sets in _groups(sizes).items():
+        if any(not close(grads[s[0]], grads[m]) for s in sets for m in s) and \
+                all(close(sum(grads[m] for m in s), reference) for s in sets):
+            return ("missing", dim)
+    ratios = torch.cat([(g.double() / reference.double()).flatten() for g in grads.values()])
+    return ("scaled", float(ratios.median()))
+
+
+def _which_exact(grads, reference, sizes):   # == instead of a rounding bound
+    return _which_ratio(grads, reference, sizes, close=torch.equal)
+
+
+def _which_no_replica_check(grads, reference, sizes):   # equal replicas of G/2 summed over dp: "missing"
+    close = lambda a, b: bool(tolerance.compare(a, b))  # noqa: E731
+    if all(close(g, reference) for g in grads.values()):
+        return ("ok", None)
+    for dim, sets in _groups(sizes).items():
+        if all(close(sum(grads[m] for m in s), reference) for s in sets):
+            return ("missing", dim)
+    return _which_ratio(grads, reference, sizes)
+
+
+def _which_groups_swapped(grads, reference, sizes):     # rank = cp_index * dp + dp_index: the wrong order
+    swapped = {"dp": sizes["cp"], "cp": sizes["dp"]}
+    got = _which_ratio(grads, reference, swapped)
+    return got if got[0] != "missing" else ("missing", {"dp": "cp", "cp": "dp"}[got[1]])
+
+
+def _which_hard_coded(grads, reference, sizes):
+    return ("missing", "cp")
+
+
+def _which_library(grads, reference, sizes):
+    from course_lib.debug.bisect import explain
+    explain({}, {}, None)
+
+
+def test_which_reduction(capsys):
+    passed(capsys, G.check_which_reduction(_which_ratio), "which_reduction: 14/14 cases passed")
+    for wrong, hint in ((_which_exact, "ok"), (_which_no_replica_check, "0.5"),
+                        (_which_groups_swapped, "missing"), (_which_hard_coded, "expected"),
+                        (_which_library, "write this yourself")):
+        refused(capsys, "which_reduction", G.check_which_reduction(wrong), hint)
+
+
+# ----------------------------------------------------------------------------- 4. the first NaN
+def _nan_pre_hooks(model, x):            # right, written differently: inputs seen on entry, outputs on exit
+    entered, order = {}, []
+
+    def pre(name):
+        def hook(module, inputs):
+            entered[name] = any(isinstance(t, torch.Tensor) and t.isnan().any() for t in inputs)
+        return hook
+
+    def post(name):
+        def hook(module, inputs, output):
+            if not entered[name] and output.isnan().any():
+                order.append(name)
+        return hook
+
+    handles = [h for n, m in model.named_modules()
+               for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
+    model(x)
+    for h in handles:
+        h.remove()
+    return order[0] if order else None
+
+
+def _nan_outputs_only(model, x):         # the first module whose output has a NaN, inputs unchecked
+    order = []
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: order.append(n) if o.isnan().any() else None)
+               for n, m in model.named_modules()]
+    model(x)
+    for h in handles:
+        h.remove()
+    return order[0] if order else None
+
+
+def _nan_isfinite(model, x):             # -inf counted as a NaN
+    order = []
+    handles = [m.register_forward_hook(
+        lambda mod, i, o, n=n: order.append(n) if (not torch.isfinite(o).all()
+                                                   and all(torch.isfinite(t).all() for t in i)) else None)
+        for n, m in model.named_modules()]
+    model(x)
+    for h in handles:
+        h.remove()
+    return order[0] if order else None
+
+
+def _nan_last(model, x):                 # where the symptom shows: the model's output
+    return "" if model(x).isnan().any() else None
+
+
+def _nan_library(model, x):
+    from course_lib.debug.nonfinite import NonFiniteTracer
+    with NonFiniteTracer():
+        model(x)
+
+
+def test_first_nan(capsys):
+    passed(capsys, G.check_first_nan(_nan_pre_hooks), "first_nan_module: 4/4 cases passed")
+    for wrong, hint in ((_nan_outputs_only, "1.inner.proj"), (_nan_isfinite, "got '1'"),
+                        (_nan_last, "got ''"), (_nan_library, "write this yourself")):
+        refused(capsys, "first_nan_module", G.check_first_nan(wrong), hint)
