@@ -30,7 +30,7 @@ class VirtualStep:
     step_time: float        # virtual seconds: first rank's start to last rank's end
     kernels: list           # per rank: kernels its compute stream ran in the step
     comm: dict              # mesh dim -> the busiest rank's seconds in that dim's communication
-    calls: dict             # mesh dim -> communication calls rank 0 made in that dim
+    calls: dict             # mesh dim -> collectives and receives rank 0 made in that dim
     spans: list             # the step, every rank (trace.Span in virtual seconds)
 
 
@@ -78,7 +78,9 @@ def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) ->
     steps = [s for s in res.spans if s.name == "step"]
     comm, calls = {}, {}
     for s in res.spans:
-        if s.kind == "comm" and s.dim and not s.name.startswith("send"):   # a send overlaps its recv
+        # the clock's own spans: collectives and receives (a send overlaps its receive; the
+        # pipeline's "recv act/grad", "wait sends" and the ring's "K/V hop" wrap the clock's)
+        if s.kind == "comm" and s.dim and not s.name.startswith(("send", "wait", "recv act", "recv grad", "K/V")):
             comm.setdefault(s.dim, [0.0] * shape.world_size)[s.rank] += s.duration
             calls[s.dim] = calls.get(s.dim, 0) + (s.rank == 0)
     return VirtualStep(dict(layout), dict(kw), max(s.end for s in steps) - min(s.start for s in steps),

@@ -25,30 +25,34 @@ FREE = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.ne
         aten._local_scalar_dense, aten.is_same_size, aten.sym_size, aten.sym_stride, aten.sym_numel,
         aten.sym_storage_offset, aten._has_compatible_shallow_copy_type, aten.is_nonzero, aten.detach}
 
-_KINDS: dict = {}   # OpOverload -> its FLOP formula, None (priced, no FLOPs) or False (free): a memo
+_FREE_OP = object()  # the memo's mark of an op that launches no kernel
+_KINDS: dict = {}   # OpOverload -> its FLOP formula, None (priced, no FLOPs) or _FREE_OP: a memo
 
 
 def kernel_kind(func):
     """False if ``func`` launches no kernel, else its FLOP formula (None: no FLOPs counted)."""
-    kind = _KINDS.get(func, 0)
-    if kind == 0:
+    try:
+        kind = _KINDS[func]
+    except KeyError:
         priced = (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and not func.is_view
                   and func.overloadpacket not in FREE)
-        kind = _KINDS[func] = flop_registry.get(func.overloadpacket) if priced else False
-    return kind
+        kind = _KINDS[func] = flop_registry.get(func.overloadpacket) if priced else _FREE_OP
+    return False if kind is _FREE_OP else kind
 
 
 def _add_bytes(t, itemsize) -> int:
     """Bytes of one tensor the kernel touches: a broadcast (stride 0) dimension is read once;
     floating tensors at the modelled ``itemsize``, others at their own."""
-    stride = t.stride()
-    if 0 in stride:
-        n = 1
-        for size, st in zip(t.shape, stride):
-            n *= size if st else 1
-    else:
+    if t.is_contiguous():                  # the common case: no stride to read
         n = t.numel()
+    else:
+        n = 1
+        for size, st in zip(t.shape, t.stride()):
+            n *= size if st else 1
     return n * (itemsize if t.is_floating_point() else t.element_size())
+
+
+_Tensor = torch.Tensor
 
 
 def op_cost(func, args, kwargs, out, itemsize: int):
@@ -57,16 +61,49 @@ def op_cost(func, args, kwargs, out, itemsize: int):
     if formula is False:
         return None
     nbytes = 0
-    for group in (args, kwargs.values() if kwargs else (), out if isinstance(out, (list, tuple)) else (out,)):
-        for v in group:
-            if isinstance(v, torch.Tensor):
+    for v in args:
+        if isinstance(v, _Tensor):
+            nbytes += _add_bytes(v, itemsize)
+        elif isinstance(v, (list, tuple)):             # foreach ops: one level of lists
+            for t in v:
+                if isinstance(t, _Tensor):
+                    nbytes += _add_bytes(t, itemsize)
+    if kwargs:
+        for k, v in kwargs.items():
+            if k == "out":                             # counted once, as the result
+                continue
+            if isinstance(v, _Tensor):
                 nbytes += _add_bytes(v, itemsize)
-            elif isinstance(v, (list, tuple)):         # foreach ops: one level of lists
+            elif isinstance(v, (list, tuple)):
                 for t in v:
-                    if isinstance(t, torch.Tensor):
+                    if isinstance(t, _Tensor):
                         nbytes += _add_bytes(t, itemsize)
-    flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-    return flops, nbytes
+    if isinstance(out, _Tensor):
+        nbytes += _add_bytes(out, itemsize)
+    elif isinstance(out, (list, tuple)):
+        for t in out:
+            if isinstance(t, _Tensor):
+                nbytes += _add_bytes(t, itemsize)
+    return (_flops(func, formula, args, kwargs, out) if formula is not None else 0), nbytes
+
+
+_FLOPS: dict = {}   # (op, argument shapes) -> FLOPs: torch's formulas read shapes only, through pytree (slow)
+
+
+def _flops(func, formula, args, kwargs, out) -> int:
+    key = (func, *[tuple(a.shape) if isinstance(a, _Tensor) else
+                   (tuple(x.shape if isinstance(x, _Tensor) else x for x in a) if isinstance(a, list) else a)
+                   for a in args])
+    if kwargs:
+        key += tuple(kwargs.items())
+    try:
+        return _FLOPS[key]
+    except KeyError:
+        pass
+    except TypeError:                      # an unhashable argument: no memo
+        return int(formula(*args, **(kwargs or {}), out_val=out))
+    flops = _FLOPS[key] = int(formula(*args, **(kwargs or {}), out_val=out))
+    return flops
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,10 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     for part, here in (("embedding", first), ("head", last)):
         if here:
             fwd_k, bwd_k = fwd_k + run(k[part + "_fwd"]), bwd_k + run(k[part + "_bwd"])
-    fwd = {"compute": fwd_k.time, "launch": fwd_k.count * hw.launch_overhead, "tp": 0.0, "cp": 0.0, "zero": 0.0}
-    bwd = {"compute": bwd_k.time, "launch": bwd_k.count * hw.launch_overhead, "tp": 0.0, "cp": 0.0, "zero": 0.0}
+    # (every kernel at its own roofline is "compute"; the course has no EP in this model)
+    fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": fwd_k.count * hw.launch_overhead,
+           "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
+    bwd = {**fwd, "compute": bwd_k.time, "launch": bwd_k.count * hw.launch_overhead}
     calls = {}
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
