@@ -30,6 +30,7 @@ class PrecisionRun:
     grads: dict          # first step's gradients, assembled to single-device shapes (master dtype)
     state: dict          # parameters after the steps (master dtype)
     calls: dict          # {mesh dims: [(op, name, payload bytes)]} of the first step, rank 0
+    held: dict = dataclasses.field(default_factory=dict)   # rank 0: bytes and dtypes of masters and model
 
 
 def gradient_shards(net) -> dict:
@@ -64,14 +65,18 @@ def _rank(cfg_dict, cases, precisions, batch, steps, dtype):
                 for c in comms:
                     c.reset()
                 losses.append(net.step(x, y))
-                if grads is None:
-                    grads = gradient_shards(net)
+                if grads is None:        # the step's calls first: gathering the gradients talks too
                     calls = {c.dim: [(k.op, k.name, k.payload) for k in c.log] for c in comms if c.log}
                     if mesh.sizes["pp"] > 1:
                         calls["pp"] = [("send", "activations and gradients", net.last_result.bytes_sent)]
+                    grads = gradient_shards(net)
                 opt.step()
                 opt.zero_grad()
-            out[case, precision] = dict(losses=losses, grads=grads, state=net.shards(), calls=calls)
+            held = {"master": (sum(q.numel() * q.element_size() for q in net.parameters()),
+                               sorted({str(q.dtype) for q in net.parameters()})),
+                    "model": (sum(q.numel() * q.element_size() for q in net.model_parameters()),
+                              sorted({str(q.dtype) for q in net.model_parameters()}))}
+            out[case, precision] = dict(losses=losses, grads=grads, state=net.shards(), calls=calls, held=held)
     return out
 
 
@@ -88,7 +93,7 @@ def precision_runs(cfg, cases, batch, steps, precisions=("full", "bf16", "bf16-r
             per = [r[case, precision] for r in ranks]
             out.setdefault(case, {})[precision] = PrecisionRun(
                 per[0]["losses"], assemble_nd([p["grads"] for p in per], shape),
-                assemble_nd([p["state"] for p in per], shape), per[0]["calls"])
+                assemble_nd([p["state"] for p in per], shape), per[0]["calls"], per[0]["held"])
     return out
 
 

@@ -118,7 +118,7 @@ def train_mixed(model, batches, lr, precision="bf16", weight_decay=0.1):
             master.to_master()
         if first is None:
             first = {n: p.grad.detach().clone() for n, p in zip(names, params) if p.grad is not None}
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in zip(names, params)}, losses, first
