@@ -73,6 +73,14 @@ def _plain(cfg, layout, kw, seed):
     from course_lib.parallel.zero import ShardedOptimizer
 
     mesh, model, wrap = Mesh(**layout), TinyGPT(cfg, seed=seed).double(), kw["wrap"]
+    if wrap in ("tp", "pp"):       # chapters 5 and 6 on their own: saved at step 0 only
+        if wrap == "tp":
+            from course_lib.parallel.tp_plan import parallelize
+            parallelize(model, mesh)
+        else:
+            from course_lib.parallel.pipeline import PipelineParallel
+            model = PipelineParallel(model, mesh, microbatches=2)
+        return (mesh, model, *_optimizer(model.parameters()))
     if wrap.startswith("zero"):
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mesh=mesh, stage=int(wrap[-1]), lr=LR,
                                weight_decay=0.1)
@@ -121,6 +129,8 @@ def _jobs(jobs):
             if save_to else 0
         if "wrap" not in kw:
             shards = net.shards()
+        elif kw["wrap"] in ("tp", "pp"):
+            shards = {}
         elif isinstance(net, FSDP):
             shards = {n: (t, None) for n, t in net.full_state_dict().items()}
         else:
@@ -134,7 +144,8 @@ def runs(tmp_path_factory):
     """Layout L1 on 4 ranks saves at step K (and one pair resumes there); layouts on 3 ranks
     resume from them."""
     d = tmp_path_factory.mktemp("ckpt")
-    p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe", "pp_tied", "ddp")}
+    p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe", "pp_tied", "ddp", "tp_alone",
+                                                  "pp_alone")}
     four = launch(_jobs, 4, [
         (CFG, dict(dp=2, tp=2), dict(data="fsdp", sequence_parallel=False), None, p["fsdp_tp"], K),
         (CFG, dict(pp=2, tp=2), dict(microbatches=2), None, p["pp_tp"], K),
@@ -144,6 +155,8 @@ def runs(tmp_path_factory):
         (CFG, dict(tp=4), {}, p["fsdp_tp"], None, STEPS),                          # dp2 x tp2 FSDP -> tp4
         (TIED, dict(pp=2, dp=2), dict(microbatches=2, schedule="interleaved", v=2), None, p["pp_tied"], K),
         (CFG, dict(dp=4), dict(wrap="ddp"), None, p["ddp"], K),
+        (CFG, dict(tp=4), dict(wrap="tp"), None, p["tp_alone"], 0),
+        (TIED, dict(pp=2, dp=2), dict(wrap="pp"), None, p["pp_alone"], 0),
     ], threads=1, timeout=120)
     three = launch(_jobs, 3, [
         (CFG, dict(dp=3), {}, p["fsdp_tp"], None, STEPS),                          # FSDP (4) -> DDP (3)
@@ -203,6 +216,21 @@ def test_expert_parallel_names_its_experts(runs):
     expert = sum(q.numel() * 8 for n, q in model.named_parameters() if ".experts.1." in n)
     assert set(bytes_per_rank(p["moe"])) == {0, 1}        # ranks 2, 3 replicate 0, 1: they write nothing
     assert [r[4][2] for r in four][2:] == [0, 0] and expert > 0
+
+
+@pytest.mark.parametrize("name,cfg", [("tp_alone", CFG), ("pp_alone", TIED)])
+def test_chapter_5_and_6_wrappers_on_their_own(runs, name, cfg):
+    """tp_plan.parallelize (tp4, K/V heads copied) and PipelineParallel (pp2 x dp2, a tied
+    embedding on two stages) saved at step 0 load into one device as the initial model."""
+    from course_lib.checkpoint import bytes_per_rank, load
+
+    p, _, _ = runs
+    model = TinyGPT(cfg, seed=5).double()
+    load(p[name], model, _optimizer(model.parameters())[0])
+    init = TinyGPT(cfg, seed=0).double()
+    assert all(torch.equal(q, init.state_dict()[n]) for n, q in model.named_parameters())
+    unique = sum(q.numel() * 8 for q in init.parameters())
+    assert sum(bytes_per_rank(p[name]).values()) == unique       # no optimizer state yet; replicas once
 
 
 def _async_then_kill_mid_save(root):

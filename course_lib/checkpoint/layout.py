@@ -119,12 +119,21 @@ def _named_local(model):
     return [(n, q, None, getattr(q, "tp_shard", None)) for n, q in module.named_parameters(remove_duplicate=False)]
 
 
+def _config(model):
+    """The TinyGPT config behind any wrapper (None for other models)."""
+    for m in (model, getattr(model, "module", None)):
+        cfg = getattr(m, "cfg", None) or getattr(m, "config", None)
+        if cfg is not None:
+            return cfg
+    stages = getattr(model, "stages", None)
+    return getattr(next(iter(stages.values())).part, "config", None) if stages else None
+
+
 def model_holdings(model) -> dict:
     """{id(local parameter): Holding}: every parameter this rank holds, under one name (a
     weight tied under two names is saved under the first; TinyGPT's head under the
     embedding's, also where two pipeline stages hold it as two copies)."""
-    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-    tied = TIED if getattr(cfg, "tie_embeddings", False) else {}
+    tied = TIED if getattr(_config(model), "tie_embeddings", False) else {}
     out = {}
     for name, q, rows, tp in _named_local(model):
         if id(q) in out:
