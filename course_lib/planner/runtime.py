@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
-from course_lib.planner.kernels import Kernels, trace_step, vocab_parallel_loss_kernels
+from course_lib.planner.kernels import Kernels, ring_attention_kernels, trace_step, vocab_parallel_loss_kernels
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
 STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
@@ -114,13 +114,20 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         (fwd if phase == "fwd" else bwd)["tp"] += n * cost
         calls["tp"] = calls.get("tp", 0) + n * m
     fwd_k = Kernels(fwd_k.count + copies, fwd_k.flops, fwd_k.bytes, fwd_k.time)
-    fwd["launch"] = fwd_k.count * hw.launch_overhead
     if c > 1:                                        # ring attention, K and V of this rank's heads
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
         hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw
-        fwd["cp"], bwd["cp"] = n_layers * (c - 1) * hop, n_layers * (c + 1) * hop
+        ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
+        fwd_k = Kernels(fwd_k.count + n_layers * ring_f, fwd_k.flops, fwd_k.bytes, fwd_k.time)
+        bwd_k = Kernels(bwd_k.count + n_layers * ring_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
+        # a hop travels while one block's attention computes (1/c of the ring's kernels, launched):
+        # exposed, its excess; the accumulator's last hop home has nothing to hide behind
+        block_f, block_b = (ring_f / c * hw.launch_overhead, ring_b / c * hw.launch_overhead)
+        fwd["cp"] = n_layers * (c - 1) * max(0.0, hop - block_f)
+        bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop)
         calls["cp"] = m * n_layers * (c - 1 + c + 1)
+    fwd["launch"], bwd["launch"] = fwd_k.count * hw.launch_overhead, bwd_k.count * hw.launch_overhead
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
     if p > 1:
