@@ -63,6 +63,14 @@ BACKENDS = ("gloo", "nccl")
 # from when every rank is ready, so a slow first start (the forkserver imports torch;
 # spawn imports it in every rank) never eats into the time a learner gave fn.
 STARTUP_TIMEOUT = 120.0
+# What the forkserver imports once, so that every rank (a fork of it) starts with it instead of
+# importing it again: torch; torch._dynamo (the first optimizer a rank builds imports it, ~10 s for
+# 4 ranks on 2 cores); course_lib.rank_imports, the course_lib modules ranks use (~0.1 s of CPU per
+# rank per launch). Append names before the first launch to add more (tests/conftest.py adds pytest:
+# a rank running a test's function imports its test module). Nothing here may run a torch op at
+# import: a fork of a process that has run one hangs in OpenMP.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib.launch",
+                      "course_lib.rank_imports"]
 
 
 class RankError(RuntimeError):
@@ -200,9 +208,7 @@ def _context(start_method):
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # Import torch once in the server; every rank is then a cheap fork of it.
-            # torch._dynamo: the first optimizer a rank builds imports it (~10 s for 4 ranks on 2 cores).
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle",
-                                        "course_lib.launch"])
+            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         _CONTEXTS[start_method] = ctx
     return _CONTEXTS[start_method]
 

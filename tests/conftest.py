@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import os
 import subprocess
 import sys
@@ -16,6 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 if SCRIPTS not in sys.path:  # generate_exercises, grade, colab_cell are plain scripts
     sys.path.insert(0, SCRIPTS)
+
+# A rank that runs a test's function imports its test module, and so pytest (~0.1 s of CPU per rank,
+# about what a small launch costs): the forkserver imports it once instead (before the first launch).
+importlib.import_module("course_lib.launch").FORKSERVER_PRELOAD.append("pytest")
 
 SANITIZE = os.path.join(ROOT, "tests", "nbval_sanitize.cfg")
 CELL_TIMEOUT = 300      # seconds per cell: a cell may start several multi-process launches
