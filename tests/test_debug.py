@@ -313,3 +313,46 @@ def test_bisection_names_the_dimension_whose_sum_is_wrong():
     assert "averaged over dp and cp" in str(found["mean"])
     with pytest.raises(ValueError, match="2 ranks but the mesh has 4"):
         first_divergence([[{}], [{}]], ref_grads, shape)
+
+
+def sgd_steps(X, Y, step_before_sync):
+    """Three SGD steps of data parallelism on 2 ranks; the bug: optimizer.step() before the sync."""
+    from course_lib.collectives import Comm
+    comm = Comm(None, dim="dp")
+    net, grads, params = _mlp(), [], []
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = X.chunk(2)[comm.rank], Y.chunk(2)[comm.rank]
+    for _ in range(3):
+        params.append({n: p.detach().clone() for n, p in net.named_parameters()})
+        ((net(x) - y) ** 2).sum().div(len(X)).backward()
+        if step_before_sync:
+            opt.step()
+        for p in net.parameters():
+            comm.all_reduce(p.grad)
+        if not step_before_sync:
+            opt.step()
+        grads.append(grads_of(net.named_parameters()))
+        opt.zero_grad()
+    return grads, params
+
+
+def test_bisection_blames_the_update_when_gradients_matched():
+    gen = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(16, 2, generator=gen, dtype=torch.float64)
+    ref, ref_grads, ref_params = _mlp(), [], []
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        ref_params.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+        ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
+        ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    for bug in (True, False):
+        res = launch(sgd_steps, 2, X, Y, bug, quiet=True)
+        found = first_divergence([r[0] for r in res], ref_grads, MeshShape(dp=2), params=[r[1] for r in res],
+                                 ref_params=ref_params, optimizer="sgd", lr=0.1)
+        if bug:
+            assert (found.step, found.name, found.ranks, found.cause) == (1, "0.weight", [0, 1], "update")
+            assert "gradient of step 0 matched one device" in str(found)
+        else:
+            assert found is None

@@ -61,7 +61,7 @@ class Divergence:
     name: str
     ranks: list          # the ranks whose gradient differs
     comparison: object   # tolerance.Comparison of the worst of them
-    cause: str           # "missing", "scaled", "other"
+    cause: str           # "missing", "scaled", "update", "other"
     dims: tuple          # the dimensions the cause names
     factor: float        # g = factor * G ("scaled"), else 1.0
     explanation: str
@@ -133,29 +133,47 @@ def explain(held: dict, want: dict, shape, dtype=None, scale=None) -> tuple:
             "(the forward differs: RNG, data, a slice)")
 
 
-def first_divergence(per_rank: list, reference: list, shape, *, dtype=None):
+def _first_difference(per_rank, ref, step, **bounds):
+    """The first name in ``ref`` whose value differs on some rank at ``step``:
+    (name, held {rank: (value, where)}, want {rank: slice}, bad ranks, worst Comparison) or None."""
+    for name, full in ref.items():
+        held = {r: _split(steps[step][name]) for r, steps in enumerate(per_rank)
+                if step < len(steps) and name in steps[step]}
+        want = {r: _slice(full, where) for r, (_, where) in held.items()}
+        checks = {r: tolerance.compare(held[r][0], want[r], **bounds) for r in held}
+        bad = [r for r, c in checks.items() if not c]
+        if bad:
+            return name, held, want, bad, checks[bad[0]]
+    return None
+
+
+def first_divergence(per_rank: list, reference: list, shape, *, dtype=None, params=None, ref_params=None,
+                     **optimizer):
     """``per_rank[r][step]``: rank r's {name: grad or (grad, where)}; ``reference[step]``: one
     device's {name: grad}. The first (step, parameter in the reference's order) whose gradient
-    differs on some rank, with its explanation (a :class:`Divergence`), or None."""
+    differs on some rank, with its explanation (a :class:`Divergence`), or None.
+
+    ``params[r][step]`` / ``ref_params[step]`` (optional): the parameters entering each step,
+    compared within the optimizer's bound (``optimizer``: tolerance's ``optimizer="sgd", lr=...``).
+    Parameters that differ while every earlier gradient matched: the update is at fault."""
     if len(per_rank) != shape.world_size:
         raise ValueError(f"per_rank holds {len(per_rank)} ranks but the mesh has {shape.world_size}")
     for step, ref in enumerate(reference):
+        if params is not None and step > 0:
+            found = _first_difference(params, ref_params[step], step, dtype=dtype, steps=step, **optimizer)
+            if found:
+                name, _, _, bad, worst = found
+                return Divergence(step, name, bad, worst, "update", (), 1.0,
+                                  f"the parameters entering step {step} differ although every gradient of "
+                                  f"{'step 0' if step == 1 else f'steps 0..{step - 1}'} matched one device: "
+                                  f"the update used other gradients "
+                                  f"(an optimizer step before the gradient sync finished?)")
         scale = max(float(t.detach().abs().max()) for t in ref.values() if t.numel())   # the step's scale
-        for name, full in ref.items():
-            held = {r: _split(steps[step][name]) for r, steps in enumerate(per_rank)
-                    if step < len(steps) and name in steps[step]}
-            if not held:
-                continue
-            want = {r: _slice(full, where) for r, (_, where) in held.items()}
-            worst, bad = None, []
-            for r, (g, _) in held.items():
-                c = tolerance.compare(g, want[r], dtype=dtype, scale=scale)
-                if not c:
-                    bad.append(r)
-                    worst = c if worst is None else worst
-            if bad:
-                cause, dims, factor, text = explain(held, want, shape, dtype, scale)
-                return Divergence(step, name, bad, worst, cause, dims, factor, text)
+        found = _first_difference(per_rank, ref, step, dtype=dtype, scale=scale)
+        if found:
+            name, held, want, bad, worst = found
+            cause, dims, factor, text = explain(held, want, shape, dtype, scale)
+            return Divergence(step, name, bad, worst, cause, dims, factor, text)
     return None
 
 
