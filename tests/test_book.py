@@ -289,7 +289,7 @@ def _markdown(path) -> str:
 
 def _exercise_page(path):
     """exercises/NN_..._exercises.ipynb of lecture notebook ``path``, or None."""
-    number = os.path.basename(path)[:2]
+    number = os.path.basename(path).split("_")[0]     # "09b", not "09": chapters 9, 9b, 9c
     pages = [p for p in notebooks_in("exercises") if os.path.basename(p).startswith(number + "_")]
     return pages[0] if pages else None
 
