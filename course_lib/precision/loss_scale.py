@@ -73,7 +73,7 @@ def check_loss_scaler(precision, scaler, what: str = "training"):
     their 8 exponent bits reach 2**-133). ``precision``: a name or a torch dtype."""
     name = str(precision).removeprefix("torch.")
     if name in FP16_NAMES and scaler is None:
-        raise ValueError(f"{what}: precision {precision!r} (fp16) needs a loss scaler: its smallest "
+        raise ValueError(f"{what}: precision {precision!r} is fp16, which needs a loss scaler: its smallest "
                          f"subnormal is 2**-24 and its largest value 65504, so small gradients flush "
                          f"to zero unscaled; pass scaler=DynamicLossScaler() (or torch.amp.GradScaler)")
 
