@@ -3,8 +3,8 @@
     python benchmarks/debug.py                    # 2 ranks, gloo, our DDP on the tiny GPT
     python benchmarks/debug.py --ranks 4 --rounds 8
 
-One launch; in each rank the same DDP model trains in alternating rounds with the flight
-recorder off, on (the default of every launch), and on with the desync check (one extra
+One launch; in each rank the same DDP model trains, the settings taking turns step by step:
+the flight recorder off, on (the default of every launch), and on with the desync check (one extra
 all-gather of 256 bytes per collective). Reported: the median step per setting and its cost
 relative to "off" (goal: recorder < 5% of a DDP step), for the default buckets (25 MiB: few
 collectives per step) and for tiny buckets (one all-reduce per parameter: the most calls a
@@ -58,16 +58,16 @@ def bench_rank(cfg, steps, rounds, batch, bucket_mb):
     times = {s: [] for s in SETTINGS}
     for i in range(2):
         step(i)
-    for r in range(rounds):
-        for s in (SETTINGS if r % 2 == 0 else SETTINGS[::-1]):
+    for r in range(rounds * steps):   # the settings take turns step by step: load drifts hit all alike
+        order = SETTINGS[r % 3:] + SETTINGS[:r % 3]
+        for s in order:
             setting(s)
             before = ring.index
-            for i in range(steps):
-                dist.barrier()
-                t = time.perf_counter()
-                step(i)
-                times[s].append(time.perf_counter() - t)
-            calls[s] = (ring.index - before) / steps
+            dist.barrier()
+            t = time.perf_counter()
+            step(r)
+            times[s].append(time.perf_counter() - t)
+            calls[s] = ring.index - before
     setting("recorder")
     trace.reset()
     return {s: statistics.median(times[s]) for s in SETTINGS}, calls["recorder"]
@@ -95,7 +95,7 @@ def per_call_cost(n=20000):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and setting")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and setting (turns)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--hidden", type=int, default=128)

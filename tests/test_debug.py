@@ -87,6 +87,9 @@ def test_diagnosis_of_the_issues_examples_from_records():
     text = diagnose(recs).replace("\n    ", " ")
     assert "rank 0 waits in send #1 to rank 1: send to rank 1 with no matching receive (both ranks send first)" \
         in text and "rank 1 waits in send #1 to rank 0" in text
+    recs = {r: [_rec(r, 1, 1, "send", "dp", [0, 1, 2], peer=(r + 1) % 3)] for r in range(3)}   # a ring
+    assert "send to rank 1 with no matching receive (ranks 0, 1, 2 all send first: a cycle)" in \
+        diagnose(recs).replace("\n    ", " ")
     recs = {0: [_rec(0, 4, 4, "all_reduce", "dp", [0, 1], ((8, 64),))],
             1: [_rec(1, 4, 4, "all_reduce", "dp", [0, 1], ((8, 32),))]}
     assert diagnose(recs).startswith("shapes differ at all_reduce #4 on dp [0, 1]: (8, 64) on rank 0 vs (8, 32)")

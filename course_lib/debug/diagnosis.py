@@ -188,9 +188,24 @@ def _message_partner(records, outcomes, rank, b) -> str:
         text = f": send to rank {b.peer} with no matching receive"
         if other is not None and other.op == "send" and other.peer == rank:
             return text + " (both ranks send first)"
+        cycle = _send_cycle(records, rank)
+        if cycle:
+            return text + f" ({ranks_text(cycle)} all send first: a cycle)"
     else:
         text = f": receive from rank {b.peer} with no matching send"
     return f"{text}; rank {b.peer}: {_where(records, outcomes, b.peer)}"
+
+
+def _send_cycle(records, rank) -> list:
+    """The ranks of a cycle of blocked sends through ``rank`` (each sends to the next), or []."""
+    seen, r = [], rank
+    while r not in seen:
+        seen.append(r)
+        b = _blocking(records.get(r, []))
+        if b is None or b.op != "send":
+            return []
+        r = b.peer
+    return seen if r == rank else []
 
 
 def diagnose(records: dict, outcomes: dict | None = None) -> str:

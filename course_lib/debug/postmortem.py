@@ -124,7 +124,16 @@ def _waits_on_stuck(recs, r, b, out) -> bool:
 
 
 def explain(failure, procs, workdir, settle: float = SETTLE):
-    """Attach the merged diagnosis to ``failure`` (a RankError or LaunchTimeout) and its message."""
+    """Attach the merged diagnosis to ``failure`` (a RankError or LaunchTimeout) and its message.
+    A diagnosis that fails says so in ``.diagnosis``: it never hides the failure it explains."""
+    try:
+        return _explain(failure, procs, workdir, settle)
+    except Exception as exc:  # noqa: BLE001 - the run's own error matters more than ours
+        failure.diagnosis = f"(no diagnosis: {type(exc).__name__}: {exc})"
+        return failure
+
+
+def _explain(failure, procs, workdir, settle):
     timed_out = isinstance(failure, TimeoutError)
     deadline = time.monotonic() + (0 if timed_out else settle)
     while True:
