@@ -299,7 +299,8 @@ def _mlp():
 
 def test_bisection_names_the_dimension_whose_sum_is_wrong():
     gen = torch.Generator().manual_seed(0)
-    X, Y = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(16, 2, generator=gen, dtype=torch.float64)
+    X = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    Y = torch.randn(16, 2, generator=gen, dtype=torch.float64)
     ref = _mlp()
     ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
     ref_grads = [{n: p.grad for n, p in ref.named_parameters()}]
@@ -341,7 +342,8 @@ def sgd_steps(X, Y, step_before_sync):
 
 def test_bisection_blames_the_update_when_gradients_matched():
     gen = torch.Generator().manual_seed(1)
-    X, Y = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(16, 2, generator=gen, dtype=torch.float64)
+    X = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    Y = torch.randn(16, 2, generator=gen, dtype=torch.float64)
     ref, ref_grads, ref_params = _mlp(), [], []
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(3):

@@ -29,8 +29,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import torch
-
 from course_lib import tolerance
 
 DIMS = ("dp", "pp", "cp", "tp")

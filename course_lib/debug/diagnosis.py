@@ -90,12 +90,12 @@ def disagreements(records: dict) -> list:
                 what = " vs ".join(f"{op} on {ranks_text(rs)}" for op, rs in ops)
                 lines.append(f"different ops at the same position, {where}: {what}{_sites(members, ops)}")
             else:
+                show = {"shapes": shape_text, "dtypes": ", ".join, "reduce ops / roots": str}
                 for label, field in (("shapes", lambda m: m.fingerprint()[1]), ("dtypes", lambda m: m.dtypes),
                                      ("reduce ops / roots", lambda m: m.extra)):
                     vs = _variants(members, field)
                     if len(vs) > 1:
-                        text = " vs ".join(f"{shape_text(v) if label == 'shapes' else ', '.join(v) if label == 'dtypes' else v}"
-                                           f" on {ranks_text(rs)}" for v, rs in vs)
+                        text = " vs ".join(f"{show[label](v)} on {ranks_text(rs)}" for v, rs in vs)
                         lines.append(f"{label} differ at {ops[0][0]} {where}: {text}{_sites(members, vs)}")
                         break
             break  # later positions on this group follow from this one

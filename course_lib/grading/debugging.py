@@ -44,8 +44,8 @@ def _divergence_cases():
     ar, ag = ("all_reduce", (8, 64)), ("all_gather", (8, 64))
 
     def spmd(n):   # every rank: n rounds of (tp all-reduce, dp all-reduce), on its own groups
-        return {r: [c for _ in range(n) for c in (((tp0 if r < 2 else tp1),) + ar, ((dp0 if r % 2 == 0 else dp1),) + ar)]
-                for r in range(4)}
+        tp, dp = (lambda r: tp0 if r < 2 else tp1), (lambda r: dp0 if r % 2 == 0 else dp1)
+        return {r: [c for _ in range(n) for c in ((tp(r),) + ar, (dp(r),) + ar)] for r in range(4)}
     cases = [Case({"calls": spmd(3)}, label="2x2 mesh, every rank the same program on its own groups")]
     c = spmd(3)
     c[3][3] = (dp1, "all_reduce", (8, 32))
@@ -129,8 +129,8 @@ def check_fingerprint(fingerprint) -> bool:
         if hash(fa) != hash(fa2) or fa != fa2:
             return "the fingerprint changes with the tensors' values: ranks hold different values in a correct call"
         if (fa == fb) != want:
-            return f"fingerprints {'differ' if want else 'are equal'}, but these calls {'may' if want else 'may not'} " \
-                   f"run together"
+            verdict = "differ, but these calls may" if want else "are equal, but these calls may not"
+            return f"fingerprints {verdict} run together"
     return check("fingerprint", _fingerprint_cases(), run_case)
 
 
