@@ -324,6 +324,6 @@ def test_pipeline_step(capsys):
     fails_with(capsys, G.check_pipeline_step, _variant(no_scale=True), hint="times too large")
     fails_with(capsys, G.check_pipeline_step, _variant(no_requires_grad=True), hint="has no gradient")
     fails_with(capsys, G.check_pipeline_step, _variant(all_reduce_loss=True), hint="only point-to-point")
-    fails_with(capsys, G.check_pipeline_step, _variant(deadlock=True), hint=("deadlock", "timed out"), timeout=8)
+    fails_with(capsys, G.check_pipeline_step, _variant(deadlock=True), hint=("deadlock", "timed out"), timeout=4)
     fails_with(capsys, G.check_pipeline_step, for_two_stages_only, hint="case")
     fails_with(capsys, G.check_pipeline_step, library_pipeline, hint="write this yourself")
