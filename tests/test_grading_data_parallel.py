@@ -242,7 +242,8 @@ def _uneven_ddp(model, n_local):
     (_uneven_ddp, ["write this yourself", "DistributedDataParallel"]),
 ], ids=["divide-by-world", "empty-rank-sits-out", "all-gather", "torch-ddp"])
 def test_uneven_batches_refuses(wrong, hints, capsys):
-    refused(capsys, "uneven_batches", G.check_uneven_batches(wrong, timeout=15), *hints)
+    # a case takes well under a second; the hanging answer waits out the timeout (15 s by default)
+    refused(capsys, "uneven_batches", G.check_uneven_batches(wrong, timeout=5), *hints)
 
 
 def test_uneven_batches_accepts_one_flat_buffer(capsys):
