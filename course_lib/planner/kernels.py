@@ -49,7 +49,8 @@ def _add_bytes(t, itemsize) -> int:
         n = 1
         for size, st in zip(t.shape, t.stride()):
             n *= size if st else 1
-    return n * (itemsize if t.is_floating_point() else t.element_size())
+    dtype = t.dtype
+    return n * (itemsize if dtype.is_floating_point else dtype.itemsize)
 
 
 _Tensor = torch.Tensor
