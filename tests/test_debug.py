@@ -361,3 +361,32 @@ def test_bisection_blames_the_update_when_gradients_matched():
             assert "gradient of step 0 matched one device" in str(found)
         else:
             assert found is None
+
+
+def tp_step(X, Y, same_seed):
+    """A column / row tensor-parallel MLP on 2 ranks with a dropout in its replicated output."""
+    from course_lib.collectives import Comm
+    from course_lib.parallel.comm_ops import copy_to_parallel, reduce_from_parallel
+    comm = Comm(None, dim="tp")
+    r, full, cols = comm.rank, _mlp(), slice(8 * comm.rank, 8 * comm.rank + 8)
+    w1 = full[0].weight[cols].detach().clone().requires_grad_()      # (8, 8)
+    w2 = full[2].weight[:, cols].detach().clone().requires_grad_()   # (2, 8)
+    b1, b2 = full[0].bias[cols].detach().clone(), full[2].bias.detach()
+    y = reduce_from_parallel(torch.tanh(copy_to_parallel(X, comm) @ w1.T + b1) @ w2.T, comm) + b2
+    mask = (torch.rand(y.shape, generator=torch.Generator().manual_seed(7 + (0 if same_seed else r))) > 0.5) * 2.0
+    ((y * mask - Y) ** 2).sum().div(len(X)).backward()
+    return [{"0.weight": (w1.grad, (0, 8 * r, 8 * r + 8, 16)), "2.weight": (w2.grad, (1, 8 * r, 8 * r + 8, 16))}]
+
+
+def test_bisection_finds_a_forward_that_differs_on_one_rank():
+    gen = torch.Generator().manual_seed(2)
+    X = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    Y = torch.randn(16, 2, generator=gen, dtype=torch.float64)
+    ref = _mlp()
+    mask = (torch.rand(16, 2, generator=torch.Generator().manual_seed(7)) > 0.5) * 2.0
+    ((ref(X) * mask - Y) ** 2).sum().div(len(X)).backward()
+    ref_grads = [{n: ref.get_parameter(n).grad for n in ("0.weight", "2.weight")}]
+    found = [first_divergence(list(launch(tp_step, 2, X, Y, same, quiet=True)), ref_grads, MeshShape(tp=2))
+             for same in (False, True)]
+    assert (found[0].name, found[0].ranks, found[0].cause) == ("0.weight", [1], "other")
+    assert "another forward" in str(found[0]) and found[1] is None

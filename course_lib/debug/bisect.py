@@ -127,8 +127,8 @@ def explain(held: dict, want: dict, shape, dtype=None, scale=None) -> tuple:
     if den > 0 and _matches({r: g * (den / num) if num else g for r, g in got.items()}, want, dtype, scale):
         return ("scaled", (), num / den, f"the gradient is {num / den:.4g} times one device's: a wrong scale "
                 "(a divisor), not a missing sum")
-    return ("other", (), 1.0, "no missing, doubled or scaled reduction over any mesh dimension explains it "
-            "(the forward differs: RNG, data, a slice)")
+    return ("other", (), 1.0, "no missing, doubled or scaled reduction over any mesh dimension explains it: "
+            "the ranks that differ ran another forward (an RNG not synchronised, other data, a wrong slice)")
 
 
 def _first_difference(per_rank, ref, step, **bounds):
