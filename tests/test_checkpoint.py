@@ -9,6 +9,7 @@ missing / truncated / corrupt shards, a changed model, another format version.
 
 Three launches (4, 3 and 2 ranks) carry every layout pair.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,18 @@ MOE = GPTConfig(vocab_size=96, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_e
 BATCH, STEPS, K, LR = 12, 5, 2, 1e-2      # 12 rows: dp 2, 3 and 4; saved after K of STEPS steps
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """The parent's single-device runs on one thread: two OpenMP threads on 2 busy cores wait on
+    each other (measured ~10x slower under load); restored for the tests that follow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _optimizer(params):
     opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=LR, weight_decay=0.1)
     return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.3, total_iters=4)   # lr changes every step
@@ -37,6 +50,12 @@ def _reference(cfg, _done={}):
     """The uninterrupted single-device run: losses and parameters after STEPS steps (once per cfg)."""
     if repr(cfg) in _done:
         return _done[repr(cfg)]
+    with _one_thread():
+        _done[repr(cfg)] = _train_one_device(cfg)
+    return _done[repr(cfg)]
+
+
+def _train_one_device(cfg):
     model = TinyGPT(cfg, seed=0).double()
     opt, sched = _optimizer(model.parameters())
     losses = []
@@ -45,12 +64,16 @@ def _reference(cfg, _done={}):
         loss.backward()
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
-    _done[repr(cfg)] = losses, {n: p.detach() for n, p in model.named_parameters()}
-    return _done[repr(cfg)]
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
 def _single(cfg, load_from, seed=7):
     """Load into one device (export), train on to STEPS."""
+    with _one_thread():
+        return _resume_one_device(cfg, load_from, seed)
+
+
+def _resume_one_device(cfg, load_from, seed):
     from course_lib.checkpoint import load
 
     model = TinyGPT(cfg, seed=seed).double()
