@@ -27,9 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from course_lib.checkpoint.layout import (Part, model_holdings, optimizer_holdings, part_view,
-                                          state_parts)
-from course_lib.checkpoint.plan import assign_writers, local_index, read_plan
+from course_lib.checkpoint.layout import model_holdings, optimizer_holdings, part_view, state_parts
+from course_lib.checkpoint.plan import assign_writers
 
 FORMAT, VERSION = "course_lib.checkpoint", 1
 METADATA, EXTRA = "metadata.json", "extra.pt"
