@@ -86,6 +86,7 @@ class LayoutRun:
     step_time: float        # virtual seconds of one step: first rank's start to last rank's end
     spans: list             # that step, every rank, virtual seconds
     cluster: object = None  # the VirtualCluster it was priced on
+    kernels: list = None    # per rank: kernels its compute stream launched in that step
 
     @property
     def world_size(self) -> int:
@@ -114,7 +115,7 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, cluster, dty
     step_time = max(s.end for s in steps_) - min(s.start for s in steps_)
     return LayoutRun(name, layout, kw, cfg, batch, res[0]["losses"], loss_check, param_check,
                      [r["memory"] for r in timed], [r["p2p_bytes"] for r in timed], step_time,
-                     [s for s in timed.spans if s.name != "step"], cluster)
+                     [s for s in timed.spans if s.name != "step"], cluster, [r["kernels"] for r in timed])
 
 
 def planner_layout(run: LayoutRun):

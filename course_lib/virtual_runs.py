@@ -2,14 +2,15 @@
 
     h100 = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
     run = virtual_step(cfg, dict(dp=2, tp=2), dict(), batch=8, cluster=h100)
-    run.step_time, run.by_kind          # virtual seconds: the step, and per span kind per rank
+    run.step_time, run.kernels, run.calls   # virtual seconds; kernels per rank; calls per mesh dim
     est = planner_estimate(cfg, run.layout, run.kw, batch=8, hardware=h100.hw)   # the same layout
 
-Chapter 10 checks the planner's closed-form step time against the real program priced on the
-same hardware preset: the virtual clock prices every kernel the ranks actually launch (so
-launch overheads, unfused attention and elementwise passes are counted as they happen) and
-every collective by its ring cost on the link its group spans; the planner composes formulas.
-Their difference is what the formulas leave out, or assume differently.
+Chapters 9 and 10 check the planner against the real program priced on the same hardware
+preset: the virtual clock prices every kernel the ranks launch and every collective by its
+ring cost on the link its group spans, as they happen; the planner (``runtime="course"``,
+:mod:`course_lib.planner.runtime`) counts the same kernels and collectives from the layout and
+the model config and composes them with its formulas. ``rank_step`` is the one rank program
+both chapters run (chapter 9 measures its memory too).
 """
 from __future__ import annotations
 

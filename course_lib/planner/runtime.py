@@ -143,7 +143,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if not layout.sp:
         weights, norms, norm_tensors = weights + norms, 0, 0
     replicas = ("dp", "cp")
-    tail, sync_kernels = 0.0, 0
+    tail, sync_kernels, fsdp_kernels = 0.0, 0, 0
     if layout.zero == 3 and _size(layout, replicas) > 1:   # FSDP: units = blocks + the rest
         root = ((parts["embedding"] if first else 0) + ((parts["lm_head"] or model.vocab * model.hidden)
                                                          + model.hidden if last else 0)) / t
@@ -157,6 +157,15 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         if layout.sp and t > 1:                      # each unit's norms over tp
             tail += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
             calls["tp"] = calls.get("tp", 0) + len(units)
+        # FSDP's own kernels per micro-batch (fsdp.py, fsdp_params.py): a gathered unit copied out
+        # parameter by parameter (forward; blocks again backward); backward, per parameter the
+        # slice of its gradient and its copy into the packed reduce-scatter input, per unit the
+        # split's cat, the flags' copy, the "used" test and the division; with SP the norms'
+        # rows cat-ed for their all-reduce over tp and copied back
+        block_tensors = n_layers * k["tensors_per_layer"]
+        fsdp_kernels = (tensors + block_tensors + 2 * tensors + 4 * len(units)
+                        + ((len(units) + norm_tensors) if layout.sp and t > 1 else 0))
+        bwd["launch"] += fsdp_kernels * hw.launch_overhead
     else:
         for n_params, n_tensors, dims in ((weights, tensors - norm_tensors, replicas),
                                           (norms, norm_tensors, replicas + ("tp",))):
@@ -177,7 +186,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard
     optimizer = adam.time * n_local + (adam.count * tensors + sync_kernels) * hw.launch_overhead
-    kernels = m * (fwd_k.count + bwd_k.count) + adam.count * tensors + sync_kernels
+    kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count * tensors + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
 
