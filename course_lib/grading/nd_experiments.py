@@ -222,7 +222,7 @@ def build_with_dims(model, mesh, dims_of, microbatches=1, sequence_parallel=True
     for st in stages.values():
         mark_reduce_dims(st, mesh, dims_of=dims_of)
     slices = {s: tp_slices(st) for s, st in stages.items()}
-    modules, grad_sync = apply_data_parallel(stages, mesh)
+    modules, grad_sync, _ = apply_data_parallel(stages, mesh)      # full precision: no master weights
     return NDParallel(stages, mesh, modules=modules, grad_sync=grad_sync, tp_slices=slices,
                       microbatches=microbatches, sequence_parallel=sp)
 
