@@ -239,3 +239,48 @@ def test_first_nan(capsys):
     for wrong, hint in ((_nan_outputs_only, "1.inner.proj"), (_nan_isfinite, "got '1'"),
                         (_nan_last, "got ''"), (_nan_library, "write this yourself")):
         refused(capsys, "first_nan_module", G.check_first_nan(wrong), hint)
+
+
+# ----------------------------------------------------------------------------- 5. find and fix
+def _sync_flat(net, mesh):              # right, written differently: one flat buffer, one call
+    grads = [p.grad for p in net.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    mesh.comm(("dp", "cp")).all_reduce(flat)
+    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
+
+
+def _sync_dp_only(net, mesh):           # the planted bug: the cp sum forgotten
+    for p in net.parameters():
+        mesh.comm("dp").all_reduce(p.grad)
+
+
+def _sync_dp_then_barrier(net, mesh):   # the symptom silenced: nothing hangs, nothing is summed over cp
+    import torch.distributed as dist
+    _sync_dp_only(net, mesh)
+    dist.barrier()
+
+
+def _sync_world(net, mesh):             # every rank: summed over tp too (tp ranks hold the same rows)
+    import torch.distributed as dist
+    for p in net.parameters():
+        dist.all_reduce(p.grad)
+
+
+def _sync_mean(net, mesh):              # a mean where the loss is already divided by all rows
+    for p in net.parameters():
+        mesh.comm(("dp", "cp")).all_reduce(p.grad)
+        p.grad /= mesh.size(("dp", "cp"))
+
+
+def _sync_library(net, mesh):
+    from course_lib.parallel.grad_sync import GradSync
+    GradSync(net.parameters(), mesh, default_dims=("dp", "cp")).finish()
+
+
+def test_sync_fix(capsys):
+    passed(capsys, G.check_sync_fix(_sync_flat), "sync_gradients: 3/3 cases passed")
+    for wrong, hint in ((_sync_dp_only, "dp=2, cp=2"), (_sync_dp_then_barrier, "sum over every rank"),
+                        (_sync_world, "cp=2, tp=2"), (_sync_mean, "dp=2, cp=2"),
+                        (_sync_library, "write this yourself")):
+        refused(capsys, "sync_gradients", G.check_sync_fix(wrong), hint)

@@ -4,9 +4,10 @@
     check_fingerprint(fingerprint)            # which collectives may run together
     check_which_reduction(which_reduction)    # missing / scaled reduction from the ranks' gradients
     check_first_nan(first_nan_module)         # the module whose own computation made the NaN
+    check_sync_fix(sync_gradients)            # find and fix: a dp x cp gradient sync, on real ranks
 
-Each runs the learner's function in this process on cases that include the traps the
-exercise names, prints one line and returns True iff every case passed. While it runs,
+Each runs the learner's function (in this process; the last one on real ranks) on cases
+that include the traps the exercise names, prints one line and returns True iff every case passed. While it runs,
 course_lib.debug (the chapter's own implementations) and this module's references are
 switched off.
 """
@@ -17,7 +18,7 @@ import random
 import torch
 import torch.nn as nn
 
-from course_lib.grading import Case, check, learner
+from course_lib.grading import Case, check, check_distributed, learner
 
 LIBRARY = ("course_lib.debug.flight_recorder:*", "course_lib.debug.diagnosis:*", "course_lib.debug.desync:*",
            "course_lib.debug.bisect:*", "course_lib.debug.nonfinite:*")
@@ -256,4 +257,54 @@ def check_first_nan(first_nan_module) -> bool:
     return check("first_nan_module", cases, run_case)
 
 
-__all__ = ["check_divergence", "check_fingerprint", "check_which_reduction", "check_first_nan"]
+# ----------------------------------------------------------------------------- 5. find and fix
+
+SYNC_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
+                "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*")
+
+
+def _sync_data(rows=24):
+    gen = torch.Generator().manual_seed(11)
+    return (torch.randn(rows, 8, generator=gen, dtype=torch.float64),
+            torch.randn(rows, 2, generator=gen, dtype=torch.float64))
+
+
+def _sync_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def _sync_harness(sync, sizes):
+    """One step on ``Mesh(**sizes)``: the rows split over dp and cp (tp ranks share theirs), the
+    loss summed over a rank's rows / all rows; the learner's ``sync(net, mesh)``; every gradient
+    against one device's (float64, the one-step bound)."""
+    from course_lib.grading import compare
+    from course_lib.grading.guard import TORCH_DATA_PARALLEL
+    from course_lib.parallel.mesh import Mesh
+
+    mesh = Mesh(**sizes)
+    X, Y = _sync_data()
+    ref = _sync_net()                                             # one device, outside the guard
+    ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
+    shards, c = mesh.sizes["dp"] * mesh.sizes["cp"], mesh.coord
+    mine = c["dp"] * mesh.sizes["cp"] + c["cp"]                 # this rank's rows: (24 / shards, 8)
+    x, y = X.chunk(shards)[mine], Y.chunk(shards)[mine]
+    net = _sync_net()
+    ((net(x) - y) ** 2).sum().div(len(X)).backward()
+    # (course_lib.debug stays on: Comm records its calls through it; it fixes nothing)
+    learner(sync, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the gradient sync", seconds=20)(net, mesh)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        bad = compare(p.grad, q.grad, what=name, dtype=torch.float64)
+        if bad:
+            return bad + " (one device's gradient is the sum over every rank holding other rows)"
+
+
+def check_sync_fix(sync_gradients) -> bool:
+    """``sync_gradients(net, mesh)``: after each rank's backward, every gradient equals one device's."""
+    cases = [Case({"sync": sync_gradients, "sizes": dict(dp=2, cp=2)}, 4, "dp=2, cp=2"),
+             Case({"sync": sync_gradients, "sizes": dict(cp=2, tp=2)}, 4, "cp=2, tp=2 (tp ranks share rows)"),
+             Case({"sync": sync_gradients, "sizes": dict(dp=3)}, 3, "dp=3")]
+    return check_distributed("sync_gradients", _sync_harness, cases, timeout=30)
+
+
+__all__ = ["check_divergence", "check_fingerprint", "check_which_reduction", "check_first_nan", "check_sync_fix"]
