@@ -184,3 +184,14 @@ def test_bad_policies_in_the_model_and_helpers():
     with pytest.raises(ValueError, match="unknown recompute policy 'most'"):
         stage_activation_bytes(SPEC, 16, 2, ["most"])
     check_layout(CFG, recompute=every(2, 4), pp=2, microbatches=2)      # valid: no error
+
+
+def test_chapter_figure_draws_measured_bars_and_planner_ticks():
+    from course_lib.viz.memory_precision import memory_and_wire
+
+    rows = [("TP2", "none", 10, 9, 9), ("TP2", "full", 2, 2, 2), ("CP2", "none", 12, 11, 10), ("CP2", "full", 2, 2, 2)]
+    fig = memory_and_wire(rows, {("DP2", "dp"): {"full": 8, "bf16": 4}, ("DP2", "tp"): {"full": 6, "bf16": 3}})
+    left, right = fig.axes
+    assert [round(p.get_height() * 1024) for p in left.patches] == [9, 11, 2, 2]       # saved bytes, by policy
+    assert len(left.collections) == 2                                                   # planner ticks per policy
+    assert [round(p.get_height() * 1024) for p in right.patches] == [8, 6, 4, 3]
