@@ -14,6 +14,8 @@ from course_lib.precision.fp8 import (E4M3, E5M2, FP8Linear, TensorScaling, comp
                                       format_facts, matmul_error_bound, quantize, swap_linear_to_fp8,
                                       underflow_fraction)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (tests/conftest.py)
+
 
 def test_format_facts_from_the_bits():
     e4, e5 = format_facts(E4M3), format_facts(E5M2)

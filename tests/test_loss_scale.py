@@ -16,6 +16,8 @@ from course_lib import launch
 from course_lib.precision.loss_scale import (DynamicLossScaler, check_loss_scaler, overflow_on_any_rank,
                                              update_scale)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (tests/conftest.py)
+
 
 def test_update_rule_equals_torch_kernel():
     rng = random.Random(0)
@@ -119,9 +121,36 @@ def _ranks(overflow_rank, overflow_step, steps):
     return out
 
 
+def _one_device_with_torch(world, overflow_rank, overflow_step, steps):
+    """The same data on one device (the ranks' batches concatenated) under torch's GradScaler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    scales, stepped = [], []
+    for step in range(steps):
+        xs, ys = zip(*[(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for g in gens])
+        x, y = torch.cat(xs), torch.cat(ys)
+        if step == overflow_step:
+            x[4 * overflow_rank, 0] = 1e6
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scales.append(scaler.get_scale())
+        scaler.unscale_(opt)
+        stepped.append(all(torch.isfinite(p.grad).all() for p in model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+    return scales, stepped
+
+
 def test_overflow_on_one_rank_skips_every_rank():
     results = launch(_ranks, 3, 1, 2, 5, timeout=90)
     first = results[0]
+    # the same scales and skipped steps as torch's GradScaler on one device with the whole batch
+    assert (first["scales"], first["stepped"]) == _one_device_with_torch(3, 1, 2, 5)
     assert first["stepped"] == [True, True, False, True, True]
     assert first["scales"] == [2.0 ** 10, 2.0 ** 10, 2.0 ** 11, 2.0 ** 10, 2.0 ** 10]
     for r in results:
