@@ -210,12 +210,12 @@ def _clip_harness(clip, numel, max_norm):
                    what=f"the clipped shard (global norm {g.norm():.3f})")
 
 
-def check_clip_sharded(clip_sharded_grad):
+def check_clip_sharded(clip_sharded_grad, timeout: float = 15.0):
     """clip_sharded_grad(grad_shard, max_norm) -> this rank's slice of the mean gradient scaled
     by min(1, max_norm / (norm + 1e-6)), where norm is the 2-norm of the WHOLE gradient."""
     cases = [Case({"clip": clip_sharded_grad, "numel": n, "max_norm": m}, world_size=w, label=label)
              for label, (n, m) in _CLIP_CASES.items() for w in ((3,) if "3 ranks" in label else (2, 3))]
-    return check_distributed("clip_sharded", _clip_harness, cases, timeout=15)
+    return check_distributed("clip_sharded", _clip_harness, cases, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- 5. bytes
