@@ -10,8 +10,8 @@ last collective. The communication layer (:class:`course_lib.collectives.comm.Co
   (not counted in any byte count), so the collective starts at the latest member's ready
   time and ends ``cost`` later on every member: ``cost`` = the algorithm's alpha-beta time
   (:data:`ALGORITHMS`, ``course_lib.costmodel``) on the group's link;
-* ``isend`` / ``irecv``: the real message, then an 8-byte header with the send's issue time
-  (same peer, same tag: gloo delivers them in order); the receive completes at
+* ``isend`` / ``irecv``: the real message, its payload's bytes followed by 8 bytes holding the
+  send's issue time (one message, not two: half the transport's work); the receive completes at
   ``max(its issue, send issue + alpha + bytes / bandwidth)``;
 * ``join(end)`` when the rank waits on async work: ``t = max(t, end)``.
 """
@@ -95,22 +95,26 @@ class RankClock:
 
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]
-        with self.muted():
-            work = dist.isend(tensor, dst, group=comm.group, tag=tag)
+        with self.muted():        # one message: the payload's bytes, then the send time's 8
             header = torch.tensor([self.t], dtype=torch.float64, device=tensor.device)
-            hwork = dist.isend(header, dst, group=comm.group, tag=tag)
+            wire = torch.cat([_as_bytes(tensor), header.view(torch.uint8)])
+            work = dist.isend(wire, dst, group=comm.group, tag=tag)
         flow, cost = self._message(comm, self.rank, dst, tag, tensor)
         self.recorder.add(f"send to {dst}", "comm", self.t, self.t + cost, comm.dim, "send:" + flow)
-        return Message(self, (work, hwork), (tensor, header))
+        return Message(self, (work,), (wire,))
 
     def irecv(self, comm, tensor, peer: int, tag: int):
         src = comm.ranks[peer]
         with self.muted():
-            work = dist.irecv(tensor, src, group=comm.group, tag=tag)
-            header = torch.empty(1, dtype=torch.float64, device=tensor.device)
-            hwork = dist.irecv(header, src, group=comm.group, tag=tag)
+            wire = torch.empty(tensor.numel() * tensor.element_size() + 8, dtype=torch.uint8, device=tensor.device)
+            work = dist.irecv(wire, src, group=comm.group, tag=tag)
         flow, cost = self._message(comm, src, self.rank, tag, tensor)
-        return Message(self, (work, hwork), (tensor, header), recv=(self.t, cost, flow, src, comm.dim))
+        return Message(self, (work,), (wire, tensor), recv=(self.t, cost, flow, src, comm.dim))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a flat uint8 tensor (a view when ``t`` is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 class Message:
@@ -130,8 +134,13 @@ class Message:
                 w.wait()
         if self._recv is not None:
             issued, cost, flow, src, dim = self._recv
-            with clock.muted():
-                sent = float(self._keep[1])
+            wire, tensor = self._keep
+            with clock.muted():   # the payload into the receive's tensor, the send time after it
+                if tensor.is_contiguous():
+                    _as_bytes(tensor).copy_(wire[:-8])
+                else:
+                    tensor.copy_(wire[:-8].view(tensor.dtype).view(tensor.shape))
+                sent = float(wire[-8:].view(torch.float64))
             start, end = max(issued, sent), max(issued, sent + cost)
             clock.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
             clock.join(end)
