@@ -13,7 +13,8 @@ no input did, or an Inf while every input (tensor or number) was finite, raises
 :class:`NonFiniteError` naming the rank, the step (optimizer steps taken so far), the
 module path (forward hooks keep a stack of the modules being run; in backward, the autograd
 node running) and the op. A ``-inf`` written on purpose (an attention mask's
-``masked_fill(mask, -inf)``) has a non-finite number among its inputs: not reported.
+``masked_fill(mask, -inf)``) has a non-finite number among its inputs: not reported; nor is
+an ``empty`` tensor, whose garbage may hold a NaN until something writes it.
 
 The cost is one ``isfinite`` reduction per op output: a debugging mode, off by default.
 """
@@ -48,6 +49,11 @@ def _flags(values) -> tuple:
             bad = True
             nan = nan or math.isnan(v)
     return nan, bad
+
+
+# ops whose output is uninitialised memory (garbage may hold a NaN): never a producer
+UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted",
+                 "resize_", "resize_as_"}
 
 
 class NonFiniteTracer(TorchDispatchMode):
@@ -103,6 +109,8 @@ class NonFiniteTracer(TorchDispatchMode):
         mutable = func._schema.is_mutable
         before = _flags(inputs) if mutable else None    # an in-place op overwrites its input
         out = func(*args, **kwargs)
+        if func.overloadpacket.__name__ in UNINITIALISED:
+            return out
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         nan_out, bad_out = _flags(outputs)
         if bad_out:
