@@ -15,6 +15,7 @@ both chapters run (chapter 9 measures its memory too).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,6 +23,7 @@ from course_lib import reference
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import launch
 from course_lib.parallel.compose import check_layout
+from course_lib.planner.kernels import _Counter as KernelCounter
 
 
 @dataclasses.dataclass
@@ -115,4 +117,66 @@ def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardwar
     return estimate(spec, hardware, planner_layout(layout, kw, batch), runtime=runtime)
 
 
-__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_layout", "planner_estimate"]
+# The kernels the course's runtime adds to a TinyGPT step, counted on its own code. The planner
+# (planner/runtime.py, which sits below parallel/) holds them as numbers;
+# tests/test_planner_runtime.py checks its numbers against these counts.
+
+@functools.lru_cache(maxsize=1)
+def count_vocab_parallel_loss_kernels() -> int:
+    """Kernels of the course's vocabulary-parallel cross entropy (forward and backward) less
+    those of the plain one it replaces (log-softmax, NLL and their backwards): counted on a
+    small CPU instance with its two all-reduces left out (the count does not depend on sizes)."""
+    from course_lib.parallel.vocab_parallel import VocabParallelCrossEntropy
+
+    class Alone:                                      # the group's all-reduces: nothing to add
+        def all_reduce(self, tensor, op=None, name=""):
+            return None
+    logits = torch.zeros(4, 8, requires_grad=True)
+    with KernelCounter(None, 2) as c:
+        VocabParallelCrossEntropy.apply(logits, torch.zeros(4, dtype=torch.long), Alone(), 0).sum().backward()
+    plain = torch.zeros(4, 8, requires_grad=True)
+    with KernelCounter(None, 2) as d:
+        torch.nn.functional.cross_entropy(plain, torch.zeros(4, dtype=torch.long), reduction="none").sum().backward()
+    return c.total.count - d.total.count
+
+
+@functools.lru_cache(maxsize=16)
+def count_ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
+    """(forward, backward) kernels the course's ring attention (zigzag) adds to one layer on the
+    busiest of ``cp`` ranks, over the plain causal attention it replaces; counted on a small CPU
+    instance whose K/V messages are not sent (the counts do not depend on sizes)."""
+    from course_lib.gpt import GPTConfig, TinyGPT
+    from course_lib.parallel.context_parallel import context_parallel, shard_positions
+
+    class Ring:                                       # a rank of the ring, its messages not sent
+        def __init__(self, r):
+            self.size, self.rank, self.prev, self.next, self.dim = cp, r, (r - 1) % cp, (r + 1) % cp, "cp"
+
+        def irecv(self, tensor, peer, tag=0):
+            return self
+
+        isend = irecv
+
+        def wait(self, *works):
+            return True
+    cfg = GPTConfig(vocab_size=8, seq_len=4 * cp, n_layers=1, hidden=32, n_heads=4, n_kv_heads=2 if grouped else 4)
+    busiest = (0, 0)
+    for r in range(cp):
+        attn = TinyGPT(cfg, seed=0).blocks[0].attn
+        counts = []
+        for ring in (None, Ring(r)):
+            if ring is not None:
+                context_parallel(attn, ring)
+            x = torch.zeros(1, 4, cfg.hidden, requires_grad=True)              # (b, s/cp, h)
+            args = (x,) if ring is None else (x, shard_positions(cfg.seq_len, cp, r, "zigzag"))
+            with KernelCounter(None, 2) as f:
+                y = attn(*args).sum()
+            with KernelCounter(None, 2) as b:
+                y.backward()
+            counts.append((f.total.count, b.total.count))
+        busiest = max(busiest, (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]), key=sum)
+    return busiest
+
+
+__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_layout", "planner_estimate",
+           "count_vocab_parallel_loss_kernels", "count_ring_attention_kernels"]

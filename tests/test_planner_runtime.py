@@ -77,3 +77,15 @@ def test_groups_inside_a_node_and_the_default_runtime():
     assert course.stages[0].calls["tp"] == 10 * CFG.n_layers + 7 + 1
     with pytest.raises(ValueError, match="runtime must be one of"):
         estimate(model_spec(CFG), H100, Layout(), runtime="torch")
+
+
+def test_the_planners_kernel_counts_of_the_parallel_code_are_the_programs():
+    """The planner sits below parallel/ and holds the kernels that the vocabulary-parallel loss
+    and ring attention add as numbers: they are the counts of the code itself."""
+    from course_lib.planner import runtime
+    from course_lib.virtual_runs import count_ring_attention_kernels, count_vocab_parallel_loss_kernels
+
+    assert runtime.VOCAB_LOSS_KERNELS == count_vocab_parallel_loss_kernels()
+    for grouped in (False, True):
+        for cp in (2, 3, 5, 8):
+            assert runtime.ring_attention_kernels(cp, grouped) == count_ring_attention_kernels(cp, grouped), (cp, grouped)

@@ -186,63 +186,6 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2) -> dict:
             "adamw_per_element": _adamw(hw, itemsize)}
 
 
-@functools.lru_cache(maxsize=1)
-def vocab_parallel_loss_kernels() -> int:
-    """Kernels of the course's vocabulary-parallel cross entropy (forward and backward) less
-    those of the plain one it replaces (log-softmax, NLL and their backwards): counted on a
-    small CPU instance with its two all-reduces left out (the count does not depend on sizes)."""
-    from course_lib.parallel.vocab_parallel import VocabParallelCrossEntropy
-
-    class Alone:                                      # the group's all-reduces: nothing to add
-        def all_reduce(self, tensor, op=None, name=""):
-            return None
-    logits = torch.zeros(4, 8, requires_grad=True)
-    with _Counter(None, 2) as c:
-        VocabParallelCrossEntropy.apply(logits, torch.zeros(4, dtype=torch.long), Alone(), 0).sum().backward()
-    plain = torch.zeros(4, 8, requires_grad=True)
-    with _Counter(None, 2) as d:
-        torch.nn.functional.cross_entropy(plain, torch.zeros(4, dtype=torch.long), reduction="none").sum().backward()
-    return c.total.count - d.total.count
-
-
-@functools.lru_cache(maxsize=16)
-def ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
-    """(forward, backward) kernels the course's ring attention (zigzag) adds to one layer on the
-    busiest of ``cp`` ranks, over the plain causal attention it replaces; counted on a small CPU
-    instance whose K/V messages are not sent (the counts do not depend on sizes)."""
-    from course_lib.gpt import GPTConfig, TinyGPT
-    from course_lib.parallel.context_parallel import context_parallel, shard_positions
-
-    class Ring:                                       # a rank of the ring, its messages not sent
-        def __init__(self, r):
-            self.size, self.rank, self.prev, self.next, self.dim = cp, r, (r - 1) % cp, (r + 1) % cp, "cp"
-
-        def irecv(self, tensor, peer, tag=0):
-            return self
-
-        isend = irecv
-
-        def wait(self, *works):
-            return True
-    cfg = GPTConfig(vocab_size=8, seq_len=4 * cp, n_layers=1, hidden=32, n_heads=4, n_kv_heads=2 if grouped else 4)
-    busiest = (0, 0)
-    for r in range(cp):
-        attn = TinyGPT(cfg, seed=0).blocks[0].attn
-        counts = []
-        for ring in (None, Ring(r)):
-            if ring is not None:
-                context_parallel(attn, ring)
-            x = torch.zeros(1, 4, cfg.hidden, requires_grad=True)              # (b, s/cp, h)
-            args = (x,) if ring is None else (x, shard_positions(cfg.seq_len, cp, r, "zigzag"))
-            with _Counter(None, 2) as f:
-                y = attn(*args).sum()
-            with _Counter(None, 2) as b:
-                y.backward()
-            counts.append((f.total.count, b.total.count))
-        busiest = max(busiest, (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]), key=sum)
-    return busiest
-
-
 def _adamw(hw, itemsize) -> Kernels:
     """torch's AdamW (single-tensor path, as the course runs it) on one parameter, per element:
     its kernels are elementwise, so count and bytes per element hold for any size."""
@@ -257,5 +200,4 @@ def _adamw(hw, itemsize) -> Kernels:
     return Kernels(k.count, k.flops / n, k.bytes / n, k.time / n)
 
 
-__all__ = ["FREE", "Kernels", "kernel_kind", "op_cost", "trace_step", "vocab_parallel_loss_kernels",
-           "ring_attention_kernels"]
+__all__ = ["FREE", "Kernels", "kernel_kind", "op_cost", "trace_step"]

@@ -31,10 +31,27 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
-from course_lib.planner.kernels import Kernels, ring_attention_kernels, trace_step, vocab_parallel_loss_kernels
+from course_lib.planner.kernels import Kernels, trace_step
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
 STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
+
+# Kernels the course's parallel code adds, counted on that code (the planner sits below
+# parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
+# against the counts of course_lib.virtual_runs, for cp = 2..8):
+VOCAB_LOSS_KERNELS = 29           # vocabulary-parallel cross entropy less the plain one, fwd + bwd
+RING_KERNELS = {                  # per layer, busiest rank: (fixed, per ring rank), fwd and bwd
+    False: ((7, 41), (3, 32)),    # one K/V head per query head
+    True: ((6, 42), (1, 35)),     # grouped-query attention: K/V heads repeated per block
+}
+
+
+def ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
+    """(forward, backward) kernels the zigzag ring attention adds to one layer over the plain
+    causal attention it replaces, on the busiest of ``cp`` > 1 ranks: linear in cp (each of the
+    cp blocks runs the same kernels; the merge and the hops add a fixed part)."""
+    (f0, f1), (b0, b1) = RING_KERNELS[grouped]
+    return f0 + f1 * cp, b0 + b1 * cp
 
 
 def group_in_node(layout, hw, dims) -> bool:
@@ -104,7 +121,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     for (phase, kind), n in tp_calls(layout, first, last, n_layers).items():
         if kind == "loss":                           # (b s/cp,) maxima, then (2, b s/cp) sums: fp32 -> bf16
             cost = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
-            copies += vocab_parallel_loss_kernels()
+            copies += VOCAB_LOSS_KERNELS
         else:
             cost = collective(layout, hw, kind, act, ("tp",))
             # comm_ops: an all-gather along the sequence copies its input and its output to and
