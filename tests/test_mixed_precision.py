@@ -99,3 +99,11 @@ def test_unknown_precision_refused_before_any_rank_starts(name):
         check_layout(CFG, dp=2, precision=name)
     with pytest.raises(ValueError, match=f"unknown precision {name!r}"):
         check_precision(name)
+
+
+@pytest.mark.parametrize("name", ["fp16", "half"])
+def test_fp16_refused_for_want_of_a_loss_scaler(name):
+    """fp16 is not an unknown name: it is refused because the option runs no loss scaler."""
+    for call in (lambda: check_layout(CFG, dp=2, precision=name), lambda: check_precision(name)):
+        with pytest.raises(ValueError, match="needs a loss scaler.*use 'bf16'"):
+            call()

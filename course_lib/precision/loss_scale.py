@@ -68,14 +68,16 @@ def overflow_on_any_rank(grads, comm=None) -> bool:
     return bool(found_inf.item())
 
 
-def check_loss_scaler(precision, scaler, what: str = "training"):
+def check_loss_scaler(precision, scaler, what: str = "training",
+                      fix: str = "pass scaler=DynamicLossScaler() (or torch.amp.GradScaler)"):
     """The rule a precision option enforces: fp16 needs a loss scaler (bf16 and fp32 do not:
-    their 8 exponent bits reach 2**-133). ``precision``: a name or a torch dtype."""
+    their 8 exponent bits reach 2**-133). ``precision``: a name or a torch dtype; ``fix``:
+    what the caller can do instead."""
     name = str(precision).removeprefix("torch.")
     if name in FP16_NAMES and scaler is None:
         raise ValueError(f"{what}: precision {precision!r} is fp16, which needs a loss scaler: its smallest "
                          f"subnormal is 2**-24 and its largest value 65504, so small gradients flush "
-                         f"to zero unscaled; pass scaler=DynamicLossScaler() (or torch.amp.GradScaler)")
+                         f"to zero unscaled; {fix}")
 
 
 def _positive_float(name, value):

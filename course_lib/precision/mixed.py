@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from course_lib.precision.loss_scale import FP16_NAMES, check_loss_scaler
+
 PRECISIONS = {"full": (None, None), "fp32": (torch.float32, torch.float32),
               "bf16": (torch.bfloat16, torch.bfloat16), "bf16-reduce-fp32": (torch.bfloat16, torch.float32)}
 COPIED = ("tp_shard", "tp_copies", "reduce_dims")   # what the dimensions marked on a parameter
@@ -36,7 +38,11 @@ COPIED = ("tp_shard", "tp_copies", "reduce_dims")   # what the dimensions marked
 
 def check_precision(name):
     """(compute dtype, reduce dtype) of a precision name (None, None for "full");
-    a ValueError naming an unknown one."""
+    a ValueError naming an unknown one. fp16 is refused by name: it needs a loss scaler
+    (chapter 9c), which this option does not run; bf16's 8 exponent bits need none."""
+    if isinstance(name, str) and name in FP16_NAMES:
+        check_loss_scaler(name, None, "precision", fix="this option runs no scaler: use 'bf16' (no scaler "
+                          "needed), or fp16 with precision.DynamicLossScaler around your own step (chapter 9c)")
     if not isinstance(name, str) or name not in PRECISIONS:
         raise ValueError(f"unknown precision {name!r}: must be one of {tuple(PRECISIONS)}")
     return PRECISIONS[name]
