@@ -202,3 +202,107 @@ def test_zero_boxes(capsys):
     fails_with(capsys, G.check_zero_boxes, zero_boxes_off_by_one, hint="they hold")
     fails_with(capsys, G.check_zero_boxes, zero_boxes_hard_coded, hint="expected")
     fails_with(capsys, G.check_zero_boxes, zero_boxes_library, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- 5. resume the data order
+# (course_lib/grading/checkpoint_data.py, re-exported by grading.checkpointing)
+def data_state(loader):
+    """Global batches since the start: one number, whatever the dp size."""
+    return {"batches_seen": loader.epoch * loader.steps_per_epoch + loader.step}
+
+
+def restore(loader, state):
+    """Fast-forward a fresh loader (a different route from the solution's epoch + step)."""
+    for _ in range(state["batches_seen"]):
+        next(loader)
+
+
+def state_epoch_step(loader):
+    return {"epoch": loader.epoch, "step": loader.step}
+
+
+def restore_epoch_step(loader, state, step_shift=0):
+    loader.epoch, loader.step = state["epoch"], state["step"] + step_shift
+    loader.order = loader.order_of(loader.epoch)
+    loader.position = loader.step * (loader.rows[1] - loader.rows[0])
+
+
+def restore_restarting_the_epoch(loader, state):
+    restore_epoch_step(loader, {"epoch": state["epoch"], "step": 0})
+
+
+def restore_one_step_on(loader, state):
+    restore_epoch_step(loader, state, step_shift=1)   # "step" read as the last batch taken
+
+
+def restore_old_order(loader, state):
+    loader.epoch, loader.step = state["epoch"], state["step"]      # order stays epoch 0's permutation
+    loader.position = loader.step * (loader.rows[1] - loader.rows[0])
+
+
+def state_rank_position(loader):
+    return {"epoch": loader.epoch, "position": loader.position}    # this rank's rows: depends on dp
+
+
+def restore_rank_position(loader, state):
+    rows = max(1, loader.rows[1] - loader.rows[0])
+    restore_epoch_step(loader, {"epoch": state["epoch"], "step": state["position"] // rows})
+
+
+def state_samples_seen(loader):
+    return {"seen": (loader.epoch * loader.steps_per_epoch + loader.step) * loader.global_batch}
+
+
+def restore_samples_seen(loader, state):
+    epoch, rest = divmod(state["seen"], loader.n_samples)           # forgets the dropped tail of each epoch
+    restore_epoch_step(loader, {"epoch": epoch, "step": rest // loader.global_batch})
+
+
+def state_hard_coded(loader):
+    return {"epoch": 0, "step": 2}                                   # the first case's save point
+
+
+def state_whole_loader(loader):
+    return {"loader": loader}
+
+
+def state_library(loader):
+    import tempfile
+
+    import torch
+
+    from course_lib.checkpoint import save
+    path = tempfile.mkdtemp() + "/ckpt"
+    save(path, torch.nn.Linear(1, 1), data_state=state_epoch_step(loader))
+    return {"path": path}
+
+
+def state_reference(loader):
+    from course_lib.grading.checkpoint_data import _counters
+    return dict(zip(("epoch", "step"), _counters(loader.n_samples, loader.global_batch, 1, 0, 0)))
+
+
+def test_resume_data(capsys):
+    assert graded(capsys, G.check_resume_data, state_epoch_step, restore_epoch_step)[0]
+    assert graded(capsys, G.check_resume_data, data_state, restore)[0]
+    fails_with(capsys, G.check_resume_data, state_epoch_step, restore_restarting_the_epoch,
+               hint="the epoch restarted")
+    fails_with(capsys, G.check_resume_data, state_epoch_step, restore_one_step_on, hint="one batch off")
+    fails_with(capsys, G.check_resume_data, state_epoch_step, restore_old_order, hint="order of another epoch")
+    fails_with(capsys, G.check_resume_data, state_rank_position, restore_rank_position,
+               hint="another dp size")
+    fails_with(capsys, G.check_resume_data, state_samples_seen, restore_samples_seen, hint="global batch 7, not 8")
+    fails_with(capsys, G.check_resume_data, state_hard_coded, restore_epoch_step, hint="expected")
+    fails_with(capsys, G.check_resume_data, state_whole_loader, restore_epoch_step, hint="plain values")
+    fails_with(capsys, G.check_resume_data, state_library, restore_epoch_step, hint="write this yourself")
+    fails_with(capsys, G.check_resume_data, state_reference, restore_epoch_step, hint="write this yourself")
+
+
+def owned_box_reference(*args):
+    from course_lib.grading.checkpointing import _owned_box
+    return _owned_box(*args)
+
+
+def test_references_switched_off(capsys):
+    """The graders' private references are guard targets too (named one by one)."""
+    fails_with(capsys, G.check_owned_box, owned_box_reference, hint="write this yourself")

@@ -4,6 +4,8 @@
     check_read_plan(read_plan)        # which saved boxes a new box needs, and which part of each
     check_writers(writers)            # each distinct box written once, by the lowest rank
     check_zero_boxes(zero_boxes)      # a ZeRO flat slice of a flattened weight, as boxes
+    check_resume_data(data_state, restore)   # the data order after a resume on another dp size
+                                             # (grading.checkpoint_data, with its ShardedBatches)
 
 Each check runs seeded random cases (uneven FSDP cuts, ranks holding nothing, boxes that only
 touch, 0-d tensors) against the grader's private reference. While the learner's function runs,
@@ -17,11 +19,14 @@ import random
 
 from course_lib.grading import Case, check, learner
 
-__all__ = ["check_owned_box", "check_read_plan", "check_writers", "check_zero_boxes"]
+__all__ = ["check_owned_box", "check_read_plan", "check_writers", "check_zero_boxes", "check_resume_data",
+           "ShardedBatches"]
 
 LIBRARY = ("course_lib.checkpoint.plan:*", "course_lib.checkpoint.layout:*", "course_lib.checkpoint.store:*",
            "course_lib.checkpoint.load:*", "course_lib.parallel.fsdp_params:dim0_rows",
-           "course_lib.grading.checkpointing:_*")
+           # the grader's references, by name (the guard's "module:*" means every function, not a prefix)
+           *(f"course_lib.grading.checkpointing:{f}" for f in ("_owned_box", "_overlap", "_read_plan", "_writers",
+                                                              "_zero_boxes")))
 
 
 # ------------------------------------------------------------------ the grader's references
@@ -248,3 +253,7 @@ def check_zero_boxes(zero_boxes):
         return None
 
     return check("zero_boxes", _zero_cases(), run)
+
+
+# ------------------------------------------------------------------ 5. the data order (its own module)
+from course_lib.grading.checkpoint_data import ShardedBatches, check_resume_data  # noqa: E402
