@@ -160,8 +160,9 @@ def check_resume_data(data_state, restore):
                 next(loader)
         state = save_fn(old[0])
         if not isinstance(state, dict) or not _plain(state):
-            return f"data_state must return a dict of plain values (ints, lists), got a {type(state).__name__} " \
-                   f"holding more: it is pickled into the checkpoint, without the loader"
+            what = "a dict holding other objects" if isinstance(state, dict) else f"a {type(state).__name__}"
+            return f"data_state must return a dict of plain values (ints, lists), got {what}: it is pickled " \
+                   f"into the checkpoint, without the loader"
         new = [ShardedBatches(n, b, dp_new, r, seed) for r in range(dp_new)]
         for r, loader in enumerate(new):
             other = restore_fn(loader, copy.deepcopy(state))
