@@ -49,10 +49,17 @@ def _exchange_forward_only(comm, output, input_grad):  # the backward message dr
     return got_input, (input_grad.clone() if comm.rank < comm.size - 1 else None)
 
 
+def _exchange_reference(comm, output, input_grad):  # one device's tensors from the grader's reference
+    acts, grads = G._boundaries(comm.size)
+    r, last = comm.rank, comm.size - 1
+    return (acts[r] if r > 0 else None), (grads[r + 1] if r < last else None)
+
+
 def test_pipeline_exchange(capsys):
     passed(capsys, G.check_pipeline_exchange(_exchange_twice), "exchange_boundaries: 2/2 cases passed")
     for wrong, hint in ((_exchange_both_send, "deadlock or hang"), (_exchange_dropped, "got [0, 0"),
-                        (_exchange_zeros_sent, "only moves it"), (_exchange_forward_only, "from stage s + 1")):
+                        (_exchange_zeros_sent, "only moves it"), (_exchange_forward_only, "from stage s + 1"),
+                        (_exchange_reference, "write this yourself")):
         refused(capsys, "exchange_boundaries", G.check_pipeline_exchange(wrong), hint)
 
 
@@ -94,10 +101,15 @@ def _gather_no_tp_sum(mesh, partial):            # gathered over dp, the tp part
     return out
 
 
+def _gather_reference(mesh, partial):            # the answer computed again, not gathered
+    return G._linear(mesh.sizes["dp"])[3]
+
+
 def test_gather_group(capsys):
     passed(capsys, G.check_gather_group(_gather_list), "gather_outputs: 2/2 cases passed")
     for wrong, hint in ((_gather_on_tp, "dp=2 x tp=2"), (_gather_local_copy, "gathered output"),
-                        (_gather_sized_for_tp, "dp=2 x tp=2"), (_gather_no_tp_sum, "dp=2 x tp=2")):
+                        (_gather_sized_for_tp, "dp=2 x tp=2"), (_gather_no_tp_sum, "dp=2 x tp=2"),
+                        (_gather_reference, "write this yourself")):
         refused(capsys, "gather_outputs", G.check_gather_group(wrong), hint)
 
 

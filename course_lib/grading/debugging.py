@@ -6,6 +6,8 @@
     check_first_nan(first_nan_module)         # the module whose own computation made the NaN
     check_sync_fix(sync_gradients)            # find and fix: a dp x cp gradient sync, on real ranks
 
+Questions 6-9 (four more find-and-fix questions) are graded by course_lib.grading.debugging_fixes.
+
 Each runs the learner's function (in this process; the last one on real ranks) on cases
 that include the traps the exercise names, prints one line and returns True iff every case passed. While it runs,
 course_lib.debug (the chapter's own implementations) and this module's references are
