@@ -89,14 +89,18 @@ def _resolve(target):
 
 
 def _flatten(targets):
-    """Targets one by one; "module:*" stands for every function that module defines."""
+    """Targets one by one; "module:*" stands for every function that module defines,
+    "module:_*" for those whose name starts with "_" (any prefix before the "*")."""
     for t in targets:
         if isinstance(t, (list, tuple)):
             yield from _flatten(t)
-        elif isinstance(t, str) and t.endswith(":*"):
-            module = importlib.import_module(t[:-2])
+        elif isinstance(t, str) and t.endswith("*") and ":" in t:
+            modname, _, prefix = t[:-1].partition(":")
+            module = importlib.import_module(modname)
             public = set(getattr(module, "__all__", ()))  # re-exports of a module that moved count too
             for name, value in sorted(vars(module).items()):
+                if not name.startswith(prefix):
+                    continue
                 home = getattr(value, "__module__", None) or ""
                 if home != module.__name__ and not (name in public and home.startswith("course_lib")):
                     continue
