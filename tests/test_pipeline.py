@@ -29,7 +29,7 @@ def _sgd_steps(pipe, batches, lr=0.5):
     opt = torch.optim.SGD(pipe.parameters(), lr=lr)
     losses = []
     for x, y in batches:
-        losses.append(pipe.step(x, y, n_tokens=y.numel()))
+        losses.append(pipe.step(x, y))
         opt.step()
         opt.zero_grad()
     return losses
@@ -47,10 +47,9 @@ def _equal_to_one_device(dp, pp, configs, batch=24):
         state, ref_losses = reference.train_gpt(ref, batches, ropt, micro=m * dp)
         pipe = PipelineParallel(TinyGPT(cfg, seed=0), mesh, sched, microbatches=m, v=v)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-        losses, d = [], mesh.coord["dp"]
+        losses = []
         for x, y in batches:
-            rows = slice(d * batch // dp, (d + 1) * batch // dp)   # this replica's rows
-            losses.append(pipe.step(x[rows], y[rows], n_tokens=y.numel()))
+            losses.append(pipe.step(x, y))                          # the global batch: each replica its rows
             opt.step()
             opt.zero_grad()
         worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -284,7 +283,7 @@ def _bad_ranks():
     for make in (lambda: Mesh(pp=3),                                       # 2 ranks, mesh of 3
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "interleaved", 3, v=2),
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "1f1b", 4, v=1).step(
-                     torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long), 48),
+                     torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long)),
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), S.one_f_one_b(3, 2), 2),
                  lambda: run_schedule(S.one_f_one_b(3, 2), {}, Comm(None), p=3, m=2)):
         try:
@@ -299,7 +298,7 @@ def test_bad_input_on_ranks(two_ranks):
     msgs = two_ranks[0]["bad"]
     assert "world has 2 ranks" in msgs[0]
     assert "multiple of p" in msgs[1]
-    assert "does not cut into microbatches=4" in msgs[2]
+    assert "must cut into microbatches=4" in msgs[2]
     assert "expected 2 lists" in msgs[3]
     assert "pipeline group of p ranks; this one has 2" in msgs[4]
 
@@ -315,7 +314,7 @@ def _names_on_ranks():
                         ("ours 1f1b v=2", lambda: PipelineParallel(TinyGPT(cfg), mesh, "1f1b", 4, v=2)),
                         ("torch zb-h1 v=2", lambda: TorchPipeline(TinyGPT(cfg), mesh, "zb-h1", 4, v=2)),
                         ("torch batch 10, m=4", lambda: TorchPipeline(TinyGPT(cfg), mesh, "1f1b", 4).step(
-                            torch.zeros(10, 8, dtype=torch.long), torch.zeros(10, 8, dtype=torch.long), 80))):
+                            torch.zeros(10, 8, dtype=torch.long), torch.zeros(10, 8, dtype=torch.long)))):
         try:
             make()
             out[label] = "no error"
@@ -331,7 +330,7 @@ def test_names_and_bad_input_on_every_rank(two_ranks):
         assert "schedule must be one of" in got["torch pipedream"] and "'1f1b'" in got["torch pipedream"]
         assert "needs the interleaved schedule" in got["ours 1f1b v=2"]
         assert "needs the interleaved schedule" in got["torch zb-h1 v=2"]
-        assert "does not cut into microbatches=4" in got["torch batch 10, m=4"]
+        assert "must cut into microbatches=4" in got["torch batch 10, m=4"]
 
 
 def _scale_grads(m=4):

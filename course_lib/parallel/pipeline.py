@@ -2,7 +2,7 @@
 
     pipe = PipelineParallel(TinyGPT(cfg, seed=0), Mesh(dp=2, pp=2), schedule="1f1b", microbatches=4)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    loss = pipe.step(x, y, n_tokens)     # this DP replica's batch; the loss of the whole step
+    loss = pipe.step(x, y)     # the global batch on every rank (NDParallel's contract); its loss
     opt.step(); opt.zero_grad()
 
 * :func:`partition_layers`, :class:`GPTStage`, :func:`split_stages`, :class:`MLPStage`: the
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from course_lib import trace
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import partition_layers, positive_int
+from course_lib.parallel.layout_rules import partition_layers, positive_int, rule_batch
 from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.pipeline_runtime import PipelineRuntime, sum_tied_gradient
 from course_lib.schedules import Action, schedule_name
@@ -153,6 +153,16 @@ def naive_model_parallel_step(stage, comm, x, y, loss_fn, act_shape):
     return None if loss is None else float(loss.detach())
 
 
+def replica_rows(x, y, mesh, m: int):
+    """This DP replica's rows of the global batch ``x``, ``y`` (batch, seq), and the step's
+    global count of target tokens (-100: ignored), which divides every micro-batch's loss."""
+    if len(y) != len(x):
+        raise ValueError(f"the batch has {len(x)} rows and its targets {len(y)}")
+    dp, d = mesh.sizes.get("dp", 1), mesh.coord.get("dp", 0)
+    rule_batch(len(x), dp, m)
+    return x.chunk(dp)[d], y.chunk(dp)[d], int((y != -100).sum())
+
+
 def embedding_group(mesh):
     """Megatron-LM's embedding group: the first and last stage ranks of every (dp, cp, tp), which
     both hold the tied embedding / LM-head matrix. Made by the mesh with its other groups;
@@ -180,12 +190,11 @@ class PipelineParallel(PipelineRuntime):
         grad_sync = GradSync(params, mesh, divisor=1) if mesh.sizes["dp"] > 1 else None
         super().__init__(stages, mesh, schedule=schedule, microbatches=microbatches, v=v, grad_sync=grad_sync)
 
-    def step(self, x, y, n_tokens: int):
+    def step(self, x, y):
         """Forward + backward of every micro-batch by the schedule, then the gradient sums.
-        x, y: (batch, seq) of this DP replica; n_tokens: the step's GLOBAL token count.
-        Returns the loss of the whole step (the same on every rank)."""
-        if len(x) % self.m:
-            raise ValueError(f"a batch of {len(x)} rows does not cut into microbatches={self.m} equal ones")
+        x, y: the GLOBAL batch (batch, seq), the same on every rank (NDParallel's contract):
+        each DP replica takes its rows. Returns the loss of the whole step (every rank)."""
+        x, y, n_tokens = replica_rows(x, y, self.mesh, self.m)
         hidden = next(iter(self.stages.values())).part.config.hidden
         return super().step(list(x.chunk(self.m)), list(y.chunk(self.m)), n_tokens,
                             act_shape=(len(x) // self.m, x.shape[1], hidden))
@@ -210,7 +219,7 @@ class TorchPipeline:
             raise ValueError(f"TorchPipeline runs torch's schedules by name, one of {tuple(TORCH_SCHEDULES)}; "
                              f"got {type(schedule).__name__}")
         positive_int("microbatches", microbatches)
-        self.v, self.m = v, microbatches
+        self.mesh, self.v, self.m = mesh, v, microbatches
         n_stages = p * v
         partition_layers(len(model.blocks), n_stages)
         self.stages = rank_stages(model, me, p, v)
@@ -236,13 +245,12 @@ class TorchPipeline:
         return [[Action(op[a.computation_type.name], a.stage_index, a.microbatch_index) for a in acts if a is not None]
                 for _, acts in sorted(self.schedule.pipeline_order.items())]
 
-    def step(self, x, y, n_tokens: int):
+    def step(self, x, y):
         """Returns the sum of this rank's micro-batch losses (0 where the last stage is not).
-        x, y: the batch, on every rank (each checks that it cuts into the micro-batches: torch
-        fails on the last stage only, leaving the others waiting)."""
-        if len(x) % self.m or len(y) != len(x):
-            raise ValueError(f"a batch of {len(x)} rows (targets: {len(y)}) does not cut into "
-                             f"microbatches={self.m} equal ones")
+        x, y: the GLOBAL batch, on every rank, as :class:`PipelineParallel` takes it (each rank
+        checks that its rows cut into the micro-batches: torch fails on the last stage only,
+        leaving the others waiting). torch's schedules do no DP: with dp > 1 the caller sums."""
+        x, y, n_tokens = replica_rows(x, y, self.mesh, self.m)
         self.n_tokens, losses = n_tokens, []
         args = (x,) if self.is_first else ()
         self.schedule.step(*args, target=y if self.is_last else None, losses=losses)
@@ -250,5 +258,5 @@ class TorchPipeline:
         return float(sum(loss.detach() for loss in losses)) if losses else 0.0
 
 
-__all__ = ["TorchPipeline", "rank_stages", "split_stages", "tie_embeddings", "embedding_group", "sum_tied_gradient", "partition_layers",
+__all__ = ["TorchPipeline", "replica_rows", "rank_stages", "split_stages", "tie_embeddings", "embedding_group", "sum_tied_gradient", "partition_layers",
            "GPTStage", "gpt_stage", "MLPStage", "naive_model_parallel_step", "PipelineParallel"]
