@@ -98,10 +98,11 @@ def files_outside_package(path: str) -> list[str]:
         except SyntaxError as exc:
             found.append(f"cell {index}: does not parse ({exc.msg})")
             continue
+        in_fstring = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                text = node.value
-                if text == ".." or text.startswith(("../", "..\\")) or "/../" in text:
+                text = node.value      # (an f-string's literal ".." after a field is text, not a path)
+                if (text == ".." and id(node) not in in_fstring) or text.startswith(("../", "..\\")) or "/../" in text:
                     found.append(f"cell {index}: a path above the notebook ({text!r})")
                 elif DATA_FILE.fullmatch(text) and os.path.exists(os.path.join(folder, text)):
                     found.append(f"cell {index}: reads a file beside the notebook ({text!r})")
