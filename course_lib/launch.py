@@ -68,7 +68,9 @@ STARTUP_TIMEOUT = 120.0
 # 4 ranks on 2 cores); course_lib.rank_imports, the course_lib modules ranks use (~0.1 s of CPU per
 # rank per launch). Append names before the first launch to add more (tests/conftest.py adds pytest:
 # a rank running a test's function imports its test module). Nothing here may run a torch op at
-# import: a fork of a process that has run one hangs in OpenMP.
+# import: a fork of a process that has run one hangs in OpenMP. Ranks see these modules as they were
+# at the first launch of this process: an edit to course_lib reaches them after a kernel restart,
+# as it reaches the kernel's own imports.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib.launch",
                       "course_lib.rank_imports"]
 
