@@ -157,10 +157,15 @@ def check_wire_bytes(fn) -> bool:
     """fn(n_params, world, data, precision) -> bytes one rank sends in one step's gradient /
     parameter collectives (ring algorithms), data "ddp" or "fsdp", precision "full" (fp32),
     "bf16" or "bf16-reduce-fp32"; 18 cases."""
-    answer = learner(fn, FORMULAS, PRECISION, REFERENCES, exercise="the bytes on the wire", seconds=10)
+    return _check_bytes("wire_bytes", fn, _reference_wire_bytes, WIRE_CASES, "the bytes on the wire")
+
+
+def _check_bytes(name, fn, reference, cases, exercise) -> bool:
+    """Grade fn(**case) -> a byte count against ``reference(**case)`` (exact in float64)."""
+    answer = learner(fn, FORMULAS, PRECISION, REFERENCES, exercise=exercise, seconds=10)
 
     def run(case):
-        want = _reference_wire_bytes(**case.params)
+        want = reference(**case.params)
         got = answer(**case.params)
         bad = _number(got)
         if bad:
@@ -169,8 +174,7 @@ def check_wire_bytes(fn) -> bool:
             return f"got {got:,.0f} bytes, expected {want:,.0f}"
         return None
 
-    cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in WIRE_CASES]
-    return check("wire_bytes", cases, run)
+    return check(name, [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in cases], run)
 
 
 # ----------------------------------------------------------------------------- master weights
@@ -192,17 +196,5 @@ def _reference_model_state_bytes(n_params, world, data, precision):
 def check_model_state_bytes(fn) -> bool:
     """fn(n_params, world, data, precision) -> bytes of model states one rank holds after the
     optimizer step (the chapter's recipe: course_lib.precision.mixed); 18 cases."""
-    answer = learner(fn, FORMULAS, PRECISION, REFERENCES, exercise="where the master weights live", seconds=10)
-
-    def run(case):
-        want = _reference_model_state_bytes(**case.params)
-        got = answer(**case.params)
-        bad = _number(got)
-        if bad:
-            return bad
-        if compare(float(got), float(want), dtype=torch.float64):
-            return f"got {got:,.0f} bytes, expected {want:,.0f}"
-        return None
-
-    cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in STATE_CASES]
-    return check("model_state_bytes", cases, run)
+    return _check_bytes("model_state_bytes", fn, _reference_model_state_bytes, STATE_CASES,
+                        "where the master weights live")
