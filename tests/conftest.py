@@ -72,7 +72,7 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
 OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} for name in (
     "00_single_device", "03_data_parallel", "04_zero_fsdp", "05_tensor_parallel", "06_pipeline_parallel",
     "07_context_parallel", "08_expert_parallel", "09_nd_parallelism", "09b_memory_and_precision",
-    "09c_low_precision")}  # every notebook that trains or compares float results
+    "09c_low_precision", "11_debugging", "12_checkpointing")}  # every notebook that trains or compares floats
 
 
 @functools.lru_cache(maxsize=None)
