@@ -46,18 +46,13 @@ ACTIVATION_CASES = [  # s, b, h, a, kv, f, t, sp, policy (bf16 values)
 ]
 
 
-def _reference_activation_bytes(s, b, h, a, kv, f, t, sp, policy):
-    from course_lib.planner.activations import llama_activation_bytes_per_layer
-    return llama_activation_bytes_per_layer(s, b, h, a, kv, f, t=t, sp=sp, recompute=policy)
-
-
-def check_activation_bytes(fn) -> bool:
-    """fn(s, b, h, a, kv, f, t, sp, policy) -> bytes one course (Llama) block keeps for backward
-    on one TP rank, bf16 values; checked exactly (integer arithmetic in float64) over 8 layouts."""
-    answer = learner(fn, FORMULAS, REFERENCES, exercise="the activation bytes of a block", seconds=10)
+def _check_bytes(name, fn, reference, cases, exercise, off=(FORMULAS, PRECISION, REFERENCES)) -> bool:
+    """Grade fn(**case) -> a byte count against ``reference(**case)`` (exact in float64), with
+    the library's formulas (``off``) switched off while fn runs."""
+    answer = learner(fn, *off, exercise=exercise, seconds=10)
 
     def run(case):
-        want = _reference_activation_bytes(**case.params)
+        want = reference(**case.params)
         got = answer(**case.params)
         bad = _number(got)
         if bad:
@@ -66,8 +61,19 @@ def check_activation_bytes(fn) -> bool:
             return f"got {got:,.0f} bytes, expected {want:,.0f}"
         return None
 
-    cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in ACTIVATION_CASES]
-    return check("activation_bytes", cases, run)
+    return check(name, [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in cases], run)
+
+
+def _reference_activation_bytes(s, b, h, a, kv, f, t, sp, policy):
+    from course_lib.planner.activations import llama_activation_bytes_per_layer
+    return llama_activation_bytes_per_layer(s, b, h, a, kv, f, t=t, sp=sp, recompute=policy)
+
+
+def check_activation_bytes(fn) -> bool:
+    """fn(s, b, h, a, kv, f, t, sp, policy) -> bytes one course (Llama) block keeps for backward
+    on one TP rank, bf16 values; checked exactly (integer arithmetic in float64) over 8 layouts."""
+    return _check_bytes("activation_bytes", fn, _reference_activation_bytes, ACTIVATION_CASES,
+                        "the activation bytes of a block", (FORMULAS, REFERENCES))
 
 
 # ----------------------------------------------------------------------------- selective recomputation
@@ -159,22 +165,6 @@ def check_wire_bytes(fn) -> bool:
     "bf16" or "bf16-reduce-fp32"; 18 cases."""
     return _check_bytes("wire_bytes", fn, _reference_wire_bytes, WIRE_CASES, "the bytes on the wire")
 
-
-def _check_bytes(name, fn, reference, cases, exercise) -> bool:
-    """Grade fn(**case) -> a byte count against ``reference(**case)`` (exact in float64)."""
-    answer = learner(fn, FORMULAS, PRECISION, REFERENCES, exercise=exercise, seconds=10)
-
-    def run(case):
-        want = reference(**case.params)
-        got = answer(**case.params)
-        bad = _number(got)
-        if bad:
-            return bad
-        if compare(float(got), float(want), dtype=torch.float64):
-            return f"got {got:,.0f} bytes, expected {want:,.0f}"
-        return None
-
-    return check(name, [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in cases], run)
 
 
 # ----------------------------------------------------------------------------- master weights
