@@ -289,11 +289,13 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
             dist.broadcast(zero, 0)
             origin = float(zero)
         rec = _trace.install(_trace.Recorder(rank, origin=origin, status_path=os.path.join(workdir, f"status{rank}")))
+        if backend == "nccl" and clock is None:
+            rec.gpu = _trace.CudaEventClock()  # spans in measured GPU time
         report("ready", b"")  # the launcher's timeout for fn starts now
         with _debug.in_rank(workdir, rank, debug):
             result = to_cpu(_run(fn, args, kwargs, clock, rank, world_size, rec))
         try:
-            data = cloudpickle.dumps((result, rec.spans))
+            data = cloudpickle.dumps((result, rec.resolve()))
         except Exception as exc:
             raise TypeError(f"the value returned by rank {rank} cannot be pickled "
                             f"({type(result).__name__}): {exc}") from exc
@@ -606,12 +608,16 @@ def _launch_here(fn, world_size, args, kwargs, backend, timeout, clock=None, deb
     rank = dist.get_rank()
     dist.barrier()
     rec = _trace.install(_trace.Recorder(rank))
+    if backend == "nccl" and clock is None:
+        rec.gpu = _trace.CudaEventClock()  # spans in measured GPU time (CUDA events)
     started = time.perf_counter()
     with _debug.in_rank(None, rank, debug):   # (the ring in memory: no launcher reads it)
         value = to_cpu(_run(fn, args, kwargs, clock, rank, env_world, rec))
     rec.clock = None
+    spans = rec.resolve()
+    rec.gpu = None
     gathered = [None] * env_world
-    dist.all_gather_object(gathered, (value, rec.spans))
+    dist.all_gather_object(gathered, (value, spans))
     results = LaunchResult(v for v, _ in gathered)
     results.spans = [s for _, spans in gathered for s in spans]
     results.elapsed = time.perf_counter() - started

@@ -16,7 +16,9 @@ rank 0's ``t=0.010`` and rank 3's ``t=0.010`` are the same instant.
 
 Under ``launch(..., clock=VirtualCluster(...))`` a rank's recorder reads the virtual GPU
 clock (:mod:`course_lib.virtual`) instead of ``perf_counter``: the same spans, in
-modelled seconds. :func:`to_chrome_trace` writes spans of either clock as Chrome trace
+modelled seconds. On GPUs (``backend="nccl"``, under ``launch`` or ``torchrun``) it reads
+the GPU itself: :class:`CudaEventClock` records a CUDA event at each span's ends, on the
+stream the work runs on, so the spans report measured GPU time, not when Python issued it. :func:`to_chrome_trace` writes spans of either clock as Chrome trace
 JSON (ui.perfetto.dev, chrome://tracing).
 """
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Recorder:
         self.rank = rank
         self.origin = time.perf_counter() if origin is None else origin
         self.clock = None         # a virtual clock (``.now()``) replaces perf_counter when set
+        self.gpu = None           # a CudaEventClock: times are CUDA events, read by resolve()
         self.spans: list[Span] = []
         self._open: list[str] = []
         self._status = None       # the status file mapped in memory: publishing is a copy, not a syscall
@@ -82,7 +85,18 @@ class Recorder:
     def now(self) -> float:
         if self.clock is not None:
             return self.clock.now()
+        if self.gpu is not None:
+            return self.gpu.now()  # a CudaStamp: a float once the GPU has passed it
         return time.perf_counter() - self.origin
+
+    def resolve(self) -> list[Span]:
+        """The spans with every time a float (CUDA events read once the GPU has passed them)."""
+        if self.gpu is not None and self.spans:
+            self.gpu.synchronize()
+            self.spans[:] = [s if isinstance(s.start, float) and isinstance(s.end, float)
+                             else Span(s.rank, s.name, s.kind, float(s.start), float(s.end), s.dim, s.flow)
+                             for s in self.spans]
+        return self.spans
 
     def _publish(self) -> None:
         if self._status is None:
@@ -121,6 +135,69 @@ class Recorder:
         if self._status is not None:
             self._status.close()
             self._status = None
+
+
+class CudaStamp:
+    """A point on a rank's GPU stream (a recorded CUDA event): a time in seconds since the
+    clock's origin once the GPU has passed it (``float(stamp)``, ``stamp - other``)."""
+    __slots__ = ("event", "clock")
+
+    def __init__(self, event, clock):
+        self.event, self.clock = event, clock
+
+    def __float__(self) -> float:
+        return self.clock.seconds(self.event)
+
+    def __sub__(self, other) -> float:
+        return float(self) - float(other)
+
+    def __rsub__(self, other) -> float:
+        return float(other) - float(self)
+
+    def __lt__(self, other) -> bool:
+        return float(self) < float(other)
+
+    def __gt__(self, other) -> bool:
+        return float(self) > float(other)
+
+    def __repr__(self) -> str:
+        return "CudaStamp(pending)"
+
+
+class CudaEventClock:
+    """Measured GPU time for spans (``launch``/``torchrun`` with ``backend="nccl"``).
+
+    ``now()`` records a CUDA event on the current stream and returns it: the span's end is
+    when the GPU finishes the work issued before it, not when Python returned. A collective's
+    span ends on the stream torch synchronises with the collective (its ``wait()``, or the
+    callback of its future), so it covers the transfer. The origin is an event recorded
+    right after the launch's barrier, with the device idle, on every rank: the ranks' zeros
+    agree to within the barrier's skew (microseconds on one node). Reading a time waits for
+    the GPU, so it happens once, when the spans are collected (``Recorder.resolve``).
+
+    ``event`` and ``synchronize``: the CUDA calls (a test passes stand-ins on a CPU)."""
+
+    def __init__(self, event=None, synchronize=None):
+        if event is None:
+            import torch
+            event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            synchronize = synchronize or torch.cuda.synchronize
+        self._event, self.synchronize = event, synchronize or (lambda: None)
+        self.synchronize()
+        self.origin = self._record()
+
+    def _record(self):
+        ev = self._event()
+        ev.record()
+        return ev
+
+    def now(self) -> CudaStamp:
+        return CudaStamp(self._record(), self)
+
+    def seconds(self, event) -> float:
+        self.origin.synchronize()
+        event.synchronize()
+        return self.origin.elapsed_time(event) / 1e3  # (milliseconds)
 
 
 # The recorder of *this process*. A rank is one process, so one recorder per
@@ -167,7 +244,7 @@ def clock():
 
 def spans() -> list[Span]:
     """The spans recorded so far in this process."""
-    return list(_recorder.spans)
+    return list(_recorder.resolve())
 
 
 def reset() -> None:

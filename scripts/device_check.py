@@ -8,7 +8,8 @@ backward at h = 2048, s = 2048, b = 4 (matmuls, the unfused attention, elementwi
 there are at least two GPUs (one GPU: nothing to reduce across, said so). Virtual: the
 workload run once under the virtual clock (:mod:`course_lib.virtual`, the preset named by
 ``--hardware`` or guessed from the device's name); measured: CUDA events around the same
-workload, median of ``--repeats`` after warm-up. Without CUDA it prints the virtual times
+workload, median of ``--repeats`` after warm-up. It also checks that a span recorded under
+``launch(backend="nccl")`` reports the GEMM's GPU time (CUDA events), not its issue time. Without CUDA it prints the virtual times
 (priced on the meta device: shapes only) and says that there is no GPU to compare with.
 """
 from __future__ import annotations
@@ -106,6 +107,17 @@ def _all_reduce(repeats):
     return statistics.median(times)
 
 
+def _gemm_span():
+    """A rank under nccl: the span around one GEMM, read from CUDA events (trace.CudaEventClock)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    trace.reset()
+    with trace.span("GEMM 8192^3"):
+        a @ a
+    return [s.duration for s in trace.spans() if s.name == "GEMM 8192^3"][0]
+
+
 def guess_hardware(name: str) -> str:
     for key, preset in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")):
         if key in name:
@@ -133,6 +145,10 @@ def main(argv=None):
         measured = max(launch(_all_reduce, n, args.repeats, backend="nccl", quiet=True))
         virtual = max(launch(_all_reduce, n, args.repeats, backend="nccl", clock=cluster, quiet=True))
         rows.append((f"all-reduce 256 MiB on {n} GPUs (NCCL)", virtual, measured))
+    if gpu:  # the spans of a launch under nccl report GPU time (CUDA events), not issue time
+        span = launch(_gemm_span, 1, backend="nccl", quiet=True)[0]
+        print(f"span of one GEMM under launch(backend='nccl'): {span * 1e3:.3f} ms "
+              f"(CUDA events; span / measured {span / rows[0][2]:.2f})")
     for label, virtual, measured in rows:
         line = f"{label:38s} virtual {virtual * 1e3:9.3f} ms"
         if measured is not None:

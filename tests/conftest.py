@@ -1,7 +1,6 @@
 """Shared paths and helpers for the tests of the book, the notebooks and the exercises."""
 from __future__ import annotations
 
-import functools
 import glob
 import importlib
 import os
@@ -75,12 +74,88 @@ OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} f
     "09c_low_precision", "11_debugging", "12_checkpointing")}  # every notebook that trains or compares floats
 
 
-@functools.lru_cache(maxsize=None)
+# ----------------------------------------------------------------------------- notebook runs
+# Running a notebook is mostly waiting (a kernel starting, ranks meeting), so the session runs
+# every notebook its tests need at once, JOBS at a time, when the first one is asked for, and
+# nothing else meanwhile (the other tests never share the cores with a notebook). A test asks
+# for a run with the ``notebook_run`` marker ("strict": nbval_strict(path), "untouched":
+# untouched_grade(path)); the results are kept for the session, so each notebook runs once.
+JOBS = int(os.environ.get("COURSE_TEST_JOBS", "0")) or max(1, min(4, os.cpu_count() or 1))
+_wanted: dict = {}      # (kind, path) -> None, in the order the tests will ask
+_results: dict = {}     # (kind, path) -> NbvalRun | scripts/grade.py's NotebookGrade | exception
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", 'notebook_run(kind): the test reads the run of its "path" '
+                            'parameter ("strict" or "untouched"), made with the session\'s other runs')
+
+
+def pytest_collection_finish(session):
+    for item in session.items:  # (after -k and deselection: only what will run)
+        marker = item.get_closest_marker("notebook_run")
+        if marker is not None and hasattr(item, "callspec"):
+            _wanted[marker.args[0], item.callspec.params["path"]] = None
+
+
+_GRADE = """import pickle, sys
+sys.path.insert(0, sys.argv[3])
+import grade
+sys.stdout.buffer.write(pickle.dumps(grade.grade_notebook(sys.argv[1], sys.argv[2])))"""
+
+
+def _untouched(path: str):
+    """scripts/grade.py on the untouched exercise of solution ``path``, in a subprocess."""
+    exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
+    done = subprocess.run([sys.executable, "-c", _GRADE, exercise, os.path.join(ROOT, "solutions"), SCRIPTS],
+                          cwd=ROOT, capture_output=True, timeout=NOTEBOOK_TIMEOUT, stdin=subprocess.DEVNULL)
+    if done.returncode:
+        raise RuntimeError(f"grading {exercise} failed (exit {done.returncode}):\n"
+                           + done.stderr.decode(errors="replace")[-4000:])
+    import pickle
+    return pickle.loads(done.stdout)
+
+
+def _run(kind: str, path: str):
+    try:
+        return _untouched(path) if kind == "untouched" else run_nbval(path, "strict", env=OTHER_KERNELS.get(path))
+    except Exception as exc:  # noqa: BLE001 - kept, raised by the test that asks for it
+        return exc
+
+
+def _run_wanted():
+    """Every wanted run not done yet, JOBS at a time (lecture notebooks first: the longest)."""
+    todo = [key for key in _wanted if key not in _results]
+    todo.sort(key=lambda key: (not key[1].startswith("notebooks/"), key[0] == "untouched"))
+    if len(todo) > 1 and JOBS > 1:
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(JOBS) as pool:
+            for key, result in zip(todo, pool.map(lambda key: _run(*key), todo)):
+                _results[key] = result
+    for key in todo:
+        if key not in _results:
+            _results[key] = _run(*key)
+
+
+def _result(kind: str, path: str):
+    if (kind, path) not in _results:
+        _wanted.setdefault((kind, path), None)
+        _run_wanted()
+    result = _results[kind, path]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def nbval_strict(path: str) -> NbvalRun:
     """The strict run of a notebook, once per session: tests/test_notebooks.py checks every
     output with it, tests/test_exercises.py reads the solution's check cells from it,
     tests/test_portability.py checks that the OTHER_KERNELS notebooks ran under other kernels."""
-    return run_nbval(path, "strict", env=OTHER_KERNELS.get(path))
+    return _result("strict", path)
+
+
+def untouched_grade(path: str):
+    """scripts/grade.py's grade of the exercise generated from solution ``path``, untouched."""
+    return _result("untouched", path)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 import generate_exercises as gen
 import grade
-from conftest import ROOT, nbval_strict, notebooks_in, run_nbval
+from conftest import ROOT, nbval_strict, notebooks_in, run_nbval, untouched_grade
 
 SOLUTIONS = notebooks_in("solutions")
 
@@ -129,15 +129,17 @@ def check_cells(path):
     return [c for c in nbformat.read(os.path.join(ROOT, path), as_version=4).cells if grade.is_check_cell(c)]
 
 
+@pytest.mark.notebook_run("untouched")
 @pytest.mark.parametrize("path", SOLUTIONS)
 def test_untouched_exercise_fails_every_question(path):
     exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
-    result = grade.grade_notebook(exercise, os.path.join(ROOT, "solutions"))
+    result = untouched_grade(path)  # grade.grade_notebook(exercise), run with the session's other notebooks
     assert result.total == len(check_cells(path)) > 0, result
     passed = [q.name for q in result.questions if q.passed]
     assert not passed, f"{exercise}: these questions pass before the learner wrote anything: {passed}"
 
 
+@pytest.mark.notebook_run("strict")
 @pytest.mark.parametrize("path", SOLUTIONS)
 def test_solution_passes_every_question(path):
     """Every check cell of the solution reproduces its pass line in a fresh kernel.

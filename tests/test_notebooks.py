@@ -38,6 +38,7 @@ def test_committed_outputs_are_one_complete_run(path):
     assert not problems, f"{path}: " + "; ".join(problems)
 
 
+@pytest.mark.notebook_run("strict")
 @pytest.mark.parametrize("path", notebooks_in("notebooks") + notebooks_in("solutions"))
 def test_notebook_reproduces_its_outputs(path):
     result = nbval_strict(path)

@@ -28,6 +28,7 @@ def capability_under(env: dict) -> str:
                           text=True, check=True).stdout.strip()
 
 
+@pytest.mark.notebook_run("strict")
 @pytest.mark.parametrize("path", sorted(OTHER_KERNELS))
 def test_notebook_reproduces_its_outputs_on_other_cpu_kernels(path):
     env = OTHER_KERNELS[path]

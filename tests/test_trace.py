@@ -51,3 +51,52 @@ def test_chrome_trace_of_wall_clock_spans(tmp_path):
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert sorted(names.values()) == ["comm dp", "comm tp", "compute", "compute"]
     assert not [e for e in doc["traceEvents"] if e["ph"] in ("s", "f")]
+
+
+class _FakeStream:
+    """A GPU stream in miniature: kernels queue up; the CPU returns at once."""
+
+    def __init__(self):
+        self.busy_until = 0.0      # GPU seconds when the queued work ends
+        self.synchronized = False
+
+    def kernel(self, seconds):
+        self.busy_until += seconds
+
+    def event(self):
+        stream = self
+
+        class Event:
+            def record(self):
+                self.at, self.done = stream.busy_until, False
+
+            def synchronize(self):
+                self.done = True
+
+            def elapsed_time(self, other):  # torch's contract: ms, both events completed
+                assert self.done and other.done, "elapsed_time read before the GPU passed the events"
+                return (other.at - self.at) * 1e3
+
+        return Event()
+
+
+def test_cuda_event_clock_spans_report_gpu_time_not_issue_time():
+    """Under nccl a span's ends are CUDA events on the stream: a kernel queued in 1 us of
+    Python that runs 5 ms on the GPU is a 5 ms span, read only once the GPU has passed it."""
+    stream = _FakeStream()
+    stream.kernel(0.002)                                   # work queued before the origin
+    rec = trace.Recorder(rank=2)
+    rec.gpu = trace.CudaEventClock(event=stream.event)
+    with rec.span("gemm"):
+        stream.kernel(0.005)
+    start = rec.now()
+    stream.kernel(0.001)
+    rec.add("all-reduce", "comm", start, rec.now(), "dp")  # the Comm layer's path
+    assert not isinstance(rec.spans[0].start, float)       # pending until collected
+    spans = rec.resolve()
+    assert [(s.name, s.start, s.end) for s in spans] == [("gemm", 0.0, 0.005), ("all-reduce", 0.005, 0.006)]
+    assert all(isinstance(t, float) for s in spans for t in (s.start, s.end)) and spans[1].dim == "dp"
+    assert json.loads(json.dumps(trace.to_chrome_trace(spans)))["traceEvents"]
+    later = rec.now()
+    stream.kernel(0.003)
+    assert rec.now() - later == pytest.approx(0.003)       # a stamp subtracts as seconds

@@ -24,15 +24,13 @@ torch's collectives or ours (``Mesh(dp=N, impl="course")``), traced and, inside
 from __future__ import annotations
 
 import contextlib
-import math
-import zlib
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.parallel.grad_sync import GradSync, OverlappedGradSync
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
+from course_lib.parallel.replicas import check_replicas
 
 
 def check_module(module, what: str):
@@ -53,52 +51,6 @@ def check_module(module, what: str):
         raise ValueError(f"{what}: every parameter is frozen (requires_grad=False): no gradient "
                          f"to synchronise")
     return trainable
-
-
-def _who(comm, r: int) -> str:
-    """Group rank r, with its global rank when they differ."""
-    return f"rank {r}" if comm.ranks[r] == r else f"group rank {r} (global rank {comm.ranks[r]})"
-
-
-def _first_difference(mine, theirs, who, ref="rank 0"):
-    """What differs between two replicas' [(name, shape, dtype)], in words."""
-    label = lambda name: f"tensor {name}" if name.isdigit() else repr(name)  # (a ParameterList's names)
-    for (name, shape, dtype), (name0, shape0, dtype0) in zip(mine, theirs):
-        if shape != shape0:
-            return f"{who}'s {label(name)} has shape {shape}, {ref}'s {label(name0)} has shape {shape0}"
-        if dtype != dtype0:
-            return f"{who}'s {label(name)} is {dtype}, {ref}'s {label(name0)} is {dtype0}"
-    if len(mine) != len(theirs):
-        extra = (mine if len(mine) > len(theirs) else theirs)[min(len(mine), len(theirs))][0]
-        return (f"{who} has {len(mine)} parameters and buffers, {ref} has {len(theirs)} (the first one "
-                f"only {who if len(mine) > len(theirs) else ref} has: {label(extra)})")
-    return f"{who} and {ref} differ"
-
-
-def check_replicas(named_tensors, comm, what: str = "broadcast_module_states"):
-    """Refuse replicas that differ across the ranks of ``comm`` (a ValueError on every rank,
-    naming the ranks and the first difference) instead of a broadcast of mismatched sizes,
-    which aborts or hangs. Cheap: ONE all-gather of three numbers per rank (tensor count,
-    total elements, a checksum of the shapes and dtypes); the names travel only on a mismatch."""
-    if comm.size == 1:
-        return
-    layout = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in named_tensors]
-    device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
-    digest = torch.tensor([len(layout), sum(math.prod(shape) for _, shape, _ in layout),
-                           zlib.crc32(repr([(shape, dtype) for _, shape, dtype in layout]).encode())],
-                          dtype=torch.int64, device=device)  # (3,); crc32: the same in every process
-    everyone = torch.empty(3 * comm.size, dtype=torch.int64, device=device)
-    comm.all_gather_into_tensor(everyone, digest, name="all-gather replica digest")
-    digests = everyone.view(comm.size, 3).tolist()
-    if all(d == digests[0] for d in digests):
-        return
-    layouts = [None] * comm.size  # the error path only: every rank is here, with the same digests
-    dist.all_gather_object(layouts, layout, group=comm.group)
-    problems = [_first_difference(layouts[r], layouts[0], _who(comm, r), _who(comm, 0))
-                for r in range(1, comm.size) if digests[r] != digests[0]]
-    raise ValueError(f"{what}: the replicas differ across ranks: " + "; ".join(problems) +
-                     ". Every rank must build the same model (same parameters and buffers, same shapes, "
-                     "same order) before it is wrapped")
 
 
 def broadcast_module_states(module: nn.Module, comm, comm_of=None, src: int = 0,

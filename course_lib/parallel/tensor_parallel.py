@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib import compat
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.comm_ops import (_all_gather, copy_to_parallel, gather_from_parallel,
                                           gather_from_sequence_parallel, reduce_from_parallel,
                                           scatter_to_sequence_parallel, sum_over_copies)
 from course_lib.parallel.mesh import set_reduce_dims
+from course_lib.parallel.replicas import check_replicas
 from course_lib.parallel.vocab_parallel import shard_range
 
 INPUTS = ("replicated", "sequence", "entered")
@@ -48,23 +48,11 @@ def _check_comm(comm):
 def check_same_everywhere(module: nn.Module, comm: Comm, what: str):
     """ValueError on every rank unless every rank of ``comm`` holds the same single-device
     ``module`` (shapes and values): each rank keeps a slice of it, and slices of different
-    layers are no layer at all (torch's parallelize_module takes rank 0's instead). One
-    all-gather of four numbers (count, elements, sum, sum of squares), before any other check
-    can differ between ranks; a check outside the model's traffic: not in ``comm.log``."""
-    params = [p.detach().double() for p in module.parameters()]
-    mine = torch.tensor([len(params), sum(p.numel() for p in params), sum(p.sum().item() for p in params),
-                         sum(p.square().sum().item() for p in params)], dtype=torch.float64,
-                        device=params[0].device if params else None)
-    every = mine.new_empty(comm.size * 4)
-    if comm.size > 1:
-        compat.all_gather_into_tensor(every, mine, group=comm.group)
-    else:
-        every.copy_(mine)
-    differ = [r for r, row in enumerate(every.view(comm.size, 4)) if not torch.equal(row, every[:4])]
-    if differ:
-        raise ValueError(f"{what}: the ranks of the tensor-parallel group hold different models (ranks {differ}"
-                         f" differ from rank 0's {type(module).__name__}): build the same single-device model "
-                         f"(same config, same seed) on every rank, each keeps a slice of it")
+    layers are no layer at all (torch's parallelize_module takes rank 0's instead). The
+    replica check of data parallelism with values (one all-gather of five numbers), before
+    any other check can differ between ranks; outside the model's traffic: not in ``comm.log``."""
+    check_replicas(list(module.named_parameters()), comm, what, values=True, traced=False,
+                   model=type(module).__name__)
 
 
 def slice_parameter(p: nn.Parameter, dim: int, start: int, stop: int) -> nn.Parameter:
