@@ -52,8 +52,7 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
                *options, path]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                                stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        result = _subprocess(cmd, timeout, env={**os.environ, **(env or {})}, text=True)
         cells = {}
         if os.path.exists(report):
             for case in ET.parse(report).iter("testcase"):
@@ -75,14 +74,42 @@ OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} f
 
 
 # ----------------------------------------------------------------------------- notebook runs
-# Running a notebook is mostly waiting (a kernel starting, ranks meeting), so the session runs
-# every notebook its tests need at once, JOBS at a time, when the first one is asked for, and
-# nothing else meanwhile (the other tests never share the cores with a notebook). A test asks
-# for a run with the ``notebook_run`` marker ("strict": nbval_strict(path), "untouched":
-# untouched_grade(path)); the results are kept for the session, so each notebook runs once.
+# Running a notebook is mostly waiting (a kernel starting, ranks meeting, a grader's launches),
+# and so are most other tests here: the session starts every notebook run its tests need as
+# soon as they are collected, JOBS at a time, in the background, while the other tests run; a
+# test that reads a run waits for it. A test asks for a run with the ``notebook_run`` marker
+# ("strict": nbval_strict(path); "untouched": untouched_grade(path)); each runs once.
+# COURSE_TEST_JOBS=1: one at a time, when a test asks (nothing runs beside the other tests).
 JOBS = int(os.environ.get("COURSE_TEST_JOBS", "0")) or max(1, min(4, os.cpu_count() or 1))
 _wanted: dict = {}      # (kind, path) -> None, in the order the tests will ask
-_results: dict = {}     # (kind, path) -> NbvalRun | scripts/grade.py's NotebookGrade | exception
+_futures: dict = {}     # (kind, path) -> Future of an NbvalRun | scripts/grade.py's NotebookGrade
+_pool = None
+_live: set = set()      # the subprocesses running now (stopped if the session ends first)
+
+
+def _subprocess(cmd, timeout, env=None, text=False):
+    """subprocess.run(cmd, capture_output=True) from ROOT, stoppable by the session's end."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=text, start_new_session=True)
+    _live.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        proc.communicate()
+        raise
+    finally:
+        _live.discard(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _stop(proc):
+    """Kill ``proc`` and what it started (its kernel, the kernel's ranks): one session."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def pytest_configure(config):
@@ -90,11 +117,31 @@ def pytest_configure(config):
                             'parameter ("strict" or "untouched"), made with the session\'s other runs')
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read a notebook run go last: the others run while the notebooks do."""
+    if JOBS > 1:
+        items[:] = sorted(items, key=lambda item: item.get_closest_marker("notebook_run") is not None)
+
+
 def pytest_collection_finish(session):
+    global _pool
     for item in session.items:  # (after -k and deselection: only what will run)
         marker = item.get_closest_marker("notebook_run")
         if marker is not None and hasattr(item, "callspec"):
             _wanted[marker.args[0], item.callspec.params["path"]] = None
+    if JOBS > 1 and _wanted:
+        import concurrent.futures
+        _pool = concurrent.futures.ThreadPoolExecutor(JOBS, thread_name_prefix="notebook")
+        # the lecture notebooks first (the longest), the untouched exercises last (the shortest)
+        for key in sorted(_wanted, key=lambda k: (k[0] == "untouched", not k[1].startswith("notebooks/"))):
+            _futures[key] = _pool.submit(_run, *key)
+
+
+def pytest_sessionfinish(session):
+    if _pool is not None:
+        _pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list(_live):
+        _stop(proc)
 
 
 _GRADE = """import pickle, sys
@@ -105,45 +152,31 @@ sys.stdout.buffer.write(pickle.dumps(grade.grade_notebook(sys.argv[1], sys.argv[
 
 def _untouched(path: str):
     """scripts/grade.py on the untouched exercise of solution ``path``, in a subprocess."""
+    import pickle
+
     exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
-    done = subprocess.run([sys.executable, "-c", _GRADE, exercise, os.path.join(ROOT, "solutions"), SCRIPTS],
-                          cwd=ROOT, capture_output=True, timeout=NOTEBOOK_TIMEOUT, stdin=subprocess.DEVNULL)
+    done = _subprocess([sys.executable, "-c", _GRADE, exercise, os.path.join(ROOT, "solutions"), SCRIPTS],
+                       NOTEBOOK_TIMEOUT)
     if done.returncode:
         raise RuntimeError(f"grading {exercise} failed (exit {done.returncode}):\n"
                            + done.stderr.decode(errors="replace")[-4000:])
-    import pickle
     return pickle.loads(done.stdout)
 
 
 def _run(kind: str, path: str):
-    try:
-        return _untouched(path) if kind == "untouched" else run_nbval(path, "strict", env=OTHER_KERNELS.get(path))
-    except Exception as exc:  # noqa: BLE001 - kept, raised by the test that asks for it
-        return exc
-
-
-def _run_wanted():
-    """Every wanted run not done yet, JOBS at a time (lecture notebooks first: the longest)."""
-    todo = [key for key in _wanted if key not in _results]
-    todo.sort(key=lambda key: (not key[1].startswith("notebooks/"), key[0] == "untouched"))
-    if len(todo) > 1 and JOBS > 1:
-        import concurrent.futures
-        with concurrent.futures.ThreadPoolExecutor(JOBS) as pool:
-            for key, result in zip(todo, pool.map(lambda key: _run(*key), todo)):
-                _results[key] = result
-    for key in todo:
-        if key not in _results:
-            _results[key] = _run(*key)
+    return _untouched(path) if kind == "untouched" else run_nbval(path, "strict", env=OTHER_KERNELS.get(path))
 
 
 def _result(kind: str, path: str):
-    if (kind, path) not in _results:
-        _wanted.setdefault((kind, path), None)
-        _run_wanted()
-    result = _results[kind, path]
-    if isinstance(result, Exception):
-        raise result
-    return result
+    key = (kind, path)
+    if key not in _futures:  # not collected with a marker, or COURSE_TEST_JOBS=1: run it now
+        import concurrent.futures
+        future = _futures[key] = concurrent.futures.Future()
+        try:
+            future.set_result(_run(kind, path))
+        except Exception as exc:  # noqa: BLE001 - raised below, and to any later reader
+            future.set_exception(exc)
+    return _futures[key].result()
 
 
 def nbval_strict(path: str) -> NbvalRun:

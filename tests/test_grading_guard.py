@@ -30,15 +30,15 @@ def test_a_switched_off_function_raises_whatever_name_holds_it():
 def test_a_prefix_pattern_switches_off_the_grader_references():
     """"module:_*" switches off every function whose name starts with "_" (a grader's private
     references), and only those: it once named an attribute literally called "_*"."""
-    from course_lib.grading import performance
+    from course_lib.grading import ddp_overlap as performance
 
     private = [name for name, v in vars(performance).items()
                if name.startswith("_") and getattr(v, "__module__", "") == performance.__name__ and hasattr(v, "__code__")]
     assert private
     for name in private:
         with pytest.raises(Shortcut, match="write this yourself"):
-            learner(lambda: getattr(performance, name)(), "course_lib.grading.performance:_*", exercise="x")()
-    assert learner(lambda: performance.check_bucket_cap.__name__, "course_lib.grading.performance:_*",
+            learner(lambda: getattr(performance, name)(), "course_lib.grading.ddp_overlap:_*", exercise="x")()
+    assert learner(lambda: performance.check_bucket_cap.__name__, "course_lib.grading.ddp_overlap:_*",
                    exercise="x")() == "check_bucket_cap"
 
 

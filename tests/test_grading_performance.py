@@ -1,4 +1,4 @@
-"""Performance questions (course_lib/grading/performance.py), graded on virtual time: the
+"""Performance questions (course_lib/grading/ddp_overlap.py, pipeline_plan.py), graded on virtual time: the
 solution and a differently written right answer pass; classic mistakes, answers hard-coded to
 one case or to the lecture's number, and library shortcuts each fail with a hint."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import math
 import pytest
 
 from course_lib.costmodel import ring_all_reduce
-from course_lib.grading import performance as G
+from course_lib.grading import ddp_overlap as G
+from course_lib.grading import pipeline_plan as PP
 from course_lib.grading import placement as P
 from grading_answers import fails_with, graded
 
@@ -141,7 +142,7 @@ def library_bubble(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
 
 def test_pipeline_plan_right_answers_pass(capsys):
     for answer in (m_v_search, m_v_closed_form):
-        ok, line = graded(capsys, G.check_pipeline_plan, answer)
+        ok, line = graded(capsys, PP.check_pipeline_plan, answer)
         assert ok and line == "pipeline_plan: 7/7 cases passed", line
 
 
@@ -154,7 +155,7 @@ def test_pipeline_plan_right_answers_pass(capsys):
     (library_bubble, "write this yourself"),
 ])
 def test_pipeline_plan_wrong_answers_fail_with_a_hint(capsys, answer, hint):
-    fails_with(capsys, G.check_pipeline_plan, answer, hint=hint)
+    fails_with(capsys, PP.check_pipeline_plan, answer, hint=hint)
 
 
 # ----------------------------------------------------------------------------- 3. placement
