@@ -41,6 +41,19 @@ class NbvalRun:
         return self.cells.get(code_cell, "not run")
 
 
+# jsonschema imports the optional IRI checker rfc3987_syntax when it is installed, and that
+# import compiles a grammar: 2.7 s of CPU in every process that imports nbformat (each nbval
+# and grading subprocess), for a format no notebook schema uses. The test harness's
+# subprocesses run Python with it marked absent (jsonschema then skips that checker).
+WITHOUT_IRI = "import sys; sys.modules['rfc3987_syntax'] = None; "
+
+
+def python_m(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with jsonschema's IRI checker marked absent (WITHOUT_IRI)."""
+    return [sys.executable, "-c", WITHOUT_IRI + f"import runpy; sys.argv[0] = {module!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)", *args]
+
+
 def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, env: dict | None = None) -> NbvalRun:
     """``pytest --nbval`` (strict: every output compared, sanitized) or ``--nbval-lax``
     (only check cells compared) on one notebook, in a subprocess: a fresh kernel of this
@@ -49,7 +62,7 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
     options = ["--nbval", f"--nbval-sanitize-with={SANITIZE}"] if mode == "strict" else ["--nbval-lax"]
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+        cmd = [*python_m("pytest"), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
                *options, path]
         result = _subprocess(cmd, timeout, env={**os.environ, **(env or {})}, text=True)
@@ -144,7 +157,7 @@ def pytest_sessionfinish(session):
         _stop(proc)
 
 
-_GRADE = """import pickle, sys
+_GRADE = WITHOUT_IRI + """import pickle
 sys.path.insert(0, sys.argv[3])
 import grade
 sys.stdout.buffer.write(pickle.dumps(grade.grade_notebook(sys.argv[1], sys.argv[2])))"""
