@@ -90,7 +90,10 @@ class Recorder:
         return time.perf_counter() - self.origin
 
     def resolve(self) -> list[Span]:
-        """The spans with every time a float (CUDA events read once the GPU has passed them)."""
+        """The spans with every time a float (CUDA events read once the GPU has passed them;
+        the virtual clock's async collectives priced)."""
+        if self.clock is not None and hasattr(self.clock, "settle"):
+            self.clock.settle()
         if self.gpu is not None and self.spans:
             self.gpu.synchronize()
             self.spans[:] = [s if isinstance(s.start, float) and isinstance(s.end, float)

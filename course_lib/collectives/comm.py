@@ -318,8 +318,23 @@ class Comm:
         return handle
 
     def _virtual_call(self, clock, op, name, payload, async_op, args, kwargs, fn, who):
-        """Run the collective for real, to completion (its work is not compute), then price it
-        on the virtual clock: one span from its start on the communication stream to its end."""
+        """Run the collective for real (its work is not compute) and price it on the virtual
+        clock: one span from its start on the communication stream to its end. An async call
+        of torch's collectives runs beside the program, as on the wall clock (priced when waited
+        for); the others run to completion first."""
+        if async_op and who == "torch" and not self._measuring and not clock.muted_depth:
+            self.log.append(CommCall(op, name, payload, None))
+            pending = clock.issue(self, op, payload, args[0] if args else None, name)
+            with clock.muted(), trace.muted():
+                work = fn(*args, group=self.group, async_op=True, **kwargs)
+
+            def wait():
+                with clock.muted():
+                    if work is not None:
+                        work.wait()
+                    clock.settle()
+                clock.join(pending.end)
+            return Handle(self, wait, name, pending.ready, done=True)
         with clock.muted(), trace.muted():
             if self._measuring:
                 self._measured_call(op, name, payload, False, args, kwargs, fn, who, 0.0)

@@ -44,6 +44,7 @@ class RankClock:
         self.muted_depth = 0
         self.kernels = 0        # kernels priced on the compute stream so far
         self._messages = defaultdict(int)     # (src, dst, group, tag) -> messages so far: flow ids
+        self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
         self._mode = ComputeStream(self)
 
     def now(self) -> float:
@@ -54,7 +55,11 @@ class RankClock:
         return self
 
     def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
+        try:
+            if exc[0] is None:
+                self.settle()   # (async work the program never waited for)
+        finally:
+            return self._mode.__exit__(*exc)
 
     @contextlib.contextmanager
     def muted(self):
@@ -72,6 +77,7 @@ class RankClock:
     # ------------------------------------------------------------------ collectives
     def collective(self, comm, op: str, payload: int, ref) -> tuple[float, float]:
         """(start, end) of a collective every member of ``comm`` has just run for real."""
+        self.settle()
         ready = max(self.t, self.comm_free)
         start = ready
         if comm.size > 1:
@@ -84,6 +90,44 @@ class RankClock:
         end = start + algorithm_cost(ALGORITHMS[op], nbytes, comm.size, alpha, 1.0 / bandwidth)
         self.comm_free = end
         return start, end
+
+    def issue(self, comm, op: str, payload: int, ref, name: str) -> "Pending":
+        """An async collective whose real work runs beside the program (as on the wall clock):
+        its ready time is fixed now and the members' ready times are exchanged beside it
+        (async); it is priced, in issue order, by :meth:`settle`, when it is waited for or the
+        next collective is issued: the same start and end as a blocking call would get."""
+        self.settle()
+        ready = max(self.t, self.comm_free)
+        exchange = None
+        if comm.size > 1:
+            with self.muted():
+                issued = torch.tensor([ready], dtype=torch.float64, device=_device(ref))
+                exchange = (dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=True), issued)
+        index = len(self.recorder.spans)     # its span keeps its place among the rank's spans
+        self.recorder.add(name, "comm", ready, ready, comm.dim)
+        if len(self.recorder.spans) == index:   # (spans muted here: none to record)
+            index = None
+        pending = Pending(comm, op, payload, ref, name, ready, exchange, index)
+        self._pending.append(pending)
+        return pending
+
+    def settle(self) -> None:
+        """Price the async collectives issued so far, in order (waiting for their exchanges)."""
+        while self._pending:
+            p = self._pending.pop(0)
+            start = p.ready
+            if p.exchange is not None:
+                with self.muted():
+                    p.exchange[0].wait()
+                    start = float(p.exchange[1])
+            start = max(start, self.comm_free)
+            nbytes = p.payload // p.ref.element_size() * self.cluster.itemsize(p.ref) if p.ref is not None else 0
+            alpha, bandwidth = self.cluster.link(p.comm.ranks)
+            p.end = start + algorithm_cost(ALGORITHMS[p.op], nbytes, p.comm.size, alpha, 1.0 / bandwidth)
+            self.comm_free = p.end
+            if p.index is not None:
+                old = self.recorder.spans[p.index]
+                self.recorder.spans[p.index] = type(old)(old.rank, old.name, old.kind, start, p.end, old.dim, old.flow)
 
     # ------------------------------------------------------------------ point-to-point
     def _message(self, comm, src: int, dst: int, tag: int, tensor):
@@ -110,6 +154,15 @@ class RankClock:
             work = dist.irecv(wire, src, group=comm.group, tag=tag)
         flow, cost = self._message(comm, src, self.rank, tag, tensor)
         return Message(self, (work,), (wire, tensor), recv=(self.t, cost, flow, src, comm.dim))
+
+
+class Pending:
+    """An async collective issued on the virtual clock, priced by ``RankClock.settle``."""
+    __slots__ = ("comm", "op", "payload", "ref", "name", "ready", "exchange", "index", "end")
+
+    def __init__(self, comm, op, payload, ref, name, ready, exchange, index):
+        self.comm, self.op, self.payload, self.ref, self.name = comm, op, payload, ref, name
+        self.ready, self.exchange, self.index, self.end = ready, exchange, index, None
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
