@@ -81,15 +81,9 @@ class RankClock:
         ready = max(self.t, self.comm_free)
         start = ready
         if comm.size > 1:
-            with self.muted():
-                issued = torch.tensor([ready], dtype=torch.float64, device=_device(ref))
-                dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group)
-                start = float(issued)
-        nbytes = payload // ref.element_size() * self.cluster.itemsize(ref) if ref is not None else 0
-        alpha, bandwidth = self.cluster.link(comm.ranks)
-        end = start + algorithm_cost(ALGORITHMS[op], nbytes, comm.size, alpha, 1.0 / bandwidth)
-        self.comm_free = end
-        return start, end
+            work, issued = self._exchange(comm, ready, ref, async_op=False)
+            start = float(issued)
+        return start, self._priced(comm, op, payload, ref, start)
 
     def issue(self, comm, op: str, payload: int, ref, name: str) -> "Pending":
         """An async collective whose real work runs beside the program (as on the wall clock):
@@ -98,11 +92,7 @@ class RankClock:
         next collective is issued: the same start and end as a blocking call would get."""
         self.settle()
         ready = max(self.t, self.comm_free)
-        exchange = None
-        if comm.size > 1:
-            with self.muted():
-                issued = torch.tensor([ready], dtype=torch.float64, device=_device(ref))
-                exchange = (dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=True), issued)
+        exchange = self._exchange(comm, ready, ref, async_op=True) if comm.size > 1 else None
         index = len(self.recorder.spans)     # its span keeps its place among the rank's spans
         self.recorder.add(name, "comm", ready, ready, comm.dim)
         if len(self.recorder.spans) == index:   # (spans muted here: none to record)
@@ -120,14 +110,24 @@ class RankClock:
                 with self.muted():
                     p.exchange[0].wait()
                     start = float(p.exchange[1])
-            start = max(start, self.comm_free)
-            nbytes = p.payload // p.ref.element_size() * self.cluster.itemsize(p.ref) if p.ref is not None else 0
-            alpha, bandwidth = self.cluster.link(p.comm.ranks)
-            p.end = start + algorithm_cost(ALGORITHMS[p.op], nbytes, p.comm.size, alpha, 1.0 / bandwidth)
-            self.comm_free = p.end
+            p.end = self._priced(p.comm, p.op, p.payload, p.ref, start)
             if p.index is not None:
                 old = self.recorder.spans[p.index]
                 self.recorder.spans[p.index] = type(old)(old.rank, old.name, old.kind, start, p.end, old.dim, old.flow)
+
+    def _exchange(self, comm, ready: float, ref, async_op: bool):
+        """The members' latest ready time: a MAX all-reduce of one float64 (not counted in bytes)."""
+        with self.muted():
+            issued = torch.tensor([ready], dtype=torch.float64, device=_device(ref))
+            work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=async_op)
+        return work, issued
+
+    def _priced(self, comm, op: str, payload: int, ref, start: float) -> float:
+        """The end of collective ``op`` started at ``start``: its algorithm's cost on the group's link."""
+        nbytes = payload // ref.element_size() * self.cluster.itemsize(ref) if ref is not None else 0
+        alpha, bandwidth = self.cluster.link(comm.ranks)
+        self.comm_free = start + algorithm_cost(ALGORITHMS[op], nbytes, comm.size, alpha, 1.0 / bandwidth)
+        return self.comm_free
 
     # ------------------------------------------------------------------ point-to-point
     def _message(self, comm, src: int, dst: int, tag: int, tensor):
