@@ -322,6 +322,10 @@ def _bad_inputs():
         torch.manual_seed(rank)
         ColumnParallelLinear(torch.nn.Linear(6, 6), Comm())
 
+    def own_shape_per_rank():                      # rank 2 builds a wider layer: named, not an abort
+        torch.manual_seed(0)
+        ColumnParallelLinear(torch.nn.Linear(6, 9 if rank == 2 else 6), Comm())
+
     def vocab_target_out_of_range():
         from course_lib.parallel.vocab_parallel import shard_range, vocab_parallel_cross_entropy
         a, b = shard_range(7, t, rank)
@@ -355,6 +359,7 @@ def _bad_inputs():
         "twice": twice,
         "not a comm": lambda: ColumnParallelLinear(torch.nn.Linear(6, 6), None),
         "own layer": own_layer_per_rank,
+        "own shape": own_shape_per_rank,
         "uneven gather": lambda: ColumnParallelLinear(same_layer(), Comm(), rows=(0, 5 if rank == 0 else 1),
                                                       gather_output=True),
         "copies": lambda: ColumnParallelLinear(same_layer(), Comm(), copies=2),
@@ -381,6 +386,7 @@ def test_bad_input_is_a_clear_error_on_every_rank_not_a_hang():
                 "sequence": "does not split evenly", "row input": "input features",
                 "twice": "already tensor-parallel", "not a comm": "TypeError",
                 "own layer": "ranks [1, 2] differ from rank 0's Linear", "uneven gather": "equal slices",
+                "own shape": "rank 2's 'weight' has shape (9, 6), rank 0's 'weight' has shape (6, 6)",
                 "copies": "copies=2 must be a positive int dividing", "cols": "cols [4, 9)",
                 "dropout p": "between 0 and 1", "target": "1 target(s) are not (they range from 1 to 7)",
                 "vocab size": "2 rows cannot be split over 3 ranks", "vocab group": "TypeError: pass the"}
