@@ -92,8 +92,10 @@ OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} f
 # soon as they are collected, JOBS at a time, in the background, while the other tests run; a
 # test that reads a run waits for it. A test asks for a run with the ``notebook_run`` marker
 # ("strict": nbval_strict(path); "untouched": untouched_grade(path)); each runs once.
-# COURSE_TEST_JOBS=1: one at a time, when a test asks (nothing runs beside the other tests).
-JOBS = int(os.environ.get("COURSE_TEST_JOBS", "0")) or max(1, min(4, os.cpu_count() or 1))
+# COURSE_TEST_JOBS=0: one at a time, when a test asks (nothing runs beside the other tests).
+JOBS = int(os.environ.get("COURSE_TEST_JOBS", "-1"))
+if JOBS < 0:
+    JOBS = max(1, min(4, os.cpu_count() or 1))
 _wanted: dict = {}      # (kind, path) -> None, in the order the tests will ask
 _futures: dict = {}     # (kind, path) -> Future of an NbvalRun | scripts/grade.py's NotebookGrade
 _pool = None
@@ -132,7 +134,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     """The tests that read a notebook run go last: the others run while the notebooks do."""
-    if JOBS > 1:
+    if JOBS > 0:
         items[:] = sorted(items, key=lambda item: item.get_closest_marker("notebook_run") is not None)
 
 
@@ -142,7 +144,7 @@ def pytest_collection_finish(session):
         marker = item.get_closest_marker("notebook_run")
         if marker is not None and hasattr(item, "callspec"):
             _wanted[marker.args[0], item.callspec.params["path"]] = None
-    if JOBS > 1 and _wanted:
+    if JOBS > 0 and _wanted:
         import concurrent.futures
         _pool = concurrent.futures.ThreadPoolExecutor(JOBS, thread_name_prefix="notebook")
         # the lecture notebooks first (the longest), the untouched exercises last (the shortest)
@@ -182,7 +184,7 @@ def _run(kind: str, path: str):
 
 def _result(kind: str, path: str):
     key = (kind, path)
-    if key not in _futures:  # not collected with a marker, or COURSE_TEST_JOBS=1: run it now
+    if key not in _futures:  # not collected with a marker, or COURSE_TEST_JOBS=0: run it now
         import concurrent.futures
         future = _futures[key] = concurrent.futures.Future()
         try:
