@@ -18,8 +18,9 @@ Under ``launch(..., clock=VirtualCluster(...))`` a rank's recorder reads the vir
 clock (:mod:`course_lib.virtual`) instead of ``perf_counter``: the same spans, in
 modelled seconds. On GPUs (``backend="nccl"``, under ``launch`` or ``torchrun``) it reads
 the GPU itself: :class:`CudaEventClock` records a CUDA event at each span's ends, on the
-stream the work runs on, so the spans report measured GPU time, not when Python issued it. :func:`to_chrome_trace` writes spans of either clock as Chrome trace
-JSON (ui.perfetto.dev, chrome://tracing).
+stream the work runs on, so the spans report measured GPU time, not when Python issued it.
+:func:`to_chrome_trace` writes spans of any clock as Chrome trace JSON (ui.perfetto.dev,
+chrome://tracing).
 """
 from __future__ import annotations
 

@@ -242,3 +242,20 @@ def test_bad_input_and_deadlock():
     # each rank is named stuck in its receive (the stack's frame, or the flight recorder's diagnosis)
     assert set(info.value.stuck) == {0, 1}
     assert all("recv" in what or f"rank {r} waits in recv" in str(info.value) for r, what in info.value.stuck.items())
+
+
+def test_clock_exit_raises_what_settling_raises():
+    """Pricing the collectives a program never waited for can fail (a broken group): the error
+    reaches the caller, and the dispatch mode is left all the same."""
+    from course_lib import trace
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    clock = VirtualCluster("h100-sxm", gpus_per_node=8).start(0, 1, trace.Recorder())
+
+    def broken():
+        raise RuntimeError("the group is gone")
+    clock.settle = broken
+    with pytest.raises(RuntimeError, match="the group is gone"):
+        with clock:
+            torch.ones(2) + 1
+    assert _get_current_dispatch_mode() is None

@@ -59,7 +59,8 @@ class RankClock:
             if exc[0] is None:
                 self.settle()   # (async work the program never waited for)
         finally:
-            return self._mode.__exit__(*exc)
+            self._mode.__exit__(*exc)
+        return False            # an error inside (or from settle) propagates
 
     @contextlib.contextmanager
     def muted(self):
@@ -81,7 +82,7 @@ class RankClock:
         ready = max(self.t, self.comm_free)
         start = ready
         if comm.size > 1:
-            work, issued = self._exchange(comm, ready, ref, async_op=False)
+            _, issued = self._exchange(comm, ready, ref, async_op=False)
             start = float(issued)
         return start, self._priced(comm, op, payload, ref, start)
 
