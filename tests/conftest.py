@@ -22,6 +22,9 @@ if SCRIPTS not in sys.path:  # generate_exercises, grade, colab_cell are plain s
 importlib.import_module("course_lib.launch").FORKSERVER_PRELOAD.append("pytest")
 
 SANITIZE = os.path.join(ROOT, "tests", "nbval_sanitize.cfg")
+# The environment the session started with: a notebook run in the background must not inherit
+# what a test sets meanwhile (test_examples_train sets RANK and WORLD_SIZE, as torchrun does).
+SESSION_ENV = dict(os.environ)
 CELL_TIMEOUT = 300      # seconds per cell: a cell may start several multi-process launches
 NOTEBOOK_TIMEOUT = 900  # seconds per notebook, so a hang cannot stall the suite
 
@@ -57,15 +60,15 @@ def python_m(module: str, *args: str) -> list[str]:
 def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, env: dict | None = None) -> NbvalRun:
     """``pytest --nbval`` (strict: every output compared, sanitized) or ``--nbval-lax``
     (only check cells compared) on one notebook, in a subprocess: a fresh kernel of this
-    Python environment whose cwd is the notebook's folder. ``env``: variables added to this
-    process's environment for the run (the kernel and the ranks it launches inherit them)."""
+    Python environment whose cwd is the notebook's folder. ``env``: variables added to the
+    session's starting environment (SESSION_ENV) for the run (the kernel and the ranks it launches inherit them)."""
     options = ["--nbval", f"--nbval-sanitize-with={SANITIZE}"] if mode == "strict" else ["--nbval-lax"]
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
         cmd = [*python_m("pytest"), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
                *options, path]
-        result = _subprocess(cmd, timeout, env={**os.environ, **(env or {})}, text=True)
+        result = _subprocess(cmd, timeout, env={**SESSION_ENV, **(env or {})}, text=True)
         cells = {}
         if os.path.exists(report):
             for case in ET.parse(report).iter("testcase"):
@@ -171,7 +174,7 @@ def _untouched(path: str):
 
     exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
     done = _subprocess([sys.executable, "-c", _GRADE, exercise, os.path.join(ROOT, "solutions"), SCRIPTS],
-                       NOTEBOOK_TIMEOUT)
+                       NOTEBOOK_TIMEOUT, env=SESSION_ENV)
     if done.returncode:
         raise RuntimeError(f"grading {exercise} failed (exit {done.returncode}):\n"
                            + done.stderr.decode(errors="replace")[-4000:])

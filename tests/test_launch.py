@@ -120,10 +120,6 @@ def _alive(pid):
         return False
 
 
-def _open_fds():
-    return len(os.listdir("/proc/self/fd"))
-
-
 # ----------------------------------------------------------------------------- results
 
 def test_results_in_rank_order_and_world_size_one():
@@ -251,30 +247,63 @@ def test_describe_stack_picks_the_distributed_call():
     assert describe_stack("") == ""
 
 
-def test_failed_runs_leave_nothing_and_next_launch_works(tmp_path, monkeypatch):
-    import tempfile
+# The leak checks count this process's file descriptors and temporary files, so
+# they run in a fresh interpreter: the pytest process runs notebooks beside the
+# tests (COURSE_TEST_JOBS), whose pipes and work files come and go meanwhile.
+_LEAK_PROBE = """
+import os, sys, tempfile, time
+import torch.distributed as dist
+from course_lib import launch
+from course_lib.launch import RankError
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # our launches' work dirs only
-    launch(pid_and_threads, 3)
-    before = _open_fds()
-    pids = []
+def pid_and_threads():
+    return os.getpid(), 1
 
-    def record_then_fail():
-        pid = os.getpid()
-        if dist.get_rank() == 0:
-            raise RuntimeError("first")
-        time.sleep(30)
-        return pid
+def record_then_fail():
+    if dist.get_rank() == 0:
+        raise RuntimeError("first")
+    time.sleep(30)
 
-    for _ in range(3):
-        with pytest.raises(RankError):
-            launch(record_then_fail, 3)
-    out = launch(pid_and_threads, 3)
-    pids = [pid for pid, _ in out]
-    time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
-    assert _open_fds() == before
-    assert os.listdir(tmp_path) == []
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie is dead for our purposes
+    except OSError:
+        return False
+
+fails, launches, world = (int(a) for a in sys.argv[2:])
+launch(pid_and_threads, world, quiet=True)  # warm the forkserver (its own temp dir)
+tempfile.tempdir = sys.argv[1]  # our launches' work dirs only
+before = fds()
+for _ in range(fails):
+    try:
+        launch(record_then_fail, world, quiet=True)
+        raise SystemExit("a failing rank did not raise RankError")
+    except RankError:
+        pass
+seen = []
+for _ in range(launches):
+    seen.extend(pid for pid, _ in launch(pid_and_threads, world, quiet=True))
+time.sleep(0.2)
+print(os.listdir(sys.argv[1]), file=sys.stderr)
+print(len(set(seen)), sum(map(alive, seen)), fds() - before, len(os.listdir(sys.argv[1])))
+"""
+
+
+def _leak_probe(tmp_path, fails, launches, world):
+    out = subprocess.run([sys.executable, "-c", _LEAK_PROBE, str(tmp_path), str(fails), str(launches), str(world)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    distinct, alive, new_fds, left_files = map(int, out.stdout.split()[-4:])
+    assert distinct == launches * world  # every launch started fresh ranks
+    assert (alive, new_fds, left_files) == (0, 0, 0), ("ranks alive, fds opened, work files left", out.stderr[-2000:])
+
+
+def test_failed_runs_leave_nothing_and_next_launch_works(tmp_path):
+    _leak_probe(tmp_path, fails=3, launches=1, world=3)
 
 
 def test_two_launches_at_once():
@@ -299,16 +328,8 @@ def test_two_processes_launch_at_once():
     assert outs == ["6", "6"] and all(p.returncode == 0 for p in procs)
 
 
-def test_200_launches_leak_no_process_or_fd():
-    launch(pid_and_threads, 2)  # warm the forkserver
-    before = _open_fds()
-    seen = []
-    for _ in range(200):
-        seen.extend(pid for pid, _ in launch(pid_and_threads, 2, quiet=True))
-    time.sleep(0.2)
-    assert len(set(seen)) == 400
-    assert not [p for p in seen if _alive(p)]
-    assert _open_fds() == before
+def test_200_launches_leak_no_process_or_fd(tmp_path):
+    _leak_probe(tmp_path, fails=0, launches=200, world=2)
 
 
 def test_listener_scan_sees_a_public_listener():
