@@ -259,3 +259,32 @@ def test_clock_exit_raises_what_settling_raises():
         with clock:
             torch.ones(2) + 1
     assert _get_current_dispatch_mode() is None
+
+
+def test_muted_ops_leave_the_dispatch_mode_and_cost_nothing():
+    """A communication call's own ops (``clock.muted()``) are not compute: they are not priced,
+    and they skip the compute stream's dispatch mode (it is off torch's mode stack inside, back
+    on after, an error included, nested or not); outside, every op is seen and priced."""
+    from course_lib import trace
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    clock = VirtualCluster("h100-sxm", gpus_per_node=8).start(0, 1, trace.Recorder())
+    x = torch.ones(64, 64)
+    with clock:
+        x @ x
+        t, kernels = clock.t, clock.kernels
+        assert kernels == 1 and t == pytest.approx(roofline(2 * 64 ** 3, 3 * 64 * 64 * 2))
+        with clock.muted():
+            assert _get_current_dispatch_mode() is None
+            with clock.muted():
+                x @ x
+            assert _get_current_dispatch_mode() is None
+            x + x
+        assert _get_current_dispatch_mode() is clock._mode
+        with pytest.raises(ValueError), clock.muted():
+            raise ValueError
+        assert _get_current_dispatch_mode() is clock._mode and clock.muted_depth == 0
+        assert (clock.t, clock.kernels) == (t, kernels)
+        x + x
+        assert clock.kernels == kernels + 1 and clock.t > t
+    assert _get_current_dispatch_mode() is None

@@ -17,7 +17,6 @@ last collective. The communication layer (:class:`course_lib.collectives.comm.Co
 """
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
@@ -62,14 +61,9 @@ class RankClock:
             self._mode.__exit__(*exc)
         return False            # an error inside (or from settle) propagates
 
-    @contextlib.contextmanager
-    def muted(self):
+    def muted(self) -> "_Muted":
         """Ops run inside are not compute (a communication call's own work, bookkeeping)."""
-        self.muted_depth += 1
-        try:
-            yield
-        finally:
-            self.muted_depth -= 1
+        return _Muted(self)
 
     def join(self, end: float) -> None:
         """The compute stream waits for work that ends at ``end``."""
@@ -155,6 +149,35 @@ class RankClock:
             work = dist.irecv(wire, src, group=comm.group, tag=tag)
         flow, cost = self._message(comm, src, self.rank, tag, tensor)
         return Message(self, (work,), (wire, tensor), recv=(self.t, cost, flow, src, comm.dim))
+
+
+class _Muted:
+    """``with clock.muted():`` ops inside are not priced. The compute stream's dispatch mode is
+    also taken off torch's mode stack meanwhile (when it is on top): a muted op then costs what
+    it costs on the wall clock, not a Python call per op (a ring all-reduce's adds, the wire's
+    copies, the collectives' own dispatch)."""
+    __slots__ = ("clock", "mode")
+
+    def __init__(self, clock):
+        self.clock, self.mode = clock, None
+
+    def __enter__(self):
+        clock = self.clock
+        clock.muted_depth += 1
+        n = _stack_len()
+        if n and _stack_at(n - 1) is clock._mode:
+            self.mode = _stack_pop(None)
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            _stack_push(self.mode)
+            self.mode = None
+        self.clock.muted_depth -= 1
+        return False
+
+
+_stack_len, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+_stack_pop, _stack_push = torch._C._pop_torch_dispatch_stack, torch._C._push_on_torch_dispatch_stack
 
 
 class Pending:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.planner.kernels import FREE, _add_bytes, op_cost  # one implementation: the planner's
+from course_lib.planner.kernels import _FREE_OP, _KINDS, FREE, _add_bytes, op_cost  # one implementation: the planner's
 
 
 def tensor_bytes(cluster, tensors) -> int:
@@ -44,7 +44,10 @@ class ComputeStream(TorchDispatchMode):
         return False      # no torch.compile under the virtual clock: skip the per-op dynamo guard (~10 us)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        op = getattr(func, "_op", func)     # an OpOverload's C++ operator: one Python frame less per op
+        out = op(*args, **kwargs) if kwargs else op(*args)
+        if _KINDS.get(func) is _FREE_OP:    # a view or metadata (most ops seen before): free
+            return out
         clock = self.clock
         if not clock.muted_depth:           # op_time, inlined: one call less per op
             cost = op_cost(func, args, kwargs, out, self.itemsize)
