@@ -2,20 +2,26 @@
 
     python benchmarks/virtual.py [--repeats 5] [--world-size 4]
 
-Two programs, each run ``--repeats`` times per clock, interleaved (wall, virtual, wall, ...)
-so that a change in the machine's load hits both alike: DDP training steps of TinyGPT (one
-bucket all-reduced per layer group, hooks overlapping backward) and a 1F1B pipeline step
-over 4 stages. Each rank times its own work with ``time.perf_counter`` (process start and
-group set-up excluded, the same for both clocks); a run's time is its slowest rank's. With
-more ranks than cores, and other processes on them, wall time swings with the load: the CPU
-seconds the ranks spent (``time.process_time``, summed over ranks) are printed beside it.
-Prints the medians and their ratios; the target is at most 1.5x.
+Three programs, each run ``--repeats`` times per clock, interleaved (wall, virtual, wall,
+...) so that a change in the machine's load hits both alike: DDP training steps of TinyGPT
+(one bucket all-reduced per layer group, hooks overlapping backward), a 1F1B pipeline step
+over 4 stages, and two steps of chapter 9's tiny Llama on DP x TP (its layout table's run).
+Each rank times its own work with ``time.perf_counter`` (process start and group set-up
+excluded, the same for both clocks); a run's time is its slowest rank's. With more ranks
+than cores, and other processes on them, wall time swings with the load: the CPU seconds the
+ranks spent (``time.process_time``, summed over ranks) are printed beside it. Prints the
+medians and their ratios (the target is at most 1.5x), and the aten ops the ranks ran (a
+counting pass, not timed): the clock's cost per op.
 
 What the virtual clock adds per rank: a Python ``__torch_dispatch__`` call per aten op
-(pricing: a FLOP formula, the bytes of its tensors), a tiny MAX all-reduce per collective
-(the members' issue times; beside an async collective, which runs beside the program as on
-the wall clock), an 8-byte header per point-to-point message. The dispatch mode itself, with
-the pricing taken out, costs most of it on small ops (~8 us per op on this course's CPUs).
+outside communication (pricing: a FLOP formula, the bytes of its tensors; a communication
+call's own ops skip the mode), a tiny MAX all-reduce beside each collective (the members'
+ready times), an 8-byte header per point-to-point message. The mode is the floor: the last
+lines time one pipeline stage's forward and backward in this process, bare, under a mode
+that only calls each op (torch's own round trip through Python), and under the clock's
+mode. The ratio is about 1 + (that cost per op) / (the program's CPU time per op): over 1.5x
+for the tiny ops of a launch-bound program (chapter 9's model is 64 wide), near 1x for a
+GPU-sized step, whose ops take milliseconds.
 """
 from __future__ import annotations
 
@@ -102,6 +108,42 @@ def count_ops(fn):
     return Count.n
 
 
+def per_op_floor(repeats=15, n_linear=8, h=256, b=32):
+    """Microseconds per aten op of one pipeline stage's forward and backward in this process:
+    bare, and what a mode that only calls the op and the virtual clock's mode each add."""
+    import torch.nn as nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib import trace
+
+    class CallOnly(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **kwargs) if kwargs else func(*args)
+    torch.manual_seed(0)
+    stage = nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.ReLU()) for _ in range(n_linear)])
+    x = torch.randn(b, h, requires_grad=True)
+
+    def work(region=contextlib.nullcontext):
+        with region():
+            stage(x).pow(2).mean().backward()
+    ops = count_ops(work)
+    clock = VirtualCluster("h100-sxm", gpus_per_node=8).start(0, 1, trace.Recorder())
+    modes = {"bare": contextlib.nullcontext, "call-only mode": CallOnly, "virtual clock": lambda: clock}
+    times = {k: [] for k in modes}
+    for _ in range(repeats):
+        for name, mode in modes.items():
+            with mode():
+                started = time.process_time()
+                for _ in range(4):
+                    work()
+            times[name].append((time.process_time() - started) / (4 * ops) * 1e6)
+    return ops, {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -127,6 +169,14 @@ def main(argv=None):
               f"({v_cpu:6.3f} CPU s)   ratio {v_wall / w_wall:4.2f}x ({v_cpu / w_cpu:4.2f}x CPU)\n"
               f"  {ops} aten ops over the ranks: {w_cpu / ops * 1e6:5.1f} us of CPU per op on the wall clock, "
               f"+{(v_cpu - w_cpu) / ops * 1e6:4.1f} us on the virtual clock")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ops, per_op = per_op_floor()
+    torch.set_num_threads(threads)
+    bare = per_op["bare"]
+    print(f"one stage's forward and backward in this process ({ops} aten ops, 1 thread), CPU us per op: "
+          f"bare {bare:.1f}, call-only mode +{per_op['call-only mode'] - bare:.1f}, "
+          f"virtual clock +{per_op['virtual clock'] - bare:.1f}")
     worst = max(r for pair in ratios.values() for r in pair)
     print(f"worst ratio {worst:.2f}x (target <= 1.5x)")
     return ratios

@@ -335,17 +335,21 @@ class Comm:
                     clock.settle()
                 clock.join(pending.end)
             return Handle(self, wait, name, pending.ready, done=True)
-        with clock.muted(), trace.muted():
-            if self._measuring:
-                self._measured_call(op, name, payload, False, args, kwargs, fn, who, 0.0)
-            else:
-                self.log.append(CommCall(op, name, payload, None))
-                self._drain()
-                if who == "torch":
-                    fn(*args, group=self.group, **kwargs)
+        def run():
+            with clock.muted(), trace.muted():
+                if self._measuring:
+                    self._measured_call(op, name, payload, False, args, kwargs, fn, who, 0.0)
                 else:
-                    self._quiet(fn, args, kwargs)()
-        start, end = clock.collective(self, op, payload, args[0] if args else None)
+                    self.log.append(CommCall(op, name, payload, None))
+                    if who == "torch":
+                        fn(*args, group=self.group, **kwargs)
+                    else:
+                        self._quiet(fn, args, kwargs)()
+        if not self._measuring:
+            self._drain()
+        # the members' ready times travel beside the real collective (alone after it when
+        # measuring: the byte counter must see the collective's own bytes only)
+        start, end = clock.collective(self, op, payload, args[0] if args else None, run, beside=not self._measuring)
         trace.recorder().add(name, "comm", start, end, self.dim)
         if not async_op:
             clock.join(end)

@@ -5,9 +5,9 @@ travel with the real messages.
 step that synchronises would); ``comm_free`` is when the communication stream finishes its
 last collective. The communication layer (:class:`course_lib.collectives.comm.Comm`) calls:
 
-* ``collective(comm, op, payload, ref)`` after running the real collective: the members
-  all-reduce (MAX) their ready times ``max(t, comm_free)`` in one 8-byte message beside it
-  (not counted in any byte count), so the collective starts at the latest member's ready
+* ``collective(comm, op, payload, ref, run)`` around the real collective (``run()``): the
+  members all-reduce (MAX) their ready times ``max(t, comm_free)`` in one 8-byte message
+  beside it (async, issued first; not counted in any byte count), so the collective starts at the latest member's ready
   time and ends ``cost`` later on every member: ``cost`` = the algorithm's alpha-beta time
   (:data:`ALGORITHMS`, ``course_lib.costmodel``) on the group's link;
 * ``isend`` / ``irecv``: the real message, its payload's bytes followed by 8 bytes holding the
@@ -70,14 +70,21 @@ class RankClock:
         self.t = max(self.t, end)
 
     # ------------------------------------------------------------------ collectives
-    def collective(self, comm, op: str, payload: int, ref) -> tuple[float, float]:
-        """(start, end) of a collective every member of ``comm`` has just run for real."""
+    def collective(self, comm, op: str, payload: int, ref, run, beside=True) -> tuple[float, float]:
+        """(start, end) of a blocking collective that ``run()`` runs for real on every member of
+        ``comm``. ``beside``: the ready times' exchange is issued (async) before ``run()`` and
+        waited for after it (the two messages overlap); else it follows ``run()``."""
         self.settle()
         ready = max(self.t, self.comm_free)
+        exchange = self._exchange(comm, ready, ref, async_op=True) if comm.size > 1 and beside else None
+        run()
         start = ready
         if comm.size > 1:
-            _, issued = self._exchange(comm, ready, ref, async_op=False)
-            start = float(issued)
+            if exchange is None:
+                exchange = self._exchange(comm, ready, ref, async_op=True)
+            with self.muted():
+                exchange[0].wait()
+            start = float(exchange[1])
         return start, self._priced(comm, op, payload, ref, start)
 
     def issue(self, comm, op: str, payload: int, ref, name: str) -> "Pending":
