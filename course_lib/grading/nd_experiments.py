@@ -19,8 +19,9 @@ from course_lib.gpt import GPTConfig
 from course_lib.launch import launch
 
 DIM_KEYS = ("dp", "pp", "cp", "tp")
-STEPS = 3          # training steps of exercise 3's composed runs
-TOLERANCE = 1e-5   # max |parameter difference| with one device after them (fp32 AdamW, 3 steps, lr 1e-2)
+STEPS = 3                # training steps of exercise 3's composed runs (AdamW at LR)
+LR = 1e-2
+DTYPE = torch.float64    # exactness is the claim: compared within course_lib.tolerance's float64 bounds
 
 
 def tiny_config(**kw) -> GPTConfig:
@@ -239,19 +240,20 @@ def _data_dims_rank(dims_of, runs, steps):
     for over, shape, kw in runs:
         cfg = tiny_config(**over)
         try:
-            net = build_with_dims(TinyGPT(cfg, seed=0), Mesh(**shape), dims_of, **kw)
+            net = build_with_dims(TinyGPT(cfg, seed=0).to(DTYPE), Mesh(**shape), dims_of, **kw)
         except Exception as exc:  # noqa: BLE001 - the function under test raised: a hint
             name = type(exc).__name__
             out.append(("error", " ".join(str(exc).split()) if name in ("Shortcut", "TimeLimit", "Mismatch")
                         else f"{name}: {exc}"))
             continue
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        losses = []
+        opt = torch.optim.AdamW(net.parameters(), lr=LR)
+        losses, grads = [], None
         for x, y in gpt_batches(cfg, batch=4, steps=steps):
             losses.append(net.step(x, y))
+            grads = net.shards(grads=True) if grads is None else grads    # the first step's, summed
             opt.step()
             opt.zero_grad()
-        out.append(("ok", (net.shards(), losses)))
+        out.append(("ok", (net.shards(), losses, grads)))
     return out
 
 
@@ -267,49 +269,67 @@ def _one_thread():
 
 
 def one_device(over, shape, kw, steps=STEPS):
-    """The single-device run exercise 3 compares with: state and losses."""
+    """The single-device run exercise 3 compares with: state, losses and the first step's
+    gradients, in DTYPE."""
     from course_lib.gpt import TinyGPT
     from course_lib.reference import gpt_batches, train_gpt
 
     with _one_thread():
         cfg = tiny_config(**over)
-        model = TinyGPT(cfg, seed=0)
+        model = TinyGPT(cfg, seed=0).to(DTYPE)
         m = kw.get("microbatches", 1)
         for block in model.blocks:  # MoE: one routing group per DP rank's micro-batch
             if hasattr(block.mlp, "aux_weight"):
                 block.mlp.groups = shape.get("dp", 1) * m
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return train_gpt(model, gpt_batches(cfg, batch=4, steps=steps), opt, micro=m)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        first = {}
+
+        def update(params):
+            if not first:
+                first.update({n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                              for n, p in model.named_parameters()})
+            opt.step()
+        state, losses = train_gpt(model, gpt_batches(cfg, batch=4, steps=steps), update, micro=m)
+        return state, losses, first
 
 
 def _compare(per_rank, over, shape, kw, steps):
-    """None if the assembled state and the losses match one device within TOLERANCE."""
+    """None if the first step's gradients, the assembled state after ``steps`` AdamW steps and
+    the losses match one device within the bounds of course_lib.tolerance (float64: rounding
+    only), else what differs. The gradients first: AdamW divides by each gradient's own scale,
+    so a sum taken twice would hide in the parameters."""
+    from course_lib import tolerance
     from course_lib.parallel import MeshShape
     from course_lib.parallel.compose import assemble_nd
 
-    want_state, want_losses = one_device(over, shape, kw, steps)
+    want_state, want_losses, want_grads = one_device(over, shape, kw, steps)
+    mesh = MeshShape(**shape)
     try:
-        state = assemble_nd([shards for shards, _ in per_rank], MeshShape(**shape))
+        grads = assemble_nd([g for _, _, g in per_rank], mesh)
+        state = assemble_nd([shards for shards, _, _ in per_rank], mesh)
     except AssertionError as exc:
         name = str(exc).split(":")[0]
-        return (f"after {steps} steps the copies of {name} on different ranks differ: its gradient was not "
-                f"summed over every dimension it is replicated on (and sees other data)")
-    for name, want in want_state.items():
-        got = state.get(name)
-        if got is None:
-            return f"{name} is missing from the assembled state"
-        if float((got - want).abs().max()) > TOLERANCE:
-            return f"{name} differs from one device by more than {TOLERANCE:g} after {steps} steps"
-    for k, (got, want) in enumerate(zip(per_rank[0][1], want_losses)):
-        if abs(got - float(want)) > TOLERANCE:
-            return f"the loss of step {k} differs from one device by more than {TOLERANCE:g}"
+        return (f"the copies of {name} on different ranks differ: its gradient was not summed over every "
+                f"dimension it is replicated on (and sees other data)")
+    missing = sorted(set(want_state) - set(state))
+    if missing:
+        return f"{missing[0]} is missing from the assembled state"
+    state = {n: state[n] for n in want_state}
+    bounds = dict(dtype=DTYPE, optimizer="adamw", steps=steps, lr=LR)
+    for what, check in (("its first step's gradient", tolerance.compare(grads, want_grads, dtype=DTYPE)),
+                        (f"after {steps} AdamW steps", tolerance.compare(state, want_state, **bounds)),
+                        ("the step losses", tolerance.compare(per_rank[0][1], want_losses, **bounds))):
+        if not check:
+            name = "" if what == "the step losses" else f"{check.worst}: "
+            return (f"{name}{what} differs from one device by {check.diff:.2g} (float64 rounding allows "
+                    f"{check.bound:.2g})")
     return None
 
 
 def composed_runs_with(dims_of, runs=None, steps=STEPS, timeout=90.0) -> list:
-    """Train every run of ``runs`` (default DATA_DIMS_RUNS) for ``steps`` steps with the plan's
-    step 5 decided by ``dims_of(p, sizes, fsdp)``, all in ONE 4-rank launch; for each, None if
-    it matches one device within TOLERANCE, else what differs."""
+    """Train every run of ``runs`` (default DATA_DIMS_RUNS) for ``steps`` steps in float64 with
+    the plan's step 5 decided by ``dims_of(p, sizes, fsdp)``, all in ONE 4-rank launch; for
+    each, None if it matches one device (:func:`_compare`), else what differs."""
     runs = DATA_DIMS_RUNS if runs is None else runs
     per_rank = launch(_data_dims_rank, 4, dims_of, [(o, s, k) for _, o, s, k in runs], steps,
                       threads=1, timeout=timeout, quiet=True)
@@ -323,4 +343,4 @@ def composed_runs_with(dims_of, runs=None, steps=STEPS, timeout=90.0) -> list:
 
 __all__ = ["tiny_config", "measure_layouts", "RECORDED", "recorded_groups", "recorded_runs", "recorded_from",
            "record_and_answer",
-           "DATA_DIMS_RUNS", "build_with_dims", "one_device", "composed_runs_with", "STEPS", "TOLERANCE"]
+           "DATA_DIMS_RUNS", "build_with_dims", "one_device", "composed_runs_with", "STEPS", "LR", "DTYPE"]

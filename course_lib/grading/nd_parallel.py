@@ -372,7 +372,8 @@ def _dims_of(data_dims):
 def composed_runs(data_dims, runs=None, **kw) -> list:
     """Train every run of ``runs`` (default DATA_DIMS_RUNS) with ``data_dims(marks, sizes)``
     deciding each gradient's dims, in one 4-rank launch; for each, None if it matches one
-    device within 1e-5, else what differs (see nd_experiments.composed_runs_with)."""
+    device (float64: first-step gradients, parameters after AdamW steps, losses, within
+    course_lib.tolerance's bounds), else what differs (see nd_experiments.composed_runs_with)."""
     return composed_runs_with(_dims_of(data_dims), runs, **kw)
 
 
@@ -399,8 +400,8 @@ def check_data_dims(data_dims, timeout=90.0) -> bool:
     the dims the earlier chapters marked it with (("dp",) for most, ("dp", "tp") for a
     sequence-parallel norm, ("edp",) for an expert) and the mesh sizes (dp, pp, cp, tp, ep).
     First the rule on meshes with every dimension (experts with cp > 1 included); then each
-    layout of DATA_DIMS_RUNS (4 ranks) trains with it for 3 steps and must match one device
-    within 1e-5. One launch runs them all."""
+    layout of DATA_DIMS_RUNS (4 ranks) trains with it for 3 steps in float64 and must match
+    one device within rounding (course_lib.tolerance). One launch runs them all."""
     guarded = learner(data_dims, ANSWERS, exercise="the dims a gradient is summed over", seconds=5)
     cases = [Case(params=dict(rules=True), label="the rule on 6 meshes, experts with cp > 1 among them")]
     cases += [Case(params=dict(i=i), label=label) for i, (label, *_) in enumerate(DATA_DIMS_RUNS)]

@@ -14,6 +14,7 @@ count, so no gradient is ever divided by a degree: the sums ARE the single-devic
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from course_lib.parallel.context_parallel import context_parallel, shard_positions
@@ -181,16 +182,23 @@ class NDParallel(PipelineRuntime):
                 out[_model_name(name, st, self.mesh)] = self.master.of[id(q)] if self.master else q
         return out
 
-    def shards(self) -> dict:
+    def shards(self, grads: bool = False) -> dict:
         """{name in the single-device model: (tensor, tp_shard)}: this rank's parameters, full
-        along FSDP's dims, with where they sit in the single-device tensor (see :func:`assemble_nd`)."""
+        along FSDP's dims, with where they sit in the single-device tensor (see :func:`assemble_nd`).
+        ``grads=True``: their gradients instead (zeros where none), once summed (after
+        :meth:`step`); DDP only, FSDP keeps gradient shards."""
         out = {}
         for s, st in self.stages.items():
             mod = self.modules[s]
+            if grads and isinstance(mod, FSDP):
+                raise ValueError("shards(grads=True) needs full gradients: FSDP keeps each rank's shard only")
             full = mod.gather_full_params() if isinstance(mod, FSDP) else None
             for local, q in st.part.named_parameters(remove_duplicate=False):
                 q = self.master.of[id(q)] if self.master else q       # mixed precision: the master
-                value = q.detach() if full is None else full["part." + local]
+                if grads:
+                    value = torch.zeros_like(q) if q.grad is None else q.grad
+                else:
+                    value = q.detach() if full is None else full["part." + local]
                 out[_model_name(local, st, self.mesh)] = (value.clone(), self.tp_slices[s][local])
         return out
 
