@@ -7,9 +7,10 @@ last collective. The communication layer (:class:`course_lib.collectives.comm.Co
 
 * ``collective(comm, op, payload, ref, run)`` around the real collective (``run()``): the
   members all-reduce (MAX) their ready times ``max(t, comm_free)`` in one 8-byte message
-  beside it (async, issued first; not counted in any byte count), so the collective starts at the latest member's ready
-  time and ends ``cost`` later on every member: ``cost`` = the algorithm's alpha-beta time
-  (:data:`ALGORITHMS`, ``course_lib.costmodel``) on the group's link;
+  beside it (async, issued first; not counted in any byte count), so the collective starts
+  at the latest member's ready time and ends ``cost`` later on every member: ``cost`` = the
+  algorithm's alpha-beta time (:data:`ALGORITHMS`, ``course_lib.costmodel``) on the group's
+  link;
 * ``isend`` / ``irecv``: the real message, its payload's bytes followed by 8 bytes holding the
   send's issue time (one message, not two: half the transport's work); the receive completes at
   ``max(its issue, send issue + alpha + bytes / bandwidth)``;
