@@ -61,7 +61,8 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
     """``pytest --nbval`` (strict: every output compared, sanitized) or ``--nbval-lax``
     (only check cells compared) on one notebook, in a subprocess: a fresh kernel of this
     Python environment whose cwd is the notebook's folder. ``env``: variables added to the
-    session's starting environment (SESSION_ENV) for the run (the kernel and the ranks it launches inherit them)."""
+    session's starting environment (SESSION_ENV) for the run (the kernel and the ranks it
+    launches inherit them)."""
     options = ["--nbval", f"--nbval-sanitize-with={SANITIZE}"] if mode == "strict" else ["--nbval-lax"]
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")

@@ -44,6 +44,9 @@ def _run(layout, kw, cfg, batch, frozen):
         losses.append(net.step(x, y))
         opt.step()
         opt.zero_grad()
+    if kw.get("data") == "fsdp":            # gradients stay sharded: a full-gradient view is refused by name
+        with pytest.raises(ValueError, match="FSDP keeps each rank's shard"):
+            net.shards(grads=True)
     return losses, net.shards()
 
 
