@@ -1,6 +1,6 @@
 """The virtual GPU clock against the GPU this machine has: virtual / measured time.
 
-    python scripts/device_check.py [--hardware h100-sxm] [--repeats 20]
+    python scripts/device_check.py [--hardware h100-sxm] [--repeats 20] [--breakdown]
 
 Four workloads in bf16: a 8192^3 GEMM (the compute roofline), a TinyGPT block forward and
 backward at h = 2048, s = 2048, b = 4 (matmuls, the unfused attention, elementwise kernels),
@@ -9,8 +9,16 @@ there are at least two GPUs (one GPU: nothing to reduce across, said so). Virtua
 workload run once under the virtual clock (:mod:`course_lib.virtual`, the preset named by
 ``--hardware`` or guessed from the device's name); measured: CUDA events around the same
 workload, median of ``--repeats`` after warm-up. It also checks that a span recorded under
-``launch(backend="nccl")`` reports the GEMM's GPU time (CUDA events), not its issue time. Without CUDA it prints the virtual times
-(priced on the meta device: shapes only) and says that there is no GPU to compare with.
+``launch(backend="nccl")`` reports the GEMM's GPU time (CUDA events), not its issue time.
+``--breakdown`` prints the block's time per aten op, virtual next to torch.profiler's.
+Without CUDA it prints the virtual times (priced on the meta device: shapes only) and says
+that there is no GPU to compare with.
+
+Seen on one H100 SXM (80 GB HBM3, torch 2.11, 2026-11-27), virtual / measured: the GEMM
+1.10 (the preset's 70% of peak; the card sustained 76%), the span under nccl / the events'
+0.95, the block 0.73 (matmuls priced 13% high, the elementwise and softmax kernels up to 2.3x
+low: they stream HBM well under the preset's 100% of its bandwidth), the tiny kernels 0.36
+(eager PyTorch issued one op every 11 us from the host, the preset's launch is 4 us).
 """
 from __future__ import annotations
 
@@ -49,6 +57,8 @@ def workloads(device):
 
     def run_block(state):
         mod, x = state
+        mod.zero_grad(set_to_none=True)  # else every repeat after the first also accumulates
+        x.grad = None                    # the gradients (add_ kernels the one virtual run lacks)
         mod(x).sum().backward()
 
     def run_tiny(t):
@@ -118,6 +128,51 @@ def _gemm_span():
     return [s.duration for s in trace.spans() if s.name == "GEMM 8192^3"][0]
 
 
+def breakdown(cluster, setup, run, repeats=5):
+    """Per aten op: virtual seconds (one run under :func:`course_lib.virtual.compute.op_time`)
+    next to the GPU's (torch.profiler's self device time, the mean of ``repeats`` runs).
+    A clone's kernel is its copy_'s in the profiler: read those two rows together."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib.virtual.compute import op_time
+    state = setup()
+    virtual, count = Counter(), Counter()
+
+    class PerOp(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seconds = op_time(cluster, func, args, kwargs or {}, out)
+            if seconds:
+                virtual[func.overloadpacket.__name__] += seconds
+                count[func.overloadpacket.__name__] += 1
+            return out
+
+    with PerOp():
+        run(state)
+    for _ in range(3):
+        run(state)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run(state)
+        torch.cuda.synchronize()
+    measured = Counter()
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            seconds = getattr(e, "self_device_time_total", 0) / 1e6
+            measured[e.key[len("aten::"):]] += seconds / repeats
+    rows = sorted(set(virtual) | set(measured), key=lambda k: -max(virtual[k], measured[k]))
+    print(f"  {'aten op':26s} {'kernels':>7s} {'virtual ms':>10s} {'measured ms':>11s}")
+    for k in rows:
+        if max(virtual[k], measured[k]) >= 1e-5:
+            print(f"  {k:26s} {count[k]:7d} {virtual[k] * 1e3:10.3f} {measured[k] * 1e3:11.3f}")
+    print(f"  {'total':26s} {sum(count.values()):7d} {sum(virtual.values()) * 1e3:10.3f} "
+          f"{sum(measured.values()) * 1e3:11.3f}")
+
+
 def guess_hardware(name: str) -> str:
     for key, preset in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")):
         if key in name:
@@ -127,12 +182,16 @@ def guess_hardware(name: str) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hardware", default=None, help="planner preset (default: from the device's name)")
+    ap.add_argument("--hardware", default=None, 
+                    help="planner preset (default: from the device's name)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--breakdown", action="store_true", 
+                    help="per aten op, virtual vs measured (the block)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if gpu else "no GPU"
-    cluster = VirtualCluster(args.hardware or guess_hardware(name), gpus_per_node=8, dtype=torch.bfloat16)
+    preset = args.hardware or guess_hardware(name)
+    cluster = VirtualCluster(preset, gpus_per_node=8, dtype=torch.bfloat16)
     print(f"device: {name}; torch {torch.__version__}")
     print(cluster.describe())
     rows = []
@@ -143,7 +202,8 @@ def main(argv=None):
     n = torch.cuda.device_count() if gpu else 0
     if n >= 2:
         measured = max(launch(_all_reduce, n, args.repeats, backend="nccl", quiet=True))
-        virtual = max(launch(_all_reduce, n, args.repeats, backend="nccl", clock=cluster, quiet=True))
+        virtual = max(launch(_all_reduce, n, args.repeats, backend="nccl", clock=cluster,
+                             quiet=True))
         rows.append((f"all-reduce 256 MiB on {n} GPUs (NCCL)", virtual, measured))
     if gpu:  # the spans of a launch under nccl report GPU time (CUDA events), not issue time
         span = launch(_gemm_span, 1, backend="nccl", quiet=True)[0]
@@ -152,10 +212,17 @@ def main(argv=None):
     for label, virtual, measured in rows:
         line = f"{label:38s} virtual {virtual * 1e3:9.3f} ms"
         if measured is not None:
-            line += f"   measured {measured * 1e3:9.3f} ms   virtual / measured {virtual / measured:5.2f}"
+            line += (f"   measured {measured * 1e3:9.3f} ms"
+                     f"   virtual / measured {virtual / measured:5.2f}")
         print(line)
+    if gpu and args.breakdown:
+        label, (setup, run) = next((k, w) for k, w in workloads("cuda").items()
+                                   if k.startswith("block"))
+        print(f"{label}, per aten op (torch.profiler, self device time):")
+        breakdown(cluster, setup, run)
     if not gpu:
-        print("no GPU: virtual times only (priced on the meta device); run this on a CUDA machine to compare")
+        print("no GPU: virtual times only (priced on the meta device); "
+              "run this on a CUDA machine to compare")
     elif n < 2:
         print("all-reduce: one GPU, nothing to reduce across (needs 2+ GPUs for NCCL)")
     return rows

@@ -119,3 +119,27 @@ def test_layout_against_torchrun_world_checked_before_the_process_group(monkeypa
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and constraint in err and "Traceback" not in err, (argv, err)
         assert not dist.is_initialized()
+
+
+def test_the_training_functions_read_their_device_from_the_process_group(monkeypatch):
+    """``launch(fn, n, backend="nccl")`` keeps ``backend`` (and its other keywords) for itself:
+    a training function with such a parameter never sees it. On an H100 that made every
+    ``--backend nccl`` run compute on the CPU and die at FSDP's first all-gather ("No backend
+    type associated with device type cpu"). So the functions take none of launch's keywords,
+    and ``_device`` follows the process group's backend."""
+    import inspect
+
+    import torch.distributed as dist
+
+    from course_lib.examples import train
+    from course_lib.launch import launch
+
+    own = {name for name, p in inspect.signature(launch).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert {"backend", "timeout", "clock"} <= own
+    for fn in (train.train, train.train_nd):
+        assert not own & set(inspect.signature(fn).parameters), fn.__name__
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert train._device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert train._device() == torch.device("cuda", 3)

@@ -288,3 +288,23 @@ def test_muted_ops_leave_the_dispatch_mode_and_cost_nothing():
         x + x
         assert clock.kernels == kernels + 1 and clock.t > t
     assert _get_current_dispatch_mode() is None
+
+
+def test_device_check_prices_its_workloads_without_a_gpu(capsys):
+    """scripts/device_check.py runs here too (CI has no GPU): the workloads are priced on the
+    meta device, and the GEMM is the preset's roofline, 2 * 8192^3 FLOPs at 70% of 989
+    TFLOP/s plus one 4 us launch; the tiny kernels are 1000 launches (and 4 bytes each)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        import device_check
+    finally:
+        sys.path.pop(0)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: the script measures, run it by hand")
+    rows = {label: virtual for label, virtual, measured in device_check.main(["--repeats", "1"])}
+    hw = HARDWARE["h100-sxm"]
+    gemm = 2 * 8192 ** 3 / (hw.peak_flops * hw.matmul_efficiency) + hw.launch_overhead
+    assert rows["GEMM 8192^3"] == pytest.approx(gemm, rel=1e-9)
+    tiny = hw.launch_overhead + 4 / (hw.hbm_bandwidth * hw.hbm_efficiency)  # reads and writes 2 bytes
+    assert rows["1000 tiny kernels"] == pytest.approx(1000 * tiny, rel=1e-9)
+    assert "no GPU: virtual times only" in capsys.readouterr().out

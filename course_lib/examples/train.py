@@ -54,13 +54,19 @@ def training_batches(batch, seq_len, steps):
     return list(batches(tokens, batch, seq_len, seed=1, n_batches=steps))
 
 
-def _device(backend):
-    # launch (and torchrun through launch) has pinned this rank to its LOCAL_RANK GPU under nccl
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+def _device():
+    """This rank's device, read from its process group: NCCL ranks compute on their GPU (launch,
+    and torchrun through launch, pinned each to its LOCAL_RANK GPU), gloo ranks on the CPU. Not
+    a ``backend`` argument: ``launch(fn, n, backend=...)`` takes that keyword for itself, so fn
+    would never see it (on a GPU the ranks computed on the CPU and failed at the first
+    collective NCCL really ran: "No backend type associated with device type cpu")."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3, dtype=None,
-          backend="gloo", log_every=5):
+          log_every=5):
     """Data parallel only: our DDP, ZeRO-1/2 (sharded AdamW) or FSDP. Returns the step losses."""
     from course_lib.models import TinyGPT
     from course_lib.parallel import DDP, FSDP, ShardedOptimizer
@@ -68,7 +74,7 @@ def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3,
     rank, world = dist.get_rank(), dist.get_world_size()
     if batch % world:
         raise ValueError(f"--batch ({batch}) must be divisible by the number of ranks ({world})")
-    device = _device(backend)
+    device = _device()
     model = TinyGPT(gpt_config(seq_len, hidden, layers), seed=0).to(device)
     if parallel == "ddp":
         net = DDP(model)
@@ -99,7 +105,7 @@ def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3,
 
 
 def train_nd(dims, cfg, steps=20, batch=8, microbatches=1, schedule="1f1b", v=1, data="ddp", lr=3e-3,
-             backend="gloo", log_every=5):
+             log_every=5):
     """The tiny GPT cut along every dimension of ``Mesh(**dims)`` by ``parallelize_nd``; AdamW on
     this rank's parameters (shards). Returns {"losses" (global, the same on every rank),
     "step_time" (median seconds, the first step and the measured one left out), "peaks" (every
@@ -110,7 +116,7 @@ def train_nd(dims, cfg, steps=20, batch=8, microbatches=1, schedule="1f1b", v=1,
     from course_lib.models import TinyGPT
     from course_lib.parallel import Mesh, parallelize_nd
 
-    device = _device(backend)
+    device = _device()
     net = parallelize_nd(TinyGPT(cfg, seed=0).to(device), Mesh(**dims), microbatches=microbatches,
                          schedule=schedule, v=v, data=data)
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
