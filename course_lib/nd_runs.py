@@ -37,12 +37,15 @@ def _adamw(params):
 class Reference:
     losses: list
     state: dict
+    grads: dict = dataclasses.field(default_factory=dict)  # the first step's (zeros where none)
 
 
 def single_device(cfg, batch, steps, groups=1, frozen=(), dtype=torch.float32) -> Reference:
     """The one-device run (``groups``: MoE routing groups, one per rank and micro-batch;
     ``frozen``: names of parameters that do not train; ``dtype``: float64 where exactness
-    after AdamW steps is the claim, see course_lib.tolerance)."""
+    after AdamW steps is the claim, see course_lib.tolerance). Keeps the first step's
+    gradients too (``grads``): AdamW divides each update by its gradient's own scale, so only
+    the gradients show a sum taken twice or a missing division."""
     model = TinyGPT(cfg, seed=0).to(dtype)
     for name, p in model.named_parameters():
         if name in frozen:
@@ -50,9 +53,15 @@ def single_device(cfg, batch, steps, groups=1, frozen=(), dtype=torch.float32) -
     for block in model.blocks:
         if hasattr(block.mlp, "groups"):
             block.mlp.groups = groups
-    state, losses = reference.train_gpt(model, reference.gpt_batches(cfg, batch=batch, steps=steps),
-                                        _adamw(model.parameters()))
-    return Reference(losses, state)
+    opt, grads = _adamw(model.parameters()), {}
+
+    def update(params):
+        if not grads:    # the first step's gradients, under every name (a tied weight's too)
+            grads.update({n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                          for n, p in model.named_parameters(remove_duplicate=False)})
+        opt.step()
+    state, losses = reference.train_gpt(model, reference.gpt_batches(cfg, batch=batch, steps=steps), update)
+    return Reference(losses, state, grads)
 
 
 def _rank(layout, kw, cfg_dict, batch, steps, dtype):

@@ -1,10 +1,13 @@
 """N-D composition (course_lib/parallel/compose.py) against one device.
 
 Each layout trains the tiny GPT 5 AdamW steps from the same weights on the same global
-batches as course_lib.reference.train_gpt; every step's loss and every final parameter
-(assembled from the ranks' shards: stages, TP slices, experts, FSDP shards) must match the
-single-device run, in float64 within course_lib.tolerance's AdamW bound (in fp32 a correct
-run may differ by ~lr per step in parameters whose gradient is near zero). Layouts cover 2D (DP x TP, FSDP x TP), 3D and 4D, odd sizes
+batches as course_lib.reference.train_gpt; every step's loss, the first step's gradients
+(DDP layouts; FSDP keeps only gradient shards) and every final parameter (assembled from
+the ranks' shards: stages, TP slices, experts, FSDP shards) must match the single-device
+run, in float64 within course_lib.tolerance's bounds (in fp32 a correct run may differ by
+~lr per step in parameters whose gradient is near zero). The gradients are compared
+because AdamW alone would pass a gradient summed twice: it divides every update by the
+gradient's own scale. Layouts cover 2D (DP x TP, FSDP x TP), 3D and 4D, odd sizes
 (dp=3, tp=3, pp=3), uneven layer splits, a frozen and a tied parameter, every pipeline
 schedule, Ulysses, and the MoE variant with EP inside DP. The 16-rank 4D run is chapter 9's
 (its notebook is checked by nbval); here the 4D layout runs with dp=1.
@@ -39,20 +42,17 @@ def _run(layout, kw, cfg, batch, frozen):
 
     net = parallelize_nd(_freeze(TinyGPT(cfg, seed=0).double(), frozen), Mesh(**layout), **kw)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
-    losses = []
+    losses, grads = [], None
     for x, y in reference.gpt_batches(cfg, batch=batch, steps=STEPS):
         losses.append(net.step(x, y))
+        if grads is None and kw.get("data") != "fsdp":
+            grads = net.shards(grads=True)  # the first step's, summed over the layout's dims
         opt.step()
         opt.zero_grad()
     if kw.get("data") == "fsdp":            # gradients stay sharded: a full-gradient view is refused by name
         with pytest.raises(ValueError, match="FSDP keeps each rank's shard"):
             net.shards(grads=True)
-    return losses, net.shards()
-
-
-def _reference(cfg, batch, frozen, groups):
-    ref = single_device(cfg, batch, STEPS, groups=groups, frozen=frozen, dtype=torch.float64)  # AdamW at LR
-    return ref.state, ref.losses
+    return losses, net.shards(), grads
 
 
 CASES = {
@@ -77,13 +77,16 @@ def test_nd_training_equals_one_device(case):
     cfg, layout, kw, batch, frozen = CASES[case]
     shape = check_layout(cfg, **layout, batch=batch, **kw)
     groups = shape.sizes["dp"] * kw.get("microbatches", 1)
-    ref_state, ref_losses = _reference(cfg, batch, frozen, groups)
+    ref = single_device(cfg, batch, STEPS, groups=groups, frozen=frozen, dtype=torch.float64)  # AdamW at LR
     ranks = launch(_run, shape.world_size, layout, kw, cfg, batch, frozen, threads=1)
-    for losses, _ in ranks:                              # every rank returns the global loss
-        tolerance.assert_matches(losses, ref_losses, optimizer="adamw", steps=STEPS, lr=LR, what="losses")
-    full = assemble_nd([shards for _, shards in ranks], shape)
-    assert set(full) == set(ref_state)
-    tolerance.assert_matches(full, ref_state, optimizer="adamw", steps=STEPS, lr=LR)
+    for losses, _, _ in ranks:                           # every rank returns the global loss
+        tolerance.assert_matches(losses, ref.losses, optimizer="adamw", steps=STEPS, lr=LR, what="losses")
+    if kw.get("data") != "fsdp":   # AdamW hides a gradient scaled by a constant: the gradients first
+        grads = assemble_nd([g for _, _, g in ranks], shape)
+        tolerance.assert_matches(grads, ref.grads, what="the first step's gradients")
+    full = assemble_nd([shards for _, shards, _ in ranks], shape)
+    assert set(full) == set(ref.state)
+    tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR)
     for name in frozen:
         assert torch.equal(full[name], TinyGPT(cfg, seed=0).double().state_dict()[name]), f"frozen {name} moved"
 
