@@ -308,3 +308,11 @@ def test_device_check_prices_its_workloads_without_a_gpu(capsys):
     tiny = hw.launch_overhead + 4 / (hw.hbm_bandwidth * hw.hbm_efficiency)  # reads and writes 2 bytes
     assert rows["1000 tiny kernels"] == pytest.approx(1000 * tiny, rel=1e-9)
     assert "no GPU: virtual times only" in capsys.readouterr().out
+    # on a GPU it fits the preset's efficiencies: measured time (less a launch) over virtual
+    L = hw.launch_overhead
+    measured = [(k, v, L + 2 * (v - L) if k in ("GEMM 8192^3", device_check.STREAM) else v)
+                for k, v in rows.items()]
+    fit, issue = device_check.calibrate(hw, measured)
+    assert fit.matmul_efficiency == pytest.approx(hw.matmul_efficiency / 2)
+    assert fit.hbm_efficiency == pytest.approx(hw.hbm_efficiency / 2)
+    assert issue == pytest.approx(rows["1000 tiny kernels"] / 1000)
