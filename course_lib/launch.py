@@ -40,6 +40,7 @@ import builtins
 import datetime
 import functools
 import faulthandler
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -52,6 +53,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 
 import cloudpickle
 
@@ -215,6 +217,32 @@ def _context(start_method):
     return _CONTEXTS[start_method]
 
 
+def _check_call(fn, args, kwargs):
+    """Before any rank starts: ``fn(*args, **kwargs)`` must bind (else a TypeError naming
+    fn's signature, not one per rank); and a parameter of fn named like one of launch's own
+    keywords, left unset, is warned about: launch keeps that keyword, so fn gets its default."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):   # a builtin or C function: nothing to read
+        return
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    own = [n for n in sig.parameters if n in LAUNCH_KEYWORDS and sig.parameters[n].kind not in variadic]
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        hint = (f"; launch keeps {', '.join(n + '=' for n in own)} for itself: pass "
+                f"{'it' if len(own) == 1 else 'them'} to {name} positionally" if own else "")
+        raise TypeError(f"launch: {name}{sig} cannot be called with the arguments given "
+                        f"({exc}){hint}") from None
+    unset = [n for n in own if n not in bound.arguments]
+    if unset:
+        warnings.warn(f"launch: {name} has a parameter {', '.join(unset)} that launch keeps for itself "
+                      f"(launch's own keyword{'s' if len(unset) > 1 else ''}): {name} gets its default. "
+                      f"Pass it positionally, or read it inside {name} (e.g. dist.get_backend())",
+                      stacklevel=3)
+
+
 def _validate(fn, world_size, backend, timeout, clock=None):
     if not callable(fn):
         raise TypeError(f"launch needs a callable fn, got {type(fn).__name__}: {fn!r}")
@@ -366,6 +394,7 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
     :class:`~course_lib.trace.Span`, on one clock) and ``.elapsed`` (seconds).
     """
     debug = _debug.check_options(debug, flight_recorder)
+    _check_call(fn, args, kwargs)
     if under_torchrun():
         return _launch_here(fn, world_size, args, kwargs, backend, timeout, clock, debug)
     _validate(fn, world_size, backend, timeout, clock)
@@ -412,6 +441,11 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
     finally:
         _kill(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# launch's own keywords: a parameter of fn with one of these names never receives its value
+LAUNCH_KEYWORDS = frozenset(n for n, p in inspect.signature(launch).parameters.items()
+                            if p.kind is p.KEYWORD_ONLY)
 
 
 def _wait(procs, workdir, timeout):

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -448,3 +449,33 @@ def test_torchrun_runs_the_same_call(tmp_path):
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "results in rank order: [3.0, 3.0]" in proc.stdout
+
+
+def _needs_timeout(x, timeout):
+    return x
+
+
+def _reads_backend(backend="gloo"):
+    return backend
+
+
+def test_a_call_that_cannot_bind_fails_before_any_rank_starts():
+    """fn's signature is checked in the parent: one TypeError naming it, and, when the
+    missing argument has the name of one of launch's keywords, why it never arrives."""
+    started = time.perf_counter()
+    with pytest.raises(TypeError, match=r"_needs_timeout\(x, timeout\) cannot be called.*"
+                                        r"launch keeps timeout= for itself"):
+        launch(_needs_timeout, 2, 1.0, timeout=5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'y'"):
+        launch(rank_sum, 2, 1.0, y=2)
+    assert time.perf_counter() - started < 1.0        # no rank was started
+
+
+def test_a_parameter_named_like_a_launch_keyword_is_warned_about():
+    """examples/train.py once had ``train(..., backend="gloo")`` launched with
+    ``backend="nccl"``: the ranks computed on the CPU. Now launch says so."""
+    with pytest.warns(UserWarning, match="_reads_backend has a parameter backend that launch keeps"):
+        assert launch(_reads_backend, 1, backend="gloo", quiet=True) == ["gloo"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # passed positionally: bound, no warning
+        assert launch(_reads_backend, 1, "nccl-name", quiet=True) == ["nccl-name"]
