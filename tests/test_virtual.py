@@ -294,6 +294,7 @@ def test_device_check_prices_its_workloads_without_a_gpu(capsys):
     """scripts/device_check.py runs here too (CI has no GPU): the workloads are priced on the
     meta device, and the GEMM is the preset's roofline, 2 * 8192^3 FLOPs at 70% of 989
     TFLOP/s plus one 4 us launch; the tiny kernels are 1000 launches (and 4 bytes each)."""
+    from course_lib.virtual import gpu_check
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     try:
         import device_check
@@ -310,9 +311,23 @@ def test_device_check_prices_its_workloads_without_a_gpu(capsys):
     assert "no GPU: virtual times only" in capsys.readouterr().out
     # on a GPU it fits the preset's efficiencies: measured time (less a launch) over virtual
     L = hw.launch_overhead
-    measured = [(k, v, L + 2 * (v - L) if k in ("GEMM 8192^3", device_check.STREAM) else v)
+    measured = [(k, v, L + 2 * (v - L) if k in ("GEMM 8192^3", gpu_check.STREAM) else v)
                 for k, v in rows.items()]
-    fit, issue = device_check.calibrate(hw, measured)
+    fit, issue = gpu_check.calibrate(hw, measured)
     assert fit.matmul_efficiency == pytest.approx(hw.matmul_efficiency / 2)
     assert fit.hbm_efficiency == pytest.approx(hw.hbm_efficiency / 2)
     assert issue == pytest.approx(rows["1000 tiny kernels"] / 1000)
+
+
+def test_the_recorded_h100_run_is_priced_as_the_clock_prices_today():
+    """Chapter 0 prints gpu_check.H100 (measured on an H100) next to virtual times computed
+    on the spot. The record's own virtual figures must be today's prices (to its 6 digits):
+    if the clock's model changes, re-price the record (its measured figures stay)."""
+    from course_lib.virtual import gpu_check
+
+    cluster = VirtualCluster(gpu_check.H100["preset"], gpus_per_node=8, dtype=torch.bfloat16)
+    now = {label: virtual for label, virtual, _ in gpu_check.against_recorded(cluster)}
+    recorded = {r["label"]: r["virtual"] for r in gpu_check.H100["rows"]}
+    assert set(now) == set(recorded)
+    for label, virtual in now.items():
+        assert virtual == pytest.approx(recorded[label], rel=1e-5), label

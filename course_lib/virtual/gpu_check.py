@@ -1,0 +1,188 @@
+"""The virtual GPU clock against a real GPU: the workloads, their prices, and one recorded run.
+
+``scripts/device_check.py`` runs :func:`workloads` on a CUDA machine (CUDA events, medians)
+and under the virtual clock, fits the preset's efficiencies (:func:`calibrate`) and breaks a
+transformer block down per aten op (:func:`breakdown`). :data:`H100` is what it measured on
+one H100 SXM: chapter 0 prints it next to the virtual times computed on the spot
+(:func:`against_recorded`, on PyTorch's ``meta`` device: prices need shapes only).
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from course_lib import trace
+from course_lib.gpt import Block
+from course_lib.models import GPTConfig
+
+STREAM_ELEMENTS = 128 << 20    # bf16: 256 MiB a tensor
+STREAM = "add 2 x 256 MiB (HBM streaming)"
+
+
+def workloads(device):
+    """{name: (setup() -> state, run(state))}: each run is one measured unit of work."""
+    def gemm():
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        return a, a.clone()
+
+    def block():
+        cfg = GPTConfig(vocab_size=256, seq_len=2048, n_layers=1, hidden=2048, n_heads=16)
+        with torch.device(device):
+            mod = Block(cfg).to(torch.bfloat16)
+            x = torch.randn(4, 2048, 2048, dtype=torch.bfloat16, requires_grad=True)
+        return mod, x
+
+    def tiny():
+        return torch.zeros(1, device=device, dtype=torch.bfloat16)
+
+    def stream():
+        a = torch.randn(STREAM_ELEMENTS, device=device, dtype=torch.bfloat16)
+        return a, torch.randn_like(a)
+
+    def run_block(state):
+        mod, x = state
+        mod.zero_grad(set_to_none=True)  # else every repeat after the first also accumulates
+        x.grad = None                    # the gradients (add_ kernels the one virtual run lacks)
+        mod(x).sum().backward()
+
+    def run_tiny(t):
+        for _ in range(1000):
+            t.add_(1)
+
+    return {"GEMM 8192^3": (gemm, lambda s: s[0] @ s[1]),
+            "block fwd+bwd (h 2048, s 2048, b 4)": (block, run_block),
+            "1000 tiny kernels": (tiny, run_tiny),
+            STREAM: (stream, lambda s: s[0] + s[1])}
+
+
+def virtual_seconds(cluster, setup, run):
+    """One run under a fresh virtual clock (setup outside it)."""
+    state = setup()
+    clock = cluster.start(0, 1, trace.Recorder())
+    with clock:
+        run(state)
+    return clock.t
+
+
+def measured_seconds(setup, run, repeats):
+    state = setup()
+    for _ in range(3):
+        run(state)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(state)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def breakdown(cluster, setup, run, repeats=5):
+    """Per aten op: virtual seconds (one run under :func:`course_lib.virtual.compute.op_time`)
+    next to the GPU's (torch.profiler's self device time, the mean of ``repeats`` runs).
+    A clone's kernel is its copy_'s in the profiler: read those two rows together."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib.virtual.compute import op_time
+    state = setup()
+    virtual, count = Counter(), Counter()
+
+    class PerOp(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seconds = op_time(cluster, func, args, kwargs or {}, out)
+            if seconds:
+                virtual[func.overloadpacket.__name__] += seconds
+                count[func.overloadpacket.__name__] += 1
+            return out
+
+    with PerOp():
+        run(state)
+    for _ in range(3):
+        run(state)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run(state)
+        torch.cuda.synchronize()
+    measured = Counter()
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            seconds = getattr(e, "self_device_time_total", 0) / 1e6
+            measured[e.key[len("aten::"):]] += seconds / repeats
+    rows = sorted(set(virtual) | set(measured), key=lambda k: -max(virtual[k], measured[k]))
+    rows = {k: (count[k], virtual[k], measured[k]) for k in rows if max(virtual[k], measured[k]) >= 1e-5}
+    print(f"  {'aten op':26s} {'kernels':>7s} {'virtual ms':>10s} {'measured ms':>11s}")
+    for k, (n, v, m) in rows.items():
+        print(f"  {k:26s} {n:7d} {v * 1e3:10.3f} {m * 1e3:11.3f}")
+    print(f"  {'total':26s} {sum(count.values()):7d} {sum(virtual.values()) * 1e3:10.3f} "
+          f"{sum(measured.values()) * 1e3:11.3f}")
+    return rows
+
+
+def calibrate(hw, rows):
+    """The preset's two efficiencies fitted to this GPU's GEMM and streaming add (each
+    measured time, less one launch, over the virtual one), and eager PyTorch's issue
+    interval per op (the tiny kernels: the host, not the GPU, sets their pace)."""
+    by = {label: (virtual, measured) for label, virtual, measured in rows}
+    launch_s = hw.launch_overhead
+
+    def fitted(efficiency, label):
+        virtual, measured = by[label]
+        return efficiency * (virtual - launch_s) / (measured - launch_s)
+    return (hw.with_(matmul_efficiency=fitted(hw.matmul_efficiency, "GEMM 8192^3"),
+                     hbm_efficiency=fitted(hw.hbm_efficiency, STREAM)),
+            by["1000 tiny kernels"][1] / 1000)
+
+
+
+# scripts/device_check.py --repeats 30 --breakdown --save FILE on one NVIDIA H100 80GB HBM3
+# (SXM), torch 2.11.0+cu130, driver 580.159.04, 2026-11-27: seconds, medians of 30 runs
+H100 = dict(
+    device='NVIDIA H100 80GB HBM3', torch='2.11.0+cu130', preset='h100-sxm', date="2026-11-27",
+    rows=[
+        dict(label='GEMM 8192^3', virtual=0.0015922, measured=0.00138704),
+        dict(label='block fwd+bwd (h 2048, s 2048, b 4)', virtual=0.00865431, measured=0.0120574),
+        dict(label='1000 tiny kernels', virtual=0.004, measured=0.0123212),
+        dict(label='add 2 x 256 MiB (HBM streaming)', virtual=0.00024439, measured=0.000277648),
+    ],
+    span_over_events=0.978338,
+    fitted=dict(matmul_efficiency=0.803838,
+                hbm_efficiency=0.878464,
+                block_virtual=0.00882909),
+    issue_interval=1.23212e-05,
+    breakdown={  # aten op: (kernels, virtual s, measured s: torch.profiler's self device time)
+        'mm': (21, 0.00366211, 0.00321867),
+        'mul': (33, 0.0015561, 0.00264666),
+        'bmm': (6, 0.00110575, 0.00132559),
+        'add': (16, 0.000767661, 0.000984902),
+        '_softmax': (1, 0.00032452, 0.000748904),
+        'copy_': (0, 0, 0.00064119),
+        '_softmax_backward_data': (1, 0.00048478, 0.000525565),
+        'add_': (0, 0, 0.00029461),
+        'cat': (4, 9.613e-05, 0.000279436),
+        'clone': (8, 0.00019226, 0.0),
+        'sum': (5, 7.00935e-05, 0.000120176),
+        'pow': (6, 0.00010415, 4.98316e-05),
+        'neg': (4, 5.6065e-05, 9.30708e-05),
+        'silu_backward': (1, 8.42865e-05, 8.52498e-05),
+        'div': (2, 2.80423e-05, 5.93858e-05),
+        'silu': (1, 5.75243e-05, 5.7345e-05),
+        'mean': (2, 2.80423e-05, 2.37378e-05),
+        'masked_fill': (1, 1.02602e-05, 0.0),
+    },
+)
+
+
+def against_recorded(cluster, record=H100):
+    """[(workload, virtual seconds priced now on ``cluster``, measured seconds recorded)] for
+    every workload of ``record``: the workloads run on PyTorch's ``meta`` device."""
+    here = workloads("meta")
+    return [(r["label"], virtual_seconds(cluster, *here[r["label"]]), r["measured"])
+            for r in record["rows"] if r["label"] in here]
