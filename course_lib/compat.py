@@ -8,6 +8,8 @@ Nothing else in course_lib branches on a torch version; it calls these instead.
   existed. Same arguments in every version: (output, input, ...).
 * ``global_rank`` / ``group_rank``: translate ranks of a subgroup (``new_group``)
   to ranks of the default group, which is what ``dist.send``'s ``dst`` means.
+* ``backend_device``: NCCL moves CUDA tensors only, gloo CPU tensors: a metadata
+  exchange is allocated where the group's backend can send it.
 * ``all_reduce_avg``: ``ReduceOp.AVG`` is refused by gloo in some versions
   ("Cannot use ReduceOp.AVG with Gloo"); fall back to SUM then divide.
 """
@@ -37,6 +39,15 @@ def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async
     return fn(output, input, op=op, group=group, async_op=async_op)
 
 
+def backend_device(group=None) -> torch.device:
+    """Where a small exchange (metadata, a token, a header) must live to travel over
+    ``group``: NCCL carries CUDA tensors only (this rank's current GPU), gloo CPU tensors."""
+    name = str(dist.get_backend(group)).lower()
+    if "nccl" in name and "gloo" not in name:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def global_rank(group, group_rank: int) -> int:
     """The default-group rank of ``group_rank`` in ``group`` (identity for the default group)."""
     if group is None or group is dist.group.WORLD:
@@ -60,7 +71,7 @@ def avg_supported(group=None) -> bool:
     never hangs. Costs one tiny all-reduce.
     """
     try:
-        dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.AVG, group=group)
+        dist.all_reduce(torch.zeros(1, device=backend_device(group)), op=dist.ReduceOp.AVG, group=group)
         return True
     except (RuntimeError, ValueError) as exc:
         if "AVG" in str(exc) or "not supported" in str(exc).lower():

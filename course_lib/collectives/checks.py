@@ -52,8 +52,8 @@ def agree(comm: Comm, name: str, row: list[int], same_shape: bool = True,
     if comm.size == 1:
         rows = [row]
     else:
-        mine = torch.tensor(row, dtype=torch.int64)
-        everyone = torch.empty(comm.size * mine.numel(), dtype=torch.int64)
+        mine = torch.tensor(row, dtype=torch.int64, device=compat.backend_device(comm.group))
+        everyone = mine.new_empty(comm.size * mine.numel())
         compat.all_gather_into_tensor(everyone, mine, group=comm.group)
         rows = everyone.view(comm.size, -1).tolist()
     key = (lambda r: r[:_NUMEL + 1] + r[_EXTRA:_EXTRA + len(extra_names)]) if same_shape else (lambda r: r[:1])

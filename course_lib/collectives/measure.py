@@ -39,13 +39,13 @@ def time_ops(ops: dict, reps: int = 5, warmup: int = 1, group=None) -> dict:
     for f in ops.values():
         for _ in range(warmup):
             f()
-    times = torch.zeros(len(names), reps, dtype=torch.float64)
+    times = torch.zeros(len(names), reps, dtype=torch.float64, device=compat.backend_device(group))
     for i in range(reps):
         for j, name in enumerate(names):
             dist.barrier(group)
             start = time.perf_counter()
             ops[name]()
-            times[j, i] = time.perf_counter() - start
+            times[j, i] = time.perf_counter() - start       # (a GPU's ops: synchronize in ops[name])
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return {name: times[j].tolist() for j, name in enumerate(names)}
 
@@ -66,11 +66,11 @@ BUILTIN_MODEL = {
 def builtin_ops(n_bytes: int, collectives=("all_reduce",), group=None, dtype=torch.float32) -> dict:
     """gloo's collectives on buffers of ``n_bytes`` (the model's n), as zero-argument callables."""
     N = dist.get_world_size(group)
-    esize = torch.empty(0, dtype=dtype).element_size()
-    numel = max(N, n_bytes // esize // N * N)  # divisible by N for the tensor forms
-    x = torch.ones(numel, dtype=dtype)
-    piece = torch.ones(numel // N, dtype=dtype)
-    out_full, out_piece = torch.empty(numel, dtype=dtype), torch.empty(numel // N, dtype=dtype)
+    numel = max(N, n_bytes // dtype.itemsize // N * N)  # divisible by N for the tensor forms
+    device = compat.backend_device(group)
+    x = torch.ones(numel, dtype=dtype, device=device)
+    piece = torch.ones(numel // N, dtype=dtype, device=device)
+    out_full, out_piece = x.new_empty(numel), x.new_empty(numel // N)
     make = {
         "all_reduce": lambda: dist.all_reduce(x, group=group),
         "all_gather": lambda: compat.all_gather_into_tensor(out_full, piece, group=group),

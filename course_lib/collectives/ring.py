@@ -87,17 +87,18 @@ def segments(chunk, segment_bytes=SEGMENT_BYTES):
 _kept = threading.local()   # this thread's scratch buffers, by dtype
 
 
-def _scratch(count: int, numel: int, dtype):
+def _scratch(count: int, numel: int, dtype, device):
     """``count`` buffers of ``numel`` elements, kept by this thread from one call to the next.
     No call allocates them (memory fresh from the OS is faulted in and zeroed page by page;
     how often a freed buffer comes back fresh depends on the allocator: chapter 2 counts it).
     Per thread: two collectives running at once on two communication threads never share one."""
     pool = _kept.__dict__.setdefault("pool", {})
-    bufs = pool.get(dtype, [])
+    bufs = pool.get((dtype, device), [])
     if len(bufs) < count or bufs[0].numel() < numel:
-        if numel * torch.empty(0, dtype=dtype).element_size() > SEGMENT_BYTES:
-            return [torch.empty(numel, dtype=dtype) for _ in range(count)]   # unsegmented: not kept
-        bufs = pool[dtype] = [torch.empty(numel, dtype=dtype) for _ in range(max(count, len(bufs)))]
+        if numel * dtype.itemsize > SEGMENT_BYTES:
+            return [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]  # unsegmented: not kept
+        bufs = pool[dtype, device] = [torch.empty(numel, dtype=dtype, device=device)
+                                      for _ in range(max(count, len(bufs)))]
     return [b[:numel] for b in bufs[:count]]
 
 
@@ -138,11 +139,11 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
             for mine, dst in zip(segments(pieces[c], segment_bytes),
                                  segments(out if s == N - 2 else pieces[c], segment_bytes))]
     if in_place:                                   # window x (segment,) scratch, reused
-        scratch = _scratch(min(window, len(work)), max(m.numel() for m, _ in work), out.dtype)
+        scratch = _scratch(min(window, len(work)), max(m.numel() for m, _ in work), out.dtype, out.device)
         landing = [scratch[i % len(scratch)][:mine.numel()] for i, (mine, _) in enumerate(work)]
         ahead = len(scratch)
     else:                                          # (N-1) x (n/N,) in all, one buffer per message
-        landing = [torch.empty(mine.numel(), dtype=out.dtype) for mine, _ in work]
+        landing = [torch.empty(mine.numel(), dtype=out.dtype, device=out.device) for mine, _ in work]
         ahead = len(work) if prepost else 0
     recvs = [comm.post_recv(landing[i], left) for i in range(ahead)]
     sends = [comm.post_send(seg, right) for seg in segments(pieces[plan[0][0]], segment_bytes)]  # ours, as is

@@ -37,11 +37,11 @@ def fingerprint(op, tensors, extra, dim, ranks) -> str:
     return f"{SHORT.get(op, op)} {shape_text(shapes)} {dtypes} {extra}".strip() + f" on {dim or 'group'} {list(ranks)}"
 
 
-def _encode(text: str, site: str) -> torch.Tensor:
+def _encode(text: str, site: str, device="cpu") -> torch.Tensor:
     data = (text + _SITE + site).encode("utf-8", "replace")[:FINGERPRINT_BYTES]
-    out = torch.zeros(FINGERPRINT_BYTES, dtype=torch.uint8)
+    out = torch.zeros(FINGERPRINT_BYTES, dtype=torch.uint8, device="cpu")   # text is built on the host
     out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
+    return out.to(device)
 
 
 def _decode(row: torch.Tensor) -> tuple:
@@ -63,8 +63,9 @@ def mismatch_message(calls: list, seq: int | None = None) -> str:
 
 def check(comm, op, tensors, extra, site, entry=None):
     """All-gather this call's fingerprint over ``comm``'s group; raise DesyncError on a difference."""
-    mine = _encode(fingerprint(op, tensors, extra, comm.dim, comm.ranks), site)
-    rows = torch.empty(comm.size * FINGERPRINT_BYTES, dtype=torch.uint8)
+    mine = _encode(fingerprint(op, tensors, extra, comm.dim, comm.ranks), site,
+                   compat.backend_device(comm.group))    # NCCL: the fingerprints travel on the GPU
+    rows = mine.new_empty(comm.size * FINGERPRINT_BYTES)
     compat.all_gather_into_tensor(rows, mine, group=comm.group)   # (size * 256,) bytes: one small exchange
     rows = rows.view(comm.size, FINGERPRINT_BYTES)
     seq = None

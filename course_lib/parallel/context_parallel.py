@@ -42,8 +42,9 @@ def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag") -> torch.Tensor:
-    """Absolute positions (int64, (seq_len / N,)) of the tokens rank ``cp_rank`` holds."""
+def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",
+                    device="cpu") -> torch.Tensor:
+    """Absolute positions (int64, (seq_len / N,), on ``device``) of the tokens rank ``cp_rank`` holds."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not 0 <= cp_rank < cp_size:
@@ -52,13 +53,14 @@ def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zig
         if seq_len % cp_size:
             raise ValueError(f"sequence length {seq_len} must be divisible by CP={cp_size}")
         n = seq_len // cp_size
-        return torch.arange(cp_rank * n, (cp_rank + 1) * n)
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
     if seq_len % (2 * cp_size):
         raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size} "
                          f"(2N chunks, two per rank)")
     c = seq_len // (2 * cp_size)
     first, second = zigzag_chunks(cp_size, cp_rank)
-    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
+                      torch.arange(second * c, (second + 1) * c, device=device)])
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -165,7 +167,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, comm, seq_len, layout):
         n, r = comm.size, comm.rank
-        pos_of = [shard_positions(seq_len, n, j, layout) for j in range(n)]
+        pos_of = [shard_positions(seq_len, n, j, layout, positions.device) for j in range(n)]
         acc = torch.promote_types(q.dtype, torch.float32)          # bf16 blocks merge in fp32 (flash-attn's rule)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)     # (b, a, s/N, d)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (b, a, s/N)
@@ -232,7 +234,7 @@ def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"):
     ``shard_positions(seq_len, N, rank, layout)``) -> (b, a, s/N, d)."""
     n = comm.size
     seq_len = positions.numel() * n if seq_len is None else seq_len
-    expected = shard_positions(seq_len, n, comm.rank, layout)
+    expected = shard_positions(seq_len, n, comm.rank, layout, positions.device)
     if not torch.equal(positions, expected):
         raise ValueError(f"ring attention: positions must be this rank's {layout} shard of a sequence of "
                          f"{seq_len} tokens ({expected.tolist()[:4]}...), got {positions.tolist()[:4]}...")

@@ -140,9 +140,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _with_defaults(self, p0, kwargs):
         """Check ``kwargs`` as ``optimizer_cls`` does (by building one on a 1-element tensor)
         and give every parameter group its defaults, as torch's ZeroRedundancyOptimizer does."""
-        like = dict(dtype=p0.dtype, device=p0.device) if p0 is not None and p0.is_floating_point() else {}
+        floating = p0 is not None and p0.is_floating_point()
+        dtype, device = (p0.dtype, p0.device) if floating else (torch.float32, "cpu")   # a local probe
         try:
-            probe = self._optimizer_cls([torch.zeros(1, requires_grad=True, **like)], **kwargs)
+            probe = self._optimizer_cls([torch.zeros(1, requires_grad=True, dtype=dtype, device=device)], **kwargs)
         except TypeError as exc:
             raise TypeError(f"ShardedOptimizer: {exc} (the keyword arguments are {self._optimizer_cls.__name__}'s, "
                             f"plus stage, mesh, group, process_group, dims, bucket_cap_mb)") from None

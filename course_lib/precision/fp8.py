@@ -195,7 +195,7 @@ def all_gather_fp8(shard, comm_group=None, counter=None):
     scale = compute_scale(float(amax), E4M3)
     codes = quantize(shard, scale, E4M3).view(torch.uint8)           # (n, ...) 1 byte each
     size = torch.distributed.get_world_size(comm_group)
-    out = torch.empty((size * shard.shape[0], *shard.shape[1:]), dtype=torch.uint8)
+    out = codes.new_empty((size * shard.shape[0], *shard.shape[1:]))  # on the shard's device
     C.all_gather_into_tensor(out, codes, group=comm_group, counter=counter)
     return out.view(E4M3), scale
 

@@ -26,6 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from course_lib import compat
+
 # torch.amp.GradScaler's defaults
 INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000
 MESH_DIMS = ("dp", "pp", "cp", "tp")   # every dimension: mesh.comm(MESH_DIMS) is the whole mesh
@@ -34,7 +36,7 @@ FP16_NAMES = ("fp16", "float16", "half")
 
 def _f32(x: float) -> float:
     """x rounded to float32: torch keeps the scale in a float32 tensor."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    return float(torch.tensor(x, dtype=torch.float32, device="cpu"))
 
 
 def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_factor=GROWTH_FACTOR,
@@ -58,12 +60,14 @@ def overflow_on_any_rank(grads, comm=None) -> bool:
 
     The local verdict is one number per rank; ONE all-reduce (MAX) of that single
     element makes it every rank's verdict (4 bytes, whatever the model's size)."""
-    found_inf = torch.zeros(1, dtype=torch.float32)   # (1,): 1.0 = this rank saw inf/NaN
+    shared = comm is not None and comm.size > 1
+    device = compat.backend_device(comm.group) if shared else "cpu"   # NCCL: on the GPU
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)   # (1,): 1.0 = this rank saw inf/NaN
     for g in grads:
         if not torch.isfinite(g).all():
             found_inf.fill_(1.0)
             break
-    if comm is not None and comm.size > 1:
+    if shared:
         comm.all_reduce(found_inf, op=dist.ReduceOp.MAX, name="all-reduce found_inf")
     return bool(found_inf.item())
 
@@ -121,7 +125,7 @@ class DynamicLossScaler:
         overflow over all ranks. Once per step; returns the global verdict."""
         if self.found_inf is not None:
             raise RuntimeError("unscale_() was already called this step (call update() after step())")
-        inv_scale = float(torch.tensor(self.scale_value, dtype=torch.float64).reciprocal().float())
+        inv_scale = float(torch.tensor(self.scale_value, dtype=torch.float64, device="cpu").reciprocal().float())
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.found_inf = overflow_on_any_rank(grads, self.comm)
         with torch.no_grad():

@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from course_lib import compat
 from course_lib.costmodel import cost as algorithm_cost
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
 
@@ -121,7 +122,8 @@ class RankClock:
     def _exchange(self, comm, ready: float, ref, async_op: bool):
         """The members' latest ready time: a MAX all-reduce of one float64 (not counted in bytes)."""
         with self.muted():
-            issued = torch.tensor([ready], dtype=torch.float64, device=_device(ref))
+            device = ref.device if isinstance(ref, torch.Tensor) else compat.backend_device(comm.group)
+            issued = torch.tensor([ready], dtype=torch.float64, device=device)
             work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=async_op)
         return work, issued
 
@@ -234,10 +236,6 @@ class Message:
 
     def is_completed(self) -> bool:
         return self._done
-
-
-def _device(t):
-    return t.device if isinstance(t, torch.Tensor) else "cpu"
 
 
 __all__ = ["RankClock", "Message", "ALGORITHMS"]
