@@ -87,3 +87,20 @@ def test_course_collectives_and_checks_under_nccl():
         return x.sum().item(), overflow_on_any_rank([x], Comm(None))
 
     assert launch(on_gpu, 1, backend="nccl", quiet=True)[0] == (28.0, False)
+
+
+def _send_off_the_cpu():
+    from course_lib.collectives.comm import Comm
+
+    comm = Comm(None)
+    comm.isend(torch.empty(4, device="meta"), (comm.rank + 1) % comm.size)   # not a CPU tensor
+
+
+def test_gloo_point_to_point_refuses_tensors_off_the_cpu_by_name():
+    """On the H100, gloo's all-reduce, broadcast, all-gather, reduce-scatter and all-to-all took
+    CUDA tensors; its send died with "writev ...: Bad address" and left the peer waiting. The
+    communication layer refuses such a send (or receive) before anything moves."""
+    from course_lib.launch import RankError, launch
+
+    with pytest.raises(RankError, match="point-to-point over gloo: gloo sends and receives CPU tensors only"):
+        launch(_send_off_the_cpu, 2, quiet=True, timeout=30)

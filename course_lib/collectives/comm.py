@@ -65,6 +65,16 @@ class TrafficCounter:
         self.sent_to.clear()
 
 
+def check_p2p_device(tensor, what: str) -> None:
+    """gloo's point-to-point carries CPU tensors only: its collectives take CUDA tensors, but a
+    send hands the GPU pointer to the socket (seen on an H100: "writev ...: Bad address"), and
+    the peer waits on a message that never comes. Refuse by name, before anything is sent."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"cannot {what} a {tensor.device.type} tensor point-to-point over gloo: gloo "
+                         f"sends and receives CPU tensors only (its collectives take CUDA tensors). "
+                         f"Use backend='nccl' (one GPU per rank), or keep this rank's tensors on the CPU")
+
+
 class CommCall(NamedTuple):
     """One logged collective: ``payload`` = the tensor torch names (all-reduce: the tensor,
     all-gather: the output, reduce-scatter: the input, all-to-all: the input), ``sent`` =
@@ -132,6 +142,7 @@ class Comm:
         self.size = dist.get_world_size(group)
         self.ranks = [compat.global_rank(group, r) for r in range(self.size)]  # group rank -> global
         self.counter = counter
+        self._p2p_cpu_only = compat.backend_device(group).type == "cpu"   # gloo
         self.log: list[CommCall] = []
         self._measuring = False
         self._thread = self._pending = None  # our algorithms' async calls run there, in order
@@ -161,6 +172,8 @@ class Comm:
     def isend(self, tensor, peer: int, tag: int = 0):
         """Start sending ``tensor`` (contiguous) to group rank ``peer``; returns the work handle.
         ``tag`` tells apart messages between the same two ranks (a pipeline's activations and gradients)."""
+        if self._p2p_cpu_only:
+            check_p2p_device(tensor, "send")
         if self.counter is not None:
             nbytes = _nbytes(tensor)
             self.counter.bytes_sent += nbytes
@@ -173,6 +186,8 @@ class Comm:
                                                                       tag=tag))
 
     def irecv(self, tensor, peer: int, tag: int = 0):
+        if self._p2p_cpu_only:
+            check_p2p_device(tensor, "receive")
         if self.counter is not None:
             self.counter.bytes_received += _nbytes(tensor)
         clock = trace.clock()
