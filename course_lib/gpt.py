@@ -36,6 +36,12 @@ from course_lib.attention import (apply_rotary, attention_output, attention_scor
 from course_lib.recompute import layer_policies, recompute, set_recompute
 
 
+def draw_device(p) -> str:
+    """Where an init draws ``p``'s values from a CPU generator: the CPU (then copied to ``p``'s
+    device), or ``meta`` for a parameter without data (no values, no memory)."""
+    return "meta" if p.is_meta else "cpu"
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256        # bytes
@@ -313,6 +319,8 @@ class TinyGPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
+        """Every weight drawn from one CPU generator in registration order: the same values on
+        any device (a model built on a GPU equals one built on the CPU), shapes only on meta."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():  # registration order; a tied weight once
@@ -322,7 +330,7 @@ class TinyGPT(nn.Module):
                 p.fill_(1.0)
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight", "proj.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(torch.randn(p.shape, generator=gen, device=draw_device(p)) * std)
         return self
 
     def embed(self, idx, positions=None):  # idx (b, s) int64 -> (b, s, h)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 # The GPT lives in its own room; the names are re-exported so every import keeps working.
 from course_lib.gpt import (Attention, Block, Dropout, GeLUMLP, GPTConfig, RMSNorm, SwiGLU, TinyGPT,
                             apply_rotary, attention_output, attention_scores, causal_attention,
-                            check_positions, rotary_rows, rotary_tables)
+                            check_positions, draw_device, rotary_rows, rotary_tables)
 
 # ----------------------------------------------------------------------------- MLP
 
@@ -84,7 +84,7 @@ def init_uniform_(module: nn.Module, seed: int) -> nn.Module:
                 fan_in = mod.weight[0].numel()
                 bound = 1.0 / math.sqrt(fan_in)
                 for p in mod.parameters(recurse=False):
-                    p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+                    p.copy_(torch.rand(p.shape, generator=gen, device=draw_device(p)) * 2 * bound - bound)
     return module
 
 

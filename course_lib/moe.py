@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.gpt import draw_device
+
 
 class Expert(nn.Module):
     """One expert: a GeLU MLP h -> ffn -> h."""
@@ -85,7 +87,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_experts))
         with torch.no_grad():  # one generator, in registration order: the same on every rank
             for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
+                p.copy_(torch.randn(p.shape, generator=g, device=draw_device(p)) * (0.5 / math.sqrt(p.shape[-1])))
 
     def forward(self, x, groups: int = 1):  # x (T, h) -> (T, h), aux loss
         if x.shape[0] % groups:
