@@ -33,13 +33,8 @@ import torch.nn.functional as F
 
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_positions, rotary_rows, rotary_tables)
+from course_lib.init import draw_device
 from course_lib.recompute import layer_policies, recompute, set_recompute
-
-
-def draw_device(p) -> str:
-    """Where an init draws ``p``'s values from a CPU generator: the CPU (then copied to ``p``'s
-    device), or ``meta`` for a parameter without data (no values, no memory)."""
-    return "meta" if p.is_meta else "cpu"
 
 
 @dataclass

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 # The GPT lives in its own room; the names are re-exported so every import keeps working.
 from course_lib.gpt import (Attention, Block, Dropout, GeLUMLP, GPTConfig, RMSNorm, SwiGLU, TinyGPT,
                             apply_rotary, attention_output, attention_scores, causal_attention,
-                            check_positions, draw_device, rotary_rows, rotary_tables)
+                            check_positions, rotary_rows, rotary_tables)
+from course_lib.init import draw_device
 
 # ----------------------------------------------------------------------------- MLP
 

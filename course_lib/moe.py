@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.gpt import draw_device
+from course_lib.init import draw_device
 
 
 class Expert(nn.Module):
