@@ -375,7 +375,8 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
            **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
-    backend: 'gloo' (CPU, or CUDA tensors) or 'nccl' (one GPU per rank).
+    backend: 'gloo' (CPU tensors; CUDA tensors in collectives, not point-to-point) or 'nccl'
+        (one GPU per rank).
     timeout: seconds for fn, counted once every rank has started and joined the
         process group (starting has its own limit, ``STARTUP_TIMEOUT``); past it
         every rank is stopped and :class:`LaunchTimeout` says where each unfinished
