@@ -52,7 +52,7 @@ def agree(comm: Comm, name: str, row: list[int], same_shape: bool = True,
     if comm.size == 1:
         rows = [row]
     else:
-        mine = torch.tensor(row, dtype=torch.int64, device=compat.backend_device(comm.group))
+        mine = torch.tensor(row, dtype=torch.int64, device=comm.backend_device)
         everyone = mine.new_empty(comm.size * mine.numel())
         compat.all_gather_into_tensor(everyone, mine, group=comm.group)
         rows = everyone.view(comm.size, -1).tolist()

@@ -142,7 +142,8 @@ class Comm:
         self.size = dist.get_world_size(group)
         self.ranks = [compat.global_rank(group, r) for r in range(self.size)]  # group rank -> global
         self.counter = counter
-        self._p2p_cpu_only = compat.backend_device(group).type == "cpu"   # gloo
+        self.backend_device = compat.backend_device(group)   # where this group's small exchanges live
+        self._p2p_cpu_only = self.backend_device.type == "cpu"   # gloo
         self.log: list[CommCall] = []
         self._measuring = False
         self._thread = self._pending = None  # our algorithms' async calls run there, in order

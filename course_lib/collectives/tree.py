@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from course_lib import compat
 from course_lib.collectives.checks import check_all_reduce, check_broadcast, check_reduce
 from course_lib.collectives.core import Comm, ReduceOp, collective, contiguous_flat, finish_avg, reduce_
 
@@ -111,9 +110,8 @@ def barrier(group=None, *, counter=None):
     from 2^k ranks behind. After ceil(log2 N) rounds everyone has (indirectly) heard from all."""
     comm = Comm(group, counter)
     N, r = comm.size, comm.rank
-    device = compat.backend_device(comm.group)          # NCCL: the token travels on the GPU
-    token = torch.zeros(1, dtype=torch.uint8, device=device)
-    got = torch.empty(1, dtype=torch.uint8, device=device)
+    token = torch.zeros(1, dtype=torch.uint8, device=comm.backend_device)   # NCCL: on the GPU
+    got = torch.empty(1, dtype=torch.uint8, device=comm.backend_device)
     k = 1
     while k < N:
         comm.exchange(token, (r + k) % N, got, (r - k) % N)

@@ -64,7 +64,7 @@ def mismatch_message(calls: list, seq: int | None = None) -> str:
 def check(comm, op, tensors, extra, site, entry=None):
     """All-gather this call's fingerprint over ``comm``'s group; raise DesyncError on a difference."""
     mine = _encode(fingerprint(op, tensors, extra, comm.dim, comm.ranks), site,
-                   compat.backend_device(comm.group))    # NCCL: the fingerprints travel on the GPU
+                   comm.backend_device)                  # NCCL: the fingerprints travel on the GPU
     rows = mine.new_empty(comm.size * FINGERPRINT_BYTES)
     compat.all_gather_into_tensor(rows, mine, group=comm.group)   # (size * 256,) bytes: one small exchange
     rows = rows.view(comm.size, FINGERPRINT_BYTES)

@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from course_lib import compat
 from course_lib.launch import launch, under_torchrun
 
 PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
@@ -60,9 +61,7 @@ def _device():
     a ``backend`` argument: ``launch(fn, n, backend=...)`` takes that keyword for itself, so fn
     would never see it (on a GPU the ranks computed on the CPU and failed at the first
     collective NCCL really ran: "No backend type associated with device type cpu")."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return compat.backend_device()
 
 
 def train(parallel, steps=20, batch=8, seq_len=32, hidden=64, layers=2, lr=3e-3, dtype=None,

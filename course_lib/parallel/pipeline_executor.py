@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from course_lib import compat, trace
+from course_lib import trace
 from course_lib.memory import storage_bytes
 from course_lib.parallel.zero_bubble import _accumulate, _linears, _outside, backward_input, backward_weight
 from course_lib.schedules import _dependency, validate
@@ -209,7 +209,7 @@ class ScheduleRunner:
     def _infer_shapes(self, x0):
         """{boundary: (shape, dtype)}: micro-batch 0 through the stages in order, no gradient."""
         header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64,               # dtype, ndim, dims
-                             device=compat.backend_device(self.comm.group))  # NCCL: on the GPU
+                             device=self.comm.backend_device)                # NCCL: on the GPU
         shapes = {}
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for s in range(self.n):

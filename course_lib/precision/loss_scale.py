@@ -26,8 +26,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib import compat
-
 # torch.amp.GradScaler's defaults
 INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000
 MESH_DIMS = ("dp", "pp", "cp", "tp")   # every dimension: mesh.comm(MESH_DIMS) is the whole mesh
@@ -61,7 +59,7 @@ def overflow_on_any_rank(grads, comm=None) -> bool:
     The local verdict is one number per rank; ONE all-reduce (MAX) of that single
     element makes it every rank's verdict (4 bytes, whatever the model's size)."""
     shared = comm is not None and comm.size > 1
-    device = compat.backend_device(comm.group) if shared else "cpu"   # NCCL: on the GPU
+    device = comm.backend_device if shared else "cpu"   # NCCL: on the GPU
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)   # (1,): 1.0 = this rank saw inf/NaN
     for g in grads:
         if not torch.isfinite(g).all():

@@ -23,7 +23,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from course_lib import compat
 from course_lib.costmodel import cost as algorithm_cost
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
 
@@ -122,8 +121,7 @@ class RankClock:
     def _exchange(self, comm, ready: float, ref, async_op: bool):
         """The members' latest ready time: a MAX all-reduce of one float64 (not counted in bytes)."""
         with self.muted():
-            device = ref.device if isinstance(ref, torch.Tensor) else compat.backend_device(comm.group)
-            issued = torch.tensor([ready], dtype=torch.float64, device=device)
+            issued = torch.tensor([ready], dtype=torch.float64, device=comm.backend_device)
             work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=async_op)
         return work, issued
 
