@@ -82,7 +82,10 @@ class Hardware:
     Achievable (named assumptions, shared by every layout): ``matmul_efficiency`` the
     fraction of peak a large bf16 GEMM sustains; ``nvlink_efficiency`` /
     ``network_efficiency`` the bus bandwidth a ring collective reaches as a fraction
-    of nominal; ``nvlink_latency`` / ``network_latency`` alpha, seconds per ring step;
+    of nominal; ``nvlink_latency`` / ``network_latency`` alpha, seconds per ring step (NCCL's
+    own tuning model, ``src/graph/tuning.cc`` ``hwLat`` for Ring/Simple, the protocol large
+    messages use: 3.4 us a step over NVLink, 14 us over the network; the virtual clock reads
+    NCCL's whole table, scaled by these two);
     ``elementwise_passes`` how many times the non-matmul kernels (norms, activation
     functions, dropout, residual adds) stream each stored activation byte through HBM
     in the forward pass (written once, read once: 2; backward moves twice that);
@@ -107,8 +110,8 @@ class Hardware:
     matmul_efficiency: float = 0.70
     nvlink_efficiency: float = 0.80
     network_efficiency: float = 0.80
-    nvlink_latency: float = 10e-6
-    network_latency: float = 20e-6
+    nvlink_latency: float = 3.4e-6     # NCCL tuning.cc hwLat[NVLINK][RING][SIMPLE]
+    network_latency: float = 14e-6     # NCCL tuning.cc hwLat[NET][RING][SIMPLE]
     elementwise_passes: float = 2.0
     fused_attention: bool = True
     fused_kernels: bool = False
