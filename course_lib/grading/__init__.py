@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from course_lib import tolerance
-from course_lib.grading.guard import Shortcut, TimeLimit, learner, learner_class
+from course_lib.grading.guard import Shortcut, Tampered, TimeLimit, learner, learner_class
 from course_lib.launch import LaunchTimeout, RankError, launch
 
 
@@ -59,7 +59,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _explain_rank_error(err: RankError) -> str:
     if err.exc_type == "NotImplementedError":
         return f"rank {err.rank}: not implemented yet (NotImplementedError)"
-    if err.exc_type in ("Mismatch", "AssertionError", "Shortcut", "TimeLimit"):
+    if err.exc_type in ("Mismatch", "AssertionError", "Shortcut", "TimeLimit", "Tampered"):
         return _one_line(str(err).split("\n\n--- traceback")[0].split(": ", 1)[-1])
     if err.exc_type is None:
         return _one_line(str(err))
@@ -82,7 +82,7 @@ def _explain(exc: BaseException) -> str:
         return _one_line(f"deadlock or hang (timed out): {stuck}", 400)
     if isinstance(exc, NotImplementedError):
         return "not implemented yet (NotImplementedError)"
-    if isinstance(exc, (Mismatch, Shortcut, TimeLimit)):
+    if isinstance(exc, (Mismatch, Shortcut, TimeLimit, Tampered)):
         return _one_line(str(exc))
     return _one_line(f"{type(exc).__name__}: {exc}")
 
@@ -228,5 +228,5 @@ def _short(x, n: int = 6) -> str:
     return _one_line(repr(x), 80)
 
 
-__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "TimeLimit", "check", "check_distributed", "compare",
+__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "Tampered", "TimeLimit", "check", "check_distributed", "compare",
            "learner", "learner_class"]

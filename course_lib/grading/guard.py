@@ -16,6 +16,10 @@ cannot be constructed; a method of torch's ``ProcessGroup`` (the C++ object ever
 
     Shortcut: write this yourself: the exercise is the ring (course_lib...ring_all_reduce is off ...)
 
+The grader's own code is pinned around each call (:mod:`.integrity`): an answer that
+rebinds the grader's names (``compare``, ``too_many_bytes``, ``torch.equal``) is restored
+and fails with :class:`Tampered`.
+
 ``seconds`` stops a learner's function that runs too long in the grading process
 (an endless loop) with :class:`TimeLimit`; in ranks, ``launch``'s timeout does it.
 
@@ -32,6 +36,8 @@ import importlib
 import signal
 import threading
 from typing import Callable
+
+from course_lib.grading.integrity import Tampered, pinned
 
 # torch.distributed's collectives, at both levels: the Python functions (learners call these)
 # and the ProcessGroup methods they end in (which a learner could call directly).
@@ -256,7 +262,9 @@ def learner(fn: Callable, *targets, exercise: str, seconds: float | None = None)
 
     @functools.wraps(fn)
     def guarded(*args, **kwargs):
-        with switched_off(targets, exercise), time_limit(seconds):
+        # pinned outermost: the grader is recorded before anything is switched off, and
+        # checked (and put back) after everything is switched on again
+        with pinned(), switched_off(targets, exercise), time_limit(seconds):
             return fn(*args, **kwargs)
     return guarded
 
@@ -276,5 +284,5 @@ def learner_class(cls, *targets, exercise: str, seconds: float | None = None):
     return type(cls.__name__, (cls,), wrapped)
 
 
-__all__ = ["learner", "learner_class", "switched_off", "time_limit", "Shortcut", "TimeLimit",
+__all__ = ["learner", "learner_class", "switched_off", "time_limit", "Shortcut", "TimeLimit", "Tampered",
            "TORCH_COLLECTIVES", "TORCH_DATA_PARALLEL"]
