@@ -96,6 +96,91 @@ def test_diagnosis_of_the_issues_examples_from_records():
     assert diagnose({0: [], 1: []}).startswith("no communication call was recorded")
 
 
+class _FakeEvent:
+    """A CUDA event's stand-in: fires when the test says the kernel has run."""
+    def __init__(self):
+        self.fired = False
+
+    def query(self):
+        return self.fired
+
+
+def test_under_nccl_a_call_on_cuda_tensors_completes_by_its_cuda_event(monkeypatch):
+    """NCCL returns when the kernel is enqueued: the record says enqueued until the event
+    recorded behind it fires; a CPU tensor, or a recorder without CUDA events, completes on
+    return. (The GPU itself: test_flight_recorder_on_a_gpu.)"""
+    from types import SimpleNamespace
+
+    from course_lib.debug import flight_recorder
+    events = []
+    monkeypatch.setattr(flight_recorder, "_cuda_event", lambda: events.append(_FakeEvent()) or events[-1])
+    monkeypatch.setattr(flight_recorder, "WATCH_S", 3600.0)   # the test polls, not the watchdog
+    comm = SimpleNamespace(dim="dp", ranks=[0, 1], size=2)
+    on_gpu = SimpleNamespace(shape=(4,), dtype=torch.float32, is_cuda=True)   # a CUDA tensor's face
+    for cuda_events, tensor, first in ((True, on_gpu, "enqueued"), (False, on_gpu, "completed"),
+                                       (True, torch.zeros(4), "completed")):
+        fr = flight_recorder.install(FlightRecorder(None, rank=0, cuda_events=cuda_events))
+        try:
+            for _ in range(2):
+                flight_recorder.completed(flight_recorder.collective(comm, "all_reduce", (tensor,), {}, False), None)
+            assert [r.state for r in fr.records()] == [first] * 2
+            if first == "enqueued":
+                assert [r.name for r in recs_of(fr, "enqueued")] == ["all_reduce #1 on dp [0, 1]",
+                                                                   "all_reduce #2 on dp [0, 1]"]
+                events[0].fired = True                        # the first kernel ran, the second not
+                assert fr.poll() == 1
+                assert [r.state for r in fr.records()] == ["completed", "enqueued"]
+                assert diagnose({0: fr.records(), 1: []}).startswith("rank 0 waits in all_reduce #2 on dp")
+                events[1].fired = True
+                assert fr.poll() == 0 and {r.state for r in fr.records()} == {"completed"}
+        finally:
+            flight_recorder.install(None)
+            fr.close()
+
+
+def recs_of(fr, state):
+    return [r for r in fr.records() if r.state == state]
+
+
+def _recorder_mode():
+    from course_lib.debug import flight_recorder
+    return flight_recorder.recorder().cuda_events
+
+
+def test_the_backend_selects_the_completion_by_cuda_event():
+    assert list(launch(_recorder_mode, 2)) == [False, False]          # gloo: the CPU's return
+
+
+def _nccl_all_reduce_after_a_long_kernel():
+    import torch.distributed as dist
+
+    from course_lib.collectives import Comm
+    from course_lib.debug import flight_recorder
+    comm = Comm(None, dim="dp")
+    a = torch.randn(8192, 8192, device="cuda")
+    for _ in range(20):
+        a = a @ a / 8192 ** 0.5                                        # ~20 TFLOP queued on the GPU
+    out = torch.empty_like(a)
+    comm.all_gather_into_tensor(out, a)          # (one rank: NCCL still runs it, behind the matmuls)
+    fr = flight_recorder.recorder()
+    after_return = fr.records()[-1].state
+    torch.cuda.synchronize()
+    for _ in range(100):                                               # the watchdog polls
+        if fr.records()[-1].state == "completed":
+            break
+        import time
+        time.sleep(0.05)
+    return fr.cuda_events, dist.get_backend(), after_return, fr.records()[-1].state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_flight_recorder_on_a_gpu():
+    cuda_events, backend, after_return, at_end = launch(_nccl_all_reduce_after_a_long_kernel, 1,
+                                                        backend="nccl")[0]
+    assert (cuda_events, backend) == (True, "nccl")
+    assert after_return == "enqueued" and at_end == "completed"
+
+
 # ----------------------------------------------------------------------------- real hangs and crashes
 
 def wrong_group():

@@ -23,7 +23,7 @@ import textwrap
 
 from course_lib.debug.flight_recorder import Record, shape_text
 
-WIDTH = 78
+WIDTH = 76   # the book's output column at 1280 px
 NOTHING = "no rank is blocked in a communication call and every position recorded agrees"
 
 
@@ -120,9 +120,13 @@ def message_mismatches(records: dict) -> list:
 
 
 def _blocking(recs: list):
-    """The call a rank is blocked in: its latest record in state waiting (None: not blocked)."""
+    """The call a rank is blocked in: its latest record in state waiting; else, under NCCL,
+    the first one enqueued on the GPU and not completed (a stream runs its kernels in
+    order, and the CPU may have enqueued many more behind it); None: not blocked."""
     waiting = [r for r in recs if r.state == "waiting"]
-    return waiting[-1] if waiting else None
+    if waiting:
+        return waiting[-1]
+    return next((r for r in recs if r.state == "enqueued"), None)
 
 
 def _reached(records, member, key, seq) -> bool:

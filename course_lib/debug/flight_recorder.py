@@ -6,7 +6,14 @@ and point-to-point messages) writes one :class:`Record` into a ring of N fixed-s
 a message's number counts the messages between the same two ranks, direction and tag),
 op, group (mesh dimension and global ranks), shapes, dtypes, the innermost span, the call
 site (the first frame outside the communication layer) and a state: issued, waiting (the
-caller blocks on it), completed.
+caller blocks on it), enqueued, completed.
+
+Under NCCL the CPU call returns when the kernel is *enqueued* on the GPU, not when it has
+run: a CPU-side "completed" would put the records many calls ahead of the kernel that is
+stuck. So under ``launch(backend="nccl")`` a call on CUDA tensors is marked enqueued when the
+CPU returns, a CUDA event is recorded behind it on the current stream (NCCL makes that
+stream wait for the collective), and a watchdog thread marks it completed when the event
+has fired -- what PyTorch's recorder does with its scheduled / started / completed states.
 
 The ring is a file mapped in memory (like the launcher's status file): writing a record is
 a copy, not a system call, and the launcher reads every rank's ring after a timeout or a
@@ -26,6 +33,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from course_lib import trace
@@ -34,7 +42,8 @@ SLOTS = 256                      # default N: the last 256 calls of each rank
 SLOT_BYTES = 384                 # one record: 1 state byte, 2 length bytes, the text
 _HEADER = struct.Struct("<8sQQ")  # magic, calls recorded so far, slots
 _MAGIC = b"CLFLIGHT"
-STATES = {b"i": "issued", b"w": "waiting", b"c": "completed"}
+STATES = {b"i": "issued", b"w": "waiting", b"q": "enqueued", b"c": "completed"}
+WATCH_S = 0.05                   # how often the watchdog polls the CUDA events of enqueued calls
 _SEP = "\x1f"
 # frames of the communication layer itself are not a call site
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,11 +128,12 @@ def call_site() -> str:
 
 
 class Entry:
-    """A recorded call: its slot, updated in place as the call waits and completes."""
-    __slots__ = ("_fr", "index", "_offset")
+    """A recorded call: its slot, updated in place as the call waits and completes.
+    ``gpu``: its completion is a CUDA event's (NCCL on CUDA tensors), not the CPU's return."""
+    __slots__ = ("_fr", "index", "_offset", "gpu")
 
-    def __init__(self, fr, index, offset):
-        self._fr, self.index, self._offset = fr, index, offset
+    def __init__(self, fr, index, offset, gpu=False):
+        self._fr, self.index, self._offset, self.gpu = fr, index, offset, gpu
 
     def _set(self, state: bytes):
         fr = self._fr
@@ -134,14 +144,28 @@ class Entry:
         self._set(b"w")
 
     def complete(self):
-        self._set(b"c")
+        if self.gpu:
+            self._fr.enqueued(self)   # the CPU is done; the GPU may not be
+        else:
+            self._set(b"c")
+
+
+def _cuda_event():
+    """A CUDA event recorded now on the current stream: it fires when every kernel enqueued
+    on that stream before it, the collective's wait included, has run."""
+    import torch
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class FlightRecorder:
-    """This rank's ring of the last ``slots`` calls, in the file ``path`` (or anonymous memory)."""
+    """This rank's ring of the last ``slots`` calls, in the file ``path`` (or anonymous memory).
+    ``cuda_events``: calls on CUDA tensors complete when their CUDA event fires (NCCL)."""
 
-    def __init__(self, path: str | None, rank: int, slots: int = SLOTS):
+    def __init__(self, path: str | None, rank: int, slots: int = SLOTS, cuda_events: bool = False):
         self.rank, self.slots, self.path = rank, check_slots(slots), path
+        self.cuda_events, self._pending, self._watchdog = cuda_events, [], None
         size = _HEADER.size + slots * SLOT_BYTES
         if path is None:
             self._mm = mmap.mmap(-1, size)
@@ -156,7 +180,7 @@ class FlightRecorder:
         self._mm[:_HEADER.size] = _HEADER.pack(_MAGIC, 0, slots)
 
     def record(self, op, dim, ranks, tensors, peer=None, tag=0, extra="", span="", site="",
-               state=b"i") -> Entry:
+               state=b"i", gpu=False) -> Entry:
         key = (dim, ranks, op, peer, tag) if peer is not None else (dim, ranks)
         shapes = ";".join(["x".join(map(str, t.shape)) for t in tensors])
         dtypes = ";".join([_DTYPES.get(t.dtype) or _dtype(t.dtype) for t in tensors])
@@ -170,7 +194,44 @@ class FlightRecorder:
             mm = self._mm   # one copy: state, length, text; then the count the reader trusts
             mm[offset:offset + 3 + len(data)] = state + len(data).to_bytes(2, "little") + data
             mm[8:16] = index.to_bytes(8, "little")
-            return Entry(self, index, offset)
+            return Entry(self, index, offset, gpu)
+
+    def enqueued(self, entry: Entry):
+        """The CPU call returned: mark it enqueued until its CUDA event fires."""
+        event = _cuda_event()
+        entry._set(b"q")
+        with self._lock:
+            self._pending.append((entry, event))
+            if self._watchdog is None:
+                device = getattr(event, "device", None)   # the watchdog queries on this GPU
+                self._watchdog = threading.Thread(target=self._watch, args=(device,), daemon=True,
+                                                  name=f"flight-recorder-{self.rank}")
+                self._watchdog.start()
+
+    def poll(self) -> int:
+        """Mark completed the enqueued calls whose event has fired; returns how many still run."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        running = []
+        for entry, event in pending:
+            if event.query():
+                entry._set(b"c")
+            else:
+                running.append((entry, event))
+        with self._lock:
+            self._pending[:0] = running   # (in call order, before any added meanwhile)
+            return len(self._pending)
+
+    def _watch(self, device):
+        if device is not None:
+            import torch
+            torch.cuda.set_device(device)
+        try:
+            while self._mm is not None:
+                self.poll()
+                time.sleep(WATCH_S)
+        except ValueError:   # the ring was closed under it: the rank is done
+            pass
 
     def records(self) -> list:
         return parse(bytes(self._mm), self.rank)
@@ -265,11 +326,16 @@ def collective(comm, op, args, kwargs, async_op):
     entry = None
     if _recorder is not None:
         entry = _recorder.record(op, comm.dim, tuple(comm.ranks), tensors, extra=extra, span=_span(),
-                                 site=site, state=b"i" if async_op else b"w")
+                                 site=site, state=b"i" if async_op else b"w", gpu=_on_gpu(tensors))
     if _desync and comm.size > 1:
         from course_lib.debug import desync
         desync.check(comm, op, tensors, extra, site, entry)
     return entry
+
+
+def _on_gpu(tensors) -> bool:
+    """Does this call complete on the GPU (NCCL launch, CUDA tensors) rather than on return?"""
+    return _recorder.cuda_events and any(getattr(t, "is_cuda", False) for t in tensors)
 
 
 def completed(entry, result):
@@ -290,7 +356,7 @@ def p2p(comm, op, tensor, peer, tag, work):
     if _recorder is None:
         return work
     entry = _recorder.record(op, comm.dim, tuple(comm.ranks), (tensor,), peer=comm.ranks[peer], tag=tag,
-                             span=_span(), site=call_site())
+                             span=_span(), site=call_site(), gpu=_on_gpu((tensor,)))
     return TrackedWork(work, entry)
 
 

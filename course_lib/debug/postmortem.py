@@ -5,7 +5,8 @@
 * :func:`check_options` before any rank starts (an unknown mode or a ring of < 1 call is a
   ValueError naming it);
 * :func:`in_rank` around ``fn`` in each rank: installs the flight recorder (its ring is the
-  file ``flight<rank>`` in the launch's private folder), the desync check, the NaN tracer;
+  file ``flight<rank>`` in the launch's private folder; under NCCL it completes calls by
+  CUDA event), the desync check, the NaN tracer;
 * :func:`explain` when a rank failed or the run timed out: reads every rank's ring file (the
   ranks do nothing: a hung or dead rank cannot), merges them (:func:`diagnosis.diagnose`)
   and sets ``failure.diagnosis``, also appended to the error's message.
@@ -42,14 +43,19 @@ def check_options(debug, slots) -> tuple:
     return modes, slots
 
 
+def _backend() -> str:
+    import torch.distributed as dist
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else ""
+
+
 @contextlib.contextmanager
 def in_rank(workdir, rank, options):
     """This rank's recorder (a file the launcher can read), desync check, NaN tracer."""
     modes, slots = options
     ring = None
-    if slots is not None:
+    if slots is not None:   # NCCL returns when the kernel is enqueued: complete by CUDA event
         ring = flight_recorder.FlightRecorder(os.path.join(workdir, f"flight{rank}") if workdir else None,
-                                              rank, slots)
+                                              rank, slots, cuda_events=_backend() == "nccl")
     flight_recorder.install(ring, desync="desync" in modes)
     try:
         if "nonfinite" in modes:
