@@ -250,3 +250,31 @@ def test_ring_all_reduce_and_composition_accept_other_right_answers(capsys):
     assert G.check_ring_all_reduce(ring_by_views) and G.check_all_reduce_composed(composed)
     assert capsys.readouterr().out.split("\n")[:2] == ["ring_all_reduce: 8/8 cases passed",
                                                        "all_reduce_composed: 8/8 cases passed"]
+
+
+def test_a_ring_that_posts_the_all_gathers_receives_up_front_on_its_own_tag_passes(capsys):
+    """Issue 34: the watcher sent every round stamp on one tag, so receives posted early on
+    the learner's own tag took the reduce-scatter's stamps and a right ring was failed as a
+    deadlock. Stamps now travel on a tag keyed by the learner's."""
+    def early_receives(tensor):
+        r, N = rank_world()
+        parts = tensor.view(-1).tensor_split(N)
+        # all-gather step s receives piece (r - s) % N from the left, on tag 1: posted first
+        inbox = [torch.empty_like(parts[(r - s) % N]) for s in range(N - 1)]
+        pending = [dist.irecv(inbox[s], (r - 1) % N, tag=1) for s in range(N - 1)]
+        for s in range(N - 1):                       # reduce-scatter on tag 0: rank r ends with piece r + 1
+            got = torch.empty_like(parts[(r - s - 1) % N])
+            exchange(parts[(r - s) % N], (r + 1) % N, got, (r - 1) % N)
+            parts[(r - s - 1) % N].add_(got)
+        sent = []
+        for s in range(N - 1):                       # all-gather: forward what arrived in the step before
+            if s:
+                pending[s - 1].wait()
+                parts[(r - s + 1) % N].copy_(inbox[s - 1])
+            sent.append(dist.isend(parts[(r - s + 1) % N].clone(), (r + 1) % N, tag=1))
+        if N > 1:
+            pending[-1].wait()
+            parts[(r - N + 2) % N].copy_(inbox[-1])
+        for work in sent:
+            work.wait()
+    passed(capsys, G.check_ring_all_reduce(early_receives, timeout=6), "ring_all_reduce: 8/8 cases passed")

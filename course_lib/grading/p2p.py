@@ -26,7 +26,10 @@ COLLECTIVES_LIBRARY = ("course_lib.collectives:*", "course_lib.collectives.ring:
                        "course_lib.collectives.naive:*", "course_lib.collectives.pairwise:*",
                        "course_lib.collectives.comm:*", "course_lib.compat:*", TORCH_COLLECTIVES)
 
-_STAMP_TAG = 31337  # side channel of the round stamps; learners use tag 0
+# Side channel of the round stamps: a message on the learner's tag t has its stamp on tag
+# _STAMP_TAG + t, so stamps pair with messages exactly as the messages pair (by peer and tag,
+# in posting order), whatever order the learner posts receives of different tags in.
+_STAMP_TAG = 1 << 20
 
 
 class P2PWatch:
@@ -62,6 +65,10 @@ class P2PWatch:
                 return orig[name](*args, **kwargs)
             return call
 
+        def stamp_tag(args, kwargs):  # send/recv/isend/irecv(tensor, peer, group, tag)
+            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
+            return _STAMP_TAG + int(tag or 0)
+
         def sending(args, kwargs):
             tensor, dst = args[0], peer_of(args, kwargs, "dst")
             watch.bytes_sent += tensor.numel() * tensor.element_size()
@@ -82,7 +89,7 @@ class P2PWatch:
             dst, stamp = sending(args, kwargs)
             with watch._guard(), _waiting(f"send to rank {dst}"):
                 out = orig["send"](*args, **kwargs)
-                orig["send"](stamp, dst, tag=_STAMP_TAG)
+                orig["send"](stamp, dst, tag=stamp_tag(args, kwargs))
             return out
 
         def recv(*args, **kwargs):
@@ -92,7 +99,7 @@ class P2PWatch:
             stamp = torch.zeros(1, dtype=torch.int64)
             with watch._guard(), _waiting(f"recv from rank {src}"):
                 out = orig["recv"](*args, **kwargs)
-                orig["recv"](stamp, src, tag=_STAMP_TAG)
+                orig["recv"](stamp, src, tag=stamp_tag(args, kwargs))
             watch.clock = max(watch.clock, int(stamp))
             return out
 
@@ -102,7 +109,8 @@ class P2PWatch:
             dst, stamp = sending(args, kwargs)
             with watch._guard():
                 work = orig["isend"](*args, **kwargs)
-                return _Both(work, orig["isend"](stamp, dst, tag=_STAMP_TAG), None, watch, f"isend to rank {dst}")
+                stamp_work = orig["isend"](stamp, dst, tag=stamp_tag(args, kwargs))
+                return _Both(work, stamp_work, None, watch, f"isend to rank {dst}")
 
         def irecv(*args, **kwargs):
             if watch._inside:
@@ -111,7 +119,8 @@ class P2PWatch:
             stamp = torch.zeros(1, dtype=torch.int64)
             with watch._guard():
                 work = orig["irecv"](*args, **kwargs)
-                return _Both(work, orig["irecv"](stamp, src, tag=_STAMP_TAG), stamp, watch, f"irecv from rank {src}")
+                stamp_work = orig["irecv"](stamp, src, tag=stamp_tag(args, kwargs))
+                return _Both(work, stamp_work, stamp, watch, f"irecv from rank {src}")
 
         for name, fn in (("send", send), ("recv", recv), ("isend", isend), ("irecv", irecv)):
             fn.__name__ = name
