@@ -73,18 +73,27 @@ def test_gemm_chain_and_all_reduce_prices():
     for r in range(4):
         assert spans[r, "gemm"].duration == pytest.approx(gemm, rel=0.01)
         assert spans[r, "unequal work"].duration == pytest.approx(r * gemm, rel=0.01)
-    alpha, bw = H100.link(True)
-    assert (alpha, bw) != H100.link(False)
-    # chain: the receive ends one message after the send was issued (at the end of the GEMM)
+    # chain: the receive ends one message after the send was issued (at the end of the GEMM).
+    # NCCL's model of one message (src/graph/tuning.cc): baseLat + one hwLat step, Simple
+    # above 16 KiB: 8.4 + 3.4 us over NVLink, then the bytes at the preset's bus bandwidth
+    nvlink = H100.nvlink_bandwidth * H100.nvlink_efficiency
     recv = spans[1, "recv from 0"]
-    assert recv.end == pytest.approx(spans[0, "gemm"].end + alpha + 2 * M * N / bw, rel=REL)
+    assert recv.end == pytest.approx(spans[0, "gemm"].end + 11.8e-6 + 2 * M * N / nvlink, rel=REL)
     assert spans[1, "unequal work"].start == pytest.approx(recv.end, rel=REL)
-    # all-reduce: one end on every member, the slowest issue + the ring's cost on the network
-    alpha, bw = H100.link(False)
+    # all-reduce of 128 KiB over 2 nodes x 2 GPUs: one end on every member, the slowest issue +
+    # NCCL's fastest choice, ring with LL128 here (ring: 6 steps, 4 of them across the network)
+    net, n = H100.network_bandwidth * H100.network_efficiency, 2 * ELEMS
+    ring = {"LL": 6.6e-6 + 2 * 1.08e-6 + 4 * 2.7e-6 + n / (min(39e9, net / 4) * 4 / 6),
+            "LL128": 14e-6 + 2 * 1.9e-6 + 4 * 4.0e-6 + n / (net * 0.92 * 4 / 6),
+            "Simple": (8.4e-6 + 2 * 3.4e-6 + 4 * 14e-6) * 1.9 + n / (net * 4 / 6)}
+    tree = {"LL": 6.8e-6 + 2 * (1.08e-6 + 5e-6) + n / (net * 0.92 / 3.8 * 0.5),
+            "LL128": 14e-6 + 2 * (1.25e-6 + 8.5e-6) + n / (net * 0.92 * 120 / 128 * 0.5),
+            "Simple": 2 * (28e-6 + 28e-6) + n / (net * 0.92 * 0.5)}
+    best = min([*ring.values(), *tree.values()])
+    assert best == ring["LL128"]
     issue = max(spans[r, "unequal work"].end for r in range(4))
-    ring = costmodel.ring_all_reduce(2 * ELEMS, 4, alpha, 1 / bw)
     ends = {spans[r, "all-reduce"].end for r in range(4)}
-    assert len(ends) == 1 and ends.pop() == pytest.approx(issue + ring, rel=REL)
+    assert len(ends) == 1 and ends.pop() == pytest.approx(issue + best, rel=REL)
     # two async all-reduces share the communication stream; compute runs beside them
     for r in range(4):
         first, second = spans[r, "first async"], spans[r, "second async"]
@@ -177,12 +186,14 @@ def _one_f_one_b():
 
 def test_pipeline_on_h100_links_is_the_schedule_simulation_and_deterministic(tmp_path):
     """With the preset's NVLink, every action starts exactly when schedules.simulate says (its
-    t_comm = alpha + bytes / bandwidth, the run's own action times); twice in a row, and in a
+    t_comm = one message's time in NCCL's model, the run's own action times); twice in a row, and in a
     process with the default (non-vectorised) kernels, the spans are identical."""
     cluster = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
     first = launch(_one_f_one_b, 4, clock=cluster)
     second = launch(_one_f_one_b, 4, clock=cluster)
-    alpha, bw = H100.link(True)
+    # one 512-byte message over NVLink in NCCL's model: LL (up to 16 KiB), baseLat 6.6 + hwLat
+    # 0.6 us, the bytes at a quarter of the bus bandwidth (LL carries 4 data bytes in 8)
+    alpha, bw = 7.2e-6, min(87.7e9, H100.nvlink_bandwidth * H100.nvlink_efficiency / 4)
     for name in ("1f1b", "zb-h1"):
         spans = [s for r in first for s in r[name][0]]
         assert spans == [s for r in second for s in r[name][0]], name

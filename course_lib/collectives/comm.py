@@ -334,10 +334,11 @@ class Comm:
         return handle
 
     def _virtual_call(self, clock, op, name, payload, async_op, args, kwargs, fn, who):
-        """Run the collective for real (its work is not compute) and price it on the virtual
-        clock: one span from its start on the communication stream to its end. An async call
-        of torch's collectives runs beside the program, as on the wall clock (priced when waited
-        for); the others run to completion first."""
+        """Run the collective for real and price it on the virtual clock: one span from its start
+        to its end. The backend's collectives (torch's) are priced as NCCL would run them, on
+        the group's communication stream; an async one runs beside the program, as on the wall
+        clock (priced when waited for). One built from send/recv (``impl="course"``, a learner's)
+        runs to completion, priced from its own messages and reductions."""
         if async_op and who == "torch" and not self._measuring and not clock.muted_depth:
             self.log.append(CommCall(op, name, payload, None))
             pending = clock.issue(self, op, payload, args[0] if args else None, name)
@@ -351,6 +352,16 @@ class Comm:
                     clock.settle()
                 clock.join(pending.end)
             return Handle(self, wait, name, pending.ready, done=True)
+        if who != "torch" and not self._measuring:
+            # built from send/recv: its own messages are priced, as they would run on the GPUs
+            self.log.append(CommCall(op, name, payload, None))
+            self._drain()
+            clock.settle()
+            start = clock.t
+            with trace.muted():
+                self._quiet(fn, args, kwargs)()
+            trace.recorder().add(name, "comm", start, clock.t, self.dim)
+            return Handle(self, None, name, start, done=True) if async_op else None
         def run():
             with clock.muted(), trace.muted():
                 if self._measuring:

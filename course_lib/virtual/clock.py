@@ -1,19 +1,26 @@
-"""One rank's virtual clock: a compute stream, a communication stream, and the times that
-travel with the real messages.
+"""One rank's virtual clock: a compute stream, a stream per communicator, the GPU's link
+lanes, and the times that travel with the real messages.
 
 ``t`` is the compute stream (and the rank's "now": the host waits for its kernels, as a
-step that synchronises would); ``comm_free`` is when the communication stream finishes its
-last collective. The communication layer (:class:`course_lib.collectives.comm.Comm`) calls:
+step that synchronises would). Communication runs on streams of its own, as NCCL's does:
+one per communicator (``streams[group]``), and one per peer and direction for
+point-to-point (torch's NCCL backend gives each pair of ranks a communicator of its own).
+The bytes cross this GPU's lanes (:mod:`.links`: NVLink and NIC, send and receive), which
+every stream shares: collectives of different groups overlap in time and meet only where
+they cross the same lane. The communication layer
+(:class:`course_lib.collectives.comm.Comm`) calls:
 
-* ``collective(comm, op, payload, ref, run)`` around the real collective (``run()``): the
-  members all-reduce (MAX) their ready times ``max(t, comm_free)`` in one 8-byte message
-  beside it (async, issued first; not counted in any byte count), so the collective starts
-  at the latest member's ready time and ends ``cost`` later on every member: ``cost`` = the
-  algorithm's alpha-beta time (:data:`ALGORITHMS`, ``course_lib.costmodel``) on the group's
-  link;
+* ``collective(comm, op, payload, ref, run)`` around a backend collective (``run()``): the
+  members all-reduce (MAX) their ready times (compute stream, the group's stream, their
+  lanes) and payloads in one 16-byte message beside it (async, issued first; not counted in
+  any byte count), so the collective starts at the latest member's ready time and ends
+  NCCL's time for it later (:func:`.links.nccl_collective`) on every member; it holds each
+  member's lanes for the bytes its algorithm moves there;
 * ``isend`` / ``irecv``: the real message, its payload's bytes followed by 8 bytes holding the
-  send's issue time (one message, not two: half the transport's work); the receive completes at
-  ``max(its issue, send issue + alpha + bytes / bandwidth)``;
+  time its bytes start to leave (one message, not two: half the transport's work); the
+  receive completes ``latency + bytes / bandwidth`` after its bytes can enter the receiver's
+  lane (:func:`.links.p2p_time`). A collective built from ``send``/``recv`` (the course's
+  rings, trees, a learner's answer) is priced from these messages: what runs is what is priced;
 * ``join(end)`` when the rank waits on async work: ``t = max(t, end)``.
 """
 from __future__ import annotations
@@ -23,14 +30,13 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from course_lib.costmodel import cost as algorithm_cost
+from course_lib.virtual import links
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
 
-# the algorithm that prices each Comm collective (NCCL's and course_lib's defaults: rings,
-# a binomial-tree broadcast, pairwise all-to-all); n = torch's payload (see Comm's CommCall)
-ALGORITHMS = {"all_reduce": "ring_all_reduce", "reduce_scatter_tensor": "ring_reduce_scatter",
-              "all_gather_into_tensor": "ring_all_gather", "broadcast": "tree_broadcast",
-              "all_to_all_single": "pairwise_all_to_all", "barrier": "ring_all_reduce"}
+# Comm's collective -> NCCL's (all-to-all is grouped point-to-point; barrier an all-reduce)
+NCCL_OPS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+            "all_gather_into_tensor": "all_gather", "broadcast": "broadcast",
+            "all_to_all_single": "all_to_all", "barrier": "all_reduce"}
 
 
 class RankClock:
@@ -40,12 +46,19 @@ class RankClock:
     def __init__(self, cluster, rank: int, world_size: int, recorder):
         self.cluster, self.rank, self.world_size, self.recorder = cluster, rank, world_size, recorder
         self.t = 0.0            # compute stream: when its last kernel ends
-        self.comm_free = 0.0    # communication stream: when its last collective ends
+        self.streams = defaultdict(float)     # communicator (or peer, direction) -> when its last work ends
+        self.lanes = defaultdict(links.Lane)  # ("nvlink" | "net", "send" | "recv") -> this GPU's lane
         self.muted_depth = 0
         self.kernels = 0        # kernels priced on the compute stream so far
         self._messages = defaultdict(int)     # (src, dst, group, tag) -> messages so far: flow ids
+        self._groups = {}       # Comm -> (stream key, nodes, ranks on the fullest node)
         self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
         self._mode = ComputeStream(self)
+
+    @property
+    def comm_free(self) -> float:
+        """When the last communication stream goes idle."""
+        return max(self.streams.values(), default=0.0)
 
     def now(self) -> float:
         return self.t
@@ -76,17 +89,18 @@ class RankClock:
         ``comm``. ``beside``: the ready times' exchange is issued (async) before ``run()`` and
         waited for after it (the two messages overlap); else it follows ``run()``."""
         self.settle()
-        ready = max(self.t, self.comm_free)
-        exchange = self._exchange(comm, ready, ref, async_op=True) if comm.size > 1 and beside else None
+        nbytes = self._bytes(payload, ref)
+        ready = self._ready(comm, op, nbytes)
+        exchange = self._exchange(comm, ready, nbytes) if comm.size > 1 and beside else None
         run()
         start = ready
         if comm.size > 1:
             if exchange is None:
-                exchange = self._exchange(comm, ready, ref, async_op=True)
+                exchange = self._exchange(comm, ready, nbytes)
             with self.muted():
                 exchange[0].wait()
-            start = float(exchange[1])
-        return start, self._priced(comm, op, payload, ref, start)
+            start, nbytes = float(exchange[1][0]), float(exchange[1][1])
+        return start, self._priced(comm, op, nbytes, start)
 
     def issue(self, comm, op: str, payload: int, ref, name: str) -> "Pending":
         """An async collective whose real work runs beside the program (as on the wall clock):
@@ -94,13 +108,17 @@ class RankClock:
         (async); it is priced, in issue order, by :meth:`settle`, when it is waited for or the
         next collective is issued: the same start and end as a blocking call would get."""
         self.settle()
-        ready = max(self.t, self.comm_free)
-        exchange = self._exchange(comm, ready, ref, async_op=True) if comm.size > 1 else None
-        index = len(self.recorder.spans)     # its span keeps its place among the rank's spans
+        nbytes = self._bytes(payload, ref)
+        ready = self._ready(comm, op, nbytes)
+        exchange = self._exchange(comm, ready, nbytes) if comm.size > 1 else None
+        if comm.size > 1:    # its lanes held from its ready time until it is priced (settle)
+            for lane, seconds in self._occupancy(comm, op, nbytes):
+                self.lanes[lane].reserve(ready, seconds)
+        spans = self.recorder.spans
+        n = len(spans)
         self.recorder.add(name, "comm", ready, ready, comm.dim)
-        if len(self.recorder.spans) == index:   # (spans muted here: none to record)
-            index = None
-        pending = Pending(comm, op, payload, ref, name, ready, exchange, index)
+        placeholder = spans[-1] if len(spans) > n else None     # (spans muted here: none)
+        pending = Pending(comm, op, nbytes, name, ready, exchange, placeholder)
         self._pending.append(pending)
         return pending
 
@@ -108,55 +126,134 @@ class RankClock:
         """Price the async collectives issued so far, in order (waiting for their exchanges)."""
         while self._pending:
             p = self._pending.pop(0)
-            start = p.ready
+            start, nbytes = p.ready, p.nbytes
             if p.exchange is not None:
                 with self.muted():
                     p.exchange[0].wait()
-                    start = float(p.exchange[1])
-            p.end = self._priced(p.comm, p.op, p.payload, p.ref, start)
-            if p.index is not None:
-                old = self.recorder.spans[p.index]
-                self.recorder.spans[p.index] = type(old)(old.rank, old.name, old.kind, start, p.end, old.dim, old.flow)
+                    start, nbytes = float(p.exchange[1][0]), float(p.exchange[1][1])
+            if p.comm.size > 1:
+                for lane, seconds in self._occupancy(p.comm, p.op, p.nbytes):
+                    self.lanes[lane].release(p.ready, seconds)
+            p.end = self._priced(p.comm, p.op, nbytes, start)
+            if p.placeholder is not None:
+                self._replace(p.placeholder, start, p.end)
 
-    def _exchange(self, comm, ready: float, ref, async_op: bool):
-        """The members' latest ready time: a MAX all-reduce of one float64 (not counted in bytes)."""
+    def _replace(self, old, start: float, end: float) -> None:
+        """The priced span in place of its placeholder; where the trace was reset since it was
+        issued (the placeholder is gone), the span is recorded anew: it ends after the reset."""
+        spans, new = self.recorder.spans, type(old)(old.rank, old.name, old.kind, start, end, old.dim, old.flow)
+        for i in range(len(spans) - 1, -1, -1):
+            if spans[i] is old:
+                spans[i] = new
+                return
+        spans.append(new)
+
+    def _bytes(self, payload: int, ref) -> int:
+        return payload // ref.element_size() * self.cluster.itemsize(ref) if ref is not None else 0
+
+    def _group(self, comm):
+        """(the group's communication stream key, number of nodes it spans, most ranks on one node)."""
+        try:
+            return self._groups[comm]
+        except KeyError:
+            nodes = defaultdict(int)
+            for r in comm.ranks:
+                nodes[self.cluster.node(r)] += 1
+            found = self._groups[comm] = (("group", comm.group), len(nodes), max(nodes.values()))
+            return found
+
+    def _occupancy(self, comm, op: str, nbytes: float):
+        """[(lane, seconds)] this member's lanes are busy with collective ``op`` of ``nbytes``."""
+        _, n_nodes, local = self._group(comm)
+        hw = self.cluster.hw
+        if op == "all_to_all_single":
+            _, nv, net = links.all_to_all_time(hw, nbytes, comm.size, local, n_nodes)
+            lanes = [("nvlink", nv), ("net", net)]
+        else:
+            kind = "nvlink" if n_nodes == 1 else "net"
+            lanes = [(kind, links.lane_bytes(NCCL_OPS[op], nbytes, comm.size) / links.bus_bandwidth(hw, kind))]
+        return [((k, d), s) for k, s in lanes if s > 0 for d in ("send", "recv")]
+
+    def _ready(self, comm, op: str, nbytes: float) -> float:
+        """When this member could start ``op``: its compute stream issued it, the group's stream
+        is idle, and its lanes have room for the collective's bytes."""
+        key = self._group(comm)[0]
+        ready = max(self.t, self.streams[key])
+        occupancy = self._occupancy(comm, op, nbytes) if comm.size > 1 else []
+        for _ in range(len(occupancy) + 1):      # a gap in every lane at once
+            moved = ready
+            for lane, seconds in occupancy:
+                moved = self.lanes[lane].earliest(moved, seconds)
+            if moved == ready:
+                break
+            ready = moved
+        return ready
+
+    def _exchange(self, comm, ready: float, nbytes: float):
+        """The members' latest ready time and largest payload: a MAX all-reduce of two float64
+        (not counted in bytes)."""
         with self.muted():
-            issued = torch.tensor([ready], dtype=torch.float64, device=comm.backend_device)
-            work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=async_op)
+            issued = torch.tensor([ready, float(nbytes)], dtype=torch.float64, device=comm.backend_device)
+            work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
         return work, issued
 
-    def _priced(self, comm, op: str, payload: int, ref, start: float) -> float:
-        """The end of collective ``op`` started at ``start``: its algorithm's cost on the group's link."""
-        nbytes = payload // ref.element_size() * self.cluster.itemsize(ref) if ref is not None else 0
-        alpha, bandwidth = self.cluster.link(comm.ranks)
-        self.comm_free = start + algorithm_cost(ALGORITHMS[op], nbytes, comm.size, alpha, 1.0 / bandwidth)
-        return self.comm_free
+    def _priced(self, comm, op: str, nbytes: float, start: float) -> float:
+        """The end of collective ``op`` started at ``start``: NCCL's time for it on the group's
+        links; the group's stream and this member's lanes are busy meanwhile."""
+        key, n_nodes, local = self._group(comm)
+        hw = self.cluster.hw
+        if comm.size <= 1:
+            cost = 0.0
+        elif op == "all_to_all_single":
+            cost = links.all_to_all_time(hw, nbytes, comm.size, local, n_nodes)[0]
+        else:
+            cost = links.nccl_collective(hw, NCCL_OPS[op], nbytes, comm.size, n_nodes)[0]
+        if comm.size > 1:
+            for lane, seconds in self._occupancy(comm, op, nbytes):
+                self.lanes[lane].reserve(start, seconds)
+        end = start + cost
+        self.streams[key] = max(self.streams[key], end)
+        return end
 
     # ------------------------------------------------------------------ point-to-point
     def _message(self, comm, src: int, dst: int, tag: int, tensor):
+        """(flow id, link kind, latency, seconds of bytes) of one message."""
         key = (src, dst, tuple(comm.ranks), tag)
         k = self._messages[key]
         self._messages[key] += 1
-        alpha, bandwidth = self.cluster.link((src, dst))
-        return f"{src}>{dst} tag {tag} #{k}", alpha + tensor_bytes(self.cluster, [tensor]) / bandwidth
+        intra = self.cluster.node(src) == self.cluster.node(dst)
+        latency, data = links.p2p_time(self.cluster.hw, tensor_bytes(self.cluster, [tensor]), intra)
+        return f"{src}>{dst} tag {tag} #{k}", ("nvlink" if intra else "net"), latency, data
 
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]
-        with self.muted():        # one message: the payload's bytes, then the send time's 8
-            header = torch.tensor([self.t], dtype=torch.float64, device=tensor.device)
+        flow, kind, latency, data = self._message(comm, self.rank, dst, tag, tensor)
+        stream, lane = ("send", comm.group, dst), self.lanes[kind, "send"]
+        begin = lane.earliest(max(self.t, self.streams[stream]), data)   # after this pair's last message
+        lane.reserve(begin, data)
+        self.streams[stream] = begin + latency + data
+        with self.muted():        # one message: the payload's bytes, then its start time's 8
+            header = torch.tensor([begin], dtype=torch.float64, device=tensor.device)
             wire = torch.cat([_as_bytes(tensor), header.view(torch.uint8)])
             work = dist.isend(wire, dst, group=comm.group, tag=tag)
-        flow, cost = self._message(comm, self.rank, dst, tag, tensor)
-        self.recorder.add(f"send to {dst}", "comm", self.t, self.t + cost, comm.dim, "send:" + flow)
-        return Message(self, (work,), (wire,))
+        self.recorder.add(f"send to {dst}", "comm", begin, begin + latency + data, comm.dim, "send:" + flow)
+        return Message(self, (work,), (wire,), sent=begin + latency + data)
 
     def irecv(self, comm, tensor, peer: int, tag: int):
         src = comm.ranks[peer]
         with self.muted():
             wire = torch.empty(tensor.numel() * tensor.element_size() + 8, dtype=torch.uint8, device=tensor.device)
             work = dist.irecv(wire, src, group=comm.group, tag=tag)
-        flow, cost = self._message(comm, src, self.rank, tag, tensor)
-        return Message(self, (work,), (wire, tensor), recv=(self.t, cost, flow, src, comm.dim))
+        flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
+        return Message(self, (work,), (wire, tensor), recv=(self.t, kind, latency, data, flow, src, comm.dim))
+
+    def arrived(self, issued: float, sent: float, kind: str, latency: float, data: float) -> tuple[float, float]:
+        """(start, end) of a receive issued at ``issued`` whose bytes started leaving at ``sent``:
+        they enter this GPU's receive lane when it has room."""
+        lane = self.lanes[kind, "recv"]
+        begin = lane.earliest(sent, data)
+        lane.reserve(begin, data)
+        return max(issued, begin), max(issued, begin + latency + data)
 
 
 class _Muted:
@@ -190,11 +287,11 @@ _stack_pop, _stack_push = torch._C._pop_torch_dispatch_stack, torch._C._push_on_
 
 class Pending:
     """An async collective issued on the virtual clock, priced by ``RankClock.settle``."""
-    __slots__ = ("comm", "op", "payload", "ref", "name", "ready", "exchange", "index", "end")
+    __slots__ = ("comm", "op", "nbytes", "name", "ready", "exchange", "placeholder", "end")
 
-    def __init__(self, comm, op, payload, ref, name, ready, exchange, index):
-        self.comm, self.op, self.payload, self.ref, self.name = comm, op, payload, ref, name
-        self.ready, self.exchange, self.index, self.end = ready, exchange, index, None
+    def __init__(self, comm, op, nbytes, name, ready, exchange, placeholder):
+        self.comm, self.op, self.nbytes, self.name = comm, op, nbytes, name
+        self.ready, self.exchange, self.placeholder, self.end = ready, exchange, placeholder, None
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -203,11 +300,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Message:
-    """The work handle of a virtual send or receive: ``wait()`` waits for the real message and,
-    for a receive, moves the compute stream to its arrival."""
+    """The work handle of a virtual send or receive: ``wait()`` waits for the real message and
+    moves the compute stream to its end: a receive's arrival, a send's last byte delivered (its
+    buffer may be reused: NCCL's send completes once the data is in the peer's buffer)."""
 
-    def __init__(self, clock, works, keep, recv=None):
-        self._clock, self._works, self._keep, self._recv = clock, works, keep, recv
+    def __init__(self, clock, works, keep, recv=None, sent=None):
+        self._clock, self._works, self._keep, self._recv, self._sent = clock, works, keep, recv, sent
         self._done = False
 
     def wait(self, timeout=None):
@@ -218,7 +316,7 @@ class Message:
             for w in self._works:
                 w.wait()
         if self._recv is not None:
-            issued, cost, flow, src, dim = self._recv
+            issued, kind, latency, data, flow, src, dim = self._recv
             wire, tensor = self._keep
             with clock.muted():   # the payload into the receive's tensor, the send time after it
                 if tensor.is_contiguous():
@@ -226,9 +324,11 @@ class Message:
                 else:
                     tensor.copy_(wire[:-8].view(tensor.dtype).view(tensor.shape))
                 sent = float(wire[-8:].view(torch.float64))
-            start, end = max(issued, sent), max(issued, sent + cost)
+            start, end = clock.arrived(issued, sent, kind, latency, data)
             clock.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
             clock.join(end)
+        elif self._sent is not None:
+            clock.join(self._sent)
         self._done = True
         return True
 
@@ -236,4 +336,4 @@ class Message:
         return self._done
 
 
-__all__ = ["RankClock", "Message", "ALGORITHMS"]
+__all__ = ["RankClock", "Message", "NCCL_OPS"]

@@ -1,0 +1,203 @@
+"""What a message and a collective cost on the virtual cluster: NCCL's own model, and links
+that fill.
+
+**Lanes.** Every GPU has four lanes, each one direction of one link: NVLink send, NVLink
+receive (through the NVSwitch: one per GPU, whoever the peer is), NIC send, NIC receive. A
+transfer occupies the lanes it crosses for ``bytes / bandwidth``; transfers that want a lane
+at the same time take it one after another (:class:`Lane`: the earliest gap long enough). So
+splitting a message never beats its bandwidth time, two sends one way on one link take twice
+as long as one, and a send does not slow a receive (the other direction's lane). Collectives
+occupy the lanes of every member for the bytes their algorithm moves through each.
+A real lane interleaves concurrent transfers (NCCL's channels) where this one serialises
+them: the pair finishes at the same time, but here the first issued finishes first.
+
+**Collectives of the backend** (torch's: gloo stands in for NCCL) are priced by NCCL's own
+tuning model (``src/graph/tuning.cc``, NCCL 2.19-2.21: ``baseLat``, ``hwLat``, the protocol
+bandwidth factors), which NCCL uses to choose an algorithm per call: for each algorithm
+(ring; tree for all-reduce) and protocol (LL, LL128, Simple), ``latency + bytes /
+algorithm bandwidth``, the fastest wins. The latencies scale with the preset's alpha
+(``Hardware.nvlink_latency``, ``network_latency``: NCCL's Ring/Simple ``hwLat``), so a
+preset with alpha 0 has no latency; the bus bandwidth is the preset's achievable one.
+Left out: NVLS/CollNet (switch offload), the tree's per-size correction factors, channels.
+
+**Point-to-point** (``send``/``recv``, and every collective built from them, the course's
+rings and trees included: they are priced from their own messages) costs one ring step of
+the same table: ``baseLat + hwLat + bytes / bandwidth``, the fastest protocol. torch's NCCL
+backend runs point-to-point between two ranks on a communicator of their own: messages from
+one rank to one peer run one after another, each paying its latency.
+"""
+from __future__ import annotations
+
+import math
+
+# NCCL src/graph/tuning.cc (2.19-2.21). Microseconds. [algorithm][protocol]
+PROTOCOLS = ("LL", "LL128", "Simple")
+BASE_LATENCY = {"tree": (6.8, 14.0, 0.0), "ring": (6.6, 14.0, 8.4)}
+HW_LATENCY = {"nvlink": {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4)},
+              "net": {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0)}}
+# hwLat[.][RING][SIMPLE]: the presets' alpha (``Hardware.nvlink_latency`` / ``network_latency``)
+PRESET_ALPHA_IS = {"nvlink": HW_LATENCY["nvlink"]["ring"][2] * 1e-6, "net": HW_LATENCY["net"]["ring"][2] * 1e-6}
+LL_MAX_BW = {1: 87.7e9, 2: 39.0e9, 4: 20.4e9}   # llMaxBws: Hopper/Ampere one node; Intel CPUs 2, 4+ nodes
+NET_OVERHEAD = 1e-6                               # getNetOverhead: x86 Intel, x3 for Simple
+P2P_LL_THRESHOLD = 16 << 10                       # NCCL_P2P_LL_THRESHOLD: LL for messages up to 16 KiB
+
+
+class Lane:
+    """One direction of one link of one GPU: the intervals it is busy, in virtual seconds."""
+    __slots__ = ("busy",)
+    KEEP = 256          # intervals remembered (older ones end long before anything still asked)
+
+    def __init__(self):
+        self.busy: list[tuple[float, float]] = []    # sorted by start
+
+    def earliest(self, ready: float, duration: float) -> float:
+        """The first time >= ``ready`` from which the lane is free for ``duration``."""
+        t = ready
+        for s, e in self.busy:
+            if e <= t:
+                continue
+            if s >= t + duration:
+                break
+            t = e
+        return t
+
+    def reserve(self, start: float, duration: float) -> None:
+        if duration <= 0:
+            return
+        busy = self.busy
+        i = len(busy)
+        while i and busy[i - 1][0] > start:
+            i -= 1
+        busy.insert(i, (start, start + duration))
+        if len(busy) > self.KEEP:
+            del busy[:len(busy) - self.KEEP]
+
+    def release(self, start: float, duration: float) -> None:
+        """Forget a reservation made with the same arguments (a tentative one, moved)."""
+        try:
+            self.busy.remove((start, start + duration))
+        except ValueError:
+            pass
+
+
+def _scale(hw, kind: str) -> float:
+    alpha = hw.nvlink_latency if kind == "nvlink" else hw.network_latency
+    return alpha / PRESET_ALPHA_IS[kind]
+
+
+def bus_bandwidth(hw, kind: str) -> float:
+    """Achievable bus bandwidth per GPU and direction (B/s): the preset's link x efficiency."""
+    return hw.link(kind == "nvlink")[1]
+
+
+def nccl_collective(hw, op: str, nbytes: float, n_ranks: int, n_nodes: int):
+    """NCCL's model of one collective: (seconds, seconds of it that the bytes take, name of
+    the algorithm/protocol chosen). ``nbytes`` is NCCL's size: the whole buffer (all-reduce's
+    tensor, all-gather's output, reduce-scatter's input, broadcast's tensor)."""
+    if n_ranks <= 1:
+        return 0.0, 0.0, "none"
+    kind = "nvlink" if n_nodes == 1 else "net"
+    scale_intra, scale_net = _scale(hw, "nvlink"), _scale(hw, "net")
+    bw = bus_bandwidth(hw, kind)
+    ppn = n_ranks / n_nodes
+    ll_cap = LL_MAX_BW[min(n_nodes, 4) if n_nodes != 3 else 4]
+    if op == "all_reduce":
+        nsteps, inter = 2 * (n_ranks - 1), (2 * n_nodes if n_nodes > 1 else 0)
+    elif op in ("all_gather", "reduce_scatter"):
+        nsteps, inter = n_ranks - 1, n_nodes - 1
+    elif op == "broadcast":
+        nsteps, inter = n_ranks, n_nodes
+    else:
+        raise ValueError(f"NCCL's model has no collective {op!r}")
+    best = None
+    for algo in ("ring", "tree") if op == "all_reduce" else ("ring",):
+        for p, proto in enumerate(PROTOCOLS):
+            bus = bw
+            if algo == "ring":
+                if proto == "LL":
+                    bus = min(ll_cap, bus * (0.25 if (n_nodes > 1 or op == "all_reduce") else 1 / 3))
+                elif proto == "LL128":
+                    bus = bus * (0.7 if ppn < 2 else 0.92)
+                algbw = bus * (n_ranks / nsteps if op != "broadcast" else 1.0)
+            else:
+                bus = bus * 0.92
+                if proto == "LL":
+                    bus = min(bus / 3.8, ll_cap)
+                elif proto == "LL128":
+                    bus = bus * (7 / 9 if n_nodes == 1 else 120 / 128)
+                algbw = bus * 0.5
+            base = BASE_LATENCY[algo][p] * 1e-6 * (scale_intra if n_nodes == 1 else scale_net)
+            intra = HW_LATENCY["nvlink"][algo][p] * 1e-6 * scale_intra
+            net = HW_LATENCY["net"][algo][p] * 1e-6 * scale_net
+            if n_nodes > 1 and proto == "LL":
+                intra *= 1.8
+            if algo == "ring":
+                if op == "broadcast":
+                    lat = base + nsteps * (intra if n_nodes == 1 else net)
+                else:
+                    if n_nodes > 1:
+                        intra = max(intra, NET_OVERHEAD * scale_net * (3 if proto == "Simple" else 1))
+                    lat = base + (nsteps - inter) * intra + inter * net
+            else:
+                lat = base + 2 * ((n_ranks // n_nodes - 1) * intra + int(math.log2(n_nodes)) * net)
+            data = nbytes / algbw if algbw != math.inf else 0.0
+            if (algo == "ring" and proto == "Simple" and n_nodes > 1 and op == "all_reduce"
+                    and nbytes >= n_ranks / 16 * 65536):
+                lat *= 1.9                                # NCCL's "plateau effect of ring"
+            t = lat + data
+            if best is None or t < best[0]:
+                best = (t, data, f"{algo}/{proto}")
+    return best
+
+
+def p2p_time(hw, nbytes: float, intra_node: bool):
+    """One message between two GPUs: (latency seconds, bandwidth seconds). One ring step of
+    NCCL's table: LL up to 16 KiB (NCCL_P2P_LL_THRESHOLD), Simple above."""
+    kind = "nvlink" if intra_node else "net"
+    p = 0 if nbytes <= P2P_LL_THRESHOLD else 2
+    scale = _scale(hw, kind)
+    lat = (BASE_LATENCY["ring"][p] + HW_LATENCY[kind]["ring"][p]) * 1e-6 * scale
+    bw = bus_bandwidth(hw, kind)
+    if p == 0:
+        bw = min(bw * 0.25, LL_MAX_BW[1 if intra_node else 2])
+    return lat, (nbytes / bw if bw != math.inf else 0.0)
+
+
+def all_to_all_time(hw, nbytes: float, n_ranks: int, local: int, n_nodes: int):
+    """NCCL's all-to-all: grouped point-to-point, every pair at once. ``nbytes`` = one rank's
+    input, sent in equal parts to every rank: (seconds, bytes-seconds on NVLink, on the NIC)."""
+    if n_ranks <= 1:
+        return 0.0, 0.0, 0.0
+    part = nbytes / n_ranks
+    lat, _ = p2p_time(hw, part, n_nodes == 1)
+    nv = (local - 1) * part / bus_bandwidth(hw, "nvlink") if local > 1 else 0.0
+    net = (n_ranks - local) * part / bus_bandwidth(hw, "net") if n_nodes > 1 else 0.0
+    return lat + max(nv, net), nv, net
+
+
+def lane_bytes(op: str, nbytes: float, n_ranks: int) -> float:
+    """Bytes one member sends (and receives) in the bandwidth-optimal algorithm of ``op``."""
+    if n_ranks <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n_ranks - 1) / n_ranks * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n_ranks - 1) / n_ranks * nbytes
+    return nbytes                                    # broadcast: the chain forwards it whole
+
+
+def describe(hw) -> list[str]:
+    """The link model's constants and their sources, one line each."""
+    nv, net = bus_bandwidth(hw, "nvlink"), bus_bandwidth(hw, "net")
+    return [
+        f"  NVLink:  {hw.nvlink_bandwidth / 1e9:g} GB/s per direction x {hw.nvlink_efficiency:g} = {nv / 1e9:g} GB/s;"
+        f" network: {hw.network_bandwidth / 1e9:g} x {hw.network_efficiency:g} = {net / 1e9:g} GB/s",
+        f"  latency: NCCL's tuning model (src/graph/tuning.cc: baseLat, hwLat; per ring step over NVLink"
+        f" {hw.nvlink_latency * 1e6:g} us, network {hw.network_latency * 1e6:g} us with Simple)",
+        "  links:   each GPU's NVLink and NIC have a send and a receive lane; transfers that overlap"
+        " take a lane in turn; one stream per communicator, one per pair for point-to-point",
+    ]
+
+
+__all__ = ["Lane", "nccl_collective", "p2p_time", "all_to_all_time", "lane_bytes", "describe",
+           "BASE_LATENCY", "HW_LATENCY", "PROTOCOLS"]
