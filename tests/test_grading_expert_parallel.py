@@ -233,3 +233,41 @@ def test_expert_parallel_forward(capsys):
         from course_lib.moe import MoE
         return MoE(4, 4, n_experts)(x)[0]
     fails_with(capsys, G.check_expert_parallel_forward, library, hint="write this yourself")
+
+
+def test_capacity_keep_refuses_the_later_token_on_a_tie(capsys):
+    """Issue 34: breaking equal-weight ties by keeping the LATER token passed, because the tied
+    tokens of the "equal weights" case sat behind stronger ones."""
+    def later_first(expert, weight, n_experts, capacity):
+        T, k = expert.shape
+        keep = torch.zeros(T, k, dtype=torch.bool)
+        used = [0] * n_experts
+        for j, _, neg_t in sorted((j, -float(weight[t, j]), -t) for j in range(k) for t in range(T)):
+            e = int(expert[-neg_t, j])
+            keep[-neg_t, j] = used[e] < capacity
+            used[e] += 1
+        return keep
+    fails_with(capsys, G.check_capacity_keep, later_first, hint=["EARLIER token", "tied"])
+
+
+def test_expert_parallel_forward_refuses_the_gate_inside_and_an_all_gather_by_all_to_all(capsys):
+    """Issue 34: expert(gate * x) passed with bias-free linear experts, and an all-gather written
+    with all_to_all_single (equal splits) passed because only the forward was counted."""
+    def gate_inside(x, expert, gate, local_experts, n_experts):
+        return moe_forward(x * gate[:, None], expert, torch.ones_like(gate), local_experts, n_experts)
+    fails_with(capsys, G.check_expert_parallel_forward, gate_inside, hint="gate * expert(x)")
+
+    def everyone_everything(x, expert, gate, local_experts, n_experts):
+        """Every rank's tokens to every rank by all_to_all_single with equal splits: right values."""
+        ep, r = dist.get_world_size(), dist.get_rank()
+        local, T = n_experts // ep, x.shape[0]
+        ids = torch.empty(ep * T, dtype=expert.dtype)
+        dist.all_to_all_single(ids, expert.repeat(ep))
+        rows = Exchange.apply(x.repeat(ep, 1), [T] * ep, [T] * ep)          # (ep T, h): all tokens
+        out = torch.zeros_like(rows)
+        for i, net in enumerate(local_experts):
+            idx = (ids == r * local + i).nonzero().squeeze(1)
+            out = out.index_add(0, idx, net(rows[idx]))
+        back = Exchange.apply(out, [T] * ep, [T] * ep)                      # (ep T, h): one block per rank
+        return back.view(ep, T, -1).sum(0) * gate[:, None]
+    fails_with(capsys, G.check_expert_parallel_forward, everyone_everything, hint="travel only")

@@ -205,6 +205,9 @@ def check_capacity_keep(keep_mask) -> bool:
                   label="10 tokens, top-2, expert 0 popular, capacity 4"),
              Case(dict(routed=lambda: routed(6, 3, 2, 2), E=3, cap=1), label="top-2, capacity 1"),
              Case(dict(routed=lambda: routed(9, 3, 1, 5, ties=True), E=3, cap=2), label="equal weights, capacity 2"),
+             Case(dict(routed=lambda: (torch.tensor([[0], [0], [0], [1]]),
+                                       torch.tensor([[0.5], [0.5], [0.5], [0.9]])), E=2, cap=2),
+                  label="tokens 0-2 tied for expert 0, capacity 2: the earlier tokens stay"),
              Case(dict(routed=lambda: (torch.tensor([[1, 0], [0, 2], [2, 1]]),
                                        torch.tensor([[0.45, 0.44], [0.40, 0.35], [0.50, 0.30]])), E=3, cap=1),
                   label="a confident second choice against a first choice, capacity 1"),
@@ -226,6 +229,8 @@ def check_capacity_keep(keep_mask) -> bool:
             return None
         if torch.equal(got, by_token):
             return "you served the tokens in order: within a choice, the highest router weight goes first"
+        if weight.numel() and torch.equal(got, _keep(expert.flip(0), E, cap, weight.flip(0)).flip(0)):
+            return "equal weights: the EARLIER token goes first (a stable sort by weight keeps token order)"
         kept = torch.bincount(expert[got], minlength=E) if got.any() else torch.zeros(E, dtype=torch.int64)
         if (kept > cap).any():
             return f"expert {int(kept.argmax())} keeps {int(kept.max())} assignments, more than its capacity {cap}"
@@ -243,11 +248,14 @@ HID = 4
 
 
 def _expert(e):
+    """A small MLP with biases: expert(gate * x) differs from gate * expert(x) (for a bias-free
+    linear map the two are equal, and the wrong order passed)."""
     g = torch.Generator().manual_seed(50 + e)
-    lin = torch.nn.Linear(HID, HID, bias=False).double()
+    mlp = torch.nn.Sequential(torch.nn.Linear(HID, 2 * HID), torch.nn.Tanh(), torch.nn.Linear(2 * HID, HID)).double()
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(HID, HID, generator=g, dtype=torch.float64))
-    return lin
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    return mlp
 
 
 def _tokens(r, T, E, skew, seed=0):
@@ -277,21 +285,27 @@ def _ep_harness(fn, T, E, skew):
         if s == r:
             want_x, want = xs, ys
     mine = [_expert(e) for e in range(r * local, (r + 1) * local)]          # my block of experts
+    # rows routed to my experts from every rank: what a right dispatch receives
+    everyone = torch.cat([_tokens(s, T, E, skew)[1] for s in range(ep)])   # every rank's tokens' experts
+    routed_here = int(((everyone // local) == r).sum())
     xr = x.clone().requires_grad_()
-    with counted_calls() as calls, switched_off(ROUTING + EXPERT_PARALLEL, "expert parallelism's all-to-alls"), \
-            time_limit(SECONDS):
-        y = fn(xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return f"return this rank's outputs ({T}, {HID}), got " + (
-            f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
-    tol = _tol(torch.float64, want, want_x.grad, *(e.weight.grad for e in experts if e.weight.grad is not None))
-    msg = compare(y.detach(), want.detach(), what="output", **tol)
-    if msg:
-        return f"{msg}: each token comes back to its own row, times its gate weight"
-    if not y.requires_grad:
-        return ("the output carries no gradient back to the tokens: the all-to-all must be an autograd "
-                "function whose backward is the all-to-all the other way")
-    (y * C).sum().backward()
+    guarded = (ROUTING + EXPERT_PARALLEL, "expert parallelism's all-to-alls")
+    with counted_calls() as calls:             # forward AND backward: both move the rows
+        with switched_off(*guarded), time_limit(SECONDS):
+            y = fn(xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            return f"return this rank's outputs ({T}, {HID}), got " + (
+                f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
+        grads = [p.grad for e in experts for p in e.parameters() if p.grad is not None]
+        tol = _tol(torch.float64, want, want_x.grad, *grads)
+        msg = compare(y.detach(), want.detach(), what="output", **tol)
+        if msg:
+            return f"{msg}: each token comes back to its own row, times its gate weight (gate * expert(x))"
+        if not y.requires_grad:
+            return ("the output carries no gradient back to the tokens: the all-to-all must be an autograd "
+                    "function whose backward is the all-to-all the other way")
+        with switched_off(*guarded), time_limit(SECONDS):
+            (y * C).sum().backward()
     if xr.grad is None:
         return "the tokens got no gradient: the all-to-all's backward is the all-to-all the other way"
     msg = compare(xr.grad, want_x.grad, what="tokens' gradient", **tol)
@@ -299,19 +313,23 @@ def _ep_harness(fn, T, E, skew):
         return f"{msg}: the all-to-all's backward sends each row's gradient back where the row came from"
     for i, net in enumerate(mine):
         e = r * local + i
-        if net.weight.grad is None:
-            if (expert == e).any():
-                return f"expert {e} got no gradient"
-            continue
-        msg = compare(net.weight.grad, experts[e].weight.grad if experts[e].weight.grad is not None
-                      else torch.zeros_like(net.weight), what=f"expert {e}'s gradient", **tol)
-        if msg:
-            return msg
-    rows = calls.elements("all_to_all_single", "all_to_all") // HID if HID else 0
-    other = calls.elements() - calls.elements("all_to_all_single", "all_to_all")
-    if other > 2 * ep * E or rows > 4 * T + 2 * ep * E:
-        return (f"this rank moved {calls.elements()} values ({sorted(calls.ops())}); a row should travel only to "
-                f"its expert's rank and back ({4 * T} rows of {HID} over forward and backward, plus the counts)")
+        for (name, p), ref in zip(net.named_parameters(), experts[e].parameters()):
+            if p.grad is None:
+                if (everyone == e).any():
+                    return f"expert {e}'s {name} got no gradient"
+                continue
+            msg = compare(p.grad, ref.grad if ref.grad is not None else torch.zeros_like(p),
+                          what=f"expert {e}'s {name} gradient", **tol)
+            if msg:
+                return msg
+    # a right layer moves max(T, rows routed here) rows per all-to-all, four of them (dispatch and
+    # combine, forward and backward), plus the counts (at most ep * E values, twice)
+    moved = calls.elements()
+    limit = 4 * max(T, routed_here) * HID + 2 * ep * E
+    if moved > limit:
+        return (f"this rank moved {moved} values over forward and backward ({sorted(calls.ops())}); a row "
+                f"should travel only to its expert's rank and back: 4 x max(T = {T}, rows routed here = "
+                f"{routed_here}) rows of {HID}, plus the counts, at most {limit}")
     return None
 
 
