@@ -306,3 +306,19 @@ def owned_box_reference(*args):
 def test_references_switched_off(capsys):
     """The graders' private references are guard targets too (named one by one)."""
     fails_with(capsys, G.check_owned_box, owned_box_reference, hint="write this yourself")
+
+
+def test_resume_data_refuses_rank_0s_old_position(capsys):
+    """Issue 34: copying rank 0's old position onto every new rank (dp 4 -> 3: (0, 3, 9) where
+    an uninterrupted loader holds (0, 3, 12)) passed, because every case ran past an epoch
+    boundary, where the loader resets position, before the counters were compared."""
+    def state_with_position(loader):
+        return {"epoch": loader.epoch, "step": loader.step, "position": loader.position}
+
+    def restore_copied_position(loader, state):
+        restore_epoch_step(loader, state)
+        loader.position = state["position"]
+
+    line = fails_with(capsys, G.check_resume_data, state_with_position, restore_copied_position,
+                      hint="right after restore")
+    assert "(0, 3, 9) right after restore" in line and "has (0, 3, 12)" in line and "NEW layout" in line, line

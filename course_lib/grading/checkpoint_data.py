@@ -92,6 +92,22 @@ def _counters(n_samples, global_batch, dp, dp_rank, steps):
     return epoch, step, step * rows
 
 
+def _counters_differ(got, n, b, dp, r, steps, when):
+    """None if a loader's ``got`` = (epoch, step, position) are an uninterrupted loader's after ``steps``
+    global batches, else a hint. At an epoch's end the rolled-over form (epoch + 1, 0, 0) is the
+    same state (the next batch is the same): it is accepted too."""
+    want = _counters(n, b, dp, r, steps)
+    rolled = (want[0] + 1, 0, 0) if steps and want[1] == n // b else None
+    if got in (want, rolled):
+        return None
+    hint = ""
+    if got[:2] in (want[:2], (rolled or want)[:2]):
+        hint = (": the position is this rank's samples taken this epoch on the NEW layout (its own rows "
+                "per batch times the step), not the saved rank's")
+    return f"rank {r}: (epoch, step, position) = {got} {when}, an uninterrupted loader of the new layout " \
+           f"has {want}{hint}"
+
+
 def _plain(value) -> bool:
     if isinstance(value, dict):
         return all(_plain(k) and _plain(v) for k, v in value.items())
@@ -109,7 +125,8 @@ def _cases():
              (45, 8, 4, 3, 3, 8, 5, "in epoch 1, 5 samples dropped per epoch, same dp"),
              (45, 8, 7, 3, 2, 9, 5, "in epoch 1, 5 samples dropped per epoch"),
              (36, 12, 5, 1, 4, 13, 4, "in epoch 4"),
-             (30, 7, 6, 3, 1, 0, 5, "before the first step")]
+             (30, 7, 6, 3, 1, 0, 5, "before the first step"),
+             (48, 12, 8, 4, 3, 1, 2, "inside epoch 0 throughout")]
     rng = random.Random(27)
     for i in range(4):
         n = rng.randint(20, 60)
@@ -167,17 +184,24 @@ def check_resume_data(data_state, restore):
         for r, loader in enumerate(new):
             other = restore_fn(loader, copy.deepcopy(state))
             new[r] = other if isinstance(other, ShardedBatches) else loader      # in place, or a new one
+        # the counters right after restore, compared after the batches (whose hints say more):
+        # later, an epoch's rollover resets position and hides a wrong one
+        restored = [(loader.epoch, loader.step, loader.position) for loader in new]
         for i in range(m):
             got = sum((next(loader) for loader in new), [])
             if got != reference[k + i]:
                 hint = _hint(got, k, reference, per_epoch, dp_old == dp_new) if i == 0 else \
                     "the first batches were right, a later one differs (the next epoch's order?)"
                 return f"resumed global batch {k + i} starts {got[:3]}, expected {reference[k + i][:3]}: {hint}"
+        for r, counters in enumerate(restored):
+            msg = _counters_differ(counters, n, b, dp_new, r, k, "right after restore")
+            if msg:
+                return msg
         for r, loader in enumerate(new):
-            counters = (loader.epoch, loader.step, loader.position)
-            if counters != (want := _counters(n, b, dp_new, r, k + m)):
-                return f"rank {r}: (epoch, step, position) = {counters} after resuming, an uninterrupted " \
-                       f"loader of the new layout has {want}"
+            msg = _counters_differ((loader.epoch, loader.step, loader.position), n, b, dp_new, r, k + m,
+                                   f"after {m} resumed batches")
+            if msg:
+                return msg
         return None
 
     return check("resume_data", _cases(), run)
