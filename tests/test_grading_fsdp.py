@@ -132,3 +132,23 @@ def test_fsdp_prefetch_accepts_a_queue(capsys):
             compute(k, full)
             free(k)
     passed(capsys, G.check_fsdp_prefetch(queue), "fsdp_prefetch: 3/3 cases passed")
+
+
+def test_fsdp_unit_refuses_a_broadcast_from_every_rank(capsys):
+    """Issue 34: a forward that broadcasts every rank's shard in turn (N broadcasts instead of one
+    all-gather) passed: only the backward's collectives were watched."""
+    class Broadcasts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, shard):
+            N = dist.get_world_size()
+            parts = [shard.detach().clone() if q == dist.get_rank() else torch.empty_like(shard) for q in range(N)]
+            for q in range(N):
+                dist.broadcast(parts[q], q)
+            return torch.cat(parts)
+
+        @staticmethod
+        def backward(ctx, g):
+            out = g.new_empty(g.numel() // dist.get_world_size())
+            compat.reduce_scatter_tensor(out, g.contiguous())
+            return out / dist.get_world_size()
+    refused(capsys, "fsdp_unit", G.check_fsdp_unit(Broadcasts), "forward should all-gather", "broadcast")

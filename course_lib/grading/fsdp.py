@@ -38,17 +38,24 @@ def _fsdp_unit_harness(GatherParams):
     for batch in T.data():
         x, y = T.local(batch, rank, world)
         h = x
-        for k, (unit, shard) in enumerate(units):
-            full = GatherParams.apply(shard)
-            if not isinstance(full, torch.Tensor) or full.numel() != shard.numel() * world:
-                return f"GatherParams.apply(shard) should return the ({shard.numel() * world},) gathered vector"
-            h = F.linear(h, *_unit_params(unit, full))
-            h = F.relu(h) if k < len(units) - 1 else h
+        with T.CollectiveWatch() as forward:   # the forward's collectives are the question too
+            for k, (unit, shard) in enumerate(units):
+                full = GatherParams.apply(shard)
+                if not isinstance(full, torch.Tensor) or full.numel() != shard.numel() * world:
+                    return f"GatherParams.apply(shard) should return the ({shard.numel() * world},) gathered vector"
+                h = F.linear(h, *_unit_params(unit, full))
+                h = F.relu(h) if k < len(units) - 1 else h
+        msg = _one_per_unit(forward, world, len(units), "all_gather", "forward should all-gather each unit once",
+                            "every rank contributes its shard and needs all of them: that is one all-gather")
+        if msg:
+            return msg
         with T.CollectiveWatch() as watch:
             F.mse_loss(h, y).backward()
-        if world > 1 and "reduce_scatter" not in watch.kinds():
-            return ("backward should reduce-scatter the full gradient (each rank keeps the mean of its "
-                    f"slice), saw {sorted(watch.kinds()) or 'no collective'}")
+        msg = _one_per_unit(watch, world, len(units), "reduce_scatter",
+                            "backward should reduce-scatter the full gradient once per unit",
+                            "each rank keeps the mean of its slice, no more")
+        if msg:
+            return msg
         with torch.no_grad():
             for _, shard in units:
                 if shard.grad is None or shard.grad.shape != shard.shape:
@@ -61,6 +68,17 @@ def _fsdp_unit_harness(GatherParams):
         compat.all_gather_into_tensor(full, shard.detach())
         got += _unit_params(unit, full)
     return T.compare_params(got, T.single_device(T.sgd))
+
+
+def _one_per_unit(watch, world, n_units, kind, rule, why):
+    """None if the watched phase called exactly one ``kind`` collective per unit and nothing else."""
+    if world == 1:
+        return None
+    calls = [k for k, _ in watch.calls]
+    if calls.count(kind) == n_units and set(calls) == {kind}:
+        return None
+    seen = ", ".join(f"{calls.count(k)} {k}" for k in sorted(set(calls))) or "no collective"
+    return f"{rule}: it called {seen} for {n_units} units ({why})"
 
 
 def _unit_params(unit, full):
