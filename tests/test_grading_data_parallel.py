@@ -259,3 +259,35 @@ def test_uneven_batches_accepts_one_flat_buffer(capsys):
             p.grad = (buf[offset:offset + p.numel()] / total).to(p.dtype).view_as(p)
             offset += p.numel()
     passed(capsys, G.check_uneven_batches(flat), "uneven_batches: 6/6 cases passed")
+
+
+def test_ddp_hook_refuses_waiting_inside_the_hook(capsys):
+    """Issue 34: a hook that waits for its own all-reduce (no overlap at all) scored 3/3: the
+    grader counted handles and compared the trained parameters, never the overlap."""
+    def wait_inside(param, world, handles):
+        param.grad /= world
+        work = dist.all_reduce(param.grad, async_op=True)
+        work.wait()
+        handles.append(work)
+    refused(capsys, "ddp_hook", G.check_ddp_hook(wait_inside), "no overlap", "waited inside the hook")
+
+    def blocking_with_a_handle(param, world, handles):
+        param.grad /= world
+        dist.all_reduce(param.grad)
+
+        class Done:
+            def wait(self):
+                return True
+        handles.append(Done())
+    refused(capsys, "ddp_hook", G.check_ddp_hook(blocking_with_a_handle), "no overlap", "synchronous")
+
+
+def test_ddp_hook_accepts_a_bounded_number_in_flight(capsys):
+    """A right answer written differently: the hook waits for the handle before the previous
+    one (at most two in flight), so some all-reduces still overlap the backward."""
+    def two_in_flight(param, world, handles):
+        param.grad /= world
+        handles.append(dist.all_reduce(param.grad, async_op=True))
+        if len(handles) > 2:
+            handles[-3].wait()
+    passed(capsys, G.check_ddp_hook(two_in_flight), "ddp_hook: 3/3 cases passed")

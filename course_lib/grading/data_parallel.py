@@ -38,15 +38,73 @@ def _ddp_hook_harness(hook):
         p.register_post_accumulate_grad_hook(lambda p: hook(p, world, handles))
     for batch in T.data():
         x, y = T.local(batch, rank, world)
-        F.mse_loss(model(x), y).backward()
-        if len(handles) != len(list(model.parameters())):
-            return f"expected one async all-reduce handle per parameter in `handles`, got {len(handles)}"
-        for h in handles:
-            h.wait()
+        with _Completions() as seen:
+            F.mse_loss(model(x), y).backward()
+            pending = seen.pending()                  # all-reduces still in flight when backward ended
+            if len(handles) != len(list(model.parameters())):
+                return f"expected one async all-reduce handle per parameter in `handles`, got {len(handles)}"
+            if seen.issued and not pending:
+                return (f"every all-reduce had finished when backward ended ({seen.issued} issued, "
+                        f"{seen.sync} synchronous, {seen.waited} waited inside the hook): no overlap. Start it "
+                        f"with async_op=True, append the handle and return: the caller waits after backward")
+            for h in handles:
+                h.wait()
         handles.clear()
         T.sgd(model.parameters())
         model.zero_grad()
     return T.compare_params(list(model.parameters()), T.single_device(T.sgd))
+
+
+class _Completions:
+    """Inside a rank: each ``dist.all_reduce`` call's completion as the caller sees it, a
+    synchronous call at once, an async one when its handle's wait() returns (the handle the
+    learner gets is a thin proxy). ``pending()``: issued and not yet waited."""
+
+    def __init__(self):
+        self.issued = self.sync = self.waited = 0
+
+    def pending(self) -> int:
+        return self.issued - self.sync - self.waited
+
+    def __enter__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self._saved, seen = dist.all_reduce, self
+        original = self._saved
+
+        class Handle:
+            def __init__(self, work):
+                self._work, self._done = work, False
+
+            def wait(self, *args, **kwargs):
+                out = self._work.wait(*args, **kwargs)
+                if not self._done:
+                    self._done = True
+                    seen.waited += 1
+                return out
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        def all_reduce(*args, **kwargs):
+            work = original(*args, **kwargs)
+            seen.issued += 1
+            if work is None:
+                seen.sync += 1
+                return None
+            return Handle(work)
+        for module in (dist, c10d):
+            module.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for module in (dist, c10d):
+            module.all_reduce = self._saved
+        return False
 
 
 def check_ddp_hook(hook):
