@@ -358,3 +358,77 @@ def test_reshard_figure_draws_the_overlaps_one_new_rank_reads():
     assert len(fig.axes) == 3 and fig.axes[2].get_title() == "n1 reads 4 overlaps"
     with pytest.raises(ValueError, match="2-D"):
         reshard_figure((4, 4, 4), saved, new)
+
+
+# ----------------------------------------------------------------------------- durability, RNG, a safe extra.pt
+
+def test_the_publish_fsyncs_every_file_then_the_partial_directory_then_the_rename(tmp_path, monkeypatch):
+    """A file's name lives in its directory: without an fsync of ``.partial`` itself, a crash
+    after the rename may publish a directory whose files' entries never reached the disk."""
+    from course_lib.checkpoint import save
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("reads which file an fd is from /proc (Linux)")
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    model = TinyGPT(CFG, seed=0).double()
+    save(tmp_path / "c", model, _optimizer(model.parameters())[0], step=3)
+    partial = str(tmp_path / "c.partial")
+    assert synced == [f"{partial}/rank00000.bin", f"{partial}/extra.pt", f"{partial}/metadata.json", partial,
+                      str(tmp_path)]
+
+
+def _draws_after_resume(root):
+    """Each rank seeds its own stream (a TP run's dropout), saves, draws; loads, draws again."""
+    import torch.distributed as dist
+
+    from course_lib.checkpoint import load, save
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    torch.manual_seed(100 + dist.get_rank())
+    net = parallelize_nd(TinyGPT(CFG, seed=0).double(), Mesh(tp=2))
+    save(os.path.join(root, "c"), net, step=1)
+    after_save = torch.rand(3)
+    torch.manual_seed(7)                                       # anything: load restores the stream
+    load(os.path.join(root, "c"), net)
+    return after_save, torch.rand(3)
+
+
+def test_every_ranks_rng_state_is_saved_and_restored(tmp_path):
+    from course_lib.checkpoint import load
+
+    got = launch(_draws_after_resume, 2, str(tmp_path), threads=1)
+    assert not torch.equal(got[0][0], got[1][0])               # two streams ...
+    assert all(torch.equal(saved, resumed) for saved, resumed in got)   # ... each resumed on its rank
+    torch.manual_seed(7)
+    load(tmp_path / "c", TinyGPT(CFG, seed=1).double())        # another world size: rank 0's stream
+    assert torch.equal(torch.rand(3), got[0][0])
+
+
+class _NotPlain:
+    pass
+
+
+def test_extra_holds_plain_values_and_loads_weights_only(tmp_path):
+    import zlib
+
+    from course_lib.checkpoint import load, save
+
+    model = TinyGPT(CFG, seed=0).double()
+    with pytest.raises(ValueError, match=r"data_state .* plain values .*Unsupported global: .*_NotPlain"):
+        save(tmp_path / "bad", model, data_state={"sampler": _NotPlain()})
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+    save(tmp_path / "c", model, _optimizer(model.parameters())[0], step=2, data_state={"batches_seen": 2})
+    extra = torch.load(tmp_path / "c" / "extra.pt", weights_only=True)   # what load does
+    assert extra["step"] == 2 and len(extra["rng"]) == 1
+    torch.save({**extra, "payload": _NotPlain()}, tmp_path / "c" / "extra.pt")   # a planted object
+    meta = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    meta["extra"]["crc32"] = zlib.crc32((tmp_path / "c" / "extra.pt").read_bytes())
+    (tmp_path / "c" / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"extra.pt holds more than plain values.*weights_only=True"):
+        load(tmp_path / "c", TinyGPT(CFG, seed=1).double())

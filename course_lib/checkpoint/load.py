@@ -1,5 +1,6 @@
 """Load a checkpoint into any layout: each rank reads only the saved boxes that overlap the
-boxes it holds, and from each only the overlap (:func:`~course_lib.checkpoint.plan.read_plan`).
+boxes it holds (:func:`~course_lib.checkpoint.plan.read_plan`), each of them whole (its CRC-32
+covers the whole box) and once, and copies the overlap (DCP also reads whole chunks).
 
 Everything is checked before a byte is copied, on every rank together: the format and its
 version, every tensor the model and optimizer need present with the same global shape and
@@ -8,16 +9,18 @@ is checked as it is read. A problem is a ValueError naming the file and the tens
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import zlib
 
 import torch
 
 from course_lib.checkpoint.layout import Part, model_holdings, optimizer_holdings, part_view
 from course_lib.checkpoint.plan import local_index, read_plan
-from course_lib.checkpoint.store import (EXTRA, FORMAT, METADATA, VERSION, _all_gather, _dtype_name,
-                                         set_rng_state)
+from course_lib.checkpoint.store import (EXTRA, FORMAT, METADATA, VERSION, _all_gather, _dtype_name, _refused,
+                                         _world, set_rng_state)
 from course_lib.parallel.zero import ShardedOptimizer
 
 
@@ -118,7 +121,8 @@ def _read_shard(path, key, shard, dtype):
 def load(path, model, optimizer=None, *, scheduler=None, rng=True) -> dict:
     """Load checkpoint ``path`` into ``model`` (any layout: call on every rank of it, or on one
     process for a single-device model) and ``optimizer``; restore the schedule and (``rng``)
-    the RNG states. Returns {"step", "data_state"} as saved."""
+    the RNG states (each rank its own on the saved world size, else rank 0's). Returns
+    {"step", "data_state"} as saved."""
     path = os.path.abspath(os.fspath(path))
     meta, problems = read_metadata(path), []
     needs, fresh, asked = _needs(meta, model, optimizer, problems)
@@ -137,7 +141,11 @@ def load(path, model, optimizer=None, *, scheduler=None, rng=True) -> dict:
         raw = f.read()
     if zlib.crc32(raw) != meta["extra"]["crc32"]:
         raise ValueError(f"checkpoint: {extra_file} is corrupt (CRC-32)")
-    extra = torch.load(extra_file, weights_only=False)
+    try:
+        extra = torch.load(io.BytesIO(raw), weights_only=True)   # plain values only: no code runs
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"checkpoint: {extra_file} holds more than plain values, refused by "
+                         f"torch.load(weights_only=True): {_refused(e)}") from None
     with torch.no_grad():
         for key, parts, target in needs:
             rec = meta["tensors"][key]
@@ -153,8 +161,17 @@ def load(path, model, optimizer=None, *, scheduler=None, rng=True) -> dict:
     if scheduler is not None and extra["scheduler"] is not None:
         scheduler.load_state_dict(extra["scheduler"])
     if rng and extra["rng"] is not None:
-        set_rng_state(extra["rng"])
+        set_rng_state(_own_rng(extra["rng"]))
     return {"step": extra["step"], "data_state": extra["data_state"]}
+
+
+def _own_rng(states: list) -> dict:
+    """This rank's saved RNG states when the world size is the saved one (a TP run's ranks
+    may draw different streams); on another world size no rank has a saved counterpart, and
+    every rank takes rank 0's: streams that differ per rank (a TP rank's dropout seed) must
+    then be derived again from the seed and the new layout's coordinates."""
+    rank, world = _world()
+    return states[rank] if world == len(states) else states[0]
 
 
 def _restore_optimizer(optimizer, fresh, groups, path):

@@ -7,17 +7,25 @@ A checkpoint is a directory: ``rank00003.bin`` holds the boxes rank 3 wrote, bac
 raw bytes; ``metadata.json`` records every tensor's global shape and dtype and, for each
 saved box, its offsets and lengths, the file, the byte range and a CRC-32; ``extra.pt``
 holds the step, the data order, the learning-rate schedule, the optimizer's hyperparameters
-and the RNG states (rank 0's: the course's ranks draw the same streams).
+and every rank's RNG states (a TP run may draw other streams on each rank). It holds plain
+values only (tensors, numbers, strings, lists, tuples, dicts), so that ``load`` reads it with
+``torch.load(weights_only=True)``: loading a checkpoint never runs code from it.
 
-Publish: every rank writes into ``path.partial``; the ranks' CRCs are gathered on rank 0
-(every rank has finished); rank 0 writes ``extra.pt`` and ``metadata.json`` last and renames
-the directory to ``path`` in one ``os.rename``. A rank killed mid-save leaves a
+Publish: every rank writes and fsyncs its file in ``path.partial``; the ranks' CRCs are
+gathered on rank 0 (every rank has finished); rank 0 writes ``extra.pt`` and
+``metadata.json`` last, fsyncs the ``.partial`` directory itself (its entries: the files'
+names), renames it to ``path`` in one ``os.rename`` and fsyncs the parent (the rename). The
+rename is atomic on a local POSIX file system; an object store (S3, GCS) has no atomic
+rename, and there a marker written last commits a checkpoint (DCP writes ``.metadata``
+last; here ``metadata.json`` plays that part too). A rank killed mid-save leaves a
 ``.partial`` directory without metadata, which ``load`` refuses; ``path`` never exists half.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -30,7 +38,7 @@ import torch.distributed as dist
 from course_lib.checkpoint.layout import model_holdings, optimizer_holdings, part_view, state_parts
 from course_lib.checkpoint.plan import assign_writers
 
-FORMAT, VERSION = "course_lib.checkpoint", 1
+FORMAT, VERSION = "course_lib.checkpoint", 2   # 2: every rank's RNG state, extra.pt weights-only
 METADATA, EXTRA = "metadata.json", "extra.pt"
 
 
@@ -78,18 +86,49 @@ def local_items(model, optimizer=None) -> list[Item]:
 
 
 def rng_state() -> dict:
+    """This process's RNG states as plain values: torch's CPU generator (and the current
+    GPU's, once CUDA is in use), Python's and numpy's (its key as a list of ints)."""
     out = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
     if "numpy" in sys.modules:
-        out["numpy"] = sys.modules["numpy"].random.get_state()
+        name, key, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
+        out["numpy"] = (name, key.tolist(), pos, has_gauss, gauss)
     return out
 
 
 def set_rng_state(state: dict):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
         import numpy
-        numpy.random.set_state(state["numpy"])
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        numpy.random.set_state((name, numpy.array(key, dtype=numpy.uint32), pos, has_gauss, gauss))
+
+
+def _refused(error) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in its own words (``Unsupported global:
+    GLOBAL mymodule.MyClass ...``), without its advice to load unsafely."""
+    text = str(error)
+    start = text.find("Unsupported global")
+    return text[start:].split(" was not an allowed global")[0] if start >= 0 else text.splitlines()[0]
+
+
+def extra_bytes(extra: dict) -> bytes:
+    """``extra.pt``'s bytes; a ValueError if it holds anything ``torch.load(weights_only=True)``
+    refuses (an object of a class of one's own in ``data_state``, a scheduler's lambda)."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = _refused(e)
+        raise ValueError(f"checkpoint: the step, data_state and scheduler state must be plain values "
+                         f"(tensors, numbers, strings, lists, tuples, dicts) so that load reads them "
+                         f"with torch.load(weights_only=True): {reason}") from None
+    return buffer.getvalue()
 
 
 class SaveJob(NamedTuple):
@@ -99,7 +138,8 @@ class SaveJob(NamedTuple):
     per_rank: list     # every rank's [(key, shape, dtype, offsets, lengths)]
     writes: list       # every rank's indexes into its items: what it writes
     mine: list         # [Item] this rank writes
-    extra: dict        # rank 0: step, data order, schedule, hyperparameters, RNG
+    step: int
+    extra: bytes       # rank 0: extra.pt (step, data order, schedule, hyperparameters, RNGs)
 
 
 def prepare(path, model, optimizer=None, *, step=0, data_state=None, rng=True, scheduler=None, copy=False):
@@ -110,23 +150,26 @@ def prepare(path, model, optimizer=None, *, step=0, data_state=None, rng=True, s
     rank, _ = _world()
     if os.path.exists(path):
         raise ValueError(f"checkpoint: {path} exists already: save each checkpoint under a new name")
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in getattr(optimizer, "param_groups", [])]
+    extra = {"step": step, "data_state": data_state, "param_groups": groups,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    extra_bytes(extra)                       # every rank: plain values, or the same error everywhere
     items = local_items(model, optimizer)
-    per_rank = _all_gather([tuple(i[:5]) for i in items])
+    gathered = _all_gather(([tuple(i[:5]) for i in items], rng_state() if rng else None))
+    per_rank = [boxes for boxes, _ in gathered]
     writes = assign_writers(per_rank)
     mine = [items[j] for j in writes[rank]]
     if copy:
         mine = [i._replace(view=i.view.detach().to("cpu", copy=True)) for i in mine]
-    extra = {}
+    data = b""
     if rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in getattr(optimizer, "param_groups", [])]
-        extra = {"step": step, "data_state": data_state, "param_groups": groups,
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "rng": rng_state() if rng else None}
+        extra["rng"] = [state for _, state in gathered] if rng else None   # one per rank, in rank order
+        data = extra_bytes(extra)
         shutil.rmtree(path + ".partial", ignore_errors=True)       # a save killed earlier
         os.makedirs(path + ".partial")
     if _world()[1] > 1:
         dist.barrier()                                              # the directory exists
-    return SaveJob(path, path + ".partial", rank, per_rank, writes, mine, extra)
+    return SaveJob(path, path + ".partial", rank, per_rank, writes, mine, step, data)
 
 
 def _fsync_write(file, chunks):
@@ -135,6 +178,15 @@ def _fsync_write(file, chunks):
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_dir(path):
+    """Make a directory's entries (the names of the files in it, a rename) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _raw(view) -> memoryview:
@@ -162,16 +214,13 @@ def write_and_publish(job: SaveJob, group=None) -> int:
                 entry["shards"].append({"rank": r, "file": f"rank{r:05d}.bin", "offsets": list(offsets),
                                         "lengths": list(lengths), "byte_offset": start, "nbytes": nbytes,
                                         "crc32": crc})
-        torch.save(job.extra, os.path.join(job.tmp, EXTRA))
-        with open(os.path.join(job.tmp, EXTRA), "rb") as f:
-            extra_crc = zlib.crc32(f.read())
-        meta = {"format": FORMAT, "version": VERSION, "world_size": len(every), "step": job.extra["step"],
-                "extra": {"file": EXTRA, "crc32": extra_crc}, "tensors": tensors}
+        _fsync_write(os.path.join(job.tmp, EXTRA), [job.extra])
+        meta = {"format": FORMAT, "version": VERSION, "world_size": len(every), "step": job.step,
+                "extra": {"file": EXTRA, "crc32": zlib.crc32(job.extra)}, "tensors": tensors}
         _fsync_write(os.path.join(job.tmp, METADATA), [json.dumps(meta, indent=1).encode()])
-        os.rename(job.tmp, job.path)                         # the publish: atomic on POSIX
-        fd = os.open(os.path.dirname(job.path), os.O_RDONLY)
-        os.fsync(fd)                                         # the rename itself reaches the disk
-        os.close(fd)
+        _fsync_dir(job.tmp)                                  # every file's name in .partial is on disk
+        os.rename(job.tmp, job.path)                         # the publish: atomic on local POSIX
+        _fsync_dir(os.path.dirname(job.path))                # the rename itself reaches the disk
     if _world(group)[1] > 1:
         dist.barrier(group=group)                            # nobody returns before it is published
     return offset
