@@ -89,6 +89,14 @@ class Hardware:
     ``elementwise_passes`` how many times the non-matmul kernels (norms, activation
     functions, dropout, residual adds) stream each stored activation byte through HBM
     in the forward pass (written once, read once: 2; backward moves twice that);
+    Kernels on the virtual clock and the course's runtime (:class:`course_lib.planner.kernels.
+    KernelModel`): ``kernel_efficiency`` (class, fraction) pairs: "gemm" of peak per tile of the
+    tile x wave model, "attention" of peak for a fused attention kernel, "reduction",
+    "broadcast", "elementwise", "copy" of HBM bandwidth (a class not named: ``matmul_efficiency``
+    or ``hbm_efficiency``); ``kernel_floor`` the least time a kernel takes on the device;
+    ``launch_overhead`` the host's issue interval, one op every so many seconds (eager
+    PyTorch: Python, dispatcher, launch); ``sources`` (constant, source) pairs naming where
+    each of these numbers comes from (``VirtualCluster.describe`` prints them).
     ``fused_attention`` whether attention runs in a fused kernel (FlashAttention): the s x s
     scores stay on chip (not stored for backward, not streamed through HBM), masked causal
     tiles are skipped, and the backward recomputes QK^T. ``fused_kernels`` whether RMSNorm
@@ -120,6 +128,9 @@ class Hardware:
     dtype_flops: tuple = ()
     launch_overhead: float = 4e-6
     hbm_efficiency: float = 1.0
+    kernel_efficiency: tuple = ()
+    kernel_floor: float = 0.0
+    sources: tuple = ()
 
     @property
     def achievable_flops(self) -> float:
@@ -130,11 +141,14 @@ class Hardware:
         rates = {"bfloat16": self.peak_flops, **dict(self.dtype_flops)}
         return rates.get(dtype_name)
 
-    def kernel_time(self, flops: float, nbytes: float, peak: float | None = None) -> float:
-        """One kernel: its roofline, max(FLOPs / (peak x matmul_efficiency), bytes / (HBM x
-        hbm_efficiency)), plus its launch (``peak``: the dtype's, default bf16)."""
-        return max(flops / ((peak or self.peak_flops) * self.matmul_efficiency),
-                   nbytes / (self.hbm_bandwidth * self.hbm_efficiency)) + self.launch_overhead
+    def efficiencies(self) -> dict:
+        """{kernel class: efficiency}: ``kernel_efficiency``, the classes it does not name at
+        ``matmul_efficiency`` (gemm, attention) or ``hbm_efficiency`` (the memory-bound ones)."""
+        eff = {"gemm": self.matmul_efficiency, "attention": self.matmul_efficiency}
+        eff.update({c: self.hbm_efficiency for c in ("reduction", "broadcast", "elementwise", "copy", "foreach")})
+        eff.update(dict(self.kernel_efficiency))
+        eff["foreach"] = eff["elementwise"]
+        return eff
 
     def link(self, intra_node: bool) -> tuple[float, float]:
         """(alpha seconds, achievable bandwidth B/s) of one ring step on NVLink or the network."""
@@ -146,19 +160,47 @@ class Hardware:
         return replace(self, **changes)
 
 
+# The kernel model's constants, fitted once on the course's recorded H100 SXM run
+# (course_lib.virtual.gpu_check.H100: scripts/device_check.py, torch 2.11, 2026-11-27;
+# gpu_check.fit_kernels reproduces them from the record, tests/test_virtual_compute.py checks it)
+_RECORD = "gpu_check.H100 (H100 SXM, 2026-11-27)"
+_H100_KERNELS = dict(
+    launch_overhead=12.32e-6, hbm_efficiency=0.906, kernel_floor=2e-6,
+    kernel_efficiency=(("gemm", 0.834), ("attention", 0.30), ("reduction", 0.675), ("broadcast", 0.290),
+                       ("copy", 0.257)),
+    sources=(
+        ("gemm", f"{_RECORD}: GEMM 8192^3 in 1.387 ms less one issue, tiles x waves"),
+        ("attention", "not in the record: torch's SDPA (FlashAttention-2) on an H100 SXM at head dim 128, "
+                      "287-304 TFLOP/s (pytorch/benchmark PR #2296), 298-370 (Shah et al. 2024, Fig. 5)"),
+        ("elementwise", f"{_RECORD}: add 2 x 256 MiB in 277.6 us less one issue"),
+        ("broadcast", f"{_RECORD}: the block's per-op profile, least squares"),
+        ("reduction", f"{_RECORD}: the block's per-op profile, least squares"),
+        ("copy", f"{_RECORD}: the block's per-op profile, least squares"),
+        ("launch_overhead", f"{_RECORD}: 1000 one-element adds in 12.32 ms, issued by eager PyTorch"),
+        ("kernel_floor", "assumed, not in the record (its tiny kernels are paced by the host): "
+                         "an H100 runs a one-element kernel in about 2 us"),
+    ))
+
+
+def _same_kernels(gpu):
+    """The H100's kernel model on another GPU of its software stack: the record's fractions."""
+    note = f" (measured on an H100, assumed for the {gpu})"
+    return {**_H100_KERNELS, "sources": tuple((k, v + note) for k, v in _H100_KERNELS["sources"])}
+
+
 HARDWARE = {
     # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 600 GB/s both
     # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100);
     # fp16 as bf16, fp32 19.5 TFLOP/s without TF32 (the virtual clock's dtype_flops)
     "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108,
-                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12))),
+                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100")),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
     # direction), one 400 Gb/s NDR NIC per GPU (DGX H100); fp16 as bf16, fp32 67 TFLOP/s without TF32
     "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132,
-                         dtype_flops=(("float16", 989e12), ("float32", 67e12))),
+                         dtype_flops=(("float16", 989e12), ("float32", 67e12)), **_H100_KERNELS),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
     "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, sm_count=132,
-                     dtype_flops=(("float16", 989e12), ("float32", 67e12))),
+                     dtype_flops=(("float16", 989e12), ("float32", 67e12)), **_same_kernels("H200")),
 }
 
 

@@ -111,9 +111,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         if here:
             fwd_k, bwd_k = fwd_k + run(k[part + "_fwd"]), bwd_k + run(k[part + "_bwd"])
     # (every kernel at its own roofline is "compute"; the course has no EP in this model)
-    fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": fwd_k.count * hw.launch_overhead,
-           "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
-    bwd = {**fwd, "compute": bwd_k.time, "launch": bwd_k.count * hw.launch_overhead}
+    fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
+    bwd = {**fwd, "compute": bwd_k.time}
     calls = {}
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
@@ -140,11 +139,14 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         bwd_k = Kernels(bwd_k.count + n_layers * ring_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
         # a hop travels while one block's attention computes (1/c of the ring's kernels, launched):
         # exposed, its excess; the accumulator's last hop home has nothing to hide behind
-        block_f, block_b = (ring_f / c * hw.launch_overhead, ring_b / c * hw.launch_overhead)
+        per = max(hw.launch_overhead, hw.kernel_floor)     # a small kernel: issued, or its floor
+        block_f, block_b = (ring_f / c * per, ring_b / c * per)
         fwd["cp"] = n_layers * (c - 1) * max(0.0, hop - block_f)
         bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop)
         calls["cp"] = m * n_layers * (c - 1 + c + 1)
-    fwd["launch"], bwd["launch"] = fwd_k.count * hw.launch_overhead, bwd_k.count * hw.launch_overhead
+    # "launch": the time of issuing the kernels from the host (one op every launch_overhead), or
+    # of their floors on the device, beyond the kernels' own work (Kernels.seconds)
+    fwd["launch"], bwd["launch"] = (k.seconds(hw) - k.time for k in (fwd_k, bwd_k))
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
     if p > 1:
@@ -182,7 +184,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         block_tensors = n_layers * k["tensors_per_layer"]
         fsdp_kernels = (tensors + block_tensors + 2 * tensors + 4 * len(units)
                         + ((len(units) + norm_tensors) if layout.sp and t > 1 else 0))
-        bwd["launch"] += fsdp_kernels * hw.launch_overhead
+        bwd["launch"] += fsdp_kernels * max(hw.launch_overhead, hw.kernel_floor)
     else:
         for n_params, n_tensors, dims in ((weights, tensors - norm_tensors, replicas),
                                           (norms, norm_tensors, replicas + ("tp",))):
@@ -202,8 +204,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     shard = _size(layout, replicas) if layout.zero >= 1 else 1
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard
-    optimizer = adam.time * n_local + (adam.count * tensors + sync_kernels) * hw.launch_overhead
-    kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count * tensors + sync_kernels
+    # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
+    optimizer = adam.scaled(n_local).seconds(hw) + sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
 

@@ -9,11 +9,15 @@
 Every rank runs the real computation and sends the real messages; only time is modelled,
 from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of truth):
 
-* compute (:mod:`.compute`): each aten op the rank runs, forward and backward, costs
-  ``max(FLOPs / (peak of the dtype x matmul_efficiency), bytes / (HBM x hbm_efficiency))
-  + launch_overhead``, FLOPs from torch's FLOP-counter registry, bytes of its inputs and
-  outputs at the virtual dtype; views and metadata are free; ops inside a communication
-  call belong to its price;
+* compute (:mod:`.compute`): each aten op the rank runs, forward, backward and the optimizer,
+  is priced as the GPU runs it (:class:`course_lib.planner.kernels.KernelModel`): GEMMs by
+  shape (tiles and waves), fused attention, and every other kernel by the bytes it moves at
+  its class's fraction of HBM bandwidth (reductions, broadcasting and plain elementwise,
+  copies), never under a minimum per kernel; the host issues one op every
+  ``launch_overhead`` seconds and a kernel cannot start before it is issued; torch's
+  optimizers run their CUDA path (foreach); the constants are fitted on a recorded H100 run.
+  Bytes at the virtual dtype; views and metadata are free; ops inside a communication call
+  belong to its price;
 * communication (:mod:`.clock`): every ``Comm`` call costs its algorithm's alpha-beta time
   on NVLink when its group fits in one node of ``gpus_per_node`` GPUs, on the network
   otherwise; bytes at the virtual dtype;
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.planner.kernels import ELEMENTWISE, GEMM, KernelModel
 from course_lib.planner.presets import HARDWARE, Hardware, get_hardware
 from course_lib.virtual import clock, compute  # noqa: F401  (the rooms: clock.RankClock, compute.op_time)
 
@@ -55,9 +60,11 @@ class VirtualCluster:
             known = ["bfloat16"] + [d for d, _ in self.hw.dtype_flops]
             raise ValueError(f"dtype {dtype} has no FLOP rate on {self.hw.name}: the preset knows {known}")
         self.dtype, self.peak_flops = dtype, peak
-        self.flops_rate = peak * self.hw.matmul_efficiency          # FLOP/s a kernel sustains
-        self.bytes_rate = self.hw.hbm_bandwidth * self.hw.hbm_efficiency   # B/s a kernel streams
-        self.launch_overhead = self.hw.launch_overhead
+        self.kernels = KernelModel(self.hw, name)                      # every kernel's device time
+        self.flops_rate = self.kernels.flops_rate[GEMM]                # FLOP/s a large GEMM sustains
+        self.bytes_rate = self.kernels.bytes_rate[ELEMENTWISE]         # B/s a plain elementwise kernel streams
+        self.launch_overhead = self.hw.launch_overhead                 # the host issues one op every ... s
+        self.kernel_floor = self.hw.kernel_floor                       # the least a kernel takes on the device
 
     def check(self, world_size: int) -> None:
         """ValueError unless ``world_size`` GPUs fill whole nodes (before any rank starts)."""
@@ -78,9 +85,10 @@ class VirtualCluster:
         """Bytes per element on the virtual GPU: floating tensors at the virtual dtype."""
         return self.dtype.itemsize if t.is_floating_point() else t.element_size()
 
-    def kernel_time(self, flops: float, nbytes: float) -> float:
-        """The roofline of one kernel plus its launch: max(compute, memory) + overhead."""
-        return max(flops / self.flops_rate, nbytes / self.bytes_rate) + self.launch_overhead
+    def kernel_time(self, flops: float, nbytes: float, cls: str = ELEMENTWISE, detail=None) -> float:
+        """Seconds one kernel of class ``cls`` runs on the device (:class:`KernelModel`; a GEMM's
+        ``detail`` is its (M, N, K, batch)); the host's issue interval is the stream's, not in it."""
+        return self.kernels.seconds(flops, nbytes, cls, detail)
 
     def start(self, rank: int, world_size: int, recorder):
         """The clock of one rank (the launcher calls this in each rank, then enters it)."""
@@ -90,15 +98,24 @@ class VirtualCluster:
         """Every constant the prices come from, one line each."""
         hw, dt = self.hw, str(self.dtype).removeprefix("torch.")
         intra, inter = hw.link(True), hw.link(False)
-        return "\n".join([
+        eff, sources = self.kernels.efficiency, dict(hw.sources)
+        gemm = ("tiles x waves on " + f"{hw.sm_count} SMs, " if hw.sm_count else "") + f"{eff['gemm']:g} of peak"
+        lines = [
             f"virtual cluster: {hw.name}, {self.gpus_per_node} GPUs per node, {dt}",
-            f"  compute: {self.peak_flops / 1e12:g} TFLOP/s {dt} peak x {hw.matmul_efficiency:g} achievable"
-            f" = {self.flops_rate / 1e12:g} TFLOP/s",
-            f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM x {hw.hbm_efficiency:g}"
-            f" = {self.bytes_rate / 1e12:g} TB/s; launch overhead {hw.launch_overhead * 1e6:g} us per kernel",
+            f"  compute: {self.peak_flops / 1e12:g} TFLOP/s {dt} peak; GEMM {gemm} = {self.flops_rate / 1e12:g} TFLOP/s"
+            f" [{sources.get('gemm', 'matmul_efficiency: assumed')}]",
+            f"    fused attention {eff['attention']:g} of peak [{sources.get('attention', 'matmul_efficiency: assumed')}]",
+            f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM; a kernel streams at its class's fraction of it:"]
+        for cls in ("elementwise", "broadcast", "reduction", "copy"):
+            lines.append(f"    {cls:11s} {eff[cls]:5.3f} = {hw.hbm_bandwidth * eff[cls] / 1e12:.3g} TB/s"
+                         f" [{sources.get(cls, 'hbm_efficiency: assumed')}]")
+        lines += [
+            f"  host: issues one op every {hw.launch_overhead * 1e6:.3g} us [{sources.get('launch_overhead', 'assumed')}]",
+            f"  device: at least {hw.kernel_floor * 1e6:.3g} us a kernel [{sources.get('kernel_floor', 'assumed')}]",
             f"  NVLink:  alpha {intra[0] * 1e6:g} us, {intra[1] / 1e9:g} GB/s; "
             f"network: alpha {inter[0] * 1e6:g} us, {inter[1] / 1e9:g} GB/s",
-        ])
+        ]
+        return "\n".join(lines)
 
     def __repr__(self):
         return (f"VirtualCluster({self.hw.name!r}, gpus_per_node={self.gpus_per_node}, "

@@ -1,13 +1,34 @@
 """Compute on the virtual GPU: a dispatch mode that prices every aten op a rank runs.
 
-``op_time(cluster, func, args, kwargs, out)`` is one kernel's roofline: FLOPs from torch's
-own FLOP-counter registry (``torch.utils.flop_counter``: mm, addmm, bmm, baddbmm,
-convolutions, attention kernels; 0 for the others, which are memory bound), bytes = every
-tensor the op reads and writes at the virtual dtype, plus the launch overhead. Views and
-metadata (``func.is_view``, allocation, ``.item()``) launch no kernel: free.
+``op_time(cluster, func, args, kwargs, out)`` is one kernel's time on the device: its FLOPs,
+bytes and class (:func:`course_lib.planner.kernels.op_cost`: the GPU's kernel where the CPU
+runs another) priced by the cluster's :class:`~course_lib.planner.kernels.KernelModel`.
+Views and metadata (``func.is_view``, allocation, ``.item()``) launch no kernel: free.
+
+Two chains make a rank's compute stream, as in eager PyTorch on a GPU:
+
+* the host (``clock.host``): it issues one op every ``launch_overhead`` seconds;
+* the device (``clock.t``, the time the rest of the clock reads as "now"): a kernel starts
+  when the host has issued it and the previous kernel has ended, so ``clock.t`` is when the
+  stream's last kernel ends: max(device chain, host chain), op by op.
+
+``clock.join(end)`` (waiting on a message or a collective) moves ``clock.t`` only: on a GPU
+``wait()`` makes the stream wait, not the host, which keeps issuing ops that then run back to
+back once the data is there. The host never waits for the device here (no ``.item()`` sync is
+modelled): a step whose kernels are long keeps its host ahead, one whose kernels are short is
+paced by the host.
+
+torch's optimizers run their CUDA path while a rank is under the clock: a step of an Adam,
+AdamW or (fp32/fp64) SGD whose ``foreach`` is unset runs with ``foreach=True`` (torch's
+default on CUDA; on the CPU torch takes the per-tensor path, ~10 kernels per parameter
+tensor), then the setting is put back. On the CPU both paths run the same per-tensor kernels
+in the same order (the CPU's foreach ops loop over the tensors), so the results are the
+same, bit for bit (tests/test_virtual_compute.py checks it on the course's models).
 """
 from __future__ import annotations
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.planner.kernels import _FREE_OP, _KINDS, FREE, _add_bytes, op_cost  # one implementation: the planner's
@@ -24,24 +45,79 @@ def op_flops(func, args, kwargs, out) -> int:
 
 
 def op_time(cluster, func, args, kwargs, out) -> float:
-    """Seconds of one aten op on the virtual GPU (0 for views and metadata): the roofline of
-    its FLOPs and bytes (:func:`course_lib.planner.kernels.op_cost`, which the planner counts
-    too) plus the launch."""
+    """Seconds of one aten op's kernel on the virtual GPU's device (0 for views and metadata):
+    :func:`course_lib.planner.kernels.op_cost` (which the planner counts too) priced by the
+    cluster's kernel model. The host's issue interval is the stream's (:class:`ComputeStream`)."""
     cost = op_cost(func, args, kwargs, out, cluster.dtype.itemsize)
     return 0.0 if cost is None else cluster.kernel_time(*cost)
 
 
+# optimizers whose foreach path is the per-tensor path's arithmetic, op for op, on the CPU
+_FOREACH_SAME = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _cuda_path(optimizer) -> list:
+    """The param groups to run with ``foreach=True``: those torch would run so on CUDA (unset,
+    not fused, not differentiable, not capturable) where the CPU's results stay the same."""
+    if not isinstance(optimizer, _FOREACH_SAME + (torch.optim.SGD,)):
+        return []
+    groups = []
+    for g in optimizer.param_groups:
+        if g.get("foreach", False) is not None or g.get("fused") or g.get("differentiable") or g.get("capturable"):
+            continue
+        if isinstance(g.get("lr"), torch.Tensor):      # foreach needs a float lr (torch refuses a tensor)
+            continue
+        if not isinstance(optimizer, _FOREACH_SAME) and any(
+                p.dtype not in (torch.float32, torch.float64) for p in g["params"]):
+            continue                                   # SGD's two paths round 16-bit parameters differently
+        groups.append(g)
+    return groups
+
+
 class ComputeStream(TorchDispatchMode):
-    """Advances ``clock.t`` (the rank's compute stream) by every op's price, unless the
-    clock is muted (inside a communication call, or the clock's own bookkeeping)."""
+    """Advances ``clock.t`` (the device) and ``clock.host`` (the host's issue chain) by every op,
+    unless the clock is muted (inside a communication call, or the clock's own bookkeeping);
+    while it is entered, torch's optimizers take their CUDA path (see the module doc)."""
 
     def __init__(self, clock):
         super().__init__()
         self.clock, self.itemsize = clock, clock.cluster.dtype.itemsize
+        self.model = clock.cluster.kernels
+        self.issue = clock.cluster.launch_overhead
+        if not hasattr(clock, "host"):
+            clock.host = 0.0               # the host: when it issued its last op
+        self._hooks, self._switched = None, []
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False      # no torch.compile under the virtual clock: skip the per-op dynamo guard (~10 us)
+
+    def __enter__(self):
+        pre = register_optimizer_step_pre_hook(self._step_begins)
+        post = register_optimizer_step_post_hook(self._step_ends)
+        self._hooks = (pre, post)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for h in self._hooks or ():
+                h.remove()
+            self._hooks = None
+            while self._switched:           # a step that raised: its groups as they were
+                for g in self._switched.pop():
+                    g["foreach"] = None
+
+    def _step_begins(self, optimizer, args, kwargs):
+        groups = _cuda_path(optimizer)
+        for g in groups:
+            g["foreach"] = True
+        self._switched.append(groups)
+
+    def _step_ends(self, optimizer, args, kwargs):
+        for g in self._switched.pop() if self._switched else ():
+            g["foreach"] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = getattr(func, "_op", func)     # an OpOverload's C++ operator: one Python frame less per op
@@ -52,7 +128,10 @@ class ComputeStream(TorchDispatchMode):
         if not clock.muted_depth:           # op_time, inlined: one call less per op
             cost = op_cost(func, args, kwargs, out, self.itemsize)
             if cost is not None:
-                clock.t += clock.cluster.kernel_time(*cost)
+                host = clock.host + self.issue          # the host issues it...
+                t = clock.t
+                clock.t = (t if t > host else host) + self.model.seconds(*cost)   # ...the device runs it
+                clock.host = host
                 clock.kernels += 1
         return out
 
