@@ -24,6 +24,16 @@ Each notebook runs top to bottom in a fresh kernel of this Python environment,
 in its own folder, continuing past errors; a cell has ``--timeout`` seconds.
 The graders themselves never hang or raise on a learner's bug.
 
+What the learner's code may not reach: IPython's input machinery. A notebook whose cells
+name it (``get_ipython``, input or AST transformers, events, custom exception handlers)
+scores 0, and so does one whose kernel, probed after every cell without passing through
+the input transformers (``user_expressions``), shows a hook the kernel did not start with
+(a transformer, an event callback, a custom exception handler, a replaced ``sys.stdout``).
+The grader's own code is pinned in the kernel and in the ranks (course_lib.grading.integrity).
+
+A notebook that carries the solution's ``### BEGIN SOLUTION`` markers or its stored pass
+lines is flagged COPY? for the instructor (its score stands: the answers are still run).
+
 Exit status: 0 when every question of every notebook passed, 1 otherwise,
 2 when there was nothing to grade.
 """
@@ -54,7 +64,7 @@ class Question:
     name: str
     passed: bool
     got: str  # first line the learner's run printed, or what went wrong
-    flagged: bool = False  # its check cell was edited, replaced or deleted
+    flagged: bool | str = False  # True: its check cell was edited, replaced or deleted; "IPYTHON": see the note
 
 
 @dataclass
@@ -63,6 +73,7 @@ class NotebookGrade:
     questions: list = field(default_factory=list)
     error: str = ""  # the notebook could not be run at all (bad JSON, dead kernel, ...)
     note: str = ""
+    copied: str = ""  # why it looks like a copy of the solution (for the instructor), or ""
     seconds: float = 0.0
 
     @property
@@ -226,7 +237,49 @@ def prepare(learner, reference: Reference):
 
 def _looks_like_check(source: str) -> bool:
     return (CHECK_MARKER in source or "cases passed" in source
-            or re.search(r"\bcheck_\w+\s*\(", source) is not None)
+            or re.search(r"\bcheck(?:_\w+)?\s*\(", source) is not None)
+
+
+def _question_of(source: str, reference: Reference) -> str | None:
+    """The question a (changed) cell answers, by the check it calls or the question's name."""
+    called = set(re.findall(r"\b(check_\w+)\s*\(", source))
+    for k, (_, check_source, expected) in enumerate(reference.checks):
+        name = question_name(expected, k)
+        if called & set(re.findall(r"\b(check_\w+)\s*\(", check_source)) or name in source:
+            return name
+    return None
+
+
+# What a learner's cell may not name: IPython's input machinery (a transformer can rewrite a
+# check cell into a print of its pass line, a custom exception handler can hide a failure)
+IPYTHON_MACHINERY = re.compile(r"get_ipython|input_transformers|ast_transformers|set_custom_exc|"
+                               r"\bevents\s*\.\s*(?:register|callbacks)|InteractiveShell|"
+                               r"\b_?ih\b\s*\[|run_cell")
+
+
+def reaches_ipython(learner, reference: Reference) -> str:
+    """'' or a note naming the first learner cell (not one of the solution's own) that names
+    IPython's input machinery."""
+    for i, cell in enumerate(learner.cells):
+        if cell.cell_type != "code" or normalized(cell.source) in reference.codes:
+            continue
+        found = IPYTHON_MACHINERY.search(cell.source)
+        if found:
+            return (f"cell {i + 1} reaches IPython's input machinery ({found.group(0).strip()}): "
+                    f"every question scores 0")
+    return ""
+
+
+def looks_copied(learner, reference: Reference) -> str:
+    """'' or why the notebook looks like a copy of the solution: its BEGIN SOLUTION markers, or
+    check cells that carry the solution's stored pass lines."""
+    markers = sum("### BEGIN SOLUTION" in c.source for c in learner.cells)
+    stored = {normalized(code): comparable(expected) for code, _, expected in reference.checks}
+    lines = sum(1 for c in learner.cells if c.cell_type == "code" and c.get("outputs")
+                and stored.get(normalized(c.source)) == comparable(c.outputs))
+    why = [f"{markers} '### BEGIN SOLUTION' markers"] * bool(markers)
+    why += [f"{lines} stored pass lines of the solution"] * bool(lines)
+    return "COPY? " + " and ".join(why) + ": compare with the solution by hand" if why else ""
 
 
 def current_env_kernel_specs():
@@ -242,16 +295,71 @@ def current_env_kernel_specs():
     return CurrentEnv()
 
 
+# The kernel's hooks on a cell's way in and out, as a sorted list of strings: evaluated as a
+# user expression (after a cell, never passed through the input transformers). Hooks that
+# IPython, ipykernel or matplotlib install are not listed (importing matplotlib adds some).
+KNOWN_HOOKS = ("IPython", "ipykernel", "matplotlib", "matplotlib_inline", "ipywidgets", "traitlets", "comm")
+PROBE = (
+    "(lambda s, sys, known: sorted(set("
+    "[f'{n}: {getattr(f, \"__module__\", None)}.{getattr(f, \"__qualname__\", type(f).__name__)}' "
+    " for n in ('input_transformers_cleanup', 'input_transformers_post', 'ast_transformers')"
+    " for f in getattr(s, n, []) if not str(getattr(f, '__module__', None)).startswith(known)]"
+    "+ [f'events.{e}: {getattr(f, \"__module__\", None)}.{getattr(f, \"__qualname__\", None)}' "
+    " for e, fs in s.events.callbacks.items() for f in fs"
+    " if not str(getattr(f, '__module__', None)).startswith(known)]"
+    "+ [f'custom_exceptions: {s.custom_exceptions!r}', f'shell: {type(s).__module__} {id(s)}']"
+    "+ [f'shell.{k} replaced' for k, v in vars(s).items() if callable(v) and hasattr(type(s), k)"
+    "   and not str(getattr(v, '__module__', None)).startswith(known)]"
+    "+ [f'sys.{n}: {type(getattr(sys, n)).__module__}.{type(getattr(sys, n)).__qualname__}'"
+    "   for n in ('stdout', 'stderr', 'displayhook', 'excepthook')])))"
+    "(__import__('IPython').get_ipython(), __import__('sys'), %r)" % (KNOWN_HOOKS,))
+
+
+async def _probe(client):
+    """The kernel's hooks now (see PROBE), or None when the kernel did not answer."""
+    import ast
+
+    msg_id = client.kc.execute("", silent=True, store_history=False, user_expressions={"hooks": PROBE})
+    reply = await client.async_wait_for_reply(msg_id)
+    result = (reply or {}).get("content", {}).get("user_expressions", {}).get("hooks", {})
+    if result.get("status") != "ok":
+        return None
+    try:
+        return ast.literal_eval(result["data"]["text/plain"])
+    except (KeyError, ValueError, SyntaxError):
+        return None
+
+
+async def _execute_probed(client, stderr):
+    """Every cell in order, the kernel probed before the first and after each: returns
+    (index of the first cell after which a hook appeared, what appeared) or None."""
+    tampered = None
+    async with client.async_setup_kernel(stderr=stderr):
+        baseline = await _probe(client)
+        for index, cell in enumerate(client.nb.cells):
+            await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+            if tampered is None and cell.cell_type == "code":
+                now = await _probe(client)
+                new = ["the kernel did not answer the grader's probe"] if now is None or baseline is None \
+                    else sorted(set(now) - set(baseline))
+                if new:
+                    tampered = (index, new)
+    return tampered
+
+
 def execute(nb, cwd: str, timeout: int):
+    """Run ``nb`` in place; returns (cell index, hooks that appeared after it) or None."""
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
+    from nbclient.util import run_sync
 
     km = KernelManager(kernel_name="python3", kernel_spec_manager=current_env_kernel_specs())
     client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
                             record_timing=False, resources={"metadata": {"path": cwd}})
     # The kernel's own stderr (ipykernel start-up notices) is noise in a score table; what
     # the cells print reaches us through the kernel's messages, not through this stream.
-    client.execute(stderr=subprocess.DEVNULL)
+    client.reset_execution_trackers()
+    return run_sync(_execute_probed)(client, subprocess.DEVNULL)
 
 
 def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 300,
@@ -273,21 +381,34 @@ def grade_notebook(path: str, reference_dir: str | None = None, timeout: int = 3
         grade.note = f"graded as {os.path.basename(reference.path)}"
     nb, plan, suspicious = prepare(learner, reference)
     flags = [f"{name}: check cell edited or missing (scores 0)" for name, index, _ in plan if index is None]
-    flags += [f"cell {i + 1} looks like an edited check cell" for i in suspicious]
-    if flags:
-        grade.note = "; ".join(([grade.note] if grade.note else []) + flags)
+    for i in suspicious:
+        question = _question_of(learner.cells[i].source, reference)
+        flags.append(f"{question}: cell {i + 1} looks like an edited check cell" if question
+                     else f"cell {i + 1} looks like an edited check cell")
+    machinery = reaches_ipython(learner, reference)
+    grade.copied = looks_copied(learner, reference)
+    tampered = None
     if any(index is not None for _, index, _ in plan):
         try:
-            execute(nb, os.path.dirname(os.path.abspath(path)), timeout)
+            tampered = execute(nb, os.path.dirname(os.path.abspath(path)), timeout)
         except Exception as exc:  # noqa: BLE001 - dead kernel etc.: cells not run score zero
             grade.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if tampered and not machinery:
+        index, new = tampered
+        inserted = sum(1 for _, i, _ in plan if i is not None and i <= index)   # the fresh-import cells
+        machinery = (f"after cell {index + 1 - inserted} the kernel had hooks it did not start with "
+                     f"({'; '.join(new)[:160]}): every question scores 0")
+    if machinery:
+        flags.append(machinery)
+    if flags:
+        grade.note = "; ".join(([grade.note] if grade.note else []) + flags)
     for name, index, expected in plan:
         if index is None:
             grade.questions.append(Question(name, False, "check cell edited or missing", flagged=True))
             continue
         got = nb.cells[index].get("outputs", [])
-        ok = bool(got) and comparable(got) == comparable(expected)
-        grade.questions.append(Question(name, ok, _first_line(got)))
+        ok = bool(got) and comparable(got) == comparable(expected) and not machinery
+        grade.questions.append(Question(name, ok, _first_line(got), flagged="IPYTHON" if machinery else False))
     grade.seconds = time.perf_counter() - started
     return grade
 
@@ -309,9 +430,9 @@ def table(grades, base: str) -> str:
     rows = []
     for g in grades:
         label = os.path.relpath(g.path, base) if base else g.path
-        marks = "  ".join(f"{q.name} {'ok' if q.passed else ('EDITED' if q.flagged else 'FAIL')}"
+        marks = "  ".join(f"{q.name} {'ok' if q.passed else ('EDITED' if q.flagged is True else q.flagged or 'FAIL')}"
                           for q in g.questions)
-        for extra in (g.error, g.note):
+        for extra in (g.error, g.note, g.copied):
             if extra:
                 marks = (marks + "  " if marks else "") + f"[{extra}]"
         rows.append((label, f"{g.passed}/{g.total}", marks))
@@ -362,8 +483,9 @@ def main(argv=None) -> int:
             for g in grades:
                 for q in g.questions:
                     writer.writerow([g.path, q.name, int(q.passed), q.got])
-                if g.error:
-                    writer.writerow([g.path, "", "", g.error])
+                for extra in (g.error, g.note, g.copied):
+                    if extra:
+                        writer.writerow([g.path, "", "", extra])
     return 0 if all(g.total and g.passed == g.total for g in grades) else 1
 
 

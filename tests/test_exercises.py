@@ -217,3 +217,43 @@ def test_grade_agrees_with_nbval_lax(tiny_course):
     assert blank.returncode == 1 and blank.outcome(1) == blank.outcome(2) == "failed", blank.log
     solved = run_nbval(str(tiny_course / "learner" / "t.ipynb"), "lax")
     assert solved.returncode == 0 and solved.outcome(1) == solved.outcome(2) == "passed", solved.log
+
+
+# ----------------------------------------------------------------------------- attacks on grade.py (issue 34)
+_TRANSFORMER = '''def _rewrite(lines):
+    if any("check(" in line for line in lines):
+        return ["print('hypot: 1/1 cases passed')\\n"]
+    return lines
+{reach}.append(_rewrite)'''
+
+
+@pytest.mark.parametrize("reach", ["get_ipython().input_transformers_cleanup",     # named: caught unrun
+                                   "getattr(getattr(__import__('IP' + 'ython'), 'get_' + 'ipython')(), "
+                                   "'input_' + 'transformers_cleanup')"],          # hidden: the probe
+                         ids=["named", "obfuscated"])
+def test_grade_scores_0_an_input_transformer_that_fakes_the_pass_line(tiny_course, reach):
+    ref = str(tiny_course / "solutions")
+    nb = nbformat.read(tiny_course / "exercises" / "t.ipynb", as_version=4)
+    nb.cells.insert(1, _code(_TRANSFORMER.format(reach=reach)))
+    path = tiny_course / "learner" / f"hooked_{len(reach)}.ipynb"
+    nbformat.write(nb, path)
+    graded = grade.grade_notebook(str(path), ref)
+    assert graded.passed == 0 and all(q.flagged == "IPYTHON" for q in graded.questions), graded
+    assert ("reaches IPython's input machinery" in graded.note if reach.startswith("get_")
+            else "hooks it did not start with" in graded.note and "input_transformers_cleanup" in graded.note), graded
+    assert "IPYTHON" in grade.table([graded], "")
+
+
+def test_grade_flags_a_copied_solution_and_names_an_edited_check_by_question(tiny_course):
+    ref = str(tiny_course / "solutions")
+    copied = grade.grade_notebook(str(tiny_course / "learner" / "t.ipynb"), ref)
+    assert (copied.passed, copied.total) == (2, 2)
+    assert copied.copied.startswith("COPY?") and "BEGIN SOLUTION" in copied.copied, copied
+    assert "stored pass lines" in copied.copied and "COPY?" in grade.table([copied], "")
+    blank = grade.grade_notebook(str(tiny_course / "exercises" / "t.ipynb"), ref)
+    assert not blank.copied and not blank.note, blank
+    nb = nbformat.read(tiny_course / "exercises" / "t.ipynb", as_version=4)
+    nb.cells[2].source = nb.cells[2].source.replace("Ring().step(1) == 2", "True")
+    nbformat.write(nb, tiny_course / "learner" / "edited_twice.ipynb")
+    edited = grade.grade_notebook(str(tiny_course / "learner" / "edited_twice.ipynb"), ref)
+    assert "twice: cell 3 looks like an edited check cell" in edited.note, edited.note
