@@ -150,6 +150,15 @@ def nccl_collective(hw, op: str, nbytes: float, n_ranks: int, n_nodes: int):
     return best
 
 
+def collective_time(cluster, op: str, nbytes: float, ranks) -> float:
+    """NCCL's time for collective ``op`` ("all_reduce", "all_gather", "reduce_scatter",
+    "broadcast") of ``nbytes`` over the global ``ranks`` of a ``VirtualCluster``: the price the
+    clock gives that call when nothing else holds its links."""
+    ranks = list(ranks)
+    nodes = len({cluster.node(r) for r in ranks})
+    return nccl_collective(cluster.hw, op, nbytes, len(ranks), nodes)[0]
+
+
 def p2p_time(hw, nbytes: float, intra_node: bool):
     """One message between two GPUs: (latency seconds, bandwidth seconds). One ring step of
     NCCL's table: LL up to 16 KiB (NCCL_P2P_LL_THRESHOLD), Simple above."""
@@ -199,5 +208,5 @@ def describe(hw) -> list[str]:
     ]
 
 
-__all__ = ["Lane", "nccl_collective", "p2p_time", "all_to_all_time", "lane_bytes", "describe",
+__all__ = ["Lane", "nccl_collective", "collective_time", "p2p_time", "all_to_all_time", "lane_bytes", "describe",
            "BASE_LATENCY", "HW_LATENCY", "PROTOCOLS"]
