@@ -1,4 +1,4 @@
-"""Asynchronous save: the copy to host memory blocks the step, the disk write does not.
+"""Asynchronous save: planning and the copy to host memory block the step, the disk write does not.
 
     saver = AsyncSaver()                          # every rank; makes its own gloo group
     saver.save(path, net, opt, step=k)            # returns once the boxes are copied
@@ -8,6 +8,10 @@
 The thread gathers the CRCs and barriers on a process group of its own, so its collectives
 never interleave with the training step's on the mesh's groups (torch DCP's ``async_save``
 does the same). The publish is the synchronous one: ``path`` appears only when complete.
+The blocking part (``store.prepare``) plans on every save: the boxes are listed, gathered
+and assigned writers, a collective (DCP can cache its plans: ``enable_plan_caching``). The
+write pays only where it runs on what the step leaves idle (a spare core; on a GPU node the
+host's cores and the copy engine); on cores the step uses, the writer slows the step down.
 """
 from __future__ import annotations
 
