@@ -87,10 +87,12 @@ def activation_bytes_of_layouts(cfg_dict, layouts, batch):
     return {name: activation_bytes(cfg_dict, layout, batch, **kw) for name, (layout, kw) in layouts.items()}
 
 
-def pipeline_peaks(cfg_dict, layout, batch, policies=POLICIES, **kw):
+def pipeline_peaks(cfg_dict, layout, batch, policies=POLICIES, count_ids=True, **kw):
     """One bf16 pipeline step per recompute policy: {policy: this rank's peak of saved activations
-    (every micro-batch in flight), the bytes one micro-batch's forward kept, its stage and layers},
-    counted on storages by the schedule runner."""
+    (every micro-batch in flight), the bytes one micro-batch's forward kept (in all its chunks),
+    its stage (rank), chunks (virtual stages: several with ``v`` > 1) and layers}, counted on
+    storages by the schedule runner. ``count_ids=False``: stage 0's embedding keeps its token
+    ids for backward, views of the whole batch's; counted as the weights are (not at all)."""
     from course_lib import reference
     from course_lib.parallel.compose import parallelize_nd
     from course_lib.parallel.mesh import Mesh
@@ -101,11 +103,16 @@ def pipeline_peaks(cfg_dict, layout, batch, policies=POLICIES, **kw):
     out = {}
     for policy in policies:
         net = parallelize_nd(TinyGPT(cfg, seed=0).to(torch.bfloat16), mesh, recompute=policy, **kw)
+        if 0 in net.stages and not count_ids:   # the batch's token ids: a buffer, as the weights
+            net.stages[0].part.register_buffer("token_ids", x, persistent=False)
         net.step(x, y)
-        res = net.last_result
-        (stage, st), = net.stages.items()
-        out[policy] = dict(stage=stage, layers=list(st.layers), peak=res.peak_activation_bytes,
-                           per_microbatch=res.saved_bytes[(stage, 0)], first=st.first, last=st.last)
+        res, stages = net.last_result, net.stages      # v > 1: this rank's chunks, stage % p
+        out[policy] = dict(stage=min(stages), chunks=sorted(stages),
+                           layers=[i for s in sorted(stages) for i in stages[s].layers],
+                           peak=res.peak_activation_bytes,
+                           per_microbatch=sum(res.saved_bytes[(s, 0)] for s in stages),
+                           first=any(st.first for st in stages.values()),
+                           last=any(st.last for st in stages.values()))
     return out
 
 

@@ -5,9 +5,9 @@
   running the same recipe, within fp32's derived bounds (course_lib.tolerance);
 * bf16: the first step's gradients against a float64 run. A parallel run rounds what one
   device rounds, plus each partial result before it is summed (a TP partial sum, a gradient
-  reduced in bf16): at most one more rounding per rounding one device makes, so its error is
-  at most twice one device's own bf16 error (the bound asserted); reducing in fp32 instead
-  removes the second kind;
+  reduced in bf16): with two ranks per sum, one more rounding, and the error stays within
+  twice one device's own bf16 error (a heuristic, asserted at these sizes: a bf16 sum's error
+  grows with the number of summands, ``sum_rounded``); reducing in fp32 removes that kind;
 * bytes on the wire: every activation, parameter and gradient collective carries half the
   bytes in bf16 (gradients stay fp32 with "bf16-reduce-fp32"); the loss's fp32/fp64 sums do not;
 * the master weights: fp32 on the optimizer's side (all of them with DDP, 1/N with FSDP);
@@ -20,7 +20,7 @@ from course_lib import tolerance
 from course_lib.gpt import GPTConfig
 from course_lib.nd_runs import LR
 from course_lib.parallel.compose import check_layout
-from course_lib.precision.mixed import check_precision, relative_error
+from course_lib.precision.mixed import check_precision, relative_error, sum_rounded
 from course_lib.precision_runs import one_device, precision_runs
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2)
@@ -107,3 +107,23 @@ def test_fp16_refused_for_want_of_a_loss_scaler(name):
     for call in (lambda: check_layout(CFG, dp=2, precision=name), lambda: check_precision(name)):
         with pytest.raises(ValueError, match="needs a loss scaler.*use 'bf16'"):
             call()
+
+
+def test_sum_rounded_rounds_every_partial_sum():
+    terms = [torch.tensor([1.0]), torch.tensor([2.0 ** -9]), torch.tensor([2.0 ** -9])]
+    # bf16 (8 bits): 1 + 2^-9 rounds back to 1 at each hop; fp32 keeps both
+    assert sum_rounded(terms, torch.bfloat16).item() == 1.0
+    assert sum_rounded(terms, torch.float32).item() == 1.0 + 2.0 ** -8
+    assert sum_rounded(terms, torch.bfloat16).dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4096, generator=gen).bfloat16() for _ in range(256)]
+
+    def error(n, dtype):
+        exact = torch.stack(grads[:n]).double().sum(0)
+        return float((sum_rounded(grads[:n], dtype).double() - exact).norm() / exact.norm())
+
+    assert error(2, torch.bfloat16) < 2 ** -8                    # one rounding: at most u
+    assert error(256, torch.bfloat16) > 4 * error(2, torch.bfloat16)   # grows with n (~sqrt(n))
+    assert error(256, torch.float32) < 2 ** -20
+    with pytest.raises(ValueError, match="at least one term"):
+        sum_rounded([], torch.float32)

@@ -165,6 +165,24 @@ def test_pipeline_peak_is_in_flight_microbatches_times_the_stage():
             assert got["peak"] == in_flight_microbatches(p, m, "1f1b", stage=got["stage"]) * want, policy
 
 
+def test_stage_0_holds_L_layers_times_the_interleaving_factor():
+    """Korthikanti et al. 2022, Sec. 4.2.3: 1F1B's first stage holds L layers of one micro-batch
+    whatever p is; interleaving v chunks multiplies that by 1 + (p - 1) / (p v). The token ids
+    the embedding keeps are views of the input batch, left out with count_ids=False."""
+    m, one_mb = 4, stage_activation_bytes(SPEC, CFG.seq_len, 2, "none")
+    for p, v, kw in ((4, 1, {}), (2, 1, {}), (2, 2, dict(schedule="interleaved", v=2))):
+        got = launch(pipeline_peaks, p, dataclasses.asdict(CFG), dict(pp=p), 2 * m, ("none",),
+                     microbatches=m, threads=1, count_ids=False, **kw)[0]["none"]
+        assert got["stage"] == 0 and got["chunks"] == list(range(0, p * v, p)), got
+        factor = 1 + (p - 1) / (p * v) if v > 1 else 1
+        assert got["peak"] == factor * one_mb, (p, v, got["peak"], factor * one_mb)
+        held = in_flight_microbatches(p, m, "interleaved" if v > 1 else "1f1b", v)
+        assert got["peak"] == held * stage_activation_bytes(SPEC, CFG.seq_len, 2, ["none"] * len(got["layers"]))
+    counted = launch(pipeline_peaks, 2, dataclasses.asdict(CFG), dict(pp=2), 2 * m, ("none",),
+                     microbatches=m, threads=1)[0]["none"]
+    assert counted["peak"] > one_mb        # the ids' storage, once per micro-batch in flight
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(recompute="most"), "unknown recompute policy 'most'"),
     (dict(recompute=["full", "none"]), "a recompute policy per block: got 2 for 4"),

@@ -137,4 +137,20 @@ def relative_error(got: dict, want: dict) -> float:
     return (num / den) ** 0.5 if den else num ** 0.5
 
 
-__all__ = ["PRECISIONS", "check_precision", "MasterWeights", "cast_buffers", "train_mixed", "relative_error"]
+def sum_rounded(terms, dtype):
+    """terms[0] + terms[1] + ... with every partial sum rounded to ``dtype``: what a ring
+    reduce in ``dtype`` computes over its n - 1 hops (each rank adds its share to the partial
+    sum it received and sends it on), and what n micro-batches' gradients accumulated in a
+    ``dtype`` .grad compute. Each addition rounds once, so the error grows with n (towards
+    (n - 1) u of the sum's scale): the reason Megatron accumulates and reduces gradients in an
+    fp32 ``main_grad`` and FSDP2 offers ``reduce_dtype=torch.float32``."""
+    if not len(terms):
+        raise ValueError("sum_rounded needs at least one term")
+    total = terms[0].to(dtype)
+    for t in terms[1:]:
+        total = total + t.to(dtype)     # rounded to dtype after every hop
+    return total
+
+
+__all__ = ["PRECISIONS", "check_precision", "MasterWeights", "cast_buffers", "train_mixed", "relative_error",
+           "sum_rounded"]
