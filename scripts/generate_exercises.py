@@ -18,6 +18,10 @@ What a solution notebook turns into:
   failed check raises (``course_lib.grading.GradeFailed``), so ``pytest
   --nbval-lax`` fails until it passes; ``scripts/grade.py`` knows the question by
   the cell's code and compares its output with the solution's stored pass line.
+* A last cell is added that calls ``course_lib.grading.all_checks_passed`` with the names of
+  the solution's questions (the first word of each stored pass line): it fails while a check
+  cell was deleted, skipped or failing, so ``pytest --nbval-lax`` fails on a notebook whose
+  check cell was deleted, as ``scripts/grade.py`` scores it 0.
 * Other ``# NBVAL_*`` comment lines become the equivalent cell tags
   (``nbval-ignore-output``, ``nbval-skip``, ``raises-exception``): nbval still
   reads them, readers of the book do not see them.
@@ -173,7 +177,38 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
             markers_to_tags(cell)
             cell.outputs = []
             cell.execution_count = None
+    if question_names(solution):
+        nb.cells.append(_session_cell(solution, nb))
     return nb
+
+
+SESSION_CELL = """# Every question of this notebook, checked in this session: a check cell that was
+# deleted, skipped or is failing makes this cell fail (and `pytest --nbval-lax` with it).
+from course_lib.grading import all_checks_passed
+
+ok = all_checks_passed({names})"""
+
+
+def question_names(solution) -> list:
+    """The questions of a solution: the name before ':' in each check cell's stored line."""
+    names = []
+    for cell in solution.cells:
+        if is_check_cell(cell):
+            text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            if ":" in first:
+                names.append(first.split(":", 1)[0].strip())
+    return names
+
+
+def _session_cell(solution, nb):
+    names = question_names(solution)
+    listed = "[" + ", ".join(json.dumps(n) for n in names) + "]"
+    if len(listed) > 60:   # one name a line: the notebook's lines stay within ~80 characters
+        listed = "[\n    " + ",\n    ".join(json.dumps(n) for n in names) + ",\n]"
+    cell = nbformat.v4.new_code_cell(SESSION_CELL.format(names=listed))
+    cell.id = "all-checks-passed"   # a fixed id: the output is byte-for-byte reproducible
+    return cell
 
 
 def render(nb: nbformat.NotebookNode) -> str:

@@ -84,7 +84,8 @@ def test_exercise_hides_pass_lines_and_markers():
                    _code(CHECK, stdout="hypot: 1/1 cases passed\n"),
                    nbformat.v4.new_markdown_cell("Why?\n\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n"), ignored)
     exercise = gen.make_exercise(solution)
-    setup, work, check, answer, plain = exercise.cells
+    setup, work, check, answer, plain, session = exercise.cells
+    assert 'all_checks_passed(["hypot"])' in session.source    # a deleted check fails nbval-lax
     assert setup.metadata["tags"] == ["remove-cell"]
     assert work.outputs == [] and work.execution_count is None
     assert check.outputs == [] and check.execution_count is None
@@ -257,3 +258,20 @@ def test_grade_flags_a_copied_solution_and_names_an_edited_check_by_question(tin
     nbformat.write(nb, tiny_course / "learner" / "edited_twice.ipynb")
     edited = grade.grade_notebook(str(tiny_course / "learner" / "edited_twice.ipynb"), ref)
     assert "twice: cell 3 looks like an edited check cell" in edited.note, edited.note
+
+
+def test_a_deleted_check_cell_fails_nbval_lax(tiny_course, tmp_path):
+    """Issue 34: the documented self-check (`pytest --nbval-lax`) passed a notebook whose check
+    cell was deleted. The generated exercise ends with a cell that fails unless every question
+    of the solution passed in this session."""
+    exercise = nbformat.read(tiny_course / "exercises" / "t.ipynb", as_version=4)
+    assert "all_checks_passed" in exercise.cells[-1].source and '"hypot", "twice"' in exercise.cells[-1].source
+    exercise.cells[0].source = SOLVED_FUNCTION                     # solved...
+    nbformat.write(exercise, tmp_path / "solved.ipynb")
+    solved = run_nbval(str(tmp_path / "solved.ipynb"), "lax")
+    assert solved.returncode == 0, solved.log
+    del exercise.cells[2]                                          # ...and the second check deleted
+    nbformat.write(exercise, tmp_path / "deleted.ipynb")
+    deleted = run_nbval(str(tmp_path / "deleted.ipynb"), "lax")
+    assert deleted.returncode == 1 and deleted.outcome(2) == "failed", deleted.log
+    assert "not passed in this session: twice" in deleted.log, deleted.log[-3000:]

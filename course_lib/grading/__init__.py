@@ -14,7 +14,8 @@ Learners never see a pass line before they pass: in ``solutions/`` the check cel
 carries ``# NBVAL_CHECK_OUTPUT`` and stores its pass line; the generated exercise keeps
 the cell without the marker and without output. In a notebook (an IPython kernel) a
 failed check raises :class:`GradeFailed`, shown as its one line, so
-``pytest --nbval-lax exercises/X.ipynb`` fails until every check passes, and
+``pytest --nbval-lax exercises/X.ipynb`` fails until every check passes (the notebook's last
+cell, :func:`all_checks_passed`, fails while a check cell was deleted or not run), and
 ``scripts/grade.py`` compares each check's output with the solution's. In plain Python
 (tests, scripts) a check prints its line and returns False.
 
@@ -110,6 +111,23 @@ def _report(line: str, passed: bool) -> bool:
     return passed
 
 
+# The checks that passed in this process (a notebook's kernel): the graders' one piece of
+# process state, read by the last cell of an exercise notebook (all_checks_passed), so that a
+# deleted or skipped check cell fails ``pytest --nbval-lax`` too. grade.py does not read it.
+_PASSED_HERE: set = set()
+
+
+def all_checks_passed(names) -> bool:
+    """Every named check passed in this session (the last cell of each exercise notebook):
+    a check cell deleted, skipped, not yet run or failing since makes this fail, naming it."""
+    names = list(names)
+    missing = [n for n in names if n not in _PASSED_HERE]
+    if missing:
+        return _report(f"not passed in this session: {', '.join(missing)} (run each question's check "
+                       f"cell; a deleted check cell fails here)", False)
+    return _report(f"all {len(names)} questions of this notebook passed in this session", True)
+
+
 def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
     """Run ``run_case(case)`` for each case; a case passes if it returns None/True.
 
@@ -129,8 +147,10 @@ def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
             continue
         detail = "wrong answer" if outcome is False else outcome
         where = case.describe()
+        _PASSED_HERE.discard(name)
         return _report(f"{name}: FAILED case {i}/{len(cases)}" + (f" ({where})" if where else "") + f": {detail}",
                        False)
+    _PASSED_HERE.add(name)
     return _report(f"{name}: {len(cases)}/{len(cases)} cases passed", True)
 
 
@@ -228,5 +248,5 @@ def _short(x, n: int = 6) -> str:
     return _one_line(repr(x), 80)
 
 
-__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "Tampered", "TimeLimit", "check", "check_distributed", "compare",
+__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "Tampered", "TimeLimit", "all_checks_passed", "check", "check_distributed", "compare",
            "learner", "learner_class"]
