@@ -182,8 +182,8 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
     return nb
 
 
-SESSION_CELL = """# Every question of this notebook, checked in this session: a check cell that was
-# deleted, skipped or is failing makes this cell fail (and `pytest --nbval-lax` with it).
+SESSION_CELL = """# Every question of this notebook, checked in this session: a check cell
+# deleted, skipped or failing makes this cell fail (and `pytest --nbval-lax`)
 from course_lib.grading import all_checks_passed
 
 ok = all_checks_passed({names})"""
