@@ -44,7 +44,7 @@ CLASSES = (GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY)   # (foreac
 _GEMM_SHAPED = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 _REDUCTIONS = {aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
                aten._safe_softmax, aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.var, aten.std,
-               aten.var_mean, aten.std_mean, aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin,
+               aten.var_mean, aten.std_mean, aten.amax, aten.amin, aten.aminmax, aten.max, aten.min, aten.argmax, aten.argmin,
                aten.logsumexp, aten.cumsum, aten.prod, aten.any, aten.all, aten.native_layer_norm,
                aten.native_layer_norm_backward, aten.native_batch_norm, aten.native_batch_norm_backward,
                aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training, aten.nll_loss_forward,
