@@ -327,3 +327,37 @@ def test_pipeline_step(capsys):
     fails_with(capsys, G.check_pipeline_step, _variant(deadlock=True), hint=("deadlock", "timed out"), timeout=4)
     fails_with(capsys, G.check_pipeline_step, for_two_stages_only, hint="case")
     fails_with(capsys, G.check_pipeline_step, library_pipeline, hint="write this yourself")
+
+
+def test_pipeline_step_names_the_likely_cause_of_a_none_gradient(capsys):
+    """Issue 34: forgetting requires_grad on the received activation gave a bare
+    "TypeError ... NoneType ... <dynamic-code> line 25"; the hint now names the likely cause."""
+    def forgot_requires_grad(stage, microbatches, targets, m, act_shape):
+        r, p = dist.get_rank(), dist.get_world_size()
+        ins, outs, loss = [], [], 0.0
+        for k in range(m):
+            if r == 0:
+                x = microbatches[k].clone().requires_grad_()
+            else:
+                x = torch.empty(act_shape, dtype=torch.float64)
+                dist.recv(x, r - 1)                      # no x.requires_grad_(): x.grad stays None
+            y = stage(x)
+            if r < p - 1:
+                dist.send(y.detach(), r + 1)
+            else:
+                y = torch.nn.functional.mse_loss(y, targets[k]) / m
+                loss += y.item()
+            ins.append(x)
+            outs.append(y)
+        for k in range(m):
+            if r < p - 1:
+                g = torch.empty(act_shape, dtype=torch.float64)
+                dist.recv(g, r + 1)
+                outs[k].backward(g)
+            else:
+                outs[k].backward()
+            if r > 0:
+                dist.send(ins[k].grad, r - 1)
+        return loss if r == p - 1 else None
+    line = fails_with(capsys, G.check_pipeline_step, forgot_requires_grad, hint="requires_grad_()", timeout=6)
+    assert "in your forgot_requires_grad(), line" in line and "likely cause" in line, line

@@ -19,7 +19,7 @@ import random
 import torch
 
 from course_lib import tolerance
-from course_lib.grading import Case, check, check_distributed, compare
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib import schedules as S
 from course_lib.trace import Span
@@ -249,6 +249,16 @@ def _tol(dtype, *wants):
     return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
 
 
+def _learner_line(exc) -> str:
+    """' (in your f(), line N)' for the innermost frame outside course_lib and torch, or ''."""
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "course_lib" not in frame.filename and "torch" not in frame.filename:
+            return f" (in your {frame.name}(), line {frame.lineno})"
+    return ""
+
+
 def _pipeline_harness(fn, m, b):
     import torch.distributed as dist
 
@@ -266,7 +276,15 @@ def _pipeline_harness(fn, m, b):
     from course_lib.parallel import PipelineParallel
     with counted_calls() as calls, switched_off([PipelineParallel, *LIBRARY_SCHEDULES],
                                                 "the pipeline's sends and receives"), time_limit(SECONDS):
-        got = fn(stage, mbs, targets, m, (b, H))
+        try:
+            got = fn(stage, mbs, targets, m, (b, H))
+        except (TypeError, AttributeError) as exc:
+            if "NoneType" not in str(exc) and "None" not in str(exc):
+                raise
+            raise Mismatch(f"{type(exc).__name__}: {exc}{_learner_line(exc)}: a gradient is None. The likely "
+                           f"cause: the activation this stage received does not require grad (call "
+                           f"x.requires_grad_() on it before the stage runs), so x.grad stays None and "
+                           f"there is nothing to send back") from None
     if r == p - 1:
         if not isinstance(got, (int, float, torch.Tensor)):
             return f"the last stage returns the loss (a number), got {got!r}"
