@@ -5,8 +5,12 @@ next to torch.distributed.checkpoint.
 
 On ``--ranks`` ranks (dp FSDP, float32 AdamW), medians of ``--repeats``:
 - the disk: writing the bytes one rank's shard holds, with fsync (what a save cannot beat);
-- a step without a save; a synchronous ``save``; ``AsyncSaver.save`` (the blocking copy) and
-  the step it overlaps; ``load`` into the same layout;
+- a step without a save; a synchronous ``save``; ``AsyncSaver.save`` (the blocking part:
+  planning and the copy) and the step it overlaps; ``load`` into the same layout;
+- the verdict: a synchronous save + a step against the blocking part + the step beside the
+  writer. The asynchronous save pays only where the writer runs on what the step leaves idle
+  (a spare core; on a GPU node the host's cores and the copy engine): on cores the step uses
+  the writer slows the step down;
 - torch's DCP (``dcp.save`` / ``dcp.async_save``) from FSDP2 (``fully_shard``) of the same model.
 Bytes per second = the checkpoint's bytes / time. Wall-clock on this CPU: with more ranks than
 cores the numbers say more about time-sharing than about the method (DESIGN.md).
@@ -129,6 +133,10 @@ def main():
     print(f"  torch DCP save (FSDP2)                {slowest['dcp_save'] * 1e3:8.1f} ms "
           f"{mib(total, slowest['dcp_save'])}")
     print(f"  torch DCP async_save: blocked         {slowest['dcp_blocked'] * 1e3:8.1f} ms")
+    sync, beside = slowest["save"] + slowest["step"], slowest["blocked"] + slowest["overlapped"]
+    print(f"  a synchronous save + a step           {sync * 1e3:8.1f} ms")
+    print(f"  async: blocked + the step beside it   {beside * 1e3:8.1f} ms: the asynchronous save "
+          f"{'saves' if beside < sync else 'costs'} {abs(sync - beside) * 1e3:.1f} ms here")
 
 
 if __name__ == "__main__":
