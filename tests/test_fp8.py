@@ -4,15 +4,17 @@ The formats' facts from torch's float8 dtypes; the quantiser saturates; current 
 scales; FP8Linear within the error bound derived from e4m3/e5m2's rounding (forward and
 backward), equal to torch._scaled_mm; a TinyGPT with every Linear swapped trains, and
 without scaling its gradients underflow in e5m2; one launch: FP8 all-gather of FSDP shards
-equals quantising on one device, at a quarter of fp32's bytes.
+equals quantising on one device, at a quarter of fp32's bytes; finer scales (rowwise, 1 x 128,
+128 x 128, MXFP8's 32 with power-of-two scales): each block's amax at the format's max, nothing
+of a small row flushed, refused when the block does not divide the tensor.
 """
 import pytest
 import torch
 
 from course_lib import launch, tolerance
 from course_lib.precision.fp8 import (E4M3, E5M2, FP8Linear, TensorScaling, compute_scale, dequantize,
-                                      format_facts, matmul_error_bound, quantize, swap_linear_to_fp8,
-                                      underflow_fraction)
+                                      dequantize_blocks, format_facts, matmul_error_bound, quantize,
+                                      quantize_blocks, swap_linear_to_fp8, underflow_fraction)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (tests/conftest.py)
 
@@ -141,3 +143,44 @@ def test_fp8_all_gather_equals_one_device_and_counts_bytes():
         # a ring all-gather sends (N - 1) shards; the scale's all-reduce a few 4-byte pieces
         assert r["torch.float32"] == 4 * (world - 1) * shard_elems and r["torch.bfloat16"] == 2 * (world - 1) * shard_elems
         assert (world - 1) * shard_elems < r["fp8"] <= (world - 1) * shard_elems + 2 * (world - 1) * 4
+
+
+def test_block_scales_put_each_blocks_amax_at_the_max():
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(4, 64, generator=gen) * 2 - 1) * 2.0 ** torch.tensor([[0.0], [-6.0], [-12.0], [-18.0]])
+    for block in ((4, 64), (1, 64), (1, 32), (2, 32)):
+        codes, scales = quantize_blocks(x, block)
+        assert codes.dtype == E4M3 and codes.shape == x.shape
+        assert scales.shape == (4 // block[0], 64 // block[1])
+        blocks_amax = codes.float().abs().reshape(scales.shape[0], block[0], scales.shape[1], block[1]).amax((1, 3))
+        assert torch.equal(blocks_amax, torch.full_like(blocks_amax, 448.0)), block   # amax lands on 448
+        back = dequantize_blocks(codes, scales, block)
+        normal = x.abs() * scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1) >= 2.0 ** -6
+        assert ((back - x).abs() <= 2.0 ** -4 * x.abs())[normal].all(), block   # e4m3's u, normal range
+    # per tensor: the row 2**-18 below the largest flushes; rowwise keeps every element
+    flushed = lambda block: float(((dequantize_blocks(*quantize_blocks(x, block), block) == 0) & (x != 0)).float().mean())
+    assert flushed((4, 64)) > 0.1 and flushed((1, 64)) == 0.0
+    # per tensor with the whole tensor as its block = the per-tensor quantiser
+    codes, scales = quantize_blocks(x, (4, 64))
+    assert torch.equal(codes.view(torch.uint8), quantize(x, float(scales), E4M3).view(torch.uint8))
+
+
+def test_mx_scales_are_powers_of_two_that_saturate_nothing():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, generator=gen) * 3.0
+    codes, scales = quantize_blocks(x, (1, 32), power_of_two=True)
+    mantissa, _ = torch.frexp(scales)
+    assert (mantissa == 0.5).all()                                  # exactly 2**k: an E8M0 exponent
+    amax = codes.float().abs().reshape(8, 1, 2, 32).amax((1, 3))
+    assert ((amax >= 224.0) & (amax <= 448.0)).all()     # the top binade (rounded), never clamped
+    assert torch.equal(quantize_blocks(torch.zeros(2, 32), (1, 32))[1], torch.ones(2, 1))   # amax 0: scale 1
+
+
+@pytest.mark.parametrize("x,block,message", [
+    (torch.ones(4, 6), (1, 4), "must divide the tensor's shape"),
+    (torch.ones(4, 6), (0, 2), "must divide"),
+    (torch.ones(4), (1, 4), "2-D tensor"),
+])
+def test_quantize_blocks_refuses_blocks_that_do_not_tile(x, block, message):
+    with pytest.raises(ValueError, match=message):
+        quantize_blocks(x, block)

@@ -17,10 +17,14 @@ down to 2**-16. Activations and weights need precision (e4m3); gradients need ra
 Neither has the range of a tensor's actual values, so each tensor gets a scale:
 
 * current scaling: scale = max_fp8 / amax(this tensor), computed just before quantising
-  (one extra pass over the tensor; on a GPU, a synchronisation point);
-* delayed scaling (Transformer Engine's default): scale = max_fp8 / max(amax history), the
-  amaxes of this tensor in the last H steps; this step's amax is recorded afterwards. A
-  value larger than the history predicts saturates.
+  (one extra read of the tensor; on a GPU the amax stays on the device, no host sync: only
+  this emulation's ``float(amax)`` synchronises);
+* delayed scaling (Transformer Engine's hybrid recipe, amax history 1024 by default):
+  scale = max_fp8 / max(amax history), the amaxes of this tensor in the last H steps; this
+  step's amax is recorded afterwards. A value larger than the history predicts saturates.
+
+Finer scales (:func:`quantize_blocks`): one per row (torchao's rowwise recipe), per 1 x 128
+tile or 128 x 128 block (DeepSeek-V3), per 32 elements with power-of-two scales (MXFP8).
 """
 from __future__ import annotations
 
@@ -85,6 +89,34 @@ def underflow_fraction(x, scale: float, dtype) -> float:
     if not nonzero.any():
         return 0.0
     return float((quantize(x, scale, dtype).float() == 0)[nonzero].float().mean())
+
+
+def quantize_blocks(x, block, dtype=E4M3, power_of_two=False):
+    """x (rows, cols) quantised with one scale per ``block`` = (r, c) elements: (rows, cols) is
+    per-tensor, (1, cols) rowwise (torchao), (1, 128) and (128, 128) DeepSeek-V3's activation
+    tiles and weight blocks, (1, 32) with ``power_of_two`` MXFP8 (its scale an E8M0 exponent,
+    1 byte; here the largest power of two that saturates nothing). Each block's amax lands
+    at the format's max. Returns (codes (rows, cols), scales (rows / r, cols / c), fp32)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_blocks takes a 2-D tensor (rows, cols), got shape {tuple(x.shape)}")
+    (rows, cols), (r, c) = x.shape, block
+    if r < 1 or c < 1 or rows % r or cols % c:
+        raise ValueError(f"block {tuple(block)} must divide the tensor's shape {(rows, cols)}")
+    blocks = x.detach().float().reshape(rows // r, r, cols // c, c)     # (R, r, C, c)
+    amax = blocks.abs().amax(dim=(1, 3))                                 # (R, C)
+    limit = torch.finfo(dtype).max
+    scale = torch.where((amax > 0) & amax.isfinite(), limit / amax, torch.ones_like(amax))
+    if power_of_two:                   # 2**floor(log2(scale)), exactly: frexp's exponent
+        scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
+    codes = (blocks * scale[:, None, :, None]).clamp(-limit, limit).to(dtype)
+    return codes.reshape(rows, cols), scale
+
+
+def dequantize_blocks(codes, scales, block):
+    """The values ``quantize_blocks`` encoded: each block's codes divided by its scale."""
+    (rows, cols), (r, c) = codes.shape, block
+    blocks = codes.float().reshape(rows // r, r, cols // c, c) / scales[:, None, :, None]
+    return blocks.reshape(rows, cols)
 
 
 class TensorScaling:
@@ -201,5 +233,6 @@ def all_gather_fp8(shard, comm_group=None, counter=None):
 
 
 __all__ = ["E4M3", "E5M2", "RECIPES", "format_facts", "compute_scale", "quantize", "dequantize",
-           "rounding_error", "matmul_error_bound", "underflow_fraction", "TensorScaling", "FP8Meta", "FP8LinearFunction", "FP8Linear",
+           "rounding_error", "matmul_error_bound", "underflow_fraction", "quantize_blocks",
+           "dequantize_blocks", "TensorScaling", "FP8Meta", "FP8LinearFunction", "FP8Linear",
            "swap_linear_to_fp8", "all_gather_fp8", "check_recipe"]
