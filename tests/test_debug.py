@@ -113,10 +113,11 @@ def test_under_nccl_a_call_on_cuda_tensors_completes_by_its_cuda_event(monkeypat
 
     from course_lib.debug import flight_recorder
     events = []
-    monkeypatch.setattr(flight_recorder, "_cuda_event", lambda: events.append(_FakeEvent()) or events[-1])
+    monkeypatch.setattr(flight_recorder, "_cuda_event", lambda device: events.append(_FakeEvent()) or events[-1])
     monkeypatch.setattr(flight_recorder, "WATCH_S", 3600.0)   # the test polls, not the watchdog
     comm = SimpleNamespace(dim="dp", ranks=[0, 1], size=2)
-    on_gpu = SimpleNamespace(shape=(4,), dtype=torch.float32, is_cuda=True)   # a CUDA tensor's face
+    on_gpu = SimpleNamespace(shape=(4,), dtype=torch.float32, is_cuda=True,   # a CUDA tensor's face
+                             device=SimpleNamespace(index=0))
     for cuda_events, tensor, first in ((True, on_gpu, "enqueued"), (False, on_gpu, "completed"),
                                        (True, torch.zeros(4), "completed")):
         fr = flight_recorder.install(FlightRecorder(None, rank=0, cuda_events=cuda_events))

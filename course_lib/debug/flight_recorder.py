@@ -129,10 +129,11 @@ def call_site() -> str:
 
 class Entry:
     """A recorded call: its slot, updated in place as the call waits and completes.
-    ``gpu``: its completion is a CUDA event's (NCCL on CUDA tensors), not the CPU's return."""
+    ``gpu``: the CUDA device whose event completes it (NCCL on CUDA tensors), or None: it
+    completes when the CPU call returns."""
     __slots__ = ("_fr", "index", "_offset", "gpu")
 
-    def __init__(self, fr, index, offset, gpu=False):
+    def __init__(self, fr, index, offset, gpu=None):
         self._fr, self.index, self._offset, self.gpu = fr, index, offset, gpu
 
     def _set(self, state: bytes):
@@ -144,18 +145,20 @@ class Entry:
         self._set(b"w")
 
     def complete(self):
-        if self.gpu:
+        if self.gpu is not None:
             self._fr.enqueued(self)   # the CPU is done; the GPU may not be
         else:
             self._set(b"c")
 
 
-def _cuda_event():
-    """A CUDA event recorded now on the current stream: it fires when every kernel enqueued
-    on that stream before it, the collective's wait included, has run."""
+def _cuda_event(device: int):
+    """A CUDA event recorded now on ``device``'s current stream: it fires when every kernel
+    enqueued on that stream before it, the collective's wait included, has run. (A handle's
+    completion callback may run on another thread, whose current device is not the rank's.)"""
     import torch
-    event = torch.cuda.Event()
-    event.record()
+    with torch.cuda.device(device):
+        event = torch.cuda.Event()
+        event.record()
     return event
 
 
@@ -180,7 +183,7 @@ class FlightRecorder:
         self._mm[:_HEADER.size] = _HEADER.pack(_MAGIC, 0, slots)
 
     def record(self, op, dim, ranks, tensors, peer=None, tag=0, extra="", span="", site="",
-               state=b"i", gpu=False) -> Entry:
+               state=b"i", gpu=None) -> Entry:
         key = (dim, ranks, op, peer, tag) if peer is not None else (dim, ranks)
         shapes = ";".join(["x".join(map(str, t.shape)) for t in tensors])
         dtypes = ";".join([_DTYPES.get(t.dtype) or _dtype(t.dtype) for t in tensors])
@@ -198,13 +201,12 @@ class FlightRecorder:
 
     def enqueued(self, entry: Entry):
         """The CPU call returned: mark it enqueued until its CUDA event fires."""
-        event = _cuda_event()
+        event = _cuda_event(entry.gpu)
         entry._set(b"q")
         with self._lock:
             self._pending.append((entry, event))
-            if self._watchdog is None:
-                device = getattr(event, "device", None)   # the watchdog queries on this GPU
-                self._watchdog = threading.Thread(target=self._watch, args=(device,), daemon=True,
+            if self._watchdog is None:   # it queries the events on this rank's GPU
+                self._watchdog = threading.Thread(target=self._watch, args=(entry.gpu,), daemon=True,
                                                   name=f"flight-recorder-{self.rank}")
                 self._watchdog.start()
 
@@ -223,8 +225,8 @@ class FlightRecorder:
             return len(self._pending)
 
     def _watch(self, device):
-        if device is not None:
-            import torch
+        import torch
+        if torch.cuda.is_available():
             torch.cuda.set_device(device)
         try:
             while self._mm is not None:
@@ -333,9 +335,14 @@ def collective(comm, op, args, kwargs, async_op):
     return entry
 
 
-def _on_gpu(tensors) -> bool:
-    """Does this call complete on the GPU (NCCL launch, CUDA tensors) rather than on return?"""
-    return _recorder.cuda_events and any(getattr(t, "is_cuda", False) for t in tensors)
+def _on_gpu(tensors):
+    """The CUDA device whose event completes this call (NCCL launch, CUDA tensors), or None:
+    it completes when the CPU call returns."""
+    if _recorder.cuda_events:
+        for t in tensors:
+            if getattr(t, "is_cuda", False):
+                return t.device.index
+    return None
 
 
 def completed(entry, result):
