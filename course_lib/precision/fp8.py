@@ -1,4 +1,5 @@
-"""FP8 training, emulated on any CPU: e4m3 forward, e5m2 backward, one scale per tensor.
+"""FP8 training, emulated on any CPU: Transformer Engine's hybrid recipe (e4m3 forward, e5m2
+backward, one scale per tensor), and finer scales (per row, per block) for any tensor.
 
     model = swap_linear_to_fp8(TinyGPT(cfg), recipe="delayed", history_len=16)
     logits, loss = model(x, y)        # every nn.Linear now runs FP8LinearFunction

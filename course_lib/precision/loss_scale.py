@@ -7,8 +7,10 @@ with the overflow flag reduced over every rank of the mesh.
     scaler.scale(loss).backward()       # gradients of scale * loss: small ones stay above
                                         # fp16's smallest subnormal (2**-24)
     model.finish_gradient_synchronization()                  # DDP, FSDP, ... as usual
-    scaler.step(optimizer)              # unscale, ONE all-reduce(MAX) of the inf flag,
-                                        # then step, or skip the step on every rank
+    scaler.unscale_(optimizer)          # divide by S, ONE all-reduce(MAX) of the inf flag
+    model.clip_grad_norm_(1.0)          # (if clipping: after unscale_, a norm all-reduced
+                                        # over the shards: FSDP.clip_grad_norm_)
+    scaler.step(optimizer)              # step, or skip the step on every rank
     scaler.update()                     # overflow: scale *= 0.5, tracker = 0;
                                         # growth_interval good steps in a row: scale *= 2
 
@@ -17,7 +19,9 @@ gradients of a loss averaged over many tokens (~1e-6 .. 1e-9) flush to zero. Mul
 loss by S shifts every gradient up by log2(S) binades; the scaler searches the largest S
 that does not overflow. An overflow on ANY rank must skip the step on EVERY rank: with
 sharded gradients (FSDP, ZeRO, TP, PP) each rank sees only its share, and a rank that steps
-while another skips leaves the replicas different for good.
+while another skips leaves the replicas different for good. torch's FSDP has the same rule
+in ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (its ``found_inf``
+all-reduced over its process group).
 """
 from __future__ import annotations
 
