@@ -10,7 +10,7 @@ Every rank runs the real computation and sends the real messages; only time is m
 from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of truth):
 
 * compute (:mod:`.compute`): each aten op the rank runs, forward, backward and the optimizer,
-  is priced as the GPU runs it (:class:`course_lib.planner.kernels.KernelModel`): GEMMs by
+  is priced as the GPU runs it (:class:`course_lib.planner.kernel_cost.KernelModel`): GEMMs by
   shape (tiles and waves), fused attention, and every other kernel by the bytes it moves at
   its class's fraction of HBM bandwidth (reductions, broadcasting and plain elementwise,
   copies), never under a minimum per kernel; the host issues one op every
@@ -18,24 +18,31 @@ from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of 
   optimizers run their CUDA path (foreach); the constants are fitted on a recorded H100 run.
   Bytes at the virtual dtype; views and metadata are free; ops inside a communication call
   belong to its price;
-* communication (:mod:`.clock`): every ``Comm`` call costs its algorithm's alpha-beta time
-  on NVLink when its group fits in one node of ``gpus_per_node`` GPUs, on the network
-  otherwise; bytes at the virtual dtype;
-* clocks: each rank has a compute stream and a communication stream. A collective starts
-  once every member issued it and its stream is free (the members exchange their issue
-  times with a tiny all-reduce beside the real one); a message carries its send time, and
-  its receive completes at max(the receive's issue, send + latency + bytes / bandwidth);
-  ``wait()`` joins the streams. Waits, bubbles and overlap come from the program itself.
+* communication (:mod:`.clock`, :mod:`.links`): the backend's collectives (torch's) as NCCL
+  would run them, by NCCL's own tuning model (ring or tree, LL / LL128 / Simple, whichever is
+  fastest for the size); a collective built from ``send``/``recv`` (the course's, a
+  learner's) from its own messages, each one NCCL's point-to-point time; bytes at the
+  virtual dtype. Links fill: each GPU's NVLink and NIC have a send and a receive lane, a
+  transfer holds the lanes it crosses for bytes / bandwidth, and transfers that want a lane
+  at once take it in turn;
+* streams: a compute stream per rank, one stream per communicator and one per peer for
+  point-to-point, as NCCL's. A collective starts once every member issued it, its stream is
+  free and its lanes have room (the members exchange their ready times with a tiny
+  all-reduce beside the real one); a message carries the time its bytes start, and its
+  receive completes once they crossed the receiver's lane; ``wait()`` joins the streams.
+  Waits, bubbles and overlap come from the program itself.
 
 Nothing reads the wall clock, so the spans are identical on every run and every CPU.
 """
 from __future__ import annotations
 
+import textwrap
+
 import torch
 
-from course_lib.planner.kernels import ELEMENTWISE, GEMM, KernelModel
+from course_lib.planner.kernel_cost import ELEMENTWISE, GEMM, KernelModel
 from course_lib.planner.presets import HARDWARE, Hardware, get_hardware
-from course_lib.virtual import clock, compute  # noqa: F401  (the rooms: clock.RankClock, compute.op_time)
+from course_lib.virtual import clock, compute, links  # noqa: F401  (the rooms: clock.RankClock, compute.op_time)
 
 
 class VirtualCluster:
@@ -95,27 +102,30 @@ class VirtualCluster:
         return clock.RankClock(self, rank, world_size, recorder)
 
     def describe(self) -> str:
-        """Every constant the prices come from, one line each."""
+        """Every constant the prices come from, one line each, its source below it (76 columns)."""
         hw, dt = self.hw, str(self.dtype).removeprefix("torch.")
-        intra, inter = hw.link(True), hw.link(False)
         eff, sources = self.kernels.efficiency, dict(hw.sources)
-        gemm = ("tiles x waves on " + f"{hw.sm_count} SMs, " if hw.sm_count else "") + f"{eff['gemm']:g} of peak"
-        lines = [
-            f"virtual cluster: {hw.name}, {self.gpus_per_node} GPUs per node, {dt}",
-            f"  compute: {self.peak_flops / 1e12:g} TFLOP/s {dt} peak; GEMM {gemm} = {self.flops_rate / 1e12:g} TFLOP/s"
-            f" [{sources.get('gemm', 'matmul_efficiency: assumed')}]",
-            f"    fused attention {eff['attention']:g} of peak [{sources.get('attention', 'matmul_efficiency: assumed')}]",
-            f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM; a kernel streams at its class's fraction of it:"]
+        gemm = (f"tiles x waves on {hw.sm_count} SMs, " if hw.sm_count else "") + f"{eff['gemm']:g} of peak"
+        rows = [
+            (f"virtual cluster: {hw.name}, {self.gpus_per_node} GPUs per node, {dt}", None),
+            (f"  compute: {self.peak_flops / 1e12:g} TFLOP/s {dt} peak", None),
+            (f"    GEMM {gemm} = {self.flops_rate / 1e12:.4g} TFLOP/s",
+             sources.get("gemm", "matmul_efficiency: assumed")),
+            (f"    fused attention {eff['attention']:g} of peak", sources.get("attention", "assumed")),
+            (f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM; a kernel streams at its class's share:", None)]
         for cls in ("elementwise", "broadcast", "reduction", "copy"):
-            lines.append(f"    {cls:11s} {eff[cls]:5.3f} = {hw.hbm_bandwidth * eff[cls] / 1e12:.3g} TB/s"
-                         f" [{sources.get(cls, 'hbm_efficiency: assumed')}]")
-        lines += [
-            f"  host: issues one op every {hw.launch_overhead * 1e6:.3g} us [{sources.get('launch_overhead', 'assumed')}]",
-            f"  device: at least {hw.kernel_floor * 1e6:.3g} us a kernel [{sources.get('kernel_floor', 'assumed')}]",
-            f"  NVLink:  alpha {intra[0] * 1e6:g} us, {intra[1] / 1e9:g} GB/s; "
-            f"network: alpha {inter[0] * 1e6:g} us, {inter[1] / 1e9:g} GB/s",
-        ]
-        return "\n".join(lines)
+            rows.append((f"    {cls:11s} {eff[cls]:5.3f} = {hw.hbm_bandwidth * eff[cls] / 1e12:.3g} TB/s",
+                         sources.get(cls, "hbm_efficiency: assumed")))
+        rows += [(f"  host: issues one op every {hw.launch_overhead * 1e6:.3g} us",
+                  sources.get("launch_overhead", "assumed")),
+                 (f"  device: at least {hw.kernel_floor * 1e6:.3g} us a kernel", sources.get("kernel_floor", "assumed"))]
+        lines = []
+        for line, source in rows:
+            lines.append(line)
+            if source:
+                lines += textwrap.wrap(source, 76, initial_indent="      [", subsequent_indent="       ")
+                lines[-1] += "]"
+        return "\n".join(lines + links.describe(hw))
 
     def __repr__(self):
         return (f"VirtualCluster({self.hw.name!r}, gpus_per_node={self.gpus_per_node}, "

@@ -196,15 +196,17 @@ def lane_bytes(op: str, nbytes: float, n_ranks: int) -> float:
 
 
 def describe(hw) -> list[str]:
-    """The link model's constants and their sources, one line each."""
+    """The link model's constants and their sources, one line each (76 columns)."""
     nv, net = bus_bandwidth(hw, "nvlink"), bus_bandwidth(hw, "net")
     return [
-        f"  NVLink:  {hw.nvlink_bandwidth / 1e9:g} GB/s per direction x {hw.nvlink_efficiency:g} = {nv / 1e9:g} GB/s;"
-        f" network: {hw.network_bandwidth / 1e9:g} x {hw.network_efficiency:g} = {net / 1e9:g} GB/s",
-        f"  latency: NCCL's tuning model (src/graph/tuning.cc: baseLat, hwLat; per ring step over NVLink"
-        f" {hw.nvlink_latency * 1e6:g} us, network {hw.network_latency * 1e6:g} us with Simple)",
-        "  links:   each GPU's NVLink and NIC have a send and a receive lane; transfers that overlap"
-        " take a lane in turn; one stream per communicator, one per pair for point-to-point",
+        f"  NVLink:  {hw.nvlink_bandwidth / 1e9:g} GB/s a direction x {hw.nvlink_efficiency:g}"
+        f" = {nv / 1e9:g} GB/s a lane",
+        f"  network: {hw.network_bandwidth / 1e9:g} GB/s a direction x {hw.network_efficiency:g}"
+        f" = {net / 1e9:g} GB/s a lane",
+        f"  latency: NCCL's tuning model (tuning.cc baseLat, hwLat), a ring step",
+        f"    with Simple {hw.nvlink_latency * 1e6:g} us on NVLink, {hw.network_latency * 1e6:g} us"
+        f" on the network",
+        "  streams: one per communicator, one per peer for send/recv",
     ]
 
 
