@@ -14,7 +14,7 @@ from course_lib import trace
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.models import MLP, SmallCNN
 from course_lib.planner import HARDWARE
-from course_lib.planner.kernels import ATTENTION, COPY, CPU_KERNELS, foreach_launches, op_cost
+from course_lib.planner.kernel_cost import ATTENTION, COPY, CPU_KERNELS, foreach_launches, op_cost
 from course_lib.virtual import VirtualCluster, gpu_check
 
 H100 = HARDWARE["h100-sxm"]

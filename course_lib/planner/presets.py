@@ -89,7 +89,7 @@ class Hardware:
     ``elementwise_passes`` how many times the non-matmul kernels (norms, activation
     functions, dropout, residual adds) stream each stored activation byte through HBM
     in the forward pass (written once, read once: 2; backward moves twice that);
-    Kernels on the virtual clock and the course's runtime (:class:`course_lib.planner.kernels.
+    Kernels on the virtual clock and the course's runtime (:class:`course_lib.planner.kernel_cost.
     KernelModel`): ``kernel_efficiency`` (class, fraction) pairs: "gemm" of peak per tile of the
     tile x wave model, "attention" of peak for a fused attention kernel, "reduction",
     "broadcast", "elementwise", "copy" of HBM bandwidth (a class not named: ``matmul_efficiency``

@@ -1,8 +1,8 @@
 """Compute on the virtual GPU: a dispatch mode that prices every aten op a rank runs.
 
 ``op_time(cluster, func, args, kwargs, out)`` is one kernel's time on the device: its FLOPs,
-bytes and class (:func:`course_lib.planner.kernels.op_cost`: the GPU's kernel where the CPU
-runs another) priced by the cluster's :class:`~course_lib.planner.kernels.KernelModel`.
+bytes and class (:func:`course_lib.planner.kernel_cost.op_cost`: the GPU's kernel where the CPU
+runs another) priced by the cluster's :class:`~course_lib.planner.kernel_cost.KernelModel`.
 Views and metadata (``func.is_view``, allocation, ``.item()``) launch no kernel: free.
 
 Two chains make a rank's compute stream, as in eager PyTorch on a GPU:
@@ -31,7 +31,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.planner.kernels import _FREE_OP, _KINDS, FREE, _add_bytes, op_cost  # one implementation: the planner's
+from course_lib.planner.kernel_cost import _FREE_OP, _KINDS, FREE, _add_bytes, op_cost  # one implementation: the planner's
 
 
 def tensor_bytes(cluster, tensors) -> int:
@@ -46,7 +46,7 @@ def op_flops(func, args, kwargs, out) -> int:
 
 def op_time(cluster, func, args, kwargs, out) -> float:
     """Seconds of one aten op's kernel on the virtual GPU's device (0 for views and metadata):
-    :func:`course_lib.planner.kernels.op_cost` (which the planner counts too) priced by the
+    :func:`course_lib.planner.kernel_cost.op_cost` (which the planner counts too) priced by the
     cluster's kernel model. The host's issue interval is the stream's (:class:`ComputeStream`)."""
     cost = op_cost(func, args, kwargs, out, cluster.dtype.itemsize)
     return 0.0 if cost is None else cluster.kernel_time(*cost)

@@ -239,7 +239,7 @@ def class_bytes(setup, run) -> dict:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from course_lib.planner.kernels import op_cost
+    from course_lib.planner.kernel_cost import op_cost
     by = defaultdict(lambda: defaultdict(float))
 
     class PerClass(TorchDispatchMode):

@@ -1,0 +1,309 @@
+"""What one aten op costs on a GPU: its FLOPs, the bytes it moves, its class, and its seconds.
+
+:func:`op_cost` reads an op as the GPU runs it: FLOPs from torch's FLOP-counter registry (a
+GEMM, attention) or one per element (every other op that does arithmetic; copies and fills
+none), the bytes of every tensor it reads and writes at the modelled precision (a broadcast
+dimension read once; an embedding the rows it looks up, not its table), and its class
+(:data:`CLASSES`). Where the CPU runs another kernel than the GPU would, the op is priced as
+the GPU's (:data:`CPU_KERNELS`): ``F.scaled_dot_product_attention``'s CPU flash kernel as a
+fused attention kernel with torch's SDPA FLOP formulas (causal: half), without the s x s
+scores. A foreach op (an optimizer's CUDA path) launches the kernels of CUDA's
+``multi_tensor_apply`` (:func:`foreach_launches`).
+
+:class:`KernelModel` turns that into seconds on a Hardware: a GEMM on the tile x wave model of
+:mod:`course_lib.planner.gemm`, fused attention at its own rate, every other kernel its bytes at
+its class's fraction of HBM bandwidth, never less than the device's minimum per kernel. The
+constants are fitted once on a recorded H100 run (``Hardware.sources`` names each one's source).
+The virtual clock (``course_lib.virtual.compute``) and the planner's count of the course's
+program (:mod:`course_lib.planner.kernels`) both price with these two.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from course_lib.planner.gemm import gemm_time
+
+aten = torch.ops.aten
+# ops that launch no kernel: allocation, metadata, host reads
+FREE = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
+        aten._unsafe_view, aten.lift_fresh, aten.scalar_tensor, aten.resize_, aten.set_,
+        aten._local_scalar_dense, aten.is_same_size, aten.sym_size, aten.sym_stride, aten.sym_numel,
+        aten.sym_storage_offset, aten._has_compatible_shallow_copy_type, aten.is_nonzero, aten.detach}
+
+# the classes of kernels, each with its own efficiency (Hardware.kernel_efficiency)
+GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY, FOREACH = (
+    "gemm", "attention", "reduction", "broadcast", "elementwise", "copy", "foreach")
+CLASSES = (GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY)   # (foreach: elementwise, batched)
+_GEMM_SHAPED = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+_REDUCTIONS = {aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
+               aten._safe_softmax, aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.var, aten.std,
+               aten.var_mean, aten.std_mean, aten.amax, aten.amin, aten.aminmax, aten.max, aten.min, aten.argmax, aten.argmin,
+               aten.logsumexp, aten.cumsum, aten.prod, aten.any, aten.all, aten.native_layer_norm,
+               aten.native_layer_norm_backward, aten.native_batch_norm, aten.native_batch_norm_backward,
+               aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training, aten.nll_loss_forward,
+               aten.nll_loss2d_forward, aten.topk, aten.sort, aten.count_nonzero, aten.embedding_dense_backward,
+               aten.index_add, aten.scatter_add, aten.scatter_add_, aten.index_put_, aten.index_put,
+               aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward, aten.avg_pool2d,
+               aten.avg_pool2d_backward, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward,
+               aten.histc, aten.bincount, aten.equal}
+# data movement, no arithmetic: 0 FLOPs
+_COPIES = {aten.copy_, aten.clone, aten._to_copy, aten.cat, aten.stack, aten.index_select, aten.gather,
+           aten.embedding, aten.index, aten._unsafe_index, aten.slice_scatter, aten.select_scatter,
+           aten.as_strided_scatter, aten.constant_pad_nd, aten.repeat, aten.roll, aten.flip, aten.fill_,
+           aten.zero_, aten.zeros, aten.zeros_like, aten.ones, aten.ones_like, aten.full, aten.full_like,
+           aten.new_zeros, aten.new_ones, aten.new_full, aten.arange, aten.tril, aten.triu, aten.scatter,
+           aten.masked_scatter, aten.diag_embed, aten.unfold_backward, aten.split_with_sizes_copy,
+           aten.alias_copy, aten.view_copy, aten.permute_copy, aten.transpose_copy, aten.expand_copy,
+           aten.lift_fresh_copy, aten._unsafe_index_put, aten.nonzero, aten.unique_dim, aten._unique2}
+
+
+def _causal(flops, is_causal):
+    return flops // 2 if is_causal else flops      # the masked half of the tiles is skipped
+
+
+def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs):
+    return _causal(sdpa_flop_count(query.shape, key.shape, value.shape), is_causal)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
+                            out_val=None, **kwargs):
+    return _causal(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape), is_causal)
+
+
+# kernels the CPU runs where the GPU runs another: priced as the GPU's (FLOP formula, class)
+CPU_KERNELS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: (_cpu_attention, ATTENTION),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: (_cpu_attention_backward, ATTENTION),
+}
+_ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+              aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_backward,
+              aten._scaled_dot_product_efficient_attention_backward,
+              aten._scaled_dot_product_cudnn_attention_backward, aten._flash_attention_forward,
+              aten._flash_attention_backward, aten._efficient_attention_forward, aten._efficient_attention_backward,
+              *CPU_KERNELS}
+
+_FREE_OP = object()  # the memo's mark of an op that launches no kernel
+_KINDS: dict = {}   # OpOverload -> _Kind or _FREE_OP: a memo
+
+
+class _Kind:
+    """How one aten op is priced: its FLOP formula (None: one FLOP per element, or none for a
+    copy), its class, and which arguments it writes when it returns nothing (foreach ops)."""
+    __slots__ = ("formula", "cls", "writes", "embedding")
+
+    def __init__(self, func):
+        packet = func.overloadpacket
+        self.formula, cls = CPU_KERNELS.get(packet, (flop_registry.get(packet), None))
+        name = packet.__name__
+        if cls is None:
+            cls = (ATTENTION if packet in _ATTENTION else GEMM if self.formula is not None
+                   else FOREACH if name.startswith(("_foreach_", "_fused_")) else REDUCTION if packet in _REDUCTIONS
+                   else COPY if packet in _COPIES else ELEMENTWISE)
+        self.cls = cls
+        self.writes = tuple(i for i, a in enumerate(func._schema.arguments)
+                            if a.alias_info is not None and a.alias_info.is_write)
+        self.embedding = packet is aten.embedding
+
+
+def kernel_kind(func):
+    """False if ``func`` launches no kernel, else its :class:`_Kind` (FLOP formula and class)."""
+    try:
+        kind = _KINDS[func]
+    except KeyError:
+        priced = (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and not func.is_view
+                  and func.overloadpacket not in FREE)
+        kind = _KINDS[func] = _Kind(func) if priced else _FREE_OP
+    return False if kind is _FREE_OP else kind
+
+
+def _elements(t) -> int:
+    """Elements of ``t`` a kernel touches: a broadcast (stride 0) dimension is read once."""
+    if t.is_contiguous():                  # the common case: no stride to read
+        return t.numel()
+    n = 1
+    for size, st in zip(t.shape, t.stride()):
+        n *= size if st else 1
+    return n
+
+
+def _add_bytes(t, itemsize) -> int:
+    """Bytes of one tensor the kernel touches; floating tensors at the modelled ``itemsize``,
+    others at their own."""
+    dtype = t.dtype
+    return _elements(t) * (itemsize if dtype.is_floating_point else dtype.itemsize)
+
+
+_Tensor = torch.Tensor
+CHUNK, MAX_BLOCKS, MAX_TENSORS = 65536, 320, (110, 64, 48, 36, 30)   # ATen's MultiTensorApply.cuh
+
+
+def foreach_launches(numels, depth: int) -> int:
+    """Kernels CUDA's ``multi_tensor_apply`` launches for a foreach op over tensors of ``numels``
+    elements and ``depth`` tensor lists: a launch holds at most 320 chunks of 65536 elements
+    and 110 / 64 / 48 / 36 / 30 tensors (depth 1 to 5)."""
+    max_tensors = MAX_TENSORS[min(max(depth, 1), 5) - 1]
+    launches = blocks = tensors = 0
+    for n in numels:
+        if not n:
+            continue
+        chunks, tensors = -(-n // CHUNK), tensors + 1
+        while chunks:
+            take = min(chunks, MAX_BLOCKS - blocks)
+            blocks, chunks = blocks + take, chunks - take
+            if blocks == MAX_BLOCKS or (not chunks and tensors == max_tensors):
+                launches, blocks, tensors = launches + 1, 0, (1 if chunks else 0)
+    return launches + (blocks > 0)
+
+
+def op_cost(func, args, kwargs, out, itemsize: int):
+    """(FLOPs, bytes, class, detail) of one aten op as the GPU runs it, or None if it launches no
+    kernel. ``detail``: a GEMM's (M, N, K, batch), a foreach op's kernel launches, else None."""
+    kind = kernel_kind(func)
+    if kind is False:
+        return None
+    nbytes = most = 0
+    least = None                                       # the smallest input that is not a scalar
+    lists = None
+    for v in args:
+        if isinstance(v, _Tensor):
+            n = _elements(v)
+            nbytes += n * (itemsize if v.dtype.is_floating_point else v.dtype.itemsize)
+            if n > most:
+                most = n
+            if v.dim() and (least is None or n < least):
+                least = n
+        elif isinstance(v, (list, tuple)):             # foreach ops: one level of lists
+            for t in v:
+                if isinstance(t, _Tensor):
+                    nbytes += _add_bytes(t, itemsize)
+            if v and isinstance(v[0], _Tensor):
+                lists = (lists or 0) + 1
+    if kwargs:
+        for k, v in kwargs.items():
+            if k == "out":                             # counted once, as the result
+                continue
+            if isinstance(v, _Tensor):
+                nbytes += _add_bytes(v, itemsize)
+            elif isinstance(v, (list, tuple)):
+                for t in v:
+                    if isinstance(t, _Tensor):
+                        nbytes += _add_bytes(t, itemsize)
+    cls, detail, flops = kind.cls, None, 0
+    if isinstance(out, _Tensor):
+        n = _elements(out)
+        nbytes += n * (itemsize if out.dtype.is_floating_point else out.dtype.itemsize)
+        if cls is ELEMENTWISE:
+            flops = n                                  # one FLOP per element (memory bound)
+            if least is not None and least < n:
+                cls = BROADCAST                        # an input smaller than the output: read again per row
+    elif isinstance(out, (list, tuple)):
+        for t in out:
+            if isinstance(t, _Tensor):
+                nbytes += _add_bytes(t, itemsize)
+        if cls is FOREACH:
+            lists = (lists or 0) + 1
+    elif out is None and kind.writes:                  # in place, returns nothing (foreach): the writes
+        for i in kind.writes:
+            v = args[i] if i < len(args) else None
+            if isinstance(v, (list, tuple)):
+                nbytes += sum(_add_bytes(t, itemsize) for t in v if isinstance(t, _Tensor))
+    if kind.embedding:                                 # the rows read, not the table
+        weight, indices = args[0], args[1]
+        nbytes -= _add_bytes(weight, itemsize) - indices.numel() * weight.shape[-1] * (
+            itemsize if weight.dtype.is_floating_point else weight.dtype.itemsize)
+    if kind.formula is not None:
+        flops, detail = _flops(func, kind.formula, args, kwargs, out)
+    elif cls is REDUCTION:
+        flops = most
+    elif cls is FOREACH:
+        first = next(v for v in args if isinstance(v, (list, tuple)))
+        numels = [t.numel() for t in first if isinstance(t, _Tensor)]
+        flops, detail = sum(numels), foreach_launches(numels, lists or 1)
+        if all(not t.dim() for t in first if isinstance(t, _Tensor)):
+            detail, nbytes = 0, 0      # an optimizer's step counters: on the CPU under CUDA (not capturable)
+    return flops, nbytes, cls, detail
+
+
+_FLOPS: dict = {}   # (op, argument shapes) -> (FLOPs, GEMM shape): torch's formulas read shapes only (slow)
+
+
+def _gemm_shape(func, args):
+    """(M, N, K, batch) of mm / addmm / bmm / baddbmm, else None."""
+    packet = func.overloadpacket
+    if packet not in _GEMM_SHAPED:
+        return None
+    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    if a.dim() == 3:
+        return a.shape[1], b.shape[2], a.shape[2], a.shape[0]
+    return a.shape[0], b.shape[1], a.shape[1], 1
+
+
+def _flops(func, formula, args, kwargs, out):
+    key = (func, *[tuple(a.shape) if isinstance(a, _Tensor) else
+                   (tuple(x.shape if isinstance(x, _Tensor) else x for x in a) if isinstance(a, list) else a)
+                   for a in args])
+    if kwargs:
+        key += tuple(kwargs.items())
+    try:
+        return _FLOPS[key]
+    except KeyError:
+        pass
+    except TypeError:                      # an unhashable argument: no memo
+        return int(formula(*args, **(kwargs or {}), out_val=out)), _gemm_shape(func, args)
+    cost = _FLOPS[key] = int(formula(*args, **(kwargs or {}), out_val=out)), _gemm_shape(func, args)
+    return cost
+
+
+class KernelModel:
+    """Seconds one kernel runs on the device, on ``hw`` at the dtype ``dtype_name``:
+
+    * a GEMM (mm, bmm, ...): the tile x wave model (:func:`~course_lib.planner.gemm.gemm_time`)
+      at the class's fraction of peak per tile, or its bytes at HBM's streaming rate if longer;
+    * fused attention: its FLOPs at the class's fraction of peak, or its bytes;
+    * every other kernel: its bytes at its class's fraction of HBM bandwidth (its FLOPs, one per
+      element, at the dtype's non-tensor rate, never the bound); a foreach op launches
+      :func:`foreach_launches` kernels;
+    * never less than ``hw.kernel_floor`` a kernel.
+    The host's issue interval (``hw.launch_overhead``) is not in it: the stream adds it."""
+
+    def __init__(self, hw, dtype_name: str = "bfloat16"):
+        peak = hw.peak_flops_for(dtype_name)
+        if peak is None:
+            known = ["bfloat16"] + [d for d, _ in hw.dtype_flops]
+            raise ValueError(f"dtype {dtype_name} has no FLOP rate on {hw.name}: the preset knows {known}")
+        eff = hw.efficiencies()
+        self.hw, self.efficiency, self.peak = hw, eff, peak
+        self.gemm_hw = hw.with_(peak_flops=peak, matmul_efficiency=eff[GEMM])
+        self.flops_rate = {GEMM: peak * eff[GEMM], ATTENTION: peak * eff[ATTENTION]}
+        vector = hw.peak_flops_for("float32") or peak       # CUDA cores: elementwise arithmetic
+        for cls in (REDUCTION, BROADCAST, ELEMENTWISE, COPY, FOREACH):
+            self.flops_rate[cls] = vector
+        self.bytes_rate = {cls: hw.hbm_bandwidth * eff[cls] for cls in CLASSES}
+        self.bytes_rate[GEMM] = self.bytes_rate[ATTENTION] = self.bytes_rate[FOREACH] = self.bytes_rate[ELEMENTWISE]
+        self.floor, self.issue = hw.kernel_floor, hw.launch_overhead
+        self._gemm: dict = {}               # (M, N, K, batch) -> seconds of the tile model
+
+    def roofline(self, flops, nbytes, cls=ELEMENTWISE, detail=None) -> float:
+        """Seconds of the kernel's work alone: its compute or its memory traffic (no floor)."""
+        if cls is GEMM and detail is not None:
+            try:
+                compute = self._gemm[detail]
+            except KeyError:
+                M, N, K, batch = detail
+                compute = self._gemm[detail] = gemm_time(M, N, K, self.gemm_hw, batch)
+        else:
+            compute = flops / self.flops_rate[cls]
+        memory = nbytes / self.bytes_rate[cls]
+        return compute if compute > memory else memory
+
+    def seconds(self, flops, nbytes, cls=ELEMENTWISE, detail=None) -> float:
+        """Seconds the kernel occupies the device: its roofline, at least the floor (a foreach
+        op: the floor per launch; an op that launches none, 0: host work)."""
+        t = self.roofline(flops, nbytes, cls, detail)
+        floor = self.floor * detail if cls is FOREACH else self.floor
+        return t if t > floor else floor
+
+
+__all__ = ["FREE", "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
+           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "foreach_launches"]
