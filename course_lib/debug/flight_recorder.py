@@ -19,8 +19,11 @@ The ring is a file mapped in memory (like the launcher's status file): writing a
 a copy, not a system call, and the launcher reads every rank's ring after a timeout or a
 death **without the rank's help** -- a rank stuck inside gloo's C++ wait cannot run a
 Python signal handler, and a killed rank cannot answer at all. This is the idea of
-PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``), which dumps per rank and
-is merged offline by ``torch.distributed.flight_recorder``; here the merge
+PyTorch's NCCL flight recorder (``TORCH_FR_BUFFER_SIZE``, formerly
+``TORCH_NCCL_TRACE_BUFFER_SIZE``), which with ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` dumps each
+rank's ring to a file named by ``TORCH_FR_DUMP_TEMP_FILE`` (formerly
+``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) and the rank, merged offline by ``torchfrtrace``
+(``torch.distributed.flight_recorder.fr_trace``); here the merge
 (:mod:`course_lib.debug.diagnosis`) runs in the launcher.
 
 One recorder per rank process (``install``), like the process group itself; outside a
