@@ -355,7 +355,7 @@ def test_reshard_figure_draws_the_overlaps_one_new_rank_reads():
     saved = [((0, 0), (16, 48), "r0"), ((0, 48), (16, 48), "r1"), ((16, 0), (16, 48), "r2"), ((16, 48), (16, 48), "r3")]
     new = [((0, 0), (11, 96), "n0"), ((11, 0), (11, 96), "n1"), ((22, 0), (10, 96), "n2")]
     fig = reshard_figure((32, 96), saved, new, reader=1)
-    assert len(fig.axes) == 3 and fig.axes[2].get_title() == "n1 reads 4 overlaps"
+    assert len(fig.axes) == 3 and fig.axes[2].get_title() == "n1 reads 4 saved boxes, copies their overlaps"
     with pytest.raises(ValueError, match="2-D"):
         reshard_figure((4, 4, 4), saved, new)
 

@@ -30,7 +30,8 @@ def _draw(ax, shape, boxes, title, filled=True):
 
 def reshard_figure(shape, saved, new, reader=0, name="weight"):
     """Three panels for a 2-D weight of ``shape``: the ``saved`` boxes [((r0, c0), (rows,
-    cols), label)], the ``new`` layout's boxes, and the overlaps new box ``reader`` reads."""
+    cols), label)], the ``new`` layout's boxes, and the overlaps new box ``reader`` copies out
+    of the saved boxes it reads."""
     if len(shape) != 2:
         raise ValueError(f"reshard_figure draws 2-D weights, got shape {tuple(shape)}")
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
@@ -39,7 +40,8 @@ def reshard_figure(shape, saved, new, reader=0, name="weight"):
     offsets, lengths, label = new[reader]
     plan = read_plan(offsets, lengths, [(o, n) for o, n, _ in saved])
     reads = [(o, n, f"from {saved[i][2]}", i) for i, (o, n) in plan]     # coloured as the saved box
-    _draw(axes[2], shape, reads, f"{label} reads {len(plan)} overlaps")
+    # each saved box it meets is read whole (for its CRC), the overlap copied out of it
+    _draw(axes[2], shape, reads, f"{label} reads {len(plan)} saved boxes, copies their overlaps")
     axes[2].add_patch(Rectangle((offsets[1], offsets[0]), lengths[1], lengths[0], facecolor="none",
                                 edgecolor="black", linestyle="--", linewidth=1.5))
     fig.tight_layout()
