@@ -188,6 +188,12 @@ def test_the_host_issues_each_op_and_a_kernel_cannot_start_before():
         t = clock.t
         x.add_(1)                                       # issued long ago: runs right after the wait
         assert clock.t == pytest.approx(t + H100.kernel_floor)
+        a @ a
+        t = clock.t
+        x.item()                                        # the host reads a value: it waits for the device
+        assert clock.host == t and clock.t == t
+        x.add_(1)                                       # the next op is issued after the read
+        assert clock.t == pytest.approx(t + H100.launch_overhead + H100.kernel_floor)
 
 
 def test_the_recorded_h100_workloads_are_within_15_percent(capsys):

@@ -14,9 +14,10 @@ Two chains make a rank's compute stream, as in eager PyTorch on a GPU:
 
 ``clock.join(end)`` (waiting on a message or a collective) moves ``clock.t`` only: on a GPU
 ``wait()`` makes the stream wait, not the host, which keeps issuing ops that then run back to
-back once the data is there. The host never waits for the device here (no ``.item()`` sync is
-modelled): a step whose kernels are long keeps its host ahead, one whose kernels are short is
-paced by the host.
+back once the data is there. A step whose kernels are long keeps its host ahead, one whose
+kernels are short is paced by the host. The host waits for the device where it reads a value
+(``.item()``, ``float(t)``, ``if t:``): ``clock.host`` moves to ``clock.t`` (an optimizer's
+step counters excepted: on CUDA they stay on the CPU).
 
 torch's optimizers run their CUDA path while a rank is under the clock: a step of an Adam,
 AdamW or (fp32/fp64) SGD whose ``foreach`` is unset runs with ``foreach=True`` (torch's
@@ -31,7 +32,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.planner.kernel_cost import _FREE_OP, _KINDS, FREE, _add_bytes, op_cost  # one implementation: the planner's
+from course_lib.planner.kernel_cost import _FREE_OP, _KINDS, FREE, _add_bytes, kernel_kind, op_cost  # the planner's
 
 
 def tensor_bytes(cluster, tensors) -> int:
@@ -52,6 +53,8 @@ def op_time(cluster, func, args, kwargs, out) -> float:
     return 0.0 if cost is None else cluster.kernel_time(*cost)
 
 
+_READ = torch.ops.aten._local_scalar_dense.default    # the host reads a value: it waits for the device
+kernel_kind(_READ)                                    # (memoized as free: the dispatch's fast path sees it)
 # optimizers whose foreach path is the per-tensor path's arithmetic, op for op, on the CPU
 _FOREACH_SAME = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -123,6 +126,9 @@ class ComputeStream(TorchDispatchMode):
         op = getattr(func, "_op", func)     # an OpOverload's C++ operator: one Python frame less per op
         out = op(*args, **kwargs) if kwargs else op(*args)
         if _KINDS.get(func) is _FREE_OP:    # a view or metadata (most ops seen before): free
+            if func is _READ and not self._switched and not self.clock.muted_depth:
+                clock = self.clock
+                clock.host = max(clock.host, clock.t)   # .item(): the host waits for the stream
             return out
         clock = self.clock
         if not clock.muted_depth:           # op_time, inlined: one call less per op
