@@ -151,3 +151,73 @@ def test_tensor_parallel_layer_timeline_numbers_the_collectives():
     assert sorted(t.get_text() for t in ax.texts) == ["1", "1", "2", "2", "forward", "forward"]
     assert [t.get_text() for t in fig.texts] == [" 1  g: all-reduce", " 2  f: all-reduce (backward)"]
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the book's column
+# At 1280 px the book shows a figure at full size up to about 7.5 inches (100 dpi); a wider one is
+# shrunk with its labels (chapter 1's 14.7-inch figure showed at 46%, 8 pt labels at ~5 px).
+
+
+def _readable_at_the_column(fig):
+    """The figure fits the column and every label drawn is at least 9 pt (viz.column)."""
+    from matplotlib.text import Text
+
+    from course_lib.viz.column import COLUMN_INCHES, LABEL_PT
+
+    fig.canvas.draw()
+    assert fig.get_figwidth() <= COLUMN_INCHES + 1e-9, fig.get_figwidth()
+    small = {(t.get_text(), t.get_fontsize()) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and t.get_fontsize() < LABEL_PT}
+    assert not small, f"labels under {LABEL_PT} pt: {sorted(small)[:8]}"
+
+
+def test_timeline_reads_at_the_column_width_with_a_legend():
+    fig = timeline(_spans_with_dims(), title="a step")
+    _readable_at_the_column(fig)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["compute", "comm over dp",
+                                                                             "comm over tp"]
+    plt.close(fig)
+
+
+def test_rank_buffers_fit_the_column_however_many_elements():
+    """Chapter 1's all-reduce = reduce-scatter + all-gather: 18 elements per rank in three panels."""
+    from course_lib.viz import collectives as vc
+
+    xs = [[float(i * (r + 1)) for i in range(1, 9)] for r in range(4)]
+    total = [sum(col) for col in zip(*xs)]
+    fig = vc.rank_buffers([("x", xs), ("reduce_scatter", [total[2 * r:2 * r + 2] for r in range(4)]),
+                           ("then all_gather", [total] * 4)], title="all-reduce = reduce-scatter + all-gather")
+    _readable_at_the_column(fig)
+    assert sum(t.get_text() == "80" for t in fig.axes[0].texts) == 5      # every value still labelled
+    plt.close(fig)
+
+
+def test_pipeline_schedule_grids_read_at_the_column_width_with_a_legend():
+    from course_lib import schedules as S
+    from course_lib.viz.pipeline import schedule_grid, schedule_grids
+
+    grids = [(S.simulate(S.make_schedule(name, 4, 8, v), 4, v), name)
+             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))]
+    fig = schedule_grids(grids)
+    _readable_at_the_column(fig)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["F: forward", "B: backward (input gradient)",
+                                                                  "W: weight gradient"]
+    assert [ax.get_title() for ax in fig.axes] == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    plt.close(fig)
+    fig = schedule_grid(grids[0][0], title="gpipe")
+    _readable_at_the_column(fig)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["F: forward", "B: backward"]
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "0" in labels and "7@3" in labels          # micro-batch@stage where it fits
+    plt.close(fig)
+
+
+def test_nd_step_timelines_read_at_the_column_width_with_a_legend():
+    from course_lib.viz import nd
+
+    measured = _spans() + [Span(r, "ar", "comm", 0.002, 0.003, d) for r in (2, 3) for d in ("tp", "dp+cp")]
+    fig = nd.step_timelines(measured, _spans(), [0, 1, 2, 3], "2D")
+    _readable_at_the_column(fig)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["compute", "comm", "idle", "comm over tp", "comm over dp+cp"]
+    plt.close(fig)

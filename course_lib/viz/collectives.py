@@ -14,6 +14,8 @@ import math
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
+from course_lib.viz.column import COLUMN_INCHES, LABEL_PT
+
 RANK_COLORS = plt.get_cmap("tab10").colors
 
 
@@ -39,7 +41,8 @@ def rank_buffers(panels, title=None, cell=0.42, fmt=_fmt):
     panels: list of (label, buffers) with buffers[r] a 1-D tensor / list for rank r,
         or None where the rank has no buffer (e.g. a non-root's scatter_list).
     Equal values get equal colours (the same piece of data is easy to follow);
-    values seen only after a reduction get their own colours.
+    values seen only after a reduction get their own colours. At most the book's column wide
+    (``viz.column``): many elements get narrower cells, never smaller labels.
     """
     panels = [(label, [_as_list(b) for b in bufs]) for label, bufs in panels]
     n_ranks = max(len(b) for _, b in panels)
@@ -54,23 +57,25 @@ def rank_buffers(panels, title=None, cell=0.42, fmt=_fmt):
     color = {v: palette[i % len(palette)] for i, v in enumerate(values)}
     gap = 1.2
     total_w = sum(widths) + gap * (len(panels) - 1)
-    fig, ax = plt.subplots(figsize=(max(4.0, (total_w + 1.6) * cell * 1.6), 0.5 + (n_ranks + 1) * cell * 1.4))
+    # the book's column at most: a wide figure is shrunk in the page, and its labels with it
+    width = min(COLUMN_INCHES, max(4.0, (total_w + 1.6) * cell * 1.6))
+    fig, ax = plt.subplots(figsize=(width, 0.5 + (n_ranks + 1) * cell * 1.4))
     x0 = 0.0
     for (label, bufs), w in zip(panels, widths):
-        ax.text(x0 + w / 2, -0.9, label, ha="center", va="center", fontsize=10, fontweight="bold")
+        ax.text(x0 + w / 2, -0.9, label, ha="center", va="center", fontsize=LABEL_PT + 1, fontweight="bold")
         for r in range(n_ranks):
             b = bufs[r] if r < len(bufs) else None
             if b is None:
-                ax.text(x0 + 0.1, r, "-", ha="left", va="center", color="0.5", fontsize=9)
+                ax.text(x0 + 0.1, r, "-", ha="left", va="center", color="0.5", fontsize=LABEL_PT)
                 continue
             for i, v in enumerate(b):
                 ax.add_patch(Rectangle((x0 + i, r - 0.42), 1, 0.84, facecolor=color[v], edgecolor="white", lw=1.5))
-                ax.text(x0 + i + 0.5, r, fmt(v), ha="center", va="center", fontsize=8)
+                ax.text(x0 + i + 0.5, r, fmt(v), ha="center", va="center", fontsize=LABEL_PT)
         x0 += w + gap
     ax.set_xlim(-1.6, total_w + 0.1)
     ax.set_ylim(n_ranks - 0.4, -1.4)
     for r in range(n_ranks):
-        ax.text(-0.3, r, f"rank {r}", ha="right", va="center", fontsize=9)
+        ax.text(-0.3, r, f"rank {r}", ha="right", va="center", fontsize=LABEL_PT)
     ax.axis("off")
     if title:
         ax.set_title(title, fontsize=11)

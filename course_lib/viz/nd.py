@@ -7,6 +7,7 @@ import textwrap
 import matplotlib.pyplot as plt
 import numpy as np
 
+from course_lib.viz.column import COLUMN_INCHES, LABEL_PT
 from course_lib.viz.timeline import legend_handles, timeline
 
 
@@ -59,24 +60,31 @@ def step_timelines(measured, simulated, ranks, title, ranks_per_panel=2, clock=N
     """A measured step over the planner's simulated one (``clock``: the VirtualCluster the
     measured spans were priced on, None for the wall clock). The measured step has a lane per rank
     and mesh dimension (a rank of a 4D layout has 5-6), so it is drawn ``ranks_per_panel``
-    ranks to a panel, about 0.3 inch per lane; one legend for every panel, under them."""
+    ranks to a panel, about 0.3 inch per lane, at the book's column width with labels of at
+    least 9 pt; one legend (kinds, and the mesh dimension of each communication) under them."""
     groups = [list(ranks[i:i + ranks_per_panel]) for i in range(0, len(ranks), ranks_per_panel)]
     lanes = [len({(s.rank, getattr(s, "dim", "")) for s in measured if s.rank in g} | {(r, "") for r in g})
              for g in groups]
     sim_ranks = sorted({s.rank for s in simulated})[:len(ranks)]
-    heights = [0.3 * n + 0.7 for n in lanes] + [0.35 * len(sim_ranks) + 0.7]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.9), gridspec_kw={"height_ratios": heights})
+    heights = [0.3 * n + 0.8 for n in lanes] + [0.35 * len(sim_ranks) + 0.8]
+    drawn = [s for s in measured if s.rank in ranks] + list(simulated)
+    handles = legend_handles(drawn)
+    ncol = min(len(handles), 4)
+    legend_inches = 0.22 * -(-len(handles) // ncol) + 0.15      # its rows, under the panels
+    total = sum(heights) + legend_inches + 0.1
+    fig, axes = plt.subplots(len(heights), 1, figsize=(COLUMN_INCHES, total),
+                             gridspec_kw={"height_ratios": heights})
     for ax, group in zip(axes, groups):
         names = ", ".join(map(str, group))
         timeline(measured, ax=ax, ranks=group, by_dim=True, legend=False, clock=clock,
                  title=f"{title}: {'virtual' if clock else 'measured'}, rank{'s' if len(group) > 1 else ''} {names}")
     timeline(simulated, ax=axes[-1], ranks=sim_ranks, title=f"{title}: planner's simulation", legend=False)
     for ax in axes:
-        ax.tick_params(axis="y", labelsize=8)
-    drawn = [s for s in measured if s.rank in ranks] + list(simulated)
-    handles = legend_handles(drawn)
-    fig.tight_layout(rect=(0, 0.6 / (sum(heights) + 0.9), 1, 1))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
+        ax.tick_params(labelsize=LABEL_PT)
+        ax.title.set_fontsize(LABEL_PT + 1)
+        ax.xaxis.label.set_fontsize(LABEL_PT)
+    fig.tight_layout(rect=(0, legend_inches / total, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=LABEL_PT, frameon=False)
     return fig
 
 

@@ -2,45 +2,87 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.transforms import offset_copy
 
+from matplotlib.patches import Patch
+
+from course_lib.viz.column import COLUMN_INCHES, LABEL_PT, text_fits
 from course_lib.viz.timeline import timeline
 
 OP_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
-def schedule_grid(spans, title=None, ax=None):
+def op_handles(spans):
+    """Legend patches of the ops drawn: F forward, B backward (its input-gradient half where a
+    schedule has W, the weight-gradient half, apart: zero bubble), W."""
+    ops = [op for op in OP_COLORS if any(s.kind == "compute" and s.name[:1] == op for s in spans)]
+    names = {"F": "F: forward", "B": "B: backward" + (" (input gradient)" if "W" in ops else ""),
+             "W": "W: weight gradient"}
+    return [Patch(color=OP_COLORS[op], label=names[op]) for op in ops]
+
+
+def schedule_grid(spans, title=None, ax=None, legend=True):
     """A simulated schedule (``schedules.simulate``): one row per rank, F blue, B orange, W
-    green, the label the micro-batch (``@s``: virtual stage), idle time left white."""
+    green, the label the micro-batch (``@s``: virtual stage, dropped where it does not fit), idle time left
+    white; drawn at the book's column width, labels of at least 9 pt, a legend of the ops."""
     own = ax is None
     if own:
         ranks = sorted({s.rank for s in spans})
-        fig, ax = plt.subplots(figsize=(10, 0.45 * len(ranks) + 0.9))
+        fig, ax = plt.subplots(figsize=(COLUMN_INCHES, 0.4 * len(ranks) + (1.6 if legend else 1.1)))
     else:
         fig = ax.figure
-    for s in spans:
-        if s.kind != "compute":
-            continue
+    compute = [s for s in spans if s.kind == "compute"]
+    end = max((s.end for s in compute), default=1.0)
+    inches = ax.get_position().width * fig.get_figwidth() * 0.9 / end   # per unit of time
+    for s in compute:
         ax.barh(s.rank, s.end - s.start, left=s.start, color=OP_COLORS.get(s.name[0], "grey"),
                 edgecolor="white", height=0.8)
-        ax.text((s.start + s.end) / 2, s.rank, s.name[1:], ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(sorted({s.rank for s in spans}))
-    ax.set_yticklabels([f"rank {r}" for r in sorted({s.rank for s in spans})])
+        # the label: micro-batch@virtual stage, or the micro-batch alone where that does not fit
+        label = next((t for t in (s.name[1:], s.name[1:].split("@")[0]) if text_fits(t, (s.end - s.start) * inches)),
+                     None)
+        if label:
+            ax.text((s.start + s.end) / 2, s.rank, label, ha="center", va="center", fontsize=LABEL_PT, color="white")
+    ranks = sorted({s.rank for s in spans})
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time (units of one forward)")
+    ax.set_xlim(0, end)
+    ax.tick_params(labelsize=LABEL_PT)
+    ax.set_xlabel("time (units of one forward)", fontsize=LABEL_PT)
     if title:
-        ax.set_title(title)
+        ax.set_title(title, fontsize=LABEL_PT + 1)
+    if legend:
+        handles = op_handles(compute)
+        ax.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=LABEL_PT, frameon=False, bbox_to_anchor=(0.5, 0.0),
+                  bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-0.45, units="inches"))
     if own:
         fig.tight_layout()
     return fig
 
 
+def schedule_grids(schedules):
+    """Several simulated schedules, one above the other, at the book's column width, with one
+    legend of the ops under them. schedules: list of (spans, title)."""
+    rows = [len({s.rank for s in spans}) for spans, _ in schedules]
+    heights = [0.35 * n + 0.75 for n in rows]
+    total = sum(heights) + 0.6
+    fig, axes = plt.subplots(len(schedules), 1, figsize=(COLUMN_INCHES, total), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (spans, title) in zip(axes[:, 0], schedules):
+        schedule_grid(spans, title=title, ax=ax, legend=False)
+    handles = op_handles([s for spans, _ in schedules for s in spans])
+    fig.tight_layout(rect=(0, 0.45 / total, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=LABEL_PT, frameon=False)
+    return fig
+
+
 def measured_and_simulated(measured, simulated, title_measured="measured", title_simulated="simulated"):
     """Two timelines, one above the other: a measured trace and a simulated step."""
-    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5))
+    fig, axes = plt.subplots(2, 1, figsize=(COLUMN_INCHES, 5.5))
     timeline(measured, ax=axes[0], title=title_measured)
     timeline(simulated, ax=axes[1], title=title_simulated)
     fig.tight_layout()
     return fig
 
 
-__all__ = ["schedule_grid", "measured_and_simulated", "OP_COLORS"]
+__all__ = ["schedule_grid", "schedule_grids", "measured_and_simulated", "op_handles", "OP_COLORS"]

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
+from matplotlib.transforms import offset_copy
+
+from course_lib.viz.column import COLUMN_INCHES, LABEL_PT, text_fits
 
 KIND_COLORS = {
     "compute": "#4C72B0",  # blue
@@ -62,7 +65,8 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     ranks: which rows to draw (default: every rank that has a span).
     row_names: optional {rank: label} for the y axis (e.g. "stage 1").
     label_min_frac: a span is labelled only if it is at least this fraction of the
-        drawn time range (keeps the figure readable).
+        drawn time range and its name fits in its bar (keeps the figure readable);
+        0: every span is labelled, fitting or not (a caller that renames the labels).
     unit: 's', 'ms' or 'µs' (default: chosen from the time range).
     by_dim: one row per (rank, mesh dimension): a rank's spans without a dimension on
         its first row, then one row per dimension its spans carry.
@@ -77,8 +81,8 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     ranks = list(ranks)
     if by_dim:
         spans, ranks, row_names = _lanes_by_dim(spans, ranks, row_names)
-    if figsize is None:
-        figsize = (10, 0.55 * max(len(ranks), 1) + 1.2)
+    if figsize is None:   # the book's column; room under the axes for the legend
+        figsize = (COLUMN_INCHES, 0.45 * max(len(ranks), 1) + (1.9 if legend else 1.3))
     if ax is None:
         fig, ax = plt.subplots(figsize=figsize)
     else:
@@ -91,6 +95,7 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
     total = max(t1 - t0, 1e-12)
     scale, unit_name = _time_unit(total) if unit is None else ({"s": 1.0, "ms": 1e3, "µs": 1e6}[unit], unit)
     row = {r: i for i, r in enumerate(ranks)}
+    inches = ax.get_position().width * fig.get_figwidth() * 0.9 / (total * scale)   # per unit of time
     drawn = []
     for s in spans:
         if s.rank not in row:
@@ -103,8 +108,9 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
             (edge, hatch), lw = dim_style(s.dim), 1.2
         left, width = (s.start - t0) * scale, max((s.end - s.start) * scale, 0.0)
         ax.barh(y, width, left=left, height=0.8, color=color, edgecolor=edge, linewidth=lw, hatch=hatch)
-        if (s.end - s.start) / total >= label_min_frac and s.name:
-            ax.text(left + width / 2, y, s.name, ha="center", va="center", fontsize=7,
+        fits = label_min_frac == 0 or text_fits(s.name, width * inches)
+        if (s.end - s.start) / total >= label_min_frac and s.name and fits:
+            ax.text(left + width / 2, y, s.name, ha="center", va="center", fontsize=LABEL_PT,
                     color="white" if s.kind in ("compute", "comm") else "black", clip_on=True)
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([(row_names or {}).get(r, f"rank {r}") for r in ranks])
@@ -115,10 +121,12 @@ def timeline(spans, ax=None, title=None, ranks=None, row_names=None, label_min_f
         _arrows(ax, drawn, row, t0, scale)
     if title:
         ax.set_title(title)
-    if legend:
+    ax.tick_params(labelsize=LABEL_PT + 1)
+    if legend:   # under the axes, so that it never covers a bar or the title
         handles = legend_handles(drawn)
-        ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles), frameon=False,
-                  bbox_to_anchor=(1.0, 1.0 + 0.9 / max(len(ranks) + 2, 3)))
+        ax.legend(handles=handles, loc="upper center", fontsize=LABEL_PT, ncol=min(len(handles), 4),
+                  frameon=False, bbox_to_anchor=(0.5, 0.0),   # half an inch under the axes: below the x label
+                  bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-0.5, units="inches"))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
