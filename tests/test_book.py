@@ -272,6 +272,21 @@ def test_a_committed_failure_fails_the_build(tmp_path):
     assert any("stopped" in w and "never executed" in w for w in warnings), warnings
     assert_maths_offline(tmp_path / "bad" / "out" / "_build" / "html" / "start.html")
     assert (tmp_path / "bad" / "out" / "_build" / "html" / "notebooks" / "good.html").is_file()
+    assert_outputs_wrap(tmp_path / "bad" / "out" / "_build" / "html" / "notebooks" / "good.html")
+
+
+def assert_outputs_wrap(page):
+    """The page loads book/_static/course.css (registered in _config.yml), whose rule wraps printed
+    outputs: its selector matches the markup myst-nb gives an output (a line wider than the
+    column's ~77 characters then wraps instead of hiding behind a scrollbar; code keeps scrolling)."""
+    html = page.read_text(encoding="utf-8")
+    links = re.findall(r'<link[^>]*href="([^"]*course\.css)[^"]*"', html)
+    assert links, f"{page.name} does not load course.css"
+    assert (page.parent / links[0]).is_file(), f"{links[0]} is not in the build"
+    css = (page.parent / links[0]).read_text(encoding="utf-8")
+    assert "div.cell_output div.output div.highlight pre" in css and "pre-wrap" in css, css
+    assert re.search(r'<div class="cell_output[^"]*">\s*<div class="output stream[^"]*">\s*<div class="highlight">'
+                     r'\s*<pre>', html), "myst-nb's output markup changed: update book/_static/course.css"
 
 
 # ----------------------------------------------------------------------------- exercises linked
