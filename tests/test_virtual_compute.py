@@ -235,3 +235,15 @@ def test_the_unseen_workloads_are_priced_without_a_gpu():
         assert clock.t > 0 and clock.kernels > 0, label
         if label.startswith("AdamW"):
             assert clock.kernels <= 16, clock.kernels
+
+
+def test_the_fit_follows_the_measurements():
+    """A GPU twice as slow at everything (every measured time doubled): the host's issue interval
+    doubles and every efficiency halves (the fit a GPU run of device_check prints)."""
+    record = dict(gpu_check.H100, issue_interval=2 * gpu_check.H100["issue_interval"],
+                  rows=[dict(r, measured=2 * r["measured"]) for r in gpu_check.H100["rows"]],
+                  breakdown={k: (n, v, 2 * m) for k, (n, v, m) in gpu_check.H100["breakdown"].items()})
+    fit, slow = gpu_check.fit_kernels(H100), gpu_check.fit_kernels(H100, record)
+    assert slow["launch_overhead"] == pytest.approx(2 * fit["launch_overhead"])
+    for cls in ("gemm", "elementwise", "reduction", "broadcast", "copy"):
+        assert slow[cls] == pytest.approx(fit[cls] / 2, rel=1e-6), cls
