@@ -84,6 +84,8 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
 # Notebooks whose strict run uses other CPU kernels than this machine's own (ATen's portable
 # "default" kernels instead of AVX2/AVX-512), as a learner's CPU would: a checked output that
 # depends on the CPU fails here (tests/test_portability.py), at no extra cost to the suite.
+# The one list: README.md, book/how_to_run.md and CONTRIBUTING.md name the same chapters
+# (test_portability.test_the_docs_name_the_notebooks_run_on_other_kernels checks them).
 OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} for name in (
     "00_single_device", "03_data_parallel", "04_zero_fsdp", "05_tensor_parallel", "06_pipeline_parallel",
     "07_context_parallel", "08_expert_parallel", "09_nd_parallelism", "09b_memory_and_precision",

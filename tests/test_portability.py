@@ -4,9 +4,10 @@ Matmul and reduction kernels differ between CPUs (AVX-512 vs AVX2, Intel vs AMD,
 paths), and a training loss after many steps differs in its last digits between them. The rule
 (CONTRIBUTING.md, "Portable outputs"): checked cells print only exact things, or claims through
 a check with a stated tolerance; raw kernel-dependent numbers go to `# NBVAL_IGNORE_OUTPUT`
-cells. The strict nbval runs of the training chapters (0 and 3-8; chapter 0's 200 training
-steps are the most sensitive output of the course) use ATen's portable "default" kernels instead of this machine's own
-(``conftest.OTHER_KERNELS``), as a learner's CPU would, so a checked cell that prints a
+cells. The strict nbval runs of the notebooks that train or compare floats (``conftest.OTHER_KERNELS``,
+the one list; README.md, book/how_to_run.md and CONTRIBUTING.md name the same chapters, checked
+below; chapter 0's 200 training steps are the most sensitive output of the course) use ATen's
+portable "default" kernels instead of this machine's own, as a learner's CPU would, so a checked cell that prints a
 kernel-dependent number fails in CI, not on a learner's machine. The same run serves
 tests/test_notebooks.py: no notebook is run twice.
 """
@@ -42,6 +43,41 @@ def test_notebook_reproduces_its_outputs_on_other_cpu_kernels(path):
         f"printing a kernel-dependent number differs (training losses, generated text, max |diff|), print "
         f"it in a '# NBVAL_IGNORE_OUTPUT' cell and check the claim with a stated tolerance "
         f"(CONTRIBUTING.md); other differences mean the notebook needs re-executing:\n" + result.log[-8000:])
+
+
+def chapters_named(paths) -> str:
+    """The chapters of notebooks ``paths`` as the docs write them: "chapters 0, 3-9, 9b, 9c, 11 and 12"
+    (a run of three or more consecutive numbered chapters as a range)."""
+    numbers = [os.path.basename(p).split("_")[0].lstrip("0") or "0" for p in sorted(paths)]
+    parts, run = [], []
+    for n in numbers + [None]:
+        if n is not None and n.isdigit() and (not run or int(n) == int(run[-1]) + 1):
+            run.append(n)
+            continue
+        if run:
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else run
+        run = [n] if n is not None and n.isdigit() else []
+        if n is not None and not n.isdigit():
+            parts.append(n)
+    return "chapters " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
+
+
+def test_chapters_named_reads_like_the_docs():
+    assert chapters_named(["notebooks/00_a.ipynb", "notebooks/03_b.ipynb", "notebooks/04_c.ipynb",
+                           "notebooks/05_c.ipynb", "notebooks/09b_d.ipynb", "notebooks/11_e.ipynb",
+                           "notebooks/12_f.ipynb"]) == "chapters 0, 3-5, 9b, 11 and 12"
+    assert chapters_named(["notebooks/05_a.ipynb"]) == "chapters 5"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "book/how_to_run.md", "CONTRIBUTING.md"])
+def test_the_docs_name_the_notebooks_run_on_other_kernels(doc):
+    """One list (conftest.OTHER_KERNELS); each document that names it states the same chapters."""
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    phrase = chapters_named(OTHER_KERNELS)
+    assert phrase in text and "OTHER_KERNELS" in text, (
+        f"{doc} must name the notebooks the suite runs with other CPU kernels as {phrase!r} and point to "
+        f"OTHER_KERNELS in tests/conftest.py (the one list)")
 
 
 # ----------------------------------------------------------------------------- Colab: the package alone
