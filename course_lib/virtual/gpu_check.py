@@ -181,6 +181,10 @@ H100 = dict(
         dict(label='add 2 x 256 MiB (HBM streaming)', virtual=0.000277651, measured=0.000277648,
              virtual_then=0.00024439),
     ],
+    # what the clock charged these workloads before it was fitted on this record (4 us a
+    # launch added to each kernel's roofline, GEMMs at 70% of peak, HBM at 100%): chapter 0
+    priced_before_fit={'GEMM 8192^3': 0.0015922, 'block fwd+bwd (h 2048, s 2048, b 4)': 0.00865431,
+                       '1000 tiny kernels': 0.004, 'add 2 x 256 MiB (HBM streaming)': 0.00024439},
     span_over_events=0.978338,
     fitted=dict(matmul_efficiency=0.803838,
                 hbm_efficiency=0.878464,
