@@ -221,3 +221,15 @@ def test_nd_step_timelines_read_at_the_column_width_with_a_legend():
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["compute", "comm", "idle", "comm over tp", "comm over dp+cp"]
     plt.close(fig)
+
+
+def test_nd_story_reads_at_the_column_width():
+    from course_lib.viz import nd
+
+    rows = [dict(name=n, measured_states=2**20, predicted_states=2**20, measured_peak=3 * 2**20,
+                 predicted_peak=2.5 * 2**20, measured_time=0.1, predicted_time=0.08)
+            for n in ("0D", "1D FSDP", "2D DP x TP", "3D DP x TP x PP", "4D DP x TP x PP x CP")]
+    fig = nd.story(rows, title="0D -> 4D: per rank, measured on virtual H100s (bars) and planner (ticks)")
+    _readable_at_the_column(fig)
+    assert all(ax.get_legend() for ax in fig.axes)
+    plt.close(fig)

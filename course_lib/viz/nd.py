@@ -30,28 +30,32 @@ def loss_curves(reference_losses, runs, title="every layout on the one-device cu
 
 def story(rows, title="0D -> 4D: per rank, measured (bars) and planner (black ticks)", time_label="measured"):
     """rows: dicts with name, measured/predicted memory (bytes) and step time (s) per layout;
-    ``time_label``: where the measured step time comes from (e.g. "virtual H100s")."""
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 3.8))
+    ``time_label``: where the measured step time comes from (e.g. "virtual H100s"). Memory
+    above step time, at the book's column width, labels of at least 9 pt."""
+    fig, (ax_m, ax_t) = plt.subplots(2, 1, figsize=(COLUMN_INCHES, 6.2))
     names = [r["name"] for r in rows]
     x = np.arange(len(rows))
     states = np.array([r["measured_states"] for r in rows]) / 2**20
     rest = np.array([r["measured_peak"] for r in rows]) / 2**20 - states
+    tick = 3000 / max(len(rows), 1)   # the planner's tick: about a bar wide
     ax_m.bar(x, states, color="#4C72B0", label="model states (measured)")
     ax_m.bar(x, rest, bottom=states, color="#DD8452", label="activations + buffers (measured peak)")
-    ax_m.scatter(x, np.array([r["predicted_states"] for r in rows]) / 2**20, marker="_", s=600, color="k",
+    ax_m.scatter(x, np.array([r["predicted_states"] for r in rows]) / 2**20, marker="_", s=tick, color="k",
                  label="planner: model states", zorder=3)
-    ax_m.scatter(x, np.array([r["predicted_peak"] for r in rows]) / 2**20, marker="_", s=600, color="k",
+    ax_m.scatter(x, np.array([r["predicted_peak"] for r in rows]) / 2**20, marker="_", s=tick, color="k",
                  linestyle="--", label="planner: total", zorder=3)
-    ax_m.set_ylabel("MiB on the busiest rank")
+    ax_m.set_ylabel("MiB, busiest rank", fontsize=LABEL_PT + 1)
     ax_t.bar(x, [r["measured_time"] * 1e3 for r in rows], color="#55A868", label=time_label)
-    ax_t.scatter(x, [r["predicted_time"] * 1e3 for r in rows], marker="_", s=600, color="k",
+    ax_t.scatter(x, [r["predicted_time"] * 1e3 for r in rows], marker="_", s=tick, color="k",
                  label="planner", zorder=3)
-    ax_t.set_ylabel("step time (ms)")
+    ax_t.set_ylabel("step time (ms)", fontsize=LABEL_PT + 1)
     for ax in (ax_m, ax_t):
         ax.set_xticks(x)
-        ax.set_xticklabels([textwrap.fill(n, 11) for n in names], fontsize=8)   # "4D DP x TP\nx PP x CP"
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+        ax.set_xticklabels([textwrap.fill(n, 11) for n in names], fontsize=LABEL_PT)   # "4D DP x TP\nx PP x CP"
+        ax.tick_params(axis="y", labelsize=LABEL_PT)
+        ax.legend(fontsize=LABEL_PT, ncol=2, loc="upper left", frameon=False)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.35)    # room for the legend above the bars
+    fig.suptitle(textwrap.fill(title, 80), fontsize=LABEL_PT + 2)
     fig.tight_layout()
     return fig
 
