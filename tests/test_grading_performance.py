@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from course_lib.costmodel import ring_all_reduce
 from course_lib.grading import ddp_overlap as G
 from course_lib.grading import pipeline_plan as PP
 from course_lib.grading import placement as P
@@ -15,12 +14,15 @@ from grading_answers import fails_with, graded
 
 
 # ----------------------------------------------------------------------------- 1. DDP buckets
-def bucket_cap_simulated(grads, backward_s, world_size, cluster):
-    """The solution's idea: replay the buckets on the gradients' ready times, pick the cap that
-    exposes least among those hiding >= 95% of their all-reduce time."""
-    alpha, bandwidth = cluster.link(range(world_size))
+# graded on hidden cases against the fastest step of a sweep run on the clock at grading time
+# (issue 33 item 9): the sweep runs once per case in this process (cached), each answer once.
+def bucket_cap_replay(grads, backward_s, world_size, cluster):
+    """The solution's idea: replay DDP's buckets on the gradients' ready times, each all-reduce
+    priced by the clock's NCCL model one after another, a few host ops per bucket; the cap whose
+    step ends first."""
+    from course_lib.virtual.links import collective_time
 
-    def simulate(cap_mb):
+    def step_end(cap_mb):
         buckets, numel, fp32, ready = [], 0, 0, 0.0
         for _, n, t in grads:
             if fp32 and fp32 + 4 * n > cap_mb * 2**20:
@@ -28,40 +30,48 @@ def bucket_cap_simulated(grads, backward_s, world_size, cluster):
                 numel = fp32 = 0
             numel, fp32, ready = numel + n, fp32 + 4 * n, t
         buckets.append((numel, ready))
-        free = total = exposed = 0.0
+        free = 0.0
         for n, t in buckets:
-            cost = ring_all_reduce(n * cluster.dtype.itemsize, world_size, alpha, 1 / bandwidth)
-            start = max(t, free)
-            free = start + cost
-            total, exposed = total + cost, exposed + max(0.0, free - max(start, backward_s))
-        return exposed, 1 - exposed / total
+            free = max(t, free) + collective_time(cluster, "all_reduce", n * cluster.dtype.itemsize,
+                                                  range(world_size))
+        return max(free, backward_s) + 4 * cluster.launch_overhead * len(buckets)
 
-    caps = [2 ** (k / 4) for k in range(-40, 28)]
-    runs = {c: simulate(c) for c in caps}
-    good = [c for c in caps if runs[c][1] >= 0.95]
-    return min(good or caps, key=lambda c: (runs[c][0], -runs[c][1]))
+    return min((2 ** (k / 4) for k in range(-24, 32)), key=step_end)
 
 
-def bucket_half_a_block(grads, backward_s, world_size, cluster):
-    """Written differently: a bucket of half a transformer block's fp32 gradients, so that the
-    all-reduce of one bucket runs while the next half block computes its backward."""
-    blocks = {}
-    for name, n, _ in grads:
-        if name.startswith("blocks."):
-            blocks[name.split(".")[1]] = blocks.get(name.split(".")[1], 0) + n
-    return max(blocks.values()) * 4 / 2 / 2**20
+def bucket_cap_at_boundaries(grads, backward_s, world_size, cluster):
+    """Written differently: a bucket always ends at a gradient, so the caps worth trying are the
+    sizes of the first i gradients; price each layout with the clock's NCCL model on a running
+    stream clock (one host issue per bucket for its launch, wait, divide and flags)."""
+    from course_lib.virtual.links import collective_time
+
+    def price(numel):
+        return collective_time(cluster, "all_reduce", numel * cluster.dtype.itemsize, range(world_size))
+
+    def finish_time(cap_bytes):
+        stream, open_numel, open_bytes = 0.0, 0, 0
+        count = 0
+        for i, (_, n, t) in enumerate(grads):
+            if open_bytes and open_bytes + 4 * n > cap_bytes:      # DDP closes the bucket before this one
+                stream, count = max(stream, grads[i - 1][2]) + price(open_numel), count + 1
+                open_numel = open_bytes = 0
+            open_numel, open_bytes = open_numel + n, open_bytes + 4 * n
+        stream, count = max(stream, grads[-1][2]) + price(open_numel), count + 1
+        return max(stream, backward_s) + 4 * cluster.launch_overhead * count
+
+    prefix, sizes = 0, []
+    for _, n, _ in grads:
+        prefix += 4 * n
+        sizes.append(prefix)
+    return min(sizes, key=finish_time) / 2**20
 
 
-def torch_default(grads, backward_s, world_size, cluster):
-    return 25                          # torch's bucket_cap_mb: one bucket, sent after backward
+def issue_constant(grads, backward_s, world_size, cluster):
+    return 0.1 if cluster.gpus_per_node > 1 else 1.0     # no cost model: passed the old grader
 
 
-def lecture_one_mib(grads, backward_s, world_size, cluster):
-    return 1.0                         # the lecture's timeline: right for one model only
-
-
-def one_bucket_per_parameter(grads, backward_s, world_size, cluster):
-    return 1e-4                        # every gradient alone: the latency paid ~100 times
+def lecture_tiny(grads, backward_s, world_size, cluster):
+    return 0.0625                                       # the old grader's "hidden" winner: slower
 
 
 def runs_ddp_itself(grads, backward_s, world_size, cluster):
@@ -73,17 +83,36 @@ def runs_ddp_itself(grads, backward_s, world_size, cluster):
 
 
 def test_bucket_cap_right_answers_pass(capsys):
-    for answer in (bucket_cap_simulated, bucket_half_a_block):
+    for answer in (bucket_cap_replay, bucket_cap_at_boundaries):
         ok, line = graded(capsys, G.check_bucket_cap, answer)
-        assert ok and line == "bucket_cap: 2/2 cases passed", line
+        assert ok and line == "bucket_cap: 3/3 cases passed", line
 
 
 def test_bucket_cap_wrong_answers_fail_with_a_hint(capsys):
-    fails_with(capsys, G.check_bucket_cap, torch_default, hint="the last bucket starts only when backward ends")
-    line = fails_with(capsys, G.check_bucket_cap, lecture_one_mib, hint="the last bucket starts only when")
-    assert "case 2/2" in line                                   # right on the first model only
-    fails_with(capsys, G.check_bucket_cap, one_bucket_per_parameter, hint="each bucket pays the latency")
+    line = fails_with(capsys, G.check_bucket_cap, issue_constant, hint="slower than")
+    assert "the fastest of a sweep" in line and "every bucket pays fixed costs" in line, line
+    fails_with(capsys, G.check_bucket_cap, lecture_tiny, hint="every bucket pays fixed costs")
     fails_with(capsys, G.check_bucket_cap, runs_ddp_itself, hint="write this yourself")
+
+
+def test_bucket_cap_fails_the_slowest_size_of_the_sweep_whatever_the_prices(capsys):
+    """Read from the sweep the clock gives today: the hidden cases must discriminate (some bucket
+    size more than the margin slower than the fastest), and that size fails, named."""
+    from course_lib.virtual import VirtualCluster
+
+    label, cfg, batch, hw, gpn, world = max(G.HIDDEN_CASES, key=lambda row: _spread(row, VirtualCluster))
+    sweep = G._sweep(tuple(sorted(cfg.items())), batch, hw, gpn, world, VirtualCluster(hw, gpus_per_node=gpn).describe())
+    slowest = max(sweep, key=sweep.get)
+    assert sweep[slowest] > min(sweep.values()) * (1 + G.MARGIN), f"no hidden case discriminates: {sweep}"
+    line = fails_with(capsys, G.check_bucket_cap, lambda *a: slowest, hint="slower than",
+                      cases=[(label, cfg, batch, hw, gpn, world)])
+    assert f"{slowest:g} MiB" in line, line
+
+
+def _spread(row, VirtualCluster):
+    label, cfg, batch, hw, gpn, world = row
+    sweep = G._sweep(tuple(sorted(cfg.items())), batch, hw, gpn, world, VirtualCluster(hw, gpus_per_node=gpn).describe())
+    return max(sweep.values()) / min(sweep.values())
 
 
 # ----------------------------------------------------------------------------- 2. pipeline m, v

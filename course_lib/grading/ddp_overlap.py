@@ -1,14 +1,20 @@
 """Chapter 3's performance question, graded on the virtual GPU clock (deterministic).
 
-    check_bucket_cap(choose_bucket_cap_mb)   # DDP hides >= 90% of its all-reduces
+    check_bucket_cap(choose_bucket_cap_mb)   # DDP's step within 5% of the fastest bucket size
 
-The learner's bucket size runs for real: DDP under ``launch(..., clock=VirtualCluster(...))``
-on several models and clusters, so one hard-coded number fails; while the learner's function
-runs, DDP and its bucketing are switched off (:mod:`course_lib.grading.guard`). (Chapter 6's
-question on virtual time: :mod:`course_lib.grading.pipeline_plan`; chapter 9's:
+The learner's bucket size runs for real: one DDP step under ``launch(..., clock=VirtualCluster(...))``,
+on hidden cases (models and clusters the notebook does not show, so a number tuned on the
+visible ones proves nothing), and its step time is held to the fastest step of a sweep of
+bucket sizes run on the same clock at grading time: no stored times, so the grade follows
+the clock's prices when they change. While the learner's function runs (before any timed
+step), DDP and its bucketing are switched off (:mod:`course_lib.grading.guard`); the step
+times come back to the grading process, which compares them. (Chapter 6's question on
+virtual time: :mod:`course_lib.grading.pipeline_plan`; chapter 9's:
 :mod:`course_lib.grading.placement`.)
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -21,7 +27,9 @@ __all__ = ["check_bucket_cap", "bucket_inputs"]
 # what would answer the bucket question for the learner: running DDP under the clock
 DDP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
                "course_lib.launch:launch", "course_lib.grading.ddp_overlap:_*")
-HIDDEN = 0.90                                  # the fraction of all-reduce time to hide
+MARGIN = 0.05   # a step at most 5% slower than the sweep's fastest: a cost model of the buckets (the
+# NCCL price of each all-reduce, a few host ops per bucket) lands within it, a constant rarely
+SWEEP_MB = (1 / 4, 1.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)   # doubling where the fastest lie
 
 
 # ----------------------------------------------------------------------------- 1. DDP buckets
@@ -47,9 +55,9 @@ def _gradient_timeline(cfg, batch):
     return [(n, k, t - t0) for n, k, t in ready], backward
 
 
-def _ddp_step(cfg, batch, cap_mb):
-    """One DDP step (overlap=True) with ``cap_mb`` buckets: the all-reduce spans of this rank,
-    and when backward ended (virtual seconds)."""
+def _step_seconds(cfg, batch, cap_mb):
+    """One DDP step (overlap=True) with ``cap_mb`` buckets on this rank's clock: forward,
+    backward and finish(), in virtual seconds."""
     import torch.distributed as dist
 
     from course_lib import trace
@@ -60,24 +68,16 @@ def _ddp_step(cfg, batch, cap_mb):
     net = DDP(TinyGPT(cfg, seed=0), bucket_cap_mb=cap_mb, mesh=Mesh(dp=dist.get_world_size()))
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
-    trace.reset()
+    dist.barrier()
+    start = trace.now()
     _, loss = net(x[:, :-1], x[:, 1:])
-    with trace.span("backward", "compute"):
-        loss.backward()
+    loss.backward()
     net.finish_gradient_synchronization()
-    spans = trace.spans()
-    end = next(s.end for s in spans if s.name == "backward")
-    return [(s.start, s.end) for s in spans if s.kind == "comm" and s.name.startswith("all-reduce b")], end
+    return trace.now() - start
 
 
-def _hidden(comms, backward_end):
-    """(fraction of the all-reduce time that ran while backward computed, exposed seconds)."""
-    total = sum(e - s for s, e in comms)
-    exposed = sum(max(0.0, e - max(s, backward_end)) for s, e in comms)
-    return 1.0 - exposed / total, exposed
-
-
-def _bucket_harness(choose, cfg_dict, batch, hardware, gpus_per_node):
+def _answer_harness(choose, cfg_dict, batch, hardware, gpus_per_node):
+    """The learner's bucket size (asked first, out of the timed path), then one step with it."""
     import torch.distributed as dist
 
     from course_lib.gpt import GPTConfig
@@ -87,51 +87,83 @@ def _bucket_harness(choose, cfg_dict, batch, hardware, gpus_per_node):
     grads, backward = _gradient_timeline(cfg, batch)
     answer = learner(choose, DDP_LIBRARY, exercise="choosing the bucket size", seconds=10)
     cap = answer(list(grads), backward, world, cluster)
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or cap != cap:
         return {"error": f"expected a bucket size in MiB > 0, got {cap!r}"}
     cap = float(cap)
-    comms, end = _ddp_step(cfg, batch, cap)
-    return {"cap": cap, "comms": comms, "backward_end": end}
+    return {"cap": cap, "step": _step_seconds(cfg, batch, cap)}
 
 
-BUCKET_CASES = [  # (label, TinyGPT config, batch per rank, hardware, gpus per node, world size)
+def _sweep_harness(cfg_dict, batch, caps):
+    """The same step for each of ``caps`` (run in the same order as the learner's: the gradient
+    timeline first, so every step starts from the same state of the clock)."""
+    from course_lib.gpt import GPTConfig
+
+    cfg = GPTConfig(**cfg_dict)
+    _gradient_timeline(cfg, batch)
+    return [_step_seconds(cfg, batch, cap) for cap in caps]
+
+
+@functools.lru_cache(maxsize=None)
+def _sweep(cfg_items, batch, hardware, gpus_per_node, world, prices):
+    """{cap: the slowest rank's step} over SWEEP_MB, run once per case and per price list
+    (``prices``: the clock's describe(), so a changed price runs the sweep again)."""
+    clock = VirtualCluster(hardware, gpus_per_node=gpus_per_node)
+    res = launch(_sweep_harness, world, dict(cfg_items), batch, SWEEP_MB, clock=clock, threads=1,
+                 timeout=300, quiet=True)
+    return {cap: max(r[i] for r in res) for i, cap in enumerate(SWEEP_MB)}
+
+
+BUCKET_CASES = [  # the visible cases (bucket_inputs): (label, TinyGPT config, batch per rank, hardware,
+    # gpus per node, world size)
     ("12 blocks of width 256 on 2 A100 nodes (network)",
      dict(vocab_size=128, seq_len=16, n_layers=12, hidden=256, n_heads=4), 1, "a100-80gb", 1, 2),
     ("12 blocks of width 64 on 4 H100s of one 8-GPU node (NVLink)",
      dict(vocab_size=128, seq_len=16, n_layers=12, hidden=64, n_heads=4), 1, "h100-sxm", 8, 4),
 ]
+HIDDEN_CASES = [  # graded: models and clusters the notebook does not show, where the fastest
+    # bucket sizes differ (on the clock's prices of 2026-11: about 64, 16 and >= 8 MiB)
+    ("a wide model on 2 H100 nodes (network)",
+     dict(vocab_size=128, seq_len=16, n_layers=4, hidden=1024, n_heads=8), 1, "h100-sxm", 1, 2),
+    ("a mid-size model on 2 H100 nodes (network)",
+     dict(vocab_size=128, seq_len=16, n_layers=8, hidden=512, n_heads=8), 1, "h100-sxm", 1, 2),
+    ("a narrow model on 2 H100s of one node (NVLink)",
+     dict(vocab_size=128, seq_len=16, n_layers=8, hidden=128, n_heads=4), 1, "h100-sxm", 8, 2),
+]
 
 
-def check_bucket_cap(choose_bucket_cap_mb):
+def check_bucket_cap(choose_bucket_cap_mb, cases=None):
     """choose_bucket_cap_mb(grads, backward_s, world_size, cluster) -> MiB: the learner's bucket
-    size; DDP (overlap=True) runs one step with it under the virtual clock and must hide at
-    least 90% of its all-reduce time behind backward, on every case."""
-    cases = [Case(dict(cfg=c, batch=b, hardware=h, gpn=g), world_size=n, label=label)
-             for label, c, b, h, g, n in BUCKET_CASES]
+    size; DDP (overlap=True) runs one step with it under the virtual clock, and the step must be
+    at most 5% slower than the fastest of a sweep of bucket sizes (SWEEP_MB, 1/4 .. 128 MiB) on
+    the same clock, on every hidden case. ``cases``: other (label, config, batch, hardware,
+    gpus per node, world size) rows (tests)."""
+    rows = HIDDEN_CASES if cases is None else cases
+    graded = [Case(dict(cfg=c, batch=b, hardware=h, gpn=g), world_size=n, label=label)
+              for label, c, b, h, g, n in rows]
 
     def run(case):
-        from course_lib.gpt import GPTConfig
-    
-        cfg = GPTConfig(**case.params["cfg"])
-        h, g = case.params["hardware"], case.params["gpn"]
-        res = launch(_bucket_harness, case.world_size, choose_bucket_cap_mb, dict(cfg.__dict__),
-                     case.params["batch"], h, g, clock=VirtualCluster(h, gpus_per_node=g), threads=1,
-                     timeout=60, quiet=True)
+        cfg, batch = case.params["cfg"], case.params["batch"]
+        hw, gpn, world = case.params["hardware"], case.params["gpn"], case.world_size
+        clock = VirtualCluster(hw, gpus_per_node=gpn)
+        res = launch(_answer_harness, world, choose_bucket_cap_mb, dict(cfg), batch, hw, gpn, clock=clock,
+                     threads=1, timeout=120, quiet=True)
         if "error" in res[0]:
             return res[0]["error"]
-        worst = min((_hidden(r["comms"], r["backward_end"]) + (r["comms"],) for r in res), key=lambda x: x[0])
-        hidden, exposed, comms = worst
-        if hidden < HIDDEN:
-            k, total = len(comms), sum(e - s for s, e in comms)
-            many = k > 1 and total > res[0]["backward_end"] - min(s for s, _ in comms)
-            why = ("the all-reduces take longer than the backward they hide behind: "
-                   "each bucket pays the latency 2(N-1) alpha, so fewer, larger buckets") if many else (
-                "the last bucket starts only when backward ends: smaller buckets, so that it is short")
-            return (f"{res[0]['cap']:g} MiB: {k} buckets, {total * 1e6:.0f} us of all-reduce, "
-                    f"{exposed * 1e6:.0f} us exposed after backward, {hidden:.0%} hidden (< {HIDDEN:.0%}); {why}")
-        return None
+        cap, step = res[0]["cap"], max(r["step"] for r in res)
+        sweep = _sweep(tuple(sorted(cfg.items())), batch, hw, gpn, world, clock.describe())
+        best_cap = min(sweep, key=sweep.get)
+        best = min(sweep[best_cap], step)
+        if step <= best * (1 + MARGIN):
+            return None
+        why = ("smaller than the fastest: every bucket pays fixed costs (the ring's 2(N-1) alpha, and "
+               "the host's launch, wait and divide), so more buckets cost more than they hide"
+               if cap < best_cap else
+               "larger than the fastest: the last bucket's all-reduce starts when backward ends and "
+               "is exposed whole; smaller buckets hide all but the last one")
+        return (f"{cap:g} MiB: step {step * 1e6:.0f} us, {step / best - 1:.1%} slower than {best_cap:g} MiB "
+                f"({best * 1e6:.0f} us, the fastest of a sweep of bucket sizes; margin {MARGIN:.0%}): {why}")
 
-    return check("bucket_cap", cases, run)
+    return check("bucket_cap", graded, run)
 
 
 def bucket_inputs(case: int = 1):
