@@ -128,7 +128,6 @@ CODE_STILL_WIDE = {"solutions/", "exercises/",        # exercises/ is generated 
                    # lectures 0-10: their printed lines were narrowed first; their ~1,000 code lines
                    # wider than CODE_WIDTH are to be wrapped in a later change
                    "notebooks/00_single_device.ipynb", "notebooks/02_collective_algorithms.ipynb",
-                   "notebooks/03_data_parallel.ipynb",
                    "notebooks/04_zero_fsdp.ipynb", "notebooks/05_tensor_parallel.ipynb",
                    "notebooks/06_pipeline_parallel.ipynb", "notebooks/07_context_parallel.ipynb",
                    "notebooks/08_expert_parallel.ipynb", "notebooks/09_nd_parallelism.ipynb",
