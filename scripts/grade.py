@@ -5,11 +5,12 @@
     python scripts/grade.py alice/01_collectives_exercises.ipynb -v
     python scripts/grade.py submissions/ --csv grades.csv
 
-A *question* is a check cell: a code cell whose first line is
+A *question* is a check cell of the solution: a code cell whose first line is
 ``# NBVAL_CHECK_OUTPUT``. It calls a grader that prints one stable line
-(``ring_all_reduce: 6/6 cases passed``). A question passes when the re-executed
-cell prints exactly what the same cell of the solution printed, which is the
-comparison ``pytest --nbval-lax`` makes for one notebook.
+(``ring_all_reduce: 8/8 cases passed``). A question passes when the learner's
+re-executed cell prints exactly what the same cell of the solution printed. (For one
+notebook, ``pytest --nbval-lax`` agrees: in a notebook a failed check raises, and the
+exercise's last cell fails while a check cell is missing or failing.)
 
 A question is known by its check cell's code, not by the file name: each notebook
 is matched to the solution in ``--reference`` (default ``solutions/``) whose check

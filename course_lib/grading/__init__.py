@@ -1,8 +1,8 @@
 """Graders for the exercises: run a learner's function on several cases and world
 sizes, compare with a reference, print ONE stable line.
 
-    ring_all_reduce: 6/6 cases passed
-    ring_all_reduce: FAILED case 3/6 (world_size=3, numel=7, dtype=float32): rank 1 got ... expected ...
+    ring_all_reduce: 8/8 cases passed
+    ring_all_reduce: FAILED case 3/8 (world_size=3, numel=7, dtype=int64): rank 1 got ... expected ...
 
 Never a raw rank traceback, never a hang: an exception inside a rank becomes a
 one-line hint naming the rank, a deadlock becomes a hint naming the stuck ranks
