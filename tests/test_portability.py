@@ -129,7 +129,7 @@ CODE_STILL_WIDE = {"solutions/", "exercises/",        # exercises/ is generated 
                    # wider than CODE_WIDTH are to be wrapped in a later change
                    "notebooks/00_single_device.ipynb", "notebooks/02_collective_algorithms.ipynb",
                    "notebooks/04_zero_fsdp.ipynb", "notebooks/05_tensor_parallel.ipynb",
-                   "notebooks/06_pipeline_parallel.ipynb", "notebooks/10_planning_at_scale.ipynb"}
+                   "notebooks/10_planning_at_scale.ipynb"}
 RICHER = {"image/png", "image/jpeg", "image/svg+xml", "text/html", "text/markdown", "text/latex"}
 HIDDEN = {"remove-cell", "remove-input"}   # cells whose code the book does not show (the Colab setup cell)
 ALL_NOTEBOOKS = notebooks_in("notebooks") + notebooks_in("exercises") + notebooks_in("solutions")
