@@ -127,7 +127,6 @@ CODE_STILL_WIDE = {"solutions/", "exercises/",        # exercises/ is generated 
                    "notebooks/11_debugging.ipynb", "notebooks/12_checkpointing.ipynb",
                    # lectures 0-10: their printed lines were narrowed first; their ~1,000 code lines
                    # wider than CODE_WIDTH are to be wrapped in a later change
-                   "notebooks/05_tensor_parallel.ipynb",
                    "notebooks/10_planning_at_scale.ipynb"}
 RICHER = {"image/png", "image/jpeg", "image/svg+xml", "text/html", "text/markdown", "text/latex"}
 HIDDEN = {"remove-cell", "remove-input"}   # cells whose code the book does not show (the Colab setup cell)
