@@ -125,8 +125,8 @@ STILL_WIDE = {"solutions/"}
 CODE_STILL_WIDE = {"solutions/", "exercises/",        # exercises/ is generated from solutions/
                    "notebooks/09b_memory_and_precision.ipynb", "notebooks/09c_low_precision.ipynb",
                    "notebooks/11_debugging.ipynb", "notebooks/12_checkpointing.ipynb",
-                   # lectures 0-10: their printed lines were narrowed first; their ~1,000 code lines
-                   # wider than CODE_WIDTH are to be wrapped in a later change
+                   # chapter 10: its ~170 code lines wider than CODE_WIDTH are to be wrapped in
+                   # a later change (lectures 0-9 are wrapped)
                    "notebooks/10_planning_at_scale.ipynb"}
 RICHER = {"image/png", "image/jpeg", "image/svg+xml", "text/html", "text/markdown", "text/latex"}
 HIDDEN = {"remove-cell", "remove-input"}   # cells whose code the book does not show (the Colab setup cell)
