@@ -144,9 +144,15 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         fwd["cp"] = n_layers * (c - 1) * max(0.0, hop - block_f)
         bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop)
         calls["cp"] = m * n_layers * (c - 1 + c + 1)
-    # "launch": the time of issuing the kernels from the host (one op every launch_overhead), or
-    # of their floors on the device, beyond the kernels' own work (Kernels.seconds)
-    fwd["launch"], bwd["launch"] = (k.seconds(hw) - k.time for k in (fwd_k, bwd_k))
+    # "launch": the kernels' floors on the device beyond their own work, plus the time of
+    # issuing them from the host (one op every launch_overhead) beyond what the device does
+    # meanwhile: its kernels and the collectives it waits for (TP's, CP's hops). The host does
+    # not wait for a collective (it enqueues it and goes on issuing), so where it is the slower
+    # side the collectives hide behind its issue
+    for part, kern in ((fwd, fwd_k), (bwd, bwd_k)):
+        device = max(kern.time, kern.count * hw.kernel_floor)        # the kernels, at least their floors
+        issue = kern.count * hw.launch_overhead                      # the host's side
+        part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
     if p > 1:
