@@ -362,6 +362,8 @@ class Comm:
                 self._quiet(fn, args, kwargs)()
             trace.recorder().add(name, "comm", start, clock.t, self.dim)
             return Handle(self, None, name, start, done=True) if async_op else None
+        # the backend's collectives, and any collective while measuring (its bytes are counted
+        # alone, without the clock's headers on its messages): NCCL's price
         def run():
             with clock.muted(), trace.muted():
                 if self._measuring:

@@ -102,7 +102,7 @@ def nccl_collective(hw, op: str, nbytes: float, n_ranks: int, n_nodes: int):
     scale_intra, scale_net = _scale(hw, "nvlink"), _scale(hw, "net")
     bw = bus_bandwidth(hw, kind)
     ppn = n_ranks / n_nodes
-    ll_cap = LL_MAX_BW[min(n_nodes, 4) if n_nodes != 3 else 4]
+    ll_cap = LL_MAX_BW[1 if n_nodes == 1 else 2 if n_nodes == 2 else 4]   # llMaxBws: N1, N2, N4+
     if op == "all_reduce":
         nsteps, inter = 2 * (n_ranks - 1), (2 * n_nodes if n_nodes > 1 else 0)
     elif op in ("all_gather", "reduce_scatter"):
