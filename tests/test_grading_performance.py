@@ -16,62 +16,60 @@ from grading_answers import fails_with, graded
 # ----------------------------------------------------------------------------- 1. DDP buckets
 # graded on hidden cases against the fastest step of a sweep run on the clock at grading time
 # (issue 33 item 9): the sweep runs once per case in this process (cached), each answer once.
-def bucket_cap_replay(grads, backward_s, world_size, cluster):
-    """The solution's idea: replay DDP's buckets on the gradients' ready times, each all-reduce
-    priced by the clock's NCCL model one after another, a few host ops per bucket; the cap whose
-    step ends first."""
-    from course_lib.virtual.links import collective_time
-
-    def step_end(cap_mb):
-        buckets, numel, fp32, ready = [], 0, 0, 0.0
-        for _, n, t in grads:
-            if fp32 and fp32 + 4 * n > cap_mb * 2**20:
-                buckets.append((numel, ready))
-                numel = fp32 = 0
-            numel, fp32, ready = numel + n, fp32 + 4 * n, t
-        buckets.append((numel, ready))
-        free = 0.0
-        for n, t in buckets:
-            free = max(t, free) + collective_time(cluster, "all_reduce", n * cluster.dtype.itemsize,
-                                                  range(world_size))
-        return max(free, backward_s) + 4 * cluster.launch_overhead * len(buckets)
-
-    return min((2 ** (k / 4) for k in range(-24, 32)), key=step_end)
+def _buckets(grads, cap_bytes):
+    """DDP's bucketing of ``grads`` in ready order: [(numel, ready time of its last gradient)]
+    (the cap counts the CPU run's fp32 buffers, 4 bytes an element)."""
+    out, numel, nbytes, ready = [], 0, 0, 0.0
+    for _, n, t in grads:
+        if nbytes and nbytes + 4 * n > cap_bytes:
+            out.append((numel, ready))
+            numel = nbytes = 0
+        numel, nbytes, ready = numel + n, nbytes + 4 * n, t
+    return out + [(numel, ready)]
 
 
-def bucket_cap_at_boundaries(grads, backward_s, world_size, cluster):
-    """Written differently: a bucket always ends at a gradient, so the caps worth trying are the
-    sizes of the first i gradients; price each layout with the clock's NCCL model on a running
-    stream clock (one host issue per bucket for its launch, wait, divide and flags)."""
-    from course_lib.virtual.links import collective_time
+def bucket_cap_alpha_beta(grads, backward_s, world_size, cluster):
+    """Written differently from the solution (which replays NCCL's price of each all-reduce):
+    a ring all-reduce priced alpha-beta on the link the ranks share, 2(N-1) steps of its
+    latency and 2(N-1)/N of the bytes at its bandwidth; one communication stream; after
+    backward the host waits for each bucket and divides it (two ops). The caps tried are the
+    sizes where a bucket boundary moves: the sums of consecutive gradients' bytes."""
+    alpha, bandwidth = cluster.link(range(world_size))
+    n = world_size
 
-    def price(numel):
-        return collective_time(cluster, "all_reduce", numel * cluster.dtype.itemsize, range(world_size))
+    def step(cap_bytes):
+        stream, ends = 0.0, []
+        for numel, ready in _buckets(grads, cap_bytes):
+            nbytes = numel * cluster.dtype.itemsize
+            stream = max(stream, ready) + 2 * (n - 1) * (alpha + nbytes / n / bandwidth)
+            ends.append(stream)
+        host = end = backward_s
+        for e in ends:
+            host += 2 * cluster.launch_overhead
+            end = max(end, e, host)
+        return end
 
-    def finish_time(cap_bytes):
-        stream, open_numel, open_bytes = 0.0, 0, 0
-        count = 0
-        for i, (_, n, t) in enumerate(grads):
-            if open_bytes and open_bytes + 4 * n > cap_bytes:      # DDP closes the bucket before this one
-                stream, count = max(stream, grads[i - 1][2]) + price(open_numel), count + 1
-                open_numel = open_bytes = 0
-            open_numel, open_bytes = open_numel + n, open_bytes + 4 * n
-        stream, count = max(stream, grads[-1][2]) + price(open_numel), count + 1
-        return max(stream, backward_s) + 4 * cluster.launch_overhead * count
+    sizes = [4 * n for _, n, _ in grads]
+    caps = sorted({sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)})
+    return min(caps, key=step) / 2**20
 
-    prefix, sizes = 0, []
-    for _, n, _ in grads:
-        prefix += 4 * n
-        sizes.append(prefix)
-    return min(sizes, key=finish_time) / 2**20
+
+def tuned_on_a_visible_case(grads, backward_s, world_size, cluster):
+    return 32.0                                 # the solution's answer on visible case 1
 
 
 def issue_constant(grads, backward_s, world_size, cluster):
     return 0.1 if cluster.gpus_per_node > 1 else 1.0     # no cost model: passed the old grader
 
 
-def lecture_tiny(grads, backward_s, world_size, cluster):
-    return 0.0625                                       # the old grader's "hidden" winner: slower
+def one_bucket(grads, backward_s, world_size, cluster):
+    """Classic mistake: the fewest all-reduces, as if overlap hid nothing."""
+    return sum(4 * n for _, n, _ in grads) / 2**20
+
+
+def a_bucket_per_gradient(grads, backward_s, world_size, cluster):
+    """Classic mistake: every gradient sent the moment it is ready, as if buckets cost nothing."""
+    return min(4 * n for _, n, _ in grads) / 2**20
 
 
 def runs_ddp_itself(grads, backward_s, world_size, cluster):
@@ -82,37 +80,50 @@ def runs_ddp_itself(grads, backward_s, world_size, cluster):
     return 1.0
 
 
-def test_bucket_cap_right_answers_pass(capsys):
-    for answer in (bucket_cap_replay, bucket_cap_at_boundaries):
-        ok, line = graded(capsys, G.check_bucket_cap, answer)
-        assert ok and line == "bucket_cap: 3/3 cases passed", line
+def _sweep_of(row):
+    from course_lib.virtual import VirtualCluster
+
+    label, cfg, batch, hw, gpn, world = row
+    return G._sweep(tuple(sorted(cfg.items())), batch, hw, gpn, world,
+                    VirtualCluster(hw, gpus_per_node=gpn).describe())
+
+
+def test_bucket_cap_right_answer_written_differently_passes(capsys):
+    ok, line = graded(capsys, G.check_bucket_cap, bucket_cap_alpha_beta)
+    assert ok and line == f"bucket_cap: {len(G.HIDDEN_CASES)}/{len(G.HIDDEN_CASES)} cases passed", line
+
+
+def test_no_bucket_size_passes_every_hidden_case():
+    """Issue 33 item 9: a constant answer, no cost model, passed both old cases. Every size of
+    the sweep (1/4 .. 128 MiB, doubling) is now more than MARGIN slower than the fastest on at
+    least one hidden case, read from the sweep the clock gives today: the fastest sizes lie far
+    apart (a slow link wants small buckets, a fast one few)."""
+    sweeps = [_sweep_of(row) for row in G.HIDDEN_CASES]
+    for cap in G.SWEEP_MB:
+        slower = [s[cap] / min(s.values()) - 1 for s in sweeps]
+        assert max(slower) > G.MARGIN, f"{cap:g} MiB is within {G.MARGIN:.0%} on every case: {slower}"
+    fastest = [min(s, key=s.get) for s in sweeps]
+    assert max(fastest) / min(fastest) >= 16, fastest
 
 
 def test_bucket_cap_wrong_answers_fail_with_a_hint(capsys):
     line = fails_with(capsys, G.check_bucket_cap, issue_constant, hint="slower than")
     assert "the fastest of a sweep" in line and "every bucket pays fixed costs" in line, line
-    fails_with(capsys, G.check_bucket_cap, lecture_tiny, hint="every bucket pays fixed costs")
+    fails_with(capsys, G.check_bucket_cap, tuned_on_a_visible_case, hint="larger than the fastest")
+    fails_with(capsys, G.check_bucket_cap, one_bucket, hint="is exposed whole")
+    fails_with(capsys, G.check_bucket_cap, a_bucket_per_gradient, hint="every bucket pays fixed costs")
     fails_with(capsys, G.check_bucket_cap, runs_ddp_itself, hint="write this yourself")
 
 
 def test_bucket_cap_fails_the_slowest_size_of_the_sweep_whatever_the_prices(capsys):
     """Read from the sweep the clock gives today: the hidden cases must discriminate (some bucket
     size more than the margin slower than the fastest), and that size fails, named."""
-    from course_lib.virtual import VirtualCluster
-
-    label, cfg, batch, hw, gpn, world = max(G.HIDDEN_CASES, key=lambda row: _spread(row, VirtualCluster))
-    sweep = G._sweep(tuple(sorted(cfg.items())), batch, hw, gpn, world, VirtualCluster(hw, gpus_per_node=gpn).describe())
+    row = max(G.HIDDEN_CASES, key=lambda row: max(_sweep_of(row).values()) / min(_sweep_of(row).values()))
+    sweep = _sweep_of(row)
     slowest = max(sweep, key=sweep.get)
     assert sweep[slowest] > min(sweep.values()) * (1 + G.MARGIN), f"no hidden case discriminates: {sweep}"
-    line = fails_with(capsys, G.check_bucket_cap, lambda *a: slowest, hint="slower than",
-                      cases=[(label, cfg, batch, hw, gpn, world)])
-    assert f"{slowest:g} MiB" in line, line
-
-
-def _spread(row, VirtualCluster):
-    label, cfg, batch, hw, gpn, world = row
-    sweep = G._sweep(tuple(sorted(cfg.items())), batch, hw, gpn, world, VirtualCluster(hw, gpus_per_node=gpn).describe())
-    return max(sweep.values()) / min(sweep.values())
+    line = fails_with(capsys, G.check_bucket_cap, lambda *a: slowest, hint="slower than", cases=[row])
+    assert f"{slowest:g} MiB: step {sweep[slowest] * 1e6:.0f} us" in line, line
 
 
 # ----------------------------------------------------------------------------- 2. pipeline m, v
