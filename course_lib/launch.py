@@ -39,14 +39,12 @@ import atexit
 import builtins
 import datetime
 import functools
-import faulthandler
 import inspect
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -58,7 +56,7 @@ import warnings
 import cloudpickle
 
 from course_lib import trace as _trace
-from course_lib.debug import postmortem as _debug   # flight recorder, desync check, diagnosis
+from course_lib.debug import postmortem as _debug   # flight recorder, desync check, which rank failed and where
 
 BACKENDS = ("gloo", "nccl")
 # Seconds allowed to start the ranks and build the process group. ``timeout`` counts
@@ -280,9 +278,7 @@ def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, if
     os.dup2(err_fd, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
     sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
-    stack_file = open(os.path.join(workdir, f"stack{rank}"), "w")
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    stacks = _debug.dump_stack_on_signal(workdir, rank)  # (a timeout asks for them: LaunchTimeout)
     _start_watchdog(timeout)
 
     def report(kind, data):
@@ -467,126 +463,24 @@ def _wait(procs, workdir, timeout):
                 late = [r for r, path in enumerate(ready) if not os.path.exists(path)]
                 return LaunchTimeout(f"ranks {late} did not start within {STARTUP_TIMEOUT:g} s (starting the "
                                      f"process and building the process group)", {r: "starting" for r in late})
-            return _timeout_error(procs, sorted(pending.values()), workdir)
+            return LaunchTimeout(*_debug.timeout_report(procs, sorted(pending.values()), workdir))
         poll = 1.0 if deadline is not None else 0.02  # while starting, look for readiness often
         for sentinel in mp.connection.wait(list(pending), timeout=min(limit - now, poll)):
             rank = pending.pop(sentinel)
             procs[rank].join()
             if procs[rank].exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}")):
                 time.sleep(0.05)  # let peers that fail because of this rank report too
-                return _first_failure(procs, workdir, first_seen=rank)
+                cause = _debug.first_failure(procs, workdir, first_seen=rank)
+                return rank_error_type(cause["exc_type"])(**cause)
     return None
 
 
-def _describe_exit(code):
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (signal {-code})"
-    return f"exited with code {code}"
-
-
-def _first_failure(procs, workdir, first_seen):
-    """Pick the root cause among failed ranks: a silent death, else the earliest exception."""
-    errors, deaths = {}, []
-    for rank, p in enumerate(procs):
-        path = os.path.join(workdir, f"error{rank}")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                errors[rank] = pickle.load(f)
-        elif p.exitcode is not None and (p.exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}"))):
-            deaths.append(rank)
-    if deaths:
-        rank = first_seen if first_seen in deaths else deaths[0]
-        code = procs[rank].exitcode
-        hint = " without returning (did fn call sys.exit or os._exit?)" if code == 0 else ""
-        msg = f"rank {rank} {_describe_exit(code)}{hint}"
-        others = [r for r in errors]
-        if others:
-            msg += f"; ranks {others} then failed because it was gone"
-        return RankError(msg, rank, exitcode=code)
-    rank = min(errors, key=lambda r: errors[r]["time"])
-    e = errors[rank]
-    msg = f"rank {rank} raised {e['type']}: {e['message']}\n\n--- traceback of rank {rank} ---\n{e['traceback']}"
-    return rank_error_type(e["type"])(msg, rank, exitcode=procs[rank].exitcode, exc_type=e["type"],
-                                      remote_traceback=e["traceback"])
-
-
-def _timeout_error(procs, pending, workdir):
-    returned = [r for r in pending if os.path.exists(os.path.join(workdir, f"returned{r}"))]
-    stuck_ranks = [r for r in pending if r not in returned]
-    for rank in stuck_ranks:  # ask each stuck rank for its Python stack (faulthandler)
-        if procs[rank].is_alive() and hasattr(signal, "SIGUSR1"):
-            try:
-                os.kill(procs[rank].pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-    time.sleep(0.3)
-    stuck = {}
-    for rank in stuck_ranks:
-        status = _read(os.path.join(workdir, f"status{rank}"), binary=True).rstrip(b"\0").decode("utf-8", "replace")
-        where = describe_stack(_read(os.path.join(workdir, f"stack{rank}")))
-        parts = []
-        if status:
-            parts.append(f"in span '{status}'")
-        if where:
-            parts.append(where)
-        stuck[rank] = "; ".join(parts) or "no trace available"
-    lines = "\n".join(f"  rank {r}: {what}" for r, what in stuck.items())
-    done = [r for r in range(len(procs)) if r not in stuck]
-    msg = (f"ranks {stuck_ranks} did not finish within the timeout"
-           + (f" (ranks {done} returned from fn and waited for them)" if done else "") + f":\n{lines}\n"
-           "A collective or recv that never gets its partner waits forever: check that every rank "
-           "calls the same collectives in the same order, and that each send has a matching recv.")
-    return LaunchTimeout(msg, stuck)
-
-
-def describe_stack(dump: str) -> str:
-    """From a faulthandler dump, name the torch.distributed call a rank waits in and its caller."""
-    if not dump.strip():
-        return ""
-    threads = dump.split("\n\n")
-    main = next((t for t in threads if "_rank_main" in t), threads[0])
-    frames = []  # most recent first: (file, line, function)
-    for line in main.splitlines():
-        line = line.strip()
-        if line.startswith("File "):
-            try:
-                file_part, rest = line[len("File "):].rsplit(", line ", 1)
-                lineno, func = rest.split(" in ", 1)
-                frames.append((file_part.strip('"'), lineno, func.strip()))
-            except ValueError:
-                continue
-
-    def is_torch(f):
-        return f"{os.sep}torch{os.sep}" in f[0]
-
-    def is_launcher(f):  # (the virtual clock's frames too: a stuck rank waits in the call that used it)
-        return (f[0].endswith(os.path.join("course_lib", "launch.py"))
-                or f"{os.sep}multiprocessing{os.sep}" in f[0]
-                or f"course_lib{os.sep}virtual{os.sep}" in f[0])
-
-    caller_idx = next((i for i, f in enumerate(frames) if not is_torch(f) and not is_launcher(f)), None)
-    if caller_idx is None:
-        return ""
-    caller = frames[caller_idx]
-    op = next((f for f in reversed(frames[:caller_idx]) if f[2] != "wrapper" and "c10d_logger" not in f[0]), None)
-    where = f"{caller[2]} ({os.path.basename(caller[0])}:{caller[1]})"
-    if op is not None:
-        return f"waiting in torch.distributed.{op[2]}, called from {where}"
-    return f"waiting at {where}"
-
-
-def _read(path, binary=False):
+def _read(path):
     try:
-        with open(path, "rb" if binary else "r", **({} if binary else {"errors": "replace"})) as f:
+        with open(path, errors="replace") as f:
             return f.read()
     except OSError:
-        return b"" if binary else ""
+        return ""
 
 
 def _kill(procs):

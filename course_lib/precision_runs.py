@@ -114,7 +114,7 @@ def _torch_fsdp2(cfg_dict, batch, reduce_dtypes):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from course_lib.parallel.torch_nd import _sum_gradients, torch_step
+    from course_lib.parallel.torch_nd import sum_gradients, torch_step
     from course_lib.precision.mixed import cast_buffers
 
     cfg = GPTConfig(**cfg_dict)
@@ -128,7 +128,7 @@ def _torch_fsdp2(cfg_dict, batch, reduce_dtypes):
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        _sum_gradients(model)
+        sum_gradients(model)
         loss = torch_step(model, x, y, mesh)
         grads = {n: q.grad.full_tensor() for n, q in model.named_parameters()}
         out[str(reduce).removeprefix("torch.")] = dict(loss=loss, grads=grads)

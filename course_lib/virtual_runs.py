@@ -23,7 +23,7 @@ from course_lib import reference
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import launch
 from course_lib.parallel.compose import check_layout
-from course_lib.planner.kernels import _Counter as KernelCounter
+from course_lib.planner.kernels import KernelCounter
 
 
 @dataclasses.dataclass

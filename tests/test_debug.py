@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import textwrap
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from course_lib.debug.bisect import first_divergence, grads_of
 from course_lib.debug.desync import fingerprint, mismatch_message
 from course_lib.debug.flight_recorder import FlightRecorder, Record, check_slots, parse
 from course_lib.debug.nonfinite import NonFiniteError, NonFiniteTracer
+from course_lib.debug.postmortem import describe_stack
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.parallel.mesh import MeshShape
 
@@ -250,6 +252,18 @@ def test_crashes_are_diagnosed_the_same_whatever_the_timing():
     with pytest.raises(ValueError) as err:
         launch(raise_midway, 4, quiet=True, flight_recorder=None)
     assert err.value.diagnosis == "" and "diagnosis" not in str(err.value)
+
+
+def test_describe_stack_picks_the_distributed_call():
+    dump = textwrap.dedent("""\
+        Thread 0x01 (most recent call first):
+          File "/x/site-packages/torch/distributed/distributed_c10d.py", line 10 in recv
+          File "/x/site-packages/torch/distributed/c10d_logger.py", line 5 in wrapper
+          File "/home/me/ring.py", line 7 in my_ring
+          File "/x/course_lib/launch.py", line 9 in _rank_main
+        """)
+    assert describe_stack(dump) == "waiting in torch.distributed.recv, called from my_ring (ring.py:7)"
+    assert describe_stack("") == ""
 
 
 # ----------------------------------------------------------------------------- desync check

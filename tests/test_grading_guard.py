@@ -3,6 +3,10 @@ learner's function runs (in this process and in ranks), everything comes back af
 an endless loop stops, and in a notebook a failed check raises a one-line GradeFailed."""
 from __future__ import annotations
 
+import ast
+import importlib
+import pathlib
+import re
 import time
 
 import pytest
@@ -98,6 +102,63 @@ def test_an_autograd_function_class_runs_guarded():
 
     with pytest.raises(Shortcut):
         learner_class(Double, "course_lib.collectives.ring:*", exercise="the unit").apply(torch.ones(2))
+
+
+def test_a_target_that_does_not_resolve_fails_loudly():
+    """A renamed library function must not quietly unguard a question (it once was a no-op)."""
+    for target in ("course_lib.collectives.ring:no_such_function", "course_lib.collectives.ring:Nope.method",
+                   "course_lib.collectives.no_such_module:*", "course_lib.collectives.ring:_no_such_prefix*"):
+        with pytest.raises(LookupError, match=re.escape(repr(target))):
+            learner(lambda: None, target, exercise="x")()
+    # the doc's example
+    with pytest.raises(Shortcut, match="course_lib.collectives.ring.all_reduce is switched off"):
+        learner(lambda: C.ring.all_reduce(torch.ones(2)), "course_lib.collectives.ring:all_reduce",
+                exercise="the ring")()
+    with switched_off(["torch.distributed.distributed_c10d:a_collective_of_a_later_torch"], "x"):
+        pass   # torch's names differ between versions: one this torch lacks is skipped
+
+
+TARGET = re.compile(r"^(course_lib|torch)(\.\w+)*:(\w+(\.\w+)*|\w*\*)$")
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (tuple, list, frozenset, set)):
+        for v in value:
+            yield from _strings(v)
+
+
+def grading_targets() -> dict:
+    """{grading module: its guard targets}: every "module:attr" string in its source (those
+    written inline in a call too) and in its module-level constants (those built by f-strings)."""
+    import course_lib.grading as grading
+
+    found = {}
+    for path in sorted(pathlib.Path(grading.__file__).parent.glob("*.py")):
+        name = "course_lib.grading" + ("" if path.stem == "__init__" else "." + path.stem)
+        module = importlib.import_module(name)
+        tree = ast.parse(path.read_text())
+        in_fstrings = {id(c) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for c in node.values}
+        literals = [n.value for n in ast.walk(tree)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in in_fstrings]
+        constants = [s for k, v in vars(module).items() if k.isupper() for s in _strings(v)]
+        found[name] = sorted({s for s in literals + constants if TARGET.match(s)})
+    return found
+
+
+def test_every_graders_targets_resolve():
+    """What the graders switch off exists: switching each grader's targets on and off (what a
+    grader does around a learner's function) raises LookupError naming any renamed one."""
+    targets = grading_targets()
+    harness = {"course_lib.grading", "course_lib.grading.guard", "course_lib.grading.training"}  # (given targets)
+    for name, module_targets in targets.items():
+        source = pathlib.Path(importlib.import_module(name).__file__).read_text()
+        if name not in harness and re.search(r"\b(learner|learner_class|switched_off)\(", source):
+            assert module_targets, f"{name} guards a learner's function but no target was found in it"
+        with switched_off(module_targets, "resolving the graders' targets"):
+            pass
+    assert sum(map(len, targets.values())) > 100
 
 
 def test_an_endless_loop_stops_with_a_hint():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import launch
-from course_lib.launch import LaunchTimeout, RankError, cpu_count, describe_stack
+from course_lib.launch import LaunchTimeout, RankError, cpu_count
 from course_lib.trace import span
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,18 +234,6 @@ def test_timeout_names_stuck_rank_span_and_operation():
     assert "waiting for a message that never comes" in stuck[1]
     assert "torch.distributed.recv" in stuck[1] and "hang_in_recv" in stuck[1]
     assert "ranks [0, 2] returned" in str(info.value)
-
-
-def test_describe_stack_picks_the_distributed_call():
-    dump = textwrap.dedent("""\
-        Thread 0x01 (most recent call first):
-          File "/x/site-packages/torch/distributed/distributed_c10d.py", line 10 in recv
-          File "/x/site-packages/torch/distributed/c10d_logger.py", line 5 in wrapper
-          File "/home/me/ring.py", line 7 in my_ring
-          File "/x/course_lib/launch.py", line 9 in _rank_main
-        """)
-    assert describe_stack(dump) == "waiting in torch.distributed.recv, called from my_ring (ring.py:7)"
-    assert describe_stack("") == ""
 
 
 # The leak checks count this process's file descriptors and temporary files, so

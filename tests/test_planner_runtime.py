@@ -11,7 +11,7 @@ from course_lib import reference
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.planner import HARDWARE, Layout, estimate
 from course_lib.planner.calibration import model_spec
-from course_lib.planner.kernels import _Counter
+from course_lib.planner.kernels import KernelCounter
 from course_lib.planner.runtime import group_in_node, tp_calls
 from course_lib.virtual import VirtualCluster
 from course_lib.virtual.compute import ComputeStream
@@ -41,11 +41,11 @@ def test_traced_kernels_are_a_real_steps():
     clock = _Clock(VirtualCluster(H100, dtype=torch.bfloat16))
     with ComputeStream(clock):
         step()
-    with _Counter(H100, 2) as real:
+    with KernelCounter(H100, 2) as real:
         model(x, y, n_tokens=y.numel())[1].backward()
     with torch.device("meta"):
         net, xm = TinyGPT(CFG, seed=0), torch.zeros(2, CFG.seq_len, dtype=torch.long)
-    with _Counter(H100, 2) as traced:
+    with KernelCounter(H100, 2) as traced:
         net(xm, xm, n_tokens=xm.numel())[1].backward()
     ops = {k: v.count for k, v in real.by_op.items()}
     ops_traced = {k: v.count for k, v in traced.by_op.items()}

@@ -92,7 +92,7 @@ def test_same_losses_and_parameters_as_one_device(runs, variant):
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v[0] == "torch"], ids=lambda v: "-".join(map(str, v)))
 def test_torch_gradients_are_the_sums_not_the_averages(runs, variant):
-    """fully_shard / replicate average over dp unless told otherwise (torch_nd._sum_gradients):
+    """fully_shard / replicate average over dp unless told otherwise (torch_nd.sum_gradients):
     the first step's gradients are the single-device ones, not half of them."""
     _, _, ref_grads, results = runs
     grads = results[0][variant][2]

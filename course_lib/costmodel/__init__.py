@@ -109,7 +109,6 @@ from course_lib.costmodel.fit import (  # noqa: F401
     PipelinedRingFit,
     RegimeFit,
     Measurement,
-    _as_measurement,
     crossover_bytes,
     fit_alpha_beta,
     fit_per_regime,

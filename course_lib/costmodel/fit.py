@@ -56,7 +56,8 @@ def in_memory(n_bytes, world_size, cache_bytes) -> bool:
     return cache_bytes is not None and world_size * n_bytes >= cache_bytes
 
 
-def _as_measurement(m) -> Measurement:
+def as_measurement(m) -> Measurement:
+    """A Measurement from one row: a dict or an (algorithm, n_bytes, world_size, seconds) tuple."""
     if isinstance(m, dict):
         return Measurement(m["algorithm"], float(m["n_bytes"]), int(m["world_size"]), float(m["seconds"]))
     algorithm, n_bytes, world_size, seconds = m
@@ -101,7 +102,7 @@ def fit_alpha_beta(measurements, relative: bool = True, cores: int | None = None
     ``cache_bytes``: fit two betas, ``beta`` while the ranks' buffers fit in this much
     cache and ``beta_memory >= beta`` beyond (:func:`in_memory`); None: one beta.
     """
-    ms = [_as_measurement(m) for m in measurements]
+    ms = [as_measurement(m) for m in measurements]
     if len(ms) < 2:
         raise ValueError(f"fit_alpha_beta needs at least 2 measurements, got {len(ms)}")
     for m in ms:
@@ -172,7 +173,7 @@ def fit_per_regime(measurements, regime, relative: bool = True, cores: int | Non
                    cache_bytes: int | None = None) -> RegimeFit:
     """One :func:`fit_alpha_beta` per regime: ``regime(n_bytes, world_size)`` names each point's
     (e.g. :class:`CoreRegimes`); every regime needs at least 2 points."""
-    ms = [_as_measurement(m) for m in measurements]
+    ms = [as_measurement(m) for m in measurements]
     groups: dict = {}
     for i, m in enumerate(ms):
         groups.setdefault(regime(m.n_bytes, m.world_size), []).append(i)

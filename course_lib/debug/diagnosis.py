@@ -15,7 +15,8 @@ Three kinds of finding, in this order (each line names ranks, calls and groups):
 3. Nothing recorded: the run never went through the communication layer.
 
 It reads records only -- never the ranks -- so it cannot hang, and it depends on what each
-rank had called, not on timing: a rank blocked in a call stays there.
+rank had called, not on timing: a rank blocked in a call stays there. :func:`stuck` says which
+ranks will not move again (the launcher waits for all of them before it diagnoses).
 """
 from __future__ import annotations
 
@@ -212,6 +213,43 @@ def _send_cycle(records, rank) -> list:
     return seen if r == rank else []
 
 
+def stuck(recs: dict, ended: dict) -> set:
+    """Ranks that will not move again: ended, never used the communication layer, or blocked
+    in a call whose missing member is itself stuck (a fixpoint)."""
+    out = {r for r in recs if r in ended or not recs[r]}
+    changed = True
+    while changed:
+        changed = False
+        for r in recs:
+            if r in out:
+                continue
+            b = _blocking(recs[r])
+            if b is None:
+                continue
+            if _waits_on_stuck(recs, r, b, out):
+                out.add(r)
+                changed = True
+    return out
+
+
+def _waits_on_stuck(recs, r, b, out) -> bool:
+    """Does rank r's blocking call ``b`` need a rank in ``out`` that will never join it, or
+    a member that joined with another call (a mismatch never completes)?"""
+    if b.p2p:
+        mirror = "recv" if b.op == "send" else "send"
+        return b.peer in out and _messages(recs, b.peer, (b.dim, b.ranks, mirror, r, b.tag)) < b.seq
+    for m in b.ranks:
+        if m == r:
+            continue
+        theirs = next((x for x in recs.get(m, ()) if not x.p2p and (x.dim, x.ranks, x.seq) == (b.dim, b.ranks, b.seq)),
+                      None)
+        if theirs is not None and theirs.fingerprint() != b.fingerprint():
+            return True
+        if m in out and (theirs is None or theirs.state != "completed"):
+            return True
+    return False
+
+
 def diagnose(records: dict, outcomes: dict | None = None) -> str:
     """The explanation, one finding per (wrapped) line; ``outcomes``: {rank: "returned from fn",
     "raised ValueError", "was killed by SIGKILL", ...} for the ranks no longer running."""
@@ -225,4 +263,4 @@ def diagnose(records: dict, outcomes: dict | None = None) -> str:
                      for line in lines)
 
 
-__all__ = ["diagnose", "disagreements", "message_mismatches", "waits", "ranks_text"]
+__all__ = ["diagnose", "disagreements", "message_mismatches", "waits", "stuck", "ranks_text"]

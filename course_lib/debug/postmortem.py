@@ -1,12 +1,16 @@
 """The launcher's side of debugging: options, the rank's setup, and the diagnosis of a failure.
 
-``course_lib.launch`` calls three functions and nothing else:
+``course_lib.launch`` calls these functions and nothing else:
 
 * :func:`check_options` before any rank starts (an unknown mode or a ring of < 1 call is a
   ValueError naming it);
 * :func:`in_rank` around ``fn`` in each rank: installs the flight recorder (its ring is the
   file ``flight<rank>`` in the launch's private folder; under NCCL it completes calls by
-  CUDA event), the desync check, the NaN tracer;
+  CUDA event), the desync check, the NaN tracer; :func:`dump_stack_on_signal` as each rank
+  starts, so that a stuck rank can be asked for its Python stack;
+* :func:`first_failure` when ranks failed: which one is the root cause, and what it raised;
+* :func:`timeout_report` when the run timed out: where each unfinished rank was (the span
+  it was in, the torch.distributed call it waits in, read from its stack);
 * :func:`explain` when a rank failed or the run timed out: reads every rank's ring file (the
   ranks do nothing: a hung or dead rank cannot), merges them (:func:`diagnosis.diagnose`)
   and sets ``failure.diagnosis``, also appended to the error's message.
@@ -20,13 +24,14 @@ program, not of the moment.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import signal
 import time
 
 from course_lib.debug import flight_recorder
-from course_lib.debug.diagnosis import NOTHING, _blocking, _messages, diagnose
+from course_lib.debug.diagnosis import NOTHING, diagnose, stuck
 
 DEBUG_MODES = ("desync", "nonfinite")
 SETTLE = 2.0   # seconds the survivors of a failure get to block (each check: ms)
@@ -92,43 +97,6 @@ def records(procs, workdir) -> dict:
     return {rank: flight_recorder.read(os.path.join(workdir, f"flight{rank}"), rank) for rank in range(len(procs))}
 
 
-def stuck(recs: dict, ended: dict) -> set:
-    """Ranks that will not move again: ended, never used the communication layer, or blocked
-    in a call whose missing member is itself stuck (a fixpoint)."""
-    out = {r for r in recs if r in ended or not recs[r]}
-    changed = True
-    while changed:
-        changed = False
-        for r in recs:
-            if r in out:
-                continue
-            b = _blocking(recs[r])
-            if b is None:
-                continue
-            if _waits_on_stuck(recs, r, b, out):
-                out.add(r)
-                changed = True
-    return out
-
-
-def _waits_on_stuck(recs, r, b, out) -> bool:
-    """Does rank r's blocking call ``b`` need a rank in ``out`` that will never join it, or
-    a member that joined with another call (a mismatch never completes)?"""
-    if b.p2p:
-        mirror = "recv" if b.op == "send" else "send"
-        return b.peer in out and _messages(recs, b.peer, (b.dim, b.ranks, mirror, r, b.tag)) < b.seq
-    for m in b.ranks:
-        if m == r:
-            continue
-        theirs = next((x for x in recs.get(m, ()) if not x.p2p and (x.dim, x.ranks, x.seq) == (b.dim, b.ranks, b.seq)),
-                      None)
-        if theirs is not None and theirs.fingerprint() != b.fingerprint():
-            return True
-        if m in out and (theirs is None or theirs.state != "completed"):
-            return True
-    return False
-
-
 def explain(failure, procs, workdir, settle: float = SETTLE):
     """Attach the merged diagnosis to ``failure`` (a RankError or LaunchTimeout) and its message.
     A diagnosis that fails says so in ``.diagnosis``: it never hides the failure it explains."""
@@ -159,4 +127,130 @@ def _explain(failure, procs, workdir, settle):
     return failure
 
 
-__all__ = ["DEBUG_MODES", "SETTLE", "check_options", "in_rank", "outcomes", "records", "stuck", "explain"]
+# ----------------------------------------------------------------------------- which rank, and where
+
+def dump_stack_on_signal(workdir, rank):
+    """In a rank: on SIGUSR1, write every thread's Python stack to ``stack<rank>`` (faulthandler,
+    which works while the rank is blocked in C++); returns the open file, kept by faulthandler."""
+    stack_file = open(os.path.join(workdir, f"stack{rank}"), "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    return stack_file
+
+
+def describe_exit(code):
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
+def first_failure(procs, workdir, first_seen) -> dict:
+    """The root cause among failed ranks: a silent death, else the earliest exception; as the
+    keywords of a ``RankError`` (message, rank, exitcode, exc_type, remote_traceback)."""
+    errors, deaths = {}, []
+    for rank, p in enumerate(procs):
+        path = os.path.join(workdir, f"error{rank}")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                errors[rank] = pickle.load(f)
+        elif p.exitcode is not None and (p.exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}"))):
+            deaths.append(rank)
+    if deaths:
+        rank = first_seen if first_seen in deaths else deaths[0]
+        code = procs[rank].exitcode
+        hint = " without returning (did fn call sys.exit or os._exit?)" if code == 0 else ""
+        msg = f"rank {rank} {describe_exit(code)}{hint}"
+        others = [r for r in errors]
+        if others:
+            msg += f"; ranks {others} then failed because it was gone"
+        return dict(message=msg, rank=rank, exitcode=code, exc_type=None, remote_traceback="")
+    rank = min(errors, key=lambda r: errors[r]["time"])
+    e = errors[rank]
+    msg = f"rank {rank} raised {e['type']}: {e['message']}\n\n--- traceback of rank {rank} ---\n{e['traceback']}"
+    return dict(message=msg, rank=rank, exitcode=procs[rank].exitcode, exc_type=e["type"],
+                remote_traceback=e["traceback"])
+
+
+def timeout_report(procs, pending, workdir) -> tuple:
+    """(message, {rank: what it was doing}) for the ranks in ``pending`` when the run timed out:
+    each rank not yet returned is asked for its stack (SIGUSR1), read with its current span."""
+    returned = [r for r in pending if os.path.exists(os.path.join(workdir, f"returned{r}"))]
+    stuck_ranks = [r for r in pending if r not in returned]
+    for rank in stuck_ranks:  # ask each stuck rank for its Python stack (faulthandler)
+        if procs[rank].is_alive() and hasattr(signal, "SIGUSR1"):
+            try:
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.3)
+    where_each = {}
+    for rank in stuck_ranks:
+        status = _read(os.path.join(workdir, f"status{rank}"), binary=True).rstrip(b"\0").decode("utf-8", "replace")
+        where = describe_stack(_read(os.path.join(workdir, f"stack{rank}")))
+        parts = []
+        if status:
+            parts.append(f"in span '{status}'")
+        if where:
+            parts.append(where)
+        where_each[rank] = "; ".join(parts) or "no trace available"
+    lines = "\n".join(f"  rank {r}: {what}" for r, what in where_each.items())
+    done = [r for r in range(len(procs)) if r not in where_each]
+    msg = (f"ranks {stuck_ranks} did not finish within the timeout"
+           + (f" (ranks {done} returned from fn and waited for them)" if done else "") + f":\n{lines}\n"
+           "A collective or recv that never gets its partner waits forever: check that every rank "
+           "calls the same collectives in the same order, and that each send has a matching recv.")
+    return msg, where_each
+
+
+def describe_stack(dump: str) -> str:
+    """From a faulthandler dump, name the torch.distributed call a rank waits in and its caller."""
+    if not dump.strip():
+        return ""
+    threads = dump.split("\n\n")
+    main = next((t for t in threads if "_rank_main" in t), threads[0])   # (launch's rank entry point)
+    frames = []  # most recent first: (file, line, function)
+    for line in main.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            try:
+                file_part, rest = line[len("File "):].rsplit(", line ", 1)
+                lineno, func = rest.split(" in ", 1)
+                frames.append((file_part.strip('"'), lineno, func.strip()))
+            except ValueError:
+                continue
+
+    def is_torch(f):
+        return f"{os.sep}torch{os.sep}" in f[0]
+
+    def is_launcher(f):  # (the virtual clock's frames too: a stuck rank waits in the call that used it)
+        return (f[0].endswith(os.path.join("course_lib", "launch.py"))
+                or f"{os.sep}multiprocessing{os.sep}" in f[0]
+                or f"course_lib{os.sep}virtual{os.sep}" in f[0])
+
+    caller_idx = next((i for i, f in enumerate(frames) if not is_torch(f) and not is_launcher(f)), None)
+    if caller_idx is None:
+        return ""
+    caller = frames[caller_idx]
+    op = next((f for f in reversed(frames[:caller_idx]) if f[2] != "wrapper" and "c10d_logger" not in f[0]), None)
+    where = f"{caller[2]} ({os.path.basename(caller[0])}:{caller[1]})"
+    if op is not None:
+        return f"waiting in torch.distributed.{op[2]}, called from {where}"
+    return f"waiting at {where}"
+
+
+def _read(path, binary=False):
+    try:
+        with open(path, "rb" if binary else "r", **({} if binary else {"errors": "replace"})) as f:
+            return f.read()
+    except OSError:
+        return b"" if binary else ""
+
+
+__all__ = ["DEBUG_MODES", "SETTLE", "check_options", "in_rank", "outcomes", "records", "explain",
+           "dump_stack_on_signal", "first_failure", "timeout_report", "describe_stack", "describe_exit"]

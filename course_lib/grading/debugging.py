@@ -271,7 +271,8 @@ def _sync_data(rows=24):
             torch.randn(rows, 2, generator=gen, dtype=torch.float64))
 
 
-def _sync_net():
+def sync_net():
+    """The net of the sync questions (here and in debugging_fixes), the same on every rank."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
 
@@ -286,12 +287,12 @@ def _sync_harness(sync, sizes):
 
     mesh = Mesh(**sizes)
     X, Y = _sync_data()
-    ref = _sync_net()                                             # one device, outside the guard
+    ref = sync_net()                                             # one device, outside the guard
     ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
     shards, c = mesh.sizes["dp"] * mesh.sizes["cp"], mesh.coord
     mine = c["dp"] * mesh.sizes["cp"] + c["cp"]                 # this rank's rows: (24 / shards, 8)
     x, y = X.chunk(shards)[mine], Y.chunk(shards)[mine]
-    net = _sync_net()
+    net = sync_net()
     ((net(x) - y) ** 2).sum().div(len(X)).backward()
     # (course_lib.debug stays on: Comm records its calls through it; it fixes nothing)
     learner(sync, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the gradient sync", seconds=20)(net, mesh)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.grading import Case, check_distributed, compare, learner
-from course_lib.grading.debugging import SYNC_LIBRARY, _sync_net
+from course_lib.grading.debugging import SYNC_LIBRARY, sync_net
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 
 F64 = torch.float64
@@ -115,7 +115,7 @@ def _token_data(counts, rows=6):
     keep = torch.zeros(len(counts) * rows, dtype=torch.bool)
     for r, k in enumerate(counts):
         keep[r * rows: r * rows + k] = True
-    ref = _sync_net()
+    ref = sync_net()
     (((ref(X) - Y) ** 2).sum(-1)[keep].sum() / keep.sum()).backward()
     return X, Y, keep, ref
 
@@ -126,7 +126,7 @@ def _token_harness(step, splits):
     fn = learner(step, REFERENCES, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the token-weighted loss", seconds=20)
     for counts in splits:
         X, Y, keep, ref = _token_data(counts)
-        net = _sync_net()
+        net = sync_net()
         fn(net, X.chunk(n)[r].clone(), Y.chunk(n)[r].clone(), keep.chunk(n)[r].clone(), comm)
         for (name, p), q in zip(net.named_parameters(), ref.parameters()):
             bad = compare(p.grad, q.grad, what=name, dtype=F64)

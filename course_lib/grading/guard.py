@@ -1,8 +1,8 @@
 """While a learner's function runs, the code that would do the exercise for it is off.
 
-    answer = learner(fn, "course_lib.collectives.ring:ring_all_reduce", TORCH_COLLECTIVES,
+    answer = learner(fn, "course_lib.collectives.ring:all_reduce", TORCH_COLLECTIVES,
                      exercise="the ring", seconds=10)
-    answer(x)   # fn(x), with ring_all_reduce and every torch collective raising Shortcut
+    answer(x)   # fn(x), with the ring's all_reduce and every torch collective raising Shortcut
 
 A grader wraps the learner's function with :func:`learner` and calls the wrapper
 where it called the function, in the grading process or inside a rank (the
@@ -10,11 +10,11 @@ wrapper travels by value with the harness, and switches the targets off in the
 process that calls it). A target is switched off *as an object*, not only as a
 module attribute: a Python function gets a body that raises (its ``__code__`` is
 swapped and restored afterwards), so a copy the learner imported earlier
-(``from course_lib.collectives import ring_all_reduce``) is off too; a class
+(``from course_lib.collectives.ring import all_reduce``) is off too; a class
 cannot be constructed; a method of torch's ``ProcessGroup`` (the C++ object every
 ``torch.distributed`` collective ends in) raises. The error says what to do:
 
-    Shortcut: write this yourself: the exercise is the ring (course_lib...ring_all_reduce is off ...)
+    Shortcut: write this yourself: the exercise is the ring (course_lib.collectives.ring.all_reduce is switched off ...)
 
 The grader's own code is pinned around each call (:mod:`.integrity`): an answer that
 rebinds the grader's names (``compare``, ``too_many_bytes``, ``torch.equal``) is restored
@@ -26,7 +26,10 @@ and fails with :class:`Tampered`.
 Targets: a callable, or "module:attr.path" (imported when the guard starts, so a
 grader names the reference without importing it at module level), "module:*" (every
 function the module defines or lists in ``__all__`` from course_lib, and every method of
-those classes), or a list of those.
+those classes), or a list of those. A course_lib target that names nothing (a function renamed
+since the grader was written) raises LookupError naming it, and so does a pattern that
+matches nothing: a rename never quietly unguards a question (tests/test_grading_guard.py
+resolves every grader's targets). A torch name this torch version lacks is skipped.
 """
 from __future__ import annotations
 
@@ -81,15 +84,21 @@ _LOCK = threading.RLock()
 
 def _resolve(target):
     """(owner, attribute name, object) for "module:attr.path", or (None, None, obj) for an
-    object; None for a name this torch version does not have."""
+    object; None for a name outside course_lib that this torch version does not have."""
     if not isinstance(target, str):
         return None, None, target
     module, _, path = target.partition(":")
-    owner = importlib.import_module(module)
     *parents, name = path.split(".")
-    for part in parents:
-        owner = getattr(owner, part)
+    try:
+        owner = importlib.import_module(module)
+        for part in parents:
+            owner = getattr(owner, part)
+    except (ImportError, AttributeError) as exc:
+        raise LookupError(f"guard target {target!r} does not resolve: {exc}") from exc
     if not hasattr(owner, name):
+        if module.partition(".")[0] == "course_lib":
+            raise LookupError(f"guard target {target!r} does not resolve: {module} has no {path!r} "
+                              f"(renamed? the grader must name it as it is now)")
         return None
     return owner, name, getattr(owner, name)
 
@@ -102,8 +111,12 @@ def _flatten(targets):
             yield from _flatten(t)
         elif isinstance(t, str) and t.endswith("*") and ":" in t:
             modname, _, prefix = t[:-1].partition(":")
-            module = importlib.import_module(modname)
+            try:
+                module = importlib.import_module(modname)
+            except ImportError as exc:
+                raise LookupError(f"guard target {t!r} does not resolve: {exc}") from exc
             public = set(getattr(module, "__all__", ()))  # re-exports of a module that moved count too
+            matched = False
             for name, value in sorted(vars(module).items()):
                 if not name.startswith(prefix):
                     continue
@@ -111,12 +124,16 @@ def _flatten(targets):
                 if home != module.__name__ and not (name in public and home.startswith("course_lib")):
                     continue
                 if hasattr(value, "__code__"):
+                    matched = True
                     yield f"{module.__name__}:{name}"
                 elif isinstance(value, type):  # a class: each method it defines (autograd Functions too)
                     for attr, member in sorted(vars(value).items()):
                         raw = getattr(member, "__func__", member)
                         if hasattr(raw, "__code__") and (not attr.startswith("__") or attr in _DUNDERS):
+                            matched = True
                             yield f"{module.__name__}:{name}.{attr}"
+            if not matched:
+                raise LookupError(f"guard target {t!r} matches no function or method of {modname}")
         else:
             yield t
 

@@ -43,7 +43,7 @@ def _check(comm, x, dim=None):
         raise ValueError(f"dim={dim} is not a dimension of a tensor of shape {tuple(x.shape)}")
 
 
-def _all_gather(comm, x, dim, name):
+def gather_along(comm, x, dim, name):
     """(.., n, ..) on each rank -> (.., size * n, ..): the pieces in group-rank order along ``dim``."""
     x = x.movedim(dim, 0).contiguous()                               # (n, ...) gathered along dim 0
     out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
@@ -106,7 +106,7 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim):
         ctx.comm, ctx.dim = comm, dim
-        return _all_gather(comm, x, dim, "SP g: all-gather")
+        return gather_along(comm, x, dim, "SP g: all-gather")
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,7 +123,7 @@ class ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(ctx.comm, grad, ctx.dim, "SP g-bar: all-gather (backward)"), None, None
+        return gather_along(ctx.comm, grad, ctx.dim, "SP g-bar: all-gather (backward)"), None, None
 
 
 class GatherFromParallel(torch.autograd.Function):
@@ -132,7 +132,7 @@ class GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim):
         ctx.comm, ctx.dim = comm, dim
-        return _all_gather(comm, x, dim, "gather: all-gather")
+        return gather_along(comm, x, dim, "gather: all-gather")
 
     @staticmethod
     def backward(ctx, grad):
@@ -169,7 +169,7 @@ class SplitToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(ctx.comm, grad, ctx.dim, "split: all-gather (backward)"), None, None
+        return gather_along(ctx.comm, grad, ctx.dim, "split: all-gather (backward)"), None, None
 
 
 def copy_to_parallel(x, comm):
@@ -219,6 +219,6 @@ def sum_over_copies(x, comm, slot, n_slots):
 
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_sequence_parallel",
            "scatter_to_sequence_parallel", "split_to_parallel", "gather_from_parallel", "sum_over_copies",
-           "CopyToParallel", "ReduceFromParallel",
+           "gather_along", "CopyToParallel", "ReduceFromParallel",
            "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel",
            "GatherFromParallel", "SumOverCopies"]

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.collectives.comm import Comm
-from course_lib.parallel.comm_ops import (_all_gather, copy_to_parallel, gather_from_parallel,
+from course_lib.parallel.comm_ops import (copy_to_parallel, gather_along, gather_from_parallel,
                                           gather_from_sequence_parallel, reduce_from_parallel,
                                           scatter_to_sequence_parallel, sum_over_copies)
 from course_lib.parallel.mesh import set_reduce_dims
@@ -76,7 +76,7 @@ class SequenceShardInput:
 
     def full(self, shard):
         if self._full is None:
-            self._full = _all_gather(self.comm, shard.detach(), self.dim, "SP g: all-gather again (backward)")
+            self._full = gather_along(self.comm, shard.detach(), self.dim, "SP g: all-gather again (backward)")
         return self._full
 
     def release(self):

@@ -18,7 +18,7 @@ torchtitan's recipe (``parallelize_llama``), in its order:
 
 The loss is summed over this rank's tokens and divided by the GLOBAL token count, so the
 gradient sums over dp ARE the single-device gradients: torch's default average over dp is
-turned off (see :func:`_sum_gradients`).
+turned off (see :func:`sum_gradients`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from course_lib.parallel.tp_plan import torch_parallelize
 from course_lib.schedules import positive_int
 
 
-def _sum_gradients(model):
+def sum_gradients(model):
     """FSDP2 (and ``replicate``) average gradients over dp by default (ReduceOp.AVG, or a
     division). Our loss already divides by the global token count, so we want the plain SUM:
     ``set_gradient_divide_factor(1.0)`` on EVERY FSDP unit (it is not recursive) and
@@ -76,7 +76,7 @@ def torch_parallelize_2d(model, dp, tp, sequence_parallel=False, fsdp=True):
     for block in model.blocks:            # each block its own unit (gathers / reductions overlap), then the root
         wrap(block, mesh=mesh["dp"])
     wrap(model, mesh=mesh["dp"])
-    _sum_gradients(model)
+    sum_gradients(model)
     model.device_mesh = mesh
     return model
 
@@ -104,4 +104,4 @@ def torch_step(model, x, y, mesh=None):
     return float(loss)
 
 
-__all__ = ["torch_parallelize_2d", "torch_step"]
+__all__ = ["torch_parallelize_2d", "torch_step", "sum_gradients"]

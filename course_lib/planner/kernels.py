@@ -47,7 +47,10 @@ class Kernels:
         return max(self.time, self.count * max(hw.kernel_floor, hw.launch_overhead))
 
 
-class _Counter(TorchDispatchMode):
+class KernelCounter(TorchDispatchMode):
+    """Inside the block, every op torch runs is counted as a kernel: ``total`` and ``by_op``
+    (launches, FLOPs, bytes; with ``hw``, its roofline time on that GPU, else 0)."""
+
     def __init__(self, hw, itemsize):
         super().__init__()
         self.model = KernelModel(hw, {2: "bfloat16", 4: "float32"}.get(itemsize, "bfloat16")) if hw is not None else None
@@ -87,9 +90,9 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2) -> dict:
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
             x = torch.zeros(b, s, dtype=torch.long)
-        with _Counter(hw, itemsize) as fwd:
+        with KernelCounter(hw, itemsize) as fwd:
             loss = net(x, x, n_tokens=x.numel())[1]
-        with _Counter(hw, itemsize) as bwd:
+        with KernelCounter(hw, itemsize) as bwd:
             loss.backward()
         return fwd, bwd, len(list(net.parameters()))
     (f1, b1, n1), (f2, b2, n2) = run(1), run(2)
@@ -114,11 +117,11 @@ def _adamw(hw, itemsize) -> Kernels:
     p.grad = torch.zeros(n)
     opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
     opt.step()                                  # the first step creates the state
-    with _Counter(None, itemsize) as c:
+    with KernelCounter(None, itemsize) as c:
         opt.step()
     k, rate = c.total, KernelModel(hw, {2: "bfloat16", 4: "float32"}.get(itemsize, "bfloat16")).bytes_rate[FOREACH]
     return Kernels(k.count, k.flops / n, k.bytes / n, k.bytes / n / rate)
 
 
-__all__ = ["Kernels", "trace_step", "FREE", "CLASSES", "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost",
+__all__ = ["Kernels", "KernelCounter", "trace_step", "FREE", "CLASSES", "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost",
            "foreach_launches"]

@@ -47,7 +47,8 @@ class ModelSpec:
         return replace(self, **changes)
 
 
-def _gpt(name, L, h, a, V=51200, s=2048):
+def gpt_spec(name, L, h, a, V=51200, s=2048):
+    """A GPT-3 / Megatron-shaped model: L layers, hidden h, a heads (GELU MLP 4h, tied embeddings)."""
     # GPT-3 / Megatron shapes (Brown et al. 2020; Narayanan et al. 2021; Korthikanti et al. 2022)
     return ModelSpec(name, L, h, a, a, 4 * h, V, s, mlp="gelu", tied=True, bias=True,
                      norm="layernorm", learned_pos=s)
@@ -55,17 +56,17 @@ def _gpt(name, L, h, a, V=51200, s=2048):
 
 MODELS = {
     # Brown et al. 2020, Table 2.1 (GPT-3's tokenizer has 50257 tokens): 174.6B
-    "gpt3-175b": _gpt("GPT-3 175B", 96, 12288, 96, V=50257),
+    "gpt3-175b": gpt_spec("GPT-3 175B", 96, 12288, 96, V=50257),
     # Llama 3 herd (Dubey et al. 2024, Table 3); trained at sequence 8192
     "llama3-8b": ModelSpec("Llama 3 8B", 32, 4096, 32, 8, 14336, 128256, 8192),
     "llama3-70b": ModelSpec("Llama 3 70B", 80, 8192, 64, 8, 28672, 128256, 8192),
     "llama3-405b": ModelSpec("Llama 3 405B", 126, 16384, 128, 8, 53248, 128256, 8192),
     # the 1T GPT of Narayanan et al. 2021 / Korthikanti et al. 2022 (Table 3)
-    "gpt-1t": _gpt("GPT 1T", 128, 25600, 160),
+    "gpt-1t": gpt_spec("GPT 1T", 128, 25600, 160),
     # Korthikanti et al. 2022, Table 3: the models of its Table 5 (vocabulary 51200, s = 2048)
-    "megatron-22b": _gpt("GPT 22B", 48, 6144, 64),
-    "megatron-175b": _gpt("GPT 175B", 96, 12288, 96),
-    "megatron-530b": _gpt("GPT 530B", 105, 20480, 128),
+    "megatron-22b": gpt_spec("GPT 22B", 48, 6144, 64),
+    "megatron-175b": gpt_spec("GPT 175B", 96, 12288, 96),
+    "megatron-530b": gpt_spec("GPT 530B", 105, 20480, 128),
     # a mixture of experts, for expert parallelism (Jiang et al. 2024): 8 experts, top-2
     "mixtral-8x7b": ModelSpec("Mixtral 8x7B", 32, 4096, 32, 8, 14336, 32000, 4096,
                               n_experts=8, top_k=2),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from course_lib.planner import formulas as F
 from course_lib.planner.estimate import estimate
 from course_lib.planner.layout import Layout
-from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, _gpt
+from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
 
 # Megatron-LM of 2021-22 on A100s: attention not fused (scale-mask-softmax kernel between two
 # batched GEMMs, the s x s scores through HBM; FlashAttention came later, Dao et al. 2022)
@@ -104,7 +104,7 @@ def narayanan_table1(hardware=None, tolerance: float = 0.15) -> list[dict]:
     hw = hardware or MEGATRON_2022
     rows = []
     for billions, a, h, L, tp, pp, gpus, gbs, paper in NARAYANAN_TABLE1:
-        model = _gpt(f"GPT {billions:g}B", L, h, a)
+        model = gpt_spec(f"GPT {billions:g}B", L, h, a)
         layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full")
         est = estimate(model, hw, layout)
         ours = est.hardware_flops / (est.step_time * gpus) / 1e12

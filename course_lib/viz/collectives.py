@@ -170,9 +170,9 @@ def measured_vs_model(measurements, fit, title=None):
 
     measurements: costmodel.Measurement rows (algorithm, n_bytes, world_size, seconds).
     """
-    from course_lib import costmodel
+    from course_lib.costmodel.fit import as_measurement
 
-    ms = [costmodel._as_measurement(m) for m in measurements]
+    ms = [as_measurement(m) for m in measurements]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     groups = sorted({(m.algorithm, m.world_size) for m in ms}, key=lambda g: (g[0], g[1]))
     sizes = sorted({m.n_bytes for m in ms})
