@@ -127,12 +127,14 @@ def test_bucket_cap_fails_the_slowest_size_of_the_sweep_whatever_the_prices(caps
 
 
 # ----------------------------------------------------------------------------- 2. pipeline m, v
+# graded on the virtual clock (issue 33 item 9): each answer's (m, v) runs on 4 ranks, the
+# reference replays one measured step per (layers, v) (cached in this process)
 def m_v_closed_form(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
-    """Written differently: for each v the least m with v m >= 9 (p - 1) (a multiple of p when
+    """Written differently: for each v the least m with v m > 9 (p - 1) (a multiple of p when
     interleaved), kept if rank 0's p + (p - 1)/v micro-batches (p for 1F1B) fit."""
     best = None
     for v in (d for d in range(1, layers // p + 1) if (layers // p) % d == 0):
-        m = math.ceil(9 * (p - 1) / v)
+        m = 9 * (p - 1) // v + 1
         if v > 1:
             m = math.ceil(m / p) * p
         held = min(p, m) if v == 1 else min(p + (p - 1) / v, m)
@@ -148,13 +150,17 @@ def m_v_search(p, layers, act_bytes, weight_bytes, budget_bytes, max_m, held=Non
                 continue
             b = bubble(p, m, v) if bubble else (p - 1) / (v * m + p - 1)
             h = held(p, m, v) if held else (min(p, m) if v == 1 else min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v)
-            if b <= 0.1 + 1e-12 and weight_bytes + h * act_bytes <= budget_bytes:
+            if b < 0.1 and weight_bytes + h * act_bytes <= budget_bytes:
                 return m, v
     return None
 
 
 def narayanan_bubble(*a):             # idle over ideal compute time, (p-1)/m: too many micro-batches
     return m_v_search(*a, bubble=lambda p, m, v: (p - 1) / (v * m))
+
+
+def bubble_shrinks_by_v(*a):          # the whole bubble divided by v: too few micro-batches
+    return m_v_search(*a, bubble=lambda p, m, v: (p - 1) / (v * (m + p - 1)))
 
 
 def interleaving_is_free(*a):         # every schedule holds p micro-batches: over budget
@@ -180,19 +186,45 @@ def library_bubble(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
     return 8, 2
 
 
+def runs_it_on_the_clock(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
+    from course_lib.launch import launch
+    from course_lib.parallel.pipeline_executor import ScheduleRunner
+
+    launch(lambda: ScheduleRunner, p)
+    return 8, 2
+
+
 def test_pipeline_plan_right_answers_pass(capsys):
     for answer in (m_v_search, m_v_closed_form):
         ok, line = graded(capsys, PP.check_pipeline_plan, answer)
         assert ok and line == "pipeline_plan: 7/7 cases passed", line
 
 
+def test_pipeline_plan_reference_is_the_replayed_clock():
+    """The fewest micro-batches come from replaying one measured step per (layers, v); the
+    replay must be the clock's own step: 1F1B with m = 27 on 4 ranks idles 3/30 by the formula,
+    a little more on the clock (its messages are almost free) and as much in the replay."""
+    from course_lib.virtual import VirtualCluster
+
+    measured = PP._measured(4, tuple(sorted({c[1] for c in PP.PIPELINE_CASES})),
+                            VirtualCluster(PP.FREE_H100, gpus_per_node=8).describe())
+    res = PP.launch(PP._rank_steps, 4, [(16, 27, 1)], clock=VirtualCluster(PP.FREE_H100, gpus_per_node=8),
+                    threads=1, quiet=True)
+    clock = PP._bubble([s for rank in res for s in rank[0][0]], 4)
+    replay, peak = PP._replay(4, 16, 27, 1, measured)
+    assert clock == pytest.approx(replay, rel=1e-9) and clock >= 0.1, (clock, replay)
+    assert peak == res[0][0][3] + max(rank[0][1] for rank in res)
+
+
 @pytest.mark.parametrize("answer, hint", [
     (narayanan_bubble, "micro-batches are enough"),
+    (bubble_shrinks_by_v, ">= 10% on the clock"),
     (interleaving_is_free, "interleaving warms up with"),
     (gpipe_memory, "returned None, but"),
     (any_m, "needs m to be a multiple of p"),
     (hard_coded, "micro-batches are enough"),
     (library_bubble, "write this yourself"),
+    (runs_it_on_the_clock, "write this yourself"),
 ])
 def test_pipeline_plan_wrong_answers_fail_with_a_hint(capsys, answer, hint):
     fails_with(capsys, PP.check_pipeline_plan, answer, hint=hint)
