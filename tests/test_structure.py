@@ -42,8 +42,6 @@ ALLOWED = {
     ("course_lib/parallel/pipeline_executor.py", "course_lib.schedules:_dependency"),
     ("course_lib/parallel/schedules.py", "course_lib.schedules:_dependency"),
     # virtual/ (on main) reads the planner's kernel costs
-    ("course_lib/virtual/compute.py", "course_lib.planner.kernel_cost:_FREE_OP"),
-    ("course_lib/virtual/compute.py", "course_lib.planner.kernel_cost:_KINDS"),
     ("course_lib/virtual/compute.py", "course_lib.planner.kernel_cost:_add_bytes"),
     # tests of files other work is reshaping
     ("tests/test_compose_rules.py", "course_lib.parallel.tp_plan:_check"),

@@ -247,3 +247,37 @@ def test_the_fit_follows_the_measurements():
     assert slow["launch_overhead"] == pytest.approx(2 * fit["launch_overhead"])
     for cls in ("gemm", "elementwise", "reduction", "broadcast", "copy"):
         assert slow[cls] == pytest.approx(fit[cls] / 2, rel=1e-6), cls
+
+
+def test_the_dispatch_prices_each_op_as_op_time():
+    """The clock's per-op path (its kind memo by the C++ operator, its seconds memo) gives each
+    op what :func:`compute.op_time` and the host's issue chain give it, to the last bit: a
+    forward and backward of TinyGPT replayed op by op, twice (the second pass on the memos)."""
+    from course_lib.virtual.compute import op_time
+
+    class Replay(TorchDispatchMode):       # on top of the clock's mode: sees each op, then the clock does
+        def __init__(self, clock):
+            super().__init__()
+            self.clock, self.issue, self.priced = clock, clock.cluster.launch_overhead, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seconds = op_time(self.clock.cluster, func, args, kwargs or {}, out)
+            if func is aten._local_scalar_dense.default:
+                self.host = max(self.host, self.t)
+            elif op_cost(func, args, kwargs or {}, out, 2) is not None:
+                self.host += self.issue
+                self.t, self.priced = max(self.t, self.host) + seconds, self.priced + 1
+            assert (self.clock.t, self.clock.host) == (self.t, self.host), func
+            return out
+
+    clock = _clock()
+    net = TinyGPT(_gpt("gpt2"), seed=0)
+    x = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    with clock:
+        for _ in range(2):
+            replay = Replay(clock)
+            replay.t, replay.host = clock.t, clock.host
+            with replay:
+                net(x, x, n_tokens=x.numel())[1].backward()
+            assert replay.priced > 100 and (clock.t, clock.host) == (replay.t, replay.host)

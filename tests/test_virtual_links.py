@@ -230,3 +230,30 @@ def test_the_planners_formula_against_the_clocks_model(op):
         assert planner_time(op, 64 * MiB, N, *H100.link(False)) > clock_time(cluster, op, 64 * MiB, range(N))
     small = 64 << 10
     assert planner_time(op, small, 8, *H100.link(True)) > 2 * clock_time(cluster, op, small, range(8))
+
+
+def _host_around_collectives():
+    comm = Comm(None)
+    clock = trace.clock()
+    a = torch.ones(1024, 1024)
+    out = {}
+    for kind in ("async", "blocking"):
+        x = torch.ones(4)
+        a @ a                                   # 2 GFLOP: the device runs ahead of the host
+        t, host = clock.t, clock.host
+        work = comm.all_reduce(x, async_op=kind == "async")
+        out[kind] = (t, host, clock.host)
+        if work is not None:
+            work.wait()
+    return out
+
+
+def test_a_blocking_collective_reads_its_exchange_on_the_host():
+    """The members' ready times of a blocking collective are read by the host (as a value read,
+    ``.item()``): the host waits for its stream there; an async one's are read when it is
+    priced, off the host's chain (the clock's bookkeeping, muted)."""
+    for out in launch(_host_around_collectives, 2, clock=VirtualCluster("h100-sxm", gpus_per_node=8)):
+        t, host, after = out["async"]
+        assert t > host and after == host
+        t, host, after = out["blocking"]
+        assert t > host and after == t

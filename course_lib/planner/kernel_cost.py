@@ -121,10 +121,39 @@ def _elements(t) -> int:
     """Elements of ``t`` a kernel touches: a broadcast (stride 0) dimension is read once."""
     if t.is_contiguous():                  # the common case: no stride to read
         return t.numel()
+    return _strided_elements(t)
+
+
+def _strided_elements(t) -> int:
     n = 1
     for size, st in zip(t.shape, t.stride()):
         n *= size if st else 1
     return n
+
+
+class _ElementBytes(dict):
+    """dtype -> bytes per element on the modelled GPU: floating tensors at ``itemsize``, others
+    at their own (a memo: one dict lookup per tensor in place of two attribute reads)."""
+
+    def __init__(self, itemsize: int):
+        super().__init__()
+        self.itemsize = itemsize
+
+    def __missing__(self, dtype):
+        size = self[dtype] = self.itemsize if dtype.is_floating_point else dtype.itemsize
+        return size
+
+
+_ELEMENT_BYTES: dict = {}   # modelled itemsize -> its _ElementBytes
+
+
+def element_bytes(itemsize: int) -> _ElementBytes:
+    """The dtype -> bytes-per-element memo of one modelled ``itemsize``."""
+    try:
+        return _ELEMENT_BYTES[itemsize]
+    except KeyError:
+        sizes = _ELEMENT_BYTES[itemsize] = _ElementBytes(itemsize)
+        return sizes
 
 
 def _add_bytes(t, itemsize) -> int:
@@ -162,21 +191,34 @@ def op_cost(func, args, kwargs, out, itemsize: int):
     kind = kernel_kind(func)
     if kind is False:
         return None
+    return kind_cost(kind, func, args, kwargs, out, element_bytes(itemsize))
+
+
+def _list_bytes(v, sizes) -> int:
+    n = 0
+    for t in v:
+        if isinstance(t, _Tensor):
+            n += (t.numel() if t.is_contiguous() else _strided_elements(t)) * sizes[t.dtype]
+    return n
+
+
+def kind_cost(kind, func, args, kwargs, out, sizes):
+    """:func:`op_cost` of an op whose :func:`kernel_kind` is ``kind`` (not free), ``sizes`` its
+    modelled bytes per element (:func:`element_bytes`): the virtual clock's per-op path, which
+    looks the kind up once by the op's C++ operator."""
     nbytes = most = 0
     least = None                                       # the smallest input that is not a scalar
     lists = None
     for v in args:
         if isinstance(v, _Tensor):
-            n = _elements(v)
-            nbytes += n * (itemsize if v.dtype.is_floating_point else v.dtype.itemsize)
+            n = v.numel() if v.is_contiguous() else _strided_elements(v)
+            nbytes += n * sizes[v.dtype]
             if n > most:
                 most = n
-            if v.dim() and (least is None or n < least):
+            if (least is None or n < least) and v.dim():
                 least = n
         elif isinstance(v, (list, tuple)):             # foreach ops: one level of lists
-            for t in v:
-                if isinstance(t, _Tensor):
-                    nbytes += _add_bytes(t, itemsize)
+            nbytes += _list_bytes(v, sizes)
             if v and isinstance(v[0], _Tensor):
                 lists = (lists or 0) + 1
     if kwargs:
@@ -184,34 +226,29 @@ def op_cost(func, args, kwargs, out, itemsize: int):
             if k == "out":                             # counted once, as the result
                 continue
             if isinstance(v, _Tensor):
-                nbytes += _add_bytes(v, itemsize)
+                nbytes += (v.numel() if v.is_contiguous() else _strided_elements(v)) * sizes[v.dtype]
             elif isinstance(v, (list, tuple)):
-                for t in v:
-                    if isinstance(t, _Tensor):
-                        nbytes += _add_bytes(t, itemsize)
+                nbytes += _list_bytes(v, sizes)
     cls, detail, flops = kind.cls, None, 0
     if isinstance(out, _Tensor):
-        n = _elements(out)
-        nbytes += n * (itemsize if out.dtype.is_floating_point else out.dtype.itemsize)
+        n = out.numel() if out.is_contiguous() else _strided_elements(out)
+        nbytes += n * sizes[out.dtype]
         if cls is ELEMENTWISE:
             flops = n                                  # one FLOP per element (memory bound)
             if least is not None and least < n:
                 cls = BROADCAST                        # an input smaller than the output: read again per row
     elif isinstance(out, (list, tuple)):
-        for t in out:
-            if isinstance(t, _Tensor):
-                nbytes += _add_bytes(t, itemsize)
+        nbytes += _list_bytes(out, sizes)
         if cls is FOREACH:
             lists = (lists or 0) + 1
     elif out is None and kind.writes:                  # in place, returns nothing (foreach): the writes
         for i in kind.writes:
             v = args[i] if i < len(args) else None
             if isinstance(v, (list, tuple)):
-                nbytes += sum(_add_bytes(t, itemsize) for t in v if isinstance(t, _Tensor))
+                nbytes += _list_bytes(v, sizes)
     if kind.embedding:                                 # the rows read, not the table
         weight, indices = args[0], args[1]
-        nbytes -= _add_bytes(weight, itemsize) - indices.numel() * weight.shape[-1] * (
-            itemsize if weight.dtype.is_floating_point else weight.dtype.itemsize)
+        nbytes -= (_elements(weight) - indices.numel() * weight.shape[-1]) * sizes[weight.dtype]
     if kind.formula is not None:
         flops, detail = _flops(func, kind.formula, args, kwargs, out)
     elif cls is REDUCTION:
@@ -306,4 +343,4 @@ class KernelModel:
 
 
 __all__ = ["FREE", "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
-           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "foreach_launches"]
+           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches"]

@@ -99,8 +99,17 @@ class RankClock:
                 exchange = self._exchange(comm, ready, nbytes)
             with self.muted():
                 exchange[0].wait()
-            start, nbytes = float(exchange[1][0]), float(exchange[1][1])
+                start, nbytes = exchange[1].tolist()
+            self._host_reads()
         return start, self._priced(comm, op, nbytes, start)
+
+    def _host_reads(self) -> None:
+        """The host read the members' ready times (a blocking collective's): like any read of a
+        tensor's value on the compute stream's watch (``.item()``, :mod:`.compute`), it waits for
+        the stream (unless muted, in an optimizer step, or outside the stream's mode)."""
+        mode = self._mode
+        if not (mode._switched or self.muted_depth) and any(_stack_at(i) is mode for i in range(_stack_len())):
+            self.host = max(self.host, self.t)
 
     def issue(self, comm, op: str, payload: int, ref, name: str) -> "Pending":
         """An async collective whose real work runs beside the program (as on the wall clock):
@@ -130,7 +139,7 @@ class RankClock:
             if p.exchange is not None:
                 with self.muted():
                     p.exchange[0].wait()
-                    start, nbytes = float(p.exchange[1][0]), float(p.exchange[1][1])
+                    start, nbytes = p.exchange[1].tolist()
             if p.comm.size > 1:
                 for lane, seconds in self._occupancy(p.comm, p.op, p.nbytes):
                     self.lanes[lane].release(p.ready, seconds)
@@ -151,9 +160,9 @@ class RankClock:
     def _bytes(self, payload: int, ref) -> int:
         return payload // ref.element_size() * self.cluster.itemsize(ref) if ref is not None else 0
 
-    def _group(self, comm):
-        """(the group's communication stream key, number of nodes it spans, most ranks on one
-        node), remembered per Comm and node map (a grader moves ranks between nodes from one
+    def _group(self, comm) -> "_Group":
+        """The group's communication stream key, number of nodes it spans and most ranks on one
+        node, remembered per Comm and node map (a grader moves ranks between nodes from one
         step to the next by giving the cluster another map)."""
         key = (comm, id(getattr(self.cluster, "nodes", None)))
         found = self._groups.get(key)
@@ -161,27 +170,40 @@ class RankClock:
             nodes = defaultdict(int)
             for r in comm.ranks:
                 nodes[self.cluster.node(r)] += 1
-            found = self._groups[key] = (("group", comm.group), len(nodes), max(nodes.values()))
+            found = self._groups[key] = _Group(("group", comm.group), len(nodes), max(nodes.values()))
+        return found
+
+    def _price(self, comm, op: str, nbytes: float) -> tuple:
+        """(NCCL's seconds for collective ``op`` of ``nbytes`` on ``comm``, ((lane, seconds) this
+        member's lanes are busy with it, ...)), memoised per group (a step repeats its sizes)."""
+        group = self._group(comm)
+        found = group.prices.get((op, nbytes))
+        if found is None:
+            hw, n_nodes, local = self.cluster.hw, group.n_nodes, group.local
+            if comm.size <= 1:
+                found = (0.0, ())
+            elif op == "all_to_all_single":
+                cost, nv, net = links.all_to_all_time(hw, nbytes, comm.size, local, n_nodes)
+                found = (cost, _both_ways((("nvlink", nv), ("net", net))))
+            else:
+                kind = "nvlink" if n_nodes == 1 else "net"
+                cost = links.nccl_collective(hw, NCCL_OPS[op], nbytes, comm.size, n_nodes)[0]
+                seconds = links.lane_bytes(NCCL_OPS[op], nbytes, comm.size) / links.bus_bandwidth(hw, kind)
+                found = (cost, _both_ways(((kind, seconds),)))
+            if len(group.prices) > 4096:
+                group.prices.clear()
+            group.prices[op, nbytes] = found
         return found
 
     def _occupancy(self, comm, op: str, nbytes: float):
-        """[(lane, seconds)] this member's lanes are busy with collective ``op`` of ``nbytes``."""
-        _, n_nodes, local = self._group(comm)
-        hw = self.cluster.hw
-        if op == "all_to_all_single":
-            _, nv, net = links.all_to_all_time(hw, nbytes, comm.size, local, n_nodes)
-            lanes = [("nvlink", nv), ("net", net)]
-        else:
-            kind = "nvlink" if n_nodes == 1 else "net"
-            lanes = [(kind, links.lane_bytes(NCCL_OPS[op], nbytes, comm.size) / links.bus_bandwidth(hw, kind))]
-        return [((k, d), s) for k, s in lanes if s > 0 for d in ("send", "recv")]
+        """((lane, seconds), ...) this member's lanes are busy with collective ``op`` of ``nbytes``."""
+        return self._price(comm, op, nbytes)[1]
 
     def _ready(self, comm, op: str, nbytes: float) -> float:
         """When this member could start ``op``: its compute stream issued it, the group's stream
         is idle, and its lanes have room for the collective's bytes."""
-        key = self._group(comm)[0]
-        ready = max(self.t, self.streams[key])
-        occupancy = self._occupancy(comm, op, nbytes) if comm.size > 1 else []
+        ready = max(self.t, self.streams[self._group(comm).stream])
+        occupancy = self._occupancy(comm, op, nbytes)
         for _ in range(len(occupancy) + 1):      # a gap in every lane at once
             moved = ready
             for lane, seconds in occupancy:
@@ -193,27 +215,24 @@ class RankClock:
 
     def _exchange(self, comm, ready: float, nbytes: float):
         """The members' latest ready time and largest payload: a MAX all-reduce of two float64
-        (not counted in bytes)."""
+        (not counted in bytes), issued on the group's backend itself (torch's ``all_reduce``
+        adds only its argument checks)."""
         with self.muted():
             issued = torch.tensor([ready, float(nbytes)], dtype=torch.float64, device=comm.backend_device)
-            work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp, opts.asyncOp = dist.ReduceOp.MAX, True
+            group = comm.group if comm.group is not None else dist.group.WORLD
+            work = group.allreduce([issued], opts)
         return work, issued
 
     def _priced(self, comm, op: str, nbytes: float, start: float) -> float:
         """The end of collective ``op`` started at ``start``: NCCL's time for it on the group's
         links; the group's stream and this member's lanes are busy meanwhile."""
-        key, n_nodes, local = self._group(comm)
-        hw = self.cluster.hw
-        if comm.size <= 1:
-            cost = 0.0
-        elif op == "all_to_all_single":
-            cost = links.all_to_all_time(hw, nbytes, comm.size, local, n_nodes)[0]
-        else:
-            cost = links.nccl_collective(hw, NCCL_OPS[op], nbytes, comm.size, n_nodes)[0]
-        if comm.size > 1:
-            for lane, seconds in self._occupancy(comm, op, nbytes):
-                self.lanes[lane].reserve(start, seconds)
+        cost, occupancy = self._price(comm, op, nbytes)
+        for lane, seconds in occupancy:
+            self.lanes[lane].reserve(start, seconds)
         end = start + cost
+        key = self._group(comm).stream
         self.streams[key] = max(self.streams[key], end)
         return end
 
@@ -285,6 +304,20 @@ class _Muted:
 
 _stack_len, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 _stack_pop, _stack_push = torch._C._pop_torch_dispatch_stack, torch._C._push_on_torch_dispatch_stack
+
+
+def _both_ways(lanes) -> tuple:
+    """((lane, direction), seconds) for the send and receive lane of each busy link."""
+    return tuple(((k, d), s) for k, s in lanes if s > 0 for d in ("send", "recv"))
+
+
+class _Group:
+    """What the clock remembers of one communicator (under one node map)."""
+    __slots__ = ("stream", "n_nodes", "local", "prices")
+
+    def __init__(self, stream, n_nodes: int, local: int):
+        self.stream, self.n_nodes, self.local = stream, n_nodes, local   # stream key; nodes; most on one
+        self.prices = {}        # (op, bytes) -> (seconds, lanes' occupancy): RankClock._price's memo
 
 
 class Pending:

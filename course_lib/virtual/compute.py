@@ -32,7 +32,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.planner.kernel_cost import _FREE_OP, _KINDS, FREE, _add_bytes, kernel_kind, op_cost  # the planner's
+from course_lib.planner.kernel_cost import (FREE, _add_bytes, element_bytes, kernel_kind, kind_cost,  # the planner's
+                                            op_cost)
 
 
 def tensor_bytes(cluster, tensors) -> int:
@@ -54,7 +55,9 @@ def op_time(cluster, func, args, kwargs, out) -> float:
 
 
 _READ = torch.ops.aten._local_scalar_dense.default    # the host reads a value: it waits for the device
-kernel_kind(_READ)                                    # (memoized as free: the dispatch's fast path sees it)
+_HOST_READ = object()                                 # the memo's mark of _READ
+_KIND_OF: dict = {}   # an OpOverload's C++ operator -> its kernel_kind (or _HOST_READ): a memo whose
+#                       lookup hashes natively (an OpOverload's own __hash__ is a Python call)
 # optimizers whose foreach path is the per-tensor path's arithmetic, op for op, on the CPU
 _FOREACH_SAME = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -85,8 +88,10 @@ class ComputeStream(TorchDispatchMode):
     def __init__(self, clock):
         super().__init__()
         self.clock, self.itemsize = clock, clock.cluster.dtype.itemsize
+        self.sizes = element_bytes(self.itemsize)       # dtype -> bytes per element on the virtual GPU
         self.model = clock.cluster.kernels
         self.issue = clock.cluster.launch_overhead
+        self._seconds = {}                 # (FLOPs, bytes, class, detail) -> the model's seconds: a memo
         if not hasattr(clock, "host"):
             clock.host = 0.0               # the host: when it issued its last op
         self._hooks, self._switched = None, []
@@ -125,20 +130,28 @@ class ComputeStream(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = getattr(func, "_op", func)     # an OpOverload's C++ operator: one Python frame less per op
         out = op(*args, **kwargs) if kwargs else op(*args)
-        if _KINDS.get(func) is _FREE_OP:    # a view or metadata (most ops seen before): free
-            if func is _READ and not self._switched and not self.clock.muted_depth:
-                clock = self.clock
-                clock.host = max(clock.host, clock.t)   # .item(): the host waits for the stream
+        kind = _KIND_OF.get(op)
+        if kind is None:
+            kind = _KIND_OF[op] = _HOST_READ if func is _READ else kernel_kind(func)
+        if kind is False:                   # a view or metadata: free
             return out
         clock = self.clock
+        if kind is _HOST_READ:
+            if not self._switched and not clock.muted_depth:
+                clock.host = max(clock.host, clock.t)   # .item(): the host waits for the stream
+            return out
         if not clock.muted_depth:           # op_time, inlined: one call less per op
-            cost = op_cost(func, args, kwargs, out, self.itemsize)
-            if cost is not None:
-                host = clock.host + self.issue          # the host issues it...
-                t = clock.t
-                clock.t = (t if t > host else host) + self.model.seconds(*cost)   # ...the device runs it
-                clock.host = host
-                clock.kernels += 1
+            cost = kind_cost(kind, func, args, kwargs, out, self.sizes)
+            seconds = self._seconds.get(cost)
+            if seconds is None:             # (a step repeats its kernels: each priced once)
+                if len(self._seconds) > 65536:
+                    self._seconds.clear()
+                seconds = self._seconds[cost] = self.model.seconds(*cost)
+            host = clock.host + self.issue          # the host issues it...
+            t = clock.t
+            clock.t = (t if t > host else host) + seconds   # ...the device runs it
+            clock.host = host
+            clock.kernels += 1
         return out
 
 
