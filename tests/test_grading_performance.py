@@ -206,12 +206,13 @@ def test_pipeline_plan_reference_is_the_replayed_clock():
     a little more on the clock (its messages are almost free) and as much in the replay."""
     from course_lib.virtual import VirtualCluster
 
-    measured = PP._measured(4, tuple(sorted({c[1] for c in PP.PIPELINE_CASES})),
+    measured = PP._measured(PP.P, tuple(sorted({c[0] for c in PP.PIPELINE_CASES})),
                             VirtualCluster(PP.FREE_H100, gpus_per_node=8).describe())
-    res = PP.launch(PP._rank_steps, 4, [(16, 27, 1)], clock=VirtualCluster(PP.FREE_H100, gpus_per_node=8),
+    m = 9 * (PP.P - 1)                  # (p-1)/(m+p-1) = 1/10 exactly
+    res = PP.launch(PP._rank_steps, PP.P, [(16, m, 1)], clock=VirtualCluster(PP.FREE_H100, gpus_per_node=8),
                     threads=1, quiet=True)
-    clock = PP._bubble([s for rank in res for s in rank[0][0]], 4)
-    replay, peak = PP._replay(4, 16, 27, 1, measured)
+    clock = PP._bubble([s for rank in res for s in rank[0][0]], PP.P)
+    replay, peak = PP._replay(PP.P, 16, m, 1, measured)
     assert clock == pytest.approx(replay, rel=1e-9) and clock >= 0.1, (clock, replay)
     assert peak == res[0][0][3] + max(rank[0][1] for rank in res)
 
