@@ -10,8 +10,9 @@ Each rank times its own work with ``time.perf_counter`` (process start and group
 excluded, the same for both clocks); a run's time is its slowest rank's. With more ranks
 than cores, and other processes on them, wall time swings with the load: the CPU seconds the
 ranks spent (``time.process_time``, summed over ranks) are printed beside it. Prints the
-medians and their ratios, and the aten ops the ranks ran (a counting pass, not timed): the
-clock's cost per op.
+medians, the medians of each repeat's ratios (a repeat's three runs follow each other, in
+turn forwards and backwards, so a change in the load between repeats cancels), and the aten ops the ranks ran (a counting pass,
+not timed): the clock's cost per op.
 
 What the virtual clock adds per rank: a Python ``__torch_dispatch__`` call per aten op
 outside communication (pricing: a FLOP formula, the bytes of its tensors; a communication
@@ -159,6 +160,11 @@ def per_op_floor(repeats=15, n_linear=8, h=256, b=32):
     return ops, {k: statistics.median(v) for k, v in times.items()}
 
 
+def _paired(runs, base):
+    """(wall, CPU) ratios of ``runs`` over ``base``: the median over repeats of each repeat's own."""
+    return tuple(statistics.median(r[i] / b[i] for r, b in zip(runs, base)) for i in (0, 1))
+
+
 PROGRAMS = {"ddp": ("DDP, 3 TinyGPT steps", ddp_steps), "1f1b": ("1F1B pipeline, one step", pipeline_step),
             "nd": ("chapter 9's DP x TP, 2 steps", nd_steps)}
 
@@ -181,20 +187,20 @@ def main(argv=None):
     for name, fn in (PROGRAMS[p] for p in chosen):
         times = {"wall": [], "call-only": [], "virtual": []}
         ops = sum(launch(count_ops, args.world_size, fn, quiet=True))   # (also warms the forkserver and imports)
-        for _ in range(args.repeats):
-            for kind, clock, region in (("wall", None, ()), ("call-only", None, (CallOnly,)),
-                                        ("virtual", cluster, ())):
+        runs = (("wall", None, ()), ("call-only", None, (CallOnly,)), ("virtual", cluster, ()))
+        for i in range(args.repeats):
+            for kind, clock, region in runs if i % 2 == 0 else runs[::-1]:   # (no clock always last)
                 res = launch(fn, args.world_size, *region, clock=clock, quiet=True)
                 times[kind].append((max(w for w, _ in res), sum(c for _, c in res)))
         (w_wall, w_cpu), (f_wall, f_cpu), (v_wall, v_cpu) = (
             [statistics.median(x[i] for x in times[k]) for i in (0, 1)] for k in times)
-        ratios[name] = (v_wall / w_wall, v_cpu / w_cpu)
-        over_floor[name] = (v_wall / f_wall, v_cpu / f_cpu)
+        ratios[name] = vw, vc = _paired(times["virtual"], times["wall"])
+        fw, fc = _paired(times["call-only"], times["wall"])
+        over_floor[name] = ow, oc = _paired(times["virtual"], times["call-only"])
         print(f"{name}:\n  wall clock run {w_wall:6.3f} s ({w_cpu:6.3f} CPU s)   virtual clock run {v_wall:6.3f} s "
-              f"({v_cpu:6.3f} CPU s)   ratio {v_wall / w_wall:4.2f}x ({v_cpu / w_cpu:4.2f}x CPU)\n"
+              f"({v_cpu:6.3f} CPU s)   ratio {vw:4.2f}x ({vc:4.2f}x CPU)\n"
               f"  the floor, a call-only mode on the wall clock: {f_wall:6.3f} s ({f_cpu:6.3f} CPU s)   "
-              f"ratio {f_wall / w_wall:4.2f}x ({f_cpu / w_cpu:4.2f}x CPU); the clock over it "
-              f"{v_wall / f_wall:4.2f}x ({v_cpu / f_cpu:4.2f}x CPU)\n"
+              f"ratio {fw:4.2f}x ({fc:4.2f}x CPU); the clock over it {ow:4.2f}x ({oc:4.2f}x CPU)\n"
               f"  {ops} aten ops over the ranks: {w_cpu / ops * 1e6:5.1f} us of CPU per op on the wall clock, "
               f"+{(v_cpu - w_cpu) / ops * 1e6:4.1f} us on the virtual clock")
     threads = torch.get_num_threads()

@@ -277,9 +277,10 @@ def _gemm_shape(func, args):
 
 
 def _flops(func, formula, args, kwargs, out):
-    key = (func, *[tuple(a.shape) if isinstance(a, _Tensor) else
-                   (tuple(x.shape if isinstance(x, _Tensor) else x for x in a) if isinstance(a, list) else a)
-                   for a in args])
+    # keyed by the op's C++ operator (an OpOverload hashes in Python) and torch.Size (a tuple)
+    key = (getattr(func, "_op", func), *[a.shape if isinstance(a, _Tensor) else
+                                         (tuple(x.shape if isinstance(x, _Tensor) else x for x in a)
+                                          if isinstance(a, list) else a) for a in args])
     if kwargs:
         key += tuple(kwargs.items())
     try:
