@@ -17,14 +17,14 @@ from grading_answers import fails_with, graded
 # graded on hidden cases against the fastest step of a sweep run on the clock at grading time
 # (issue 33 item 9): the sweep runs once per case in this process (cached), each answer once.
 def _buckets(grads, cap_bytes):
-    """DDP's bucketing of ``grads`` in ready order: [(numel, ready time of its last gradient)]
-    (the cap counts the CPU run's fp32 buffers, 4 bytes an element)."""
+    """DDP's bucketing of ``grads`` (given in its order): [(numel, when its last gradient is
+    ready)] (the cap counts the CPU run's fp32 buffers, 4 bytes an element)."""
     out, numel, nbytes, ready = [], 0, 0, 0.0
     for _, n, t in grads:
         if nbytes and nbytes + 4 * n > cap_bytes:
             out.append((numel, ready))
-            numel = nbytes = 0
-        numel, nbytes, ready = numel + n, nbytes + 4 * n, t
+            numel, nbytes, ready = 0, 0, 0.0
+        numel, nbytes, ready = numel + n, nbytes + 4 * n, max(ready, t)
     return out + [(numel, ready)]
 
 
@@ -55,7 +55,7 @@ def bucket_cap_alpha_beta(grads, backward_s, world_size, cluster):
 
 
 def tuned_on_a_visible_case(grads, backward_s, world_size, cluster):
-    return 32.0                                 # the solution's answer on visible case 1
+    return 6.73                                 # the solution's answer on visible case 1
 
 
 def issue_constant(grads, backward_s, world_size, cluster):
