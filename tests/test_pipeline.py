@@ -1,4 +1,4 @@
-"""course_lib/parallel/pipeline.py (+ schedules.py, pipeline_executor.py): every schedule equal
+"""course_lib/parallel/pipeline/ (+ course_lib/schedules.py): every schedule equal
 to one device (losses, gradients through the parameters, parameters) over 5 steps, p = 2, 3, 4,
 m = 1..8 (m < p too), tied embeddings, DP around PP, and torch.distributed.pipelining.
 Few launches, each running many configurations."""
@@ -10,12 +10,11 @@ import torch.nn.functional as F
 import course_lib
 from course_lib import reference, tolerance
 from course_lib.models import GPTConfig, TinyGPT
-from course_lib.parallel import schedules as S
+from course_lib import schedules as S
 from course_lib.parallel.mesh import Mesh
 from course_lib.collectives.comm import Comm
 from course_lib.launch import RankError
-from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, partition_layers
-from course_lib.parallel.pipeline_executor import measured_costs, run_schedule
+from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, measured_costs, partition_layers, run_schedule
 
 STEPS = 5
 

@@ -16,7 +16,7 @@ __all__ = ["check_pipeline_plan"]
 
 # ----------------------------------------------------------------------------- 2. pipeline m, v
 # what would answer the pipeline question: the schedules, their simulation and the planner
-PIPELINE_LIBRARY = ("course_lib.schedules:*", "course_lib.parallel.schedules:*", "course_lib.planner.formulas:*",
+PIPELINE_LIBRARY = ("course_lib.schedules:*", "course_lib.planner.formulas:*",
                     "course_lib.planner.simulator:*", "course_lib.planner.search:*",
                     "course_lib.grading.pipeline_plan:_*")
 BUBBLE = 0.10
