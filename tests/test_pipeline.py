@@ -234,6 +234,24 @@ def test_validator_names_the_first_bad_action():
             S.validate(sched, 2, m)
 
 
+def test_a_validated_schedule_is_checked_once(monkeypatch):
+    """What validate returns, validated again for the same (p, m, v) and unchanged, is returned as
+    is (no second simulation); changed, or for another (p, m, v), it is checked again."""
+    calls = []
+    simulate = S.simulate
+    monkeypatch.setattr(S, "simulate", lambda *a, **k: calls.append(a) or simulate(*a, **k))
+    checked = S.validate(S.one_f_one_b(2, 2), 2, 2)
+    assert len(calls) == 1 and checked == S.one_f_one_b(2, 2)
+    assert S.validate(checked, 2, 2) is checked and S.simulate(checked, 2) and len(calls) == 2   # no new check
+    with pytest.raises(ValueError, match="micro-batch 1 is outside"):
+        S.validate(checked, 2, 1)
+    checked[0][0], checked[0][1] = checked[0][1], checked[0][0]           # F1 before F0: still valid
+    assert S.validate(checked, 2, 2) is not checked and len(calls) == 3
+    checked[1].reverse()                                                  # B before F
+    with pytest.raises(ValueError, match="comes before its F"):
+        S.validate(checked, 2, 2)
+
+
 def _mlp(seed, layers=2, h=8):
     torch.manual_seed(seed)
     return torch.nn.Sequential(*[mod for _ in range(layers) for mod in (torch.nn.Linear(h, h), torch.nn.ReLU())])
