@@ -384,5 +384,5 @@ def format_schedule(schedule, width: int = 0) -> str:
 
 
 __all__ = ["Action", "OPS", "SCHEDULES", "schedule_order", "bubble_fraction", "positive_int", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
-           "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "dependency", "ValidSchedule", "validate", "simulate", "bubble", "formula_bubble",
-           "in_flight", "format_schedule"]
+           "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
+           "in_flight", "format_schedule", "dependency", "ValidSchedule"]

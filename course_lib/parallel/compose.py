@@ -40,8 +40,8 @@ def parallelize_nd(model, mesh, *, microbatches=1, schedule="1f1b", v=1, sequenc
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"parallelize_nd cuts a course_lib TinyGPT, got {type(model).__name__}")
     recompute = model.config.recompute if recompute is None else recompute
-    if not isinstance(schedule, str):       # an action list: checked once, here (check_layout, the runner take it as is)
-        schedule = validate(schedule, mesh.sizes["pp"], microbatches, v)
+    if not isinstance(schedule, str):       # an action list: checked once, here (check_layout, the runner:
+        schedule = validate(schedule, mesh.sizes["pp"], microbatches, v)     # the checked lists, as they are)
     check_layout(model.config, **mesh.sizes, ep=mesh.ep, microbatches=microbatches, schedule=schedule, v=v,
                  sequence_parallel=sequence_parallel, cp_method=cp_method, cp_layout=cp_layout, data=data,
                  recompute=recompute, precision=precision)

@@ -1,4 +1,4 @@
-"""Chapter 6's pipeline parallelism: the layers cut into stages, one (or v) per rank, micro-batches in flight.
+"""Chapter 6's pipeline parallelism: the layers in stages, one (or v) per rank, micro-batches in flight.
 
     pipe = PipelineParallel(TinyGPT(cfg, seed=0), Mesh(dp=2, pp=2), schedule="1f1b", microbatches=4)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
@@ -61,7 +61,7 @@ class PipelineParallel(PipelineRuntime):
     """
 
     def __init__(self, model, mesh, schedule="1f1b", microbatches: int = 4, v: int = 1):
-        schedule = check_chunks(v, schedule)                   # a name: the course's spelling
+        schedule = check_chunks(v, schedule)                    # a name: the course's spelling
         positive_int("microbatches", microbatches)
         partition_layers(len(model.blocks), mesh.sizes["pp"] * v)   # more stages than layers: ValueError
         stages = split_stages(model, mesh, v)                   # tied on one rank: one parameter

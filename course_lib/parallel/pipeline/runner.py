@@ -113,8 +113,9 @@ class _SavedBytes:
 
 class ScheduleRunner:
     """This rank's actions of a pipeline schedule (one list of (op, stage, mb) per pp rank,
-    validated once, here, on every rank: a bad one is a ValueError, never a hang), run on its
-    ``stages`` {stage: module} over ``comm`` (the "pp" group); :meth:`step` runs one step.
+    validated here, on every rank, unless ``validate`` returned it: a bad one is a ValueError,
+    never a hang), run on its ``stages`` {stage: module} over ``comm`` (the "pp" group);
+    :meth:`step` runs one step.
 
     act_shape, act_dtype: of every tensor handed between stages (one micro-batch's activation,
     and its gradient); a tensor that differs is a ValueError raised by the sending rank before

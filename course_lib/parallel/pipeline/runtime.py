@@ -61,7 +61,8 @@ class PipelineRuntime:
     """This pp rank's ``stages`` {virtual stage: GPTStage} trained by a schedule on ``mesh``.
 
     schedule: a name ("gpipe", "1f1b", "interleaved" with ``v``, "zb-h1"; torch's spellings too)
-        or an action list per pp rank, validated once, here.
+        or an action list per pp rank, validated once, by the runner (one ``validate`` returned
+        already, as ``parallelize_nd`` passes it, is taken as is).
     modules: {stage: what the schedule runs}: the stage, or a wrapper that sums its own gradients
         (FSDP, DDP: ``finish_gradient_synchronization()`` after the schedule); default the stages.
     grad_sync: a GradSync over the parameters that need a sum after the schedule, or None.
