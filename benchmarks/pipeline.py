@@ -25,7 +25,7 @@ last backward, over all ranks) outside the rank's F, B and W; reported: the medi
 of the mean over ranks and the fastest step's (the one least disturbed by the machine's other
 work), next to the formula at (F, B, W) = (1, 2, 1) and at the measured times, the trace
 replayed on the schedule with free messages, the same replay with the costs measured between actions
-(``pipeline_executor.measured_costs``: per-action overhead and message latency), and the
+(``pipeline.runner.measured_costs``: per-action overhead and message latency), and the
 planner's simulator with those costs as its per-message time.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def bubble_rank(hidden, rows, m, rounds, jobs, layers=2):
     from course_lib import trace
     from course_lib import schedules as S
     from course_lib.collectives.comm import Comm
-    from course_lib.parallel.pipeline_executor import ScheduleRunner
+    from course_lib.parallel.pipeline import ScheduleRunner
 
     p, me = dist.get_world_size(), dist.get_rank()
     comm = Comm(None, dim="pp")
@@ -140,7 +140,7 @@ def bubble_main(args):
     import statistics
 
     from course_lib import schedules as S
-    from course_lib.parallel.pipeline_executor import measured_costs
+    from course_lib.parallel.pipeline import measured_costs
 
     jobs = tuple((name, v) for name, v in SCHEDULES if name in args.schedules)
     m = args.microbatches

@@ -73,8 +73,8 @@ def pipeline_step(region=contextlib.nullcontext, m=8, n_linear=8, h=256, b=32):
     import torch.nn as nn
 
     from course_lib.collectives.comm import Comm
-    from course_lib.parallel import schedules as S
-    from course_lib.parallel.pipeline_executor import run_schedule
+    from course_lib import schedules as S
+    from course_lib.parallel.pipeline import run_schedule
     comm = Comm(None, dim="pp")
     p = comm.size
     torch.manual_seed(comm.rank)

@@ -130,7 +130,7 @@ def zero_bubble_h1(p: int, m: int):
             if pc[r] == len(base[r]):
                 continue
             a = base[r][pc[r]]
-            dep = _dependency(a, p, 1)
+            dep = dependency(a, p, 1)
             ready = 0 if dep is None else done.get(dep)
             allowed = a.op != "F" or live[r] < p
             if ready is not None and ready <= clock[r] and allowed:
@@ -189,7 +189,7 @@ def make_schedule(name: str, p: int, m: int, v: int = 1):
     return zero_bubble_h1(p, m)
 
 
-def _dependency(a: Action, p: int, v: int):
+def dependency(a: Action, p: int, v: int):
     """The remote action whose message ``a`` receives first (None: nothing to receive)."""
     if a.op == "F" and a.stage > 0:
         return Action("F", a.stage - 1, a.mb)
@@ -226,6 +226,18 @@ def _normalise(schedule, p, m, v):
     return out
 
 
+class ValidSchedule(list):
+    """What :func:`validate` returns: the lists of :class:`Action`, checked for (p, m, v)."""
+
+    def __init__(self, rows, p, m, v):
+        super().__init__(rows)
+        self.checked = (p, m, v), tuple(map(tuple, rows))
+
+    def checked_for(self, p, m, v) -> bool:
+        """Checked for (p, m, v), and not changed since."""
+        return self.checked == ((p, m, v), tuple(map(tuple, self)))
+
+
 def validate(schedule, p: int, m: int, v: int = 1):
     """Check a schedule before anything runs; return it as lists of :class:`Action`.
 
@@ -233,7 +245,11 @@ def validate(schedule, p: int, m: int, v: int = 1):
     B before W; every receive has its send (they are implied by the data flow); and the
     ranks, each running its list in order with blocking receives, all finish (a simulation
     of the point-to-point dependency graph). Raises ValueError naming the first bad action.
+    What it returns is checked once: validated again for the same (p, m, v), unchanged, it
+    is returned as is (``check_layout`` checks a list before any rank starts, the ranks run it).
     """
+    if isinstance(schedule, ValidSchedule) and schedule.checked_for(p, m, v):
+        return schedule
     sched = _normalise(schedule, p, m, v)
     for r, actions in enumerate(sched):
         seen = {}
@@ -250,13 +266,13 @@ def validate(schedule, p: int, m: int, v: int = 1):
                 for op in ("F", "B"):
                     if Action(op, s, mb) not in seen:
                         raise ValueError(f"rank {r}: {op} of stage {s}, micro-batch {mb} is missing")
-    simulate(sched, p, v, _validated=True)
+    sched = ValidSchedule(sched, p, m, v)
+    simulate(sched, p, v)
     return sched
 
 
 def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0,
-             t_comm: float = 0.0, durations: dict | None = None, t_overhead: float = 0.0,
-             _validated: bool = False) -> list[Span]:
+             t_comm: float = 0.0, durations: dict | None = None, t_overhead: float = 0.0) -> list[Span]:
     """Run the action lists on a virtual clock: F takes t_f, a full backward t_b, a split
     one t_b - t_w (its W t_w), a message t_comm (from the end of the sender's action to the
     start of the receiver's), and every action costs its rank t_overhead more after it
@@ -265,9 +281,7 @@ def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t
     trace replayed; with t_comm = t_overhead = 0, on free messages).
     Returns compute Spans (name "F3@1"...) and ``idle`` spans, rank by rank. Raises
     ValueError when the ranks deadlock."""
-    if not _validated:
-        m = 1 + max((a[2] for row in schedule for a in row), default=0)
-        schedule = validate(schedule, p, m, v)
+    schedule = validate(schedule, p, 1 + max((a[2] for row in schedule for a in row), default=0), v)
     split = {(a.stage, a.mb) for row in schedule for a in row if a.op == "W"}
     pc, clock, done, spans = [0] * p, [0.0] * p, {}, []
     while True:
@@ -275,7 +289,7 @@ def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t
         for r in range(p):
             while pc[r] < len(schedule[r]):
                 a = schedule[r][pc[r]]
-                dep = _dependency(a, p, v)
+                dep = dependency(a, p, v)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[r], done[dep] + t_comm if dep is not None else 0.0)
@@ -295,7 +309,7 @@ def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t
         if not progressed:
             stuck = [(r, schedule[r][pc[r]]) for r in range(p) if pc[r] < len(schedule[r])]
             r, a = stuck[0]
-            dep = _dependency(a, p, v)
+            dep = dependency(a, p, v)
             waits = "; ".join(f"rank {q} at {b}" for q, b in stuck)
             raise ValueError(f"deadlock: rank {r}, action {pc[r]} {a} waits for {dep} from rank {dep.stage % p}, "
                              f"which never runs it (stuck: {waits})")
@@ -371,4 +385,4 @@ def format_schedule(schedule, width: int = 0) -> str:
 
 __all__ = ["Action", "OPS", "SCHEDULES", "schedule_order", "bubble_fraction", "positive_int", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
            "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
-           "in_flight", "format_schedule"]
+           "in_flight", "format_schedule", "dependency", "ValidSchedule"]

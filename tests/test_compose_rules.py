@@ -181,3 +181,21 @@ def test_gradients_by_single_device_name():
     assert set().union(*per_rank) == set(want)
     for got in per_rank:
         tolerance.assert_matches(got, {n: want[n] for n in got}, dtype=torch.float64, what="gradients")
+
+
+def _validations_on_the_nd_path(cfg, schedule):
+    from unittest import mock
+
+    from course_lib import schedules
+    from course_lib.parallel import Mesh, parallelize_nd
+    with mock.patch.object(schedules, "simulate", wraps=schedules.simulate) as simulate:
+        net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(pp=2), microbatches=2, schedule=schedule)
+        net.step(*reference.gpt_batches(cfg, batch=2, steps=1)[0])
+    return simulate.call_count, net.schedule == schedule
+
+
+def test_an_action_list_is_validated_once_on_every_rank():
+    """parallelize_nd checks a list schedule once (one simulation of its ranks): check_layout and
+    the runner take what it validated as is."""
+    sched = make_schedule("1f1b", 2, 2)
+    assert launch(_validations_on_the_nd_path, 2, SMALL, sched, threads=1) == [(1, True)] * 2

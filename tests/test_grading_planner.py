@@ -62,7 +62,7 @@ def _step_equal_stages(f, b, m, t):                    # the lecture's formula: 
 
 
 def _step_simulator(f, b, m, t):
-    from course_lib.parallel import schedules as S
+    from course_lib import schedules as S
 
     sched = S.one_f_one_b(len(f), m)
     spans = S.simulate(sched, len(f), t_comm=t)

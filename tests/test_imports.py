@@ -96,3 +96,76 @@ def test_layers():
     assert "course_lib.parallel" not in edges.get("course_lib.planner", set())
     assert "course_lib.planner" not in edges.get("course_lib.parallel", set())
     assert not {"course_lib.grading", "course_lib.viz", "course_lib.notebook"} & edges.get("course_lib.parallel", set())
+
+
+# ------------------------------------------------------------- the pipeline package points down
+PIPELINE = "course_lib.parallel.pipeline"
+PIPELINE_ORDER = ("stages", "runner", "runtime", "pipeline_parallel", "torch_pipelining")   # each imports only
+#                                                                                 modules before it
+
+
+def course_imports(source):
+    """[(module, name or None, private attribute used or None)] of every course_lib import in
+    ``source`` (absolute imports: the course has no relative ones), and every ``alias._name``
+    read through a course_lib module imported whole."""
+    tree, out, aliases = ast.parse(source), [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("course_lib"):
+                    out.append((a.name, None, None))
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_lib"):
+            for a in node.names:
+                out.append((node.module, a.name, None))
+                if _exists(f"{node.module}.{a.name}"):             # "from course_lib import schedules as S"
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            out.append((aliases[node.value.id], None, node.attr))
+    return out
+
+
+def pipeline_violations(sources):
+    """{module of the pipeline package ("runner"), or "compose": its source} -> what breaks the
+    package's direction: a module importing one at or above its place in PIPELINE_ORDER (or the
+    package itself: its ``__init__`` brings in the facade), compose importing more than the
+    stages, the runner and the runtime, or a module of the package taking a name starting with "_"
+    from another module."""
+    out = []
+    for me, source in sources.items():
+        below = PIPELINE_ORDER[:3] if me == "compose" else PIPELINE_ORDER[:PIPELINE_ORDER.index(me)]
+        for module, name, attr in course_imports(source):
+            private = attr or (name if name and name.startswith("_") and not name.startswith("__") else None)
+            if private and me != "compose":
+                out.append(f"{me} takes {module}.{private}: private to that module")
+            target = f"{module}.{name}" if module == PIPELINE and name in PIPELINE_ORDER else module
+            if target == PIPELINE:
+                out.append(f"{me} imports {name or PIPELINE} from the package (its __init__ loads the facade)")
+            elif target.startswith(PIPELINE + ".") and target.rsplit(".", 1)[1] not in below:
+                out.append(f"{me} imports {target}, not below it")
+    return out
+
+
+def test_pipeline_violations_are_found():
+    bad = {"stages": "from course_lib.parallel.pipeline import PipelineParallel",
+           "runner": "from course_lib.parallel.pipeline.runtime import PipelineRuntime\n"
+                     "from course_lib.schedules import _dependency",
+           "runtime": "from course_lib import schedules as S\nS._dependency(a, 1, 1)",
+           "compose": "from course_lib.parallel.pipeline.pipeline_parallel import PipelineParallel"}
+    found = pipeline_violations(bad)
+    assert len(found) == 5, found
+    good = {"runtime": "from course_lib.parallel.pipeline.runner import ScheduleRunner\n"
+                       "from course_lib import schedules as S\nS.validate(s, 1, 1)"}
+    assert pipeline_violations(good) == []
+
+
+def test_pipeline_package_points_down():
+    """stages -> runner -> runtime -> chapter 6's PipelineParallel and torch's side by side; compose
+    (chapter 9) takes the stages and the runtime, never the facade; no private name crosses a file."""
+    folder = ROOT / "parallel" / "pipeline"
+    assert sorted(p.stem for p in folder.glob("*.py")) == sorted(PIPELINE_ORDER + ("__init__",))
+    sources = {m: (folder / f"{m}.py").read_text() for m in PIPELINE_ORDER}
+    sources["compose"] = (ROOT / "parallel" / "compose.py").read_text()
+    assert pipeline_violations(sources) == []

@@ -1,4 +1,4 @@
-"""course_lib/parallel/pipeline.py (+ schedules.py, pipeline_executor.py): every schedule equal
+"""course_lib/parallel/pipeline/ (+ course_lib/schedules.py): every schedule equal
 to one device (losses, gradients through the parameters, parameters) over 5 steps, p = 2, 3, 4,
 m = 1..8 (m < p too), tied embeddings, DP around PP, and torch.distributed.pipelining.
 Few launches, each running many configurations."""
@@ -10,12 +10,11 @@ import torch.nn.functional as F
 import course_lib
 from course_lib import reference, tolerance
 from course_lib.models import GPTConfig, TinyGPT
-from course_lib.parallel import schedules as S
+from course_lib import schedules as S
 from course_lib.parallel.mesh import Mesh
 from course_lib.collectives.comm import Comm
 from course_lib.launch import RankError
-from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, partition_layers
-from course_lib.parallel.pipeline_executor import measured_costs, run_schedule
+from course_lib.parallel.pipeline import PipelineParallel, TorchPipeline, measured_costs, partition_layers, run_schedule
 
 STEPS = 5
 
@@ -233,6 +232,24 @@ def test_validator_names_the_first_bad_action():
         m = 2 if message.startswith(("deadlock", "micro-batch 5")) else 1
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             S.validate(sched, 2, m)
+
+
+def test_a_validated_schedule_is_checked_once(monkeypatch):
+    """What validate returns, validated again for the same (p, m, v) and unchanged, is returned as
+    is (no second simulation); changed, or for another (p, m, v), it is checked again."""
+    calls = []
+    simulate = S.simulate
+    monkeypatch.setattr(S, "simulate", lambda *a, **k: calls.append(a) or simulate(*a, **k))
+    checked = S.validate(S.one_f_one_b(2, 2), 2, 2)
+    assert len(calls) == 1 and checked == S.one_f_one_b(2, 2)
+    assert S.validate(checked, 2, 2) is checked and S.simulate(checked, 2) and len(calls) == 2   # no new check
+    with pytest.raises(ValueError, match="micro-batch 1 is outside"):
+        S.validate(checked, 2, 1)
+    checked[0][0], checked[0][1] = checked[0][1], checked[0][0]           # F1 before F0: still valid
+    assert S.validate(checked, 2, 2) is not checked and len(calls) == 3
+    checked[1].reverse()                                                  # B before F
+    with pytest.raises(ValueError, match="comes before its F"):
+        S.validate(checked, 2, 2)
 
 
 def _mlp(seed, layers=2, h=8):

@@ -109,7 +109,7 @@ def test_bubble_and_collectives():
 def test_in_flight_microbatches_count_the_schedules_every_stage():
     """The planner's activations in flight per stage, against the course's own schedules
     (the action lists its pipeline runs): forwards run minus last backwards, at the peak."""
-    from course_lib.parallel import schedules as S
+    from course_lib import schedules as S
 
     for p in (2, 3, 4, 8):
         for m in sorted({1, 2, p - 1, p, 2 * p, 3 * p} - {0}):

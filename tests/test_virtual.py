@@ -14,8 +14,8 @@ import torch.nn as nn
 from course_lib import costmodel, trace
 from course_lib.collectives.comm import Comm
 from course_lib.launch import LaunchTimeout, launch
-from course_lib.parallel import schedules as S
-from course_lib.parallel.pipeline_executor import run_schedule
+from course_lib import schedules as S
+from course_lib.parallel.pipeline import run_schedule
 from course_lib.planner import HARDWARE, Layout, ModelSpec, simulate
 from course_lib.planner.gemm import gemm_time
 from course_lib.virtual import VirtualCluster

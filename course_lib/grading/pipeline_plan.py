@@ -33,9 +33,9 @@ __all__ = ["check_pipeline_plan"]
 
 # what would answer the pipeline question: the schedules, their simulation and the planner,
 # or running the schedule on the clock
-PIPELINE_LIBRARY = ("course_lib.schedules:*", "course_lib.parallel.schedules:*", "course_lib.planner.formulas:*",
+PIPELINE_LIBRARY = ("course_lib.schedules:*", "course_lib.planner.formulas:*",
                     "course_lib.planner.simulator:*", "course_lib.planner.search:*",
-                    "course_lib.parallel.pipeline_executor:*", "course_lib.launch:launch",
+                    "course_lib.parallel.pipeline.runner:*", "course_lib.launch:launch",
                     "course_lib.grading.pipeline_plan:_*")
 BUBBLE = 0.10           # the step's idle fraction must stay below it
 # the question's premise, on the clock: an H100 whose messages are free and whose host issues at
@@ -86,7 +86,7 @@ def _rank_steps(jobs):
     from course_lib import schedules as S
     from course_lib import trace
     from course_lib.collectives.comm import Comm
-    from course_lib.parallel.pipeline_executor import ScheduleRunner
+    from course_lib.parallel.pipeline.runner import ScheduleRunner
 
     comm = Comm(None, dim="pp")
     p, out = comm.size, []
@@ -129,7 +129,7 @@ def _measured(p, layers_all, prices):
     """{(layers, v): (per-action time {(op, stage): s}, t_comm, t_overhead, saved bytes of one
     chunk's micro-batch {stage: bytes}, parameter bytes of a rank)} from one step of m = p per
     (layers, v) on the clock, cached per price list (``prices``: the clock's describe())."""
-    from course_lib.parallel.pipeline_executor import measured_costs
+    from course_lib.parallel.pipeline.runner import measured_costs
 
     jobs = [(layers, p, v) for layers in layers_all for v in _chunk_counts(p, layers)]
     res = launch(_rank_steps, p, jobs, clock=VirtualCluster(FREE_H100, gpus_per_node=8), threads=1,

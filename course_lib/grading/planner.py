@@ -25,7 +25,7 @@ REFERENCES = ("course_lib.grading.planner:_reference_memory_per_gpu", "course_li
               "course_lib.grading.planner:_best_layout", "course_lib.grading.planner:_reference_min_pipeline_stages")
 FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.activations:*", "course_lib.planner.estimate:*",
             "course_lib.planner.costs:*", "course_lib.planner.simulator:*", "course_lib.planner.search:*")
-SIMULATORS = ("course_lib.schedules:*", "course_lib.parallel.schedules:*", "course_lib.planner.simulator:*", "course_lib.planner.estimate:*",
+SIMULATORS = ("course_lib.schedules:*", "course_lib.planner.simulator:*", "course_lib.planner.estimate:*",
               "course_lib.planner.search:*")
 SEARCH = ("course_lib.planner.search:*",)
 
@@ -85,9 +85,9 @@ STEP_CASES = [
 
 
 def _simulated_step_time_1f1b(f, b, m, t_comm) -> float:
-    """The step time (first forward to last backward) course_lib.parallel.schedules.simulate
+    """The step time (first forward to last backward) course_lib.schedules.simulate
     measures for 1F1B with stage r's forward taking f[r], its backward b[r], a message t_comm."""
-    from course_lib.parallel import schedules as S
+    from course_lib import schedules as S
 
     p = len(f)
     schedule = S.one_f_one_b(p, m)

@@ -10,10 +10,9 @@
     tensor_parallel   ColumnParallelLinear, RowParallelLinear, sequence parallelism, dropout streams
     vocab_parallel    vocabulary-parallel embedding and cross-entropy
     tp_plan           parallelize(model, mesh): the tiny GPT cut by a plan
-    pipeline_executor ScheduleRunner: any valid action list (course_lib.schedules) over send / recv
-    zero_bubble       the zero-bubble split of a backward: B (input gradients) and W (weights)
-    pipeline_runtime  the one pipeline step: schedule, tied embedding, gradient sums, loss
-    pipeline          stages of the tiny GPT, PipelineParallel (tied embeddings, DP around PP)
+    pipeline/         stages of the tiny GPT; ScheduleRunner: any valid action list (course_lib.schedules)
+                      over send / recv, zero bubble's B and W; the one pipeline step (PipelineRuntime);
+                      PipelineParallel (tied embeddings, DP around PP); torch's pipelining side by side
     context_parallel  ring attention (zigzag), Ulysses
     expert_parallel   MoE dispatch / combine over expert-parallel ranks
     layout_rules      check_layout: every rule of an N-D layout, shared with the ranks

@@ -9,7 +9,7 @@
 :func:`parallelize_nd` is the plan, in torchtitan's order (``parallelize_llama`` +
 ``pipeline_llama``), each step one earlier chapter taking the Mesh and reading its own group
 from it (``mesh.comm(dim)``); :class:`NDParallel` runs the step with the one pipeline runtime
-(``pipeline_runtime``). The loss is a sum over each rank's tokens divided by the global token
+(``pipeline.runtime``). The loss is a sum over each rank's tokens divided by the global token
 count, so no gradient is ever divided by a degree: the sums ARE the single-device gradients.
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ from course_lib.parallel.fsdp import FSDP
 from course_lib.parallel.grad_sync import GradSync
 from course_lib.parallel.layout_rules import DATA, check_layout, rule_batch
 from course_lib.parallel.mesh import DIMS, MeshShape, get_reduce_dims, set_reduce_dims
-from course_lib.parallel.pipeline import split_stages, tie_embeddings
-from course_lib.parallel.pipeline_runtime import PipelineRuntime
+from course_lib.parallel.pipeline.runtime import PipelineRuntime
+from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
 from course_lib.parallel.tp_plan import parallelize
 from course_lib.precision.mixed import MasterWeights, cast_buffers, check_precision
 from course_lib.recompute import set_recompute
-from course_lib.schedules import SCHEDULES
+from course_lib.schedules import SCHEDULES, validate
 
 
 def parallelize_nd(model, mesh, *, microbatches=1, schedule="1f1b", v=1, sequence_parallel=True,
@@ -40,6 +40,8 @@ def parallelize_nd(model, mesh, *, microbatches=1, schedule="1f1b", v=1, sequenc
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"parallelize_nd cuts a course_lib TinyGPT, got {type(model).__name__}")
     recompute = model.config.recompute if recompute is None else recompute
+    if not isinstance(schedule, str):       # an action list: checked once, here (check_layout, the runner:
+        schedule = validate(schedule, mesh.sizes["pp"], microbatches, v)     # the checked lists, as they are)
     check_layout(model.config, **mesh.sizes, ep=mesh.ep, microbatches=microbatches, schedule=schedule, v=v,
                  sequence_parallel=sequence_parallel, cp_method=cp_method, cp_layout=cp_layout, data=data,
                  recompute=recompute, precision=precision)

@@ -225,7 +225,7 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
     before its first backward, plus the one of the steady state, and each chunk holds
     1/v of its layers. Stage i warms up with two chunk forwards fewer per stage
     before it (Megatron-LM's schedule, and the course's: tests/test_planner_formulas.py
-    counts it on ``parallel.schedules``): p + (p - 1 - 2 i)/v, at most m.
+    counts it on ``course_lib.schedules``): p + (p - 1 - 2 i)/v, at most m.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")

@@ -5,18 +5,42 @@ and 9 (:class:`~course_lib.parallel.compose.NDParallel`): one training step of t
     loss = runtime.step(xs, ys, n_tokens, act_shape=(b, s, h))   # this rank's micro-batches
 
 What communicates, in order: the schedule's activations and gradients over "pp"
-(:class:`~course_lib.parallel.pipeline_executor.ScheduleRunner`); the tied embedding's gradient
+(:class:`~course_lib.parallel.pipeline.runner.ScheduleRunner`); the tied embedding's gradient
 over Megatron's embedding group (first and last stage); every other gradient summed over the
-dims it is replicated on (GradSync) or reduce-scattered (FSDP); the loss summed over the ranks
-that hold a part of it.
+dims it is replicated on (GradSync) or reduce-scattered (FSDP), each finished by the one call
+DDP and FSDP share; the loss summed over the ranks that hold a part of it.
 """
 from __future__ import annotations
 
 import torch
 
-from course_lib.parallel.fsdp import FSDP
-from course_lib.parallel.pipeline_executor import ScheduleRunner
-from course_lib.schedules import make_schedule, schedule_name
+from course_lib.parallel.layout_rules import rule_batch
+from course_lib.parallel.pipeline.runner import ScheduleRunner
+from course_lib.schedules import make_schedule, positive_int, schedule_name
+
+
+def check_chunks(v, schedule):
+    """v: an integer >= 1, and > 1 only for the interleaved schedule (or an explicit action list).
+    Returns the schedule, a name in the course's spelling."""
+    positive_int("v (chunks per rank)", v)
+    return schedule_name(schedule, v) if isinstance(schedule, str) else schedule
+
+
+def replica_rows(x, y, mesh, m: int):
+    """This DP replica's rows of the global batch ``x``, ``y`` (batch, seq), and the step's
+    global count of target tokens (-100: ignored), which divides every micro-batch's loss."""
+    if len(y) != len(x):
+        raise ValueError(f"the batch has {len(x)} rows and its targets {len(y)}")
+    dp, d = mesh.sizes.get("dp", 1), mesh.coord.get("dp", 0)
+    rule_batch(len(x), dp, m)
+    return x.chunk(dp)[d], y.chunk(dp)[d], int((y != -100).sum())
+
+
+def embedding_group(mesh):
+    """Megatron-LM's embedding group: the first and last stage ranks of every (dp, cp, tp), which
+    both hold the tied embedding / LM-head matrix. Made by the mesh with its other groups;
+    a Comm on those two ranks, None elsewhere."""
+    return mesh.embedding_comm()
 
 
 def sum_tied_gradient(comm, stages, master=None):
@@ -37,8 +61,10 @@ class PipelineRuntime:
     """This pp rank's ``stages`` {virtual stage: GPTStage} trained by a schedule on ``mesh``.
 
     schedule: a name ("gpipe", "1f1b", "interleaved" with ``v``, "zb-h1"; torch's spellings too)
-        or an action list per pp rank, validated once, here.
-    modules: {stage: what the schedule runs} (the stage, or its FSDP wrapper); default the stages.
+        or an action list per pp rank, validated once, by the runner (one ``validate`` returned
+        already, as ``parallelize_nd`` passes it, is taken as is).
+    modules: {stage: what the schedule runs}: the stage, or a wrapper that sums its own gradients
+        (FSDP, DDP: ``finish_gradient_synchronization()`` after the schedule); default the stages.
     grad_sync: a GradSync over the parameters that need a sum after the schedule, or None.
     loss_dims: the mesh dims whose ranks hold parts of the loss (the last stages, each its tokens).
     master: a :class:`~course_lib.precision.mixed.MasterWeights` (mixed precision): the
@@ -51,11 +77,15 @@ class PipelineRuntime:
                  loss_dims=("dp", "pp", "cp"), master=None, act_dtype=None):
         p = mesh.sizes["pp"]
         if isinstance(schedule, str):
-            schedule = make_schedule(schedule_name(schedule, v), p, microbatches, v)
+            schedule = make_schedule(schedule, p, microbatches, v)
         self.stages, self.modules = stages, dict(stages) if modules is None else modules
         self.mesh, self.p, self.m, self.v, self.grad_sync = mesh, p, microbatches, v, grad_sync
+        # the gradient sums after the schedule, each call: launch what is left, wait, leave p.grad summed
+        self.gradient_sums = [grad_sync.finish] if grad_sync is not None else []
+        self.gradient_sums += [mod.finish_gradient_synchronization for s, mod in self.modules.items()
+                               if mod is not stages[s]]
         self.runner = ScheduleRunner(schedule, self.modules, mesh.comm("pp"), p=p, m=microbatches, v=v)
-        self.schedule = self.runner.schedule = schedule
+        self.schedule = self.runner.schedule                # the action lists, validated
         cfg = next(iter(stages.values())).part.config
         tied = bool(cfg.tie_embeddings) and p > 1          # p = 1: the stages share one parameter
         self.embedding_comm = mesh.embedding_comm() if tied else None
@@ -86,12 +116,8 @@ class PipelineRuntime:
         if on_master:
             self.master.to_master()                                 # sum the gradients in the masters' dtype
         sum_tied_gradient(self.embedding_comm, self.stages, self.master.of if on_master else None)
-        if self.grad_sync is not None:
-            self.grad_sync.start()
-            self.grad_sync.finish()
-        for mod in self.modules.values():
-            if isinstance(mod, FSDP):
-                mod.finish_gradient_synchronization()
+        for finish in self.gradient_sums:
+            finish()
         if self.master and not on_master:
             self.master.to_master()                                 # summed in 16 bits, then widened
         device = self.model_parameters()[0].device                  # NCCL talks in GPU tensors
@@ -101,4 +127,4 @@ class PipelineRuntime:
         return float(loss)
 
 
-__all__ = ["PipelineRuntime", "sum_tied_gradient"]
+__all__ = ["PipelineRuntime", "sum_tied_gradient", "check_chunks", "replica_rows", "embedding_group"]
