@@ -35,12 +35,6 @@ ALLOWED = {
     # collectives/ (on main)
     ("course_lib/collectives/checks.py", "course_lib.collectives.core:_DTYPE_CODE"),
     ("course_lib/collectives/checks.py", "course_lib.collectives.core:_OP_CODE"),
-    # the pipeline package (pipeline work)
-    ("course_lib/parallel/pipeline_executor.py", "course_lib.parallel.zero_bubble:_accumulate"),
-    ("course_lib/parallel/pipeline_executor.py", "course_lib.parallel.zero_bubble:_linears"),
-    ("course_lib/parallel/pipeline_executor.py", "course_lib.parallel.zero_bubble:_outside"),
-    ("course_lib/parallel/pipeline_executor.py", "course_lib.schedules:_dependency"),
-    ("course_lib/parallel/schedules.py", "course_lib.schedules:_dependency"),
     # virtual/ (on main) reads the planner's kernel costs
     ("course_lib/virtual/compute.py", "course_lib.planner.kernel_cost:_add_bytes"),
     # tests of files other work is reshaping
