@@ -188,7 +188,7 @@ def library_bubble(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
 
 def runs_it_on_the_clock(p, layers, act_bytes, weight_bytes, budget_bytes, max_m):
     from course_lib.launch import launch
-    from course_lib.parallel.pipeline_executor import ScheduleRunner
+    from course_lib.parallel.pipeline.runner import ScheduleRunner
 
     launch(lambda: ScheduleRunner, p)
     return 8, 2
