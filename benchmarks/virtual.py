@@ -28,15 +28,16 @@ launch-bound program (chapter 9's model is 64 wide), near 1x for a GPU-sized ste
 ops take milliseconds. So the target is on the clock's own cost: at most 1.15x over the
 call-only floor (the wall clock's 1.5x bound is retired: the floor alone is 1.1-1.8x here).
 
-Seen here (2 cores shared with other jobs, load 12-17, 5 repeats, two runs): the clock over
-the floor 1.04-1.08x CPU (DDP), 1.02-1.04x (1F1B), 1.15-1.16x (chapter 9); its wall ratios
-swung 0.7-1.35x with the load (read the CPU column on a loaded machine). In one process the
-clock adds 3.5-4.4 us an op to the call-only mode's 9 (6.3-7.3 before its memos: an op's kind
-by its C++ operator, its bytes per dtype, its seconds per cost; a GEMM's FLOPs per shape).
-The rest is per collective: its bookkeeping (lanes, NCCL's price, memoised per group) tens of
-us, and its ready-time exchange, a 16-byte all-reduce on the backend: 100-400 us of CPU in a
-rank's process (gloo's messages and threads), the largest part for chapter 9's TP, whose
-blocking all-reduces are many and small. It cannot ride on the real collective: a longer
+Seen here (2 cores shared with other jobs, load 10-17, 5 repeats, three runs): the clock over
+the floor 1.04-1.08x CPU (DDP), 1.02-1.04x (1F1B), 1.13-1.26x (chapter 9: over the target,
+the same before and after the per-op memos); its wall ratios swung 0.7-1.4x with the load
+(read the CPU column on a loaded machine). In one process the clock adds 3.5-5 us an op to
+the call-only mode's 9-12 (6.3-7.3 before its memos: an op's kind by its C++ operator, its
+bytes per dtype, its seconds per cost; a GEMM's FLOPs per shape). The rest is per
+collective: its bookkeeping (lanes, NCCL's price, memoised per group) tens of us, and its
+ready-time exchange, a 16-byte all-reduce on the backend: 100-400 us of CPU in a rank's
+process (gloo's messages and threads), ~20 ms of a rank's ~25-35 over the floor in chapter
+9, whose TP all-reduces are many and small. It cannot ride on the real collective: a longer
 buffer changes how gloo chunks the sum, so the results would no longer be the wall clock's.
 """
 from __future__ import annotations
