@@ -359,11 +359,8 @@ def _one_per_unit(watch, world, n_units, kind, rule, why):
 
 
 def _unit_params(unit, full):
-    """(N * S,) rank after rank -> each parameter, full shape (differentiable: the checker's
-    part; FSDP's copy_out does the same)."""
-    by_rank = full.view(unit.world, unit.numel)
-    return [by_rank[:, s.offset:s.offset + s.padded].reshape(unit.world * s.chunk, *s.shape[1:])[:s.shape[0]]
-            for s in unit.slots]
+    """(N * S,) rank after rank -> each parameter, full shape (differentiable): FSDP's own unpacking."""
+    return unit.full_views(unit.copy_out(full))
 
 
 def check_fsdp_unit(GatherParams):
