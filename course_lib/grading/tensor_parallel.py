@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from course_lib.benchmarks import tensor_parallel_layer_bytes
 from course_lib.grading import Case, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib.parallel.vocab_parallel import shard_range
@@ -202,30 +203,6 @@ MODES = {"TP": (False, False), "TP+SP": (True, False), "TP+SP, re-gathered in ba
 LAYERS = ((64, 4, 128, 4, torch.float32), (96, 4, 128, 4, torch.bfloat16), (32, 4, 96, 4, torch.float64))
 
 
-def _count_layer_bytes(layers):
-    """On each rank: {(layer index, mode): bytes one Llama layer's forward + backward sends
-    through our ring}, counted by the tp Comm."""
-    import torch.distributed as dist
-
-    from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel import Mesh, parallelize
-
-    mesh = Mesh(tp=dist.get_world_size(), impl="course")
-    t, r, comm = mesh.sizes["tp"], mesh.coord["tp"], mesh.comm("tp")
-    out = {}
-    for k, (s, b, h, heads, dtype) in enumerate(layers):
-        cfg = GPTConfig(seq_len=s, hidden=h, n_heads=heads, n_layers=1)
-        for mode, (sp, regather) in MODES.items():
-            model = parallelize(TinyGPT(cfg, seed=0).to(dtype), mesh, sequence_parallel=sp, keep_gathered=not regather)
-            x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(0)).to(dtype)
-            x = (x.chunk(t, 1)[r] if sp else x).requires_grad_()
-            comm.reset()
-            with comm.measuring():
-                model.blocks[0](x).sum().backward()
-            out[(k, mode)] = comm.bytes_sent()
-    return out
-
-
 def check_tp_bytes_prediction(tp_bytes_per_layer):
     """tp_bytes_per_layer(s, b, h, t, sp, regather, dtype_bytes) -> bytes one rank sends in one
     layer's forward + backward; compared with the bytes counted on a real Llama layer (ring
@@ -238,11 +215,12 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
     def run(case):
         t, mode, k = case.params["t"], case.params["mode"], case.params["layer"]
         if t not in counted:
-            counted[t] = launch(_count_layer_bytes, t, LAYERS, timeout=90, quiet=True)[0]
+            counted[t] = launch(tensor_parallel_layer_bytes, t, LAYERS, MODES, timeout=90, quiet=True)[0]
         sp, regather = MODES[mode]
         s, b, h, _, dtype = LAYERS[k]
         size = torch.empty((), dtype=dtype).element_size()
-        with switched_off(["course_lib.planner.communication:*"], "predicting the bytes"), time_limit(SECONDS):
+        with switched_off(["course_lib.planner.communication:*", "course_lib.benchmarks:tensor_parallel_layer_bytes"],
+                          "predicting the bytes"), time_limit(SECONDS):
             got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             return f"return a number of bytes, got {got!r}"
