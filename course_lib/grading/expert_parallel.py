@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.guard import switched_off, time_limit
+from course_lib.moe import route
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
@@ -42,16 +43,14 @@ def _keep(expert, n_experts, cap, weight=None):
 
 
 def _counts(ep, n_experts, tokens, top_k, seed, skew=0.0, capacity_factor=1.0):
-    """(ep, E) kept assignments per (source rank, expert) of a top-k routing of random tokens."""
-    import math
-
+    """(ep, E) kept assignments per (source rank, expert) of the library's top-k routing
+    (course_lib.moe.route) of random tokens."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(ep):
         logits = torch.randn(tokens, n_experts, generator=g)
         logits[:, 0] += skew                                   # skew > 0: expert 0 is popular
-        expert = logits.topk(top_k, dim=-1).indices
-        keep = _keep(expert, n_experts, math.ceil(capacity_factor * tokens * top_k / n_experts))
+        expert, _, keep, _, _ = route(logits, top_k, capacity_factor)
         rows.append(torch.bincount(expert[keep], minlength=n_experts))
     return torch.stack(rows)
 

@@ -19,7 +19,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from course_lib import reference
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner, learner_class
 from course_lib.grading import training as T
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
@@ -442,7 +441,7 @@ def _prefetch_harness(run_units, n_layers):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = (T.SIZES[0],) + (10,) * (n_layers - 1) + (T.SIZES[-1],)  # n_layers Linear units
-    model = _mlp_sizes(sizes, rank)
+    model = T.mlp(rank, sizes)
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     units = []
@@ -451,7 +450,7 @@ def _prefetch_harness(run_units, n_layers):
         units.append((unit, unit.flat_shard.clone()))
     last = len(units) - 1
     run_units = learner(run_units, ZERO_LIBRARY, exercise="FSDP's prefetch")
-    for batch in _data_sizes(sizes):
+    for batch in T.data(sizes):
         x, y = T.local(batch, rank, world)
         inputs, h = {}, [x]
 
@@ -500,21 +499,7 @@ def _prefetch_harness(run_units, n_layers):
         full = torch.empty(shard.numel() * world)
         compat.all_gather_into_tensor(full, shard)
         got += _unit_params(unit, full)
-    return T.compare_params(got, _single_device_sizes(sizes))
-
-
-def _mlp_sizes(sizes, seed):
-    from course_lib.models import MLP
-
-    return MLP(sizes, seed=seed)
-
-
-def _data_sizes(sizes):
-    return reference.mlp_batches(seed=0, batch=T.BATCH, steps=T.STEPS, sizes=sizes)
-
-
-def _single_device_sizes(sizes):
-    return T.single_device(T.sgd, model=_mlp_sizes(sizes, 0), batches=_data_sizes(sizes))
+    return T.compare_params(got, T.single_device(T.sgd, model=T.mlp(0, sizes), batches=T.data(sizes)))
 
 
 def check_fsdp_prefetch(run_units):
