@@ -78,3 +78,29 @@ def tensor_parallel_step_times(cfg, steps: int, rounds: int, batch: int) -> dict
                 times[k].append(elapsed.item())
     trace.reset()
     return {k: (statistics.median(times[k]), sent[k]) for k in TP_KINDS}
+
+
+def tensor_parallel_layer_bytes(layers, modes) -> dict:
+    """On each rank of a TP group: {(layer index, mode): bytes one Llama layer's forward +
+    backward sends through our ring}, counted by the tp Comm. ``layers``: (seq_len, batch,
+    hidden, n_heads, dtype) each; ``modes``: {name: (sequence_parallel, re-gathered in backward)}."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.models import GPTConfig, TinyGPT
+    from course_lib.parallel import Mesh, parallelize
+
+    mesh = Mesh(tp=dist.get_world_size(), impl="course")
+    t, r, comm = mesh.sizes["tp"], mesh.coord["tp"], mesh.comm("tp")
+    out = {}
+    for k, (s, b, h, heads, dtype) in enumerate(layers):
+        cfg = GPTConfig(seq_len=s, hidden=h, n_heads=heads, n_layers=1)
+        for mode, (sp, regather) in modes.items():
+            model = parallelize(TinyGPT(cfg, seed=0).to(dtype), mesh, sequence_parallel=sp, keep_gathered=not regather)
+            x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(0)).to(dtype)
+            x = (x.chunk(t, 1)[r] if sp else x).requires_grad_()
+            comm.reset()
+            with comm.measuring():
+                model.blocks[0](x).sum().backward()
+            out[(k, mode)] = comm.bytes_sent()
+    return out

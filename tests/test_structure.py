@@ -48,7 +48,7 @@ ALLOWED = {
 CHEATS = {
     ("tests/test_grading_checkpointing.py", "course_lib.grading.checkpoint_data:_counters"),
     ("tests/test_grading_checkpointing.py", "course_lib.grading.checkpointing:_owned_box"),
-    ("tests/test_grading_fsdp.py", "course_lib.parallel.fsdp:_UnshardFn"),
+    ("tests/test_grading_zero_fsdp.py", "course_lib.parallel.fsdp:_UnshardFn"),
     ("tests/test_grading_single_device.py", "course_lib.grading.single_device:_training_bytes"),
 }
 

@@ -154,16 +154,23 @@ def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
     return _report(f"{name}: {len(cases)}/{len(cases)} cases passed", True)
 
 
-def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0) -> bool:
+def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0,
+                      on_timeout: Callable[[LaunchTimeout], str] | None = None) -> bool:
     """Run ``harness(**case.params)`` on ``case.world_size`` ranks for every case.
 
     On each rank the harness returns None when the rank's answer is right, or a
     mismatch string (it may also raise :class:`Mismatch`). Learner code runs
-    inside the harness, so its exceptions and deadlocks become hints.
+    inside the harness, so its exceptions and deadlocks become hints (``on_timeout``
+    writes a deadlock's own hint from the :class:`LaunchTimeout`).
     """
 
     def run_case(case: Case):
-        results = launch(harness, case.world_size, timeout=timeout, quiet=True, **case.params)
+        try:
+            results = launch(harness, case.world_size, timeout=timeout, quiet=True, **case.params)
+        except LaunchTimeout as exc:
+            if on_timeout is None:
+                raise
+            return on_timeout(exc)
         for rank, outcome in enumerate(results):
             if outcome is not None and outcome is not True:
                 return f"rank {rank}: {outcome}"
@@ -237,6 +244,16 @@ def compare(got, expected, rtol: float | None = None, atol: float | None = None,
     return None if got == expected else f"{prefix}got {got!r} expected {expected!r}"
 
 
+def reorder_tolerance(dtype, *wants) -> dict:
+    """``compare``'s ``rtol``/``atol`` for a result computed in another order: derived, not tuned
+    (course_lib.tolerance), 2 K u of its terms' scale, the largest finite value of ``wants``."""
+    import torch
+
+    scale = max([float(w.detach()[torch.isfinite(w.detach())].abs().max()) for w in wants
+                 if isinstance(w, torch.Tensor) and torch.isfinite(w.detach()).any()] + [1e-30])
+    return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
+
+
 def _short(x, n: int = 6) -> str:
     import torch
 
@@ -249,4 +266,4 @@ def _short(x, n: int = 6) -> str:
 
 
 __all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "Tampered", "TimeLimit", "all_checks_passed", "check", "check_distributed", "compare",
-           "learner", "learner_class"]
+           "learner", "learner_class", "reorder_tolerance"]

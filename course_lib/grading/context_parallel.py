@@ -18,28 +18,16 @@ import math
 
 import torch
 
-from course_lib import tolerance
-from course_lib.grading import Case, Mismatch, check, check_distributed, compare
+from course_lib.attention import causal_attention
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off, time_limit
+from course_lib.parallel.context_parallel import zigzag_positions
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 CONTEXT_PARALLEL = ("course_lib.parallel.context_parallel:*", "course_lib.attention:*",
                     "course_lib.attention:BlockwiseCausalAttention.forward",      # and the grader's own answers
-                    "course_lib.grading.context_parallel:_attend", "course_lib.grading.context_parallel:_running",
-                    "course_lib.grading.context_parallel:_zigzag")
-
-
-def _attend(q, k, v, q_pos, k_pos):
-    """The grader's own block attention in float64: (out, lse), out = 0 and lse = -inf for a
-    query that sees no key (key position > query position is hidden)."""
-    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])     # (b, a, s_q, s_k)
-    hidden = k_pos[None, :] > q_pos[:, None]
-    scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                              # (b, a, s_q)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    out = (scores - safe[..., None]).exp() @ v.double()
-    return out.to(q.dtype), lse.to(q.dtype)
+                    "course_lib.grading.context_parallel:_running")
 
 
 def _running(q, k, v, q_pos, k_pos):
@@ -57,14 +45,6 @@ def _qkv(seq, heads, seed, scale, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, heads, seq, 8, generator=g, dtype=dtype) for _ in range(3))
     return q * scale, k, v
-
-
-def _tol(dtype, *wants):
-    """Derived, not tuned (course_lib.tolerance): a sum added in another order moves by at most
-    2 K u of its terms' scale; the scale here is the largest finite value expected."""
-    scale = max([float(w.detach()[torch.isfinite(w.detach())].abs().max()) for w in wants
-                 if isinstance(w, torch.Tensor) and torch.isfinite(w.detach()).any()] + [1e-30])
-    return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
 
 
 # ----------------------------------------------------------------------------- 1. merge
@@ -112,10 +92,10 @@ def check_merge_running(merge) -> bool:
             return ("NaN: where a query sees no key of either block both m are -inf, and exp(-inf - (-inf)) "
                     "is NaN; its acc and l must stay 0" if late else
                     "NaN: exp overflowed or -inf - -inf; rescale both sides to the larger m")
-        tol = _tol(q.dtype, *want)
+        tol = reorder_tolerance(q.dtype, *want)
         msg = _compare_running((acc, m, l), want, tol)
         if msg and compare(acc / l.clamp_min(1e-300)[..., None], want[0] / want[2].clamp_min(1e-300)[..., None],
-                           **_tol(q.dtype, want[0] / want[2].clamp_min(1e-300)[..., None])) is None:
+                           **reorder_tolerance(q.dtype, want[0] / want[2].clamp_min(1e-300)[..., None])) is None:
             return f"{msg}: the normalised output is right, but keep the running form: m the larger max, l and acc rescaled to it"
         return msg
 
@@ -123,11 +103,6 @@ def check_merge_running(merge) -> bool:
 
 
 # ----------------------------------------------------------------------------- 2. zigzag
-def _zigzag(seq, n, r):
-    c = seq // (2 * n)
-    return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
-
-
 def check_zigzag_unshard(unshard) -> bool:
     """``unshard(parts)``: parts[r] (b, s/cp, ...) = rank r's tokens in the zigzag layout (its
     chunks r and 2cp-1-r of 2cp, in that order, along dim 1); returns (b, s, ...), the tokens
@@ -148,7 +123,7 @@ def check_zigzag_unshard(unshard) -> bool:
         elif p.get("bad") == "unequal":
             parts = [full[:, :6], full[:, 6:10]]
         else:
-            parts = [full[:, _zigzag(p["seq"], p["n"], r)] for r in range(p["n"])]
+            parts = [full[:, zigzag_positions(p["seq"], p["n"], r)] for r in range(p["n"])]
         with switched_off(CONTEXT_PARALLEL, "the zigzag layout"), time_limit(SECONDS):
             if p.get("bad"):
                 try:
@@ -194,7 +169,7 @@ def check_block_attention(block_attention) -> bool:
         acc, m, l = _as_triple(got, "block_attention")
         if torch.isnan(acc).any() or torch.isnan(l).any() or torch.isnan(m).any():
             return "NaN: a query that sees no key has m = -inf and l = acc = 0 (exp(s - m) is NaN there)"
-        tol = _tol(dtype, *want)
+        tol = reorder_tolerance(dtype, *want)
         msg = _compare_running((acc, m, l), want, tol)
         if msg and acc.shape == want[0].shape and m.shape == want[1].shape:
             by_index = _running(q, k, v, torch.arange(len(q_pos)), torch.arange(len(k_pos)))
@@ -219,8 +194,8 @@ def _ring_harness(fn, seq, heads, scale):
     q, k, v = (torch.randn(1, heads, seq, 4, generator=g, dtype=torch.float64) for _ in range(3))
     q = q * scale
     pos = torch.arange(seq)
-    want = _attend(q, k, v, pos, pos)[0]
-    mine = _zigzag(seq, n, r)
+    want = causal_attention(q, k, v, pos, pos)                   # one device, float64
+    mine = zigzag_positions(seq, n, r)
     args = [t[:, :, mine].clone() for t in (q, k, v)] + [mine.clone()]
     with counted_calls() as calls, switched_off(CONTEXT_PARALLEL + TORCH_COLLECTIVES, "the ring"), \
             time_limit(SECONDS):
@@ -228,7 +203,7 @@ def _ring_harness(fn, seq, heads, scale):
     if not isinstance(out, torch.Tensor) or out.shape != args[0].shape:
         return f"return this rank's output {tuple(args[0].shape)}, got " + (
             f"{tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
-    msg = compare(out, want[:, :, mine], what=f"positions {mine.tolist()}", **_tol(torch.float64, want))
+    msg = compare(out, want[:, :, mine], what=f"positions {mine.tolist()}", **reorder_tolerance(torch.float64, want))
     if msg:
         return msg
     sent = calls.of("send", "isend")

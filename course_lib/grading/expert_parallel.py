@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib import tolerance
-from course_lib.grading import Case, Mismatch, check, check_distributed, compare
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.guard import switched_off, time_limit
+from course_lib.moe import route
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
@@ -43,16 +43,14 @@ def _keep(expert, n_experts, cap, weight=None):
 
 
 def _counts(ep, n_experts, tokens, top_k, seed, skew=0.0, capacity_factor=1.0):
-    """(ep, E) kept assignments per (source rank, expert) of a top-k routing of random tokens."""
-    import math
-
+    """(ep, E) kept assignments per (source rank, expert) of the library's top-k routing
+    (course_lib.moe.route) of random tokens."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(ep):
         logits = torch.randn(tokens, n_experts, generator=g)
         logits[:, 0] += skew                                   # skew > 0: expert 0 is popular
-        expert = logits.topk(top_k, dim=-1).indices
-        keep = _keep(expert, n_experts, math.ceil(capacity_factor * tokens * top_k / n_experts))
+        expert, _, keep, _, _ = route(logits, top_k, capacity_factor)
         rows.append(torch.bincount(expert[keep], minlength=n_experts))
     return torch.stack(rows)
 
@@ -66,14 +64,6 @@ def _as_ints(x, what):
         return [int(v) for v in x]
     except (TypeError, ValueError):
         raise Mismatch(f"{what}: expected a list of ints, got {x!r}") from None
-
-
-def _tol(dtype, *wants):
-    """Derived, not tuned (course_lib.tolerance): a sum added in another order moves by at most
-    2 K u of its terms' scale; the scale here is the largest finite value expected."""
-    scale = max([float(w.detach()[torch.isfinite(w.detach())].abs().max()) for w in wants
-                 if isinstance(w, torch.Tensor) and torch.isfinite(w.detach()).any()] + [1e-30])
-    return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
 
 
 # ----------------------------------------------------------------------------- 1. split sizes
@@ -169,7 +159,7 @@ def check_switch_aux_loss(aux_loss) -> bool:
         got = got.reshape(())
         if k > 1 and abs(got.item() - k * expected.item()) < 1e-5 * k * abs(expected.item()):
             return f"the loss is {k} times too large (top-{k}): f_e is the fraction of the T*k assignments"
-        tol = _tol(logits.dtype, expected, ref.grad)
+        tol = reorder_tolerance(logits.dtype, expected, ref.grad)
         msg = compare(got.detach(), expected.detach(), what="aux loss", **tol)
         if msg:
             return msg
@@ -297,7 +287,7 @@ def _ep_harness(fn, T, E, skew):
             return f"return this rank's outputs ({T}, {HID}), got " + (
                 f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
         grads = [p.grad for e in experts for p in e.parameters() if p.grad is not None]
-        tol = _tol(torch.float64, want, want_x.grad, *grads)
+        tol = reorder_tolerance(torch.float64, want, want_x.grad, *grads)
         msg = compare(y.detach(), want.detach(), what="output", **tol)
         if msg:
             return f"{msg}: each token comes back to its own row, times its gate weight (gate * expert(x))"

@@ -16,31 +16,26 @@ import random
 import torch
 
 from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.precision.fp8 import TensorScaling, quantize
+from course_lib.precision.loss_scale import update_scale
 
-REFERENCES = ("course_lib.grading.low_precision:_reference_schedule",
-              "course_lib.grading.low_precision:_reference_delayed_scales",
-              "course_lib.grading.low_precision:_reference_quantize")
+REFERENCES = ("course_lib.grading.low_precision:_schedule", "course_lib.grading.low_precision:_delayed_scales")
 LIBRARY = ("course_lib.precision.loss_scale:*", "course_lib.precision.fp8:*",
            "torch:_amp_update_scale_", "torch:_amp_foreach_non_finite_check_and_unscale_",
            "torch.amp.grad_scaler:GradScaler", "torch.amp:GradScaler", "torch.cpu.amp:GradScaler",
            "torch.cuda.amp:GradScaler")
-FP32_MAX = float(torch.finfo(torch.float32).max)
+FP8_BY_MAX = {torch.finfo(d).max: d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 # ----------------------------------------------------------------------------- 1. the scaler's rule
-def _reference_schedule(overflows, init_scale, growth_factor, backoff_factor, growth_interval):
-    scale, tracker, scales, stepped = init_scale, 0, [], []
+def _schedule(overflows, init_scale, growth_factor, backoff_factor, growth_interval):
+    """The library's one-step rule (torch's ``_amp_update_scale_``) over a run's flags."""
+    scale, tracker, scales = init_scale, 0, []
     for overflow in overflows:
         scales.append(scale)
-        stepped.append(not overflow)
-        if overflow:
-            scale, tracker = scale * backoff_factor, 0
-        else:
-            tracker += 1
-            if tracker == growth_interval:
-                grown = scale * growth_factor
-                scale, tracker = (grown if grown <= FP32_MAX else scale), 0
-    return scales, stepped
+        scale, tracker = update_scale(scale, tracker, overflow, growth_factor=growth_factor,
+                                      backoff_factor=backoff_factor, growth_interval=growth_interval)
+    return scales, [not overflow for overflow in overflows]
 
 
 def _flags(pattern: str):
@@ -70,7 +65,7 @@ def check_scale_schedule(fn) -> bool:
 
     def run(case):
         p = case.params
-        want_scales, want_stepped = _reference_schedule(**p)
+        want_scales, want_stepped = _schedule(**p)
         got = answer(list(p["overflows"]), p["init_scale"], p["growth_factor"], p["backoff_factor"],
                      p["growth_interval"])
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
@@ -93,13 +88,10 @@ def check_scale_schedule(fn) -> bool:
 
 
 # ----------------------------------------------------------------------------- 2. delayed scaling
-def _reference_delayed_scales(amaxes, history_len, fp8_max):
-    scales = []
-    for t, amax in enumerate(amaxes):
-        window = amaxes[max(0, t - history_len):t] or [amax]   # step 0: nothing recorded yet
-        largest = max(window)
-        scales.append(fp8_max / largest if largest > 0 else 1.0)
-    return scales
+def _delayed_scales(amaxes, history_len, fp8_max):
+    """The library's delayed scaling (an amax history of ``history_len`` steps) over a run."""
+    scaling = TensorScaling(FP8_BY_MAX[fp8_max], "delayed", history_len)
+    return [scaling.scale_for(torch.tensor([amax], dtype=torch.float64)) for amax in amaxes]
 
 
 def _delayed_cases():
@@ -121,7 +113,7 @@ def check_delayed_scales(fn) -> bool:
 
     def run(case):
         p = case.params
-        want = _reference_delayed_scales(**p)
+        want = _delayed_scales(**p)
         got = answer(list(p["amaxes"]), p["history_len"], p["fp8_max"])
         if not isinstance(got, (list, tuple)) or len(got) != len(want):
             return f"return one scale per step ({len(want)} of them)"
@@ -136,11 +128,6 @@ def check_delayed_scales(fn) -> bool:
 
 
 # ----------------------------------------------------------------------------- 3. quantise
-def _reference_quantize(x, scale, dtype):
-    limit = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
-
-
 def _quantize_cases():
     gen = torch.Generator().manual_seed(3)
     wide = torch.randn(64, generator=gen) * torch.logspace(-6, 3, 64)   # 9 decades
@@ -161,7 +148,7 @@ def check_quantize_fp8(fn) -> bool:
 
     def run(case):
         p = case.params
-        want = _reference_quantize(**p)
+        want = quantize(**p)
         got = answer(p["x"].clone(), p["scale"], p["dtype"])
         if not isinstance(got, torch.Tensor) or got.dtype != p["dtype"]:
             kind = got.dtype if isinstance(got, torch.Tensor) else type(got).__name__

@@ -16,6 +16,8 @@ import torch
 
 from course_lib.grading import Case, check, compare, learner
 from course_lib.memory import storage_bytes
+from course_lib.planner.communication import dp_bytes_per_step
+from course_lib.planner.formulas import zero_memory_bytes
 
 REFERENCES = ("course_lib.grading.memory_precision:_reference_activation_bytes",
               "course_lib.grading.memory_precision:_reference_wire_bytes",
@@ -149,14 +151,10 @@ WIRE_CASES = [dict(n_params=n, world=w, data=d, precision=p)
 
 
 def _reference_wire_bytes(n_params, world, data, precision):
-    """Ring algorithms: all-reduce 2 (N-1)/N of the buffer, all-gather and reduce-scatter (N-1)/N.
-    DDP: one all-reduce of the gradients; FSDP: all-gather the parameters in forward and again
-    in backward, reduce-scatter the gradients."""
+    """DDP: one all-reduce of the gradients; FSDP (ZeRO-3): all-gather the parameters in forward
+    and again in backward, reduce-scatter the gradients (the planner's formula)."""
     p_bytes, g_bytes = DTYPE_BYTES[precision]
-    share = (world - 1) / world
-    if data == "ddp":
-        return 2 * share * n_params * g_bytes
-    return 2 * share * n_params * p_bytes + share * n_params * g_bytes
+    return dp_bytes_per_step(n_params, world, 0 if data == "ddp" else 3, grad_bytes=g_bytes, param_bytes=p_bytes)
 
 
 def check_wire_bytes(fn) -> bool:
@@ -174,13 +172,11 @@ STATE_CASES = [dict(n_params=n, world=w, data=d, precision=p)
 
 
 def _reference_model_state_bytes(n_params, world, data, precision):
-    """After AdamW's step, before zero_grad: weights, master weights, their gradients, m and v.
-    DDP: fp32 weights, gradients, moments (16 B), or a bf16 model (2) next to fp32 masters, their
-    gradients and moments (4 + 4 + 8): every rank all of them. FSDP: the fp32 shards ARE the
-    masters (4 + 4 + 8 per parameter, 1/N of them); the bf16 copy exists only while gathered."""
-    if data == "fsdp":
-        return 16 * n_params / world
-    return (16 if precision == "full" else 18) * n_params
+    """After AdamW's step, before zero_grad: DDP keeps fp32 weights, gradients, moments (16 B) or
+    a bf16 model (2) next to fp32 masters, their gradients and moments (4 + 4 + 8) on every rank;
+    FSDP's fp32 shards ARE the masters (16 B, 1/N of them): the bf16 copy lives only gathered."""
+    p, g, o = (4, 4, 8) if data == "fsdp" or precision == "full" else (2, 4, 12)
+    return zero_memory_bytes(n_params, 3 if data == "fsdp" else 0, world, p, g, o)["total"]
 
 
 def check_model_state_bytes(fn) -> bool:

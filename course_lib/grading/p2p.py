@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from course_lib.grading import Case, Mismatch, check, learner
+from course_lib.grading import Case, Mismatch, check_distributed, learner
 from course_lib.grading.guard import TORCH_COLLECTIVES
 
 # What would do a from-scratch collective for the learner: course_lib's algorithms and
@@ -200,19 +200,7 @@ def deadlock_hint(exc) -> str:
 
 def check_p2p(name, harness, cases, timeout):
     """check_distributed, with the watch's deadlock hint (which call, which peer, which line)."""
-    from course_lib.launch import LaunchTimeout, launch
-
-    def run_case(case):
-        try:
-            results = launch(harness, case.world_size, timeout=timeout, quiet=True, **case.params)
-        except LaunchTimeout as exc:
-            return deadlock_hint(exc)
-        for rank, outcome in enumerate(results):
-            if outcome is not None and outcome is not True:
-                return f"rank {rank}: {outcome}"
-        return None
-
-    return check(name, cases, run_case)
+    return check_distributed(name, harness, cases, timeout, on_timeout=deadlock_hint)
 
 
 # ----------------------------------------------------------------------------- data

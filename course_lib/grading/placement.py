@@ -13,62 +13,23 @@ belongs inside a node. While the learner's function runs, the planner, the virtu
 """
 from __future__ import annotations
 
-import torch
-
 from course_lib.grading import Case, check, learner
-from course_lib.launch import launch
+from course_lib.parallel.mesh import MeshShape
 from course_lib.planner.presets import HARDWARE
-from course_lib.virtual import VirtualCluster
+from course_lib.virtual_runs import placement_step_times
 
 __all__ = ["check_placement"]
 
 # what would answer for the learner: the planner's layout search and pricing, running steps
 PLACEMENT_LIBRARY = ("course_lib.planner:*", "course_lib.planner.search:*", "course_lib.planner.layout:*",
                      "course_lib.planner.estimate:*", "course_lib.launch:launch",
-                     "course_lib.grading.placement:_*")
-
-
-class _PlacedCluster(VirtualCluster):
-    """A VirtualCluster whose rank r sits on node ``nodes[r]`` (set between steps; None: blocks
-    of ``gpus_per_node`` consecutive ranks, VirtualCluster's own placement)."""
-
-    nodes = None
-
-    def node(self, rank: int) -> int:
-        return self.nodes[rank] if self.nodes is not None else rank // self.gpus_per_node
+                     "course_lib.virtual_runs:*", "course_lib.grading.placement:_*")
 
 
 def _canonical(nodes):
     """The node numbering by first appearance: two placements that only rename nodes are equal."""
     names = {}
     return [names.setdefault(n, len(names)) for n in nodes]
-
-
-def _placement_steps(cfg_dict, sizes, kw, batch, placements):
-    """One warm-up step, then one step per placement (the clock's node map switched between
-    steps): per placement, this rank's (start, end) of the step in virtual seconds."""
-    from course_lib import reference, trace
-    from course_lib.collectives import Comm
-    from course_lib.gpt import GPTConfig, TinyGPT
-    from course_lib.parallel.compose import parallelize_nd
-    from course_lib.parallel.mesh import Mesh
-
-    cfg = GPTConfig(**cfg_dict)
-    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**sizes), **kw)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
-    cluster, out = trace.clock().cluster, []
-    for nodes in [None] + list(placements):
-        cluster.nodes = nodes
-        Comm(None).barrier()
-        trace.reset()
-        with trace.span("step", "other"):
-            net.step(x, y)
-            opt.step()
-            opt.zero_grad()
-        s = next(s for s in trace.spans() if s.name == "step")
-        out.append((s.start, s.end))
-    return out[1:]
 
 
 # 2 virtual nodes of 2 H100s: 4 ranks. Their steps replayed as CUDA graphs (no host issue per
@@ -85,13 +46,6 @@ PLACEMENT_CASES = [  # (label, TinyGPT config, mesh sizes, parallelize_nd option
      dict(vocab_size=128, seq_len=16, n_layers=4, hidden=64, n_heads=4), dict(pp=2, tp=2),
      dict(microbatches=2), ("tp", "pp")),
 ]
-
-
-def _course_rank(coords, sizes):
-    """The course Mesh's rank of ``coords``: TP innermost, then CP, PP, DP."""
-    s = {d: sizes.get(d, 1) for d in ("dp", "pp", "cp", "tp")}
-    return ((coords.get("dp", 0) * s["pp"] + coords.get("pp", 0)) * s["cp"] + coords.get("cp", 0)) * s["tp"] \
-        + coords.get("tp", 0)
 
 
 def _coords(rank, sizes, order):
@@ -116,6 +70,8 @@ def check_placement(place):
 
         k = case.params
         sizes, order, world = k["sizes"], k["order"], case.world_size
+        mesh = MeshShape(**sizes)               # the learner's rank r -> the course mesh's rank
+        course_rank = [mesh.rank_of(**_coords(r, sizes, order)) for r in range(world)]
         got = answer(dict(sizes), tuple(order), PLACEMENT_GPN)
         if not (isinstance(got, (list, tuple)) and len(got) == world
                 and all(isinstance(n, int) and not isinstance(n, bool) for n in got)):
@@ -124,12 +80,9 @@ def check_placement(place):
             return f"{list(got)}: each of the {world // PLACEMENT_GPN} nodes holds exactly {PLACEMENT_GPN} ranks"
         nodes = [0] * world                     # the course mesh's rank -> node
         for r, n in enumerate(got):
-            nodes[_course_rank(_coords(r, sizes, order), sizes)] = n
+            nodes[course_rank[r]] = n
         mine = PAIRINGS.index(_canonical(nodes))
-        cfg = GPTConfig(**k["cfg"])
-        res = launch(_placement_steps, world, dict(cfg.__dict__), sizes, k["kw"], 8, PAIRINGS,
-                     clock=_PlacedCluster(PLACEMENT_HW, PLACEMENT_GPN, torch.bfloat16), threads=1, timeout=60, quiet=True)
-        steps = [max(r[i][1] for r in res) - min(r[i][0] for r in res) for i in range(len(PAIRINGS))]
+        steps = placement_step_times(GPTConfig(**k["cfg"]), sizes, k["kw"], 8, PAIRINGS, PLACEMENT_HW, PLACEMENT_GPN)
         best = min(range(len(steps)), key=steps.__getitem__)
         if steps[mine] > steps[best] * 1.01:
             groups = lambda p: sorted(sorted(r for r in range(world) if p[r] == n) for n in set(p))

@@ -14,35 +14,21 @@ communication functions are switched off; the vocabulary loss's communication is
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
-from course_lib import tolerance
-from course_lib.grading import Case, check, check_distributed, compare
+from course_lib.benchmarks import tensor_parallel_layer_bytes
+from course_lib.grading import Case, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.guard import switched_off, time_limit
+from course_lib.parallel.vocab_parallel import shard_range
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 
-def _autograd_methods(module_name):
-    """"module:Cls.forward" and ".backward" of every autograd Function the module defines."""
-    module = importlib.import_module(module_name)
-    out = []
-    for name, val in vars(module).items():
-        if isinstance(val, type) and issubclass(val, torch.autograd.Function) and val.__module__ == module_name:
-            out += [f"{module_name}:{name}.forward", f"{module_name}:{name}.backward"]
-    return out
-
-
-def _library():
-    """What would do this chapter's exercises: off while the learner's code runs."""
-    return ["course_lib.parallel.comm_ops:*", "course_lib.parallel.tensor_parallel:*",
-            "course_lib.parallel.vocab_parallel:*", "course_lib.parallel.tensor_parallel:ColumnParallelLinear",
-            "course_lib.parallel.tensor_parallel:RowParallelLinear",
-            *_autograd_methods("course_lib.parallel.comm_ops"), *_autograd_methods("course_lib.parallel.vocab_parallel"),
-            *_autograd_methods("course_lib.parallel.tensor_parallel")]
+# What would do this chapter's exercises, off while the learner's code runs: every function and
+# class of these modules, the autograd Functions' forward and backward included ("module:*")
+LIBRARY = ("course_lib.parallel.comm_ops:*", "course_lib.parallel.tensor_parallel:*",
+           "course_lib.parallel.vocab_parallel:*")
 
 SIZES = (6, 12, 6)  # an MLP h -> 12 -> h: 12 hidden features split over 1, 2, 3 (and 4) ranks
 S, B = 6, 2         # sequence and batch of the inputs (6 tokens split over 1, 2, 3 ranks)
@@ -63,14 +49,6 @@ def _one_device(dtype=torch.float64):
     return Y.detach(), X.grad, W1.grad, W2.grad
 
 
-def _tol(dtype, *wants):
-    """Derived, not tuned (course_lib.tolerance): a sum added in another order moves by at most
-    2 K u of its terms' scale; the scale here is the largest finite value expected."""
-    scale = max([float(w.detach()[torch.isfinite(w.detach())].abs().max()) for w in wants
-                 if isinstance(w, torch.Tensor) and torch.isfinite(w.detach()).any()] + [1e-30])
-    return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
-
-
 def _apply(fn_class, x, what):
     if not (isinstance(fn_class, type) and issubclass(fn_class, torch.autograd.Function)):
         raise TypeError(f"{what} must be a torch.autograd.Function subclass (use it as {what}.apply(x)), "
@@ -87,12 +65,12 @@ def _f_g_harness(f_class, g_class, dtype=torch.float64):
 
     r, t = dist.get_rank(), dist.get_world_size()
     Y, dX, dW1, dW2 = _one_device(dtype)
-    tol = _tol(dtype, Y, dX, dW1, dW2)
+    tol = reorder_tolerance(dtype, Y, dX, dW1, dW2)
     X, W1, W2, C = _problem(dtype=dtype)
     x = X.clone().requires_grad_()
     w1 = W1.chunk(t, 0)[r].clone().requires_grad_()               # column: my rows of W1
     w2 = W2.chunk(t, 1)[r].clone().requires_grad_()               # row: my columns of W2
-    with switched_off(_library(), "Megatron's f and g"), time_limit(SECONDS):
+    with switched_off(LIBRARY, "Megatron's f and g"), time_limit(SECONDS):
         y = _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
                    "ReduceFromParallel")
         (y * C).sum().backward()
@@ -122,13 +100,6 @@ def check_megatron_f_g(CopyToParallel, ReduceFromParallel):
 
 
 # ----------------------------------------------------------------------------- 2. vocabulary-parallel loss
-def _shard(n, t, r):
-    """Columns [start, stop) of rank r when n split over t ranks as evenly as possible (the first n % t get one more)."""
-    q, extra = divmod(n, t)
-    start = r * q + min(r, extra)
-    return start, start + q + (r < extra)
-
-
 def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
     import torch.distributed as dist
 
@@ -142,9 +113,9 @@ def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
     expected = F.cross_entropy(whole, targets, reduction="none", label_smoothing=smoothing)
     expected.sum().backward()
     plain = F.cross_entropy(logits, targets, reduction="none")
-    tol = _tol(dtype, expected, whole.grad)
-    start, stop = _shard(vocab, t, r)
-    with counted_calls() as calls, switched_off(_library(), "the vocabulary-parallel cross-entropy"), \
+    tol = reorder_tolerance(dtype, expected, whole.grad)
+    start, stop = shard_range(vocab, t, r)
+    with counted_calls() as calls, switched_off(LIBRARY, "the vocabulary-parallel cross-entropy"), \
             time_limit(SECONDS):
         out = fn(logits[:, start:stop].clone(), targets.clone(), start, vocab, smoothing)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -191,12 +162,12 @@ def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
 
     r, t = dist.get_rank(), dist.get_world_size()
     Y, dX, dW1, dW2 = _one_device(dtype)
-    tol = _tol(dtype, Y, dX, dW1, dW2)
+    tol = reorder_tolerance(dtype, Y, dX, dW1, dW2)
     X, W1, W2, C = _problem(dtype=dtype)
     xs = X.chunk(t, 0)[r].clone().requires_grad_()                # my s/t tokens, (s/t, b, h)
     w1 = W1.chunk(t, 0)[r].clone().requires_grad_()
     w2 = W2.chunk(t, 1)[r].clone().requires_grad_()
-    with switched_off(_library(), "the sequence-parallel pair"), time_limit(SECONDS):
+    with switched_off(LIBRARY, "the sequence-parallel pair"), time_limit(SECONDS):
         full = _apply(gather_class, xs, "AllGatherSequence")
         if tuple(full.shape) != tuple(X.shape):
             return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
@@ -232,30 +203,6 @@ MODES = {"TP": (False, False), "TP+SP": (True, False), "TP+SP, re-gathered in ba
 LAYERS = ((64, 4, 128, 4, torch.float32), (96, 4, 128, 4, torch.bfloat16), (32, 4, 96, 4, torch.float64))
 
 
-def _count_layer_bytes(layers):
-    """On each rank: {(layer index, mode): bytes one Llama layer's forward + backward sends
-    through our ring}, counted by the tp Comm."""
-    import torch.distributed as dist
-
-    from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel import Mesh, parallelize
-
-    mesh = Mesh(tp=dist.get_world_size(), impl="course")
-    t, r, comm = mesh.sizes["tp"], mesh.coord["tp"], mesh.comm("tp")
-    out = {}
-    for k, (s, b, h, heads, dtype) in enumerate(layers):
-        cfg = GPTConfig(seq_len=s, hidden=h, n_heads=heads, n_layers=1)
-        for mode, (sp, regather) in MODES.items():
-            model = parallelize(TinyGPT(cfg, seed=0).to(dtype), mesh, sequence_parallel=sp, keep_gathered=not regather)
-            x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(0)).to(dtype)
-            x = (x.chunk(t, 1)[r] if sp else x).requires_grad_()
-            comm.reset()
-            with comm.measuring():
-                model.blocks[0](x).sum().backward()
-            out[(k, mode)] = comm.bytes_sent()
-    return out
-
-
 def check_tp_bytes_prediction(tp_bytes_per_layer):
     """tp_bytes_per_layer(s, b, h, t, sp, regather, dtype_bytes) -> bytes one rank sends in one
     layer's forward + backward; compared with the bytes counted on a real Llama layer (ring
@@ -268,11 +215,12 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
     def run(case):
         t, mode, k = case.params["t"], case.params["mode"], case.params["layer"]
         if t not in counted:
-            counted[t] = launch(_count_layer_bytes, t, LAYERS, timeout=90, quiet=True)[0]
+            counted[t] = launch(tensor_parallel_layer_bytes, t, LAYERS, MODES, timeout=90, quiet=True)[0]
         sp, regather = MODES[mode]
         s, b, h, _, dtype = LAYERS[k]
         size = torch.empty((), dtype=dtype).element_size()
-        with switched_off(["course_lib.planner.communication:*"], "predicting the bytes"), time_limit(SECONDS):
+        with switched_off(["course_lib.planner.communication:*", "course_lib.benchmarks:tensor_parallel_layer_bytes"],
+                          "predicting the bytes"), time_limit(SECONDS):
             got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             return f"return a number of bytes, got {got!r}"
@@ -307,10 +255,10 @@ def _bias_harness(fn, dtype=torch.float64):
     ref = [v.clone().requires_grad_() for v in (X, W1, b1, W2, b2)]
     Y = F.linear(F.relu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
     (Y * C).sum().backward()
-    tol = _tol(dtype, Y, *(v.grad for v in ref))
+    tol = reorder_tolerance(dtype, Y, *(v.grad for v in ref))
     mine = [X.clone(), W1.chunk(t, 0)[r].clone(), b1.chunk(t, 0)[r].clone(), W2.chunk(t, 1)[r].clone(), b2.clone()]
     mine = [v.requires_grad_() for v in mine]
-    with switched_off(_library(), "a tensor-parallel MLP with biases"), time_limit(SECONDS):
+    with switched_off(LIBRARY, "a tensor-parallel MLP with biases"), time_limit(SECONDS):
         y = fn(*mine)
         if not isinstance(y, torch.Tensor) or y.shape != Y.shape:
             return f"return the MLP's output {tuple(Y.shape)}, got " + (

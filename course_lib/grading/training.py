@@ -16,14 +16,14 @@ SIZES = (6, 10, 5)   # 60 + 10 + 50 + 5 = 125 parameters: no world size of the c
 BATCH, STEPS, LR = 12, 4, 0.1
 
 
-def data():
-    return reference.mlp_batches(seed=0, batch=BATCH, steps=STEPS, sizes=SIZES)
+def data(sizes=SIZES):
+    return reference.mlp_batches(seed=0, batch=BATCH, steps=STEPS, sizes=sizes)
 
 
-def mlp(seed):
+def mlp(seed, sizes=SIZES):
     from course_lib.models import MLP
 
-    return MLP(SIZES, seed=seed)
+    return MLP(sizes, seed=seed)
 
 
 @dataclass
