@@ -355,7 +355,7 @@ def check_pipeline_exchange(exchange_boundaries) -> bool:
     """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages."""
     cases = [Case({"exchange": exchange_boundaries}, 3, "3 stages"),
              Case({"exchange": exchange_boundaries}, 4, "4 stages")]
-    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=3)
+    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=10)
 
 
 # ----------------------------------------------------------------------------- 7. the wrong group
