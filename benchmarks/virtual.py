@@ -37,8 +37,9 @@ bytes per dtype, its seconds per cost; a GEMM's FLOPs per shape). The rest is pe
 collective: its bookkeeping (lanes, NCCL's price, memoised per group) tens of us, and its
 ready-time exchange, a 16-byte all-reduce on the backend: 100-400 us of CPU in a rank's
 process (gloo's messages and threads), ~20 ms of the 20-50 a rank spends over the floor in
-chapter 9, whose TP all-reduces are many and small. It cannot ride on the real collective: a longer
-buffer changes how gloo chunks the sum, so the results would no longer be the wall clock's.
+chapter 9, whose TP all-reduces are many and small. It cannot ride on the real collective:
+a longer buffer changes how gloo chunks the sum, so the results would no longer be the wall
+clock's.
 """
 from __future__ import annotations
 
