@@ -23,6 +23,7 @@ from course_lib import reference
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import launch
 from course_lib.parallel.compose import check_layout
+from course_lib.parallel.layout_rules import as_layout
 from course_lib.planner.kernels import _Counter as KernelCounter
 
 
@@ -91,30 +92,18 @@ def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) ->
                        [s for s in res.spans if s.name != "step"])
 
 
-def planner_layout(layout: dict, kw: dict, batch: int):
-    """The planner's Layout of the same run: dims, micro-batches, schedule, SP as parallelize_nd
-    applies it, ZeRO-3 for FSDP, gradients summed after backward (the course's DDP: no overlap)."""
-    from course_lib.planner import Layout
-
-    s = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, **layout}
-    m = kw.get("microbatches", 1)
-    return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
-                  zero=3 if kw.get("data") == "fsdp" else 0,
-                  sp=kw.get("sequence_parallel", True) and s["tp"] > 1,
-                  schedule=kw.get("schedule", "1f1b"), v=kw.get("v", 1),
-                  micro_batch=batch // (s["dp"] * m), global_batch=batch, overlap_dp=False)
-
-
 def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardware, runtime="course"):
-    """``planner.estimate`` of ``cfg`` on the same layout and hardware preset, by default as the
-    course's runtime runs it (``runtime="course"``: its kernels, launches and collectives)."""
+    """``planner.estimate`` of ``cfg`` on the same layout (the one Layout the ranks run: SP as
+    parallelize_nd applies it, ZeRO-3 for FSDP, gradients summed after backward) and hardware
+    preset, by default as the course's runtime runs it (``runtime="course"``: its kernels,
+    launches and collectives)."""
     from course_lib.planner import estimate
     from course_lib.planner.calibration import model_spec
 
     spec = model_spec(cfg)
     if cfg.n_experts:
         spec = spec.with_(n_experts=cfg.n_experts, top_k=cfg.top_k)
-    return estimate(spec, hardware, planner_layout(layout, kw, batch), runtime=runtime)
+    return estimate(spec, hardware, as_layout(dims=layout, batch=batch, **kw), runtime=runtime)
 
 
 # The kernels the course's runtime adds to a TinyGPT step, counted on its own code. The planner
@@ -178,5 +167,5 @@ def count_ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
     return busiest
 
 
-__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_layout", "planner_estimate",
+__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_estimate",
            "count_vocab_parallel_loss_kernels", "count_ring_attention_kernels"]
