@@ -78,8 +78,8 @@ class Layout:
     def of(cls, layout=None, **fields) -> "Layout":
         """A :class:`Layout` from a layout, keywords (``parallelize_nd``'s spellings too:
         ``sequence_parallel``, ``batch``, ``data="fsdp"``), or a layout with keywords changed."""
-        fields = {RUNTIME_NAMES.get(k, k): v for k, v in fields.items() if v is not None or k == "global_batch"}
-        if fields.get("global_batch") is None:
+        fields = {RUNTIME_NAMES.get(k, k): v for k, v in fields.items()}
+        if fields.get("global_batch") is None:        # no batch: the batch fields say micro-batches only
             fields.pop("global_batch", None)
         data = fields.pop("data", None)
         if data is not None:

@@ -55,13 +55,13 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
         apply_ep(st.part, mesh, L)                    # 4. EP: E / ep experts per rank, over "ep"
         set_recompute(st.part, L.recompute, st.layers)   # 5. what each block keeps for backward
     tie_embeddings(stages, mesh.sizes["pp"] * L.v)    # pp = 1, v > 1: embedding and head one weight again
-    for st in stages.values():
-        mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of)   # 6. the dims each gradient is summed over
+    for st in stages.values():                        # 6. the dims each gradient is summed over
+        mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of)
     tp = {s: {n: tp_slice_of(q) for n, q in st.part.named_parameters(remove_duplicate=False)}
           for s, st in stages.items()}                # where each TP shard sits (before FSDP)
     modules, grad_sync, master = apply_data_parallel(stages, mesh, L)   # 7. DDP or FSDP
-    return NDParallel(stages, mesh, L, modules=modules, grad_sync=grad_sync, placements=placements(stages, modules, mesh, tp),
-                      master=master)
+    return NDParallel(stages, mesh, L, modules=modules, grad_sync=grad_sync, master=master,
+                      placements=placements(stages, modules, mesh, tp))   # where each parameter sits
 
 
 def apply_tp(part, mesh, layout, seed=0):

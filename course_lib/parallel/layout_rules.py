@@ -23,7 +23,8 @@ from course_lib.recompute import layer_policies
 from course_lib.schedules import make_schedule, positive_int, schedule_name, validate
 
 # what parallelize_nd's keywords mean when not given (a Layout built directly keeps its own)
-RUNTIME_DEFAULTS = dict(sp=True, overlap_dp=False)   # SP with TP; the course's DDP sums after backward
+# SP with TP; one micro-batch (no gradient accumulation); the course's DDP sums after backward
+RUNTIME_DEFAULTS = dict(sp=True, microbatches=1, overlap_dp=False)
 
 
 def as_layout(layout=None, dims=None, **keywords) -> Layout:

@@ -28,7 +28,8 @@ from course_lib.parallel.placement import tp_placement
 from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDropout,
                                                  TensorParallelRNG, check_same_everywhere, enter_sequence_parallel,
                                                  head_rows)
-from course_lib.parallel.vocab_parallel import VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy
+from course_lib.parallel.vocab_parallel import (VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy,
+                                               vocab_rule)
 
 # module name pattern -> how it is split. "region": a tensor-parallel region starts at this
 # module's input (f, or SP's g); "norm" / "positions": whole on every rank without SP,
@@ -90,12 +91,6 @@ def mlp_width_rule(width: int, tp: int):
     """A column / row split of the MLP cuts its width into tp equal parts."""
     if width % tp:
         raise ValueError(f"the MLP width {width} is not divisible by tp={tp}")
-
-
-def vocab_rule(rows: int, tp: int):
-    """Every TP rank holds at least one row of the vocabulary (embedding, head)."""
-    if rows < tp:
-        raise ValueError(f"a vocabulary of {rows} rows cannot be split over tp={tp}")
 
 
 def rule_tensor(cfg, layout):
