@@ -127,11 +127,6 @@ def run_layout(name, layout, kw, cfg, batch, steps, ref: Reference, cluster, dty
                      [s for s in timed.spans if s.name != "step"], cluster, [r["kernels"] for r in timed])
 
 
-def planner_layout(run: LayoutRun):
-    """The planner's Layout of a run (:func:`course_lib.virtual_runs.planner_layout`)."""
-    return virtual_runs.planner_layout(run.layout, run.kw, run.batch)
-
-
 def predict(run: LayoutRun, hardware, runtime="course"):
     """The planner's estimate and simulated timeline of the run's layout on ``hardware``, as the
     course's runtime runs it (``runtime="course"``; "megatron": the published systems')."""
@@ -208,5 +203,5 @@ def measured_memory(run: LayoutRun) -> dict:
             "peak": worst["peak"]}
 
 
-__all__ = ["Reference", "single_device", "LayoutRun", "run_layout", "planner_layout",
+__all__ = ["Reference", "single_device", "LayoutRun", "run_layout",
            "predict", "planner_memory", "measured_memory", "torch_side_by_side"]

@@ -23,6 +23,7 @@ from course_lib import reference
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import launch
 from course_lib.parallel.compose import check_layout
+from course_lib.parallel.layout_rules import as_layout
 from course_lib.planner.kernels import KernelCounter
 from course_lib.virtual import VirtualCluster
 
@@ -92,30 +93,18 @@ def virtual_step(cfg: GPTConfig, layout: dict, kw: dict, batch: int, cluster) ->
                        [s for s in res.spans if s.name != "step"])
 
 
-def planner_layout(layout: dict, kw: dict, batch: int):
-    """The planner's Layout of the same run: dims, micro-batches, schedule, SP as parallelize_nd
-    applies it, ZeRO-3 for FSDP, gradients summed after backward (the course's DDP: no overlap)."""
-    from course_lib.planner import Layout
-
-    s = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, **layout}
-    m = kw.get("microbatches", 1)
-    return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
-                  zero=3 if kw.get("data") == "fsdp" else 0,
-                  sp=kw.get("sequence_parallel", True) and s["tp"] > 1,
-                  schedule=kw.get("schedule", "1f1b"), v=kw.get("v", 1),
-                  micro_batch=batch // (s["dp"] * m), global_batch=batch, overlap_dp=False)
-
-
 def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardware, runtime="course"):
-    """``planner.estimate`` of ``cfg`` on the same layout and hardware preset, by default as the
-    course's runtime runs it (``runtime="course"``: its kernels, launches and collectives)."""
+    """``planner.estimate`` of ``cfg`` on the same layout (the one Layout the ranks run: SP as
+    parallelize_nd applies it, ZeRO-3 for FSDP, gradients summed after backward) and hardware
+    preset, by default as the course's runtime runs it (``runtime="course"``: its kernels,
+    launches and collectives)."""
     from course_lib.planner import estimate
     from course_lib.planner.calibration import model_spec
 
     spec = model_spec(cfg)
     if cfg.n_experts:
         spec = spec.with_(n_experts=cfg.n_experts, top_k=cfg.top_k)
-    return estimate(spec, hardware, planner_layout(layout, kw, batch), runtime=runtime)
+    return estimate(spec, hardware, as_layout(dims=layout, batch=batch, **kw), runtime=runtime)
 
 
 # The kernels the course's runtime adds to a TinyGPT step, counted on its own code. The planner
@@ -179,54 +168,6 @@ def count_ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
     return busiest
 
 
-# ----------------------------------------------------------------------------- placing a mesh on nodes
-def _placed_steps(cfg_dict, sizes, kw, batch, placements):
-    """One warm-up step, then one step per placement (the clock's node map switched between
-    steps): per placement, this rank's (start, end) of the step in virtual seconds."""
-    from course_lib import trace
-    from course_lib.collectives import Comm
-    from course_lib.parallel.compose import parallelize_nd
-    from course_lib.parallel.mesh import Mesh
-
-    cfg = GPTConfig(**cfg_dict)
-    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**sizes), **kw)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
-    cluster, out = trace.clock().cluster, []
-    for nodes in [None] + list(placements):
-        cluster.nodes = nodes
-        Comm(None).barrier()
-        trace.reset()
-        with trace.span("step", "other"):
-            net.step(x, y)
-            opt.step()
-            opt.zero_grad()
-        s = next(s for s in trace.spans() if s.name == "step")
-        out.append((s.start, s.end))
-    return out[1:]
-
-
-class PlacedCluster(VirtualCluster):
-    """A VirtualCluster whose rank r sits on node ``nodes[r]`` (set between steps; None: blocks
-    of ``gpus_per_node`` consecutive ranks, VirtualCluster's own placement)."""
-
-    nodes = None
-
-    def node(self, rank: int) -> int:
-        return self.nodes[rank] if self.nodes is not None else rank // self.gpus_per_node
-
-
-def placement_step_times(cfg: GPTConfig, sizes: dict, kw: dict, batch: int, placements, hardware,
-                         gpus_per_node: int) -> list:
-    """The virtual step time of one ``parallelize_nd`` training step for each placement
-    (placement[r] = the node of the course mesh's rank r), all in one launch: the clock's node
-    map is switched between steps."""
-    world = len(placements[0])
-    res = launch(_placed_steps, world, dict(cfg.__dict__), sizes, kw, batch, list(placements),
-                 clock=PlacedCluster(hardware, gpus_per_node, torch.bfloat16), threads=1, timeout=60, quiet=True)
-    return [max(r[i][1] for r in res) - min(r[i][0] for r in res) for i in range(len(placements))]
-
-
-__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_layout", "planner_estimate",
-           "count_vocab_parallel_loss_kernels", "count_ring_attention_kernels", "PlacedCluster",
-           "placement_step_times"]
+from course_lib.parallel.layout_rules import as_layout
+from course_lib.planner.kernels import KernelCounter
+from course_lib.virtual import VirtualCluster

@@ -1,17 +1,16 @@
 """check_layout (course_lib/parallel/layout_rules.py) accepts exactly what the ranks run.
 
-The property, over 500 random layouts (odd sizes, GQA, MoE, tied, every schedule and torch's
-names, v, Ulysses, FSDP, batches): every layout check_layout accepts passes every check the
-ranks' own code makes (the same functions, called per rank coordinate as each rank calls them,
-without starting ranks); every layout a rank's code refuses, check_layout refuses first; and
-what check_layout refuses that no rank check catches is one of the documented "not supported
-here" rules (layouts the ranks would run, but not equal to one device). Then a few layouts on
-real ranks: accepted ones train equal to one device, the two that used to slip through the
-check are refused on every rank with the check's message, before any step.
+The property, over random layouts (odd sizes, GQA, MoE, tied, every schedule and torch's
+names, v, Ulysses, FSDP, batches): the ranks build the plan (``parallelize_nd``, whose steps
+call their own dimension's rules) and run one step; check_layout accepts a layout exactly when
+every rank runs it, and refuses it with the ValueError every rank raises. Keywords and the one
+Layout object give the same verdict. Then a few layouts on real ranks: accepted ones train
+equal to one device, the two that used to slip through the check are refused on every rank
+with the check's message, before any step.
 """
+import collections
 import dataclasses
 import random
-import types
 
 import pytest
 import torch
@@ -19,22 +18,14 @@ import torch
 from course_lib import launch, reference, tolerance
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import RankError
+from course_lib.layout import Layout
 from course_lib.parallel import check_layout
-from course_lib.parallel.context_parallel import context_parallel, shard_positions
-from course_lib.parallel.expert_parallel import ExpertParallelMoE
-from course_lib.parallel.layout_rules import rule_batch, ulysses_heads
+from course_lib.parallel.layout_rules import as_layout
 from course_lib.parallel.mesh import MeshShape
-from course_lib.parallel.pipeline import GPTStage
-from course_lib.parallel.tensor_parallel import head_rows
-from course_lib.parallel.tp_plan import PLAN, _check as tp_check
 from course_lib.schedules import make_schedule
 
-# refused by policy: the ranks would run these, but not as one device does
-POLICY = ("not tensor-parallel here", "keep cp=1 with experts", "no attention dropout", "has none",
-          "does not run under FSDP", "untie it or use data='ddp'")
 
-
-def _random_layout(rng):
+def _random_layout(rng, max_world=None):
     heads = rng.choice([2, 3, 4, 6, 8])
     kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
     gpt2 = rng.random() < 0.2
@@ -43,7 +34,10 @@ def _random_layout(rng):
                     n_kv_heads=kv, ffn_hidden=rng.choice([12, 16, 18]), tie_embeddings=rng.random() < 0.4,
                     block="gpt2" if gpt2 else "llama", dropout=0.1 if gpt2 and rng.random() < 0.5 else 0.0,
                     n_experts=rng.choice([0, 0, 0, 0, 2, 3, 4]), top_k=1)
-    dims = {d: rng.choice([1, 1, 1, 2, 2, 3, 4]) for d in ("dp", "pp", "cp", "tp")}
+    while True:
+        dims = {d: rng.choice([1, 1, 1, 2, 2, 3, 4]) for d in ("dp", "pp", "cp", "tp")}
+        if max_world is None or MeshShape(**dims).world_size <= max_world:
+            break
     dims["ep"] = rng.choice([e for e in (1, 2, 3) if dims["dp"] % e == 0])
     kw = dict(microbatches=rng.choice([1, 2, 2, 3, 4]), v=rng.choice([1, 1, 1, 2, 3]),
               schedule=rng.choice(["gpipe", "1f1b", "1f1b", "interleaved", "zb-h1", "Interleaved1F1B", "GPipe"]),
@@ -52,62 +46,67 @@ def _random_layout(rng):
     return cfg, dims, kw, rng.choice([None, None, 12, 6])
 
 
-def _ranks_refuse(cfg, dims, kw, batch):
-    """The first ValueError the ranks' own code raises for this layout (None: they run it),
-    calling each check as parallelize_nd's steps do on every rank coordinate."""
-    ns = types.SimpleNamespace
+def _verdict(call):
     try:
-        shape = MeshShape(**dims)                                               # Mesh
-        make_schedule(kw["schedule"], dims["pp"], kw["microbatches"], kw["v"])  # PipelineRuntime
-        model = TinyGPT(cfg, seed=0)
-        n = dims["pp"] * kw["v"]
-        stages = [GPTStage(model, 0, n)]                   # split_stages (the layer split of all n)
-        t, c = dims["tp"], dims["cp"]
-        sp = kw["sequence_parallel"] and t > 1
-        for r in range(t if t > 1 else 0):                                      # apply_tp: tp_plan's check
-            tp_check(model, PLAN, ns(size=t, rank=r), sp)
-        if c > 1:                                                               # apply_cp
-            context_parallel(TinyGPT(cfg, seed=0), ns(size=c), kw["cp_method"], kw["cp_layout"])
-            for r in range(c):
-                shard_positions(cfg.seq_len, c, r, kw["cp_layout"])
-            for r in range(t) if kw["cp_method"] == "ulysses" else ():           # each rank's local heads
-                (q0, q1), (k0, k1), _ = head_rows(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, t, r)
-                ulysses_heads((q1 - q0) // cfg.head_dim, (k1 - k0) // cfg.head_dim, c)
-        if sp and (cfg.seq_len // c) % t:                                       # SP's scatter along s
-            raise ValueError("sequence parallelism: tokens do not split over tp")
-        for block in stages[0].part.blocks if dims["ep"] > 1 else ():          # apply_ep
-            if hasattr(block.mlp, "moe"):
-                try:
-                    ExpertParallelMoE(block.mlp.moe, ns(size=lambda d: dims["ep"]))
-                except AttributeError:       # past its check, at mesh.comm: the fake mesh has none
-                    pass
-        if batch is not None:
-            rule_batch(batch, shape.sizes["dp"], kw["microbatches"])           # NDParallel.local_batch
+        call()
     except ValueError as e:
         return str(e)
     return None
 
 
-def test_check_layout_accepts_exactly_what_the_ranks_run():
-    rng, seen = random.Random(0), {"accepted": 0, "both refuse": 0, "policy": 0}
+def test_keywords_and_the_layout_object_get_the_same_verdict():
+    """check_layout(cfg, **keywords) and check_layout(cfg, Layout) are one check: the same
+    verdict over 500 random layouts, and the Layout built from the keywords is the one the
+    ranks' plan builds (as_layout)."""
+    rng, seen = random.Random(0), collections.Counter()
     for _ in range(500):
         cfg, dims, kw, batch = _random_layout(rng)
+        by_keywords = _verdict(lambda: check_layout(cfg, **dims, **kw, batch=batch))
+        layout = Layout.of(**dims, **{**kw, "sequence_parallel": kw["sequence_parallel"]}, overlap_dp=False,
+                           batch=batch)
+        assert layout == as_layout(dims=dims, batch=batch, **kw)
+        assert _verdict(lambda: check_layout(cfg, layout)) == by_keywords, (cfg, dims, kw, batch)
+        seen[by_keywords is None] += 1
+    assert min(seen.values()) >= 30, seen
+
+
+def _ranks_run(cases):
+    """On every rank: each case's plan built (parallelize_nd) and one step run; None, or the
+    ValueError's message, or another exception's (a bug either way)."""
+    from course_lib.parallel import Mesh, parallelize_nd
+    out = []
+    for cfg, dims, kw, batch in cases:
         try:
-            check_layout(cfg, **dims, **kw, batch=batch)
-            verdict = None
+            net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**dims), **kw)
+            x, y = reference.gpt_batches(cfg, batch=batch or dims["dp"] * kw["microbatches"], steps=1)[0]
+            net.step(x, y)
+            out.append(None)
         except ValueError as e:
-            verdict = str(e)
-        ranks = _ranks_refuse(cfg, dims, kw, batch)
-        case = (cfg, dims, kw, batch)
-        if verdict is None:
-            assert ranks is None, f"check_layout accepts, a rank refuses: {ranks}\n{case}"
-            seen["accepted"] += 1
-        elif ranks is not None:
-            seen["both refuse"] += 1
-        else:
-            assert any(p in verdict for p in POLICY), f"refused, but the ranks run it: {verdict}\n{case}"
-            seen["policy"] += 1
-    assert min(seen.values()) >= 30, seen          # every branch exercised, not a vacuous pass
+            out.append(str(e))
+        except Exception as e:  # noqa: BLE001 - not a refusal: reported as such
+            out.append(f"{type(e).__name__} (not a ValueError): {e}")
+    return out
+
+
+def test_check_layout_accepts_exactly_what_the_ranks_run():
+    """The ranks build the plan and step, for random layouts of 1 to 4 ranks (one launch per
+    world size): accepted <=> every rank runs it; refused <=> every rank raises the same
+    ValueError (each plan step calls its dimension's rules; no copy of the plan here)."""
+    rng, by_world = random.Random(1), collections.defaultdict(list)
+    while sum(map(len, by_world.values())) < 60:
+        case = _random_layout(rng, max_world=4)
+        world = MeshShape(**case[1]).world_size
+        if len(by_world[world]) < 15:
+            by_world[world].append(case)
+    seen = collections.Counter()
+    for world, cases in sorted(by_world.items()):
+        per_rank = launch(_ranks_run, world, cases, threads=1, timeout=600)
+        for i, (cfg, dims, kw, batch) in enumerate(cases):
+            verdict = _verdict(lambda: check_layout(cfg, **dims, **kw, batch=batch))
+            got = {r[i] for r in per_rank}
+            assert got == {verdict}, f"check_layout: {verdict}; the ranks: {got}\n{cfg, dims, kw, batch}"
+            seen[verdict is None] += 1
+    assert min(seen.values()) >= 10, seen          # both sides exercised, not a vacuous pass
 
 
 # ---------------------------------------------------------------- a few layouts on real ranks

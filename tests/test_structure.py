@@ -38,7 +38,6 @@ ALLOWED = {
     # virtual/ (on main) reads the planner's kernel costs
     ("course_lib/virtual/compute.py", "course_lib.planner.kernel_cost:_add_bytes"),
     # tests of files other work is reshaping
-    ("tests/test_compose_rules.py", "course_lib.parallel.tp_plan:_check"),
     ("tests/test_grading_nd.py", "course_lib.grading.nd_parallel:_expected_group"),
     ("tests/test_grading_nd.py", "course_lib.grading.nd_parallel:_valid_layouts"),
     ("tests/test_virtual_compute.py", "course_lib.virtual.compute:_cuda_path"),

@@ -6,7 +6,8 @@ from course_lib import costmodel
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.planner import HARDWARE
 from course_lib.virtual import VirtualCluster
-from course_lib.virtual_runs import planner_estimate, planner_layout, virtual_step
+from course_lib.parallel.layout_rules import as_layout
+from course_lib.virtual_runs import planner_estimate, virtual_step
 
 CFG = GPTConfig(n_layers=1, hidden=32, n_heads=2, seq_len=16, vocab_size=64)
 H100 = HARDWARE["h100-sxm"]
@@ -30,12 +31,13 @@ def test_dp_step_is_deterministic_and_priced_by_its_parts():
     assert a.step_time <= a.kernels[0] * (H100.launch_overhead + H100.kernel_floor + 1e-6) + a.comm["dp"]
 
 
-def test_planner_layout_is_the_same_run():
-    lay = planner_layout(dict(pp=2, dp=2), dict(microbatches=2), 8)
-    assert (lay.dp, lay.pp, lay.tp, lay.micro_batch, lay.global_batch, lay.sp, lay.overlap_dp) == \
-        (2, 2, 1, 2, 8, False, False)
-    assert planner_layout(dict(tp=2), {}, 4).sp                  # parallelize_nd's default: SP with TP
-    assert not planner_layout(dict(tp=2), dict(sequence_parallel=False), 4).sp
+def test_the_planner_prices_the_layout_the_ranks_run():
+    lay = as_layout(dims=dict(pp=2, dp=2), microbatches=2, batch=8)      # parallelize_nd's keywords
+    assert (lay.dp, lay.pp, lay.tp, lay.micro_batch, lay.global_batch, lay.microbatches, lay.overlap_dp) == \
+        (2, 2, 1, 2, 8, 2, False)
+    assert as_layout(dims=dict(tp=2), batch=4).sp                  # parallelize_nd's default: SP with TP
+    assert not as_layout(dims=dict(tp=2), sequence_parallel=False, batch=4).sp
+    assert as_layout(dims=dict(dp=2), data="fsdp").zero == 3
     est = planner_estimate(CFG, dict(dp=2), {}, 4, H100)
     assert est.step_time > 0 and est.time.get("dp", 0) > 0
 

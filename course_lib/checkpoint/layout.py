@@ -19,8 +19,11 @@ from typing import NamedTuple
 
 import torch
 
+from course_lib.parallel.compose import NDParallel
 from course_lib.parallel.data_parallel import DDP
 from course_lib.parallel.fsdp import FSDP
+from course_lib.parallel.pipeline import PipelineParallel
+from course_lib.parallel.placement import Placement
 from course_lib.parallel.zero import ShardedOptimizer
 
 TIED = {"lm_head.weight": "tok_emb.weight"}   # TinyGPT(tie_embeddings=True): one weight, one name
@@ -70,53 +73,39 @@ def flat_range_boxes(shape, lo: int, hi: int) -> list[Part]:
     return out
 
 
-def _box(q, fsdp_rows=None, tp_shard=None):
-    """(global shape, [Part]) of local parameter ``q``: its FSDP rows (row start, shape of the
-    tensor FSDP cut), then its TP slice ``(dim, start, stop, full size)``."""
-    offsets, shape = [0] * q.dim(), list(q.shape)
-    if fsdp_rows is not None:
-        offsets[0], shape = fsdp_rows[0], list(fsdp_rows[1])
-    if tp_shard is not None:
-        dim, start, _, size = tp_shard
-        offsets[dim] += start
-        shape[dim] = size
-    parts = [Part(tuple(offsets), tuple(q.shape), 0)] if q.numel() else []    # an FSDP rank may hold 0 rows
-    return tuple(shape), parts
+def _box(q, placement=None):
+    """(global shape, [Part]) of local parameter ``q``: where the plan's :class:`Placement`
+    says it sits (its FSDP rows of its TP slice), or the whole tensor."""
+    if placement is None:
+        return tuple(q.shape), [Part((0,) * q.dim(), tuple(q.shape), 0)] if q.numel() else []
+    offsets, lengths = placement.box(q.shape)
+    return placement.shape, [Part(offsets, lengths, 0)] if q.numel() else []   # an FSDP rank may hold 0 rows
 
 
-def _fsdp_rows(fsdp: FSDP) -> dict:
-    """{id(shard parameter): (first global row, shape FSDP cut)}: rank r holds rows r*c..."""
-    rank, out = fsdp.comm.rank, {}
-    for unit in fsdp.units:
-        for piece, slot in zip(unit.pieces, unit.slots):
-            out[id(piece)] = (rank * slot.chunk, slot.shape)
-    return out
+def _fsdp_placements(fsdp: FSDP) -> dict:
+    """{id(shard parameter): Placement}: rank r holds rows r*c... of each parameter FSDP cut."""
+    rank = fsdp.comm.rank
+    return {id(piece): Placement(tuple(slot.shape), shard=tuple(fsdp.dims), rows=(rank * slot.chunk, slot.rows))
+            for unit in fsdp.units for piece, slot in zip(unit.pieces, unit.slots)}
 
 
 def _named_local(model):
-    """[(single-device name, local parameter, fsdp rows or None, tp_shard or None)]."""
-    if hasattr(model, "stages") and isinstance(getattr(model, "modules", None), dict):   # N-D / pipeline
-        rows, tp = {}, {}
-        for mod in model.modules.values():
-            if isinstance(mod, FSDP):
-                rows.update(_fsdp_rows(mod))
-        slices = getattr(model, "tp_slices", None)     # parallelize_nd keeps them (FSDP drops the tags)
-        for s, st in model.stages.items():
-            for local, q in st.part.named_parameters(remove_duplicate=False):
-                tp[id(q)] = slices[s][local] if slices else getattr(q, "tp_shard", None)
-        named = model.named_parameters() if hasattr(model, "tp_slices") else \
-            {n: q for st in model.stages.values() for n, q in st.named_in_model().items()}
-        return [(n, q, rows.get(id(q)), tp.get(id(q))) for n, q in named.items()]
+    """[(single-device name, local parameter, Placement or None)]."""
+    if isinstance(model, NDParallel):                        # the plan's record
+        return [(n, q, model.placements[n]) for n, q in model.named_parameters().items()]
+    if isinstance(model, PipelineParallel):                  # whole tensors, by stage
+        return [(n, q, None) for st in model.stages.values() for n, q in st.named_in_model().items()]
     module = model.module if isinstance(model, DDP) else model
     if isinstance(module, FSDP):
         if getattr(module.mesh, "sizes", {}).get("tp", 1) > 1:
             raise ValueError("checkpoint: an FSDP over a tensor-parallel model loses its TP tags: "
                              "build the layout with parallelize_nd(..., data='fsdp')")
-        rows = _fsdp_rows(module)
-        return [(n, q, rows.get(id(q)), None) for n, q in module.module.named_parameters(remove_duplicate=False)]
+        where = _fsdp_placements(module)
+        return [(n, q, where.get(id(q))) for n, q in module.module.named_parameters(remove_duplicate=False)]
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"checkpoint: expected an nn.Module, DDP, FSDP or NDParallel, got {type(model).__name__}")
-    return [(n, q, None, getattr(q, "tp_shard", None)) for n, q in module.named_parameters(remove_duplicate=False)]
+    where = getattr(getattr(module, "tensor_parallel", None), "placements", {})   # parallelize's record
+    return [(n, q, where.get(n)) for n, q in module.named_parameters(remove_duplicate=False)]
 
 
 def _config(model):
@@ -135,12 +124,12 @@ def model_holdings(model) -> dict:
     embedding's, also where two pipeline stages hold it as two copies)."""
     tied = TIED if getattr(_config(model), "tie_embeddings", False) else {}
     out = {}
-    for name, q, rows, tp in _named_local(model):
+    for name, q, where in _named_local(model):
         if id(q) in out:
             continue                                   # the second name of a tied weight
         if not q.is_contiguous():
             raise ValueError(f"checkpoint: parameter {name!r} is not contiguous: a shard is read as flat bytes")
-        shape, parts = _box(q, rows, tp)
+        shape, parts = _box(q, where)
         out[id(q)] = Holding(tied.get(name, name), shape, q, parts)
     return out
 

@@ -2,7 +2,7 @@
 and which mesh dimension's reduction is missing, doubled or wrongly scaled.
 
     # in each rank, after every step's backward and gradient sync:
-    steps.append(grads_of(net.named_parameters()))        # {name: (grad, where its TP shard sits)}
+    steps.append(grads_of(net.named_parameters(), net.placements))   # {name: (grad, its TP slice)}
     # in the caller, with the single-device run's gradients of the same steps:
     found = first_divergence([r["grads"] for r in results], ref_grads, MeshShape(dp=2, cp=2))
     print(found)      # step 0, 'fc1.weight' ... the reduction over cp is missing
@@ -34,11 +34,13 @@ from course_lib import tolerance
 DIMS = ("dp", "pp", "cp", "tp")
 
 
-def grads_of(named_parameters) -> dict:
+def grads_of(named_parameters, placements=None) -> dict:
     """{name: (gradient clone, where its TP shard sits or None)} of this rank's parameters
-    (``where`` = (dim, start, stop, full size), the ``tp_shard`` a TP layer marks)."""
+    (``where`` = (dim, start, stop, full size), the TP slice of the plan's record
+    ``placements``: ``NDParallel.placements``; none given: whole tensors)."""
     items = named_parameters.items() if isinstance(named_parameters, dict) else named_parameters
-    return {n: (p.grad.detach().clone(), getattr(p, "tp_shard", None)) for n, p in items if p.grad is not None}
+    where = {n: p.tp for n, p in (placements or {}).items()}
+    return {n: (p.grad.detach().clone(), where.get(n)) for n, p in items if p.grad is not None}
 
 
 def _split(value):

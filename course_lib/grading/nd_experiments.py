@@ -1,8 +1,8 @@
 """The real runs behind chapter 9's graders (course_lib/grading/nd_parallel.py): each layout's
 peak memory measured, the groups a composed step went through recorded, and composed
 training with a given ``data_dims`` compared with one device. Only public course_lib names:
-the composition is built here from the plan's own steps (``parallelize_nd``'s order), with
-``mark_reduce_dims(..., dims_of=)`` taking the function under test.
+the composition is ``parallelize_nd`` itself, its step 6 the function under test
+(``parallelize_nd(..., dims_of=)``).
 
     measure_layouts(cfg, 4, [dict(dp=2, pp=2, cp=1, tp=1, microbatches=2)], batch=4)   # [peak bytes]
     recorded_groups()                      # {(layout, rank, what): global ranks}, from a real run
@@ -206,26 +206,11 @@ DATA_DIMS_RUNS = [  # (label, config overrides, mesh, parallelize_nd keywords)
 
 
 def build_with_dims(model, mesh, dims_of, microbatches=1, sequence_parallel=True):
-    """``parallelize_nd``'s plan (DDP, 1F1B) with ``dims_of(p, sizes, fsdp)`` deciding step 5."""
-    from course_lib.parallel.compose import (NDParallel, apply_cp, apply_data_parallel, apply_ep, apply_tp,
-                                             check_layout, mark_reduce_dims, tp_slices)
-    from course_lib.parallel.pipeline import split_stages, tie_embeddings
+    """``parallelize_nd``'s plan (DDP, 1F1B) with ``dims_of(p, sizes, fsdp)`` deciding step 6."""
+    from course_lib.parallel.compose import parallelize_nd
 
-    check_layout(model.config, **mesh.sizes, ep=mesh.ep, microbatches=microbatches,
-                 sequence_parallel=sequence_parallel)
-    sp = sequence_parallel and mesh.sizes["tp"] > 1
-    stages = split_stages(model, mesh)
-    for st in stages.values():
-        apply_tp(st.part, mesh, sp)
-        apply_cp(st.part, mesh)
-        apply_ep(st.part, mesh)
-    tie_embeddings(stages, mesh.sizes["pp"])
-    for st in stages.values():
-        mark_reduce_dims(st, mesh, dims_of=dims_of)
-    slices = {s: tp_slices(st) for s, st in stages.items()}
-    modules, grad_sync, _ = apply_data_parallel(stages, mesh)      # full precision: no master weights
-    return NDParallel(stages, mesh, modules=modules, grad_sync=grad_sync, tp_slices=slices,
-                      microbatches=microbatches, sequence_parallel=sp)
+    return parallelize_nd(model, mesh, microbatches=microbatches, sequence_parallel=sequence_parallel,
+                          dims_of=dims_of)
 
 
 def _data_dims_rank(dims_of, runs, steps):
@@ -328,7 +313,7 @@ def _compare(per_rank, over, shape, kw, steps):
 
 def composed_runs_with(dims_of, runs=None, steps=STEPS, timeout=90.0) -> list:
     """Train every run of ``runs`` (default DATA_DIMS_RUNS) for ``steps`` steps in float64 with
-    the plan's step 5 decided by ``dims_of(p, sizes, fsdp)``, all in ONE 4-rank launch; for
+    the plan's step 6 decided by ``dims_of(p, sizes, fsdp)``, all in ONE 4-rank launch; for
     each, None if it matches one device (:func:`_compare`), else what differs."""
     runs = DATA_DIMS_RUNS if runs is None else runs
     per_rank = launch(_data_dims_rank, 4, dims_of, [(o, s, k) for _, o, s, k in runs], steps,

@@ -15,10 +15,12 @@
                       PipelineParallel (tied embeddings, DP around PP); torch's pipelining side by side
     context_parallel  ring attention (zigzag), Ulysses
     expert_parallel   MoE dispatch / combine over expert-parallel ranks
-    layout_rules      check_layout: every rule of an N-D layout, shared with the ranks
+    layout_rules      check_layout: every dimension's rules for an N-D layout (course_lib.layout.Layout)
+    placement         Placement: where a parameter sits on a rank, the plan's one record
     compose           parallelize_nd: the plan (PP -> TP -> CP -> EP -> DP/FSDP), NDParallel
 """
 # (context_parallel the function is not re-exported: it would hide the module of the same name)
+from course_lib.layout import Layout
 from course_lib.parallel.compose import NDParallel, assemble_nd, parallelize_nd
 from course_lib.parallel.context_parallel import ring_attention, ulysses_attention
 from course_lib.parallel.data_parallel import DDP, average_gradients
@@ -28,6 +30,7 @@ from course_lib.parallel.grad_sync import GradSync, OverlappedGradSync
 from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import Mesh, MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.pipeline import PipelineParallel
+from course_lib.parallel.placement import Placement
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from course_lib.parallel.tp_plan import parallelize
 from course_lib.parallel.zero import ShardedOptimizer
@@ -35,4 +38,4 @@ from course_lib.parallel.zero import ShardedOptimizer
 __all__ = ["Mesh", "MeshShape", "set_reduce_dims", "get_reduce_dims", "DDP", "average_gradients", "GradSync",
            "OverlappedGradSync", "ShardedOptimizer", "FSDP", "ColumnParallelLinear", "RowParallelLinear",
            "parallelize", "PipelineParallel", "ring_attention", "ulysses_attention",
-           "ExpertParallelMoE", "parallelize_nd", "check_layout", "assemble_nd", "NDParallel"]
+           "ExpertParallelMoE", "parallelize_nd", "check_layout", "assemble_nd", "NDParallel", "Layout", "Placement"]

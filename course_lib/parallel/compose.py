@@ -1,7 +1,9 @@
 """N-D parallelism: the tiny GPT cut along every dimension of a mesh, by one plan.
 
-    check_layout(cfg, dp=2, pp=2, cp=2, tp=2, batch=8, microbatches=2)   # before any rank starts
-    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(dp=2, pp=2, cp=2, tp=2), microbatches=2)
+    layout = Layout(dp=2, pp=2, cp=2, tp=2, global_batch=8, microbatches=2)
+    check_layout(cfg, layout)                                      # before any rank starts
+    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(dp=2, pp=2, cp=2, tp=2), layout)
+    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(dp=2, pp=2, cp=2, tp=2), microbatches=2)  # the same
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     loss = net.step(x, y)          # the GLOBAL batch (the same on every rank): the step's loss
     opt.step(); opt.zero_grad()
@@ -17,66 +19,72 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from course_lib.parallel.context_parallel import context_parallel, shard_positions
-from course_lib.parallel.expert_parallel import ExpertParallelMoE
-from course_lib.parallel.fsdp import FSDP
+from course_lib.layout import DATA, Layout
+from course_lib.parallel.context_parallel import context_parallel, rule_context, shard_positions
+from course_lib.parallel.expert_parallel import ExpertParallelMoE, rule_experts
+from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import DATA, check_layout, rule_batch
+from course_lib.parallel.layout_rules import as_layout, check_layout, rule_batch, rule_names, rule_pipeline
 from course_lib.parallel.mesh import DIMS, MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.pipeline.runtime import PipelineRuntime
 from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
-from course_lib.parallel.tp_plan import parallelize
+from course_lib.parallel.placement import Placement, assemble_tp
+from course_lib.parallel.tp_plan import parallelize, rule_sequence, rule_tensor, tp_slice_of
 from course_lib.precision.mixed import MasterWeights, cast_buffers, check_precision
 from course_lib.recompute import set_recompute
 from course_lib.schedules import SCHEDULES, validate
 
 
-def parallelize_nd(model, mesh, *, microbatches=1, schedule="1f1b", v=1, sequence_parallel=True,
-                   cp_method="ring", cp_layout="zigzag", data="ddp", recompute=None, precision="full",
-                   seed=0) -> "NDParallel":
+def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, **keywords) -> "NDParallel":
     """The same single-device ``model`` on every rank -> this rank's part of it, on ``mesh``.
-    ``recompute``: a policy or one per block (course_lib.recompute; None: the model's own);
-    ``precision``: a name of course_lib.precision.mixed (bf16 compute, masters in the model's dtype)."""
+    ``layout``: a :class:`~course_lib.layout.Layout` (its dims the mesh's), or its fields as
+    keywords: ``microbatches``, ``schedule``, ``v``, ``sequence_parallel`` (default True),
+    ``cp_method``, ``cp_layout``, ``data`` ("ddp" / "fsdp"), ``recompute`` (default: the model's
+    own), ``precision``. ``dims_of(p, sizes, fsdp)``: step 6 (default :func:`data_dims`)."""
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"parallelize_nd cuts a course_lib TinyGPT, got {type(model).__name__}")
-    recompute = model.config.recompute if recompute is None else recompute
-    if not isinstance(schedule, str):       # an action list: checked once, here (check_layout, the runner:
-        schedule = validate(schedule, mesh.sizes["pp"], microbatches, v)     # the checked lists, as they are)
-    check_layout(model.config, **mesh.sizes, ep=mesh.ep, microbatches=microbatches, schedule=schedule, v=v,
-                 sequence_parallel=sequence_parallel, cp_method=cp_method, cp_layout=cp_layout, data=data,
-                 recompute=recompute, precision=precision)
-    sp = sequence_parallel and mesh.sizes["tp"] > 1
-    stages = split_stages(model, mesh, v)             # 1. PP: this rank's stages (a tied weight re-tied)
+    if layout is None and keywords.get("recompute") is None:
+        keywords["recompute"] = model.config.recompute
+    L = as_layout(layout, dict(mesh.sizes, ep=mesh.ep), **keywords)
+    if not isinstance(L.schedule, str):     # an action list: checked once, here (the rules and the
+        L = L.with_(schedule=validate(L.schedule, L.pp, L.microbatches, L.v))   # runner take it as is)
+    for rule in (rule_names, rule_pipeline):
+        rule(model.config, L)
+    stages = split_stages(model, mesh, L.v)           # 1. PP: this rank's stages (a tied weight re-tied)
     for st in stages.values():
-        apply_tp(st.part, mesh, sp, seed)             # 2. TP (+ SP): matrices split over "tp"
-        apply_cp(st.part, mesh, cp_method, cp_layout)  # 3. CP: attention a ring (or Ulysses) over "cp"
-        apply_ep(st.part, mesh)                       # 4. EP: E / ep experts per rank, over "ep"
-        set_recompute(st.part, recompute, st.layers)  # 5. what each block keeps for backward
-    tie_embeddings(stages, mesh.sizes["pp"] * v)      # pp = 1, v > 1: embedding and head one weight again
-    for st in stages.values():
-        mark_reduce_dims(st, mesh, fsdp=data == "fsdp")   # 6. the dims each gradient is summed over
-    slices = {s: tp_slices(st) for s, st in stages.items()}   # where each TP shard sits (before FSDP)
-    modules, grad_sync, master = apply_data_parallel(stages, mesh, data, precision)   # 7. DDP or FSDP
-    return NDParallel(stages, mesh, modules=modules, grad_sync=grad_sync, tp_slices=slices,
-                      microbatches=microbatches, schedule=schedule, v=v, sequence_parallel=sp,
-                      cp_layout=cp_layout, master=master, act_dtype=check_precision(precision)[0])
+        apply_tp(st.part, mesh, L, seed)              # 2. TP (+ SP): matrices split over "tp"
+        apply_cp(st.part, mesh, L)                    # 3. CP: attention a ring (or Ulysses) over "cp"
+        apply_ep(st.part, mesh, L)                    # 4. EP: E / ep experts per rank, over "ep"
+        set_recompute(st.part, L.recompute, st.layers)   # 5. what each block keeps for backward
+    tie_embeddings(stages, mesh.sizes["pp"] * L.v)    # pp = 1, v > 1: embedding and head one weight again
+    for st in stages.values():                        # 6. the dims each gradient is summed over
+        mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of)
+    tp = {s: {n: tp_slice_of(q) for n, q in st.part.named_parameters(remove_duplicate=False)}
+          for s, st in stages.items()}                # where each TP shard sits (before FSDP)
+    modules, grad_sync, master = apply_data_parallel(stages, mesh, L)   # 7. DDP or FSDP
+    return NDParallel(stages, mesh, L, modules=modules, grad_sync=grad_sync, master=master,
+                      placements=placements(stages, modules, mesh, tp))   # where each parameter sits
 
 
-def apply_tp(part, mesh, sequence_parallel, seed=0):
+def apply_tp(part, mesh, layout, seed=0):
     """Megatron's column / row split of every block (chapter 5) over mesh "tp"."""
+    rule_tensor(part.config, layout)
+    rule_sequence(part.config, layout)
     if mesh.sizes["tp"] > 1:
-        parallelize(part, mesh, sequence_parallel=sequence_parallel, seed=seed)
+        parallelize(part, mesh, sequence_parallel=layout.sp, seed=seed)
 
 
-def apply_cp(part, mesh, method="ring", layout="zigzag"):
+def apply_cp(part, mesh, layout):
     """Every attention over mesh "cp" (chapter 7): a rank holds s / cp tokens."""
+    rule_context(part.config, layout)
     if mesh.sizes["cp"] > 1:
-        context_parallel(part, mesh.comm("cp"), method, layout)
+        context_parallel(part, mesh.comm("cp"), layout.cp_method, layout.cp_layout)
 
 
-def apply_ep(part, mesh):
+def apply_ep(part, mesh, layout):
     """MoE variant (chapter 8): each block's experts split over mesh "ep"; each call routes this
     rank's tokens as one group (its aux loss weighted per step by :meth:`NDParallel.step`)."""
+    rule_experts(part.config, layout)
     for block in part.blocks:
         mlp = getattr(block, "mlp", None)
         if mlp is not None and hasattr(mlp, "aux_weight"):
@@ -96,54 +104,80 @@ def data_dims(p, sizes, fsdp):
     return tuple(d for d in DIMS + ("edp",) if d in dims and (size[d] > 1 or d in keep))
 
 
-_data_dims = data_dims      # the name chapter 9's grader replaces (until it builds the plan itself)
-
-
 def mark_reduce_dims(stage, mesh, fsdp=False, dims_of=None):
     """Mark every parameter of ``stage`` with the dims its gradient is summed over
     (``dims_of(p, sizes, fsdp)``, default :func:`data_dims`)."""
     sizes = dict(mesh.sizes, ep=mesh.ep)
     for q in stage.parameters():
-        set_reduce_dims(q, (dims_of or _data_dims)(q, sizes, fsdp))
+        set_reduce_dims(q, (dims_of or data_dims)(q, sizes, fsdp))
 
 
-def tp_slices(stage):
-    """{name in the stage: where its TP shard sits in the full tensor, or None}."""
-    return {n: getattr(q, "tp_shard", None) for n, q in stage.part.named_parameters(remove_duplicate=False)}
-
-
-def apply_data_parallel(stages, mesh, data="ddp", precision="full"):
+def apply_data_parallel(stages, mesh, layout):
     """DP: a GradSync over the marked parameters, after the schedule ("ddp"); or each stage
     sharded over ("dp", "cp") (torchtitan's ``dp_shard_cp``), reduce-scattering ("fsdp").
     Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
     gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
     them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
     Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
-    compute, reduce = check_precision(precision)
-    if data == "fsdp":
+    rule_fsdp(next(iter(stages.values())).part.config, layout)
+    compute, reduce = check_precision(layout.precision)
+    if layout.data == "fsdp":
         return {s: FSDP(st, compute, reduce_dtype=reduce, mesh=mesh, dims=("dp", "cp"), units=list(st.part.blocks),
                         divisor=1) for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
+    dims = {id(q): get_reduce_dims(q, ()) for q in params}
     master = None
     if compute is not None:
         master = MasterWeights(params, compute, reduce)
         for st in stages.values():
             cast_buffers(st, compute)
-        params = master.parameters() if master.reduce_on_master else params
-    params = [q for q in params if get_reduce_dims(q, ())]
-    return dict(stages), (GradSync(params, mesh, divisor=1) if params else None), master
+        if master.reduce_on_master:
+            dims = {id(master.of[i]): d for i, d in dims.items()}
+            params = master.parameters()
+    params = [q for q in params if dims[id(q)]]
+    return dict(stages), (GradSync(params, mesh, divisor=1, dims=dims) if params else None), master
+
+
+def placements(stages, modules, mesh, tp) -> dict:
+    """{single-device name: :class:`Placement`} of this rank's parameters: the TP slices ``tp``
+    ({stage: {local name: (slice, copies)}}, read before FSDP), FSDP's rows, the reduce marks."""
+    sizes, out = dict(mesh.sizes, ep=mesh.ep), {}
+    for s, st in stages.items():
+        rows = _fsdp_rows(modules[s]) if isinstance(modules[s], FSDP) else {}
+        for local, q in st.part.named_parameters(remove_duplicate=False):
+            where, copies = tp[s][local]
+            start, held, cut = rows.get(id(q), (None, None, tuple(q.shape)))
+            shape = tuple(where[3] if where and i == where[0] else n for i, n in enumerate(cut))
+            reduce = tuple(get_reduce_dims(q, ()))
+            shard = ("dp", "cp") if rows else ()
+            replicated = tuple(d for d in reduce if d not in shard) + \
+                (("tp",) if sizes["tp"] > 1 and (where is None or copies > 1) and "tp" not in reduce else ())
+            out[_model_name(local, st, mesh)] = Placement(shape, where, copies, shard,
+                                                          None if start is None else (start, held), reduce,
+                                                          replicated)
+    return out
+
+
+def _fsdp_rows(fsdp: FSDP) -> dict:
+    """{id(shard parameter): (first global row, rows held, shape FSDP cut)}: rank r holds rows r*c..."""
+    rank = fsdp.comm.rank
+    return {id(piece): (rank * slot.chunk, slot.rows, tuple(slot.shape))
+            for unit in fsdp.units for piece, slot in zip(unit.pieces, unit.slots)}
 
 
 class NDParallel(PipelineRuntime):
-    """The tiny GPT on a :class:`Mesh`, cut by :func:`parallelize_nd`; :meth:`step` takes the
-    GLOBAL batch. With pp = 1 the schedule is plain gradient accumulation over ``microbatches``."""
+    """The tiny GPT on a :class:`Mesh`, cut by :func:`parallelize_nd` as ``layout`` says;
+    :meth:`step` takes the GLOBAL batch. With pp = 1 the schedule is plain gradient
+    accumulation over ``layout.microbatches``. ``placements``: {single-device name:
+    :class:`Placement`} of this rank's parameters."""
 
-    def __init__(self, stages, mesh, *, modules, grad_sync, tp_slices, microbatches=1, schedule="1f1b", v=1,
-                 sequence_parallel=False, cp_layout="zigzag", master=None, act_dtype=None):
-        super().__init__(stages, mesh, schedule=schedule, microbatches=microbatches, v=v, modules=modules,
-                         grad_sync=grad_sync, master=master, act_dtype=act_dtype)
+    def __init__(self, stages, mesh, layout, *, modules, grad_sync, placements, master=None):
+        super().__init__(stages, mesh, schedule=layout.schedule, microbatches=layout.microbatches, v=layout.v,
+                         modules=modules, grad_sync=grad_sync, master=master,
+                         act_dtype=check_precision(layout.precision)[0])
         self.cfg, self.sizes = next(iter(stages.values())).part.config, dict(mesh.sizes, ep=mesh.ep)
-        self.sp, self.cp_layout, self.tp_slices = sequence_parallel, cp_layout, tp_slices
+        self.layout, self.placements = layout, placements
+        self.sp, self.cp_layout = layout.sp and mesh.sizes["tp"] > 1, layout.cp_layout
 
     def local_batch(self, x, y):
         """This rank's part of the global batch: its DP rows, its CP tokens; + the positions."""
@@ -174,18 +208,15 @@ class NDParallel(PipelineRuntime):
 
     def named_parameters(self):
         """{name in the single-device model: this rank's parameter}, its ``.grad`` this rank's
-        gradient (a TP slice, an FSDP shard: see :meth:`shards` for where it sits)."""
+        gradient (a TP slice, an FSDP shard: :attr:`placements` says where it sits)."""
         out = {}
-        for s, st in self.stages.items():
-            mod = self.modules[s]
-            prefix = "part." if mod is st else ""
-            for local, q in mod.named_parameters(remove_duplicate=False):
-                name = local.removeprefix("module.").removeprefix(prefix).removeprefix("part.")
-                out[_model_name(name, st, self.mesh)] = self.master.of[id(q)] if self.master else q
+        for st in self.stages.values():
+            for local, q in st.part.named_parameters(remove_duplicate=False):
+                out[_model_name(local, st, self.mesh)] = self.master.of[id(q)] if self.master else q
         return out
 
     def shards(self, grads: bool = False) -> dict:
-        """{name in the single-device model: (tensor, tp_shard)}: this rank's parameters, full
+        """{name in the single-device model: (tensor, Placement)}: this rank's parameters, full
         along FSDP's dims, with where they sit in the single-device tensor (see :func:`assemble_nd`).
         ``grads=True``: their gradients instead (zeros where none), once summed (after
         :meth:`step`); DDP only, FSDP keeps gradient shards."""
@@ -201,7 +232,8 @@ class NDParallel(PipelineRuntime):
                     value = torch.zeros_like(q) if q.grad is None else q.grad
                 else:
                     value = q.detach() if full is None else full["part." + local]
-                out[_model_name(local, st, self.mesh)] = (value.clone(), self.tp_slices[s][local])
+                name = _model_name(local, st, self.mesh)
+                out[name] = (value.clone(), self.placements[name])
         return out
 
 
@@ -219,8 +251,9 @@ def _model_name(local, st, mesh):
 
 def assemble_nd(per_rank, shape: MeshShape) -> dict:
     """The single-device state from every rank's :meth:`NDParallel.shards` (in rank order):
-    pipeline stages and experts side by side, tensor-parallel slices concatenated, one copy of
-    what DP / CP replicate (checked equal to its copies, within float rounding)."""
+    pipeline stages and experts side by side, tensor-parallel slices concatenated (by each
+    :class:`Placement`), one copy of what DP / CP replicate (checked equal to its copies,
+    within float rounding)."""
     pieces = {}
     for rank, shards in enumerate(per_rank):
         c = shape.coords(rank)
@@ -228,17 +261,7 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
             pieces.setdefault(name, {}).setdefault((c["edp"], c["cp"]), {})[c["tp"]] = (value, where)
     full = {}
     for name, replicas in pieces.items():
-        tensors = []
-        for by_tp in replicas.values():
-            first, where = by_tp[0]
-            if where is None:
-                tensors.append(first)
-                continue
-            dim, _, _, size = where
-            out = first.new_zeros([size if i == dim else n for i, n in enumerate(first.shape)])
-            for value, (_, start, stop, _) in by_tp.values():
-                out.narrow(dim, start, stop - start).copy_(value)
-            tensors.append(out)
+        tensors = [assemble_tp(list(by_tp.values())) for by_tp in replicas.values()]
         worst = max(float((t - tensors[0]).abs().max()) for t in tensors) if tensors[0].numel() else 0.0
         if worst > 1e-4 * (1 + float(tensors[0].abs().max())):
             raise AssertionError(f"{name}: the DP / CP copies differ by {worst:.3g}: a gradient was not summed "
@@ -248,4 +271,5 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
 
 
 __all__ = ["check_layout", "parallelize_nd", "apply_tp", "apply_cp", "apply_ep", "mark_reduce_dims",
-           "apply_data_parallel", "data_dims", "NDParallel", "assemble_nd", "DATA", "SCHEDULES"]
+           "apply_data_parallel", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement",
+           "DATA", "SCHEDULES"]

@@ -31,7 +31,7 @@ from course_lib import trace
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_positions, rotary_rows)
 from course_lib.gpt import Attention
-from course_lib.parallel.layout_rules import ulysses_heads
+from course_lib.parallel.tp_plan import local_heads
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -42,6 +42,18 @@ def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
+def sequence_chunks(seq_len: int, cp_size: int, layout: str = "zigzag") -> int:
+    """How many equal chunks CP cuts the sequence into: N (contiguous), 2N (zigzag: two per rank)."""
+    if layout == "contiguous":
+        if seq_len % cp_size:
+            raise ValueError(f"sequence length {seq_len} must be divisible by CP={cp_size}")
+        return cp_size
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size}: not "
+                         f"divisible by {2 * cp_size}, the 2N chunks (two per rank) would be unequal")
+    return 2 * cp_size
+
+
 def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",
                     device="cpu") -> torch.Tensor:
     """Absolute positions (int64, (seq_len / N,), on ``device``) of the tokens rank ``cp_rank`` holds."""
@@ -49,15 +61,9 @@ def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zig
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} is outside 0..{cp_size - 1}")
+    c = seq_len // sequence_chunks(seq_len, cp_size, layout)
     if layout == "contiguous":
-        if seq_len % cp_size:
-            raise ValueError(f"sequence length {seq_len} must be divisible by CP={cp_size}")
-        n = seq_len // cp_size
-        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size} "
-                         f"(2N chunks, two per rank)")
-    c = seq_len // (2 * cp_size)
+        return torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
     first, second = zigzag_chunks(cp_size, cp_rank)
     return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
                       torch.arange(second * c, (second + 1) * c, device=device)])
@@ -331,17 +337,53 @@ class ContextParallelAttention(Attention):
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
+METHODS = ("ring", "ulysses")
+
+
+def check_cp_names(method: str, layout: str):
+    if method not in METHODS:
+        raise ValueError(f"cp_method must be one of {METHODS}, got {method!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def ulysses_heads(q_heads: int, kv_heads: int, cp: int):
+    """Ulysses hands each CP rank heads / cp of the local query and K/V heads."""
+    if q_heads % cp or kv_heads % cp:
+        raise ValueError(f"Ulysses needs the local query heads ({q_heads}) and key/value heads ({kv_heads}) "
+                         f"divisible by cp={cp}; use ring attention instead")
+
+
+def no_dropout(p: float):
+    if p:
+        raise ValueError("context parallelism here has no attention dropout (Llama trains without)")
+
+
+def rule_context(cfg, layout):
+    """CP's rules for a TinyGPT config: the sequence cuts into its chunks, Ulysses' heads, no
+    dropout, no experts; K/V all-gathered (``cp_comm="all_gather"``) is priced, not built."""
+    check_cp_names(layout.cp_method, layout.cp_layout)
+    if layout.cp == 1:
+        return
+    if layout.cp_comm != "ring":
+        raise ValueError(f"cp_comm={layout.cp_comm!r} (Llama 3's all-gathered K/V) is priced by the planner, not "
+                         f"built here: the ranks run cp_comm='ring' with cp_method 'ring' or 'ulysses'")
+    sequence_chunks(cfg.seq_len, layout.cp, layout.cp_layout)
+    if layout.cp_method == "ulysses":
+        ulysses_heads(*local_heads(cfg.n_heads, cfg.n_kv_heads, layout.tp), layout.cp)
+    if cfg.n_experts:
+        raise ValueError("the MoE variant routes each rank's tokens as one group: keep cp=1 with experts "
+                         "(a CP shard is not a contiguous group of the single-device batch)")
+    no_dropout(cfg.dropout)
+
+
 def context_parallel(model, comm, method: str = "ring", layout: str = "zigzag"):
     """Make every ``block.attn`` of ``model`` context-parallel over ``comm`` (in place; the
     module keeps its parameters and their names). Returns ``model``."""
-    if method not in ("ring", "ulysses"):
-        raise ValueError(f"method must be 'ring' or 'ulysses', got {method!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_cp_names(method, layout)
     for m in model.modules():
         if isinstance(m, Attention) and not isinstance(m, ContextParallelAttention):
-            if getattr(m, "attn_dropout", None) is not None and getattr(m.attn_dropout, "p", 0.0):
-                raise ValueError("context parallelism here has no attention dropout (Llama trains without)")
+            no_dropout(getattr(getattr(m, "attn_dropout", None), "p", 0.0))
             m.__class__ = ContextParallelAttention                 # same parameters, new forward
             m.cp_comm, m.cp_method, m.cp_layout = comm, method, layout
     return model
@@ -350,4 +392,4 @@ def context_parallel(model, comm, method: str = "ring", layout: str = "zigzag"):
 __all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "shard_sequence",
            "visible_rows_cols", "block_attention", "merge_partial", "attention_flops", "RingAttention",
            "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
-           "context_parallel"]
+           "context_parallel", "METHODS", "check_cp_names", "sequence_chunks", "ulysses_heads", "no_dropout", "rule_context"]

@@ -49,6 +49,23 @@ def dispatch_splits(counts, ep):
     return counts.view(ep, -1).sum(1).tolist()
 
 
+def experts_per_rank(n_experts: int, ep: int) -> int:
+    """Every EP rank holds n_experts / ep of them."""
+    if n_experts % ep:
+        raise ValueError(f"the number of experts ({n_experts}) must be divisible by ep={ep}: not divisible by "
+                         f"EP={ep}, the expert-parallel ranks would hold unequal shares")
+    return n_experts // ep
+
+
+def rule_experts(cfg, layout):
+    """EP's rules for a TinyGPT config: experts to split, evenly."""
+    if layout.ep == 1:
+        return
+    if not cfg.n_experts:
+        raise ValueError(f"ep={layout.ep} splits experts, but the model has none (GPTConfig(n_experts=...))")
+    experts_per_rank(cfg.n_experts, layout.ep)
+
+
 class ExpertParallelMoE(nn.Module):
     """``moe``'s router (replicated) and this EP rank's block of its experts, over ``mesh``'s
     "ep" group. Every rank builds it from the same ``MoE`` (same seed): it keeps its share."""
@@ -56,8 +73,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, mesh, impl=None):
         super().__init__()
         ep = mesh.size("ep")
-        if moe.n_experts % ep:
-            raise ValueError(f"the number of experts ({moe.n_experts}) must be divisible by EP={ep}")
+        experts_per_rank(moe.n_experts, ep)
         self.comm = mesh.comm("ep", impl=impl)
         self.ep, self.n_experts, self.local = ep, moe.n_experts, moe.n_experts // ep
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
@@ -97,4 +113,4 @@ class ExpertParallelMoE(nn.Module):
         return route(self.router(x), self.top_k, self.capacity_factor, self.normalize_topk)[3]
 
 
-__all__ = ["AllToAll", "ExpertParallelMoE", "dispatch_splits"]
+__all__ = ["AllToAll", "ExpertParallelMoE", "dispatch_splits", "experts_per_rank", "rule_experts"]

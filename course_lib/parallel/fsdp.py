@@ -43,6 +43,7 @@ from course_lib import trace
 from course_lib.parallel.data_parallel import broadcast_module_states
 from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_fsdp_module, default_units
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
+from course_lib.parallel.tp_plan import tp_slice_of
 
 MAX_IN_FLIGHT = 1  # gradient reduce-scatters in flight (each keeps a full-size gradient alive)
 
@@ -68,6 +69,20 @@ class _UnshardFn(torch.autograd.Function):
     def backward(ctx, grad_full):
         ctx.fsdp._reduce_scatter(ctx.unit, grad_full)
         return (None, None) + (None,) * len(ctx.unit.trainable)
+
+
+def rule_fsdp(cfg, layout):
+    """The ranks hold the data-parallel copies whole (ZeRO 0: DDP) or sharded (ZeRO 3: FSDP over
+    dp x cp); a weight tied across two pipeline stages would be one weight in two FSDP units."""
+    if layout.zero not in (0, 3):
+        raise ValueError(f"zero={layout.zero!r}: parallelize_nd runs zero=0 (data='ddp') or zero=3 "
+                         f"(data='fsdp'); ZeRO-1/2 are ShardedOptimizer's (chapter 4)")
+    if layout.data == "fsdp" and cfg.n_experts and layout.ep > 1:
+        raise ValueError(f"experts split over ep={layout.ep} under FSDP: FSDP shards over dp x cp, but an expert is "
+                         f"held by the dp / ep ranks of its EP slot only; not supported here, use data='ddp'")
+    if layout.data == "fsdp" and cfg.tie_embeddings and layout.pp * layout.v > 1:
+        raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
+                         "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
 
 
 class FSDP(nn.Module):
@@ -180,12 +195,13 @@ class FSDP(nn.Module):
         """Does this rank count (original, unsharded) parameter p in the norm? A copy held by
         several ranks of the norm's extra dims counts once: on their coordinate 0."""
         coord = getattr(self.mesh, "coord", {})
+        where, copies = tp_slice_of(p)
         for d in self._norm_dims[len(self.dims):]:
-            tp_slice = d == "tp" and getattr(p, "tp_shard", None) is not None
+            tp_slice = d == "tp" and where is not None
             replicated = d in extra_dims or d == "cp" or (d == "tp" and not tp_slice)
             if replicated and coord[d] != 0:
                 return False
-            if tp_slice and coord[d] % getattr(p, "tp_copies", 1):  # a TP slice held by `copies` ranks
+            if tp_slice and coord[d] % copies:  # a TP slice held by `copies` ranks
                 return False
         return True
 
@@ -498,4 +514,4 @@ def _check_not_wrapped(module):
                              f"wrap the original model once, passing the blocks as units=[...]")
 
 
-__all__ = ["FSDP", "default_units", "check_fsdp_module", "broadcast_module_states"]
+__all__ = ["FSDP", "rule_fsdp", "default_units", "check_fsdp_module", "broadcast_module_states"]

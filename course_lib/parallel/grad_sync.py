@@ -106,9 +106,11 @@ class GradSync:
     params: the parameters (duplicates and frozen ones are dropped; one marked with
         reduce dims () is never communicated). mesh: a ``Mesh`` or ``GroupMesh``.
     default_dims: the reduce dims of a parameter that carries none.
+    dims: {id(parameter): its reduce dims}, handed by a plan (``parallelize_nd``); default:
+        each parameter's marks (``set_reduce_dims``).
     """
 
-    def __init__(self, params, mesh, *, divisor=1, bucket_cap_mb=25, default_dims=("dp",)):
+    def __init__(self, params, mesh, *, divisor=1, bucket_cap_mb=25, default_dims=("dp",), dims=None):
         if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not divisor > 0:
             raise ValueError(f"divisor must be a positive number (the data-parallel degree, or 1), got {divisor!r}")
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
@@ -118,11 +120,11 @@ class GradSync:
         if hasattr(params, "parameters"):
             params = params.parameters()
         unique = list({id(p): p for p in params if p.requires_grad}.values())
-        self.params = [p for p in unique if get_reduce_dims(p, default_dims)]
+        dims = {id(p): tuple(dims[id(p)]) if dims is not None else get_reduce_dims(p, default_dims) for p in unique}
+        self.params = [p for p in unique if dims[id(p)]]
         if not self.params:
             raise ValueError("GradSync: no parameter requires a gradient reduced over a mesh dimension")
         self.mesh, self.divisor, self.require_sync = mesh, divisor, True
-        dims = {id(p): get_reduce_dims(p, default_dims) for p in self.params}
         ids = assign_buckets(self.params, bucket_cap_mb * 2**20, key=lambda p: (p.dtype, p.device, dims[id(p)]))
         self.buckets = [Bucket(k, [self.params[i] for i in b], mesh.comm(dims[id(self.params[b[0]])]))
                         for k, b in enumerate(ids)]

@@ -24,10 +24,12 @@ import torch.nn as nn
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.comm_ops import copy_to_parallel
 from course_lib.parallel.mesh import get_reduce_dims, set_reduce_dims
+from course_lib.parallel.placement import tp_placement
 from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDropout,
                                                  TensorParallelRNG, check_same_everywhere, enter_sequence_parallel,
                                                  head_rows)
-from course_lib.parallel.vocab_parallel import VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy
+from course_lib.parallel.vocab_parallel import (VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy,
+                                               vocab_rule)
 
 # module name pattern -> how it is split. "region": a tensor-parallel region starts at this
 # module's input (f, or SP's g); "norm" / "positions": whole on every rank without SP,
@@ -78,9 +80,42 @@ def _parent(model, name):
     return (model.get_submodule(parent) if parent else model), attr
 
 
-def _check(model, plan, comm, sequence_parallel):
-    """Every split the plan asks for is possible (ValueError naming the constraint), and every
-    Linear / Embedding has a place in the plan. Runs before anything is modified."""
+def local_heads(n_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(query heads, K/V heads) one tensor-parallel rank holds, by TP's own split
+    (:func:`~course_lib.parallel.tensor_parallel.head_rows`: ValueError where heads cannot be cut)."""
+    (q0, q1), (k0, k1), _ = head_rows(n_heads, n_kv_heads, 1, tp, 0)
+    return q1 - q0, k1 - k0
+
+
+def mlp_width_rule(width: int, tp: int):
+    """A column / row split of the MLP cuts its width into tp equal parts."""
+    if width % tp:
+        raise ValueError(f"the MLP width {width} is not divisible by tp={tp}")
+
+
+def rule_tensor(cfg, layout):
+    """TP's rules for a TinyGPT config: heads, MLP width, vocabulary; no tensor-parallel experts."""
+    if layout.tp == 1:
+        return
+    local_heads(cfg.n_heads, cfg.n_kv_heads, layout.tp)
+    if cfg.n_experts:
+        raise ValueError("the MoE variant's experts are not tensor-parallel here: split them with ep "
+                         "(inside dp) and keep tp=1")
+    mlp_width_rule(cfg.ffn_hidden, layout.tp)
+    vocab_rule(cfg.vocab_size, layout.tp)
+
+
+def rule_sequence(cfg, layout):
+    """SP scatters each rank's seq_len / cp tokens over tp."""
+    tokens = cfg.seq_len // layout.cp
+    if layout.tp > 1 and layout.sp and tokens % layout.tp:
+        raise ValueError(f"sequence parallelism splits each rank's {tokens} tokens over tp={layout.tp}: "
+                         f"not divisible")
+
+
+def check_plan(model, plan, comm):
+    """Every split the plan asks for is possible (ValueError naming the constraint: the rules
+    above), and every Linear / Embedding has a place in the plan. Runs before anything is modified."""
     t, r = comm.size, comm.rank
     for name, mod in model.named_modules():
         style = _style(name, plan)
@@ -90,13 +125,12 @@ def _check(model, plan, comm, sequence_parallel):
         if style in ("column_heads", "column_kv_heads", "row_heads"):
             attn = _parent(model, name)[0]
             head_rows(attn.n_heads, attn.n_kv_heads, attn.head_dim, t, r)
-        elif style == "column" and mod.out_features % t:
-            raise ValueError(f"{name}: the MLP width {mod.out_features} is not divisible by tp={t}")
-        elif style == "row" and mod.in_features % t:
-            raise ValueError(f"{name}: the MLP width {mod.in_features} is not divisible by tp={t}")
-        elif style in ("vocab_embedding", "column_vocab") and \
-                (mod.weight.shape[0] < t):
-            raise ValueError(f"{name}: a vocabulary of {mod.weight.shape[0]} rows cannot be split over tp={t}")
+        elif style == "column":
+            mlp_width_rule(mod.out_features, t)
+        elif style == "row":
+            mlp_width_rule(mod.in_features, t)
+        elif style in ("vocab_embedding", "column_vocab"):
+            vocab_rule(mod.weight.shape[0], t)
 
 
 def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, seed=0, plan=None):
@@ -111,7 +145,7 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("this model is already tensor-parallel: parallelize it once")
     check_same_everywhere(model, comm, "parallelize")
-    _check(model, plan, comm, sp)
+    check_plan(model, plan, comm)
     device = next(model.parameters()).device
     rng = TensorParallelRNG(comm, seed, device)
     out = "reduce_scatter" if sp else "reduce"
@@ -156,9 +190,25 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
             getattr(model, "lm_head", None) is not None and getattr(model, "tok_emb", None) is not None:
         model.lm_head.weight = model.tok_emb.weight    # the same rows of the same table: still one
     model.tensor_parallel = types.SimpleNamespace(comm=comm, sequence_parallel=sp, rng=rng, plan=plan,
-                                                  keep_gathered=keep_gathered)
+                                                  keep_gathered=keep_gathered, placements=tp_placements(model, t))
     model.loss = types.MethodType(_vocab_parallel_loss, model)
     return model
+
+
+def tp_slice_of(p):
+    """The TP layers' tag on a parameter they cut (``slice_parameter``): ((dim, start, stop,
+    full size), copies), or (None, 1). Read here only, into the plan's :class:`Placement`."""
+    return getattr(p, "tp_shard", None), getattr(p, "tp_copies", 1)
+
+
+def tp_placements(model, t) -> dict:
+    """{name: Placement} of a model ``parallelize`` cut over ``t`` ranks (``reduce``: its marks)."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tp, copies = tp_slice_of(p)
+        shape = [tp[3] if tp and i == tp[0] else n for i, n in enumerate(p.shape)]
+        out[name] = tp_placement(shape, tp, copies, get_reduce_dims(p, ("dp",)), t)
+    return out
 
 
 def _region_entry(comm, sp, keep_gathered):
@@ -195,10 +245,10 @@ def sync_tensor_parallel_grads(model):
 def local_shards(model, grads=False) -> dict:
     """{name: (tensor, tp_shard)}: this rank's parameters (or gradients) and where each sits in
     the single-device tensor, ``(dim, start, stop, full size)`` or None (whole). Picklable."""
-    out = {}
+    out, where = {}, model.tensor_parallel.placements
     for name, p in model.named_parameters():
         value = p.grad if grads else p
-        out[name] = (None if value is None else value.detach().clone(), getattr(p, "tp_shard", None))
+        out[name] = (None if value is None else value.detach().clone(), where[name].tp)
     return out
 
 
@@ -250,5 +300,6 @@ def torch_parallelize(model, t, sequence_parallel=False):
     return model
 
 
-__all__ = ["PLAN", "parallelize", "sync_tensor_parallel_grads", "local_shards", "assemble", "tp_comm",
+__all__ = ["PLAN", "parallelize", "check_plan", "local_heads", "mlp_width_rule", "vocab_rule", "rule_tensor",
+           "rule_sequence", "tp_slice_of", "tp_placements", "sync_tensor_parallel_grads", "local_shards", "assemble", "tp_comm",
            "torch_parallelize"]

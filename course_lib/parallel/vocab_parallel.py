@@ -41,6 +41,12 @@ def shard_range(n: int, t: int, r: int) -> tuple[int, int]:
     return start, start + base + (1 if r < extra else 0)
 
 
+def vocab_rule(rows: int, tp: int):
+    """Every TP rank holds at least one row of the vocabulary (embedding, head)."""
+    if rows < tp:
+        raise ValueError(f"a vocabulary of {rows} rows cannot be split over {tp} ranks (each needs at least one row)")
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of a single-device ``nn.Embedding`` (sliced, never re-drawn).
 
@@ -56,9 +62,7 @@ class VocabParallelEmbedding(nn.Module):
             raise TypeError(f"pass the tensor-parallel group's Comm (mesh.comm('tp')), got {type(comm).__name__}")
         if output not in ("reduce", "reduce_scatter", "partial"):
             raise ValueError(f"output must be 'reduce', 'reduce_scatter' or 'partial', got {output!r}")
-        if embedding.num_embeddings < comm.size:
-            raise ValueError(f"a vocabulary of {embedding.num_embeddings} rows cannot be split over "
-                             f"{comm.size} ranks (each needs at least one row)")
+        vocab_rule(embedding.num_embeddings, comm.size)
         self.comm, self.output = comm, output
         self.num_embeddings = embedding.num_embeddings             # the full vocabulary V
         self.start, self.stop = shard_range(self.num_embeddings, comm.size, comm.rank)
@@ -143,5 +147,5 @@ def vocab_parallel_cross_entropy(logits, targets, comm: Comm, start: int, n_toke
     return per_token.sum() / n_tokens
 
 
-__all__ = ["shard_range", "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
+__all__ = ["vocab_rule", "shard_range", "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "IGNORE_INDEX"]

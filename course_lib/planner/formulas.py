@@ -28,9 +28,8 @@ from course_lib.planner.communication import (  # noqa: F401
     ring_steps,
     tp_bytes_per_layer,
 )
+from course_lib.schedules import PLANNED as SCHEDULES  # the schedules the planner prices
 from course_lib.schedules import bubble_fraction  # noqa: F401  (next to the schedules it prices)
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 # Accepted spellings of the config fields, so a nanoGPT-, Hugging Face- or
 # course_lib.models-style config all work: first name found wins.

@@ -1,4 +1,6 @@
-"""A parallel layout (DP x TP x PP x CP, EP inside DP) and the constraints it must meet.
+"""A parallel layout (DP x TP x PP x CP, EP inside DP) and the constraints the planner puts on it.
+
+:class:`Layout` is the one layout object (``course_lib.layout``): the ranks take the same one.
 
 Ranks are numbered with TP innermost, then CP, then PP, then DP (the order of the
 Llama 3 paper, Dubey et al. 2024, Sec. 3.3.2): the dimension that talks most sits
@@ -7,72 +9,11 @@ node; otherwise its ring crosses the network and runs at the network's speed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
+from course_lib.layout import Layout
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 
 CP_COMM = ("ring", "all_gather")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one training step is spread over dp * tp * pp * cp GPUs.
-
-    ``global_batch`` and ``micro_batch`` count sequences; each DP rank runs
-    global_batch / dp sequences as m = global_batch / (dp * micro_batch)
-    micro-batches (the pipeline's micro-batches, or gradient accumulation).
-    ``zero`` is the ZeRO stage (0-3) over the dp * cp ranks that hold the same
-    parameters. ``v`` model chunks per stage for the interleaved schedule. ``ep``
-    experts are split over ep ranks taken from the DP group.
-    ``overlap_dp``: gradient reduction overlaps the last micro-batch's backward and
-    the parameter all-gather the first forward (bucketed DDP / ZeRO).
-    ``cp_comm``: how CP moves K/V: ``"ring"`` (ring attention, Liu et al. 2023, as built in
-    the CP chapter: each hop under a block's attention) or ``"all_gather"`` (Llama 3's:
-    all-gather K and V before attention, reduce-scatter their gradients; exposed).
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sp: bool = False
-    schedule: str = "1f1b"
-    v: int = 1
-    micro_batch: int = 1
-    global_batch: int = 1
-    recompute: str = "none"
-    seq_len: int | None = None        # None: the model's training sequence length
-    overlap_dp: bool = True
-    cp_comm: str = "ring"
-
-    @property
-    def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks per pipeline stage (1 unless interleaved)."""
-        return self.v if self.schedule == "interleaved" else 1
-
-    def with_(self, **changes) -> "Layout":
-        return replace(self, **changes)
-
-    def describe(self) -> str:
-        dims = [f"DP{self.dp}" + (f"(ZeRO-{self.zero})" if self.zero else ""),
-                f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
-                f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
-                                  if self.pp > 1 else ""),
-                f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
-        if self.ep > 1:
-            dims.append(f"EP{self.ep}")
-        return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 
 def _positive_int(name, value):
@@ -121,6 +62,9 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
         raise ValueError(f"micro-batch x DP must divide the global batch: {layout.micro_batch} x {layout.dp} "
                          f"does not divide {layout.global_batch} sequences")
     m = layout.microbatches
+    if layout.global_batch != layout.dp * layout.micro_batch * m:
+        raise ValueError(f"global_batch={layout.global_batch} is not dp * micro_batch * microbatches = "
+                         f"{layout.dp} * {layout.micro_batch} * {m}")
     if layout.schedule == "interleaved" and m % layout.pp:
         raise ValueError(f"the interleaved schedule needs the micro-batches divisible by PP: "
                          f"{m} micro-batches, PP = {layout.pp}")

@@ -33,7 +33,6 @@ from course_lib.precision.loss_scale import FP16_NAMES, check_loss_scaler
 
 PRECISIONS = {"full": (None, None), "fp32": (torch.float32, torch.float32),
               "bf16": (torch.bfloat16, torch.bfloat16), "bf16-reduce-fp32": (torch.bfloat16, torch.float32)}
-COPIED = ("tp_shard", "tp_copies", "reduce_dims")   # what the dimensions marked on a parameter
 
 
 def check_precision(name):
@@ -54,19 +53,15 @@ class MasterWeights:
     Autograd accumulates the micro-batches' gradients in the model, in the compute dtype;
     :meth:`to_master` moves them to the masters' ``.grad``, before the reduction when
     ``reduce`` is the masters' dtype (:attr:`reduce_on_master`), after it otherwise.
-    The masters carry the parameters' marks (TP slice, reduce dims), so GradSync and
-    :func:`assemble_nd` treat them as the parameters they stand for."""
+    :attr:`of` maps a parameter to its master: where it sits and which dims sum its gradient
+    are the plan's record of the parameter (``NDParallel.placements``)."""
 
     def __init__(self, params, compute, reduce=None):
         self.model = list({id(p): p for p in params}.values())
         self.compute, self.reduce = compute, reduce or compute
         self.master = []
         for p in self.model:
-            m = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-            for attr in COPIED:
-                if hasattr(p, attr):
-                    setattr(m, attr, getattr(p, attr))
-            self.master.append(m)
+            self.master.append(nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
         self.dtype = self.master[0].dtype if self.master else None
         self.reduce_on_master = self.reduce != self.compute
         self.of = {id(p): m for p, m in zip(self.model, self.master)}   # model parameter -> master

@@ -1,0 +1,132 @@
+"""One layout object, from the planner to the ranks (torchtitan's ``ParallelismConfig``).
+
+    layout = Layout(dp=2, tp=2, pp=2, sp=True, global_batch=8, microbatches=2)
+    check_layout(cfg, layout)                         # every rule, before any rank starts
+    net = parallelize_nd(model, Mesh(dp=2, tp=2, pp=2), layout)
+    est = planner.estimate(spec, "h100-sxm", layout)  # the same object, priced
+
+Plain values only (no torch), so the planner and ``parallel/`` both import it. Keyword calls
+(``parallelize_nd(model, mesh, microbatches=2)``, ``check_layout(cfg, dp=2, ...)``) build one
+with :meth:`Layout.of`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+BATCH = ("global_batch", "micro_batch", "microbatches")
+RUNTIME_NAMES = {"sequence_parallel": "sp", "batch": "global_batch"}   # parallelize_nd's keywords
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread over dp * tp * pp * cp GPUs (EP inside DP).
+
+    The batch: ``global_batch`` sequences, each DP rank runs global_batch / dp of them as
+    ``microbatches`` micro-batches of ``micro_batch`` sequences (the pipeline's micro-batches,
+    or gradient accumulation): global_batch = dp * micro_batch * microbatches. Give any two
+    (or one: the others default to 1 micro-batch of 1 sequence); the third follows.
+    ``zero``: the ZeRO stage (0-3) over the dp * cp ranks that hold the same parameters; the
+    ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``).
+    ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
+    pipeline rank; ``v`` model chunks per stage (interleaved).
+    ``sp``: sequence parallelism with TP. ``recompute``: a policy, or one per block.
+    ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
+    the gradient reduction under the last backward (bucketed DDP / ZeRO).
+    Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
+    attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
+    ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous") are what
+    the ranks run.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: object = "1f1b"
+    v: int = 1
+    micro_batch: int = None           # see the class docstring: two of the three batch fields
+    global_batch: int = None
+    recompute: object = "none"
+    seq_len: int | None = None        # None: the model's training sequence length
+    overlap_dp: bool = True
+    cp_comm: str = "ring"
+    microbatches: int = None
+    cp_method: str = "ring"
+    cp_layout: str = "zigzag"
+    precision: str = "full"
+    given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
+
+    def __post_init__(self):
+        given = self.given or frozenset(f for f in BATCH if getattr(self, f) is not None)
+        gb, mb, m, dp = self.global_batch, self.micro_batch, self.microbatches, self.dp
+        if gb is None:
+            mb, m = mb or 1, m or 1
+            gb = dp * mb * m
+        elif m is None:
+            mb = mb or 1
+            m = gb // (dp * mb) if isinstance(dp * mb, int) and dp * mb > 0 else 0
+        elif mb is None:
+            mb = gb // (dp * m) if isinstance(dp * m, int) and dp * m > 0 else 0
+        for name, value in zip(BATCH, (gb, mb, m)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "given", frozenset(given))
+
+    @classmethod
+    def of(cls, layout=None, **fields) -> "Layout":
+        """A :class:`Layout` from a layout, keywords (``parallelize_nd``'s spellings too:
+        ``sequence_parallel``, ``batch``, ``data="fsdp"``), or a layout with keywords changed."""
+        fields = {RUNTIME_NAMES.get(k, k): v for k, v in fields.items()}
+        if fields.get("global_batch") is None:        # no batch: the batch fields say micro-batches only
+            fields.pop("global_batch", None)
+        data = fields.pop("data", None)
+        if data is not None:
+            if data not in DATA:
+                raise ValueError(f"data must be one of {DATA}, got {data!r}")
+            fields["zero"] = 3 if data == "fsdp" else 0
+        if layout is None:
+            return cls(**fields)
+        if not isinstance(layout, cls):
+            raise TypeError(f"expected a Layout, got {type(layout).__name__}")
+        return layout.with_(**fields) if fields else layout
+
+    @property
+    def data(self) -> str:
+        """How the ranks hold the data-parallel copies: "fsdp" (ZeRO-3) or "ddp"."""
+        return "fsdp" if self.zero == 3 else "ddp"
+
+    @property
+    def sizes(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp, "ep": self.ep}
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline stage (1 unless interleaved)."""
+        return self.v if self.schedule == "interleaved" else 1
+
+    def with_(self, **changes) -> "Layout":
+        """This layout with ``changes``; the batch fields not given are derived again."""
+        given = self.given | {f for f in BATCH if changes.get(f) is not None}
+        keep = {f: None for f in BATCH if f not in given}
+        return replace(self, **{**keep, **changes, "given": frozenset(given)})
+
+    def describe(self) -> str:
+        dims = [f"DP{self.dp}" + (f"(ZeRO-{self.zero})" if self.zero else ""),
+                f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
+                f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
+                                  if self.pp > 1 else ""),
+                f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
+        if self.ep > 1:
+            dims.append(f"EP{self.ep}")
+        return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
+
+
+DATA = ("ddp", "fsdp")
+
+__all__ = ["Layout", "DATA"]
