@@ -127,4 +127,4 @@ def _bad_ep():
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="top_k=5"):
         MoE(H, F_, 4, top_k=5)
-    assert "divisible by EP=2" in launch(_bad_ep, 2)[0]
+    assert "divisible by ep=2" in launch(_bad_ep, 2)[0]

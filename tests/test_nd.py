@@ -111,7 +111,7 @@ def test_gradient_sums_follow_the_layout():
     (CFG, dict(dp=2, tp=2, world_size=8), "must equal it"),
     (CFG, dict(tp=3), "divisible"),
     (CFG, dict(pp=5), "more pipeline stages"),
-    (CFG, dict(cp=3), "divisible by 6"),
+    (CFG, dict(cp=3), r"divisible by 2\*CP=6"),
     (CFG, dict(dp=2, batch=6, microbatches=2), "microbatches=2"),
     (CFG, dict(dp=4, batch=6), "divisible by dp=4"),
     (MOE, dict(dp=2, ep=2, tp=2), "not tensor-parallel"),

@@ -49,8 +49,8 @@ def sequence_chunks(seq_len: int, cp_size: int, layout: str = "zigzag") -> int:
             raise ValueError(f"sequence length {seq_len} must be divisible by CP={cp_size}")
         return cp_size
     if seq_len % (2 * cp_size):
-        raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size}: not "
-                         f"divisible by {2 * cp_size}, the 2N chunks (two per rank) would be unequal")
+        raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size} "
+                         f"(2N equal chunks, two per rank)")
     return 2 * cp_size
 
 

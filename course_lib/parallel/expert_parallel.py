@@ -52,8 +52,8 @@ def dispatch_splits(counts, ep):
 def experts_per_rank(n_experts: int, ep: int) -> int:
     """Every EP rank holds n_experts / ep of them."""
     if n_experts % ep:
-        raise ValueError(f"the number of experts ({n_experts}) must be divisible by ep={ep}: not divisible by "
-                         f"EP={ep}, the expert-parallel ranks would hold unequal shares")
+        raise ValueError(f"the number of experts ({n_experts}) must be divisible by ep={ep} (every "
+                         f"expert-parallel rank holds n_experts / ep of them)")
     return n_experts // ep
 
 
