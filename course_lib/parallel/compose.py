@@ -24,8 +24,9 @@ from course_lib.parallel.context_parallel import context_parallel, rule_context,
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, rule_experts
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import as_layout, check_layout, rule_batch, rule_names, rule_pipeline
+from course_lib.parallel.layout_rules import as_layout, check_layout, rule_names
 from course_lib.parallel.mesh import DIMS, MeshShape, get_reduce_dims, set_reduce_dims
+from course_lib.parallel.pipeline.rules import rule_batch, rule_pipeline
 from course_lib.parallel.pipeline.runtime import PipelineRuntime
 from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
 from course_lib.parallel.placement import Placement, assemble_tp
