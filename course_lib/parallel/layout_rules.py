@@ -3,8 +3,8 @@
 Each dimension's module exports its rules (``pipeline.rules.rule_pipeline`` / ``rule_batch``,
 ``tp_plan.rule_tensor`` / ``rule_sequence``, ``context_parallel.rule_context``,
 ``expert_parallel.rule_experts``, ``fsdp.rule_fsdp``; the options' are here); the plan's steps
-call them on every rank as they apply their dimension, and :func:`check_layout` calls them all, in the plan's order, in plain
-arithmetic before any rank starts. Each raises a ValueError naming the constraint.
+call them on every rank as they apply their dimension, and :func:`check_layout` calls them all,
+in the plan's order, in plain arithmetic before any rank starts. Each raises a ValueError naming the constraint.
 
     shape = check_layout(cfg, Layout(dp=2, pp=2, cp=2, tp=2, global_batch=8, microbatches=2))
     shape = check_layout(cfg, dp=2, pp=2, cp=2, tp=2, batch=8, microbatches=2)    # the same
