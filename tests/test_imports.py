@@ -100,7 +100,7 @@ def test_layers():
 
 # ------------------------------------------------------------- the pipeline package points down
 PIPELINE = "course_lib.parallel.pipeline"
-PIPELINE_ORDER = ("stages", "runner", "runtime", "pipeline_parallel", "torch_pipelining")   # each imports only
+PIPELINE_ORDER = ("rules", "stages", "runner", "runtime", "pipeline_parallel", "torch_pipelining")   # each imports only
 #                                                                                 modules before it
 
 
@@ -131,11 +131,11 @@ def pipeline_violations(sources):
     """{module of the pipeline package ("runner"), or "compose": its source} -> what breaks the
     package's direction: a module importing one at or above its place in PIPELINE_ORDER (or the
     package itself: its ``__init__`` brings in the facade), compose importing more than the
-    stages, the runner and the runtime, or a module of the package taking a name starting with "_"
-    from another module."""
+    rules, the stages, the runner and the runtime, or a module of the package taking a name
+    starting with "_" from another module."""
     out = []
     for me, source in sources.items():
-        below = PIPELINE_ORDER[:3] if me == "compose" else PIPELINE_ORDER[:PIPELINE_ORDER.index(me)]
+        below = PIPELINE_ORDER[:PIPELINE_ORDER.index("runtime") + 1] if me == "compose" else PIPELINE_ORDER[:PIPELINE_ORDER.index(me)]
         for module, name, attr in course_imports(source):
             private = attr or (name if name and name.startswith("_") and not name.startswith("__") else None)
             if private and me != "compose":
@@ -162,8 +162,8 @@ def test_pipeline_violations_are_found():
 
 
 def test_pipeline_package_points_down():
-    """stages -> runner -> runtime -> chapter 6's PipelineParallel and torch's side by side; compose
-    (chapter 9) takes the stages and the runtime, never the facade; no private name crosses a file."""
+    """rules -> stages -> runner -> runtime -> chapter 6's PipelineParallel and torch's side by
+    side; compose (chapter 9) takes the rules, the stages and the runtime, never the facade; no private name crosses a file."""
     folder = ROOT / "parallel" / "pipeline"
     assert sorted(p.stem for p in folder.glob("*.py")) == sorted(PIPELINE_ORDER + ("__init__",))
     sources = {m: (folder / f"{m}.py").read_text() for m in PIPELINE_ORDER}

@@ -107,6 +107,32 @@ def test_gradient_sums_follow_the_layout():
     assert dims["tok_emb.weight"] == ("dp", "cp")
 
 
+def _run_fsdp_without_the_plans_marks(layout, kw, cfg, batch):
+    """_run with compose's tensor marks dropped (its ``set_reduce_dims`` a no-op): FSDP must take
+    each parameter's dims from the plan (``apply_data_parallel``'s ``reduce``), not from the tensor."""
+    from unittest import mock
+
+    with mock.patch("course_lib.parallel.compose.set_reduce_dims"):
+        from course_lib.parallel.compose import parallelize_nd
+        from course_lib.parallel.mesh import Mesh
+        norm = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**layout), **kw).placements["blocks.0.attn_norm.weight"]
+        return _run(layout, kw, cfg, batch, ()), norm
+
+
+def test_fsdp_takes_each_gradients_dims_from_the_plan():
+    """An SP norm weight's gradient is summed over ("dp", "cp", "tp"); its only tensor mark is
+    tp_plan's ("dp", "tp"), which FSDP over ("dp", "cp") would refuse: the plan's record wins."""
+    layout, kw, batch = dict(dp=2, tp=2), dict(data="fsdp"), 8
+    shape = check_layout(CFG, **layout, batch=batch, **kw)
+    ref = single_device(CFG, batch, STEPS, groups=2, dtype=torch.float64)
+    ranks = launch(_run_fsdp_without_the_plans_marks, shape.world_size, layout, kw, CFG, batch, threads=1)
+    for (losses, _, _), norm in ranks:
+        tolerance.assert_matches(losses, ref.losses, optimizer="adamw", steps=STEPS, lr=LR, what="losses")
+        assert norm.reduce == ("dp", "cp", "tp") and norm.shard == ("dp", "cp"), norm
+    full = assemble_nd([shards for (_, shards, _), _ in ranks], shape)
+    tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR)
+
+
 @pytest.mark.parametrize("cfg,kw,message", [
     (CFG, dict(dp=2, tp=2, world_size=8), "must equal it"),
     (CFG, dict(tp=3), "divisible"),

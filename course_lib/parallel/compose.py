@@ -24,8 +24,9 @@ from course_lib.parallel.context_parallel import context_parallel, rule_context,
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, rule_experts
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import as_layout, check_layout, rule_batch, rule_names, rule_pipeline
+from course_lib.parallel.layout_rules import as_layout, check_layout, rule_names
 from course_lib.parallel.mesh import DIMS, MeshShape, get_reduce_dims, set_reduce_dims
+from course_lib.parallel.pipeline.rules import rule_batch, rule_pipeline
 from course_lib.parallel.pipeline.runtime import PipelineRuntime
 from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
 from course_lib.parallel.placement import Placement, assemble_tp
@@ -57,13 +58,14 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
         apply_ep(st.part, mesh, L)                    # 4. EP: E / ep experts per rank, over "ep"
         set_recompute(st.part, L.recompute, st.layers)   # 5. what each block keeps for backward
     tie_embeddings(stages, mesh.sizes["pp"] * L.v)    # pp = 1, v > 1: embedding and head one weight again
-    for st in stages.values():                        # 6. the dims each gradient is summed over
-        mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of)
-    tp = {s: {n: tp_slice_of(q) for n, q in st.part.named_parameters(remove_duplicate=False)}
-          for s, st in stages.items()}                # where each TP shard sits (before FSDP)
-    modules, grad_sync, master = apply_data_parallel(stages, mesh, L)   # 7. DDP or FSDP
+    reduce = {}                                       # 6. the dims each gradient is summed over
+    for st in stages.values():
+        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of))
+    before = {s: {n: (*tp_slice_of(q), reduce[id(q)]) for n, q in st.part.named_parameters(remove_duplicate=False)}
+              for s, st in stages.items()}            # each TP slice and its sum dims (before FSDP)
+    modules, grad_sync, master = apply_data_parallel(stages, mesh, L, reduce)   # 7. DDP or FSDP
     return NDParallel(stages, mesh, L, modules=modules, grad_sync=grad_sync, master=master,
-                      placements=placements(stages, modules, mesh, tp))   # where each parameter sits
+                      placements=placements(stages, modules, mesh, before))   # where each parameter sits
 
 
 def apply_tp(part, mesh, layout, seed=0):
@@ -104,31 +106,35 @@ def data_dims(p, sizes, fsdp):
     return tuple(d for d in DIMS + ("edp",) if d in dims and (size[d] > 1 or d in keep))
 
 
-def mark_reduce_dims(stage, mesh, fsdp=False, dims_of=None):
-    """Mark every parameter of ``stage`` with the dims its gradient is summed over
-    (``dims_of(p, sizes, fsdp)``, default :func:`data_dims`)."""
-    sizes = dict(mesh.sizes, ep=mesh.ep)
+def mark_reduce_dims(stage, mesh, fsdp=False, dims_of=None) -> dict:
+    """The dims each parameter of ``stage`` has its gradient summed over (``dims_of(p, sizes,
+    fsdp)``, default :func:`data_dims`): {id(parameter): dims}, the plan's record that DDP and
+    FSDP are handed; each parameter is marked too (``set_reduce_dims``), for chapter 5's readers."""
+    sizes, dims = dict(mesh.sizes, ep=mesh.ep), {}
     for q in stage.parameters():
-        set_reduce_dims(q, (dims_of or data_dims)(q, sizes, fsdp))
+        dims[id(q)] = tuple((dims_of or data_dims)(q, sizes, fsdp))
+        set_reduce_dims(q, dims[id(q)])
+    return dims
 
 
-def apply_data_parallel(stages, mesh, layout):
-    """DP: a GradSync over the marked parameters, after the schedule ("ddp"); or each stage
-    sharded over ("dp", "cp") (torchtitan's ``dp_shard_cp``), reduce-scattering ("fsdp").
+def apply_data_parallel(stages, mesh, layout, reduce):
+    """DP: a GradSync summing each gradient over its dims ``reduce`` ({id(parameter): dims}, the
+    plan's), after the schedule ("ddp"); or each stage sharded over ("dp", "cp") (torchtitan's
+    ``dp_shard_cp``), reduce-scattering, then summing over the rest of its dims ("fsdp").
     Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
     gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
     them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
     Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
     rule_fsdp(next(iter(stages.values())).part.config, layout)
-    compute, reduce = check_precision(layout.precision)
+    compute, reduce_dtype = check_precision(layout.precision)
     if layout.data == "fsdp":
-        return {s: FSDP(st, compute, reduce_dtype=reduce, mesh=mesh, dims=("dp", "cp"), units=list(st.part.blocks),
-                        divisor=1) for s, st in stages.items()}, None, None
+        return {s: FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
+                        units=list(st.part.blocks), divisor=1) for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
-    dims = {id(q): get_reduce_dims(q, ()) for q in params}
+    dims = {id(q): reduce[id(q)] for q in params}
     master = None
     if compute is not None:
-        master = MasterWeights(params, compute, reduce)
+        master = MasterWeights(params, compute, reduce_dtype)
         for st in stages.values():
             cast_buffers(st, compute)
         if master.reduce_on_master:
@@ -138,17 +144,16 @@ def apply_data_parallel(stages, mesh, layout):
     return dict(stages), (GradSync(params, mesh, divisor=1, dims=dims) if params else None), master
 
 
-def placements(stages, modules, mesh, tp) -> dict:
-    """{single-device name: :class:`Placement`} of this rank's parameters: the TP slices ``tp``
-    ({stage: {local name: (slice, copies)}}, read before FSDP), FSDP's rows, the reduce marks."""
+def placements(stages, modules, mesh, before) -> dict:
+    """{single-device name: :class:`Placement`} of this rank's parameters: ``before`` ({stage:
+    {local name: (TP slice, copies, reduce dims)}}, read before FSDP replaced the tensors), FSDP's rows."""
     sizes, out = dict(mesh.sizes, ep=mesh.ep), {}
     for s, st in stages.items():
         rows = _fsdp_rows(modules[s]) if isinstance(modules[s], FSDP) else {}
         for local, q in st.part.named_parameters(remove_duplicate=False):
-            where, copies = tp[s][local]
+            where, copies, reduce = before[s][local]
             start, held, cut = rows.get(id(q), (None, None, tuple(q.shape)))
             shape = tuple(where[3] if where and i == where[0] else n for i, n in enumerate(cut))
-            reduce = tuple(get_reduce_dims(q, ()))
             shard = ("dp", "cp") if rows else ()
             replicated = tuple(d for d in reduce if d not in shard) + \
                 (("tp",) if sizes["tp"] > 1 and (where is None or copies > 1) and "tp" not in reduce else ())

@@ -23,10 +23,10 @@ Zhao et al. 2023). Freed parameters that autograd saved for backward are kept as
 Gradients: the reduce-scatter sums over the FSDP ranks, then FSDP divides by ``divisor``
 (default their number: each rank's loss is the mean over its own batch; 1 when the loss is
 already divided by the global token count), as ``grad_sync.GradSync`` does for DDP. A
-parameter whose gradient is reduced over more mesh dimensions (``get_reduce_dims``, e.g.
-("dp", "tp") for a sequence-parallel norm weight) is then all-reduced (summed) over the
-others. The reduce-scatter also carries one flag per parameter, "used on this rank": a
-parameter no rank used keeps ``grad = None``, as on one device. Rank 0's values are
+parameter whose gradient is reduced over more mesh dimensions (``reduce_dims``, the plan's, or
+its ``set_reduce_dims`` mark, e.g. ("dp", "tp") for a sequence-parallel norm weight) is then
+all-reduced (summed) over the others. The reduce-scatter also carries one flag per parameter,
+"used on this rank": a parameter no rank used keeps ``grad = None``, as on one device. Rank 0's values are
 broadcast before sharding: no rank draws its own shard.
 """
 from __future__ import annotations
@@ -104,6 +104,9 @@ class FSDP(nn.Module):
         (None: the parameters' own); master weights, gradients and optimizer stay in the
         parameters' dtype. reduce_dtype: dtype of the reduce-scatter (None: compute_dtype).
     dims: the mesh dimension(s) FSDP shards over ("dp"; ("dp", "cp") needs ``mesh``).
+    reduce_dims: {id(parameter): the mesh dims its gradient is summed over}, ``dims`` and maybe
+        more (the plan's record, as ``GradSync``'s ``dims``); None: each parameter's mark
+        (``set_reduce_dims``), default ``dims``.
     divisor: the summed gradients are divided by it (None: the number of FSDP ranks).
     units: submodules that get their own all-gather (default :func:`default_units`); the
         root always is one; a parameter shared by two units (tied weights) is the root's.
@@ -124,7 +127,7 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
-                 dims="dp", divisor=None, prefetch=True):
+                 dims="dp", reduce_dims=None, divisor=None, prefetch=True):
         super().__init__()
         check_fsdp_module(module)
         _check_not_wrapped(module)
@@ -146,7 +149,7 @@ class FSDP(nn.Module):
         self.master_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
-        extra = self._extra_reduce_dims(module)
+        extra = self._extra_reduce_dims(module, reduce_dims)
         # one model: rank 0's values (over all the dims a parameter is replicated on), then shard
         broadcast_module_states(module, self.comm, lambda p: self.mesh.comm(self.dims + extra.get(p, ())),
                                 what="FSDP")
@@ -166,11 +169,11 @@ class FSDP(nn.Module):
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
 
-    def _extra_reduce_dims(self, module):
+    def _extra_reduce_dims(self, module, reduce_dims=None):
         """{parameter: dims its gradient is summed over besides FSDP's} for the trainable ones."""
         extra = {}
         for name, p in module.named_parameters():
-            dims = get_reduce_dims(p, default=self.dims)
+            dims = get_reduce_dims(p, default=self.dims) if reduce_dims is None else tuple(reduce_dims[id(p)])
             if not p.requires_grad:
                 continue
             if not set(self.dims) <= set(dims):

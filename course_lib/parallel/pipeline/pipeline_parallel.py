@@ -15,10 +15,11 @@ import torch
 
 from course_lib import trace
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import partition_layers, positive_int
 from course_lib.parallel.mesh import set_reduce_dims
+from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.parallel.pipeline.runtime import PipelineRuntime, check_chunks, replica_rows
 from course_lib.parallel.pipeline.stages import split_stages
+from course_lib.schedules import positive_int
 
 
 def naive_model_parallel_step(stage, comm, x, y, loss_fn, act_shape):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.parallel.layout_rules import rule_batch
+from course_lib.parallel.pipeline.rules import rule_batch
 from course_lib.parallel.pipeline.runner import ScheduleRunner
 from course_lib.schedules import make_schedule, positive_int, schedule_name
 

@@ -13,7 +13,7 @@ import copy
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.parallel.layout_rules import partition_layers
+from course_lib.parallel.pipeline.rules import partition_layers
 
 
 class GPTStage(nn.Module):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.parallel.layout_rules import partition_layers, positive_int
+from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.parallel.pipeline.runtime import check_chunks, replica_rows, sum_tied_gradient
 from course_lib.parallel.pipeline.stages import rank_stages
-from course_lib.schedules import Action
+from course_lib.schedules import Action, positive_int
 
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",

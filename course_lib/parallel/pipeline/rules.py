@@ -1,0 +1,58 @@
+"""The pipeline's rules, written once: :func:`check_layout` runs them before any rank starts,
+and the pipeline code calls them as it cuts the model and the batch.
+
+    partition_layers(n_layers, p * v)     # stages: at least one layer each, balanced
+    rule_pipeline(cfg, layout)            # + the schedule exists for (p, m, v); zb-h1's limits
+    rule_batch(batch, dp, microbatches)   # the batch cuts into dp replicas of m micro-batches
+"""
+from __future__ import annotations
+
+from course_lib.parallel.vocab_parallel import shard_range
+from course_lib.recompute import layer_policies
+from course_lib.schedules import make_schedule, schedule_name, validate
+
+
+def partition_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous, balanced (:func:`shard_range`): the first ``n_layers % n_stages`` stages
+    get one layer more."""
+    if n_stages > n_layers:
+        raise ValueError(f"more pipeline stages ({n_stages}) than layers ({n_layers}): every stage needs a layer")
+    return [range(*shard_range(n_layers, n_stages, i)) for i in range(n_stages)]
+
+
+def splits_weight_gradients(schedule, v=1) -> bool:
+    """Does the schedule compute weight gradients apart (zb-h1's W actions)?"""
+    if isinstance(schedule, str):
+        return schedule_name(schedule, v) == "zb-h1"
+    return any(a[0] == "W" for row in schedule for a in row)
+
+
+def rule_pipeline(cfg, L):
+    """Stages: at least one layer each; the schedule exists for (p, m, v) (v > 1: interleaved);
+    zb-h1's split weight gradients (recorded Linear inputs, outside autograd) run neither
+    under FSDP nor with recomputation, which does not keep those inputs."""
+    if isinstance(L.schedule, str):
+        make_schedule(schedule_name(L.schedule, L.v), L.pp, L.microbatches, L.v)
+    else:
+        validate(L.schedule, L.pp, L.microbatches, L.v)
+    partition_layers(cfg.n_layers, L.pp * L.v)
+    if not splits_weight_gradients(L.schedule, L.v):
+        return
+    if L.data == "fsdp":
+        raise ValueError("zb-h1 computes weight gradients outside autograd: it does not run under FSDP here "
+                         "(use data='ddp')")
+    if any(p != "none" for p in layer_policies(L.recompute, cfg.n_layers)):
+        raise ValueError("recompute with zb-h1: the zero-bubble split records each Linear call's input in "
+                         "forward, which recomputation does not keep; use another schedule or recompute='none'")
+
+
+def rule_batch(batch, dp, microbatches):
+    """The global batch cuts into dp replicas of ``microbatches`` equal micro-batches."""
+    if batch % dp:
+        raise ValueError(f"the global batch ({batch} sequences) must be divisible by dp={dp}")
+    if (batch // dp) % microbatches:
+        raise ValueError(f"each DP replica's {batch // dp} sequences must cut into microbatches="
+                         f"{microbatches} equal ones")
+
+
+__all__ = ["partition_layers", "splits_weight_gradients", "rule_pipeline", "rule_batch"]
