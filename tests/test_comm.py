@@ -116,3 +116,56 @@ def test_group_ranks_and_bad_input(runs, world):
         assert "impl must be one of" in impl_err
         assert "unknown collective" in key_err and "allreduce" in key_err
         assert f"src={world} must be a rank of this group" in src_err
+
+
+def message_records():
+    """A ring all-reduce and a user's own messages, as the flight recorder keeps them, and which
+    of torch's calls a message goes through while they are wrapped."""
+    import torch.distributed as dist
+
+    from course_lib.collectives import ring
+    from course_lib.collectives.comm import Comm
+    from course_lib.debug import flight_recorder
+    from course_lib.grading.traffic import counted_calls
+
+    rec = flight_recorder.recorder()
+    start = rec.index
+    x = torch.ones(4 * 3 * 1024)
+    ring.all_reduce(x, segment_bytes=4096)                       # 4 segments a chunk
+    in_ring = [r for r in rec.records() if r.index > start]
+    comm, start = Comm(), rec.index
+    a, b = torch.ones(5), torch.empty(5)
+    comm.exchange(a, comm.next, b, comm.prev)                    # two messages from this line,
+    w = comm.isend(a, comm.next, tag=7)                          # one from this one
+    comm.irecv(b, comm.prev, tag=7).wait()                       # and one from this one
+    w.wait()
+    own = [r for r in rec.records() if r.index > start]
+    with counted_calls() as calls:                               # dist.isend wrapped: still called
+        ring.all_reduce(torch.ones(12), validate=False)
+    return dict(total=x[0].item(), in_ring=[(r.op, r.seq, r.tag, r.shapes, r.site, r.state) for r in in_ring],
+                own=[(r.op, r.tag, r.site, r.state) for r in own], counted=sorted(c.op for c in calls.calls),
+                rank=dist.get_rank())
+
+
+def test_messages_are_recorded_with_their_call_site_and_still_reach_wrapped_sends():
+    """Each message of a ring all-reduce has its record (the ring's caller as its call site,
+    numbered per direction, peer and tag, completed when the call returns); a user's own
+    messages carry their own lines; with dist.isend / irecv wrapped, every message goes through
+    them (a grader counting calls, measure.simulated_link)."""
+    for out in launch(message_records, 3, timeout=120):
+        assert out["total"] == 3
+        msgs = out["in_ring"]
+        sites = {site for *_, site, _ in msgs}
+        assert len(sites) == 1 and sites.pop().startswith("message_records (")
+        assert {state for *_, state in msgs} == {"completed"}
+        # 2 steps x 4 segments of each phase, each way; the all-gather on its own tag
+        for op in ("send", "recv"):
+            for tag in (0, 1):
+                seqs = [seq for o, seq, t, *_ in msgs if o == op and t == tag]
+                assert len(seqs) == 8 and seqs == list(range(seqs[0], seqs[0] + 8))
+        assert {shape for *_, shape, _, _ in msgs} == {((1024,),)}
+        lines = [int(site.split(":")[-1].rstrip(")")) for op, tag, site, state in out["own"]]
+        assert lines[0] == lines[1] and lines[2:] == [lines[0] + 1, lines[0] + 2]
+        assert [(op, tag) for op, tag, _, _ in out["own"]] == [("recv", 0), ("send", 0), ("send", 7), ("recv", 7)]
+        assert {state for *_, state in out["own"]} == {"completed"}
+        assert out["counted"] == ["irecv"] * 4 + ["isend"] * 4

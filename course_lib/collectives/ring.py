@@ -99,7 +99,7 @@ def _scratch(count: int, numel: int, dtype, device):
             return [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]  # unsegmented: not kept
         bufs = pool[dtype, device] = [torch.empty(numel, dtype=dtype, device=device)
                                       for _ in range(max(count, len(bufs)))]
-    return [b[:numel] for b in bufs[:count]]
+    return bufs[:count] if bufs[0].numel() == numel else [b[:numel] for b in bufs[:count]]
 
 
 def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_bytes=SEGMENT_BYTES,
@@ -135,19 +135,24 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
     plan = [ring_schedule(N, "reduce_scatter", r, s) for s in range(N - 1)]
     # one row per message, in the order they travel (step-major, segment-minor):
     # (our piece's segment, where the sum goes); the last step's sums go to out
-    work = [(mine, dst) for s, (_, c) in enumerate(plan)
-            for mine, dst in zip(segments(pieces[c], segment_bytes),
-                                 segments(out if s == N - 2 else pieces[c], segment_bytes))]
+    work = []
+    for s, (_, c) in enumerate(plan):
+        ours = segments(pieces[c], segment_bytes)
+        sums = segments(out, segment_bytes) if s == N - 2 and out is not pieces[c] else ours
+        work += zip(ours, sums)
+    last = len(work) - len(sums)                                # rows from here on: the last step, c == r
+    sizes = [mine.numel() for mine, _ in work]
     if in_place:                                   # window x (segment,) scratch, reused
-        scratch = _scratch(min(window, len(work)), max(m.numel() for m, _ in work), out.dtype, out.device)
-        landing = [scratch[i % len(scratch)][:mine.numel()] for i, (mine, _) in enumerate(work)]
+        most = max(sizes)
+        scratch = _scratch(min(window, len(work)), most, out.dtype, out.device)
+        landing = [scratch[i % len(scratch)] if n == most else scratch[i % len(scratch)][:n]
+                   for i, n in enumerate(sizes)]
         ahead = len(scratch)
     else:                                          # (N-1) x (n/N,) in all, one buffer per message
-        landing = [torch.empty(mine.numel(), dtype=out.dtype, device=out.device) for mine, _ in work]
+        landing = [torch.empty(n, dtype=out.dtype, device=out.device) for n in sizes]
         ahead = len(work) if prepost else 0
     recvs = [comm.post_recv(landing[i], left) for i in range(ahead)]
     sends = [comm.post_send(seg, right) for seg in segments(pieces[plan[0][0]], segment_bytes)]  # ours, as is
-    last = len(work) - len(segments(out, segment_bytes))       # rows from here on: the last step, c == r
     for i, (mine, dst) in enumerate(work):
         if not prepost:
             recvs.append(comm.post_recv(landing[i], left))
@@ -168,9 +173,10 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
 
 
 def _post_gather_recvs(comm: Comm, outs, segment_bytes, tag):
-    """The all-gather's receives, every segment of every step, in the order they arrive."""
+    """The all-gather's receives, every segment of every step, in the order they arrive:
+    (step, the segment it lands in, its posted receive) per message."""
     N, r = comm.size, comm.rank
-    return [comm.post_recv(seg, (r - 1) % N, tag) for s in range(N - 1)
+    return [(s, seg, comm.post_recv(seg, (r - 1) % N, tag)) for s in range(N - 1)
             for seg in segments(outs[ring_schedule(N, "all_gather", r, s)[1]], segment_bytes)]
 
 
@@ -188,14 +194,14 @@ def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES
         segment_bytes = None
     right, left = (r + 1) % N, (r - 1) % N
     plan = [ring_schedule(N, "all_gather", r, s) for s in range(N - 1)]
-    work = [(s, seg) for s, (_, c) in enumerate(plan) for seg in segments(outs[c], segment_bytes)]
-    if recvs is None:
-        recvs = _post_gather_recvs(comm, outs, segment_bytes, tag) if prepost else [None] * len(work)
+    if recvs is None:                              # (step, segment, receive) per message, in order
+        recvs = (_post_gather_recvs(comm, outs, segment_bytes, tag) if prepost else
+                 [(s, seg, None) for s, (_, c) in enumerate(plan) for seg in segments(outs[c], segment_bytes)])
     sends = [comm.post_send(seg, right, tag) for seg in segments(outs[plan[0][0]], segment_bytes)]
-    for i, (s, seg) in enumerate(work):
+    for s, seg, recv in recvs:
         if not prepost:
-            recvs[i] = comm.post_recv(seg, left, tag)
-        comm.wait(recvs[i])
+            recv = comm.post_recv(seg, left, tag)
+        comm.wait(recv)
         if not prepost:
             comm.wait(*sends)
             sends = []

@@ -42,12 +42,17 @@ from dataclasses import dataclass
 from course_lib import trace
 
 SLOTS = 256                      # default N: the last 256 calls of each rank
-SLOT_BYTES = 384                 # one record: 1 state byte, 2 length bytes, the text
+SLOT_BYTES = 384                 # one record: the slot's head (below), then the text
 _HEADER = struct.Struct("<8sQQ")  # magic, calls recorded so far, slots
+_HEADER_BYTES, _COUNT = _HEADER.size, struct.Struct("<Q")   # (the count alone, at byte 8)
+_SLOT = struct.Struct("<cHQQ")    # a slot's head: state, text length, index, sequence number
+_TEXT_BYTES = SLOT_BYTES - _SLOT.size
 _MAGIC = b"CLFLIGHT"
 STATES = {b"i": "issued", b"w": "waiting", b"q": "enqueued", b"c": "completed"}
+_WAITING, _COMPLETED = b"w"[0], b"c"[0]
 WATCH_S = 0.05                   # how often the watchdog polls the CUDA events of enqueued calls
 _SEP = "\x1f"
+_MEMO_MAX = 4096                 # remembered texts (call sites, a call's fields) before starting afresh
 # frames of the communication layer itself are not a call site
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAYER = (_HERE, os.path.join(os.path.dirname(_HERE), "collectives"))
@@ -120,14 +125,32 @@ def shape_text(shapes) -> str:
     return ", ".join(str(tuple(s)) if len(s) != 1 else f"({s[0]},)" for s in shapes) or "()"
 
 
-def call_site() -> str:
-    """``function (file:line)`` of the first frame outside the communication layer."""
-    f = sys._getframe(2)
+_SITES: dict = {}   # id(code object) -> (that code object, line, its call-site text)
+
+
+def call_site(depth: int = 2) -> str:
+    """``function (file:line)`` of the first frame outside the communication layer, looking
+    from ``depth`` frames up (2: the caller's caller).
+
+    A ring asks for every message, so this stays cheap: ``sys._getframe(depth)`` skips the
+    frames below without making Python objects of them (Python >= 3.11 makes a frame object
+    only when asked for one), and the text of the last site seen in each function is kept
+    (by the code object's id, the object itself kept with it so that the id stays its own:
+    hashing a code object hashes all its constants, nested functions included)."""
+    f = sys._getframe(depth)
     while f is not None and f.f_code.co_filename.startswith(_LAYER):
         f = f.f_back
     if f is None:
         return ""
-    return f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+    code, line = f.f_code, f.f_lineno
+    known = _SITES.get(id(code))
+    if known is not None and known[0] is code and known[1] == line:
+        return known[2]
+    if len(_SITES) > _MEMO_MAX:
+        _SITES.clear()
+    site = f"{code.co_name} ({os.path.basename(code.co_filename)}:{line})"
+    _SITES[id(code)] = (code, line, site)
+    return site
 
 
 class Entry:
@@ -183,24 +206,47 @@ class FlightRecorder:
             finally:
                 os.close(fd)
         self.index, self._seq, self._groups, self._lock = 0, {}, {}, threading.Lock()
+        self._texts = {}   # a call's fields -> (its sequence counter, encoded text): see record()
         self._mm[:_HEADER.size] = _HEADER.pack(_MAGIC, 0, slots)
 
     def record(self, op, dim, ranks, tensors, peer=None, tag=0, extra="", span="", site="",
                state=b"i", gpu=None) -> Entry:
-        key = (dim, ranks, op, peer, tag) if peer is not None else (dim, ranks)
-        shapes = ";".join(["x".join(map(str, t.shape)) for t in tensors])
-        dtypes = ";".join([_DTYPES.get(t.dtype) or _dtype(t.dtype) for t in tensors])
-        group = self._groups.get(ranks) or self._groups.setdefault(ranks, ",".join(map(str, ranks)))
+        fields = (op, dim, ranks, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]),
+                  peer, tag, extra, span, site)
+        return Entry(self, *self._write(fields, state), gpu)
+
+    def _write(self, fields, state):
+        """Write one record: ``fields`` as record() takes them, shapes and dtypes as tuples.
+        Returns (its index, its slot's offset)."""
+        # The text holds the fields that a ring's messages share (op, group, shapes, ..., call
+        # site): encoded once and remembered, so a message costs one look-up and two copies into
+        # the ring (numbers packed, not formatted), not a dozen str() calls.
+        count, text = self._texts.get(fields) or self._remember(fields)
         with self._lock:
             index = self.index = self.index + 1
-            seq = self._seq[key] = self._seq.get(key, 0) + 1
-            data = _SEP.join((str(index), str(seq), op, dim, group, shapes, dtypes, "" if peer is None else str(peer),
-                              str(tag), extra, span, site)).encode("utf-8", "replace")[:SLOT_BYTES - 3]
-            offset = _HEADER.size + ((index - 1) % self.slots) * SLOT_BYTES
-            mm = self._mm   # one copy: state, length, text; then the count the reader trusts
-            mm[offset:offset + 3 + len(data)] = state + len(data).to_bytes(2, "little") + data
-            mm[8:16] = index.to_bytes(8, "little")
-            return Entry(self, index, offset, gpu)
+            seq = count[0] = count[0] + 1
+            offset = _HEADER_BYTES + ((index - 1) % self.slots) * SLOT_BYTES
+            mm = self._mm   # the text, then the head (its index makes the slot valid), then the count
+            mm[offset + _SLOT.size:offset + _SLOT.size + len(text)] = text
+            _SLOT.pack_into(mm, offset, state, len(text), index, seq)
+            _COUNT.pack_into(mm, 8, index)
+            return index, offset
+
+    def _remember(self, fields):
+        """A call's fields -> ([calls so far with its sequence key], its encoded text). A
+        sequence number counts per group (collectives) or per direction, pair of ranks and tag
+        (messages): calls that differ in shape or call site share one counter."""
+        op, dim, ranks, shapes, dtypes, peer, tag, extra, span, site = fields
+        key = (dim, ranks, op, peer, tag) if peer is not None else (dim, ranks)
+        count = self._seq.get(key) or self._seq.setdefault(key, [0])
+        group = self._groups.get(ranks) or self._groups.setdefault(ranks, ",".join(map(str, ranks)))
+        tail = _SEP.join((op, dim, group, ";".join(["x".join(map(str, s)) for s in shapes]),
+                          ";".join([_DTYPES.get(d) or _dtype(d) for d in dtypes]), "" if peer is None else str(peer),
+                          str(tag), extra, span, site)).encode("utf-8", "replace")[:_TEXT_BYTES]
+        if len(self._texts) > _MEMO_MAX:
+            self._texts.clear()
+        self._texts[fields] = known = (count, tail)
+        return known
 
     def enqueued(self, entry: Entry):
         """The CPU call returned: mark it enqueued until its CUDA event fires."""
@@ -257,13 +303,15 @@ def parse(data: bytes, rank: int) -> list:
     out = []
     for index in range(max(1, count - slots + 1), count + 1):
         offset = _HEADER.size + ((index - 1) % slots) * SLOT_BYTES
-        state = STATES.get(data[offset:offset + 1])
-        length = int.from_bytes(data[offset + 1:offset + 3], "little")
-        fields = data[offset + 3:offset + 3 + length].decode("utf-8", "replace").split(_SEP)
-        if state is None or len(fields) != 12 or fields[0] != str(index):
+        if len(data) < offset + SLOT_BYTES:
+            break
+        code, length, i, seq = _SLOT.unpack_from(data, offset)
+        state = STATES.get(code)
+        fields = data[offset + _SLOT.size:offset + _SLOT.size + length].decode("utf-8", "replace").split(_SEP)
+        if state is None or len(fields) != 10 or i != index:
             continue
-        i, seq, op, dim, ranks, shapes, dtypes, peer, tag, extra, span, site = fields
-        out.append(Record(rank, int(i), int(seq), op, dim, tuple(int(r) for r in ranks.split(",") if r),
+        op, dim, ranks, shapes, dtypes, peer, tag, extra, span, site = fields
+        out.append(Record(rank, i, seq, op, dim, tuple(int(r) for r in ranks.split(",") if r),
                           tuple(tuple(int(n) for n in s.split("x") if n) for s in shapes.split(";")) if shapes else (),
                           tuple(dtypes.split(";")) if dtypes else (), int(peer) if peer else None, int(tag),
                           extra, span, site, state))
@@ -361,32 +409,54 @@ def completed(entry, result):
     return result
 
 
-def p2p(comm, op, tensor, peer, tag, work):
-    """Hook of ``Comm.isend`` / ``irecv``: the work handle, tracked (waiting / completed)."""
-    if _recorder is None:
+def p2p(comm, op, tensor, peer, tag, work, shape=None, dtype=None):
+    """Hook of ``Comm._message`` (every isend / irecv): the work handle, tracked (waiting /
+    completed); ``shape``, ``dtype``: the tensor's, when the caller has read them already.
+
+    It runs for every message (a ring posts 2(N-1) a call, between copies of megabytes that
+    leave every cache cold), so it does little: the call site is looked for from the caller
+    of ``Comm.isend`` (or irecv, post_send, post_recv) up, 4 frames above call_site (the
+    Comm's own frames skipped without being made), and a Comm that an algorithm of
+    course_lib.collectives built for one call (``comm.one_call``) keeps the site of its first
+    message, its caller's, for all the others."""
+    rec = _recorder
+    if rec is None:
         return work
-    entry = _recorder.record(op, comm.dim, tuple(comm.ranks), (tensor,), peer=comm.ranks[peer], tag=tag,
-                             span=_span(), site=call_site(), gpu=_on_gpu((tensor,)))
-    return TrackedWork(work, entry)
+    site = getattr(comm, "_site", None)
+    if site is None:
+        site = call_site(4)
+        if getattr(comm, "one_call", False):
+            comm._site = site
+    spans = trace.recorder()._open   # (_span() and _on_gpu() inline)
+    fields = (op, comm.dim, tuple(comm.ranks), (tensor.shape if shape is None else shape,),
+              (tensor.dtype if dtype is None else dtype,), comm.ranks[peer], tag, "", spans[-1] if spans else "", site)
+    return TrackedWork(work, rec, *rec._write(fields, b"i"),
+                       tensor.device.index if rec.cuda_events and tensor.is_cuda else None)
 
 
-class TrackedWork:
-    """A point-to-point work handle whose wait marks its record waiting, then completed."""
-    __slots__ = ("_work", "_entry")
+class TrackedWork(Entry):
+    """A point-to-point work handle whose wait marks its record waiting, then completed
+    (the record's Entry itself: one object a message)."""
+    __slots__ = ("_work",)
 
-    def __init__(self, work, entry):
-        self._work, self._entry = work, entry
+    def __init__(self, work, fr, index, offset, gpu=None):
+        self._work, self._fr, self.index, self._offset, self.gpu = work, fr, index, offset, gpu
 
     def wait(self, *args, **kwargs):
-        self._entry.waiting()
+        fr = self._fr   # (Entry.waiting and .complete, inline: this runs per message)
+        if fr._mm is not None and fr.index - self.index < fr.slots:
+            fr._mm[self._offset] = _WAITING
         out = self._work.wait(*args, **kwargs)
-        self._entry.complete()
+        if self.gpu is not None:
+            fr.enqueued(self)
+        elif fr._mm is not None and fr.index - self.index < fr.slots:
+            fr._mm[self._offset] = _COMPLETED
         return out
 
     def is_completed(self):
         done = self._work.is_completed()
         if done:
-            self._entry.complete()
+            self.complete()
         return done
 
     def __getattr__(self, name):
