@@ -168,6 +168,54 @@ def count_ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
     return busiest
 
 
-from course_lib.parallel.layout_rules import as_layout
-from course_lib.planner.kernels import KernelCounter
-from course_lib.virtual import VirtualCluster
+# ----------------------------------------------------------------------------- placing a mesh on nodes
+def _placed_steps(cfg_dict, sizes, kw, batch, placements):
+    """One warm-up step, then one step per placement (the clock's node map switched between
+    steps): per placement, this rank's (start, end) of the step in virtual seconds."""
+    from course_lib import trace
+    from course_lib.collectives import Comm
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    cfg = GPTConfig(**cfg_dict)
+    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh(**sizes), **kw)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = reference.gpt_batches(cfg, batch=batch, steps=1)[0]
+    cluster, out = trace.clock().cluster, []
+    for nodes in [None] + list(placements):
+        cluster.nodes = nodes
+        Comm(None).barrier()
+        trace.reset()
+        with trace.span("step", "other"):
+            net.step(x, y)
+            opt.step()
+            opt.zero_grad()
+        s = next(s for s in trace.spans() if s.name == "step")
+        out.append((s.start, s.end))
+    return out[1:]
+
+
+class PlacedCluster(VirtualCluster):
+    """A VirtualCluster whose rank r sits on node ``nodes[r]`` (set between steps; None: blocks
+    of ``gpus_per_node`` consecutive ranks, VirtualCluster's own placement)."""
+
+    nodes = None
+
+    def node(self, rank: int) -> int:
+        return self.nodes[rank] if self.nodes is not None else rank // self.gpus_per_node
+
+
+def placement_step_times(cfg: GPTConfig, sizes: dict, kw: dict, batch: int, placements, hardware,
+                         gpus_per_node: int) -> list:
+    """The virtual step time of one ``parallelize_nd`` training step for each placement
+    (placement[r] = the node of the course mesh's rank r), all in one launch: the clock's node
+    map is switched between steps."""
+    world = len(placements[0])
+    res = launch(_placed_steps, world, dict(cfg.__dict__), sizes, kw, batch, list(placements),
+                 clock=PlacedCluster(hardware, gpus_per_node, torch.bfloat16), threads=1, timeout=60, quiet=True)
+    return [max(r[i][1] for r in res) - min(r[i][0] for r in res) for i in range(len(placements))]
+
+
+__all__ = ["VirtualStep", "virtual_step", "rank_step", "planner_estimate",
+           "count_vocab_parallel_loss_kernels", "count_ring_attention_kernels", "PlacedCluster",
+           "placement_step_times"]
