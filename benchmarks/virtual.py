@@ -17,8 +17,9 @@ ops the ranks ran (a counting pass, not timed): the clock's cost per op.
 
 What the virtual clock adds per rank: a Python ``__torch_dispatch__`` call per aten op
 outside communication (pricing: a FLOP formula, the bytes of its tensors; a communication
-call's own ops skip the mode), a tiny MAX all-reduce beside each collective (the members'
-ready times), an 8-byte header per point-to-point message. The first of these has a floor
+call's own ops skip the mode), the members' ready times beside each collective (a MAX over
+slots in a file the launch's ranks all map: :mod:`course_lib.virtual.exchange`), an 8-byte
+header per point-to-point message. The first of these has a floor
 that is torch's, not the clock's, so each program also runs on the wall clock under a mode
 that only calls each op (``CallOnly``): any per-op dispatch mode costs at least that. The
 last lines time the same floor in one process: one pipeline stage's forward and backward,
@@ -35,11 +36,18 @@ the same before and after the per-op memos); its wall ratios swung 0.7-1.4x with
 the call-only mode's 9-12 (6.3-7.3 before its memos: an op's kind by its C++ operator, its
 bytes per dtype, its seconds per cost; a GEMM's FLOPs per shape). The rest is per
 collective: its bookkeeping (lanes, NCCL's price, memoised per group) tens of us, and its
-ready-time exchange, a 16-byte all-reduce on the backend: 100-400 us of CPU in a rank's
-process (gloo's messages and threads), ~20 ms of the 20-50 a rank spends over the floor in
-chapter 9, whose TP all-reduces are many and small. It cannot ride on the real collective:
-a longer buffer changes how gloo chunks the sum, so the results would no longer be the wall
-clock's.
+ready-time exchange. That was a 16-byte all-reduce on the backend: 250-400 us of CPU in a
+rank's process (gloo's messages and threads), ~20-25 ms of the 20-50 a rank spends over the
+floor in chapter 9 (100 collectives a rank, its TP all-reduces many and small); it cannot
+ride on the real collective (a longer buffer changes how gloo chunks the sum, so the results
+would no longer be the wall clock's). Now the members write their ready times into a shared
+file and read each other's (the backend's all-reduce only where the ranks share no
+directory, under torchrun): 4 ranks, pairs racing, 260 us of CPU an exchange on gloo, 44 on
+the file (most of it the waits' sleeps; beside a collective, which has synchronised the
+members already, it does not wait). Chapter 9's run, the same virtual times bit for bit:
+0.94 -> 0.88 CPU s over the ranks (medians of 8, alternating); the clock over the floor
+1.11-1.27x CPU before, 1.10-1.23x after (3-4 runs of 5-7 repeats each, load 10-17: the
+noise here is as large as the change).
 """
 from __future__ import annotations
 

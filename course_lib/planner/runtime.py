@@ -165,7 +165,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
     tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
     norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
-    if not layout.sp:
+    if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
         weights, norms, norm_tensors = weights + norms, 0, 0
     replicas = ("dp", "cp")
     tail, sync_kernels, fsdp_kernels = 0.0, 0, 0

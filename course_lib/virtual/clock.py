@@ -11,9 +11,10 @@ they cross the same lane. The communication layer
 (:class:`course_lib.collectives.comm.Comm`) calls:
 
 * ``collective(comm, op, payload, ref, run)`` around a backend collective (``run()``): the
-  members all-reduce (MAX) their ready times (compute stream, the group's stream, their
-  lanes) and payloads in one 16-byte message beside it (async, issued first; not counted in
-  any byte count), so the collective starts at the latest member's ready time and ends
+  members exchange (MAX) their ready times (compute stream, the group's stream, their
+  lanes) and payloads beside it (issued first; not counted in any byte count): through
+  shared memory when the launch's ranks share this machine, else one 16-byte all-reduce on
+  the backend (:mod:`.exchange`), so the collective starts at the latest member's ready time and ends
   NCCL's time for it later (:func:`.links.nccl_collective`) on every member; it holds each
   member's lanes for the bytes its algorithm moves there;
 * ``isend`` / ``irecv``: the real message, its payload's bytes followed by 8 bytes holding the
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from course_lib.virtual import links
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
+from course_lib.virtual.exchange import exchange as _exchange
 
 # Comm's collective -> NCCL's (all-to-all is grouped point-to-point; barrier an all-reduce)
 NCCL_OPS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
@@ -98,8 +100,7 @@ class RankClock:
             if exchange is None:
                 exchange = self._exchange(comm, ready, nbytes)
             with self.muted():
-                exchange[0].wait()
-                start, nbytes = exchange[1].tolist()
+                start, nbytes = exchange.result()
             self._host_reads()
         return start, self._priced(comm, op, nbytes, start)
 
@@ -138,8 +139,7 @@ class RankClock:
             start, nbytes = p.ready, p.nbytes
             if p.exchange is not None:
                 with self.muted():
-                    p.exchange[0].wait()
-                    start, nbytes = p.exchange[1].tolist()
+                    start, nbytes = p.exchange.result()
             if p.comm.size > 1:
                 for lane, seconds in self._occupancy(p.comm, p.op, p.nbytes):
                     self.lanes[lane].release(p.ready, seconds)
@@ -214,16 +214,11 @@ class RankClock:
         return ready
 
     def _exchange(self, comm, ready: float, nbytes: float):
-        """The members' latest ready time and largest payload: a MAX all-reduce of two float64
-        (not counted in bytes), issued on the group's backend itself (torch's ``all_reduce``
-        adds only its argument checks)."""
+        """The members' latest ready time and largest payload (``.result()``, not counted in
+        bytes): through a file every member maps when the launch's ranks share this machine,
+        else a MAX all-reduce of two float64 on the group's backend (:mod:`.exchange`)."""
         with self.muted():
-            issued = torch.tensor([ready, float(nbytes)], dtype=torch.float64, device=comm.backend_device)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp, opts.asyncOp = dist.ReduceOp.MAX, True
-            group = comm.group if comm.group is not None else dist.group.WORLD
-            work = group.allreduce([issued], opts)
-        return work, issued
+            return _exchange(comm, ready, nbytes)
 
     def _priced(self, comm, op: str, nbytes: float, start: float) -> float:
         """The end of collective ``op`` started at ``start``: NCCL's time for it on the group's
