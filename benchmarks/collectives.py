@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from course_lib import costmodel  # noqa: E402
 from course_lib.collectives import measure  # noqa: E402
+from course_lib.lab.measure import sweep_builtin  # noqa: E402
 from course_lib.launch import cpu_count, launch  # noqa: E402
 
 MiB = 1 << 20
@@ -233,7 +234,7 @@ def main(argv=None):
     if not args.no_fit:
         fit_sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]
         cache = measure.last_level_cache_bytes()
-        worst = [report_fit(measure.sweep_builtin(fit_sizes, args.worlds, rounds=args.rounds, reps=args.fit_reps,
+        worst = [report_fit(sweep_builtin(fit_sizes, args.worlds, rounds=args.rounds, reps=args.fit_reps,
                                                   stat=args.fit_stat, realtime=realtime),
                             cores, cache, scheduling[realtime], args)
                  for realtime in priorities]

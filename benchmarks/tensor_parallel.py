@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from course_lib.benchmarks import tensor_parallel_step_times  # noqa: E402
+from course_lib.lab.benchmarks import tensor_parallel_step_times  # noqa: E402
 from course_lib.launch import launch  # noqa: E402
 
 

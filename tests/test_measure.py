@@ -1,4 +1,5 @@
-"""course_lib.collectives.measure: what gloo sends, the sweep behind the alpha-beta fit, priorities."""
+"""course_lib.collectives.measure (and lab/measure.py, its sweep): what gloo sends, the sweep behind the
+alpha-beta fit, priorities."""
 import os
 import sys
 
@@ -6,6 +7,7 @@ import pytest
 
 from course_lib import costmodel as cm
 from course_lib.collectives import measure
+from course_lib.lab.measure import sweep_builtin
 from course_lib.launch import launch
 
 MiB = 1 << 20
@@ -44,13 +46,13 @@ def test_gloo_all_reduce_sends_the_segmented_rings_messages(N):
 
 
 def test_sweep_builtin_measures_every_point_once():
-    rows = measure.sweep_builtin([4 << 10, 64 << 10], [2, 3], rounds=2, reps=2, warmup=1)
+    rows = sweep_builtin([4 << 10, 64 << 10], [2, 3], rounds=2, reps=2, warmup=1)
     assert sorted((int(m.n_bytes), m.world_size) for m in rows) == [(4096, 2), (4096, 3), (65536, 2), (65536, 3)]
     assert all(m.algorithm == "segmented_ring_all_reduce" and m.seconds > 0 for m in rows)
     with pytest.raises(ValueError, match="rounds"):
-        measure.sweep_builtin([4096], [2], rounds=0)
+        sweep_builtin([4096], [2], rounds=0)
     with pytest.raises(ValueError, match="stat must be one of"):
-        measure.sweep_builtin([4096], [2], stat="mean")
+        sweep_builtin([4096], [2], stat="mean")
 
 
 def test_fastest_keeps_each_points_fastest_round():

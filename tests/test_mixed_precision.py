@@ -18,10 +18,10 @@ import torch
 
 from course_lib import tolerance
 from course_lib.gpt import GPTConfig
-from course_lib.nd_runs import LR
+from course_lib.lab.nd_runs import LR
 from course_lib.parallel.compose import check_layout
 from course_lib.precision.mixed import check_precision, relative_error, sum_rounded
-from course_lib.precision_runs import one_device, precision_runs
+from course_lib.lab.precision_runs import one_device, precision_runs
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2)
 CASES = {"dp2-tp2-sp": (dict(dp=2, tp=2), {}),

@@ -19,7 +19,7 @@ import torch
 
 from course_lib import launch, reference, tolerance
 from course_lib.gpt import GPTConfig, TinyGPT
-from course_lib.nd_runs import LR, single_device
+from course_lib.lab.nd_runs import LR, single_device
 from course_lib.parallel.compose import assemble_nd, check_layout
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2)

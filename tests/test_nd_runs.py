@@ -1,4 +1,4 @@
-"""Chapter 9's runs (course_lib/nd_runs.py): a layout trained in float64 equals one device
+"""Chapter 9's runs (course_lib/lab/nd_runs.py): a layout trained in float64 equals one device
 within course_lib.tolerance's AdamW bound, and a layout that does not (a wrong reference)
 is reported as outside it; its virtual step time is the same on a second run and is the
 first rank's start to the last rank's end of the program's own spans; memory per rank."""
@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from course_lib.gpt import GPTConfig
-from course_lib.nd_runs import predict, run_layout, single_device
+from course_lib.lab.nd_runs import predict, run_layout, single_device
 from course_lib.virtual import VirtualCluster
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_kv_heads=2)

@@ -274,10 +274,11 @@ def test_calibration_predicts_a_real_run():
     bandwidth and alpha-beta fit. Timing on a shared machine is noisy: only sanity here;
     the notebook prints predicted next to measured."""
     models = pytest.importorskip("course_lib.models")
+    from course_lib.lab.calibration import calibrate
     from course_lib.planner import calibration
     cfg = models.GPTConfig(n_layers=1, hidden=64, n_heads=4, seq_len=32)
     assert F.param_count(calibration.model_spec(cfg)) == F.param_count(cfg)
-    cal = calibration.calibrate(cfg, world_size=2, batch=4, steps=2, repeats=2, timeout=120)
+    cal = calibrate(cfg, world_size=2, batch=4, steps=2, repeats=2, timeout=120)
     assert cal["measured"]["fit"].alpha >= 0 and cal["measured"]["matmul_flops"] > 0
     assert 0 < cal["predicted"] < 60 and 0 < cal["measured_step"] < 60
     assert 0.1 < cal["predicted"] / cal["measured_step"] < 10

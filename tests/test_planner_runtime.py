@@ -83,7 +83,7 @@ def test_the_planners_kernel_counts_of_the_parallel_code_are_the_programs():
     """The planner sits below parallel/ and holds the kernels that the vocabulary-parallel loss
     and ring attention add as numbers: they are the counts of the code itself."""
     from course_lib.planner import runtime
-    from course_lib.virtual_runs import count_ring_attention_kernels, count_vocab_parallel_loss_kernels
+    from course_lib.lab.virtual_runs import count_ring_attention_kernels, count_vocab_parallel_loss_kernels
 
     assert runtime.VOCAB_LOSS_KERNELS == count_vocab_parallel_loss_kernels()
     for grouped in (False, True):

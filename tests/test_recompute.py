@@ -16,14 +16,14 @@ import torch
 
 from course_lib import launch, reference, tolerance
 from course_lib.gpt import GPTConfig, TinyGPT
-from course_lib.nd_runs import LR, single_device
+from course_lib.lab.nd_runs import LR, single_device
 from course_lib.parallel.compose import assemble_nd, check_layout
 from course_lib.parallel.mesh import MeshShape
 from course_lib.planner.activations import stage_activation_bytes
 from course_lib.planner.calibration import model_spec
 from course_lib.planner.formulas import in_flight_microbatches, layer_flops_per_token
 from course_lib.recompute import POLICIES, every, layer_policies
-from course_lib.recompute_runs import (activation_bytes_of_layouts, kept_bytes, pipeline_peaks, recompute_flops,
+from course_lib.lab.recompute_runs import (activation_bytes_of_layouts, kept_bytes, pipeline_peaks, recompute_flops,
                                        torch_checkpoint_side_by_side)
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2)

@@ -13,6 +13,11 @@ file"), read from the source with ast, not by importing.
 
 ALLOWED lists the exceptions left in files that other work is reshaping; it can only shrink:
 an entry that no longer occurs fails too, so a fix must remove its entry.
+
+* Three wings (STYLE.md): only ``lab/`` (the chapters' experiments), ``grading/`` (the
+  graders), ``launch.py`` itself and ``examples/`` (scripts for torchrun) start ranks; the
+  library a learner reads builds what they run. A call of ``launch`` imported from
+  ``course_lib.launch`` (by name or through the module) anywhere else fails.
 """
 from __future__ import annotations
 
@@ -165,3 +170,51 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert private_imports(pkg) == {("course_lib/c.py", "course_lib.a:_x"),
                                     ("course_lib/sub/b.py", "course_lib.a:_x"),
                                     ("course_lib/sub/b.py", "course_lib.c:_y")}
+
+
+# ------------------------------------------------------------- only lab/ and grading/ start ranks
+STARTS_RANKS = ("course_lib/lab/", "course_lib/grading/", "course_lib/examples/", "course_lib/launch.py")
+
+
+def launch_calls(path):
+    """Line numbers where ``path`` calls ``course_lib.launch.launch``: ``launch(...)`` after
+    ``from course_lib.launch import launch [as x]``, or ``m.launch(...)`` where ``m`` is bound
+    to the module ``course_lib.launch`` (docstrings and comments are not code: ast skips them)."""
+    tree = ast.parse(path.read_text(), str(path))
+    names, modules = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "course_lib.launch":
+            names |= {a.asname or a.name for a in node.names if a.name == "launch"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "course_lib":
+            modules |= {a.asname or a.name for a in node.names if a.name == "launch"}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name == "course_lib.launch" and a.asname}
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in names:
+            lines.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "launch" and (
+                (isinstance(f.value, ast.Name) and f.value.id in modules)
+                or ast.unparse(f.value) == "course_lib.launch"):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_lab_and_grading_start_ranks():
+    found = [f"  {rel}:{line}" for path in sorted((ROOT / "course_lib").rglob("*.py"))
+             if not (rel := path.relative_to(ROOT).as_posix()).startswith(STARTS_RANKS)
+             for line in launch_calls(path)]
+    assert not found, ("a library module starts ranks: move what calls launch to course_lib/lab/ "
+                       "(the library builds what the run calls):\n" + "\n".join(found))
+
+
+def test_launch_calls_are_found_by_name_and_through_the_module(tmp_path):
+    (tmp_path / "a.py").write_text(
+        '"""launch(f, 2) in a docstring is not a call."""\n'
+        "from course_lib.launch import launch as run\nfrom course_lib import launch as L\n"
+        "import course_lib.launch\n\ndef f(buckets):\n    buckets.launch()  # a method of its own\n"
+        "    run(f, 2)\n    L.launch(f, 2)\n    course_lib.launch.launch(f, 2)\n")
+    assert launch_calls(tmp_path / "a.py") == [8, 9, 10]

@@ -1,4 +1,4 @@
-"""course_lib/virtual_runs: one N-D step on the virtual clock, and the planner's same layout."""
+"""course_lib/lab/virtual_runs: one N-D step on the virtual clock, and the planner's same layout."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.planner import HARDWARE
 from course_lib.virtual import VirtualCluster
 from course_lib.parallel.layout_rules import as_layout
-from course_lib.virtual_runs import planner_estimate, virtual_step
+from course_lib.lab.virtual_runs import planner_estimate, virtual_step
 
 CFG = GPTConfig(n_layers=1, hidden=32, n_heads=2, seq_len=16, vocab_size=64)
 H100 = HARDWARE["h100-sxm"]

@@ -16,10 +16,9 @@ gloo writes to its sockets: the bytes (``bytes_written``; gloo's reduce-scatter 
 as much as an all-reduce) and the write system calls (``writes_made``; gloo's
 all-reduce sends 1 MiB segments, at least two per rank, three writes each).
 
-``sweep_builtin`` (called outside ranks) times gloo's collectives over sizes and world
-sizes in several rounds, and keeps each point's fastest round: one launch that a
-burst of other work slowed does not spoil the fit. With ``realtime=True`` the ranks
-run under real-time scheduling where the OS allows it (``realtime_priority``).
+Everything here runs inside ranks; ``course_lib.lab.measure.sweep_builtin`` starts them
+(over sizes and world sizes, in several rounds, keeping each point's fastest round with
+:func:`fastest`; ``realtime_priority`` where the OS allows it).
 """
 from __future__ import annotations
 
@@ -80,7 +79,8 @@ def builtin_ops(n_bytes: int, collectives=("all_reduce",), group=None, dtype=tor
     return {c: make[c] for c in collectives}
 
 
-def _stat(name: str):
+def stat_of(name: str):
+    """The statistic a measurement keeps of its repetitions: "median" or "min"."""
     stats = {"median": median, "min": min}
     if name not in stats:
         raise ValueError(f"stat must be one of {sorted(stats)}, got {name!r}")
@@ -96,7 +96,7 @@ def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: i
     """
     from course_lib.costmodel import Measurement
 
-    reduce_times = _stat(stat)
+    reduce_times = stat_of(stat)
     N = dist.get_world_size(group)
     rows = []
     for n in sizes:
@@ -104,33 +104,6 @@ def measure_builtin(sizes, collectives=("all_reduce",), reps: int = 5, warmup: i
         for name, ts in time_ops(ops, reps, warmup, group).items():
             rows.append(Measurement(BUILTIN_MODEL[name], n, N, reduce_times(ts)))
     return rows
-
-
-def _sweep_rank(sizes, collectives, reps, warmup, stat, realtime):
-    with realtime_priority(realtime):
-        return measure_builtin(sizes, collectives, reps, warmup, stat=stat)
-
-
-def sweep_builtin(sizes, world_sizes, collectives=("all_reduce",), rounds: int = 3, reps: int = 5,
-                  warmup: int = 2, stat: str = "min", realtime: bool = False, timeout: float = 900.0):
-    """Outside ranks: Measurement rows of gloo's collectives for every size and world size.
-
-    Each round launches every world size once (one thread per rank); a point's time is
-    ``stat`` ("min" or "median") of its ``reps``, then the fastest of the ``rounds``
-    (:func:`fastest`). ``realtime``: the ranks run under :func:`realtime_priority`, where
-    the OS permits it (check first with ``with realtime_priority() as permitted``).
-    """
-    from course_lib.launch import launch
-
-    _stat(stat)
-    if rounds < 1 or reps < 1:
-        raise ValueError(f"rounds and reps must be >= 1, got rounds={rounds}, reps={reps}")
-    rows = []
-    for _ in range(rounds):
-        for N in world_sizes:
-            rows += launch(_sweep_rank, N, list(sizes), tuple(collectives), reps, warmup, stat, realtime,
-                           threads=1, quiet=True, timeout=timeout)[0]
-    return fastest(rows)
 
 
 def fastest(rows) -> list:
@@ -265,5 +238,5 @@ def bytes_sent_by(fn, group=None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "sweep_builtin", "fastest",
+__all__ = ["time_ops", "median", "BUILTIN_MODEL", "builtin_ops", "measure_builtin", "stat_of", "fastest",
            "realtime_priority", "simulated_link", "bytes_written", "writes_made", "bytes_sent_by", "last_level_cache_bytes"]

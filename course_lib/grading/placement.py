@@ -16,14 +16,14 @@ from __future__ import annotations
 from course_lib.grading import Case, check, learner
 from course_lib.parallel.mesh import MeshShape
 from course_lib.planner.presets import HARDWARE
-from course_lib.virtual_runs import placement_step_times
+from course_lib.lab.virtual_runs import placement_step_times
 
 __all__ = ["check_placement"]
 
 # what would answer for the learner: the planner's layout search and pricing, running steps
 PLACEMENT_LIBRARY = ("course_lib.planner:*", "course_lib.planner.search:*", "course_lib.planner.layout:*",
                      "course_lib.planner.estimate:*", "course_lib.launch:launch",
-                     "course_lib.virtual_runs:*", "course_lib.grading.placement:_*")
+                     "course_lib.lab.virtual_runs:*", "course_lib.grading.placement:_*")
 
 
 def _canonical(nodes):

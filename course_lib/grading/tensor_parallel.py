@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib.benchmarks import tensor_parallel_layer_bytes
+from course_lib.lab.benchmarks import tensor_parallel_layer_bytes
 from course_lib.grading import Case, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib.parallel.vocab_parallel import shard_range
@@ -219,7 +219,7 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
         sp, regather = MODES[mode]
         s, b, h, _, dtype = LAYERS[k]
         size = torch.empty((), dtype=dtype).element_size()
-        with switched_off(["course_lib.planner.communication:*", "course_lib.benchmarks:tensor_parallel_layer_bytes"],
+        with switched_off(["course_lib.planner.communication:*", "course_lib.lab.benchmarks:tensor_parallel_layer_bytes"],
                           "predicting the bytes"), time_limit(SECONDS):
             got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
         if isinstance(got, bool) or not isinstance(got, (int, float)):

@@ -11,8 +11,9 @@ communication ones live in ``activations`` and ``communication`` and are re-expo
 layout and its constraints), ``costs`` (what one pipeline stage costs), ``estimate``
 (the analytic step, its FLOPs in every convention), ``simulator`` (the same step, event
 by event, as trace spans), ``search`` (rank valid layouts), ``validation`` (against
-published tables), ``calibration`` (against a measured run on this machine), ``kernels`` (a
-kernel's roofline and launch, the course's kernels counted on the meta device) and ``runtime``
+published tables), ``calibration`` (a course model's ModelSpec; a Hardware from what
+``lab.calibration`` measured on this machine), ``kernels`` (a kernel's roofline and launch,
+the course's kernels counted on the meta device) and ``runtime``
 (``estimate(..., runtime="course")``: the course's own program, its kernels and every
 collective it issues; the default ``"megatron"`` models the published systems validated).
 """

@@ -38,7 +38,7 @@ STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
-# against the counts of course_lib.virtual_runs, for cp = 2..8):
+# against the counts of course_lib.lab.virtual_runs, for cp = 2..8):
 VOCAB_LOSS_KERNELS = 29           # vocabulary-parallel cross entropy less the plain one, fwd + bwd
 RING_KERNELS = {                  # per layer, busiest rank: (fixed, per ring rank), fwd and bwd
     False: ((7, 41), (3, 32)),    # one K/V head per query head

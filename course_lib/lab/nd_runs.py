@@ -20,11 +20,12 @@ import statistics
 
 import torch
 
-from course_lib import reference, virtual_runs
+from course_lib import reference
+from course_lib.lab import virtual_runs
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.launch import launch
 from course_lib.parallel.compose import assemble_nd, check_layout
-from course_lib.virtual_runs import rank_step
+from course_lib.lab.virtual_runs import rank_step
 
 LR = 1e-3
 
