@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 BATCH = ("global_batch", "micro_batch", "microbatches")
-RUNTIME_NAMES = {"sequence_parallel": "sp", "batch": "global_batch"}   # parallelize_nd's keywords
+RUNTIME_NAMES = {"sequence_parallel": "sp", "batch": "global_batch",   # parallelize_nd's keywords
+                 "cp_balance": "cp_layout"}
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class Layout:
     the gradient reduction under the last backward (bucketed DDP / ZeRO).
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
     attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
-    ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous") are what
-    the ranks run.
+    ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous" /
+    "documents": the zigzag of every packed document; keyword ``cp_balance``) are what the
+    ranks run.
     """
 
     dp: int = 1
