@@ -1,6 +1,6 @@
 """Graders of chapter 8: the pieces of expert parallelism a learner writes. While the learner's
 function runs, the library's routing and expert-parallel layer are switched off; the expected
-answers come from the grader's own arithmetic, computed before.
+answers come from the library's routing (course_lib.moe), computed before.
 
     check_dispatch_split_sizes(split_sizes)   # (counts (ep, E), ep_rank) -> (input_splits, output_splits)
     check_switch_aux_loss(aux_loss)           # (logits (T, E), top_k) -> scalar tensor, with its gradient
@@ -15,31 +15,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner, reorder_tolerance
 from course_lib.grading.guard import switched_off, time_limit
-from course_lib.moe import route
+from course_lib.moe import capacity_keep, route
+from course_lib.parallel.expert_parallel import dispatch_splits
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
-ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE",   # and the grader's own answers
-           "course_lib.grading.expert_parallel:_keep", "course_lib.grading.expert_parallel:_aux")
+ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE",   # and where the expected answers come from
+           "course_lib.moe:capacity_keep", "course_lib.moe:load_balancing_loss")
 EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel:*", "course_lib.parallel.expert_parallel:ExpertParallelMoE",
                    "course_lib.parallel.expert_parallel:AllToAll.forward")
-
-
-def _keep(expert, n_experts, cap, weight=None):
-    """The grader's own dropping rule: first choices first; within a choice, by token (or, with
-    ``weight``, the highest router weight first, ties by token: Batch Prioritized Routing); (T, k) bool."""
-    T, k = expert.shape
-    keep = torch.zeros(T, k, dtype=torch.bool)
-    used = [0] * n_experts
-    for j in range(k):
-        order = range(T) if weight is None else sorted(range(T), key=lambda t: (-float(weight[t, j]), t))
-        for t in order:
-            e = int(expert[t, j])
-            keep[t, j] = used[e] < cap
-            used[e] += 1
-    return keep
 
 
 def _counts(ep, n_experts, tokens, top_k, seed, skew=0.0, capacity_factor=1.0):
@@ -82,21 +68,19 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
 
     def run(case):
         p = case.params
-        counts = _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
-        local = p["E"] // p["ep"]
-        for r in range(p["ep"]):
-            send = [int(counts[r, j * local:(j + 1) * local].sum()) for j in range(p["ep"])]
-            recv = [int(counts[j, r * local:(r + 1) * local].sum()) for j in range(p["ep"])]
-            with switched_off(EXPERT_PARALLEL, "the dispatch's split sizes"), time_limit(SECONDS):
-                got = split_sizes(counts.clone(), r)
+        ep, counts = p["ep"], _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
+        answer = learner(split_sizes, EXPERT_PARALLEL, exercise="the dispatch's split sizes", seconds=SECONDS)
+        for r in range(ep):
+            send, recv = dispatch_splits(counts[r], ep), [dispatch_splits(row, ep)[r] for row in counts]
+            got = answer(counts.clone(), r)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
                 return f"rank {r}: return (input_split_sizes, output_split_sizes), got {type(got).__name__}"
             got_send, got_recv = _as_ints(got[0], "input_split_sizes"), _as_ints(got[1], "output_split_sizes")
             if (got_send, got_recv) == (recv, send) and send != recv:
                 return f"rank {r}: input and output split sizes are swapped (input = rows this rank SENDS)"
-            if len(got_send) == p["E"] != p["ep"]:
-                return f"rank {r}: {p['E']} split sizes, one per expert: the all-to-all needs one per RANK (ep={p['ep']})"
-            if got_send == send and got_recv != recv and sum(got_recv) == sum(counts[:, r * local:(r + 1) * local].sum(0).tolist()):
+            if len(got_send) == p["E"] != ep:
+                return f"rank {r}: {p['E']} split sizes, one per expert: the all-to-all needs one per RANK (ep={ep})"
+            if got_send == send and got_recv != recv and sum(got_recv) == sum(recv):
                 return (f"rank {r}: output_split_sizes {got_recv}, expected {recv}: one entry per SOURCE rank, "
                         f"the rows it sends to my experts (counts {counts.tolist()})")
             msg = (compare(got_send, send, what=f"rank {r} input_split_sizes (counts {counts.tolist()})")
@@ -109,16 +93,6 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
 
 
 # ----------------------------------------------------------------------------- 2. auxiliary loss
-def _aux(logits, k):
-    """The grader's own Switch / GShard loss: E * sum_e f_e P_e, f_e a count (no gradient)."""
-    T, E = logits.shape
-    probs = logits.softmax(-1)
-    chosen = probs.detach().topk(k, dim=-1).indices
-    f = torch.zeros(E, dtype=logits.dtype).index_add_(0, chosen.flatten(),
-                                                      torch.ones(T * k, dtype=logits.dtype)) / (T * k)
-    return E * (f * probs.mean(0)).sum()
-
-
 def check_switch_aux_loss(aux_loss) -> bool:
     """``aux_loss(logits, top_k)`` = E * sum_e f_e * P_e (Switch Transformer eq. 4, top-k as
     in GShard): f_e the fraction of the T*k top-k assignments that chose expert e (before any
@@ -149,10 +123,9 @@ def check_switch_aux_loss(aux_loss) -> bool:
         logits = case.params["logits"]()
         k = case.params["k"]
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        expected = _aux(ref, k)
+        expected = route(ref, k, 1.0)[4]                         # the library's Switch / GShard loss
         expected.backward()
-        with switched_off(ROUTING, "the load-balancing loss"), time_limit(SECONDS):
-            got = aux_loss(mine, k)
+        got = learner(aux_loss, ROUTING, exercise="the load-balancing loss", seconds=SECONDS)(mine, k)
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             return f"return a scalar tensor, got {type(got).__name__}" + (
                 f" of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else "")
@@ -208,10 +181,9 @@ def check_capacity_keep(keep_mask) -> bool:
 
     def run(case):
         (expert, weight), E, cap = case.params["routed"](), case.params["E"], case.params["cap"]
-        want = _keep(expert, E, cap, weight)
-        by_token = _keep(expert, E, cap)
-        with switched_off(ROUTING, "the capacity rule"), time_limit(SECONDS):
-            got = keep_mask(expert.clone(), weight.clone(), E, cap)
+        want, by_token = capacity_keep(expert, E, cap, weight), capacity_keep(expert, E, cap)
+        got = learner(keep_mask, ROUTING, exercise="the capacity rule", seconds=SECONDS)(
+            expert.clone(), weight.clone(), E, cap)
         if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape:
             return f"return a bool tensor of shape {tuple(want.shape)}, got " + (
                 f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__)
@@ -219,7 +191,7 @@ def check_capacity_keep(keep_mask) -> bool:
             return None
         if torch.equal(got, by_token):
             return "you served the tokens in order: within a choice, the highest router weight goes first"
-        if weight.numel() and torch.equal(got, _keep(expert.flip(0), E, cap, weight.flip(0)).flip(0)):
+        if weight.numel() and torch.equal(got, capacity_keep(expert.flip(0), E, cap, weight.flip(0)).flip(0)):
             return "equal weights: the EARLIER token goes first (a stable sort by weight keeps token order)"
         kept = torch.bincount(expert[got], minlength=E) if got.any() else torch.zeros(E, dtype=torch.int64)
         if (kept > cap).any():
