@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from course_lib.attention import causal_attention
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off, time_limit
 from course_lib.parallel.context_parallel import running_block_attention as _running, zigzag_positions
 
@@ -173,10 +175,6 @@ def check_block_attention(block_attention) -> bool:
 
 # ----------------------------------------------------------------------------- 4. ring attention
 def _ring_harness(fn, seq, heads, scale):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seq)
     q, k, v = (torch.randn(1, heads, seq, 4, generator=g, dtype=torch.float64) for _ in range(3))

@@ -13,9 +13,10 @@ with a hint) and returns True/False; a learner's exception becomes the hint, nev
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib.moe import capacity_keep, route
 from course_lib.parallel.expert_parallel import dispatch_splits
@@ -232,10 +233,6 @@ def _tokens(r, T, E, skew, seed=0):
 
 
 def _ep_harness(fn, T, E, skew):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, ep = dist.get_rank(), dist.get_world_size()
     local = E // ep
     x, expert, gate, C = _tokens(r, T, E, skew)

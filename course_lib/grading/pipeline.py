@@ -17,8 +17,10 @@ import math
 import random
 
 import torch
+import torch.distributed as dist
 
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib import schedules as S
 from course_lib.lab.pipeline_runs import trained_like_one_device
@@ -217,10 +219,6 @@ def _learner_line(exc) -> str:
 
 
 def _pipeline_harness(fn, m, b):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, p = dist.get_rank(), dist.get_world_size()
     x, y = _batch(m, b)
     whole = torch.nn.Sequential(*[_stage(k) for k in range(p)])            # one device: the full batch

@@ -15,10 +15,12 @@ communication functions are switched off; the vocabulary loss's communication is
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.lab.benchmarks import tensor_parallel_layer_bytes
 from course_lib.grading import Case, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib.parallel.vocab_parallel import shard_range
 
@@ -45,8 +47,6 @@ def _problem(dtype=torch.float64, bias=False):
 def _setup(dtype):
     """On a rank: (rank, t, one device's Y, dX, dW1, dW2, their tolerance, X, my rows of W1 and
     columns of W2 as leaves, C)."""
-    import torch.distributed as dist
-
     r, t = dist.get_rank(), dist.get_world_size()
     X, W1, W2, C = _problem(dtype)
     ref = [v.clone().requires_grad_() for v in (X, W1, W2)]
@@ -103,10 +103,6 @@ def check_megatron_f_g(CopyToParallel, ReduceFromParallel):
 
 # ----------------------------------------------------------------------------- 2. vocabulary-parallel loss
 def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, t = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(n, vocab, generator=g, dtype=torch.float64) * 3 + offset).to(dtype)   # (N, V)
@@ -235,8 +231,6 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
 
 # ----------------------------------------------------------------------------- 5. the bias of a row layer
 def _bias_harness(fn, dtype=torch.float64):
-    import torch.distributed as dist
-
     r, t = dist.get_rank(), dist.get_world_size()
     X, W1, b1, W2, b2, C = _problem(dtype, bias=True)
     ref = [v.clone().requires_grad_() for v in (X, W1, b1, W2, b2)]
