@@ -62,7 +62,8 @@ def check_pipeline_plan(choose_m_v):
     Graded on the virtual clock: the learner's (m, v) runs on p ranks, its bubble read from the
     clock's spans and its memory from what the ranks hold."""
     answer = learner(choose_m_v, PIPELINE_LIBRARY, exercise="choosing m and v", seconds=10)
-    measured = runs.measured_steps(P, tuple(sorted({c[0] for c in PIPELINE_CASES})))
+    layers_all = tuple(sorted({c[0] for c in PIPELINE_CASES}))
+    measured = runs.measured_steps(P, layers_all)
     cases = []
     for layers, budget_mbs, max_m in PIPELINE_CASES:
         _, _, saved, weights = measured[(layers, 1)][1:]
@@ -97,7 +98,7 @@ def check_pipeline_plan(choose_m_v):
         got, exc = answers[i]
         if exc is not None:
             raise exc
-        best = runs.fewest_microbatches(k["p"], k["layers"], k["budget"], k["max_m"], BUBBLE, measured)
+        best = runs.fewest_microbatches(k["p"], k["layers"], k["budget"], k["max_m"], BUBBLE, layers_all)
         if got is None:
             return None if best is None else f"returned None, but an (m, v) with m = {best} fits the budget"
         problem = _shape_error(got, k["max_m"], k["p"], k["layers"])

@@ -94,6 +94,11 @@ def _rank_steps(jobs):
     return out
 
 
+def _prices():
+    """The clock's price list: what the cached results below depend on besides their arguments."""
+    return VirtualCluster(FREE_H100, gpus_per_node=8).describe()
+
+
 def _on_the_clock(p, jobs):
     return launch(_rank_steps, p, list(jobs), clock=VirtualCluster(FREE_H100, gpus_per_node=8), threads=1,
                   timeout=300, quiet=True)
@@ -116,7 +121,7 @@ def clock_steps(p, jobs):
     """[(bubble of the rank that idles most, peak bytes of the fullest rank: weights + saved
     activations)] of each (layers, m, v) of ``jobs``, those not run before in one launch on p
     ranks under the clock."""
-    done = _clock_results(p, VirtualCluster(FREE_H100, gpus_per_node=8).describe())
+    done = _clock_results(p, _prices())
     todo = list(dict.fromkeys(tuple(j) for j in jobs if tuple(j) not in done))
     if todo:
         res = _on_the_clock(p, todo)
@@ -149,7 +154,7 @@ def measured_steps(p, layers_all):
     """{(layers, v): (per-action time {(op, stage): s}, t_comm, t_overhead, saved bytes of one
     chunk's micro-batch {stage: bytes}, parameter bytes of a rank)} from one step of m = p per
     (layers, v) on the clock, cached per price list."""
-    return _measured(p, tuple(layers_all), VirtualCluster(FREE_H100, gpus_per_node=8).describe())
+    return _measured(p, tuple(layers_all), _prices())
 
 
 def replayed_step(p, layers, m, v, measured):
@@ -162,9 +167,9 @@ def replayed_step(p, layers, m, v, measured):
     return worst_bubble(spans, p), weights + held
 
 
-def fewest_microbatches(p, layers, budget, max_m, bubble, measured):
-    """The smallest m of any (m, v) (interleaved: m a multiple of p) whose replayed step idles
-    below ``bubble`` with its fullest rank within ``budget`` bytes, or None."""
+@functools.lru_cache(maxsize=None)
+def _fewest(p, layers, budget, max_m, bubble, layers_all, prices):
+    measured = _measured(p, layers_all, prices)
     for m in range(1, max_m + 1):
         for v in chunk_counts(p, layers):
             if v == 1 or m % p == 0:
@@ -172,6 +177,13 @@ def fewest_microbatches(p, layers, budget, max_m, bubble, measured):
                 if idle < bubble and peak <= budget:
                     return m
     return None
+
+
+def fewest_microbatches(p, layers, budget, max_m, bubble, layers_all):
+    """The smallest m of any (m, v) (interleaved: m a multiple of p) whose step, replayed from
+    ``measured_steps(p, layers_all)``, idles below ``bubble`` with its fullest rank within
+    ``budget`` bytes, or None (deterministic: cached)."""
+    return _fewest(p, layers, budget, max_m, bubble, tuple(layers_all), _prices())
 
 
 def _train_rank(schedule, p, m):
