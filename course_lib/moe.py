@@ -65,20 +65,24 @@ def route(logits, top_k, capacity_factor, normalize=False):
     weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
     if normalize:
         weight = weight / weight.sum(-1, keepdim=True)             # before dropping, as GShard does
-    keep = capacity_keep(expert, E, capacity(T, E, top_k, capacity_factor))   # (T, k)
-    counts = torch.bincount(expert.flatten(), minlength=E)         # (E,)
-    return expert, weight, keep, counts, load_balancing_loss(probs, counts, top_k)
+    flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
+    one_hot = F.one_hot(flat, E)                                   # (k*T, E)
+    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
+    keep = (slot < capacity(T, E, top_k, capacity_factor)).view(top_k, T).t()   # (T, k)
+    counts = one_hot.sum(0)                                        # (E,)
+    aux = E * ((counts.float() / (T * top_k)) * probs.mean(0)).sum()
+    return expert, weight, keep, counts, aux
 
 
 def capacity_keep(expert, n_experts, capacity, weight=None):
     """expert (T, k) -> keep (T, k) bool: the assignment fits in its expert's ``capacity``.
-    All first choices are served before any second one; within a choice, in token order, or
-    with ``weight`` (T, k) the highest router weight first, ties by token (Batch Prioritized
-    Routing, Riquelme et al. 2021)."""
+    All first choices are served before any second one; within a choice, in token order (as
+    :func:`route` keeps), or with ``weight`` (T, k) the highest router weight first, ties by
+    token (Batch Prioritized Routing, Riquelme et al. 2021)."""
     T, k = expert.shape
     order = torch.arange(T).expand(k, T)                           # (k, T): who is served first
     if weight is not None:
-        order = torch.stack([torch.sort(-weight[:, j], stable=True).indices for j in range(k)]) if T else order
+        order = torch.stack([torch.sort(-weight[:, j], stable=True).indices for j in range(k)])
     flat = expert.t().gather(1, order).reshape(-1)                 # (k*T,): all 1st choices, then 2nd...
     one_hot = F.one_hot(flat, n_experts)                           # (k*T, E)
     slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
@@ -89,7 +93,7 @@ def capacity_keep(expert, n_experts, capacity, weight=None):
 def load_balancing_loss(probs, counts, top_k):
     """Switch Transformer's eq. 4 (top-k as in GShard): E * sum_e f_e P_e, f_e = counts / (T k)
     the fraction of the assignments that chose e (a count: no gradient), P_e the mean router
-    probability of e (probs (T, E)); in the probabilities' dtype, at least fp32."""
+    probability of e (probs (T, E)); :func:`route`'s aux, in the probabilities' dtype (at least fp32)."""
     T, E = probs.shape
     f = counts.to(torch.promote_types(probs.dtype, torch.float32)) / (T * top_k)
     return E * (f * probs.mean(0)).sum()

@@ -40,15 +40,22 @@ def test_capacity_keep_serves_first_choices_first_then_by_weight_or_token():
     tied = capacity_keep(torch.zeros(3, 1, dtype=torch.int64), 1, 2, torch.full((3, 1), 0.5))
     assert tied.flatten().tolist() == [True, True, False]                # ties: the earlier token
     assert capacity_keep(torch.zeros(0, 2, dtype=torch.int64), 3, 2, torch.zeros(0, 2)).shape == (0, 2)
+    logits = torch.randn(20, 5, generator=torch.Generator().manual_seed(1))
+    expert, _, keep, _, _ = route(logits, 2, 1.0)                       # capacity ceil(20 * 2 / 5) = 8
+    assert torch.equal(keep, capacity_keep(expert, 5, 8)) and not keep.all()
 
 
-def test_load_balancing_loss_is_one_when_balanced_and_keeps_float64():
+def test_load_balancing_loss_is_routes_aux_and_keeps_float64():
     from course_lib.moe import load_balancing_loss
 
     logits = torch.full((8, 4), -4.0, dtype=torch.float64)
     logits[torch.arange(8), torch.arange(8) % 4] = 4.0                   # token t -> expert t mod 4
-    _, _, _, counts, aux = route(logits, 1, 1.0)
-    assert aux.dtype == torch.float64 and torch.equal(aux, load_balancing_loss(logits.softmax(-1), counts, 1))
-    assert abs(aux.item() - 1.0) < 1e-12
+    _, _, _, counts, aux = route(logits.float(), 1, 1.0)
+    assert torch.equal(aux, load_balancing_loss(logits.float().softmax(-1), counts, 1))   # route's, in fp32
+    loss = load_balancing_loss(logits.softmax(-1), counts, 1)
+    assert loss.dtype == torch.float64 and abs(loss.item() - 1.0) < 1e-12                # balanced: 1
     f = counts.double() / 8                                              # f_e computed in float64
-    assert aux.item() == (4 * (f * logits.softmax(-1).mean(0)).sum()).item()
+    assert loss.item() == (4 * (f * logits.softmax(-1).mean(0)).sum()).item()
+    collapsed = torch.zeros(8, 4)
+    collapsed[:, 0] = 20.0                                               # everyone -> expert 0: about E
+    assert 3.99 < route(collapsed, 1, 1.0)[4].item() <= 4.0

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
-from course_lib.moe import capacity_keep, route
+from course_lib.moe import capacity_keep, load_balancing_loss, route
 from course_lib.parallel.expert_parallel import dispatch_splits
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
@@ -124,7 +124,7 @@ def check_switch_aux_loss(aux_loss) -> bool:
         logits = case.params["logits"]()
         k = case.params["k"]
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        expected = route(ref, k, 1.0)[4]                         # the library's Switch / GShard loss
+        expected = load_balancing_loss(ref.softmax(-1), route(ref, k, 1.0)[3], k)   # the library's, in ref's dtype
         expected.backward()
         with switched_off(ROUTING, "the load-balancing loss"), time_limit(SECONDS):
             got = aux_loss(mine, k)
