@@ -99,30 +99,22 @@ def check_switch_aux_loss(aux_loss) -> bool:
     in GShard): f_e the fraction of the T*k top-k assignments that chose expert e (before any
     dropping; no gradient), P_e the mean router probability of e. Value and gradient, in the
     logits' dtype."""
-    def balanced(T, E):
-        logits = torch.full((T, E), -4.0)
-        logits[torch.arange(T), torch.arange(T) % E] = 4.0     # token t -> expert t mod E
-        return logits
-
-    def collapsed(T, E):
-        logits = torch.zeros(T, E)
-        logits[:, 0] = 20.0                                    # everyone -> expert 0
-        return logits
-
-    def random(T, E, seed, dtype=torch.float32):
+    def logits_of(kind, T, E, seed=0, dtype=torch.float32):
+        if kind == "balanced":                                 # token t -> expert t mod E
+            return torch.full((T, E), -4.0).index_put_((torch.arange(T), torch.arange(T) % E), torch.tensor(4.0))
+        if kind == "collapsed":                                # everyone -> expert 0
+            return torch.zeros(T, E).index_fill_(1, torch.tensor([0]), 20.0)
         return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 2
 
-    cases = [Case(dict(logits=lambda: random(16, 4, 0), k=1), label="16 tokens, 4 experts, top-1"),
-             Case(dict(logits=lambda: random(12, 6, 1), k=2), label="12 tokens, 6 experts, top-2"),
-             Case(dict(logits=lambda: balanced(8, 4), k=1), label="balanced routing: the loss is 1"),
-             Case(dict(logits=lambda: collapsed(8, 4), k=1), label="every token to expert 0: the loss is about E = 4"),
-             Case(dict(logits=lambda: random(5, 8, 2), k=3), label="5 tokens, 8 experts, top-3"),
-             Case(dict(logits=lambda: random(7, 5, 4, torch.float64), k=2), label="float64 logits, top-2"),
-             Case(dict(logits=lambda: random(1, 2, 3), k=2), label="1 token, top-k = E = 2")]
+    cases = [Case(dict(logits=logits, k=k), label=label) for logits, k, label in (
+        (("random", 16, 4, 0), 1, "16 tokens, 4 experts, top-1"), (("random", 12, 6, 1), 2, "12 tokens, 6 experts, top-2"),
+        (("balanced", 8, 4), 1, "balanced routing: the loss is 1"),
+        (("collapsed", 8, 4), 1, "every token to expert 0: the loss is about E = 4"),
+        (("random", 5, 8, 2), 3, "5 tokens, 8 experts, top-3"),
+        (("random", 7, 5, 4, torch.float64), 2, "float64 logits, top-2"), (("random", 1, 2, 3), 2, "1 token, top-k = E = 2"))]
 
     def run(case):
-        logits = case.params["logits"]()
-        k = case.params["k"]
+        logits, k = logits_of(*case.params["logits"]), case.params["k"]
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         expected = load_balancing_loss(ref.softmax(-1), route(ref, k, 1.0)[3], k)   # the library's, in ref's dtype
         expected.backward()
@@ -156,7 +148,10 @@ def check_capacity_keep(keep_mask) -> bool:
     returns (T, k) bool: the assignment fits in its expert's ``capacity``. Batch Prioritized
     Routing (Riquelme et al. 2021): all first choices before any second one, and within a
     choice the highest weight first (ties: the earlier token)."""
-    def routed(T, E, k, seed, skew=0.0, ties=False):
+    def routed(T, E, k=None, seed=None, skew=0.0, ties=False):
+        """Given (expert, weight) as lists or tensors, or top-k routing of T random tokens over E experts."""
+        if not isinstance(T, int):
+            return tuple(x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (T, E))
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(T, E, generator=g)
         logits[:, 0] += skew
@@ -165,24 +160,19 @@ def check_capacity_keep(keep_mask) -> bool:
         weight, expert = logits.softmax(-1).topk(k, dim=-1)
         return expert, weight
 
-    cases = [Case(dict(routed=lambda: routed(8, 4, 1, 0), E=4, cap=2), label="8 tokens, top-1, capacity 2"),
-             Case(dict(routed=lambda: routed(10, 4, 2, 1, skew=3.0), E=4, cap=4),
-                  label="10 tokens, top-2, expert 0 popular, capacity 4"),
-             Case(dict(routed=lambda: routed(6, 3, 2, 2), E=3, cap=1), label="top-2, capacity 1"),
-             Case(dict(routed=lambda: routed(9, 3, 1, 5, ties=True), E=3, cap=2), label="equal weights, capacity 2"),
-             Case(dict(routed=lambda: (torch.tensor([[0], [0], [0], [1]]),
-                                       torch.tensor([[0.5], [0.5], [0.5], [0.9]])), E=2, cap=2),
-                  label="tokens 0-2 tied for expert 0, capacity 2: the earlier tokens stay"),
-             Case(dict(routed=lambda: (torch.tensor([[1, 0], [0, 2], [2, 1]]),
-                                       torch.tensor([[0.45, 0.44], [0.40, 0.35], [0.50, 0.30]])), E=3, cap=1),
-                  label="a confident second choice against a first choice, capacity 1"),
-             Case(dict(routed=lambda: routed(5, 4, 3, 3), E=4, cap=0), label="capacity 0: everything dropped"),
-             Case(dict(routed=lambda: routed(7, 5, 2, 4), E=5, cap=14), label="capacity larger than the tokens"),
-             Case(dict(routed=lambda: (torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)), E=3, cap=2),
-                  label="no tokens")]
+    cases = [Case(dict(routed=r, E=E, cap=cap), label=label) for r, E, cap, label in (
+        ((8, 4, 1, 0), 4, 2, "8 tokens, top-1, capacity 2"),
+        ((10, 4, 2, 1, 3.0), 4, 4, "10 tokens, top-2, expert 0 popular, capacity 4"),
+        ((6, 3, 2, 2), 3, 1, "top-2, capacity 1"), ((9, 3, 1, 5, 0.0, True), 3, 2, "equal weights, capacity 2"),
+        (([[0], [0], [0], [1]], [[0.5], [0.5], [0.5], [0.9]]), 2, 2,
+         "tokens 0-2 tied for expert 0, capacity 2: the earlier tokens stay"),
+        (([[1, 0], [0, 2], [2, 1]], [[0.45, 0.44], [0.40, 0.35], [0.50, 0.30]]), 3, 1,
+         "a confident second choice against a first choice, capacity 1"),
+        ((5, 4, 3, 3), 4, 0, "capacity 0: everything dropped"), ((7, 5, 2, 4), 5, 14, "capacity larger than the tokens"),
+        ((torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)), 3, 2, "no tokens"))]
 
     def run(case):
-        (expert, weight), E, cap = case.params["routed"](), case.params["E"], case.params["cap"]
+        (expert, weight), E, cap = routed(*case.params["routed"]), case.params["E"], case.params["cap"]
         want, by_token = capacity_keep(expert, E, cap, weight), capacity_keep(expert, E, cap)
         with switched_off(ROUTING, "the capacity rule"), time_limit(SECONDS):
             got = keep_mask(expert.clone(), weight.clone(), E, cap)
