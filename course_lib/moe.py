@@ -74,6 +74,31 @@ def route(logits, top_k, capacity_factor, normalize=False):
     return expert, weight, keep, counts, aux
 
 
+def capacity_keep(expert, n_experts, capacity, weight=None):
+    """expert (T, k) -> keep (T, k) bool: the assignment fits in its expert's ``capacity``.
+    All first choices are served before any second one; within a choice, in token order (as
+    :func:`route` keeps), or with ``weight`` (T, k) the highest router weight first, ties by
+    token (Batch Prioritized Routing, Riquelme et al. 2021)."""
+    T, k = expert.shape
+    order = torch.arange(T).expand(k, T)                           # (k, T): who is served first
+    if weight is not None:
+        order = torch.stack([torch.sort(-weight[:, j], stable=True).indices for j in range(k)])
+    flat = expert.t().gather(1, order).reshape(-1)                 # (k*T,): all 1st choices, then 2nd...
+    one_hot = F.one_hot(flat, n_experts)                           # (k*T, E)
+    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
+    served = (slot < capacity).view(k, T)
+    return torch.zeros_like(served).scatter_(1, order, served).t()
+
+
+def load_balancing_loss(probs, counts, top_k):
+    """Switch Transformer's eq. 4 (top-k as in GShard): E * sum_e f_e P_e, f_e = counts / (T k)
+    the fraction of the assignments that chose e (a count: no gradient), P_e the mean router
+    probability of e (probs (T, E)); :func:`route`'s aux, in the probabilities' dtype (at least fp32)."""
+    T, E = probs.shape
+    f = counts.to(torch.promote_types(probs.dtype, torch.float32)) / (T * top_k)
+    return E * (f * probs.mean(0)).sum()
+
+
 class MoE(nn.Module):
     """Router + E experts on one device (see the module docstring)."""
 
@@ -105,4 +130,4 @@ class MoE(nn.Module):
         return torch.cat(ys), torch.stack(auxes).mean()
 
 
-__all__ = ["Expert", "MoE", "route", "capacity", "check_moe_config"]
+__all__ = ["Expert", "MoE", "route", "capacity", "capacity_keep", "load_balancing_loss", "check_moe_config"]

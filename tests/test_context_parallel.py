@@ -228,3 +228,17 @@ def test_bf16_ring_attention_is_as_accurate_as_one_device_bf16():
         ring = [rel(y, y64.index_select(2, pos))] + [rel(g, e.grad.index_select(2, pos)) for g, e in zip(grads, exact)]
         for name, mine, single in zip(("out", "dq", "dk", "dv"), ring, one_device):
             assert mine <= 1.25 * single, (name, mine, single)
+
+
+def test_running_block_attention_is_the_log_sum_exp_form_kept_running():
+    """acc / l = out and m + log l = lse of block_attention; a query that sees no key: m = -inf, l = acc = 0."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q_pos, k_pos = torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])
+    acc, m, l = cp.running_block_attention(q, k, v, q_pos, k_pos)
+    out, lse = cp.block_attention(q, k, v, q_pos, k_pos)
+    seen = l > 0
+    assert seen.tolist() == [[[False, False, True, True]] * 2]
+    assert torch.isinf(m[~seen]).all() and (acc[~seen] == 0).all()
+    assert tolerance.compare(acc[seen] / l[seen][..., None], out[seen], dtype=torch.float64, terms=8).ok
+    assert tolerance.compare(m[seen] + l[seen].log(), lse[seen], dtype=torch.float64, terms=8).ok

@@ -204,17 +204,14 @@ def test_pipeline_plan_reference_is_the_replayed_clock():
     """The fewest micro-batches come from replaying one measured step per (layers, v); the
     replay must be the clock's own step: 1F1B with m = 27 on 4 ranks idles 3/30 by the formula,
     a little more on the clock (its messages are almost free) and as much in the replay."""
-    from course_lib.virtual import VirtualCluster
+    from course_lib.lab import pipeline_runs as runs
 
-    measured = PP._measured(PP.P, tuple(sorted({c[0] for c in PP.PIPELINE_CASES})),
-                            VirtualCluster(PP.FREE_H100, gpus_per_node=8).describe())
+    measured = runs.measured_steps(PP.P, tuple(sorted({c[0] for c in PP.PIPELINE_CASES})))
     m = 9 * (PP.P - 1)                  # (p-1)/(m+p-1) = 1/10 exactly
-    res = PP.launch(PP._rank_steps, PP.P, [(16, m, 1)], clock=VirtualCluster(PP.FREE_H100, gpus_per_node=8),
-                    threads=1, quiet=True)
-    clock = PP._bubble([s for rank in res for s in rank[0][0]], PP.P)
-    replay, peak = PP._replay(PP.P, 16, m, 1, measured)
+    [(clock, peak)] = runs.clock_steps(PP.P, [(16, m, 1)])
+    replay, replay_peak = runs.replayed_step(PP.P, 16, m, 1, measured)
     assert clock == pytest.approx(replay, rel=1e-9) and clock >= 0.1, (clock, replay)
-    assert peak == res[0][0][3] + max(rank[0][1] for rank in res)
+    assert peak == replay_peak, (peak, replay_peak)
 
 
 @pytest.mark.parametrize("answer, hint", [

@@ -1,8 +1,8 @@
 """Graders of chapter 7: the pieces of ring attention a learner writes, in FlashAttention's
 running form (acc, m, l) where the lecture shows the log-sum-exp form (out, lse): the lecture's
 code does not answer them. While the learner's function runs, the library's context-parallel
-code and attention are switched off; the expected answers come from the grader's own
-attention, computed before.
+code and attention are switched off; the expected answers come from the library's running
+form (``running_block_attention``), computed before.
 
     check_merge_running(merge)              # (acc1, m1, l1, acc2, m2, l2) -> (acc, m, l): online softmax
     check_zigzag_unshard(unshard)           # [rank r's zigzag tokens] -> the sequence in order
@@ -17,28 +17,18 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from course_lib.attention import causal_attention
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off, time_limit
-from course_lib.parallel.context_parallel import zigzag_positions
+from course_lib.parallel.context_parallel import running_block_attention as _running, zigzag_positions
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
 CONTEXT_PARALLEL = ("course_lib.parallel.context_parallel:*", "course_lib.attention:*",
-                    "course_lib.attention:BlockwiseCausalAttention.forward",      # and the grader's own answers
-                    "course_lib.grading.context_parallel:_running")
-
-
-def _running(q, k, v, q_pos, k_pos):
-    """The grader's own running form of one block: m (b, a, s_q) the largest visible score
-    (-inf: none), l = sum exp(s - m) (0: none), acc = sum exp(s - m) v (b, a, s_q, d) (0: none)."""
-    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    m = scores.amax(-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], float("-inf"))
-    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(scores - safe[..., None])                                            # 0 where hidden
-    return (e @ v.double()).to(q.dtype), m.to(q.dtype), e.sum(-1).to(q.dtype)
+                    "course_lib.attention:BlockwiseCausalAttention.forward")
 
 
 def _qkv(seq, heads, seed, scale, dtype=torch.float32):
@@ -185,10 +175,6 @@ def check_block_attention(block_attention) -> bool:
 
 # ----------------------------------------------------------------------------- 4. ring attention
 def _ring_harness(fn, seq, heads, scale):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seq)
     q, k, v = (torch.randn(1, heads, seq, 4, generator=g, dtype=torch.float64) for _ in range(3))

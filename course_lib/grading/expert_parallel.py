@@ -1,6 +1,6 @@
 """Graders of chapter 8: the pieces of expert parallelism a learner writes. While the learner's
 function runs, the library's routing and expert-parallel layer are switched off; the expected
-answers come from the grader's own arithmetic, computed before.
+answers come from the library's routing (course_lib.moe), computed before.
 
     check_dispatch_split_sizes(split_sizes)   # (counts (ep, E), ep_rank) -> (input_splits, output_splits)
     check_switch_aux_loss(aux_loss)           # (logits (T, E), top_k) -> scalar tensor, with its gradient
@@ -13,33 +13,20 @@ with a hint) and returns True/False; a learner's exception becomes the hint, nev
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
-from course_lib.moe import route
+from course_lib.moe import capacity_keep, load_balancing_loss, route
+from course_lib.parallel.expert_parallel import dispatch_splits
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
 
-ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE",   # and the grader's own answers
-           "course_lib.grading.expert_parallel:_keep", "course_lib.grading.expert_parallel:_aux")
+ROUTING = ("course_lib.moe:route", "course_lib.moe:MoE",   # and where the expected answers come from
+           "course_lib.moe:capacity_keep", "course_lib.moe:load_balancing_loss")
 EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel:*", "course_lib.parallel.expert_parallel:ExpertParallelMoE",
                    "course_lib.parallel.expert_parallel:AllToAll.forward")
-
-
-def _keep(expert, n_experts, cap, weight=None):
-    """The grader's own dropping rule: first choices first; within a choice, by token (or, with
-    ``weight``, the highest router weight first, ties by token: Batch Prioritized Routing); (T, k) bool."""
-    T, k = expert.shape
-    keep = torch.zeros(T, k, dtype=torch.bool)
-    used = [0] * n_experts
-    for j in range(k):
-        order = range(T) if weight is None else sorted(range(T), key=lambda t: (-float(weight[t, j]), t))
-        for t in order:
-            e = int(expert[t, j])
-            keep[t, j] = used[e] < cap
-            used[e] += 1
-    return keep
 
 
 def _counts(ep, n_experts, tokens, top_k, seed, skew=0.0, capacity_factor=1.0):
@@ -82,11 +69,9 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
 
     def run(case):
         p = case.params
-        counts = _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
-        local = p["E"] // p["ep"]
-        for r in range(p["ep"]):
-            send = [int(counts[r, j * local:(j + 1) * local].sum()) for j in range(p["ep"])]
-            recv = [int(counts[j, r * local:(r + 1) * local].sum()) for j in range(p["ep"])]
+        ep, counts = p["ep"], _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
+        for r in range(ep):
+            send, recv = dispatch_splits(counts[r], ep), [dispatch_splits(row, ep)[r] for row in counts]
             with switched_off(EXPERT_PARALLEL, "the dispatch's split sizes"), time_limit(SECONDS):
                 got = split_sizes(counts.clone(), r)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
@@ -94,9 +79,9 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
             got_send, got_recv = _as_ints(got[0], "input_split_sizes"), _as_ints(got[1], "output_split_sizes")
             if (got_send, got_recv) == (recv, send) and send != recv:
                 return f"rank {r}: input and output split sizes are swapped (input = rows this rank SENDS)"
-            if len(got_send) == p["E"] != p["ep"]:
-                return f"rank {r}: {p['E']} split sizes, one per expert: the all-to-all needs one per RANK (ep={p['ep']})"
-            if got_send == send and got_recv != recv and sum(got_recv) == sum(counts[:, r * local:(r + 1) * local].sum(0).tolist()):
+            if len(got_send) == p["E"] != ep:
+                return f"rank {r}: {p['E']} split sizes, one per expert: the all-to-all needs one per RANK (ep={ep})"
+            if got_send == send and got_recv != recv and sum(got_recv) == sum(recv):
                 return (f"rank {r}: output_split_sizes {got_recv}, expected {recv}: one entry per SOURCE rank, "
                         f"the rows it sends to my experts (counts {counts.tolist()})")
             msg = (compare(got_send, send, what=f"rank {r} input_split_sizes (counts {counts.tolist()})")
@@ -109,47 +94,29 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
 
 
 # ----------------------------------------------------------------------------- 2. auxiliary loss
-def _aux(logits, k):
-    """The grader's own Switch / GShard loss: E * sum_e f_e P_e, f_e a count (no gradient)."""
-    T, E = logits.shape
-    probs = logits.softmax(-1)
-    chosen = probs.detach().topk(k, dim=-1).indices
-    f = torch.zeros(E, dtype=logits.dtype).index_add_(0, chosen.flatten(),
-                                                      torch.ones(T * k, dtype=logits.dtype)) / (T * k)
-    return E * (f * probs.mean(0)).sum()
-
-
 def check_switch_aux_loss(aux_loss) -> bool:
     """``aux_loss(logits, top_k)`` = E * sum_e f_e * P_e (Switch Transformer eq. 4, top-k as
     in GShard): f_e the fraction of the T*k top-k assignments that chose expert e (before any
     dropping; no gradient), P_e the mean router probability of e. Value and gradient, in the
     logits' dtype."""
-    def balanced(T, E):
-        logits = torch.full((T, E), -4.0)
-        logits[torch.arange(T), torch.arange(T) % E] = 4.0     # token t -> expert t mod E
-        return logits
-
-    def collapsed(T, E):
-        logits = torch.zeros(T, E)
-        logits[:, 0] = 20.0                                    # everyone -> expert 0
-        return logits
-
-    def random(T, E, seed, dtype=torch.float32):
+    def logits_of(kind, T, E, seed=0, dtype=torch.float32):
+        if kind == "balanced":                                 # token t -> expert t mod E
+            return torch.full((T, E), -4.0).index_put_((torch.arange(T), torch.arange(T) % E), torch.tensor(4.0))
+        if kind == "collapsed":                                # everyone -> expert 0
+            return torch.zeros(T, E).index_fill_(1, torch.tensor([0]), 20.0)
         return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 2
 
-    cases = [Case(dict(logits=lambda: random(16, 4, 0), k=1), label="16 tokens, 4 experts, top-1"),
-             Case(dict(logits=lambda: random(12, 6, 1), k=2), label="12 tokens, 6 experts, top-2"),
-             Case(dict(logits=lambda: balanced(8, 4), k=1), label="balanced routing: the loss is 1"),
-             Case(dict(logits=lambda: collapsed(8, 4), k=1), label="every token to expert 0: the loss is about E = 4"),
-             Case(dict(logits=lambda: random(5, 8, 2), k=3), label="5 tokens, 8 experts, top-3"),
-             Case(dict(logits=lambda: random(7, 5, 4, torch.float64), k=2), label="float64 logits, top-2"),
-             Case(dict(logits=lambda: random(1, 2, 3), k=2), label="1 token, top-k = E = 2")]
+    cases = [Case(dict(logits=logits, k=k), label=label) for logits, k, label in (
+        (("random", 16, 4, 0), 1, "16 tokens, 4 experts, top-1"), (("random", 12, 6, 1), 2, "12 tokens, 6 experts, top-2"),
+        (("balanced", 8, 4), 1, "balanced routing: the loss is 1"),
+        (("collapsed", 8, 4), 1, "every token to expert 0: the loss is about E = 4"),
+        (("random", 5, 8, 2), 3, "5 tokens, 8 experts, top-3"),
+        (("random", 7, 5, 4, torch.float64), 2, "float64 logits, top-2"), (("random", 1, 2, 3), 2, "1 token, top-k = E = 2"))]
 
     def run(case):
-        logits = case.params["logits"]()
-        k = case.params["k"]
+        logits, k = logits_of(*case.params["logits"]), case.params["k"]
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        expected = _aux(ref, k)
+        expected = load_balancing_loss(ref.softmax(-1), route(ref, k, 1.0)[3], k)   # the library's, in ref's dtype
         expected.backward()
         with switched_off(ROUTING, "the load-balancing loss"), time_limit(SECONDS):
             got = aux_loss(mine, k)
@@ -181,7 +148,10 @@ def check_capacity_keep(keep_mask) -> bool:
     returns (T, k) bool: the assignment fits in its expert's ``capacity``. Batch Prioritized
     Routing (Riquelme et al. 2021): all first choices before any second one, and within a
     choice the highest weight first (ties: the earlier token)."""
-    def routed(T, E, k, seed, skew=0.0, ties=False):
+    def routed(T, E, k=None, seed=None, skew=0.0, ties=False):
+        """Given (expert, weight) as lists or tensors, or top-k routing of T random tokens over E experts."""
+        if not isinstance(T, int):
+            return tuple(x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (T, E))
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(T, E, generator=g)
         logits[:, 0] += skew
@@ -190,26 +160,20 @@ def check_capacity_keep(keep_mask) -> bool:
         weight, expert = logits.softmax(-1).topk(k, dim=-1)
         return expert, weight
 
-    cases = [Case(dict(routed=lambda: routed(8, 4, 1, 0), E=4, cap=2), label="8 tokens, top-1, capacity 2"),
-             Case(dict(routed=lambda: routed(10, 4, 2, 1, skew=3.0), E=4, cap=4),
-                  label="10 tokens, top-2, expert 0 popular, capacity 4"),
-             Case(dict(routed=lambda: routed(6, 3, 2, 2), E=3, cap=1), label="top-2, capacity 1"),
-             Case(dict(routed=lambda: routed(9, 3, 1, 5, ties=True), E=3, cap=2), label="equal weights, capacity 2"),
-             Case(dict(routed=lambda: (torch.tensor([[0], [0], [0], [1]]),
-                                       torch.tensor([[0.5], [0.5], [0.5], [0.9]])), E=2, cap=2),
-                  label="tokens 0-2 tied for expert 0, capacity 2: the earlier tokens stay"),
-             Case(dict(routed=lambda: (torch.tensor([[1, 0], [0, 2], [2, 1]]),
-                                       torch.tensor([[0.45, 0.44], [0.40, 0.35], [0.50, 0.30]])), E=3, cap=1),
-                  label="a confident second choice against a first choice, capacity 1"),
-             Case(dict(routed=lambda: routed(5, 4, 3, 3), E=4, cap=0), label="capacity 0: everything dropped"),
-             Case(dict(routed=lambda: routed(7, 5, 2, 4), E=5, cap=14), label="capacity larger than the tokens"),
-             Case(dict(routed=lambda: (torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)), E=3, cap=2),
-                  label="no tokens")]
+    cases = [Case(dict(routed=r, E=E, cap=cap), label=label) for r, E, cap, label in (
+        ((8, 4, 1, 0), 4, 2, "8 tokens, top-1, capacity 2"),
+        ((10, 4, 2, 1, 3.0), 4, 4, "10 tokens, top-2, expert 0 popular, capacity 4"),
+        ((6, 3, 2, 2), 3, 1, "top-2, capacity 1"), ((9, 3, 1, 5, 0.0, True), 3, 2, "equal weights, capacity 2"),
+        (([[0], [0], [0], [1]], [[0.5], [0.5], [0.5], [0.9]]), 2, 2,
+         "tokens 0-2 tied for expert 0, capacity 2: the earlier tokens stay"),
+        (([[1, 0], [0, 2], [2, 1]], [[0.45, 0.44], [0.40, 0.35], [0.50, 0.30]]), 3, 1,
+         "a confident second choice against a first choice, capacity 1"),
+        ((5, 4, 3, 3), 4, 0, "capacity 0: everything dropped"), ((7, 5, 2, 4), 5, 14, "capacity larger than the tokens"),
+        ((torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)), 3, 2, "no tokens"))]
 
     def run(case):
-        (expert, weight), E, cap = case.params["routed"](), case.params["E"], case.params["cap"]
-        want = _keep(expert, E, cap, weight)
-        by_token = _keep(expert, E, cap)
+        (expert, weight), E, cap = routed(*case.params["routed"]), case.params["E"], case.params["cap"]
+        want, by_token = capacity_keep(expert, E, cap, weight), capacity_keep(expert, E, cap)
         with switched_off(ROUTING, "the capacity rule"), time_limit(SECONDS):
             got = keep_mask(expert.clone(), weight.clone(), E, cap)
         if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape:
@@ -219,7 +183,7 @@ def check_capacity_keep(keep_mask) -> bool:
             return None
         if torch.equal(got, by_token):
             return "you served the tokens in order: within a choice, the highest router weight goes first"
-        if weight.numel() and torch.equal(got, _keep(expert.flip(0), E, cap, weight.flip(0)).flip(0)):
+        if weight.numel() and torch.equal(got, capacity_keep(expert.flip(0), E, cap, weight.flip(0)).flip(0)):
             return "equal weights: the EARLIER token goes first (a stable sort by weight keeps token order)"
         kept = torch.bincount(expert[got], minlength=E) if got.any() else torch.zeros(E, dtype=torch.int64)
         if (kept > cap).any():
@@ -259,10 +223,6 @@ def _tokens(r, T, E, skew, seed=0):
 
 
 def _ep_harness(fn, T, E, skew):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, ep = dist.get_rank(), dist.get_world_size()
     local = E // ep
     x, expert, gate, C = _tokens(r, T, E, skew)

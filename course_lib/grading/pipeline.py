@@ -17,11 +17,13 @@ import math
 import random
 
 import torch
+import torch.distributed as dist
 
-from course_lib import tolerance
-from course_lib.grading import Case, Mismatch, check, check_distributed, compare
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib import schedules as S
+from course_lib.lab.pipeline_runs import trained_like_one_device
 from course_lib.trace import Span
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
@@ -64,39 +66,17 @@ def _diagnose(got, want, p):
     return None
 
 
-def _run_on_ranks(schedule, p, m):
-    """Train a tiny GPT for 2 SGD steps with ``schedule``, in float64; return (whether it
-    matches one device within course_lib.tolerance's bound, the largest difference, the bound).
-    A schedule only reorders the micro-batches' gradient sums: rounding is all that may differ."""
-    from course_lib import reference
-    from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel import Mesh, PipelineParallel
-
-    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layers=4, hidden=16, n_heads=2, tie_embeddings=True)
-    batches = reference.gpt_batches(cfg, batch=2 * m, steps=2)
-    largest = []                                   # G of the bound: the largest gradient element
-
-    def sgd(params):
-        largest.append(max(float(q.grad.abs().max()) for q in params if q.grad is not None))
-        reference.sgd_step(params, 0.5)
-    state, _ = reference.train_gpt(TinyGPT(cfg, seed=0).double(), batches, sgd, micro=m)
-    pipe = PipelineParallel(TinyGPT(cfg, seed=0).double(), Mesh(pp=p), schedule, microbatches=m)
-    for x, y in batches:
-        pipe.step(x, y)
-        reference.sgd_step(pipe.parameters(), 0.5)
-        for q in pipe.parameters():
-            q.grad = None
-    got = {n: q.detach() for st in pipe.stages.values() for n, q in st.named_in_model().items()}
-    check = tolerance.compare(got, {n: state[n] for n in got}, dtype=torch.float64, optimizer="sgd", steps=2,
-                              lr=0.5, grad_scale=max(largest))
-    return check.ok, check.diff, check.bound
+def _cases(shapes, on_ranks=None):
+    """A case per (p, m) or (p, m, v); the one equal to ``on_ranks`` also trains on real ranks."""
+    keys = ("p", "m", "v")
+    return [Case(dict(zip(keys, s), on_ranks=s == on_ranks), label=", ".join(f"{k}={x}" for k, x in zip(keys, s)))
+            for s in shapes]
 
 
-def _compare_to(fn, reference_fn, shape_keys, what):
+def _compare_to(fn, reference_fn, what):
     def run(case):
-        args = [case.params[k] for k in shape_keys]
-        p, m = case.params["p"], case.params["m"]
-        v = case.params.get("v", 1)
+        p, m, v = case.params["p"], case.params["m"], case.params.get("v", 1)
+        args = (p, m) if "v" not in case.params else (p, m, v)
         want = reference_fn(*args)                       # before the library goes off
         with switched_off(LIBRARY_SCHEDULES, what), time_limit(SECONDS):
             answer = fn(*args)
@@ -114,8 +94,7 @@ def _compare_to(fn, reference_fn, shape_keys, what):
         if diff:
             return diff
         if case.params.get("on_ranks"):
-            from course_lib.launch import launch
-            ok, diff, bound = min(launch(_run_on_ranks, p, got, p, m, timeout=60, quiet=True))
+            ok, diff, bound = trained_like_one_device(got, p, m)
             if not ok:
                 return (f"ran on {p} ranks: parameters differ from one device by {diff:.3g} (float64 rounding "
                         f"allows {bound:.2g})")
@@ -125,25 +104,20 @@ def _compare_to(fn, reference_fn, shape_keys, what):
 
 def check_one_f_one_b(fn) -> bool:
     """fn(p, m) -> [[(op, stage, mb), ...] per rank]: warm-up, steady 1F1B, cool-down."""
-    shapes = [(2, 4), (3, 2), (4, 8), (4, 1), (3, 7), (1, 3), (2, 3)]
-    cases = [Case(params=dict(p=p, m=m, on_ranks=(p, m) == (2, 3)), label=f"p={p}, m={m}") for p, m in shapes]
-    return check("one_f_one_b", cases, _compare_to(fn, S.one_f_one_b, ("p", "m"), "the 1F1B order"))
+    cases = _cases([(2, 4), (3, 2), (4, 8), (4, 1), (3, 7), (1, 3), (2, 3)], on_ranks=(2, 3))
+    return check("one_f_one_b", cases, _compare_to(fn, S.one_f_one_b, "the 1F1B order"))
 
 
 def check_interleaved(fn) -> bool:
     """fn(p, m, v) -> the interleaved 1F1B order (stage s = chunk * p + rank)."""
-    shapes = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (2, 2, 4), (4, 4, 2), (3, 3, 2), (1, 2, 3)]
-    cases = [Case(params=dict(p=p, m=m, v=v), label=f"p={p}, m={m}, v={v}") for p, m, v in shapes]
-    return check("interleaved_1f1b", cases,
-                 _compare_to(fn, S.interleaved_1f1b, ("p", "m", "v"), "the interleaved order"))
+    cases = _cases([(2, 4, 2), (4, 8, 2), (3, 6, 3), (2, 2, 4), (4, 4, 2), (3, 3, 2), (1, 2, 3)])
+    return check("interleaved_1f1b", cases, _compare_to(fn, S.interleaved_1f1b, "the interleaved order"))
 
 
 def check_zero_bubble(fn) -> bool:
     """fn(p, m) -> a schedule with every B split off its W; at most p micro-batches live
     per rank, and a simulated bubble (t_f = t_b_input = t_w = 1) no larger than ZB-H1's."""
-    shapes = [(2, 4), (3, 6), (4, 8), (4, 12), (4, 2), (3, 5), (1, 2)]
-    cases = [Case(params=dict(p=p, m=m), label=f"p={p}, m={m}") for p, m in shapes]
-
+    cases = _cases([(2, 4), (3, 6), (4, 8), (4, 12), (4, 2), (3, 5), (1, 2)])
     def run(case):
         p, m = case.params["p"], case.params["m"]
         with switched_off(LIBRARY_SCHEDULES, "placing the W passes"), time_limit(SECONDS):
@@ -166,13 +140,6 @@ def check_zero_bubble(fn) -> bool:
 
 
 # ----------------------------------------------------------------------------- the bubble of a trace
-def _idle_fraction(spans, rank):
-    """The grader's own answer (not the library's): idle / step, compute spans only."""
-    work = [(s.start, s.end, s.rank) for s in spans if s.kind == "compute"]
-    t0, t1 = min(a for a, _, _ in work), max(b for _, b, _ in work)
-    return 1.0 - sum(b - a for a, b, r in work if r == rank) / (t1 - t0)
-
-
 def _irregular_trace(name, p, m, v, seed):
     """A schedule's timeline with random action times (no formula gives its bubble), shifted off
     the clock's origin, with communication and idle spans that are not work."""
@@ -200,10 +167,10 @@ def check_bubble(fn) -> bool:
 
     def run(case):
         spans, rank = case.params["spans"], case.params["rank"]
-        want = _idle_fraction(spans, rank)
+        want = S.bubble(spans, rank)                     # idle / step, compute spans only
         with switched_off(["course_lib.schedules:bubble", "course_lib.schedules:formula_bubble",
-                           "course_lib.schedules:bubble_fraction", "course_lib.grading.pipeline:_idle_fraction"],
-                          "measuring the bubble of a trace"), time_limit(SECONDS):
+                           "course_lib.schedules:bubble_fraction"], "measuring the bubble of a trace"), \
+                time_limit(SECONDS):
             got = fn(list(spans), rank)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
             return f"expected a number, got {got!r}"
@@ -241,14 +208,6 @@ def _batch(m, b, seed=0):
     return x, torch.randn(m * b, H, generator=g, dtype=torch.float64)
 
 
-def _tol(dtype, *wants):
-    """Derived, not tuned (course_lib.tolerance): a sum added in another order moves by at most
-    2 K u of its terms' scale; the scale here is the largest finite value expected."""
-    scale = max([float(w.detach()[torch.isfinite(w.detach())].abs().max()) for w in wants
-                 if isinstance(w, torch.Tensor) and torch.isfinite(w.detach()).any()] + [1e-30])
-    return dict(rtol=0.0, atol=tolerance.reorder_bound(dtype) * scale)
-
-
 def _learner_line(exc) -> str:
     """' (in your f(), line N)' for the innermost frame outside course_lib and torch, or ''."""
     import traceback
@@ -260,16 +219,12 @@ def _learner_line(exc) -> str:
 
 
 def _pipeline_harness(fn, m, b):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, p = dist.get_rank(), dist.get_world_size()
     x, y = _batch(m, b)
     whole = torch.nn.Sequential(*[_stage(k) for k in range(p)])            # one device: the full batch
     want_loss = torch.nn.functional.mse_loss(whole(x), y)
     want_loss.backward()
-    tol = _tol(torch.float64, want_loss, *(q.grad for q in whole.parameters()))
+    tol = reorder_tolerance(torch.float64, want_loss, *(q.grad for q in whole.parameters()))
     stage = _stage(r)
     mbs = list(x.chunk(m)) if r == 0 else None
     targets = list(y.chunk(m)) if r == p - 1 else None

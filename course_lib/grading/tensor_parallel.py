@@ -15,10 +15,12 @@ communication functions are switched off; the vocabulary loss's communication is
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.lab.benchmarks import tensor_parallel_layer_bytes
 from course_lib.grading import Case, check, check_distributed, compare, reorder_tolerance
+from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import switched_off, time_limit
 from course_lib.parallel.vocab_parallel import shard_range
 
@@ -34,19 +36,26 @@ SIZES = (6, 12, 6)  # an MLP h -> 12 -> h: 12 hidden features split over 1, 2, 3
 S, B = 6, 2         # sequence and batch of the inputs (6 tokens split over 1, 2, 3 ranks)
 
 
-def _problem(seed=0, dtype=torch.float64):
-    """X (s, b, h), W1 (12, h), W2 (h, 12), the output's upstream gradient C (s, b, h)."""
-    g = torch.Generator().manual_seed(seed)
+def _problem(dtype=torch.float64, bias=False):
+    """X (s, b, h), W1 (12, h), [b1 (12,)], W2 (h, 12), [b2 (h,)], the output's upstream gradient C (s, b, h)."""
+    g = torch.Generator().manual_seed(7 if bias else 0)
     h, f = SIZES[0], SIZES[1]
-    shapes = ((S, B, h), (f, h), (h, f), (S, B, h))
+    shapes = ((S, B, h), (f, h), (f,), (h, f), (h,), (S, B, h)) if bias else ((S, B, h), (f, h), (h, f), (S, B, h))
     return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
-def _one_device(dtype=torch.float64):
-    X, W1, W2, C = (t.clone().requires_grad_(k < 3) for k, t in enumerate(_problem(dtype=dtype)))
-    Y = F.linear(F.relu(F.linear(X, W1)), W2)
+def _setup(dtype):
+    """On a rank: (rank, t, one device's Y, dX, dW1, dW2, their tolerance, X, my rows of W1 and
+    columns of W2 as leaves, C)."""
+    r, t = dist.get_rank(), dist.get_world_size()
+    X, W1, W2, C = _problem(dtype)
+    ref = [v.clone().requires_grad_() for v in (X, W1, W2)]
+    Y = F.linear(F.relu(F.linear(ref[0], ref[1])), ref[2])
     (Y * C).sum().backward()
-    return Y.detach(), X.grad, W1.grad, W2.grad
+    want = (Y.detach(), *(v.grad for v in ref))
+    w1 = W1.chunk(t, 0)[r].clone().requires_grad_()               # column: my rows of W1
+    w2 = W2.chunk(t, 1)[r].clone().requires_grad_()               # row: my columns of W2
+    return r, t, want, reorder_tolerance(dtype, *want), X, w1, w2, C
 
 
 def _apply(fn_class, x, what):
@@ -61,15 +70,8 @@ def _apply(fn_class, x, what):
 
 # ----------------------------------------------------------------------------- 1. f and g
 def _f_g_harness(f_class, g_class, dtype=torch.float64):
-    import torch.distributed as dist
-
-    r, t = dist.get_rank(), dist.get_world_size()
-    Y, dX, dW1, dW2 = _one_device(dtype)
-    tol = reorder_tolerance(dtype, Y, dX, dW1, dW2)
-    X, W1, W2, C = _problem(dtype=dtype)
+    r, t, (Y, dX, dW1, dW2), tol, X, w1, w2, C = _setup(dtype)
     x = X.clone().requires_grad_()
-    w1 = W1.chunk(t, 0)[r].clone().requires_grad_()               # column: my rows of W1
-    w2 = W2.chunk(t, 1)[r].clone().requires_grad_()               # row: my columns of W2
     with switched_off(LIBRARY, "Megatron's f and g"), time_limit(SECONDS):
         y = _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
                    "ReduceFromParallel")
@@ -101,10 +103,6 @@ def check_megatron_f_g(CopyToParallel, ReduceFromParallel):
 
 # ----------------------------------------------------------------------------- 2. vocabulary-parallel loss
 def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
-    import torch.distributed as dist
-
-    from course_lib.grading.traffic import counted_calls
-
     r, t = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(n, vocab, generator=g, dtype=torch.float64) * 3 + offset).to(dtype)   # (N, V)
@@ -158,15 +156,8 @@ def check_vocab_parallel_loss(vocab_parallel_loss):
 
 # ----------------------------------------------------------------------------- 3. the SP pair
 def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
-    import torch.distributed as dist
-
-    r, t = dist.get_rank(), dist.get_world_size()
-    Y, dX, dW1, dW2 = _one_device(dtype)
-    tol = reorder_tolerance(dtype, Y, dX, dW1, dW2)
-    X, W1, W2, C = _problem(dtype=dtype)
+    r, t, (Y, dX, dW1, dW2), tol, X, w1, w2, C = _setup(dtype)
     xs = X.chunk(t, 0)[r].clone().requires_grad_()                # my s/t tokens, (s/t, b, h)
-    w1 = W1.chunk(t, 0)[r].clone().requires_grad_()
-    w2 = W2.chunk(t, 1)[r].clone().requires_grad_()
     with switched_off(LIBRARY, "the sequence-parallel pair"), time_limit(SECONDS):
         full = _apply(gather_class, xs, "AllGatherSequence")
         if tuple(full.shape) != tuple(X.shape):
@@ -239,19 +230,9 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
 
 
 # ----------------------------------------------------------------------------- 5. the bias of a row layer
-def _bias_problem(dtype):
-    """x (s, b, h), W1 (f, h), b1 (f,), W2 (h, f), b2 (h,), C (s, b, h)."""
-    g = torch.Generator().manual_seed(7)
-    h, f = SIZES[0], SIZES[1]
-    shapes = ((S, B, h), (f, h), (f,), (h, f), (h,), (S, B, h))
-    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
-
-
 def _bias_harness(fn, dtype=torch.float64):
-    import torch.distributed as dist
-
     r, t = dist.get_rank(), dist.get_world_size()
-    X, W1, b1, W2, b2, C = _bias_problem(dtype)
+    X, W1, b1, W2, b2, C = _problem(dtype, bias=True)
     ref = [v.clone().requires_grad_() for v in (X, W1, b1, W2, b2)]
     Y = F.linear(F.relu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
     (Y * C).sum().backward()

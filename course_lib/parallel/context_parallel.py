@@ -94,6 +94,19 @@ def merge_partial(out1, lse1, out2, lse2):
     return out1 * w1 + out2 * w2, lse
 
 
+def running_block_attention(q, k, v, q_pos, k_pos):
+    """FlashAttention's running form of one key block, where :func:`block_attention` gives
+    (out, lse): m (b, a, s_q) the largest visible score (-inf: none), l = sum exp(s - m) (0:
+    none), acc = sum exp(s - m) v (b, a, s_q, d) (0: none); computed in float64, returned in
+    q's dtype. Causal by position; out = acc / l and lse = m + log l."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])   # (b, a, s_q, s_k)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    m = scores.amax(-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], float("-inf"))
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(scores - safe[..., None])                                            # 0 where hidden
+    return (e @ v.double()).to(q.dtype), m.to(q.dtype), e.sum(-1).to(q.dtype)
+
+
 def attention_flops(q_pos, k_pos, heads, head_dim, batch=1):
     """FLOPs of the computed (unmasked-trimmed) block: 2 matmuls of 2 * rows * cols * d each."""
     if not (q_pos >= k_pos.min()).any():
@@ -397,7 +410,8 @@ def context_parallel(model, comm, method: str = "ring", layout: str = "zigzag"):
 
 
 __all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "shard_sequence",
-           "visible_rows_cols", "visible_segments", "block_attention", "merge_partial", "attention_flops", "RingAttention",
+           "visible_rows_cols", "visible_segments", "block_attention", "running_block_attention", "merge_partial",
+           "attention_flops", "RingAttention",
            "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
            "context_parallel", "METHODS", "check_cp_names", "sequence_chunks", "ulysses_heads", "no_dropout", "rule_context",
            "rule_doc_ids"]
