@@ -88,4 +88,4 @@ def check_document_split(split) -> bool:
     return check("document_split", CASES, lambda case: _run(split, case))
 
 
-__all__ = ["check_document_split", "CASES"]
+__all__ = ["check_document_split"]
