@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from course_lib.grading import Case, Mismatch, check
+from course_lib.grading import Case, Mismatch, check, explain
 from course_lib.grading.guard import learner
 from course_lib.lab.nd_exercise_runs import (DATA_DIMS_RUNS, RECORDED, composed_runs_with, measure_layouts,
                                              record_and_answer, recorded_from, recorded_runs, tiny_config)
@@ -241,17 +241,9 @@ def _answers(group_of):
                     got = [int(r) for r in got]
                 out.append(("ok", got))
             except Exception as exc:  # noqa: BLE001 - a learner's error becomes a hint
-                out.append(("error", _said(exc)))
+                out.append(("error", explain(exc)))
         return out
     return answer
-
-
-def _said(exc) -> str:
-    """A learner's exception in one line (guard's Shortcut and TimeLimit say what to do)."""
-    text = " ".join(str(exc).split())
-    if isinstance(exc, NotImplementedError):
-        return "not implemented yet (NotImplementedError)"
-    return text if type(exc).__name__ in ("Shortcut", "TimeLimit", "Mismatch") else f"{type(exc).__name__}: {text}"
 
 
 def _judge(answer, want, rank, what):
