@@ -349,11 +349,12 @@ def _pipeline_harness(exchange):
             return bad + " (one device hands this tensor on unchanged; a message only moves it)"
 
 
-def check_pipeline_exchange(exchange_boundaries) -> bool:
-    """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages."""
+def check_pipeline_exchange(exchange_boundaries, timeout: float = 10.0) -> bool:
+    """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages
+    (``timeout``: seconds a case may take before it is a hang)."""
     cases = [Case({"exchange": exchange_boundaries}, 3, "3 stages"),
              Case({"exchange": exchange_boundaries}, 4, "4 stages")]
-    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=10)
+    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- 7. the wrong group
