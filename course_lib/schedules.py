@@ -508,7 +508,52 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=
     if name == "zb-h1":
         idle = max(0.0, (p - 1) * (t_f + t_b - t_w) - (min(m, p) - 1) * t_w)
         return idle / (m * (t_f + t_b) + idle)
+    if name in V_SCHEDULES:             # t_f, t_b, t_w: a chunk's; each rank runs two per micro-batch
+        idle = formula_idle(name, p, t_f=t_f, t_b=t_b, t_w=t_w)
+        return idle / (2 * m * (t_f + t_b) + idle)
     return bubble_fraction(p, m, name, v)
+
+
+def formula_idle(name: str, p: int, t_f=1.0, t_b=2.0, t_w=1.0, t_fb=None) -> float:
+    """Idle time per rank per step, the formulas of DeepSeek-V3's technical report (DeepSeek-AI
+    2024, Table 2; the DualPipe repository's README): with F a forward, B a full backward, W its
+    weight part, F&B (``t_fb``, default F + B: not overlapped) a forward and a backward of two
+    micro-batches run as one overlapped pair, on PP stages,
+
+        1F1B  (PP - 1)(F + B)     ZB1P (= zb-h1)  (PP - 1)(F + B - 2W)     DualPipe  (PP/2 - 1)(F&B + B - 3W)
+
+    F, B, W are a stage's for 1F1B and ZB1P (p = PP ranks), a chunk's for the V schedules.
+    DualPipeV is DualPipe cut in half: its 2p chunks on p ranks are DualPipe's PP = 2p stages,
+    so (p - 1)(F&B + B - 3W). ZB-V (Qi et al. 2024, Sec. 6) runs ZB1P's idea over the V's 2p
+    chunks, each rank's two chunks filling each other's bubbles: (p - 1)(F + B - 2W) with a
+    chunk's times, zero-bubble's "zero" being this (p - 1) chunk-forwards at F = B - W = W.
+    Steady-state formulas (m >= 2p); :func:`simulate` gives the exact timeline of any order."""
+    t_fb = t_f + t_b if t_fb is None else t_fb
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) * (t_f + t_b)
+    if name in ("zb-h1", "zb-v"):
+        return (p - 1) * (t_f + t_b - 2 * t_w)
+    if name == "dualpipe-v":
+        return (p - 1) * (t_fb + t_b - 3 * t_w)
+    raise ValueError(f"formula_idle knows gpipe, 1f1b, zb-h1, zb-v and dualpipe-v, got {name!r}")
+
+
+def formula_peak_activations(name: str, p: int, m: int) -> int:
+    """The most micro-batches' activations a rank holds at once (:func:`in_flight` of its
+    busiest rank), counted in its own chunks: 1F1B and ZB1P min(p, m) stages' worth (DeepSeek-V3
+    Table 2: PP); ZB-V min(2p, 2m) chunks, half a stage each: 1F1B's memory (Qi et al. 2024);
+    DualPipeV 2p + 1 chunks (Table 2's PP + 1, with PP = 2p chunks). Parameters per rank: a
+    V rank's two chunks are 1/p of the model, as a 1F1B stage (DualPipe's 2x is the bidirectional
+    version's two copies of every stage)."""
+    if name == "gpipe":
+        return m
+    if name in ("1f1b", "zb-h1"):
+        return min(p, m)
+    if name == "zb-v":
+        return min(2 * p, 2 * m)
+    if name == "dualpipe-v":
+        return 2 * p + 1
+    raise ValueError(f"formula_peak_activations knows gpipe, 1f1b, zb-h1, zb-v and dualpipe-v, got {name!r}")
 
 
 def in_flight(actions) -> int:
@@ -532,6 +577,6 @@ def format_schedule(schedule, width: int = 0) -> str:
 
 
 __all__ = ["Action", "OPS", "SCHEDULES", "V_SCHEDULES", "PLACEMENTS", "stage_rank", "rank_stage_ids", "chunks",
-           "placement_of", "zero_bubble_v", "dualpipe_v", "schedule_order", "bubble_fraction", "positive_int", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
+           "placement_of", "zero_bubble_v", "dualpipe_v", "formula_idle", "formula_peak_activations", "schedule_order", "bubble_fraction", "positive_int", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
            "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
            "in_flight", "format_schedule", "dependency", "ValidSchedule"]
