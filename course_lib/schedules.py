@@ -27,7 +27,7 @@ from course_lib.trace import Span
 OPS = ("F", "B", "W")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 V_SCHEDULES = ("zb-v", "dualpipe-v")         # two chunks per rank in V order (:func:`stage_rank`)
-PLANNED = ("gpipe", "1f1b", "interleaved")   # the ones the planner prices (formulas.SCHEDULES)
+PLANNED = ("gpipe", "1f1b", "interleaved", "zb-v", "dualpipe-v")   # the planner prices (formulas.SCHEDULES)
 PLACEMENTS = ("loop", "v")
 
 
@@ -63,6 +63,9 @@ def schedule_order(p: int, m: int, schedule: str, v: int, stage: int) -> list[tu
     2021). Interleaved: the same with (p - stage - 1) * 2 + (v - 1) * p warm-up
     forwards over m * v chunk-micro-batches, taken p micro-batches per chunk.
     """
+    if schedule in V_SCHEDULES:
+        raise ValueError(f"schedule_order gives Megatron-LM's orders; {schedule!r} is an action list: "
+                         f"make_schedule({schedule!r}, p, m)")
     if schedule == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
     total = m * v
@@ -483,12 +486,16 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     2019; Narayanan et al. 2021). Interleaved with v chunks per stage: each chunk
     takes (t_f + t_b)/v, the fill and drain shrink to (p-1)(t_f + t_b)/v, the work
     stays m (t_f + t_b): bubble = (p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2).
-    The simulator reproduces both (tests/test_planner_simulator.py).
+    The simulator reproduces both (tests/test_planner_simulator.py). ZB-V and DualPipeV:
+    :func:`formula_bubble` with a chunk's F : B : W = 1 : 2 : 1 (the weight-gradient GEMMs are
+    half of a backward's), (p-1)/(6m + p-1) and (p-1)/(3m + p-1).
     """
     if schedule not in PLANNED:
         raise ValueError(f"schedule must be one of {PLANNED}, got {schedule!r}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
+    if schedule in V_SCHEDULES:
+        return formula_bubble(schedule, p, m)
     vv = v if schedule == "interleaved" else 1
     return (p - 1) / (vv * m + p - 1)
 

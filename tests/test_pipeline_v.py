@@ -81,9 +81,9 @@ def _equal(configs, torch_configs):
 
 @pytest.fixture(scope="module")
 def runs():
-    two = [("zb-v", 1, True, 8), ("zb-v", 3, False, 8), ("zb-v", 4, True, 5),
-           ("dualpipe-v", 4, True, 8), ("dualpipe-v", 5, False, 6)]
-    four = [("zb-v", 3, True, 8), ("zb-v", 7, False, 8), ("dualpipe-v", 8, True, 8), ("dualpipe-v", 9, True, 9)]
+    # m < 2p - 1 (the V never fills), odd m, uneven layers (5, 9 over 2p stages), tied and not
+    two = [("zb-v", 1, True, 8), ("zb-v", 3, False, 5), ("dualpipe-v", 5, True, 6)]
+    four = [("zb-v", 3, True, 8), ("dualpipe-v", 9, False, 9)]
     torch2 = [("zb-v", 3), ("dualpipe-v", 4)] if HAS_TORCH_V else []
     torch4 = [("zb-v", 5), ("dualpipe-v", 8)] if HAS_TORCH_V else []
     return (course_lib.launch(_equal, 2, two, torch2, timeout=240),
@@ -203,3 +203,33 @@ def _step(name, p, m, t_f, t_b, t_w):
     spans = [s for s in S.simulate(S.make_schedule(name, p, m), p, S.chunks(name), t_f=t_f, t_b=t_b, t_w=t_w)
              if s.kind == "compute"]
     return max(s.end for s in spans) - min(s.start for s in spans)
+
+
+# ---------------------------------------------------------------- the planner prices them
+
+def test_planner_knows_the_v_schedules():
+    from course_lib.planner import Layout, estimate
+    from course_lib.planner import formulas as F
+    for p in (2, 4):
+        for m in (2 * p, 3 * p + 1):
+            # memory: the planner's in-flight micro-batches (a stage's worth) are the lists' chunks / 2
+            for name in ("zb-v", "dualpipe-v"):
+                held = max(S.in_flight(r) for r in S.make_schedule(name, p, m)) / 2
+                assert F.in_flight_microbatches(p, m, name, stage=p - 1) == held
+            # the bubble fraction: formula_bubble at a chunk's F : B : W = 1 : 2 : 1
+            assert F.bubble_fraction(p, m, "zb-v") == pytest.approx((p - 1) / (6 * m + p - 1))
+            assert F.bubble_fraction(p, m, "dualpipe-v") == pytest.approx((p - 1) / (3 * m + p - 1))
+            assert F.bubble_fraction(p, m, "zb-v") < F.bubble_fraction(p, m, "interleaved", 2) < \
+                F.bubble_fraction(p, m, "1f1b")
+            sim = _idle("zb-v", p, m, 1.0, 2.0, 1.0)             # the real list at F = B - W = W
+            assert sim[0] == pytest.approx(F.pipeline_idle("zb-v", p, 2.0, 4.0))
+        assert [F.p2p_sends("zb-v", p, st) for st in range(p)] == [2] + [4] * (p - 2) + [2]
+    est = {s: estimate("llama3-8b", "h100-sxm", Layout(tp=8, pp=4, schedule=s, global_batch=16))
+           for s in ("1f1b", "zb-v", "dualpipe-v")}
+    assert est["zb-v"].time["bubble"] < est["dualpipe-v"].time["bubble"] < est["1f1b"].time["bubble"]
+    assert est["zb-v"].memory["activations"] == pytest.approx(est["1f1b"].memory["activations"])
+    assert est["dualpipe-v"].memory["activations"] == pytest.approx(est["1f1b"].memory["activations"] * 4.5 / 4)
+    with pytest.raises(ValueError, match="dualpipe-v needs at least 2p = 8 micro-batches, got 6"):
+        estimate("llama3-8b", "h100-sxm", Layout(tp=8, pp=4, schedule="dualpipe-v", global_batch=6))
+    with pytest.raises(ValueError, match="schedule_order gives Megatron-LM's orders"):
+        S.schedule_order(2, 4, "zb-v", 2, 0)
