@@ -232,7 +232,7 @@ class ScheduleRunner:
                              f"{tuple(t.shape)} {t.dtype}, but act_shape={shape}, act_dtype={dtype}: every "
                              f"tensor sent between stages must have that shape and dtype (the receiver's buffer)")
         if self.rank_of(s) == self.me:      # the next stage is on this rank: no message
-            self.local[(kind, s, mb)] = t.detach().clone()
+            self.local[(kind, s, mb)] = t.detach()     # handed over as is: no copy kernel
             return
         t = t.detach().contiguous()
         with trace.span(f"send {kind} {mb}", "comm", "pp"):      # gloo writes to the socket here
