@@ -177,8 +177,8 @@ def zero_bubble_h1(p: int, m: int):
 
 
 def _v_counter(row):
-    """add(op, stage, w=None): append ``op`` of the next micro-batch of ``stage`` to ``row``
-    (each (op, stage) counts its own micro-batches: the chunk's next F, B or W)."""
+    """(add, counts): add(op, stage) appends ``op`` of the next micro-batch of ``stage`` to ``row``
+    and returns that micro-batch (each (op, stage) counts its own: the chunk's next F, B or W)."""
     count = {}
 
     def add(op, stage):

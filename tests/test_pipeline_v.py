@@ -30,6 +30,8 @@ def _equal(configs, torch_configs):
     one device; each (schedule, m) of ``torch_configs`` 2 SGD steps next to torch's schedule."""
     mesh = Mesh(pp=dist.get_world_size())
     out = {"equal": [], "torch": [], "placement": None}
+    if dist.get_world_size() == 4:                 # parallelize_nd(..., schedule=<a V name>), dp=2 x pp=2
+        out["nd"] = _nd_step("ZBVZeroBubble", 3)
     for sched, m, tied, n_layers in configs:
         cfg = _cfg(tied, n_layers)
         batches = reference.gpt_batches(cfg, batch=2 * m, steps=STEPS)
@@ -88,6 +90,12 @@ def runs():
     torch4 = [("zb-v", 5), ("dualpipe-v", 8)] if HAS_TORCH_V else []
     return (course_lib.launch(_equal, 2, two, torch2, timeout=240),
             course_lib.launch(_equal, 4, four, torch4, timeout=240))
+
+
+def test_parallelize_nd_takes_the_v_names(runs):
+    for rank in runs[1]:
+        pp, stages, same = rank["nd"]
+        assert stages == [pp, 3 - pp] and same, (pp, stages, same)
 
 
 def test_equal_to_one_device_p2_p4(runs):
@@ -233,3 +241,25 @@ def test_planner_knows_the_v_schedules():
         estimate("llama3-8b", "h100-sxm", Layout(tp=8, pp=4, schedule="dualpipe-v", global_batch=6))
     with pytest.raises(ValueError, match="schedule_order gives Megatron-LM's orders"):
         S.schedule_order(2, 4, "zb-v", 2, 0)
+
+
+
+def _nd_step(schedule, m):
+    """parallelize_nd with a V schedule's name (dp=2 around pp=2): (pp coordinate, its stages,
+    its parameters after 2 SGD steps next to one device's)."""
+    from course_lib.parallel.compose import parallelize_nd
+    cfg = _cfg(True)
+    batches = reference.gpt_batches(cfg, batch=4 * m, steps=2)
+    ref = TinyGPT(cfg, seed=0).double()
+    state, _ = reference.train_gpt(ref, batches, torch.optim.SGD(ref.parameters(), lr=0.5), micro=2 * m)
+    mesh = Mesh(dp=2, pp=2)
+    net = parallelize_nd(TinyGPT(cfg, seed=0).double(), mesh, schedule=schedule, microbatches=m)
+    opt, largest = torch.optim.SGD(net.parameters(), lr=0.5), 0.0
+    for x, y in batches:
+        net.step(x, y)
+        largest = max([largest] + [float(q.grad.abs().max()) for q in net.parameters() if q.grad is not None])
+        opt.step()
+        opt.zero_grad()
+    got = {n: q.detach() for st in net.stages.values() for n, q in st.named_in_model().items()}
+    return mesh.coord["pp"], sorted(net.stages), tolerance.compare(
+        got, {n: state[n] for n in got}, dtype=torch.float64, optimizer="sgd", steps=2, lr=0.5, grad_scale=largest)
