@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib import launch
-from course_lib.grading.zero_fsdp import MEASURED_BYTES, MEASURED_CONFIG, MEASURED_PARAMS
+from course_lib.lab.zero_measurements import MEASURED_BYTES, MEASURED_CONFIG, MEASURED_PARAMS
 from course_lib.memory import MemoryTracker, measure, model_state_bytes, storage_bytes
 from course_lib.models import MLP, GPTConfig, TinyGPT
 from course_lib.planner.formulas import zero_memory_bytes

@@ -75,7 +75,8 @@ def _explain_rank_error(err: RankError) -> str:
     return _one_line(f"{head}{where}")
 
 
-def _explain(exc: BaseException) -> str:
+def explain(exc: BaseException) -> str:
+    """A learner's exception (or a rank's, or a hang) as the one-line hint a failed case prints."""
     if isinstance(exc, RankError):
         return _explain_rank_error(exc)
     if isinstance(exc, LaunchTimeout):
@@ -142,7 +143,7 @@ def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
         except BaseException as exc:  # noqa: BLE001 - a learner's error becomes a hint
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            outcome = _explain(exc)
+            outcome = explain(exc)
         if outcome is None or outcome is True:
             continue
         detail = "wrong answer" if outcome is False else outcome
@@ -265,5 +266,5 @@ def _short(x, n: int = 6) -> str:
     return _one_line(repr(x), 80)
 
 
-__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "Tampered", "TimeLimit", "all_checks_passed", "check", "check_distributed", "compare",
-           "learner", "learner_class", "reorder_tolerance"]
+__all__ = ["Case", "Mismatch", "GradeFailed", "Shortcut", "Tampered", "TimeLimit", "all_checks_passed", "check",
+           "check_distributed", "compare", "explain", "learner", "learner_class", "reorder_tolerance"]

@@ -83,13 +83,11 @@ def _global_batches(n_samples, global_batch, seed, count):
 
 
 def _counters(n_samples, global_batch, dp, dp_rank, steps):
-    """(epoch, step, position) of a loader after ``steps`` global batches (the lazy rollover)."""
-    per_epoch = n_samples // global_batch
-    epoch, step = (0, 0) if steps == 0 else divmod(steps - 1, per_epoch)
-    step = 0 if steps == 0 else step + 1
-    chunk = -(-global_batch // dp)
-    rows = max(0, min(global_batch, (dp_rank + 1) * chunk) - min(global_batch, dp_rank * chunk))
-    return epoch, step, step * rows
+    """(epoch, step, position) of an uninterrupted loader after ``steps`` global batches."""
+    loader = ShardedBatches(n_samples, global_batch, dp, dp_rank)
+    for _ in range(steps):
+        next(loader)
+    return loader.epoch, loader.step, loader.position
 
 
 def _counters_differ(got, n, b, dp, r, steps, when):

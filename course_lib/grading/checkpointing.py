@@ -8,7 +8,8 @@
                                              # (grading.checkpoint_data, with its ShardedBatches)
 
 Each check runs seeded random cases (uneven FSDP cuts, ranks holding nothing, boxes that only
-touch, 0-d tensors) against the grader's private reference. While the learner's function runs,
+touch, 0-d tensors) against the library's own (course_lib.checkpoint, computed outside the
+learner's call). While the learner's function runs,
 course_lib.checkpoint (which answers every one of these), FSDP's row cut and the grader's
 references are switched off.
 """
@@ -17,8 +18,11 @@ from __future__ import annotations
 import math
 import random
 
-from course_lib.checkpoint.plan import overlap
+from course_lib.checkpoint.layout import flat_range_boxes
+from course_lib.checkpoint import plan
 from course_lib.grading import Case, check, learner
+from course_lib.parallel.fsdp_params import dim0_rows
+from course_lib.parallel.placement import Placement
 
 __all__ = ["check_owned_box", "check_read_plan", "check_writers", "check_zero_boxes", "check_resume_data",
            "ShardedBatches"]
@@ -26,58 +30,33 @@ __all__ = ["check_owned_box", "check_read_plan", "check_writers", "check_zero_bo
 LIBRARY = ("course_lib.checkpoint.plan:*", "course_lib.checkpoint.layout:*", "course_lib.checkpoint.store:*",
            "course_lib.checkpoint.load:*", "course_lib.parallel.fsdp_params:dim0_rows",
            # the grader's references
-           *(f"course_lib.grading.checkpointing:{f}" for f in ("_owned_box", "_read_plan", "_writers",
-                                                              "_zero_boxes")))
+           *(f"course_lib.grading.checkpointing:{f}" for f in ("_owned_box", "_writers", "_zero_boxes")))
 
 
-# ------------------------------------------------------------------ the grader's references
+# ------------------------------------------------------------------ the references: the library's
 def _owned_box(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank):
-    offsets, lengths = [0] * len(shape), list(shape)
-    if tp_dim is not None:
-        lengths[tp_dim] = shape[tp_dim] // tp
-        offsets[tp_dim] = tp_rank * lengths[tp_dim]
-    chunk = math.ceil(lengths[0] / fsdp)
-    rows = max(0, min(chunk, lengths[0] - fsdp_rank * chunk))
+    """TP's even slice, then FSDP's row cut of it (``dim0_rows``), as a Placement's box."""
+    tp_slice = None if tp_dim is None else (tp_dim, tp_rank * shape[tp_dim] // tp, (tp_rank + 1) * shape[tp_dim] // tp,
+                                            shape[tp_dim])
+    local = [n // tp if d == tp_dim else n for d, n in enumerate(shape)]
+    chunk, rows = dim0_rows(local[0], fsdp, fsdp_rank)
     if rows == 0:
         return None
-    offsets[0] += fsdp_rank * chunk
-    lengths[0] = rows
-    return tuple(offsets), tuple(lengths)
-
-
-def _read_plan(box, saved):
-    return [(i, o) for i, s in enumerate(saved) if (o := overlap(*box, *s)) is not None]   # the library's, computed outside the learner's call
+    return Placement(tuple(shape), tp_slice, rows=(fsdp_rank * chunk, rows)).box([rows] + local[1:])
 
 
 def _writers(per_rank):
-    first, out = {}, [[] for _ in per_rank]
-    for r, items in enumerate(per_rank):
-        for j, item in enumerate(items):
-            key = (item[0], tuple(item[1]), tuple(item[2]))
-            if key not in first:
-                first[key] = r
-                out[r].append(j)
-    return out
+    """``assign_writers`` on boxes of tensors whose shape is the boxes' extent."""
+    extent = {}
+    for items in per_rank:
+        for name, o, n in items:
+            extent[name] = tuple(max(a, b + c) for a, b, c in zip(extent.get(name, (0,) * len(o)), o, n))
+    return [sorted(w) for w in plan.assign_writers([[(name, extent[name], None, o, n) for name, o, n in items]
+                                               for items in per_rank])]
 
 
 def _zero_boxes(shape, lo, hi):
-    """Element by element, merged into boxes row by row (a different route from the library's)."""
-    if lo >= hi:
-        return []
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,), 0)]
-    inner, out, pos = math.prod(shape[1:]), [], lo
-    while pos < hi:
-        row, col = divmod(pos, inner)
-        if col == 0 and hi - pos >= inner:
-            n = (hi - pos) // inner
-            out.append(((row,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]), pos - lo))
-            pos += n * inner
-            continue
-        end = min(hi, (row + 1) * inner)
-        out += [((row,) + o, (1,) + n, pos - lo + s) for o, n, s in _zero_boxes(shape[1:], col, end - row * inner)]
-        pos = end
-    return out
+    return [(tuple(b.offsets), tuple(b.lengths), b.start) for b in flat_range_boxes(shape, lo, hi)]
 
 
 def _as_box(x):
@@ -156,7 +135,7 @@ def check_read_plan(read_plan):
 
     def run(case):
         box, saved = case.params["box"], case.params["saved"]
-        want = _read_plan(box, saved)
+        want = plan.read_plan(*box, saved)
         got = answer(box, list(saved))
         if not isinstance(got, (list, tuple)) or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in got):
             return f"expected a list of (i, (offsets, lengths)), got {got!r}"

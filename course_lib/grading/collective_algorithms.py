@@ -13,12 +13,8 @@ course_lib's collectives and every torch collective are switched off (send/recv 
     check_ring_all_gather(fn)                 # fn(output, input): output <- all inputs, rank order
     check_all_reduce_composed(fn)             # fn(tensor): reduce-scatter then all-gather, any size
     check_fit_alpha_beta(fn)                  # fn([(n_bytes, world_size, seconds)]) -> (alpha, beta)
-
-Each prints one line (``ring_all_reduce: 8/8 cases passed`` or the first failing case with
-a hint) and returns True/False (in a notebook a failure raises, see :mod:`course_lib.grading`).
 """
 from __future__ import annotations
-
 
 import torch
 
@@ -26,16 +22,38 @@ from course_lib.grading import Case, check, compare, learner
 from course_lib.grading.p2p import (COLLECTIVES_LIBRARY, DTYPES, P2PWatch, bind, check_p2p, p2p_cases, rank_data,
                                     rank_info, sum_bounds, sum_of, too_many_bytes)
 
+
+def _table_cases(rows, *keys):
+    """Cases from rows (world_size, numel, dtype, *values of ``keys``), seeds 1, 2, ...:
+    roots other than 0, sizes nothing divides, world sizes not powers of two."""
+    return [Case(dict(numel=n, dtype=dt, seed=i + 1, **dict(zip(keys, rest))), N,
+                 ", ".join([f"world_size={N}", f"numel={n}", f"dtype={dt}"] + [f"{k}={v}" for k, v in zip(keys, rest)]))
+            for i, (N, n, dt, *rest) in enumerate(rows)]
+
+
+def _p2p_check(name, harness, cases, exercise, doc=None):
+    """``check_<name>(fn, timeout=10.0)``: ``harness`` on ``cases`` with the learner's fn guarded."""
+    def check_it(fn, timeout: float = 10.0) -> bool:
+        return check_p2p(name, bind(harness, fn, COLLECTIVES_LIBRARY, exercise=exercise), cases, timeout)
+    check_it.__name__, check_it.__qualname__, check_it.__doc__ = f"check_{name}", f"check_{name}", doc
+    return check_it
+
+
 # ----------------------------------------------------------------------------- broadcast
 
 
-def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
+def _broadcast(fn, numel, dtype, seed, src, *args):
+    """(rank, world, the tensor, the watch, a mismatch or None) after fn(tensor, src, *args)."""
     r, N = rank_info()
     want = rank_data(seed, src, numel, dtype)
     x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
     with P2PWatch() as w:
-        fn(x, src, segments)
-    msg = compare(x, want, exact=True, what=f"tensor after broadcast from rank {src}")
+        fn(x, src, *args)
+    return r, N, x, w, compare(x, want, exact=True, what=f"tensor after broadcast from rank {src}")
+
+
+def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
+    r, N, x, w, msg = _broadcast(fn, numel, dtype, seed, src, segments)
     if msg:
         return msg
     v = (r - src) % N                                   # position in the chain, the root is 0
@@ -54,21 +72,12 @@ def _chain_broadcast_harness(fn, numel, dtype, seed, src, segments):
     return None
 
 
-_CHAIN_CASES = [  # (world_size, numel, dtype, src, segments): roots other than 0, sizes segments do not divide
-    (1, 5, "float32", 0, 2), (2, 7, "float32", 1, 3), (3, 10, "int64", 2, 4),
-    (4, 9, "float32", 1, 3), (5, 11, "int64", 3, 4), (5, 6, "float32", 2, 1),
-]
-
-
-def check_pipelined_broadcast(fn, timeout: float = 10.0) -> bool:
-    """fn(tensor, src, segments): in place, along the chain src -> src+1 -> ... (mod N), in
-    ``segments`` pieces, each forwarded as soon as it arrives."""
-    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src, segments=k), N,
-                  f"world_size={N}, numel={n}, dtype={dt}, src={src}, segments={k}")
-             for i, (N, n, dt, src, k) in enumerate(_CHAIN_CASES)]
-    return check_p2p("pipelined_broadcast", bind(_chain_broadcast_harness, fn, COLLECTIVES_LIBRARY,
-                                                   exercise="the pipelined chain"), cases, timeout)
-
+check_pipelined_broadcast = _p2p_check(  # (world_size, numel, dtype, src, segments): segments do not divide
+    "pipelined_broadcast", _chain_broadcast_harness, _table_cases([
+        (1, 5, "float32", 0, 2), (2, 7, "float32", 1, 3), (3, 10, "int64", 2, 4),
+        (4, 9, "float32", 1, 3), (5, 11, "int64", 3, 4), (5, 6, "float32", 2, 1)], "src", "segments"),
+    "the pipelined chain", """fn(tensor, src, segments): in place, along the chain src -> src+1 -> ... (mod N),
+    in ``segments`` pieces, each forwarded as soon as it arrives.""")
 
 
 def _all_reduce_harness(fn, numel, dtype, seed):
@@ -80,10 +89,12 @@ def _all_reduce_harness(fn, numel, dtype, seed):
     return msg or too_many_bytes(w, N, numel, x.element_size(), 2, "all-reduce")
 
 
-def check_ring_all_reduce(fn, timeout: float = 10.0) -> bool:
-    cases = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
-    return check_p2p("ring_all_reduce", bind(_all_reduce_harness, fn, COLLECTIVES_LIBRARY, exercise="the ring"),
-                     cases, timeout)
+_ALL_REDUCE_CASES = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
+check_ring_all_reduce = _p2p_check("ring_all_reduce", _all_reduce_harness, _ALL_REDUCE_CASES, "the ring",
+                                   "fn(tensor): in place SUM over ranks, 2(N-1)/N n bytes sent per rank.")
+check_all_reduce_composed = _p2p_check("all_reduce_composed", _all_reduce_harness, _ALL_REDUCE_CASES,
+                                       "all-reduce from your two halves",
+                                       "fn(tensor): in place SUM, as your reduce-scatter then your all-gather.")
 
 
 def _reduce_scatter_harness(fn, numel, dtype, seed):
@@ -98,10 +109,9 @@ def _reduce_scatter_harness(fn, numel, dtype, seed):
     return msg or too_many_bytes(w, N, numel * N, full.element_size(), 1, "reduce-scatter")
 
 
-def check_ring_reduce_scatter(fn, timeout: float = 10.0) -> bool:
-    cases = p2p_cases(lambda N: (3,), dtypes=("float32", "int64"))
-    return check_p2p("ring_reduce_scatter", bind(_reduce_scatter_harness, fn, COLLECTIVES_LIBRARY,
-                                                 exercise="the ring reduce-scatter"), cases, timeout)
+check_ring_reduce_scatter = _p2p_check("ring_reduce_scatter", _reduce_scatter_harness,
+                                       p2p_cases(lambda N: (3,), dtypes=("float32", "int64")),
+                                       "the ring reduce-scatter", "fn(output, input): output <- sum of piece rank.")
 
 
 def _all_gather_harness(fn, numel, dtype, seed):
@@ -114,17 +124,9 @@ def _all_gather_harness(fn, numel, dtype, seed):
     return msg or too_many_bytes(w, N, numel * N, out.element_size(), 1, "all-gather")
 
 
-def check_ring_all_gather(fn, timeout: float = 10.0) -> bool:
-    cases = p2p_cases(lambda N: (3,), dtypes=("float32", "int64"))
-    return check_p2p("ring_all_gather", bind(_all_gather_harness, fn, COLLECTIVES_LIBRARY,
-                                             exercise="the ring all-gather"), cases, timeout)
-
-
-def check_all_reduce_composed(fn, timeout: float = 10.0) -> bool:
-    cases = p2p_cases(lambda N: (2 * N + 1, 1), dtypes=("float32", "int64"))
-    return check_p2p("all_reduce_composed", bind(_all_reduce_harness, fn, COLLECTIVES_LIBRARY,
-                                                 exercise="all-reduce from your two halves"), cases, timeout)
-
+check_ring_all_gather = _p2p_check("ring_all_gather", _all_gather_harness,
+                                   p2p_cases(lambda N: (3,), dtypes=("float32", "int64")),
+                                   "the ring all-gather", "fn(output, input): output <- all inputs, rank order.")
 
 
 # ----------------------------------------------------------------------------- alpha-beta fit
@@ -175,19 +177,14 @@ def _log2_ceil(n):
     return max(n - 1, 0).bit_length()
 
 
-_TREE_CASES = [  # (world_size, numel, dtype, root): roots other than 0, world sizes not powers of two
+_TREE_ROWS = [  # (world_size, numel, dtype, root): roots other than 0, world sizes not powers of two
     (1, 4, "float32", 0), (2, 5, "int64", 1), (3, 6, "float32", 2), (4, 7, "float64", 1), (5, 3, "int64", 3),
     (5, 9, "float32", 0),
 ]
 
 
 def _tree_broadcast_harness(fn, numel, dtype, seed, src):
-    r, N = rank_info()
-    want = rank_data(seed, src, numel, dtype)
-    x = want.clone() if r == src else torch.full((numel,), -7, dtype=DTYPES[dtype])
-    with P2PWatch() as w:
-        fn(x, src)
-    msg = compare(x, want, exact=True, what=f"tensor after broadcast from rank {src}")
+    r, N, x, w, msg = _broadcast(fn, numel, dtype, seed, src)
     if msg:
         return msg
     rounds, n = _log2_ceil(N), numel * x.element_size()
@@ -203,13 +200,9 @@ def _tree_broadcast_harness(fn, numel, dtype, seed, src):
     return None
 
 
-def check_tree_broadcast(fn, timeout: float = 10.0) -> bool:
-    """fn(tensor, src): in place, every rank's tensor <- rank src's, along a binomial tree:
-    ceil(log2 N) rounds, each rank receiving once."""
-    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, src=src), N, f"world_size={N}, numel={n}, dtype={dt}, src={src}")
-             for i, (N, n, dt, src) in enumerate(_TREE_CASES)]
-    return check_p2p("tree_broadcast", bind(_tree_broadcast_harness, fn, COLLECTIVES_LIBRARY,
-                                            exercise="the binomial tree"), cases, timeout)
+check_tree_broadcast = _p2p_check("tree_broadcast", _tree_broadcast_harness, _table_cases(_TREE_ROWS, "src"),
+                                  "the binomial tree", """fn(tensor, src): in place, every rank's tensor <- rank
+    src's, along a binomial tree: ceil(log2 N) rounds, each rank receiving once.""")
 
 
 def _tree_reduce_harness(fn, numel, dtype, seed, dst):
@@ -236,13 +229,9 @@ def _tree_reduce_harness(fn, numel, dtype, seed, dst):
     return None
 
 
-def check_tree_reduce(fn, timeout: float = 10.0) -> bool:
-    """fn(tensor, dst): SUM of every rank's tensor into rank dst's tensor, along a binomial
-    tree (other ranks' tensors may be used as scratch)."""
-    cases = [Case(dict(numel=n, dtype=dt, seed=i + 1, dst=root), N, f"world_size={N}, numel={n}, dtype={dt}, dst={root}")
-             for i, (N, n, dt, root) in enumerate(_TREE_CASES)]
-    return check_p2p("tree_reduce", bind(_tree_reduce_harness, fn, COLLECTIVES_LIBRARY, exercise="the binomial tree"),
-                     cases, timeout)
+check_tree_reduce = _p2p_check("tree_reduce", _tree_reduce_harness, _table_cases(_TREE_ROWS, "dst"),
+                               "the binomial tree", """fn(tensor, dst): SUM of every rank's tensor into rank dst's
+    tensor, along a binomial tree (other ranks' tensors may be used as scratch).""")
 
 
 __all__ = ["check_pipelined_broadcast", "check_tree_broadcast", "check_tree_reduce", "check_ring_all_reduce",

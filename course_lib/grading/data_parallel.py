@@ -6,18 +6,19 @@ single-device training on the full batch (the harness: :mod:`course_lib.grading.
     check_bucket_hooks(make_bucket_hooks)  # one async all-reduce per bucket, launched from hooks
     check_uneven_batches(sync_gradients)   # find the bug: a last batch the ranks split unevenly
 
-Each prints one line (``ddp_hook: 3/3 cases passed`` or the first failing case with a
-hint). While the learner's code runs, course_lib's data parallelism and torch's DDP are
-switched off (:mod:`course_lib.grading.guard`).
+While the learner's code runs, course_lib's data parallelism and torch's DDP are switched off.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
 from course_lib.grading import Case, check, check_distributed, compare, learner
 from course_lib.grading import training as T
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.p2p import SameCollectives
 
 # what would do chapter 3's exercises for the learner
 DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
@@ -26,8 +27,6 @@ DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_paral
 
 # ----------------------------------------------------------------------------- 1. DDP hook
 def _ddp_hook_harness(hook):
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     model = T.mlp(rank)  # different on every rank: broadcast rank 0's first
     for p in model.parameters():
@@ -67,9 +66,6 @@ class _Completions:
         return self.issued - self.sync - self.waited
 
     def __enter__(self):
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
         self._saved, seen = dist.all_reduce, self
         original = self._saved
 
@@ -99,9 +95,6 @@ class _Completions:
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
         for module in (dist, c10d):
             module.all_reduce = self._saved
         return False
@@ -149,7 +142,7 @@ def check_assign_buckets(assign_buckets):
 
 
 # ----------------------------------------------------------------------------- 2b. overlapped buckets
-_BUCKET_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
+BUCKET_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}   # (ZeRO-2's too)
 
 
 def _bucket_hooks_harness(make_hooks, cap):
@@ -176,7 +169,7 @@ def check_bucket_hooks(make_bucket_hooks):
     finish(); each bucket is one async all-reduce, launched when its last gradient is ready,
     and after finish() every p.grad holds the mean over ranks."""
     cases = [Case({"make_hooks": make_bucket_hooks, "cap": cap}, world_size=n, label=name)
-             for name, cap in _BUCKET_CAPS.items() for n in (2, 3)]
+             for name, cap in BUCKET_CAPS.items() for n in (2, 3)]
     return check_distributed("bucket_hooks", _bucket_hooks_harness, cases)
 
 
@@ -190,8 +183,6 @@ def _uneven_harness(sync_gradients, rows, dtype):
     """Rank r computes the mean loss over its rows (torch.tensor_split: sizes differ by one, a
     rank may have none, and then its grads are None); after sync_gradients(model, n_local)
     every p.grad must be the gradient of the mean loss over all rows."""
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     dt = getattr(torch, dtype)
     x, y = (t[:rows].to(dt) for t in T.data()[0])
@@ -200,7 +191,7 @@ def _uneven_harness(sync_gradients, rows, dtype):
     mine_x, mine_y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
     if len(mine_x):
         F.mse_loss(model(mine_x), mine_y).backward()
-    with T.CollectiveWatch() as watch:
+    with SameCollectives(), T.CollectiveWatch() as watch:
         learner(sync_gradients, DP_LIBRARY, exercise="gradient averaging")(model, len(mine_x))
     moved = [k for k, _ in watch.calls if k != "all_reduce"]
     if moved:

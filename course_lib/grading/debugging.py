@@ -189,21 +189,19 @@ def check_which_reduction(which_reduction) -> bool:
 
 # ----------------------------------------------------------------------------- 4. the first NaN
 
-class _Mask(nn.Module):
-    def forward(self, scores):          # (rows, keys): hide keys at or after the row's index (a row may hide all)
-        n = scores.shape[-1]
-        hide = torch.arange(n)[None, :] >= torch.arange(scores.shape[0])[:, None]
-        return scores.masked_fill(hide, float("-inf"))     # -inf on purpose: not a NaN
+class _Op(nn.Module):
+    """One tensor operation as a module of its own (so that it has a name in named_modules)."""
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
 
-
-class _Softmax(nn.Module):
     def forward(self, x):
-        return x.softmax(-1)
+        return self.fn(x)
 
 
-class _RowNorm(nn.Module):
-    def forward(self, x):
-        return x / x.norm(dim=-1, keepdim=True)
+def _mask(scores):      # (rows, keys): hide keys at or after the row's index (a row may hide all)
+    hide = torch.arange(scores.shape[-1])[None, :] >= torch.arange(scores.shape[0])[:, None]
+    return scores.masked_fill(hide, float("-inf"))     # -inf on purpose: not a NaN
 
 
 class _LogThenLinear(nn.Module):
@@ -231,11 +229,11 @@ def _nan_case(kind):
     if kind == "row norm":
         x = torch.randn(3, 4)
         x[1] = 0
-        return nn.Sequential(nn.Linear(4, 4, bias=False), _RowNorm(), nn.Linear(4, 2)), x, "1"
+        return nn.Sequential(nn.Linear(4, 4, bias=False), _Op(lambda x: x / x.norm(dim=-1, keepdim=True)), nn.Linear(4, 2)), x, "1"
     if kind == "parent's own op":
         return nn.Sequential(nn.Linear(4, 4), _Block(_LogThenLinear())), torch.randn(5, 4), "1.inner"
     if kind == "masked attention":
-        return nn.Sequential(nn.Linear(4, 4), _Mask(), _Softmax(), nn.Linear(4, 4)), torch.randn(4, 4), "2"
+        return nn.Sequential(nn.Linear(4, 4), _Op(_mask), _Op(lambda x: x.softmax(-1)), nn.Linear(4, 4)), torch.randn(4, 4), "2"
     if kind == "none":
         return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), torch.randn(3, 4), None
     raise ValueError(kind)
@@ -351,11 +349,12 @@ def _pipeline_harness(exchange):
             return bad + " (one device hands this tensor on unchanged; a message only moves it)"
 
 
-def check_pipeline_exchange(exchange_boundaries) -> bool:
-    """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages."""
+def check_pipeline_exchange(exchange_boundaries, timeout: float = 10.0) -> bool:
+    """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages
+    (``timeout``: seconds a case may take before it is a hang)."""
     cases = [Case({"exchange": exchange_boundaries}, 3, "3 stages"),
              Case({"exchange": exchange_boundaries}, 4, "4 stages")]
-    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=10)
+    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- 7. the wrong group

@@ -27,8 +27,9 @@ Targets: a callable, or "module:attr.path" (imported when the guard starts, so a
 grader names the reference without importing it at module level), "module:*" (every
 function the module defines or lists in ``__all__`` from course_lib, and every method of
 those classes), or a list of those. A course_lib target that names nothing (a function renamed
-since the grader was written) raises LookupError naming it, and so does a pattern that
-matches nothing: a rename never quietly unguards a question (tests/test_grading_guard.py
+since the grader was written) raises LookupError naming it when the grader wraps the learner's
+function (before any case runs), and so does a pattern that matches nothing: a rename never
+quietly unguards a question (tests/test_grading_guard.py
 resolves every grader's targets). A torch name this torch version lacks is skipped.
 """
 from __future__ import annotations
@@ -276,6 +277,8 @@ def learner(fn: Callable, *targets, exercise: str, seconds: float | None = None)
     """``fn`` wrapped so that each call runs with ``targets`` switched off (and a time limit)."""
     if not callable(fn):
         raise TypeError(f"expected your function, got {type(fn).__name__}: {fn!r}")
+    for target in _flatten(targets):   # a target naming nothing fails here, before any case runs
+        _resolve(target)
 
     @functools.wraps(fn)
     def guarded(*args, **kwargs):

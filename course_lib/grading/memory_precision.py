@@ -18,6 +18,7 @@ from course_lib.grading import Case, check, compare, learner
 from course_lib.memory import storage_bytes
 from course_lib.planner.communication import dp_bytes_per_step
 from course_lib.planner.formulas import zero_memory_bytes
+from course_lib.precision.mixed import check_precision
 
 REFERENCES = ("course_lib.grading.memory_precision:_reference_activation_bytes",
               "course_lib.grading.memory_precision:_reference_wire_bytes",
@@ -144,7 +145,6 @@ def check_selective_recompute(fn) -> bool:
 
 
 # ----------------------------------------------------------------------------- bytes on the wire
-DTYPE_BYTES = {"full": (4, 4), "bf16": (2, 2), "bf16-reduce-fp32": (2, 4)}   # (parameters, gradients) on the wire
 WIRE_CASES = [dict(n_params=n, world=w, data=d, precision=p)
               for n, w in ((1_000_000, 2), (3_000, 3), (7_000_000_000, 8))
               for d in ("ddp", "fsdp") for p in ("full", "bf16", "bf16-reduce-fp32")]
@@ -153,7 +153,7 @@ WIRE_CASES = [dict(n_params=n, world=w, data=d, precision=p)
 def _reference_wire_bytes(n_params, world, data, precision):
     """DDP: one all-reduce of the gradients; FSDP (ZeRO-3): all-gather the parameters in forward
     and again in backward, reduce-scatter the gradients (the planner's formula)."""
-    p_bytes, g_bytes = DTYPE_BYTES[precision]
+    p_bytes, g_bytes = ((d or torch.float32).itemsize for d in check_precision(precision))   # compute, reduce
     return dp_bytes_per_step(n_params, world, 0 if data == "ddp" else 3, grad_bytes=g_bytes, param_bytes=p_bytes)
 
 

@@ -1,6 +1,7 @@
 """Graders of chapter 9 (N-D parallelism): lay ranks out on a mesh, choose a layout by running
 it, name the group of a collective, repair the dims a composed run sums each gradient over.
-The real runs behind them live in :mod:`course_lib.grading.nd_experiments`.
+The real runs behind them live in the lab (:mod:`course_lib.lab.nd_exercise_runs`); the
+references are the library's: ``MeshShape.rank_sets``, ``check_layout`` and the plan's ``data_dims``.
 
     check_rank_groups(rank_groups)       # (sizes, dims) -> every group of global ranks along dims
     check_choose_layout(choose_layout)   # (cfg, world, budget_bytes, batch) -> dict(dp, pp, cp, tp, microbatches)
@@ -17,37 +18,29 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from course_lib.grading import Case, Mismatch, check
+import torch
+
+from course_lib.grading import Case, Mismatch, check, explain
 from course_lib.grading.guard import learner
-from course_lib.grading.nd_experiments import (DATA_DIMS_RUNS, RECORDED, composed_runs_with, measure_layouts,
-                                               record_and_answer, recorded_from, recorded_runs, tiny_config)
+from course_lib.lab.nd_exercise_runs import (DATA_DIMS_RUNS, RECORDED, composed_runs_with, measure_layouts,
+                                             record_and_answer, recorded_from, recorded_runs, tiny_config)
 from course_lib.launch import LaunchTimeout, launch
+from course_lib.parallel import MeshShape, get_reduce_dims, set_reduce_dims
+from course_lib.parallel.compose import check_layout, data_dims
 
 DIM_KEYS = ("dp", "pp", "cp", "tp")
 MESH_ARITHMETIC = ("course_lib.parallel.mesh:MeshShape.coords", "course_lib.parallel.mesh:MeshShape.rank_of",
                    "course_lib.parallel.mesh:MeshShape.rank_sets", "course_lib.parallel.mesh:Mesh",
                    "course_lib.parallel.mesh:GroupMesh")
-ANSWERS = ("course_lib.grading.nd_parallel:_groups", "course_lib.grading.nd_parallel:_expected_group",
-           "course_lib.grading.nd_parallel:_expected_dims", "course_lib.grading.nd_parallel:_valid_layouts",
-           "course_lib.grading.nd_parallel:_largest_fitting_dp", "course_lib.parallel.compose:data_dims")
+ANSWERS = tuple(f"course_lib.grading.nd_parallel:{f}" for f in (
+    "_groups", "_expected_group", "_expected_dims", "_valid_layouts", "_largest_fitting_dp")) + (
+    "course_lib.parallel.compose:data_dims",)
 
 
 # ============================================================================ 1. groups of a mesh
 def _groups(sizes, dims):
-    """The grader's own mesh arithmetic: rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i;
-    dp_i = edp_i * ep + ep_i (ep: consecutive dp indexes). A group: the ranks whose
-    coordinates differ only along ``dims`` ("dp" covers both of its parts)."""
-    sz = {d: sizes.get(d, 1) for d in DIM_KEYS}
-    ep = sizes.get("ep", 1)
-    covered = set(dims) | ({"ep", "edp"} if "dp" in dims else set())
-    out = {}
-    for idx in itertools.product(*(range(sz[d]) for d in DIM_KEYS)):
-        c = dict(zip(DIM_KEYS, idx))
-        rank = ((c["dp"] * sz["pp"] + c["pp"]) * sz["cp"] + c["cp"]) * sz["tp"] + c["tp"]
-        c["edp"], c["ep"] = divmod(c["dp"], ep)
-        key = tuple(c[d] for d in ("pp", "cp", "tp", "edp", "ep") if d not in covered)
-        out.setdefault(key, []).append(rank)
-    return sorted(sorted(g) for g in out.values())
+    """The reference: the library's mesh arithmetic, each group sorted."""
+    return sorted(sorted(g) for g in MeshShape(**sizes).rank_sets(tuple(dims)))
 
 
 def _as_groups(got):
@@ -90,8 +83,6 @@ def check_rank_groups(rank_groups) -> bool:
 def _valid_layouts(cfg, world_size, batch):
     """Every (dp, pp, cp, tp) with product ``world_size`` and microbatches = pp that
     check_layout accepts (the reference's candidates)."""
-    from course_lib.parallel.compose import check_layout
-
     out = []
     for dp, pp, cp, tp in itertools.product(range(1, world_size + 1), repeat=4):
         if dp * pp * cp * tp != world_size:
@@ -149,8 +140,6 @@ def check_choose_layout(choose_layout) -> bool:
     with microbatches = pp, that check_layout accepts, whose measured peak fits the budget on
     every rank, with the largest dp among the layouts that fit; None if none fits. Budgets
     sit exactly on the measured boundaries (a peak equal to the budget fits)."""
-    from course_lib.parallel.compose import check_layout
-
     problems, cases = [], []
     for k, (over, world, batch) in enumerate(LAYOUT_PROBLEMS):
         cfg = tiny_config(**over)
@@ -211,30 +200,20 @@ WHATS = {
 }
 
 
+WHAT_DIMS = {"tp all-reduce": ("tp",), "sp norm grad": ("dp", "cp", "tp"), "expert all-to-all": ("ep",),
+             "expert grad": ("cp", "edp"), "attention grad": ("dp", "cp"), "loss all-reduce": ("dp", "pp", "cp"),
+             "kv send": ("cp",), "activation send": ("pp",)}   # the sends: my line along that dim
+
+
 def _expected_group(shape_kwargs, rank, what) -> list[int]:
-    """The reference answer, from the grader's own arithmetic (:func:`_groups`)."""
-    sizes = {d: shape_kwargs.get(d, 1) for d in DIM_KEYS + ("ep",)}
-
-    def group(dims):
-        return next(g for g in _groups(sizes, dims) if rank in g)
-
-    def with_peer(dim, step, wrap):
-        line = sorted(group((dim,)))             # my line along dim, in index order
-        i = line.index(rank) + step
-        if wrap:
-            i %= len(line)
-        return [rank] if i >= len(line) else sorted({rank, line[i]})
-
-    return {
-        "tp all-reduce": lambda: group(("tp",)),
-        "sp norm grad": lambda: group(("dp", "cp", "tp")),
-        "kv send": lambda: with_peer("cp", 1, True),
-        "activation send": lambda: with_peer("pp", 1, False),
-        "expert all-to-all": lambda: group(("ep",)),
-        "expert grad": lambda: group(("cp", "edp")),
-        "attention grad": lambda: group(("dp", "cp")),
-        "loss all-reduce": lambda: group(("dp", "pp", "cp")),
-    }[what]()
+    """The reference answer: my group along WHAT_DIMS[what]; a send: me and the next rank of
+    my line (a ring along cp wraps, the last pipeline stage sends nothing)."""
+    group = next(g for g in _groups(shape_kwargs, WHAT_DIMS[what]) if rank in g)
+    if not what.endswith("send"):
+        return group
+    i = group.index(rank) + 1
+    i = i % len(group) if what == "kv send" else i
+    return [rank] if i >= len(group) else sorted({rank, group[i]})
 
 
 GROUP_SHAPES = [  # mesh arithmetic, every rank and every collective
@@ -262,17 +241,9 @@ def _answers(group_of):
                     got = [int(r) for r in got]
                 out.append(("ok", got))
             except Exception as exc:  # noqa: BLE001 - a learner's error becomes a hint
-                out.append(("error", _said(exc)))
+                out.append(("error", explain(exc)))
         return out
     return answer
-
-
-def _said(exc) -> str:
-    """A learner's exception in one line (guard's Shortcut and TimeLimit say what to do)."""
-    text = " ".join(str(exc).split())
-    if isinstance(exc, NotImplementedError):
-        return "not implemented yet (NotImplementedError)"
-    return text if type(exc).__name__ in ("Shortcut", "TimeLimit", "Mismatch") else f"{type(exc).__name__}: {text}"
 
 
 def _judge(answer, want, rank, what):
@@ -292,8 +263,6 @@ def check_group_of(group_of, timeout=60.0) -> bool:
     (a key of WHATS) as seen from ``rank`` of ``MeshShape(**shape_kwargs)``; a group of one
     (a dimension of size 1, no next stage) is [rank]. Graded against the mesh arithmetic on
     GROUP_SHAPES, and against the groups a real run used (RECORDED)."""
-    from course_lib.parallel import MeshShape
-
     queries, cases = [], []
     for shape in GROUP_SHAPES:
         n = MeshShape(**shape).world_size
@@ -344,8 +313,6 @@ def buggy_data_dims(marks, sizes):
 
 def _checked_dims(dims, marks, sizes):
     """The answer as a tuple of mesh dimension names, or Mismatch saying what is wrong with it."""
-    from course_lib.parallel import MeshShape
-
     if isinstance(dims, str) or not isinstance(dims, (list, tuple, set, frozenset)):
         raise Mismatch(f"data_dims({marks}, ...) must return a tuple of mesh dimension names, got {dims!r}")
     dims = tuple(dims)
@@ -362,8 +329,6 @@ def _checked_dims(dims, marks, sizes):
 def _dims_of(data_dims):
     """``data_dims(marks, sizes)`` in the plan's form ``dims_of(p, sizes, fsdp)``."""
     def dims_of(p, sizes, fsdp):
-        from course_lib.parallel import get_reduce_dims
-
         marks = tuple(get_reduce_dims(p, ("dp",)))
         return _checked_dims(data_dims(marks, dict(sizes)), marks, sizes)
     return dims_of
@@ -373,16 +338,15 @@ def composed_runs(data_dims, runs=None, **kw) -> list:
     """Train every run of ``runs`` (default DATA_DIMS_RUNS) with ``data_dims(marks, sizes)``
     deciding each gradient's dims, in one 4-rank launch; for each, None if it matches one
     device (float64: first-step gradients, parameters after AdamW steps, losses, within
-    course_lib.tolerance's bounds), else what differs (see nd_experiments.composed_runs_with)."""
+    course_lib.tolerance's bounds), else what differs (see lab.nd_exercise_runs.composed_runs_with)."""
     return composed_runs_with(_dims_of(data_dims), runs, **kw)
 
 
 def _expected_dims(marks, sizes):
-    """The rule, as a set without dims of size 1: the marks, "cp", and "dp" unless "edp"."""
-    size = {**{d: sizes.get(d, 1) for d in DIM_KEYS}, "ep": sizes.get("ep", 1),
-            "edp": sizes.get("dp", 1) // sizes.get("ep", 1)}
-    dims = set(marks) | {"cp"} | ({"dp"} if "edp" not in marks else set())
-    return {d for d in dims if size[d] > 1}
+    """The reference: the plan's own rule (``compose.data_dims``) on a parameter marked ``marks``."""
+    p = torch.empty(0)
+    set_reduce_dims(p, marks)
+    return set(data_dims(p, sizes, False))
 
 
 RULE_CASES = [  # (marks, sizes): every dimension, odd sizes, experts with cp > 1 (no composed run has that)

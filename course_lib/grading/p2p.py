@@ -1,22 +1,18 @@
-"""What the chapter 1-2 graders watch in a rank: every point-to-point message.
-
-A :class:`P2PWatch` wraps torch.distributed's send / recv / isend / irecv in the rank
-(batch_isend_irecv goes through them too) to count the bytes and messages each rank sends
-and receives and to stamp each message with a round number (a Lamport clock: a rank's k-th
-send after it has seen round t is round t + k), so a "broadcast" that waits for every
-segment before forwarding the first, or a "ring" that sends the whole buffer around, is
-named as such; a deadlock is reported as who waits for whom, in which call, at which line.
-
-    with P2PWatch() as w:
-        fn(x)
-    w.bytes_sent, w.messages, w.received, w.clock
+"""What the graders of chapters 0-4 share in a rank: every point-to-point message watched
+(:class:`course_lib.collectives.rounds.MessageRounds`: bytes, messages and rounds, so a
+"broadcast" that waits for every segment before forwarding the first, or a "ring" that sends
+the whole buffer around, is named as such), a deadlock reported as who waits for whom, in
+which call, at which line; the ranks' data and the cases; ranks held to the same collective
+calls (:class:`SameCollectives`), so a rank that skips one fails at once, not after a timeout.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from course_lib.collectives.rounds import MessageRounds
 from course_lib.grading import Case, Mismatch, check_distributed, learner
 from course_lib.grading.guard import TORCH_COLLECTIVES
 
@@ -25,167 +21,8 @@ from course_lib.grading.guard import TORCH_COLLECTIVES
 COLLECTIVES_LIBRARY = ("course_lib.collectives:*", "course_lib.collectives.ring:*", "course_lib.collectives.tree:*",
                        "course_lib.collectives.naive:*", "course_lib.collectives.pairwise:*",
                        "course_lib.collectives.comm:*", "course_lib.compat:*", TORCH_COLLECTIVES)
-
-# Side channel of the round stamps: a message on the learner's tag t has its stamp on tag
-# _STAMP_TAG + t, so stamps pair with messages exactly as the messages pair (by peer and tag,
-# in posting order), whatever order the learner posts receives of different tags in.
-_STAMP_TAG = 1 << 20
-
-
-class P2PWatch:
-    """Inside a rank: count bytes sent and rounds, by wrapping torch.distributed's p2p calls.
-
-    Each blocking wait runs inside a trace span named after the call and the
-    learner's line ("recv from rank 2, called from ring_all_reduce() line 9"), so
-    a deadlock report says who waits for whom. Nested calls (torch's ``send`` is
-    ``isend().wait()`` in recent versions) are counted once.
-    """
-
-    def __init__(self):
-        self.bytes_sent = 0
-        self.messages = 0   # sent
-        self.received = 0   # messages received
-        self.clock = 0      # the round in which this rank last sent or received
-        self._inside = False
-
-    def __enter__(self):
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        self._saved = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
-        orig, watch = self._saved, self
-
-        def peer_of(args, kwargs, key):
-            if len(args) > 1 and args[1] is not None:
-                return args[1]
-            return kwargs.get(key) if kwargs.get(key) is not None else kwargs.get(f"group_{key}")
-
-        def passthrough(name):
-            def call(*args, **kwargs):
-                return orig[name](*args, **kwargs)
-            return call
-
-        def stamp_tag(args, kwargs):  # send/recv/isend/irecv(tensor, peer, group, tag)
-            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
-            return _STAMP_TAG + int(tag or 0)
-
-        def sending(args, kwargs):
-            tensor, dst = args[0], peer_of(args, kwargs, "dst")
-            watch.bytes_sent += tensor.numel() * tensor.element_size()
-            watch.clock += 1
-            watch.messages += 1
-            return dst, torch.tensor([watch.clock], dtype=torch.int64)
-
-        def receiving(args, kwargs):
-            src = peer_of(args, kwargs, "src")
-            if src is None:
-                raise Mismatch("recv from any source (src=None) is not allowed here: name the rank you expect")
-            watch.received += 1
-            return src
-
-        def send(*args, **kwargs):
-            if watch._inside:
-                return orig["send"](*args, **kwargs)
-            dst, stamp = sending(args, kwargs)
-            with watch._guard(), _waiting(f"send to rank {dst}"):
-                out = orig["send"](*args, **kwargs)
-                orig["send"](stamp, dst, tag=stamp_tag(args, kwargs))
-            return out
-
-        def recv(*args, **kwargs):
-            if watch._inside:
-                return orig["recv"](*args, **kwargs)
-            src = receiving(args, kwargs)
-            stamp = torch.zeros(1, dtype=torch.int64)
-            with watch._guard(), _waiting(f"recv from rank {src}"):
-                out = orig["recv"](*args, **kwargs)
-                orig["recv"](stamp, src, tag=stamp_tag(args, kwargs))
-            watch.clock = max(watch.clock, int(stamp))
-            return out
-
-        def isend(*args, **kwargs):
-            if watch._inside:
-                return orig["isend"](*args, **kwargs)
-            dst, stamp = sending(args, kwargs)
-            with watch._guard():
-                work = orig["isend"](*args, **kwargs)
-                stamp_work = orig["isend"](stamp, dst, tag=stamp_tag(args, kwargs))
-                return _Both(work, stamp_work, None, watch, f"isend to rank {dst}")
-
-        def irecv(*args, **kwargs):
-            if watch._inside:
-                return orig["irecv"](*args, **kwargs)
-            src = receiving(args, kwargs)
-            stamp = torch.zeros(1, dtype=torch.int64)
-            with watch._guard():
-                work = orig["irecv"](*args, **kwargs)
-                stamp_work = orig["irecv"](stamp, src, tag=stamp_tag(args, kwargs))
-                return _Both(work, stamp_work, stamp, watch, f"irecv from rank {src}")
-
-        for name, fn in (("send", send), ("recv", recv), ("isend", isend), ("irecv", irecv)):
-            fn.__name__ = name
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
-        return self
-
-    def _guard(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def inside():
-            self._inside = True
-            try:
-                yield
-            finally:
-                self._inside = False
-        return inside()
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        for name, fn in self._saved.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
-        return False
-
-
-def _waiting(what):
-    """A comm span named after the call and the innermost frame outside this file and torch."""
-    import sys
-
-    from course_lib import trace
-
-    frame = sys._getframe(1)
-    while frame is not None and ("torch" + "/distributed" in frame.f_code.co_filename
-                                 or frame.f_code.co_filename == __file__):
-        frame = frame.f_back
-    where = f", called from {frame.f_code.co_name}() line {frame.f_lineno}" if frame is not None else ""
-    return trace.span(f"{what}{where}", kind="comm")
-
-
-class _Both:
-    """A work handle that also waits for the round stamp travelling with the message."""
-
-    def __init__(self, work, stamp_work, stamp, watch, what):
-        self._work, self._stamp_work, self._stamp, self._watch, self._what = work, stamp_work, stamp, watch, what
-
-    def wait(self, *args, **kwargs):
-        with _waiting(f"wait for {self._what}"):
-            ok = self._work.wait(*args, **kwargs)
-            self._stamp_work.wait()
-        if self._stamp is not None:
-            self._watch.clock = max(self._watch.clock, int(self._stamp))
-        return ok
-
-    def is_completed(self):
-        return self._work.is_completed()
-
-    def __bool__(self):
-        return True
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
+P2PWatch = functools.partial(MessageRounds, refuse=Mismatch)   # a recv from any source: a hint
 
 
 def deadlock_hint(exc) -> str:
@@ -201,11 +38,6 @@ def deadlock_hint(exc) -> str:
 def check_p2p(name, harness, cases, timeout):
     """check_distributed, with the watch's deadlock hint (which call, which peer, which line)."""
     return check_distributed(name, harness, cases, timeout, on_timeout=deadlock_hint)
-
-
-# ----------------------------------------------------------------------------- data
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
 
 def rank_data(seed, rank, numel, dtype):
@@ -245,7 +77,6 @@ def rank_info():
     return dist.get_rank(), dist.get_world_size()
 
 
-
 def bind(h, fn, *targets, exercise: str):
     """The harness ``h`` with the learner's ``fn`` as its first argument, guarded: in the rank,
     ``targets`` are switched off while fn runs (shipped by value)."""
@@ -254,15 +85,62 @@ def bind(h, fn, *targets, exercise: str):
     return run
 
 
-def budget(N, numel, esize, phases):
-    """Bytes a ring sends per rank: phases * (N-1) chunks of at most ceil(numel / N) elements."""
-    return phases * (N - 1) * math.ceil(numel / N) * esize
-
-
 def too_many_bytes(w, N, numel, esize, phases, what):
-    limit = budget(N, numel, esize, phases)
+    """A hint when this rank sent more than a ring's phases * (N-1) chunks of ceil(numel / N)."""
+    limit = phases * (N - 1) * math.ceil(numel / N) * esize
     if w.bytes_sent > limit:
         formula = "2(N-1)/N x n" if phases == 2 else "(N-1)/N x n"
         return (f"this rank sent {w.bytes_sent} bytes; a ring {what} sends {formula} = about {limit} bytes "
                 f"(n = {numel * esize} bytes, N = {N}): send one chunk of n/N per step, not the whole buffer")
     return None
+
+
+class SameCollectives:
+    """Inside a rank, around the learner's function: before each collective it starts, the ranks
+    compare on a group of their own which call it is (op, elements), and a rank whose function
+    returned says so; so a rank that skips a collective its peers make (a None gradient, no
+    rows) is named at once instead of hanging its peers until the time limit."""
+
+    OPS = {"all_reduce": 1, "broadcast": 2, "all_gather": 3, "all_gather_into_tensor": 4, "reduce_scatter": 5,
+           "reduce_scatter_tensor": 6, "reduce": 7, "returned": 0}
+
+    def __enter__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.world, self.calls, self.saved = dist.get_world_size(), 0, {}
+        if self.world > 1:
+            if not hasattr(self, "side"):   # made once, by every rank at the same point
+                self.side, self.gather = dist.new_group(backend="gloo"), c10d.all_gather_into_tensor
+            for op in self.OPS:
+                if op != "returned":
+                    self.saved[op] = getattr(dist, op)
+                    setattr(dist, op, self._before(op, self.saved[op]))
+        return self
+
+    def _before(self, op, fn):
+        def call(*args, **kwargs):
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self._agree(op, tensor.numel() if tensor is not None else 0)
+            return fn(*args, **kwargs)
+        return call
+
+    def _agree(self, op, numel):
+        self.calls += 1
+        rows = torch.empty(self.world, 2, dtype=torch.int64)
+        self.gather(rows.view(-1), torch.tensor([self.OPS[op], numel]), group=self.side)
+        if not (rows == rows[0]).all():
+            names = {code: name for name, code in self.OPS.items()}
+            what = ", ".join(f"rank {r} had returned" if code == 0 else f"rank {r} {names[code]} of {n} elements"
+                             for r, (code, n) in enumerate(rows.tolist()))
+            raise Mismatch(f"deadlock or hang (caught before it): collective call #{self.calls}: {what}. Every "
+                           f"rank must make the same collective calls, in the same order, with the same sizes")
+
+    def __exit__(self, exc_type, *exc):
+        import torch.distributed as dist
+
+        for op, fn in self.saved.items():
+            setattr(dist, op, fn)
+        if self.saved and exc_type is None:
+            self._agree("returned", 0)
+        return False

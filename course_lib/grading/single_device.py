@@ -5,10 +5,7 @@
     check_average_gradients(average_gradients)          # data-parallel gradient averaging, 2-3 ranks
     check_accumulation(accumulate)                      # find the bug: micro-batches, uneven ones too
 
-Each prints one stable line (``name: k/k cases passed`` or the first failing case with
-a hint) and returns True iff every case passed; a learner's exception, NotImplementedError
-or deadlock becomes the hint, never a traceback or a hang. While the learner's function
-runs, the library's counting and data parallelism are switched off (``guard``).
+While the learner's function runs, the library's counting and data parallelism are switched off.
 """
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ import torch
 
 from course_lib.grading import Case, check, check_distributed, compare, learner
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.p2p import SameCollectives
 
 # what would count the bytes for the learner (exercise 1) or average the gradients (exercise 3)
 MEMORY_LIBRARY = ("course_lib.memory:*",)
@@ -24,43 +22,35 @@ DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_paral
 # ----------------------------------------------------------------------------- 1. training state
 
 
+_STATE_CASES = {  # kind: label
+    "mlp-sgd": "MLP, plain SGD: no optimizer state",
+    "mlp-momentum": "MLP, SGD with momentum",
+    "mlp-awkward-adamw": "MLP with a frozen layer, a shared weight and an unused parameter, AdamW",
+    "gpt-tied-bf16-adamw": "bf16 TinyGPT with tied embeddings, AdamW",
+}
+
+
 def _state_case(kind: str):
     """A model and optimizer after one step, built the same way every time."""
     from course_lib.models import MLP, GPTConfig, TinyGPT
 
     gen = torch.Generator().manual_seed(0)
-    if kind == "mlp-sgd":
-        model = MLP((8, 16, 4), seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x = torch.randn(4, 8, generator=gen)
-        loss = model(x).square().mean()
-    elif kind == "mlp-momentum":
-        model = MLP((8, 16, 4), seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        loss = model(torch.randn(4, 8, generator=gen)).square().mean()
-    elif kind == "mlp-awkward-adamw":
-        model = MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        loss = model(torch.randn(4, 16, generator=gen)).square().mean()
-    elif kind == "gpt-tied-bf16-adamw":
+    if kind.startswith("gpt"):
         cfg = GPTConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, seq_len=16, tie_embeddings=True)
         model = TinyGPT(cfg, seed=0).to(torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         idx = torch.randint(0, 256, (2, 16), generator=gen)
         loss = model(idx, idx)[1]
-    else:  # pragma: no cover
-        raise ValueError(kind)
+    else:
+        awkward = kind == "mlp-awkward-adamw"
+        model = (MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0) if awkward
+                 else MLP((8, 16, 4), seed=0))
+        loss = model(torch.randn(4, 16 if awkward else 8, generator=gen)).square().mean()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(trainable, lr=1e-3) if kind.endswith("adamw")
+           else torch.optim.SGD(trainable, lr=0.1, momentum=0.9 if kind == "mlp-momentum" else 0))
     loss.backward()
     opt.step()
     return model, opt
-
-
-_STATE_CASES = [
-    Case({"kind": "mlp-sgd"}, label="MLP, plain SGD: no optimizer state"),
-    Case({"kind": "mlp-momentum"}, label="MLP, SGD with momentum"),
-    Case({"kind": "mlp-awkward-adamw"}, label="MLP with a frozen layer, a shared weight and an unused parameter, AdamW"),
-    Case({"kind": "gpt-tied-bf16-adamw"}, label="bf16 TinyGPT with tied embeddings, AdamW"),
-]
 
 
 def check_state_bytes(state_bytes) -> bool:
@@ -87,7 +77,7 @@ def check_state_bytes(state_bytes) -> bool:
                 return msg + (f": {why}" if isinstance(got[key], (int, float)) and got[key] > expected[key] else "")
         return None
 
-    return check("state_bytes", _STATE_CASES, run_case)
+    return check("state_bytes", [Case({"kind": k}, label=label) for k, label in _STATE_CASES.items()], run_case)
 
 
 # ----------------------------------------------------------------------------- 2. the largest micro-batch
@@ -192,10 +182,8 @@ class RareBranch(torch.nn.Module):
 def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_batch=6):
     """On each rank: my slice of the global batch, backward, the learner's averaging, a step;
     then compare with the single-device run of the whole batch (done on this rank too)."""
-    import torch
     import torch.distributed as dist
 
-    from course_lib.grading import compare
     from course_lib.models import MLP, GPTConfig, TinyGPT
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -211,36 +199,32 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
 
     def loss_of(model, batch):
         if model_kind in ("mlp", "branch"):
-            x, y = batch
-            return torch.nn.functional.mse_loss(model(x), y)
+            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
         return model(batch[0], batch[1])[1]
 
-    if model_kind == "mlp":
-        data = [(torch.randn(global_batch, 16, generator=gen), torch.randn(global_batch, 32, generator=gen))
-                for _ in range(n_steps)]
-    elif model_kind == "branch":        # only the first row of the global batch takes the rare branch
-        data = []
-        for _ in range(n_steps):
-            x = torch.randn(global_batch, 16, generator=gen)
+    def global_batch_of_step():
+        if model_kind == "gpt":
+            idx = torch.randint(0, 256, (global_batch, 17), generator=gen)
+            return idx[:, :-1], idx[:, 1:]
+        x = torch.randn(global_batch, 16, generator=gen)
+        if model_kind == "branch":      # only the first row of the global batch takes the rare branch
             x[:, 0] = -x[:, 0].abs() - 0.1
             x[0, 0] = 1.0
-            data.append((x, torch.randn(global_batch, 32, generator=gen)))
-    else:
-        data = []
-        for _ in range(n_steps):
-            idx = torch.randint(0, 256, (global_batch, 17), generator=gen)
-            data.append((idx[:, :-1], idx[:, 1:]))
+        return x, torch.randn(global_batch, 32, generator=gen)
 
+    data = [global_batch_of_step() for _ in range(n_steps)]
     ref, mine = build(), build()
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     opt = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
+    in_step = SameCollectives()
     for step, batch in enumerate(data):
         ref_opt.zero_grad()
         loss_of(ref, batch).backward()
         ref_opt.step()
         opt.zero_grad()
         loss_of(mine, tuple(t[rank * local:(rank + 1) * local] for t in batch)).backward()
-        learner(average_gradients, DP_LIBRARY, exercise="averaging gradients")(mine)
+        with in_step:
+            learner(average_gradients, DP_LIBRARY, exercise="averaging gradients")(mine)
         # one step's gradients: the one-step bound (course_lib.tolerance), one scale for them all; at
         # step 1 the parameters differ by one SGD step of that rounding, a second-order change
         largest = max([float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None] or [0.0])
@@ -256,20 +240,16 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
     return None
 
 
-_AVG_CASES = [
-    Case({"model_kind": "mlp"}, world_size=2, label="MLP with frozen, shared and unused parameters"),
-    Case({"model_kind": "mlp"}, world_size=3, label="MLP with frozen, shared and unused parameters"),
-    Case({"model_kind": "branch"}, world_size=2, label="a layer only rank 0's rows reach (its grad is None on rank 1)"),
-    Case({"model_kind": "branch"}, world_size=3, label="a layer only rank 0's rows reach (its grad is None on ranks 1, 2)"),
-    Case({"model_kind": "gpt"}, world_size=2, label="TinyGPT, grouped KV heads"),
-    Case({"model_kind": "gpt"}, world_size=3, label="TinyGPT, grouped KV heads"),
-]
+_AVG_CASES = {"mlp": "MLP with frozen, shared and unused parameters", "gpt": "TinyGPT, grouped KV heads",
+              "branch": "a layer only rank 0's rows reach (its grad is None on {})"}
 
 
 def check_average_gradients(average_gradients, timeout: float = 20.0) -> bool:
     """``average_gradients(model)`` on every rank: afterwards each ``p.grad`` must be the
     gradient of the whole global batch (the single-device gradient), on 2 and 3 ranks."""
-    cases = [Case({**c.params, "average_gradients": average_gradients}, c.world_size, c.label) for c in _AVG_CASES]
+    others = {2: "rank 1", 3: "ranks 1, 2"}
+    cases = [Case({"model_kind": kind, "average_gradients": average_gradients}, n,
+                  _AVG_CASES[kind].format(others[n])) for kind in ("mlp", "branch", "gpt") for n in (2, 3)]
     return check_distributed("average_gradients", _average_gradients_harness, cases, timeout=timeout)
 
 

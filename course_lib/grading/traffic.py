@@ -69,29 +69,32 @@ def _peer(op, args, kwargs):
     return int(args[1]) if len(args) > 1 and isinstance(args[1], int) else None
 
 
+def _calls(op, args, kwargs) -> list:
+    """The Calls one top-level ``op(*args, **kwargs)`` makes (a batch: one per message)."""
+    if op == "batch_isend_irecv":
+        return [Call("isend" if "send" in getattr(getattr(p2p, "op", None), "__name__", "") else "irecv",
+                     p2p.tensor.numel(), getattr(p2p, "peer", None), tuple(p2p.tensor.shape))
+                for p2p in (args[0] if args else kwargs.get("p2p_op_list", []))]
+    tensors = list(args) + list(kwargs.values())
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    return [Call(op, max((_numel(t) for t in tensors), default=0), _peer(op, args, kwargs),
+                 tuple(first.shape) if first is not None else ())]
+
+
 @contextlib.contextmanager
-def counted_calls():
-    """Count every ``torch.distributed.<op>`` call made inside the block (see the module doc)."""
+def counted_calls(ops=COUNTED, record=None):
+    """Count every ``torch.distributed.<op>`` call made inside the block (see the module doc);
+    ``record(op, args, kwargs)``, if given, is called for each instead of the CallLog's Calls."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     log, depth, saved = CallLog(), [0], {}
+    record = record or (lambda op, args, kwargs: log.calls.extend(_calls(op, args, kwargs)))
 
     def wrap(op, fn):
         def counted(*args, **kwargs):
             if depth[0] == 0:
-                tensors = list(args) + list(kwargs.values())
-                if op == "batch_isend_irecv":
-                    ops = args[0] if args else kwargs.get("p2p_op_list", [])
-                    for p2p in ops:
-                        name = getattr(getattr(p2p, "op", None), "__name__", "")
-                        log.calls.append(Call("isend" if "send" in name else "irecv", p2p.tensor.numel(),
-                                              getattr(p2p, "peer", None), tuple(p2p.tensor.shape)))
-                else:
-                    big = max((_numel(t) for t in tensors), default=0)
-                    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-                    log.calls.append(Call(op, big, _peer(op, args, kwargs),
-                                          tuple(first.shape) if first is not None else ()))
+                record(op, args, kwargs)
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
@@ -101,7 +104,7 @@ def counted_calls():
         return counted
 
     # both spellings: dist.isend is c10d.isend, and P2POp checks its op against c10d's names
-    for op in COUNTED:
+    for op in ops:
         if hasattr(dist, op):
             saved[op] = getattr(dist, op)
             counted = wrap(op, saved[op])

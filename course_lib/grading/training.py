@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from course_lib import reference
 from course_lib.grading import compare
 from course_lib.grading.guard import switched_off
+from course_lib.grading.traffic import COUNTED, counted_calls
 
 SIZES = (6, 10, 5)   # 60 + 10 + 50 + 5 = 125 parameters: no world size of the cases divides it
 BATCH, STEPS, LR = 12, 4, 0.1
@@ -61,9 +62,10 @@ def local(batch, rank, world):
 
 
 class CollectiveWatch:
-    """Inside a rank: log the torch.distributed collectives called (kind, bytes per call),
-    by wrapping them for the duration of a ``with`` block. ``course_lib.compat`` looks the
-    functions up on every call, so calls through it are seen too."""
+    """Inside a rank: the torch.distributed collectives called in a ``with`` block, as (kind,
+    bytes of the largest tensor among the first two arguments) per call: traffic's
+    ``counted_calls`` with this record. ``course_lib.compat`` looks the functions up on every
+    call, so calls through it are seen too."""
 
     NAMES = {"all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
              "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
@@ -73,28 +75,21 @@ class CollectiveWatch:
     def __init__(self):
         self.calls = []
 
-    def __enter__(self):
-        import torch.distributed as dist
+    def _record(self, name, args, kwargs):
+        if name not in self.NAMES:   # counted only so that the collectives it calls are not seen
+            return
+        tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        if name in ("all_gather", "reduce_scatter"):  # lists of tensors
+            tensors = [t for a in args[:2] if isinstance(a, (list, tuple)) for t in a]
+        self.calls.append((self.NAMES[name], max((t.numel() * t.element_size() for t in tensors), default=0)))
 
-        self._saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-        for name, fn in self._saved.items():
-            setattr(dist, name, self._wrap(name, fn))
+    def __enter__(self):
+        self._counting = counted_calls(tuple(dict.fromkeys(COUNTED + tuple(self.NAMES))), self._record)
+        self._counting.__enter__()
         return self
 
-    def _wrap(self, name, fn):
-        def call(*args, **kwargs):
-            tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-            if name in ("all_gather", "reduce_scatter"):  # lists of tensors
-                tensors = [t for a in args[:2] if isinstance(a, (list, tuple)) for t in a]
-            self.calls.append((self.NAMES[name], max((t.numel() * t.element_size() for t in tensors), default=0)))
-            return fn(*args, **kwargs)
-        return call
-
     def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        return self._counting.__exit__(*exc)
 
     def kinds(self):
         return {k for k, _ in self.calls}

@@ -8,20 +8,26 @@ single-device training on the full batch (the harness: :mod:`course_lib.grading.
     check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
     check_fsdp_prefetch(run_units)         # next unit's all-gather in flight while a unit computes
 
-Each prints one line (``zero1_step: 3/3 cases passed`` or the first failing case with a
-hint). While the learner's code runs, course_lib's ZeRO / FSDP / data parallelism, torch's
-and the planner's formulas are switched off (:mod:`course_lib.grading.guard`).
+While the learner's code runs, course_lib's ZeRO / FSDP / data parallelism, torch's and the
+planner's formulas are switched off (:mod:`course_lib.grading.guard`).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib import compat
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner, learner_class
 from course_lib.grading import training as T
+from course_lib.grading.data_parallel import BUCKET_CAPS
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.p2p import SameCollectives
+from course_lib.lab.zero_measurements import MEASURED_PARAMS, MEASURED_ROOT_PARAMS, MEASURED_SENT
+from course_lib.parallel.fsdp_params import ShardedUnit
+from course_lib.planner.communication import dp_bytes_per_step
 
 ZERO_LIBRARY = ("course_lib.parallel.zero:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.grad_sync:*",
                 "course_lib.parallel.data_parallel:*", "course_lib.parallel.comm_ops:*",
@@ -45,24 +51,18 @@ def _zero_traffic_hint(watch, world):
 
 # ----------------------------------------------------------------------------- 3. ZeRO-1
 def _zero1_harness(zero1_step):
-    import torch.distributed as dist
-
-    from course_lib import compat
-
     rank, world = dist.get_rank(), dist.get_world_size()
     model = T.mlp(rank)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    shard_size = math.ceil(numel / world)
-    flat = torch.zeros(shard_size * world)  # (world * shard,) padded; parameters are views into it
-    with torch.no_grad():
-        offset = 0
-        for p in params:
-            flat[offset:offset + p.numel()].copy_(p.view(-1))
-            p.data = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+    size = math.ceil(numel / world)
+    flat = torch.zeros(size * world)  # (world * S,) padded; the parameters become views into it
+    for p, view in zip(params, flat.split([p.numel() for p in params] + [size * world - numel])):
+        view.copy_(p.detach().view(-1))
+        p.data = view.view_as(p)
     dist.broadcast(flat, 0)
-    shard = flat[rank * shard_size:(rank + 1) * shard_size].clone()  # this rank's master slice
+    mine = slice(rank * size, (rank + 1) * size)
+    shard = flat[mine].clone()  # this rank's master slice
     answer = learner(zero1_step, ZERO_LIBRARY, exercise="the ZeRO-1 step")
     optimizer = torch.optim.AdamW([shard], lr=1e-2, weight_decay=0.1)
     stepped = []   # shard.grad as each optimizer.step() found it: fp32 AdamW's parameter bound is
@@ -73,12 +73,9 @@ def _zero1_harness(zero1_step):
         F.mse_loss(model(x), y).backward()
         flat_grad = torch.zeros_like(flat)
         flat_grad[:numel] = torch.cat([p.grad.view(-1) for p in params])
-        mean = flat_grad.clone()                       # (world * S,) what the owned slice's gradient must be
+        mean, magnitude = flat_grad.clone(), flat_grad.abs()  # the owned slice's mean; sum over ranks of |g_i|
         dist.all_reduce(mean)
-        mean = mean[rank * shard_size:(rank + 1) * shard_size] / world
-        magnitude = flat_grad.abs()                    # sum over ranks of |g_i|: the bound's scale
         dist.all_reduce(magnitude)
-        magnitude = float(magnitude[rank * shard_size:(rank + 1) * shard_size].max()) / world
         stepped.clear()
         with T.CollectiveWatch() as watch:
             answer(flat, flat_grad, shard, optimizer)
@@ -90,7 +87,8 @@ def _zero1_harness(zero1_step):
         if stepped[0] is not None:                     # AdamW hides a scale: check the gradient itself
             # world ranks' gradients summed in any order, then divided: world + 1 roundings of
             # sum |g_i| / world on each side (course_lib.tolerance), a sum for the mean is off by x world
-            msg = compare(stepped[0], mean, dtype=mean.dtype, terms=world + 1, scale=magnitude,
+            msg = compare(stepped[0], mean[mine] / world, dtype=mean.dtype, terms=world + 1,
+                          scale=float(magnitude[mine].max()) / world,
                           what="shard.grad (the mean over ranks of this rank's slice)")
             if msg:
                 return msg
@@ -103,14 +101,13 @@ def _zero1_harness(zero1_step):
     state = optimizer.state.get(shard, {})
     if "exp_avg" not in state:
         return "optimizer.step() was never called on the shard"
-    if state["exp_avg"].numel() != shard_size:
-        return f"the optimizer state should cover this rank's shard only ({shard_size} elements)"
-    ref_opt = {}
+    if state["exp_avg"].numel() != size:
+        return f"the optimizer state should cover this rank's shard only ({size} elements)"
+    ref = []    # one AdamW over the single-device parameters, made at its first step
 
     def adamw(ps):
-        if "opt" not in ref_opt:
-            ref_opt["opt"] = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
-        ref_opt["opt"].step()
+        ref[:] = ref or [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)]
+        ref[0].step()
 
     # fp32 AdamW's bound is ~lr per step (a gradient's rounding over eps): the gradients above are
     # the tight check, this one catches a wrong update (stale, skipped or doubled steps)
@@ -124,26 +121,21 @@ def check_zero1_step(zero1_step):
     cases = [Case({"zero1_step": zero1_step}, world_size=n, label=f"MLP {T.SIZES}, AdamW") for n in (2, 3, 1)]
     return check_distributed("zero1_step", _zero1_harness, cases, timeout=60)
 
+
 # ----------------------------------------------------------------------------- 4b. ZeRO-2 hooks
-_ZERO2_CAPS = {"one bucket per parameter": 0, "two buckets": 240, "one bucket": 10**6}
-
-
 def _zero2_hooks_harness(make_hooks, cap):
     """Train with the learner's ZeRO-2 hooks; per step check: one reduce-scatter per bucket and
     no all-reduce, the first buckets launched before backward's last gradient (overlap), the
     full-size gradients freed, each shard the mean of this rank's slice; then SGD on the
     owned slices, all-gathered by the harness, against single-device training."""
-    import torch.distributed as dist
-
-    from course_lib import compat
-
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = T.hooked_steps(make_hooks, cap, "make_zero2_hooks", ZERO_LIBRARY, "ZeRO-2's reduce-scatter hooks")
     first = next(steps)
     if isinstance(first, str):
         return first
     params, buckets = first
-    sizes = [math.ceil(sum(params[i].numel() for i in ids) / world) for ids in buckets]  # S_b
+    numels = [[params[i].numel() for i in ids] for ids in buckets]
+    sizes = [math.ceil(sum(n) / world) for n in numels]  # S_b
     for step, shards, calls, overlapped in steps:
         kinds = [k for k, _ in calls]
         if world > 1 and "all_reduce" in kinds:
@@ -160,20 +152,16 @@ def _zero2_hooks_harness(make_hooks, cap):
                     f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
         if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
             return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
-        with torch.no_grad():
-            for b, (ids, size) in enumerate(zip(buckets, sizes)):
-                shard = shards[b]
-                if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
-                    got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
-                    return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
-                flat = torch.zeros(size * world)  # (N * S_b,) this bucket's parameters, padded
-                flat[:sum(params[i].numel() for i in ids)] = torch.cat([params[i].reshape(-1) for i in ids])
-                mine = flat[rank * size:(rank + 1) * size] - T.LR * shard   # SGD on the owned slice
-                compat.all_gather_into_tensor(flat, mine.contiguous())
-                offset = 0
-                for i in ids:
-                    params[i].copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
-                    offset += params[i].numel()
+        for b, (ids, size, shard) in enumerate(zip(buckets, sizes, shards)):
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
+                got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
+            with torch.no_grad():   # SGD on the owned slice of the bucket's (N * S_b,) padded parameters
+                flat = torch.zeros(size * world)
+                flat[:sum(numels[b])] = torch.cat([params[i].reshape(-1) for i in ids])
+                compat.all_gather_into_tensor(flat, (flat[rank * size:(rank + 1) * size] - T.LR * shard).contiguous())
+                for i, new in zip(ids, flat.split(numels[b] + [size * world - sum(numels[b])])):
+                    params[i].copy_(new.view_as(params[i]))
     return T.compare_params(params, T.single_device(T.sgd))
 
 
@@ -183,32 +171,30 @@ def check_zero2_hooks(make_zero2_hooks):
     zero-padded to a multiple of world_size) are reduce-scattered asynchronously and the
     full-size gradients freed; finish() returns [mean gradient shard of this rank, per bucket]."""
     cases = [Case({"make_hooks": make_zero2_hooks, "cap": cap}, world_size=n, label=name)
-             for name, cap in _ZERO2_CAPS.items() for n in (2, 3)]
+             for name, cap in BUCKET_CAPS.items() for n in (2, 3)]
     return check_distributed("zero2_hooks", _zero2_hooks_harness, cases, timeout=60)
 
+
 # ----------------------------------------------------------------------------- 4c. find the bug: clipping
-_CLIP_CASES = {  # label: (gradient length, max_norm)
-    "10 elements, the norm is clipped": (10, 0.5),
-    "10 elements, the norm is below max_norm": (10, 100.0),
-    "2 elements on 3 ranks: one rank owns none": (2, 0.5),
-}
+_CLIP_CASES = [  # (label, gradient length, max_norm, world sizes)
+    ("10 elements, the norm is clipped", 10, 0.5, (2, 3)),
+    ("10 elements, the norm is below max_norm", 10, 100.0, (2, 3)),
+    ("2 elements on 3 ranks: one rank owns none", 2, 0.5, (3,)),
+]
 
 
 def _clip_harness(clip, numel, max_norm):
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel))  # the mean gradient
     size = math.ceil(numel / world)
     shard = g[rank * size:(rank + 1) * size].clone()  # this rank's reduced slice (maybe empty)
     expected = shard * min(1.0, max_norm / (g.norm().item() + 1e-6))
-    got = learner(clip, ZERO_LIBRARY, "torch.nn.utils.clip_grad:clip_grad_norm_",
-                  exercise="clipping by the global norm")(shard, max_norm)
-    if got is None:
-        got = shard
+    with SameCollectives():
+        got = learner(clip, ZERO_LIBRARY, "torch.nn.utils.clip_grad:clip_grad_norm_",
+                      exercise="clipping by the global norm")(shard, max_norm)
     # the norm sums numel squares (all positive: relative rounding numel u), then a sqrt, a division
     # and a product: numel + 3 roundings of the clipped value (course_lib.tolerance)
-    return compare(got, expected, dtype=torch.float32, terms=numel + 3,
+    return compare(shard if got is None else got, expected, dtype=torch.float32, terms=numel + 3,
                    what=f"the clipped shard (global norm {g.norm():.3f})")
 
 
@@ -216,118 +202,102 @@ def check_clip_sharded(clip_sharded_grad, timeout: float = 15.0):
     """clip_sharded_grad(grad_shard, max_norm) -> this rank's slice of the mean gradient scaled
     by min(1, max_norm / (norm + 1e-6)), where norm is the 2-norm of the WHOLE gradient."""
     cases = [Case({"clip": clip_sharded_grad, "numel": n, "max_norm": m}, world_size=w, label=label)
-             for label, (n, m) in _CLIP_CASES.items() for w in ((3,) if "3 ranks" in label else (2, 3))]
+             for label, n, m, worlds in _CLIP_CASES for w in worlds]
     return check_distributed("clip_sharded", _clip_harness, cases, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- 5. bytes
-# Measured with course_lib.memory.model_state_bytes on rank 0 after one fp32 AdamW step of
-# TinyGPT(MEASURED_CONFIG) (notebook 04 prints the same table; tests/test_memory.py re-measures
-# it, and MEASURED_PARAMS is the model's size the bytes question uses): (stage, world size) ->
-# (parameters, gradients, optimizer state) bytes. DDP's gradients
-# are views of its buckets, which also hold one fp32 "had a gradient" flag per parameter tensor.
-MEASURED_CONFIG = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=128, n_heads=4)
-MEASURED_PARAMS = 869_504
-MEASURED_BYTES = {
-    (0, 2): (3478016, 3478172, 6956188), (1, 2): (3478016, 3478016, 3478096),
-    (2, 2): (3478016, 1739008, 3478096), (3, 2): (1739008, 1739008, 3478172),
-    (0, 4): (3478016, 3478172, 6956188), (1, 4): (3478016, 3478016, 1739044),
-    (2, 4): (3478016, 869504, 1739044), (3, 4): (869504, 869504, 1739164),
-}
-
-
-# Bytes that rank 0 handed to the kernel (Linux /proc/self/io) during one step of the same
-# TinyGPT, fp32, as notebook 04 measures them: (impl, stage, world size) -> bytes sent, payload
-# plus a few hundred bytes of transport headers per call. "gloo": torch's collectives; "ring":
-# the course's bandwidth-optimal ring of chapter 2. FSDP's root unit (embeddings, final norm,
-# head) stays gathered from forward to backward: it is all-gathered once per step.
-MEASURED_ROOT_PARAMS = 65_664
-MEASURED_SENT = {
-    ("gloo", 0, 2): 3478748, ("gloo", 0, 4): 5218988, ("gloo", 1, 2): 5218620, ("gloo", 1, 4): 7830092,
-    ("gloo", 2, 2): 5218620, ("gloo", 2, 4): 7830092, ("gloo", 3, 2): 6830488, ("gloo", 3, 4): 10254448,
-    ("ring", 0, 2): 3478972, ("ring", 0, 4): 5218632, ("ring", 1, 2): 3480284, ("ring", 1, 4): 5220520,
-    ("ring", 2, 2): 3480284, ("ring", 2, 4): 5220520, ("ring", 3, 2): 5095036, ("ring", 3, 4): 7642228,
-}
-
-
-def _expected_sent(n, root, stage, world, impl):
-    """Bytes one rank sends per step: rings move (N-1)/N of a tensor per rank; gloo's
-    reduce-scatter costs an all-reduce; ZeRO-3 gathers every unit but the root twice."""
-    part = (world - 1) / world
-    gather = 4 * n * part
-    scatter = gather * (2 if impl == "gloo" else 1)
-    if stage == 0:
-        return 2 * gather
-    return scatter + (gather if stage < 3 else gather * (2 * n - root) / n)
-
-
-# Models the table does not cover (a lookup of MEASURED_SENT cannot answer them): the counting
-# that predicts the measurements within 1% predicts these.
+# Models the measurements (course_lib.lab.zero_measurements) do not cover, which a lookup cannot
+# answer: the planner's counting, which predicts the measurements within 1%, predicts these.
 _UNMEASURED = [(10_000_000, 500_000, 3, 8, "ring"), (10_000_000, 500_000, 3, 8, "gloo"),
                (70_000_000, 1_000_000, 1, 3, "gloo"), (70_000_000, 1_000_000, 0, 5, "ring")]
+_STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
 def check_bytes_per_step(predict):
     """predict(n_params, root_params, stage, world_size, impl) -> bytes one rank sends per step
     (fp32, stage 0 = DDP, impl "gloo" or "ring"), compared within 1% with ``MEASURED_SENT``
-    and, for models that were not measured, with the same counting."""
-    labels = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-    predict = learner(predict, ZERO_LIBRARY, FORMULAS, "course_lib.grading.zero_fsdp:_expected_sent",
-                      exercise="the bytes each stage sends", seconds=10)
+    and, for models that were not measured, with the planner's ``dp_bytes_per_step``."""
+    predict = learner(predict, ZERO_LIBRARY, FORMULAS, exercise="the bytes each stage sends", seconds=10)
 
     def run(case):
         n, root, impl, stage, world = (case.params[k] for k in ("n", "root", "impl", "stage", "world"))
         want = MEASURED_SENT.get((impl, stage, world)) if n == MEASURED_PARAMS else None
         what = "measured" if want is not None else "counted"
-        want = want if want is not None else _expected_sent(n, root, stage, world, impl)
+        if want is None:   # gloo's reduce-scatter is an all-reduce keeping a piece (chapter 4 measures it)
+            want = dp_bytes_per_step(n, world, stage, 4, 4, root_params=root,
+                                     reduce_scatter="all_reduce" if impl == "gloo" else "ring")
         got = predict(n, root, stage, world, impl)
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             return f"expected a number of bytes, got {got!r}"
         if abs(got - want) > 0.01 * want:
             return (f"predicted {got:,.0f} bytes, {what} {want:,.0f} ({got / want:.3f}x; P = {n:,}, "
-                    f"root unit {root:,}, {labels[stage]}, {world} ranks, {impl})")
+                    f"root unit {root:,}, {_STAGES[stage]}, {world} ranks, {impl})")
         return None
 
     rows = [(MEASURED_PARAMS, MEASURED_ROOT_PARAMS, s, w, impl) for (impl, s, w) in MEASURED_SENT] + _UNMEASURED
-    cases = [Case(dict(n=n, root=root, stage=s, world=w, impl=impl), label=f"P = {n:,}, {labels[s]}, {w} ranks, {impl}")
-             for n, root, s, w, impl in rows]
-    return check("bytes_per_step", cases, run)
-
+    return check("bytes_per_step", [Case(dict(n=n, root=root, stage=s, world=w, impl=impl),
+                                         label=f"P = {n:,}, {_STAGES[s]}, {w} ranks, {impl}")
+                                    for n, root, s, w, impl in rows], run)
 
 
 # ----------------------------------------------------------------------------- 4. FSDP unit
-def _fsdp_unit_harness(GatherParams):
-    import torch.distributed as dist
-
-    from course_lib import compat
-    from course_lib.parallel.fsdp_params import ShardedUnit
-
+def _sharded_mlp(sizes=T.SIZES):
+    """Rank 0's MLP on every rank, one FSDP unit per Linear (weight and bias cut along dim 0,
+    this rank's rows packed: (S,)): [(unit, a copy of its shard)]."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = T.mlp(rank)
+    model = T.mlp(rank, sizes)
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
-    units = []  # one unit per Linear: weight and bias cut along dim 0, this rank's rows packed: (S,)
-    for layer in model.layers:
-        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
-        units.append((unit, unit.flat_shard.clone().requires_grad_()))
+    units = [ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world) for layer in model.layers]
+    return [(unit, unit.flat_shard.clone()) for unit in units]
+
+
+def _gather(unit, shard, async_op=False):
+    """(the unit's (N * S,) gathered flat, rank after rank; the work when async)."""
+    full = torch.empty(shard.numel() * dist.get_world_size())
+    return full, compat.all_gather_into_tensor(full, shard.detach(), async_op=async_op)
+
+
+def _unit_params(unit, full):
+    """(N * S,) rank after rank -> each parameter, full shape (differentiable): FSDP's own unpacking."""
+    return unit.full_views(unit.copy_out(full))
+
+
+def _trained(units):
+    """Every unit's trained shards, gathered: the parameters to compare with one device."""
+    return [p for unit, shard in units for p in _unit_params(unit, _gather(unit, shard)[0])]
+
+
+def _one_per_unit(watch, world, n_units, kind, rule, why):
+    """None if the watched phase called exactly one ``kind`` collective per unit and nothing else."""
+    calls = [k for k, _ in watch.calls]
+    if world == 1 or (calls.count(kind) == n_units and set(calls) == {kind}):
+        return None
+    seen = ", ".join(f"{calls.count(k)} {k}" for k in sorted(set(calls))) or "no collective"
+    return f"{rule}: it called {seen} for {n_units} units ({why})"
+
+
+def _fsdp_unit_harness(GatherParams):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    units = [(unit, shard.requires_grad_()) for unit, shard in _sharded_mlp()]
     GatherParams = learner_class(GatherParams, ZERO_LIBRARY, exercise="the FSDP unit's gather and reduce-scatter")
     for batch in T.data():
         x, y = T.local(batch, rank, world)
-        h = x
         with T.CollectiveWatch() as forward:   # the forward's collectives are the question too
             for k, (unit, shard) in enumerate(units):
                 full = GatherParams.apply(shard)
                 if not isinstance(full, torch.Tensor) or full.numel() != shard.numel() * world:
                     return f"GatherParams.apply(shard) should return the ({shard.numel() * world},) gathered vector"
-                h = F.linear(h, *_unit_params(unit, full))
-                h = F.relu(h) if k < len(units) - 1 else h
+                x = F.linear(x, *_unit_params(unit, full))
+                x = F.relu(x) if k < len(units) - 1 else x
         msg = _one_per_unit(forward, world, len(units), "all_gather", "forward should all-gather each unit once",
                             "every rank contributes its shard and needs all of them: that is one all-gather")
         if msg:
             return msg
-        with T.CollectiveWatch() as watch:
-            F.mse_loss(h, y).backward()
-        msg = _one_per_unit(watch, world, len(units), "reduce_scatter",
+        with T.CollectiveWatch() as backward:
+            F.mse_loss(x, y).backward()
+        msg = _one_per_unit(backward, world, len(units), "reduce_scatter",
                             "backward should reduce-scatter the full gradient once per unit",
                             "each rank keeps the mean of its slice, no more")
         if msg:
@@ -338,28 +308,7 @@ def _fsdp_unit_harness(GatherParams):
                     return "backward should return the gradient of this rank's shard (same shape)"
                 shard -= T.LR * shard.grad
                 shard.grad = None
-    got = []
-    for unit, shard in units:  # gather the trained shards
-        full = torch.empty(shard.numel() * world)
-        compat.all_gather_into_tensor(full, shard.detach())
-        got += _unit_params(unit, full)
-    return T.compare_params(got, T.single_device(T.sgd))
-
-
-def _one_per_unit(watch, world, n_units, kind, rule, why):
-    """None if the watched phase called exactly one ``kind`` collective per unit and nothing else."""
-    if world == 1:
-        return None
-    calls = [k for k, _ in watch.calls]
-    if calls.count(kind) == n_units and set(calls) == {kind}:
-        return None
-    seen = ", ".join(f"{calls.count(k)} {k}" for k in sorted(set(calls))) or "no collective"
-    return f"{rule}: it called {seen} for {n_units} units ({why})"
-
-
-def _unit_params(unit, full):
-    """(N * S,) rank after rank -> each parameter, full shape (differentiable): FSDP's own unpacking."""
-    return unit.full_views(unit.copy_out(full))
+    return T.compare_params(_trained(units), T.single_device(T.sgd))
 
 
 def check_fsdp_unit(GatherParams):
@@ -374,15 +323,12 @@ def check_fsdp_unit(GatherParams):
 class _PrefetchLog:
     """Inside a rank: the events of one pass of the learner's run_units, and the checks."""
 
-    def __init__(self, units, world):
-        self.units, self.world, self.events, self.live, self.peak = units, world, [], set(), 0
+    def __init__(self, units, order, fn):
+        self.units, self.order, self.fn, self.events, self.live, self.peak = units, order, fn, [], set(), 0
 
     def start_gather(self, k):
-        from course_lib import compat
-
-        unit, shard = self.units[k]
-        full = torch.empty(shard.numel() * self.world)          # (N * S,) rank after rank
-        work = compat.all_gather_into_tensor(full, shard.detach(), async_op=True)
+        unit = self.units[k][0]
+        full, work = _gather(unit, self.units[k][1], async_op=True)   # (N * S,) rank after rank
         self.events.append(("gather", k))
         self.live.add(k)
         self.peak = max(self.peak, len(self.live))
@@ -396,23 +342,23 @@ class _PrefetchLog:
                 return _unit_params(unit, full)
         return Handle()
 
-    def computing(self, order, fn):
-        """The compute(k, full) handed to the learner: refuses a unit out of ``order`` at once."""
-        def compute(k, full):
-            done = sum(e == "compute" for e, _ in self.events)
-            due = order[done] if done < len(order) else None
-            if k != due:
-                raise Mismatch(f"compute({k}) called when unit {due} was due: run the units in the order "
-                               f"given ({list(order)}; backward passes them last to first)")
-            self.events.append(("compute", k))
-            fn(k, full)
-        return compute
+    def compute(self, k, full):
+        """The compute(k, full) handed to the learner: refuses a unit out of order at once."""
+        done = sum(e == "compute" for e, _ in self.events)
+        due = self.order[done] if done < len(self.order) else None
+        if k != due:
+            raise Mismatch(f"compute({k}) called when unit {due} was due: run the units in the order "
+                           f"given ({list(self.order)}; backward passes them last to first)")
+        self.events.append(("compute", k))
+        self.fn(k, full)
 
     def free(self, k):
         self.live.discard(k)
         self.events.append(("free", k))
 
-    def problem(self, order, what):
+    def problem(self, run_units, what):
+        run_units(self.order, self.start_gather, self.compute, self.free)
+        order = self.order
         computed = [k for e, k in self.events if e == "compute"]
         if computed != list(order):
             return f"{what}: compute ran on units {computed}, expected each unit once in the order {list(order)}"
@@ -420,8 +366,7 @@ class _PrefetchLog:
         if sorted(gathers) != sorted(order):
             return f"{what}: all-gathers of units {gathers}: each unit's parameters gathered exactly once"
         for i in range(1, len(order)):
-            started = self.events.index(("gather", order[i]))
-            if started > self.events.index(("compute", order[i - 1])):
+            if self.events.index(("gather", order[i])) > self.events.index(("compute", order[i - 1])):
                 return (f"{what}: unit {order[i]}'s all-gather started after unit {order[i - 1]} computed: "
                         f"start the next unit's all-gather before computing this one (prefetch)")
         if self.peak > 2:
@@ -434,72 +379,44 @@ class _PrefetchLog:
 def _prefetch_harness(run_units, n_layers):
     """A stack of Linear units, FSDP-sharded by rows; forward and backward (recomputing each
     unit from its saved input) both driven by the learner's run_units; SGD on the shards."""
-    import torch.distributed as dist
-
-    from course_lib import compat
-    from course_lib.parallel.fsdp_params import ShardedUnit
-
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = (T.SIZES[0],) + (10,) * (n_layers - 1) + (T.SIZES[-1],)  # n_layers Linear units
-    model = T.mlp(rank, sizes)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    units = []
-    for layer in model.layers:
-        unit = ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world)
-        units.append((unit, unit.flat_shard.clone()))
-    last = len(units) - 1
+    units, last = _sharded_mlp(sizes), n_layers - 1
     run_units = learner(run_units, ZERO_LIBRARY, exercise="FSDP's prefetch")
     for batch in T.data(sizes):
         x, y = T.local(batch, rank, world)
-        inputs, h = {}, [x]
+        inputs, h, grads = {}, [x], {}
 
         def forward(k, full):
             inputs[k] = h[0]
             out = F.linear(h[0], *full)
             h[0] = F.relu(out) if k < last else out
 
-        log = _PrefetchLog(units, world)
-        order = list(range(len(units)))
-        run_units(order, log.start_gather, log.computing(order, forward), log.free)
-        msg = log.problem(order, "forward")
+        msg = _PrefetchLog(units, list(range(len(units))), forward).problem(run_units, "forward")
         if msg:
             return msg
         out = h[0].detach().requires_grad_()
         grad = [torch.autograd.grad(F.mse_loss(out, y), out)[0]]
-        grads = {}
 
         def backward(k, full):
             params = [p.detach().requires_grad_() for p in full]
             inp = inputs[k].detach().requires_grad_()
             out = F.linear(inp, *params)
             out = F.relu(out) if k < last else out
-            *g_params, g_in = torch.autograd.grad(out, params + [inp], grad[0])
-            grad[0] = g_in
-            full_grad = torch.zeros(world, units[k][0].numel)  # packed like the shards, then reduce-scattered
-            for s, g in zip(units[k][0].slots, g_params):
-                rows = torch.zeros(world * s.chunk, *s.shape[1:])
-                rows[:s.shape[0]] = g
-                full_grad[:, s.offset:s.offset + s.padded] = rows.reshape(world, -1)
-            mine = torch.empty(units[k][0].numel)
-            compat.reduce_scatter_tensor(mine, full_grad.view(-1))
+            *g_params, grad[0] = torch.autograd.grad(out, params + [inp], grad[0])
+            flat = torch.zeros(world * units[k][0].numel, requires_grad=True)   # packed like the shards:
+            full_grad, = torch.autograd.grad(_unit_params(units[k][0], flat), flat, g_params)  # FSDP's unpacking
+            mine = torch.empty(units[k][0].numel)                                 # transposed
+            compat.reduce_scatter_tensor(mine, full_grad)
             grads[k] = mine / world
 
-        log = _PrefetchLog(units, world)
-        order = order[::-1]
-        run_units(order, log.start_gather, log.computing(order, backward), log.free)
-        msg = log.problem(order, "backward")
+        msg = _PrefetchLog(units, list(range(len(units)))[::-1], backward).problem(run_units, "backward")
         if msg:
             return msg
         with torch.no_grad():
             for k, (_, shard) in enumerate(units):
                 shard -= T.LR * grads[k]
-    got = []
-    for unit, shard in units:
-        full = torch.empty(shard.numel() * world)
-        compat.all_gather_into_tensor(full, shard)
-        got += _unit_params(unit, full)
-    return T.compare_params(got, T.single_device(T.sgd, model=T.mlp(0, sizes), batches=T.data(sizes)))
+    return T.compare_params(_trained(units), T.single_device(T.sgd, model=T.mlp(0, sizes), batches=T.data(sizes)))
 
 
 def check_fsdp_prefetch(run_units):

@@ -97,16 +97,22 @@ def pp_bytes_per_microbatch(s, b, h, t=1, sp=False, dtype_bytes=2, cp=1) -> floa
 
 
 def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_bytes=2,
-                      microbatches=1) -> float:
+                      microbatches=1, root_params=0, reduce_scatter="ring") -> float:
     """Data parallelism over dp ranks, for the n_params_local this rank's replica
     holds. Stage 0: one all-reduce of the gradients, 2(N-1)/N of the model. ZeRO-1:
     its two halves, a reduce-scatter of the gradients and an all-gather of the
     updated parameters, the same bytes. ZeRO-2 keeps only its gradient shard, so it
     reduce-scatters after every micro-batch. ZeRO-3 also all-gathers the parameters
     in forward and again in backward, every micro-batch (Rajbhandari et al. 2020,
-    Sec. 7: 1.5x the bytes of DP with one micro-batch)."""
+    Sec. 7: 1.5x the bytes of DP with one micro-batch), except FSDP's root unit
+    (``root_params``: embeddings, final norm, head), which stays gathered from forward
+    to backward. ``reduce_scatter="all_reduce"``: a library whose reduce-scatter is an
+    all-reduce keeping a piece (gloo's, measured in chapter 4) sends twice its bytes."""
+    if reduce_scatter not in ("ring", "all_reduce"):
+        raise ValueError(f"reduce_scatter must be 'ring' or 'all_reduce', got {reduce_scatter!r}")
     P = float(n_params_local)
-    rs = collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp)
+    rs = collective_bytes_per_rank("reduce_scatter" if reduce_scatter == "ring" else "all_reduce",
+                                   P * grad_bytes, dp)
     ag = collective_bytes_per_rank("all_gather", P * param_bytes, dp)
     if zero_stage == 0:
         return collective_bytes_per_rank("all_reduce", P * grad_bytes, dp)
@@ -114,7 +120,8 @@ def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_byte
         return rs + ag
     if zero_stage == 2:
         return microbatches * rs + ag
-    return microbatches * (2 * ag + rs)
+    root = collective_bytes_per_rank("all_gather", root_params * param_bytes, dp)
+    return microbatches * (2 * ag - root + rs)
 
 
 def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1) -> float:

@@ -100,8 +100,11 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
     v, p, m = layout.chunks, layout.pp, layout.microbatches
     ops = []
     for st in stages:
-        sends = (1 if (st.stage < p - 1 or v > 1) else 0) + (1 if (st.stage > 0 or v > 1) else 0)
+        sends = F.p2p_sends(layout.schedule, p, st.stage, v)
         ops.append((st.fwd_time + st.bwd_time) / v + (sends * st.p2p if p > 1 else 0.0))
+    if layout.schedule in F.V_SCHEDULES and p > 1:    # ZB-V, DualPipeV: DeepSeek-V3's Table 2
+        busy = max(stages, key=lambda st: st.fwd_time + st.bwd_time)
+        return m * max(ops) + F.pipeline_idle(layout.schedule, p, busy.fwd_time, busy.bwd_time), ops
     return sum(ops) + (m * v - 1) * max(ops), ops
 
 

@@ -29,6 +29,7 @@ from course_lib.planner.communication import (  # noqa: F401
     tp_bytes_per_layer,
 )
 from course_lib.schedules import PLANNED as SCHEDULES  # the schedules the planner prices
+from course_lib.schedules import V_SCHEDULES, formula_idle, formula_peak_activations
 from course_lib.schedules import bubble_fraction  # noqa: F401  (next to the schedules it prices)
 
 # Accepted spellings of the config fields, so a nanoGPT-, Hugging Face- or
@@ -224,15 +225,41 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
     before its first backward, plus the one of the steady state, and each chunk holds
     1/v of its layers. Stage i warms up with two chunk forwards fewer per stage
     before it (Megatron-LM's schedule, and the course's: tests/test_planner_formulas.py
-    counts it on ``course_lib.schedules``): p + (p - 1 - 2 i)/v, at most m.
+    counts it on ``course_lib.schedules``): p + (p - 1 - 2 i)/v, at most m. ZB-V and
+    DualPipeV (``schedules.formula_peak_activations``, in chunks of half a stage): min(p, m)
+    and p + 1/2 on every stage.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule in V_SCHEDULES:     # every rank alike; two chunks of half the stage's layers each
+        return formula_peak_activations(schedule, p, m) / 2
     if schedule == "gpipe":
         return float(m)
     if schedule == "1f1b" or v == 1:
         return float(min(p - stage, m))
     return min(p + (p - 1 - 2 * stage) / v, float(m))
+
+
+def pipeline_idle(schedule: str, p: int, t_f: float, t_b: float) -> float:
+    """Idle time of a stage per step, equal stages, a stage's forward ``t_f`` and backward
+    ``t_b`` per micro-batch (all its chunks): (p - 1)(t_f + t_b) for GPipe and 1F1B; for ZB-V and
+    DualPipeV ``schedules.formula_idle`` (DeepSeek-V3's Table 2) on each of the two chunks' times,
+    the weight-gradient part W half a backward (its GEMMs are half the backward's)."""
+    if schedule in V_SCHEDULES:
+        return formula_idle(schedule, p, t_f=t_f / 2, t_b=t_b / 2, t_w=t_b / 4)
+    return formula_idle(schedule, p, t_f=t_f, t_b=t_b)
+
+
+def p2p_sends(schedule: str, p: int, stage: int, v: int = 1) -> int:
+    """Messages a stage sends per micro-batch (activations forward, gradients back). One chunk per
+    rank: 2 (1 on the first and last stage); interleaved v chunks: 2 per chunk; a V: 2 per chunk,
+    less the turn of the V (stage p - 1 -> p, one rank) and its two ends: 2 on the first and
+    the last rank, 4 between (twice 1F1B's: Qi et al. 2024's "communication volume 2x")."""
+    if schedule in V_SCHEDULES:
+        return 2 if stage in (0, p - 1) else 4
+    if v > 1:
+        return 2
+    return (stage < p - 1) + (stage > 0)
 
 
 def zero_memory_bytes(n_params, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,

@@ -65,6 +65,10 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
     if layout.global_batch != layout.dp * layout.micro_batch * m:
         raise ValueError(f"global_batch={layout.global_batch} is not dp * micro_batch * microbatches = "
                          f"{layout.dp} * {layout.micro_batch} * {m}")
+    if layout.schedule in ("zb-v", "dualpipe-v") and layout.pp * 2 > model.n_layers:
+        raise ValueError(f"{layout.schedule} runs two chunks per stage: PP*2 = {layout.pp * 2} > {model.n_layers} layers")
+    if layout.schedule == "dualpipe-v" and m < 2 * layout.pp:
+        raise ValueError(f"dualpipe-v needs at least 2p = {2 * layout.pp} micro-batches, got {m}")
     if layout.schedule == "interleaved" and m % layout.pp:
         raise ValueError(f"the interleaved schedule needs the micro-batches divisible by PP: "
                          f"{m} micro-batches, PP = {layout.pp}")

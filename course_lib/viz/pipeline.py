@@ -86,3 +86,34 @@ def measured_and_simulated(measured, simulated, title_measured="measured", title
 
 
 __all__ = ["schedule_grid", "schedule_grids", "measured_and_simulated", "op_handles", "OP_COLORS"]
+
+
+def stage_placement(p: int, n_layers: int, placements=("loop", "v"), v: int = 2):
+    """Where each of the p * v stages (``schedules.stage_rank``) of an ``n_layers`` model sits:
+    one panel per placement, the ranks as rows, the stages in model order left to right, the
+    path a micro-batch's forward takes drawn through them (its backward walks it back).
+    "loop" (Megatron-LM's interleaved) climbs p ranks v times; "v" goes down and back up,
+    so the first and the last layers share rank 0 and the turn needs no message."""
+    from course_lib.parallel.pipeline.rules import partition_layers
+    from course_lib.schedules import stage_rank
+    layers = partition_layers(n_layers, p * v)
+    fig, axes = plt.subplots(1, len(placements), figsize=(COLUMN_INCHES, 0.5 * p + 1.3), squeeze=False)
+    for ax, placement in zip(axes[0], placements):
+        ranks = [stage_rank(s, p, placement) for s in range(p * v)]
+        ax.plot(range(p * v), ranks, color="grey", zorder=1)
+        for s, r in enumerate(ranks):
+            ax.scatter(s, r, s=260, color=OP_COLORS["F"], zorder=2)
+            lo, hi = layers[s].start, layers[s].stop - 1
+            ax.annotate(f"{lo}" if lo == hi else f"{lo}-{hi}", (s, r), ha="center", va="center",
+                        fontsize=LABEL_PT - 2, color="white", zorder=3)
+        hops = sum(a != b for a, b in zip(ranks, ranks[1:]))
+        ax.set_title(f"{placement}: {hops} hops between ranks", fontsize=LABEL_PT)
+        ax.set_yticks(range(p))
+        ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=LABEL_PT)
+        ax.invert_yaxis()
+        ax.set_xticks(range(p * v))
+        ax.tick_params(labelsize=LABEL_PT - 1)
+        ax.set_xlabel("stage (its layers on the dot)", fontsize=LABEL_PT)
+        ax.set_ylim(p - 0.4, -0.6)
+    fig.tight_layout()
+    return fig

@@ -19,7 +19,7 @@ from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.parallel.pipeline.runtime import PipelineRuntime, check_chunks, replica_rows
 from course_lib.parallel.pipeline.stages import split_stages
-from course_lib.schedules import positive_int
+from course_lib.schedules import chunks, positive_int
 
 
 def naive_model_parallel_step(stage, comm, x, y, loss_fn, act_shape):
@@ -55,17 +55,19 @@ class PipelineParallel(PipelineRuntime):
     """A TinyGPT cut into p * v stages along the mesh's "pp" dimension, trained by a schedule
     (the :class:`PipelineRuntime`), with data parallelism around it over "dp".
 
-    schedule: "gpipe", "1f1b", "interleaved" (v chunks per rank), "zb-h1" (any case; torch's
-        "GPipe", "1F1B", "Interleaved1F1B" too), or an explicit action list per pp rank
-        (``schedules``), validated before it runs. v > 1 with another schedule: ValueError.
+    schedule: "gpipe", "1f1b", "interleaved" (v chunks per rank), "zb-h1", "zb-v", "dualpipe-v"
+        (two chunks per rank in V order; any case, torch's "GPipe", "1F1B", "Interleaved1F1B",
+        "ZBVZeroBubble", "DualPipeV" too), or an explicit action list per pp rank (``schedules``),
+        validated before it runs. v > 1 with another schedule: ValueError.
     microbatches: m; each DP replica's batch is cut into m equal micro-batches.
     """
 
     def __init__(self, model, mesh, schedule="1f1b", microbatches: int = 4, v: int = 1):
         schedule = check_chunks(v, schedule)                    # a name: the course's spelling
         positive_int("microbatches", microbatches)
+        v = chunks(schedule, v)                                 # "zb-v", "dualpipe-v": two, in V order
         partition_layers(len(model.blocks), mesh.sizes["pp"] * v)   # more stages than layers: ValueError
-        stages = split_stages(model, mesh, v)                   # tied on one rank: one parameter
+        stages = split_stages(model, mesh, v, schedule)         # tied on one rank: one parameter
         params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
         set_reduce_dims(params, ("dp",))
         grad_sync = GradSync(params, mesh, divisor=1) if mesh.sizes["dp"] > 1 else None

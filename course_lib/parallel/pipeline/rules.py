@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from course_lib.parallel.vocab_parallel import shard_range
 from course_lib.recompute import layer_policies
-from course_lib.schedules import make_schedule, schedule_name, validate
+from course_lib.schedules import chunks, make_schedule, schedule_name, validate
+
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipe-v")     # the schedules with W actions
 
 
 def partition_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -21,9 +23,9 @@ def partition_layers(n_layers: int, n_stages: int) -> list[range]:
 
 
 def splits_weight_gradients(schedule, v=1) -> bool:
-    """Does the schedule compute weight gradients apart (zb-h1's W actions)?"""
+    """Does the schedule compute weight gradients apart (W actions: zb-h1, zb-v, dualpipe-v)?"""
     if isinstance(schedule, str):
-        return schedule_name(schedule, v) == "zb-h1"
+        return schedule_name(schedule, v) in SPLIT_BACKWARD
     return any(a[0] == "W" for row in schedule for a in row)
 
 
@@ -35,14 +37,15 @@ def rule_pipeline(cfg, L):
         make_schedule(schedule_name(L.schedule, L.v), L.pp, L.microbatches, L.v)
     else:
         validate(L.schedule, L.pp, L.microbatches, L.v)
-    partition_layers(cfg.n_layers, L.pp * L.v)
+    partition_layers(cfg.n_layers, L.pp * chunks(L.schedule, L.v))
     if not splits_weight_gradients(L.schedule, L.v):
         return
+    name = L.schedule if isinstance(L.schedule, str) else "a schedule with W actions"
     if L.data == "fsdp":
-        raise ValueError("zb-h1 computes weight gradients outside autograd: it does not run under FSDP here "
+        raise ValueError(f"{name} computes weight gradients outside autograd: it does not run under FSDP here "
                          "(use data='ddp')")
     if any(p != "none" for p in layer_policies(L.recompute, cfg.n_layers)):
-        raise ValueError("recompute with zb-h1: the zero-bubble split records each Linear call's input in "
+        raise ValueError(f"recompute with {name}: the zero-bubble split records each Linear call's input in "
                          "forward, which recomputation does not keep; use another schedule or recompute='none'")
 
 
@@ -55,4 +58,4 @@ def rule_batch(batch, dp, microbatches):
                          f"{microbatches} equal ones")
 
 
-__all__ = ["partition_layers", "splits_weight_gradients", "rule_pipeline", "rule_batch"]
+__all__ = ["SPLIT_BACKWARD", "partition_layers", "splits_weight_gradients", "rule_pipeline", "rule_batch"]

@@ -5,7 +5,7 @@
     result.losses, result.peak_activation_bytes, result.bytes_sent
 
 Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s on pp rank
-s % p). Messages go through the pipeline's :class:`~course_lib.collectives.comm.Comm`
+s % p; in V order, ``schedules.stage_rank``, for ZB-V and DualPipeV). Messages go through the pipeline's :class:`~course_lib.collectives.comm.Comm`
 (group ranks; the runner counts the bytes it sends) with a tag per (kind, stage,
 micro-batch), so an activation and a gradient travelling between the same two ranks can
 never be confused, whatever order the schedule posts them in. A receive is posted one
@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
-from course_lib.schedules import dependency, validate
+from course_lib.schedules import dependency, stage_rank, validate
 
 
 def _linears(module):
@@ -133,10 +133,11 @@ class ScheduleRunner:
         if not isinstance(scale_grads, bool):
             raise ValueError(f"scale_grads must be True or False, got {scale_grads!r}")
         self.me, self.p, self.m, self.n = comm.rank, p, m, p * v
-        for s in stages:
-            if s % p != self.me:
-                raise ValueError(f"stage {s} lives on pp rank {s % p}, but rank {self.me} was given it")
         self.schedule = validate(schedule, p, m, v)
+        for s in stages:
+            if self.rank_of(s) != self.me:
+                raise ValueError(f"stage {s} lives on pp rank {self.rank_of(s)} ({self.schedule.placement} "
+                                 f"placement), but rank {self.me} was given it")
         self.actions = self.schedule[self.me]
         self.stages, self.comm, self.scale_grads = stages, comm, scale_grads
         self.split = {(s, mb) for op, s, mb in self.actions if op == "W"}   # B and W apart (zero bubble)
@@ -148,7 +149,11 @@ class ScheduleRunner:
         # the receives, in action order: (action index, (kind, from stage, stage, mb))
         self.needs = [(i, ("act" if op == "F" else "grad", src, s, mb)) for i, (op, s, mb) in enumerate(self.actions)
                       for src in [{"F": s - 1, "B": s + 1}.get(op)]
-                      if src is not None and 0 <= src < self.n and src % p != self.me]   # same rank: ``local``
+                      if src is not None and 0 <= src < self.n and self.rank_of(src) != self.me]  # same: ``local``
+
+    def rank_of(self, s):
+        """The pp rank of stage ``s``: the schedule's placement ("loop": s % p; "v")."""
+        return stage_rank(s, self.p, self.schedule.placement)
 
     def step(self, inputs=None, targets=None, loss_fn=None, act_shape=None, act_dtype=None) -> StepResult:
         """One step: inputs / targets, the m micro-batches (where stage 0 / the last stage live);
@@ -226,12 +231,12 @@ class ScheduleRunner:
             raise ValueError(f"the {what} stage {s - 1 if kind == 'act' else s + 1}, micro-batch {mb}, is "
                              f"{tuple(t.shape)} {t.dtype}, but act_shape={shape}, act_dtype={dtype}: every "
                              f"tensor sent between stages must have that shape and dtype (the receiver's buffer)")
-        if s % self.p == self.me:           # the next stage is on this rank: no message
-            self.local[(kind, s, mb)] = t.detach().clone()
+        if self.rank_of(s) == self.me:      # the next stage is on this rank: no message
+            self.local[(kind, s, mb)] = t.detach()     # handed over as is: no copy kernel
             return
         t = t.detach().contiguous()
         with trace.span(f"send {kind} {mb}", "comm", "pp"):      # gloo writes to the socket here
-            self.sends.append((self.comm.isend(t, s % self.p, tag=self._tag(kind, s, mb)), t))
+            self.sends.append((self.comm.isend(t, self.rank_of(s), tag=self._tag(kind, s, mb)), t))
         self.out.bytes_sent += t.numel() * t.element_size()
         self.out.messages += 1
 
@@ -253,7 +258,7 @@ class ScheduleRunner:
             j, (kind, src, s, mb) = self.needs[self.nxt]
             shape, dtype = self.shapes[s - 1 if kind == "act" else s]
             buf = torch.empty(shape, dtype=dtype, device=self.device)  # (b, s, h): activation or its gradient
-            self.posted[j] = (self.comm.irecv(buf, src % self.p, tag=self._tag(kind, s, mb)), buf)
+            self.posted[j] = (self.comm.irecv(buf, self.rank_of(src), tag=self._tag(kind, s, mb)), buf)
             self.nxt += 1
 
     def _tag(self, kind, s, mb):
@@ -266,21 +271,21 @@ class ScheduleRunner:
         shapes = {}
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for s in range(self.n):
-                if s % self.p != self.me:
+                if self.rank_of(s) != self.me:
                     continue
-                if s > 0 and (s - 1) % self.p != self.me:              # the previous rank's output
-                    self.comm.recv(header, (s - 1) % self.p)
+                if s > 0 and self.rank_of(s - 1) != self.me:            # the previous rank's output
+                    self.comm.recv(header, self.rank_of(s - 1))
                     dims = header[2:2 + int(header[1])].tolist()
                     shapes[s - 1] = (tuple(dims), DTYPES[int(header[0])])
                 x = x0 if s == 0 else torch.zeros(shapes[s - 1][0], dtype=shapes[s - 1][1], device=self.device)
                 if s < self.n - 1:
                     y = self.stages[s](x)
                     shapes[s] = (tuple(y.shape), y.dtype)
-                    if (s + 1) % self.p != self.me:
+                    if self.rank_of(s + 1) != self.me:
                         header.zero_()
                         header[:2 + y.dim()] = torch.tensor([DTYPES.index(y.dtype), y.dim(), *y.shape],
                                                             device=header.device)
-                        self.comm.send(header.clone(), (s + 1) % self.p)
+                        self.comm.send(header.clone(), self.rank_of(s + 1))
         return shapes
 
 

@@ -16,7 +16,7 @@ import torch
 
 from course_lib.parallel.pipeline.rules import rule_batch
 from course_lib.parallel.pipeline.runner import ScheduleRunner
-from course_lib.schedules import make_schedule, positive_int, schedule_name
+from course_lib.schedules import chunks, make_schedule, positive_int, schedule_name
 
 
 def check_chunks(v, schedule):
@@ -77,6 +77,7 @@ class PipelineRuntime:
                  loss_dims=("dp", "pp", "cp"), master=None, act_dtype=None):
         p = mesh.sizes["pp"]
         if isinstance(schedule, str):
+            v = chunks(schedule, v)                              # the V schedules: two chunks
             schedule = make_schedule(schedule, p, microbatches, v)
         self.stages, self.modules = stages, dict(stages) if modules is None else modules
         self.mesh, self.p, self.m, self.v, self.grad_sync = mesh, p, microbatches, v, grad_sync
@@ -87,7 +88,8 @@ class PipelineRuntime:
         self.runner = ScheduleRunner(schedule, self.modules, mesh.comm("pp"), p=p, m=microbatches, v=v)
         self.schedule = self.runner.schedule                # the action lists, validated
         cfg = next(iter(stages.values())).part.config
-        tied = bool(cfg.tie_embeddings) and p > 1          # p = 1: the stages share one parameter
+        tied = bool(cfg.tie_embeddings) and p > 1 and self.schedule.placement == "loop"
+        # p = 1, or a V (first and last stage on rank 0): the stages share one parameter
         self.embedding_comm = mesh.embedding_comm() if tied else None
         self.loss_dims = tuple(d for d in loss_dims if mesh.sizes[d] > 1)
         self.last_result = None

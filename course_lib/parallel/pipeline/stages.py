@@ -2,6 +2,7 @@
 per pp rank; stage 0 also embeds, the last stage also holds the norm, the head and the loss.
 
     stages = split_stages(model, mesh, v=1)     # {virtual stage: GPTStage} of this pp rank
+    stages = split_stages(model, mesh, schedule="zb-v")   # two, in V order: {r: .., 2p-1-r: ..}
 
 A tied embedding whose first and last stage live on one rank stays one parameter
 (:func:`tie_embeddings`). :class:`MLPStage`: layers of a course_lib ``MLP``, chapter 6's first cut.
@@ -14,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.parallel.pipeline.rules import partition_layers
+from course_lib.schedules import chunks, placement_of, rank_stage_ids
 
 
 class GPTStage(nn.Module):
@@ -64,27 +66,37 @@ def gpt_stage(model, stage: int, n_stages: int) -> GPTStage:
     return GPTStage(model, stage, n_stages)
 
 
-def rank_stages(model, rank: int, p: int, v: int = 1) -> dict:
-    """{virtual stage: GPTStage} of pp rank ``rank``: stages rank, rank + p, ... of p * v. Each is
-    a copy of the model, so where the first and the last stage both live on this rank (p = 1
-    with v > 1 chunks), a tied embedding / LM head would become two matrices training apart:
-    they are made one parameter again, as in the model (autograd adds both stages' gradients)."""
+def rank_stages(model, rank: int, p: int, v: int = 1, placement: str = "loop") -> dict:
+    """{virtual stage: GPTStage} of pp rank ``rank``: of p * v stages, those ``placement`` puts
+    there (``course_lib.schedules.stage_rank``): "loop", stages rank, rank + p, ...; "v" (v = 2),
+    stages rank and 2p - 1 - rank. Each is a copy of the model, so where the first and the last
+    stage both live on this rank (p = 1 with v > 1 chunks; rank 0 of a V), a tied embedding /
+    LM head would become two matrices training apart: they are made one parameter again, as in
+    the model (autograd adds both stages' gradients)."""
     n_stages = p * v
-    return tie_embeddings({s: GPTStage(model, s, n_stages) for s in range(rank, n_stages, p)}, n_stages)
+    ids = rank_stage_ids(rank, p, v, placement)
+    return tie_embeddings({s: GPTStage(model, s, n_stages) for s in ids}, n_stages)
 
 
-def tie_embeddings(stages, n_stages):
+def tie_embeddings(stages, n_stages=None):
     """Where this rank holds the first and the last stage of a tied model: the last stage's head
     becomes the first stage's embedding again (call it again after a dimension replaced them)."""
-    st = next(iter(stages.values()))
-    if st.part.config.tie_embeddings and n_stages > 1 and 0 in stages and n_stages - 1 in stages:
-        stages[n_stages - 1].part.lm_head.weight = stages[0].part.tok_emb.weight
+    first = [st for st in stages.values() if st.first]
+    last = [st for st in stages.values() if st.last]
+    if first and last and first[0] is not last[0] and first[0].part.config.tie_embeddings:
+        last[0].part.lm_head.weight = first[0].part.tok_emb.weight
     return stages
 
 
-def split_stages(model, mesh, v: int = 1) -> dict:
-    """PP: this rank's stages of ``model`` cut into pp * v (:func:`rank_stages`)."""
-    return rank_stages(model, mesh.coord["pp"], mesh.sizes["pp"], v)
+def split_stages(model, mesh, v: int = 1, schedule=None) -> dict:
+    """PP: this rank's stages of ``model`` cut into pp * v (:func:`rank_stages`); ``schedule``
+    (a name or an action list) says how many chunks and where: the V schedules two, in V order."""
+    p = mesh.sizes["pp"]
+    if schedule is not None:
+        v, placement = chunks(schedule, v), placement_of(schedule, p, chunks(schedule, v))
+    else:
+        placement = "loop"
+    return rank_stages(model, mesh.coord["pp"], p, v, placement)
 
 
 class MLPStage(nn.Module):

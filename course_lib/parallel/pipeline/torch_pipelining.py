@@ -6,11 +6,12 @@ import torch
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.parallel.pipeline.runtime import check_chunks, replica_rows, sum_tied_gradient
 from course_lib.parallel.pipeline.stages import rank_stages
-from course_lib.schedules import Action, positive_int
+from course_lib.schedules import Action, V_SCHEDULES, chunks, positive_int
 
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zb-h1": "ScheduleInterleavedZeroBubble"}
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
+                   "dualpipe-v": "ScheduleDualPipeV"}      # the last two: torch >= 2.6 / 2.9
 
 
 class TorchPipeline:
@@ -28,21 +29,25 @@ class TorchPipeline:
             raise ValueError(f"TorchPipeline runs torch's schedules by name, one of {tuple(TORCH_SCHEDULES)}; "
                              f"got {type(schedule).__name__}")
         positive_int("microbatches", microbatches)
+        if not hasattr(pipelining, TORCH_SCHEDULES[schedule]):
+            raise ValueError(f"this torch ({torch.__version__}) has no {TORCH_SCHEDULES[schedule]}")
+        v = chunks(schedule, v)                        # the V schedules: two chunks, in V order
         self.mesh, self.v, self.m = mesh, v, microbatches
         n_stages = p * v
         partition_layers(len(model.blocks), n_stages)
-        self.stages = rank_stages(model, me, p, v)
+        self.stages = rank_stages(model, me, p, v, "v" if schedule in V_SCHEDULES else "loop")
         self.torch_stages = [pipelining.PipelineStage(st, s, n_stages, torch.device("cpu"), group=mesh.group("pp"))
                              for s, st in self.stages.items()]
         self.n_tokens = None
         last = self.stages.get(n_stages - 1)
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-        multi = schedule in ("interleaved", "zb-h1")
+        multi = schedule in ("interleaved", "zb-h1", *V_SCHEDULES)
         self.schedule = cls(self.torch_stages if multi else self.torch_stages[0], microbatches,
                             loss_fn=lambda out, t: last.loss(out, t, self.n_tokens),   # every rank: it
                             scale_grads=False)                                  # tells torch to run backward
         self.is_first, self.is_last = 0 in self.stages, last is not None
-        self.tied_comm = mesh.embedding_comm() if model.config.tie_embeddings and p > 1 else None
+        tied = model.config.tie_embeddings and p > 1 and schedule not in V_SCHEDULES   # V: one rank holds both
+        self.tied_comm = mesh.embedding_comm() if tied else None
 
     def parameters(self):
         return list({id(q): q for st in self.stages.values() for q in st.parameters()}.values())
@@ -51,7 +56,8 @@ class TorchPipeline:
         """torch's order of a multi-stage schedule (interleaved, zero bubble) as one list of our
         Actions per rank: its I (input gradient, W split off) is our B."""
         op = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-        return [[Action(op[a.computation_type.name], a.stage_index, a.microbatch_index) for a in acts if a is not None]
+        return [[Action(op[b.computation_type.name], b.stage_index, b.microbatch_index)
+                 for a in acts if a is not None for b in (a.sub_actions or (a,))]   # DualPipeV's F&B pairs
                 for _, acts in sorted(self.schedule.pipeline_order.items())]
 
     def step(self, x, y):

@@ -151,7 +151,7 @@ def _record_rank(runs):
                 if call.name == "all-reduce loss":
                     found["loss all-reduce"] = sorted(c.ranks)
         buckets = net.grad_sync.buckets if net.grad_sync is not None else []
-        for name, q in net.stages[min(net.stages)].part.named_parameters():
+        for name, q in net.named_parameters().items():         # single-device names, every stage
             bucket = next((b for b in buckets if any(p is q for p in b.params)), None)
             ranks = sorted(bucket.comm.ranks) if bucket is not None else [me]
             if "norm" in name and "weight" in name and kw.get("sequence_parallel"):
