@@ -38,7 +38,7 @@ def rule_pipeline(cfg, L):
     partition_layers(cfg.n_layers, L.pp * L.v)
     if not splits_weight_gradients(L.schedule, L.v):
         return
-    if L.data == "fsdp":
+    if L.data != "ddp":
         raise ValueError("zb-h1 computes weight gradients outside autograd: it does not run under FSDP here "
                          "(use data='ddp')")
     if any(p != "none" for p in layer_policies(L.recompute, cfg.n_layers)):
