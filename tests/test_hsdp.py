@@ -234,3 +234,27 @@ def test_hsdp_layout_fields():
     layout = Layout.of(dp=6, data="hsdp", shard_size=3)
     assert (layout.data, layout.zero, layout.shard_size) == ("hsdp", 3, 3)
     assert Layout.of(layout, data="fsdp").data == "fsdp"
+
+
+def test_planner_prices_hsdp_between_fsdp_and_ddp():
+    """hsdp_bytes_per_step: S = dp is FSDP's bytes, S = 1 DDP's all-reduce; in between the
+    replicas all-reduce P / S. On 2 and 4 nodes of 8 H100s (llama3-8b, 4 sequences a GPU):
+    FSDP across nodes exposes its all-gathers, HSDP (S = 8, inside the node) hides them, and
+    holds more than FSDP but a fraction of DDP's memory."""
+    from course_lib import planner
+    from course_lib.layout import Layout
+    from course_lib.planner.formulas import collective_bytes_per_rank, dp_bytes_per_step, hsdp_bytes_per_step
+
+    P = 1e6
+    assert hsdp_bytes_per_step(P, 16, 1) == dp_bytes_per_step(P, 16, 3)
+    assert hsdp_bytes_per_step(P, 1, 16) == collective_bytes_per_rank("all_reduce", 2 * P, 16)
+    assert hsdp_bytes_per_step(P, 8, 2, microbatches=2) == \
+        dp_bytes_per_step(P, 8, 3, microbatches=2) + 2 * collective_bytes_per_rank("all_reduce", 2 * P / 8, 2)
+    for nodes in (2, 4):
+        n = 8 * nodes
+        est = {d: planner.estimate("llama3-8b", "h100-sxm", Layout.of(dp=n, global_batch=4 * n, micro_batch=1,
+                                                                    data=d, **({"shard_size": 8} if d == "hsdp" else {})))
+               for d in ("ddp", "fsdp", "hsdp")}
+        assert est["hsdp"].step_time < est["fsdp"].step_time
+        assert est["fsdp"].memory["total"] < est["hsdp"].memory["total"] < est["ddp"].memory["total"]
+        assert est["hsdp"].time.get("zero", 0.0) < 0.1 * est["fsdp"].time["zero"]
