@@ -26,7 +26,8 @@ class Layout:
     or gradient accumulation): global_batch = dp * micro_batch * microbatches. Give any two
     (or one: the others default to 1 micro-batch of 1 sequence); the third follows.
     ``zero``: the ZeRO stage (0-3) over the dp * cp ranks that hold the same parameters; the
-    ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``).
+    ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``; with ``shard_size`` S,
+    HSDP: ``data == "hsdp"``, sharded over S of the dp ranks, replicated over dp / S).
     ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
     pipeline rank; ``v`` model chunks per stage (interleaved).
     ``sp``: sequence parallelism with TP. ``recompute``: a policy, or one per block.
@@ -57,6 +58,7 @@ class Layout:
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     precision: str = "full"
+    shard_size: int | None = None     # HSDP: FSDP over S dp ranks, replicated over dp / S
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
@@ -85,7 +87,15 @@ class Layout:
         if data is not None:
             if data not in DATA:
                 raise ValueError(f"data must be one of {DATA}, got {data!r}")
-            fields["zero"] = 3 if data == "fsdp" else 0
+            fields["zero"] = 0 if data == "ddp" else 3
+            if data == "hsdp" and fields.get("shard_size", getattr(layout, "shard_size", None)) is None:
+                raise ValueError("data='hsdp' needs shard_size=S: FSDP shards over S ranks and replicates "
+                                 "over R = dp / S (Mesh(dp=R * S))")
+            if data == "fsdp" and fields.get("shard_size") is not None:
+                raise ValueError(f"shard_size={fields['shard_size']} with data='fsdp': FSDP over S of the dp "
+                                 f"ranks, replicated over the rest, is data='hsdp'")
+            if data != "hsdp":
+                fields.setdefault("shard_size", None)     # a layout's HSDP turned into DDP / FSDP
         if layout is None:
             return cls(**fields)
         if not isinstance(layout, cls):
@@ -94,8 +104,11 @@ class Layout:
 
     @property
     def data(self) -> str:
-        """How the ranks hold the data-parallel copies: "fsdp" (ZeRO-3) or "ddp"."""
-        return "fsdp" if self.zero == 3 else "ddp"
+        """How the ranks hold the data-parallel copies: "fsdp" (ZeRO-3), "hsdp" (ZeRO-3 over
+        ``shard_size`` ranks, replicated over the rest) or "ddp"."""
+        if self.zero == 3:
+            return "fsdp" if self.shard_size is None else "hsdp"
+        return "ddp"
 
     @property
     def sizes(self) -> dict:
@@ -117,7 +130,8 @@ class Layout:
         return replace(self, **{**keep, **changes, "given": frozenset(given)})
 
     def describe(self) -> str:
-        dims = [f"DP{self.dp}" + (f"(ZeRO-{self.zero})" if self.zero else ""),
+        dims = [f"DP{self.dp}" + (f"(HSDP {self.dp // self.shard_size}x{self.shard_size})" if self.data == "hsdp"
+                                  else f"(ZeRO-{self.zero})" if self.zero else ""),
                 f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
                 f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
                                   if self.pp > 1 else ""),
@@ -127,6 +141,6 @@ class Layout:
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 
-DATA = ("ddp", "fsdp")
+DATA = ("ddp", "fsdp", "hsdp")
 
 __all__ = ["Layout", "DATA"]

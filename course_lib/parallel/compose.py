@@ -40,7 +40,7 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     """The same single-device ``model`` on every rank -> this rank's part of it, on ``mesh``.
     ``layout``: a :class:`~course_lib.layout.Layout` (its dims the mesh's), or its fields as
     keywords: ``microbatches``, ``schedule``, ``v``, ``sequence_parallel`` (default True),
-    ``cp_method``, ``cp_layout``, ``data`` ("ddp" / "fsdp"), ``recompute`` (default: the model's
+    ``cp_method``, ``cp_layout``, ``data`` ("ddp" / "fsdp" / "hsdp" with ``shard_size``), ``recompute`` (default: the model's
     own), ``precision``. ``dims_of(p, sizes, fsdp)``: step 6 (default :func:`data_dims`)."""
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"parallelize_nd cuts a course_lib TinyGPT, got {type(model).__name__}")
@@ -60,7 +60,7 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     tie_embeddings(stages, mesh.sizes["pp"] * L.v)    # pp = 1, v > 1: embedding and head one weight again
     reduce = {}                                       # 6. the dims each gradient is summed over
     for st in stages.values():
-        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of))
+        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data != "ddp", dims_of=dims_of))
     before = {s: {n: (*tp_slice_of(q), reduce[id(q)]) for n, q in st.part.named_parameters(remove_duplicate=False)}
               for s, st in stages.items()}            # each TP slice and its sum dims (before FSDP)
     modules, grad_sync, master = apply_data_parallel(stages, mesh, L, reduce)   # 7. DDP or FSDP
@@ -120,16 +120,18 @@ def mark_reduce_dims(stage, mesh, fsdp=False, dims_of=None) -> dict:
 def apply_data_parallel(stages, mesh, layout, reduce):
     """DP: a GradSync summing each gradient over its dims ``reduce`` ({id(parameter): dims}, the
     plan's), after the schedule ("ddp"); or each stage sharded over ("dp", "cp") (torchtitan's
-    ``dp_shard_cp``), reduce-scattering, then summing over the rest of its dims ("fsdp").
+    ``dp_shard_cp``), reduce-scattering, then summing over the rest of its dims ("fsdp"); "hsdp":
+    sharded over ``shard_size`` dp ranks (x cp), the gradient shards all-reduced over the replicas.
     Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
     gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
     them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
     Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
     rule_fsdp(next(iter(stages.values())).part.config, layout)
     compute, reduce_dtype = check_precision(layout.precision)
-    if layout.data == "fsdp":
+    if layout.data != "ddp":
         return {s: FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
-                        units=list(st.part.blocks), divisor=1) for s, st in stages.items()}, None, None
+                        units=list(st.part.blocks), divisor=1, shard_size=layout.shard_size)
+                for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
     dims = {id(q): reduce[id(q)] for q in params}
     master = None

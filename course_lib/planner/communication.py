@@ -124,6 +124,19 @@ def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_byte
     return microbatches * (2 * ag - root + rs)
 
 
+def hsdp_bytes_per_step(n_params_local, shard, replicas, grad_bytes=2, param_bytes=2,
+                        microbatches=1) -> float:
+    """HSDP: FSDP over ``shard`` ranks (all-gather in forward and backward, reduce-scatter
+    every micro-batch, inside the shard group), then the gradient SHARD, P / shard of it, all-
+    reduced over ``replicas`` ranks (torch's ``fully_shard`` on a 2-D mesh). Per rank:
+    m (2 AG_S(P) + RS_S(P)) + m AR_R(P / S): the replicas move 1/S of what DDP's all-reduce
+    moves; ``shard`` = dp is FSDP, ``shard`` = 1 is DDP plus nothing gathered."""
+    P = float(n_params_local)
+    fsdp = dp_bytes_per_step(P, shard, 3, grad_bytes, param_bytes, microbatches) if shard > 1 else 0.0
+    replicate = collective_bytes_per_rank("all_reduce", P / shard * grad_bytes, replicas) if replicas > 1 else 0.0
+    return fsdp + microbatches * replicate
+
+
 def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1) -> float:
     """Expert parallelism (Lepikhin et al. 2020): each token's hidden state goes to its
     top_k experts and comes back, an all-to-all each way forward and each way

@@ -160,6 +160,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
 
     n_zero = layout.dp * c                            # ranks holding the same parameters
+    # HSDP: FSDP over the shard group (shard_size dp ranks x cp), replicas over the rest
+    n_shard = layout.shard_size * c if layout.data == "hsdp" else n_zero
+    n_replicas = n_zero // n_shard
+    a_sh, bw_sh = hw.link(layout.shard_size * t * c * p <= hw.gpus_per_node) if n_replicas > 1 else (a_dp, bw_dp)
     out = []
     for st, n_l in enumerate(layers_per_stage(model, layout)):
         dense, expert = _split_params(model, layout, st, n_l)
@@ -174,12 +178,15 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
         # layer (and one for the embedding / the head), each paying its own latency
         pieces = dp_pieces(layout, st, n_l)
 
-        def coll(kind, n_params, N, nbytes=2):
+        def coll(kind, n_params, N, nbytes=2, link=(a_dp, bw_dp)):
             if N <= 1 or n_params <= 0:
                 return 0.0
-            return F.collective_time(kind, n_params * nbytes, N, a_dp * pieces, bw_dp)
-        grad_rs = coll("reduce_scatter", dense, n_zero) + coll("reduce_scatter", expert, n_exp_group)
-        gather = coll("all_gather", dense, n_zero) + coll("all_gather", expert, n_exp_group)
+            return F.collective_time(kind, n_params * nbytes, N, link[0] * pieces, link[1])
+        # HSDP: the shard group's collectives on its (NVLink) link, then the shard all-reduced
+        grad_rs = coll("reduce_scatter", dense, n_shard, link=(a_sh, bw_sh)) + coll("reduce_scatter", expert,
+                                                                                 n_exp_group)
+        grad_rs += coll("all_reduce", dense / n_shard, n_replicas)
+        gather = coll("all_gather", dense, n_shard, link=(a_sh, bw_sh)) + coll("all_gather", expert, n_exp_group)
         if layout.zero == 0:
             grad_sync = coll("all_reduce", dense, n_zero) + coll("all_reduce", expert, n_exp_group)
             param_gather = 0.0
@@ -197,18 +204,19 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
                 bwd["zero"] = max(0.0, z_b - bwd["compute"])
             else:
                 fwd["zero"], bwd["zero"] = z_f, z_b
-        shard = n_zero if layout.zero >= 1 else 1
+        shard = n_shard if layout.zero >= 1 else 1
         shard_e = n_exp_group if layout.zero >= 1 else 1
         optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
 
-        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused,
+        mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
                       hw.fused_kernels)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
             "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c, algorithm=layout.cp_comm) if c > 1 else 0.0,
             "pp": sends * p2p_bytes if p > 1 else 0.0,
-            "dp": (F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
+            "dp": (F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
+                   else F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
             + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
             "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c) / (t if layout.sp else 1)
             if layout.ep > 1 else 0.0,
