@@ -132,4 +132,6 @@ class VirtualCluster:
                 f"dtype={self.dtype})")
 
 
-__all__ = ["VirtualCluster"]
+from course_lib.virtual.dry_run import DryRun, dry_run  # noqa: E402  (it builds VirtualClusters)
+
+__all__ = ["VirtualCluster", "dry_run", "DryRun"]

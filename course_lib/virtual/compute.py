@@ -28,6 +28,8 @@ same, bit for bit (tests/test_virtual_compute.py checks it on the course's model
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,13 +96,14 @@ class ComputeStream(TorchDispatchMode):
         self._seconds = {}                 # (FLOPs, bytes, class, detail) -> the model's seconds: a memo
         if not hasattr(clock, "host"):
             clock.host = 0.0               # the host: when it issued its last op
-        self._hooks, self._switched = None, []
+        self._hooks, self._switched, self._thread = None, [], None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False      # no torch.compile under the virtual clock: skip the per-op dynamo guard (~10 us)
 
     def __enter__(self):
+        self._thread = threading.get_ident()   # torch's optimizer hooks are global: this thread's steps only
         pre = register_optimizer_step_pre_hook(self._step_begins)
         post = register_optimizer_step_post_hook(self._step_ends)
         self._hooks = (pre, post)
@@ -118,12 +121,16 @@ class ComputeStream(TorchDispatchMode):
                     g["foreach"] = None
 
     def _step_begins(self, optimizer, args, kwargs):
+        if threading.get_ident() != self._thread:     # another thread's rank (the dry run's stages)
+            return
         groups = _cuda_path(optimizer)
         for g in groups:
             g["foreach"] = True
         self._switched.append(groups)
 
     def _step_ends(self, optimizer, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return
         for g in self._switched.pop() if self._switched else ():
             g["foreach"] = None
 
