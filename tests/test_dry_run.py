@@ -24,13 +24,15 @@ def _real(layout):
 
 
 def test_dry_run_equals_a_real_launch_and_folds_replicas():
-    """dp 2 x tp 2 x pp 2, 1F1B over 2 micro-batches, sequence parallel, selective recompute:
-    the dry run (2 ranks running, on meta) gives the real 8-rank run's step time to 1e-9."""
-    layout = Layout(dp=2, tp=2, pp=2, sp=True, micro_batch=1, global_batch=4, recompute="selective")
+    """dp 2 x tp 2 x pp 2, 1F1B over 6 micro-batches, sequence parallel, selective recompute:
+    the dry run (2 ranks running, on meta, the later actions replayed) gives the real 8-rank
+    run's step time to 1e-9."""
+    layout = Layout(dp=2, tp=2, pp=2, sp=True, micro_batch=1, global_batch=12, recompute="selective")
     real = _real(layout)
     real_step = max(r["t"] for r in real)
     r = dry_run(SPEC, HW, layout)
-    assert r.ranks_run == 2
+    assert r.ranks_run == 2 and r.replayed > 0
+    assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
     assert abs(r.step_time - real_step) <= 1e-9 * real_step, (r.step_time, real_step)
     # the stages' memory: the real run's states and activations, at the virtual dtype
     for stage in range(2):
@@ -38,8 +40,8 @@ def test_dry_run_equals_a_real_launch_and_folds_replicas():
         assert r.memory_by_stage[stage]["states"] == real[rank]["states"]
         assert r.memory_by_stage[stage]["activations"] == real[rank]["activations"]
     # folding: dp 1 vs dp 4 of the same per-replica work differ only by DP's collectives
-    one = dry_run(SPEC, HW, layout.with_(dp=1, global_batch=2))
-    four = dry_run(SPEC, HW, layout.with_(dp=4, global_batch=8))
+    one = dry_run(SPEC, HW, layout.with_(dp=1, global_batch=6))
+    four = dry_run(SPEC, HW, layout.with_(dp=4, global_batch=24))
     dp_spans = [s for s in four.spans if s.dim == "dp"]
     assert dp_spans and not [s for s in one.spans if s.dim == "dp"]
     compute = lambda run: sorted((s.rank, s.name, s.start, s.end) for s in run.spans if s.kind == "compute")

@@ -97,6 +97,7 @@ class ComputeStream(TorchDispatchMode):
         if not hasattr(clock, "host"):
             clock.host = 0.0               # the host: when it issued its last op
         self._hooks, self._switched, self._thread = None, [], None
+        self.tape = None                   # a list: every priced op's seconds appended (see replay)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -146,6 +147,8 @@ class ComputeStream(TorchDispatchMode):
         if kind is _HOST_READ:
             if not self._switched and not clock.muted_depth:
                 clock.host = max(clock.host, clock.t)   # .item(): the host waits for the stream
+                if self.tape is not None:
+                    self.tape.append(None)
             return out
         if not clock.muted_depth:           # op_time, inlined: one call less per op
             cost = kind_cost(kind, func, args, kwargs, out, self.sizes)
@@ -159,7 +162,23 @@ class ComputeStream(TorchDispatchMode):
             clock.t = (t if t > host else host) + seconds   # ...the device runs it
             clock.host = host
             clock.kernels += 1
+            if self.tape is not None:
+                self.tape.append(seconds)
         return out
+
+    def replay(self, tape) -> None:
+        """The stream's time for a recorded run of ops (``tape``: each priced op's seconds, None
+        where the host read a value), without running them: the arithmetic above, op by op."""
+        clock, issue = self.clock, self.issue
+        t, host = clock.t, clock.host
+        for seconds in tape:
+            if seconds is None:
+                host = max(host, t)
+            else:
+                host = host + issue
+                t = (t if t > host else host) + seconds
+                clock.kernels += 1
+        clock.t, clock.host = t, host
 
 
 __all__ = ["op_time", "op_flops", "tensor_bytes", "ComputeStream", "FREE"]

@@ -47,6 +47,7 @@ from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
+from course_lib.virtual.replay import ActionMemo, TapeRecorder
 
 _ALL_NONZERO = _fx_config.patch
 
@@ -64,6 +65,7 @@ class DryRun:
     ranks_run: int
     kernels: int               # kernels priced on the running ranks' compute streams
     wall_seconds: float
+    replayed: int              # actions whose price was replayed (:mod:`.replay`), of all the ranks run
     config: GPTConfig = field(repr=False, default=None)
 
     @property
@@ -89,7 +91,7 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
                      recompute=layout.recompute if recompute is None else recompute)
 
 
-def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu") -> dict:
+def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None) -> dict:
     """One training step of the course's program on this rank: the model built and cut (not
     priced), then ``net.step`` of a global batch and an AdamW step (priced). Run by the dry run
     (meta device, a :class:`~.priced.StageMesh`) and by a real launch (a Mesh) alike."""
@@ -100,6 +102,8 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu") -> dict:
         net = parallelize_nd(model, mesh, layout)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
+    if memo is not None:
+        memo.install(net.runner)
     net.step(x, x)
     opt.step()
     clock.settle()
@@ -111,7 +115,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu") -> dict:
     act_item = next(q.element_size() for q in net.model_parameters() if q.is_floating_point())
     if net.act_dtype is not None:
         act_item = net.act_dtype.itemsize
-    return {"t": clock.t, "kernels": clock.kernels, "states": tensor_bytes(clock.cluster, states.values()),
+    return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0, "states": tensor_bytes(clock.cluster, states.values()),
             "activations": act * clock.cluster.dtype.itemsize // act_item}
 
 
@@ -130,10 +134,11 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
 
 
 def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.bfloat16,
-            progress: float | None = 30.0) -> DryRun:
+            progress: float | None = 30.0, replay: bool = True) -> DryRun:
     """One step of ``layout`` for ``model`` (a preset name or ModelSpec) on ``hardware`` (a preset
     name or Hardware), priced on a :class:`~course_lib.virtual.VirtualCluster`: see the module's
-    docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet)."""
+    docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
+    ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again."""
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout)
@@ -145,15 +150,17 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     began = time.perf_counter()
 
     def run(rank):
-        rec = records[rank] = trace.Recorder(rank)
+        rec = records[rank] = TapeRecorder(rank)
         trace.install_thread(rec)
         rec.clock = DryRankClock(cluster, rank, shape.world_size, rec, stages)
+        if replay:
+            rec.memo = rec.clock.memo = ActionMemo(rec.clock)
         try:
             # a boolean mask's selection (the vocab-parallel loss) has the shape of its True count:
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta")
+                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
             out[rank] = e
             stages.fail(f"stage {shape.coords(rank)['pp']}: {type(e).__name__}: {e}")
@@ -177,7 +184,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spans = [sp for r in running for sp in records[r].resolve()]
     return DryRun(spec, hw, layout, step, model_flops / (step * shape.world_size * hw.peak_flops),
                   max(m["states"] + m["activations"] for m in memory), memory, spans, len(running),
-                  sum(r["kernels"] for r in res), time.perf_counter() - began, cfg)
+                  sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg)
 
 
 def _watch(threads, records, began, every) -> None:

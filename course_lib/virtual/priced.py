@@ -29,6 +29,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course_lib import trace
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.mesh import Mesh, MeshShape
 from course_lib.virtual.clock import Message, RankClock
@@ -113,6 +114,16 @@ class DryRankClock(RankClock):
         self.stages = stages
         self._k = defaultdict(int)             # group -> collectives this rank issued on it
 
+    memo = None             # an ActionMemo (:mod:`.replay`), when the dry run replays actions
+
+    def stream_tape(self, tape) -> None:
+        """Every priced op of the compute stream appended to ``tape`` (None: stop)."""
+        self._mode.tape = tape
+
+    def stream(self):
+        """The compute stream (its ``replay``)."""
+        return self._mode
+
     def _exchange(self, comm, ready: float, nbytes: float):
         self._k[comm.group] += 1
         return self.stages.exchange(comm, self._k[comm.group], self.rank, ready, nbytes)
@@ -166,6 +177,16 @@ class PricedComm(Comm):
         self.log, self.one_call, self._site, self._measuring = [], False, None, False
         self._thread = self._pending = None
 
+    def _call(self, op, name, payload, async_op, args, kwargs):
+        clock = trace.clock()
+        if clock is not None and clock.memo is not None:
+            clock.memo.comm_call(self, op, name, payload, async_op, args, kwargs)
+        return super()._call(op, name, payload, async_op, args, kwargs)
+
+    def replay_call(self, op, name, payload, async_op, args, kwargs):
+        """The call again, not taped (:mod:`.replay`)."""
+        return super()._call(op, name, payload, async_op, args, kwargs)
+
     def _function(self, op):
         fn, who = super()._function(op)
         return ((lambda *a, **kw: None), who) if who == "torch" else (fn, who)
@@ -200,7 +221,18 @@ class StageMesh(Mesh):
 
 
 class MetaScalars(TorchDispatchMode):
-    """A value read from a meta tensor is 1 (see the module's docstring)."""
+    """The meta device, fast, and readable: a value read from a meta tensor is 1 (see the
+    module's docstring); an op's output shapes are remembered by its inputs' shapes (most meta
+    kernels are Python, ~1 ms an op; their outputs depend on shapes, dtypes and arguments only),
+    for the ops that make new tensors (not views, not in place: those run their meta kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = {}        # (op, inputs' metadata) -> the outputs' (shape, stride, dtype), or None
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False            # (no torch.compile here: skip the per-op dynamo guard)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -210,7 +242,54 @@ class MetaScalars(TorchDispatchMode):
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
         if func is _COPY and args[1].is_meta and not args[0].is_meta:   # (.tolist(), .cpu(): to the host)
             return args[0].fill_(1)
-        return func(*args, **kwargs)
+        fresh = _FRESH.get(func)
+        if fresh is None:
+            fresh = _FRESH[func] = _makes_new_tensors(func)
+        if not fresh:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key(args), _key(kwargs)) if kwargs else (func, _key(args))
+        except TypeError:       # an argument that cannot be a key: run the meta kernel
+            return func(*args, **kwargs)
+        outs = self.shapes.get(key)
+        if outs is None:
+            out = func(*args, **kwargs)
+            if not all(isinstance(t, torch.Tensor) and t.is_meta for t in (out if isinstance(out, tuple) else (out,))):
+                return out
+            self.shapes[key] = ([_meta(t) for t in out] if isinstance(out, tuple) else _meta(out))
+            return out
+        if isinstance(outs, list):
+            return tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in outs)
+        shape, stride, dtype = outs
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+_FRESH: dict = {}       # op -> whether its outputs are new tensors (no alias, no mutation)
+
+
+def _makes_new_tensors(func) -> bool:
+    schema = func._schema
+    if schema.is_mutable or not schema.returns:
+        return False
+    return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+
+
+def _meta(t):
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+def _key(x):
+    """A hashable key of an op's argument: a tensor by its metadata (never its values)."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta:
+            raise TypeError("a tensor with values")
+        return (tuple(x.shape), x.stride(), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_key(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _key(v)) for k, v in x.items())
+    hash(x)
+    return (type(x), x)     # (1 and 1.0 promote an integer tensor differently)
 
 
 __all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars"]
