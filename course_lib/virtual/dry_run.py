@@ -22,10 +22,9 @@ Pipeline messages travel between the stages' threads with their start times, in 
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
 
-Memory (``peak_memory``): the largest over the running ranks of parameters, gradients and
-optimizer state after the step (floating tensors at the virtual dtype, as the clock counts
-bytes) plus the runner's peak of activations saved for backward (scaled to the virtual
-dtype); temporaries inside an op are not counted.
+Memory (``peak_memory``): the largest over the running ranks of what its GPU holds after the
+step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12) plus the runner's peak of
+activations saved for backward; temporaries inside an op are not counted.
 """
 from __future__ import annotations
 
@@ -91,14 +90,17 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
                      recompute=layout.recompute if recompute is None else recompute)
 
 
-def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None) -> dict:
-    """One training step of the course's program on this rank: the model built and cut (not
-    priced), then ``net.step`` of a global batch and an AdamW step (priced). Run by the dry run
-    (meta device, a :class:`~.priced.StageMesh`) and by a real launch (a Mesh) alike."""
+def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None) -> dict:
+    """One training step of the course's program on this rank: the model built (or ``model``,
+    only read) and cut (not priced), then ``net.step`` of a global batch and an AdamW step
+    (priced). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
+    :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. Returns the clock's end,
+    its kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
     with clock.muted():
-        with torch.device(device):
-            model = TinyGPT(cfg, seed=0)
+        if model is None:
+            with torch.device(device):
+                model = TinyGPT(cfg, seed=0)
         net = parallelize_nd(model, mesh, layout)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
@@ -107,16 +109,29 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None) ->
     net.step(x, x)
     opt.step()
     clock.settle()
-    states = {id(t): t for t in [*net.model_parameters(), *net.parameters()]}
-    states.update({id(t.grad): t.grad for t in list(states.values()) if t.grad is not None})
-    states.update({id(t): t for st in opt.state.values() for t in st.values()
-                   if isinstance(t, torch.Tensor) and t.numel() > 1})
-    act = net.last_result.peak_activation_bytes
-    act_item = next(q.element_size() for q in net.model_parameters() if q.is_floating_point())
-    if net.act_dtype is not None:
-        act_item = net.act_dtype.itemsize
-    return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0, "states": tensor_bytes(clock.cluster, states.values()),
-            "activations": act * clock.cluster.dtype.itemsize // act_item}
+    return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
+            **gpu_memory(net, opt, clock.cluster)}
+
+
+FP32 = 4
+
+
+def gpu_memory(net, opt, cluster) -> dict:
+    """Bytes this rank's GPU holds, as mixed-precision training on the virtual cluster keeps
+    them (ZeRO's convention, K = 12): the parameters and gradients the stages compute with at
+    the cluster's dtype; an fp32 master of every parameter the optimizer updates and its fp32
+    optimizer states ("states"); the runner's peak of activations saved for backward, at the
+    cluster's dtype ("activations")."""
+    model = {id(q): q for q in net.model_parameters()}
+    grads = [q.grad for q in model.values() if q.grad is not None]
+    updated = net.parameters()
+    master = sum(q.numel() for q in updated) * FP32
+    moments = sum(t.numel() for st in opt.state.values() for t in st.values()
+                  if isinstance(t, torch.Tensor) and t.numel() > 1) * FP32
+    act_item = net.act_dtype.itemsize if net.act_dtype is not None else \
+        next(q.element_size() for q in model.values() if q.is_floating_point())
+    act = net.last_result.peak_activation_bytes * cluster.dtype.itemsize // act_item
+    return {"states": tensor_bytes(cluster, [*model.values(), *grads]) + master + moments, "activations": act}
 
 
 def check_dry_run(spec, layout: Layout) -> GPTConfig:
@@ -146,6 +161,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     shape = MeshShape(**layout.sizes)
     cluster.check(shape.world_size)
     running = [shape.rank_of(pp=i) for i in range(layout.pp)]
+    with torch.device("meta"):
+        model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
     stages, out, records = Stages(running), {}, {}
     began = time.perf_counter()
 
@@ -160,7 +177,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo)
+                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo,
+                                       model=model)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
             out[rank] = e
             stages.fail(f"stage {shape.coords(rank)['pp']}: {type(e).__name__}: {e}")

@@ -1,0 +1,117 @@
+"""The published runs the planner is validated on, run by the course's own program on the
+virtual clock (:func:`course_lib.virtual.dry_run`), next to the paper's step time and the
+planner's.
+
+    rows = validation_rows()                 # every row (minutes each on 2 cores)
+    rows = validation_rows(["Korthikanti 2022 T5"], models=("megatron-175b",))
+    print(format_table(rows)); print(summary(rows))
+
+A row is each source's stated layout on the source's hardware, with what the source does not
+state filled by the one rule the planner's validation uses (:mod:`course_lib.planner.validation`:
+Megatron-LM of 2021-22 unfused attention, ``MEGATRON_2022``; BLOOM's Jean Zay network; Llama
+3 on H100s): nothing is fitted per row. The published step time is the paper's where it prints
+one (Korthikanti), else the FLOPs the paper counts per step over the throughput it reports
+(Narayanan and BLOOM: hardware FLOPs with recomputation; Llama 3: model FLOPs), with the
+planner's FLOP count for the step (the same for the three columns). The course's attention is
+written out (unfused) whatever the source ran: for Llama 3, which used FlashAttention, the dry
+run prices the unfused kernels (said in the row's ``note``); Llama 3's CP row does not run
+(the dry run does not fold context parallelism yet).
+"""
+from __future__ import annotations
+
+import time
+
+from course_lib.layout import Layout
+from course_lib.planner import estimate
+from course_lib.planner.presets import HARDWARE, MODELS, gpt_spec
+from course_lib.planner.validation import (BLOOM, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
+                                           NARAYANAN_TABLE1, korthikanti_layout, llama3_layout)
+from course_lib.virtual import dry_run
+
+SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
+
+
+def published_runs():
+    """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
+    FLOPs convention), note)]: every row, in the planner validation's order."""
+    rows = []
+    for name, pp, gbs, seconds, _ in KORTHIKANTI_TABLE5:
+        model = MODELS[name]
+        rows.append(("Korthikanti 2022 T5", model.name, model, MEGATRON_2022, korthikanti_layout(model, pp, gbs),
+                     seconds, None, ""))
+    for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
+        model = gpt_spec(f"GPT {billions:g}B", L, h, a)
+        # the planner validation's rule (narayanan_table1): DP the rest, full recomputation, 1F1B
+        layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full")
+        rows.append(("Narayanan 2021 T1", model.name, model, MEGATRON_2022, layout, None,
+                     ("hardware", tflops), ""))
+    for rc in ("none", "full"):        # bloom_row's rule: the least recomputation that fits
+        layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048, recompute=rc)
+        if estimate(BLOOM, JEAN_ZAY, layout).fits:
+            break
+    rows.append(("BLOOM 2022", BLOOM.name, BLOOM, JEAN_ZAY, layout, None, ("hardware", 150.0),
+                 "ALiBi run as learned positions; ZeRO-1 runs as DDP (the ranks run ZeRO 0 or 3)"))
+    h100 = HARDWARE["h100-sxm"]
+    for gpus, tp, cp, pp, dp, s, tflops in LLAMA3_TABLE4:
+        rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
+                     llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
+                     "attention unfused in the course's model (FlashAttention in the paper); "
+                     "ZeRO-2 runs as DDP"))
+    return rows
+
+
+def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0) -> list[dict]:
+    """Run the rows of ``sources`` (and of ``models``, names, when given) through the dry run."""
+    out = []
+    for source, name, model, hw, layout, seconds, flops_rate, note in published_runs():
+        if source not in sources or (models and name not in models and model.name not in models):
+            continue
+        est = estimate(model, hw, layout)
+        if seconds is None:
+            convention, tflops = flops_rate
+            flops = est.hardware_flops if convention == "hardware" else est.model_flops
+            seconds = flops / (tflops * 1e12 * layout.n_gpus)
+        row = {"source": source, "model": name, "GPUs": layout.n_gpus,
+               "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
+               "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
+               "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
+               "fits": None, "wall_s": None, "note": note}
+        began = time.perf_counter()
+        try:
+            r = dry_run(model, hw, layout, progress=progress)
+        except NotImplementedError as e:
+            row["note"] = f"not run: {e}"
+        else:
+            row.update(dry_s=r.step_time, dry_err=r.step_time / seconds - 1, dry_GiB=r.peak_memory / 2**30,
+                       fits=r.fits, wall_s=time.perf_counter() - began, ranks_run=r.ranks_run)
+        out.append(row)
+        if progress is not None:
+            print(format_table([row], header=not out[:-1]), flush=True)
+    return out
+
+
+COLUMNS = (("source", "{}"), ("model", "{}"), ("GPUs", "{}"), ("layout", "{}"), ("published_s", "{:.3f}"),
+           ("planner_s", "{:.3f}"), ("dry_s", "{:.3f}"), ("planner_err", "{:+.1%}"), ("dry_err", "{:+.1%}"),
+           ("planner_GiB", "{:.1f}"), ("dry_GiB", "{:.1f}"), ("fits", "{}"), ("wall_s", "{:.0f}"))
+
+
+def format_table(rows, header=True) -> str:
+    lines = [" | ".join(c for c, _ in COLUMNS)] if header else []
+    for r in rows:
+        lines.append(" | ".join("-" if r.get(c) is None else f.format(r[c]) for c, f in COLUMNS))
+    return "\n".join(lines)
+
+
+def summary(rows) -> str:
+    """Mean and worst |error| of the rows the dry run ran, the planner's on the same rows beside."""
+    ran = [r for r in rows if r["dry_err"] is not None]
+    if not ran:
+        return "no row ran"
+    lines = []
+    for who in ("dry", "planner"):
+        errs = [abs(r[f"{who}_err"]) for r in ran]
+        lines.append(f"{who:8s} on {len(ran)} rows: mean |error| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%}")
+    return "\n".join(lines)
+
+
+__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES"]
