@@ -28,6 +28,7 @@ activations saved for backward; temporaries inside an op are not counted.
 """
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.experimental._config as _fx_config
+import torch.nn as nn
 
 from course_lib import trace
 from course_lib.gpt import GPTConfig, TinyGPT
@@ -42,6 +44,7 @@ from course_lib.layout import Layout
 from course_lib.parallel.compose import parallelize_nd
 from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import MeshShape
+from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
 from course_lib.virtual.compute import tensor_bytes
@@ -90,10 +93,12 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
                      recompute=layout.recompute if recompute is None else recompute)
 
 
-def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None) -> dict:
+def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
+               optimizer="fused") -> dict:
     """One training step of the course's program on this rank: the model built (or ``model``,
     only read) and cut (not priced), then ``net.step`` of a global batch and an AdamW step
-    (priced). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
+    (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
+    runs it). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
     :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. Returns the clock's end,
     its kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
@@ -102,7 +107,8 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
             with torch.device(device):
                 model = TinyGPT(cfg, seed=0)
         net = parallelize_nd(model, mesh, layout)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
+            torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
     if memo is not None:
         memo.install(net.runner)
@@ -111,6 +117,43 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     clock.settle()
     return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
             **gpu_memory(net, opt, clock.cluster)}
+
+
+def stage_model(model, pp_rank: int, layout: Layout):
+    """``model`` as pp rank ``pp_rank`` reads it: its own blocks, an empty ``nn.Identity`` in
+    the place of every block another rank keeps (the stages copy the model they are given: a
+    1T model's 128 blocks, 64 times over, for one or two blocks each). Shares the tensors."""
+    n = layout.pp * layout.chunks
+    mine = {i for s in range(pp_rank, n, layout.pp) for i in partition_layers(len(model.blocks), n)[s]}
+    view = copy.copy(model)
+    view._modules = dict(model._modules)            # (a shallow copy shares the dict of children)
+    view.blocks = nn.ModuleList(b if i in mine else nn.Identity() for i, b in enumerate(model.blocks))
+    return view
+
+
+class FusedAdamW:
+    """AdamW as a fused kernel runs it (apex's FusedAdam in Megatron-LM and DeepSpeed, torch's
+    ``fused=True`` on CUDA): the step counts in one ``_foreach_add_``, then every tensor in one
+    ``_fused_adamw_``, torch's own fused op (called directly: torch's AdamW refuses
+    ``fused=True`` on the meta device; on the CPU the same op computes AdamW)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
+        self.params = [q for q in params if q.requires_grad]
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.state = {}
+
+    def step(self):
+        ps = [q for q in self.params if q.grad is not None]
+        for q in ps:
+            if q not in self.state:         # created at the first step, as torch's optimizers do
+                self.state[q] = {"step": torch.zeros((), dtype=torch.float32, device=q.device),
+                                 "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
+        st = [self.state[q] for q in ps]
+        steps = [s["step"] for s in st]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_(ps, [q.grad for q in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+                            [], steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
 
 
 FP32 = 4
@@ -149,11 +192,14 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
 
 
 def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.bfloat16,
-            progress: float | None = 30.0, replay: bool = True) -> DryRun:
+            progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused") -> DryRun:
     """One step of ``layout`` for ``model`` (a preset name or ModelSpec) on ``hardware`` (a preset
     name or Hardware), priced on a :class:`~course_lib.virtual.VirtualCluster`: see the module's
     docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
-    ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again."""
+    ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
+    ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach"."""
+    if optimizer not in ("fused", "foreach"):
+        raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout)
@@ -178,7 +224,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
                 out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo,
-                                       model=model)
+                                       model=stage_model(model, shape.coords(rank)["pp"], layout),
+                                       optimizer=optimizer)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
             out[rank] = e
             stages.fail(f"stage {shape.coords(rank)['pp']}: {type(e).__name__}: {e}")
@@ -221,4 +268,4 @@ def _watch(threads, records, began, every) -> None:
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
 
 
-__all__ = ["dry_run", "DryRun", "train_step", "model_config", "check_dry_run"]
+__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "check_dry_run"]
