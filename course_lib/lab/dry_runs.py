@@ -75,15 +75,16 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
                "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
                "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
                "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
-               "fits": None, "wall_s": None, "note": note}
-        began = time.perf_counter()
+               "fits": None, "wall_s": None, "cpu_s": None, "note": note}
+        began, cpu = time.perf_counter(), time.process_time()
         try:
             r = dry_run(model, hw, layout, progress=progress)
         except NotImplementedError as e:
             row["note"] = f"not run: {e}"
         else:
             row.update(dry_s=r.step_time, dry_err=r.step_time / seconds - 1, dry_GiB=r.peak_memory / 2**30,
-                       fits=r.fits, wall_s=time.perf_counter() - began, ranks_run=r.ranks_run)
+                       fits=r.fits, wall_s=time.perf_counter() - began, cpu_s=time.process_time() - cpu,
+                       ranks_run=r.ranks_run)
         out.append(row)
         if progress is not None:
             print(format_table([row], header=not out[:-1]), flush=True)
@@ -92,7 +93,7 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
 
 COLUMNS = (("source", "{}"), ("model", "{}"), ("GPUs", "{}"), ("layout", "{}"), ("published_s", "{:.3f}"),
            ("planner_s", "{:.3f}"), ("dry_s", "{:.3f}"), ("planner_err", "{:+.1%}"), ("dry_err", "{:+.1%}"),
-           ("planner_GiB", "{:.1f}"), ("dry_GiB", "{:.1f}"), ("fits", "{}"), ("wall_s", "{:.0f}"))
+           ("planner_GiB", "{:.1f}"), ("dry_GiB", "{:.1f}"), ("fits", "{}"), ("wall_s", "{:.0f}"), ("cpu_s", "{:.0f}"))
 
 
 def format_table(rows, header=True) -> str:
