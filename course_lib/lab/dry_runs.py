@@ -23,7 +23,7 @@ import time
 
 from course_lib.layout import Layout
 from course_lib.planner import estimate
-from course_lib.planner.presets import HARDWARE, MODELS, gpt_spec
+from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
 from course_lib.planner.validation import (BLOOM, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
                                            NARAYANAN_TABLE1, korthikanti_layout, llama3_layout)
 from course_lib.virtual import dry_run
@@ -50,13 +50,12 @@ def published_runs():
         if estimate(BLOOM, JEAN_ZAY, layout).fits:
             break
     rows.append(("BLOOM 2022", BLOOM.name, BLOOM, JEAN_ZAY, layout, None, ("hardware", 150.0),
-                 "ALiBi run as learned positions; ZeRO-1 runs as DDP (the ranks run ZeRO 0 or 3)"))
+                 "ALiBi run as learned positions"))
     h100 = HARDWARE["h100-sxm"]
     for gpus, tp, cp, pp, dp, s, tflops in LLAMA3_TABLE4:
         rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
                      llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
-                     "attention unfused in the course's model (FlashAttention in the paper); "
-                     "ZeRO-2 runs as DDP"))
+                     "attention unfused in the course's model (FlashAttention in the paper)"))
     return rows
 
 
@@ -77,6 +76,10 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
                "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
                "fits": None, "wall_s": None, "cpu_s": None, "note": note}
         began, cpu = time.perf_counter(), time.process_time()
+        if layout.zero in (1, 2):      # the ranks run ZeRO 0 (DDP) or 3 (FSDP): the stated rule
+            layout = layout.with_(zero=0)
+            row["note"] = (row["note"] + "; " if row["note"] else "") + \
+                "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
             r = dry_run(model, hw, layout, progress=progress)
         except NotImplementedError as e:
@@ -115,4 +118,49 @@ def summary(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES"]
+# the planner against the dry run on random valid layouts: a dense GPT (GPT-2 blocks) and a
+# Llama-style model with grouped-query attention, small enough to run in seconds
+AGREEMENT_MODELS = (gpt_spec("GPT 16L h1024", 16, 1024, 16, V=32000, s=1024),
+                    ModelSpec("Llama-style 16L h1024 GQA", 16, 1024, 16, 4, 2816, 32000, 1024))
+AGREEMENT_GPUS = ("a100-80gb", "h100-sxm")
+
+
+def random_layouts(n: int, seed: int = 0):
+    """``n`` (model, hardware, Layout) drawn at random, each passing every rule the ranks apply."""
+    import random
+    from course_lib.virtual.dry_run import check_dry_run
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        model, hw = rng.choice(AGREEMENT_MODELS), rng.choice(AGREEMENT_GPUS)
+        tp, pp, dp = rng.choice((1, 2, 4, 8)), rng.choice((1, 2, 4)), rng.choice((1, 2, 4))
+        schedule = rng.choice(("1f1b", "gpipe", "interleaved")) if pp > 1 else "1f1b"
+        m = rng.choice((1, 2, 4, 8)) * (pp if pp > 1 else 1)
+        layout = Layout(dp=dp, tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.7, schedule=schedule,
+                        v=2 if schedule == "interleaved" else 1, micro_batch=rng.choice((1, 2)), microbatches=m,
+                        recompute=rng.choice(("none", "selective", "full")), zero=rng.choice((0, 0, 3)))
+        try:
+            check_dry_run(model, layout)
+        except (ValueError, NotImplementedError):
+            continue
+        out.append((model, hw, layout))
+    return out
+
+
+def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) -> list[dict]:
+    """The planner's step time and memory against the dry run's on :func:`random_layouts`."""
+    rows = []
+    for model, hw, layout in random_layouts(n, seed):
+        est, r = estimate(model, hw, layout), dry_run(model, hw, layout, progress=progress)
+        rows.append({"model": model.name, "GPU": hw, "layout": layout.describe(),
+                     "planner_s": est.step_time, "dry_s": r.step_time, "time_diff": est.step_time / r.step_time - 1,
+                     "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": r.peak_memory / 2**30,
+                     "memory_diff": est.memory["total"] / r.peak_memory - 1})
+        if progress is not None:
+            row = rows[-1]
+            print(f"{row['model'][:14]:14s} {hw:9s} {row['layout'][:70]:70s} time {row['time_diff']:+.1%} "
+                  f"memory {row['memory_diff']:+.1%}", flush=True)
+    return rows
+
+
+__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "random_layouts",
+           "agreement_rows"]
