@@ -65,3 +65,18 @@ def test_a_model_too_big_reports_its_peak_and_does_not_fit():
     r = dry_run(big, HW, Layout(micro_batch=1, global_batch=1))
     assert not r.fits and r.peak_memory > r.hardware.hbm_bytes
     assert r.memory_by_stage[0]["states"] == 16 * big.n_params   # bf16 weights, grads; fp32 master, 2 moments
+
+
+def test_the_validation_rows_and_random_layouts_are_the_planners():
+    """lab.dry_runs runs every published row the planner's validation uses, with the same
+    layouts (its runner is benchmarks/dry_run_validation.py, not a timed test)."""
+    from course_lib.lab.dry_runs import published_runs, random_layouts
+    from course_lib.planner.validation import published_rows
+    from course_lib.virtual.dry_run import check_dry_run
+    rows = published_runs()
+    assert len(rows) == len(published_rows())
+    assert {r[0] for r in rows} == {r["source"] for r in published_rows()}
+    drawn = random_layouts(6, seed=1)
+    assert len(drawn) == 6
+    for model, hw, layout in drawn:
+        check_dry_run(model, layout)                      # every drawn layout passes the ranks' rules
