@@ -82,7 +82,7 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
                 "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
             r = dry_run(model, hw, layout, progress=progress)
-        except NotImplementedError as e:
+        except (NotImplementedError, ValueError) as e:    # the dry run's limits; a layout the ranks refuse
             row["note"] = f"not run: {e}"
         else:
             row.update(dry_s=r.step_time, dry_err=r.step_time / seconds - 1, dry_GiB=r.peak_memory / 2**30,
