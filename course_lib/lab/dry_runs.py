@@ -147,12 +147,16 @@ def random_layouts(n: int, seed: int = 0):
 
 
 def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) -> list[dict]:
-    """The planner's step time and memory against the dry run's on :func:`random_layouts`."""
+    """The planner's step time and memory against the dry run's on :func:`random_layouts`: the
+    planner's ``runtime="course"`` (the course's eager program, kernel by kernel, each op issued
+    by the host: what the dry run runs), and its default ``"megatron"`` (launches hidden, fused
+    kernels: the published systems) beside it."""
     rows = []
     for model, hw, layout in random_layouts(n, seed):
-        est, r = estimate(model, hw, layout), dry_run(model, hw, layout, progress=progress)
+        est, r = estimate(model, hw, layout, runtime="course"), dry_run(model, hw, layout, progress=progress)
         rows.append({"model": model.name, "GPU": hw, "layout": layout.describe(),
                      "planner_s": est.step_time, "dry_s": r.step_time, "time_diff": est.step_time / r.step_time - 1,
+                     "planner_megatron_s": estimate(model, hw, layout).step_time,
                      "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": r.peak_memory / 2**30,
                      "memory_diff": est.memory["total"] / r.peak_memory - 1})
         if progress is not None:
