@@ -261,9 +261,9 @@ def _watch(threads, records, began, every) -> None:
             if every is not None and time.perf_counter() - last >= every:
                 last = time.perf_counter()
                 where = []
-                for rank in (min(records), max(records)) if records else ():
-                    spans = records[rank].spans
-                    where.append(f"rank {rank}: {spans[-1].name if spans else 'building'} "
+                for i, rank in ((0, min(records)), (len(records) - 1, max(records))) if records else ():
+                    spans = records[rank].spans      # the last action's name: F12@3 is micro-batch 12
+                    where.append(f"stage {i} (rank {rank}): {spans[-1].name if spans else 'building'} "
                                  f"(t={records[rank].clock.t:.3f} s)")
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
 
