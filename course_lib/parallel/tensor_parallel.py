@@ -284,6 +284,8 @@ class TensorParallelRNG:
     (independent masks: the same seed would repeat one mask on every shard)."""
 
     def __init__(self, comm: Comm, seed: int = 0, device="cpu"):
+        if torch.device(device).type == "meta":   # (the dry run: no generator there, and no values drawn)
+            device = "cpu"
         self.replicated = torch.Generator(device=device).manual_seed(seed)
         self.sharded = torch.Generator(device=device).manual_seed(seed + 2718 + comm.rank)
 
