@@ -29,7 +29,8 @@ class Layout:
     ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``).
     ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
     pipeline rank; ``v`` model chunks per stage (interleaved).
-    ``sp``: sequence parallelism with TP. ``recompute``: a policy, or one per block.
+    ``sp``: sequence parallelism with TP; ``async_tp``: its collectives decomposed under the
+    matmuls (needs sp and tp > 1). ``recompute``: a policy, or one per block.
     ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
     the gradient reduction under the last backward (bucketed DDP / ZeRO).
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
@@ -57,6 +58,7 @@ class Layout:
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     precision: str = "full"
+    async_tp: bool = False
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
