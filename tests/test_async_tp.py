@@ -95,3 +95,22 @@ def test_async_tp_equals_plain_sequence_parallel(t):
 def test_async_tp_needs_sequence_parallelism_and_tp(kw):
     with pytest.raises(ValueError, match="async_tp .*needs sequence_parallel=True and tp > 1"):
         check_layout(CFG, **kw)
+
+
+def test_planner_prices_async_tp_as_hidden_hops():
+    """planner.estimate: async TP's exposed TP time is the first hop plus each later hop's
+    excess over its matmul step (async_tp_exposed); at Llama 3 70B's shape it hides most of
+    plain SP's collectives, and with no matmul to hide under it costs t hops (more than a ring)."""
+    from course_lib import planner
+    from course_lib.layout import Layout
+    from course_lib.planner.costs import async_tp_exposed
+
+    assert async_tp_exposed(1.0, 0.0, 8) == 8.0                  # latency bound: t hops, nothing hidden
+    assert async_tp_exposed(1.0, 80.0, 8) == 1.0                 # matmul step 10 > hop: the first hop only
+    assert async_tp_exposed(1.0, 4.0, 2) == 1.0                  # step 2 > hop 1: the second hop hidden
+    assert async_tp_exposed(3.0, 4.0, 2) == 3.0 + 1.0            # the second hop exceeds its step by 1
+    plain, fast = (planner.estimate("llama3-70b", "h100-sxm", Layout(tp=8, sp=True, async_tp=a, global_batch=8,
+                                                                      microbatches=8)) for a in (False, True))
+    assert fast.time["tp"] < 0.25 * plain.time["tp"]
+    assert fast.step_time < plain.step_time
+    assert fast.time["compute"] == plain.time["compute"]         # the same matmuls, only communication hidden
