@@ -12,6 +12,9 @@ Exposed communication = the layer's virtual time - the same program's time with 
 The formula beside it: plain = its collectives' NCCL times (nothing hides them); async = per
 decomposed op, the first hop plus, at each of the other t - 1 steps, max(0, hop - the step's
 matmul), the hop a point-to-point message of one chunk (:func:`virtual.links.p2p_time`).
+At the sizes a CPU can run, async TP does not pay (benchmarks/async_tp.py prints why: eager
+issue of t times more ops, hop latency, the kernel floor); the planner prices the sizes where
+it does (``planner.costs.async_tp_exposed``).
 """
 from __future__ import annotations
 
