@@ -19,7 +19,8 @@ The forward all-gather's chunks are KEPT for the weight gradient (torch's DTenso
 the gathered input too): re-gathering them in backward (Megatron's choice, t x less memory)
 would be another ring of t-1 hops, which could hide under the weight gradient's chunks the
 same way; not done here. torch's fused kernels (``torch.ops.symm_mem.fused_all_gather_matmul``
-and ``fused_matmul_reduce_scatter``, over symmetric memory) need CUDA GPUs.
+and ``fused_matmul_reduce_scatter``, over symmetric memory) need CUDA GPUs: in the CPU
+build (2.13.0+cpu) ``torch.ops.symm_mem`` has no such op registered.
 """
 from __future__ import annotations
 
