@@ -53,12 +53,12 @@ class Layout:
     recompute: object = "none"
     seq_len: int | None = None        # None: the model's training sequence length
     overlap_dp: bool = True
+    async_tp: bool = False            # needs sp and tp > 1 (tp_plan.rule_sequence)
     cp_comm: str = "ring"
     microbatches: int = None
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     precision: str = "full"
-    async_tp: bool = False
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
