@@ -30,7 +30,8 @@ class Layout:
     HSDP: ``data == "hsdp"``, sharded over S of the dp ranks, replicated over dp / S).
     ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
     pipeline rank; ``v`` model chunks per stage (interleaved).
-    ``sp``: sequence parallelism with TP. ``recompute``: a policy, or one per block.
+    ``sp``: sequence parallelism with TP; ``async_tp``: its collectives decomposed under the
+    matmuls (needs sp and tp > 1). ``recompute``: a policy, or one per block.
     ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
     the gradient reduction under the last backward (bucketed DDP / ZeRO).
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
@@ -53,6 +54,7 @@ class Layout:
     recompute: object = "none"
     seq_len: int | None = None        # None: the model's training sequence length
     overlap_dp: bool = True
+    async_tp: bool = False            # needs sp and tp > 1 (tp_plan.rule_sequence)
     cp_comm: str = "ring"
     microbatches: int = None
     cp_method: str = "ring"

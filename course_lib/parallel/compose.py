@@ -73,7 +73,7 @@ def apply_tp(part, mesh, layout, seed=0):
     rule_tensor(part.config, layout)
     rule_sequence(part.config, layout)
     if mesh.sizes["tp"] > 1:
-        parallelize(part, mesh, sequence_parallel=layout.sp, seed=seed)
+        parallelize(part, mesh, sequence_parallel=layout.sp, seed=seed, async_tp=layout.async_tp)
 
 
 def apply_cp(part, mesh, layout):
