@@ -35,7 +35,9 @@ class Layout:
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
     attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
     ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous") are what
-    the ranks run.
+    the ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold
+    over one stage's dp x cp x tp ranks (Megatron-Core's MoE parallel folding; ep * etp must
+    divide dp * cp * tp); the rest of those ranks hold copies of the same experts.
     """
 
     dp: int = 1
@@ -57,6 +59,7 @@ class Layout:
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     precision: str = "full"
+    etp: int = 1                      # expert tensor parallel: the experts' own TP, folded like ep
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
@@ -124,6 +127,8 @@ class Layout:
                 f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
         if self.ep > 1:
             dims.append(f"EP{self.ep}")
+        if self.etp > 1:
+            dims.append(f"ETP{self.etp}")
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 

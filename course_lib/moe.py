@@ -9,7 +9,10 @@ weighted by their router probabilities (Switch's rule; with ``normalize_topk=Tru
 weights are divided by their sum, GShard's and Mixtral's rule, so they add up to 1). Each expert takes at most
 ``capacity = ceil(capacity_factor * T_group * k / E)`` tokens of a group; assignments are
 served first choices first, then in token order, and the rest are **dropped** (output 0
-for that choice: the residual connection carries the token). ``groups``: the tokens are
+for that choice: the residual connection carries the token). ``capacity_factor=None``:
+dropless (every assignment served, MegaBlocks / Megatron's default). ``n_shared``: DeepSeekMoE's
+shared experts, applied to every token with weight 1 beside the routed ones (with many
+small routed experts and top-k > 2: its "fine-grained" experts). ``groups``: the tokens are
 routed in ``groups`` equal groups, capacity and auxiliary loss computed per group (GShard's
 groups): with expert parallelism, a group is one rank's tokens.
 
@@ -44,13 +47,42 @@ def check_moe_config(n_experts, top_k, capacity_factor):
         raise ValueError(f"n_experts must be >= 1, got {n_experts}")
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({n_experts})")
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None: dropless), got {capacity_factor}")
 
 
 def capacity(tokens, n_experts, top_k, capacity_factor) -> int:
-    """Most tokens an expert takes from a group of ``tokens``."""
+    """Most tokens an expert takes from a group of ``tokens`` (None: dropless, all of them)."""
+    if capacity_factor is None:
+        return tokens * top_k
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
+
+
+def keep_mask(expert, n_experts, cap):
+    """expert (T, k) -> keep (T, k) bool: the assignment fits in its expert's ``cap`` places,
+    served first choices first, then by token (GShard's order)."""
+    T, top_k = expert.shape
+    flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
+    one_hot = F.one_hot(flat, n_experts)                           # (k*T, E)
+    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
+    return (slot < cap).view(top_k, T).t()
+
+
+def choose(logits, top_k, normalize=False):
+    """logits (T, E) -> probs (T, E), weight (T, k), expert (T, k): each token's top-k experts
+    and their router probabilities (``normalize``: divided by their sum, GShard / Mixtral)."""
+    probs = F.softmax(logits, dim=-1)                              # (T, E)
+    weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
+    if normalize:
+        weight = weight / weight.sum(-1, keepdim=True)             # before dropping, as GShard does
+    return probs, weight, expert
+
+
+def balance_loss(counts, prob_mean, tokens, top_k):
+    """Switch's load-balancing loss E * sum_e f_e * P_e of a group of ``tokens``: ``counts`` (E,)
+    assignments per expert (before dropping), ``prob_mean`` (E,) the mean router probabilities."""
+    E = counts.shape[0]
+    return E * ((counts.float() / (tokens * top_k)) * prob_mean).sum()
 
 
 def route(logits, top_k, capacity_factor, normalize=False):
@@ -61,30 +93,27 @@ def route(logits, top_k, capacity_factor, normalize=False):
     keep: the assignment fits in its expert's capacity (first choices first, then by token);
     counts: assignments per expert before dropping."""
     T, E = logits.shape
-    probs = F.softmax(logits, dim=-1)                              # (T, E)
-    weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
-    if normalize:
-        weight = weight / weight.sum(-1, keepdim=True)             # before dropping, as GShard does
-    flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
-    one_hot = F.one_hot(flat, E)                                   # (k*T, E)
-    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
-    keep = (slot < capacity(T, E, top_k, capacity_factor)).view(top_k, T).t()   # (T, k)
-    counts = one_hot.sum(0)                                        # (E,)
-    aux = E * ((counts.float() / (T * top_k)) * probs.mean(0)).sum()
-    return expert, weight, keep, counts, aux
+    probs, weight, expert = choose(logits, top_k, normalize)
+    keep = keep_mask(expert, E, capacity(T, E, top_k, capacity_factor))   # (T, k)
+    counts = torch.bincount(expert.flatten(), minlength=E)        # (E,)
+    return expert, weight, keep, counts, balance_loss(counts, probs.mean(0), T, top_k)
 
 
 class MoE(nn.Module):
     """Router + E experts on one device (see the module docstring)."""
 
-    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0, normalize_topk=False):
+    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0, normalize_topk=False,
+                 n_shared=0):
         super().__init__()
         check_moe_config(n_experts, top_k, capacity_factor)
+        if n_shared < 0:
+            raise ValueError(f"n_shared (shared experts) must be >= 0, got {n_shared}")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.normalize_topk = normalize_topk
         g = torch.Generator().manual_seed(seed)
         self.router = nn.Linear(hidden, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_experts))
+        self.shared = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_shared))   # every token, weight 1
         with torch.no_grad():  # one generator, in registration order: the same on every rank
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, device=draw_device(p)) * (0.5 / math.sqrt(p.shape[-1])))
@@ -96,7 +125,7 @@ class MoE(nn.Module):
         for xg in x.chunk(groups):
             expert, weight, keep, _, aux = route(self.router(xg), self.top_k, self.capacity_factor,
                                                  self.normalize_topk)
-            y = torch.zeros_like(xg)
+            y = shared_output(self.shared, xg)
             for e, net in enumerate(self.experts):
                 tok, j = torch.nonzero((expert == e) & keep, as_tuple=True)
                 y = y.index_add(0, tok, net(xg[tok]) * weight[tok, j, None])
@@ -105,4 +134,13 @@ class MoE(nn.Module):
         return torch.cat(ys), torch.stack(auxes).mean()
 
 
-__all__ = ["Expert", "MoE", "route", "capacity", "check_moe_config"]
+def shared_output(shared, x):
+    """The shared experts' sum on tokens ``x`` (T, h) (zeros without shared experts)."""
+    y = torch.zeros_like(x)
+    for net in shared:
+        y = y + net(x)
+    return y
+
+
+__all__ = ["Expert", "MoE", "route", "choose", "keep_mask", "balance_loss", "capacity", "shared_output",
+           "check_moe_config"]

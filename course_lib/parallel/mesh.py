@@ -21,8 +21,8 @@ etp x ep x edp (expert tensor parallel innermost, then expert parallel, then exp
 parallel). ``ep * etp`` must divide ``dp * cp * tp``. The fold takes its ranks from DP
 first, then CP, then TP: the expert mesh lies on the shortest run of those dimensions
 whose size ``ep * etp`` divides (``fold``: ("dp",) when it divides dp, as an EP inside DP),
-so an "ep" group is ``ep`` consecutive indexes along the fold (same pp, and the same cp
-and tp where the fold does not reach them). The ranks that hold the same experts are
+so an "ep" group is ``ep`` consecutive indexes along the fold, numbered in rank order
+(same pp, and the same cp and tp where the fold does not reach them). The ranks that hold the same experts are
 "edp" and the dimensions outside the fold (:meth:`MeshShape.expert_replicas`).
 Megatron folds TP first instead (its EP on the NVLink ranks of attention's TP); here DP
 first keeps an EP that fits inside DP where the earlier chapters put it.
@@ -88,10 +88,9 @@ class MeshShape:
         for d in reversed(DIMS):
             rank, out[d] = divmod(rank, self.sizes[d])
         out = {d: out[d] for d in DIMS}
-        folded, stride = 0, 1                     # this rank's index along the fold, dp fastest
-        for d in self.fold:
-            folded += out[d] * stride
-            stride *= self.sizes[d]
+        folded = 0                                # this rank's index along the fold, in rank order
+        for d in self.fold:                       # (tp fastest): a group's ranks sorted = by coordinate
+            folded = folded * self.sizes[d] + out[d]
         folded, out["etp"] = divmod(folded, self.etp)
         out["edp"], out["ep"] = divmod(folded, self.ep)
         return out
