@@ -21,6 +21,7 @@ from course_lib.lab.nd_runs import LR, single_device
 from course_lib.moe import route
 from course_lib.parallel.compose import assemble_nd, check_layout
 from course_lib.parallel.mesh import MeshShape
+from course_lib.planner.formulas import moe_dispatch_payloads
 
 MOE = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=16, n_heads=2, ffn_hidden=16, n_experts=4,
                 top_k=2, capacity_factor=None)
@@ -66,16 +67,24 @@ def _train_all(cases):
             moe = st.part.blocks[0].mlp.moe
             if st.layers[0] == 0 and isinstance(moe, ExpertParallelMoE):
                 hooks.append(moe.register_forward_hook(_dropped_hook(drops)))
-        losses, grads = [], None
-        for x, y in reference.gpt_batches(cfg, batch=BATCH, steps=STEPS):
+        losses, grads, logged = [], None, []
+        for step, (x, y) in enumerate(reference.gpt_batches(cfg, batch=BATCH, steps=STEPS)):
+            moe = next(st.part.blocks[0].mlp.moe for st in net.stages.values())
+            if step == STEPS - 1:          # the last step's first dispatch and combine, counted
+                for c in (moe.comm, moe.group_comm):
+                    c.reset()
             losses.append(net.step(x, y))
+            if step == STEPS - 1:
+                comm = moe.group_comm if cfg.moe_dispatch == "all_gather" else moe.comm
+                logged = [next(c.payload for c in comm.log if c.name == n) for n in ("dispatch", "combine")]
+                logged.append(len(moe.token_index) if moe.token_index is not None else None)
             for h in hooks:
                 h.remove()
             hooks = []
             grads = grads or net.shards(grads=True)
             opt.step()
             opt.zero_grad()
-        out[name] = (losses, grads, net.shards(), drops, net.mesh.coord)
+        out[name] = (losses, grads, net.shards(), drops, net.mesh.coord, logged)
         print(name, "mesh", round(t1 - t0, 2), "train", round(time.perf_counter() - t1, 2), flush=True)
     return out
 
@@ -124,6 +133,22 @@ def test_folded_expert_layouts_equal_one_device():
                 assert drops == [want[coord["dp"] * m + i] for i in range(m)], name
         if cfg.capacity_factor is not None and cfg.capacity_factor < 1:
             assert any(want), f"{name}: the capacity drops something"
+        _check_dispatch_bytes(name, cfg, dims, kw, [r[name][5] for r in ranks])
+
+
+def _check_dispatch_bytes(name, cfg, dims, kw, logged):
+    """Payloads logged by the Comm = moe_dispatch_payloads (float64: 8 bytes), where exact:
+    the all-gather dispatch always; the all-to-all when nothing is dropped (T k rows)."""
+    ep, etp = dims.get("ep", 1), dims.get("etp", 1)
+    tokens = BATCH // (dims.get("dp", 1) * kw.get("microbatches", 1)) * cfg.seq_len // (dims.get("cp", 1) *
+                                                                                      dims.get("tp", 1))
+    want = moe_dispatch_payloads(tokens, cfg.hidden, cfg.top_k, ep, etp, cfg.moe_dispatch, dtype_bytes=8)
+    for dispatch, combine, seen in logged:
+        assert seen in (None, tokens), (name, seen, tokens)
+        if cfg.moe_dispatch == "all_gather":
+            assert dispatch == want["all_gather"] and combine == want["reduce_scatter"], (name, dispatch, want)
+        elif cfg.capacity_factor is None:
+            assert dispatch == combine == want["all_to_all"] // 2, (name, dispatch, want)
 
 
 @pytest.mark.parametrize("cfg,kw,message", [

@@ -35,6 +35,7 @@ from course_lib import trace
 from course_lib.moe import MoE, balance_loss, capacity, choose, keep_mask, shared_output
 from course_lib.parallel.comm_ops import gather_along
 from course_lib.parallel.mesh import expert_fold, set_reduce_dims
+from course_lib.parallel.tensor_parallel import slice_parameter
 
 DISPATCH = ("all_to_all", "all_gather")
 
@@ -162,9 +163,7 @@ def slice_expert(net, etp: int, rank: int):
     a, b = rank * f // etp, (rank + 1) * f // etp
     out = copy.deepcopy(net)
     for lin, dim, name in ((out.w1, 0, "weight"), (out.w1, 0, "bias"), (out.w2, 1, "weight")):
-        piece = nn.Parameter(getattr(lin, name).detach().narrow(dim, a, b - a).clone())
-        piece.tp_shard = (dim, a, b, f)              # read into the plan's Placement (tp_slice_of)
-        setattr(lin, name, piece)
+        setattr(lin, name, slice_parameter(getattr(lin, name), dim, a, b))   # tagged: the plan's Placement
     out.w1.out_features = out.w2.in_features = b - a
     return out
 

@@ -24,6 +24,8 @@ from course_lib.planner.communication import (  # noqa: F401
     cp_bytes_per_layer,
     dp_bytes_per_step,
     ep_bytes_per_layer,
+    moe_dispatch_bytes,
+    moe_dispatch_payloads,
     pp_bytes_per_microbatch,
     ring_steps,
     tp_bytes_per_layer,
