@@ -58,33 +58,6 @@ def capacity(tokens, n_experts, top_k, capacity_factor) -> int:
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
-def keep_mask(expert, n_experts, cap):
-    """expert (T, k) -> keep (T, k) bool: the assignment fits in its expert's ``cap`` places,
-    served first choices first, then by token (GShard's order)."""
-    T, top_k = expert.shape
-    flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
-    one_hot = F.one_hot(flat, n_experts)                           # (k*T, E)
-    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
-    return (slot < cap).view(top_k, T).t()
-
-
-def choose(logits, top_k, normalize=False):
-    """logits (T, E) -> probs (T, E), weight (T, k), expert (T, k): each token's top-k experts
-    and their router probabilities (``normalize``: divided by their sum, GShard / Mixtral)."""
-    probs = F.softmax(logits, dim=-1)                              # (T, E)
-    weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
-    if normalize:
-        weight = weight / weight.sum(-1, keepdim=True)             # before dropping, as GShard does
-    return probs, weight, expert
-
-
-def balance_loss(counts, prob_mean, tokens, top_k):
-    """Switch's load-balancing loss E * sum_e f_e * P_e of a group of ``tokens``: ``counts`` (E,)
-    assignments per expert (before dropping), ``prob_mean`` (E,) the mean router probabilities."""
-    E = counts.shape[0]
-    return E * ((counts.float() / (tokens * top_k)) * prob_mean).sum()
-
-
 def route(logits, top_k, capacity_factor, normalize=False):
     """logits (T, E) -> expert (T, k), weight (T, k), keep (T, k) bool, counts (E,), aux.
 
@@ -93,10 +66,17 @@ def route(logits, top_k, capacity_factor, normalize=False):
     keep: the assignment fits in its expert's capacity (first choices first, then by token);
     counts: assignments per expert before dropping."""
     T, E = logits.shape
-    probs, weight, expert = choose(logits, top_k, normalize)
-    keep = keep_mask(expert, E, capacity(T, E, top_k, capacity_factor))   # (T, k)
-    counts = torch.bincount(expert.flatten(), minlength=E)        # (E,)
-    return expert, weight, keep, counts, balance_loss(counts, probs.mean(0), T, top_k)
+    probs = F.softmax(logits, dim=-1)                              # (T, E)
+    weight, expert = probs.topk(top_k, dim=-1)                     # (T, k)
+    if normalize:
+        weight = weight / weight.sum(-1, keepdim=True)             # before dropping, as GShard does
+    flat = expert.t().reshape(-1)                                  # (k*T,): all 1st choices, then 2nd...
+    one_hot = F.one_hot(flat, E)                                   # (k*T, E)
+    slot = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # place in its expert's queue
+    keep = (slot < capacity(T, E, top_k, capacity_factor)).view(top_k, T).t()   # (T, k)
+    counts = one_hot.sum(0)                                        # (E,)
+    aux = E * ((counts.float() / (T * top_k)) * probs.mean(0)).sum()
+    return expert, weight, keep, counts, aux
 
 
 class MoE(nn.Module):
@@ -142,5 +122,4 @@ def shared_output(shared, x):
     return y
 
 
-__all__ = ["Expert", "MoE", "route", "choose", "keep_mask", "balance_loss", "capacity", "shared_output",
-           "check_moe_config"]
+__all__ = ["Expert", "MoE", "route", "capacity", "shared_output", "check_moe_config"]

@@ -147,8 +147,34 @@ def _check_dispatch_bytes(name, cfg, dims, kw, logged):
         assert seen in (None, tokens), (name, seen, tokens)
         if cfg.moe_dispatch == "all_gather":
             assert dispatch == want["all_gather"] and combine == want["reduce_scatter"], (name, dispatch, want)
-        elif cfg.capacity_factor is None:
-            assert dispatch == combine == want["all_to_all"] // 2, (name, dispatch, want)
+        elif cfg.capacity_factor is None:   # combine: the rows this rank's experts ran (T k in all)
+            assert dispatch == want["all_to_all"] // 2, (name, dispatch, want)
+    if cfg.moe_dispatch == "all_to_all" and cfg.capacity_factor is None:
+        assert sum(c for _, c, _ in logged) == sum(d for d, _, _ in logged), name
+
+
+def test_planner_prices_the_folded_expert_mesh():
+    """planner.estimate on Mixtral: experts held by ep x etp ranks (not TP), EP bytes from
+    ep_bytes_per_layer (etp, all-gather dispatch), the all-gather dispatch dearer at top-2, ep 8."""
+    from course_lib.layout import Layout
+    from course_lib.planner import estimate
+    from course_lib.planner.formulas import ep_bytes_per_layer
+    from course_lib.planner.presets import MODELS
+
+    mixtral = MODELS["mixtral-8x7b"]
+    base = dict(dp=4, tp=2, pp=1, global_batch=8, micro_batch=1, sp=True)
+    a2a = estimate(mixtral, "h100-sxm", Layout(**base, ep=8))      # ep folded over dp x tp
+    etp = estimate(mixtral, "h100-sxm", Layout(**base, ep=4, etp=2))
+    gather = estimate(mixtral.with_(moe_dispatch="all_gather"), "h100-sxm", Layout(**base, ep=8))
+    s, h = mixtral.seq_len, mixtral.hidden
+    per_layer = ep_bytes_per_layer(s, 1, h, 8, 2) / 2                  # tokens of one TP rank (SP)
+    assert a2a.comm_bytes["ep"] == pytest.approx(2 * 32 * per_layer)   # 2 micro-batches x 32 layers
+    assert gather.comm_bytes["ep"] == pytest.approx(2 * 32 * ep_bytes_per_layer(s, 1, h, 8, 2,
+                                                                               dispatch="all_gather") / 2)
+    assert gather.comm_bytes["ep"] == pytest.approx(a2a.comm_bytes["ep"] * 8 / 2)   # N / k
+    assert etp.comm_bytes["ep"] > 0 and gather.time["ep"] > a2a.time["ep"]
+    with pytest.raises(ValueError, match="must divide dp"):
+        estimate(mixtral, "h100-sxm", Layout(**base, ep=4, etp=4))     # 16 ranks over a stage of 8
 
 
 @pytest.mark.parametrize("cfg,kw,message", [

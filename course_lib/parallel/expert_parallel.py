@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib import trace
-from course_lib.moe import MoE, balance_loss, capacity, choose, keep_mask, shared_output
+from course_lib.moe import MoE, route, shared_output
 from course_lib.parallel.comm_ops import gather_along
 from course_lib.parallel.mesh import expert_fold, set_reduce_dims
 from course_lib.parallel.tensor_parallel import slice_parameter
@@ -205,31 +205,29 @@ class ExpertParallelMoE(nn.Module):
 
     def route(self, x):
         """x (T, h) -> expert (T, k), weight (T, k), keep (T, k), counts (E,), aux: as
-        :func:`course_lib.moe.route` on this rank's routing group (see the module docstring)."""
-        T, E, k = x.shape[0], self.n_experts, self.top_k
-        probs, weight, expert = choose(self.router(x), k, self.normalize_topk)
+        :func:`course_lib.moe.route` on this rank's routing group. Over cp x tp, the group's
+        router logits are all-gathered with each token's place in the group, and every rank
+        routes the whole group in the single-device order, its own rows live (their gradient:
+        the weights, and the load-balancing loss through the group's mean probabilities)."""
+        logits = self.router(x)                                       # (T, E)
+        args = (self.top_k, self.capacity_factor, self.normalize_topk)
         if self.token_comm is None:                                   # the group: my tokens
-            keep = keep_mask(expert, E, capacity(T, E, k, self.capacity_factor))
-            self.dropped = (~keep).nonzero()                          # (token, choice) dropped
-            counts = torch.bincount(expert.flatten(), minlength=E)
-            return expert, weight, keep, counts, balance_loss(counts, probs.mean(0), T, k)
+            out = route(logits, *args)
+            self.dropped = (~out[2]).nonzero()                        # (token, choice) pairs dropped
+            return out
+        T, g, me = x.shape[0], self.token_comm.size, self.token_comm.rank
         if self.token_index is None or len(self.token_index) != T:
             raise ValueError(f"ExpertParallelMoE over cp x tp needs token_index (set by parallelize_nd's step) "
                              f"for its {T} tokens, got {None if self.token_index is None else len(self.token_index)}")
-        g = self.token_comm.size
-        table = gather_along(self.token_comm, torch.cat([self.token_index[:, None].to(expert), expert], 1), 0,
-                             "routing table")                         # (g*T, 1 + k): index, experts
-        order = torch.argsort(table[:, 0])                            # the single-device token order
-        group_keep = keep_mask(table[order, 1:], E, capacity(g * T, E, k, self.capacity_factor))
-        self.dropped = (~group_keep).nonzero()                         # in the group's token order
-        keep = torch.empty_like(group_keep)
-        keep[order] = group_keep
-        counts = torch.bincount(table[:, 1:].flatten(), minlength=E)
-        local = probs.sum(0)
-        total = local.detach().clone()
-        self.token_comm.all_reduce(total, name="router probabilities")
-        mean = (local + (total - local.detach())) / (g * T)           # the group's mean; my tokens' gradient
-        return expert, weight, keep.view(g, T, k)[self.token_comm.rank], counts, balance_loss(counts, mean, g * T, k)
+        index = gather_along(self.token_comm, self.token_index, 0, "routing: token places")      # (g*T,)
+        table = gather_along(self.token_comm, logits.detach(), 0, "routing: logits")           # (g*T, E)
+        rows = list(table.split(T))
+        rows[me] = logits                                             # my rows live, the others' fixed
+        order = torch.argsort(index)                                  # the single-device token order
+        expert, weight, keep, counts, aux = route(torch.cat(rows)[order], *args)
+        self.dropped = (~keep).nonzero()                              # in the group's token order
+        mine = torch.argsort(order).view(g, T)[me]                    # my tokens' places in that order
+        return expert[mine], weight[mine], keep[mine], counts, aux
 
     def forward(self, x):  # x (T, h): this rank's tokens -> (T, h), aux loss of its routing group
         expert, weight, keep, _, aux = self.route(x)
