@@ -2,9 +2,11 @@
 course_lib/parallel/mesh.py, applied by parallelize_nd) against one device.
 
 The MoE TinyGPT trains 4 AdamW steps in float64 on layouts where the experts' mesh
-(ep x etp) folds over TP, CP, DP and pipeline stages: tp2 x ep2, cp2 x ep2, dp2 x tp2 with
-ep4, etp2, pp2 with experts, the all-gather dispatch, token dropping (a small capacity
-factor), dropless (None), shared experts and fine-grained experts with top-k = 3. Every
+(ep x etp) folds over TP, CP, DP and pipeline stages: tp2 x ep2 and cp2 x ep2 on each of 2
+stages, dp2 x tp2 with ep4, ep2 x etp2, cp2 x tp2 with etp2, dp2 x cp2 with ep2 (EP inside
+DP, experts copied over CP), the all-gather dispatch, token dropping (capacity factors 0.5,
+0.75, 1), dropless (None), a shared expert with fine-grained experts (8, top-3). The
+dispatch payloads logged by the Comm equal planner.formulas.moe_dispatch_payloads. Every
 layout: the losses, the first step's gradients and the final weights equal the
 single-device run (``MoE(groups=dp * m)``: a routing group is one micro-batch of one DP
 rank) within course_lib.tolerance's bounds, and the (token, choice) pairs dropped in the
@@ -54,12 +56,9 @@ def _train_all(cases):
     from course_lib.parallel.expert_parallel import ExpertParallelMoE
     from course_lib.parallel.mesh import Mesh
 
-    import time
     out = {}
     for name, (cfg, dims, kw) in cases.items():
-        t0 = time.perf_counter()
         mesh = Mesh(**dims)
-        t1 = time.perf_counter()
         net = parallelize_nd(TinyGPT(cfg, seed=0).double(), mesh, **kw)
         opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
         drops, hooks = [], []
@@ -85,7 +84,6 @@ def _train_all(cases):
             opt.step()
             opt.zero_grad()
         out[name] = (losses, grads, net.shards(), drops, net.mesh.coord, logged)
-        print(name, "mesh", round(t1 - t0, 2), "train", round(time.perf_counter() - t1, 2), flush=True)
     return out
 
 

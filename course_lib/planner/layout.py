@@ -1,4 +1,4 @@
-"""A parallel layout (DP x TP x PP x CP, EP inside DP) and the constraints the planner puts on it.
+"""A parallel layout (DP x TP x PP x CP; EP x ETP folded over a stage's DP x CP x TP) and its constraints.
 
 :class:`Layout` is the one layout object (``course_lib.layout``): the ranks take the same one.
 
