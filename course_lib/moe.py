@@ -58,6 +58,14 @@ def capacity(tokens, n_experts, top_k, capacity_factor) -> int:
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
+def shared_output(shared, x):
+    """The shared experts' sum on tokens ``x`` (T, h) (zeros without shared experts)."""
+    y = torch.zeros_like(x)
+    for net in shared:
+        y = y + net(x)
+    return y
+
+
 def route(logits, top_k, capacity_factor, normalize=False):
     """logits (T, E) -> expert (T, k), weight (T, k), keep (T, k) bool, counts (E,), aux.
 
@@ -114,12 +122,4 @@ class MoE(nn.Module):
         return torch.cat(ys), torch.stack(auxes).mean()
 
 
-def shared_output(shared, x):
-    """The shared experts' sum on tokens ``x`` (T, h) (zeros without shared experts)."""
-    y = torch.zeros_like(x)
-    for net in shared:
-        y = y + net(x)
-    return y
-
-
-__all__ = ["Expert", "MoE", "route", "capacity", "shared_output", "check_moe_config"]
+__all__ = ["Expert", "MoE", "route", "capacity", "check_moe_config"]
