@@ -54,12 +54,12 @@ class Layout:
     recompute: object = "none"
     seq_len: int | None = None        # None: the model's training sequence length
     overlap_dp: bool = True
+    etp: int = 1                      # expert tensor parallel: the experts' own TP, folded like ep
     cp_comm: str = "ring"
     microbatches: int = None
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     precision: str = "full"
-    etp: int = 1                      # expert tensor parallel: the experts' own TP, folded like ep
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
