@@ -37,7 +37,9 @@ class Layout:
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
     attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
     ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous") are what
-    the ranks run.
+    the ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold
+    over one stage's dp x cp x tp ranks (Megatron-Core's MoE parallel folding; ep * etp must
+    divide dp * cp * tp); the rest of those ranks hold copies of the same experts.
     """
 
     dp: int = 1
@@ -55,6 +57,7 @@ class Layout:
     seq_len: int | None = None        # None: the model's training sequence length
     overlap_dp: bool = True
     async_tp: bool = False            # needs sp and tp > 1 (tp_plan.rule_sequence)
+    etp: int = 1                      # expert tensor parallel: the experts' own TP, folded like ep
     cp_comm: str = "ring"
     microbatches: int = None
     cp_method: str = "ring"
@@ -140,6 +143,8 @@ class Layout:
                 f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
         if self.ep > 1:
             dims.append(f"EP{self.ep}")
+        if self.etp > 1:
+            dims.append(f"ETP{self.etp}")
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 

@@ -95,14 +95,13 @@ def mlp_width_rule(width: int, tp: int):
 
 
 def rule_tensor(cfg, layout):
-    """TP's rules for a TinyGPT config: heads, MLP width, vocabulary; no tensor-parallel experts."""
+    """TP's rules for a TinyGPT config: heads, MLP width, vocabulary (an MoE's experts are on
+    their own mesh: expert_parallel.rule_experts)."""
     if layout.tp == 1:
         return
     local_heads(cfg.n_heads, cfg.n_kv_heads, layout.tp)
-    if cfg.n_experts:
-        raise ValueError("the MoE variant's experts are not tensor-parallel here: split them with ep "
-                         "(inside dp) and keep tp=1")
-    mlp_width_rule(cfg.ffn_hidden, layout.tp)
+    if not cfg.n_experts:
+        mlp_width_rule(cfg.ffn_hidden, layout.tp)
     vocab_rule(cfg.vocab_size, layout.tp)
 
 

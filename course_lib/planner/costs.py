@@ -73,7 +73,8 @@ def async_tp_exposed(hop: float, matmul: float, t: int) -> float:
 
 
 def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
-    """(dense params, expert params) this GPU holds on ``stage``, after TP and EP."""
+    """(dense params, expert params) this GPU holds on ``stage``: the dense ones cut by TP, the
+    experts by the expert mesh folded over the same ranks (EP x ETP, Megatron-Core's folding)."""
     parts = F.param_breakdown(model)
     expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
     dense_layer = parts["per_layer"] - expert_layer
@@ -83,7 +84,7 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
     if stage == layout.pp - 1:
         # the LM head (a tied head is a second copy on the last stage, as in Megatron)
         dense += parts["lm_head"] or model.vocab * model.hidden
-    return dense / layout.tp, n_layers * expert_layer / (layout.tp * layout.ep)
+    return dense / layout.tp, n_layers * expert_layer / (layout.ep * layout.etp)   # the folded expert mesh
 
 
 RUNTIMES = ("megatron", "course")
@@ -112,7 +113,8 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     tokens = b * s / c                               # tokens of one micro-batch on this GPU
     fused = hw.fused_attention
     # matmul seconds of one layer / the head for one micro-batch, by the GEMMs' shapes
-    lg_f, lg_b = G.layer_gemms(model, s, b, t, c, layout.ep, layout.recompute, fused)
+    lg_f, lg_b = G.layer_gemms(model, s, b, t, c, layout.ep, layout.recompute, fused, etp=layout.etp,
+                               sp=layout.sp)
     lf, lb = G.gemms_time(lg_f, hw), G.gemms_time(lg_b, hw)
     hg_f, hg_b = G.head_gemms(model, s, b, t, c)
     hf, hb = G.gemms_time(hg_f, hw), G.gemms_time(hg_b, hw)
@@ -123,6 +125,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     a_pp, bw_pp = hw.link(intra_node(layout, hw, "pp"))
     a_dp, bw_dp = hw.link(intra_node(layout, hw, "dp"))
     a_ep, bw_ep = hw.link(intra_node(layout, hw, "ep"))
+    a_etp, bw_etp = hw.link(intra_node(layout, hw, "etp"))
     act = b * s * h * 2 / c                           # bytes of one (s/cp, b, h) bf16 activation
 
     # TP per layer: 2 all-reduces forward, 2 backward, (+2 for full recompute); with SP
@@ -158,9 +161,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
         cp_fwd_layer = (c - 1) * max(0.0, hop - G.gemms_time(at_f, hw) / c)
         # backward: K/V and the dK/dV accumulator per hop; the accumulator's last hop home is exposed
         cp_bwd_layer = (c - 1) * max(0.0, 2 * hop - G.gemms_time(at_b, hw) / c) + hop
-    # EP per layer: dispatch + combine all-to-all forward, the same backward
-    ep_n = tokens * model.top_k * h * 2 / (t if layout.sp else 1)
-    ep_layer = 2 * F.collective_time("all_to_all", ep_n, layout.ep, a_ep, bw_ep) if layout.ep > 1 else 0.0
+    # EP per layer (forward; the backward the same): the payloads of the folded expert mesh's
+    # dispatch and combine (F.moe_dispatch_payloads), each token routed on one TP rank (SP)
+    ep_tokens = tokens / (t if layout.sp else 1)
+    ep_layer = _ep_time(model, layout, ep_tokens, h, (a_ep, bw_ep), (a_etp, bw_etp))
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, a_pp, bw_pp) if p > 1 else 0.0
 
@@ -180,7 +184,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     out = []
     for st, n_l in enumerate(layers_per_stage(model, layout)):
         dense, expert = _split_params(model, layout, st, n_l)
-        n_exp_group = max(1, n_zero // layout.ep)
+        n_exp_group = max(1, n_zero * t // (layout.ep * layout.etp))   # the ranks holding the same experts
         last = st == p - 1
         fwd = {"compute": n_l * lf + (hf if last else 0.0),
                "elementwise": n_l * ew_fwd_layer, "tp": n_l * tp_fwd_layer, "cp": n_l * cp_fwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
@@ -231,12 +235,27 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
             "dp": (F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
                    else F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
             + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
-            "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c) / (t if layout.sp else 1)
-            if layout.ep > 1 else 0.0,
+            "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c, etp=layout.etp,
+                                                 dispatch=model.moe_dispatch) / (t if layout.sp else 1)
+            if layout.ep * layout.etp > 1 else 0.0,
         }
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
                              optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0)))
     return out
+
+
+def _ep_time(model, layout, tokens, h, ep_link, etp_link) -> float:
+    """Seconds of one MoE layer's forward dispatch and combine on the folded expert mesh."""
+    if layout.ep * layout.etp == 1:
+        return 0.0
+    gather = model.moe_dispatch == "all_gather"
+    group = {"all_to_all": (layout.ep, ep_link),
+             "all_gather": (layout.ep * layout.etp, ep_link) if gather else (layout.etp, etp_link)}
+    group["reduce_scatter"] = group["all_gather"]
+    payloads = F.moe_dispatch_payloads(tokens, h, model.top_k, layout.ep, layout.etp, model.moe_dispatch)
+    calls = {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}   # dispatch and combine: two all-to-alls
+    return sum(calls[kind] * F.collective_time(kind, n / calls[kind], group[kind][0], *group[kind][1])
+               for kind, n in payloads.items() if group[kind][0] > 1)
 
 
 def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
