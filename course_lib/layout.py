@@ -148,6 +148,23 @@ class Layout:
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 
+FOLD_ORDER = ("dp", "cp", "tp")     # the fold takes its ranks from these, dp first
+
+
+def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
+    """The dims of one stage the expert mesh folds over: the shortest run of dp, cp, tp (dp
+    first) whose ranks ``ep * etp`` divides. ValueError if the stage's dp x cp x tp does not
+    tile into expert meshes."""
+    folded = 1
+    for i, d in enumerate(FOLD_ORDER):
+        folded *= sizes.get(d, 1)
+        if folded % (ep * etp) == 0:
+            return FOLD_ORDER[:i + 1]
+    raise ValueError(f"the expert mesh folds over one stage's dp x cp x tp ranks: ep * etp = {ep} * {etp} "
+                     f"must divide dp * cp * tp = {sizes.get('dp', 1)} * {sizes.get('cp', 1)} * "
+                     f"{sizes.get('tp', 1)} = {folded}")
+
+
 DATA = ("ddp", "fsdp", "hsdp")
 
-__all__ = ["Layout", "DATA"]
+__all__ = ["Layout", "DATA", "FOLD_ORDER", "expert_fold"]

@@ -40,11 +40,11 @@ import itertools
 import torch.distributed as dist
 
 from course_lib.collectives.comm import Comm
+from course_lib.layout import FOLD_ORDER, expert_fold  # noqa: F401  (the fold is a layout rule)
 from course_lib.schedules import positive_int
 
 DIMS = ("dp", "pp", "cp", "tp")    # outermost -> innermost
 EXPERT_DIMS = ("ep", "etp", "edp")  # the expert mesh, folded over dp (x cp x tp) of one stage
-FOLD_ORDER = ("dp", "cp", "tp")     # the fold takes its ranks from these, dp first
 
 
 class MeshShape:
@@ -148,20 +148,6 @@ class MeshShape:
             inside = " x ".join(self.fold)
             experts = f" (ep={self.ep}" + (f" x etp={self.etp}" if self.etp > 1 else "") + f" inside {inside})"
         return dims + experts + f": {self.world_size} ranks"
-
-
-def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
-    """The dims of one stage the expert mesh folds over: the shortest run of dp, cp, tp (dp
-    first) whose ranks ``ep * etp`` divides. ValueError if the stage's dp x cp x tp does not
-    tile into expert meshes."""
-    folded = 1
-    for i, d in enumerate(FOLD_ORDER):
-        folded *= sizes.get(d, 1)
-        if folded % (ep * etp) == 0:
-            return FOLD_ORDER[:i + 1]
-    raise ValueError(f"the expert mesh folds over one stage's dp x cp x tp ranks: ep * etp = {ep} * {etp} "
-                     f"must divide dp * cp * tp = {sizes.get('dp', 1)} * {sizes.get('cp', 1)} * "
-                     f"{sizes.get('tp', 1)} = {folded}")
 
 
 def _names(dims) -> tuple:

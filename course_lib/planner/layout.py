@@ -9,8 +9,7 @@ node; otherwise its ring crosses the network and runs at the network's speed.
 """
 from __future__ import annotations
 
-from course_lib.layout import Layout
-from course_lib.parallel.mesh import expert_fold
+from course_lib.layout import Layout, expert_fold
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 
