@@ -57,8 +57,10 @@ class GPTConfig:
     rope_theta: float = 10000.0
     n_experts: int = 0           # > 0: every block's MLP is a mixture of experts (course_lib.moe)
     top_k: int = 1               # experts per token
-    capacity_factor: float = 1.25
+    capacity_factor: float | None = 1.25   # None: dropless (every assignment served)
     moe_aux_coef: float = 0.01   # weight of the load-balancing loss (Switch's alpha)
+    moe_dispatch: str = "all_to_all"   # how expert parallelism moves tokens: "all_to_all" / "all_gather"
+    n_shared_experts: int = 0    # DeepSeekMoE's always-on experts, beside the routed ones
     recompute: object = "none"   # "none", "selective", "full", or one per block (course_lib.recompute)
 
     def __post_init__(self):
@@ -78,6 +80,8 @@ class GPTConfig:
         if self.n_experts:
             from course_lib.moe import check_moe_config
             check_moe_config(self.n_experts, self.top_k, self.capacity_factor)
+            if self.moe_dispatch not in ("all_to_all", "all_gather"):
+                raise ValueError(f"moe_dispatch must be 'all_to_all' or 'all_gather', got {self.moe_dispatch!r}")
         if not isinstance(self.recompute, str):
             self.recompute = tuple(self.recompute)
         layer_policies(self.recompute, self.n_layers)   # ValueError naming an unknown policy
@@ -249,7 +253,8 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         from course_lib.moe import MoE
-        self.moe = MoE(cfg.hidden, cfg.ffn_hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+        self.moe = MoE(cfg.hidden, cfg.ffn_hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
+                       n_shared=cfg.n_shared_experts)
         self.aux_coef, self.groups, self.aux_weight = cfg.moe_aux_coef, 1, 1.0
         self.last_aux = None
 

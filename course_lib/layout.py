@@ -27,17 +27,21 @@ class Layout:
     or gradient accumulation): global_batch = dp * micro_batch * microbatches. Give any two
     (or one: the others default to 1 micro-batch of 1 sequence); the third follows.
     ``zero``: the ZeRO stage (0-3) over the dp * cp ranks that hold the same parameters; the
-    ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``).
+    ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``; with ``shard_size`` S,
+    HSDP: ``data == "hsdp"``, sharded over S of the dp ranks, replicated over dp / S).
     ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
     pipeline rank; ``v`` model chunks per stage (interleaved).
-    ``sp``: sequence parallelism with TP. ``recompute``: a policy, or one per block.
+    ``sp``: sequence parallelism with TP; ``async_tp``: its collectives decomposed under the
+    matmuls (needs sp and tp > 1). ``recompute``: a policy, or one per block.
     ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
     the gradient reduction under the last backward (bucketed DDP / ZeRO).
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
     attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
     ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous" /
     "documents": the zigzag of every packed document; keyword ``cp_balance``) are what the
-    ranks run.
+    ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold
+    over one stage's dp x cp x tp ranks (Megatron-Core's MoE parallel folding; ep * etp must
+    divide dp * cp * tp); the rest of those ranks hold copies of the same experts.
     """
 
     dp: int = 1
@@ -54,11 +58,14 @@ class Layout:
     recompute: object = "none"
     seq_len: int | None = None        # None: the model's training sequence length
     overlap_dp: bool = True
+    async_tp: bool = False            # needs sp and tp > 1 (tp_plan.rule_sequence)
+    etp: int = 1                      # expert tensor parallel: the experts' own TP, folded like ep
     cp_comm: str = "ring"
     microbatches: int = None
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
     precision: str = "full"
+    shard_size: int | None = None     # HSDP: FSDP over S dp ranks, replicated over dp / S
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
@@ -87,7 +94,15 @@ class Layout:
         if data is not None:
             if data not in DATA:
                 raise ValueError(f"data must be one of {DATA}, got {data!r}")
-            fields["zero"] = 3 if data == "fsdp" else 0
+            fields["zero"] = 0 if data == "ddp" else 3
+            if data == "hsdp" and fields.get("shard_size", getattr(layout, "shard_size", None)) is None:
+                raise ValueError("data='hsdp' needs shard_size=S: FSDP shards over S ranks and replicates "
+                                 "over R = dp / S (Mesh(dp=R * S))")
+            if data == "fsdp" and fields.get("shard_size") is not None:
+                raise ValueError(f"shard_size={fields['shard_size']} with data='fsdp': FSDP over S of the dp "
+                                 f"ranks, replicated over the rest, is data='hsdp'")
+            if data != "hsdp":
+                fields.setdefault("shard_size", None)     # a layout's HSDP turned into DDP / FSDP
         if layout is None:
             return cls(**fields)
         if not isinstance(layout, cls):
@@ -96,8 +111,11 @@ class Layout:
 
     @property
     def data(self) -> str:
-        """How the ranks hold the data-parallel copies: "fsdp" (ZeRO-3) or "ddp"."""
-        return "fsdp" if self.zero == 3 else "ddp"
+        """How the ranks hold the data-parallel copies: "fsdp" (ZeRO-3), "hsdp" (ZeRO-3 over
+        ``shard_size`` ranks, replicated over the rest) or "ddp"."""
+        if self.zero == 3:
+            return "fsdp" if self.shard_size is None else "hsdp"
+        return "ddp"
 
     @property
     def sizes(self) -> dict:
@@ -119,16 +137,36 @@ class Layout:
         return replace(self, **{**keep, **changes, "given": frozenset(given)})
 
     def describe(self) -> str:
-        dims = [f"DP{self.dp}" + (f"(ZeRO-{self.zero})" if self.zero else ""),
+        dims = [f"DP{self.dp}" + (f"(HSDP {self.dp // self.shard_size}x{self.shard_size})" if self.data == "hsdp"
+                                  else f"(ZeRO-{self.zero})" if self.zero else ""),
                 f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
                 f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
                                   if self.pp > 1 else ""),
                 f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
         if self.ep > 1:
             dims.append(f"EP{self.ep}")
+        if self.etp > 1:
+            dims.append(f"ETP{self.etp}")
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 
-DATA = ("ddp", "fsdp")
+FOLD_ORDER = ("dp", "cp", "tp")     # the fold takes its ranks from these, dp first
 
-__all__ = ["Layout", "DATA"]
+
+def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
+    """The dims of one stage the expert mesh folds over: the shortest run of dp, cp, tp (dp
+    first) whose ranks ``ep * etp`` divides. ValueError if the stage's dp x cp x tp does not
+    tile into expert meshes."""
+    folded = 1
+    for i, d in enumerate(FOLD_ORDER):
+        folded *= sizes.get(d, 1)
+        if folded % (ep * etp) == 0:
+            return FOLD_ORDER[:i + 1]
+    raise ValueError(f"the expert mesh folds over one stage's dp x cp x tp ranks: ep * etp = {ep} * {etp} "
+                     f"must divide dp * cp * tp = {sizes.get('dp', 1)} * {sizes.get('cp', 1)} * "
+                     f"{sizes.get('tp', 1)} = {folded}")
+
+
+DATA = ("ddp", "fsdp", "hsdp")
+
+__all__ = ["Layout", "DATA", "FOLD_ORDER", "expert_fold"]

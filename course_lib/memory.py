@@ -49,6 +49,9 @@ def storage_bytes(tensors) -> int:
         st = _storage(t)
         if st is not None:
             seen[(st.device, st.data_ptr())] = st.nbytes()
+        elif isinstance(t, torch.Tensor) and t.is_meta:   # (the dry run) no address: the storage itself
+            st = t.untyped_storage()
+            seen[("meta", st._cdata)] = st.nbytes()
     return sum(seen.values())
 
 

@@ -9,7 +9,10 @@ weighted by their router probabilities (Switch's rule; with ``normalize_topk=Tru
 weights are divided by their sum, GShard's and Mixtral's rule, so they add up to 1). Each expert takes at most
 ``capacity = ceil(capacity_factor * T_group * k / E)`` tokens of a group; assignments are
 served first choices first, then in token order, and the rest are **dropped** (output 0
-for that choice: the residual connection carries the token). ``groups``: the tokens are
+for that choice: the residual connection carries the token). ``capacity_factor=None``:
+dropless (every assignment served, MegaBlocks / Megatron's default). ``n_shared``: DeepSeekMoE's
+shared experts, applied to every token with weight 1 beside the routed ones (with many
+small routed experts and top-k > 2: its "fine-grained" experts). ``groups``: the tokens are
 routed in ``groups`` equal groups, capacity and auxiliary loss computed per group (GShard's
 groups): with expert parallelism, a group is one rank's tokens.
 
@@ -44,13 +47,23 @@ def check_moe_config(n_experts, top_k, capacity_factor):
         raise ValueError(f"n_experts must be >= 1, got {n_experts}")
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({n_experts})")
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None: dropless), got {capacity_factor}")
 
 
 def capacity(tokens, n_experts, top_k, capacity_factor) -> int:
-    """Most tokens an expert takes from a group of ``tokens``."""
+    """Most tokens an expert takes from a group of ``tokens`` (None: dropless, all of them)."""
+    if capacity_factor is None:
+        return tokens * top_k
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
+
+
+def shared_output(shared, x):
+    """The shared experts' sum on tokens ``x`` (T, h) (zeros without shared experts)."""
+    y = torch.zeros_like(x)
+    for net in shared:
+        y = y + net(x)
+    return y
 
 
 def route(logits, top_k, capacity_factor, normalize=False):
@@ -102,14 +115,18 @@ def load_balancing_loss(probs, counts, top_k):
 class MoE(nn.Module):
     """Router + E experts on one device (see the module docstring)."""
 
-    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0, normalize_topk=False):
+    def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0, normalize_topk=False,
+                 n_shared=0):
         super().__init__()
         check_moe_config(n_experts, top_k, capacity_factor)
+        if n_shared < 0:
+            raise ValueError(f"n_shared (shared experts) must be >= 0, got {n_shared}")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.normalize_topk = normalize_topk
         g = torch.Generator().manual_seed(seed)
         self.router = nn.Linear(hidden, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_experts))
+        self.shared = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_shared))   # every token, weight 1
         with torch.no_grad():  # one generator, in registration order: the same on every rank
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, device=draw_device(p)) * (0.5 / math.sqrt(p.shape[-1])))
@@ -121,7 +138,7 @@ class MoE(nn.Module):
         for xg in x.chunk(groups):
             expert, weight, keep, _, aux = route(self.router(xg), self.top_k, self.capacity_factor,
                                                  self.normalize_topk)
-            y = torch.zeros_like(xg)
+            y = shared_output(self.shared, xg)
             for e, net in enumerate(self.experts):
                 tok, j = torch.nonzero((expert == e) & keep, as_tuple=True)
                 y = y.index_add(0, tok, net(xg[tok]) * weight[tok, j, None])

@@ -205,12 +205,14 @@ class CudaEventClock:
 
 
 # The recorder of *this process*. A rank is one process, so one recorder per
-# process is the natural scope (like the default process group itself).
+# process is the natural scope (like the default process group itself). A thread may
+# install one of its own (``install_thread``): the dry run (course_lib.virtual.dry_run)
+# drives several pipeline stages, each a rank with its own clock, from threads of one process.
 _recorder = Recorder()
 
 
 def recorder() -> Recorder:
-    return _recorder
+    return getattr(_thread_state, "recorder", None) or _recorder
 
 
 def install(rec: Recorder) -> Recorder:
@@ -220,9 +222,15 @@ def install(rec: Recorder) -> Recorder:
     return rec
 
 
+def install_thread(rec: Recorder | None) -> Recorder | None:
+    """Make ``rec`` this thread's recorder (None: the process's again)."""
+    _thread_state.recorder = rec
+    return rec
+
+
 def span(name: str, kind: str = "compute", dim: str = ""):
     """Context manager recording a span on this process's recorder (``dim``: its mesh dimension)."""
-    return _recorder.span(name, kind, dim)
+    return recorder().span(name, kind, dim)
 
 
 @contextlib.contextmanager
@@ -238,22 +246,22 @@ def muted():
 
 def now() -> float:
     """Seconds on this rank's (launch-aligned) clock."""
-    return _recorder.now()
+    return recorder().now()
 
 
 def clock():
     """This process's virtual clock (``launch(..., clock=...)``), or None on the wall clock."""
-    return _recorder.clock
+    return recorder().clock
 
 
 def spans() -> list[Span]:
     """The spans recorded so far in this process."""
-    return list(_recorder.resolve())
+    return list(recorder().resolve())
 
 
 def reset() -> None:
     """Forget the spans recorded so far (keeps the clock)."""
-    _recorder.spans.clear()
+    recorder().spans.clear()
 
 
 def to_chrome_trace(spans, path=None) -> dict:

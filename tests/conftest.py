@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
+# OpenMP's idle threads spin before they sleep (libgomp: ~300,000 turns at every barrier of a
+# torch op). On 2 cores shared by two notebook kernels, their ranks and this process, a spinning
+# thread waits for one that is not running, and burns the core it needs: a 30-step TinyGPT run
+# on 2 threads took 27.8 s of CPU among other work, 1.9 s with PASSIVE (its idle threads sleep
+# at once), 1.5 s on one thread. Set before torch is loaded here, and inherited by every notebook
+# run, kernel and rank: the same threads split the same work, so every result is the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 if SCRIPTS not in sys.path:  # generate_exercises, grade, colab_cell are plain scripts
@@ -51,9 +59,31 @@ class NbvalRun:
 WITHOUT_IRI = "import sys; sys.modules['rfc3987_syntax'] = None; "
 
 
+# What a notebook run costs in CPU: its process and every process under it, the forkserver that
+# outlives the kernel (and the ranks it forked) included. On Linux the run's process adopts its
+# orphans (PR_SET_CHILD_SUBREAPER) and, at exit, reaps them (10 s at most), so its rusage counts
+# them; it writes its CPU seconds to COURSE_TEST_CPU_FILE. The session prints every run's wall and
+# CPU time at the end (pytest_terminal_summary): where the suite's time goes.
+COUNT_CPU = ("import os, atexit\nif sys.platform == 'linux' and os.environ.get('COURSE_TEST_CPU_FILE'):\n"
+             "    import ctypes, resource, time\n"
+             "    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER\n"
+             "    def _reap(path=os.environ.pop('COURSE_TEST_CPU_FILE'), end=time.monotonic):\n"
+             "        deadline = end() + 10\n"
+             "        while end() < deadline:\n"
+             "            try:\n"
+             "                if os.waitpid(-1, os.WNOHANG)[0] == 0:\n"
+             "                    time.sleep(0.02)\n"
+             "            except ChildProcessError:\n"
+             "                break\n"
+             "        cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF,\n"
+             "                  resource.RUSAGE_CHILDREN) for f in ('ru_utime', 'ru_stime'))\n"
+             "        open(path, 'w').write(repr(cpu))\n"
+             "    atexit.register(_reap)\n")
+
+
 def python_m(module: str, *args: str) -> list[str]:
     """``python -m module args`` with jsonschema's IRI checker marked absent (WITHOUT_IRI)."""
-    return [sys.executable, "-c", WITHOUT_IRI + f"import runpy; sys.argv[0] = {module!r}; "
+    return [sys.executable, "-c", WITHOUT_IRI + COUNT_CPU + f"import runpy; sys.argv[0] = {module!r}; "
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)", *args]
 
 
@@ -69,7 +99,8 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
         cmd = [*python_m("pytest"), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
                *options, path]
-        result = _subprocess(cmd, timeout, env={**SESSION_ENV, **(env or {})}, text=True)
+        result = _subprocess(cmd, timeout, env={**SESSION_ENV, **(env or {})}, text=True,
+                             label=f"nbval {mode} {path}")
         cells = {}
         if os.path.exists(report):
             for case in ET.parse(report).iter("testcase"):
@@ -84,6 +115,10 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
 # Notebooks whose strict run uses other CPU kernels than this machine's own (ATen's portable
 # "default" kernels instead of AVX2/AVX-512), as a learner's CPU would: a checked output that
 # depends on the CPU fails here (tests/test_portability.py), at no extra cost to the suite.
+# Each of them runs once: that one strict run serves tests/test_notebooks.py and this check alike.
+# The portable kernels cost CPU (a TinyGPT training step ~1.2-1.4x AVX-512's, measured here); AVX2
+# would cost no more than native on an AVX-512 machine, but it is the native kernel set of most
+# x86 machines (there, no other kernels run at all), so "default" stays: no check is dropped.
 # The one list: README.md, book/how_to_run.md and CONTRIBUTING.md name the same chapters
 # (test_portability.test_the_docs_name_the_notebooks_run_on_other_kernels checks them).
 OTHER_KERNELS = {f"notebooks/{name}.ipynb": {"ATEN_CPU_CAPABILITY": "default"} for name in (
@@ -108,19 +143,33 @@ _pool = None
 _live: set = set()      # the subprocesses running now (stopped if the session ends first)
 
 
-def _subprocess(cmd, timeout, env=None, text=False):
-    """subprocess.run(cmd, capture_output=True) from ROOT, stoppable by the session's end."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, text=text, start_new_session=True)
-    _live.add(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        proc.communicate()
-        raise
-    finally:
-        _live.discard(proc)
+RUN_TIMES: dict = {}    # a run's label -> (wall seconds, CPU seconds of its processes or None)
+
+
+def _subprocess(cmd, timeout, env=None, text=False, label=None):
+    """subprocess.run(cmd, capture_output=True) from ROOT, stoppable by the session's end; with
+    ``label``, its wall and CPU time (COUNT_CPU) go to RUN_TIMES."""
+    import time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu_file = os.path.join(tmp, "cpu")
+        env = {**(os.environ if env is None else env), "COURSE_TEST_CPU_FILE": cpu_file}
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, text=text, start_new_session=True)
+        _live.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            proc.communicate()
+            raise
+        finally:
+            _live.discard(proc)
+        if label is not None:
+            with open(cpu_file) if os.path.exists(cpu_file) else open(os.devnull) as f:
+                cpu = f.read()
+            RUN_TIMES[label] = (time.perf_counter() - started, float(cpu) if cpu else None)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -165,7 +214,7 @@ def pytest_sessionfinish(session):
         _stop(proc)
 
 
-_GRADE = WITHOUT_IRI + """import pickle
+_GRADE = WITHOUT_IRI + COUNT_CPU + """import pickle
 sys.path.insert(0, sys.argv[3])
 import grade
 sys.stdout.buffer.write(pickle.dumps(grade.grade_notebook(sys.argv[1], sys.argv[2])))"""
@@ -177,7 +226,7 @@ def _untouched(path: str):
 
     exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
     done = _subprocess([sys.executable, "-c", _GRADE, exercise, os.path.join(ROOT, "solutions"), SCRIPTS],
-                       NOTEBOOK_TIMEOUT, env=SESSION_ENV)
+                       NOTEBOOK_TIMEOUT, env=SESSION_ENV, label=f"grade untouched {path}")
     if done.returncode:
         raise RuntimeError(f"grading {exercise} failed (exit {done.returncode}):\n"
                            + done.stderr.decode(errors="replace")[-4000:])
@@ -221,3 +270,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every notebook run's wall and CPU seconds (its kernel, ranks and forkserver included),
+    the slowest first: where the suite's time goes (README.md's timing table)."""
+    if not RUN_TIMES:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("notebook runs: wall and CPU seconds")
+    for label, (wall, cpu) in sorted(RUN_TIMES.items(), key=lambda item: -item[1][0]):
+        write(f"{wall:7.1f} s wall {cpu if cpu is not None else float('nan'):7.1f} s CPU  {label}")
+    cpus = [cpu for _, cpu in RUN_TIMES.values() if cpu is not None]
+    write(f"{sum(w for w, _ in RUN_TIMES.values()):7.1f} s wall {sum(cpus):7.1f} s CPU  "
+          f"all {len(RUN_TIMES)} runs ({JOBS} at a time)")

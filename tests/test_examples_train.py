@@ -34,9 +34,16 @@ def test_torchrun_four_ranks_every_strategy():
     assert float(finals[0][2]) < float(finals[0][1])
 
 
-def test_bad_arguments_fail_cleanly():
-    proc = run([sys.executable, "-m", "course_lib.examples.train", "--parallel", "zero3"])
-    assert proc.returncode != 0 and "invalid choice" in proc.stderr
+def test_bad_arguments_fail_cleanly(capsys):
+    """(In this process: main is what ``python -m course_lib.examples.train`` runs, and a fresh
+    interpreter importing torch costs ~3 s of CPU; the torchrun tests run the real script.)"""
+    import pytest
+
+    from course_lib.examples.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--parallel", "zero3"])
+    assert exit_.value.code != 0 and "invalid choice" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- mesh mode (parallelize_nd)
@@ -94,12 +101,22 @@ def test_torchrun_layout_error_printed_once_with_status_2():
     assert re.search(r"rank +: 0 \(local_rank: 0\)\s+exitcode +: 2", proc.stderr), proc.stderr   # torchrun's summary
 
 
-def test_bad_layout_fails_before_any_rank_starts():
-    """A dimension the model cannot be cut by: the constraint named, status 2, no traceback."""
-    proc = run([sys.executable, "-m", "course_lib.examples.train", "--dp", "2", "--tp", "3", *TINY])
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "n_heads=4 is not divisible by tp=3" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert "[rank" not in proc.stdout  # no rank was started
+def test_bad_layout_fails_before_any_rank_starts(capsys, monkeypatch):
+    """A dimension the model cannot be cut by: the constraint named, status 2, no traceback (in
+    this process, as test_bad_arguments_fail_cleanly: an exception other than SystemExit(2)
+    would fail here; a rank started would print its tagged lines here, or fail to launch)."""
+    import pytest
+
+    from course_lib.examples import train
+
+    monkeypatch.delenv("RANK", raising=False), monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(train, "launch", lambda *args, **kwargs: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--dp", "2", "--tp", "3", *TINY])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2, out + err
+    assert "n_heads=4 is not divisible by tp=3" in err and "Traceback" not in err, err
+    assert "[rank" not in out  # no rank was started
 
 
 def test_layout_against_torchrun_world_checked_before_the_process_group(monkeypatch, capsys):

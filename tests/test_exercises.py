@@ -185,26 +185,44 @@ def tiny_course(tmp_path_factory):
     return root
 
 
-def test_grade_scores_questions(tiny_course):
+@pytest.fixture(scope="module")
+def graded(tiny_course):
+    """grade.grade_notebook with each (notebook, reference) of the tiny course graded once for
+    the module: a kernel runs it once (~3 s of CPU: the check cells import torch), and the tests
+    below read the blank exercise's and the solved copy's grades several times, grade.main too."""
+    grades = {}
+    grade_notebook = grade.grade_notebook
+
+    def grade_once(path, reference_dir=None, timeout=300, references=None):
+        key = (os.path.realpath(path), os.path.realpath(reference_dir) if reference_dir else None, timeout)
+        if key not in grades:
+            grades[key] = grade_notebook(path, reference_dir, timeout, references)
+        return grades[key]
+
+    return grade_once
+
+
+def test_grade_scores_questions(tiny_course, graded):
     ref = str(tiny_course / "solutions")
-    blank = grade.grade_notebook(str(tiny_course / "exercises" / "t.ipynb"), ref)
+    blank = graded(str(tiny_course / "exercises" / "t.ipynb"), ref)
     assert (blank.passed, blank.total) == (0, 2)
     assert "NotImplementedError" in blank.questions[0].got
-    solved = grade.grade_notebook(str(tiny_course / "learner" / "t.ipynb"), ref)
+    solved = graded(str(tiny_course / "learner" / "t.ipynb"), ref)
     assert (solved.passed, solved.total) == (2, 2), solved
     assert [q.name for q in solved.questions] == ["hypot", "twice"]
 
 
-def test_grade_knows_questions_by_their_check_cells(tiny_course):
+def test_grade_knows_questions_by_their_check_cells(tiny_course, graded, monkeypatch):
     """A renamed notebook is graded against the right solution; a replaced or deleted check
     cell scores 0 and is flagged; a cell that redefines the check function changes nothing."""
     ref = str(tiny_course / "solutions")
-    cheat = grade.grade_notebook(str(tiny_course / "learner" / "carol_cheat.ipynb"), ref)
+    cheat = graded(str(tiny_course / "learner" / "carol_cheat.ipynb"), ref)
     assert (cheat.passed, cheat.total) == (0, 2), cheat
     assert all(q.flagged for q in cheat.questions) and "graded as t.ipynb" in cheat.note
     assert "looks like an edited check cell" in cheat.note
-    sneaky = grade.grade_notebook(str(tiny_course / "learner" / "renamed_sneaky.ipynb"), ref)
+    sneaky = graded(str(tiny_course / "learner" / "renamed_sneaky.ipynb"), ref)
     assert [q.passed for q in sneaky.questions] == [False, True], sneaky
+    monkeypatch.setattr(grade, "grade_notebook", graded)   # (main's exit status from the same grades)
     assert grade.main([str(tiny_course / "learner" / "t.ipynb"), "--reference", ref]) == 0
     assert grade.main([str(tiny_course / "exercises"), "--reference", ref]) == 1
 
@@ -245,13 +263,13 @@ def test_grade_scores_0_an_input_transformer_that_fakes_the_pass_line(tiny_cours
     assert "IPYTHON" in grade.table([graded], "")
 
 
-def test_grade_flags_a_copied_solution_and_names_an_edited_check_by_question(tiny_course):
+def test_grade_flags_a_copied_solution_and_names_an_edited_check_by_question(tiny_course, graded):
     ref = str(tiny_course / "solutions")
-    copied = grade.grade_notebook(str(tiny_course / "learner" / "t.ipynb"), ref)
+    copied = graded(str(tiny_course / "learner" / "t.ipynb"), ref)
     assert (copied.passed, copied.total) == (2, 2)
     assert copied.copied.startswith("COPY?") and "BEGIN SOLUTION" in copied.copied, copied
     assert "stored pass lines" in copied.copied and "COPY?" in grade.table([copied], "")
-    blank = grade.grade_notebook(str(tiny_course / "exercises" / "t.ipynb"), ref)
+    blank = graded(str(tiny_course / "exercises" / "t.ipynb"), ref)
     assert not blank.copied and not blank.note, blank
     nb = nbformat.read(tiny_course / "exercises" / "t.ipynb", as_version=4)
     nb.cells[2].source = nb.cells[2].source.replace("Ring().step(1) == 2", "True")

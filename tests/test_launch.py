@@ -263,36 +263,51 @@ def alive(pid):
     except OSError:
         return False
 
-fails, launches, world = (int(a) for a in sys.argv[2:])
-launch(pid_and_threads, world, quiet=True)  # warm the forkserver (its own temp dir)
-tempfile.tempdir = sys.argv[1]  # our launches' work dirs only
-before = fds()
-for _ in range(fails):
-    try:
-        launch(record_then_fail, world, quiet=True)
-        raise SystemExit("a failing rank did not raise RankError")
-    except RankError:
-        pass
-seen = []
-for _ in range(launches):
-    seen.extend(pid for pid, _ in launch(pid_and_threads, world, quiet=True))
-time.sleep(0.2)
-print(os.listdir(sys.argv[1]), file=sys.stderr)
-print(len(set(seen)), sum(map(alive, seen)), fds() - before, len(os.listdir(sys.argv[1])))
+launch(pid_and_threads, 2, quiet=True)  # warm the forkserver (its own temp dir)
+for phase in sys.argv[1:]:  # "folder:fails:launches:world", each counted on its own
+    folder, fails, launches, world = phase.rsplit(":", 3)
+    fails, launches, world = int(fails), int(launches), int(world)
+    tempfile.tempdir = folder  # this phase's launches' work dirs only
+    before = fds()
+    for _ in range(fails):
+        try:
+            launch(record_then_fail, world, quiet=True)
+            raise SystemExit("a failing rank did not raise RankError")
+        except RankError:
+            pass
+    seen = []
+    for _ in range(launches):
+        seen.extend(pid for pid, _ in launch(pid_and_threads, world, quiet=True))
+    time.sleep(0.2)
+    print(os.listdir(folder), file=sys.stderr)
+    print(len(set(seen)), sum(map(alive, seen)), fds() - before, len(os.listdir(folder)), flush=True)
 """
+# (fails, launches, world) of each probe: one interpreter runs them all, one after the other
+# (a fresh interpreter and its forkserver cost ~7 s of CPU), each phase counted on its own.
+LEAK_PHASES = {"failed_runs": (3, 1, 3), "200_launches": (0, 200, 2)}
 
 
-def _leak_probe(tmp_path, fails, launches, world):
-    out = subprocess.run([sys.executable, "-c", _LEAK_PROBE, str(tmp_path), str(fails), str(launches), str(world)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def leak_probes(tmp_path_factory):
+    """{phase: ((distinct rank pids, ranks still alive, new fds, work files left), the probe's stderr)}"""
+    folders = {name: tmp_path_factory.mktemp(name) for name in LEAK_PHASES}
+    phases = [f"{folders[name]}:{fails}:{launches}:{world}" for name, (fails, launches, world) in LEAK_PHASES.items()]
+    out = subprocess.run([sys.executable, "-c", _LEAK_PROBE, *phases], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    distinct, alive, new_fds, left_files = map(int, out.stdout.split()[-4:])
+    lines = out.stdout.strip().splitlines()[-len(LEAK_PHASES):]
+    return {name: (tuple(map(int, line.split())), out.stderr[-2000:]) for name, line in zip(LEAK_PHASES, lines)}
+
+
+def _leak_probe(leak_probes, phase):
+    (distinct, alive, new_fds, left_files), stderr = leak_probes[phase]
+    _, launches, world = LEAK_PHASES[phase]
     assert distinct == launches * world  # every launch started fresh ranks
-    assert (alive, new_fds, left_files) == (0, 0, 0), ("ranks alive, fds opened, work files left", out.stderr[-2000:])
+    assert (alive, new_fds, left_files) == (0, 0, 0), ("ranks alive, fds opened, work files left", stderr)
 
 
-def test_failed_runs_leave_nothing_and_next_launch_works(tmp_path):
-    _leak_probe(tmp_path, fails=3, launches=1, world=3)
+def test_failed_runs_leave_nothing_and_next_launch_works(leak_probes):
+    _leak_probe(leak_probes, "failed_runs")
 
 
 def test_two_launches_at_once():
@@ -317,8 +332,8 @@ def test_two_processes_launch_at_once():
     assert outs == ["6", "6"] and all(p.returncode == 0 for p in procs)
 
 
-def test_200_launches_leak_no_process_or_fd(tmp_path):
-    _leak_probe(tmp_path, fails=0, launches=200, world=2)
+def test_200_launches_leak_no_process_or_fd(leak_probes):
+    _leak_probe(leak_probes, "200_launches")
 
 
 def test_listener_scan_sees_a_public_listener():

@@ -140,7 +140,7 @@ def test_fsdp_takes_each_gradients_dims_from_the_plan():
     (CFG, dict(cp=3), r"divisible by 2\*CP=6"),
     (CFG, dict(dp=2, batch=6, microbatches=2), "microbatches=2"),
     (CFG, dict(dp=4, batch=6), "divisible by dp=4"),
-    (MOE, dict(dp=2, ep=2, tp=2), "not tensor-parallel"),
+    (MOE, dict(dp=2, ep=2, tp=2, sequence_parallel=False), "sequence_parallel=True"),
     (CFG, dict(dp=2, ep=2), "has none"),
     (dataclasses.replace(MOE, n_experts=3), dict(dp=2, ep=2), "divisible by ep=2"),
     (CFG, dict(tp=2, cp=2, sequence_parallel=True, cp_layout="contiguous"), None),

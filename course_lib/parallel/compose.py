@@ -21,16 +21,16 @@ import torch.nn as nn
 
 from course_lib.layout import DATA, Layout
 from course_lib.parallel.context_parallel import context_parallel, rule_context, rule_doc_ids, shard_positions
-from course_lib.parallel.expert_parallel import ExpertParallelMoE, rule_experts
+from course_lib.parallel.expert_parallel import ExpertParallelMoE, expert_tp_plan, rule_experts, token_index
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
 from course_lib.parallel.layout_rules import as_layout, check_layout, rule_names
-from course_lib.parallel.mesh import DIMS, MeshShape, get_reduce_dims, set_reduce_dims
+from course_lib.parallel.mesh import DIMS, EXPERT_DIMS, MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.pipeline.rules import rule_batch, rule_pipeline
 from course_lib.parallel.pipeline.runtime import PipelineRuntime
 from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
 from course_lib.parallel.placement import Placement, assemble_tp
-from course_lib.parallel.tp_plan import parallelize, rule_sequence, rule_tensor, tp_slice_of
+from course_lib.parallel.tp_plan import PLAN, parallelize, rule_sequence, rule_tensor, tp_slice_of
 from course_lib.precision.mixed import MasterWeights, cast_buffers, check_precision
 from course_lib.recompute import set_recompute
 from course_lib.schedules import SCHEDULES, validate
@@ -40,13 +40,13 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     """The same single-device ``model`` on every rank -> this rank's part of it, on ``mesh``.
     ``layout``: a :class:`~course_lib.layout.Layout` (its dims the mesh's), or its fields as
     keywords: ``microbatches``, ``schedule``, ``v``, ``sequence_parallel`` (default True),
-    ``cp_method``, ``cp_layout``, ``data`` ("ddp" / "fsdp"), ``recompute`` (default: the model's
+    ``cp_method``, ``cp_layout``, ``data`` ("ddp" / "fsdp" / "hsdp" with ``shard_size``), ``recompute`` (default: the model's
     own), ``precision``. ``dims_of(p, sizes, fsdp)``: step 6 (default :func:`data_dims`)."""
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks"):
         raise TypeError(f"parallelize_nd cuts a course_lib TinyGPT, got {type(model).__name__}")
     if layout is None and keywords.get("recompute") is None:
         keywords["recompute"] = model.config.recompute
-    L = as_layout(layout, dict(mesh.sizes, ep=mesh.ep), **keywords)
+    L = as_layout(layout, dict(mesh.sizes, ep=mesh.ep, etp=mesh.etp), **keywords)
     if not isinstance(L.schedule, str):     # an action list: checked once, here (the rules and the
         L = L.with_(schedule=validate(L.schedule, L.pp, L.microbatches, L.v))   # runner take it as is)
     for rule in (rule_names, rule_pipeline):
@@ -55,12 +55,12 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     for st in stages.values():
         apply_tp(st.part, mesh, L, seed)              # 2. TP (+ SP): matrices split over "tp"
         apply_cp(st.part, mesh, L)                    # 3. CP: attention a ring (or Ulysses) over "cp"
-        apply_ep(st.part, mesh, L)                    # 4. EP: E / ep experts per rank, over "ep"
+        apply_ep(st.part, mesh, L)                    # 4. EP: the experts on their own (folded) mesh
         set_recompute(st.part, L.recompute, st.layers)   # 5. what each block keeps for backward
     tie_embeddings(stages, mesh.sizes["pp"] * L.v)    # pp = 1, v > 1: embedding and head one weight again
     reduce = {}                                       # 6. the dims each gradient is summed over
     for st in stages.values():
-        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data == "fsdp", dims_of=dims_of))
+        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data != "ddp", dims_of=dims_of))
     before = {s: {n: (*tp_slice_of(q), reduce[id(q)]) for n, q in st.part.named_parameters(remove_duplicate=False)}
               for s, st in stages.items()}            # each TP slice and its sum dims (before FSDP)
     modules, grad_sync, master = apply_data_parallel(stages, mesh, L, reduce)   # 7. DDP or FSDP
@@ -72,8 +72,9 @@ def apply_tp(part, mesh, layout, seed=0):
     """Megatron's column / row split of every block (chapter 5) over mesh "tp"."""
     rule_tensor(part.config, layout)
     rule_sequence(part.config, layout)
-    if mesh.sizes["tp"] > 1:
-        parallelize(part, mesh, sequence_parallel=layout.sp, seed=seed)
+    if mesh.sizes["tp"] > 1:   # an MoE's experts stay whole here: they have their own mesh (apply_ep)
+        plan = expert_tp_plan(PLAN) if part.config.n_experts else None
+        parallelize(part, mesh, sequence_parallel=layout.sp, seed=seed, plan=plan, async_tp=layout.async_tp)
 
 
 def apply_cp(part, mesh, layout):
@@ -84,33 +85,36 @@ def apply_cp(part, mesh, layout):
 
 
 def apply_ep(part, mesh, layout):
-    """MoE variant (chapter 8): each block's experts split over mesh "ep"; each call routes this
-    rank's tokens as one group (its aux loss weighted per step by :meth:`NDParallel.step`)."""
+    """MoE variant (chapter 8): each block's experts on the expert mesh folded over this stage's
+    dp x cp x tp ranks (E / ep experts per rank, each 1 / etp of its width); a routing group is
+    one micro-batch of one DP rank (its aux loss weighted per step by :meth:`NDParallel.step`)."""
     rule_experts(part.config, layout)
+    folded = mesh.ep * mesh.etp * mesh.sizes["cp"] * mesh.sizes["tp"] > 1
     for block in part.blocks:
         mlp = getattr(block, "mlp", None)
         if mlp is not None and hasattr(mlp, "aux_weight"):
-            if mesh.ep > 1:
-                mlp.moe = ExpertParallelMoE(mlp.moe, mesh)
+            if folded:
+                mlp.moe = ExpertParallelMoE(mlp.moe, mesh, dispatch=part.config.moe_dispatch)
             mlp.groups = 1
 
 
 def data_dims(p, sizes, fsdp):
     """The dims ``p``'s gradient is summed over: its marks (tensor / expert parallelism) plus
-    "cp" (every CP rank sees other tokens) and "dp" (or "edp" for an expert). Dims of size 1
-    are left out (nothing to sum) unless FSDP shards over them."""
+    "cp" (every CP rank sees other tokens) and "dp"; an expert's marks are the ranks that hold
+    it (``ExpertParallelMoE``). Dims of size 1 are left out (nothing to sum) unless FSDP
+    shards over them."""
     marks = set(get_reduce_dims(p, ("dp",)))
-    dims = marks | {"cp"} | ({"dp"} if "edp" not in marks else set())
+    dims = marks if "edp" in marks else marks | {"cp", "dp"}
     keep = {"dp", "cp"} if fsdp else set()
     size = {"edp": sizes["dp"] // sizes.get("ep", 1), **sizes}
-    return tuple(d for d in DIMS + ("edp",) if d in dims and (size[d] > 1 or d in keep))
+    return tuple(d for d in DIMS + EXPERT_DIMS if d in dims and (size.get(d, 1) > 1 or d in keep))
 
 
 def mark_reduce_dims(stage, mesh, fsdp=False, dims_of=None) -> dict:
     """The dims each parameter of ``stage`` has its gradient summed over (``dims_of(p, sizes,
     fsdp)``, default :func:`data_dims`): {id(parameter): dims}, the plan's record that DDP and
     FSDP are handed; each parameter is marked too (``set_reduce_dims``), for chapter 5's readers."""
-    sizes, dims = dict(mesh.sizes, ep=mesh.ep), {}
+    sizes, dims = dict(mesh.sizes, **getattr(mesh, "expert_sizes", {"ep": mesh.ep})), {}
     for q in stage.parameters():
         dims[id(q)] = tuple((dims_of or data_dims)(q, sizes, fsdp))
         set_reduce_dims(q, dims[id(q)])
@@ -120,16 +124,18 @@ def mark_reduce_dims(stage, mesh, fsdp=False, dims_of=None) -> dict:
 def apply_data_parallel(stages, mesh, layout, reduce):
     """DP: a GradSync summing each gradient over its dims ``reduce`` ({id(parameter): dims}, the
     plan's), after the schedule ("ddp"); or each stage sharded over ("dp", "cp") (torchtitan's
-    ``dp_shard_cp``), reduce-scattering, then summing over the rest of its dims ("fsdp").
+    ``dp_shard_cp``), reduce-scattering, then summing over the rest of its dims ("fsdp"); "hsdp":
+    sharded over ``shard_size`` dp ranks (x cp), the gradient shards all-reduced over the replicas.
     Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
     gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
     them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
     Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
     rule_fsdp(next(iter(stages.values())).part.config, layout)
     compute, reduce_dtype = check_precision(layout.precision)
-    if layout.data == "fsdp":
+    if layout.data != "ddp":
         return {s: FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
-                        units=list(st.part.blocks), divisor=1) for s, st in stages.items()}, None, None
+                        units=list(st.part.blocks), divisor=1, shard_size=layout.shard_size)
+                for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
     dims = {id(q): reduce[id(q)] for q in params}
     master = None
@@ -156,7 +162,8 @@ def placements(stages, modules, mesh, before) -> dict:
             shape = tuple(where[3] if where and i == where[0] else n for i, n in enumerate(cut))
             shard = ("dp", "cp") if rows else ()
             replicated = tuple(d for d in reduce if d not in shard) + \
-                (("tp",) if sizes["tp"] > 1 and (where is None or copies > 1) and "tp" not in reduce else ())
+                (("tp",) if sizes["tp"] > 1 and (where is None or copies > 1) and "tp" not in reduce
+                 and "edp" not in reduce else ())       # an expert: its copies are its reduce dims
             out[_model_name(local, st, mesh)] = Placement(shape, where, copies, shard,
                                                           None if start is None else (start, held), reduce,
                                                           replicated)
@@ -208,11 +215,21 @@ class NDParallel(PipelineRuntime):
         for st in self.stages.values():
             st.positions, st.doc_ids = pos, doc_ids
             for block in st.part.blocks:
-                if hasattr(getattr(block, "mlp", None), "aux_weight"):  # this call's share of the tokens
-                    block.mlp.aux_weight = 1.0 / (self.sizes["dp"] * self.sizes["cp"] * self.m)
+                if hasattr(getattr(block, "mlp", None), "aux_weight"):  # one of dp * m routing groups
+                    block.mlp.aux_weight = 1.0 / (self.sizes["dp"] * self.m)
+                    if isinstance(block.mlp.moe, ExpertParallelMoE):   # its tokens' places in their group
+                        block.mlp.moe.token_index = self.token_index(x, pos)
         seq = x.shape[1] // (self.sizes["tp"] if self.sp else 1)        # (b/m, s/cp[/tp], h) handed on
         return super().step(list(x.chunk(self.m)), list(y.chunk(self.m)), n_tokens,
                             act_shape=(len(x) // self.m, seq, self.cfg.hidden))
+
+    def token_index(self, x, pos):
+        """Where this rank's MoE tokens sit in their routing group (one micro-batch): CP's
+        positions, then the sequence-parallel chunk (:func:`~course_lib.parallel.expert_parallel.token_index`)."""
+        c, s = self.mesh.coord, self.sizes
+        seq = x.shape[1] * s["cp"]
+        pos = torch.arange(seq, device=x.device) if pos is None else pos
+        return token_index(len(x) // self.m, seq, pos, s["tp"] if self.sp else 1, c["tp"])
 
     def named_parameters(self):
         """{name in the single-device model: this rank's parameter}, its ``.grad`` this rank's
@@ -266,7 +283,11 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
     for rank, shards in enumerate(per_rank):
         c = shape.coords(rank)
         for name, (value, where) in shards.items():
-            pieces.setdefault(name, {}).setdefault((c["edp"], c["cp"]), {})[c["tp"]] = (value, where)
+            if ".moe.experts." in name:   # an expert: copies across edp and the dims outside the fold
+                copy = (c["edp"],) + tuple(c[d] for d in ("dp", "cp", "tp") if d not in shape.fold)
+                pieces.setdefault(name, {}).setdefault(copy, {})[c["etp"]] = (value, where)
+            else:
+                pieces.setdefault(name, {}).setdefault((c["dp"], c["cp"]), {})[c["tp"]] = (value, where)
     full = {}
     for name, replicas in pieces.items():
         tensors = [assemble_tp(list(by_tp.values())) for by_tp in replicas.values()]

@@ -364,7 +364,7 @@ def no_dropout(p: float):
 
 def rule_context(cfg, layout):
     """CP's rules for a TinyGPT config: the sequence cuts into its chunks, Ulysses' heads, no
-    dropout, no experts; K/V all-gathered (``cp_comm="all_gather"``) is priced, not built."""
+    dropout; K/V all-gathered (``cp_comm="all_gather"``) is priced, not built."""
     check_cp_names(layout.cp_method, layout.cp_layout)
     if layout.cp == 1:
         return
@@ -374,9 +374,6 @@ def rule_context(cfg, layout):
     sequence_chunks(cfg.seq_len, layout.cp, layout.cp_layout)
     if layout.cp_method == "ulysses":
         ulysses_heads(*local_heads(cfg.n_heads, cfg.n_kv_heads, layout.tp), layout.cp)
-    if cfg.n_experts:
-        raise ValueError("the MoE variant routes each rank's tokens as one group: keep cp=1 with experts "
-                         "(a CP shard is not a contiguous group of the single-device batch)")
     no_dropout(cfg.dropout)
 
 

@@ -1,28 +1,43 @@
-"""Expert parallelism: the experts of an MoE layer sharded over the "ep" ranks, tokens sent to
-their experts and back by all-to-all.
+"""Expert parallelism on the folded expert mesh: the experts of an MoE layer split over "ep"
+(and each expert's matrices over "etp"), tokens sent to their experts and back.
 
     layer = ExpertParallelMoE(MoE(h, f, n_experts=8, top_k=2), mesh)   # this rank keeps E/ep experts
     y, aux = layer(x)                                                  # x: this rank's tokens (T, h)
 
 One forward, on every rank (GShard's dispatch / combine):
-1. route its own tokens (router replicated; capacity and dropping per rank, as ``MoE(groups=)``);
-2. sort the kept (token, expert) assignments by expert: destination rank j gets the block of
-   experts j*E/ep ... (j+1)*E/ep - 1; exchange the counts (an all-to-all of E integers) so
-   every rank knows how many rows it will receive: the split sizes are uneven;
-3. **dispatch**: ``all_to_all_single`` with those splits; run each local expert on its rows;
-4. **combine**: the inverse all-to-all; add each result, times its router weight, to its token.
-Both all-to-alls are one autograd function whose backward is the all-to-all the other way.
-Expert weights live on one EP rank each: their gradients are summed over "edp" (the ranks
-holding the same experts) only; the router's over "dp".
+1. **route** its tokens (router replicated). A routing group (capacity, load-balancing loss)
+   is one micro-batch of one DP rank, as on one device with ``MoE(groups=dp * m)``; with CP
+   or sequence-parallel TP its tokens lie on the cp x tp ranks, so they all-gather the
+   (token index, chosen experts) table and decide the drops over the whole group in the
+   single-device order: the same tokens dropped as on one device;
+2. **dispatch** ``"all_to_all"``: the kept (token, expert) rows sorted by expert, rank j of
+   the "ep" group getting those of its experts j*E/ep ... (the counts exchanged first: the
+   splits are uneven); ``"all_gather"``: every rank of the ep x etp group gathers all the
+   group's tokens and runs its own experts on the ones routed to them;
+3. with ``etp`` > 1, the rows an expert gets are all-gathered over "etp", each etp rank runs
+   its slice of the expert's hidden width (w1's rows, w2's columns), and the partial
+   outputs are reduce-scattered back (w2's bias added once, on etp rank 0);
+4. **combine**: the inverse all-to-all (or a reduce-scatter of the gathered tokens' sums),
+   each result times its router weight added to its token.
+Every exchange is an autograd function whose backward is its transpose. An expert's gradient
+is summed over the ranks holding it (:meth:`~course_lib.parallel.mesh.MeshShape.expert_replicas`),
+the router's over the attention's dims (dp, cp, and tp with sequence parallelism).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from course_lib import trace
-from course_lib.moe import MoE, route
-from course_lib.parallel.mesh import set_reduce_dims
+from course_lib.moe import MoE, route, shared_output
+from course_lib.parallel.comm_ops import gather_along
+from course_lib.parallel.mesh import expert_fold, set_reduce_dims
+from course_lib.parallel.tensor_parallel import slice_parameter
+
+DISPATCH = ("all_to_all", "all_gather")
 
 
 class AllToAll(torch.autograd.Function):
@@ -44,6 +59,53 @@ class AllToAll(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def gather_rows(x, comm, sizes, name):
+    """(sizes[me], ...) on each rank -> (sum(sizes), ...): every rank's rows in group-rank order
+    (padded to the largest piece for the all-gather, then cut)."""
+    pad = max(sizes)
+    if pad == 0:                                                  # nothing anywhere: no call
+        return x.new_zeros((0,) + tuple(x.shape[1:]))
+    out = gather_along(comm, torch.cat([x, x.new_zeros((pad - len(x),) + tuple(x.shape[1:]))]), 0, name)
+    return torch.cat([piece[:n] for piece, n in zip(out.split(pad), sizes)])
+
+
+def scatter_rows(x, comm, sizes, name):
+    """(sum(sizes), ...) on each rank -> (sizes[me], ...): the sum over ranks of my rows."""
+    pad = max(sizes)
+    if pad == 0:
+        return x.new_zeros((0,) + tuple(x.shape[1:]))
+    pieces = [torch.cat([p, p.new_zeros((pad - len(p),) + tuple(p.shape[1:]))]) for p in x.split(sizes)]
+    out = x.new_empty((pad,) + tuple(x.shape[1:]))
+    comm.reduce_scatter_tensor(out, torch.cat(pieces).contiguous(), name=name)
+    return out[:sizes[comm.rank]]
+
+
+class GatherRows(torch.autograd.Function):
+    """All-gather rows forward (uneven pieces), reduce-scatter backward (every rank used them)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, sizes, name):
+        ctx.comm, ctx.sizes, ctx.name = comm, sizes, name
+        return gather_rows(x, comm, sizes, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return scatter_rows(g, ctx.comm, ctx.sizes, ctx.name + " (backward)"), None, None, None
+
+
+class ScatterRows(torch.autograd.Function):
+    """Reduce-scatter rows forward (sum the partial outputs), all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, sizes, name):
+        ctx.comm, ctx.sizes, ctx.name = comm, sizes, name
+        return scatter_rows(x, comm, sizes, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_rows(g.contiguous(), ctx.comm, ctx.sizes, ctx.name + " (backward)"), None, None, None
+
+
 def dispatch_splits(counts, ep):
     """Rows to send to each EP rank: the assignments of its block of experts. counts (E,)."""
     return counts.view(ep, -1).sum(1).tolist()
@@ -58,59 +120,182 @@ def experts_per_rank(n_experts: int, ep: int) -> int:
 
 
 def rule_experts(cfg, layout):
-    """EP's rules for a TinyGPT config: experts to split, evenly."""
-    if layout.ep == 1:
-        return
+    """EP's rules for a TinyGPT config: experts to split evenly over ep; an expert mesh
+    (ep x etp) that tiles one stage's dp x cp x tp ranks; the expert width split over etp;
+    sequence parallelism with TP (each TP rank routes its own s / tp tokens, Megatron's rule)."""
+    ep, etp, tp = layout.ep, layout.etp, layout.tp
     if not cfg.n_experts:
-        raise ValueError(f"ep={layout.ep} splits experts, but the model has none (GPTConfig(n_experts=...))")
-    experts_per_rank(cfg.n_experts, layout.ep)
+        if ep * etp > 1:
+            raise ValueError(f"ep={ep}, etp={etp} split experts, but the model has none (GPTConfig(n_experts=...))")
+        return
+    experts_per_rank(cfg.n_experts, ep)
+    expert_fold({"dp": layout.dp, "cp": layout.cp, "tp": tp}, ep, etp)
+    if cfg.ffn_hidden % etp:
+        raise ValueError(f"expert tensor parallelism splits each expert's width {cfg.ffn_hidden} over "
+                         f"etp={etp}: not divisible")
+    if tp > 1 and not layout.sp:
+        raise ValueError(f"experts with tp={tp} need sequence_parallel=True: each TP rank routes its own "
+                         f"s / tp tokens (without SP every TP rank would send the same tokens)")
+    if layout.data == "fsdp" and ep * etp * layout.cp * tp > 1:
+        raise ValueError(f"experts on a folded expert mesh (ep={ep}, etp={etp}, cp={layout.cp}, tp={tp}) under "
+                         f"FSDP: FSDP shards over dp x cp, an expert lives on its expert mesh; use data='ddp'")
+
+
+def token_index(rows: int, seq_len: int, positions, tp: int = 1, tp_rank: int = 0):
+    """(rows * s_local / tp,): the index of each token this rank's MoE sees in its routing group
+    (one micro-batch, flattened (row, position)): its CP ``positions`` (s_local,), then its
+    sequence-parallel chunk of them."""
+    pos = positions.chunk(tp)[tp_rank]
+    return (torch.arange(rows, device=pos.device)[:, None] * seq_len + pos[None, :]).flatten()
+
+
+def expert_tp_plan(plan: dict) -> dict:
+    """The tensor-parallel plan of an MoE model: the experts keep their own mesh (untouched by
+    TP); the router and shared experts are used on each rank's s / tp tokens, like a norm."""
+    mine = {"blocks.*.mlp": "experts", "blocks.*.mlp.moe": "experts", "blocks.*.mlp.moe.router": "norm",
+            "blocks.*.mlp.moe.shared.*": "norm", "blocks.*.mlp.moe.experts*": "experts"}
+    return {**mine, **{k: v for k, v in plan.items() if k not in mine}}     # the first match wins
+
+
+def slice_expert(net, etp: int, rank: int):
+    """Expert tensor parallelism: w1's rows and w2's columns ``rank`` of ``etp`` (w2's bias whole)."""
+    f = net.w1.out_features
+    a, b = rank * f // etp, (rank + 1) * f // etp
+    out = copy.deepcopy(net)
+    for lin, dim, name in ((out.w1, 0, "weight"), (out.w1, 0, "bias"), (out.w2, 1, "weight")):
+        setattr(lin, name, slice_parameter(getattr(lin, name), dim, a, b))   # tagged: the plan's Placement
+    out.w1.out_features = out.w2.in_features = b - a
+    return out
 
 
 class ExpertParallelMoE(nn.Module):
-    """``moe``'s router (replicated) and this EP rank's block of its experts, over ``mesh``'s
-    "ep" group. Every rank builds it from the same ``MoE`` (same seed): it keeps its share."""
+    """``moe``'s router and shared experts (replicated) and this rank's part of its experts
+    (E/ep experts, 1/etp of each one's width) on ``mesh``'s expert mesh. Every rank builds it
+    from the same ``MoE`` (same seed): it keeps its share. ``token_index`` (set per step by
+    the plan): where this rank's tokens sit in their routing group, when that group spans the
+    cp x tp ranks."""
 
-    def __init__(self, moe: MoE, mesh, impl=None):
+    def __init__(self, moe: MoE, mesh, impl=None, dispatch="all_to_all"):
         super().__init__()
-        ep = mesh.size("ep")
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        ep, etp = mesh.size("ep"), mesh.size("etp") if hasattr(mesh, "etp") else 1
         experts_per_rank(moe.n_experts, ep)
         self.comm = mesh.comm("ep", impl=impl)
-        self.ep, self.n_experts, self.local = ep, moe.n_experts, moe.n_experts // ep
+        self.etp_comm = mesh.comm("etp", impl=impl) if etp > 1 else None
+        self.group_comm = mesh.comm(("ep", "etp") if etp > 1 else "ep", impl=impl)   # all-gather dispatch
+        sizes = getattr(mesh, "sizes", {})
+        token_dims = tuple(d for d in ("cp", "tp") if sizes.get(d, 1) > 1)
+        self.token_comm = mesh.comm(token_dims, impl=impl) if token_dims else None
+        self.token_index, self.dropped = None, None
+        self.ep, self.etp, self.dispatch = ep, etp, dispatch
+        self.n_experts, self.local = moe.n_experts, moe.n_experts // ep
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
         self.normalize_topk = moe.normalize_topk    # renormalise the k weights as one device does
-        first = self.comm.rank * self.local
-        self.router = moe.router
-        self.experts = nn.ModuleList(moe.experts[first:first + self.local])   # (E/ep experts)
-        set_reduce_dims(self.experts, ("edp",))    # each expert lives on one rank of every EP group
+        self.first = self.comm.rank * self.local
+        self.router, self.shared = moe.router, moe.shared
+        etp_rank = self.etp_comm.rank if etp > 1 else 0
+        self.bias_here = etp_rank == 0                                # w2's bias: once per row
+        self.experts = nn.ModuleList(net if etp == 1 else slice_expert(net, etp, etp_rank)
+                                     for net in moe.experts[self.first:self.first + self.local])
+        replicas = mesh.expert_replicas() if hasattr(mesh, "expert_replicas") else ("edp",)
+        set_reduce_dims(self.experts, replicas)      # the ranks holding the same experts
+        if etp > 1:                                  # the bias: added on etp rank 0 for the rows of all
+            set_reduce_dims([net.w2.bias for net in self.experts], replicas + ("etp",))
 
-    def forward(self, x):  # x (T, h): this rank's tokens -> (T, h), aux loss of this rank's group
-        T, h = x.shape
-        expert, weight, keep, _, aux = route(self.router(x), self.top_k, self.capacity_factor,
-                                             self.normalize_topk)
-        tok, j = torch.nonzero(keep, as_tuple=True)                 # kept assignments (M,)
+    def route(self, x):
+        """x (T, h) -> expert (T, k), weight (T, k), keep (T, k), counts (E,), aux: as
+        :func:`course_lib.moe.route` on this rank's routing group. Over cp x tp, the group's
+        router logits are all-gathered with each token's place in the group, and every rank
+        routes the whole group in the single-device order, its own rows live (their gradient:
+        the weights, and the load-balancing loss through the group's mean probabilities)."""
+        logits = self.router(x)                                       # (T, E)
+        args = (self.top_k, self.capacity_factor, self.normalize_topk)
+        if self.token_comm is None:                                   # the group: my tokens
+            out = route(logits, *args)
+            self.dropped = (~out[2]).nonzero()                        # (token, choice) pairs dropped
+            return out
+        T, g, me = x.shape[0], self.token_comm.size, self.token_comm.rank
+        if self.token_index is None or len(self.token_index) != T:
+            raise ValueError(f"ExpertParallelMoE over cp x tp needs token_index (set by parallelize_nd's step) "
+                             f"for its {T} tokens, got {None if self.token_index is None else len(self.token_index)}")
+        index = gather_along(self.token_comm, self.token_index, 0, "routing: token places")      # (g*T,)
+        table = gather_along(self.token_comm, logits.detach(), 0, "routing: logits")           # (g*T, E)
+        rows = list(table.split(T))
+        rows[me] = logits                                             # my rows live, the others' fixed
+        order = torch.argsort(index)                                  # the single-device token order
+        expert, weight, keep, counts, aux = route(torch.cat(rows)[order], *args)
+        self.dropped = (~keep).nonzero()                              # in the group's token order
+        mine = torch.argsort(order).view(g, T)[me]                    # my tokens' places in that order
+        return expert[mine], weight[mine], keep[mine], counts, aux
+
+    def forward(self, x):  # x (T, h): this rank's tokens -> (T, h), aux loss of its routing group
+        expert, weight, keep, _, aux = self.route(x)
+        y = shared_output(self.shared, x)
+        if self.dispatch == "all_gather":
+            return y + self._gathered(x, expert, weight, keep), aux
+        return y + self._all_to_all(x, expert, weight, keep), aux
+
+    def _expert(self, net, rows):
+        """One expert (or its etp slice: a partial output, w2's bias on etp rank 0 only)."""
+        if self.etp == 1:
+            return net(rows)
+        out = F.linear(F.gelu(net.w1(rows)), net.w2.weight)
+        return out + net.w2.bias if self.bias_here else out
+
+    def _run_experts(self, rows, local_e):
+        """rows (R, h) for my experts ``local_e`` (R,) -> their outputs (R, h); with etp the
+        rows of my etp peers join (all-gather) and the partial sums go back (reduce-scatter)."""
+        if self.etp > 1:
+            sizes = gather_along(self.etp_comm, torch.tensor([len(rows)]), 0, "ETP row counts").tolist()
+            rows = GatherRows.apply(rows, self.etp_comm, sizes, "ETP all-gather")
+            local_e = gather_rows(local_e, self.etp_comm, sizes, "ETP expert ids")
+        with trace.span("experts", kind="compute"):
+            by_expert = torch.sort(local_e, stable=True).indices      # rows of expert 0, 1, ...
+            counts = torch.bincount(local_e, minlength=self.local).tolist()
+            outs = [self._expert(net, chunk) for net, chunk in zip(self.experts, rows[by_expert].split(counts))]
+            done = torch.cat(outs)[torch.argsort(by_expert)]          # back to the received order
+        if self.etp > 1:
+            done = ScatterRows.apply(done, self.etp_comm, sizes, "ETP reduce-scatter")
+        return done
+
+    def _all_to_all(self, x, expert, weight, keep):
+        tok, j = torch.nonzero(keep, as_tuple=True)                   # kept assignments (M,)
         e = expert[tok, j]
-        order = torch.sort(e, stable=True).indices                  # grouped by expert
+        order = torch.sort(e, stable=True).indices                    # grouped by expert
         tok, j, e = tok[order], j[order], e[order]
-        counts = torch.bincount(e, minlength=self.n_experts)        # (E,) rows per expert
-        recv_counts = torch.empty_like(counts)                      # (ep * E/ep,): [source][my expert]
+        counts = torch.bincount(e, minlength=self.n_experts)          # (E,) rows per expert
+        recv_counts = torch.empty_like(counts)                        # (ep * E/ep,): [source][my expert]
         self.comm.all_to_all_single(recv_counts, counts, name="expert counts")
         send_splits = dispatch_splits(counts, self.ep)
-        recv_counts = recv_counts.view(self.ep, self.local)         # (ep sources, E/ep local experts)
+        recv_counts = recv_counts.view(self.ep, self.local)           # (ep sources, E/ep local experts)
         recv_splits = recv_counts.sum(1).tolist()
-        rows = AllToAll.apply(x[tok], self.comm, recv_splits, send_splits, "dispatch")   # (R, h)
+        rows = AllToAll.apply(x[tok], self.comm, recv_splits, send_splits, "dispatch")    # (R, h)
+        local_e = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts.flatten())
+        done = self._run_experts(rows, local_e)
+        back = AllToAll.apply(done, self.comm, send_splits, recv_splits, "combine")      # (M, h)
+        return torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])
+
+    def _gathered(self, x, expert, weight, keep):
+        """All-gather dispatch: the ep x etp group's tokens on every rank, my experts run on the
+        ones routed to them, the weighted sums reduce-scattered back to their ranks."""
+        n = self.group_comm.size
+        sizes = [x.shape[0]] * n
+        xs = GatherRows.apply(x, self.group_comm, sizes, "dispatch")                    # (n*T, h)
+        ws = GatherRows.apply(weight * keep, self.group_comm, sizes, "router weights")  # (n*T, k)
+        es = gather_rows(torch.where(keep, expert, -1), self.group_comm, sizes, "expert ids")   # -1: dropped
+        out = torch.zeros_like(xs)
         with trace.span("experts", kind="compute"):
-            local_e = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts.flatten())  # (R,)
-            by_expert = torch.sort(local_e, stable=True).indices    # rows of expert 0, 1, ...
-            sizes = torch.bincount(local_e, minlength=self.local).tolist()
-            outs = [net(chunk) for net, chunk in zip(self.experts, rows[by_expert].split(sizes))]
-            done = torch.cat(outs)[torch.argsort(by_expert)]        # back to the received order
-        back = AllToAll.apply(done, self.comm, send_splits, recv_splits, "combine")     # (M, h)
-        y = torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])
-        return y, aux
+            for i, net in enumerate(self.experts):
+                tok, j = torch.nonzero(es == self.first + i, as_tuple=True)
+                out = out.index_add(0, tok, self._expert(net, xs[tok]) * ws[tok, j, None])
+        return ScatterRows.apply(out, self.group_comm, sizes, "combine")                 # (T, h)
 
     def tokens_per_expert(self, x):
-        """Assignments per expert (E,) of this rank's tokens, before dropping."""
-        return route(self.router(x), self.top_k, self.capacity_factor, self.normalize_topk)[3]
+        """Assignments per expert (E,) of this rank's routing group, before dropping."""
+        return self.route(x)[3]
 
 
-__all__ = ["AllToAll", "ExpertParallelMoE", "dispatch_splits", "experts_per_rank", "rule_experts"]
+__all__ = ["AllToAll", "GatherRows", "ScatterRows", "ExpertParallelMoE", "DISPATCH", "dispatch_splits",
+           "experts_per_rank", "rule_experts", "token_index", "expert_tp_plan", "slice_expert", "gather_rows",
+           "scatter_rows"]

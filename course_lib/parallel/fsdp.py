@@ -42,10 +42,12 @@ import torch.nn as nn
 from course_lib import trace
 from course_lib.parallel.data_parallel import broadcast_module_states
 from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_fsdp_module, default_units
+from course_lib.parallel.hsdp import hsdp_comms, reshard_comm, rule_hsdp
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
 from course_lib.parallel.tp_plan import tp_slice_of
 
 MAX_IN_FLIGHT = 1  # gradient reduce-scatters in flight (each keeps a full-size gradient alive)
+PEAKS = ("gathered parameters", "unsharded gradients")  # FSDP.peak's keys: bytes held at once
 
 
 class _FreedParam(NamedTuple):
@@ -76,11 +78,12 @@ def rule_fsdp(cfg, layout):
     dp x cp); a weight tied across two pipeline stages would be one weight in two FSDP units."""
     if layout.zero not in (0, 3):
         raise ValueError(f"zero={layout.zero!r}: parallelize_nd runs zero=0 (data='ddp') or zero=3 "
-                         f"(data='fsdp'); ZeRO-1/2 are ShardedOptimizer's (chapter 4)")
-    if layout.data == "fsdp" and cfg.n_experts and layout.ep > 1:
+                         f"(data='fsdp' / 'hsdp'); ZeRO-1/2 are ShardedOptimizer's (chapter 4)")
+    rule_hsdp(cfg, layout)
+    if layout.data != "ddp" and cfg.n_experts and layout.ep > 1:
         raise ValueError(f"experts split over ep={layout.ep} under FSDP: FSDP shards over dp x cp, but an expert is "
                          f"held by the dp / ep ranks of its EP slot only; not supported here, use data='ddp'")
-    if layout.data == "fsdp" and cfg.tie_embeddings and layout.pp * layout.v > 1:
+    if layout.data != "ddp" and cfg.tie_embeddings and layout.pp * layout.v > 1:
         raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
                          "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
 
@@ -113,6 +116,22 @@ class FSDP(nn.Module):
         FSDP does not nest: torch's ``fully_shard(block)`` per block, then
         ``fully_shard(model)``, is here one ``FSDP(model, units=blocks)`` (refused otherwise).
 
+    HSDP and FSDP's controls (torch's names):
+
+    - ``shard_size=S``: shard over S ranks of ``dims``, replicate over the other R = N / S
+      (torch's ``fully_shard`` on a 2-D mesh): the reduce-scatter sums over the shard group,
+      then the gradient SHARD is all-reduced over the replicate group (:mod:`~course_lib.parallel.hsdp`).
+    - ``reshard_after_forward``: True (free the gathered unit after forward; all-gather again
+      in backward), False (keep it to backward: no second all-gather, the whole unit held), an
+      int k (keep 1/k of it: the backward all-gather runs inside blocks of k ranks). None:
+      True; the root always stays gathered into backward (torch's default for the root).
+    - ``set_requires_gradient_sync(False)``: backward accumulates full, unsharded gradients
+      and reduce-scatters nothing; the first backward with True (or
+      ``finish_gradient_synchronization``) reduce-scatters their sum once.
+    - ``set_modules_to_forward_prefetch(unit, [units])`` / ``..._backward_prefetch``: the
+      all-gathers started when ``unit`` starts, instead of the next unit in recorded order.
+    - ``peak``: the largest gathered-parameter and unsharded-gradient bytes held at once.
+
     Checkpoints:
 
     - ``state_dict()`` (``nn.Module``'s own) is this rank's shards: keys ``module.<name>``
@@ -127,7 +146,8 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
-                 dims="dp", reduce_dims=None, divisor=None, prefetch=True):
+                 dims="dp", reduce_dims=None, divisor=None, prefetch=True, shard_size=None,
+                 reshard_after_forward=None):
         super().__init__()
         check_fsdp_module(module)
         _check_not_wrapped(module)
@@ -142,8 +162,12 @@ class FSDP(nn.Module):
         if any(id(m) not in inside for m in unit_modules):
             raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
         self.mesh = as_mesh(mesh, group, dim=self.dims[0])
-        self.module, self.comm, self.prefetch = module, self.mesh.comm(self.dims), prefetch
-        self.divisor = self.comm.size if divisor is None else divisor
+        every = self.mesh.comm(self.dims)  # every data-parallel copy: HSDP's shard x replicate
+        self.module, self.comm, self.replicate, self.prefetch = module, every, None, prefetch
+        if shard_size is not None:
+            self.comm, self.replicate = hsdp_comms(self.mesh, self.dims, shard_size, self.mesh.impl)
+        self.reshard_after_forward, self.reshard_group = self._reshard_policy(reshard_after_forward)
+        self.divisor = every.size if divisor is None else divisor
         if isinstance(self.divisor, bool) or not isinstance(self.divisor, (int, float)) or self.divisor <= 0:
             raise ValueError(f"FSDP: divisor must be a positive number, got {divisor!r}")
         self.master_dtype = next(module.parameters()).dtype
@@ -151,9 +175,9 @@ class FSDP(nn.Module):
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         extra = self._extra_reduce_dims(module, reduce_dims)
         # one model: rank 0's values (over all the dims a parameter is replicated on), then shard
-        broadcast_module_states(module, self.comm, lambda p: self.mesh.comm(self.dims + extra.get(p, ())),
+        broadcast_module_states(module, every, lambda p: self.mesh.comm(self.dims + extra.get(p, ())),
                                 what="FSDP")
-        self.comm.reset()
+        every.reset()
         if compute_dtype is not None:  # buffers (rotary tables...) computed with, in compute_dtype
             for buf in module.buffers():
                 if buf.is_floating_point():
@@ -165,9 +189,59 @@ class FSDP(nn.Module):
             m._fsdp_sharded = True
         self._fwd_order = [u.index for u in self.units]  # refined after each forward
         self._pre_order, self._post_order, self._reducing, self._where = [], [], [], {}
+        self._replicating, self._explicit = [], {"forward": {}, "backward": {}}
+        self.requires_gradient_sync, self.peak = True, dict.fromkeys(PEAKS, 0)
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
+
+    def _reshard_policy(self, value):
+        """(True / False / k, the Comm of this rank's block of k) as torch's ``fully_shard``
+        takes ``reshard_after_forward``: k must divide the shard group; k = shard group is
+        True, k = 1 is False."""
+        if value is None or isinstance(value, bool):
+            return value is not False, None
+        n = self.comm.size
+        if not isinstance(value, int) or value < 1 or n % value:
+            raise ValueError(f"FSDP: reshard_after_forward must be True, False or an int dividing the "
+                             f"shard group's {n} ranks, got {value!r}")
+        if value in (1, n):
+            return value == n, None
+        return value, reshard_comm(self.comm, value, self.mesh.impl)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool):
+        """torch's ``FSDPModule.set_requires_gradient_sync``: False on all but the last
+        micro-batch of gradient accumulation (full gradients summed locally, no reduce-scatter)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync takes a bool, got {requires_gradient_sync!r}")
+        self.requires_gradient_sync = requires_gradient_sync
+
+    def set_modules_to_forward_prefetch(self, module, modules):
+        """When ``module``'s unit starts its forward, start the all-gathers of ``modules``'
+        units (torch: ``block.set_modules_to_forward_prefetch([...])``)."""
+        self._explicit["forward"][self._unit_of(module)] = [self._unit_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, module, modules):
+        """When ``module``'s unit starts its backward, start the all-gathers of ``modules``'."""
+        self._explicit["backward"][self._unit_of(module)] = [self._unit_of(m) for m in modules]
+
+    def _unit_of(self, module):
+        for u in self.units:
+            if u.module is module:
+                return u.index
+        raise ValueError(f"FSDP: {type(module).__name__} is not one of this FSDP's units "
+                         f"{[u.name for u in self.units]}")
+
+    def _note_memory(self):
+        """Track the peaks: gathered parameters (in flight, gathered, kept 1/k after forward)
+        and accumulated unsharded gradients, in bytes."""
+        b = torch.empty((), dtype=self.compute_dtype).element_size()
+        held = sum(u.numel * self.comm.size * ((u.full is not None) + (u.gather is not None)) +
+                   (u.post.numel() if u.post is not None else 0) for u in self.units) * b
+        grads = sum(u.accumulated.numel() * u.accumulated.element_size()
+                    for u in self.units if u.accumulated is not None)
+        for key, now in zip(PEAKS, (held, grads)):
+            self.peak[key] = max(self.peak[key], now)
 
     def _extra_reduce_dims(self, module, reduce_dims=None):
         """{parameter: dims its gradient is summed over besides FSDP's} for the trainable ones."""
@@ -227,8 +301,7 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        while self._reducing:  # an earlier backward of this step (gradient accumulation)
-            self._fold_oldest()
+        self._drain(0)  # an earlier backward of this step (gradient accumulation)
         for u in self.units:   # nothing stays gathered from a forward that had no backward
             self._reshard(u)
         if self.compute_dtype != self.master_dtype:  # inputs in the compute dtype, like the weights
@@ -249,8 +322,7 @@ class FSDP(nn.Module):
         u.forward_ran = torch.is_grad_enabled()
         self._pre_order.append(u.index)
         self._unshard(u)
-        if self.prefetch:  # the next unit's all-gather overlaps this unit's compute
-            self._prefetch_after(u, self._fwd_order)
+        self._prefetch(u, "forward", self._fwd_order)  # the next all-gather overlaps this compute
         full = u.full
         if torch.is_grad_enabled() and u.trainable:
             full = _UnshardFn.apply(self, u, *u.trainable)  # its backward reduce-scatters
@@ -270,8 +342,30 @@ class FSDP(nn.Module):
         if not u.is_root:
             trace.recorder().add(f"forward {u.name}", "compute", u.t_forward, trace.now())
         self._post_order.append(u.index)
-        if not (u.is_root and torch.is_grad_enabled()):  # the root is needed first in backward
+        if not torch.is_grad_enabled():
             self._reshard(u)
+        elif u.is_root or self.reshard_after_forward is False:  # the root is needed first in backward
+            return
+        elif self.reshard_after_forward is True:
+            self._reshard(u)
+        else:  # keep this rank's 1/k: backward gathers inside its block of k
+            k = self.reshard_after_forward
+            part = u.by_rank(u.full).view(k, -1)[self.reshard_group.rank]  # (N * S / k,)
+            self._reshard(u)
+            u.post = part.clone()
+            self._note_memory()
+
+    def _prefetch(self, u, phase, order):
+        """The explicit list set for u in this phase, else (prefetch=True) the next in ``order``."""
+        explicit = self._explicit[phase].get(u.index)
+        if explicit is None:
+            if self.prefetch:
+                self._prefetch_after(u, order)
+            return
+        for j in explicit:
+            nxt = self.units[j]
+            if nxt.full is None and nxt.gather is None and not (nxt.reduced or nxt is u):
+                self._start_gather(nxt)
 
     def _prefetch_after(self, u, order):
         k = order.index(u.index) + 1 if u.index in order else len(order)
@@ -283,11 +377,14 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------------ gather / free
     def _start_gather(self, u):
-        """Launch one all-gather of all of u's shards: (S,) per rank -> (N * S,)."""
-        send = u.flat_shard.to(self.compute_dtype)  # a copy only when casting
+        """Launch one all-gather of all of u's shards: (S,) per rank -> (N * S,); after a
+        reshard to k ranks, of the (N * S / k,) parts inside this rank's block of k."""
+        comm, send = (self.comm, u.flat_shard.to(self.compute_dtype)) if u.post is None \
+            else (self.reshard_group, u.post)  # a copy only when casting
         gathered = send.new_empty(self.comm.size * u.numel)
-        work = self.comm.all_gather_into_tensor(gathered, send, async_op=True, name=f"all-gather {u.name}")
-        u.gather = (work, send, gathered)
+        work = comm.all_gather_into_tensor(gathered, send, async_op=True, name=f"all-gather {u.name}")
+        u.gather, u.post = (work, send, gathered), None
+        self._note_memory()
 
     def _unshard(self, u):
         """Wait for u's all-gather (start it if nobody did) and copy it out to full parameters."""
@@ -299,6 +396,7 @@ class FSDP(nn.Module):
         work.wait()
         u.gather, u.full = None, u.copy_out(gathered)  # rank after rank -> parameter after parameter
         self._where[_key(u.full)] = u.index
+        self._note_memory()
 
     def _reshard(self, u):
         if u.gather is not None:  # a prefetch nobody used
@@ -307,6 +405,7 @@ class FSDP(nn.Module):
         if u.full is not None:
             self._where.pop(_key(u.full), None)
             u.full = None  # the last reference: the gathered parameters are freed
+        u.post = None
 
     def _pack(self, t):
         """Autograd saves a tensor: a view of gathered parameters becomes a token."""
@@ -321,15 +420,26 @@ class FSDP(nn.Module):
         u = self.units[saved.unit]
         if not u.backward_started:
             u.backward_started, u.t_backward = True, trace.now()
-            self._unshard(u)
-            if self.prefetch:  # backward runs the units in reverse order of their forward end
-                self._prefetch_after(u, self._post_order[::-1])
+            self._unshard(u)  # backward runs the units in reverse order of their forward end
+            self._prefetch(u, "backward", self._post_order[::-1])
         self._unshard(u)
         return u.full.as_strided(saved.size, saved.stride, saved.offset)
 
     # ------------------------------------------------------------------ gradients
-    def _reduce_scatter(self, u, grad_full):
-        """u's full gradients (N * S,) -> this rank's (S_grad,) shard, summed over ranks."""
+    def _reduce_scatter(self, u, grad_full, sync=None):
+        """u's full gradients (N * S,) -> this rank's (S_grad,) shard, summed over ranks;
+        without gradient sync, added to its unsharded gradient instead (nothing sent)."""
+        if not (self.requires_gradient_sync if sync is None else sync):
+            if u.accumulated is None:  # (N * S,): the unit's full gradient, kept to the last one
+                u.accumulated = grad_full.to(self.reduce_dtype, copy=True)
+            else:
+                u.accumulated.add_(grad_full)
+            u.reduced = True
+            self._note_memory()
+            self._reshard(u)
+            return
+        if u.accumulated is not None:  # the earlier micro-batches' sum, never reduced
+            grad_full, u.accumulated = u.accumulated.add_(grad_full), None
         packed = u.pack_gradients(grad_full, self.reduce_dtype)  # (N, S_grad + T) rank after rank
         out = packed.new_empty(packed.shape[1])                   # (S_grad + T,): my shard, summed
         work = self.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=True,
@@ -339,12 +449,25 @@ class FSDP(nn.Module):
         if not u.is_root and u.backward_started:
             trace.recorder().add(f"backward {u.name}", "compute", u.t_backward, trace.now())
         self._reshard(u)
-        while len(self._reducing) > MAX_IN_FLIGHT:
-            self._fold_oldest()
+        self._drain(MAX_IN_FLIGHT)
 
-    def _fold_oldest(self):
-        u, out, work, _ = self._reducing.pop(0)
-        work.wait()
+    def _drain(self, in_flight):
+        """Finish reduce-scatters until ``in_flight`` are left; under HSDP each then starts the
+        all-reduce of its shard over the replicas (as many left in flight)."""
+        while len(self._reducing) > in_flight:
+            u, out, work, _ = self._reducing.pop(0)
+            work.wait()
+            if self.replicate is None or self.replicate.size == 1:
+                self._fold(u, out)
+            else:  # (S_grad + T,): the shard only, 1/S of the gradient, crosses the replicas
+                self._replicating.append((u, out, self.replicate.all_reduce(
+                    out, async_op=True, name=f"all-reduce {u.name} over replicas")))
+        while len(self._replicating) > in_flight:
+            u, out, work = self._replicating.pop(0)
+            work.wait()
+            self._fold(u, out)
+
+    def _fold(self, u, out):
         used = out[u.grad_numel:] > 0                      # some rank's backward reached it
         u.used_anywhere = used if u.used_anywhere is None else u.used_anywhere | used
         out = out[:u.grad_numel].to(self.master_dtype).div(self.divisor)  # e.g. mean over dp
@@ -362,11 +485,11 @@ class FSDP(nn.Module):
 
     def finish_gradient_synchronization(self):
         """Wait for the reduce-scatters; give each parameter shard its gradient."""
-        for u in self.units:  # a unit that ran forward but got no gradient: reduce zeros
-            if u.forward_ran and u.trainable and not u.reduced:
-                self._reduce_scatter(u, u.flat_shard.new_zeros(self.comm.size * u.numel))
-        while self._reducing:
-            self._fold_oldest()
+        for u in self.units:  # a unit that ran forward but got no gradient: reduce zeros (+ its sum
+            if u.trainable and (u.accumulated is not None or (u.forward_ran and not u.reduced)):  # unsynced)
+                self._reduce_scatter(u, u.flat_shard.new_zeros(self.comm.size * u.numel, dtype=self.reduce_dtype),
+                                     sync=True)
+        self._drain(0)
         for u in self.units:
             if u.grad_shard is not None:
                 for j, i in enumerate(u.trainable_slots):
@@ -396,7 +519,7 @@ class FSDP(nn.Module):
         gradients give. Pipeline stages are not summed: each stage's FSDP clips by its own norm.
         Call it after ``finish_gradient_synchronization()``, on every rank (a collective).
         """
-        if self._reducing or any(u.grad_shard is not None for u in self.units):
+        if self._reducing or self._replicating or any(u.grad_shard is not None for u in self.units):
             raise RuntimeError("FSDP.clip_grad_norm_: gradient reduce-scatters are still pending: call "
                                "finish_gradient_synchronization() after backward, before clipping")
         number, order = _number(max_norm), _number(norm_type)  # as torch: "inf", 0-d tensors
@@ -405,7 +528,8 @@ class FSDP(nn.Module):
         if order is None or not order > 0:
             raise ValueError(f"FSDP.clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type!r}")
         max_norm, norm_type = number, order
-        grads = [(p.grad, counted) for p, counted in self._norm_params if p.grad is not None]
+        first = self.replicate is None or self.replicate.rank == 0  # HSDP: one replica counts its shards
+        grads = [(p.grad, counted and first) for p, counted in self._norm_params if p.grad is not None]
         local = self.units[0].flat_shard.new_zeros((), dtype=torch.float64)  # float64: no overflow
         for g, counted in grads:
             if counted and g.numel():

@@ -125,6 +125,8 @@ class ShardedUnit:
         self.used_anywhere = None  # (trainable,) bool: did some rank's backward reach it
         self.full = None         # (N * S,) compute dtype: the gathered parameters
         self.gather = None       # in flight: (work, send buffer, gathered buffer)
+        self.post = None         # (N * S / k,) kept after forward by reshard_after_forward=k
+        self.accumulated = None  # (N * S,) unsynced gradient sum (set_requires_gradient_sync(False))
         self.used = [False] * len(params)
         self.extra = []          # [(Comm, [slot indexes])]: gradients reduced over more dims
         self.reset_step()
@@ -142,6 +144,16 @@ class ShardedUnit:
             full[start:start + self.world * s.padded].view(self.world, s.padded).copy_(
                 by_rank[:, s.offset:s.offset + s.padded])
         return full
+
+    def by_rank(self, full):
+        """The inverse of :meth:`copy_out`: (N * S,) parameter after parameter -> rank after rank."""
+        out = torch.empty_like(full)
+        by_rank = out.view(self.world, self.numel)
+        for s in self.slots:
+            start = self.world * s.offset
+            by_rank[:, s.offset:s.offset + s.padded].copy_(
+                full[start:start + self.world * s.padded].view(self.world, s.padded))
+        return out
 
     def full_views(self, full):
         """Every parameter, full shape, as a view of ``full`` (one split: one backward node)."""

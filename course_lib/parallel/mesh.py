@@ -15,9 +15,17 @@ bytes). Either way the dimension that talks most sits on the fastest links:
 
     rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
 
-Expert parallelism takes its ranks from DP: ``ep`` must divide ``dp``; an "ep" group is
-``ep`` consecutive DP indexes (same pp, cp, tp), and an "edp" group (expert data
-parallel) holds the ranks with the same expert shard, across the ``dp / ep`` EP groups.
+The experts have a mesh of their own, folded over the same ranks (Megatron-Core's "MoE
+parallel folding"): inside one pipeline stage, the dp x cp x tp ranks are also
+etp x ep x edp (expert tensor parallel innermost, then expert parallel, then expert data
+parallel). ``ep * etp`` must divide ``dp * cp * tp``. The fold takes its ranks from DP
+first, then CP, then TP: the expert mesh lies on the shortest run of those dimensions
+whose size ``ep * etp`` divides (``fold``: ("dp",) when it divides dp, as an EP inside DP),
+so an "ep" group is ``ep`` consecutive indexes along the fold, numbered in rank order
+(same pp, and the same cp and tp where the fold does not reach them). The ranks that hold the same experts are
+"edp" and the dimensions outside the fold (:meth:`MeshShape.expert_replicas`).
+Megatron folds TP first instead (its EP on the NVLink ranks of attention's TP); here DP
+first keeps an EP that fits inside DP where the earlier chapters put it.
 
 Every group, of every single dimension and of every combination of dimensions, is made
 in the constructor, in the same order on every rank (``dist.new_group`` is collective:
@@ -32,43 +40,80 @@ import itertools
 import torch.distributed as dist
 
 from course_lib.collectives.comm import Comm
+from course_lib.layout import FOLD_ORDER, expert_fold  # noqa: F401  (the fold is a layout rule)
 from course_lib.schedules import positive_int
 
 DIMS = ("dp", "pp", "cp", "tp")    # outermost -> innermost
-EXPERT_DIMS = ("ep", "edp")        # carved out of dp
+EXPERT_DIMS = ("ep", "etp", "edp")  # the expert mesh, folded over dp (x cp x tp) of one stage
 
 
 class MeshShape:
     """The pure arithmetic of a mesh (no process group): coordinates and rank sets."""
 
-    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
-        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1):
+        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep), ("etp", etp)):
             positive_int(f"mesh dimension {name}", value)
-        if dp % ep:
-            raise ValueError(f"expert parallelism takes its ranks from DP: ep={ep} must divide dp={dp}")
         self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-        self.ep = ep
+        self.ep, self.etp = ep, etp
+        self.fold = expert_fold(self.sizes, ep, etp)
         self.world_size = dp * pp * cp * tp
+
+    @property
+    def expert_sizes(self) -> dict:
+        """{'ep', 'etp', 'edp'}: the expert mesh's sizes (edp: the fold's ranks / (ep * etp))."""
+        folded = 1
+        for d in self.fold:
+            folded *= self.sizes[d]
+        return {"ep": self.ep, "etp": self.etp, "edp": folded // (self.ep * self.etp)}
+
+    def expert_replicas(self) -> tuple:
+        """The dims an expert's gradient is summed over: "edp" and the stage dims outside the
+        fold (the ranks holding the same experts, each with tokens of its own)."""
+        return ("edp",) + tuple(d for d in FOLD_ORDER if d not in self.fold)
 
     def size(self, dims) -> int:
         """Number of ranks along ``dims`` (a name or a tuple of names)."""
         names = _names(dims)
-        _check(names)
-        out = 1
+        self._check(names)
+        out, sizes = 1, {**self.sizes, **self.expert_sizes}
         for d in names:
-            out *= {"ep": self.ep, "edp": self.sizes["dp"] // self.ep}.get(d) or self.sizes[d]
+            out *= sizes[d]
         return out
 
     def coords(self, rank: int) -> dict:
-        """{'dp': i, 'pp': j, 'cp': k, 'tp': l} of a global rank (plus 'ep', 'edp')."""
+        """{'dp': i, 'pp': j, 'cp': k, 'tp': l} of a global rank (plus 'ep', 'etp', 'edp')."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the mesh (world size {self.world_size})")
         out = {}
         for d in reversed(DIMS):
             rank, out[d] = divmod(rank, self.sizes[d])
         out = {d: out[d] for d in DIMS}
-        out["edp"], out["ep"] = divmod(out["dp"], self.ep)
+        folded = 0                                # this rank's index along the fold, in rank order
+        for d in self.fold:                       # (tp fastest): a group's ranks sorted = by coordinate
+            folded = folded * self.sizes[d] + out[d]
+        folded, out["etp"] = divmod(folded, self.etp)
+        out["edp"], out["ep"] = divmod(folded, self.ep)
         return out
+
+    def _invalid(self, names) -> str:
+        problem = _invalid(names)
+        mixed = [d for d in names if d in self.fold] if set(EXPERT_DIMS) & set(names) else []
+        if not problem and mixed:
+            problem = (f"{names}: the expert dims are folded over {self.fold}: do not combine them with "
+                       f"{mixed}")
+        return problem
+
+    def _check(self, names):
+        problem = self._invalid(names)
+        if problem:
+            raise ValueError(problem)
+
+    def _covered(self, names) -> set:
+        """The coordinates a group along ``names`` varies: the named ones, the fold's dims
+        with an expert dim, the expert dims with a dim of the fold."""
+        named = set(names)
+        return named | (set(self.fold) if named & set(EXPERT_DIMS) else set()) | \
+            (set(EXPERT_DIMS) if named & set(self.fold) else set())
 
     def rank_of(self, **coords) -> int:
         """The global rank at these coordinates (missing dimensions: 0)."""
@@ -87,18 +132,22 @@ class MeshShape:
         """Every group along ``dims``: lists of global ranks that differ only in ``dims``,
         each in group-rank order (the outermost named dimension outermost), sorted by first rank."""
         names = _names(dims)
-        _check(names)
-        groups = {}
+        self._check(names)
+        covered, groups = self._covered(names), {}
         for rank in range(self.world_size):
             c = self.coords(rank)
-            key = tuple(c[d] for d in ("dp", "pp", "cp", "tp", "ep", "edp") if not _covers(names, d))
-            order = tuple(c[d] for d in ("dp", "pp", "cp", "tp", "edp", "ep") if d in names)
+            key = tuple(c[d] for d in DIMS + EXPERT_DIMS if d not in covered)
+            order = tuple(c[d] for d in ("dp", "pp", "cp", "tp", "edp", "ep", "etp") if d in names)
             groups.setdefault(key, []).append((order, rank))
         return sorted([r for _, r in sorted(members)] for members in groups.values())
 
     def describe(self) -> str:
         dims = " x ".join(f"{d}={self.sizes[d]}" for d in DIMS)
-        return f"{dims}" + (f" (ep={self.ep} inside dp)" if self.ep > 1 else "") + f": {self.world_size} ranks"
+        experts = ""
+        if self.ep * self.etp > 1:
+            inside = " x ".join(self.fold)
+            experts = f" (ep={self.ep}" + (f" x etp={self.etp}" if self.etp > 1 else "") + f" inside {inside})"
+        return dims + experts + f": {self.world_size} ranks"
 
 
 def _names(dims) -> tuple:
@@ -115,25 +164,12 @@ def _invalid(names) -> str:
         return f"unknown mesh dimension(s) {unknown}; the mesh has {DIMS + EXPERT_DIMS}"
     if len(set(names)) != len(names):
         return f"a mesh dimension is named twice in {names}"
-    if "dp" in names and ({"ep", "edp"} & set(names)):
-        return f"'ep' and 'edp' are parts of 'dp': do not combine them with it ({names})"
+    if "dp" in names and (set(EXPERT_DIMS) & set(names)):
+        return f"'ep', 'etp' and 'edp' are parts of 'dp' (and what the expert mesh folds over): do not " \
+               f"combine them with it ({names})"
     if {"ep", "edp"} <= set(names):
-        return f"'ep' and 'edp' together are 'dp': name 'dp' ({names})"
+        return f"'ep' and 'edp' together are the dims they fold over: name those ({names})"
     return ""
-
-
-def _check(names):
-    problem = _invalid(names)
-    if problem:
-        raise ValueError(problem)
-
-
-def _covers(names, d) -> bool:
-    """Does a group along ``names`` vary dimension ``d``? (dp is made of ep and edp: naming
-    dp varies both; naming one of them leaves the other fixed, and dp with it.)"""
-    if d == "dp":
-        return "dp" in names or bool(set(EXPERT_DIMS) & set(names))
-    return d in names or (d in EXPERT_DIMS and "dp" in names)
 
 
 class Mesh(MeshShape):
@@ -144,8 +180,9 @@ class Mesh(MeshShape):
     overrides it for one group.
     """
 
-    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, *, impl="torch"):
-        super().__init__(dp, pp, cp, tp, ep)
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
+                 impl="torch"):
+        super().__init__(dp, pp, cp, tp, ep, etp)
         if not dist.is_initialized():
             raise RuntimeError("Mesh builds process groups: run it inside course_lib.launch(fn, world_size)")
         world = dist.get_world_size()
@@ -163,15 +200,16 @@ class Mesh(MeshShape):
 
     @classmethod
     def from_layout(cls, layout, **kw) -> "Mesh":
-        """The mesh of a planner :class:`~course_lib.planner.layout.Layout` (dp, pp, cp, tp, ep)."""
-        return cls(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, ep=layout.ep, **kw)
+        """The mesh of a :class:`~course_lib.layout.Layout` (dp, pp, cp, tp, ep, etp)."""
+        return cls(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, ep=layout.ep,
+                   etp=getattr(layout, "etp", 1), **kw)
 
     def _all_dim_sets(self):
         """Every valid combination of dimensions, in one fixed order."""
         singles = DIMS + EXPERT_DIMS
         for k in range(1, len(singles) + 1):
             for names in itertools.combinations(singles, k):
-                if not _invalid(names):
+                if not self._invalid(names):
                     yield names
 
     def _make_group(self, sets):
@@ -190,7 +228,7 @@ class Mesh(MeshShape):
 
     def _key(self, dims):
         names = _names(dims)
-        _check(names)
+        self._check(names)
         return tuple(sorted(names, key=(DIMS + EXPERT_DIMS).index))
 
     def group(self, dims):
@@ -240,7 +278,7 @@ class Mesh(MeshShape):
 
     def get_local_rank(self, mesh_dim: str) -> int:
         """As ``DeviceMesh.get_local_rank``: this rank's index along ``mesh_dim``."""
-        _check(_names(mesh_dim))
+        self._check(_names(mesh_dim))
         return self.coord[mesh_dim] if mesh_dim in self.coord else dist.get_rank(self.group(mesh_dim))
 
     def size(self, mesh_dim: str | None = None) -> int:
@@ -317,5 +355,5 @@ def get_reduce_dims(param, default=("dp",)) -> tuple:
     return getattr(param, "reduce_dims", tuple(default))
 
 
-__all__ = ["DIMS", "EXPERT_DIMS", "MeshShape", "Mesh", "GroupMesh", "as_mesh", "set_reduce_dims",
+__all__ = ["DIMS", "EXPERT_DIMS", "FOLD_ORDER", "expert_fold", "MeshShape", "Mesh", "GroupMesh", "as_mesh", "set_reduce_dims",
            "get_reduce_dims"]

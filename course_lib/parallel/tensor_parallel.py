@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.collectives.comm import Comm
+from course_lib.parallel.async_tp import all_gather_matmul, matmul_reduce_scatter
 from course_lib.parallel.comm_ops import (copy_to_parallel, gather_along, gather_from_parallel,
                                           gather_from_sequence_parallel, reduce_from_parallel,
                                           scatter_to_sequence_parallel, sum_over_copies)
@@ -133,10 +134,12 @@ class ColumnParallelLinear(nn.Module):
     gather_output: all-gather the slices (every rank gets the whole Y: communication; the
     slices must be equal). check: first verify that every rank was given the same ``linear``
     (one small all-gather; ``parallelize`` checks the whole model once instead).
+    async_tp: with input="sequence", the all-gather decomposed under the matmul
+    (:mod:`course_lib.parallel.async_tp`); with input="entered", the region's pre-hook did it.
     """
 
     def __init__(self, linear: nn.Linear, comm: Comm, *, input="replicated", rows=None, copies=1,
-                 gather_output=False, keep_gathered=False, check=True):
+                 gather_output=False, keep_gathered=False, check=True, async_tp=False):
         super().__init__()
         _check_comm(comm)
         if input not in INPUTS:
@@ -159,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
                              f"of the {out} output features")
         self.comm, self.input, self.gather_output, self.keep_gathered = comm, input, gather_output, keep_gathered
         self.in_features, self.out_features, self.full_out_features = linear.in_features, stop - start, out
-        self.copies, self.rows = copies, (start, stop)
+        self.copies, self.rows, self.async_tp = copies, (start, stop), bool(async_tp)
         self.weight = slice_parameter(linear.weight, 0, start, stop)           # (out_r, in)
         self.bias = slice_parameter(linear.bias, 0, start, stop) if linear.bias is not None else None
         for p in (self.weight, self.bias):
@@ -174,7 +177,20 @@ class ColumnParallelLinear(nn.Module):
             b = sum_over_copies(b, self.comm, slot, n_slots) if b is not None else None
         return w, b
 
+    def weight_and_bias(self):
+        """The (weight, bias) this rank multiplies by (a copied K/V head's: summed in backward)."""
+        return self._params()
+
     def forward(self, x):  # (..., in) -> (..., out_r)
+        pending = getattr(x, "async_outputs", None)
+        if pending is not None:   # async TP: the region's decomposed all-gather-matmul computed me
+            if self not in pending:
+                raise ValueError("async TP: this column layer reads a region input it was not computed "
+                                 "with (only the region's own column layers may read it)")
+            return pending[self]
+        if self.input == "sequence" and self.async_tp:        # (b, s/t, h) -> (b, s, out_r)
+            y = all_gather_matmul(x, self.comm, *map(list, zip(self.weight_and_bias())))[0]
+            return gather_from_parallel(y, self.comm, dim=-1) if self.gather_output else y
         if self.input == "replicated":
             x = copy_to_parallel(x, self.comm)                                 # f
         elif self.input == "sequence":
@@ -207,9 +223,11 @@ class RowParallelLinear(nn.Module):
     sum: it is marked ``("dp", "tp")`` (``set_reduce_dims``) and ``GradSync`` /
     ``sync_tensor_parallel_grads`` sum it over the group (torch's DTensor reduces such a
     Partial gradient itself). check: verify that every rank was given the same ``linear``.
+    async_tp: with output="reduce_scatter", the reduce-scatter decomposed under the matmul.
     """
 
-    def __init__(self, linear: nn.Linear, comm: Comm, *, output="reduce", cols=None, check=True):
+    def __init__(self, linear: nn.Linear, comm: Comm, *, output="reduce", cols=None, check=True,
+                 async_tp=False):
         super().__init__()
         _check_comm(comm)
         if output not in OUTPUTS:
@@ -225,7 +243,7 @@ class RowParallelLinear(nn.Module):
         start, stop = cols
         if not 0 <= start < stop <= n_in:
             raise ValueError(f"cols [{start}, {stop}) are not a slice of the {n_in} input features")
-        self.comm, self.output = comm, output
+        self.comm, self.output, self.async_tp = comm, output, bool(async_tp)   # async_tp: see below
         self.in_features, self.full_in_features, self.out_features = stop - start, n_in, linear.out_features
         self.weight = slice_parameter(linear.weight, 1, start, stop)           # (out, in_r)
         self.bias = None
@@ -239,6 +257,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear expects this rank's {self.in_features} of the "
                              f"{self.full_in_features} input features (a column-parallel output), "
                              f"got {x.shape[-1]}")
+        if self.output == "reduce_scatter" and self.async_tp:   # the reduce-scatter under the matmul
+            y = matmul_reduce_scatter(x, self.weight, self.comm)                # (b, s/t, out)
+            return y + self.bias if self.bias is not None else y
         y = F.linear(x, self.weight)                                            # partial sum
         if self.output == "reduce":
             y = reduce_from_parallel(y, self.comm)                              # g
@@ -284,6 +305,8 @@ class TensorParallelRNG:
     (independent masks: the same seed would repeat one mask on every shard)."""
 
     def __init__(self, comm: Comm, seed: int = 0, device="cpu"):
+        if torch.device(device).type == "meta":   # (the dry run: no generator there, and no values drawn)
+            device = "cpu"
         self.replicated = torch.Generator(device=device).manual_seed(seed)
         self.sharded = torch.Generator(device=device).manual_seed(seed + 2718 + comm.rank)
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.collectives.comm import Comm
+from course_lib.parallel.async_tp import async_region_entry
 from course_lib.parallel.comm_ops import copy_to_parallel
 from course_lib.parallel.mesh import get_reduce_dims, set_reduce_dims
 from course_lib.parallel.placement import tp_placement
@@ -94,19 +95,21 @@ def mlp_width_rule(width: int, tp: int):
 
 
 def rule_tensor(cfg, layout):
-    """TP's rules for a TinyGPT config: heads, MLP width, vocabulary; no tensor-parallel experts."""
+    """TP's rules for a TinyGPT config: heads, MLP width, vocabulary (an MoE's experts are on
+    their own mesh: expert_parallel.rule_experts)."""
     if layout.tp == 1:
         return
     local_heads(cfg.n_heads, cfg.n_kv_heads, layout.tp)
-    if cfg.n_experts:
-        raise ValueError("the MoE variant's experts are not tensor-parallel here: split them with ep "
-                         "(inside dp) and keep tp=1")
-    mlp_width_rule(cfg.ffn_hidden, layout.tp)
+    if not cfg.n_experts:
+        mlp_width_rule(cfg.ffn_hidden, layout.tp)
     vocab_rule(cfg.vocab_size, layout.tp)
 
 
 def rule_sequence(cfg, layout):
-    """SP scatters each rank's seq_len / cp tokens over tp."""
+    """SP scatters each rank's seq_len / cp tokens over tp; async TP decomposes SP's collectives."""
+    if getattr(layout, "async_tp", False) and (layout.tp == 1 or not layout.sp):
+        raise ValueError(f"async_tp decomposes sequence parallelism's all-gather and reduce-scatter: it "
+                         f"needs sequence_parallel=True and tp > 1 (got sp={layout.sp}, tp={layout.tp})")
     tokens = cfg.seq_len // layout.cp
     if layout.tp > 1 and layout.sp and tokens % layout.tp:
         raise ValueError(f"sequence parallelism splits each rank's {tokens} tokens over tp={layout.tp}: "
@@ -133,15 +136,21 @@ def check_plan(model, plan, comm):
             vocab_rule(mod.weight.shape[0], t)
 
 
-def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, seed=0, plan=None):
+def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, seed=0, plan=None,
+                async_tp=False):
     """Make ``model`` (a TinyGPT, the same on every rank) tensor-parallel over ``mesh``'s "tp"
     group, in place; with ``sequence_parallel`` the activations between the regions are split
     along the sequence. ``keep_gathered``: SP keeps the all-gathered region inputs for backward
     (torch DTensor's way: less communication, t x more memory for them) instead of re-gathering
-    them (Megatron's). ``seed``: of the dropout streams (:class:`TensorParallelRNG`)."""
+    them (Megatron's). ``seed``: of the dropout streams (:class:`TensorParallelRNG`).
+    ``async_tp``: SP's all-gathers and reduce-scatters decomposed under the matmuls
+    (:mod:`course_lib.parallel.async_tp`; needs sequence_parallel)."""
     plan = PLAN if plan is None else plan
     comm = tp_comm(mesh)
     t, r, sp = comm.size, comm.rank, bool(sequence_parallel)
+    if async_tp and not sp:
+        raise ValueError("async_tp decomposes sequence parallelism's collectives: it needs sequence_parallel=True")
+    run_async = bool(async_tp) and t > 1
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("this model is already tensor-parallel: parallelize it once")
     check_same_everywhere(model, comm, "parallelize")
@@ -164,18 +173,19 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
             elif style == "column_kv_heads":
                 new = ColumnParallelLinear(mod, comm, input="entered", rows=kv, copies=copies, check=False)
             else:
-                new = RowParallelLinear(mod, comm, output=out, cols=q, check=False)
+                new = RowParallelLinear(mod, comm, output=out, cols=q, check=False, async_tp=run_async)
         elif style == "column":
             new = ColumnParallelLinear(mod, comm, input="entered", check=False)
         elif style == "row":
-            new = RowParallelLinear(mod, comm, output=out, check=False)
+            new = RowParallelLinear(mod, comm, output=out, check=False, async_tp=run_async)
         elif style == "column_vocab":
             new = ColumnParallelLinear(mod, comm, input="sequence" if sp else "replicated", keep_gathered=keep_gathered,
-                                       rows=shard_range(mod.out_features, t, r), check=False)
+                                       rows=shard_range(mod.out_features, t, r), check=False, async_tp=run_async)
         elif style == "vocab_embedding":
             new = VocabParallelEmbedding(mod, comm, output=out)
         elif style == "region":
-            mod.register_forward_pre_hook(_region_entry(comm, sp, keep_gathered))
+            mod.register_forward_pre_hook(async_region_entry(comm, _region_columns) if run_async
+                                          else _region_entry(comm, sp, keep_gathered))
         elif style in ("norm", "positions") and sp:
             set_reduce_dims(mod, SP_DIMS)              # each rank's gradient covers its tokens only
             if style == "positions":                   # (s, h) -> my (s/t, h) rows
@@ -190,7 +200,8 @@ def parallelize(model, mesh, *, sequence_parallel=False, keep_gathered=False, se
             getattr(model, "lm_head", None) is not None and getattr(model, "tok_emb", None) is not None:
         model.lm_head.weight = model.tok_emb.weight    # the same rows of the same table: still one
     model.tensor_parallel = types.SimpleNamespace(comm=comm, sequence_parallel=sp, rng=rng, plan=plan,
-                                                  keep_gathered=keep_gathered, placements=tp_placements(model, t))
+                                                  keep_gathered=keep_gathered, placements=tp_placements(model, t),
+                                                  async_tp=run_async)
     model.loss = types.MethodType(_vocab_parallel_loss, model)
     return model
 
@@ -217,6 +228,11 @@ def _region_entry(comm, sp, keep_gathered):
         x = enter_sequence_parallel(x, comm, keep_gathered) if sp else copy_to_parallel(x, comm)
         return (x, *rest)
     return enter
+
+
+def _region_columns(module):
+    """The column layers reading a region's input (W_q, W_k, W_v; W_1, W_3): one async TP ring."""
+    return [m for m in module.children() if isinstance(m, ColumnParallelLinear) and m.input == "entered"]
 
 
 def _vocab_parallel_loss(model, logits, targets, n_tokens=None):

@@ -124,9 +124,50 @@ def dp_bytes_per_step(n_params_local, dp, zero_stage=0, grad_bytes=2, param_byte
     return microbatches * (2 * ag - root + rs)
 
 
-def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1) -> float:
+def hsdp_bytes_per_step(n_params_local, shard, replicas, grad_bytes=2, param_bytes=2,
+                        microbatches=1) -> float:
+    """HSDP: FSDP over ``shard`` ranks (all-gather in forward and backward, reduce-scatter
+    every micro-batch, inside the shard group), then the gradient SHARD, P / shard of it, all-
+    reduced over ``replicas`` ranks (torch's ``fully_shard`` on a 2-D mesh). Per rank:
+    m (2 AG_S(P) + RS_S(P)) + m AR_R(P / S): the replicas move 1/S of what DDP's all-reduce
+    moves; ``shard`` = dp is FSDP, ``shard`` = 1 is DDP plus nothing gathered."""
+    P = float(n_params_local)
+    fsdp = dp_bytes_per_step(P, shard, 3, grad_bytes, param_bytes, microbatches) if shard > 1 else 0.0
+    replicate = collective_bytes_per_rank("all_reduce", P / shard * grad_bytes, replicas) if replicas > 1 else 0.0
+    return fsdp + microbatches * replicate
+
+
+def moe_dispatch_payloads(tokens, h, top_k, ep, etp=1, dispatch="all_to_all", dtype_bytes=2) -> dict:
+    """{collective: payload bytes} of one MoE layer's forward on one rank with ``tokens``
+    tokens, every assignment kept (dropless), as the Comm logs them (all-to-all: its input;
+    all-gather: its output; reduce-scatter: its input). ``"all_to_all"``: dispatch and
+    combine, the token's row once per chosen expert (T k h); with etp > 1 the rows an expert
+    gets (T k, expected) all-gathered over etp and the partial outputs reduce-scattered.
+    ``"all_gather"``: the tokens of the ep x etp group on every rank (N T h), reduce-scattered
+    back (N T h). Router weights, expert ids and counts (a few bytes a token) left out."""
+    if dispatch == "all_gather":
+        n = ep * etp
+        return {"all_gather": n * tokens * h * dtype_bytes, "reduce_scatter": n * tokens * h * dtype_bytes}
+    rows = tokens * top_k * h * dtype_bytes
+    out = {"all_to_all": 2 * rows}
+    if etp > 1:
+        out.update(all_gather=etp * rows, reduce_scatter=etp * rows)
+    return out
+
+
+def moe_dispatch_bytes(tokens, h, top_k, ep, etp=1, dispatch="all_to_all", dtype_bytes=2) -> float:
+    """Bytes one rank sends for one MoE layer's forward (the backward sends the same again):
+    each payload of :func:`moe_dispatch_payloads` on its group, the ring's (N-1)/N of it (an
+    all-to-all: the rows for the other ep - 1 ranks, in expectation over a balanced router)."""
+    group = {"all_to_all": ep, "all_gather": ep * etp if dispatch == "all_gather" else etp}
+    group["reduce_scatter"] = group["all_gather"]
+    return sum(collective_bytes_per_rank(kind, n, group[kind])
+               for kind, n in moe_dispatch_payloads(tokens, h, top_k, ep, etp, dispatch, dtype_bytes).items())
+
+
+def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1, etp=1, dispatch="all_to_all") -> float:
     """Expert parallelism (Lepikhin et al. 2020): each token's hidden state goes to its
     top_k experts and comes back, an all-to-all each way forward and each way
-    backward: 4 all-to-alls of (s/cp, b, top_k, h)."""
-    n = s * b * top_k * h * dtype_bytes / cp
-    return 4 * collective_bytes_per_rank("all_to_all", n, ep)
+    backward: 4 all-to-alls of (s/cp, b, top_k, h) (or the all-gather dispatch, and
+    expert tensor parallelism: :func:`moe_dispatch_bytes`, forward and backward)."""
+    return 2 * moe_dispatch_bytes(s * b / cp, h, top_k, ep, etp, dispatch, dtype_bytes)

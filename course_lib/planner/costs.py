@@ -65,8 +65,16 @@ class StageCost:
         return sum(self.bwd.values())
 
 
+def async_tp_exposed(hop: float, matmul: float, t: int) -> float:
+    """Exposed seconds of one decomposed collective (Wang et al. 2022): t steps, each a matmul
+    of ``matmul`` / t while one hop moves; the first hop is waited for, the other t - 1 cost
+    only their excess over the step's matmul."""
+    return hop + (t - 1) * max(0.0, hop - matmul / t)
+
+
 def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
-    """(dense params, expert params) this GPU holds on ``stage``, after TP and EP."""
+    """(dense params, expert params) this GPU holds on ``stage``: the dense ones cut by TP, the
+    experts by the expert mesh folded over the same ranks (EP x ETP, Megatron-Core's folding)."""
     parts = F.param_breakdown(model)
     expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
     dense_layer = parts["per_layer"] - expert_layer
@@ -76,7 +84,7 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
     if stage == layout.pp - 1:
         # the LM head (a tied head is a second copy on the last stage, as in Megatron)
         dense += parts["lm_head"] or model.vocab * model.hidden
-    return dense / layout.tp, n_layers * expert_layer / (layout.tp * layout.ep)
+    return dense / layout.tp, n_layers * expert_layer / (layout.ep * layout.etp)   # the folded expert mesh
 
 
 RUNTIMES = ("megatron", "course")
@@ -105,7 +113,8 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     tokens = b * s / c                               # tokens of one micro-batch on this GPU
     fused = hw.fused_attention
     # matmul seconds of one layer / the head for one micro-batch, by the GEMMs' shapes
-    lg_f, lg_b = G.layer_gemms(model, s, b, t, c, layout.ep, layout.recompute, fused)
+    lg_f, lg_b = G.layer_gemms(model, s, b, t, c, layout.ep, layout.recompute, fused, etp=layout.etp,
+                               sp=layout.sp)
     lf, lb = G.gemms_time(lg_f, hw), G.gemms_time(lg_b, hw)
     hg_f, hg_b = G.head_gemms(model, s, b, t, c)
     hf, hb = G.gemms_time(hg_f, hw), G.gemms_time(hg_b, hw)
@@ -116,19 +125,26 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     a_pp, bw_pp = hw.link(intra_node(layout, hw, "pp"))
     a_dp, bw_dp = hw.link(intra_node(layout, hw, "dp"))
     a_ep, bw_ep = hw.link(intra_node(layout, hw, "ep"))
+    a_etp, bw_etp = hw.link(intra_node(layout, hw, "etp"))
     act = b * s * h * 2 / c                           # bytes of one (s/cp, b, h) bf16 activation
 
     # TP per layer: 2 all-reduces forward, 2 backward, (+2 for full recompute); with SP
-    # each is a reduce-scatter + all-gather of the same total size.
-    def tp_time(n_collectives):
+    # each is a reduce-scatter + all-gather of the same total size. Async TP decomposes each of
+    # them into t - 1 hops of act / t bytes under 1/t of a matmul: the first hop is exposed,
+    # then each step's excess of hop over matmul (async_tp_exposed; the layer's matmul time
+    # spread evenly over its decomposed collectives).
+    def tp_time(n_collectives, matmul=0.0):
         if t == 1:
             return 0.0
+        if layout.sp and getattr(layout, "async_tp", False):
+            hop = F.collective_time("send_recv", act / t, 2, a_tp, bw_tp)
+            return 2 * n_collectives * async_tp_exposed(hop, matmul / (2 * n_collectives), t)
         if layout.sp:
             return n_collectives * (F.collective_time("reduce_scatter", act, t, a_tp, bw_tp)
                                     + F.collective_time("all_gather", act, t, a_tp, bw_tp))
         return n_collectives * F.collective_time("all_reduce", act, t, a_tp, bw_tp)
-    tp_fwd_layer = tp_time(2)
-    tp_bwd_layer = tp_time(4 if layout.recompute == "full" else 2)
+    tp_fwd_layer = tp_time(2, lf)
+    tp_bwd_layer = tp_time(4 if layout.recompute == "full" else 2, lb)
     # CP per layer: ring attention passes K and V (this TP rank's heads) c-1 times, hop by
     # hop under the attention of the block in hand (1/c of this rank's attention)
     kv_local = max(1, model.n_kv_heads // t) * model.head_dim
@@ -145,9 +161,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
         cp_fwd_layer = (c - 1) * max(0.0, hop - G.gemms_time(at_f, hw) / c)
         # backward: K/V and the dK/dV accumulator per hop; the accumulator's last hop home is exposed
         cp_bwd_layer = (c - 1) * max(0.0, 2 * hop - G.gemms_time(at_b, hw) / c) + hop
-    # EP per layer: dispatch + combine all-to-all forward, the same backward
-    ep_n = tokens * model.top_k * h * 2 / (t if layout.sp else 1)
-    ep_layer = 2 * F.collective_time("all_to_all", ep_n, layout.ep, a_ep, bw_ep) if layout.ep > 1 else 0.0
+    # EP per layer (forward; the backward the same): the payloads of the folded expert mesh's
+    # dispatch and combine (F.moe_dispatch_payloads), each token routed on one TP rank (SP)
+    ep_tokens = tokens / (t if layout.sp else 1)
+    ep_layer = _ep_time(model, layout, ep_tokens, h, (a_ep, bw_ep), (a_etp, bw_etp))
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, a_pp, bw_pp) if p > 1 else 0.0
 
@@ -160,10 +177,14 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
 
     n_zero = layout.dp * c                            # ranks holding the same parameters
+    # HSDP: FSDP over the shard group (shard_size dp ranks x cp), replicas over the rest
+    n_shard = layout.shard_size * c if layout.data == "hsdp" else n_zero
+    n_replicas = n_zero // n_shard
+    a_sh, bw_sh = hw.link(layout.shard_size * t * c * p <= hw.gpus_per_node) if n_replicas > 1 else (a_dp, bw_dp)
     out = []
     for st, n_l in enumerate(layers_per_stage(model, layout)):
         dense, expert = _split_params(model, layout, st, n_l)
-        n_exp_group = max(1, n_zero // layout.ep)
+        n_exp_group = max(1, n_zero * t // (layout.ep * layout.etp))   # the ranks holding the same experts
         last = st == p - 1
         fwd = {"compute": n_l * lf + (hf if last else 0.0),
                "elementwise": n_l * ew_fwd_layer, "tp": n_l * tp_fwd_layer, "cp": n_l * cp_fwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
@@ -174,12 +195,15 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
         # layer (and one for the embedding / the head), each paying its own latency
         pieces = dp_pieces(layout, st, n_l)
 
-        def coll(kind, n_params, N, nbytes=2):
+        def coll(kind, n_params, N, nbytes=2, link=(a_dp, bw_dp)):
             if N <= 1 or n_params <= 0:
                 return 0.0
-            return F.collective_time(kind, n_params * nbytes, N, a_dp * pieces, bw_dp)
-        grad_rs = coll("reduce_scatter", dense, n_zero) + coll("reduce_scatter", expert, n_exp_group)
-        gather = coll("all_gather", dense, n_zero) + coll("all_gather", expert, n_exp_group)
+            return F.collective_time(kind, n_params * nbytes, N, link[0] * pieces, link[1])
+        # HSDP: the shard group's collectives on its (NVLink) link, then the shard all-reduced
+        grad_rs = coll("reduce_scatter", dense, n_shard, link=(a_sh, bw_sh)) + coll("reduce_scatter", expert,
+                                                                                 n_exp_group)
+        grad_rs += coll("all_reduce", dense / n_shard, n_replicas)
+        gather = coll("all_gather", dense, n_shard, link=(a_sh, bw_sh)) + coll("all_gather", expert, n_exp_group)
         if layout.zero == 0:
             grad_sync = coll("all_reduce", dense, n_zero) + coll("all_reduce", expert, n_exp_group)
             param_gather = 0.0
@@ -197,25 +221,41 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
                 bwd["zero"] = max(0.0, z_b - bwd["compute"])
             else:
                 fwd["zero"], bwd["zero"] = z_f, z_b
-        shard = n_zero if layout.zero >= 1 else 1
+        shard = n_shard if layout.zero >= 1 else 1
         shard_e = n_exp_group if layout.zero >= 1 else 1
         optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
 
-        mem = _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused,
+        mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
                       hw.fused_kernels)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
             "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c, algorithm=layout.cp_comm) if c > 1 else 0.0,
             "pp": sends * p2p_bytes if p > 1 else 0.0,
-            "dp": (F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
+            "dp": (F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
+                   else F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
             + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
-            "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c) / (t if layout.sp else 1)
-            if layout.ep > 1 else 0.0,
+            "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c, etp=layout.etp,
+                                                 dispatch=model.moe_dispatch) / (t if layout.sp else 1)
+            if layout.ep * layout.etp > 1 else 0.0,
         }
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
                              optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0)))
     return out
+
+
+def _ep_time(model, layout, tokens, h, ep_link, etp_link) -> float:
+    """Seconds of one MoE layer's forward dispatch and combine on the folded expert mesh."""
+    if layout.ep * layout.etp == 1:
+        return 0.0
+    gather = model.moe_dispatch == "all_gather"
+    group = {"all_to_all": (layout.ep, ep_link),
+             "all_gather": (layout.ep * layout.etp, ep_link) if gather else (layout.etp, etp_link)}
+    group["reduce_scatter"] = group["all_gather"]
+    payloads = F.moe_dispatch_payloads(tokens, h, model.top_k, layout.ep, layout.etp, model.moe_dispatch)
+    calls = {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}   # dispatch and combine: two all-to-alls
+    return sum(calls[kind] * F.collective_time(kind, n / calls[kind], group[kind][0], *group[kind][1])
+               for kind, n in payloads.items() if group[kind][0] > 1)
 
 
 def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:

@@ -18,12 +18,14 @@ from course_lib.planner.activations import (  # noqa: F401
     activation_bytes_per_layer,
     llama_activation_bytes_per_layer,
 )
+from course_lib.planner.communication import moe_dispatch_bytes, moe_dispatch_payloads  # noqa: F401
 from course_lib.planner.communication import (  # noqa: F401
     collective_bytes_per_rank,
     collective_time,
     cp_bytes_per_layer,
     dp_bytes_per_step,
     ep_bytes_per_layer,
+    hsdp_bytes_per_step,
     pp_bytes_per_microbatch,
     ring_steps,
     tp_bytes_per_layer,

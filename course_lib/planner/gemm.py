@@ -58,7 +58,7 @@ def _weight_gemms(M, N, K, batch=1):
 
 
 def layer_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none",
-                fused_attention: bool = True):
+                fused_attention: bool = True, etp: int = 1, sp: bool = True):
     """(forward, backward) GEMMs of one transformer layer for one micro-batch on one GPU:
     lists of (M, N, K, batch, writes_output, weight), ``weight`` the share of the GEMM
     that runs (1, or 1/2 for causal attention in a fused kernel, which skips the masked
@@ -84,11 +84,13 @@ def layer_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, ep: int = 1, rec
     linear(T, h, h / t)                              # W_o (row parallel)
     if model.n_experts > 1:
         linear(T, model.n_experts, h)                # the router (replicated)
+        # the folded expert mesh: each TP rank routes its T / t tokens (SP); an expert's rows come
+        # from its ep ranks and, with ETP, its etp ranks' too; each runs 1 / etp of its width
         local = model.n_experts / ep                 # experts on this GPU, each gets its share
-        per_expert = T * model.top_k * ep / model.n_experts
+        per_expert = T / (t if sp else 1) * model.top_k * ep * etp / model.n_experts
         n_up = 2 if model.mlp == "swiglu" else 1
-        linear(per_expert, n_up * model.ffn / t, h, local)
-        linear(per_expert, h, model.ffn / t, local)
+        linear(per_expert, n_up * model.ffn / etp, h, local)
+        linear(per_expert, h, model.ffn / etp, local)
     else:
         n_up = 2 if model.mlp == "swiglu" else 1
         linear(T, n_up * model.ffn / t, h)           # w1 (and w3)

@@ -1,4 +1,4 @@
-"""A parallel layout (DP x TP x PP x CP, EP inside DP) and the constraints the planner puts on it.
+"""A parallel layout (DP x TP x PP x CP; EP x ETP folded over a stage's DP x CP x TP) and its constraints.
 
 :class:`Layout` is the one layout object (``course_lib.layout``): the ranks take the same one.
 
@@ -9,7 +9,7 @@ node; otherwise its ring crosses the network and runs at the network's speed.
 """
 from __future__ import annotations
 
-from course_lib.layout import Layout
+from course_lib.layout import Layout, expert_fold
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 
@@ -27,7 +27,7 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
     These are the hard constraints, the ones that make a layout impossible to run.
     Memory is a soft one: ``estimate`` reports a layout that does not fit instead.
     """
-    for name in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch", "global_batch"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "etp", "v", "micro_batch", "global_batch"):
         _positive_int(f"layout.{name}", getattr(layout, name))
     s = layout.seq_len or model.seq_len
     _positive_int("seq_len", s)
@@ -81,8 +81,12 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
             raise ValueError(f"EP > 1 needs a mixture-of-experts model; {model.name} is dense")
         if model.n_experts % layout.ep:
             raise ValueError(f"EP must divide the experts: {model.n_experts} experts, EP = {layout.ep}")
-        if layout.dp % layout.ep:
-            raise ValueError(f"EP is carved out of DP, so it must divide DP: DP = {layout.dp}, EP = {layout.ep}")
+    if layout.ep * layout.etp > 1:
+        expert_fold(layout.sizes, layout.ep, layout.etp)   # the expert mesh tiles a stage's dp x cp x tp
+        if model.n_experts <= 1:
+            raise ValueError(f"ETP > 1 needs a mixture-of-experts model; {model.name} is dense")
+        if model.ffn % layout.etp:
+            raise ValueError(f"ETP must divide the expert width: ffn = {model.ffn}, ETP = {layout.etp}")
 
 
 def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
@@ -99,10 +103,21 @@ def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
 
 
 def group_span(layout: Layout, dim: str) -> int:
-    """How many consecutive ranks one group of ``dim`` spans (order TP, CP, PP, DP; EP in DP)."""
+    """How many consecutive ranks one group of ``dim`` spans (order TP, CP, PP, DP; the expert
+    dims "ep" / "etp" folded over DP, then CP, then TP: :class:`~course_lib.parallel.mesh.MeshShape`)."""
     t, c, p = layout.tp, layout.cp, layout.pp
-    return {"tp": t, "cp": t * c, "pp": t * c * p, "dp": layout.n_gpus,
-            "ep": t * c * p * layout.ep}[dim]
+    if dim in ("ep", "etp"):
+        fold = expert_fold(layout.sizes, layout.ep, layout.etp)
+        stride = {"dp": t * c * p, "cp": t, "tp": 1}
+        sizes = {"dp": layout.dp, "cp": c, "tp": t}
+        step = layout.etp if dim == "ep" else 1                    # fold-index step between members
+        last = step * ((layout.ep if dim == "ep" else layout.etp) - 1)
+        span = 0
+        for d in reversed(fold):                                   # the last member's coordinates
+            last, i = divmod(last, sizes[d])
+            span += i * stride[d]
+        return span + 1
+    return {"tp": t, "cp": t * c, "pp": t * c * p, "dp": layout.n_gpus}[dim]
 
 
 def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:

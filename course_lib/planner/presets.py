@@ -34,6 +34,7 @@ class ModelSpec:
     learned_pos: int = 0         # learned position embeddings (GPT-3), 0 for rotary
     n_experts: int = 1           # > 1: mixture of experts, every layer's MLP
     top_k: int = 1
+    moe_dispatch: str = "all_to_all"   # or "all_gather" (course_lib.parallel.expert_parallel)
 
     @property
     def n_params(self) -> int:

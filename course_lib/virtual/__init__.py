@@ -33,6 +33,10 @@ from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of 
   Waits, bubbles and overlap come from the program itself.
 
 Nothing reads the wall clock, so the spans are identical on every run and every CPU.
+
+At a published model's full shape, :func:`dry_run` (:mod:`.dry_run`) runs the same program on
+the meta device, one rank per pipeline stage (the others do the same work), its messages and
+collectives priced by the same code (:mod:`.priced`, :mod:`.replay`).
 """
 from __future__ import annotations
 
@@ -132,4 +136,6 @@ class VirtualCluster:
                 f"dtype={self.dtype})")
 
 
-__all__ = ["VirtualCluster"]
+from course_lib.virtual.dry_run import DryRun, dry_run  # noqa: E402  (it builds VirtualClusters)
+
+__all__ = ["VirtualCluster", "dry_run", "DryRun"]

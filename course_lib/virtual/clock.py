@@ -241,19 +241,33 @@ class RankClock:
         latency, data = links.p2p_time(self.cluster.hw, tensor_bytes(self.cluster, [tensor]), intra)
         return f"{src}>{dst} tag {tag} #{k}", ("nvlink" if intra else "net"), latency, data
 
-    def isend(self, comm, tensor, peer: int, tag: int):
-        dst = comm.ranks[peer]
+    def sent(self, comm, tensor, dst: int, tag: int) -> tuple[str, float, float]:
+        """(flow id, when its bytes start to leave, when its last byte is delivered) of one
+        message to global rank ``dst``: it takes this GPU's send lane and the pair's stream."""
         flow, kind, latency, data = self._message(comm, self.rank, dst, tag, tensor)
         stream, lane = ("send", comm.group, dst), self.lanes[kind, "send"]
         begin = lane.earliest(max(self.t, self.streams[stream]), data)   # after this pair's last message
         lane.reserve(begin, data)
         self.streams[stream] = begin + latency + data
+        return flow, begin, begin + latency + data
+
+    def received(self, recv: tuple, sent: float) -> None:
+        """A receive (``recv``: what :meth:`irecv` noted) whose bytes started leaving at ``sent``
+        completes: its span recorded, the compute stream waits for it."""
+        issued, kind, latency, data, flow, src, dim = recv
+        start, end = self.arrived(issued, sent, kind, latency, data)
+        self.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
+        self.join(end)
+
+    def isend(self, comm, tensor, peer: int, tag: int):
+        dst = comm.ranks[peer]
+        flow, begin, end = self.sent(comm, tensor, dst, tag)
         with self.muted():        # one message: the payload's bytes, then its start time's 8
             header = torch.tensor([begin], dtype=torch.float64, device=tensor.device)
             wire = torch.cat([_as_bytes(tensor), header.view(torch.uint8)])
             work = dist.isend(wire, dst, group=comm.group, tag=tag)
-        self.recorder.add(f"send to {dst}", "comm", begin, begin + latency + data, comm.dim, "send:" + flow)
-        return Message(self, (work,), (wire,), sent=begin + latency + data)
+        self.recorder.add(f"send to {dst}", "comm", begin, end, comm.dim, "send:" + flow)
+        return Message(self, (work,), (wire,), sent=end)
 
     def irecv(self, comm, tensor, peer: int, tag: int):
         src = comm.ranks[peer]
@@ -346,7 +360,6 @@ class Message:
             for w in self._works:
                 w.wait()
         if self._recv is not None:
-            issued, kind, latency, data, flow, src, dim = self._recv
             wire, tensor = self._keep
             with clock.muted():   # the payload into the receive's tensor, the send time after it
                 if tensor.is_contiguous():
@@ -354,9 +367,7 @@ class Message:
                 else:
                     tensor.copy_(wire[:-8].view(tensor.dtype).view(tensor.shape))
                 sent = float(wire[-8:].view(torch.float64))
-            start, end = clock.arrived(issued, sent, kind, latency, data)
-            clock.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
-            clock.join(end)
+            clock.received(self._recv, sent)
         elif self._sent is not None:
             clock.join(self._sent)
         self._done = True

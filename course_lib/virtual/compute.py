@@ -28,6 +28,8 @@ same, bit for bit (tests/test_virtual_compute.py checks it on the course's model
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,13 +96,15 @@ class ComputeStream(TorchDispatchMode):
         self._seconds = {}                 # (FLOPs, bytes, class, detail) -> the model's seconds: a memo
         if not hasattr(clock, "host"):
             clock.host = 0.0               # the host: when it issued its last op
-        self._hooks, self._switched = None, []
+        self._hooks, self._switched, self._thread = None, [], None
+        self.tape = None                   # a list: every priced op's seconds appended (see replay)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False      # no torch.compile under the virtual clock: skip the per-op dynamo guard (~10 us)
 
     def __enter__(self):
+        self._thread = threading.get_ident()   # torch's optimizer hooks are global: this thread's steps only
         pre = register_optimizer_step_pre_hook(self._step_begins)
         post = register_optimizer_step_post_hook(self._step_ends)
         self._hooks = (pre, post)
@@ -118,12 +122,16 @@ class ComputeStream(TorchDispatchMode):
                     g["foreach"] = None
 
     def _step_begins(self, optimizer, args, kwargs):
+        if threading.get_ident() != self._thread:     # another thread's rank (the dry run's stages)
+            return
         groups = _cuda_path(optimizer)
         for g in groups:
             g["foreach"] = True
         self._switched.append(groups)
 
     def _step_ends(self, optimizer, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return
         for g in self._switched.pop() if self._switched else ():
             g["foreach"] = None
 
@@ -139,6 +147,8 @@ class ComputeStream(TorchDispatchMode):
         if kind is _HOST_READ:
             if not self._switched and not clock.muted_depth:
                 clock.host = max(clock.host, clock.t)   # .item(): the host waits for the stream
+                if self.tape is not None:
+                    self.tape.append(None)
             return out
         if not clock.muted_depth:           # op_time, inlined: one call less per op
             cost = kind_cost(kind, func, args, kwargs, out, self.sizes)
@@ -152,7 +162,23 @@ class ComputeStream(TorchDispatchMode):
             clock.t = (t if t > host else host) + seconds   # ...the device runs it
             clock.host = host
             clock.kernels += 1
+            if self.tape is not None:
+                self.tape.append(seconds)
         return out
+
+    def replay(self, tape) -> None:
+        """The stream's time for a recorded run of ops (``tape``: each priced op's seconds, None
+        where the host read a value), without running them: the arithmetic above, op by op."""
+        clock, issue = self.clock, self.issue
+        t, host = clock.t, clock.host
+        for seconds in tape:
+            if seconds is None:
+                host = max(host, t)
+            else:
+                host = host + issue
+                t = (t if t > host else host) + seconds
+                clock.kernels += 1
+        clock.t, clock.host = t, host
 
 
 __all__ = ["op_time", "op_flops", "tensor_bytes", "ComputeStream", "FREE"]

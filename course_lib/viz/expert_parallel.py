@@ -48,3 +48,33 @@ def rows_per_rank(rows, title="rows each EP rank's experts compute"):
 
 
 __all__ = ["tokens_per_expert", "rows_per_rank"]
+
+
+def folded_meshes(shape, stage: int = 0):
+    """MoE parallel folding on one pipeline stage of ``shape`` (a MeshShape): the same ranks
+    drawn twice, on the left labelled by attention's (dp, cp, tp) and coloured by their TP x CP
+    group, on the right by the experts' (edp, ep, etp) and coloured by their EP group."""
+    ranks = [r for r in range(shape.world_size) if shape.coords(r)["pp"] == stage]
+    cols = shape.sizes["cp"] * shape.sizes["tp"]
+    rows = len(ranks) // cols
+    fig, axes = plt.subplots(1, 2, figsize=(7.2, 0.9 + 0.75 * rows))
+    cmap = plt.get_cmap("tab10")
+    panels = (("attention: dp x cp x tp", ("dp", "cp", "tp"), lambda c: c["dp"]),
+              ("experts: edp x ep x etp", ("edp", "ep", "etp"), None))
+    ep_groups = {tuple(g): i for i, g in enumerate(shape.rank_sets("ep"))}
+    for ax, (title, dims, colour) in zip(axes, panels):
+        for i, r in enumerate(ranks):
+            c = shape.coords(r)
+            y, x = divmod(i, cols)
+            k = colour(c) if colour else next(v for g, v in ep_groups.items() if r in g)
+            ax.add_patch(plt.Rectangle((x, -y), 0.9, 0.8, color=cmap(k % 10), alpha=0.55))
+            label = ",".join(str(c[d]) for d in dims)
+            ax.text(x + 0.45, -y + 0.5, f"rank {r}", ha="center", fontsize=7)
+            ax.text(x + 0.45, -y + 0.2, f"({label})", ha="center", fontsize=7)
+        ax.set_xlim(-0.1, cols)
+        ax.set_ylim(-rows + 0.7, 0.9)
+        ax.set_title(title + (" (colour: dp)" if colour else " (colour: EP group)"), fontsize=9)
+        ax.axis("off")
+    fig.suptitle(f"{shape.describe()}, stage {stage}", fontsize=9)
+    fig.tight_layout()
+    return fig

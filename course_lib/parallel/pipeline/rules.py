@@ -41,7 +41,7 @@ def rule_pipeline(cfg, L):
     if not splits_weight_gradients(L.schedule, L.v):
         return
     name = L.schedule if isinstance(L.schedule, str) else "a schedule with W actions"
-    if L.data == "fsdp":
+    if L.data != "ddp":
         raise ValueError(f"{name} computes weight gradients outside autograd: it does not run under FSDP here "
                          "(use data='ddp')")
     if any(p != "none" for p in layer_policies(L.recompute, cfg.n_layers)):

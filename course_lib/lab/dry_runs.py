@@ -1,0 +1,170 @@
+"""The published runs the planner is validated on, run by the course's own program on the
+virtual clock (:func:`course_lib.virtual.dry_run`), next to the paper's step time and the
+planner's.
+
+    rows = validation_rows()                 # every row (minutes each on 2 cores)
+    rows = validation_rows(["Korthikanti 2022 T5"], models=("megatron-175b",))
+    print(format_table(rows)); print(summary(rows))
+
+A row is each source's stated layout on the source's hardware, with what the source does not
+state filled by the one rule the planner's validation uses (:mod:`course_lib.planner.validation`:
+Megatron-LM of 2021-22 unfused attention, ``MEGATRON_2022``; BLOOM's Jean Zay network; Llama
+3 on H100s): nothing is fitted per row. The published step time is the paper's where it prints
+one (Korthikanti), else the FLOPs the paper counts per step over the throughput it reports
+(Narayanan and BLOOM: hardware FLOPs with recomputation; Llama 3: model FLOPs), with the
+planner's FLOP count for the step (the same for the three columns). The course's attention is
+written out (unfused) whatever the source ran: for Llama 3, which used FlashAttention, the dry
+run prices the unfused kernels (said in the row's ``note``); Llama 3's CP row does not run
+(the dry run does not fold context parallelism yet).
+"""
+from __future__ import annotations
+
+import time
+
+from course_lib.layout import Layout
+from course_lib.planner import estimate
+from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
+from course_lib.planner.validation import (BLOOM, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
+                                           NARAYANAN_TABLE1, korthikanti_layout, llama3_layout)
+from course_lib.virtual import dry_run
+
+SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
+
+
+def published_runs():
+    """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
+    FLOPs convention), note)]: every row, in the planner validation's order."""
+    rows = []
+    for name, pp, gbs, seconds, _ in KORTHIKANTI_TABLE5:
+        model = MODELS[name]
+        rows.append(("Korthikanti 2022 T5", model.name, model, MEGATRON_2022, korthikanti_layout(model, pp, gbs),
+                     seconds, None, ""))
+    for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
+        model = gpt_spec(f"GPT {billions:g}B", L, h, a)
+        # the planner validation's rule (narayanan_table1): DP the rest, full recomputation, 1F1B
+        layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full")
+        rows.append(("Narayanan 2021 T1", model.name, model, MEGATRON_2022, layout, None,
+                     ("hardware", tflops), ""))
+    for rc in ("none", "full"):        # bloom_row's rule: the least recomputation that fits
+        layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048, recompute=rc)
+        if estimate(BLOOM, JEAN_ZAY, layout).fits:
+            break
+    rows.append(("BLOOM 2022", BLOOM.name, BLOOM, JEAN_ZAY, layout, None, ("hardware", 150.0),
+                 "ALiBi run as learned positions"))
+    h100 = HARDWARE["h100-sxm"]
+    for gpus, tp, cp, pp, dp, s, tflops in LLAMA3_TABLE4:
+        rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
+                     llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
+                     "attention unfused in the course's model (FlashAttention in the paper)"))
+    return rows
+
+
+def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0) -> list[dict]:
+    """Run the rows of ``sources`` (and of ``models``, names, when given) through the dry run."""
+    out = []
+    for source, name, model, hw, layout, seconds, flops_rate, note in published_runs():
+        if source not in sources or (models and name not in models and model.name not in models):
+            continue
+        est = estimate(model, hw, layout)
+        if seconds is None:
+            convention, tflops = flops_rate
+            flops = est.hardware_flops if convention == "hardware" else est.model_flops
+            seconds = flops / (tflops * 1e12 * layout.n_gpus)
+        row = {"source": source, "model": name, "GPUs": layout.n_gpus,
+               "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
+               "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
+               "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
+               "fits": None, "wall_s": None, "cpu_s": None, "note": note}
+        began, cpu = time.perf_counter(), time.process_time()
+        if layout.zero in (1, 2):      # the ranks run ZeRO 0 (DDP) or 3 (FSDP): the stated rule
+            layout = layout.with_(zero=0)
+            row["note"] = (row["note"] + "; " if row["note"] else "") + \
+                "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
+        try:
+            r = dry_run(model, hw, layout, progress=progress)
+        except (NotImplementedError, ValueError) as e:    # the dry run's limits; a layout the ranks refuse
+            row["note"] = f"not run: {e}"
+        else:
+            row.update(dry_s=r.step_time, dry_err=r.step_time / seconds - 1, dry_GiB=r.peak_memory / 2**30,
+                       fits=r.fits, wall_s=time.perf_counter() - began, cpu_s=time.process_time() - cpu,
+                       ranks_run=r.ranks_run)
+        out.append(row)
+        if progress is not None:
+            print(format_table([row], header=not out[:-1]), flush=True)
+    return out
+
+
+COLUMNS = (("source", "{}"), ("model", "{}"), ("GPUs", "{}"), ("layout", "{}"), ("published_s", "{:.3f}"),
+           ("planner_s", "{:.3f}"), ("dry_s", "{:.3f}"), ("planner_err", "{:+.1%}"), ("dry_err", "{:+.1%}"),
+           ("planner_GiB", "{:.1f}"), ("dry_GiB", "{:.1f}"), ("fits", "{}"), ("wall_s", "{:.0f}"), ("cpu_s", "{:.0f}"))
+
+
+def format_table(rows, header=True) -> str:
+    lines = [" | ".join(c for c, _ in COLUMNS)] if header else []
+    for r in rows:
+        lines.append(" | ".join("-" if r.get(c) is None else f.format(r[c]) for c, f in COLUMNS))
+    return "\n".join(lines)
+
+
+def summary(rows) -> str:
+    """Mean and worst |error| of the rows the dry run ran, the planner's on the same rows beside."""
+    ran = [r for r in rows if r["dry_err"] is not None]
+    if not ran:
+        return "no row ran"
+    lines = []
+    for who in ("dry", "planner"):
+        errs = [abs(r[f"{who}_err"]) for r in ran]
+        lines.append(f"{who:8s} on {len(ran)} rows: mean |error| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%}")
+    return "\n".join(lines)
+
+
+# the planner against the dry run on random valid layouts: a dense GPT (GPT-2 blocks) and a
+# Llama-style model with grouped-query attention, small enough to run in seconds
+AGREEMENT_MODELS = (gpt_spec("GPT 16L h1024", 16, 1024, 16, V=32000, s=1024),
+                    ModelSpec("Llama-style 16L h1024 GQA", 16, 1024, 16, 4, 2816, 32000, 1024))
+AGREEMENT_GPUS = ("a100-80gb", "h100-sxm")
+
+
+def random_layouts(n: int, seed: int = 0):
+    """``n`` (model, hardware, Layout) drawn at random, each passing every rule the ranks apply."""
+    import random
+    from course_lib.virtual.dry_run import check_dry_run
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        model, hw = rng.choice(AGREEMENT_MODELS), rng.choice(AGREEMENT_GPUS)
+        tp, pp, dp = rng.choice((1, 2, 4, 8)), rng.choice((1, 2, 4)), rng.choice((1, 2, 4))
+        schedule = rng.choice(("1f1b", "gpipe", "interleaved")) if pp > 1 else "1f1b"
+        m = rng.choice((1, 2, 4, 8)) * (pp if pp > 1 else 1)
+        layout = Layout(dp=dp, tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.7, schedule=schedule,
+                        v=2 if schedule == "interleaved" else 1, micro_batch=rng.choice((1, 2)), microbatches=m,
+                        recompute=rng.choice(("none", "selective", "full")), zero=rng.choice((0, 0, 3)))
+        try:
+            check_dry_run(model, layout)
+        except (ValueError, NotImplementedError):
+            continue
+        out.append((model, hw, layout))
+    return out
+
+
+def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) -> list[dict]:
+    """The planner's step time and memory against the dry run's on :func:`random_layouts`: the
+    planner's ``runtime="course"`` (the course's eager program, kernel by kernel, each op issued
+    by the host: what the dry run runs), and its default ``"megatron"`` (launches hidden, fused
+    kernels: the published systems) beside it."""
+    rows = []
+    for model, hw, layout in random_layouts(n, seed):
+        est, r = estimate(model, hw, layout, runtime="course"), dry_run(model, hw, layout, progress=progress)
+        rows.append({"model": model.name, "GPU": hw, "layout": layout.describe(),
+                     "planner_s": est.step_time, "dry_s": r.step_time, "time_diff": est.step_time / r.step_time - 1,
+                     "planner_megatron_s": estimate(model, hw, layout).step_time,
+                     "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": r.peak_memory / 2**30,
+                     "memory_diff": est.memory["total"] / r.peak_memory - 1})
+        if progress is not None:
+            row = rows[-1]
+            print(f"{row['model'][:14]:14s} {hw:9s} {row['layout'][:70]:70s} time {row['time_diff']:+.1%} "
+                  f"memory {row['memory_diff']:+.1%}", flush=True)
+    return rows
+
+
+__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "random_layouts",
+           "agreement_rows"]

@@ -1,0 +1,271 @@
+"""The course's own program at a published model's full shape, priced on the virtual clock.
+
+    from course_lib.planner import Layout
+    from course_lib.virtual import dry_run
+    r = dry_run("megatron-175b", "a100-80gb",
+                Layout(tp=8, pp=8, sp=True, schedule="interleaved", v=2,
+                       micro_batch=1, global_batch=64, recompute="selective"))
+    r.step_time, r.mfu, r.peak_memory, r.fits    # virtual seconds, planner's MFU, bytes
+    r.spans, r.ranks_run                         # trace.Span of the ranks that ran
+
+What runs is one training step of :func:`train_step`, the program a real
+``launch(..., clock=VirtualCluster(...))`` runs too: the course's TinyGPT at the model's
+shape, cut by :func:`~course_lib.parallel.compose.parallelize_nd` (the pipeline runtime of
+chapters 6 and 9, TP + SP, DDP / FSDP, recompute), then AdamW. Every tensor lives on the meta
+device (shapes, no data); every op is priced by the clock's compute stream, every message and
+collective by its links (:mod:`.clock`, :mod:`.links`): the same pricing code as any virtual run.
+
+Ranks that do identical work run once (:mod:`.priced`): one rank per pipeline stage, the one
+at dp = cp = tp = 0, each in a thread of this process; its tp / dp twins would issue every
+collective at the same instant, so a collective starts when its running members are ready.
+Pipeline messages travel between the stages' threads with their start times, in the
+program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
+of the same layout, to the last bit of the step time.
+
+Memory (``peak_memory``): the largest over the running ranks of what its GPU holds after the
+step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12) plus the runner's peak of
+activations saved for backward; temporaries inside an op are not counted.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx.experimental._config as _fx_config
+import torch.nn as nn
+
+from course_lib import trace
+from course_lib.gpt import GPTConfig, TinyGPT
+from course_lib.layout import Layout
+from course_lib.parallel.compose import parallelize_nd
+from course_lib.parallel.layout_rules import check_layout
+from course_lib.parallel.mesh import MeshShape
+from course_lib.parallel.pipeline.rules import partition_layers
+from course_lib.planner import formulas
+from course_lib.planner.presets import ModelSpec, get_hardware, get_model
+from course_lib.virtual.compute import tensor_bytes
+from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
+from course_lib.virtual.replay import ActionMemo, TapeRecorder
+
+_ALL_NONZERO = _fx_config.patch
+
+
+@dataclass
+class DryRun:
+    model: ModelSpec
+    hardware: object
+    layout: Layout
+    step_time: float           # virtual seconds of one optimizer step (the slowest running rank)
+    mfu: float                 # model FLOPs (planner's count, full attention) / (step * GPUs * peak)
+    peak_memory: int           # bytes, the largest over the GPUs (see the module's docstring)
+    memory_by_stage: list      # per pipeline stage: {"states": bytes, "activations": bytes}
+    spans: list                # trace.Span of the running ranks, virtual seconds
+    ranks_run: int
+    kernels: int               # kernels priced on the running ranks' compute streams
+    wall_seconds: float
+    replayed: int              # actions whose price was replayed (:mod:`.replay`), of all the ranks run
+    config: GPTConfig = field(repr=False, default=None)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.hardware.hbm_bytes
+
+
+def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
+    """The course's GPTConfig of a planner ModelSpec: "gpt2" blocks (LayerNorm, GeLU 4h, biases,
+    learned positions) for a GeLU / LayerNorm model, "llama" blocks (RMSNorm, SwiGLU, rotary, no
+    biases) for the others; the sequence the layout's (else the model's)."""
+    gpt2 = spec.mlp == "gelu"
+    if gpt2 != (spec.norm == "layernorm") or gpt2 != spec.bias:
+        raise ValueError(f"{spec.name}: the course's blocks are GPT-2 (GeLU, LayerNorm, biases) or Llama "
+                         f"(SwiGLU, RMSNorm, no biases), not mlp={spec.mlp!r}, norm={spec.norm!r}, bias={spec.bias}")
+    if spec.n_experts > 1:
+        raise NotImplementedError(f"{spec.name}: the dry run does not run mixture-of-experts models yet "
+                                  f"(their routing reads token values, which the meta device does not have)")
+    s = layout.seq_len or spec.seq_len
+    return GPTConfig(vocab_size=spec.vocab, seq_len=s, n_layers=spec.n_layers, hidden=spec.hidden,
+                     n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, ffn_hidden=spec.ffn,
+                     block="gpt2" if gpt2 else "llama", tie_embeddings=spec.tied,
+                     recompute=layout.recompute if recompute is None else recompute)
+
+
+def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
+               optimizer="fused") -> dict:
+    """One training step of the course's program on this rank: the model built (or ``model``,
+    only read) and cut (not priced), then ``net.step`` of a global batch and an AdamW step
+    (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
+    runs it). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
+    :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. Returns the clock's end,
+    its kernels, and this GPU's memory (:func:`gpu_memory`)."""
+    clock = trace.clock()
+    with clock.muted():
+        if model is None:
+            with torch.device(device):
+                model = TinyGPT(cfg, seed=0)
+        net = parallelize_nd(model, mesh, layout)
+        opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
+            torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+        x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
+    if memo is not None:
+        memo.install(net.runner)
+    net.step(x, x)
+    opt.step()
+    clock.settle()
+    return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
+            **gpu_memory(net, opt, clock.cluster)}
+
+
+def stage_model(model, pp_rank: int, layout: Layout):
+    """``model`` as pp rank ``pp_rank`` reads it: its own blocks, an empty ``nn.Identity`` in
+    the place of every block another rank keeps (the stages copy the model they are given: a
+    1T model's 128 blocks, 64 times over, for one or two blocks each). Shares the tensors."""
+    n = layout.pp * layout.chunks
+    mine = {i for s in range(pp_rank, n, layout.pp) for i in partition_layers(len(model.blocks), n)[s]}
+    view = copy.copy(model)
+    view._modules = dict(model._modules)            # (a shallow copy shares the dict of children)
+    view.blocks = nn.ModuleList(b if i in mine else nn.Identity() for i, b in enumerate(model.blocks))
+    return view
+
+
+class FusedAdamW:
+    """AdamW as a fused kernel runs it (apex's FusedAdam in Megatron-LM and DeepSpeed, torch's
+    ``fused=True`` on CUDA): the step counts in one ``_foreach_add_``, then every tensor in one
+    ``_fused_adamw_``, torch's own fused op (called directly: torch's AdamW refuses
+    ``fused=True`` on the meta device; on the CPU the same op computes AdamW)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
+        self.params = [q for q in params if q.requires_grad]
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.state = {}
+
+    def step(self):
+        ps = [q for q in self.params if q.grad is not None]
+        for q in ps:
+            if q not in self.state:         # created at the first step, as torch's optimizers do
+                self.state[q] = {"step": torch.zeros((), dtype=torch.float32, device=q.device),
+                                 "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
+        st = [self.state[q] for q in ps]
+        steps = [s["step"] for s in st]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_(ps, [q.grad for q in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+                            [], steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
+
+
+FP32 = 4
+
+
+def gpu_memory(net, opt, cluster) -> dict:
+    """Bytes this rank's GPU holds, as mixed-precision training on the virtual cluster keeps
+    them (ZeRO's convention, K = 12): the parameters and gradients the stages compute with at
+    the cluster's dtype; an fp32 master of every parameter the optimizer updates and its fp32
+    optimizer states ("states"); the runner's peak of activations saved for backward, at the
+    cluster's dtype ("activations")."""
+    model = {id(q): q for q in net.model_parameters()}
+    grads = [q.grad for q in model.values() if q.grad is not None]
+    updated = net.parameters()
+    master = sum(q.numel() for q in updated) * FP32
+    moments = sum(t.numel() for st in opt.state.values() for t in st.values()
+                  if isinstance(t, torch.Tensor) and t.numel() > 1) * FP32
+    act_item = net.act_dtype.itemsize if net.act_dtype is not None else \
+        next(q.element_size() for q in model.values() if q.is_floating_point())
+    act = net.last_result.peak_activation_bytes * cluster.dtype.itemsize // act_item
+    return {"states": tensor_bytes(cluster, [*model.values(), *grads]) + master + moments, "activations": act}
+
+
+def check_dry_run(spec, layout: Layout) -> GPTConfig:
+    """The GPTConfig of the run, once the layout passed every rule the ranks apply
+    (:func:`~course_lib.parallel.layout_rules.check_layout`: ValueError naming the rule) and the
+    dry run's own limits (NotImplementedError)."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a course_lib Layout, got {type(layout).__name__}")
+    cfg = model_config(spec, layout)
+    check_layout(cfg, layout)
+    if layout.cp > 1:
+        raise NotImplementedError("the dry run does not fold context parallelism yet (cp > 1): its ring "
+                                  "messages run between ranks the dry run folds")
+    return cfg
+
+
+def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.bfloat16,
+            progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused") -> DryRun:
+    """One step of ``layout`` for ``model`` (a preset name or ModelSpec) on ``hardware`` (a preset
+    name or Hardware), priced on a :class:`~course_lib.virtual.VirtualCluster`: see the module's
+    docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
+    ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
+    ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach"."""
+    if optimizer not in ("fused", "foreach"):
+        raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
+    from course_lib.virtual import VirtualCluster      # (the package imports this module)
+    spec, hw = get_model(model), get_hardware(hardware)
+    cfg = check_dry_run(spec, layout)
+    cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
+    shape = MeshShape(**layout.sizes)
+    cluster.check(shape.world_size)
+    running = [shape.rank_of(pp=i) for i in range(layout.pp)]
+    with torch.device("meta"):
+        model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
+    stages, out, records = Stages(running), {}, {}
+    began = time.perf_counter()
+
+    def run(rank):
+        rec = records[rank] = TapeRecorder(rank)
+        trace.install_thread(rec)
+        rec.clock = DryRankClock(cluster, rank, shape.world_size, rec, stages)
+        if replay:
+            rec.memo = rec.clock.memo = ActionMemo(rec.clock)
+        try:
+            # a boolean mask's selection (the vocab-parallel loss) has the shape of its True count:
+            # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
+            # torch's config patches hold in the thread that makes them
+            with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
+                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo,
+                                       model=stage_model(model, shape.coords(rank)["pp"], layout),
+                                       optimizer=optimizer)
+        except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
+            out[rank] = e
+            stages.fail(f"stage {shape.coords(rank)['pp']}: {type(e).__name__}: {e}")
+        finally:
+            trace.install_thread(None)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"dry-run stage {i}", daemon=True)
+               for i, r in enumerate(running)]
+    for t in threads:
+        t.start()
+    _watch(threads, records, began, progress)
+    errors = [v for v in out.values() if isinstance(v, BaseException)]
+    if errors:
+        first = next((e for e in errors if not type(e).__name__ == "StageFailed"), errors[0])
+        raise first
+    res = [out[r] for r in running]
+    step = max(r["t"] for r in res)
+    s = cfg.seq_len
+    model_flops = formulas.flops_per_token(spec, s, "none") * layout.global_batch * s
+    memory = [{"states": r["states"], "activations": r["activations"]} for r in res]
+    spans = [sp for r in running for sp in records[r].resolve()]
+    return DryRun(spec, hw, layout, step, model_flops / (step * shape.world_size * hw.peak_flops),
+                  max(m["states"] + m["activations"] for m in memory), memory, spans, len(running),
+                  sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg)
+
+
+def _watch(threads, records, began, every) -> None:
+    """Wait for the stages; every ``every`` seconds, say where the first and last stand."""
+    last = time.perf_counter()
+    for t in threads:
+        while t.is_alive():
+            t.join(1.0)
+            if every is not None and time.perf_counter() - last >= every:
+                last = time.perf_counter()
+                where = []
+                for i, rank in ((0, min(records)), (len(records) - 1, max(records))) if records else ():
+                    spans = records[rank].spans      # the last action's name: F12@3 is micro-batch 12
+                    where.append(f"stage {i} (rank {rank}): {spans[-1].name if spans else 'building'} "
+                                 f"(t={records[rank].clock.t:.3f} s)")
+                print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
+
+
+__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "check_dry_run"]

@@ -1,0 +1,307 @@
+"""Communication priced, not performed: what lets the dry run drive the course's own program
+(:func:`course_lib.virtual.dry_run.dry_run`) with no process group and no data.
+
+The dry run runs one rank per pipeline stage (the ranks at dp = cp = tp = 0, "the running
+ranks"), each in a thread of one process with its own :class:`DryRankClock`. The ranks it
+leaves out do exactly what a running rank does (dp replicas; the other members of a tp group
+run the same kernels on the same shapes), so:
+
+* :class:`PricedComm` is the course's :class:`~course_lib.collectives.comm.Comm` of a group,
+  with the group's real global ranks (so NCCL's price sees its size and the nodes it spans),
+  whose backend calls do nothing: the clock prices them (``Comm._virtual_call``, the clock's
+  one pricing code, :mod:`.clock` and :mod:`.links`);
+* :class:`DryRankClock` is the clock's :class:`~course_lib.virtual.clock.RankClock` with
+  another transport for the two things that travel between ranks: a collective's members'
+  ready times (:meth:`Stages.exchange`: the MAX over the running members; members that do not
+  run issued at the same instant as their running twin, so they change no maximum) and a
+  message's start time (:meth:`Stages.post` / :meth:`Stages.take`, between running ranks);
+* :class:`StageMesh` is a :class:`~course_lib.parallel.mesh.Mesh` seen from one running rank,
+  its Comms priced.
+* :class:`MetaScalars`: on the meta device a tensor has no value; a read of one (``.item()``,
+  ``float(loss)``, a token count, ``.tolist()``) reads 1 (it still costs what the clock says:
+  the host waits for the stream). Nothing the program prices depends on these values.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from course_lib import trace
+from course_lib.collectives.comm import Comm
+from course_lib.parallel.mesh import Mesh, MeshShape
+from course_lib.virtual.clock import Message, RankClock
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
+WAIT = 1.0          # seconds between a waiting thread's checks that no other stage failed
+
+
+class StageFailed(RuntimeError):
+    """Another stage's thread raised: this one stops waiting for it."""
+
+
+class Stages:
+    """What the running ranks share: start times of messages in flight, ready times of the
+    collectives that span several of them, and whether one failed (then every wait raises)."""
+
+    def __init__(self, running):
+        self.running = frozenset(running)
+        self.cond = threading.Condition()
+        self.messages = {}                     # flow id -> when its bytes start to leave
+        self.waiting = {}                      # flow id -> the Event its receiver waits on
+        self.ready = defaultdict(dict)         # (group, k) -> {running member: (ready, bytes)}
+        self.reads = defaultdict(int)          # (group, k) -> members that read the maximum
+        self.failed = None
+
+    def _wait_for(self, done):
+        while not done():
+            if self.failed is not None:
+                raise StageFailed(f"stopped: another stage failed ({self.failed})")
+            self.cond.wait(WAIT)
+
+    def fail(self, why) -> None:
+        with self.cond:
+            self.failed = why
+            self.cond.notify_all()
+            waiting = list(self.waiting.values())
+        for ev in waiting:
+            ev.set()
+
+    def post(self, flow: str, begin: float) -> None:
+        with self.cond:
+            self.messages[flow] = begin
+            ev = self.waiting.pop(flow, None)
+        if ev is not None:          # wake its receiver only (64 stages: not 63 others for nothing)
+            ev.set()
+
+    def take(self, flow: str) -> float:
+        with self.cond:
+            if flow in self.messages:
+                return self.messages.pop(flow)
+            ev = self.waiting[flow] = threading.Event()
+        while not ev.wait(WAIT) or flow not in self.messages:
+            if self.failed is not None:
+                raise StageFailed(f"stopped: another stage failed ({self.failed})")
+        with self.cond:
+            return self.messages.pop(flow)
+
+    def exchange(self, comm, k: int, rank: int, ready: float, nbytes: float) -> "ReadyTimes":
+        members = [r for r in comm.ranks if r in self.running]
+        if len(members) <= 1:
+            return ReadyTimes(None, None, (ready, nbytes))
+        with self.cond:
+            self.ready[comm.group, k][rank] = (ready, nbytes)
+            self.cond.notify_all()
+        return ReadyTimes(self, ((comm.group, k), len(members)), None)
+
+
+class ReadyTimes:
+    """The members' (latest ready time, largest payload) of one collective: ``.result()``."""
+    __slots__ = ("stages", "key", "value")
+
+    def __init__(self, stages, key, value):
+        self.stages, self.key, self.value = stages, key, value
+
+    def result(self) -> tuple[float, float]:
+        if self.value is None:
+            (key, n), stages = self.key, self.stages
+            with stages.cond:
+                stages._wait_for(lambda: len(stages.ready[key]) == n)
+                times = stages.ready[key]
+                self.value = (max(t for t, _ in times.values()), max(b for _, b in times.values()))
+                stages.reads[key] += 1
+                if stages.reads[key] == n:          # every member has read it: forget it
+                    del stages.ready[key], stages.reads[key]
+        return self.value
+
+
+class DryRankClock(RankClock):
+    """A running rank's clock: :class:`RankClock`'s prices, :class:`Stages` as the transport."""
+
+    def __init__(self, cluster, rank: int, world_size: int, recorder, stages: Stages):
+        super().__init__(cluster, rank, world_size, recorder)
+        self.stages = stages
+        self._k = defaultdict(int)             # group -> collectives this rank issued on it
+
+    memo = None             # an ActionMemo (:mod:`.replay`), when the dry run replays actions
+
+    def stream_tape(self, tape) -> None:
+        """Every priced op of the compute stream appended to ``tape`` (None: stop)."""
+        self._mode.tape = tape
+
+    def stream(self):
+        """The compute stream (its ``replay``)."""
+        return self._mode
+
+    def _exchange(self, comm, ready: float, nbytes: float):
+        self._k[comm.group] += 1
+        return self.stages.exchange(comm, self._k[comm.group], self.rank, ready, nbytes)
+
+    def isend(self, comm, tensor, peer: int, tag: int):
+        dst = comm.ranks[peer]
+        if dst not in self.stages.running:
+            raise NotImplementedError(f"dry run: a message to rank {dst}, which the dry run folds into "
+                                      f"another (only messages between pipeline stages run)")
+        flow, begin, end = self.sent(comm, tensor, dst, tag)
+        self.stages.post(flow, begin)
+        self.recorder.add(f"send to {dst}", "comm", begin, end, comm.dim, "send:" + flow)
+        return Message(self, (), (), sent=end)
+
+    def irecv(self, comm, tensor, peer: int, tag: int):
+        src = comm.ranks[peer]
+        if src not in self.stages.running:
+            raise NotImplementedError(f"dry run: a message from rank {src}, which the dry run folds into "
+                                      f"another (only messages between pipeline stages run)")
+        flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
+        return Arrival(self, flow, (self.t, kind, latency, data, flow, src, comm.dim))
+
+
+class Arrival:
+    """The handle of a receive on the dry run: ``wait()`` takes its start time from the sender."""
+    __slots__ = ("clock", "flow", "recv", "done")
+
+    def __init__(self, clock, flow, recv):
+        self.clock, self.flow, self.recv, self.done = clock, flow, recv, False
+
+    def wait(self, timeout=None):
+        if not self.done:
+            self.clock.received(self.recv, self.clock.stages.take(self.flow))
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class PricedComm(Comm):
+    """A :class:`Comm` of the global ranks ``ranks`` seen from ``rank``: the same calls, traced
+    and priced on the rank's clock; the backend's part of each call does nothing."""
+    moves_data = False      # (checks that compare values across the group skip it)
+
+    def __init__(self, ranks, rank: int, dim: str = ""):   # (no process group: Comm's checks skipped)
+        self.ranks, self.dim, self.impl, self.validate = list(ranks), dim, "torch", False
+        self.rank, self.size = self.ranks.index(rank), len(self.ranks)
+        self.group = tuple(self.ranks)           # the clock's key for the group's stream
+        self.counter, self._pg, self.backend_device, self._p2p_cpu_only = None, None, torch.device("meta"), False
+        self.log, self.one_call, self._site, self._measuring = [], False, None, False
+        self._thread = self._pending = None
+
+    def _call(self, op, name, payload, async_op, args, kwargs):
+        clock = trace.clock()
+        if clock is not None and clock.memo is not None:
+            clock.memo.comm_call(self, op, name, payload, async_op, args, kwargs)
+        return super()._call(op, name, payload, async_op, args, kwargs)
+
+    def replay_call(self, op, name, payload, async_op, args, kwargs):
+        """The call again, not taped (:mod:`.replay`)."""
+        return super()._call(op, name, payload, async_op, args, kwargs)
+
+    def _function(self, op):
+        fn, who = super()._function(op)
+        return ((lambda *a, **kw: None), who) if who == "torch" else (fn, who)
+
+
+class StageMesh(Mesh):
+    """The :class:`Mesh` of ``sizes`` seen from global rank ``rank``, every Comm a
+    :class:`PricedComm` (nothing to build: no process group)."""
+
+    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
+        MeshShape.__init__(self, dp, pp, cp, tp, ep)
+        self.impl, self.rank = "torch", rank
+        self.coord = self.coords(rank)
+        self._comms = {}
+
+    def group(self, dims):
+        return tuple(self.ranks(self._key(dims)))
+
+    def comm(self, dims, impl=None) -> Comm:
+        key = self._key(dims)
+        if key not in self._comms:
+            self._comms[key] = PricedComm(self.ranks(key), self.rank, dim="+".join(key))
+        return self._comms[key]
+
+    def embedding_comm(self):
+        if self.coord["pp"] not in (0, self.sizes["pp"] - 1):
+            return None
+        if "embedding" not in self._comms:
+            stages = self.ranks("pp")
+            self._comms["embedding"] = PricedComm(sorted({stages[0], stages[-1]}), self.rank, dim="pp")
+        return self._comms["embedding"]
+
+
+class MetaScalars(TorchDispatchMode):
+    """The meta device, fast, and readable: a value read from a meta tensor is 1 (see the
+    module's docstring); an op's output shapes are remembered by its inputs' shapes (most meta
+    kernels are Python, ~1 ms an op; their outputs depend on shapes, dtypes and arguments only),
+    for the ops that make new tensors (not views, not in place: those run their meta kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = {}        # (op, inputs' metadata) -> the outputs' (shape, stride, dtype), or None
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False            # (no torch.compile here: skip the per-op dynamo guard)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SCALAR and args[0].is_meta:
+            return 1.0 if args[0].is_floating_point() else 1
+        if func is _TO_COPY and args[0].is_meta and kwargs.get("device", args[0].device).type != "meta":
+            return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
+        if func is _COPY and args[1].is_meta and not args[0].is_meta:   # (.tolist(), .cpu(): to the host)
+            return args[0].fill_(1)
+        fresh = _FRESH.get(func)
+        if fresh is None:
+            fresh = _FRESH[func] = _makes_new_tensors(func)
+        if not fresh:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key(args), _key(kwargs)) if kwargs else (func, _key(args))
+        except TypeError:       # an argument that cannot be a key: run the meta kernel
+            return func(*args, **kwargs)
+        outs = self.shapes.get(key)
+        if outs is None:
+            out = func(*args, **kwargs)
+            if not all(isinstance(t, torch.Tensor) and t.is_meta for t in (out if isinstance(out, tuple) else (out,))):
+                return out
+            self.shapes[key] = ([_meta(t) for t in out] if isinstance(out, tuple) else _meta(out))
+            return out
+        if isinstance(outs, list):
+            return tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in outs)
+        shape, stride, dtype = outs
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+_FRESH: dict = {}       # op -> whether its outputs are new tensors (no alias, no mutation)
+
+
+def _makes_new_tensors(func) -> bool:
+    schema = func._schema
+    if schema.is_mutable or not schema.returns:
+        return False
+    return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+
+
+def _meta(t):
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+def _key(x):
+    """A hashable key of an op's argument: a tensor by its metadata (never its values)."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta:
+            raise TypeError("a tensor with values")
+        return (tuple(x.shape), x.stride(), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_key(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _key(v)) for k, v in x.items())
+    hash(x)
+    return (type(x), x)     # (1 and 1.0 promote an integer tensor differently)
+
+
+__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars"]

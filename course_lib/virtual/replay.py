@@ -1,0 +1,174 @@
+"""Replay of a pipeline action's price: how the dry run gets through 512 micro-batches.
+
+Every micro-batch's forward of one stage runs the same kernels on the same shapes, and so
+does every backward after the first (which creates the gradients). The dry run runs each
+action (F or B of a virtual stage) for real until two runs in a row priced the same
+*tape* (:class:`ActionMemo`): every kernel's seconds, every time the host read a value, every
+collective (its Comm, shapes and arguments), in order. From then on an action of that stage
+is its tape replayed on the clock: the kernels by the compute stream's own arithmetic
+(:meth:`course_lib.virtual.compute.ComputeStream.replay`), the collectives called again on
+their Comm with fresh meta tensors (priced as the first time, by the clock, with this moment's
+streams and lanes), between the same receive and send the runner makes. Where a tape cannot
+be trusted (an async collective inside, kernels outside the action's span, a zero-bubble
+split), the stage keeps running for real. ``tests/test_dry_run.py`` checks the step time with
+replays against a real launch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from course_lib import trace
+
+REPLAYED = "replayed"    # runner.state's mark of a micro-batch whose forward was replayed
+
+
+class TapeRecorder(trace.Recorder):
+    """A rank's span recorder that hands the ops of a pipeline action's compute span to its memo."""
+
+    memo = None
+
+    @contextlib.contextmanager
+    def span(self, name: str, kind: str = "compute", dim: str = ""):
+        memo = self.memo
+        if memo is None or memo.taping is None or kind != "compute" or dim != "pp":
+            with super().span(name, kind, dim):
+                yield
+            return
+        memo.begin()
+        try:
+            with super().span(name, kind, dim):
+                yield
+        finally:
+            memo.end()
+
+
+class ActionMemo:
+    """The tapes of one running rank's actions; :meth:`install` wraps its runner's F and B."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.taping = None          # the action being taped: ("F" | "B", stage)
+        self.tape, self.active = None, False     # its tape; whether its compute span is open
+        self.tapes = {}             # (op, stage) -> [tape of run 2, matches of run 3+] ...
+        self.ready = {}             # (op, stage) -> a replayable tape (segments)
+        self.bad = set()            # (op, stage) never replayed
+        self.runs = {}              # (op, stage) -> real runs so far
+        self.extra = {}             # (op, stage) -> what the runner keeps (saved bytes)
+        self.replays = 0
+
+    # ---------------------------------------------------------------- taping
+    def begin(self):
+        self.tape, self.active = [], True
+        self.clock.stream_tape(self.tape)
+
+    def end(self):
+        self.active = False
+        self.clock.stream_tape(None)
+
+    def comm_call(self, comm, op, name, payload, async_op, args, kwargs) -> None:
+        """A collective inside the action being taped (PricedComm calls this)."""
+        if self.taping is None or self.clock.muted_depth:
+            return
+        if not self.active:            # a collective of the action outside its compute span
+            self.bad.add(self.taping)
+            return
+        if async_op:
+            self.bad.add(self.taping)
+        shapes = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else ("value", a) for a in args)
+        self.tape.append((comm, op, name, payload, async_op, shapes, kwargs, repr(sorted(kwargs.items()))))
+
+    def _run_real(self, key, run):
+        clock, self.taping, self.tape = self.clock, key, None
+        k0 = clock.kernels
+        try:
+            run()
+        finally:
+            self.taping = None
+            self.clock.stream_tape(None)
+        tape, self.tape = self.tape, None
+        n = self.runs[key] = self.runs.get(key, 0) + 1
+        if tape is None or clock.kernels - k0 != sum(1 for x in tape if x is not None and not isinstance(x, tuple)):
+            self.bad.add(key)          # kernels priced outside the action's span: not a replayable unit
+            return
+        if key in self.bad or n < 2:
+            return                     # (run 1: the first backward makes the gradients)
+        signature = [x if not isinstance(x, tuple) else (id(x[0]),) + x[1:6] + (x[7],) for x in tape]
+        if n == 2:
+            self.tapes[key] = signature
+        elif signature == self.tapes[key]:
+            self.ready[key] = _segments(tape)
+        else:
+            self.bad.add(key)
+
+    def _replayable(self, s) -> bool:
+        return ("F", s) in self.ready and ("B", s) in self.ready and ("F", s) not in self.bad and \
+            ("B", s) not in self.bad
+
+    def play(self, key) -> None:
+        stream = self.clock.stream()
+        for kind, item in self.ready[key]:
+            if kind == "ops":
+                stream.replay(item)
+            else:
+                comm, op, name, payload, async_op, shapes, kwargs = item
+                args = tuple(torch.empty(shape, dtype=dtype, device="meta") if shape != "value" else dtype
+                             for shape, dtype in shapes)
+                comm.replay_call(op, name, payload, async_op, args, kwargs)
+        self.replays += 1
+
+    # ---------------------------------------------------------------- the runner's actions
+    def install(self, runner) -> None:
+        """Wrap ``runner``'s F and B (this instance only) with taping and replay."""
+        real_f, real_b = runner.F, runner.B
+
+        def F(i, s, mb):
+            if (s, mb) in runner.split or not self._replayable(s):
+                before = dict(runner.live)
+                self._run_real(("F", s), lambda: real_f(i, s, mb))
+                if runner.live.keys() - before.keys() == {(s, mb)}:
+                    self.extra[("F", s)] = runner.live[(s, mb)]
+                return
+            if s > 0:
+                runner.recv(i, "act", s, mb)
+            with trace.span(f"F{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
+                self.play(("F", s))
+            runner.live[(s, mb)] = runner.out.saved_bytes[(s, mb)] = self.extra[("F", s)]
+            runner.out.peak_activation_bytes = max(runner.out.peak_activation_bytes, sum(runner.live.values()))
+            if s < runner.n - 1:
+                shape, dtype = runner.shapes[s]
+                runner.send(torch.empty(shape, dtype=dtype, device="meta"), "act", s + 1, mb)
+            else:
+                runner.out.losses[mb] = 1.0
+            runner.state[(s, mb)] = REPLAYED
+
+        def B(i, s, mb):
+            if runner.state.get((s, mb)) is not REPLAYED:
+                return self._run_real(("B", s), lambda: real_b(i, s, mb))
+            if s < runner.n - 1:
+                runner.recv(i, "grad", s, mb)
+            with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
+                self.play(("B", s))
+            del runner.state[(s, mb)], runner.live[(s, mb)]
+            if s > 0:
+                shape, dtype = runner.shapes[s - 1]
+                runner.send(torch.empty(shape, dtype=dtype, device="meta"), "grad", s - 1, mb)
+
+        runner.F, runner.B = F, B
+
+
+def _segments(tape) -> list:
+    """[("ops", [seconds or None, ...]) | ("comm", (comm, op, name, payload, async, shapes, kwargs))]."""
+    out = []
+    for x in tape:
+        if isinstance(x, tuple):
+            out.append(("comm", x[:7]))
+        elif out and out[-1][0] == "ops":
+            out[-1][1].append(x)
+        else:
+            out.append(("ops", [x]))
+    return out
+
+
+__all__ = ["ActionMemo", "TapeRecorder", "REPLAYED"]
