@@ -2,10 +2,14 @@
 
     q, k = apply_rotary(q, *rotary_rows(cos, sin, q_pos, s_q)), ...   # rotary at the tokens' positions
     y = causal_attention(q, k, v, q_pos, k_pos)    # (b, a, s_q, d): q_pos >= k_pos is visible
+    mask = document_mask(q_pos, k_pos, doc_ids)    # packed documents: none attends across
 
 Positions are absolute (int64, one per token; None = 0..s-1), so a context-parallel shard
 (the second half of a sequence, or two chunks for load balance) attends to keys from
-another shard. Head counts come from the tensors' shapes (grouped-query: a multiple of
+another shard. Packed documents: ``doc_ids`` gives every token of the WHOLE sequence a
+document id (one contiguous run per document, like the cu_seqlens of FlashAttention's
+varlen kernels), and a query sees a key only if both are in the same document.
+Head counts come from the tensors' shapes (grouped-query: a multiple of
 the key/value heads), so a tensor-parallel rank runs the heads it holds.
 ``course_lib.gpt.Attention`` is the module around these functions.
 """
@@ -34,6 +38,37 @@ def check_positions(positions, s, seq_len):
         raise ValueError(f"positions must lie in [0, seq_len={seq_len}), got "
                          f"[{positions.min().item()}, {positions.max().item()}]")
     return positions
+
+
+def check_doc_ids(doc_ids, seq_len):
+    """None, or ``doc_ids`` checked: int64 of shape (S,) or (b, S), S >= 1 the whole sequence's
+    length (at most ``seq_len``), each document one contiguous run of tokens (a packing)."""
+    if doc_ids is None:
+        return None
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype != torch.int64 or doc_ids.dim() not in (1, 2):
+        raise ValueError(f"doc_ids must be an int64 tensor of shape (s,) or (batch, s), one document id per "
+                         f"token, got {getattr(doc_ids, 'dtype', type(doc_ids))} "
+                         f"{tuple(getattr(doc_ids, 'shape', ()))}")
+    if not 1 <= doc_ids.shape[-1] <= seq_len:
+        raise ValueError(f"doc_ids covers {doc_ids.shape[-1]} tokens: a packed sequence holds 1..seq_len="
+                         f"{seq_len}")
+    for row in doc_ids.reshape(-1, doc_ids.shape[-1]):
+        if int((row[1:] != row[:-1]).sum()) + 1 != torch.unique(row).numel():    # runs vs documents
+            raise ValueError("doc_ids: each document must be one contiguous run of tokens (a packed "
+                             "sequence); an id that comes back after another document's tokens is not a packing")
+    return doc_ids
+
+
+def document_mask(q_positions, k_positions, doc_ids=None):
+    """True where a query may NOT see a key: the key comes later (q_pos < k_pos) or, with
+    ``doc_ids`` (the whole sequence's, (S,) or (b, S)), sits in another document.
+    (s_q, s_k), or (b, 1, s_q, s_k) for one packing per batch row: the scores' mask."""
+    future = q_positions[:, None] < k_positions[None, :]                     # (s_q, s_k)
+    if doc_ids is None:
+        return future
+    q_doc, k_doc = doc_ids[..., q_positions], doc_ids[..., k_positions]      # (..., s_q), (..., s_k)
+    other = q_doc[..., :, None] != k_doc[..., None, :]                       # (..., s_q, s_k)
+    return (future | other) if doc_ids.dim() == 1 else (future | other)[:, None]
 
 
 def rotary_tables(seq_len, head_dim, theta=10000.0):
@@ -72,7 +107,8 @@ def attention_scores(q, k, q_positions=None, k_positions=None, future=None):
     Grouped-query: the a / kv query heads of a group are stacked along the sequence axis,
     so K is used (and saved for backward) at its own small size. A query sees the keys
     with ``q_pos >= k_pos`` (absolute positions, None = 0..s-1); ``future`` (s_q, s_k) bool,
-    True where the key comes later, may be passed precomputed. The mask is added as a
+    True where the key is hidden, may be passed precomputed (:func:`document_mask`; (b, 1,
+    s_q, s_k) for a packing per batch row). The mask is added as a
     0 / -inf bias: an addition saves nothing for backward (a masked_fill would save it).
     """
     b, a, s_q, d = q.shape
@@ -82,12 +118,12 @@ def attention_scores(q, k, q_positions=None, k_positions=None, future=None):
     dev = q.device
     q_pos = torch.arange(s_q, device=dev) if q_positions is None else q_positions
     k_pos = torch.arange(s_k, device=dev) if k_positions is None else k_positions
-    if q_pos.shape != (s_q,) or k_pos.shape != (s_k,):
+    if future is None and (q_pos.shape != (s_q,) or k_pos.shape != (s_k,)):
         raise ValueError(f"need one position per query ({s_q}) and per key ({s_k}), got "
                          f"{tuple(q_pos.shape)} and {tuple(k_pos.shape)}")
     if future is None:
         future = q_pos[:, None] < k_pos[None, :]                        # (s_q, s_k)
-    bias = torch.zeros(s_q, s_k, dtype=q.dtype, device=dev).masked_fill(future, float("-inf"))
+    bias = torch.zeros(future.shape, dtype=q.dtype, device=dev).masked_fill(future, float("-inf"))
     scores = (q.reshape(b, kv, (a // kv) * s_q, d) @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
     return scores.view(b, a, s_q, s_k) + bias                           # (b, a, s_q, s_k)
 
@@ -180,5 +216,5 @@ def blockwise_causal_attention(q, k, v, block: int = 64):
     return BlockwiseCausalAttention.apply(q, k, v, block)
 
 
-__all__ = ["check_positions", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
+__all__ = ["check_positions", "check_doc_ids", "document_mask", "rotary_tables", "rotary_rows", "apply_rotary", "attention_scores",
            "attention_output", "causal_attention", "blockwise_causal_attention"]

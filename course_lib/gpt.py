@@ -19,6 +19,9 @@ for the activation-memory lesson. The shapes the parallel dimensions cut it into
   None = 0..s-1): rotary angles and the causal mask ``q_pos >= k_pos`` follow them, and
   :func:`course_lib.attention.causal_attention` takes keys and values from another shard
   with their own positions;
+* packed documents: ``doc_ids`` gives each token of the WHOLE sequence its document (a
+  context-parallel rank gets the whole sequence's ids, as every rank gets FlashAttention's
+  cu_seqlens): attention never crosses a document; everything else is per token;
 * loss: a SUM over the local tokens divided by ``n_tokens``, the GLOBAL token count, so the
   losses of all shards (vocabulary, sequence, micro-batch) add up to the global mean.
 """
@@ -32,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
-                                  check_positions, rotary_rows, rotary_tables)
+                                  check_doc_ids, check_positions, document_mask, rotary_rows, rotary_tables)
 from course_lib.init import draw_device
 from course_lib.recompute import layer_policies, recompute, set_recompute
 
@@ -173,7 +176,7 @@ class Attention(nn.Module):
             return recompute(core, (q, k, v), rng_of=(self.attn_dropout,))
         return core(q, k, v)
 
-    def forward(self, x, positions=None):  # (b, s, h) -> (b, s, h); positions (s,) or None
+    def forward(self, x, positions=None, doc_ids=None):  # (b, s, h) -> (b, s, h); positions (s,)
         b, s, _ = x.shape
         d = self.head_dim
         positions = check_positions(positions, s, self.max_len)
@@ -184,6 +187,9 @@ class Attention(nn.Module):
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         future = self.future_mask[:s, :s] if positions is None else None  # else built from positions
+        if doc_ids is not None:                            # packed: no attention across documents
+            pos = torch.arange(s, device=x.device) if positions is None else positions
+            future = document_mask(pos, pos, doc_ids)      # (s, s), or (b, 1, s, s) a packing per row
         y = self.attend(q, k, v, positions, positions, future)  # (b, a, s, d)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, a * d) -> (b, s, h)
 
@@ -281,13 +287,13 @@ class Block(nn.Module):
 
     recompute = "none"   # "full": keep only x, re-run the block in backward (course_lib.recompute)
 
-    def forward(self, x, positions=None):  # (b, s, h) -> (b, s, h)
+    def forward(self, x, positions=None, doc_ids=None):  # (b, s, h) -> (b, s, h)
         if self.recompute == "full":
-            return recompute(lambda x: self.layer(x, positions), (x,), params_of=(self,))
-        return self.layer(x, positions)
+            return recompute(lambda x: self.layer(x, positions, doc_ids), (x,), params_of=(self,))
+        return self.layer(x, positions, doc_ids)
 
-    def layer(self, x, positions=None):  # the block's arithmetic
-        x = x + self.attn_out_dropout(self.attn(self.attn_norm(x), positions))
+    def layer(self, x, positions=None, doc_ids=None):  # the block's arithmetic
+        x = x + self.attn_out_dropout(self.attn(self.attn_norm(x), positions, doc_ids))
         return x + self.mlp_out_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -362,10 +368,15 @@ class TinyGPT(nn.Module):
             raise ValueError(f"n_tokens (the global token count) must be a number >= 1, got {n_tokens!r}")
         return F.cross_entropy(logits, targets, reduction="sum") / n_tokens
 
-    def forward(self, idx, targets=None, *, positions=None, n_tokens=None):  # idx (b, s) int64
+    def forward(self, idx, targets=None, *, positions=None, n_tokens=None, doc_ids=None):  # idx (b, s)
+        """``doc_ids``: a document id per token of the whole sequence ((s,), or (b, s) a packing
+        per row; each document one contiguous run): attention stays inside each document."""
+        doc_ids = check_doc_ids(doc_ids, self.config.seq_len)
+        if doc_ids is not None and positions is None and doc_ids.shape[-1] != idx.shape[1]:
+            raise ValueError(f"doc_ids covers {doc_ids.shape[-1]} tokens, idx {idx.shape[1]}: one id per token")
         x = self.embed(idx, positions)                          # (b, s, h)
         for block in self.blocks:
-            x = block(x, positions)                             # (b, s, h)
+            x = block(x, positions, doc_ids)                    # (b, s, h)
         logits = self.head(x)                                   # (b, s, vocab)
         loss = None if targets is None else self.loss(logits, targets, n_tokens)
         return logits, loss

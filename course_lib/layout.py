@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 BATCH = ("global_batch", "micro_batch", "microbatches")
-RUNTIME_NAMES = {"sequence_parallel": "sp", "batch": "global_batch"}   # parallelize_nd's keywords
+RUNTIME_NAMES = {"sequence_parallel": "sp", "batch": "global_batch",   # parallelize_nd's keywords
+                 "cp_balance": "cp_layout"}
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,9 @@ class Layout:
     the gradient reduction under the last backward (bucketed DDP / ZeRO).
     Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
     attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
-    ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous") are what
-    the ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold
+    ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous" /
+    "documents": the zigzag of every packed document; keyword ``cp_balance``) are what the
+    ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold
     over one stage's dp x cp x tp ranks (Megatron-Core's MoE parallel folding; ep * etp must
     divide dp * cp * tp); the rest of those ranks hold copies of the same experts.
     """

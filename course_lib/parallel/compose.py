@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.layout import DATA, Layout
-from course_lib.parallel.context_parallel import context_parallel, rule_context, shard_positions
+from course_lib.parallel.context_parallel import context_parallel, rule_context, rule_doc_ids, shard_positions
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, expert_tp_plan, rule_experts, token_index
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
@@ -191,26 +191,29 @@ class NDParallel(PipelineRuntime):
         self.layout, self.placements = layout, placements
         self.sp, self.cp_layout = layout.sp and mesh.sizes["tp"] > 1, layout.cp_layout
 
-    def local_batch(self, x, y):
+    def local_batch(self, x, y, doc_ids=None):
         """This rank's part of the global batch: its DP rows, its CP tokens; + the positions."""
         c, s = self.mesh.coord, self.sizes
         rule_batch(len(x), s["dp"], self.m)
         x, y = x.chunk(s["dp"])[c["dp"]], y.chunk(s["dp"])[c["dp"]]
         pos = None
         if s["cp"] > 1:
-            pos = shard_positions(x.shape[1], s["cp"], c["cp"], self.cp_layout).to(x.device)
+            pos = shard_positions(x.shape[1], s["cp"], c["cp"], self.cp_layout, x.device, doc_ids)
             x, y = x[:, pos], y[:, pos]
         return x, y, pos
 
-    def step(self, x, y):
+    def step(self, x, y, doc_ids=None):
         """Forward and backward of the GLOBAL batch ``x``, ``y`` (batch, seq) (the same tensors on
         every rank; each takes its part), then every gradient sum the layout needs. Returns the
-        step's loss (the single-device value, on every rank)."""
+        step's loss (the single-device value, on every rank). ``doc_ids`` (seq,): the packing of
+        every row (``TinyGPT(..., doc_ids=)``), no attention across documents."""
         n_tokens = int((y != -100).sum())
         device = self.parameters()[0].device
-        x, y, pos = self.local_batch(x.to(device), y.to(device))
+        doc_ids = rule_doc_ids(doc_ids, x.shape[1], self.cfg.seq_len, self.cp_layout, self.sizes["cp"])
+        doc_ids = None if doc_ids is None else doc_ids.to(device)
+        x, y, pos = self.local_batch(x.to(device), y.to(device), doc_ids)
         for st in self.stages.values():
-            st.positions = pos
+            st.positions, st.doc_ids = pos, doc_ids
             for block in st.part.blocks:
                 if hasattr(getattr(block, "mlp", None), "aux_weight"):  # one of dp * m routing groups
                     block.mlp.aux_weight = 1.0 / (self.sizes["dp"] * self.m)

@@ -19,7 +19,9 @@ keys from the other shards. Two ways to get them:
   turns the result back. Needs heads (and K/V heads) divisible by N.
 
 Causal masking makes a contiguous split unfair: rank N-1 sees every key, rank 0 only its
-own. The zigzag layout gives rank i chunks i and 2N-1-i, equal work everywhere.
+own. The zigzag layout gives rank i chunks i and 2N-1-i, equal work everywhere; packed
+documents (``doc_ids``: no attention across documents) need the zigzag of every document
+(:mod:`course_lib.parallel.cp_layouts`), and a block then computes only each document's part.
 """
 from __future__ import annotations
 
@@ -29,54 +31,11 @@ import torch
 
 from course_lib import trace
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
-                                  check_positions, rotary_rows)
+                                  check_doc_ids, check_positions, document_mask, rotary_rows)
 from course_lib.gpt import Attention
+from course_lib.parallel.cp_layouts import (LAYOUTS, check_documents, sequence_chunks, shard_positions, shard_sequence,  # noqa: F401
+                                            zigzag_chunks, zigzag_positions)
 from course_lib.parallel.tp_plan import local_heads
-
-LAYOUTS = ("zigzag", "contiguous")
-
-
-# ----------------------------------------------------------------------------- layouts
-def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """The two chunks (of 2N) that rank i holds: i and 2N-1-i (one early, one late)."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
-def sequence_chunks(seq_len: int, cp_size: int, layout: str = "zigzag") -> int:
-    """How many equal chunks CP cuts the sequence into: N (contiguous), 2N (zigzag: two per rank)."""
-    if layout == "contiguous":
-        if seq_len % cp_size:
-            raise ValueError(f"sequence length {seq_len} must be divisible by CP={cp_size}")
-        return cp_size
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"zigzag: sequence length {seq_len} must be divisible by 2*CP={2 * cp_size} "
-                         f"(2N equal chunks, two per rank)")
-    return 2 * cp_size
-
-
-def shard_positions(seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",
-                    device="cpu") -> torch.Tensor:
-    """Absolute positions (int64, (seq_len / N,), on ``device``) of the tokens rank ``cp_rank`` holds."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} is outside 0..{cp_size - 1}")
-    c = seq_len // sequence_chunks(seq_len, cp_size, layout)
-    if layout == "contiguous":
-        return torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
-    first, second = zigzag_chunks(cp_size, cp_rank)
-    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
-                      torch.arange(second * c, (second + 1) * c, device=device)])
-
-
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    return shard_positions(seq_len, cp_size, cp_rank, "zigzag")
-
-
-def shard_sequence(x: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of ``x`` (the full sequence along ``dim``)."""
-    return x.index_select(dim, positions)
-
 
 # ----------------------------------------------------------------------------- one block
 def _span(idx: torch.Tensor):
@@ -92,6 +51,25 @@ def visible_rows_cols(q_pos, k_pos):
     rows = torch.nonzero(q_pos >= k_pos.min()).flatten()
     cols = torch.nonzero(k_pos <= q_pos.max()).flatten()
     return _span(rows), _span(cols)
+
+
+def visible_segments(q_pos, k_pos, doc_ids=None):
+    """[(rows, cols)]: the parts of a (query block, key block) pair that a kernel computes.
+    One document: the rows that see a key and the keys that are seen (causal trim). Packed
+    documents (``doc_ids`` (s,) of the whole sequence): that trim inside each document both
+    blocks share, nothing across documents (FlashAttention's varlen kernels, cu_seqlens)."""
+    if doc_ids is None:
+        return [visible_rows_cols(q_pos, k_pos)] if (q_pos >= k_pos.min()).any() else []
+    q_doc, k_doc = doc_ids[q_pos], doc_ids[k_pos]
+    out = []
+    for d in torch.unique(q_doc).tolist():                         # documents in sequence order
+        qi, ki = torch.nonzero(q_doc == d).flatten(), torch.nonzero(k_doc == d).flatten()
+        if not ki.numel():
+            continue
+        rows, cols = qi[q_pos[qi] >= k_pos[ki].min()], ki[k_pos[ki] <= q_pos[qi].max()]
+        if rows.numel():
+            out.append((_span(rows), _span(cols)))
+    return out
 
 
 def block_attention(q, k, v, q_pos, k_pos):
@@ -139,24 +117,26 @@ def attention_flops(q_pos, k_pos, heads, head_dim, batch=1):
 
 
 # ----------------------------------------------------------------------------- ring attention
-def _block_forward(q, k, v, q_pos, k_pos, out, lse):
+def _block_forward(q, k, v, q_pos, k_pos, out, lse, doc_ids=None):
     """Merge block (k, v) into (out, lse), computing only its visible rows and columns."""
-    if not (q_pos >= k_pos.min()).any():
-        return out, lse                                            # fully masked: skipped
-    rows, cols = visible_rows_cols(q_pos, k_pos)
-    o, l = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], q_pos[rows], k_pos[cols])
-    out, lse = out.clone(), lse.clone()
-    out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o, l)
+    segments = visible_segments(q_pos, k_pos, doc_ids)
+    if segments:                                                   # else fully masked: skipped
+        out, lse = out.clone(), lse.clone()
+    for rows, cols in segments:                                    # disjoint rows: one per document
+        o, l = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], q_pos[rows], k_pos[cols])
+        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o, l)
     return out, lse
 
 
-def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
+def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, doc_ids=None):
     """FlashAttention's backward for one block, with the GLOBAL lse (so P is the final softmax;
-    16-bit inputs are computed in lse's fp32, like the forward):
+    16-bit inputs are computed in lse's fp32, like the forward), on its visible segments:
     dV += P^T dO; dP = dO V^T; dS = P (dP - delta); dQ += dS K / sqrt(d); dK += dS^T Q / sqrt(d)."""
-    if not (q_pos >= k_pos.min()).any():
-        return
-    rows, cols = visible_rows_cols(q_pos, k_pos)
+    for rows, cols in visible_segments(q_pos, k_pos, doc_ids):
+        _segment_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, rows, cols)
+
+
+def _segment_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, rows, cols):
     b, a, _, d = q.shape
     kv = k.shape[1]
     qr, kc, vc, do = (t.to(lse.dtype) for t in (q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]))
@@ -177,16 +157,17 @@ class RingAttention(torch.autograd.Function):
     forward: post (send my K/V block right, receive the next from the left), attend to the
     current block, merge, wait; N blocks, N-1 hops. backward: the same ring for K/V, plus an
     accumulator dK/dV that travels WITH each block and arrives home after N hops.
-    ``layout`` tells every rank which positions another rank's block holds (nothing extra sent).
+    ``layout`` (and ``doc_ids``, the whole sequence's documents) tells every rank which positions
+    another rank's block holds (nothing extra sent).
     16-bit inputs: the block softmax, P V, the merges (out, lse) and the gradients (dQ, and dK/dV,
     which then travel in fp32) are computed in fp32, where FlashAttention accumulates;
     K/V travel in their own dtype; fp32 and fp64 are unchanged.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, comm, seq_len, layout):
+    def forward(ctx, q, k, v, positions, comm, seq_len, layout, doc_ids=None):
         n, r = comm.size, comm.rank
-        pos_of = [shard_positions(seq_len, n, j, layout, positions.device) for j in range(n)]
+        pos_of = [shard_positions(seq_len, n, j, layout, positions.device, doc_ids) for j in range(n)]
         acc = torch.promote_types(q.dtype, torch.float32)          # bf16 blocks merge in fp32 (flash-attn's rule)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)     # (b, a, s/N, d)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (b, a, s/N)
@@ -199,14 +180,14 @@ class RingAttention(torch.autograd.Function):
                 works = [comm.irecv(nxt, comm.prev), comm.isend(kv, comm.next)]
                 start = trace.now()
             with trace.span(f"attend block {src}", kind="compute"):  # ...then compute under it
-                out, lse = _block_forward(q, kv[0], kv[1], positions, pos_of[src], out, lse)
+                out, lse = _block_forward(q, kv[0], kv[1], positions, pos_of[src], out, lse, doc_ids)
             if works:
                 comm.wait(*works)
                 trace.recorder().add(f"K/V hop {step + 1}", "comm", start, trace.now(), comm.dim)
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.pos_of = comm, pos_of
+        ctx.comm, ctx.pos_of, ctx.doc_ids = comm, pos_of, doc_ids
         return out
 
     @staticmethod
@@ -231,7 +212,8 @@ class RingAttention(torch.autograd.Function):
                 works += [comm.irecv(nxt, comm.prev), comm.isend(kv, comm.next)]
             dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
             with trace.span(f"attend block {src} (backward)", kind="compute"):
-                _block_backward(q, kv[0], kv[1], pos_of[r], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1])
+                _block_backward(q, kv[0], kv[1], pos_of[r], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1],
+                                ctx.doc_ids)
             comm.wait(*works)
             if dkv_send is not None:
                 comm.wait(dkv_send)
@@ -243,23 +225,28 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         home = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)
         comm.wait(comm.irecv(home, comm.prev), dkv_send)
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"):
+def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag", doc_ids=None):
     """Causal attention of this rank's queries over the WHOLE sequence's keys.
 
     q (b, a, s/N, d); k, v (b, kv, s/N, d): this rank's tokens at ``positions`` (those of
-    ``shard_positions(seq_len, N, rank, layout)``) -> (b, a, s/N, d)."""
+    ``shard_positions(seq_len, N, rank, layout, doc_ids=doc_ids)``) -> (b, a, s/N, d).
+    ``doc_ids`` (s,): the whole packed sequence's documents; none attends across them."""
     n = comm.size
     seq_len = positions.numel() * n if seq_len is None else seq_len
-    expected = shard_positions(seq_len, n, comm.rank, layout, positions.device)
+    if doc_ids is not None and doc_ids.shape != (seq_len,):
+        raise ValueError(f"ring attention: doc_ids must be the whole sequence's, shape ({seq_len},) (one "
+                         f"packing for the batch's rows), got {tuple(doc_ids.shape)}")
+    expected = shard_positions(seq_len, n, comm.rank, layout, positions.device, doc_ids)
     if not torch.equal(positions, expected):
         raise ValueError(f"ring attention: positions must be this rank's {layout} shard of a sequence of "
                          f"{seq_len} tokens ({expected.tolist()[:4]}...), got {positions.tolist()[:4]}...")
     if n == 1:
-        return causal_attention(q, k, v, positions, positions)
-    return RingAttention.apply(q, k, v, positions, comm, seq_len, layout)
+        mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
+        return causal_attention(q, k, v, positions, positions, future=mask)
+    return RingAttention.apply(q, k, v, positions, comm, seq_len, layout, doc_ids)
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -308,20 +295,23 @@ def _heads_to_seq(x, comm):
     return recv.transpose(0, 1).reshape(b, n * h, s // n, d)           # (b, h, s/N, d)
 
 
-def ulysses_attention(q, k, v, positions, comm, attention=causal_attention):
+def ulysses_attention(q, k, v, positions, comm, attention=causal_attention, doc_ids=None):
     """DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, all-to-all back.
     Any layout works: the gathered positions say where every token sits. ``attention``: the
-    core on a/N heads (``Attention.attend``: recomputed there under selective recomputation)."""
+    core on a/N heads (``Attention.attend``: recomputed there under selective recomputation).
+    ``doc_ids``: the whole sequence's documents ((s,) or (b, s)); none attends across them."""
     n = comm.size
     a, kv = q.shape[1], k.shape[1]
     ulysses_heads(a, kv, n)                     # the rule check_layout applies before any rank starts
     if n == 1:
-        return attention(q, k, v, positions, positions)
+        mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
+        return attention(q, k, v, positions, positions, future=mask)
     everyone = torch.empty(n * positions.numel(), dtype=positions.dtype, device=q.device)
     comm.all_gather_into_tensor(everyone, positions.to(q.device).contiguous(), name="ulysses positions")
     qh, kh, vh = (SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))  # (b, heads/N, s, d)
+    mask = None if doc_ids is None else document_mask(everyone, everyone, doc_ids)   # (s, s)
     with trace.span("attention on a/N heads", kind="compute"):
-        y = attention(qh, kh, vh, everyone, everyone)
+        y = attention(qh, kh, vh, everyone, everyone, future=mask)
     return HeadsToSeq.apply(y.contiguous(), comm)                      # (b, a, s/N, d)
 
 
@@ -330,7 +320,7 @@ class ContextParallelAttention(Attention):
     """``course_lib.gpt.Attention`` with its core replaced: same weights, same names; only the
     attention over the sequence talks to the other CP ranks."""
 
-    def forward(self, x, positions=None):                          # (b, s/N, h), positions (s/N,)
+    def forward(self, x, positions=None, doc_ids=None):            # (b, s/N, h), positions (s/N,)
         b, s, _ = x.shape
         if positions is None:
             raise ValueError("context-parallel attention needs the positions of this rank's tokens "
@@ -344,9 +334,9 @@ class ContextParallelAttention(Attention):
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cp_method == "ring":   # keeps q, k, v, out, lse: no (s, s) scores for selective to drop
-            y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout)
+            y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout, doc_ids)
         else:
-            y = ulysses_attention(q, k, v, positions, self.cp_comm, self.attend)
+            y = ulysses_attention(q, k, v, positions, self.cp_comm, self.attend, doc_ids)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -387,6 +377,23 @@ def rule_context(cfg, layout):
     no_dropout(cfg.dropout)
 
 
+def rule_doc_ids(doc_ids, seq: int, seq_len: int, layout: str = "zigzag", cp: int = 1):
+    """Packed documents in a parallel step: one packing that every row shares, ``doc_ids``
+    (seq,) (a rank's micro-batches and its CP shard are cut from the same sequence); the
+    "documents" layout needs them, and each document a multiple of 2*cp tokens."""
+    if doc_ids is None:
+        if layout == "documents" and cp > 1:
+            raise ValueError("cp_layout='documents' splits each packed document: pass step(x, y, doc_ids=...)")
+        return None
+    check_doc_ids(doc_ids, seq_len)
+    if doc_ids.shape != (seq,):
+        raise ValueError(f"doc_ids: a parallel step takes one packing for every row, shape ({seq},), got "
+                         f"{tuple(doc_ids.shape)}")
+    if layout == "documents" and cp > 1:
+        check_documents(doc_ids, cp)
+    return doc_ids
+
+
 def context_parallel(model, comm, method: str = "ring", layout: str = "zigzag"):
     """Make every ``block.attn`` of ``model`` context-parallel over ``comm`` (in place; the
     module keeps its parameters and their names). Returns ``model``."""
@@ -400,6 +407,8 @@ def context_parallel(model, comm, method: str = "ring", layout: str = "zigzag"):
 
 
 __all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "shard_sequence",
-           "visible_rows_cols", "block_attention", "running_block_attention", "merge_partial", "attention_flops", "RingAttention",
+           "visible_rows_cols", "visible_segments", "block_attention", "running_block_attention", "merge_partial",
+           "attention_flops", "RingAttention",
            "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
-           "context_parallel", "METHODS", "check_cp_names", "sequence_chunks", "ulysses_heads", "no_dropout", "rule_context"]
+           "context_parallel", "METHODS", "check_cp_names", "sequence_chunks", "ulysses_heads", "no_dropout", "rule_context",
+           "rule_doc_ids"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 
-def work_per_rank(per_layout: dict, title="causal attention FLOPs per CP rank"):
+def work_per_rank(per_layout: dict, title="causal attention FLOPs per CP rank", ylabel="FLOPs"):
     """Grouped bars: {layout: [work of rank 0, rank 1, ...]}."""
     fig, ax = plt.subplots(figsize=(6.4, 3.0))
     layouts = list(per_layout)
@@ -14,7 +14,7 @@ def work_per_rank(per_layout: dict, title="causal attention FLOPs per CP rank"):
         ax.bar([r + i * width for r in range(n)], per_layout[name], width, label=name)
     ax.set_xticks([r + width * (len(layouts) - 1) / 2 for r in range(n)])
     ax.set_xticklabels([f"rank {r}" for r in range(n)])
-    ax.set_ylabel("FLOPs")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()

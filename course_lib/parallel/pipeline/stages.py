@@ -38,12 +38,13 @@ class GPTStage(nn.Module):
         self.part, self.layers = part, layers
 
     positions = None    # context parallelism: this rank's tokens' positions, set per step
+    doc_ids = None      # packed documents: the whole sequence's document ids (s,), set per step
 
     def forward(self, x):  # first: idx (b, s) int64, else (b, s, h) -> (b, s, h); last: logits
         if self.first:
             x = self.part.embed(x, self.positions)
         for block in self.part.blocks:
-            x = block(x, self.positions)
+            x = block(x, self.positions, self.doc_ids)
         return self.part.head(x) if self.last else x.contiguous()    # sent as is: buffers are dense
 
     def loss(self, logits, targets, n_tokens):
