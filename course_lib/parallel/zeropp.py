@@ -18,7 +18,8 @@ dp indexes on neighbouring GPUs, as HSDP's shard group); G must divide the group
 Block quantization, error bound (absmax per block, symmetric, int8 in [-127, 127]):
     scale = max|x_block| / 127,  q = round(x / scale),  deq = q * scale
     |x - deq| = scale * |x / scale - round(x / scale)| <= scale / 2 = max|x_block| / 254
-(round-to-nearest; |x / scale| <= 127 so no value clips). An all-zero block has scale 0 and
+(round-to-nearest; |x / scale| <= 127 so no value clips), plus 3 u max|x_block| for the
+rounding of the scale, the division and the product in the scales' dtype (fp32: u = 2^-24). An all-zero block has scale 0 and
 is sent as zeros, exactly. qgZ's sum over N ranks in two levels then errs by at most
     sum_r max|g_r block| / 254  (level 1, each rank's chunk)  +  sum_nodes max|partial block| / 254
 plus the fp32 summation's own rounding (:func:`reduce_scatter_bound`).
@@ -92,12 +93,15 @@ def dequantize(q, scales, numel: int, dtype, block: int = BLOCK):
 
 
 def quantization_bound(x, block: int = BLOCK):
-    """Per element: max|x_block| / 254 (half a step), the bound :func:`quantize` keeps."""
+    """Per element: max|x_block| (1 / 254 + 3 u), the bound :func:`quantize` keeps: half a step,
+    plus the rounding of scale, x / scale and q * scale (u of the scales' dtype, each <= u m)."""
     flat = x.reshape(-1)
     nb = -(-flat.numel() // block)
     padded = flat.new_zeros(nb * block)
     padded[:flat.numel()] = flat.abs()
-    return (padded.view(nb, block).amax(dim=1) / (2 * QMAX)).repeat_interleave(block)[:flat.numel()]
+    u = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps / 2
+    m = padded.view(nb, block).amax(dim=1).double()
+    return (m * (1 / (2 * QMAX) + 3 * u)).repeat_interleave(block)[:flat.numel()]
 
 
 class Done:
