@@ -31,12 +31,17 @@ import pytest
 import torch
 
 from course_lib import launch, reference, tolerance
+from course_lib.gpt import GPTConfig
+from course_lib.lab.nd_runs import LR as GPT_LR
 from course_lib.models import MLP
+from course_lib.parallel.compose import check_layout
 from course_lib.parallel.zeropp import (BLOCK, ZEROPP, dequantize, quantization_bound, quantize,
                                         reduce_scatter_bound)
 from single_device import AWKWARD, LR, SIZES, STEPS, assert_trained_like, exact, make_data, train
 
 G, WORLD = 2, 4
+CFG = GPTConfig(vocab_size=64, seq_len=8, n_layers=2, hidden=16, n_heads=2, n_kv_heads=1)
+GPT_STEPS = 3
 BYTES_SIZES = (64, 256, 64, 256)   # shards of ~4k values: block padding ~5%, not the story
 SUBSETS = [s for k in range(4) for s in itertools.combinations(ZEROPP, k)]
 
@@ -102,6 +107,23 @@ def zeropp_mlp(zeropp, rank, dtype=torch.float64, steps=None, sizes=None):
     return out
 
 
+def zeropp_gpt(zeropp):
+    """parallelize_nd(data="fsdp", zeropp=...) on Mesh(dp=4), TinyGPT in float64: losses, params."""
+    from course_lib.gpt import TinyGPT
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    net = parallelize_nd(TinyGPT(CFG, seed=0).double(), Mesh(dp=WORLD), data="fsdp", zeropp=zeropp,
+                         gpus_per_node=G)
+    opt = torch.optim.AdamW(net.parameters(), lr=GPT_LR, weight_decay=0.1)
+    losses = []
+    for x, y in reference.gpt_batches(CFG, batch=8, steps=GPT_STEPS):
+        losses.append(net.step(x, y))
+        opt.step()
+        opt.zero_grad()
+    return dict(losses=losses, params={n: t for n, (t, _) in net.shards().items()})
+
+
 def rank_checks():
     import torch.distributed as dist
 
@@ -110,6 +132,7 @@ def rank_checks():
     with exact():
         for subset in SUBSETS:
             out[subset] = zeropp_mlp(subset, rank)
+        out["gpt"] = {z: zeropp_gpt(z) for z in ((), ZEROPP)}
     for subset in ((), ZEROPP):            # bytes in the master dtype the paper's count assumes
         out["fp32", subset] = zeropp_mlp(subset, rank, torch.float32, steps=1, sizes=BYTES_SIZES)
     return out
@@ -196,3 +219,24 @@ def test_hpz_secondary_shard_memory(runs):
         units = [u for u in r[()]["units"] if u[0] != "root"]
         assert r[("hpz",)]["secondary"] == sum(WORLD * S // G * 8 for _, S, _, _ in units)  # float64
         assert r[()]["secondary"] == 0
+
+
+def test_tinygpt_through_parallelize_nd(runs):
+    """TinyGPT, all of ZeRO++ vs plain FSDP, GPT_STEPS AdamW steps: AdamW's bound (module doc)."""
+    bound = sum(2 * GPT_LR * tolerance.adam_ratio_bound(t) for t in range(1, GPT_STEPS + 1))
+    plain, zpp = runs[0]["gpt"][()], runs[0]["gpt"][ZEROPP]
+    diff = max(float((zpp["params"][k] - plain["params"][k]).abs().max()) for k in plain["params"])
+    assert 0 < diff <= bound, (diff, bound)
+    assert all(abs(a - b) < 1 for a, b in zip(zpp["losses"], plain["losses"]))   # finite, close
+
+
+@pytest.mark.parametrize("keywords, rule", [
+    (dict(data="fsdp", zeropp=("qwz", "zpz")), "unknown"),
+    (dict(data="ddp", zeropp=("qwz",)), "needs data='fsdp'"),
+    (dict(data="hsdp", shard_size=2, zeropp=("hpz",)), "needs data='fsdp'"),
+    (dict(data="fsdp", zeropp=("hpz",), gpus_per_node=3), "dividing"),
+    (dict(data="fsdp", zeropp="qgz", gpus_per_node=0), "dividing"),
+])
+def test_bad_layouts_refused_before_ranks_start(keywords, rule):
+    with pytest.raises(ValueError, match=rule):
+        check_layout(CFG, dp=4, **keywords)
