@@ -240,3 +240,28 @@ def test_tinygpt_through_parallelize_nd(runs):
 def test_bad_layouts_refused_before_ranks_start(keywords, rule):
     with pytest.raises(ValueError, match=rule):
         check_layout(CFG, dp=4, **keywords)
+
+
+def test_planner_knows_zeropp():
+    """zeropp_bytes_per_step: no option is ZeRO-3's dp_bytes_per_step; with all three, the bytes
+    across nodes (paper's dtypes: fp16 weights and gradients) fall over 4x: qwZ's int8 forward
+    all-gather, hpZ's backward all-gather in the node, qgZ's second all-to-all over dp / G ranks
+    of P / G values. planner.estimate prices it: fewer dp bytes, less exposed ZeRO time."""
+    from course_lib import planner
+    from course_lib.layout import Layout
+    from course_lib.planner.formulas import (QUANT_BYTES, collective_bytes_per_rank as vol, dp_bytes_per_step,
+                                             zeropp_bytes_per_step)
+
+    P, N, G = 1e9, 32, 8
+    assert zeropp_bytes_per_step(P, N, (), G) == {"inter": dp_bytes_per_step(P, N, 3), "intra": 0.0}
+    every = zeropp_bytes_per_step(P, N, ZEROPP, G)
+    assert every["inter"] == vol("all_gather", P * QUANT_BYTES, N) + vol("all_to_all", P * QUANT_BYTES / G, N // G)
+    assert every["intra"] == vol("all_gather", 2 * P, G) + vol("all_to_all", P * QUANT_BYTES, G)
+    assert dp_bytes_per_step(P, N, 3) / every["inter"] >= 4
+    assert zeropp_bytes_per_step(P, 8, ZEROPP, 8)["inter"] == 0     # one node: nothing crosses
+    with pytest.raises(ValueError, match="divide"):
+        zeropp_bytes_per_step(P, 12, ZEROPP, 8)
+    est = {z: planner.estimate("llama3-8b", "h100-sxm", Layout.of(dp=16, global_batch=64, micro_batch=1,
+                                                                    data="fsdp", zeropp=z)) for z in ((), ZEROPP)}
+    assert est[ZEROPP].comm_bytes["dp"] < est[()].comm_bytes["dp"]
+    assert est[ZEROPP].time.get("zero", 0.0) < est[()].time["zero"]

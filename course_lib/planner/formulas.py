@@ -19,6 +19,7 @@ from course_lib.planner.activations import (  # noqa: F401
     llama_activation_bytes_per_layer,
 )
 from course_lib.planner.communication import (  # noqa: F401
+    QUANT_BYTES,
     collective_bytes_per_rank,
     collective_time,
     cp_bytes_per_layer,
@@ -28,6 +29,7 @@ from course_lib.planner.communication import (  # noqa: F401
     pp_bytes_per_microbatch,
     ring_steps,
     tp_bytes_per_layer,
+    zeropp_bytes_per_step,
 )
 from course_lib.schedules import PLANNED as SCHEDULES  # the schedules the planner prices
 from course_lib.schedules import V_SCHEDULES, formula_idle, formula_peak_activations
