@@ -97,7 +97,7 @@ def zeropp_mlp(zeropp, rank, dtype=torch.float64, steps=None, sizes=None):
             out["secondary"] = sum(u.post.numel() * u.post.element_size() for u in net.units if u.post is not None)
         loss.backward()
         net.finish_gradient_synchronization()
-        out["losses"].append(float(loss))
+        out["losses"].append(loss.item())
         if step == 0:
             out["log"] = {d: [(op, name, p) for op, name, p, _ in c.log] for d, c in comms.items()}
             out["units"] = [(u.name, u.numel, u.grad_numel, len(u.trainable_slots)) for u in net.units]
