@@ -134,7 +134,8 @@ def apply_data_parallel(stages, mesh, layout, reduce):
     compute, reduce_dtype = check_precision(layout.precision)
     if layout.data != "ddp":
         return {s: FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
-                        units=list(st.part.blocks), divisor=1, shard_size=layout.shard_size)
+                        units=list(st.part.blocks), divisor=1, shard_size=layout.shard_size,
+                        zeropp=layout.zeropp, gpus_per_node=layout.gpus_per_node)
                 for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
     dims = {id(q): reduce[id(q)] for q in params}

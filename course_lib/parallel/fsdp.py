@@ -45,6 +45,8 @@ from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_fsd
 from course_lib.parallel.hsdp import hsdp_comms, reshard_comm, rule_hsdp
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
 from course_lib.parallel.tp_plan import tp_slice_of
+from course_lib.parallel.zeropp import (check_zeropp, node_comms, node_size, quantized_all_gather,
+                                        quantized_reduce_scatter, rule_zeropp)
 
 MAX_IN_FLIGHT = 1  # gradient reduce-scatters in flight (each keeps a full-size gradient alive)
 PEAKS = ("gathered parameters", "unsharded gradients")  # FSDP.peak's keys: bytes held at once
@@ -80,6 +82,7 @@ def rule_fsdp(cfg, layout):
         raise ValueError(f"zero={layout.zero!r}: parallelize_nd runs zero=0 (data='ddp') or zero=3 "
                          f"(data='fsdp' / 'hsdp'); ZeRO-1/2 are ShardedOptimizer's (chapter 4)")
     rule_hsdp(cfg, layout)
+    rule_zeropp(cfg, layout)
     if layout.data != "ddp" and cfg.n_experts and layout.ep > 1:
         raise ValueError(f"experts split over ep={layout.ep} under FSDP: FSDP shards over dp x cp, but an expert is "
                          f"held by the dp / ep ranks of its EP slot only; not supported here, use data='ddp'")
@@ -131,6 +134,8 @@ class FSDP(nn.Module):
     - ``set_modules_to_forward_prefetch(unit, [units])`` / ``..._backward_prefetch``: the
       all-gathers started when ``unit`` starts, instead of the next unit in recorded order.
     - ``peak``: the largest gathered-parameter and unsharded-gradient bytes held at once.
+    - ``zeropp``: any of ("hpz", "qwz", "qgz") (:mod:`~course_lib.parallel.zeropp`), nodes of
+      ``gpus_per_node`` consecutive ranks of the group; hpZ is ``reshard_after_forward=G``.
 
     Checkpoints:
 
@@ -147,7 +152,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
                  dims="dp", reduce_dims=None, divisor=None, prefetch=True, shard_size=None,
-                 reshard_after_forward=None):
+                 reshard_after_forward=None, zeropp=(), gpus_per_node=None):
         super().__init__()
         check_fsdp_module(module)
         _check_not_wrapped(module)
@@ -166,6 +171,17 @@ class FSDP(nn.Module):
         self.module, self.comm, self.replicate, self.prefetch = module, every, None, prefetch
         if shard_size is not None:
             self.comm, self.replicate = hsdp_comms(self.mesh, self.dims, shard_size, self.mesh.impl)
+        self.zeropp, self.node, self.qgz = check_zeropp(zeropp), None, None
+        if self.zeropp:
+            if shard_size is not None:
+                raise ValueError("FSDP: zeropp is ZeRO-3's (one shard group): not with shard_size (HSDP)")
+            self.node = node_size(self.comm.size, gpus_per_node)
+            if "hpz" in self.zeropp and reshard_after_forward is not None:
+                raise ValueError("FSDP: zeropp 'hpz' is reshard_after_forward=gpus_per_node: give one of them")
+            if "hpz" in self.zeropp:   # hpZ: keep 1/G after forward, the backward all-gather in the node
+                reshard_after_forward = self.node
+            if "qgz" in self.zeropp:   # (intra-node, inter-node) Comms of the hierarchical all-to-all
+                self.qgz = node_comms(self.comm, self.node, self.mesh.impl)
         self.reshard_after_forward, self.reshard_group = self._reshard_policy(reshard_after_forward)
         self.divisor = every.size if divisor is None else divisor
         if isinstance(self.divisor, bool) or not isinstance(self.divisor, (int, float)) or self.divisor <= 0:
@@ -382,7 +398,10 @@ class FSDP(nn.Module):
         comm, send = (self.comm, u.flat_shard.to(self.compute_dtype)) if u.post is None \
             else (self.reshard_group, u.post)  # a copy only when casting
         gathered = send.new_empty(self.comm.size * u.numel)
-        work = comm.all_gather_into_tensor(gathered, send, async_op=True, name=f"all-gather {u.name}")
+        if "qwz" in self.zeropp and u.post is None:   # qwZ: int8 blocks from the primary shards
+            work = quantized_all_gather(comm, gathered, send, name=f"all-gather {u.name}")
+        else:
+            work = comm.all_gather_into_tensor(gathered, send, async_op=True, name=f"all-gather {u.name}")
         u.gather, u.post = (work, send, gathered), None
         self._note_memory()
 
@@ -442,8 +461,14 @@ class FSDP(nn.Module):
             grad_full, u.accumulated = u.accumulated.add_(grad_full), None
         packed = u.pack_gradients(grad_full, self.reduce_dtype)  # (N, S_grad + T) rank after rank
         out = packed.new_empty(packed.shape[1])                   # (S_grad + T,): my shard, summed
-        work = self.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=True,
-                                               name=f"reduce-scatter {u.name}")
+        if self.qgz is None:
+            work = self.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=True,
+                                                   name=f"reduce-scatter {u.name}")
+        else:   # qgZ: gradients as int8 all-to-alls; the "used" flags exact, apart
+            work = quantized_reduce_scatter(*self.qgz, out[:u.grad_numel], packed[:, :u.grad_numel],
+                                            name=f"reduce-scatter {u.name}")
+            self.comm.reduce_scatter_tensor(out[u.grad_numel:], packed[:, u.grad_numel:].contiguous().view(-1),
+                                            name=f"reduce-scatter {u.name} flags")
         self._reducing.append((u, out, work, packed))
         u.reduced = True
         if not u.is_root and u.backward_started:

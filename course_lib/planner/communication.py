@@ -165,6 +165,45 @@ def moe_dispatch_bytes(tokens, h, top_k, ep, etp=1, dispatch="all_to_all", dtype
                for kind, n in moe_dispatch_payloads(tokens, h, top_k, ep, etp, dispatch, dtype_bytes).items())
 
 
+QUANT_BYTES = 1 + 4 / 256   # ZeRO++'s int8 value plus its share of one fp32 scale per 256
+
+
+def zeropp_bytes_per_step(n_params_local, dp, zeropp=(), gpus_per_node=8, grad_bytes=2, param_bytes=2,
+                          microbatches=1) -> dict:
+    """ZeRO-3 with ZeRO++ (Wang et al. 2023) over dp ranks in nodes of G = ``gpus_per_node``:
+    {"inter": bytes one rank sends across nodes, "intra": inside its node} per step, ring
+    volumes (:func:`collective_bytes_per_rank`), every micro-batch:
+
+        forward all-gather   AG_dp(P q)        q = 1 + 4/256 bytes with qwZ, else param_bytes
+        backward all-gather  AG_G(P p) in node with hpZ (the secondary shard), else AG_dp(P q)
+        gradients            qgZ: A2A_G(P q) in node, then A2A_{dp/G}(P q / G) across nodes;
+                             else RS_dp(P grad_bytes)
+
+    A group inside one node (dp <= G) counts as "intra" whole. The paper's count (3M for
+    ZeRO-3, 0.75M for ZeRO++ with fp16 weights, int8 weights, int4 gradients) is the all-
+    gather outputs and all-to-all inputs; the course's qgZ sends int8, not int4."""
+    P, G = float(n_params_local), gpus_per_node
+    if dp <= 1:
+        return {"inter": 0.0, "intra": 0.0}
+    G = min(G, dp)
+    if dp % G:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must divide dp={dp} (ZeRO++'s nodes)")
+    out = {"inter": 0.0, "intra": 0.0}
+    net = "inter" if dp > G else "intra"
+    q = QUANT_BYTES if "qwz" in zeropp else param_bytes
+    out[net] += collective_bytes_per_rank("all_gather", P * q, dp)
+    if "hpz" in zeropp:
+        out["intra"] += collective_bytes_per_rank("all_gather", P * param_bytes, G)
+    else:
+        out[net] += collective_bytes_per_rank("all_gather", P * q, dp)
+    if "qgz" in zeropp:
+        out["intra"] += collective_bytes_per_rank("all_to_all", P * QUANT_BYTES, G)
+        out[net] += collective_bytes_per_rank("all_to_all", P * QUANT_BYTES / G, dp // G) if dp > G else 0.0
+    else:
+        out[net] += collective_bytes_per_rank("reduce_scatter", P * grad_bytes, dp)
+    return {k: microbatches * v for k, v in out.items()}
+
+
 def ep_bytes_per_layer(s, b, h, ep, top_k=1, dtype_bytes=2, cp=1, etp=1, dispatch="all_to_all") -> float:
     """Expert parallelism (Lepikhin et al. 2020): each token's hidden state goes to its
     top_k experts and comes back, an all-to-all each way forward and each way

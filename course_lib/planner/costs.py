@@ -21,6 +21,7 @@ What overlaps with what (the assumptions, stated once):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from course_lib.planner import formulas as F
@@ -216,6 +217,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
             # micro-batch's compute, the excess is exposed
             z_f = gather if layout.zero == 3 else 0.0
             z_b = grad_rs + (gather if layout.zero == 3 else 0.0)
+            if layout.zero == 3 and layout.zeropp and n_zero > 1:   # ZeRO++: F.zeropp_bytes_per_step's
+                z_f, z_b = _zeropp_times(coll, layout, hw, dense, n_zero)   # collectives, timed
+                z_f += coll("all_gather", expert, n_exp_group)
+                z_b += coll("reduce_scatter", expert, n_exp_group) + coll("all_gather", expert, n_exp_group)
             if layout.overlap_dp:
                 fwd["zero"] = max(0.0, z_f - fwd["compute"])
                 bwd["zero"] = max(0.0, z_b - bwd["compute"])
@@ -232,7 +237,9 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
             "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c, algorithm=layout.cp_comm) if c > 1 else 0.0,
             "pp": sends * p2p_bytes if p > 1 else 0.0,
-            "dp": (F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
+            "dp": (sum(F.zeropp_bytes_per_step(dense, n_zero, layout.zeropp, zeropp_node(layout, hw, n_zero),
+                                               microbatches=m).values()) if layout.zeropp and n_zero > 1
+                   else F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
                    else F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
             + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
             "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c, etp=layout.etp,
@@ -256,6 +263,24 @@ def _ep_time(model, layout, tokens, h, ep_link, etp_link) -> float:
     calls = {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}   # dispatch and combine: two all-to-alls
     return sum(calls[kind] * F.collective_time(kind, n / calls[kind], group[kind][0], *group[kind][1])
                for kind, n in payloads.items() if group[kind][0] > 1)
+
+
+def _zeropp_times(coll, layout, hw, dense, n_zero):
+    """(forward, backward) seconds of ZeRO++'s collectives: qwZ's int8 all-gather over the
+    group, hpZ's backward all-gather and qgZ's first all-to-all inside the node (its link)."""
+    G, z, q = zeropp_node(layout, hw, n_zero), layout.zeropp, F.QUANT_BYTES
+    node = hw.link(True)
+    ag = coll("all_gather", dense, n_zero, nbytes=q if "qwz" in z else 2)
+    ag_b = coll("all_gather", dense, G, link=node) if "hpz" in z else ag
+    rs = (coll("all_to_all", dense, G, nbytes=q, link=node) + coll("all_to_all", dense / G, n_zero // G, nbytes=q)
+          if "qgz" in z else coll("reduce_scatter", dense, n_zero))
+    return ag, ag_b + rs
+
+
+def zeropp_node(layout: Layout, hw, n_zero: int) -> int:
+    """ZeRO++'s node in FSDP members: the layout's ``gpus_per_node``, else the GPUs of one node
+    over the tp x pp ranks inside it (TP innermost), cut to a divisor of the group."""
+    return math.gcd(n_zero, layout.gpus_per_node or max(1, hw.gpus_per_node // (layout.tp * layout.pp)))
 
 
 def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:

@@ -20,6 +20,7 @@ from course_lib.planner.activations import (  # noqa: F401
 )
 from course_lib.planner.communication import moe_dispatch_bytes, moe_dispatch_payloads  # noqa: F401
 from course_lib.planner.communication import (  # noqa: F401
+    QUANT_BYTES,
     collective_bytes_per_rank,
     collective_time,
     cp_bytes_per_layer,
@@ -29,6 +30,7 @@ from course_lib.planner.communication import (  # noqa: F401
     pp_bytes_per_microbatch,
     ring_steps,
     tp_bytes_per_layer,
+    zeropp_bytes_per_step,
 )
 from course_lib.schedules import PLANNED as SCHEDULES  # the schedules the planner prices
 from course_lib.schedules import V_SCHEDULES, formula_idle, formula_peak_activations
