@@ -293,7 +293,8 @@ class Block(nn.Module):
         return self.layer(x, positions, doc_ids)
 
     def layer(self, x, positions=None, doc_ids=None):  # the block's arithmetic
-        x = x + self.attn_out_dropout(self.attn(self.attn_norm(x), positions, doc_ids))
+        # doc_ids by keyword: torch's PrepareModuleInput lays out the positional inputs only
+        x = x + self.attn_out_dropout(self.attn(self.attn_norm(x), positions, doc_ids=doc_ids))
         return x + self.mlp_out_dropout(self.mlp(self.mlp_norm(x)))
 
 
