@@ -24,6 +24,8 @@ def test_parts_sum_to_the_step_and_each_is_exact():
                      "optimizer and syncs": 2}
     assert sum(parts.values()) == 18
     assert largest_loss(parts) == "exposed TP"     # first of the ties, in the parts' order
+    later = step_breakdown(_spans(), 0, step_end=20)  # optimizer kernels without a span
+    assert later["optimizer and syncs"] == 4 and sum(later.values()) == 20
 
 
 def test_a_stage_done_early_waits_for_the_drain():

@@ -49,13 +49,15 @@ def _minus(intervals, cut) -> list:
     return out
 
 
-def step_breakdown(spans, rank: int) -> dict:
+def step_breakdown(spans, rank: int, step_end: float | None = None) -> dict:
     """{part: virtual seconds} of ``rank``'s step (parts in :data:`LOSSES`), summing to it
-    (``tests/test_viz_dry_run.py``)."""
+    (``tests/test_viz_dry_run.py``). ``step_end``: where the step ends if later than the last
+    span (a dry run's ``step_time``: its optimizer kernels carry no span)."""
     mine = [s for s in spans if s.rank == rank]
     if not mine:
         raise ValueError(f"no span of rank {rank} (ranks: {sorted({s.rank for s in spans})})")
     t0, t1 = min(s.start for s in mine), max(s.end for s in mine)
+    t1 = t1 if step_end is None else max(t1, step_end)
     tp = _union((s.start, s.end) for s in mine if s.kind == "comm" and "tp" in s.dim.split("+"))
     compute = _minus(_union((s.start, s.end) for s in mine if s.kind == "compute"), tp)
     dp = _minus(_union((s.start, s.end) for s in mine if s.kind == "comm" and "dp" in s.dim.split("+")),
