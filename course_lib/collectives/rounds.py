@@ -58,7 +58,7 @@ class MessageRounds:
             watch.bytes_sent += tensor.numel() * tensor.element_size()
             watch.clock += 1
             watch.messages += 1
-            return dst, torch.tensor([watch.clock], dtype=torch.int64)
+            return dst, torch.tensor([watch.clock], dtype=torch.int64, device=tensor.device)
 
         def receiving(args, kwargs):
             src = peer_of(args, kwargs, "src")
@@ -80,7 +80,7 @@ class MessageRounds:
             if watch._inside:
                 return orig["recv"](*args, **kwargs)
             src = receiving(args, kwargs)
-            stamp = torch.zeros(1, dtype=torch.int64)
+            stamp = torch.zeros(1, dtype=torch.int64, device=(args[0] if args else kwargs['tensor']).device)
             with watch._guard(), _waiting(f"recv from rank {src}"):
                 out = orig["recv"](*args, **kwargs)
                 orig["recv"](stamp, src, tag=stamp_tag(args, kwargs))
@@ -100,7 +100,7 @@ class MessageRounds:
             if watch._inside:
                 return orig["irecv"](*args, **kwargs)
             src = receiving(args, kwargs)
-            stamp = torch.zeros(1, dtype=torch.int64)
+            stamp = torch.zeros(1, dtype=torch.int64, device=(args[0] if args else kwargs['tensor']).device)
             with watch._guard():
                 work = orig["irecv"](*args, **kwargs)
                 stamp_work = orig["irecv"](stamp, src, tag=stamp_tag(args, kwargs))

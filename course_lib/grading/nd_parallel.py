@@ -343,10 +343,13 @@ def composed_runs(data_dims, runs=None, **kw) -> list:
 
 
 def _expected_dims(marks, sizes):
-    """The reference: the plan's own rule (``compose.data_dims``) on a parameter marked ``marks``."""
+    """The reference: the plan's own rule (``compose.data_dims``) on a parameter marked ``marks``;
+    an expert marked as the plan marks it, by the ranks that hold it (``expert_replicas``: "edp"
+    and the stage dims outside the expert mesh's fold, here "cp")."""
     p = torch.empty(0)
-    set_reduce_dims(p, marks)
-    return set(data_dims(p, sizes, False))
+    shape = MeshShape(**sizes)
+    set_reduce_dims(p, shape.expert_replicas() if "edp" in marks else marks)
+    return set(data_dims(p, dict(sizes, **shape.expert_sizes), False))
 
 
 RULE_CASES = [  # (marks, sizes): every dimension, odd sizes, experts with cp > 1 (no composed run has that)
@@ -354,7 +357,7 @@ RULE_CASES = [  # (marks, sizes): every dimension, odd sizes, experts with cp > 
     (("dp", "tp"), dict(dp=3, pp=1, cp=2, tp=2, ep=1)),
     (("edp",), dict(dp=4, pp=1, cp=2, tp=1, ep=2)),
     (("edp",), dict(dp=6, pp=2, cp=3, tp=1, ep=3)),
-    (("edp",), dict(dp=2, pp=1, cp=1, tp=2, ep=2)),
+    (("edp",), dict(dp=4, pp=2, cp=1, tp=1, ep=2)),   # (with tp > 1 an expert outside the fold sums over tp too)
     (("dp", "tp"), dict(dp=1, pp=3, cp=1, tp=3, ep=1)),
 ]
 

@@ -19,8 +19,9 @@ The forward all-gather's chunks are KEPT for the weight gradient (torch's DTenso
 the gathered input too): re-gathering them in backward (Megatron's choice, t x less memory)
 would be another ring of t-1 hops, which could hide under the weight gradient's chunks the
 same way; not done here. torch's fused kernels (``torch.ops.symm_mem.fused_all_gather_matmul``
-and ``fused_matmul_reduce_scatter``, over symmetric memory) need CUDA GPUs: in the CPU
-build (2.13.0+cpu) ``torch.ops.symm_mem`` has no such op registered.
+and ``fused_matmul_reduce_scatter``, over symmetric memory) need CUDA GPUs: in the CPU build
+(2.13.0+cpu) importing ``torch.distributed._symmetric_memory`` registers them with a CUDA
+kernel only, and on CPU tensors they raise NotImplementedError.
 """
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ class ExpertParallelMoE(nn.Module):
         """rows (R, h) for my experts ``local_e`` (R,) -> their outputs (R, h); with etp the
         rows of my etp peers join (all-gather) and the partial sums go back (reduce-scatter)."""
         if self.etp > 1:
-            sizes = gather_along(self.etp_comm, torch.tensor([len(rows)]), 0, "ETP row counts").tolist()
+            sizes = gather_along(self.etp_comm, torch.tensor([len(rows)], device=rows.device), 0, "ETP row counts").tolist()
             rows = GatherRows.apply(rows, self.etp_comm, sizes, "ETP all-gather")
             local_e = gather_rows(local_e, self.etp_comm, sizes, "ETP expert ids")
         with trace.span("experts", kind="compute"):

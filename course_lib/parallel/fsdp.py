@@ -251,7 +251,7 @@ class FSDP(nn.Module):
     def _note_memory(self):
         """Track the peaks: gathered parameters (in flight, gathered, kept 1/k after forward)
         and accumulated unsharded gradients, in bytes."""
-        b = torch.empty((), dtype=self.compute_dtype).element_size()
+        b = torch.empty((), dtype=self.compute_dtype, device="cpu").element_size()   # bytes, never sent
         held = sum(u.numel * self.comm.size * ((u.full is not None) + (u.gather is not None)) +
                    (u.post.numel() if u.post is not None else 0) for u in self.units) * b
         grads = sum(u.accumulated.numel() * u.accumulated.element_size()

@@ -175,10 +175,10 @@ def reduce_scatter_bound(packed_of_every_rank, G: int, rank: int):
     nodes, me_node, me_local = N // G, rank // G, rank % G
     C = packed_of_every_rank[0].shape[1]
     u = torch.finfo(packed_of_every_rank[0].dtype).eps / 2
-    bound = torch.zeros(C, dtype=torch.float64)
+    bound = torch.zeros(C, dtype=torch.float64, device="cpu")          # host-side arithmetic
     for a in range(nodes):
-        level1 = torch.zeros(C, dtype=torch.float64)
-        partial = torch.zeros(C, dtype=torch.float64)
+        level1 = torch.zeros(C, dtype=torch.float64, device="cpu")
+        partial = torch.zeros(C, dtype=torch.float64, device="cpu")
         for j in range(G):
             src = packed_of_every_rank[a * G + j].double()
             slab = src.view(nodes, G, C)[:, me_local].reshape(-1)   # what it sent to local me_local

@@ -103,9 +103,9 @@ def _data_parallel_tail(hw, layout, sc, t):
     alpha *= dp_pieces(layout, sc.stage, sc.layers)
     window_f = sc.fwd_time / layout.chunks if layout.overlap_dp else 0.0
     # (name, bf16 bytes, ring size): dense weights over all dp * cp replicas, experts
-    # over the replicas that hold the same experts
+    # over the replicas that hold the same experts (the expert mesh folded over dp x cp x tp)
     parts = [("dp", (sc.params - sc.expert_params) * 2, N),
-             ("dp experts", sc.expert_params * 2, max(1, N // layout.ep))]
+             ("dp experts", sc.expert_params * 2, max(1, N * layout.tp // (layout.ep * layout.etp)))]
     parts = [x for x in parts if x[1] > 0 and x[2] > 1]
     tail = []
     if layout.zero in (0, 1):
