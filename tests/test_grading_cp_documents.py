@@ -6,10 +6,10 @@ import torch
 from course_lib.grading import cp_documents as G
 
 
-def _solution(lengths, cp):
+def _solution(lengths, cp, refuse=True):
     out, start = [[] for _ in range(cp)], 0
     for n in lengths:
-        if n % (2 * cp):
+        if refuse and n % (2 * cp):
             raise ValueError("pad each document to a multiple of 2*cp")
         c = n // (2 * cp)
         for r in range(cp):
@@ -71,14 +71,7 @@ def _whole_documents_round_robin(lengths, cp):
 
 
 def _no_refusal(lengths, cp):                     # the solution without its check
-    out, start = [[] for _ in range(cp)], 0
-    for n in lengths:
-        c = n // (2 * cp)
-        for r in range(cp):
-            for chunk in (r, 2 * cp - 1 - r):
-                out[r] += range(start + chunk * c, start + (chunk + 1) * c)
-        start += n
-    return out
+    return _solution(lengths, cp, refuse=False)
 
 
 def _hard_coded(lengths, cp):                      # the notebook's example, whatever is asked
@@ -92,6 +85,11 @@ def _library(lengths, cp):
     return [shard_positions(sum(lengths), cp, r, "documents", doc_ids=docs) for r in range(cp)]
 
 
+def _patches_the_grader(lengths, cp):             # every rank's work made equal by the answer
+    G.visible_pairs = lambda positions, doc_ids=None: 1
+    return _contiguous(lengths, cp)
+
+
 def test_right_answers_pass(capsys):
     assert G.check_document_split(_solution)
     assert G.check_document_split(_other_right_answer)
@@ -101,7 +99,8 @@ def test_right_answers_pass(capsys):
 def test_wrong_answers_fail_with_a_hint(capsys):
     expected = {_sequence_zigzag: "zigzag every document", _contiguous: "contiguous slices",
                 _documents_cut_contiguously: "max/mean", _whole_documents_round_robin: "max/mean",
-                _no_refusal: "expected ValueError", _hard_coded: "exactly one rank", _library: "switched off"}
+                _no_refusal: "expected ValueError", _hard_coded: "exactly one rank", _library: "switched off",
+                _patches_the_grader: "changed the grader"}
     for wrong, hint in expected.items():
         assert not G.check_document_split(wrong), wrong.__name__
         out = capsys.readouterr().out

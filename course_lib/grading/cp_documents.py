@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.grading import Case, check
-from course_lib.grading.guard import switched_off, time_limit
+from course_lib.grading.guard import learner
 from course_lib.parallel.cp_layouts import imbalance, shard_positions, visible_pairs
 
 LAYOUTS = ("course_lib.parallel.cp_layouts:*", "course_lib.parallel.context_parallel:*")
@@ -58,11 +58,11 @@ def _like(parts, seq, cp):
 def _run(split, case):
     lengths, cp = case.params["lengths"], case.params["cp"]
     refuse = any(n % (2 * cp) for n in lengths)
-    with switched_off(LAYOUTS, "a balanced split of packed documents"), time_limit(SECONDS):
-        try:
-            got = split(list(lengths), cp)
-        except ValueError:
-            return None if refuse else "raised ValueError for documents that can be split evenly"
+    try:   # the layouts off, the grader pinned (an answer that rebinds it scores 0), a time limit
+        got = learner(split, LAYOUTS, exercise="a balanced split of packed documents",
+                      seconds=SECONDS)(list(lengths), cp)
+    except ValueError:
+        return None if refuse else "raised ValueError for documents that can be split evenly"
     if refuse:
         return "returned a split, expected ValueError: a document of a length not a multiple of 2*cp cannot be " \
                "cut into 2*cp equal chunks (pad it)"
