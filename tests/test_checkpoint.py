@@ -1,5 +1,5 @@
 """Checkpoints across layouts (course_lib/checkpoint/): save at step K in one layout, load
-in another (another world size, odd sizes, FSDP -> DDP, dp2 x tp2 FSDP -> tp4, pp2 x tp2 ->
+in another (another world size, odd sizes, FSDP -> DDP, HSDP -> HSDP / DDP, dp2 x tp2 FSDP -> tp4, pp2 x tp2 ->
 pp3, ZeRO on 4 ranks -> ZeRO on 3, N-D -> one device), train on to step STEPS: the losses and
 parameters of the uninterrupted single-device run, in float64 within course_lib.tolerance's
 AdamW bound, with the optimizer state, the LR schedule and the data order restored (a wrong
@@ -168,7 +168,7 @@ def runs(tmp_path_factory):
     resume from them."""
     d = tmp_path_factory.mktemp("ckpt")
     p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe", "pp_tied", "ddp", "tp_alone",
-                                                  "pp_alone")}
+                                                  "pp_alone", "hsdp")}
     four = launch(_jobs, 4, [
         (CFG, dict(dp=2, tp=2), dict(data="fsdp", sequence_parallel=False), None, p["fsdp_tp"], K),
         (CFG, dict(pp=2, tp=2), dict(microbatches=2), None, p["pp_tp"], K),
@@ -180,6 +180,7 @@ def runs(tmp_path_factory):
         (CFG, dict(dp=4), dict(wrap="ddp"), None, p["ddp"], K),
         (CFG, dict(tp=4), dict(wrap="tp"), None, p["tp_alone"], 0),
         (TIED, dict(pp=2, dp=2), dict(wrap="pp"), None, p["pp_alone"], 0),
+        (CFG, dict(dp=4), dict(data="hsdp", shard_size=2), None, p["hsdp"], K),   # 2 replicas x 2 shards
     ], threads=1, timeout=120)
     three = launch(_jobs, 3, [
         (CFG, dict(dp=3), {}, p["fsdp_tp"], None, STEPS),                          # FSDP (4) -> DDP (3)
@@ -187,6 +188,8 @@ def runs(tmp_path_factory):
         (CFG, dict(dp=3), dict(wrap="zero1"), p["zero"], None, STEPS),             # ZeRO-2 (4) -> ZeRO-1 (3)
         (CFG, dict(dp=3), dict(wrap="fsdp"), p["ddp"], None, STEPS),               # DDP (4) -> FSDP (3): odd cuts
         (CFG, dict(dp=3), dict(data="fsdp"), p["pp_tp"], None, STEPS),             # pp2 x tp2 -> N-D FSDP (3)
+        (CFG, dict(dp=3), dict(data="hsdp", shard_size=3), p["hsdp"], None, STEPS),  # HSDP 2x2 -> 1x3
+        (CFG, dict(dp=3), {}, p["hsdp"], None, STEPS),                             # HSDP 2x2 -> DDP (3)
     ], threads=1, timeout=120)
     return p, four, three
 
@@ -210,7 +213,9 @@ def test_four_to_four_ranks_fsdp_tp_to_tp4(runs, job):
                                             (1, dict(pp=3), "pp2 x tp2 -> pp3"),
                                             (2, dict(dp=3), "ZeRO-2 (4) -> ZeRO-1 (3)"),
                                             (3, dict(dp=3), "DDP (4) -> FSDP (3)"),
-                                            (4, dict(dp=3), "pp2 x tp2 -> FSDP dp3")])
+                                            (4, dict(dp=3), "pp2 x tp2 -> FSDP dp3"),
+                                            (5, dict(dp=3), "HSDP 2 x 2 (4) -> HSDP 1 x 3"),
+                                            (6, dict(dp=3), "HSDP 2 x 2 (4) -> DDP (3)")])
 def test_four_to_three_ranks(runs, job, shape, what):
     _, _, three = runs
     from course_lib.parallel.mesh import MeshShape
@@ -219,7 +224,8 @@ def test_four_to_three_ranks(runs, job, shape, what):
     _check(three[0][job][0], full, CFG, what)
 
 
-@pytest.mark.parametrize("name,cfg", [("pp_tp", CFG), ("cp_tp", TIED), ("zero", CFG), ("pp_tied", TIED)])
+@pytest.mark.parametrize("name,cfg", [("pp_tp", CFG), ("cp_tp", TIED), ("zero", CFG), ("pp_tied", TIED),
+                                      ("hsdp", CFG)])
 def test_n_d_to_one_device(runs, name, cfg):
     p, _, _ = runs
     _check(*_single(cfg, p[name]), cfg, f"{name} -> one device")
@@ -239,6 +245,16 @@ def test_expert_parallel_names_its_experts(runs):
     expert = sum(q.numel() * 8 for n, q in model.named_parameters() if ".experts.1." in n)
     assert set(bytes_per_rank(p["moe"])) == {0, 1}        # ranks 2, 3 replicate 0, 1: they write nothing
     assert [r[4][2] for r in four][2:] == [0, 0] and expert > 0
+
+
+def test_hsdp_replicas_write_nothing(runs):
+    """HSDP 2 x 2 on 4 ranks: ranks 0, 1 shard the model, ranks 2, 3 replicate them; the
+    checkpoint holds each shard once, written by the first replica."""
+    from course_lib.checkpoint import bytes_per_rank
+
+    p, four, _ = runs
+    written = [r[10][2] for r in four]
+    assert set(bytes_per_rank(p["hsdp"])) == {0, 1} and written[2:] == [0, 0] and min(written[:2]) > 0
 
 
 @pytest.mark.parametrize("name,cfg", [("tp_alone", CFG), ("pp_alone", TIED)])
