@@ -136,9 +136,10 @@ def rule_experts(cfg, layout):
     if tp > 1 and not layout.sp:
         raise ValueError(f"experts with tp={tp} need sequence_parallel=True: each TP rank routes its own "
                          f"s / tp tokens (without SP every TP rank would send the same tokens)")
-    if layout.data == "fsdp" and ep * etp * layout.cp * tp > 1:
+    if layout.data in ("fsdp", "hsdp") and ep * etp * layout.cp * tp > 1:
         raise ValueError(f"experts on a folded expert mesh (ep={ep}, etp={etp}, cp={layout.cp}, tp={tp}) under "
-                         f"FSDP: FSDP shards over dp x cp, an expert lives on its expert mesh; use data='ddp'")
+                         f"{layout.data.upper()}: it shards over dp x cp, an expert lives on its expert mesh; "
+                         f"use data='ddp'")
 
 
 def token_index(rows: int, seq_len: int, positions, tp: int = 1, tp_rank: int = 0):
