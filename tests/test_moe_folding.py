@@ -4,8 +4,8 @@ course_lib/parallel/mesh.py, applied by parallelize_nd) against one device.
 The MoE TinyGPT trains 4 AdamW steps in float64 on layouts where the experts' mesh
 (ep x etp) folds over TP, CP, DP and pipeline stages: tp2 x ep2 and cp2 x ep2 on each of 2
 stages, dp2 x tp2 with ep4, ep2 x etp2, cp2 x tp2 with etp2, dp2 x cp2 with ep2 (EP inside
-DP, experts copied over CP), the all-gather dispatch, token dropping (capacity factors 0.5,
-0.75, 1), dropless (None), a shared expert with fine-grained experts (8, top-3). The
+DP, experts copied over CP), pp2 x dp2 with etp2 under zb-h1's split backward, the
+all-gather dispatch, token dropping (capacity factors 0.5, 0.75, 1), dropless (None), a shared expert with fine-grained experts (8, top-3). The
 dispatch payloads logged by the Comm equal planner.formulas.moe_dispatch_payloads. Every
 layout: the losses, the first step's gradients and the final weights equal the
 single-device run (``MoE(groups=dp * m)``: a routing group is one micro-batch of one DP
@@ -40,6 +40,9 @@ CASES = {
     "cp2-tp2-etp2-gather": (dict(moe_dispatch="all_gather", capacity_factor=1.0), dict(cp=2, tp=2, etp=2), {}),
     "dp2-cp2-ep2": (dict(), dict(dp=2, cp=2, ep=2), {}),
     "pp2-dp2-ep2": (dict(), dict(pp=2, dp=2, ep=2), dict(microbatches=2)),
+    # zero-bubble's split backward with expert TP (w2's slice used by F.linear, not called)
+    "pp2-dp2-etp2-zb-h1": (dict(capacity_factor=0.75), dict(pp=2, dp=2, etp=2),
+                           dict(microbatches=2, schedule="zb-h1")),
 }
 
 

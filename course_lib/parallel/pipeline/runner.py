@@ -22,7 +22,9 @@ The zero-bubble split of a backward (Qi et al. 2023), where a schedule has a ``W
 computes the gradient of the stage's input and of every Linear layer's *output* (one backward
 pass through the activations, no weight GEMM), keeping each Linear's input and output
 gradient; ``W`` later does the weight GEMMs ``dW = dy^T x`` (and ``db = sum dy``). The few
-other parameters (norm weights, embeddings) get their gradients in ``B``.
+other parameters (norm weights, embeddings) get their gradients in ``B``, and so do a Linear's
+own parameters where the forward used them without calling it (expert TP's ``F.linear`` on
+w2's slice).
 """
 from __future__ import annotations
 
@@ -191,6 +193,10 @@ class ScheduleRunner:
                 y = y / self.m if self.scale_grads else y   # torch's default: the mean over m
         for h in hooks:
             h.remove()
+        if hooks:   # a Linear used without its forward (F.linear on its weight) gets its gradient in B
+            called = {id(mod) for mod, _, _ in record["calls"]}
+            record["others"] = record["others"] + [q for lin in self.linears[s] if id(lin) not in called
+                                                   for q in lin.parameters() if q.requires_grad]
         self.live[(s, mb)] = self.out.saved_bytes[(s, mb)] = saved.bytes()
         self.out.peak_activation_bytes = max(self.out.peak_activation_bytes, sum(self.live.values()))
         if s < self.n - 1:
