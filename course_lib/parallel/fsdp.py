@@ -42,7 +42,7 @@ import torch.nn as nn
 from course_lib import trace
 from course_lib.parallel.data_parallel import broadcast_module_states
 from course_lib.parallel.fsdp_params import ShardedUnit, assign_units, check_fsdp_module, default_units
-from course_lib.parallel.hsdp import hsdp_comms, reshard_comm, rule_hsdp
+from course_lib.parallel.hsdp import every_group, hsdp_comms, reshard_comm, rule_hsdp
 from course_lib.parallel.mesh import as_mesh, get_reduce_dims
 from course_lib.parallel.tp_plan import tp_slice_of
 from course_lib.parallel.zeropp import (check_zeropp, node_comms, node_size, quantized_all_gather,
@@ -169,8 +169,9 @@ class FSDP(nn.Module):
         self.mesh = as_mesh(mesh, group, dim=self.dims[0])
         every = self.mesh.comm(self.dims)  # every data-parallel copy: HSDP's shard x replicate
         self.module, self.comm, self.replicate, self.prefetch = module, every, None, prefetch
+        self.shard_sets = None   # every shard group's ranks, where a block of it is needed
         if shard_size is not None:
-            self.comm, self.replicate = hsdp_comms(self.mesh, self.dims, shard_size, self.mesh.impl)
+            self.comm, self.replicate, self.shard_sets = hsdp_comms(self.mesh, self.dims, shard_size, self.mesh.impl)
         self.zeropp, self.node, self.qgz = check_zeropp(zeropp), None, None
         if self.zeropp:
             if shard_size is not None:
@@ -223,7 +224,8 @@ class FSDP(nn.Module):
                              f"shard group's {n} ranks, got {value!r}")
         if value in (1, n):
             return value == n, None
-        return value, reshard_comm(self.comm, value, self.mesh.impl)
+        sets = self.shard_sets or every_group(self.mesh, self.dims, self.comm)
+        return value, reshard_comm(sets, value, self.comm.dim, self.mesh.impl, self.mesh)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool):
         """torch's ``FSDPModule.set_requires_gradient_sync``: False on all but the last
@@ -637,7 +639,10 @@ class FSDP(nn.Module):
 
 
 def _key(t):
-    return (t.device, t.untyped_storage().data_ptr())
+    """The storage ``t`` views. On the meta device every storage's data_ptr is 0 (the dry
+    run): there, the storage's own identity."""
+    storage = t.untyped_storage()
+    return (t.device, storage._cdata if t.is_meta else storage.data_ptr())
 
 
 def _number(x):

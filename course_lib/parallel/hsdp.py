@@ -53,14 +53,29 @@ def block_sets(rank_sets, block):
     return blocks, strided
 
 
-def make_comms(sets, dim, impl="torch"):
-    """One ``dist.new_group`` per set (collective: every rank, same order); this rank's Comm."""
+def make_comms(sets, dim, impl="torch", mesh=None):
+    """This rank's Comm of the rank ``sets`` (each a list of global ranks): ``mesh.comm_of_sets``
+    where the mesh builds them (a :class:`~course_lib.parallel.mesh.Mesh`, the dry run's), else
+    one ``dist.new_group`` per set (collective: every rank, same order)."""
+    if hasattr(mesh, "comm_of_sets"):
+        return mesh.comm_of_sets(sets, dim, impl)
     rank, mine = dist.get_rank(), None
     for ranks in sets:
         group = dist.new_group(ranks) if len(ranks) < dist.get_world_size() else None
         if rank in ranks:
             mine = group
     return Comm(mine, dim=dim, impl=impl)
+
+
+def every_group(mesh, dims, comm):
+    """The rank sets of ``comm``'s group and of its twins on the other ranks: the mesh's own
+    ``rank_sets(dims)`` when ``comm`` is its group along ``dims``, else one all-gather of every
+    rank's group (a group=... stand-in, an HSDP shard group the mesh does not name)."""
+    if hasattr(mesh, "rank_sets") and list(comm.ranks) == list(mesh.ranks(dims)):
+        return mesh.rank_sets(dims)
+    sets = [None] * dist.get_world_size()
+    dist.all_gather_object(sets, comm.ranks)
+    return [list(t) for t in sorted({tuple(t) for t in sets})]
 
 
 def fsdp_rank_sets(mesh, dims):
@@ -75,7 +90,7 @@ def fsdp_rank_sets(mesh, dims):
 
 
 def hsdp_comms(mesh, dims, shard_size, impl="torch"):
-    """(shard Comm, replicate Comm) of this rank. ``shard_size`` S counts indexes of the first
+    """(shard Comm, replicate Comm, every shard group's ranks) of this rank. ``shard_size`` S counts indexes of the first
     of ``dims`` (dp): the shard group is S of them times the other dims (dp_shard x cp)."""
     sets = fsdp_rank_sets(mesh, dims)
     first = mesh.sizes[dims[0]] if hasattr(mesh, "rank_sets") else len(sets[0])
@@ -83,18 +98,16 @@ def hsdp_comms(mesh, dims, shard_size, impl="torch"):
         raise ValueError(f"FSDP: shard_size={shard_size!r} must be a positive int dividing {dims[0]}={first} "
                          f"(HSDP: {dims[0]} = R * S)")
     blocks, strided = block_sets(sets, shard_size * len(sets[0]) // first)
-    return make_comms(blocks, f"{dims[0]}_shard", impl), make_comms(strided, f"{dims[0]}_replicate", impl)
+    return (make_comms(blocks, f"{dims[0]}_shard", impl, mesh),
+            make_comms(strided, f"{dims[0]}_replicate", impl, mesh), blocks)
 
 
-def reshard_comm(shard_comm, size, impl="torch"):
+def reshard_comm(shard_sets, size, dim, impl="torch", mesh=None):
     """The Comm of this rank's block of ``size`` consecutive members of its shard group
-    (``reshard_after_forward=size``): built from every shard group's global ranks."""
-    world = dist.get_world_size()
-    sets = [None] * world  # every rank's shard group, as global ranks: one all-gather of lists
-    dist.all_gather_object(sets, shard_comm.ranks)
-    unique = sorted({tuple(s) for s in sets})
-    blocks, _ = block_sets([list(s) for s in unique], size)
-    return make_comms(blocks, f"{shard_comm.dim}_reshard{size}", impl)
+    (``reshard_after_forward=size``), from every shard group's global ranks ``shard_sets``."""
+    blocks, _ = block_sets(shard_sets, size)
+    return make_comms(blocks, f"{dim}_reshard{size}", impl, mesh)
 
 
-__all__ = ["rule_hsdp", "block_sets", "make_comms", "hsdp_comms", "reshard_comm", "fsdp_rank_sets"]
+__all__ = ["rule_hsdp", "block_sets", "make_comms", "every_group", "hsdp_comms", "reshard_comm",
+           "fsdp_rank_sets"]

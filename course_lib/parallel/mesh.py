@@ -244,6 +244,17 @@ class Mesh(MeshShape):
             self._comms[cache] = Comm(self.group(key), dim="+".join(key), impl=impl)
         return self._comms[cache]
 
+    def comm_of_sets(self, sets, dim: str, impl=None) -> Comm:
+        """This rank's Comm of the rank ``sets`` (lists of global ranks that cut the world or
+        part of it: HSDP's shard and replicate groups, a reshard block): one process group
+        per set, made on every rank in the same order (collective), once per distinct sets."""
+        impl = self.impl if impl is None else impl
+        key = ("sets", tuple(tuple(sorted(r)) for r in sets), dim, impl if isinstance(impl, str) else id(impl))
+        if key not in self._comms:
+            group = self._make_group([list(r) for r in sets])
+            self._comms[key] = Comm(group, dim=dim, impl=impl)
+        return self._comms[key]
+
     def embedding_comm(self):
         """A Comm over this pipeline's first and last stage ranks (Megatron's embedding group),
         on those two ranks; None on the stages between. (With pp = 1: this rank alone.)"""

@@ -223,6 +223,14 @@ class StageMesh(Mesh):
             self._comms[key] = PricedComm(self.ranks(key), self.rank, dim="+".join(key))
         return self._comms[key]
 
+    def comm_of_sets(self, sets, dim: str, impl=None) -> Comm:
+        """The PricedComm of the one of ``sets`` (lists of global ranks) that holds this rank."""
+        ranks = next(sorted(r) for r in sets if self.rank in r)
+        key = ("sets", tuple(ranks), dim)
+        if key not in self._comms:
+            self._comms[key] = PricedComm(ranks, self.rank, dim=dim)
+        return self._comms[key]
+
     def embedding_comm(self):
         if self.coord["pp"] not in (0, self.sizes["pp"] - 1):
             return None

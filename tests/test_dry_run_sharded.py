@@ -1,0 +1,54 @@
+"""The dry run with sharded data parallelism (FSDP, HSDP, FSDP's reshard_after_forward=k):
+the same virtual step time, kernels and memory as a real launch of the same layout on the
+clock. FSDP keys a saved tensor by the storage it views, and on the meta device every
+storage's data_ptr is 0: the dry run once mistook every saved tensor for a parameter (a
+bool mask came back a float32 view). HSDP's and a reshard block's groups come from the
+mesh (``comm_of_sets``), which the dry run's mesh builds without process groups."""
+import dataclasses
+
+import pytest
+
+from course_lib.launch import launch
+from course_lib.layout import Layout
+from course_lib.parallel.mesh import MeshShape
+from course_lib.planner.presets import gpt_spec
+from course_lib.virtual import VirtualCluster, dry_run
+
+SPEC = dataclasses.replace(gpt_spec("GPT test", 4, 64, 4, V=256, s=32), tied=False)   # FSDP: untied over stages
+HW = "a100-80gb"
+LAYOUTS = {
+    "fsdp dp2 x tp2": Layout(dp=2, tp=2, sp=True, zero=3, micro_batch=1, global_batch=4),
+    "hsdp 2 x 2": Layout(dp=4, zero=3, shard_size=2, micro_batch=1, global_batch=8),
+}
+
+
+def _real_rank(cfg, layouts):
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.virtual.dry_run import train_step
+    return [train_step(cfg, L, Mesh.from_layout(L)) for L in layouts]
+
+
+@pytest.fixture(scope="module")
+def real():
+    """Each layout in a 4-rank launch (one clock per launch: a launch per layout)."""
+    from course_lib.virtual.dry_run import model_config
+    out = {}
+    for name, L in LAYOUTS.items():
+        out[name] = [r[0] for r in launch(_real_rank, L.n_gpus, model_config(SPEC, L), [L],
+                                          clock=VirtualCluster(HW))]
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sharded_dry_run_equals_a_real_launch(real, name):
+    L = LAYOUTS[name]
+    ranks = real[name]
+    r = dry_run(SPEC, HW, L, progress=None)
+    step = max(x["t"] for x in ranks)
+    assert abs(r.step_time - step) <= 1e-9 * step, (r.step_time, step)
+    stage_ranks = [MeshShape(**L.sizes).rank_of(pp=s) for s in range(L.pp)]   # dp = cp = tp = 0
+    assert r.kernels == sum(ranks[k]["kernels"] for k in stage_ranks)
+    for stage, k in enumerate(stage_ranks):
+        assert r.memory_by_stage[stage]["states"] == ranks[k]["states"]
+        assert r.memory_by_stage[stage]["activations"] == ranks[k]["activations"]
+    assert [s for s in r.spans if "all-gather" in s.name]          # FSDP's collectives were priced
