@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from course_lib import schedules as S
 from course_lib.planner import HARDWARE, Layout, ModelSpec, estimate, simulate
@@ -117,3 +118,50 @@ def test_search_refuses_bad_choices(kw, message):
     if "w_fraction" in kw:
         with pytest.raises(ValueError, match="w_fraction"):
             simulate(EVEN, IDEAL, Layout(pp=2, schedule="zb-v", global_batch=4), **kw)
+
+
+# ---------------------------------------------------------- the virtual clock, the same timeline
+
+def _v_pipelines(p, m, h=32, b=8):
+    """ZB-V and DualPipeV on Linear chunks in V placement, one step each (their spans)."""
+    import torch.nn as nn
+
+    from course_lib import trace
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel.pipeline.runner import run_schedule
+    comm, out = Comm(None, dim="pp"), {}
+    for name in S.V_SCHEDULES:
+        torch.manual_seed(comm.rank)
+        stages = {s: nn.Sequential(*[nn.Linear(h, h, bias=False) for _ in range(3)])
+                  for s in S.rank_stage_ids(comm.rank, p, 2, "v")}
+        comm.barrier()
+        trace.reset()
+        run_schedule(S.make_schedule(name, p, m), stages, comm, p=p, m=m, v=2,
+                     inputs=[torch.randn(b, h) for _ in range(m)], targets=[None] * m,
+                     loss_fn=lambda y, t: y.sum(), act_shape=(b, h))
+        out[name] = trace.spans()
+    return out
+
+
+def test_the_virtual_clocks_v_timeline_is_the_unit_clocks():
+    """The virtual clock (free links, a host that issues at once) runs every action of ZB-V and
+    DualPipeV when ``schedules.simulate`` does with the run's own action times and one message's
+    time in NCCL's model: the same timeline the planner's simulator reproduces above."""
+    from course_lib.lab.pipeline_runs import FREE_H100
+    from course_lib.launch import launch
+    from course_lib.virtual import VirtualCluster
+    from course_lib.virtual.links import p2p_time
+    p, m, h, b = 2, 4, 32, 8
+    cluster = VirtualCluster(FREE_H100, gpus_per_node=8)
+    res = launch(_v_pipelines, p, p, m, clock=cluster, threads=1)
+    t_comm = sum(p2p_time(FREE_H100, b * h * cluster.dtype.itemsize, True))
+    for name in S.V_SCHEDULES:
+        compute = [s for r in res for s in r[name] if s.kind == "compute"]
+        t0 = min(s.start for s in compute)
+        sim = S.simulate(S.make_schedule(name, p, m), p, 2, t_comm=t_comm,
+                         durations={s.name: s.duration for s in compute})
+        want = {s.name: (s.start, s.end) for s in sim if s.kind == "compute"}
+        assert len(compute) == len(want)
+        scale = max(s.end for s in compute) - t0
+        for s in compute:
+            assert (s.start - t0, s.end - t0) == pytest.approx(want[s.name], abs=1e-9 * scale), (name, s)
