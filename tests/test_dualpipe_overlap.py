@@ -77,3 +77,49 @@ def test_refusals():
         size, rank = 2, 0
     with pytest.raises(ValueError, match="overlap_fb must be True or False"):
         ScheduleRunner(S.dualpipe_v(2, 4), {}, _Comm(), p=2, m=4, overlap_fb=1)
+
+
+def _pair_times(launch_overhead, wait=50e-6):
+    """(sequential, overlapped) end of two actions on one rank's clock: the first computes,
+    waits ``wait`` for an all-to-all (a join, as Comm's collective does), computes again; the
+    second computes only."""
+    from course_lib import trace
+    hw = HARDWARE["h100-sxm"].with_(launch_overhead=launch_overhead)
+    a, w = torch.randn(256, 256), torch.randn(256, 256)
+    ends = []
+    for overlap in (False, True):
+        clock = VirtualCluster(hw, gpus_per_node=8).start(0, 1, trace.Recorder())
+        with clock:
+            def first():
+                for _ in range(5):
+                    a @ w
+                clock.join(clock.t + wait)
+                for _ in range(5):
+                    a @ w
+
+            def second():
+                for _ in range(20):
+                    a @ w
+            if overlap:
+                with clock.overlapped() as pair:
+                    first()
+                    pair.next()
+                    second()
+            else:
+                first()
+                second()
+            ends.append(clock.t)
+    return ends
+
+
+def test_the_pairs_clock_hides_a_wait_unless_the_host_is_the_bottleneck():
+    compute = _pair_times(0.0, wait=0.0)[0]          # 30 kernels back to back, nothing to wait for
+    second = compute * 20 / 30                       # the second action's 20 kernels
+    for wait in (20e-6, 50e-6):                      # shorter, then longer than the second's compute
+        plain, overlapped = _pair_times(0.0, wait)   # the host runs ahead (issue time 0)
+        assert plain == pytest.approx(compute + wait, rel=1e-12)
+        # the formula exactly: the wait hides under the other's compute, min(wait, compute_B)
+        assert overlapped == pytest.approx(plain - min(wait, second), rel=1e-12)
+    # 1 ms per op: the host paces both actions, one after the other; the pair gains nothing
+    plain, overlapped = _pair_times(1e-3, wait=0.0)
+    assert overlapped == pytest.approx(plain, rel=1e-12) and plain >= 30e-3
