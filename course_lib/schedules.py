@@ -233,7 +233,8 @@ def dualpipe_v(p: int, m: int):
     a forward of one chunk and the full backward of the other (another micro-batch) run as a
     pair: DualPipe overlaps the pair's compute with the other's communication (its MoE
     all-to-all), here they run one after the other (F, then B), as torch's runtime does by
-    default; the cool-down splits half of the backwards (B now, W into the bubbles). Needs
+    default (the runner's ``overlap_fb=True`` prices each pair overlapped on the virtual
+    clock: ``course_lib.virtual.overlap``); the cool-down splits half of the backwards (B now, W into the bubbles). Needs
     m >= 2p micro-batches (ValueError otherwise, as DeepSeek's and torch's)."""
     _check_shape(p, m)
     if m < 2 * p:

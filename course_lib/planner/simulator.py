@@ -1,6 +1,7 @@
 """A discrete-event simulator of one training step, GPU by GPU, on a virtual clock.
 
-Each GPU runs a program: its pipeline schedule (GPipe, 1F1B or interleaved), each
+Each GPU runs a program: its pipeline schedule (GPipe, 1F1B, interleaved, or the V schedules
+ZB-V and DualPipeV from their action lists, ``course_lib.schedules``), each
 forward or backward made of compute and the communication its dimensions add
 (durations from :mod:`course_lib.planner.costs`, the same numbers ``estimate``
 uses), activation sends to the next stage, then the data-parallel gradient
@@ -19,7 +20,7 @@ from course_lib.planner import formulas as F
 from course_lib.planner.costs import dp_pieces, stage_costs
 from course_lib.planner.layout import Layout, intra_node, validate
 from course_lib.planner.presets import get_hardware, get_model
-from course_lib.schedules import schedule_order
+from course_lib.schedules import V_SCHEDULES, make_schedule, schedule_order, stage_rank
 from course_lib.trace import Span
 
 PIPE_KINDS = ("compute", "elementwise", "launch", "tp", "cp", "ep", "zero")
@@ -45,12 +46,18 @@ def _rank(layout: Layout, dp_i: int, pp_i: int, cp_i: int, tp_i: int) -> int:
     return ((dp_i * layout.pp + pp_i) * layout.cp + cp_i) * layout.tp + tp_i
 
 
-def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str = "megatron") -> SimulatedStep:
+def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str = "megatron",
+             w_fraction: float = 0.5) -> SimulatedStep:
     """Simulate one step; every GPU when the layout has at most ``max_gpus``, else one
     GPU per pipeline stage (the others of its TP, CP and DP groups run the same program).
-    ``runtime``: as in :func:`~course_lib.planner.estimate` ("course": the course's program)."""
+    ``runtime``: as in :func:`~course_lib.planner.estimate` ("course": the course's program).
+    ``w_fraction``: for the V schedules, the part of a backward's work that is its weight
+    gradient W, run apart (default 1/2: the weight GEMMs are half a backward's, the estimate's
+    convention; less where a backward holds more than GEMMs, e.g. recomputation)."""
     model, hw = get_model(model), get_hardware(hardware)
     validate(model, hw, layout)
+    if isinstance(w_fraction, bool) or not isinstance(w_fraction, (int, float)) or not 0 <= w_fraction <= 1:
+        raise ValueError(f"w_fraction (W's part of a backward) must be a number in [0, 1], got {w_fraction!r}")
     stages = stage_costs(model, hw, layout, runtime)
     p, m, v = layout.pp, layout.microbatches, layout.chunks
     every = layout.n_gpus <= max_gpus
@@ -61,8 +68,8 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
     programs = {}
     for d, st, c, t in coords:
         sc = stages[st]
-        prog = []
-        for phase, mb, ch in schedule_order(p, m, layout.schedule, v, st):
+        prog = [] if layout.schedule not in V_SCHEDULES else _v_program(layout, sc, (d, c, t), st, w_fraction)
+        for phase, mb, ch in (schedule_order(p, m, layout.schedule, v, st) if not prog else ()):
             vs = ch * p + st                               # virtual stage of this chunk
             parts = sc.fwd if phase == "F" else sc.bwd
             if phase == "F" and vs > 0:
@@ -92,6 +99,41 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
     out.ranks = sorted(programs)
     out.row_names = {r: f"gpu {r} (stage {(r // (layout.tp * layout.cp)) % p})" for r in out.ranks}
     return out
+
+
+def _v_program(layout, sc, where, rank, w_fraction):
+    """The program of pp rank ``rank`` under a V schedule: its action list (two chunks, stages
+    ``rank`` and 2p - 1 - ``rank``), each chunk half the stage's work and communication; a split
+    backward's W is ``w_fraction`` of the chunk's backward work, its B the rest; messages only
+    between ranks (the turn of the V, stage p - 1 to p, stays on rank p - 1)."""
+    p, m = layout.pp, layout.microbatches
+    row = make_schedule(layout.schedule, p, m)[rank]
+    split = {(a.stage, a.mb) for a in row if a.op == "W"}
+    last_b = max(i for i, a in enumerate(row) if a.op == "B")
+    prog = []
+    for i, a in enumerate(row):
+        parts = sc.fwd if a.op == "F" else sc.bwd
+        work = (parts["compute"] + parts["elementwise"] + parts.get("launch", 0.0)) / 2
+        w = w_fraction * (sc.bwd["compute"] + sc.bwd["elementwise"] + sc.bwd.get("launch", 0.0)) / 2
+        src = {"F": a.stage - 1, "B": a.stage + 1}.get(a.op)
+        if src is not None and 0 <= src < 2 * p:
+            prog.append(("wait", ("act" if a.op == "F" else "grad", *where, a.mb, src)))
+        if i == last_b:
+            prog.append(("mark", "last backward"))
+        if a.op == "W":
+            prog.append(("span", f"W{a.mb}.{a.stage}", "compute", w))
+            continue
+        split_b = a.op == "B" and (a.stage, a.mb) in split
+        prog.append(("span", f"{a.op}{a.mb}.{a.stage}", "compute", work - w if split_b else work))
+        for kind in ("tp", "cp", "ep", "zero"):
+            if parts[kind] > 0:
+                prog.append(("span", f"{kind} {a.op}{a.mb}", "comm", parts[kind] / 2))
+        dst = {"F": a.stage + 1, "B": a.stage - 1}[a.op]
+        if 0 <= dst < 2 * p:
+            if stage_rank(dst, p, "v") != rank:
+                prog.append(("span", f"send {a.op}{a.mb}", "comm", sc.p2p))
+            prog.append(("signal", ("act" if a.op == "F" else "grad", *where, a.mb, a.stage)))
+    return prog
 
 
 def _data_parallel_tail(hw, layout, sc, t):

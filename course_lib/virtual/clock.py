@@ -34,6 +34,7 @@ import torch.distributed as dist
 from course_lib.virtual import links
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
 from course_lib.virtual.exchange import exchange as _exchange
+from course_lib.virtual.overlap import OverlappedPair
 
 # Comm's collective -> NCCL's (all-to-all is grouped point-to-point; barrier an all-reduce)
 NCCL_OPS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
@@ -55,6 +56,7 @@ class RankClock:
         self._messages = defaultdict(int)     # (src, dst, group, tag) -> messages so far: flow ids
         self._groups = {}       # (Comm, node map) -> (stream key, nodes, ranks on the fullest node)
         self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
+        self.lane = None        # the compute stream's KernelLane inside an overlapped pair
         self._mode = ComputeStream(self)
 
     @property
@@ -80,6 +82,12 @@ class RankClock:
     def muted(self) -> "_Muted":
         """Ops run inside are not compute (a communication call's own work, bookkeeping)."""
         return _Muted(self)
+
+    def overlapped(self) -> OverlappedPair:
+        """``with clock.overlapped() as pair:`` two actions, ``pair.next()`` between them, run
+        as one overlapped pair: each from the pair's start, their kernels sharing the compute
+        stream's gaps (:mod:`.overlap`: DualPipe's F&B)."""
+        return OverlappedPair(self)
 
     def join(self, end: float) -> None:
         """The compute stream waits for work that ends at ``end``."""

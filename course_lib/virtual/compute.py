@@ -96,6 +96,8 @@ class ComputeStream(TorchDispatchMode):
         self._seconds = {}                 # (FLOPs, bytes, class, detail) -> the model's seconds: a memo
         if not hasattr(clock, "host"):
             clock.host = 0.0               # the host: when it issued its last op
+        if not hasattr(clock, "lane"):
+            clock.lane = None              # set during an overlapped pair (clock.overlapped())
         self._hooks, self._switched, self._thread = None, [], None
         self.tape = None                   # a list: every priced op's seconds appended (see replay)
 
@@ -157,9 +159,13 @@ class ComputeStream(TorchDispatchMode):
                 if len(self._seconds) > 65536:
                     self._seconds.clear()
                 seconds = self._seconds[cost] = self.model.seconds(*cost)
-            host = clock.host + self.issue          # the host issues it...
-            t = clock.t
-            clock.t = (t if t > host else host) + seconds   # ...the device runs it
+            t, lane = clock.t, clock.lane
+            if lane is None:
+                host = clock.host + self.issue      # the host issues it...
+                clock.t = (t if t > host else host) + seconds   # ...the device runs it
+            else:                                   # (an overlapped pair: the first gaps that fit)
+                host = lane.issue(clock.host, self.issue)
+                clock.t = lane.place(t if t > host else host, seconds)
             clock.host = host
             clock.kernels += 1
             if self.tape is not None:
@@ -170,13 +176,17 @@ class ComputeStream(TorchDispatchMode):
         """The stream's time for a recorded run of ops (``tape``: each priced op's seconds, None
         where the host read a value), without running them: the arithmetic above, op by op."""
         clock, issue = self.clock, self.issue
-        t, host = clock.t, clock.host
+        t, host, lane = clock.t, clock.host, clock.lane
         for seconds in tape:
             if seconds is None:
                 host = max(host, t)
             else:
-                host = host + issue
-                t = (t if t > host else host) + seconds
+                if lane is None:
+                    host = host + issue
+                    t = (t if t > host else host) + seconds
+                else:
+                    host = lane.issue(host, issue)
+                    t = lane.place(max(t, host), seconds)
                 clock.kernels += 1
         clock.t, clock.host = t, host
 

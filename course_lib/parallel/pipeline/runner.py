@@ -129,7 +129,10 @@ class ScheduleRunner:
     """
 
     def __init__(self, schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, act_shape=None,
-                 act_dtype=torch.float32, scale_grads: bool = False):
+                 act_dtype=torch.float32, scale_grads: bool = False, overlap_fb: bool = False):
+        if not isinstance(overlap_fb, bool):
+            raise ValueError(f"overlap_fb must be True or False, got {overlap_fb!r}")
+        self.overlap_fb = overlap_fb
         if comm.size != p:
             raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
         if not isinstance(scale_grads, bool):
@@ -169,8 +172,22 @@ class ScheduleRunner:
         self.state, self.sends, self.live, self.local, self.posted, self.nxt = {}, [], {}, {}, {}, 0
         self.out = StepResult()
         self._post_recvs(-1)
-        for i, (op, s, mb) in enumerate(self.actions):
+        pairs = fb_pairs(self.actions, self.split) if self.overlap_fb else set()
+        clock = trace.clock() if pairs else None
+        overlapped = getattr(clock, "overlapped", None)     # a virtual clock prices the pairs
+        i = 0
+        while i < len(self.actions):
+            op, s, mb = self.actions[i]
+            if i in pairs and overlapped is not None:
+                self._post_recvs(i + 1)             # both receives posted before the pair starts
+                with overlapped() as pair:
+                    self.F(i, s, mb)
+                    pair.next()
+                    self.B(i + 1, *self.actions[i + 1][1:])
+                i += 2
+                continue
             getattr(self, op)(i, s, mb)
+            i += 1
         with trace.span("wait sends", "comm", "pp"):
             for work, _ in self.sends:
                 work.wait()
@@ -299,6 +316,23 @@ MAX_DIMS = 6
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
+def fb_pairs(actions, split=()) -> set:
+    """Where DualPipe overlaps: the indices i of ``actions`` (one rank's) whose action is a forward
+    followed by the full backward (not split: its W is not in ``split``) of another stage
+    (chunk) and micro-batch: the two share no data, so they can run as one F&B pair, a
+    forward's all-to-all hidden under the backward's compute and the other way round
+    (DeepSeek-V3 report, Sec. 3.2.1). DualPipeV's main phase is made of such pairs."""
+    out, i = set(), 0
+    while i + 1 < len(actions):
+        (op, s, mb), (op2, s2, mb2) = actions[i], actions[i + 1]
+        if op == "F" and op2 == "B" and s != s2 and mb != mb2 and (s2, mb2) not in split:
+            out.add(i)
+            i += 2
+        else:
+            i += 1
+    return out
+
+
 def run_schedule(schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, inputs=None, targets=None,
                  loss_fn=None, act_shape=None, act_dtype=torch.float32, scale_grads: bool = False) -> StepResult:
     """One step of :class:`ScheduleRunner` (built, and the schedule validated, for this call)."""
@@ -340,4 +374,4 @@ def measured_costs(spans, schedule, p: int, v: int = 1) -> dict:
             "durations": {name: s.end - s.start for name, s in compute.items()}}
 
 
-__all__ = ["ScheduleRunner", "run_schedule", "StepResult", "backward_input", "backward_weight", "measured_costs"]
+__all__ = ["ScheduleRunner", "run_schedule", "fb_pairs", "StepResult", "backward_input", "backward_weight", "measured_costs"]

@@ -71,10 +71,12 @@ class PipelineRuntime:
         optimizer's parameters, copied into the 16-bit model before each step, given the
         gradients after it (before the sums if they reduce in the masters' dtype).
     act_dtype: of what stages hand on (default: the dtype of the modules' parameters).
+    overlap_fb: run each F&B pair of the schedule (``runner.fb_pairs``: DualPipeV's) as one
+        overlapped pair on a virtual clock (``runner.overlap_fb``, settable between steps).
     """
 
     def __init__(self, stages, mesh, *, schedule="1f1b", microbatches=1, v=1, modules=None, grad_sync=None,
-                 loss_dims=("dp", "pp", "cp"), master=None, act_dtype=None):
+                 loss_dims=("dp", "pp", "cp"), master=None, act_dtype=None, overlap_fb=False):
         p = mesh.sizes["pp"]
         if isinstance(schedule, str):
             v = chunks(schedule, v)                              # the V schedules: two chunks
@@ -85,7 +87,8 @@ class PipelineRuntime:
         self.gradient_sums = [grad_sync.finish] if grad_sync is not None else []
         self.gradient_sums += [mod.finish_gradient_synchronization for s, mod in self.modules.items()
                                if mod is not stages[s]]
-        self.runner = ScheduleRunner(schedule, self.modules, mesh.comm("pp"), p=p, m=microbatches, v=v)
+        self.runner = ScheduleRunner(schedule, self.modules, mesh.comm("pp"), p=p, m=microbatches, v=v,
+                                     overlap_fb=overlap_fb)
         self.schedule = self.runner.schedule                # the action lists, validated
         cfg = next(iter(stages.values())).part.config
         tied = bool(cfg.tie_embeddings) and p > 1 and self.schedule.placement == "loop"
