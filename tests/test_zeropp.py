@@ -235,6 +235,8 @@ def test_hpz_groups_are_what_fsdp_builds(runs):
     assert hpz_groups(6, 2)[2] == [[0, 1, 2], [3, 4, 5]] * 3 and hpz_groups(4, 4)[1] == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="dividing"):
         hpz_groups(6, 4)
+    with pytest.raises(ValueError, match="positive int"):
+        hpz_groups(0, 2)
 
 
 def test_tinygpt_through_parallelize_nd(runs):

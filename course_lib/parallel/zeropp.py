@@ -80,6 +80,8 @@ def hpz_groups(world_size: int, gpus_per_node: int):
                    (backward) never leaves the node
         holds      holds[r]: the ranks whose primary shards rank r keeps after forward,
                    chunk ``local`` of G of the gathered unit: N / G consecutive ranks"""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"hpz_groups: world_size must be a positive int, got {world_size!r}")
     G = node_size(world_size, gpus_per_node)
     primary = [list(range(world_size))]
     secondary, _ = block_sets(primary, G)
