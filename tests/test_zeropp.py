@@ -35,7 +35,7 @@ from course_lib.gpt import GPTConfig
 from course_lib.lab.nd_runs import LR as GPT_LR
 from course_lib.models import MLP
 from course_lib.parallel.compose import check_layout
-from course_lib.parallel.zeropp import (BLOCK, ZEROPP, dequantize, quantization_bound, quantize,
+from course_lib.parallel.zeropp import (BLOCK, ZEROPP, dequantize, hpz_groups, quantization_bound, quantize,
                                         reduce_scatter_bound)
 from single_device import AWKWARD, LR, SIZES, STEPS, assert_trained_like, exact, make_data, train
 
@@ -95,6 +95,8 @@ def zeropp_mlp(zeropp, rank, dtype=torch.float64, steps=None, sizes=None):
         loss = reference.mse_loss(net, x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
         if step == 0:
             out["secondary"] = sum(u.post.numel() * u.post.element_size() for u in net.units if u.post is not None)
+            out["kept"] = [(u.post, u.flat_shard.detach().clone()) for u in net.units if u.post is not None]
+            out["hpz_group"] = net.reshard_group.ranks if net.reshard_group is not None else None
         loss.backward()
         net.finish_gradient_synchronization()
         out["losses"].append(loss.item())
@@ -219,6 +221,22 @@ def test_hpz_secondary_shard_memory(runs):
         units = [u for u in r[()]["units"] if u[0] != "root"]
         assert r[("hpz",)]["secondary"] == sum(WORLD * S // G * 8 for _, S, _, _ in units)  # float64
         assert r[()]["secondary"] == 0
+
+
+def test_hpz_groups_are_what_fsdp_builds(runs):
+    """hpz_groups (the graded question's reference): FSDP's secondary group is this rank's node,
+    and the 1/G it keeps after forward is the primary shards of the ranks ``holds`` names."""
+    primary, secondary, holds = hpz_groups(WORLD, G)
+    assert primary == [list(range(WORLD))] and secondary == [[0, 1], [2, 3]]
+    for rank, r in enumerate(runs):
+        assert r[("hpz",)]["hpz_group"] == secondary[rank // G] and r[()]["hpz_group"] is None
+        for unit, (kept, _) in enumerate(r[("hpz",)]["kept"]):
+            assert torch.equal(kept, torch.cat([runs[o][("hpz",)]["kept"][unit][1] for o in holds[rank]]))
+    assert hpz_groups(6, 2)[2] == [[0, 1, 2], [3, 4, 5]] * 3 and hpz_groups(4, 4)[1] == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="dividing"):
+        hpz_groups(6, 4)
+    with pytest.raises(ValueError, match="positive int"):
+        hpz_groups(0, 2)
 
 
 def test_tinygpt_through_parallelize_nd(runs):

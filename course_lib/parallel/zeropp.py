@@ -70,6 +70,26 @@ def rule_zeropp(cfg, layout):
         node_size(layout.dp * layout.cp, layout.gpus_per_node)
 
 
+def hpz_groups(world_size: int, gpus_per_node: int):
+    """ZeRO++'s groups over one FSDP group of N = ``world_size`` ranks in nodes of G
+    (rank = node * G + local), as FSDP(zeropp=...) builds them -> (primary, secondary, holds):
+
+        primary    [[0 .. N-1]]: the primary partition, over every rank (ZeRO-3's shards;
+                   the forward all-gather, qwZ's, crosses nodes)
+        secondary  the G consecutive ranks of each node: hpZ's partition, whose all-gather
+                   (backward) never leaves the node
+        holds      holds[r]: the ranks whose primary shards rank r keeps after forward,
+                   chunk ``local`` of G of the gathered unit: N / G consecutive ranks"""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"hpz_groups: world_size must be a positive int, got {world_size!r}")
+    G = node_size(world_size, gpus_per_node)
+    primary = [list(range(world_size))]
+    secondary, _ = block_sets(primary, G)
+    per = world_size // G
+    holds = [list(range(r % G * per, (r % G + 1) * per)) for r in range(world_size)]
+    return primary, secondary, holds
+
+
 # ------------------------------------------------------------------ block quantization
 def quantize(x, block: int = BLOCK):
     """x (n,) float -> (q (ceil(n / block) * block,) int8, scales (ceil(n / block),) float32;
@@ -190,5 +210,5 @@ def reduce_scatter_bound(packed_of_every_rank, G: int, rank: int):
 
 
 __all__ = ["ZEROPP", "BLOCK", "check_zeropp", "node_size", "rule_zeropp", "quantize", "dequantize",
-           "quantization_bound", "quantized_all_gather", "node_comms", "quantized_reduce_scatter",
+           "quantization_bound", "hpz_groups", "quantized_all_gather", "node_comms", "quantized_reduce_scatter",
            "reduce_scatter_bound", "Done"]
