@@ -1,9 +1,9 @@
-"""The dry run with sharded data parallelism (FSDP, HSDP, FSDP's reshard_after_forward=k):
+"""The dry run with sharded data parallelism (FSDP, HSDP, ZeRO++ with hpZ's reshard block):
 the same virtual step time, kernels and memory as a real launch of the same layout on the
 clock. FSDP keys a saved tensor by the storage it views, and on the meta device every
 storage's data_ptr is 0: the dry run once mistook every saved tensor for a parameter (a
 bool mask came back a float32 view). HSDP's and a reshard block's groups come from the
-mesh (``comm_of_sets``), which the dry run's mesh builds without process groups."""
+mesh (``comm_of_sets``), and so do ZeRO++'s node groups, which the dry run's mesh builds without process groups."""
 import dataclasses
 
 import pytest
@@ -19,6 +19,8 @@ HW = "a100-80gb"
 LAYOUTS = {
     "fsdp dp2 x tp2": Layout(dp=2, tp=2, sp=True, zero=3, micro_batch=1, global_batch=4),
     "hsdp 2 x 2": Layout(dp=4, zero=3, shard_size=2, micro_batch=1, global_batch=8),
+    "zero++ 2 nodes of 2": Layout(dp=4, zero=3, zeropp=("hpz", "qwz", "qgz"), gpus_per_node=2, micro_batch=1,
+                                  global_batch=4),
 }
 
 

@@ -182,7 +182,8 @@ class FSDP(nn.Module):
             if "hpz" in self.zeropp:   # hpZ: keep 1/G after forward, the backward all-gather in the node
                 reshard_after_forward = self.node
             if "qgz" in self.zeropp:   # (intra-node, inter-node) Comms of the hierarchical all-to-all
-                self.qgz = node_comms(self.comm, self.node, self.mesh.impl)
+                self.qgz = node_comms(self.comm, self.node, self.mesh.impl,
+                                      every_group(self.mesh, self.dims, self.comm), self.mesh)
         self.reshard_after_forward, self.reshard_group = self._reshard_policy(reshard_after_forward)
         self.divisor = every.size if divisor is None else divisor
         if isinstance(self.divisor, bool) or not isinstance(self.divisor, (int, float)) or self.divisor <= 0:

@@ -147,16 +147,20 @@ def quantized_all_gather(comm, gathered, send, name="all-gather"):
 
 
 # ------------------------------------------------------------------ qgZ
-def node_comms(comm, G: int, impl="torch"):
+def node_comms(comm, G: int, impl="torch", sets=None, mesh=None):
     """(intra-node Comm, inter-node Comm) of this rank: FSDP's group ``comm`` cut in blocks of
     G consecutive members (nodes), and the members with the same local index in every node.
-    Collective: every rank builds every group (one all-gather of the groups' ranks)."""
-    import torch.distributed as dist
+    ``sets``: every FSDP group's global ranks (None: one all-gather of them); ``mesh``: builds
+    the Comms (:func:`~course_lib.parallel.hsdp.make_comms`). Collective: every rank builds
+    every group."""
+    if sets is None:
+        import torch.distributed as dist
 
-    sets = [None] * dist.get_world_size()
-    dist.all_gather_object(sets, comm.ranks)
-    blocks, strided = block_sets([list(s) for s in sorted({tuple(s) for s in sets})], G)
-    return make_comms(blocks, f"{comm.dim}_node", impl), make_comms(strided, f"{comm.dim}_across", impl)
+        sets = [None] * dist.get_world_size()
+        dist.all_gather_object(sets, comm.ranks)
+        sets = [list(s) for s in sorted({tuple(s) for s in sets})]
+    blocks, strided = block_sets(sets, G)
+    return make_comms(blocks, f"{comm.dim}_node", impl, mesh), make_comms(strided, f"{comm.dim}_across", impl, mesh)
 
 
 def _quantized_all_to_all(comm, chunks, name):
