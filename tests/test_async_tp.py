@@ -59,6 +59,14 @@ def _train_gpt():
     part = net.stages[0].part
     assert part.tensor_parallel.async_tp
     assert all(m.async_tp for m in part.modules() if isinstance(m, RowParallelLinear))
+    from course_lib.parallel.tensor_parallel import ColumnParallelLinear
+    regions = [m for m in part.modules()
+               if any(isinstance(c, ColumnParallelLinear) and c.input == "entered" for c in m.children())]
+    seen = []          # what each region module is handed: the gathered shape, one element of storage
+    for m in regions:
+        m.register_forward_pre_hook(lambda m, args: seen.append(
+            (tuple(args[0].shape), args[0].untyped_storage().nbytes() // args[0].element_size(),
+             bool(args[0].isnan().all()))))
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
     losses, grads = [], None
     for x, y in reference.gpt_batches(CFG, batch=BATCH, steps=STEPS):
@@ -66,6 +74,8 @@ def _train_gpt():
         grads = grads or net.shards(grads=True)
         opt.step()
         opt.zero_grad()
+    assert len(regions) == 2 * CFG.n_layers and len(seen) == STEPS * len(regions)
+    assert set(seen) == {((BATCH, CFG.seq_len, CFG.hidden), 1, True)}, seen
     return losses, net.shards(), grads
 
 

@@ -115,8 +115,11 @@ class AllGatherMatmul(torch.autograd.Function):
         chunks, weights = saved[:t], saved[t:]
         x_full = torch.cat(chunks, dim=1)                      # (b, s, h): local copy, no traffic
 
-        def partial(c):                                        # (b, s/t, h)
-            return sum(_chunk(g, t, c) @ w for g, w in zip(grads, weights))
+        def partial(c):                                        # (b, s/t, h): sum_j dY_j[c] W_j
+            out = _chunk(grads[0], t, c) @ weights[0]
+            for g, w in zip(grads[1:], weights[1:]):
+                out = out + _chunk(g, t, c) @ w
+            return out
         dx = _accumulate_ring(comm, partial)
         dws, dbs = [], []
         for g, has_bias in zip(grads, ctx.has_bias):
@@ -181,14 +184,15 @@ def async_region_entry(comm, columns):
     """A forward pre-hook for a tensor-parallel region (attention, MLP) under async TP: ONE
     decomposed all-gather-matmul for all the region's column layers (``columns``: a function
     of the module returning them), their outputs handed to them; the module is passed the
-    gathered input (a local concatenation of the ring's chunks, for its shapes only)."""
+    gathered input's shape only: one NaN element viewed at (b, s, h) with stride 0 (no
+    full-size tensor: the module reads its shape and device; a value read would be NaN)."""
     def enter(module, args):
         x, *rest = args                                        # (b, s/t, h)
         cols = columns(module)
         params = [c.weight_and_bias() for c in cols]
         outs = all_gather_matmul(x, comm, [w for w, _ in params], [b for _, b in params])
         shape = (x.shape[0], x.shape[1] * comm.size, *x.shape[2:])
-        full = x.new_full(shape, float("nan"))                 # (b, s, h): for shapes only (NaN if read)
+        full = torch.scalar_tensor(float("nan"), dtype=x.dtype, device=x.device).expand(shape)   # 1 element
         full.async_outputs = dict(zip(cols, outs))
         return (full, *rest)
     return enter
