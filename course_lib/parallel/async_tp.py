@@ -43,7 +43,7 @@ def _chunks_ring(comm, shard, work):
             nxt = torch.empty_like(held)
             works = [comm.irecv(nxt, comm.prev), comm.isend(held, comm.next)]
             start = trace.now()
-        with trace.span(f"async TP: matmul chunk {c}", kind="compute"):   # ...then compute under it
+        with trace.span(f"async TP: all-gather step, chunk {c}", kind="compute"):   # ...compute under it
             work(c, held)
         chunks[c] = held
         if works:
@@ -66,7 +66,7 @@ def _accumulate_ring(comm, partial):
             start = trace.now()
             incoming = torch.empty_like(acc)
             works = [comm.irecv(incoming, comm.prev)]
-        with trace.span(f"async TP: matmul chunk {c}", kind="compute"):
+        with trace.span(f"async TP: reduce-scatter step, chunk {c}", kind="compute"):
             acc = partial(c).contiguous()                      # (b, s/t, out)
         if works:
             comm.wait(*works)
