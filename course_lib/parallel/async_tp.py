@@ -12,8 +12,9 @@ decompose into t steps along the sequence, each multiplying one chunk while the 
                                    partial sum received for c, send it on; after t steps
                                    chunk r arrives home, summed over every rank
 
-Only the first hop (or the last add) is exposed when a chunk's matmul takes longer than a
-hop. The backward of each is the other one: the input gradient of an all-gather-matmul is a
+Each of the t - 1 hops runs beside one step's matmul (the first beside the rank's own chunk),
+so only each hop's excess over its step is exposed, (t - 1) max(0, hop - step) per op
+(:mod:`course_lib.planner.async_tp`); only the adds are left outside. The backward of each is the other one: the input gradient of an all-gather-matmul is a
 matmul-reduce-scatter, the input gradient of a matmul-reduce-scatter an all-gather-matmul.
 The forward all-gather's chunks are KEPT for the weight gradient (torch's DTensor SP keeps
 the gathered input too): re-gathering them in backward (Megatron's choice, t x less memory)
