@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from course_lib.planner import formulas as F
 from course_lib.planner import gemm as G
-from course_lib.planner.async_tp import async_tp_exposed, async_tp_hop, async_tp_layer, transformer_steps  # noqa: F401
+from course_lib.planner.async_tp import async_tp_hop, async_tp_layer, transformer_steps
 from course_lib.planner.activations import layer_activation_bytes
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage
 from course_lib.planner.presets import Hardware, ModelSpec
