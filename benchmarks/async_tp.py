@@ -9,8 +9,9 @@ Measured here (virtual us per layer, tp = 2 / 4 / 8). Eager: plain small 125.6 /
 128.0, medium 169.9 / 156.8 / 153.8; async 277.6 / 472.3 / 861.7 small and 278.6 / 472.3 /
 861.7 medium: at every size a CPU can run, async TP does NOT pay eagerly, the layer being
 bound by the host issuing eager ops (12.32 us each, the preset's recorded launch overhead)
-and the decomposition multiplying the ops by t (the "exposed" difference against free links
-means nothing there: the host's pace hides the links in both runs). With the host's issue
+and the decomposition multiplying the ops by t (the difference against free links is not an
+exposed time there: the host's pace shapes both runs, and for async it comes out negative,
+-7.8 / -10.2 / -15.0 us; not analysed further). With the host's issue
 hidden, both exposed times equal their formulas at every row (plain: NCCL's collectives,
 medium 52.7 / 69.5 / 85.0 us; async: the planner's (t - 1) max(0, hop - step) per decomposed
 op, medium 13.6 / 57.6 / 199.8 us, wide 6.6 / 40.6 / 110.0): async hides most of plain's at
