@@ -1,6 +1,7 @@
 """course_lib/grading/async_tp.py (chapter 5): the decomposed all-gather matmul's grader fails the
 classic mistakes (a plain all-gather then the matmul, chunks stored in arrival order, every
-shard sent to every rank, the hop waited for before the matmul), a hard-coded answer and the
+shard sent to every rank, the hop waited for before the matmul, the hops batched out of the
+check's sight), a hard-coded answer and the
 library's own implementation, and passes a right answer written differently (the course's
 Comm, the output written in place)."""
 from __future__ import annotations
@@ -61,6 +62,21 @@ def _shard_to_everyone(x_shard, weight, rows):                 # not a ring: t -
     return torch.cat([mine if q == r else got[q] @ weight.T for q in range(t)])
 
 
+def _batched(x_shard, weight, rows):                           # the waits out of sight
+    r, t = dist.get_rank(), dist.get_world_size()
+    out, held = [None] * t, x_shard.contiguous()
+    for i in range(t):
+        c = (r - i) % t
+        out[c] = held @ weight.T
+        if i < t - 1:
+            nxt = held.new_empty(rows[(c - 1) % t], held.shape[1])
+            ops = [dist.P2POp(dist.isend, held, (r + 1) % t), dist.P2POp(dist.irecv, nxt, (r - 1) % t)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            held = nxt
+    return torch.cat(out)
+
+
 def _hard_coded(x_shard, weight, rows):                        # the first case's shape
     return torch.zeros(6, 5, dtype=torch.float64)
 
@@ -76,6 +92,7 @@ def _library(x_shard, weight, rows):                           # the library's o
     (_arrival_order, ["rows of rank 0's chunk first"]),
     (_wait_before_matmul, ["no overlap at step 1"]),
     (_shard_to_everyone, ["a ring passes one chunk a step"]),
+    (_batched, ["which batch_isend_irecv hides"]),
     (_hard_coded, ["Y = all_gather(X) W^T"]),
     (_library, ["write this yourself"]),
 ])

@@ -48,8 +48,9 @@ class RingWatch(TorchDispatchMode):
         self.events, self.messages, self.collectives = [], [], []
         self._saved = {op: getattr(c10d, op) for op in ("isend", "irecv")}
         for op, fn in self._saved.items():
+            posted = self._handing_out(op, fn)          # one object in both modules (P2POp compares)
             for module in (dist, c10d):
-                setattr(module, op, self._handing_out(op, fn))
+                setattr(module, op, posted)
         self._count = counted_calls(record=self._record)
         self._count.__enter__()
         return super().__enter__()
@@ -99,6 +100,9 @@ def _data(seed, rows, h, f):
 
 def _traffic(watch, rank, t, rows, h):
     """None if the messages are the ring's hops and each receive overlaps a matmul, else a hint."""
+    if "batch_isend_irecv" in watch.collectives:
+        return ("post each message with dist.isend / dist.irecv and wait on its own handle: the check follows "
+                "every message to its wait, which batch_isend_irecv hides")
     if watch.collectives:
         return (f"you called {watch.collectives[0]}: decompose the all-gather into t - 1 = {t - 1} ring hops "
                 f"(dist.isend to the next rank, dist.irecv from the previous) under the matmuls")
