@@ -5,18 +5,22 @@ SP's all-gather and reduce-scatter, at tp = 2, 4, 8 inside a node, next to the f
 
     python benchmarks/async_tp.py
 
-Measured here (virtual us per layer, tp = 2 / 4 / 8): small (s=64, h=256, f=1024) plain
-125.6 / 125.6 / 128.0, async 302.2 / 521.6 / 960.3; medium (s=1024, h=512, f=8192) plain
-169.9 / 156.8 / 153.8, async 302.2 / 521.6 / 960.3. At every size a CPU can run, async TP
-does NOT pay: the layer is bound by the host issuing eager ops (12.32 us each, the preset's
-recorded launch overhead) and by the hop latency (~7 us), and the decomposition multiplies
-the ops by t. With the host's issue hidden, plain SP's exposed time equals its formula (the
-NCCL collectives: 52.7 / 69.5 / 85.0 us, medium) and async TP hides most of it at tp=2
-(13.6 us medium, 6.6 us wide against 34.8), but the t-fold smaller kernels (each >= the
-2 us kernel floor) and the extra adds cost more than the communication hidden, so the
-layer is still slower (medium 133.0 -> 207.7 us at tp=2). It pays where a chunk's matmul outlasts a hop and the ops are fused or
-graph-captured (torch.compile / symm_mem's fused kernels): see planner.estimate's
-``async_tp`` at Llama 3 70B (tests/test_async_tp.py).
+Measured here (virtual us per layer, tp = 2 / 4 / 8). Eager: plain small 125.6 / 125.6 /
+128.0, medium 169.9 / 156.8 / 153.8; async 277.6 / 472.3 / 861.7 small and 278.6 / 472.3 /
+861.7 medium: at every size a CPU can run, async TP does NOT pay eagerly, the layer being
+bound by the host issuing eager ops (12.32 us each, the preset's recorded launch overhead)
+and the decomposition multiplying the ops by t (the difference against free links is not an
+exposed time there: the host's pace shapes both runs, and for async it comes out negative,
+-7.8 / -10.2 / -15.0 us; not analysed further). With the host's issue
+hidden, both exposed times equal their formulas at every row (plain: NCCL's collectives,
+medium 52.7 / 69.5 / 85.0 us; async: the planner's (t - 1) max(0, hop - step) per decomposed
+op, medium 13.6 / 57.6 / 199.8 us, wide 6.6 / 40.6 / 110.0): async hides most of plain's at
+tp=2, exposes more at tp=8 where every step is shorter than a hop, and the layer is slower at
+every row (medium 133.0 -> 203.7 us at tp=2): the t-fold smaller kernels (each >= the 2 us
+kernel floor) and the extra adds cost more than the communication hidden. It pays where a
+chunk's matmul outlasts a hop and the ops are fused or graph-captured (torch.compile /
+symm_mem's fused kernels): see planner.estimate's ``async_tp`` at Llama 3 70B
+(tests/test_async_tp.py).
 """
 import sys
 

@@ -8,6 +8,8 @@ tp = 2, 3 (odd) and 4. At tp = 2 the same launch also trains the tiny GPT 3 Adam
 ``parallelize_nd(..., tp=2, sequence_parallel=True, async_tp=True)``, checked against one
 device (losses, first gradients, final parameters). Bad layouts are refused before ranks start.
 """
+import math
+
 import pytest
 import torch
 
@@ -59,6 +61,14 @@ def _train_gpt():
     part = net.stages[0].part
     assert part.tensor_parallel.async_tp
     assert all(m.async_tp for m in part.modules() if isinstance(m, RowParallelLinear))
+    from course_lib.parallel.tensor_parallel import ColumnParallelLinear
+    regions = [m for m in part.modules()
+               if any(isinstance(c, ColumnParallelLinear) and c.input == "entered" for c in m.children())]
+    seen = []          # what each region module is handed: the gathered shape, one element of storage
+    for m in regions:
+        m.register_forward_pre_hook(lambda m, args: seen.append(
+            (tuple(args[0].shape), args[0].untyped_storage().nbytes() // args[0].element_size(),
+             bool(args[0].isnan().all()))))
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
     losses, grads = [], None
     for x, y in reference.gpt_batches(CFG, batch=BATCH, steps=STEPS):
@@ -66,6 +76,8 @@ def _train_gpt():
         grads = grads or net.shards(grads=True)
         opt.step()
         opt.zero_grad()
+    assert len(regions) == 2 * CFG.n_layers and len(seen) == STEPS * len(regions)
+    assert set(seen) == {((BATCH, CFG.seq_len, CFG.hidden), 1, True)}, seen
     return losses, net.shards(), grads
 
 
@@ -97,18 +109,58 @@ def test_async_tp_needs_sequence_parallelism_and_tp(kw):
         check_layout(CFG, **kw)
 
 
+# The clock's runs for the planner's formula: H100 with the host's issue hidden (CUDA graphs)
+# and NVLink slowed 16 x (~28 GB/s a lane, a PCIe-class link), so that CPU-sized shapes reach
+# both regimes: "latency" (a chunk of 16 KiB or less at tp = 2: the hop is NCCL's latency),
+# "mixed" (a long row matmul step beside a latency-bound hop), "bandwidth" (1 MiB at tp = 2:
+# the hop's bytes take twice its latency).
+CLOCK_SHAPES = {"latency": dict(b=1, s=64, h=128, f=512), "mixed": dict(b=1, s=256, h=256, f=8192),
+                "bandwidth": dict(b=1, s=1024, h=512, f=1024)}
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_async_tp_exposed_time_equals_the_planners_formula(t):
+    """The virtual clock's exposed TP time of one MLP layer (layer - the same layer on free
+    links) equals the planner's sum over its 4 decomposed ops of (t - 1) max(0, hop - step):
+    the planner's hop (its own NCCL point-to-point price) and each op's step compute (measured
+    with free links). Bound: float rounding of sums of ~100 terms below 1 ms, 1e-9 relative
+    (1e-12 s absolute where nothing is exposed). Plain SP equals its NCCL formula alike."""
+    from course_lib.lab.async_tp_runs import exposed_tps
+    from course_lib.planner.async_tp import P2P_LL_MAX_BYTES, async_tp_hop
+    from course_lib.virtual import VirtualCluster
+
+    hw = VirtualCluster("h100-sxm").hw
+    hw = hw.with_(launch_overhead=0.0, nvlink_bandwidth=hw.nvlink_bandwidth / 16)
+    cluster = VirtualCluster(hw, 8, torch.bfloat16)
+    rows = exposed_tps(t, list(CLOCK_SHAPES.values()), cluster)
+    for (name, shape), r in zip(CLOCK_SHAPES.items(), rows):
+        f = r["formula"]
+        nbytes = shape["b"] * shape["s"] * shape["h"] * 2 / t         # one chunk, bf16
+        latency = async_tp_hop(hw, 0.0 if nbytes <= P2P_LL_MAX_BYTES else P2P_LL_MAX_BYTES + 1)
+        if t == 2:      # the regimes the shapes are named for
+            assert (f["hop"] > 2 * latency) == (name == "bandwidth"), (name, f["hop"], latency)
+            assert (max(f["steps"]) > f["hop"]) == (name == "mixed"), (name, f["steps"], f["hop"])
+        assert r["async"] > 0
+        assert math.isclose(r["async"], f["async"], rel_tol=1e-9, abs_tol=1e-12), (name, t, r["async"], f)
+        assert math.isclose(r["plain"], f["plain"], rel_tol=1e-9), (name, t, r["plain"], f["plain"])
+
+
 def test_planner_prices_async_tp_as_hidden_hops():
-    """planner.estimate: async TP's exposed TP time is the first hop plus each later hop's
-    excess over its matmul step (async_tp_exposed); at Llama 3 70B's shape it hides most of
-    plain SP's collectives, and with no matmul to hide under it costs t hops (more than a ring)."""
+    """planner.estimate: async TP's exposed TP time is, per decomposed op, each of its t - 1 hops'
+    excess over one step's matmuls (async_tp_exposed; the first hop hides under the rank's own
+    chunk); its hop is NCCL's point-to-point price. At Llama 3 70B's shape it hides most of
+    plain SP's collectives; with no matmul to hide under it costs t - 1 hops."""
     from course_lib import planner
     from course_lib.layout import Layout
-    from course_lib.planner.costs import async_tp_exposed
+    from course_lib.planner.async_tp import async_tp_exposed, async_tp_hop
+    from course_lib.planner.presets import get_hardware
 
-    assert async_tp_exposed(1.0, 0.0, 8) == 8.0                  # latency bound: t hops, nothing hidden
-    assert async_tp_exposed(1.0, 80.0, 8) == 1.0                 # matmul step 10 > hop: the first hop only
-    assert async_tp_exposed(1.0, 4.0, 2) == 1.0                  # step 2 > hop 1: the second hop hidden
-    assert async_tp_exposed(3.0, 4.0, 2) == 3.0 + 1.0            # the second hop exceeds its step by 1
+    assert async_tp_exposed(1.0, 0.0, 8) == 7.0                  # latency bound: t - 1 hops, nothing hidden
+    assert async_tp_exposed(1.0, 10.0, 8) == 0.0                 # a step longer than a hop hides it
+    assert async_tp_exposed(3.0, 2.0, 2) == 1.0                  # the one hop exceeds its step by 1
+    hw = get_hardware("h100-sxm")
+    assert math.isclose(async_tp_hop(hw, 1 << 20), (8.4 + 3.4) * 1e-6 + (1 << 20) / hw.link(True)[1])
+    assert math.isclose(async_tp_hop(hw, 1 << 14), (6.6 + 0.6) * 1e-6 + (1 << 14) / min(hw.link(True)[1] / 4, 87.7e9))
     plain, fast = (planner.estimate("llama3-70b", "h100-sxm", Layout(tp=8, sp=True, async_tp=a, global_batch=8,
                                                                       microbatches=8)) for a in (False, True))
     assert fast.time["tp"] < 0.25 * plain.time["tp"]

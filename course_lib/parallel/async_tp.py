@@ -12,8 +12,9 @@ decompose into t steps along the sequence, each multiplying one chunk while the 
                                    partial sum received for c, send it on; after t steps
                                    chunk r arrives home, summed over every rank
 
-Only the first hop (or the last add) is exposed when a chunk's matmul takes longer than a
-hop. The backward of each is the other one: the input gradient of an all-gather-matmul is a
+Each of the t - 1 hops runs beside one step's matmul (the first beside the rank's own chunk),
+so only each hop's excess over its step is exposed, (t - 1) max(0, hop - step) per op
+(:mod:`course_lib.planner.async_tp`); only the adds are left outside. The backward of each is the other one: the input gradient of an all-gather-matmul is a
 matmul-reduce-scatter, the input gradient of a matmul-reduce-scatter an all-gather-matmul.
 The forward all-gather's chunks are KEPT for the weight gradient (torch's DTensor SP keeps
 the gathered input too): re-gathering them in backward (Megatron's choice, t x less memory)
@@ -43,7 +44,7 @@ def _chunks_ring(comm, shard, work):
             nxt = torch.empty_like(held)
             works = [comm.irecv(nxt, comm.prev), comm.isend(held, comm.next)]
             start = trace.now()
-        with trace.span(f"async TP: matmul chunk {c}", kind="compute"):   # ...then compute under it
+        with trace.span(f"async TP: all-gather step, chunk {c}", kind="compute"):   # ...compute under it
             work(c, held)
         chunks[c] = held
         if works:
@@ -66,7 +67,7 @@ def _accumulate_ring(comm, partial):
             start = trace.now()
             incoming = torch.empty_like(acc)
             works = [comm.irecv(incoming, comm.prev)]
-        with trace.span(f"async TP: matmul chunk {c}", kind="compute"):
+        with trace.span(f"async TP: reduce-scatter step, chunk {c}", kind="compute"):
             acc = partial(c).contiguous()                      # (b, s/t, out)
         if works:
             comm.wait(*works)
@@ -115,8 +116,11 @@ class AllGatherMatmul(torch.autograd.Function):
         chunks, weights = saved[:t], saved[t:]
         x_full = torch.cat(chunks, dim=1)                      # (b, s, h): local copy, no traffic
 
-        def partial(c):                                        # (b, s/t, h)
-            return sum(_chunk(g, t, c) @ w for g, w in zip(grads, weights))
+        def partial(c):                                        # (b, s/t, h): sum_j dY_j[c] W_j
+            out = _chunk(grads[0], t, c) @ weights[0]
+            for g, w in zip(grads[1:], weights[1:]):
+                out = out + _chunk(g, t, c) @ w
+            return out
         dx = _accumulate_ring(comm, partial)
         dws, dbs = [], []
         for g, has_bias in zip(grads, ctx.has_bias):
@@ -181,14 +185,15 @@ def async_region_entry(comm, columns):
     """A forward pre-hook for a tensor-parallel region (attention, MLP) under async TP: ONE
     decomposed all-gather-matmul for all the region's column layers (``columns``: a function
     of the module returning them), their outputs handed to them; the module is passed the
-    gathered input (a local concatenation of the ring's chunks, for its shapes only)."""
+    gathered input's shape only: one NaN element viewed at (b, s, h) with stride 0 (no
+    full-size tensor: the module reads its shape and device; a value read would be NaN)."""
     def enter(module, args):
         x, *rest = args                                        # (b, s/t, h)
         cols = columns(module)
         params = [c.weight_and_bias() for c in cols]
         outs = all_gather_matmul(x, comm, [w for w, _ in params], [b for _, b in params])
         shape = (x.shape[0], x.shape[1] * comm.size, *x.shape[2:])
-        full = x.new_full(shape, float("nan"))                 # (b, s, h): for shapes only (NaN if read)
+        full = torch.scalar_tensor(float("nan"), dtype=x.dtype, device=x.device).expand(shape)   # 1 element
         full.async_outputs = dict(zip(cols, outs))
         return (full, *rest)
     return enter

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from course_lib.planner import formulas as F
 from course_lib.planner import gemm as G
+from course_lib.planner.async_tp import async_tp_hop, async_tp_layer, transformer_steps
 from course_lib.planner.activations import layer_activation_bytes
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage
 from course_lib.planner.presets import Hardware, ModelSpec
@@ -64,13 +65,6 @@ class StageCost:
     @property
     def bwd_time(self) -> float:
         return sum(self.bwd.values())
-
-
-def async_tp_exposed(hop: float, matmul: float, t: int) -> float:
-    """Exposed seconds of one decomposed collective (Wang et al. 2022): t steps, each a matmul
-    of ``matmul`` / t while one hop moves; the first hop is waited for, the other t - 1 cost
-    only their excess over the step's matmul."""
-    return hop + (t - 1) * max(0.0, hop - matmul / t)
 
 
 def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
@@ -130,22 +124,26 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     act = b * s * h * 2 / c                           # bytes of one (s/cp, b, h) bf16 activation
 
     # TP per layer: 2 all-reduces forward, 2 backward, (+2 for full recompute); with SP
-    # each is a reduce-scatter + all-gather of the same total size. Async TP decomposes each of
-    # them into t - 1 hops of act / t bytes under 1/t of a matmul: the first hop is exposed,
-    # then each step's excess of hop over matmul (async_tp_exposed; the layer's matmul time
-    # spread evenly over its decomposed collectives).
-    def tp_time(n_collectives, matmul=0.0):
+    # each is a reduce-scatter + an all-gather of the same total size. Async TP decomposes each
+    # of them into t - 1 hops of act / t bytes, each beside one chunk's matmuls
+    # (planner.async_tp: (t - 1) max(0, hop - step) per op, the steps of each op's own GEMMs).
+    def tp_time(n_collectives):
         if t == 1:
             return 0.0
-        if layout.sp and getattr(layout, "async_tp", False):
-            hop = F.collective_time("send_recv", act / t, 2, a_tp, bw_tp)
-            return 2 * n_collectives * async_tp_exposed(hop, matmul / (2 * n_collectives), t)
         if layout.sp:
             return n_collectives * (F.collective_time("reduce_scatter", act, t, a_tp, bw_tp)
                                     + F.collective_time("all_gather", act, t, a_tp, bw_tp))
         return n_collectives * F.collective_time("all_reduce", act, t, a_tp, bw_tp)
-    tp_fwd_layer = tp_time(2, lf)
-    tp_bwd_layer = tp_time(4 if layout.recompute == "full" else 2, lb)
+    tp_fwd_layer = tp_time(2)
+    tp_bwd_layer = tp_time(4 if layout.recompute == "full" else 2)
+    if t > 1 and layout.sp and getattr(layout, "async_tp", False):
+        hop = async_tp_hop(hw, act / t, intra_node(layout, hw, "tp"))
+        kv = model.n_kv_heads * model.head_dim
+        up = (2 if model.mlp == "swiglu" else 1) * model.ffn
+        steps_f, steps_b = transformer_steps(lambda M, N, K: G.gemm_time(M, N, K, hw), tokens, h, h + 2 * kv,
+                                             up, model.ffn, t, dense_mlp=model.n_experts <= 1)
+        tp_fwd_layer = async_tp_layer(hop, steps_f, t)
+        tp_bwd_layer = async_tp_layer(hop, steps_b + (steps_f if layout.recompute == "full" else []), t)
     # CP per layer: ring attention passes K and V (this TP rank's heads) c-1 times, hop by
     # hop under the attention of the block in hand (1/c of this rank's attention)
     kv_local = max(1, model.n_kv_heads // t) * model.head_dim
