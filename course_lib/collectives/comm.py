@@ -183,7 +183,6 @@ class Comm:
         # which the flight recorder then looks up once, not once a message (flight.p2p)
         self.one_call = _built_by_an_algorithm()
         self._site = None
-        self._posters = {}   # (op, peer, tag) -> post, for a Comm of one algorithm call (poster())
         self._measuring = False
         self._thread = self._pending = None  # our algorithms' async calls run there, in order
 
@@ -232,9 +231,6 @@ class Comm:
         call (a ring: 2(N-1) and more). The same messages, counted and recorded alike; what
         they share (the process group's call, the recorder's call site and text) is looked
         up once. An empty tensor posts nothing and gets :data:`NOTHING`, whose wait returns."""
-        known = self._posters.get((op, peer, tag))
-        if known is not None:
-            return known
         if op not in ("send", "recv"):
             raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
 
@@ -256,8 +252,6 @@ class Comm:
                 return slow(tensor)   # torch's isend views complex as real; the device check; counting
             work = call([tensor], peer, tag)
             return work if track is None else track(work, tensor, shape, dtype)
-        if self.one_call:   # one algorithm call: its posters are reused (the recorder is not switched meanwhile)
-            self._posters[op, peer, tag] = post
         return post
 
     def _message(self, op, tensor, peer, tag, shape=None):
