@@ -6,6 +6,7 @@
     comm.reduce_scatter_tensor(out, inp); comm.all_gather_into_tensor(out, inp)
     comm.broadcast(t, src=0)                     # src is a rank of this group
     comm.exchange(send, to=comm.next, recv=buf, frm=comm.prev)   # point-to-point
+    post = comm.poster("send", comm.next); post(t).wait()       # many messages of one kind
     with comm.measuring():                       # bytes that left this rank, per call
         ...
     comm.log                                     # [CommCall(op, name, payload, sent)]
