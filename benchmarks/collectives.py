@@ -17,6 +17,10 @@ the segmented all-reduce runs once more with it off, to show what it costs.
 Goals: the segmented ring <= 1.1x gloo; its all-reduce < 1.3x gloo at 1, 4 and 16 MiB.
 The last column is the CPU time of one call summed over all ranks' threads (gloo's own
 included): 4 ranks on 2 cores keep both busy, so the time follows the CPU a collective uses.
+A second table gives, at 1, 4 and 16 MiB, the all-reduce's CPU in the calling thread alone
+(the median call; not inflated by other programs, unlike wall time) with the recorder on
+and off, and per message posted (gloo's calling thread only waits: its collective runs on
+gloo's threads).
 
 Part 2: gloo's all-reduce for 4 KiB .. 16 MiB on 2 .. 8 ranks, in ``--rounds`` rounds
 (each launches every world size once; a point keeps its fastest round, and within a
@@ -64,7 +68,7 @@ def _side_by_side(sizes, reps):
     import torch.distributed as dist
 
     from course_lib import compat
-    from course_lib.collectives import measure, ring
+    from course_lib.collectives import TrafficCounter, measure, ring
 
     N = dist.get_world_size()
     table = {}
@@ -92,6 +96,12 @@ def _side_by_side(sizes, reps):
         for coll in ("all_reduce", "reduce_scatter", "all_gather"):   # the cores both keep busy
             for who in ("ours", "gloo"):
                 table[(n_bytes, f"{coll} {who} cpu")] = cpu_seconds(ops[f"{coll} {who}"], max(3, reps // 3))
+        if n_bytes in ALL_REDUCE_GOAL_SIZES:                             # where the ring's own CPU goes
+            counter = TrafficCounter()
+            ring.all_reduce(x, validate=False, counter=counter)
+            table[(n_bytes, "all_reduce messages")] = 2 * counter.messages_sent     # sends and receives
+            for name in ("all_reduce ours", "all_reduce ours, recorder off", "all_reduce gloo"):
+                table[(n_bytes, f"{name} thread cpu")] = thread_cpu_seconds(ops[name], reps)
     return table
 
 
@@ -122,6 +132,26 @@ def cpu_seconds(op, reps):
     return used.item() / reps
 
 
+def thread_cpu_seconds(op, reps):
+    """CPU seconds of one call in the calling thread alone (the ring's Python, its posts and
+    reductions; gloo's collectives run on gloo's threads), the median of ``reps`` calls
+    averaged over ranks: CPU time is not inflated by other programs' waits, as wall time is."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    used = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.thread_time()
+        op()
+        used.append(time.thread_time() - start)
+    median = torch.tensor([statistics.median(used)], dtype=torch.float64)
+    dist.all_reduce(median)
+    return median.item() / dist.get_world_size()
+
+
 def report_side_by_side(table, sizes, scheduling, reps):
     """Print part 1's table; return the worst ours / gloo ratio."""
     print(f"\n## ours vs gloo, 4 ranks, threads=1, {scheduling} scheduling, median of {reps} "
@@ -146,6 +176,16 @@ def report_side_by_side(table, sizes, scheduling, reps):
         off, gloo = table[(n, "all_reduce ours, recorder off")], table[(n, "all_reduce gloo")]
         print(f"| all_reduce, flight recorder off | {size_text(n)} | {off * 1e3:.2f} | | {gloo * 1e3:.2f} | "
               f"{off / gloo:.2f}x | | |")
+    print("\n| all_reduce | messages a rank posts | calling thread's CPU per call: ours / recorder off / "
+          "gloo (us) | per message: ours / recorder off / the recorder's share (us) |")
+    print("|---|---|---|---|")
+    for n in ALL_REDUCE_GOAL_SIZES:
+        if (n, "all_reduce messages") in table:
+            msgs = table[(n, "all_reduce messages")]
+            on, off, gloo = (table[(n, f"all_reduce {who} thread cpu")] * 1e6
+                             for who in ("ours", "ours, recorder off", "gloo"))
+            print(f"| {size_text(n)} | {msgs} | {on:.0f} / {off:.0f} / {gloo:.0f} | "
+                  f"{on / msgs:.1f} / {off / msgs:.1f} / {(on - off) / msgs:.1f} |")
     print(f"\nworst ratio (ring vs gloo), {scheduling} scheduling: {worst:.2f}x")
     ratios = [table[(n, "all_reduce ours")] / table[(n, "all_reduce gloo")] for n in ALL_REDUCE_GOAL_SIZES]
     print(f"all_reduce at {', '.join(size_text(n) for n in ALL_REDUCE_GOAL_SIZES)} < 1.3x gloo: "

@@ -124,7 +124,7 @@ def message_records():
     import torch.distributed as dist
 
     from course_lib.collectives import ring
-    from course_lib.collectives.comm import Comm
+    from course_lib.collectives.comm import Comm, TrafficCounter
     from course_lib.debug import flight_recorder
     from course_lib.grading.traffic import counted_calls
 
@@ -140,10 +140,25 @@ def message_records():
     comm.irecv(b, comm.prev, tag=7).wait()                       # and one from this one
     w.wait()
     own = [r for r in rec.records() if r.index > start]
+    to_next, from_prev = comm.poster("send", comm.next, 5), comm.poster("recv", comm.prev, 5)  # this line
+    start, counter = rec.index, TrafficCounter()
+    handles = [from_prev(b), to_next(a), to_next(torch.ones(0)), from_prev(b[:0])]   # the empty: not sent
+    done = [h.wait() for h in handles]
+    posted = [(r.op, r.seq, r.tag, r.shapes, r.dtypes, r.site, r.state) for r in rec.records() if r.index > start]
+    counted = Comm(counter=counter)
+    counted.exchange(a, comm.next, b, comm.prev)
+    slow = counted.poster("recv", comm.prev, 6)(b[:3]), counted.poster("send", comm.next, 6)(a[:3])
+    [h.wait() for h in slow]
+    try:
+        comm.poster("sendrecv", 0)
+    except ValueError as e:
+        bad_op = str(e)
     with counted_calls() as calls:                               # dist.isend wrapped: still called
         ring.all_reduce(torch.ones(12), validate=False)
     return dict(total=x[0].item(), in_ring=[(r.op, r.seq, r.tag, r.shapes, r.site, r.state) for r in in_ring],
                 own=[(r.op, r.tag, r.site, r.state) for r in own], counted=sorted(c.op for c in calls.calls),
+                posted=posted, done=done, bad_op=bad_op, nothing=handles[2] is handles[3],
+                traffic=(counter.bytes_sent, counter.bytes_received, counter.messages_sent),
                 rank=dist.get_rank())
 
 
@@ -169,3 +184,12 @@ def test_messages_are_recorded_with_their_call_site_and_still_reach_wrapped_send
         assert [(op, tag) for op, tag, _, _ in out["own"]] == [("recv", 0), ("send", 0), ("send", 7), ("recv", 7)]
         assert {state for *_, state in out["own"]} == {"completed"}
         assert out["counted"] == ["irecv"] * 4 + ["isend"] * 4
+        # Comm.poster: the same records as post_send / post_recv (the site: the line that asked for it)
+        posted = out["posted"]
+        assert [p[:5] for p in posted] == [("recv", 1, 5, ((5,),), ("float32",)), ("send", 1, 5, ((5,),), ("float32",))]
+        assert {p[6] for p in posted} == {"completed"} and out["done"] == [True] * 4 and out["nothing"]
+        sites = {p[5] for p in posted}
+        assert len(sites) == 1 and sites.pop().startswith("message_records (")
+        assert {int(p[5].split(":")[-1].rstrip(")")) for p in posted} == {lines[2] + 4}
+        assert out["traffic"] == (20 + 12, 20 + 12, 2)       # a Comm's counter counts the poster's messages
+        assert "op must be 'send' or 'recv'" in out["bad_op"]

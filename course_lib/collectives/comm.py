@@ -6,6 +6,7 @@
     comm.reduce_scatter_tensor(out, inp); comm.all_gather_into_tensor(out, inp)
     comm.broadcast(t, src=0)                     # src is a rank of this group
     comm.exchange(send, to=comm.next, recv=buf, frm=comm.prev)   # point-to-point
+    post = comm.poster("send", comm.next); post(t).wait()       # many messages of one kind
     with comm.measuring():                       # bytes that left this rank, per call
         ...
     comm.log                                     # [CommCall(op, name, payload, sent)]
@@ -96,14 +97,15 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
-_ALGORITHMS = os.path.dirname(os.path.abspath(__file__))   # course_lib/collectives
+_THIS = os.path.abspath(__file__)
+_ALGORITHMS = os.path.dirname(_THIS) + os.sep   # course_lib/collectives/
 
 
 def _built_by_an_algorithm() -> bool:
     """Whether Comm(...) was written in a module of this package other than this one (whose
     Comm.of serves any caller). Such a Comm is a local of one algorithm call."""
     path = sys._getframe(2).f_code.co_filename   # 0: here, 1: __init__, 2: the line Comm(...)
-    return os.path.dirname(path) == _ALGORITHMS and os.path.basename(path) != "comm.py"
+    return path.startswith(_ALGORITHMS) and path != _THIS and os.sep not in path[len(_ALGORITHMS):]
 
 
 class Handle:
@@ -133,6 +135,20 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._span is None
+
+
+class _Nothing:
+    """The handle of a message that was not sent (an empty tensor): done already."""
+    __slots__ = ()
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+NOTHING = _Nothing()
 
 
 class Comm:
@@ -209,6 +225,35 @@ class Comm:
     def post_recv(self, tensor, peer: int, tag: int = 0):
         shape = tensor.shape
         return None if 0 in shape else self._message("recv", tensor, peer, tag, shape)
+
+    def poster(self, op: str, peer: int, tag: int = 0):
+        """``post(tensor)``: :meth:`post_send` (``op="send"``) or :meth:`post_recv` (``"recv"``)
+        with ``peer`` and ``tag`` fixed, for an algorithm that posts many such messages in one
+        call (a ring: 2(N-1) and more). The same messages, counted and recorded alike; what
+        they share (the process group's call, the recorder's call site and text) is looked
+        up once. An empty tensor posts nothing and gets :data:`NOTHING`, whose wait returns."""
+        if op not in ("send", "recv"):
+            raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
+
+        def slow(tensor):   # what post_send / post_recv do, for what the fast path leaves out
+            shape = tensor.shape
+            return NOTHING if 0 in shape else self._message(op, tensor, peer, tag, shape)
+        if trace.clock() is not None or (dist.isend, dist.irecv) != (_TORCH_ISEND, _TORCH_IRECV):
+            return slow   # priced on a virtual clock, or isend / irecv wrapped: every message through them
+        call = self._pg.send if op == "send" else self._pg.recv
+        track = flight.p2p_poster(self, op, peer, tag)
+        counter, cpu_only = self.counter, self._p2p_cpu_only
+
+        def post(tensor):
+            shape = tensor.shape
+            if 0 in shape:
+                return NOTHING
+            dtype = tensor.dtype
+            if dtype.is_complex or (cpu_only and not tensor.is_cpu) or counter is not None:
+                return slow(tensor)   # torch's isend views complex as real; the device check; counting
+            work = call([tensor], peer, tag)
+            return work if track is None else track(work, tensor, shape, dtype)
+        return post
 
     def _message(self, op, tensor, peer, tag, shape=None):
         """One message posted, counted, recorded. Called straight from the four methods above:
@@ -463,4 +508,4 @@ class Comm:
         return f"Comm(dim={self.dim or '-'}, rank {self.rank} of {self.size}, ranks={self.ranks}, impl={impl})"
 
 
-__all__ = ["Comm", "CommCall", "Handle", "TrafficCounter", "bytes_written", "IMPLS", "COLLECTIVES"]
+__all__ = ["Comm", "CommCall", "Handle", "NOTHING", "TrafficCounter", "bytes_written", "IMPLS", "COLLECTIVES"]

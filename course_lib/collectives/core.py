@@ -79,6 +79,12 @@ def reduce_(out, a, b, op):
     return out
 
 
+def reduction(op):
+    """The elementwise function of ``op``: ``f(a, b, out=out)`` sets out = a (op) b; what
+    :func:`reduce_` calls, looked up once by an algorithm that reduces many segments."""
+    return _OPS[getattr(op, "op", op)][0]
+
+
 def finish_avg(tensor, op, size):
     """AVG is SUM followed by a division by the group size."""
     if getattr(op, "op", op) == ReduceOp.AVG:

@@ -23,7 +23,7 @@ from course_lib.collectives.checks import (
     check_all_gather, check_all_gather_into_tensor, check_all_reduce, check_reduce_scatter,
     check_reduce_scatter_tensor)
 from course_lib.collectives.core import (
-    Comm, ReduceOp, chunks, collective, contiguous_flat, contiguous_flats, finish_avg, reduce_)
+    Comm, ReduceOp, chunks, collective, contiguous_flat, contiguous_flats, finish_avg, reduce_, reduction)
 
 
 def ring_schedule(world_size: int, phase: str, rank: int, step: int) -> tuple[int, int]:
@@ -151,23 +151,25 @@ def _reduce_scatter_ring(comm: Comm, pieces, out, op, prepost=True, segment_byte
     else:                                          # (N-1) x (n/N,) in all, one buffer per message
         landing = [torch.empty(n, dtype=out.dtype, device=out.device) for n in sizes]
         ahead = len(work) if prepost else 0
-    recvs = [comm.post_recv(landing[i], left) for i in range(ahead)]
-    sends = [comm.post_send(seg, right) for seg in segments(pieces[plan[0][0]], segment_bytes)]  # ours, as is
+    send, recv = comm.poster("send", right), comm.poster("recv", left)   # post(tensor) -> handle
+    combine = reduction(op)                                     # combine(a, b, out=c): c = a op b
+    recvs = [recv(landing[i]) for i in range(ahead)]
+    sends = [send(seg) for seg in segments(pieces[plan[0][0]], segment_bytes)]  # ours, as is
     for i, (mine, dst) in enumerate(work):
         if not prepost:
-            recvs.append(comm.post_recv(landing[i], left))
-        comm.wait(recvs[i])
+            recvs.append(recv(landing[i]))
+        recvs[i].wait()
         if not prepost:
             comm.wait(*sends)
             sends = []
         if i >= last:                                           # the result: ours op the rest
-            reduce_(dst, mine, landing[i], op)
+            combine(mine, landing[i], out=dst)
         else:                                                   # the rest op ours, passed on
             dst = dst if in_place else landing[i]
-            reduce_(dst, landing[i], mine, op)
-            sends.append(comm.post_send(dst, right))
+            combine(landing[i], mine, out=dst)
+            sends.append(send(dst))
         if prepost and len(recvs) < len(work):                  # landing[i]'s buffer is free again
-            recvs.append(comm.post_recv(landing[len(recvs)], left))
+            recvs.append(recv(landing[len(recvs)]))
     comm.wait(*sends)
     return out
 
@@ -176,7 +178,8 @@ def _post_gather_recvs(comm: Comm, outs, segment_bytes, tag):
     """The all-gather's receives, every segment of every step, in the order they arrive:
     (step, the segment it lands in, its posted receive) per message."""
     N, r = comm.size, comm.rank
-    return [(s, seg, comm.post_recv(seg, (r - 1) % N, tag)) for s in range(N - 1)
+    recv = comm.poster("recv", (r - 1) % N, tag)
+    return [(s, seg, recv(seg)) for s in range(N - 1)
             for seg in segments(outs[ring_schedule(N, "all_gather", r, s)[1]], segment_bytes)]
 
 
@@ -197,16 +200,17 @@ def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES
     if recvs is None:                              # (step, segment, receive) per message, in order
         recvs = (_post_gather_recvs(comm, outs, segment_bytes, tag) if prepost else
                  [(s, seg, None) for s, (_, c) in enumerate(plan) for seg in segments(outs[c], segment_bytes)])
-    sends = [comm.post_send(seg, right, tag) for seg in segments(outs[plan[0][0]], segment_bytes)]
+    send, recv_from_left = comm.poster("send", right, tag), comm.poster("recv", left, tag)
+    sends = [send(seg) for seg in segments(outs[plan[0][0]], segment_bytes)]
     for s, seg, recv in recvs:
         if not prepost:
-            recv = comm.post_recv(seg, left, tag)
-        comm.wait(recv)
+            recv = recv_from_left(seg)
+        recv.wait()
         if not prepost:
             comm.wait(*sends)
             sends = []
         if s < N - 2:
-            sends.append(comm.post_send(seg, right, tag))
+            sends.append(send(seg))
     comm.wait(*sends)
     return outs
 

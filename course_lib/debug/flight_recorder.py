@@ -222,6 +222,10 @@ class FlightRecorder:
         # site): encoded once and remembered, so a message costs one look-up and two copies into
         # the ring (numbers packed, not formatted), not a dozen str() calls.
         count, text = self._texts.get(fields) or self._remember(fields)
+        return self._put(count, text, state)
+
+    def _put(self, count, text, state):
+        """Copy an encoded record into the next slot: (its index, its slot's offset)."""
         with self._lock:
             index = self.index = self.index + 1
             seq = count[0] = count[0] + 1
@@ -434,6 +438,47 @@ def p2p(comm, op, tensor, peer, tag, work, shape=None, dtype=None):
                        tensor.device.index if rec.cuda_events and tensor.is_cuda else None)
 
 
+def p2p_poster(comm, op, peer, tag):
+    """What :func:`p2p` does for every message of one kind (``op``, ``peer``, ``tag``) that an
+    algorithm posts in one call, with what they share looked up once, not once a message:
+    ``track(work, tensor, shape, dtype)`` -> the tracked handle; None when no recorder is on.
+
+    The call site, the innermost span and the group are read when the algorithm asks for
+    it (before its first message; nothing opens a span between them), the encoded text
+    once per shape. Each message still gets its own record, index and sequence number,
+    states waiting and completed: the records are those :func:`p2p` writes."""
+    rec = _recorder
+    if rec is None:
+        return None
+    site = getattr(comm, "_site", None)
+    if site is None:
+        site = call_site(2)   # the layer's own frames are skipped: the algorithm's caller
+        if getattr(comm, "one_call", False):
+            comm._site = site
+    spans = trace.recorder()._open
+    head = (op, comm.dim, tuple(comm.ranks))
+    tail = (comm.ranks[peer], tag, "", spans[-1] if spans else "", site)
+    texts = {}   # shape -> (dtype, sequence counter, encoded text)
+    cuda = rec.cuda_events
+
+    def track(work, tensor, shape, dtype):
+        known = texts.get(shape)
+        if known is None or known[0] is not dtype:
+            fields = head + ((shape,), (dtype,)) + tail
+            known = texts[shape] = (dtype, *(rec._texts.get(fields) or rec._remember(fields)))
+        _, count, text = known
+        with rec._lock:   # (FlightRecorder._put, inline: this runs per message)
+            index = rec.index = rec.index + 1
+            seq = count[0] = count[0] + 1
+            offset = _HEADER_BYTES + ((index - 1) % rec.slots) * SLOT_BYTES
+            mm = rec._mm
+            mm[offset + _SLOT.size:offset + _SLOT.size + len(text)] = text
+            _SLOT.pack_into(mm, offset, b"i", len(text), index, seq)
+            _COUNT.pack_into(mm, 8, index)
+        return TrackedWork(work, rec, index, offset, tensor.device.index if cuda and tensor.is_cuda else None)
+    return track
+
+
 class TrackedWork(Entry):
     """A point-to-point work handle whose wait marks its record waiting, then completed
     (the record's Entry itself: one object a message)."""
@@ -463,5 +508,5 @@ class TrackedWork(Entry):
         return getattr(self._work, name)
 
 
-__all__ = ["Record", "FlightRecorder", "Entry", "TrackedWork", "SLOTS", "install", "recorder", "read",
+__all__ = ["Record", "FlightRecorder", "Entry", "TrackedWork", "SLOTS", "install", "recorder", "read", "p2p_poster",
            "parse", "check_slots", "comparable_shapes", "shape_text", "call_site"]
