@@ -20,6 +20,9 @@ run the same kernels on the same shapes), so:
 * :class:`MetaScalars`: on the meta device a tensor has no value; a read of one (``.item()``,
   ``float(loss)``, a token count, ``.tolist()``) reads 1 (it still costs what the clock says:
   the host waits for the stream). Nothing the program prices depends on these values.
+  Context parallelism's token positions are the exception: they are index arithmetic, not
+  data, so they keep their values on the host (the trim of a ring block's rows and keys
+  reads them), and an op that meets them with meta activations sees them moved to meta.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from course_lib import trace
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.mesh import Mesh, MeshShape
 from course_lib.virtual.clock import Message, RankClock
+from course_lib.virtual.compute import ComputeStream
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
@@ -123,6 +127,7 @@ class DryRankClock(RankClock):
 
     def __init__(self, cluster, rank: int, world_size: int, recorder, stages: Stages):
         super().__init__(cluster, rank, world_size, recorder)
+        self._mode = DryStream(self)
         self.stages = stages
         self._k = defaultdict(int)             # group -> collectives this rank issued on it
 
@@ -157,6 +162,19 @@ class DryRankClock(RankClock):
                                       f"another (only messages between pipeline stages run)")
         flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
         return Arrival(self, flow, (self.t, kind, latency, data, flow, src, comm.dim))
+
+
+class DryStream(ComputeStream):
+    """The compute stream of a running rank: a copy between the meta device and the host (a
+    meta tensor read by the host, ``.tolist()``; CP's positions, which keep values, moved next
+    to the activations) is free, as on the real launch the dry run equals, where both sides
+    are on one device and no copy runs (a read still waits for the stream)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _TO_COPY and args[0].is_meta != ((kwargs or {}).get("device", args[0].device).type == "meta"):
+            with self.clock.muted():
+                return super().__torch_dispatch__(func, types, args, kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class Arrival:
@@ -254,6 +272,8 @@ class MetaScalars(TorchDispatchMode):
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
         if func is _COPY and args[1].is_meta and not args[0].is_meta:   # (.tolist(), .cpu(): to the host)
             return args[0].fill_(1)
+        if _mixed(args):        # positions (values, on the host) meet the meta activations
+            args = tuple(_to_meta(a) for a in args)
         fresh = _FRESH.get(func)
         if fresh is None:
             fresh = _FRESH[func] = _makes_new_tensors(func)
@@ -284,6 +304,24 @@ def _makes_new_tensors(func) -> bool:
     if schema.is_mutable or not schema.returns:
         return False
     return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+
+
+def _mixed(args) -> bool:
+    """Whether an op's arguments mix meta tensors with tensors that have values."""
+    meta = host = False
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                meta, host = meta or t.is_meta, host or not t.is_meta
+    return meta and host
+
+
+def _to_meta(a):
+    if isinstance(a, torch.Tensor):
+        return a if a.is_meta else a.to("meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(t) for t in a)
+    return a
 
 
 def _meta(t):
