@@ -83,14 +83,31 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
     if gpt2 != (spec.norm == "layernorm") or gpt2 != spec.bias:
         raise ValueError(f"{spec.name}: the course's blocks are GPT-2 (GeLU, LayerNorm, biases) or Llama "
                          f"(SwiGLU, RMSNorm, no biases), not mlp={spec.mlp!r}, norm={spec.norm!r}, bias={spec.bias}")
-    if spec.n_experts > 1:
-        raise NotImplementedError(f"{spec.name}: the dry run does not run mixture-of-experts models yet "
-                                  f"(their routing reads token values, which the meta device does not have)")
     s = layout.seq_len or spec.seq_len
     return GPTConfig(vocab_size=spec.vocab, seq_len=s, n_layers=spec.n_layers, hidden=spec.hidden,
                      n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, ffn_hidden=spec.ffn,
                      block="gpt2" if gpt2 else "llama", tie_embeddings=spec.tied,
-                     recompute=layout.recompute if recompute is None else recompute)
+                     recompute=layout.recompute if recompute is None else recompute, **moe_config(spec, layout))
+
+
+def moe_config(spec: ModelSpec, layout: Layout) -> dict:
+    """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model). On the meta
+    device the router has no values: the dry run routes BALANCED (every top-k takes
+    :func:`~course_lib.virtual.priced.round_robin`'s experts: each expert T*k/E of a group's T
+    tokens, each EP rank sending T*k/ep rows to each peer), so the dispatch sizes are static and
+    no token is dropped at any capacity factor >= 1 (dropless prices the same: a real dropless
+    run's sizes follow its data, which a dry run does not have). The course's experts are GeLU
+    MLPs (:class:`~course_lib.moe.Expert`): a SwiGLU model's are not run."""
+    if spec.n_experts <= 1:
+        return {}
+    if spec.mlp != "gelu":
+        raise NotImplementedError(f"{spec.name}: the course's experts are GeLU MLPs (course_lib.moe.Expert), "
+                                  f"not {spec.mlp!r}")
+    if layout.cp > 1 or layout.tp > 1:
+        raise NotImplementedError(f"{spec.name}: the dry run routes an MoE's tokens on one rank (cp = tp = 1): "
+                                  f"over cp x tp the group's token places are gathered from ranks it folds")
+    return {"n_experts": spec.n_experts, "top_k": spec.top_k, "moe_dispatch": spec.moe_dispatch,
+            "capacity_factor": 1.25}
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
@@ -201,7 +218,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout)
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
-    shape = MeshShape(**layout.sizes)
+    shape = MeshShape(**layout.sizes, etp=layout.etp)
     cluster.check(shape.world_size)
     running = running_ranks(shape)
     with torch.device("meta"):
@@ -220,7 +237,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo,
+                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes, etp=layout.etp), device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
                                        optimizer=optimizer)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
@@ -273,4 +290,5 @@ def _watch(threads, records, began, every) -> None:
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
 
 
-__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "check_dry_run"]
+__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
+           "check_dry_run", "running_ranks"]

@@ -39,6 +39,7 @@ from course_lib.virtual.clock import Message, RankClock
 from course_lib.virtual.compute import ComputeStream
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_TOPK = torch.ops.aten.topk.default
 _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 WAIT = 1.0          # seconds between a waiting thread's checks that no other stage failed
 
@@ -219,15 +220,51 @@ class PricedComm(Comm):
 
     def _function(self, op):
         fn, who = super()._function(op)
-        return ((lambda *a, **kw: None), who) if who == "torch" else (fn, who)
+        return (_twins(op, self.rank, self.size), who) if who == "torch" else (fn, who)
+
+
+def _twins(op: str, me: int, n: int):
+    """A collective's backend call on the dry run: nothing moves. A meta tensor has no values;
+    a host tensor (an MoE's routing counts, expert ids: index arithmetic that keeps values)
+    gets what its folded twins would send, each holding what this rank holds."""
+    def run(*args, group=None, async_op=False, op=None, **kw):
+        host = [t for t in args if isinstance(t, torch.Tensor) and not t.is_meta]
+        if not host:
+            return None
+        clock = trace.clock()
+        with clock.muted() if clock is not None else _nothing():
+            _twin_values(name, args, me, n, op)
+        return None
+    name = op
+    return run
+
+
+def _twin_values(op, args, me, n, reduce_op) -> None:
+    sum_ = reduce_op is None or reduce_op == torch.distributed.ReduceOp.SUM
+    if op == "all_gather_into_tensor":
+        out, inp = args[:2]
+        out.view(n, *inp.shape).copy_(inp.expand(n, *inp.shape))
+    elif op == "all_to_all_single":
+        out, inp = args[:2]
+        if len(args) > 2 and any(a is not None for a in args[2:4]):
+            raise NotImplementedError("dry run: an uneven all-to-all of values on the host")
+        out.view(n, -1).copy_(inp.reshape(n, -1)[me].expand(n, -1))
+    elif op == "all_reduce":
+        if sum_:
+            args[0].mul_(n)
+    elif op == "reduce_scatter_tensor":
+        out, inp = args[:2]
+        out.copy_(inp.reshape(n, *out.shape)[me] * (n if sum_ else 1))
+    elif op not in ("broadcast", "barrier"):
+        raise NotImplementedError(f"dry run: {op} of values on the host")
 
 
 class StageMesh(Mesh):
     """The :class:`Mesh` of ``sizes`` seen from global rank ``rank``, every Comm a
     :class:`PricedComm` (nothing to build: no process group)."""
 
-    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
-        MeshShape.__init__(self, dp, pp, cp, tp, ep)
+    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1):
+        MeshShape.__init__(self, dp, pp, cp, tp, ep, etp)
         self.impl, self.rank = "torch", rank
         self.coord = self.coords(rank)
         self._comms = {}
@@ -272,6 +309,8 @@ class MetaScalars(TorchDispatchMode):
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
         if func is _COPY and args[1].is_meta and not args[0].is_meta:   # (.tolist(), .cpu(): to the host)
             return args[0].fill_(1)
+        if func is _TOPK and args[0].is_meta:
+            return _balanced_topk(*args, **kwargs)
         if _mixed(args):        # positions (values, on the host) meet the meta activations
             args = tuple(_to_meta(a) for a in args)
         fresh = _FRESH.get(func)
@@ -304,6 +343,47 @@ def _makes_new_tensors(func) -> bool:
     if schema.is_mutable or not schema.returns:
         return False
     return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+
+
+def round_robin(rows: int, n: int, k: int, device="cpu") -> torch.Tensor:
+    """(rows, k) int64: row r picks r*k, r*k + 1, ..., r*k + k-1 (mod n): every one of the n
+    choices picked rows*k/n times when n divides rows*k (balanced routing)."""
+    return (torch.arange(rows, device=device)[:, None] * k + torch.arange(k, device=device)) % n
+
+
+def _balanced_topk(x, k, dim=-1, largest=True, sorted=True):
+    """A top-k of values the meta device does not have (the MoE router's): the values on meta,
+    the indices on the host, :func:`round_robin` (balanced routing: see the module's docstring)."""
+    if dim not in (-1, x.dim() - 1):
+        raise NotImplementedError("dry run: a top-k along another dimension than the last")
+    n = x.shape[-1]
+    idx = round_robin(x.numel() // max(n, 1), n, k).view(*x.shape[:-1], k)
+    return torch.empty(idx.shape, dtype=x.dtype, device="meta"), idx
+
+
+class BalancedRouting(TorchDispatchMode):
+    """Every top-k (the MoE router's choice) takes :func:`round_robin`'s indices, values as
+    computed: what the dry run assumes of the routing, on a real run (tests compare the two).
+    Enter it inside the rank's virtual clock: the clock prices the top-k as it is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _TOPK:
+            clock = trace.clock()
+            with clock.muted() if clock is not None else _nothing():
+                values, idx = out
+                n, k = args[0].shape[-1], idx.shape[-1]
+                pattern = round_robin(idx.numel() // max(k, 1), n, k, idx.device).view(idx.shape)
+                out = (torch.gather(args[0], -1, pattern).to(values.dtype), pattern)
+        return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _mixed(args) -> bool:
@@ -342,4 +422,5 @@ def _key(x):
     return (type(x), x)     # (1 and 1.0 promote an integer tensor differently)
 
 
-__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars"]
+__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars", "BalancedRouting",
+           "round_robin"]
