@@ -103,7 +103,7 @@ def _to_meta(a):
     return a
 
 
-def _config(model, layers, n_experts=None):
+def _config(model, layers, n_experts=None, recompute="none"):
     """The course's GPTConfig of ``model`` at ``layers`` layers; a mixture of experts as the
     course runs it (GeLU experts, capacity factor 1.25; ``n_experts`` overrides the count)."""
     from course_lib.gpt import GPTConfig
@@ -112,21 +112,23 @@ def _config(model, layers, n_experts=None):
         moe = dict(n_experts=n_experts or model.n_experts, top_k=model.top_k, capacity_factor=1.25)
     return GPTConfig(vocab_size=model.vocab, seq_len=model.seq_len, n_layers=layers, hidden=model.hidden,
                      n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn,
-                     block="gpt2" if model.mlp == "gelu" else "llama", tie_embeddings=model.tied, **moe)
+                     block="gpt2" if model.mlp == "gelu" else "llama", tie_embeddings=model.tied,
+                     recompute=recompute, **moe)
 
 
 @functools.lru_cache(maxsize=64)
-def trace_step(model, hw, b: int, s: int, itemsize: int = 2) -> dict:
+def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none") -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
     "tensors_outside" (parameter tensors); "adamw_per_element": one AdamW step as torch runs it
     on CUDA (its ops per step, bytes and time per element). Traced on the meta device at two
-    depths: a block is their difference."""
+    depths: a block is their difference. ``recompute``: the blocks' policy (GPTConfig's), its
+    forward again inside the backward."""
     from course_lib.gpt import TinyGPT
 
     def run(layers, n_experts=None):
-        cfg = _config(model, layers, n_experts)
+        cfg = _config(model, layers, n_experts, recompute)
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
             x = torch.zeros(b, s, dtype=torch.long)

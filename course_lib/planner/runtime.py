@@ -101,7 +101,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     first, last = stage == 0, stage == p - 1
-    k = trace_step(model, hw, b, s)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute)   # (recomputation: in the backward)
     split = t * c                                    # each rank's share of a layer's elements
 
     def run(kern, n=1):                              # n copies of a traced part, on 1/split of its elements
