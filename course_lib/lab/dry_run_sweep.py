@@ -110,14 +110,22 @@ def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | N
     (the planner is instant, the dry runs take minutes: a saved sweep compares a changed
     planner at once); the runs made here are added to it, and ``saved(dry)`` called after each."""
     dry = {} if dry is None else dry
-    rows = []
+    rows, failed = [], []
     for name, hw, layout in sweep_layouts(n, seed):
         key = f"{name} | {hw} | {layout!r}"
         if key not in dry:
-            dry[key] = dry_result(name, hw, layout)
+            try:
+                dry[key] = dry_result(name, hw, layout)
+            except (RuntimeError, NotImplementedError) as e:     # the dry run's limits: said, not hidden
+                dry[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
             if saved is not None:
                 saved(dry)
         d = dry[key]
+        if "error" in d:
+            failed.append((name, hw, layout.describe(), d["error"]))
+            if progress:
+                print(f"dry run failed: {name} {hw} {layout.describe()}: {d['error']}", flush=True)
+            continue
         est = estimate(name, hw, layout, runtime="course")
         row = {"model": get_model(name).name, "GPU": hw, "layout": layout.describe(),
                "planner_s": est.step_time, "dry_s": d["step_time"], "time_diff": est.step_time / d["step_time"] - 1,

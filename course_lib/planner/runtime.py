@@ -89,6 +89,9 @@ def tp_calls(layout, first: bool, last: bool, n_layers: int) -> dict:
                  ("bwd", "all_gather"): bwd_ag, ("bwd", "reduce_scatter"): bwd_rs}
     else:
         calls = {("fwd", "all_reduce"): 2 * n_layers + first, ("bwd", "all_reduce"): 2 * n_layers + last}
+    if layout.recompute == "full":        # the blocks' forward again in the backward, its TP calls too
+        for kind in (("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)):
+            calls[("bwd", kind)] += 2 * n_layers
     if last:
         calls[("fwd", "loss")] = 2
     return calls
