@@ -15,9 +15,11 @@ chapters 6 and 9, TP + SP, DDP / FSDP, recompute), then AdamW. Every tensor live
 device (shapes, no data); every op is priced by the clock's compute stream, every message and
 collective by its links (:mod:`.clock`, :mod:`.links`): the same pricing code as any virtual run.
 
-Ranks that do identical work run once (:mod:`.priced`): one rank per pipeline stage, the one
-at dp = cp = tp = 0, each in a thread of this process; its tp / dp twins would issue every
-collective at the same instant, so a collective starts when its running members are ready.
+Ranks that do identical work run once (:mod:`.priced`): per pipeline stage, the ranks at
+dp = tp = 0 (every cp rank: :func:`running_ranks`), each in a thread of this process; their
+tp / dp / ep twins would issue every collective at the same instant, so a collective starts
+when its running members are ready. A mixture of experts is routed balanced
+(:func:`moe_config`).
 Pipeline messages travel between the stages' threads with their start times, in the
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
