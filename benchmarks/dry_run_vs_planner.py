@@ -2,7 +2,7 @@
 
     python benchmarks/dry_run_vs_planner.py              # 54 layouts (minutes on 2 cores)
     python benchmarks/dry_run_vs_planner.py -n 6 --seed 1
-    python benchmarks/dry_run_vs_planner.py --saved benchmarks/dry_run_vs_planner.json
+    python benchmarks/dry_run_vs_planner.py --saved benchmarks/dry_run_vs_planner.json --saved-only
 
 ``--saved FILE``: the dry runs already made are read from FILE (JSON) and the new ones
 written back (the planner is re-run every time: a changed planner is compared at once).
@@ -24,6 +24,7 @@ def main(argv=None):
     ap.add_argument("-n", type=int, default=54, help="layouts (cycling over models x GPUs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--saved", help="JSON file of dry runs already made (read, then updated)")
+    ap.add_argument("--saved-only", action="store_true", help="only the layouts --saved holds (instant)")
     args = ap.parse_args(argv)
     dry = {}
     if args.saved and os.path.exists(args.saved):
@@ -33,7 +34,8 @@ def main(argv=None):
     def save(runs):
         with open(args.saved, "w") as f:
             json.dump(runs, f, indent=0, sort_keys=True)
-    rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None)
+    rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None,
+                      run_missing=not args.saved_only)
     print()
     print(format_rows(rows))
     for part in rows[0]["dry_parts"]:

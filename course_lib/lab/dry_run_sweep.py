@@ -105,14 +105,17 @@ def dry_result(name, hw, layout) -> dict:
 
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
-               saved=None) -> list[dict]:
+               saved=None, run_missing: bool = True) -> list[dict]:
     """The rows of :func:`sweep_layouts`. ``dry``: {layout key: :func:`dry_result`} already run
     (the planner is instant, the dry runs take minutes: a saved sweep compares a changed
-    planner at once); the runs made here are added to it, and ``saved(dry)`` called after each."""
+    planner at once); the runs made here are added to it, and ``saved(dry)`` called after each.
+    ``run_missing=False``: only the layouts ``dry`` holds."""
     dry = {} if dry is None else dry
     rows, failed = [], []
     for name, hw, layout in sweep_layouts(n, seed):
         key = f"{name} | {hw} | {layout!r}"
+        if key not in dry and not run_missing:
+            continue
         if key not in dry:
             try:
                 dry[key] = dry_result(name, hw, layout)
