@@ -199,7 +199,8 @@ class NDParallel(PipelineRuntime):
         x, y = x.chunk(s["dp"])[c["dp"]], y.chunk(s["dp"])[c["dp"]]
         pos = None
         if s["cp"] > 1:
-            pos = shard_positions(x.shape[1], s["cp"], c["cp"], self.cp_layout, x.device, doc_ids)
+            at = "cpu" if x.is_meta else x.device       # (a dry run's tokens have no values; positions do)
+            pos = shard_positions(x.shape[1], s["cp"], c["cp"], self.cp_layout, at, doc_ids)
             x, y = x[:, pos], y[:, pos]
         return x, y, pos
 

@@ -87,8 +87,9 @@ class Bucket:
         p, view = self.params[k], self.grad_view(k)
         if p.grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():  # after a step p.grad may already BE the view
-            view.copy_(p.grad)
+        elif p.grad._base is not self.buffer or p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)                      # (after a step p.grad may already BE the view;
+            # the base too: on the meta device every fresh tensor's data_ptr is 0, the first view's too)
         self.flags[k] = p.grad is not None
         self.filled[k] = True
 

@@ -126,10 +126,13 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None, runtime
 
     # tail: each stage's exposed DP communication and optimizer, after its last backward
     finish, slack = [], 0.0
+    # the course's program sums the gradients after the schedule (GradSync.finish), where
+    # the published systems overlap them with the last backward (runtime.py's module doc)
+    overlap = layout.overlap_dp and runtime != "course"
     for st, op in zip(stages, ops):
         # the last backward op (and its send, on stages after the first) hides the gradient ring
-        window_b = st.bwd_time / v + (st.p2p if st.stage > 0 else 0.0) if layout.overlap_dp else 0.0
-        window_f = st.fwd_time / v if layout.overlap_dp else 0.0
+        window_b = st.bwd_time / v + (st.p2p if st.stage > 0 else 0.0) if overlap else 0.0
+        window_f = st.fwd_time / v if overlap else 0.0
         tail = (max(0.0, st.grad_sync - window_b) + st.loss_sync + st.optimizer
                 + max(0.0, st.param_gather - window_f))
         finish.append((t_pipe - slack + tail, tail, st))

@@ -58,7 +58,12 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if func is _TOPK and args[0].is_meta:        # a router's choice: balanced (see balanced_topk)
+            out = balanced_topk(*args, **kwargs)
+        else:
+            if _mixed(args):                         # routing indices (values) meet meta activations
+                args = tuple(_to_meta(a) for a in args)
+            out = func(*args, **kwargs)
         cost = op_cost(func, args, kwargs, out, self.itemsize)
         if cost is not None:
             t = self.model.roofline(*cost) if self.model is not None else 0.0
@@ -68,25 +73,62 @@ class KernelCounter(TorchDispatchMode):
         return out
 
 
-def _config(model, layers):
+_TOPK = torch.ops.aten.topk.default
+
+
+def balanced_topk(x, k, dim=-1, largest=True, sorted=True):
+    """A top-k of meta values (an MoE router's): the values on meta, the indices on the host,
+    row r choosing r*k, ..., r*k + k-1 (mod n): balanced routing, every expert T*k/E of T
+    tokens (the dry run's assumption, ``course_lib.virtual.priced.round_robin``)."""
+    n = x.shape[-1]
+    rows = x.numel() // max(n, 1)
+    idx = ((torch.arange(rows)[:, None] * k + torch.arange(k)) % n).view(*x.shape[:-1], k)
+    return torch.empty(idx.shape, dtype=x.dtype, device="meta"), idx
+
+
+def _mixed(args) -> bool:
+    meta = host = False
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                meta, host = meta or t.is_meta, host or not t.is_meta
+    return meta and host
+
+
+def _to_meta(a):
+    if isinstance(a, torch.Tensor):
+        return a if a.is_meta else a.to("meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(t) for t in a)
+    return a
+
+
+def _config(model, layers, n_experts=None, recompute="none"):
+    """The course's GPTConfig of ``model`` at ``layers`` layers; a mixture of experts as the
+    course runs it (GeLU experts, capacity factor 1.25; ``n_experts`` overrides the count)."""
     from course_lib.gpt import GPTConfig
+    moe = {}
+    if model.n_experts > 1:
+        moe = dict(n_experts=n_experts or model.n_experts, top_k=model.top_k, capacity_factor=1.25)
     return GPTConfig(vocab_size=model.vocab, seq_len=model.seq_len, n_layers=layers, hidden=model.hidden,
                      n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn,
-                     block="gpt2" if model.mlp == "gelu" else "llama", tie_embeddings=model.tied)
+                     block="gpt2" if model.mlp == "gelu" else "llama", tie_embeddings=model.tied,
+                     recompute=recompute, **moe)
 
 
 @functools.lru_cache(maxsize=64)
-def trace_step(model, hw, b: int, s: int, itemsize: int = 2) -> dict:
+def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none") -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
     "tensors_outside" (parameter tensors); "adamw_per_element": one AdamW step as torch runs it
     on CUDA (its ops per step, bytes and time per element). Traced on the meta device at two
-    depths: a block is their difference."""
+    depths: a block is their difference. ``recompute``: the blocks' policy (GPTConfig's), its
+    forward again inside the backward."""
     from course_lib.gpt import TinyGPT
 
-    def run(layers):
-        cfg = _config(model, layers)
+    def run(layers, n_experts=None):
+        cfg = _config(model, layers, n_experts, recompute)
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
             x = torch.zeros(b, s, dtype=torch.long)
@@ -101,7 +143,14 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2) -> dict:
         return sum((c.by_op.get(k, Kernels()) for k in names), Kernels())
     emb_f, emb_b = part(f1, ("embedding",)), part(b1, ("embedding_dense_backward",))
     layer_f, layer_b = f2.total - f1.total, b2.total - b1.total
+    per_expert = (0, 0)
+    if model.n_experts > 1:   # kernels one more expert adds to a layer (its loop), fwd and bwd
+        half = max(model.top_k, model.n_experts // 2)
+        if half < model.n_experts:
+            (hf, hb, _), fewer = run(1, half), model.n_experts - half
+            per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
+            "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
             "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1),
             "adamw_per_element": _adamw(hw, itemsize)}

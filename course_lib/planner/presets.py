@@ -71,6 +71,13 @@ MODELS = {
     # a mixture of experts, for expert parallelism (Jiang et al. 2024): 8 experts, top-2
     "mixtral-8x7b": ModelSpec("Mixtral 8x7B", 32, 4096, 32, 8, 14336, 32000, 4096,
                               n_experts=8, top_k=2),
+    # a GPT MoE: the 1.3B GPT base of DeepSpeed-MoE (Rajbhandari et al. 2022: 24
+    # layers, hidden 2048, 16 heads, s 2048; Megatron's padded vocabulary 51200) with every MLP
+    # a mixture of 8 GeLU experts of width 4h, top-2 (Mixtral's routing, Jiang et al. 2024;
+    # GeLU experts as GShard's, Lepikhin et al. 2020): the course's own MoE block
+    # (course_lib.moe), so the planner and the dry run take the same model
+    "gpt-1.3b-moe-8x": ModelSpec("GPT 1.3B MoE 8x top-2", 24, 2048, 16, 16, 8192, 51200, 2048, mlp="gelu",
+                                 tied=True, bias=True, norm="layernorm", learned_pos=2048, n_experts=8, top_k=2),
 }
 
 

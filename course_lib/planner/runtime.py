@@ -89,6 +89,9 @@ def tp_calls(layout, first: bool, last: bool, n_layers: int) -> dict:
                  ("bwd", "all_gather"): bwd_ag, ("bwd", "reduce_scatter"): bwd_rs}
     else:
         calls = {("fwd", "all_reduce"): 2 * n_layers + first, ("bwd", "all_reduce"): 2 * n_layers + last}
+    if layout.recompute == "full":        # the blocks' forward again in the backward, its TP calls too
+        for kind in (("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)):
+            calls[("bwd", kind)] += 2 * n_layers
     if last:
         calls[("fwd", "loss")] = 2
     return calls
@@ -101,7 +104,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     first, last = stage == 0, stage == p - 1
-    k = trace_step(model, hw, b, s)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute)   # (recomputation: in the backward)
     split = t * c                                    # each rank's share of a layer's elements
 
     def run(kern, n=1):                              # n copies of a traced part, on 1/split of its elements
@@ -110,10 +113,16 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     for part, here in (("embedding", first), ("head", last)):
         if here:
             fwd_k, bwd_k = fwd_k + run(k[part + "_fwd"]), bwd_k + run(k[part + "_bwd"])
-    # (every kernel at its own roofline is "compute"; the course has no EP in this model)
+    # (every kernel at its own roofline is "compute")
     fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
     bwd = {**fwd, "compute": bwd_k.time}
     calls = {}
+    ep_f, ep_b = moe_parts(model, hw, layout, k, n_layers)
+    fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time)
+    bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
+    if layout.ep * layout.etp > 1:
+        fwd["ep"] = bwd["ep"] = n_layers * ep_time(model, hw, layout, b * s / c)
+        calls["ep"] = m * n_layers * 2 * 3     # counts, dispatch, combine; forward and backward
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
     copies = 0                                       # TP's own kernels per micro-batch (see below)
@@ -158,10 +167,13 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if p > 1:
         calls["pp"] = m * ((not last) + (not first))
 
-    # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP)
+    # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP);
+    # an MoE's experts cut by the expert mesh (ep x etp), not by TP
     parts = F.param_breakdown(model)
     norms = n_layers * 2 * model.hidden + (model.hidden if last else 0)
-    weights = (n_layers * (parts["per_layer"] - 2 * model.hidden) + (parts["embedding"] if first else 0)
+    expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
+    experts = n_layers * expert_layer / (layout.ep * layout.etp)
+    weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
                + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
     tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
     norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
@@ -192,7 +204,15 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                         + ((len(units) + norm_tensors) if layout.sp and t > 1 else 0))
         bwd["launch"] += fsdp_kernels * max(hw.launch_overhead, hw.kernel_floor)
     else:
-        for n_params, n_tensors, dims in ((weights, tensors - norm_tensors, replicas),
+        expert_tensors = n_layers * 4 * model.n_experts // (layout.ep * layout.etp) if experts else 0
+        edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
+        if experts and edp > 1:      # the experts' gradients over the ranks holding the same experts
+            buckets = max(1, math.ceil(experts * 4 / BUCKET_CAP_BYTES))
+            alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
+            tail += buckets * F.collective_time("all_reduce", experts * 2 / buckets, edp, alpha, bw)
+            calls["edp"] = buckets
+            sync_kernels += 2 * expert_tensors + buckets
+        for n_params, n_tensors, dims in ((weights, tensors - norm_tensors - expert_tensors, replicas),
                                           (norms, norm_tensors, replicas + ("tp",))):
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
             if n_params <= 0 or _size(layout, dims) <= 1:
@@ -209,7 +229,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         calls["+".join(loss_dims)] = calls.get("+".join(loss_dims), 0) + 1
     shard = _size(layout, replicas) if layout.zero >= 1 else 1
     adam = k["adamw_per_element"]
-    n_local = (weights + norms) / shard
+    n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
     optimizer = adam.scaled(n_local).seconds(hw) + sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
     kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count + sync_kernels
@@ -217,4 +237,33 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                 kernels=kernels, calls=calls)
 
 
-__all__ = ["stage_parts", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
+def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
+    """(forward, backward) kernels per micro-batch that an MoE stage does NOT launch on an EP
+    rank: the traced layer runs all E experts (one device), an ep x etp rank E / (ep etp)
+    (the same rows in all: balanced routing, T k of them)."""
+    if model.n_experts <= 1 or layout.ep * layout.etp == 1:
+        return 0, 0
+    gone = model.n_experts - model.n_experts // (layout.ep * layout.etp)
+    per_f, per_b = k["per_expert_kernels"]
+    return round(n_layers * gone * per_f), round(n_layers * gone * per_b)
+
+
+def ep_time(model, hw, layout, tokens) -> float:
+    """Seconds of one MoE layer's forward exchanges on the expert mesh, balanced routing:
+    the expert counts' all-to-all, then dispatch and combine (:func:`F.moe_dispatch_payloads`;
+    the backward the same), the ep group folded over the stage's dp ranks (tp = cp = 1 here)."""
+    stride = layout.tp * layout.cp * layout.pp
+    alpha, bw = hw.link((layout.ep * layout.etp - 1) * stride < hw.gpus_per_node)
+    gather = model.moe_dispatch == "all_gather"
+    n = {"all_to_all": layout.ep, "all_gather": layout.ep * layout.etp if gather else layout.etp}
+    n["reduce_scatter"] = n["all_gather"]
+    calls = {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}
+    payloads = F.moe_dispatch_payloads(tokens, model.hidden, model.top_k, layout.ep, layout.etp,
+                                       model.moe_dispatch)
+    out = sum(calls[kind] * F.collective_time(kind, nb / calls[kind], n[kind], alpha, bw)
+              for kind, nb in payloads.items() if n[kind] > 1)
+    counts = F.collective_time("all_to_all", model.n_experts * 8, layout.ep, alpha, bw) if not gather else 0.0
+    return out + counts
+
+
+__all__ = ["stage_parts", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]

@@ -15,9 +15,11 @@ chapters 6 and 9, TP + SP, DDP / FSDP, recompute), then AdamW. Every tensor live
 device (shapes, no data); every op is priced by the clock's compute stream, every message and
 collective by its links (:mod:`.clock`, :mod:`.links`): the same pricing code as any virtual run.
 
-Ranks that do identical work run once (:mod:`.priced`): one rank per pipeline stage, the one
-at dp = cp = tp = 0, each in a thread of this process; its tp / dp twins would issue every
-collective at the same instant, so a collective starts when its running members are ready.
+Ranks that do identical work run once (:mod:`.priced`): per pipeline stage, the ranks at
+dp = tp = 0 (every cp rank: :func:`running_ranks`), each in a thread of this process; their
+tp / dp / ep twins would issue every collective at the same instant, so a collective starts
+when its running members are ready. A mixture of experts is routed balanced
+(:func:`moe_config`).
 Pipeline messages travel between the stages' threads with their start times, in the
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
@@ -83,14 +85,31 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
     if gpt2 != (spec.norm == "layernorm") or gpt2 != spec.bias:
         raise ValueError(f"{spec.name}: the course's blocks are GPT-2 (GeLU, LayerNorm, biases) or Llama "
                          f"(SwiGLU, RMSNorm, no biases), not mlp={spec.mlp!r}, norm={spec.norm!r}, bias={spec.bias}")
-    if spec.n_experts > 1:
-        raise NotImplementedError(f"{spec.name}: the dry run does not run mixture-of-experts models yet "
-                                  f"(their routing reads token values, which the meta device does not have)")
     s = layout.seq_len or spec.seq_len
     return GPTConfig(vocab_size=spec.vocab, seq_len=s, n_layers=spec.n_layers, hidden=spec.hidden,
                      n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, ffn_hidden=spec.ffn,
                      block="gpt2" if gpt2 else "llama", tie_embeddings=spec.tied,
-                     recompute=layout.recompute if recompute is None else recompute)
+                     recompute=layout.recompute if recompute is None else recompute, **moe_config(spec, layout))
+
+
+def moe_config(spec: ModelSpec, layout: Layout) -> dict:
+    """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model). On the meta
+    device the router has no values: the dry run routes BALANCED (every top-k takes
+    :func:`~course_lib.virtual.priced.round_robin`'s experts: each expert T*k/E of a group's T
+    tokens, each EP rank sending T*k/ep rows to each peer), so the dispatch sizes are static and
+    no token is dropped at any capacity factor >= 1 (dropless prices the same: a real dropless
+    run's sizes follow its data, which a dry run does not have). The course's experts are GeLU
+    MLPs (:class:`~course_lib.moe.Expert`): a SwiGLU model's are not run."""
+    if spec.n_experts <= 1:
+        return {}
+    if spec.mlp != "gelu":
+        raise NotImplementedError(f"{spec.name}: the course's experts are GeLU MLPs (course_lib.moe.Expert), "
+                                  f"not {spec.mlp!r}")
+    if layout.cp > 1 or layout.tp > 1:
+        raise NotImplementedError(f"{spec.name}: the dry run routes an MoE's tokens on one rank (cp = tp = 1): "
+                                  f"over cp x tp the group's token places are gathered from ranks it folds")
+    return {"n_experts": spec.n_experts, "top_k": spec.top_k, "moe_dispatch": spec.moe_dispatch,
+            "capacity_factor": 1.25}
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
@@ -185,9 +204,6 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
         raise TypeError(f"layout must be a course_lib Layout, got {type(layout).__name__}")
     cfg = model_config(spec, layout)
     check_layout(cfg, layout)
-    if layout.cp > 1:
-        raise NotImplementedError("the dry run does not fold context parallelism yet (cp > 1): its ring "
-                                  "messages run between ranks the dry run folds")
     return cfg
 
 
@@ -204,9 +220,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout)
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
-    shape = MeshShape(**layout.sizes)
+    shape = MeshShape(**layout.sizes, etp=layout.etp)
     cluster.check(shape.world_size)
-    running = [shape.rank_of(pp=i) for i in range(layout.pp)]
+    running = running_ranks(shape)
     with torch.device("meta"):
         model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
     stages, out, records = Stages(running), {}, {}
@@ -223,7 +239,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes), device="meta", memo=rec.memo,
+                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes, etp=layout.etp), device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
                                        optimizer=optimizer)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
@@ -252,6 +268,14 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                   sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg)
 
 
+def running_ranks(shape: MeshShape) -> list:
+    """The ranks the dry run runs: dp = tp = 0 of every pipeline stage and every cp rank. The
+    cp ranks all run (not folded): under the zigzag split they do equal work but not the same
+    kernels (rank 0's later ring blocks are (s/2N, s/N) rows x keys, rank N-1's (s/N, s/2N)),
+    so their times differ by a little, and the ring's messages run between them for real."""
+    return [shape.rank_of(pp=i, cp=j) for i in range(shape.sizes["pp"]) for j in range(shape.sizes["cp"])]
+
+
 def _watch(threads, records, began, every) -> None:
     """Wait for the stages; every ``every`` seconds, say where the first and last stand."""
     last = time.perf_counter()
@@ -268,4 +292,5 @@ def _watch(threads, records, began, every) -> None:
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
 
 
-__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "check_dry_run"]
+__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
+           "check_dry_run", "running_ranks"]

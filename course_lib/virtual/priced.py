@@ -20,6 +20,9 @@ run the same kernels on the same shapes), so:
 * :class:`MetaScalars`: on the meta device a tensor has no value; a read of one (``.item()``,
   ``float(loss)``, a token count, ``.tolist()``) reads 1 (it still costs what the clock says:
   the host waits for the stream). Nothing the program prices depends on these values.
+  Context parallelism's token positions are the exception: they are index arithmetic, not
+  data, so they keep their values on the host (the trim of a ring block's rows and keys
+  reads them), and an op that meets them with meta activations sees them moved to meta.
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ from course_lib import trace
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.mesh import Mesh, MeshShape
 from course_lib.virtual.clock import Message, RankClock
+from course_lib.virtual.compute import ComputeStream
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_TOPK = torch.ops.aten.topk.default
 _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 WAIT = 1.0          # seconds between a waiting thread's checks that no other stage failed
 
@@ -123,6 +128,7 @@ class DryRankClock(RankClock):
 
     def __init__(self, cluster, rank: int, world_size: int, recorder, stages: Stages):
         super().__init__(cluster, rank, world_size, recorder)
+        self._mode = DryStream(self)
         self.stages = stages
         self._k = defaultdict(int)             # group -> collectives this rank issued on it
 
@@ -157,6 +163,19 @@ class DryRankClock(RankClock):
                                       f"another (only messages between pipeline stages run)")
         flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
         return Arrival(self, flow, (self.t, kind, latency, data, flow, src, comm.dim))
+
+
+class DryStream(ComputeStream):
+    """The compute stream of a running rank: a copy between the meta device and the host (a
+    meta tensor read by the host, ``.tolist()``; CP's positions, which keep values, moved next
+    to the activations) is free, as on the real launch the dry run equals, where both sides
+    are on one device and no copy runs (a read still waits for the stream)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _TO_COPY and args[0].is_meta != ((kwargs or {}).get("device", args[0].device).type == "meta"):
+            with self.clock.muted():
+                return super().__torch_dispatch__(func, types, args, kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class Arrival:
@@ -201,15 +220,51 @@ class PricedComm(Comm):
 
     def _function(self, op):
         fn, who = super()._function(op)
-        return ((lambda *a, **kw: None), who) if who == "torch" else (fn, who)
+        return (_twins(op, self.rank, self.size), who) if who == "torch" else (fn, who)
+
+
+def _twins(op: str, me: int, n: int):
+    """A collective's backend call on the dry run: nothing moves. A meta tensor has no values;
+    a host tensor (an MoE's routing counts, expert ids: index arithmetic that keeps values)
+    gets what its folded twins would send, each holding what this rank holds."""
+    def run(*args, group=None, async_op=False, op=None, **kw):
+        host = [t for t in args if isinstance(t, torch.Tensor) and not t.is_meta]
+        if not host:
+            return None
+        clock = trace.clock()
+        with clock.muted() if clock is not None else _nothing():
+            _twin_values(name, args, me, n, op)
+        return None
+    name = op
+    return run
+
+
+def _twin_values(op, args, me, n, reduce_op) -> None:
+    sum_ = reduce_op is None or reduce_op == torch.distributed.ReduceOp.SUM
+    if op == "all_gather_into_tensor":
+        out, inp = args[:2]
+        out.view(n, *inp.shape).copy_(inp.expand(n, *inp.shape))
+    elif op == "all_to_all_single":
+        out, inp = args[:2]
+        if len(args) > 2 and any(a is not None for a in args[2:4]):
+            raise NotImplementedError("dry run: an uneven all-to-all of values on the host")
+        out.view(n, -1).copy_(inp.reshape(n, -1)[me].expand(n, -1))
+    elif op == "all_reduce":
+        if sum_:
+            args[0].mul_(n)
+    elif op == "reduce_scatter_tensor":
+        out, inp = args[:2]
+        out.copy_(inp.reshape(n, *out.shape)[me] * (n if sum_ else 1))
+    elif op not in ("broadcast", "barrier"):
+        raise NotImplementedError(f"dry run: {op} of values on the host")
 
 
 class StageMesh(Mesh):
     """The :class:`Mesh` of ``sizes`` seen from global rank ``rank``, every Comm a
     :class:`PricedComm` (nothing to build: no process group)."""
 
-    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
-        MeshShape.__init__(self, dp, pp, cp, tp, ep)
+    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1):
+        MeshShape.__init__(self, dp, pp, cp, tp, ep, etp)
         self.impl, self.rank = "torch", rank
         self.coord = self.coords(rank)
         self._comms = {}
@@ -262,6 +317,10 @@ class MetaScalars(TorchDispatchMode):
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
         if func is _COPY and args[1].is_meta and not args[0].is_meta:   # (.tolist(), .cpu(): to the host)
             return args[0].fill_(1)
+        if func is _TOPK and args[0].is_meta:
+            return _balanced_topk(*args, **kwargs)
+        if _mixed(args):        # positions (values, on the host) meet the meta activations
+            args = tuple(_to_meta(a) for a in args)
         fresh = _FRESH.get(func)
         if fresh is None:
             fresh = _FRESH[func] = _makes_new_tensors(func)
@@ -294,6 +353,65 @@ def _makes_new_tensors(func) -> bool:
     return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
 
 
+def round_robin(rows: int, n: int, k: int, device="cpu") -> torch.Tensor:
+    """(rows, k) int64: row r picks r*k, r*k + 1, ..., r*k + k-1 (mod n): every one of the n
+    choices picked rows*k/n times when n divides rows*k (balanced routing)."""
+    return (torch.arange(rows, device=device)[:, None] * k + torch.arange(k, device=device)) % n
+
+
+def _balanced_topk(x, k, dim=-1, largest=True, sorted=True):
+    """A top-k of values the meta device does not have (the MoE router's): the values on meta,
+    the indices on the host, :func:`round_robin` (balanced routing: see the module's docstring)."""
+    if dim not in (-1, x.dim() - 1):
+        raise NotImplementedError("dry run: a top-k along another dimension than the last")
+    n = x.shape[-1]
+    idx = round_robin(x.numel() // max(n, 1), n, k).view(*x.shape[:-1], k)
+    return torch.empty(idx.shape, dtype=x.dtype, device="meta"), idx
+
+
+class BalancedRouting(TorchDispatchMode):
+    """Every top-k (the MoE router's choice) takes :func:`round_robin`'s indices, values as
+    computed: what the dry run assumes of the routing, on a real run (tests compare the two).
+    Enter it inside the rank's virtual clock: the clock prices the top-k as it is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _TOPK:
+            clock = trace.clock()
+            with clock.muted() if clock is not None else _nothing():
+                values, idx = out
+                n, k = args[0].shape[-1], idx.shape[-1]
+                pattern = round_robin(idx.numel() // max(k, 1), n, k, idx.device).view(idx.shape)
+                out = (torch.gather(args[0], -1, pattern).to(values.dtype), pattern)
+        return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _mixed(args) -> bool:
+    """Whether an op's arguments mix meta tensors with tensors that have values."""
+    meta = host = False
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                meta, host = meta or t.is_meta, host or not t.is_meta
+    return meta and host
+
+
+def _to_meta(a):
+    if isinstance(a, torch.Tensor):
+        return a if a.is_meta else a.to("meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(t) for t in a)
+    return a
+
+
 def _meta(t):
     return tuple(t.shape), t.stride(), t.dtype
 
@@ -312,4 +430,5 @@ def _key(x):
     return (type(x), x)     # (1 and 1.0 promote an integer tensor differently)
 
 
-__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars"]
+__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars", "BalancedRouting",
+           "round_robin"]

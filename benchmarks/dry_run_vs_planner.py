@@ -1,0 +1,49 @@
+"""The planner against the dry run on random valid layouts (three presets x two GPUs).
+
+    python benchmarks/dry_run_vs_planner.py              # 54 layouts (minutes on 2 cores)
+    python benchmarks/dry_run_vs_planner.py -n 6 --seed 1
+    python benchmarks/dry_run_vs_planner.py --saved benchmarks/dry_run_vs_planner.json --saved-only
+
+``--saved FILE``: the dry runs already made are read from FILE (JSON) and the new ones
+written back (the planner is re-run every time: a changed planner is compared at once).
+
+Prints, row by row as they finish: the layout, the planner's step time (runtime="course")
+and the dry run's (course_lib.virtual.dry_run), their ratio, both peak memories and theirs,
+and for a row over 10% the part of the step where the two differ most (the cause); then, per
+part, the planner's and the dry run's seconds summed over the rows, and the summary.
+"""
+import argparse
+import json
+import os
+
+from course_lib.lab.dry_run_sweep import format_rows, sweep_rows, sweep_summary
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=54, help="layouts (cycling over models x GPUs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--saved", help="JSON file of dry runs already made (read, then updated)")
+    ap.add_argument("--saved-only", action="store_true", help="only the layouts --saved holds (instant)")
+    args = ap.parse_args(argv)
+    dry = {}
+    if args.saved and os.path.exists(args.saved):
+        with open(args.saved) as f:
+            dry = json.load(f)
+
+    def save(runs):
+        with open(args.saved, "w") as f:
+            json.dump(runs, f, indent=0, sort_keys=True)
+    rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None,
+                      run_missing=not args.saved_only)
+    print()
+    print(format_rows(rows))
+    for part in rows[0]["dry_parts"]:
+        p, d = (sum(r[k][part] for r in rows) for k in ("planner_parts", "dry_parts"))
+        print(f"  {part:20s} planner {p:8.3f} s   dry run {d:8.3f} s   (summed over the rows)")
+    print(sweep_summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
