@@ -14,7 +14,9 @@ run the same kernels on the same shapes), so:
   another transport for the two things that travel between ranks: a collective's members'
   ready times (:meth:`Stages.exchange`: the MAX over the running members; members that do not
   run issued at the same instant as their running twin, so they change no maximum) and a
-  message's start time (:meth:`Stages.post` / :meth:`Stages.take`, between running ranks);
+  message's start time (:meth:`Stages.post` / :meth:`Stages.take`, between running ranks;
+  a ring's hop to and from a folded member, async TP's: by symmetry, the message received
+  from k places behind left when this rank's own message to k places ahead did);
 * :class:`StageMesh` is a :class:`~course_lib.parallel.mesh.Mesh` seen from one running rank,
   its Comms priced.
 * :class:`MetaScalars`: on the meta device a tensor has no value; a read of one (``.item()``,
@@ -27,7 +29,7 @@ run the same kernels on the same shapes), so:
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -131,6 +133,7 @@ class DryRankClock(RankClock):
         self._mode = DryStream(self)
         self.stages = stages
         self._k = defaultdict(int)             # group -> collectives this rank issued on it
+        self._twin_sends = defaultdict(deque)  # (group, offset, tag) -> start times of sends to folded ranks
 
     memo = None             # an ActionMemo (:mod:`.replay`), when the dry run replays actions
 
@@ -148,21 +151,35 @@ class DryRankClock(RankClock):
 
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]
-        if dst not in self.stages.running:
-            raise NotImplementedError(f"dry run: a message to rank {dst}, which the dry run folds into "
-                                      f"another (only messages between pipeline stages run)")
         flow, begin, end = self.sent(comm, tensor, dst, tag)
-        self.stages.post(flow, begin)
+        if dst in self.stages.running:
+            self.stages.post(flow, begin)
+        else:       # a folded peer: its twin k places behind sends me the same message now
+            self._twin_sends[self._twin_key(comm, peer - comm.rank, tag)].append(begin)
         self.recorder.add(f"send to {dst}", "comm", begin, end, comm.dim, "send:" + flow)
         return Message(self, (), (), sent=end)
 
     def irecv(self, comm, tensor, peer: int, tag: int):
         src = comm.ranks[peer]
-        if src not in self.stages.running:
-            raise NotImplementedError(f"dry run: a message from rank {src}, which the dry run folds into "
-                                      f"another (only messages between pipeline stages run)")
         flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
-        return Arrival(self, flow, (self.t, kind, latency, data, flow, src, comm.dim))
+        recv = (self.t, kind, latency, data, flow, src, comm.dim)
+        if src in self.stages.running:
+            return Arrival(self, flow, recv)
+        return TwinArrival(self, self._twin_key(comm, comm.rank - peer, tag), recv)
+
+    def _twin_key(self, comm, offset: int, tag: int):
+        """A message between this rank and a folded member ``offset`` places along the group
+        (a ring's hop): the folded members run what this rank runs, so the message this rank
+        receives from ``-offset`` left when this rank's own message to ``+offset`` left."""
+        return comm.group, offset % comm.size, tag
+
+    def twin_sent(self, key) -> float:
+        sends = self._twin_sends[key]
+        if not sends:
+            raise NotImplementedError(f"dry run: a receive from a folded rank of group {list(key[0])} (offset "
+                                      f"{key[1]}, tag {key[2]}) waited before this rank sent its twin message: "
+                                      f"only symmetric exchanges (every member sends, then receives) fold")
+        return sends.popleft()
 
 
 class DryStream(ComputeStream):
@@ -193,6 +210,21 @@ class Arrival:
 
     def is_completed(self) -> bool:
         return self.done
+
+
+class TwinArrival(Arrival):
+    """A receive from a folded rank: its bytes left when this rank's twin message did."""
+    __slots__ = ("key",)
+
+    def __init__(self, clock, key, recv):
+        super().__init__(clock, None, recv)
+        self.key = key
+
+    def wait(self, timeout=None):
+        if not self.done:
+            self.clock.received(self.recv, self.clock.twin_sent(self.key))
+            self.done = True
+        return True
 
 
 class PricedComm(Comm):
