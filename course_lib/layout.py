@@ -68,10 +68,13 @@ class Layout:
     shard_size: int | None = None     # HSDP: FSDP over S dp ranks, replicated over dp / S
     zeropp: tuple = ()                # ZeRO++ on FSDP: any of ("hpz", "qwz", "qgz")
     gpus_per_node: int | None = None  # ZeRO++'s node: G consecutive FSDP ranks (None: 8 or all)
+    documents: tuple = ()             # packed documents' lengths per sequence (sum = seq_len); (): one
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
         given = self.given or frozenset(f for f in BATCH if getattr(self, f) is not None)
+        if not isinstance(self.documents, tuple):
+            object.__setattr__(self, "documents", tuple(int(n) for n in self.documents))
         if isinstance(self.zeropp, (list, set, frozenset, str)):   # hashable, one spelling
             object.__setattr__(self, "zeropp", (self.zeropp,) if isinstance(self.zeropp, str) else tuple(self.zeropp))
         gb, mb, m, dp = self.global_batch, self.micro_batch, self.microbatches, self.dp

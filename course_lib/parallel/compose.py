@@ -212,7 +212,7 @@ class NDParallel(PipelineRuntime):
         n_tokens = int((y != -100).sum())
         device = self.parameters()[0].device
         doc_ids = rule_doc_ids(doc_ids, x.shape[1], self.cfg.seq_len, self.cp_layout, self.sizes["cp"])
-        doc_ids = None if doc_ids is None else doc_ids.to(device)
+        doc_ids = None if doc_ids is None else doc_ids.to("cpu" if device.type == "meta" else device)   # (as positions)
         x, y, pos = self.local_batch(x.to(device), y.to(device), doc_ids)
         for st in self.stages.values():
             st.positions, st.doc_ids = pos, doc_ids

@@ -366,6 +366,14 @@ def rule_context(cfg, layout):
     """CP's rules for a TinyGPT config: the sequence cuts into its chunks, Ulysses' heads, no
     dropout; K/V all-gathered (``cp_comm="all_gather"``) is priced, not built."""
     check_cp_names(layout.cp_method, layout.cp_layout)
+    documents = getattr(layout, "documents", ())
+    if documents and (any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in documents)
+                      or sum(documents) != cfg.seq_len):
+        raise ValueError(f"documents={documents}: the lengths of the documents packed in one sequence, positive "
+                         f"ints summing to the sequence length {cfg.seq_len}")
+    if documents and layout.cp_layout == "documents" and layout.cp > 1 and any(n % (2 * layout.cp) for n in documents):
+        raise ValueError(f"cp_layout='documents' cuts every document in 2 * cp = {2 * layout.cp} chunks: "
+                         f"documents={documents} are not all multiples of it (pad them)")
     if layout.cp == 1:
         return
     if layout.cp_comm != "ring":

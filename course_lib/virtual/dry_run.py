@@ -131,11 +131,19 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
     if memo is not None:
         memo.install(net.runner)
-    net.step(x, x)
+    net.step(x, x, doc_ids=document_ids(layout.documents))
     opt.step()
     clock.settle()
     return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
             **gpu_memory(net, opt, clock.cluster)}
+
+
+def document_ids(lengths) -> torch.Tensor | None:
+    """(s,) the document id of every token of a sequence packed with documents of ``lengths``
+    (on the host: index arithmetic, as CP's positions); None for one document."""
+    if not lengths:
+        return None
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
 def stage_model(model, pp_rank: int, layout: Layout):
