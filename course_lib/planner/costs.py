@@ -12,6 +12,9 @@ What overlaps with what (the assumptions, stated once):
   the hop over the block's attention is exposed (backward: K/V and the dK/dV accumulator,
   whose last hop home is exposed).
   Causal attention is load-balanced over the CP ranks (the zigzag layout of the CP chapter).
+  Packed documents (``layout.documents``) under a fused (varlen) attention kernel: the layer's
+  attention costs the slowest CP rank's visible pairs (:mod:`.documents`), so the split
+  (``cp_layout``) shows; an unfused kernel computes the masked scores anyway.
   Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
 - Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
 - EP's all-to-alls and PP's sends are exposed (a send blocks its stage).
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from course_lib.planner import formulas as F
 from course_lib.planner import gemm as G
 from course_lib.planner.async_tp import async_tp_hop, async_tp_layer, transformer_steps
+from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import layer_activation_bytes
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage
 from course_lib.planner.presets import Hardware, ModelSpec
@@ -111,6 +115,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
     lg_f, lg_b = G.layer_gemms(model, s, b, t, c, layout.ep, layout.recompute, fused, etp=layout.etp,
                                sp=layout.sp)
     lf, lb = G.gemms_time(lg_f, hw), G.gemms_time(lg_b, hw)
+    if layout.documents and fused:   # packed documents: a varlen kernel runs the slowest CP rank's pairs
+        scale = attention_scale(s, c, layout.cp_layout if c > 1 else "contiguous", layout.documents) - 1
+        doc_f, doc_b = G.attention_gemms(model, s, b, t, c, fused)
+        lf, lb = lf + scale * G.gemms_time(doc_f, hw), lb + scale * G.gemms_time(doc_b, hw)
     hg_f, hg_b = G.head_gemms(model, s, b, t, c)
     hf, hb = G.gemms_time(hg_f, hw), G.gemms_time(hg_b, hw)
     layer_ran = G.gemms_flops(lg_f) + G.gemms_flops(lg_b)
