@@ -50,6 +50,7 @@ from course_lib.planner.presets import ModelSpec, get_hardware, get_model
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
+from course_lib.virtual.software import check_fusions, install
 
 _ALL_NONZERO = _fx_config.patch
 
@@ -69,6 +70,7 @@ class DryRun:
     wall_seconds: float
     replayed: int              # actions whose price was replayed (:mod:`.replay`), of all the ranks run
     config: GPTConfig = field(repr=False, default=None)
+    fusions: tuple = ()        # the source's fused kernels the program ran (:mod:`.software`)
 
     @property
     def fits(self) -> bool:
@@ -94,18 +96,20 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
-               optimizer="fused") -> dict:
+               optimizer="fused", fusions=()) -> dict:
     """One training step of the course's program on this rank: the model built (or ``model``,
     only read) and cut (not priced), then ``net.step`` of a global batch and an AdamW step
     (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
     runs it). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
-    :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. Returns the clock's end,
+    :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. ``fusions``: the attention
+    kernels the model built here runs (:func:`.software.install`). Returns the clock's end,
     its kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
     with clock.muted():
         if model is None:
             with torch.device(device):
                 model = TinyGPT(cfg, seed=0)
+            install(model, fusions)
         net = parallelize_nd(model, mesh, layout)
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
@@ -192,23 +196,29 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
 
 
 def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.bfloat16,
-            progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused") -> DryRun:
+            progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused",
+            fusions=()) -> DryRun:
     """One step of ``layout`` for ``model`` (a preset name or ModelSpec) on ``hardware`` (a preset
     name or Hardware), priced on a :class:`~course_lib.virtual.VirtualCluster`: see the module's
     docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
     ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
-    ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach"."""
+    ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach".
+    ``fusions``: the attention kernels the source's software fused (:mod:`.software`:
+    "scale_mask_softmax", Megatron-LM's; "flash_attention"), stated per source, never fitted;
+    default none: the course's attention, written out."""
     if optimizer not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout)
+    fusions = check_fusions(fusions)
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
     shape = MeshShape(**layout.sizes)
     cluster.check(shape.world_size)
     running = [shape.rank_of(pp=i) for i in range(layout.pp)]
     with torch.device("meta"):
         model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
+    install(model, fusions)
     stages, out, records = Stages(running), {}, {}
     began = time.perf_counter()
 
@@ -249,7 +259,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spans = [sp for r in running for sp in records[r].resolve()]
     return DryRun(spec, hw, layout, step, model_flops / (step * shape.world_size * hw.peak_flops),
                   max(m["states"] + m["activations"] for m in memory), memory, spans, len(running),
-                  sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg)
+                  sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg, fusions)
 
 
 def _watch(threads, records, began, every) -> None:
