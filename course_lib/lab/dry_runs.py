@@ -42,13 +42,14 @@ SOFTWARE = {"Korthikanti 2022 T5": ("scale_mask_softmax",), "Narayanan 2021 T1":
             "BLOOM 2022": ("scale_mask_softmax",), "Llama 3 T4": ("flash_attention",)}
 
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
-# 2022 T5"` printed it on this project's 2-core machine, 2026-11-28 (wall_s and cpu_s are that
-# machine's); chapter 10 prints it beside its live run with m = 8.
+# 2022 T5"` printed it on this project's 2-core machine, 2026-11-28, with Megatron-LM's fused
+# scale-mask-softmax (SOFTWARE; wall_s and cpu_s are that machine's, loaded); chapter 10 prints
+# it beside its live run with m = 8.
 RECORDED_175B = (
     "source | model | GPUs | layout | published_s | planner_s | dry_s | planner_err | dry_err | "
     "planner_GiB | dry_GiB | fits | wall_s | cpu_s",
-    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 14.166 | +1.9% | "
-    "+3.0% | 55.5 | 55.0 | True | 60 | 26")
+    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 13.298 | +1.9% | "
+    "-3.3% | 55.5 | 55.0 | True | 38 | 20")
 
 
 def published_runs():

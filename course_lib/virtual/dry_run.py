@@ -29,6 +29,7 @@ activations saved for backward; temporaries inside an op are not counted.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 import threading
 import time
@@ -246,7 +247,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                for i, r in enumerate(running)]
     for t in threads:
         t.start()
-    _watch(threads, records, began, progress)
+    _watch(threads, records, began, progress, layout.microbatches)
     errors = [v for v in out.values() if isinstance(v, BaseException)]
     if errors:
         first = next((e for e in errors if not type(e).__name__ == "StageFailed"), errors[0])
@@ -262,8 +263,10 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                   sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg, fusions)
 
 
-def _watch(threads, records, began, every) -> None:
-    """Wait for the stages; every ``every`` seconds, say where the first and last stand."""
+def _watch(threads, records, began, every, microbatches=None) -> None:
+    """Wait for the stages; every ``every`` seconds, a line on stderr: the elapsed wall time and,
+    for the first and the last stage, the micro-batch its last pipeline action ran (F12@3: the
+    forward of micro-batch 12 on virtual stage 3) and its virtual time."""
     last = time.perf_counter()
     for t in threads:
         while t.is_alive():
@@ -272,10 +275,24 @@ def _watch(threads, records, began, every) -> None:
                 last = time.perf_counter()
                 where = []
                 for i, rank in ((0, min(records)), (len(records) - 1, max(records))) if records else ():
-                    spans = records[rank].spans      # the last action's name: F12@3 is micro-batch 12
-                    where.append(f"stage {i} (rank {rank}): {spans[-1].name if spans else 'building'} "
+                    where.append(f"stage {i}: {_where(records[rank].spans, microbatches)} "
                                  f"(t={records[rank].clock.t:.3f} s)")
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
+
+
+_ACTION = re.compile(r"([FBWI])(\d+)(?:@(\d+))?$")
+_PASS = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
+
+
+def _where(spans, microbatches) -> str:
+    """The last pipeline action among ``spans`` in words (building: none yet)."""
+    for sp in reversed(spans[-64:]):
+        m = _ACTION.match(sp.name) if sp.dim == "pp" and sp.kind == "compute" else None
+        if m:
+            of = f"/{microbatches}" if microbatches else ""
+            return f"{_PASS[m.group(1)]} of micro-batch {int(m.group(2)) + 1}{of}" + \
+                (f" (virtual stage {m.group(3)})" if m.group(3) else "")
+    return spans[-1].name if spans else "building"
 
 
 __all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "check_dry_run"]
