@@ -22,6 +22,11 @@ Pipeline messages travel between the stages' threads with their start times, in 
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
 
+What a published run's software fused is the caller's to state (``fusions``, :mod:`.software`:
+Megatron-LM's fused scale-mask-softmax, FlashAttention): the model runs that attention kernel,
+which computes what the course's written-out attention computes; nothing else changes, and
+nothing is fitted (``lab.dry_runs.SOFTWARE`` states it per source).
+
 Memory (``peak_memory``): the largest over the running ranks of what its GPU holds after the
 step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12) plus the runner's peak of
 activations saved for backward; temporaries inside an op are not counted.
