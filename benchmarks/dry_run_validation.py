@@ -1,11 +1,11 @@
 """The planner's validation rows run by the course's own program on the virtual clock.
 
     python benchmarks/dry_run_validation.py                      # every row (tens of minutes)
-    python benchmarks/dry_run_validation.py --source "Korthikanti 2022 T5" --model "GPT-3 175B"
+    python benchmarks/dry_run_validation.py --source "Korthikanti 2022 T5" --model "GPT 175B"
 
 Prints, row by row as they finish: the published step time, the planner's, the dry run's
-(course_lib.virtual.dry_run, with each source's fused attention: lab.dry_runs.SOFTWARE), their errors, the memory per GPU of both and the wall time;
-then the mean and worst |error| of the dry run and of the planner over the rows that ran.
+(course_lib.virtual.dry_run, with each source's attention kernels: lab.dry_runs.SOFTWARE),
+their errors, the memory per GPU of both and the wall time; then the mean and worst |error| of the dry run and of the planner over the rows that ran.
 """
 import argparse
 import sys
