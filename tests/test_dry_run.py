@@ -120,15 +120,17 @@ def test_fused_attention_cores_compute_the_courses_attention():
 
 
 def test_fusions_price_as_a_real_launch_and_cut_the_attention_kernels():
-    """tp 2 x pp 2 with Megatron-LM's fused scale-mask-softmax: the dry run's step time is the
+    """tp 2 x pp 2, interleaved (v = 2, 8 micro-batches: forwards replayed before their backward's
+    tape repeated) with Megatron-LM's fused scale-mask-softmax: the dry run's step time is the
     real 4-rank launch's (the kernel runs on the CPU there, on meta here: one price); it takes
     fewer kernels and less time than the written-out attention, and FlashAttention fewer still."""
-    layout = Layout(tp=2, pp=2, sp=True, micro_batch=1, global_batch=4, recompute="selective")
+    layout = Layout(tp=2, pp=2, sp=True, schedule="interleaved", v=2, micro_batch=1, global_batch=8,
+                    recompute="selective")
     fused = "scale_mask_softmax"
     real = _real(layout, (fused,))
     real_step = max(r["t"] for r in real)
     r = dry_run(SPEC, HW, layout, fusions=fused)
-    assert r.fusions == (fused,)
+    assert r.fusions == (fused,) and r.replayed > 0
     assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
     assert abs(r.step_time - real_step) <= 1e-9 * real_step, (r.step_time, real_step)
     plain = dry_run(SPEC, HW, layout)

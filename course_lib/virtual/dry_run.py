@@ -233,7 +233,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
         trace.install_thread(rec)
         rec.clock = DryRankClock(cluster, rank, shape.world_size, rec, stages)
         if replay:
-            rec.memo = rec.clock.memo = ActionMemo(rec.clock)
+            # a forward replayed before its backward's tape repeated (replay.ActionMemo.early):
+            # not where a backward may hold async collectives (FSDP's, async TP's)
+            rec.memo = rec.clock.memo = ActionMemo(rec.clock, early=layout.zero == 0 and not layout.async_tp)
         try:
             # a boolean mask's selection (the vocab-parallel loss) has the shape of its True count:
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
