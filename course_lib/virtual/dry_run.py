@@ -234,8 +234,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
         rec.clock = DryRankClock(cluster, rank, shape.world_size, rec, stages)
         if replay:
             # a forward replayed before its backward's tape repeated (replay.ActionMemo.early):
-            # not where a backward may hold async collectives (FSDP's, async TP's)
-            rec.memo = rec.clock.memo = ActionMemo(rec.clock, early=layout.zero == 0 and not layout.async_tp)
+            # not where a backward may hold async collectives or messages (FSDP, async TP, CP, MoE)
+            early = layout.zero == 0 and not layout.async_tp and layout.cp == 1 and spec.n_experts <= 1
+            rec.memo = rec.clock.memo = ActionMemo(rec.clock, early=early)
         try:
             # a boolean mask's selection (the vocab-parallel loss) has the shape of its True count:
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
