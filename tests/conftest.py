@@ -322,9 +322,9 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("notebook runs: wall and CPU seconds")
     for label, (wall, cpu) in sorted(RUN_TIMES.items(), key=lambda item: -item[1][0]):
         write(f"{wall:7.1f} s wall {cpu if cpu is not None else float('nan'):7.1f} s CPU  {label}")
-    if _forkserver:
-        write(f"{'':7} s wall {forkserver_cpu(_forkserver[0]._forkserver_pid):7.1f} s CPU  the shared "
-              f"forkserver and the ranks it forked (every run's)")
     cpus = [cpu for _, cpu in RUN_TIMES.values() if cpu is not None]
+    if _forkserver:
+        cpus.append(forkserver_cpu(_forkserver[0]._forkserver_pid))
+        write(f"{'':7} s wall {cpus[-1]:7.1f} s CPU  the shared forkserver and the ranks it forked (every run's)")
     write(f"{sum(w for w, _ in RUN_TIMES.values()):7.1f} s wall {sum(cpus):7.1f} s CPU  "
           f"all {len(RUN_TIMES)} runs ({JOBS} at a time)")
