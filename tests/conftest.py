@@ -61,8 +61,8 @@ class NbvalRun:
 WITHOUT_IRI = "import sys; sys.modules['rfc3987_syntax'] = None; "
 
 
-# What a notebook run costs in CPU: its process and every process under it, the forkserver that
-# outlives the kernel (and the ranks it forked) included. On Linux the run's process adopts its
+# What a notebook run costs in CPU: its process and every process under it (a forkserver of its
+# kernel's own and the ranks it forked included; see shared_forkserver). On Linux the run's process adopts its
 # orphans (PR_SET_CHILD_SUBREAPER) and, at exit, reaps them (10 s at most), so its rusage counts
 # them; it writes its CPU seconds to COURSE_TEST_CPU_FILE. The session prints every run's wall and
 # CPU time at the end (pytest_terminal_summary): where the suite's time goes.
@@ -314,8 +314,8 @@ def forkserver_cpu(pid: int) -> float:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Every notebook run's wall and CPU seconds (its kernel, ranks and forkserver included),
-    the slowest first: where the suite's time goes (README.md's timing table)."""
+    """Every notebook run's wall and CPU seconds (its kernel included; the shared forkserver's
+    ranks on a line of their own), the slowest first: where the suite's time goes (README.md)."""
     if not RUN_TIMES:
         return
     write = terminalreporter.write_line
