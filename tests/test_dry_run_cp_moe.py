@@ -63,7 +63,8 @@ def test_moe_dry_run_equals_a_real_launch_with_balanced_routing(layout, dispatch
 
 
 def test_round_robin_routing_is_balanced_and_dispatch_sizes_static():
-    from course_lib.virtual.priced import BalancedRouting, round_robin
+    from course_lib.meta import round_robin
+    from course_lib.virtual.priced import BalancedRouting
     choice = round_robin(12, 4, 2)
     assert choice.shape == (12, 2) and (choice[:, 0] != choice[:, 1]).all()
     assert torch.bincount(choice.flatten(), minlength=4).tolist() == [6, 6, 6, 6]   # T k / E each

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course_lib.meta import balanced_topk, mixed_devices, to_meta
 from course_lib.planner.kernel_cost import (ATTENTION, CLASSES, COPY, CPU_KERNELS, ELEMENTWISE, FOREACH,  # noqa: F401
                                             FREE, GEMM, KernelModel, foreach_launches, kernel_kind, op_cost)
 
@@ -58,11 +59,11 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _TOPK and args[0].is_meta:        # a router's choice: balanced (see balanced_topk)
+        if func is _TOPK and args[0].is_meta:        # a router's choice: balanced (meta.balanced_topk)
             out = balanced_topk(*args, **kwargs)
         else:
-            if _mixed(args):                         # routing indices (values) meet meta activations
-                args = tuple(_to_meta(a) for a in args)
+            if mixed_devices(args):                         # routing indices (values) meet meta activations
+                args = tuple(to_meta(a) for a in args)
             out = func(*args, **kwargs)
         cost = op_cost(func, args, kwargs, out, self.itemsize)
         if cost is not None:
@@ -74,33 +75,6 @@ class KernelCounter(TorchDispatchMode):
 
 
 _TOPK = torch.ops.aten.topk.default
-
-
-def balanced_topk(x, k, dim=-1, largest=True, sorted=True):
-    """A top-k of meta values (an MoE router's): the values on meta, the indices on the host,
-    row r choosing r*k, ..., r*k + k-1 (mod n): balanced routing, every expert T*k/E of T
-    tokens (the dry run's assumption, ``course_lib.virtual.priced.round_robin``)."""
-    n = x.shape[-1]
-    rows = x.numel() // max(n, 1)
-    idx = ((torch.arange(rows)[:, None] * k + torch.arange(k)) % n).view(*x.shape[:-1], k)
-    return torch.empty(idx.shape, dtype=x.dtype, device="meta"), idx
-
-
-def _mixed(args) -> bool:
-    meta = host = False
-    for a in args:
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor):
-                meta, host = meta or t.is_meta, host or not t.is_meta
-    return meta and host
-
-
-def _to_meta(a):
-    if isinstance(a, torch.Tensor):
-        return a if a.is_meta else a.to("meta")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_to_meta(t) for t in a)
-    return a
 
 
 def _config(model, layers, n_experts=None, recompute="none"):

@@ -103,7 +103,7 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
 def moe_config(spec: ModelSpec, layout: Layout) -> dict:
     """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model). On the meta
     device the router has no values: the dry run routes BALANCED (every top-k takes
-    :func:`~course_lib.virtual.priced.round_robin`'s experts: each expert T*k/E of a group's T
+    :func:`~course_lib.meta.round_robin`'s experts: each expert T*k/E of a group's T
     tokens, each EP rank sending T*k/ep rows to each peer), so the dispatch sizes are static and
     no token is dropped at any capacity factor >= 1 (dropless prices the same: a real dropless
     run's sizes follow its data, which a dry run does not have). The course's experts are GeLU

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib import trace
 from course_lib.collectives.comm import Comm
+from course_lib.meta import balanced_topk, mixed_devices, round_robin, to_meta
 from course_lib.parallel.mesh import Mesh, MeshShape
 from course_lib.virtual.clock import Message, RankClock
 from course_lib.virtual.compute import ComputeStream
@@ -350,9 +351,9 @@ class MetaScalars(TorchDispatchMode):
         if func is _COPY and args[1].is_meta and not args[0].is_meta:   # (.tolist(), .cpu(): to the host)
             return args[0].fill_(1)
         if func is _TOPK and args[0].is_meta:
-            return _balanced_topk(*args, **kwargs)
-        if _mixed(args):        # positions (values, on the host) meet the meta activations
-            args = tuple(_to_meta(a) for a in args)
+            return balanced_topk(*args, **kwargs)
+        if mixed_devices(args):        # positions (values, on the host) meet the meta activations
+            args = tuple(to_meta(a) for a in args)
         fresh = _FRESH.get(func)
         if fresh is None:
             fresh = _FRESH[func] = _makes_new_tensors(func)
@@ -385,25 +386,10 @@ def _makes_new_tensors(func) -> bool:
     return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
 
 
-def round_robin(rows: int, n: int, k: int, device="cpu") -> torch.Tensor:
-    """(rows, k) int64: row r picks r*k, r*k + 1, ..., r*k + k-1 (mod n): every one of the n
-    choices picked rows*k/n times when n divides rows*k (balanced routing)."""
-    return (torch.arange(rows, device=device)[:, None] * k + torch.arange(k, device=device)) % n
-
-
-def _balanced_topk(x, k, dim=-1, largest=True, sorted=True):
-    """A top-k of values the meta device does not have (the MoE router's): the values on meta,
-    the indices on the host, :func:`round_robin` (balanced routing: see the module's docstring)."""
-    if dim not in (-1, x.dim() - 1):
-        raise NotImplementedError("dry run: a top-k along another dimension than the last")
-    n = x.shape[-1]
-    idx = round_robin(x.numel() // max(n, 1), n, k).view(*x.shape[:-1], k)
-    return torch.empty(idx.shape, dtype=x.dtype, device="meta"), idx
-
-
 class BalancedRouting(TorchDispatchMode):
-    """Every top-k (the MoE router's choice) takes :func:`round_robin`'s indices, values as
-    computed: what the dry run assumes of the routing, on a real run (tests compare the two).
+    """Every top-k (the MoE router's choice) takes :func:`~course_lib.meta.round_robin`'s
+    indices, values as computed: what the dry run assumes of the routing, on a real run
+    (tests compare the two).
     Enter it inside the rank's virtual clock: the clock prices the top-k as it is."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -426,24 +412,6 @@ class _nothing:
         return False
 
 
-def _mixed(args) -> bool:
-    """Whether an op's arguments mix meta tensors with tensors that have values."""
-    meta = host = False
-    for a in args:
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor):
-                meta, host = meta or t.is_meta, host or not t.is_meta
-    return meta and host
-
-
-def _to_meta(a):
-    if isinstance(a, torch.Tensor):
-        return a if a.is_meta else a.to("meta")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_to_meta(t) for t in a)
-    return a
-
-
 def _meta(t):
     return tuple(t.shape), t.stride(), t.dtype
 
@@ -462,5 +430,4 @@ def _key(x):
     return (type(x), x)     # (1 and 1.0 promote an integer tensor differently)
 
 
-__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars", "BalancedRouting",
-           "round_robin"]
+__all__ = ["Stages", "StageFailed", "DryRankClock", "PricedComm", "StageMesh", "MetaScalars", "BalancedRouting"]
