@@ -1,16 +1,16 @@
 """The planner's validation rows run by the course's own program on the virtual clock.
 
     python benchmarks/dry_run_validation.py                      # every row (tens of minutes)
-    python benchmarks/dry_run_validation.py --source "Korthikanti 2022 T5" --model "GPT-3 175B"
+    python benchmarks/dry_run_validation.py --source "Korthikanti 2022 T5" --model "GPT 175B"
 
 Prints, row by row as they finish: the published step time, the planner's, the dry run's
-(course_lib.virtual.dry_run), their errors, the memory per GPU of both and the wall time;
-then the mean and worst |error| of the dry run and of the planner over the rows that ran.
+(course_lib.virtual.dry_run, with each source's attention kernels: lab.dry_runs.SOFTWARE),
+their errors, the memory per GPU of both and the wall time; then the mean and worst |error| of the dry run and of the planner over the rows that ran.
 """
 import argparse
 import sys
 
-from course_lib.lab.dry_runs import SOURCES, format_table, summary, validation_rows
+from course_lib.lab.dry_runs import SOFTWARE, SOURCES, format_table, summary, validation_rows
 
 
 def main(argv=None):
@@ -22,6 +22,8 @@ def main(argv=None):
     rows = validation_rows(tuple(args.source or SOURCES), models=args.model, progress=args.progress)
     print()
     print(format_table(rows))
+    for source in dict.fromkeys(r["source"] for r in rows):
+        print(f"  {source}: attention run as {', '.join(SOFTWARE[source]) or 'the course writes it'}")
     for r in rows:
         if r["note"]:
             print(f"  {r['model']}: {r['note']}")

@@ -75,6 +75,13 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickl
                       "course_lib.rank_imports"]
 
 
+# A forkserver that another process started and keeps (tests/conftest.py: one for the whole test
+# session), named by the address of its socket in this variable: ranks are forked from it instead
+# of from a server of this process's own, which would import FORKSERVER_PRELOAD again (~2.8 s of
+# CPU in every notebook kernel). Each rank still runs in the launcher's environment, cwd and sys.path.
+SHARED_FORKSERVER = "COURSE_LIB_FORKSERVER"
+
+
 class RankError(RuntimeError):
     """A rank raised an exception or died. ``.rank``, ``.exitcode``, ``.remote_traceback``,
     ``.diagnosis`` (every rank's flight recorder merged: course_lib.debug)."""
@@ -196,6 +203,42 @@ def _install_no_main_reimport():
     mp_spawn.get_preparation_data = get_preparation_data
 
 
+def can_share_forkserver() -> bool:
+    """Whether this Python's forkserver client can be pointed at a server it did not start
+    (3.8-3.13; 3.14's client authenticates to the server it started itself)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    return (sys.platform == "linux" and hasattr(server, "_forkserver_address")
+            and hasattr(server, "_forkserver_alive_fd") and not hasattr(server, "_forkserver_authkey"))
+
+
+def start_shared_forkserver():
+    """Start a forkserver with FORKSERVER_PRELOAD imported, for other processes to fork their
+    ranks from (pass its address in SHARED_FORKSERVER); it lives as long as this process."""
+    from multiprocessing import forkserver
+
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    server.ensure_running()
+    return server
+
+
+def _use_shared_forkserver(address) -> bool:
+    """Point this process's forkserver client at the running server at ``address``."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    if not (address and os.path.exists(address) and can_share_forkserver()):
+        return False
+    if server._forkserver_address is None:
+        read, write = os.pipe()   # the server hands ``write`` to each rank as its own "alive" end
+        os.close(read)
+        server._forkserver_address, server._forkserver_alive_fd = address, write
+        server.ensure_running = resource_tracker.ensure_running   # not ours to (re)start
+    return True
+
+
 def _context(start_method):
     if start_method is None:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
@@ -208,7 +251,7 @@ def _context(start_method):
     _install_no_main_reimport()
     if start_method not in _CONTEXTS:
         ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
+        if start_method == "forkserver" and not _use_shared_forkserver(os.environ.get(SHARED_FORKSERVER)):
             # Import torch once in the server; every rank is then a cheap fork of it.
             ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         _CONTEXTS[start_method] = ctx
@@ -270,8 +313,12 @@ def _validate(fn, world_size, backend, timeout, clock=None):
 
 # ----------------------------------------------------------------------------- the rank side
 
-def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, ifname, debug=((), None)):
+def _rank_main(rank, world_size, backend, workdir, payload, threads, timeout, ifname, debug=((), None),
+               environ=None):
     """Entry point of one rank process."""
+    if environ is not None:   # the launcher's environment now, not the forkserver's at its start
+        os.environ.clear()
+        os.environ.update(environ)
     out_fd = os.open(os.path.join(workdir, f"out{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err_fd = os.open(os.path.join(workdir, f"err{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(out_fd, 1)
@@ -354,13 +401,14 @@ def _run(fn, args, kwargs, clock, rank, world_size, rec):
 
 def _start_watchdog(timeout):
     """Kill this rank if its launcher disappears or the run overstays by far."""
-    parent = os.getppid()
+    parent, launcher = os.getppid(), mp.parent_process()   # the forkserver; the launcher
     hard_deadline = time.monotonic() + STARTUP_TIMEOUT + timeout + 60
 
     def watch():
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent or time.monotonic() > hard_deadline:
+            if (os.getppid() != parent or time.monotonic() > hard_deadline
+                    or (launcher is not None and not launcher.is_alive())):
                 os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="course_lib-watchdog").start()
@@ -415,7 +463,7 @@ def launch(fn, world_size, /, *args, backend="gloo", timeout=60.0, threads=None,
             for rank in range(world_size):
                 p = ctx.Process(target=_rank_main, name=f"course_lib-rank{rank}",
                                 args=(rank, world_size, backend, workdir, payload, threads, timeout,
-                                      loopback_interface(), debug))
+                                      loopback_interface(), debug, dict(os.environ)))
                 p.start()
                 procs.append(p)
         finally:
@@ -471,10 +519,19 @@ def _wait(procs, workdir, timeout):
             rank = pending.pop(sentinel)
             procs[rank].join()
             if procs[rank].exitcode != 0 or not os.path.exists(os.path.join(workdir, f"result{rank}")):
-                time.sleep(0.05)  # let peers that fail because of this rank report too
+                _settle(pending, 0.05)  # let peers that fail because of this rank report too
                 cause = _debug.first_failure(procs, workdir, first_seen=rank)
                 return rank_error_type(cause["exc_type"])(**cause)
     return None
+
+
+def _settle(pending, seconds):
+    """Wait ``seconds`` for the ranks in ``pending`` (sentinel -> rank) to end, less when they all
+    have (a rank reports its error before it exits): a failed launch does not sleep for nothing."""
+    end = time.perf_counter() + seconds
+    while pending and time.perf_counter() < end:
+        for sentinel in mp.connection.wait(list(pending), timeout=max(0.0, end - time.perf_counter())):
+            pending.pop(sentinel)
 
 
 def _read(path):

@@ -335,7 +335,9 @@ async def _execute_probed(client, stderr):
     """Every cell in order, the kernel probed before the first and after each: returns
     (index of the first cell after which a hook appeared, what appeared) or None."""
     tampered = None
-    async with client.async_setup_kernel(stderr=stderr):
+    # cleanup_kc: nbclient shuts down only the kernels it made itself; this one (made here, to
+    # run this interpreter) would otherwise live, with its forkserver, until this process ends
+    async with client.async_setup_kernel(stderr=stderr, cleanup_kc=True):
         baseline = await _probe(client)
         for index, cell in enumerate(client.nb.cells):
             await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)

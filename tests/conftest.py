@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ if SCRIPTS not in sys.path:  # generate_exercises, grade, colab_cell are plain s
 
 # A rank that runs a test's function imports its test module, and so pytest (~0.1 s of CPU per rank,
 # about what a small launch costs): the forkserver imports it once instead (before the first launch).
-importlib.import_module("course_lib.launch").FORKSERVER_PRELOAD.append("pytest")
+LAUNCH = importlib.import_module("course_lib.launch")
+LAUNCH.FORKSERVER_PRELOAD.append("pytest")
 
 SANITIZE = os.path.join(ROOT, "tests", "nbval_sanitize.cfg")
 # The environment the session started with: a notebook run in the background must not inherit
@@ -59,8 +61,8 @@ class NbvalRun:
 WITHOUT_IRI = "import sys; sys.modules['rfc3987_syntax'] = None; "
 
 
-# What a notebook run costs in CPU: its process and every process under it, the forkserver that
-# outlives the kernel (and the ranks it forked) included. On Linux the run's process adopts its
+# What a notebook run costs in CPU: its process and every process under it (a forkserver of its
+# kernel's own and the ranks it forked included; see shared_forkserver). On Linux the run's process adopts its
 # orphans (PR_SET_CHILD_SUBREAPER) and, at exit, reaps them (10 s at most), so its rusage counts
 # them; it writes its CPU seconds to COURSE_TEST_CPU_FILE. The session prints every run's wall and
 # CPU time at the end (pytest_terminal_summary): where the suite's time goes.
@@ -98,6 +100,7 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
     Python environment whose cwd is the notebook's folder. ``env``: variables added to the
     session's starting environment (SESSION_ENV) for the run (the kernel and the ranks it
     launches inherit them)."""
+    env = {**shared_forkserver(), **(env or {})}
     options = ["--nbval", f"--nbval-sanitize-with={SANITIZE}"] if mode == "strict" else ["--nbval-lax"]
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
@@ -105,7 +108,7 @@ def run_nbval(path: str, mode: str = "strict", timeout: int = NOTEBOOK_TIMEOUT, 
                "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT}", f"--junitxml={report}",
                *options, path]
         for _ in range(2):   # a kernel that never started (no code of the notebook ran) gets one more try
-            result = _subprocess(cmd, timeout, env={**SESSION_ENV, **(env or {})}, text=True,
+            result = _subprocess(cmd, timeout, env={**SESSION_ENV, **env}, text=True,
                                  label=f"nbval {mode} {path}")
             if result.returncode == 0 or KERNEL_NEVER_STARTED not in result.stdout + result.stderr:
                 break
@@ -146,9 +149,11 @@ JOBS = int(os.environ.get("COURSE_TEST_JOBS", "-1"))
 if JOBS < 0:
     JOBS = max(1, min(4, os.cpu_count() or 1))
 _wanted: dict = {}      # (kind, path) -> None, in the order the tests will ask
+_forkserver: list = []  # the session's shared forkserver (started with the first notebook run)
 _futures: dict = {}     # (kind, path) -> Future of an NbvalRun | scripts/grade.py's NotebookGrade
 _pool = None
 _live: set = set()      # the subprocesses running now (stopped if the session ends first)
+_FORKSERVER_LOCK = threading.Lock()
 
 
 RUN_TIMES: dict = {}    # a run's label -> (wall seconds, CPU seconds of its processes or None)
@@ -190,6 +195,21 @@ def _stop(proc):
         pass
 
 
+# Every notebook run's kernel forks its ranks from one forkserver that the session starts and
+# keeps (course_lib.launch.SHARED_FORKSERVER), instead of starting its own: a server imports
+# torch, torch._dynamo and course_lib, 2.8 s of CPU, once instead of once per kernel (~50 runs).
+# Each rank still runs in its kernel's environment, cwd and sys.path (ATEN_CPU_CAPABILITY of
+# OTHER_KERNELS included: torch reads it at its first op, in the rank). The server's and its
+# ranks' CPU is a line of its own in the summary (a run's own CPU no longer includes its ranks').
+def shared_forkserver() -> dict:
+    """{SHARED_FORKSERVER: its address} for a notebook run's environment, or {} (not Linux, or a
+    Python whose forkserver cannot be shared)."""
+    with _FORKSERVER_LOCK:
+        if not _forkserver and LAUNCH.can_share_forkserver():
+            _forkserver.append(LAUNCH.start_shared_forkserver())
+    return {LAUNCH.SHARED_FORKSERVER: _forkserver[0]._forkserver_address} if _forkserver else {}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", 'notebook_run(kind): the test reads the run of its "path" '
                             'parameter ("strict" or "untouched"), made with the session\'s other runs')
@@ -209,6 +229,8 @@ def pytest_collection_finish(session):
             _wanted[marker.args[0], item.callspec.params["path"]] = None
     if JOBS > 0 and _wanted:
         import concurrent.futures
+
+        shared_forkserver()   # (it imports torch while the first kernels start)
         _pool = concurrent.futures.ThreadPoolExecutor(JOBS, thread_name_prefix="notebook")
         # the lecture notebooks first (the longest), the untouched exercises last (the shortest)
         for key in sorted(_wanted, key=lambda k: (k[0] == "untouched", not k[1].startswith("notebooks/"))):
@@ -234,7 +256,8 @@ def _untouched(path: str):
 
     exercise = os.path.join(ROOT, "exercises", os.path.basename(path))
     done = _subprocess([sys.executable, "-c", _GRADE, exercise, os.path.join(ROOT, "solutions"), SCRIPTS],
-                       NOTEBOOK_TIMEOUT, env=SESSION_ENV, label=f"grade untouched {path}")
+                       NOTEBOOK_TIMEOUT, env={**SESSION_ENV, **shared_forkserver()},
+                       label=f"grade untouched {path}")
     if done.returncode:
         raise RuntimeError(f"grading {exercise} failed (exit {done.returncode}):\n"
                            + done.stderr.decode(errors="replace")[-4000:])
@@ -280,9 +303,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def forkserver_cpu(pid: int) -> float:
+    """CPU seconds of a live process and of its children it has waited for (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")   # utime stime cutime cstime
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Every notebook run's wall and CPU seconds (its kernel, ranks and forkserver included),
-    the slowest first: where the suite's time goes (README.md's timing table)."""
+    """Every notebook run's wall and CPU seconds (its kernel included; the shared forkserver's
+    ranks on a line of their own), the slowest first: where the suite's time goes (README.md)."""
     if not RUN_TIMES:
         return
     write = terminalreporter.write_line
@@ -290,5 +323,8 @@ def pytest_terminal_summary(terminalreporter):
     for label, (wall, cpu) in sorted(RUN_TIMES.items(), key=lambda item: -item[1][0]):
         write(f"{wall:7.1f} s wall {cpu if cpu is not None else float('nan'):7.1f} s CPU  {label}")
     cpus = [cpu for _, cpu in RUN_TIMES.values() if cpu is not None]
+    if _forkserver:
+        cpus.append(forkserver_cpu(_forkserver[0]._forkserver_pid))
+        write(f"{'':7} s wall {cpus[-1]:7.1f} s CPU  the shared forkserver and the ranks it forked (every run's)")
     write(f"{sum(w for w, _ in RUN_TIMES.values()):7.1f} s wall {sum(cpus):7.1f} s CPU  "
           f"all {len(RUN_TIMES)} runs ({JOBS} at a time)")

@@ -11,15 +11,15 @@ SPEC = gpt_spec("GPT test", 4, 64, 4, V=256, s=32)     # GeLU, LayerNorm, biases
 HW = "a100-80gb"
 
 
-def _real_rank(cfg, layout):
+def _real_rank(cfg, layout, fusions=()):
     from course_lib.parallel.mesh import Mesh
     from course_lib.virtual.dry_run import train_step
-    return train_step(cfg, layout, Mesh.from_layout(layout))
+    return train_step(cfg, layout, Mesh.from_layout(layout), fusions=fusions)
 
 
-def _real(layout):
+def _real(layout, fusions=()):
     from course_lib.virtual.dry_run import model_config
-    res = launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, clock=VirtualCluster(HW))
+    res = launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, fusions, clock=VirtualCluster(HW))
     return res
 
 
@@ -80,3 +80,64 @@ def test_the_validation_rows_and_random_layouts_are_the_planners():
     assert len(drawn) == 6
     for model, hw, layout in drawn:
         check_dry_run(model, layout)                      # every drawn layout passes the ranks' rules
+
+
+def test_fused_attention_cores_compute_the_courses_attention():
+    """The sources' attention kernels (virtual.software) give the course's written-out attention,
+    values and gradients, in float64 (one step: reordered sums only), grouped-query included;
+    installed in a whole TinyGPT (GPT-2 and Llama blocks, selective recompute) they give the
+    same loss and gradients."""
+    import torch
+    from course_lib import tolerance
+    from course_lib.attention import causal_attention
+    from course_lib.gpt import GPTConfig, TinyGPT
+    from course_lib.virtual.software import flash_attention, install, scale_mask_softmax_attention
+    torch.manual_seed(0)
+    s = 12
+    future = torch.ones(s, s, dtype=torch.bool).triu(1)
+    for kv in (4, 2, 1):
+        qkv = [torch.randn(2, h, s, 8, dtype=torch.float64, requires_grad=True) for h in (4, kv, kv)]
+        want = causal_attention(*qkv, future=future)
+        g = torch.randn_like(want)
+        want_grads = torch.autograd.grad(want, qkv, g)
+        for core in (lambda q, k, v: scale_mask_softmax_attention(q, k, v, future), flash_attention):
+            got = core(*qkv)
+            tolerance.assert_matches([got, *torch.autograd.grad(got, qkv, g)], [want, *want_grads],
+                                     dtype=torch.float64, what=f"kv heads {kv}")
+    for block, fusion in (("gpt2", "scale_mask_softmax"), ("llama", "flash_attention"),
+                          ("llama", "scale_mask_softmax")):
+        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_kv_heads=2,
+                        block=block, recompute="selective")
+        x = torch.randint(0, 64, (2, 16))
+        results = []
+        for fusions in ((), (fusion,)):
+            model = TinyGPT(cfg, seed=0).double()
+            assert install(model, fusions) == (2 if fusions else 0)
+            loss = model(x, x)[1]
+            loss.backward()
+            results.append([loss.detach()] + [q.grad for q in model.parameters()])
+        tolerance.assert_matches(results[1], results[0], dtype=torch.float64, what=f"{block}, {fusion}")
+
+
+def test_fusions_price_as_a_real_launch_and_cut_the_attention_kernels():
+    """tp 2 x pp 2, interleaved (v = 2, 8 micro-batches: forwards replayed before their backward's
+    tape repeated) with Megatron-LM's fused scale-mask-softmax: the dry run's step time is the
+    real 4-rank launch's (the kernel runs on the CPU there, on meta here: one price); it takes
+    fewer kernels and less time than the written-out attention, and FlashAttention fewer still."""
+    layout = Layout(tp=2, pp=2, sp=True, schedule="interleaved", v=2, micro_batch=1, global_batch=8,
+                    recompute="selective")
+    fused = "scale_mask_softmax"
+    real = _real(layout, (fused,))
+    real_step = max(r["t"] for r in real)
+    r = dry_run(SPEC, HW, layout, fusions=fused)
+    assert r.fusions == (fused,) and r.replayed > 0
+    assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
+    assert abs(r.step_time - real_step) <= 1e-9 * real_step, (r.step_time, real_step)
+    plain = dry_run(SPEC, HW, layout)
+    flash = dry_run(SPEC, HW, layout, fusions=["flash_attention"])
+    assert flash.kernels < r.kernels < plain.kernels
+    assert flash.step_time < r.step_time < plain.step_time
+    with pytest.raises(ValueError, match="unknown fusion"):
+        dry_run(SPEC, HW, layout, fusions="fused_everything")
+    with pytest.raises(ValueError, match="give one"):
+        dry_run(SPEC, HW, layout, fusions=("flash_attention", "scale_mask_softmax"))

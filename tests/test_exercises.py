@@ -202,9 +202,28 @@ def graded(tiny_course):
     return grade_once
 
 
+def kernels_of_this_process() -> set:
+    """The ipykernel processes whose parent is this process, alive (Linux /proc; else empty)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                kernel = b"ipykernel" in f.read()
+        except OSError:
+            continue
+        if kernel and int(ppid) == os.getpid() and state != "Z":
+            found.add(int(pid))
+    return found
+
+
 def test_grade_scores_questions(tiny_course, graded):
     ref = str(tiny_course / "solutions")
+    before = kernels_of_this_process()
     blank = graded(str(tiny_course / "exercises" / "t.ipynb"), ref)
+    # the notebook's kernel is shut down when its run ends (not when this process does)
+    assert kernels_of_this_process() <= before
     assert (blank.passed, blank.total) == (0, 2)
     assert "NotImplementedError" in blank.questions[0].got
     solved = graded(str(tiny_course / "learner" / "t.ipynb"), ref)

@@ -325,11 +325,56 @@ def test_two_launches_at_once():
     assert [t.tolist() for t in results[1]] == [[12.0] * 4] * 3
 
 
-def test_two_processes_launch_at_once():
-    code = "from course_lib import launch; import torch.distributed as d; print(sum(launch(lambda: d.get_rank(), 4, quiet=True)))"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert outs == ["6", "6"] and all(p.returncode == 0 for p in procs)
+_WHO = """import multiprocessing.forkserver as mf, os, sys, time, torch.distributed as d
+from course_lib import launch
+def who():
+    from torch.backends import cpu
+    return d.get_rank(), os.getppid(), os.getcwd(), os.environ.get("SEEN"), cpu.get_cpu_capability()
+def sleeper(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(60)
+print(repr((list(launch(who, 4, quiet=True)), mf._forkserver._forkserver_pid)), flush=True)
+if len(sys.argv) > 1:
+    launch(sleeper, 2, sys.argv[1], quiet=True)   # (killed meanwhile: its ranks must end too)
+"""
+
+
+def test_two_processes_launch_at_once(tmp_path):
+    """Two processes launch at once: one forks its ranks from a forkserver of its own, the other
+    from a server this process started (SHARED_FORKSERVER, as every notebook run of the test
+    session does): that server's children, in the launcher's environment (set after the server
+    started; ATEN_CPU_CAPABILITY read by torch in the rank) and cwd. Killed while its ranks run,
+    that launcher leaves none behind (the shared server lives on: the ranks watch the launcher)."""
+    import ast
+
+    launcher = sys.modules["course_lib.launch"]
+    if not launcher.can_share_forkserver():
+        pytest.skip("this Python's forkserver cannot be shared")
+    server = launcher.start_shared_forkserver()
+    shared = dict(os.environ, SEEN="yes", ATEN_CPU_CAPABILITY="default",
+                  **{launcher.SHARED_FORKSERVER: server._forkserver_address})
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", _WHO, *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  text=True) for env, extra in ((dict(os.environ), ()), (shared, (str(tmp_path),)))]
+        own = ast.literal_eval(procs[0].communicate(timeout=120)[0].strip())
+        got = ast.literal_eval(procs[1].stdout.readline().strip())
+        deadline = time.time() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        procs[1].kill()
+        procs[1].communicate(timeout=30)
+        pids = [int(f) for f in os.listdir(tmp_path)]
+        deadline = time.time() + 5   # the watchdog looks every 0.5 s
+        while any(map(_alive, pids)) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.close(server._forkserver_alive_fd)   # the server ends with its last client
+        os.waitpid(server._forkserver_pid, 0)
+    assert procs[0].returncode == 0 and [r[0] for r in own[0]] == [0, 1, 2, 3]
+    assert own[1] is not None and {r[1] for r in own[0]} == {own[1]} != {server._forkserver_pid}
+    native = torch.backends.cpu.get_cpu_capability()
+    assert got == ([(r, server._forkserver_pid, ROOT, "yes", "DEFAULT") for r in range(4)], None), (got, native)
+    assert len(pids) == 2 and not [p for p in pids if _alive(p)]
 
 
 def test_200_launches_leak_no_process_or_fd(leak_probes):

@@ -12,10 +12,11 @@ Megatron-LM of 2021-22 unfused attention, ``MEGATRON_2022``; BLOOM's Jean Zay ne
 3 on H100s): nothing is fitted per row. The published step time is the paper's where it prints
 one (Korthikanti), else the FLOPs the paper counts per step over the throughput it reports
 (Narayanan and BLOOM: hardware FLOPs with recomputation; Llama 3: model FLOPs), with the
-planner's FLOP count for the step (the same for the three columns). The course's attention is
-written out (unfused) whatever the source ran: for Llama 3, which used FlashAttention, the dry
-run prices the unfused kernels (said in the row's ``note``); Llama 3's CP row does not run
-(the dry run does not fold context parallelism yet).
+planner's FLOP count for the step (the same for the three columns). What each source's
+software fused is stated once per source (:data:`SOFTWARE`) and run by the dry run as the
+course's program with that attention kernel (:mod:`course_lib.virtual.software`); it agrees
+with the source's hardware's ``fused_attention`` (the planner's statement of the same thing).
+Llama 3's CP row does not run (the dry run does not fold context parallelism yet).
 """
 from __future__ import annotations
 
@@ -30,14 +31,25 @@ from course_lib.virtual import dry_run
 
 SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
 
+# The attention kernels each source's software ran (course_lib.virtual.software.FUSIONS):
+# Megatron-LM (Narayanan et al. 2021, Sec. 4.2: fused scale + mask + softmax, one kernel with
+# implicit causal masking for GPT; Korthikanti et al. 2022 run the same code base; BLOOM's
+# Megatron-DeepSpeed is a fork of it); Llama 3 ran FlashAttention (the planner's validation:
+# ``fused_attention`` on its H100s). Megatron-LM of 2021-22 all-reduces the DP gradients after
+# the last backward, not under it (its train_step: ``allreduce_gradients()`` after
+# ``forward_backward_func``, DDP_impl "local"): what the course's runtime does.
+SOFTWARE = {"Korthikanti 2022 T5": ("scale_mask_softmax",), "Narayanan 2021 T1": ("scale_mask_softmax",),
+            "BLOOM 2022": ("scale_mask_softmax",), "Llama 3 T4": ("flash_attention",)}
+
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
-# 2022 T5"` printed it on this project's 2-core machine, 2026-11-28 (wall_s and cpu_s are that
-# machine's); chapter 10 prints it beside its live run with m = 8.
+# 2022 T5"` printed it on this project's 2-core machine, 2026-11-28, with Megatron-LM's fused
+# scale-mask-softmax (SOFTWARE; wall_s and cpu_s are that machine's, loaded); chapter 10 prints
+# it beside its live run with m = 8.
 RECORDED_175B = (
     "source | model | GPUs | layout | published_s | planner_s | dry_s | planner_err | dry_err | "
     "planner_GiB | dry_GiB | fits | wall_s | cpu_s",
-    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 14.166 | +1.9% | "
-    "+3.0% | 55.5 | 55.0 | True | 60 | 26")
+    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 13.298 | +1.9% | "
+    "-3.3% | 55.5 | 55.0 | True | 38 | 20")
 
 
 def published_runs():
@@ -63,8 +75,7 @@ def published_runs():
     h100 = HARDWARE["h100-sxm"]
     for gpus, tp, cp, pp, dp, s, tflops in LLAMA3_TABLE4:
         rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
-                     llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
-                     "attention unfused in the course's model (FlashAttention in the paper)"))
+                     llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops), ""))
     return rows
 
 
@@ -83,14 +94,14 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
                "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
                "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
                "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
-               "fits": None, "wall_s": None, "cpu_s": None, "note": note}
+               "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source]}
         began, cpu = time.perf_counter(), time.process_time()
         if layout.zero in (1, 2):      # the ranks run ZeRO 0 (DDP) or 3 (FSDP): the stated rule
             layout = layout.with_(zero=0)
             row["note"] = (row["note"] + "; " if row["note"] else "") + \
                 "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
-            r = dry_run(model, hw, layout, progress=progress)
+            r = dry_run(model, hw, layout, progress=progress, fusions=SOFTWARE[source])
         except (NotImplementedError, ValueError) as e:    # the dry run's limits; a layout the ranks refuse
             row["note"] = f"not run: {e}"
         else:
@@ -175,5 +186,5 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "random_layouts",
+__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "random_layouts",
            "agreement_rows"]

@@ -37,6 +37,7 @@ GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY, FOREACH = (
 CLASSES = (GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY)   # (foreach: elementwise, batched)
 _GEMM_SHAPED = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 _REDUCTIONS = {aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
+               aten._masked_softmax, aten._masked_softmax_backward,
                aten._safe_softmax, aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.var, aten.std,
                aten.var_mean, aten.std_mean, aten.amax, aten.amin, aten.aminmax, aten.max, aten.min, aten.argmax, aten.argmin,
                aten.logsumexp, aten.cumsum, aten.prod, aten.any, aten.all, aten.native_layer_norm,

@@ -24,6 +24,11 @@ Pipeline messages travel between the stages' threads with their start times, in 
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
 
+What a published run's software fused is the caller's to state (``fusions``, :mod:`.software`:
+Megatron-LM's fused scale-mask-softmax, FlashAttention): the model runs that attention kernel,
+which computes what the course's written-out attention computes; nothing else changes, and
+nothing is fitted (``lab.dry_runs.SOFTWARE`` states it per source).
+
 Memory (``peak_memory``): the largest over the running ranks of what its GPU holds after the
 step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12) plus the runner's peak of
 activations saved for backward; temporaries inside an op are not counted.
@@ -31,6 +36,7 @@ activations saved for backward; temporaries inside an op are not counted.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 import threading
 import time
@@ -52,6 +58,7 @@ from course_lib.planner.presets import ModelSpec, get_hardware, get_model
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
+from course_lib.virtual.software import check_fusions, install
 
 _ALL_NONZERO = _fx_config.patch
 
@@ -71,6 +78,7 @@ class DryRun:
     wall_seconds: float
     replayed: int              # actions whose price was replayed (:mod:`.replay`), of all the ranks run
     config: GPTConfig = field(repr=False, default=None)
+    fusions: tuple = ()        # the source's fused kernels the program ran (:mod:`.software`)
 
     @property
     def fits(self) -> bool:
@@ -113,18 +121,20 @@ def moe_config(spec: ModelSpec, layout: Layout) -> dict:
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
-               optimizer="fused") -> dict:
+               optimizer="fused", fusions=()) -> dict:
     """One training step of the course's program on this rank: the model built (or ``model``,
     only read) and cut (not priced), then ``net.step`` of a global batch and an AdamW step
     (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
     runs it). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
-    :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. Returns the clock's end,
+    :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. ``fusions``: the attention
+    kernels the model built here runs (:func:`.software.install`). Returns the clock's end,
     its kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
     with clock.muted():
         if model is None:
             with torch.device(device):
                 model = TinyGPT(cfg, seed=0)
+            install(model, fusions)
         net = parallelize_nd(model, mesh, layout)
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
@@ -216,23 +226,29 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
 
 
 def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.bfloat16,
-            progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused") -> DryRun:
+            progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused",
+            fusions=()) -> DryRun:
     """One step of ``layout`` for ``model`` (a preset name or ModelSpec) on ``hardware`` (a preset
     name or Hardware), priced on a :class:`~course_lib.virtual.VirtualCluster`: see the module's
     docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
     ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
-    ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach"."""
+    ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach".
+    ``fusions``: the attention kernels the source's software fused (:mod:`.software`:
+    "scale_mask_softmax", Megatron-LM's; "flash_attention"), stated per source, never fitted;
+    default none: the course's attention, written out."""
     if optimizer not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout)
+    fusions = check_fusions(fusions)
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
     shape = MeshShape(**layout.sizes, etp=layout.etp)
     cluster.check(shape.world_size)
     running = running_ranks(shape)
     with torch.device("meta"):
         model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
+    install(model, fusions)
     stages, out, records = Stages(running), {}, {}
     began = time.perf_counter()
 
@@ -241,13 +257,17 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
         trace.install_thread(rec)
         rec.clock = DryRankClock(cluster, rank, shape.world_size, rec, stages)
         if replay:
-            rec.memo = rec.clock.memo = ActionMemo(rec.clock)
+            # a forward replayed before its backward's tape repeated (replay.ActionMemo.early):
+            # not where a backward may hold async collectives or messages (FSDP, async TP, CP, MoE)
+            early = layout.zero == 0 and not layout.async_tp and layout.cp == 1 and spec.n_experts <= 1
+            rec.memo = rec.clock.memo = ActionMemo(rec.clock, early=early)
         try:
             # a boolean mask's selection (the vocab-parallel loss) has the shape of its True count:
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                out[rank] = train_step(cfg, layout, StageMesh(rank, **layout.sizes, etp=layout.etp), device="meta", memo=rec.memo,
+                mesh = StageMesh(rank, **layout.sizes, etp=layout.etp)
+                out[rank] = train_step(cfg, layout, mesh, device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
                                        optimizer=optimizer)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
@@ -260,7 +280,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                for i, r in enumerate(running)]
     for t in threads:
         t.start()
-    _watch(threads, records, began, progress)
+    _watch(threads, records, began, progress, layout.microbatches)
     errors = [v for v in out.values() if isinstance(v, BaseException)]
     if errors:
         first = next((e for e in errors if not type(e).__name__ == "StageFailed"), errors[0])
@@ -273,7 +293,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spans = [sp for r in running for sp in records[r].resolve()]
     return DryRun(spec, hw, layout, step, model_flops / (step * shape.world_size * hw.peak_flops),
                   max(m["states"] + m["activations"] for m in memory), memory, spans, len(running),
-                  sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res), cfg)
+                  sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res),
+                  cfg, fusions)
 
 
 def running_ranks(shape: MeshShape) -> list:
@@ -284,8 +305,10 @@ def running_ranks(shape: MeshShape) -> list:
     return [shape.rank_of(pp=i, cp=j) for i in range(shape.sizes["pp"]) for j in range(shape.sizes["cp"])]
 
 
-def _watch(threads, records, began, every) -> None:
-    """Wait for the stages; every ``every`` seconds, say where the first and last stand."""
+def _watch(threads, records, began, every, microbatches=None) -> None:
+    """Wait for the stages; every ``every`` seconds, a line on stderr: the elapsed wall time and,
+    for the first and the last stage, the micro-batch its last pipeline action ran (F12@3: the
+    forward of micro-batch 12 on virtual stage 3) and its virtual time."""
     last = time.perf_counter()
     for t in threads:
         while t.is_alive():
@@ -294,11 +317,25 @@ def _watch(threads, records, began, every) -> None:
                 last = time.perf_counter()
                 where = []
                 for i, rank in ((0, min(records)), (len(records) - 1, max(records))) if records else ():
-                    spans = records[rank].spans      # the last action's name: F12@3 is micro-batch 12
-                    where.append(f"stage {i} (rank {rank}): {spans[-1].name if spans else 'building'} "
+                    where.append(f"stage {i}: {_where(records[rank].spans, microbatches)} "
                                  f"(t={records[rank].clock.t:.3f} s)")
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
 
 
+_ACTION = re.compile(r"([FBWI])(\d+)(?:@(\d+))?$")
+_PASS = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
+
+
+def _where(spans, microbatches) -> str:
+    """The last pipeline action among ``spans`` in words (building: none yet)."""
+    for sp in reversed(spans[-64:]):
+        m = _ACTION.match(sp.name) if sp.dim == "pp" and sp.kind == "compute" else None
+        if m:
+            of = f"/{microbatches}" if microbatches else ""
+            return f"{_PASS[m.group(1)]} of micro-batch {int(m.group(2)) + 1}{of}" + \
+                (f" (virtual stage {m.group(3)})" if m.group(3) else "")
+    return spans[-1].name if spans else "building"
+
+
 __all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
-           "check_dry_run", "running_ranks"]
+           "check_dry_run", "running_ranks", "document_ids"]

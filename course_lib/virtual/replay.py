@@ -47,8 +47,8 @@ class TapeRecorder(trace.Recorder):
 class ActionMemo:
     """The tapes of one running rank's actions; :meth:`install` wraps its runner's F and B."""
 
-    def __init__(self, clock):
-        self.clock = clock
+    def __init__(self, clock, early: bool = True):
+        self.clock, self.early = clock, early
         self.taping = None          # the action being taped: ("F" | "B", stage)
         self.tape, self.active = None, False     # its tape; whether its compute span is open
         self.tapes = {}             # (op, stage) -> [tape of run 2, matches of run 3+] ...
@@ -103,8 +103,14 @@ class ActionMemo:
             self.bad.add(key)
 
     def _replayable(self, s) -> bool:
-        return ("F", s) in self.ready and ("B", s) in self.ready and ("F", s) not in self.bad and \
-            ("B", s) not in self.bad
+        """Whether the forward of stage ``s`` may be replayed: its tape is ready, and its backward's
+        is too, or (``early``) is still being taped from the real forwards already run (a
+        backward runs its micro-batches in order: its first three, whose forwards ran for
+        real, decide its tape). Early: a deep interleaved pipeline's warm-up runs hundreds of
+        forwards before a stage's third backward."""
+        if ("F", s) not in self.ready or ("F", s) in self.bad or ("B", s) in self.bad:
+            return False
+        return ("B", s) in self.ready or self.early
 
     def play(self, key) -> None:
         stream = self.clock.stream()
@@ -146,6 +152,9 @@ class ActionMemo:
         def B(i, s, mb):
             if runner.state.get((s, mb)) is not REPLAYED:
                 return self._run_real(("B", s), lambda: real_b(i, s, mb))
+            if ("B", s) not in self.ready:      # (early replay: the backward's tape did not repeat)
+                raise RuntimeError(f"stage {s}: the forward of micro-batch {mb} was replayed, but its "
+                                   f"backward's price did not repeat; run the dry run with replay=False")
             if s < runner.n - 1:
                 runner.recv(i, "grad", s, mb)
             with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):

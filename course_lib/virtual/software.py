@@ -1,0 +1,154 @@
+"""What a published run's software fused, run as the course's program: the dry run's per-source
+software (:func:`course_lib.virtual.dry_run`, ``fusions=``).
+
+The course's attention is written out in plain ops (:class:`course_lib.gpt.Attention`: the
+scores scaled, a causal mask added, softmax, dropout, the product with V), each a kernel of
+its own on the virtual clock. The published systems ran fewer kernels, and each says which:
+
+* ``"scale_mask_softmax"``: Megatron-LM (Narayanan et al. 2021, Sec. 4.2, "Computation
+  Optimizations": "two custom kernels to enable the fusion of scale, mask, and softmax
+  (reduction) operations", one with implicit causal masking for GPT; Korthikanti et al. 2022
+  run the same code base). Here: Q K^T (one batched GEMM), then one kernel for the masked
+  softmax (``torch._masked_softmax``: reads the scores once, writes the probabilities once;
+  backward one ``_softmax_backward_data``), dropout, then the product with V. The 1/sqrt(d)
+  scale is applied to Q (b a s d elements) instead of inside the softmax kernel (b a s s).
+* ``"flash_attention"``: FlashAttention (Dao et al. 2022; Llama 3 trained with it, Dubey et al.
+  2024, Sec. 3.3): one kernel forward, one backward, the s x s scores never stored
+  (torch's ``_scaled_dot_product_flash_attention_for_cpu``, which the clock prices as the GPU's
+  fused kernel: its FLOPs, causal half, at the preset's cited "attention" fraction of peak,
+  :mod:`course_lib.planner.kernel_cost`). It keeps Q, K, V, the output and the log-sum-exp
+  for backward whatever the recompute policy: its backward recomputes the scores itself.
+
+Both compute what the written-out attention computes (``tests/test_dry_run.py`` checks them
+on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
+replace the attention core of the model the dry run builds (:func:`install`), nothing else:
+every other op is the course's.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from course_lib.gpt import Attention
+from course_lib.recompute import recompute
+
+FUSIONS = ("scale_mask_softmax", "flash_attention")
+
+
+def check_fusions(fusions) -> tuple:
+    """``fusions`` as a tuple of names of :data:`FUSIONS` (ValueError naming the unknown one;
+    the two attention kernels exclude each other)."""
+    if isinstance(fusions, str):
+        fusions = (fusions,)
+    fusions = tuple(fusions or ())
+    for f in fusions:
+        if f not in FUSIONS:
+            raise ValueError(f"unknown fusion {f!r}: the dry run knows {FUSIONS}")
+    if {"scale_mask_softmax", "flash_attention"} <= set(fusions):
+        raise ValueError("fusions: 'scale_mask_softmax' and 'flash_attention' are two kernels for the same "
+                         "attention core; give one")
+    return fusions
+
+
+def _kv_for_each_head(q, k, v):
+    """K and V with one head per query head (grouped-query attention): a view for one KV head."""
+    rep = q.shape[1] // k.shape[1]
+    if rep == 1:
+        return k, v
+    if k.shape[1] == 1:
+        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+class CausalSoftmax(torch.autograd.Function):
+    """softmax over the last dim with the entries where ``future`` is True left out: one kernel
+    forward (``_masked_softmax``), one backward (``_softmax_backward_data``: a left-out entry's
+    probability is 0, so its gradient is too)."""
+
+    @staticmethod
+    def forward(ctx, scores, future):
+        probs = torch._masked_softmax(scores, future, -1, 0)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, probs, -1, probs.dtype), None
+
+
+def scale_mask_softmax_attention(q, k, v, future, dropout=None):
+    """Megatron-LM's attention core: (b, a, s, d) -> (b, a, s, d), causal (``future``: (s, s),
+    True above the diagonal)."""
+    k, v = _kv_for_each_head(q, k, v)
+    scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+    probs = CausalSoftmax.apply(scores, future)
+    if dropout is not None:
+        probs = dropout(probs)
+    return probs @ v
+
+
+def flash_attention(q, k, v, dropout_p=0.0):
+    """FlashAttention's core, causal: (b, a, s, d) -> (b, a, s, d), one fused kernel."""
+    k, v = _kv_for_each_head(q, k, v)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)
+    return out
+
+
+def _attend_scale_mask_softmax(self, q, k, v, q_pos=None, k_pos=None, future=None):
+    _plain_positions(q_pos, k_pos)
+    fut = self.future_mask[:q.shape[2], :q.shape[2]] if future is None else future
+
+    def core(q, k, v):
+        return scale_mask_softmax_attention(q, k, v, fut, self.attn_dropout)
+    if self.recompute == "selective":
+        return recompute(core, (q, k, v), rng_of=(self.attn_dropout,))
+    return core(q, k, v)
+
+
+def _attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
+    _plain_positions(q_pos, k_pos)
+    p = self.attn_dropout.p if self.training else 0.0
+    if p:
+        raise NotImplementedError("flash_attention: attention dropout is not run fused (the course's CPU "
+                                  "kernel has no dropout mask the course's Dropout would match)")
+    return flash_attention(q, k, v)
+
+
+def _plain_positions(q_pos, k_pos):
+    if q_pos is not None or k_pos is not None:
+        raise NotImplementedError("a fused attention core runs one whole causal sequence (positions 0..s-1)")
+
+
+def _masked_softmax_on_meta() -> None:
+    """torch has no meta kernel for ``_masked_softmax``: its shape is its input's (registered
+    once per process, for the meta device only)."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_masked_softmax", "Meta"):
+        torch.library.register_fake("aten::_masked_softmax")(_masked_softmax_shape)
+
+
+def _masked_softmax_shape(x, mask, dim=None, mask_type=None):
+    return torch.empty_like(x)
+
+
+def install(model, fusions) -> int:
+    """Every :class:`~course_lib.gpt.Attention` of ``model`` runs its core as ``fusions`` say
+    (this instance only; before the model is cut). Returns how many were changed."""
+    fusions = check_fusions(fusions)
+    attend = _attend_flash if "flash_attention" in fusions else \
+        _attend_scale_mask_softmax if "scale_mask_softmax" in fusions else None
+    if attend is None:
+        return 0
+    _masked_softmax_on_meta()
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            mod.attend = types.MethodType(attend, mod)
+            n += 1
+    return n
+
+
+__all__ = ["FUSIONS", "check_fusions", "install", "scale_mask_softmax_attention", "flash_attention",
+           "CausalSoftmax"]
