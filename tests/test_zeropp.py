@@ -283,3 +283,10 @@ def test_planner_knows_zeropp():
                                                                     data="fsdp", zeropp=z)) for z in ((), ZEROPP)}
     assert est[ZEROPP].comm_bytes["dp"] < est[()].comm_bytes["dp"]
     assert est[ZEROPP].time.get("zero", 0.0) < est[()].time["zero"]
+    # hpZ's secondary copy: the 16-bit parameters again, sharded over the node, 2P/G per GPU
+    from course_lib.planner.presets import get_model
+    dense = get_model("llama3-8b").n_params
+    hpz = planner.estimate("llama3-8b", "h100-sxm", Layout.of(dp=16, global_batch=64, micro_batch=1, data="fsdp",
+                                                              zeropp=("hpz",)))
+    extra = hpz.memory["params"] - est[()].memory["params"]
+    assert extra == pytest.approx(2 * dense / 8, rel=1e-6)     # (the stage counts all but the final norm)

@@ -236,8 +236,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
         shard_e = n_exp_group if layout.zero >= 1 else 1
         optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
 
+        hpz = zeropp_node(layout, hw, n_shard) if "hpz" in layout.zeropp and layout.zero == 3 and n_shard > 1 \
+            else None
         mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
-                      hw.fused_kernels)
+                      hw.fused_kernels, hpz_node=hpz)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
@@ -295,8 +297,9 @@ def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
 
 
 def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True,
-            fused_kernels=False) -> dict:
-    """Bytes one GPU of stage ``st`` holds at its peak, by category."""
+            fused_kernels=False, hpz_node=None) -> dict:
+    """Bytes one GPU of stage ``st`` holds at its peak, by category. ``hpz_node`` G: ZeRO++'s
+    hpZ keeps a secondary copy of the 16-bit parameters sharded over the node, 2P/G more."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
     z = F.zero_memory_bytes(dense, layout.zero, n_zero)
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group)
@@ -315,6 +318,8 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     if layout.zero == 3 and n_l:
         # the gathered parameters of the layer computing and of the one prefetched
         temporaries += 2 * 2 * (dense + expert) / n_l
+    if hpz_node:
+        z = {**z, "params": z["params"] + 2 * dense / hpz_node, "total": z["total"] + 2 * dense / hpz_node}
     return {"params": z["params"] + ze["params"], "grads": z["grads"] + ze["grads"],
             "optimizer": z["optimizer"] + ze["optimizer"], "activations": activations,
             "temporaries": temporaries,
