@@ -1,12 +1,13 @@
-"""The dry run with sharded data parallelism (FSDP, HSDP, ZeRO++ with hpZ's reshard block),
-packed documents under CP (``Layout.documents``: the step's ``doc_ids``) and async TP (its
-ring hops go to a folded tp peer: the message received from the peer behind left when this
-rank's own message to the peer ahead did): the same virtual step time, kernels and memory
-as a real launch of the same layout on the clock. FSDP keys a saved tensor by the storage
-it views, and on the meta device every storage's data_ptr is 0: the dry run once mistook every saved tensor for a parameter (a
-bool mask came back a float32 view). HSDP's and a reshard block's groups come from the
-mesh (``comm_of_sets``), and so do ZeRO++'s node groups, which the dry run's mesh builds
-without process groups."""
+"""The dry run beyond dp x tp x pp: the V schedules (each rank's two chunks in V order),
+sharded data parallelism (FSDP, HSDP, ZeRO++ with hpZ's reshard block), packed documents
+under CP (``Layout.documents``: the step's ``doc_ids``) and async TP (its ring hops go to a
+folded tp peer: the message received from the peer behind left when this rank's own message
+to the peer ahead did): the same virtual step time, kernels and memory as a real launch of
+the same layout on the clock. FSDP keys a saved tensor by the storage it views, and on the
+meta device every storage's data_ptr is 0: the dry run once mistook every saved tensor for a
+parameter (a bool mask came back a float32 view). HSDP's and a reshard block's groups come
+from the mesh (``comm_of_sets``), and so do ZeRO++'s node groups, which the dry run's mesh
+builds without process groups."""
 import dataclasses
 
 import pytest
@@ -25,6 +26,8 @@ LAYOUTS = {
     "async tp2 x dp2": Layout(dp=2, tp=2, sp=True, async_tp=True, micro_batch=1, global_batch=2),
     "cp2 packed documents": Layout(cp=2, documents=(20, 12), cp_layout="documents", micro_batch=1,
                                    global_batch=2),
+    "zb-v pp2": Layout(pp=2, schedule="zb-v", micro_batch=1, global_batch=4),
+    "dualpipe-v pp2 x tp2": Layout(pp=2, tp=2, sp=True, schedule="dualpipe-v", micro_batch=1, global_batch=4),
     "zero++ 2 nodes of 2": Layout(dp=4, zero=3, zeropp=("hpz", "qwz", "qgz"), gpus_per_node=2, micro_batch=1,
                                   global_batch=4),
 }

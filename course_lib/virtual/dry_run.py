@@ -55,6 +55,7 @@ from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
+from course_lib.schedules import chunks, placement_of, rank_stage_ids
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
@@ -157,11 +158,14 @@ def document_ids(lengths) -> torch.Tensor | None:
 
 
 def stage_model(model, pp_rank: int, layout: Layout):
-    """``model`` as pp rank ``pp_rank`` reads it: its own blocks, an empty ``nn.Identity`` in
-    the place of every block another rank keeps (the stages copy the model they are given: a
-    1T model's 128 blocks, 64 times over, for one or two blocks each). Shares the tensors."""
-    n = layout.pp * layout.chunks
-    mine = {i for s in range(pp_rank, n, layout.pp) for i in partition_layers(len(model.blocks), n)[s]}
+    """``model`` as pp rank ``pp_rank`` reads it: its own blocks (where the schedule places its
+    stages: a V schedule's two chunks in V order), an empty ``nn.Identity`` in the place of
+    every block another rank keeps (the stages copy the model they are given: a 1T model's
+    128 blocks, 64 times over, for one or two blocks each). Shares the tensors."""
+    v = chunks(layout.schedule, layout.v)               # the V schedules: 2, in V order
+    ids = rank_stage_ids(pp_rank, layout.pp, v, placement_of(layout.schedule, layout.pp, v))
+    layers = partition_layers(len(model.blocks), layout.pp * v)
+    mine = {i for s in ids for i in layers[s]}
     view = copy.copy(model)
     view._modules = dict(model._modules)            # (a shallow copy shares the dict of children)
     view.blocks = nn.ModuleList(b if i in mine else nn.Identity() for i, b in enumerate(model.blocks))
