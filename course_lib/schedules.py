@@ -27,7 +27,7 @@ from course_lib.trace import Span
 OPS = ("F", "B", "W")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 V_SCHEDULES = ("zb-v", "dualpipe-v")         # two chunks per rank in V order (:func:`stage_rank`)
-PLANNED = ("gpipe", "1f1b", "interleaved", "zb-v", "dualpipe-v")   # the planner prices (formulas.SCHEDULES)
+PLANNED = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")   # the planner prices (formulas.SCHEDULES)
 PLACEMENTS = ("loop", "v")
 
 
@@ -495,7 +495,7 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
         raise ValueError(f"schedule must be one of {PLANNED}, got {schedule!r}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
-    if schedule in V_SCHEDULES:
+    if schedule in V_SCHEDULES or schedule == "zb-h1":
         return formula_bubble(schedule, p, m)
     vv = v if schedule == "interleaved" else 1
     return (p - 1) / (vv * m + p - 1)

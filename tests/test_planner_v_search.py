@@ -1,6 +1,7 @@
-"""The planner's simulator and search know ZB-V, DualPipeV and the folded expert mesh (#37).
+"""The planner's simulator and search know ZB-H1, ZB-V, DualPipeV and the folded expert mesh.
 
-* planner.simulate runs the V schedules' own action lists (two chunks per rank in a V): on
+* planner.simulate runs the zero-bubble schedules' own action lists (ZB-H1's one chunk per
+  rank, the V schedules' two in a V): on
   equal stages and free links, every rank's idle time is the one the schedule's unit clock
   (``schedules.simulate``, which the virtual clock's runs match: tests/test_pipeline_v.py)
   gives at the same F, B and W; the planner does not share that code (its own event loop).
@@ -32,27 +33,28 @@ def _idle_per_rank(spans, ranks):
     return [end - sum(s.duration for s in pipe if s.rank == r and s.kind == "compute") for r in ranks]
 
 
-@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "dualpipe-v"])
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (4, 2), (4, 13)])
 @pytest.mark.parametrize("w", [0.5, 0.2])
 def test_simulated_v_bubble_is_the_unit_clocks(name, p, m, w):
     if name == "dualpipe-v" and m < 2 * p:
         return
+    k = 1 if name == "zb-h1" else 2                  # chunks per rank: a V's two are half its stage each
     layout = Layout(pp=p, schedule=name, global_batch=m)
     sim = simulate(EVEN, IDEAL, layout, w_fraction=w)
-    stages = stage_costs(EVEN, IDEAL, layout)        # rank r's two chunks: half its stage each
+    stages = stage_costs(EVEN, IDEAL, layout)
     sched = S.make_schedule(name, p, m)
     split = {(a.stage, a.mb) for row in sched for a in row if a.op == "W"}
     durations = {}
     for r, row in enumerate(sched):
-        t_f, t_b = stages[r].fwd_time / 2, stages[r].bwd_time / 2
+        t_f, t_b = stages[r].fwd_time / k, stages[r].bwd_time / k
         for a in row:
             durations[str(a)] = {"F": t_f, "W": w * t_b}.get(a.op, t_b - w * t_b if (a.stage, a.mb) in split
                                                              else t_b)
-    want = _idle_per_rank(S.simulate(sched, p, 2, durations=durations), range(p))
+    want = _idle_per_rank(S.simulate(sched, p, k, durations=durations), range(p))
     got = _idle_per_rank(sim, sim.ranks)
-    t_f, t_b = stages[0].fwd_time / 2, stages[0].bwd_time / 2
-    scale = 2 * m * (t_f + t_b)                                  # a rank's work per step
+    t_f, t_b = stages[0].fwd_time / k, stages[0].bwd_time / k
+    scale = k * m * (t_f + t_b)                                  # a rank's work per step
     assert got == pytest.approx(want, abs=1e-9 * scale), (got, want)
 
 

@@ -102,7 +102,7 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
     for st in stages:
         sends = F.p2p_sends(layout.schedule, p, st.stage, v)
         ops.append((st.fwd_time + st.bwd_time) / v + (sends * st.p2p if p > 1 else 0.0))
-    if layout.schedule in F.V_SCHEDULES and p > 1:    # ZB-V, DualPipeV: DeepSeek-V3's Table 2
+    if layout.schedule in ("zb-h1", *F.V_SCHEDULES) and p > 1:    # DeepSeek-V3's Table 2
         busy = max(stages, key=lambda st: st.fwd_time + st.bwd_time)
         return m * max(ops) + F.pipeline_idle(layout.schedule, p, busy.fwd_time, busy.bwd_time), ops
     return sum(ops) + (m * v - 1) * max(ops), ops

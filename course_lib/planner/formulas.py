@@ -246,12 +246,13 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
 
 def pipeline_idle(schedule: str, p: int, t_f: float, t_b: float) -> float:
     """Idle time of a stage per step, equal stages, a stage's forward ``t_f`` and backward
-    ``t_b`` per micro-batch (all its chunks): (p - 1)(t_f + t_b) for GPipe and 1F1B; for ZB-V and
+    ``t_b`` per micro-batch (all its chunks): (p - 1)(t_f + t_b) for GPipe and 1F1B, (p - 1)(t_f +
+    t_b - 2 W) for ZB-H1 with W = t_b / 2 (its weight GEMMs, half the backward's); for ZB-V and
     DualPipeV ``schedules.formula_idle`` (DeepSeek-V3's Table 2) on each of the two chunks' times,
     the weight-gradient part W half a backward (its GEMMs are half the backward's)."""
     if schedule in V_SCHEDULES:
         return formula_idle(schedule, p, t_f=t_f / 2, t_b=t_b / 2, t_w=t_b / 4)
-    return formula_idle(schedule, p, t_f=t_f, t_b=t_b)
+    return formula_idle(schedule, p, t_f=t_f, t_b=t_b, t_w=t_b / 2)     # (W: zb-h1's only)
 
 
 def p2p_sends(schedule: str, p: int, stage: int, v: int = 1) -> int:

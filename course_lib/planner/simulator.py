@@ -23,6 +23,8 @@ from course_lib.planner.presets import get_hardware, get_model
 from course_lib.schedules import V_SCHEDULES, make_schedule, schedule_order, stage_rank
 from course_lib.trace import Span
 
+ACTION_LISTS = ("zb-h1", *V_SCHEDULES)     # simulated from their action lists (W apart)
+
 PIPE_KINDS = ("compute", "elementwise", "launch", "tp", "cp", "ep", "zero")
 
 
@@ -68,7 +70,7 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
     programs = {}
     for d, st, c, t in coords:
         sc = stages[st]
-        prog = [] if layout.schedule not in V_SCHEDULES else _v_program(layout, sc, (d, c, t), st, w_fraction)
+        prog = _action_program(layout, sc, (d, c, t), st, w_fraction) if layout.schedule in ACTION_LISTS else []
         for phase, mb, ch in (schedule_order(p, m, layout.schedule, v, st) if not prog else ()):
             vs = ch * p + st                               # virtual stage of this chunk
             parts = sc.fwd if phase == "F" else sc.bwd
@@ -101,22 +103,24 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
     return out
 
 
-def _v_program(layout, sc, where, rank, w_fraction):
-    """The program of pp rank ``rank`` under a V schedule: its action list (two chunks, stages
-    ``rank`` and 2p - 1 - ``rank``), each chunk half the stage's work and communication; a split
-    backward's W is ``w_fraction`` of the chunk's backward work, its B the rest; messages only
-    between ranks (the turn of the V, stage p - 1 to p, stays on rank p - 1)."""
+def _action_program(layout, sc, where, rank, w_fraction):
+    """The program of pp rank ``rank`` under a schedule with W actions, from its action list:
+    ZB-H1 (one chunk, the stage) or a V (two chunks, stages ``rank`` and 2p - 1 - ``rank``,
+    each half the stage's work and communication); a split backward's W is ``w_fraction`` of
+    the chunk's backward work, its B the rest; messages only between ranks (the turn of the V,
+    stage p - 1 to p, stays on rank p - 1)."""
     p, m = layout.pp, layout.microbatches
+    k, placement = (2, "v") if layout.schedule in V_SCHEDULES else (1, "loop")
     row = make_schedule(layout.schedule, p, m)[rank]
     split = {(a.stage, a.mb) for a in row if a.op == "W"}
     last_b = max(i for i, a in enumerate(row) if a.op == "B")
     prog = []
     for i, a in enumerate(row):
         parts = sc.fwd if a.op == "F" else sc.bwd
-        work = (parts["compute"] + parts["elementwise"] + parts.get("launch", 0.0)) / 2
-        w = w_fraction * (sc.bwd["compute"] + sc.bwd["elementwise"] + sc.bwd.get("launch", 0.0)) / 2
+        work = (parts["compute"] + parts["elementwise"] + parts.get("launch", 0.0)) / k
+        w = w_fraction * (sc.bwd["compute"] + sc.bwd["elementwise"] + sc.bwd.get("launch", 0.0)) / k
         src = {"F": a.stage - 1, "B": a.stage + 1}.get(a.op)
-        if src is not None and 0 <= src < 2 * p:
+        if src is not None and 0 <= src < k * p:
             prog.append(("wait", ("act" if a.op == "F" else "grad", *where, a.mb, src)))
         if i == last_b:
             prog.append(("mark", "last backward"))
@@ -127,10 +131,10 @@ def _v_program(layout, sc, where, rank, w_fraction):
         prog.append(("span", f"{a.op}{a.mb}.{a.stage}", "compute", work - w if split_b else work))
         for kind in ("tp", "cp", "ep", "zero"):
             if parts[kind] > 0:
-                prog.append(("span", f"{kind} {a.op}{a.mb}", "comm", parts[kind] / 2))
+                prog.append(("span", f"{kind} {a.op}{a.mb}", "comm", parts[kind] / k))
         dst = {"F": a.stage + 1, "B": a.stage - 1}[a.op]
-        if 0 <= dst < 2 * p:
-            if stage_rank(dst, p, "v") != rank:
+        if 0 <= dst < k * p:
+            if stage_rank(dst, p, placement) != rank:
                 prog.append(("span", f"send {a.op}{a.mb}", "comm", sc.p2p))
             prog.append(("signal", ("act" if a.op == "F" else "grad", *where, a.mb, a.stage)))
     return prog
