@@ -248,7 +248,8 @@ class ExpertParallelMoE(nn.Module):
         """rows (R, h) for my experts ``local_e`` (R,) -> their outputs (R, h); with etp the
         rows of my etp peers join (all-gather) and the partial sums go back (reduce-scatter)."""
         if self.etp > 1:
-            sizes = gather_along(self.etp_comm, torch.tensor([len(rows)], device=local_e.device), 0, "ETP row counts").tolist()
+            count = torch.tensor([len(rows)], device=local_e.device)
+            sizes = gather_along(self.etp_comm, count, 0, "ETP row counts").tolist()
             rows = GatherRows.apply(rows, self.etp_comm, sizes, "ETP all-gather")
             local_e = gather_rows(local_e, self.etp_comm, sizes, "ETP expert ids")
         with trace.span("experts", kind="compute"):
@@ -272,7 +273,8 @@ class ExpertParallelMoE(nn.Module):
         recv_counts = recv_counts.view(self.ep, self.local)           # (ep sources, E/ep local experts)
         recv_splits = recv_counts.sum(1).tolist()
         rows = AllToAll.apply(x[tok], self.comm, recv_splits, send_splits, "dispatch")    # (R, h)
-        local_e = torch.arange(self.local, device=counts.device).repeat(self.ep).repeat_interleave(recv_counts.flatten())
+        local_e = torch.arange(self.local, device=counts.device)
+        local_e = local_e.repeat(self.ep).repeat_interleave(recv_counts.flatten())
         done = self._run_experts(rows, local_e)
         back = AllToAll.apply(done, self.comm, send_splits, recv_splits, "combine")      # (M, h)
         return torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])

@@ -88,8 +88,9 @@ class Bucket:
         if p.grad is None:
             view.zero_()
         elif p.grad._base is not self.buffer or p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)                      # (after a step p.grad may already BE the view;
-            # the base too: on the meta device every fresh tensor's data_ptr is 0, the first view's too)
+            # after a step p.grad may already BE the view; the base too (on the meta
+            # device every fresh tensor's data_ptr is 0, the first view's too)
+            view.copy_(p.grad)
         self.flags[k] = p.grad is not None
         self.filled[k] = True
 
