@@ -81,7 +81,8 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
     if stage == 0:
         dense += parts["embedding"]
     if stage == layout.pp - 1:
-        # the LM head (a tied head is a second copy on the last stage, as in Megatron)
+        # the final norm, and the LM head (a tied head is a second copy on the last stage, as in Megatron)
+        dense += F.param_count(model) - model.n_layers * parts["per_layer"] - parts["embedding"] - parts["lm_head"]
         dense += parts["lm_head"] or model.vocab * model.hidden
     return dense / layout.tp, n_layers * expert_layer / (layout.ep * layout.etp)   # the folded expert mesh
 
