@@ -68,7 +68,8 @@ class Layout:
     shard_size: int | None = None     # HSDP: FSDP over S dp ranks, replicated over dp / S
     zeropp: tuple = ()                # ZeRO++ on FSDP: any of ("hpz", "qwz", "qgz")
     gpus_per_node: int | None = None  # ZeRO++'s node: G consecutive FSDP ranks (None: 8 or all)
-    documents: tuple = ()             # packed documents' lengths per sequence (sum = seq_len); (): one
+    documents: tuple = ()             # packed documents' lengths per sequence (sum = seq_len); (): one.
+                                      # The planner and the dry run read it; a real step takes doc_ids=
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
