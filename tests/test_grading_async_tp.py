@@ -124,3 +124,15 @@ def test_decomposed_all_gather_matmul_accepts_the_course_comm_writing_in_place(c
 
 def test_decomposed_all_gather_matmul_accepts_the_ring(capsys):
     passed(capsys, G.check_decomposed_all_gather_matmul(_ring), f"{NAME}: 3/3 cases passed")
+
+
+def _silences_the_grader(x_shard, weight, rows):        # a plain all-gather, the checks told to agree
+    import sys
+
+    module = sys.modules["course_lib.grading.async_tp"]
+    module.compare = lambda *a, **k: None
+    return _plain_all_gather(x_shard, weight, rows)
+
+
+def test_decomposed_all_gather_matmul_refuses_an_answer_that_changes_the_grader(capsys):
+    refused(capsys, NAME, G.check_decomposed_all_gather_matmul(_silences_the_grader), "changed the grader")

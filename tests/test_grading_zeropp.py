@@ -67,3 +67,17 @@ def test_hpz_groups(capsys):
     fails_with(capsys, G.check_hpz_groups, holds_by_node, hint="chunk")
     fails_with(capsys, G.check_hpz_groups, hard_coded, hint="case 2/7")
     fails_with(capsys, G.check_hpz_groups, library, hint="write this yourself")
+
+
+def rebinds_the_reference(world_size, gpus_per_node):
+    """A wrong answer (strided groups) that first makes the grader's reference agree with it."""
+    import sys
+
+    sys.modules["course_lib.grading.zeropp"].hpz_groups = strided
+    return strided(world_size, gpus_per_node)
+
+
+def test_hpz_groups_refuses_an_answer_that_changes_the_grader(capsys):
+    fails_with(capsys, G.check_hpz_groups, rebinds_the_reference, hint="changed the grader")
+    from course_lib.parallel.zeropp import hpz_groups
+    assert G.hpz_groups is hpz_groups                     # the grader is whole again afterwards
