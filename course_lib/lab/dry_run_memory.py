@@ -198,7 +198,6 @@ def fsdp_activations(model, hardware, dp: int = 4, **layout) -> dict:
 
 ZERO_COLUMNS = (("N", "{}"), ("stage", "{}"), ("paper_GB", "{:g}"), ("formula_GB", "{:.2f}"),
                 ("P_formula_GB", "{:.2f}"), ("planner_GB", "{:.2f}"), ("dry_GB", "{:.2f}"))
-GB = 1e9
 
 
 def format_rows(rows, columns) -> str:
