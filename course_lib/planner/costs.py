@@ -81,9 +81,10 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
     if stage == 0:
         dense += parts["embedding"]
     if stage == layout.pp - 1:
-        # the final norm, and the LM head (a tied head is a second copy on the last stage, as in Megatron)
+        # the final norm, and the LM head: a tied head is a second copy on the last stage when it is
+        # not the first (Megatron's word-embedding copy), the embedding itself when pp = 1
         dense += F.param_count(model) - model.n_layers * parts["per_layer"] - parts["embedding"] - parts["lm_head"]
-        dense += parts["lm_head"] or model.vocab * model.hidden
+        dense += parts["lm_head"] or (model.vocab * model.hidden if layout.pp > 1 else 0)
     return dense / layout.tp, n_layers * expert_layer / (layout.ep * layout.etp)   # the folded expert mesh
 
 
