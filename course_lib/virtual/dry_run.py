@@ -49,7 +49,10 @@ import torch.nn as nn
 from course_lib import trace
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.layout import Layout
+from course_lib.meta import round_robin
 from course_lib.parallel.compose import parallelize_nd
+from course_lib.parallel.cp_layouts import shard_positions
+from course_lib.parallel.expert_parallel import token_index
 from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
@@ -102,23 +105,17 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
 
 
 def moe_config(spec: ModelSpec, layout: Layout) -> dict:
-    """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model). On the meta
-    device the router has no values: the dry run routes BALANCED (every top-k takes
-    :func:`~course_lib.meta.round_robin`'s experts: each expert T*k/E of a group's T
-    tokens, each EP rank sending T*k/ep rows to each peer), so the dispatch sizes are static and
-    no token is dropped at any capacity factor >= 1 (dropless prices the same: a real dropless
-    run's sizes follow its data, which a dry run does not have). The course's experts are GeLU
-    MLPs (:class:`~course_lib.moe.Expert`): a SwiGLU model's are not run."""
+    """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model): experts with the
+    model's MLP (GeLU or SwiGLU, :class:`~course_lib.moe.Expert`). On the meta device the router
+    has no values: the dry run routes BALANCED (every top-k takes
+    :func:`~course_lib.meta.round_robin`'s experts over its routing group's tokens in the
+    single-device order: each expert T*k/E of a group's T tokens), so the dispatch sizes are
+    static and no token is dropped at any capacity factor >= 1 (dropless prices the same: a real
+    dropless run's sizes follow its data, which a dry run does not have)."""
     if spec.n_experts <= 1:
         return {}
-    if spec.mlp != "gelu":
-        raise NotImplementedError(f"{spec.name}: the course's experts are GeLU MLPs (course_lib.moe.Expert), "
-                                  f"not {spec.mlp!r}")
-    if layout.cp > 1 or layout.tp > 1:
-        raise NotImplementedError(f"{spec.name}: the dry run routes an MoE's tokens on one rank (cp = tp = 1): "
-                                  f"over cp x tp the group's token places are gathered from ranks it folds")
     return {"n_experts": spec.n_experts, "top_k": spec.top_k, "moe_dispatch": spec.moe_dispatch,
-            "capacity_factor": 1.25}
+            "capacity_factor": 1.25, "expert_mlp": spec.mlp}
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
@@ -140,6 +137,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
+        fold_token_places(net, cfg, layout, mesh)
     if memo is not None:
         memo.install(net.runner)
     net.step(x, x, doc_ids=document_ids(layout.documents))
@@ -147,6 +145,51 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     clock.settle()
     return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
             **gpu_memory(net, opt, clock.cluster)}
+
+
+def token_places(cfg: GPTConfig, layout: Layout, coords: dict) -> torch.Tensor:
+    """(micro_batch * s / (cp * tp),) where the MoE tokens of the rank at ``coords`` sit in their
+    routing group (one micro-batch; the index the plan sets, :meth:`NDParallel.token_index`):
+    its CP positions (the layout's split), then its sequence-parallel chunk of them."""
+    s, cp = cfg.seq_len, layout.cp
+    pos = torch.arange(s) if cp == 1 else \
+        shard_positions(s, cp, coords["cp"], layout.cp_layout, "cpu", document_ids(layout.documents))
+    tp = layout.tp if layout.sp else 1
+    return token_index(layout.micro_batch, s, pos, tp, coords["tp"] if tp > 1 else 0)
+
+
+def fold_token_places(net, cfg: GPTConfig, layout: Layout, mesh) -> None:
+    """On the dry run: an MoE's routing group spans the cp x tp ranks, and their token places
+    are all-gathered (:meth:`~course_lib.parallel.expert_parallel.ExpertParallelMoE.route`);
+    the members it folds send nothing, so each member's places are the dry run's to give
+    (:attr:`~.priced.PricedComm.folded_values`): the ones that member's plan sets."""
+    for st in net.stages.values():
+        for block in st.part.blocks:
+            comm = getattr(getattr(getattr(block, "mlp", None), "moe", None), "token_comm", None)
+            if comm is None or getattr(comm, "moves_data", True):
+                continue
+            places = [token_places(cfg, layout, mesh.coords(r)) for r in comm.ranks]
+            comm.folded_values["routing: token places"] = places.__getitem__
+
+
+def check_balanced_folding(cfg: GPTConfig, layout: Layout) -> None:
+    """The dry run folds the members of an MoE's routing group (cp x tp ranks) and its ep peers:
+    a folded rank sends what its running twin sends. Under balanced routing that holds when
+    every member of the group routes the same number of tokens to each expert (round robin
+    over the group's places: a member's places must not favour some experts);
+    NotImplementedError otherwise, naming the counts."""
+    if not cfg.n_experts or layout.cp * layout.tp == 1:
+        return
+    counts = {}
+    for cp in range(layout.cp):
+        for tp in range(layout.tp):
+            places = token_places(cfg, layout, {"cp": cp, "tp": tp})
+            choice = round_robin(layout.micro_batch * cfg.seq_len, cfg.n_experts, cfg.top_k)[places]
+            counts[cp, tp] = torch.bincount(choice.flatten(), minlength=cfg.n_experts).tolist()
+    if len({tuple(c) for c in counts.values()}) > 1:
+        raise NotImplementedError(f"dry run: the members of an MoE's routing group route unequal tokens per "
+                                  f"expert under balanced routing ((cp, tp): counts {counts}): a folded rank "
+                                  f"would not send what its running twin sends")
 
 
 def document_ids(lengths) -> torch.Tensor | None:
@@ -226,6 +269,7 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
         raise TypeError(f"layout must be a course_lib Layout, got {type(layout).__name__}")
     cfg = model_config(spec, layout)
     check_layout(cfg, layout)
+    check_balanced_folding(cfg, layout)
     return cfg
 
 
@@ -342,4 +386,5 @@ def _where(spans, microbatches) -> str:
 
 
 __all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
-           "check_dry_run", "running_ranks", "document_ids"]
+           "check_dry_run", "running_ranks", "document_ids", "token_places", "fold_token_places",
+           "check_balanced_folding"]
