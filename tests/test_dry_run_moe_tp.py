@@ -73,3 +73,18 @@ def test_moe_layouts_the_dry_run_cannot_fold_are_refused_before_anything_runs():
         dry_run(GPT_MOE.with_(n_experts=6, top_k=1), HW, Layout(tp=2, sp=True, ep=2, micro_batch=1, global_batch=1))
     with pytest.raises(ValueError, match="sequence_parallel"):      # the ranks' own rule (check_layout)
         dry_run(GPT_MOE, HW, Layout(tp=2, ep=2, micro_batch=1, global_batch=1))
+
+
+def test_mixtral_is_run_with_swiglu_experts_under_tp_and_ep():
+    """The outside check's row: dry_run("mixtral-8x7b", "h100-sxm", Layout(tp=2, ep=8, pp=4, ...))
+    passes every rule before anything runs, with Mixtral's SwiGLU experts and its parameters
+    (46.7B: the course's model counts what the preset counts); 8x22B (141B) likewise."""
+    from course_lib.planner import formulas
+    from course_lib.planner.presets import get_model
+    from course_lib.virtual.dry_run import check_dry_run
+    layout = Layout(tp=2, pp=4, dp=8, ep=8, sp=True, micro_batch=1, global_batch=64, recompute="selective")
+    for name, n in (("mixtral-8x7b", 46_702_792_704), ("mixtral-8x22b", 140_620_634_112)):
+        spec = get_model(name)
+        cfg = check_dry_run(spec, layout)
+        assert (cfg.expert_mlp, cfg.n_experts, cfg.top_k, cfg.block) == ("swiglu", 8, 2, "llama")
+        assert formulas.param_count(cfg) == spec.n_params == n
