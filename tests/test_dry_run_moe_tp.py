@@ -1,7 +1,7 @@
 """The dry run (course_lib.virtual.dry_run) of mixture-of-experts models under tensor and
 context parallelism: a routing group spans the cp x tp ranks, whose token places are
 all-gathered; the dry run folds the tp members (and runs every cp rank), so it gives each
-folded member's places itself (fold_token_places). Checked to the last bit against a real
+folded member's places itself (virtual/moe_folding.py). Checked to the last bit against a real
 launch(..., clock=...) of the same layout with the same (balanced) routing: step time, kernel
 count and memory of every running rank. SwiGLU experts (Mixtral's) and GeLU experts."""
 import pytest
@@ -12,7 +12,8 @@ from course_lib.layout import Layout
 from course_lib.parallel.mesh import MeshShape
 from course_lib.planner.presets import ModelSpec, gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
-from course_lib.virtual.dry_run import model_config, running_ranks, token_places
+from course_lib.virtual.dry_run import model_config, running_ranks
+from course_lib.virtual.moe_folding import token_places
 
 HW = "a100-80gb"
 LLAMA_MOE = ModelSpec("Llama test MoE", 2, 64, 4, 2, 96, 256, 32, n_experts=4, top_k=2)     # SwiGLU experts

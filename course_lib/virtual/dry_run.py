@@ -19,7 +19,8 @@ Ranks that do identical work run once (:mod:`.priced`): per pipeline stage, the 
 dp = tp = 0 (every cp rank: :func:`running_ranks`), each in a thread of this process; their
 tp / dp / ep twins would issue every collective at the same instant, so a collective starts
 when its running members are ready. A mixture of experts is routed balanced
-(:func:`moe_config`).
+(:func:`moe_config`); the token places of the members of a routing group it folds are its own to
+give (:mod:`.moe_folding`).
 Pipeline messages travel between the stages' threads with their start times, in the
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
@@ -49,10 +50,7 @@ import torch.nn as nn
 from course_lib import trace
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.layout import Layout
-from course_lib.meta import round_robin
 from course_lib.parallel.compose import parallelize_nd
-from course_lib.parallel.cp_layouts import shard_positions
-from course_lib.parallel.expert_parallel import token_index
 from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
@@ -60,6 +58,7 @@ from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
 from course_lib.schedules import chunks, placement_of, rank_stage_ids
 from course_lib.virtual.compute import tensor_bytes
+from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
 from course_lib.virtual.software import check_fusions, install
@@ -137,7 +136,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
-        fold_token_places(net, cfg, layout, mesh)
+        fold_token_places(net, cfg, layout, mesh, document_ids(layout.documents))
     if memo is not None:
         memo.install(net.runner)
     net.step(x, x, doc_ids=document_ids(layout.documents))
@@ -145,51 +144,6 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     clock.settle()
     return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
             **gpu_memory(net, opt, clock.cluster)}
-
-
-def token_places(cfg: GPTConfig, layout: Layout, coords: dict) -> torch.Tensor:
-    """(micro_batch * s / (cp * tp),) where the MoE tokens of the rank at ``coords`` sit in their
-    routing group (one micro-batch; the index the plan sets, :meth:`NDParallel.token_index`):
-    its CP positions (the layout's split), then its sequence-parallel chunk of them."""
-    s, cp = cfg.seq_len, layout.cp
-    pos = torch.arange(s) if cp == 1 else \
-        shard_positions(s, cp, coords["cp"], layout.cp_layout, "cpu", document_ids(layout.documents))
-    tp = layout.tp if layout.sp else 1
-    return token_index(layout.micro_batch, s, pos, tp, coords["tp"] if tp > 1 else 0)
-
-
-def fold_token_places(net, cfg: GPTConfig, layout: Layout, mesh) -> None:
-    """On the dry run: an MoE's routing group spans the cp x tp ranks, and their token places
-    are all-gathered (:meth:`~course_lib.parallel.expert_parallel.ExpertParallelMoE.route`);
-    the members it folds send nothing, so each member's places are the dry run's to give
-    (:attr:`~.priced.PricedComm.folded_values`): the ones that member's plan sets."""
-    for st in net.stages.values():
-        for block in st.part.blocks:
-            comm = getattr(getattr(getattr(block, "mlp", None), "moe", None), "token_comm", None)
-            if comm is None or getattr(comm, "moves_data", True):
-                continue
-            places = [token_places(cfg, layout, mesh.coords(r)) for r in comm.ranks]
-            comm.folded_values["routing: token places"] = places.__getitem__
-
-
-def check_balanced_folding(cfg: GPTConfig, layout: Layout) -> None:
-    """The dry run folds the members of an MoE's routing group (cp x tp ranks) and its ep peers:
-    a folded rank sends what its running twin sends. Under balanced routing that holds when
-    every member of the group routes the same number of tokens to each expert (round robin
-    over the group's places: a member's places must not favour some experts);
-    NotImplementedError otherwise, naming the counts."""
-    if not cfg.n_experts or layout.cp * layout.tp == 1:
-        return
-    counts = {}
-    for cp in range(layout.cp):
-        for tp in range(layout.tp):
-            places = token_places(cfg, layout, {"cp": cp, "tp": tp})
-            choice = round_robin(layout.micro_batch * cfg.seq_len, cfg.n_experts, cfg.top_k)[places]
-            counts[cp, tp] = torch.bincount(choice.flatten(), minlength=cfg.n_experts).tolist()
-    if len({tuple(c) for c in counts.values()}) > 1:
-        raise NotImplementedError(f"dry run: the members of an MoE's routing group route unequal tokens per "
-                                  f"expert under balanced routing ((cp, tp): counts {counts}): a folded rank "
-                                  f"would not send what its running twin sends")
 
 
 def document_ids(lengths) -> torch.Tensor | None:
@@ -269,7 +223,7 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
         raise TypeError(f"layout must be a course_lib Layout, got {type(layout).__name__}")
     cfg = model_config(spec, layout)
     check_layout(cfg, layout)
-    check_balanced_folding(cfg, layout)
+    check_balanced_folding(cfg, layout, document_ids(layout.documents))
     return cfg
 
 
@@ -386,5 +340,4 @@ def _where(spans, microbatches) -> str:
 
 
 __all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
-           "check_dry_run", "running_ranks", "document_ids", "token_places", "fold_token_places",
-           "check_balanced_folding"]
+           "check_dry_run", "running_ranks", "document_ids"]
