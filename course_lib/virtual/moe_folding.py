@@ -6,8 +6,8 @@ places (:meth:`~course_lib.parallel.expert_parallel.ExpertParallelMoE.route`). T
 runs every cp rank and folds the tp members, whose gathers send nothing: it gives each member's
 places itself (:func:`fold_token_places`, the index each member's plan sets,
 :func:`token_places`). A folded rank then sends what its running twin sends only if every
-member routes as many tokens to each expert (balanced routing: round robin over the group's
-places); :func:`check_balanced_folding` refuses the layouts where it would not, before
+member sends each expert as many tokens as the others (balanced routing: round robin over
+the group's places); :func:`check_balanced_folding` refuses the layouts where it would not, before
 anything runs.
 """
 from __future__ import annotations
@@ -48,23 +48,24 @@ def fold_token_places(net, cfg: GPTConfig, layout: Layout, mesh, doc_ids=None) -
 
 
 def check_balanced_folding(cfg: GPTConfig, layout: Layout, doc_ids=None) -> None:
-    """The dry run folds the members of an MoE's routing group (cp x tp ranks) and its ep peers:
-    a folded rank sends what its running twin sends. Under balanced routing that holds when
-    every member of the group routes the same number of tokens to each expert (round robin
-    over the group's places: a member's places must not favour some experts);
-    NotImplementedError otherwise, naming the counts."""
+    """The dry run folds the tp members of a routing group (and its ep, etp peers): a folded
+    rank must send what its running twin sends. Under balanced routing (round robin over the
+    group's places) that holds when every member of the group (cp x tp ranks) sends each expert
+    as many tokens as the others do: NotImplementedError otherwise, naming the counts. (Where
+    E does not divide a member's T k, round robin serves the first experts one token more: the
+    running rank, ep rank 0, is the busiest of its ep peers.)"""
     if not cfg.n_experts or layout.cp * layout.tp == 1:
         return
     counts = {}
     for cp in range(layout.cp):
-        for tp in range(layout.tp):
+        for tp in range(layout.tp if layout.sp else 1):
             places = token_places(cfg, layout, {"cp": cp, "tp": tp}, doc_ids)
             choice = round_robin(layout.micro_batch * cfg.seq_len, cfg.n_experts, cfg.top_k)[places]
             counts[cp, tp] = torch.bincount(choice.flatten(), minlength=cfg.n_experts).tolist()
     if len({tuple(c) for c in counts.values()}) > 1:
-        raise NotImplementedError(f"dry run: the members of an MoE's routing group route unequal tokens per "
-                                  f"expert under balanced routing ((cp, tp): counts {counts}): a folded rank "
-                                  f"would not send what its running twin sends")
+        raise NotImplementedError(f"dry run: the members of an MoE's routing group send unequal tokens to the "
+                                  f"experts under balanced routing ((cp, tp): tokens per expert {counts}): a "
+                                  f"folded member would not send what its running twin sends")
 
 
 __all__ = ["token_places", "fold_token_places", "check_balanced_folding"]
