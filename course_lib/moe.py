@@ -167,4 +167,5 @@ class MoE(nn.Module):
         return torch.cat(ys), torch.stack(auxes).mean()
 
 
-__all__ = ["Expert", "EXPERT_MLPS", "MoE", "route", "capacity", "capacity_keep", "load_balancing_loss", "check_moe_config"]
+__all__ = ["Expert", "EXPERT_MLPS", "MoE", "route", "capacity", "capacity_keep", "load_balancing_loss",
+           "check_moe_config"]
