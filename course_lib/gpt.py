@@ -61,6 +61,7 @@ class GPTConfig:
     moe_aux_coef: float = 0.01   # weight of the load-balancing loss (Switch's alpha)
     moe_dispatch: str = "all_to_all"   # how expert parallelism moves tokens: "all_to_all" / "all_gather"
     n_shared_experts: int = 0    # DeepSeekMoE's always-on experts, beside the routed ones
+    expert_mlp: str = "gelu"     # each expert's MLP: "gelu" (with biases) or "swiglu" (Mixtral's)
     recompute: object = "none"   # "none", "selective", "full", or one per block (course_lib.recompute)
 
     def __post_init__(self):
@@ -82,6 +83,8 @@ class GPTConfig:
             check_moe_config(self.n_experts, self.top_k, self.capacity_factor)
             if self.moe_dispatch not in ("all_to_all", "all_gather"):
                 raise ValueError(f"moe_dispatch must be 'all_to_all' or 'all_gather', got {self.moe_dispatch!r}")
+            if self.expert_mlp not in ("gelu", "swiglu"):
+                raise ValueError(f"expert_mlp must be 'gelu' or 'swiglu', got {self.expert_mlp!r}")
         if not isinstance(self.recompute, str):
             self.recompute = tuple(self.recompute)
         layer_policies(self.recompute, self.n_layers)   # ValueError naming an unknown policy
@@ -254,7 +257,7 @@ class MoEMLP(nn.Module):
         super().__init__()
         from course_lib.moe import MoE
         self.moe = MoE(cfg.hidden, cfg.ffn_hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
-                       n_shared=cfg.n_shared_experts)
+                       n_shared=cfg.n_shared_experts, mlp=cfg.expert_mlp)
         self.aux_coef, self.groups, self.aux_weight = cfg.moe_aux_coef, 1, 1.0
         self.last_aux = None
 

@@ -3,6 +3,10 @@
     moe = MoE(hidden=16, ffn=32, n_experts=4, top_k=2, capacity_factor=1.25, seed=0)
     y, aux = moe(x, groups=2)        # x (T, h) -> y (T, h); aux: load-balancing loss
 
+Each expert is an MLP h -> ffn -> h: ``mlp="gelu"`` (GPT-2's, with biases: Switch, GShard) or
+``mlp="swiglu"`` (Llama's three matrices w2(silu(w1 x) * w3 x), no biases: Mixtral, Qwen-MoE,
+DeepSeekMoE).
+
 Routing (Switch Transformer / GShard): a linear router gives each token a softmax over the
 E experts; the token goes to its top-k experts, its output is the sum of their outputs
 weighted by their router probabilities (Switch's rule; with ``normalize_topk=True`` the k
@@ -31,15 +35,31 @@ import torch.nn.functional as F
 from course_lib.init import draw_device
 
 
-class Expert(nn.Module):
-    """One expert: a GeLU MLP h -> ffn -> h."""
+EXPERT_MLPS = ("gelu", "swiglu")
 
-    def __init__(self, hidden, ffn):
+
+class Expert(nn.Module):
+    """One expert, h -> ffn -> h: ``"gelu"``, w2(gelu(w1 x)) with biases (GPT-2's MLP), or
+    ``"swiglu"``, w2(silu(w1 x) * w3 x) without (Llama's; Mixtral's experts). Expert tensor
+    parallelism cuts ffn: w1's (and w3's) rows, w2's columns."""
+
+    def __init__(self, hidden, ffn, mlp="gelu"):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        if mlp not in EXPERT_MLPS:
+            raise ValueError(f"an expert's mlp must be one of {EXPERT_MLPS}, got {mlp!r}")
+        self.mlp, bias = mlp, mlp == "gelu"
+        self.w1 = nn.Linear(hidden, ffn, bias=bias)
+        if mlp == "swiglu":
+            self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def inner(self, x):  # (n, h) -> (n, ffn): what w2 reads
+        if self.mlp == "swiglu":
+            return F.silu(self.w1(x)) * self.w3(x)
+        return F.gelu(self.w1(x))
 
     def forward(self, x):  # (n, h) -> (n, h)
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(self.inner(x))
 
 
 def check_moe_config(n_experts, top_k, capacity_factor):
@@ -116,7 +136,7 @@ class MoE(nn.Module):
     """Router + E experts on one device (see the module docstring)."""
 
     def __init__(self, hidden, ffn, n_experts, top_k=1, capacity_factor=1.25, seed=0, normalize_topk=False,
-                 n_shared=0):
+                 n_shared=0, mlp="gelu"):
         super().__init__()
         check_moe_config(n_experts, top_k, capacity_factor)
         if n_shared < 0:
@@ -125,8 +145,8 @@ class MoE(nn.Module):
         self.normalize_topk = normalize_topk
         g = torch.Generator().manual_seed(seed)
         self.router = nn.Linear(hidden, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_experts))
-        self.shared = nn.ModuleList(Expert(hidden, ffn) for _ in range(n_shared))   # every token, weight 1
+        self.experts = nn.ModuleList(Expert(hidden, ffn, mlp) for _ in range(n_experts))
+        self.shared = nn.ModuleList(Expert(hidden, ffn, mlp) for _ in range(n_shared))   # every token, weight 1
         with torch.no_grad():  # one generator, in registration order: the same on every rank
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, device=draw_device(p)) * (0.5 / math.sqrt(p.shape[-1])))
@@ -147,4 +167,5 @@ class MoE(nn.Module):
         return torch.cat(ys), torch.stack(auxes).mean()
 
 
-__all__ = ["Expert", "MoE", "route", "capacity", "capacity_keep", "load_balancing_loss", "check_moe_config"]
+__all__ = ["Expert", "EXPERT_MLPS", "MoE", "route", "capacity", "capacity_keep", "load_balancing_loss",
+           "check_moe_config"]

@@ -5,7 +5,8 @@ The MoE TinyGPT trains 4 AdamW steps in float64 on layouts where the experts' me
 (ep x etp) folds over TP, CP, DP and pipeline stages: tp2 x ep2 and cp2 x ep2 on each of 2
 stages, dp2 x tp2 with ep4, ep2 x etp2, cp2 x tp2 with etp2, dp2 x cp2 with ep2 (EP inside
 DP, experts copied over CP), pp2 x dp2 with etp2 under zb-h1's split backward, the
-all-gather dispatch, token dropping (capacity factors 0.5, 0.75, 1), dropless (None), a shared expert with fine-grained experts (8, top-3). The
+all-gather dispatch, token dropping (capacity factors 0.5, 0.75, 1), dropless (None), a shared expert with fine-grained experts (8, top-3),
+SwiGLU experts (Mixtral's) under ep2 x etp2. The
 dispatch payloads logged by the Comm equal planner.formulas.moe_dispatch_payloads. Every
 layout: the losses, the first step's gradients and the final weights equal the
 single-device run (``MoE(groups=dp * m)``: a routing group is one micro-batch of one DP
@@ -37,6 +38,7 @@ CASES = {
     "pp2-cp2-ep2-drop": (dict(capacity_factor=0.5), dict(pp=2, cp=2, ep=2), dict(microbatches=2)),
     "dp2-tp2-ep4-gather": (dict(moe_dispatch="all_gather"), dict(dp=2, tp=2, ep=4), {}),
     "dp2-tp2-ep2-etp2-drop": (dict(capacity_factor=0.75), dict(dp=2, tp=2, ep=2, etp=2), {}),
+    "dp2-tp2-ep2-etp2-swiglu": (dict(expert_mlp="swiglu", capacity_factor=0.75), dict(dp=2, tp=2, ep=2, etp=2), {}),
     "cp2-tp2-etp2-gather": (dict(moe_dispatch="all_gather", capacity_factor=1.0), dict(cp=2, tp=2, etp=2), {}),
     "dp2-cp2-ep2": (dict(), dict(dp=2, cp=2, ep=2), {}),
     "pp2-dp2-ep2": (dict(), dict(pp=2, dp=2, ep=2), dict(microbatches=2)),

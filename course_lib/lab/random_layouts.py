@@ -6,10 +6,10 @@ draws ``cases`` layouts with a fixed seed: world sizes 2 to 8 (odd ones included
 dimension (dp, tp, pp, cp, and for an MoE model ep x etp folded over the stage), every
 schedule (GPipe, 1F1B, interleaved v = 2 or 3, ZB-H1, ZB-V, DualPipeV), DDP / FSDP / HSDP /
 ZeRO++'s hpZ, sequence parallelism and async TP, ring or Ulysses CP with either split,
-recompute policies, odd layer counts, GQA, tied embeddings, token dropping and both MoE
-dispatches. Layouts that :func:`check_layout` refuses are drawn again (the refusal is the
-right answer for them); every accepted one trains 3 AdamW steps in float64 on ranks (one
-launch per world size) and must equal the single-device run within
+recompute policies, odd layer counts, GQA, tied embeddings, token dropping, both MoE
+dispatches and both expert MLPs (GeLU, SwiGLU). Layouts that :func:`check_layout` refuses
+are drawn again (the refusal is the right answer for them); every accepted one trains 3 AdamW
+steps in float64 on ranks (one launch per world size) and must equal the single-device run within
 :mod:`course_lib.tolerance`'s bounds: the losses on every rank and the assembled weights.
 
 Found by it so far: zero-bubble's split backward left expert TP's w2 without a gradient;
@@ -54,11 +54,13 @@ def _model(rng) -> dict:
                 block=rng.choice(["gpt2", "llama"]), tie_embeddings=rng.random() < 0.3)
 
 
-def _experts(rng, cfg, dims) -> None:
-    """An MoE model: experts, routing, dispatch, and an expert mesh (ep x etp) that tiles the stage."""
+def _experts(rng, cfg, dims, mlp_rng) -> None:
+    """An MoE model: experts, routing, dispatch, and an expert mesh (ep x etp) that tiles the stage;
+    the experts' MLP from ``mlp_rng`` (a stream of its own: the layouts drawn before it came stay)."""
     cfg.update(n_experts=rng.choice([2, 4, 6, 8]), ffn_hidden=cfg["hidden"], n_shared_experts=rng.choice([0, 0, 1]),
                capacity_factor=rng.choice([None, 0.75, 1.0, 1.5]), moe_dispatch=rng.choice(["all_to_all", "all_gather"]))
     cfg["top_k"] = min(rng.choice([1, 2, 3]), cfg["n_experts"])
+    cfg["expert_mlp"] = mlp_rng.choice(["gelu", "swiglu"])      # GPT-2's experts or Mixtral's
     stage = dims["dp"] * dims["cp"] * dims["tp"]
     dims["ep"], dims["etp"] = rng.choice([(e, t) for e in range(1, stage + 1) for t in range(1, stage + 1)
                                           if stage % (e * t) == 0 and cfg["n_experts"] % e == 0])
@@ -93,12 +95,13 @@ def _options(rng, dims) -> dict:
 def draw(n: int, seed: int, worlds=(2, 3, 4, 4, 5, 6, 6, 8)) -> list:
     """``n`` layouts check_layout accepts: (world, name, cfg dict, mesh dims, parallelize_nd keywords, batch)."""
     rng, out, tried = random.Random(seed), [], 0
+    mlp_rng = random.Random(f"expert mlp {seed}")
     while len(out) < n:
         tried += 1
         world = rng.choice(worlds)
         dims, cfg = _split(rng, world), _model(rng)
         if rng.random() < 0.4:
-            _experts(rng, cfg, dims)
+            _experts(rng, cfg, dims, mlp_rng)
         kw = _options(rng, dims)
         batch = dims["dp"] * kw["microbatches"] * rng.choice([1, 2])
         dims = {k: v for k, v in dims.items() if v != 1}

@@ -230,7 +230,8 @@ class NDParallel(PipelineRuntime):
         positions, then the sequence-parallel chunk (:func:`~course_lib.parallel.expert_parallel.token_index`)."""
         c, s = self.mesh.coord, self.sizes
         seq = x.shape[1] * s["cp"]
-        pos = torch.arange(seq, device=x.device) if pos is None else pos
+        at = "cpu" if x.is_meta else x.device          # (index arithmetic: on a dry run, on the host)
+        pos = torch.arange(seq, device=at) if pos is None else pos
         return token_index(len(x) // self.m, seq, pos, s["tp"] if self.sp else 1, c["tp"])
 
     def named_parameters(self):

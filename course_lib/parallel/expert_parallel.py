@@ -15,7 +15,7 @@ One forward, on every rank (GShard's dispatch / combine):
    splits are uneven); ``"all_gather"``: every rank of the ep x etp group gathers all the
    group's tokens and runs its own experts on the ones routed to them;
 3. with ``etp`` > 1, the rows an expert gets are all-gathered over "etp", each etp rank runs
-   its slice of the expert's hidden width (w1's rows, w2's columns), and the partial
+   its slice of the expert's hidden width (w1's and w3's rows, w2's columns), and the partial
    outputs are reduce-scattered back (w2's bias added once, on etp rank 0);
 4. **combine**: the inverse all-to-all (or a reduce-scatter of the gathered tokens' sums),
    each result times its router weight added to its token.
@@ -159,13 +159,18 @@ def expert_tp_plan(plan: dict) -> dict:
 
 
 def slice_expert(net, etp: int, rank: int):
-    """Expert tensor parallelism: w1's rows and w2's columns ``rank`` of ``etp`` (w2's bias whole)."""
+    """Expert tensor parallelism: slice ``rank`` of ``etp`` of the expert's width, w1's (and a
+    SwiGLU expert's w3's) rows with their bias, w2's columns (w2's bias whole)."""
     f = net.w1.out_features
     a, b = rank * f // etp, (rank + 1) * f // etp
     out = copy.deepcopy(net)
-    for lin, dim, name in ((out.w1, 0, "weight"), (out.w1, 0, "bias"), (out.w2, 1, "weight")):
+    columns = [out.w1] + ([out.w3] if hasattr(out, "w3") else [])     # column parallel: w1, w3
+    cuts = [(lin, 0, name) for lin in columns for name in ("weight", "bias") if getattr(lin, name) is not None]
+    for lin, dim, name in cuts + [(out.w2, 1, "weight")]:
         setattr(lin, name, slice_parameter(getattr(lin, name), dim, a, b))   # tagged: the plan's Placement
-    out.w1.out_features = out.w2.in_features = b - a
+    for lin in columns:
+        lin.out_features = b - a
+    out.w2.in_features = b - a
     return out
 
 
@@ -202,7 +207,7 @@ class ExpertParallelMoE(nn.Module):
         replicas = mesh.expert_replicas() if hasattr(mesh, "expert_replicas") else ("edp",)
         set_reduce_dims(self.experts, replicas)      # the ranks holding the same experts
         if etp > 1:                                  # the bias: added on etp rank 0 for the rows of all
-            set_reduce_dims([net.w2.bias for net in self.experts], replicas + ("etp",))
+            set_reduce_dims([net.w2.bias for net in self.experts if net.w2.bias is not None], replicas + ("etp",))
 
     def route(self, x):
         """x (T, h) -> expert (T, k), weight (T, k), keep (T, k), counts (E,), aux: as
@@ -241,8 +246,8 @@ class ExpertParallelMoE(nn.Module):
         """One expert (or its etp slice: a partial output, w2's bias on etp rank 0 only)."""
         if self.etp == 1:
             return net(rows)
-        out = F.linear(F.gelu(net.w1(rows)), net.w2.weight)
-        return out + net.w2.bias if self.bias_here else out
+        out = F.linear(net.inner(rows), net.w2.weight)                # (R, h): my slice's share
+        return out + net.w2.bias if self.bias_here and net.w2.bias is not None else out
 
     def _run_experts(self, rows, local_e):
         """rows (R, h) for my experts ``local_e`` (R,) -> their outputs (R, h); with etp the

@@ -79,11 +79,12 @@ _TOPK = torch.ops.aten.topk.default
 
 def _config(model, layers, n_experts=None, recompute="none"):
     """The course's GPTConfig of ``model`` at ``layers`` layers; a mixture of experts as the
-    course runs it (GeLU experts, capacity factor 1.25; ``n_experts`` overrides the count)."""
+    course runs it (experts with the model's MLP, capacity factor 1.25; ``n_experts`` overrides the count)."""
     from course_lib.gpt import GPTConfig
     moe = {}
     if model.n_experts > 1:
-        moe = dict(n_experts=n_experts or model.n_experts, top_k=model.top_k, capacity_factor=1.25)
+        moe = dict(n_experts=n_experts or model.n_experts, top_k=model.top_k, capacity_factor=1.25,
+                   expert_mlp=model.mlp)
     return GPTConfig(vocab_size=model.vocab, seq_len=model.seq_len, n_layers=layers, hidden=model.hidden,
                      n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn,
                      block="gpt2" if model.mlp == "gelu" else "llama", tie_embeddings=model.tied,

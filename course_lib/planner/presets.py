@@ -71,6 +71,11 @@ MODELS = {
     # a mixture of experts, for expert parallelism (Jiang et al. 2024): 8 experts, top-2
     "mixtral-8x7b": ModelSpec("Mixtral 8x7B", 32, 4096, 32, 8, 14336, 32000, 4096,
                               n_experts=8, top_k=2),
+    # Mixtral 8x22B (mistralai/Mixtral-8x22B-v0.1, its config.json: 56 layers, hidden 6144,
+    # 48 heads, 8 K/V heads, SwiGLU experts of width 16384, 8 experts top-2, vocabulary 32000);
+    # trained sequence not published: 4096, as the 8x7B preset
+    "mixtral-8x22b": ModelSpec("Mixtral 8x22B", 56, 6144, 48, 8, 16384, 32000, 4096,
+                               n_experts=8, top_k=2),
     # a GPT MoE: the 1.3B GPT base of DeepSpeed-MoE (Rajbhandari et al. 2022: 24
     # layers, hidden 2048, 16 heads, s 2048; Megatron's padded vocabulary 51200) with every MLP
     # a mixture of 8 GeLU experts of width 4h, top-2 (Mixtral's routing, Jiang et al. 2024;

@@ -19,7 +19,8 @@ Ranks that do identical work run once (:mod:`.priced`): per pipeline stage, the 
 dp = tp = 0 (every cp rank: :func:`running_ranks`), each in a thread of this process; their
 tp / dp / ep twins would issue every collective at the same instant, so a collective starts
 when its running members are ready. A mixture of experts is routed balanced
-(:func:`moe_config`).
+(:func:`moe_config`); the token places of the members of a routing group it folds are its own to
+give (:mod:`.moe_folding`).
 Pipeline messages travel between the stages' threads with their start times, in the
 program's own order. ``tests/test_dry_run.py`` checks a small dry run against a real launch
 of the same layout, to the last bit of the step time.
@@ -57,6 +58,7 @@ from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
 from course_lib.schedules import chunks, placement_of, rank_stage_ids
 from course_lib.virtual.compute import tensor_bytes
+from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
 from course_lib.virtual.software import check_fusions, install
@@ -102,23 +104,17 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
 
 
 def moe_config(spec: ModelSpec, layout: Layout) -> dict:
-    """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model). On the meta
-    device the router has no values: the dry run routes BALANCED (every top-k takes
-    :func:`~course_lib.meta.round_robin`'s experts: each expert T*k/E of a group's T
-    tokens, each EP rank sending T*k/ep rows to each peer), so the dispatch sizes are static and
-    no token is dropped at any capacity factor >= 1 (dropless prices the same: a real dropless
-    run's sizes follow its data, which a dry run does not have). The course's experts are GeLU
-    MLPs (:class:`~course_lib.moe.Expert`): a SwiGLU model's are not run."""
+    """GPTConfig's mixture-of-experts fields of ``spec`` ({} for a dense model): experts with the
+    model's MLP (GeLU or SwiGLU, :class:`~course_lib.moe.Expert`). On the meta device the router
+    has no values: the dry run routes BALANCED (every top-k takes
+    :func:`~course_lib.meta.round_robin`'s experts over its routing group's tokens in the
+    single-device order: each expert T*k/E of a group's T tokens), so the dispatch sizes are
+    static and no token is dropped at any capacity factor >= 1 (dropless prices the same: a real
+    dropless run's sizes follow its data, which a dry run does not have)."""
     if spec.n_experts <= 1:
         return {}
-    if spec.mlp != "gelu":
-        raise NotImplementedError(f"{spec.name}: the course's experts are GeLU MLPs (course_lib.moe.Expert), "
-                                  f"not {spec.mlp!r}")
-    if layout.cp > 1 or layout.tp > 1:
-        raise NotImplementedError(f"{spec.name}: the dry run routes an MoE's tokens on one rank (cp = tp = 1): "
-                                  f"over cp x tp the group's token places are gathered from ranks it folds")
     return {"n_experts": spec.n_experts, "top_k": spec.top_k, "moe_dispatch": spec.moe_dispatch,
-            "capacity_factor": 1.25}
+            "capacity_factor": 1.25, "expert_mlp": spec.mlp}
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
@@ -140,6 +136,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
+        fold_token_places(net, cfg, layout, mesh, document_ids(layout.documents))
     if memo is not None:
         memo.install(net.runner)
     net.step(x, x, doc_ids=document_ids(layout.documents))
@@ -226,6 +223,7 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
         raise TypeError(f"layout must be a course_lib Layout, got {type(layout).__name__}")
     cfg = model_config(spec, layout)
     check_layout(cfg, layout)
+    check_balanced_folding(cfg, layout, document_ids(layout.documents))
     return cfg
 
 

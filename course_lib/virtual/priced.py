@@ -240,6 +240,11 @@ class PricedComm(Comm):
         self.counter, self._pg, self.backend_device, self._p2p_cpu_only = None, None, torch.device("meta"), False
         self.log, self.one_call, self._site, self._measuring = [], False, None, False
         self._thread = self._pending = None
+        self.folded_values, self._calling = {}, None   # call name -> fn(member) -> what that member holds
+
+    def _run(self, op, name, payload, async_op, args, kwargs):
+        self._calling = name                     # (read by _function, for folded_values)
+        return super()._run(op, name, payload, async_op, args, kwargs)
 
     def _call(self, op, name, payload, async_op, args, kwargs):
         clock = trace.clock()
@@ -253,20 +258,28 @@ class PricedComm(Comm):
 
     def _function(self, op):
         fn, who = super()._function(op)
-        return (_twins(op, self.rank, self.size), who) if who == "torch" else (fn, who)
+        if who != "torch":
+            return fn, who
+        return _twins(op, self.rank, self.size, self.folded_values.get(self._calling)), who
 
 
-def _twins(op: str, me: int, n: int):
+def _twins(op: str, me: int, n: int, values=None):
     """A collective's backend call on the dry run: nothing moves. A meta tensor has no values;
     a host tensor (an MoE's routing counts, expert ids: index arithmetic that keeps values)
-    gets what its folded twins would send, each holding what this rank holds."""
+    gets what its folded twins would send, each holding what this rank holds; or, for a call
+    whose members hold different values that the dry run knows (``values(member)``: an MoE's
+    token places over cp x tp, :attr:`PricedComm.folded_values`), theirs."""
     def run(*args, group=None, async_op=False, op=None, **kw):
         host = [t for t in args if isinstance(t, torch.Tensor) and not t.is_meta]
         if not host:
             return None
         clock = trace.clock()
         with clock.muted() if clock is not None else _nothing():
-            _twin_values(name, args, me, n, op)
+            if values is not None and name == "all_gather_into_tensor":
+                out, inp = args[:2]
+                out.view(n, *inp.shape).copy_(torch.stack([values(i) for i in range(n)]))
+            else:
+                _twin_values(name, args, me, n, op)
         return None
     name = op
     return run
