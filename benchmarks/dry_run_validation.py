@@ -8,6 +8,7 @@ Prints, row by row as they finish: the published step time, the planner's, the d
 their errors, the memory per GPU of both and the wall time; then the mean and worst |error| of the dry run and of the planner over the rows that ran.
 """
 import argparse
+import json
 import sys
 
 from course_lib.lab.dry_runs import SOFTWARE, SOURCES, format_table, summary, validation_rows
@@ -18,6 +19,8 @@ def main(argv=None):
     ap.add_argument("--source", action="append", choices=SOURCES, help="a source (repeat; default: all)")
     ap.add_argument("--model", action="append", help="a row's model name (repeat; default: all)")
     ap.add_argument("--progress", type=float, default=60.0, help="seconds between progress lines")
+    ap.add_argument("--json", help="also write the rows to this JSON file (course_lib.lab.dry_run_table "
+                                   "records them for chapter 10)")
     args = ap.parse_args(argv)
     rows = validation_rows(tuple(args.source or SOURCES), models=args.model, progress=args.progress)
     print()
@@ -28,6 +31,9 @@ def main(argv=None):
         if r["note"]:
             print(f"  {r['model']}: {r['note']}")
     print(summary(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=list)
     return 0
 
 

@@ -85,22 +85,30 @@ def published_runs():
     return rows
 
 
+def published_row(source, name, model, hw, layout, seconds, flops_rate, note) -> dict:
+    """One row of :func:`published_runs` with the published step time and the planner's columns
+    filled (instant); the dry run's columns empty."""
+    est = estimate(model, hw, layout)
+    if seconds is None:
+        convention, tflops = flops_rate
+        flops = est.hardware_flops if convention == "hardware" else est.model_flops
+        seconds = flops / (tflops * 1e12 * layout.n_gpus)
+    return {"source": source, "model": name, "GPUs": layout.n_gpus,
+            "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
+            "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
+            "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
+            "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source]}
+
+
 def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0) -> list[dict]:
     """Run the rows of ``sources`` (and of ``models``, names, when given) through the dry run."""
     out = []
-    for source, name, model, hw, layout, seconds, flops_rate, note in published_runs():
+    for run in published_runs():
+        source, name, model, hw, layout = run[:5]
         if source not in sources or (models and name not in models and model.name not in models):
             continue
-        est = estimate(model, hw, layout)
-        if seconds is None:
-            convention, tflops = flops_rate
-            flops = est.hardware_flops if convention == "hardware" else est.model_flops
-            seconds = flops / (tflops * 1e12 * layout.n_gpus)
-        row = {"source": source, "model": name, "GPUs": layout.n_gpus,
-               "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
-               "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
-               "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
-               "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source]}
+        row = published_row(*run)
+        seconds = row["published_s"]
         began, cpu = time.perf_counter(), time.process_time()
         if layout.zero in (1, 2):      # the ranks run ZeRO 0 (DDP) or 3 (FSDP): the stated rule
             layout = layout.with_(zero=0)
@@ -192,5 +200,5 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "random_layouts",
+__all__ = ["published_runs", "published_row", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "random_layouts",
            "agreement_rows"]

@@ -1,0 +1,76 @@
+"""Every published row through the dry run, as ``benchmarks/dry_run_validation.py --json`` recorded
+it, for chapter 10's table: the published step time and the planner's columns are computed live
+(instant); the dry run's columns are the recorded run's (a full pass takes tens of minutes of CPU
+on 2 cores, more than a notebook's budget; chapter 10 runs one row live at m = 8).
+
+    rows = recorded_rows()
+    print(compact_table(rows)); print(summary(rows))
+
+Re-record after a change that moves the dry run: run the benchmark with ``--json F`` (per
+source, in the background), then ``python -m course_lib.lab.dry_run_table F [F ...]`` prints the
+:data:`RECORDED` literal to paste here, with the commit it ran on in :data:`RECORDED_ON`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from course_lib.lab.dry_runs import published_row, published_runs, summary
+
+RECORDED_ON = ""
+# (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
+RECORDED: dict = {}
+
+
+def recorded_rows(recorded=None) -> list[dict]:
+    """Every row of :func:`~course_lib.lab.dry_runs.published_runs`, its published and planner
+    columns live, its dry-run columns from ``recorded`` (default :data:`RECORDED`; a row not
+    recorded keeps them empty)."""
+    recorded = RECORDED if recorded is None else recorded
+    known = {(run[0], run[1], run[4].n_gpus) for run in published_runs()}
+    stray = set(recorded) - known
+    if stray:
+        raise ValueError(f"recorded rows that are not published runs: {sorted(stray)}")
+    rows = []
+    for run in published_runs():
+        row = published_row(*run)
+        got = recorded.get((row["source"], row["model"], row["GPUs"]))
+        if got is not None:
+            dry_s, gib, fits, wall_s, cpu_s = got
+            row.update(dry_s=dry_s, dry_err=dry_s / row["published_s"] - 1, dry_GiB=gib, fits=fits,
+                       wall_s=wall_s, cpu_s=cpu_s)
+        rows.append(row)
+    return rows
+
+
+def compact_table(rows) -> str:
+    """The table within a book's column (76 characters): model, layout, published, dry run and
+    planner seconds, their errors."""
+    lines = [f"{'row':<16}{'layout':<22}{'paper s':>8}{'dry s':>8}{'plan s':>8}{'dry':>7}{'plan':>7}"]
+    for r in rows:
+        dry = "-" if r["dry_s"] is None else f"{r['dry_s']:.3f}"
+        dry_err = "-" if r["dry_err"] is None else f"{r['dry_err']:+.1%}"
+        name = r["model"].replace("Llama 3 405B, ", "Llama 405B ").replace("GPT ", "")
+        layout = r["layout"].replace(" CP1 ", " ")
+        lines.append(f"{name[:15]:<16}{layout[:21]:<22}{r['published_s']:8.3f}{dry:>8}"
+                     f"{r['planner_s']:8.3f}{dry_err:>7}{r['planner_err']:+7.1%}")
+    return "\n".join(lines)
+
+
+def literal(paths) -> str:
+    """The :data:`RECORDED` literal of the rows in the JSON files ``paths`` (later files win)."""
+    rows = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f):
+                if r.get("dry_s") is not None:
+                    rows[(r["source"], r["model"], r["GPUs"])] = (r["dry_s"], round(r["dry_GiB"], 2), r["fits"],
+                                                       round(r["wall_s"]), round(r["cpu_s"]))
+    body = "".join(f"    {k!r}: {v!r},\n" for k, v in rows.items())
+    return "RECORDED = {\n" + body + "}"
+
+
+__all__ = ["RECORDED", "RECORDED_ON", "recorded_rows", "compact_table", "literal", "summary"]
+
+if __name__ == "__main__":
+    print(literal(sys.argv[1:]))

@@ -1,0 +1,36 @@
+"""Chapter 10's table of published rows: recorded dry-run columns next to live planner ones."""
+import ast
+import json
+
+import pytest
+
+from course_lib.lab.dry_run_table import RECORDED, compact_table, literal, recorded_rows
+from course_lib.lab.dry_runs import published_runs
+
+
+def test_every_recorded_row_is_a_published_run_and_prints_in_the_column():
+    rows = recorded_rows()
+    assert len(rows) == len(published_runs())
+    assert sum(r["dry_s"] is not None for r in rows) == len(RECORDED)
+    for r in rows:
+        if r["dry_s"] is not None:      # the error is the recorded time against the live published one
+            assert r["dry_err"] == pytest.approx(r["dry_s"] / r["published_s"] - 1, rel=1e-12)
+    assert max(len(line) for line in compact_table(rows).splitlines()) <= 76
+
+
+def test_a_stray_recorded_row_is_refused():
+    with pytest.raises(ValueError, match="not published runs"):
+        recorded_rows({("Korthikanti 2022 T5", "GPT 176B", 64): (13.0, 50.0, True, 1, 1)})
+
+
+def test_literal_round_trips_the_benchmarks_json(tmp_path):
+    row = {"source": "Korthikanti 2022 T5", "model": "GPT 175B", "GPUs": 64, "dry_s": 13.25,
+           "dry_GiB": 55.04321, "fits": True, "wall_s": 37.4, "cpu_s": 10.2}
+    skipped = dict(row, model="GPT 22B", GPUs=8, dry_s=None)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([row, skipped]))
+    text = literal([path])
+    recorded = ast.literal_eval(text.split("=", 1)[1].strip())
+    assert recorded == {("Korthikanti 2022 T5", "GPT 175B", 64): (13.25, 55.04, True, 37, 10)}
+    got = {r["model"]: r for r in recorded_rows(recorded)}
+    assert got["GPT 175B"]["dry_s"] == 13.25 and got["GPT 22B"]["dry_s"] is None
