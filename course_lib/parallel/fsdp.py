@@ -18,7 +18,8 @@ TinyGPT block, plus the root for what is left: embeddings, final norm, head). Ar
 
 so a rank holds 1/N of the model plus about two gathered units (Rajbhandari et al. 2020;
 Zhao et al. 2023). Freed parameters that autograd saved for backward are kept as
-(unit, offset, shape) tokens by ``saved_tensors_hooks`` and re-gathered on use.
+(unit, offset, shape) tokens by ``saved_tensors_hooks`` and re-gathered on use; every other
+saved tensor goes on to the pair FSDP's forward runs inside (a count of activations).
 
 Gradients: the reduce-scatter sums over the FSDP ranks, then FSDP divides by ``divisor``
 (default their number: each rank's loss is the mean over its own batch; 1 when the loss is
