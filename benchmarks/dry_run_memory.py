@@ -84,8 +84,8 @@ def fsdp_section():
     got = M.fsdp_activations(spec, MEGATRON_2022, dp=4, tp=8, sp=True, recompute="selective")
     print(f"{spec.name}, DP4 x TP8 + SP, selective: dry run's activation category, DDP {got['ddp'] / GB:.3f} GB, "
           f"FSDP {got['fsdp'] / GB:.3f} GB")
-    print("  FSDP's own saved_tensors_hooks hide the blocks' saved tensors from the runner's count\n"
-          "  (torch calls only the innermost pair): under zero = 3 the dry run's peak misses them.")
+    print("  FSDP's own saved_tensors_hooks (torch calls only the innermost pair) hand every saved\n"
+          "  tensor but its gathered parameters on to the runner's count: the same bytes as DDP.")
 
 
 def main(argv=None):

@@ -185,10 +185,10 @@ def first_stage_rows(model="megatron-175b", n_layers=None, hardware=MEGATRON_202
 
 
 def fsdp_activations(model, hardware, dp: int = 4, **layout) -> dict:
-    """The dry run's activation category for the same step under DDP and under FSDP (zero 3).
-    FSDP's forward installs its own ``saved_tensors_hooks`` (a saved view of a gathered
-    parameter becomes a token), and torch calls only the innermost pair: the pipeline runner's
-    count, outside it, sees none of the blocks' saved tensors. Returns {"ddp": bytes, "fsdp": bytes}."""
+    """The dry run's activation category for the same step under DDP and under FSDP (zero 3):
+    equal, since FSDP's own ``saved_tensors_hooks`` (a saved view of a gathered parameter becomes
+    a token; torch calls only the innermost pair) hand every other saved tensor to the pipeline
+    runner's count around them. Returns {"ddp": bytes, "fsdp": bytes}."""
     out = {}
     for name, zero in (("ddp", 0), ("fsdp", 3)):
         r = dry_run(model, hardware, Layout(dp=dp, zero=zero, global_batch=dp, **layout), progress=None)

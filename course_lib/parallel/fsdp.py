@@ -18,7 +18,8 @@ TinyGPT block, plus the root for what is left: embeddings, final norm, head). Ar
 
 so a rank holds 1/N of the model plus about two gathered units (Rajbhandari et al. 2020;
 Zhao et al. 2023). Freed parameters that autograd saved for backward are kept as
-(unit, offset, shape) tokens by ``saved_tensors_hooks`` and re-gathered on use.
+(unit, offset, shape) tokens by ``saved_tensors_hooks`` and re-gathered on use; every other
+saved tensor goes on to the pair FSDP's forward runs inside (a count of activations).
 
 Gradients: the reduce-scatter sums over the FSDP ranks, then FSDP divides by ``divisor``
 (default their number: each rank's loss is the mean over its own batch; 1 when the loss is
@@ -329,7 +330,8 @@ class FSDP(nn.Module):
         for u in self.units:
             u.reset_step()
         self._pre_order, self._post_order = [], []
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        pack, unpack = self._saved_tensor_hooks()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = self.module(*args, **kwargs)
         self._fwd_order = self._pre_order  # prefetch order for the next forward
         return out
@@ -428,6 +430,27 @@ class FSDP(nn.Module):
             self._where.pop(_key(u.full), None)
             u.full = None  # the last reference: the gathered parameters are freed
         u.post = None
+
+    def _saved_tensor_hooks(self):
+        """FSDP's (pack, unpack), composed with the pair this forward runs inside, if any (a count
+        of the activations saved for backward: the pipeline runner's, the dry run's). torch calls
+        only the innermost pair, so FSDP hands that pair every saved tensor that is not a view of
+        gathered parameters, and its packed form back to its unpack: the enclosing pair sees
+        exactly what it sees around the module without FSDP, parameters excepted. (torch has no
+        public getter of the enclosing pair; its AOT autograd reads it the same way.)"""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if outer is None:
+            return self._pack, self._unpack
+        outer_pack, outer_unpack = outer
+
+        def pack(t):
+            token = self._pack(t)
+            return token if isinstance(token, _FreedParam) else outer_pack(t)
+
+        def unpack(saved):
+            return self._unpack(saved) if isinstance(saved, _FreedParam) else outer_unpack(saved)
+
+        return pack, unpack
 
     def _pack(self, t):
         """Autograd saves a tensor: a view of gathered parameters becomes a token."""
