@@ -38,8 +38,13 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # ``fused_attention`` on its H100s). Megatron-LM of 2021-22 all-reduces the DP gradients after
 # the last backward, not under it (its train_step: ``allreduce_gradients()`` after
 # ``forward_backward_func``, DDP_impl "local"): what the course's runtime does.
+# BLOOM's pipeline ran in DeepSpeed's PipelineEngine (Megatron-DeepSpeed with
+# --pipeline-model-parallel-size 12, bigscience train/tr11-176B-ml/tr11-176B-ml.slurm): its
+# TrainSchedule is 1F1B, one SendActivation / RecvGrad / SendGrad / RecvActivation per
+# instruction, and deepspeed/runtime/pipe/p2p.py's send is ``dist.send``, blocking
+# (``async_op=True`` is refused): "blocking_sends", the runner waits for each send where it posts it.
 SOFTWARE = {"Korthikanti 2022 T5": ("scale_mask_softmax",), "Narayanan 2021 T1": ("scale_mask_softmax",),
-            "BLOOM 2022": ("scale_mask_softmax",), "Llama 3 T4": ("flash_attention",)}
+            "BLOOM 2022": ("scale_mask_softmax", "blocking_sends"), "Llama 3 T4": ("flash_attention",)}
 
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
 # 2022 T5"` printed it on this project's 2-core machine, 2026-11-28, with Megatron-LM's fused
