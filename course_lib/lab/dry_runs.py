@@ -16,7 +16,8 @@ planner's FLOP count for the step (the same for the three columns). What each so
 software fused is stated once per source (:data:`SOFTWARE`) and run by the dry run as the
 course's program with that attention kernel (:mod:`course_lib.virtual.software`); it agrees
 with the source's hardware's ``fused_attention`` (the planner's statement of the same thing).
-Llama 3's CP row does not run (the dry run does not fold context parallelism yet).
+Llama 3's CP row does not run as stated: its K/V all-gather (``cp_comm="all_gather"``) is
+priced by the planner, not built by the ranks (they run the ring; see the row's note).
 """
 from __future__ import annotations
 
