@@ -1,6 +1,8 @@
-"""The pipeline runner's blocking sends (``ScheduleRunner(blocking_sends=True)``, DeepSpeed's
-PipelineEngine, BLOOM's software): the same training as one device, and on the virtual clock a
-step never shorter than with sends waited at the end; the dry run prices it as a real launch."""
+"""What the published runs' software did, as the dry run runs it (``lab.dry_runs.SOFTWARE``) and
+their layouts: the pipeline runner's blocking sends (``ScheduleRunner(blocking_sends=True)``,
+DeepSpeed's PipelineEngine, BLOOM's software): the same training as one device, and on the
+virtual clock a step never shorter than with sends waited at the end; the dry run prices it as
+a real launch. Llama 3's chunks per rank: what the paper implies, what the course cuts."""
 import pytest
 import torch
 
@@ -91,3 +93,24 @@ def test_blocking_sends_price_as_a_real_launch_and_never_shorten_the_step():
 
 class _OneRankComm:
     rank, size = 0, 1
+
+
+def test_llama3_chunks_the_paper_implies_and_the_most_the_course_cuts():
+    """Llama 3's V (Sec. 3.3.2): 126 layers + embedding + output = 128 one-layer slots on 16
+    ranks, 8 chunks a rank; the course needs a layer in every chunk, so it refuses 8 and runs 7,
+    at most 8 layers a rank as the paper's."""
+    from course_lib.parallel.pipeline.rules import partition_layers
+    from course_lib.planner.presets import get_model
+    from course_lib.planner.validation import LLAMA3_TABLE4, LLAMA3_V_PAPER, llama3_layout
+    from course_lib.virtual.dry_run import check_dry_run
+    model = get_model("llama3-405b")
+    gpus, tp, cp, pp, dp, s, _ = LLAMA3_TABLE4[0]
+    assert (model.n_layers + 2) == pp * LLAMA3_V_PAPER
+    assert llama3_layout(tp, cp, pp, dp, s).v == 2                         # the rule's default, unchanged
+    with pytest.raises(ValueError, match="more pipeline stages"):
+        check_dry_run(model, llama3_layout(tp, cp, pp, dp, s, v=LLAMA3_V_PAPER).with_(zero=0))
+    v = model.n_layers // pp
+    check_dry_run(model, llama3_layout(tp, cp, pp, dp, s, v=v).with_(zero=0))
+    chunks = partition_layers(model.n_layers, pp * v)
+    per_rank = [sum(len(chunks[j * pp + r]) for j in range(v)) for r in range(pp)]
+    assert v == 7 and max(per_rank) == LLAMA3_V_PAPER and min(per_rank) == LLAMA3_V_PAPER - 1
