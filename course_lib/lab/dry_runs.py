@@ -44,6 +44,13 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # TrainSchedule is 1F1B, one SendActivation / RecvGrad / SendGrad / RecvActivation per
 # instruction, and deepspeed/runtime/pipe/p2p.py's send is ``dist.send``, blocking
 # (``async_op=True`` is refused): "blocking_sends", the runner waits for each send where it posts it.
+# Measured on BLOOM's row (2026-11-29): +0.03 s (90.601 -> 90.632 s, -13.3% either way): in
+# 1F1B a stage's next action waits for a message anyway, and a send completes once delivered
+# (the clock has no rendezvous with the receiver's post). Not stated here, and not run: DeepSpeed
+# puts pp outermost (PipeModelDataParallelTopology: pipe, data, model), so every BLOOM hop
+# crosses Omni-Path (the course: dp outermost, half the hops on NVLink; gpus_per_node=4
+# emulates it: -10.7%, -10.2% with blocking sends); the script's CUDA_LAUNCH_BLOCKING=1
+# (about 75k kernels a rank x 12.3 us = 0.9 s); DeepSpeed's lock-step instruction order.
 SOFTWARE = {"Korthikanti 2022 T5": ("scale_mask_softmax",), "Narayanan 2021 T1": ("scale_mask_softmax",),
             "BLOOM 2022": ("scale_mask_softmax", "blocking_sends"), "Llama 3 T4": ("flash_attention",)}
 
