@@ -16,8 +16,8 @@ planner's FLOP count for the step (the same for the three columns). What each so
 software fused is stated once per source (:data:`SOFTWARE`) and run by the dry run as the
 course's program with those kernels (:mod:`course_lib.virtual.software`); its attention kernel
 agrees with the source's hardware's ``fused_attention`` (the planner's statement of the same
-thing).
-Llama 3's CP row does not run (the dry run does not fold context parallelism yet).
+thing). Llama 3's CP row does not run as stated: its K/V all-gather (``cp_comm="all_gather"``)
+is priced by the planner, not built by the ranks (they run the ring; see the row's note).
 """
 from __future__ import annotations
 
@@ -43,9 +43,21 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # ``--no-bias-dropout-fusion`` is store_false: on by default, and neither Korthikanti's nor
 # BLOOM's tr11-176B-ml.slurm turns it off): "bias_dropout_add". Its bias + GeLU fusion is what
 # the course already runs (the bias in the GEMM, then one GeLU kernel): no entry.
+# BLOOM's pipeline ran in DeepSpeed's PipelineEngine (Megatron-DeepSpeed with
+# --pipeline-model-parallel-size 12, bigscience train/tr11-176B-ml/tr11-176B-ml.slurm): its
+# TrainSchedule is 1F1B, one SendActivation / RecvGrad / SendGrad / RecvActivation per
+# instruction, and deepspeed/runtime/pipe/p2p.py's send is ``dist.send``, blocking
+# (``async_op=True`` is refused): "blocking_sends", the runner waits for each send where it posts it.
+# Measured on BLOOM's row (2026-11-29): +0.03 s (90.601 -> 90.632 s, -13.3% either way): in
+# 1F1B a stage's next action waits for a message anyway, and a send completes once delivered
+# (the clock has no rendezvous with the receiver's post). Not stated here, and not run: DeepSpeed
+# puts pp outermost (PipeModelDataParallelTopology: pipe, data, model), so every BLOOM hop
+# crosses Omni-Path (the course: dp outermost, half the hops on NVLink; gpus_per_node=4
+# emulates it: -10.7%, -10.2% with blocking sends); the script's CUDA_LAUNCH_BLOCKING=1
+# (about 75k kernels a rank x 12.3 us = 0.9 s); DeepSpeed's lock-step instruction order.
 _MEGATRON = ("scale_mask_softmax", "bias_dropout_add")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
-            "BLOOM 2022": _MEGATRON, "Llama 3 T4": ("flash_attention",)}
+            "BLOOM 2022": _MEGATRON + ("blocking_sends",), "Llama 3 T4": ("flash_attention",)}
 
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
 # 2022 T5"` printed it on this project's 2-core machine, 2026-11-29, with Megatron-LM's fused

@@ -61,7 +61,7 @@ from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
-from course_lib.virtual.software import check_fusions, install
+from course_lib.virtual.software import check_fusions, install, install_runtime
 
 _ALL_NONZERO = _fx_config.patch
 
@@ -124,8 +124,9 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
     runs it). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
     :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. ``fusions``: the attention
-    kernels the model built here runs (:func:`.software.install`). Returns the clock's end,
-    its kernels, and this GPU's memory (:func:`gpu_memory`)."""
+    kernels the model built here runs (:func:`.software.install`; a ``model`` given has its own),
+    and the runtime behaviours the runner keeps (:func:`.software.install_runtime`). Returns the
+    clock's end, its kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
     with clock.muted():
         if model is None:
@@ -133,6 +134,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
                 model = TinyGPT(cfg, seed=0)
             install(model, fusions)
         net = parallelize_nd(model, mesh, layout)
+        install_runtime(net, fusions)
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
@@ -236,8 +238,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
     ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach".
     ``fusions``: the attention kernels the source's software fused (:mod:`.software`:
-    "scale_mask_softmax", Megatron-LM's; "flash_attention"), stated per source, never fitted;
-    default none: the course's attention, written out."""
+    "scale_mask_softmax", Megatron-LM's; "flash_attention") and how it ran the pipeline
+    ("blocking_sends", DeepSpeed's), stated per source, never fitted; default none: the course's
+    attention, written out, and sends waited at the end of the step."""
     if optimizer not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
@@ -271,7 +274,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                 mesh = StageMesh(rank, **layout.sizes, etp=layout.etp)
                 out[rank] = train_step(cfg, layout, mesh, device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
-                                       optimizer=optimizer)
+                                       optimizer=optimizer, fusions=fusions)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
             out[rank] = e
             stages.fail(f"stage {shape.coords(rank)['pp']}: {type(e).__name__}: {e}")

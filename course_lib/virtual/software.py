@@ -31,7 +31,17 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   layer adds its bias inside the GEMM (``addmm``), so the MLP's first half is a GEMM and one
   GeLU kernel, forward and backward, as in Megatron's fused path (``mm`` + ``bias_gelu``).
 
-All compute what the written-out attention computes (``tests/test_dry_run.py`` checks them
+And one runtime behaviour (:data:`RUNTIME`), a way the source's software ran the course's
+program, not a kernel:
+
+* ``"blocking_sends"``: DeepSpeed's PipelineEngine (BLOOM's Megatron-DeepSpeed; ``p2p.send``
+  is ``dist.send``, blocking, and refuses ``async_op=True``; its TrainSchedule is 1F1B with one
+  send or receive per instruction): the pipeline runner waits for each send where it posts it
+  (:class:`~course_lib.parallel.pipeline.runner.ScheduleRunner`'s ``blocking_sends``), so the
+  sender's next action starts once the message has been delivered. A real launch waits there
+  too (gloo on the CPU), and the clock prices the wait: the dry run adds nothing of its own.
+
+The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
 replace the attention core of the model the dry run builds (:func:`install`), nothing else:
 every other op is the course's.
@@ -47,6 +57,7 @@ from course_lib.gpt import Attention, Block
 from course_lib.recompute import recompute
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add")
+RUNTIME = ("blocking_sends",)      # how the program runs, not a kernel (:func:`install_runtime`)
 
 
 def check_fusions(fusions) -> tuple:
@@ -56,8 +67,8 @@ def check_fusions(fusions) -> tuple:
         fusions = (fusions,)
     fusions = tuple(fusions or ())
     for f in fusions:
-        if f not in FUSIONS:
-            raise ValueError(f"unknown fusion {f!r}: the dry run knows {FUSIONS}")
+        if f not in FUSIONS + RUNTIME:
+            raise ValueError(f"unknown fusion {f!r}: the dry run knows {FUSIONS + RUNTIME}")
     if {"scale_mask_softmax", "flash_attention"} <= set(fusions):
         raise ValueError("fusions: 'scale_mask_softmax' and 'flash_attention' are two kernels for the same "
                          "attention core; give one")
@@ -236,5 +247,15 @@ def install(model, fusions) -> int:
     return n
 
 
-__all__ = ["FUSIONS", "check_fusions", "install", "scale_mask_softmax_attention", "flash_attention",
-           "CausalSoftmax", "bias_dropout_add"]
+def install_runtime(net, software) -> None:
+    """The runtime behaviours of :data:`RUNTIME` in ``software`` set on ``net`` (what
+    :func:`~course_lib.parallel.compose.parallelize_nd` returned): ``"blocking_sends"``, its
+    pipeline runner waits for each send where it posts it; absent, it does not."""
+    software = check_fusions(software)
+    runner = getattr(net, "runner", None)
+    if runner is not None:
+        runner.blocking_sends = "blocking_sends" in software
+
+
+__all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "scale_mask_softmax_attention",
+           "flash_attention", "CausalSoftmax", "bias_dropout_add"]

@@ -4,19 +4,21 @@
     result = runner.step(inputs, targets, loss_fn)               # F, B, W, send, recv: one step
     result.losses, result.peak_activation_bytes, result.bytes_sent
 
-Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s on pp rank
-s % p; in V order, ``schedules.stage_rank``, for ZB-V and DualPipeV). Messages go through the pipeline's :class:`~course_lib.collectives.comm.Comm`
-(group ranks; the runner counts the bytes it sends) with a tag per (kind, stage,
-micro-batch), so an activation and a gradient travelling between the same two ranks can
-never be confused, whatever order the schedule posts them in. A receive is posted one
-receiving action ahead, so the transport reads the message while the rank computes, and an
-action waits for its own (traced as a ``comm`` span: a rank waiting there is the bubble);
-sends are posted (gloo copies the tensor into the socket there: a ``send`` span) and waited
-at the end of the step. Where the next (or previous) stage lives on the same rank (p = 1 with
-v chunks), the tensor is handed over in memory: no message. Every tensor handed on is first
-checked against ``act_shape`` / ``act_dtype`` (a ValueError on the sending rank, before a
-wrong message could crash or stall the receiving one). ``measured_costs`` reads from a trace
-what a step spent between actions.
+Each rank holds the modules of its virtual stages ``{stage: module}`` (stage s on pp
+rank s % p; in V order, ``schedules.stage_rank``, for ZB-V and DualPipeV). Messages go through the
+pipeline's :class:`~course_lib.collectives.comm.Comm` (group ranks; the runner counts the bytes
+it sends) with a tag per (kind, stage, micro-batch), so an activation and a gradient travelling
+between the same two ranks can never be confused, whatever order the schedule posts them in. A
+receive is posted one receiving action ahead, so the transport reads the message while the rank
+computes, and an action waits for its own (traced as a ``comm`` span: a rank waiting there is
+the bubble); sends are posted (gloo copies the tensor into the socket there: a ``send`` span)
+and waited at the end of the step; with ``blocking_sends=True`` each send is waited for where
+it is posted, before the rank's next action (DeepSpeed's PipelineEngine, which BLOOM ran:
+``p2p.send`` is a blocking ``dist.send``, its ``async_op=True`` refused). Where the next (or
+previous) stage lives on the same rank (p = 1 with v chunks), the tensor is handed over in
+memory: no message. Every tensor handed on is first checked against ``act_shape`` /
+``act_dtype`` (a ValueError on the sending rank, before a wrong message could crash or stall
+the receiving one). ``measured_costs`` reads from a trace what a step spent between actions.
 
 The zero-bubble split of a backward (Qi et al. 2023), where a schedule has a ``W``: ``B``
 computes the gradient of the stage's input and of every Linear layer's *output* (one backward
@@ -126,13 +128,18 @@ class ScheduleRunner:
     restored), each rank sending the next its output's shape and dtype.
     scale_grads=True (torch.distributed.pipelining's default): each micro-batch's loss is divided
     by m before its backward (``losses`` still reports loss_fn's values, as torch's list does).
+    blocking_sends=True: every send is waited for before the rank goes on (the sender idles
+    until its message has left: on a virtual clock, until its last byte is delivered); settable
+    between steps (``runner.blocking_sends``).
     """
 
     def __init__(self, schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, act_shape=None,
-                 act_dtype=torch.float32, scale_grads: bool = False, overlap_fb: bool = False):
-        if not isinstance(overlap_fb, bool):
-            raise ValueError(f"overlap_fb must be True or False, got {overlap_fb!r}")
-        self.overlap_fb = overlap_fb
+                 act_dtype=torch.float32, scale_grads: bool = False, overlap_fb: bool = False,
+                 blocking_sends: bool = False):
+        for name, flag in (("overlap_fb", overlap_fb), ("blocking_sends", blocking_sends)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        self.overlap_fb, self.blocking_sends = overlap_fb, blocking_sends
         if comm.size != p:
             raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
         if not isinstance(scale_grads, bool):
@@ -259,7 +266,12 @@ class ScheduleRunner:
             return
         t = t.detach().contiguous()
         with trace.span(f"send {kind} {mb}", "comm", "pp"):      # gloo writes to the socket here
-            self.sends.append((self.comm.isend(t, self.rank_of(s), tag=self._tag(kind, s, mb)), t))
+            work = self.comm.isend(t, self.rank_of(s), tag=self._tag(kind, s, mb))
+        if self.blocking_sends:                 # a blocking send: the rank waits for it here
+            with trace.span(f"wait send {kind} {mb}", "comm", "pp"):
+                work.wait()
+        else:
+            self.sends.append((work, t))
         self.out.bytes_sent += t.numel() * t.element_size()
         self.out.messages += 1
 

@@ -1,0 +1,116 @@
+"""What the published runs' software did, as the dry run runs it (``lab.dry_runs.SOFTWARE``) and
+their layouts: the pipeline runner's blocking sends (``ScheduleRunner(blocking_sends=True)``,
+DeepSpeed's PipelineEngine, BLOOM's software): the same training as one device, and on the
+virtual clock a step never shorter than with sends waited at the end; the dry run prices it as
+a real launch. Llama 3's chunks per rank: what the paper implies, what the course cuts."""
+import pytest
+import torch
+
+import course_lib
+from course_lib import reference, tolerance
+from course_lib.layout import Layout
+from course_lib.models import GPTConfig, TinyGPT
+from course_lib.parallel.mesh import Mesh
+from course_lib.parallel.pipeline import PipelineParallel
+from course_lib.planner.presets import gpt_spec
+from course_lib.virtual import VirtualCluster, dry_run
+
+SPEC, HW = gpt_spec("GPT test", 6, 64, 4, V=256, s=32), "a100-80gb"     # as tests/test_dry_run.py, 6 layers
+STEPS = 3
+
+
+def _cfg(tied):
+    return GPTConfig(vocab_size=32, seq_len=8, n_layers=7, hidden=16, n_heads=2, tie_embeddings=tied)
+
+CONFIGS = {2: [("1f1b", 4, 1, True), ("gpipe", 3, 1, False), ("zb-h1", 4, 1, True), ("interleaved", 4, 2, False)],
+           3: [("1f1b", 6, 1, False), ("gpipe", 2, 1, True), ("interleaved", 3, 2, True)]}
+
+
+def _blocking_equals_one_device(pp):
+    """Each config trained STEPS AdamW steps in float64 with blocking sends: (config, params
+    equal, losses equal, every send waited where posted: none left for the step's end)."""
+    out = []
+    for sched, m, v, tied in CONFIGS[pp]:
+        cfg = _cfg(tied)
+        batches = reference.gpt_batches(cfg, batch=12, steps=STEPS)
+        ref = TinyGPT(cfg, seed=0).double()
+        state, ref_losses = reference.train_gpt(ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-2,
+                                                                                 weight_decay=0.1), micro=m)
+        pipe = PipelineParallel(TinyGPT(cfg, seed=0).double(), Mesh(pp=pp), sched, microbatches=m, v=v)
+        pipe.runner.blocking_sends = True
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        for x, y in batches:
+            losses.append(pipe.step(x, y))
+            opt.step()
+            opt.zero_grad()
+        got = {n: q.detach() for st in pipe.stages.values() for n, q in st.named_in_model().items()}
+        bounds = dict(dtype=torch.float64, optimizer="adamw", steps=STEPS, lr=1e-2)
+        out.append(((sched, m, v, tied), tolerance.compare(got, {n: state[n] for n in got}, **bounds),
+                    tolerance.compare(losses, ref_losses, **bounds), pipe.runner.sends == []))
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_blocking_sends_equal_one_device(pp):
+    for rank in course_lib.launch(_blocking_equals_one_device, pp, pp, timeout=180):
+        for config, params, losses, none_left in rank:
+            assert params and losses, f"{config}: blocking sends differ from one device: {params} {losses}"
+            assert none_left, f"{config}: a send was left for the end of the step"
+
+
+def _real_rank(cfg, layout, software):
+    from course_lib.virtual.dry_run import train_step
+    return train_step(cfg, layout, Mesh.from_layout(layout), fusions=software)
+
+
+def test_blocking_sends_price_as_a_real_launch_and_never_shorten_the_step():
+    """pp 3 x tp 2, 1F1B over 6 micro-batches: the dry run with DeepSpeed's blocking sends gives
+    the real 6-rank launch's step to the bit (at this host-bound shape the waits hide: the same
+    step as without them). At a compute-bound shape (h 2048, s 2048: 8 MiB per message) on three
+    schedules the blocking step is longer than the one whose sends are waited at its end."""
+    from course_lib.virtual.dry_run import model_config
+    layout = Layout(tp=2, pp=3, micro_batch=1, global_batch=6)
+    software = ("scale_mask_softmax", "blocking_sends")
+    real = course_lib.launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, software,
+                             clock=VirtualCluster(HW))
+    r = dry_run(SPEC, HW, layout, fusions=software)
+    assert r.kernels == sum(real[rank]["kernels"] for rank in (0, 2, 4))
+    assert r.step_time == max(x["t"] for x in real), (r.step_time, max(x["t"] for x in real))
+    assert len([s for s in r.spans if s.name.startswith("wait send ")]) == 2 * 2 * 6   # 2 boundaries, F and B
+    assert r.step_time >= dry_run(SPEC, HW, layout, fusions="scale_mask_softmax").step_time
+    wide = gpt_spec("GPT wide", 6, 2048, 16, V=256, s=2048)
+    for lay in (Layout(pp=3, global_batch=6), Layout(pp=3, schedule="gpipe", global_batch=6),
+                Layout(pp=2, schedule="interleaved", v=2, global_batch=4)):
+        plain = dry_run(wide, HW, lay, fusions="scale_mask_softmax", progress=None)
+        blocking = dry_run(wide, HW, lay, fusions=software, progress=None)
+        assert blocking.step_time > plain.step_time, (lay.describe(), blocking.step_time, plain.step_time)
+        assert not [s for s in plain.spans if s.name.startswith("wait send ")]
+    with pytest.raises(ValueError, match="blocking_sends must be True or False"):
+        from course_lib.parallel.pipeline.runner import ScheduleRunner
+        ScheduleRunner("1f1b", {}, _OneRankComm(), p=1, m=1, blocking_sends="yes")
+
+
+class _OneRankComm:
+    rank, size = 0, 1
+
+
+def test_llama3_chunks_the_paper_implies_and_the_most_the_course_cuts():
+    """Llama 3's V (Sec. 3.3.2): 126 layers + embedding + output = 128 one-layer slots on 16
+    ranks, 8 chunks a rank; the course needs a layer in every chunk, so it refuses 8 and runs 7,
+    at most 8 layers a rank as the paper's."""
+    from course_lib.parallel.pipeline.rules import partition_layers
+    from course_lib.planner.presets import get_model
+    from course_lib.planner.validation import LLAMA3_TABLE4, LLAMA3_V_PAPER, llama3_layout
+    from course_lib.virtual.dry_run import check_dry_run
+    model = get_model("llama3-405b")
+    gpus, tp, cp, pp, dp, s, _ = LLAMA3_TABLE4[0]
+    assert (model.n_layers + 2) == pp * LLAMA3_V_PAPER
+    assert llama3_layout(tp, cp, pp, dp, s).v == 2                         # the rule's default, unchanged
+    with pytest.raises(ValueError, match="more pipeline stages"):
+        check_dry_run(model, llama3_layout(tp, cp, pp, dp, s, v=LLAMA3_V_PAPER).with_(zero=0))
+    v = model.n_layers // pp
+    check_dry_run(model, llama3_layout(tp, cp, pp, dp, s, v=v).with_(zero=0))
+    chunks = partition_layers(model.n_layers, pp * v)
+    per_rank = [sum(len(chunks[j * pp + r]) for j in range(v)) for r in range(pp)]
+    assert v == 7 and max(per_rank) == LLAMA3_V_PAPER and min(per_rank) == LLAMA3_V_PAPER - 1
