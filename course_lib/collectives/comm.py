@@ -159,7 +159,7 @@ NOTHING = _Nothing()
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _group_facts(pg, group):
+def _group_facts(pg, group, keep=True):
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group")
@@ -167,7 +167,8 @@ def _group_facts(pg, group):
     device = compat.backend_device(group)
     facts = (rank, size, tuple(compat.global_rank(group, r) for r in range(size)),
              device if device.type == "cpu" else None)
-    _GROUPS[pg] = facts
+    if keep:
+        _GROUPS[pg] = facts
     return facts
 
 
@@ -190,7 +191,10 @@ class Comm:
                              f"known: {COLLECTIVES}")
         self.group, self.dim, self.impl, self.validate = group, dim, impl, validate
         self._pg = pg = group if group is not None else dist.group.WORLD   # its process group object
-        facts = _GROUPS.get(pg) or _group_facts(pg, group)
+        try:
+            facts = _GROUPS.get(pg) or _group_facts(pg, group)
+        except TypeError:   # not a process group (torch's NON_GROUP_MEMBER is an int): torch says what
+            facts = _group_facts(pg, group, keep=False)
         self.rank, self.size, ranks, self.backend_device = facts
         self.ranks = list(ranks)   # group rank -> global
         self.counter = counter
