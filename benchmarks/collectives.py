@@ -4,8 +4,8 @@
     python benchmarks/collectives.py --reps 9 --fit-reps 5 --no-fit
 
 Part 1, side by side in one launch of 4 ranks (one thread each; scheduling as in
-part 2), contestants
-interleaved (ours, gloo, ours, gloo, ...) so load from elsewhere hits both alike;
+part 2), contestants interleaved, each repetition in its own shuffled order (the same on
+every rank), so load from elsewhere hits all alike and none is always first;
 each repetition is the slowest rank's time after a barrier; medians reported:
 ring all-reduce, reduce-scatter and all-gather for 64 KiB .. 64 MiB (all-gather:
 the gathered output; reduce-scatter: the input). Ours is the segmented ring (messages of
@@ -14,7 +14,12 @@ at most ``ring.SEGMENT_BYTES``); the unsegmented ring (one message per chunk,
 pre-posted receives) is shown for the lesson. Every contestant runs with the rank's flight
 recorder on, as launch keeps it (one record per message: 2(N-1) a rank per call at least);
 the segmented all-reduce runs once more with it off, to show what it costs.
-Goals: the segmented ring <= 1.1x gloo; its all-reduce < 1.3x gloo at 1, 4 and 16 MiB.
+Goals: the segmented ring <= 1.1x gloo; its all-reduce < 1.3x gloo at 1, 4 and 16 MiB,
+judged there on ``--goal-reps`` repetitions (more than elsewhere) by the median of the
+paired ratios (each repetition's ours / gloo, which shared that repetition's load),
+printed beside the ratio of the medians. (Timed alone, back to back, gloo's all-reduce
+runs faster after itself: a separate duel of the two was seen to move the ratio at 4 MiB
+from 1.2x to 1.4x; the shuffled table keeps every contestant among the same neighbours.)
 The last column is the CPU time of one call summed over all ranks' threads (gloo's own
 included): 4 ranks on 2 cores keep both busy, so the time follows the CPU a collective uses.
 A second table gives, at 1, 4 and 16 MiB, the all-reduce's CPU in the calling thread alone
@@ -37,13 +42,15 @@ Ranks that outnumber the cores wait for the scheduler, not for a link: by defaul
 sweep runs once with the ranks under real-time scheduling (SCHED_FIFO, where the OS
 permits it: root or CAP_SYS_NICE), which measures the machine's collectives without
 those waits, and once at normal priority, which is what a notebook sees. Both parts'
-goals are judged on the first run (the normal one where real-time is not permitted). The machine's load average is printed before and after.
+goals are judged on the first run (the normal one where real-time is not permitted), and
+the printout says why. The machine's load average is printed before and after.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,15 +62,16 @@ from course_lib.launch import cpu_count, launch  # noqa: E402
 
 MiB = 1 << 20
 ALL_REDUCE_GOAL_SIZES = (1 * MiB, 4 * MiB, 16 * MiB)   # issue #34: the ring all-reduce < 1.3x gloo there
+GOAL_REPS = 31   # repetitions at the goal's sizes (every contestant): median of 31 paired ratios
 
 
-def side_by_side(sizes, reps, realtime):
+def side_by_side(sizes, reps, realtime, goal_reps=GOAL_REPS):
     """Inside 4 ranks: {(size, contestant): median seconds}."""
     with measure.realtime_priority(realtime):
-        return _side_by_side(sizes, reps)
+        return _side_by_side(sizes, reps, goal_reps)
 
 
-def _side_by_side(sizes, reps):
+def _side_by_side(sizes, reps, goal_reps):
     import torch
     import torch.distributed as dist
 
@@ -91,8 +99,12 @@ def _side_by_side(sizes, reps):
             "all_reduce ours, lockstep": lambda: ring.all_reduce(x, validate=False, prepost=False),
             "all_reduce ours, recorder off": lambda: without_recorder(ring.all_reduce, x, validate=False),
         }
-        for name, ts in measure.time_ops(ops, reps=reps, warmup=2).items():
+        goal = n_bytes in ALL_REDUCE_GOAL_SIZES                         # more repetitions there
+        times = measure.time_ops(ops, reps=max(reps, goal_reps) if goal else reps, warmup=2, shuffle=True)
+        for name, ts in times.items():
             table[(n_bytes, name)] = measure.median(ts)
+        if goal:   # each repetition's pair, for the paired ratios
+            table[(n_bytes, "all_reduce pairs")] = (times["all_reduce ours"], times["all_reduce gloo"])
         for coll in ("all_reduce", "reduce_scatter", "all_gather"):   # the cores both keep busy
             for who in ("ours", "gloo"):
                 table[(n_bytes, f"{coll} {who} cpu")] = cpu_seconds(ops[f"{coll} {who}"], max(3, reps // 3))
@@ -103,6 +115,12 @@ def _side_by_side(sizes, reps):
             for name in ("all_reduce ours", "all_reduce ours, recorder off", "all_reduce gloo"):
                 table[(n_bytes, f"{name} thread cpu")] = thread_cpu_seconds(ops[name], reps)
     return table
+
+
+WHY_REALTIME = ("4 ranks share 2 cores, so under normal scheduling a rank whose message has arrived "
+                "waits for a core while other ranks' threads (and other programs) run: that run measures "
+                "the scheduler, and one run differs from the next by tens of percent; under real-time "
+                "scheduling a woken rank runs at once, which measures the machine's collectives")
 
 
 def without_recorder(fn, *args, **kwargs):
@@ -153,9 +171,10 @@ def thread_cpu_seconds(op, reps):
 
 
 def report_side_by_side(table, sizes, scheduling, reps):
-    """Print part 1's table; return the worst ours / gloo ratio."""
+    """Print part 1's tables; return the worst ours / gloo ratio and the goal's paired medians."""
+    more = len(table[(ALL_REDUCE_GOAL_SIZES[0], "all_reduce pairs")][0])
     print(f"\n## ours vs gloo, 4 ranks, threads=1, {scheduling} scheduling, median of {reps} "
-          f"(slowest rank per rep)\n")
+          f"({more} at {', '.join(size_text(n) for n in ALL_REDUCE_GOAL_SIZES)}), slowest rank per rep\n")
     print("| collective | size | segmented (ms) | unsegmented (ms) | gloo (ms) | segmented / gloo | "
           "unsegmented / gloo | CPU per call, all ranks: segmented / gloo (ms) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -187,10 +206,29 @@ def report_side_by_side(table, sizes, scheduling, reps):
             print(f"| {size_text(n)} | {msgs} | {on:.0f} / {off:.0f} / {gloo:.0f} | "
                   f"{on / msgs:.1f} / {off / msgs:.1f} / {(on - off) / msgs:.1f} |")
     print(f"\nworst ratio (ring vs gloo), {scheduling} scheduling: {worst:.2f}x")
-    ratios = [table[(n, "all_reduce ours")] / table[(n, "all_reduce gloo")] for n in ALL_REDUCE_GOAL_SIZES]
-    print(f"all_reduce at {', '.join(size_text(n) for n in ALL_REDUCE_GOAL_SIZES)} < 1.3x gloo: "
-          f"{'met' if max(ratios) < 1.3 else 'NOT met'} ({', '.join(f'{r:.2f}x' for r in ratios)})")
-    return worst
+    return worst, report_goal(table, scheduling)
+
+
+def report_goal(table, scheduling):
+    """Print the goal's measure at its sizes: our ring all-reduce against gloo's, the ratio of
+    the medians and the median of the paired ratios (each repetition's ours / gloo, timed in
+    that repetition among the other contestants, so both shared its load). Returns the
+    paired medians."""
+    print(f"\n| all_reduce, ours vs gloo ({scheduling}) | reps | ours (ms) | gloo (ms) | ratio of medians | "
+          "paired ratio: median (quartiles) |")
+    print("|---|---|---|---|---|---|")
+    paired = []
+    for n in ALL_REDUCE_GOAL_SIZES:
+        ours, gloo = table[(n, "all_reduce pairs")]
+        ratios = sorted(a / b for a, b in zip(ours, gloo))
+        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        paired.append(measure.paired_ratio(ours, gloo))
+        print(f"| {size_text(n)} | {len(ours)} | {measure.median(ours) * 1e3:.2f} | {measure.median(gloo) * 1e3:.2f} | "
+              f"{measure.median(ours) / measure.median(gloo):.2f}x | {paired[-1]:.2f}x ({q1:.2f}-{q3:.2f}) |")
+    print(f"all_reduce at {', '.join(size_text(n) for n in ALL_REDUCE_GOAL_SIZES)} < 1.3x gloo (paired median), "
+          f"{scheduling} scheduling: {'met' if max(paired) < 1.3 else 'NOT met'} "
+          f"({', '.join(f'{r:.2f}x' for r in paired)})")
+    return paired
 
 
 def report_fit(rows, cores, cache, priority, args):
@@ -240,6 +278,8 @@ def load():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--goal-reps", type=int, default=GOAL_REPS,
+                   help="repetitions at the all-reduce goal's sizes (1, 4, 16 MiB), every contestant")
     p.add_argument("--fit-reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--priority", choices=("both", "realtime", "normal"), default="both")
@@ -265,11 +305,18 @@ def main(argv=None):
 
     sizes = [64 << 10, 256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
     if not args.no_side_by_side:
-        worst = [report_side_by_side(launch(side_by_side, 4, sizes, args.reps, realtime, threads=1, quiet=True,
-                                            timeout=900)[0], sizes, scheduling[realtime], args.reps)
-                 for realtime in priorities]
-        print(f"\ngoal ({scheduling[priorities[0]]} run): segmented ring <= 1.1x gloo: "
-              f"{'met' if worst[0] <= 1.1 else 'NOT met'} (worst {worst[0]:.2f}x)")
+        runs = [report_side_by_side(launch(side_by_side, 4, sizes, args.reps, realtime, args.goal_reps, threads=1,
+                                           quiet=True, timeout=900)[0], sizes, scheduling[realtime], args.reps)
+                for realtime in priorities]
+        (worst, paired), judged = runs[0], scheduling[priorities[0]]
+        why = (WHY_REALTIME if priorities[0] else "real-time scheduling is not permitted here, so the normal run "
+               "is all there is; with more ranks than cores its waits for the scheduler vary from run to run")
+        print("\n" + textwrap.fill(f"The goals are judged on the {judged} run: {why}.", 100))
+        print(f"goal ({judged} run): segmented ring <= 1.1x gloo: "
+              f"{'met' if worst <= 1.1 else 'NOT met'} (worst {worst:.2f}x)")
+        print(f"goal ({judged} run): ring all_reduce < 1.3x gloo at "
+              f"{', '.join(size_text(n) for n in ALL_REDUCE_GOAL_SIZES)} (median of {args.goal_reps} paired ratios): "
+              f"{'met' if max(paired) < 1.3 else 'NOT met'} ({', '.join(f'{r:.2f}x' for r in paired)})")
 
     if not args.no_fit:
         fit_sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]

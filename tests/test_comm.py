@@ -123,7 +123,7 @@ def message_records():
     of torch's calls a message goes through while they are wrapped."""
     import torch.distributed as dist
 
-    from course_lib.collectives import ring
+    from course_lib.collectives import measure, ring
     from course_lib.collectives.comm import Comm, TrafficCounter
     from course_lib.debug import flight_recorder
     from course_lib.grading.traffic import counted_calls
@@ -155,7 +155,20 @@ def message_records():
         bad_op = str(e)
     with counted_calls() as calls:                               # dist.isend wrapped: still called
         ring.all_reduce(torch.ones(12), validate=False)
-    return dict(total=x[0].item(), in_ring=[(r.op, r.seq, r.tag, r.shapes, r.site, r.state) for r in in_ring],
+    # a group's facts are looked up once per process group: each group keeps its own
+    sub, groups = dist.new_group([0, 2]), []
+    for _ in range(2):
+        try:
+            c = Comm(sub)
+            groups.append((c.rank, c.size, list(c.ranks)))
+            c.ranks.append(99)                                   # a Comm's own list, not the kept one
+        except ValueError as e:
+            groups.append(str(e))
+        groups.append((Comm().rank, Comm().size, Comm().ranks))
+    # time_ops(shuffle=True): each repetition in its own order, the same on every rank
+    order = []
+    times = measure.time_ops({k: (lambda k=k: order.append(k)) for k in "abc"}, reps=4, warmup=1, shuffle=True)
+    return dict(total=x[0].item(), groups=groups, order=order, times={k: len(v) for k, v in times.items()}, in_ring=[(r.op, r.seq, r.tag, r.shapes, r.site, r.state) for r in in_ring],
                 own=[(r.op, r.tag, r.site, r.state) for r in own], counted=sorted(c.op for c in calls.calls),
                 posted=posted, done=done, bad_op=bad_op, nothing=handles[2] is handles[3],
                 traffic=(counter.bytes_sent, counter.bytes_received, counter.messages_sent),
@@ -167,7 +180,8 @@ def test_messages_are_recorded_with_their_call_site_and_still_reach_wrapped_send
     numbered per direction, peer and tag, completed when the call returns); a user's own
     messages carry their own lines; with dist.isend / irecv wrapped, every message goes through
     them (a grader counting calls, measure.simulated_link)."""
-    for out in launch(message_records, 3, timeout=120):
+    outs = launch(message_records, 3, timeout=120)
+    for out in outs:
         assert out["total"] == 3
         msgs = out["in_ring"]
         sites = {site for *_, site, _ in msgs}
@@ -193,3 +207,14 @@ def test_messages_are_recorded_with_their_call_site_and_still_reach_wrapped_send
         assert {int(p[5].split(":")[-1].rstrip(")")) for p in posted} == {lines[2] + 4}
         assert out["traffic"] == (20 + 12, 20 + 12, 2)       # a Comm's counter counts the poster's messages
         assert "op must be 'send' or 'recv'" in out["bad_op"]
+        world = (out["rank"], 3, [0, 1, 2])
+        sub = {0: (0, 2, [0, 2]), 2: (1, 2, [0, 2])}.get(out["rank"])
+        if sub is None:
+            assert out["groups"][0] == out["groups"][2] and "not a member of the group" in out["groups"][0]
+        else:
+            assert out["groups"][0] == out["groups"][2] == sub
+        assert out["groups"][1] == out["groups"][3] == world
+    orders = [out["order"] for out in outs]
+    assert orders[0] == orders[1] == orders[2] and outs[0]["times"] == {"a": 4, "b": 4, "c": 4}
+    reps = [orders[0][3 + 3 * i:6 + 3 * i] for i in range(4)]   # (after the warm-up calls, a, b, c)
+    assert all(sorted(r) == ["a", "b", "c"] for r in reps) and any(r != ["a", "b", "c"] for r in reps)

@@ -77,3 +77,14 @@ def test_last_level_cache_is_a_size_or_unknown():
     assert size is None or (isinstance(size, int) and size >= 64 << 10)
     if sys.platform.startswith("linux") and os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
         assert size is not None
+
+
+def test_paired_ratio_is_the_median_of_each_repetitions_ratio():
+    # a burst of load in repetition 2 slows both contestants: its pair's ratio stays near the others
+    ours, gloo = [1.2, 1.3, 6.0, 1.25], [1.0, 1.0, 5.0, 1.0]
+    assert measure.paired_ratio(ours, gloo) == pytest.approx(1.225)
+    assert measure.median(ours) / measure.median(gloo) == pytest.approx(1.275)
+    with pytest.raises(ValueError, match="equally long"):
+        measure.paired_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="non-empty"):
+        measure.paired_ratio([], [])

@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import os
 import sys
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -151,6 +152,26 @@ class _Nothing:
 NOTHING = _Nothing()
 
 
+# process group -> (this rank's group rank, size, global ranks, backend device or None: NCCL's
+# current GPU). Facts fixed for a group's life, looked up in torch once, not once a call: an
+# algorithm builds a Comm per call (torch's look-ups cost some 20 Python calls). Weak keys:
+# a group that is gone takes its entry with it.
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _group_facts(pg, group, keep=True):
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group")
+    size = dist.get_world_size(group)
+    device = compat.backend_device(group)
+    facts = (rank, size, tuple(compat.global_rank(group, r) for r in range(size)),
+             device if device.type == "cpu" else None)
+    if keep:
+        _GROUPS[pg] = facts
+    return facts
+
+
 class Comm:
     """A process group seen from one rank: group ranks, counted point-to-point messages,
     and torch.distributed's collectives (torch's or ours), traced and measured.
@@ -169,14 +190,16 @@ class Comm:
             raise ValueError(f"impl: unknown collective(s) {sorted(set(impl) - set(COLLECTIVES))}; "
                              f"known: {COLLECTIVES}")
         self.group, self.dim, self.impl, self.validate = group, dim, impl, validate
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group")
-        self.size = dist.get_world_size(group)
-        self.ranks = [compat.global_rank(group, r) for r in range(self.size)]  # group rank -> global
+        self._pg = pg = group if group is not None else dist.group.WORLD   # its process group object
+        try:
+            facts = _GROUPS.get(pg) or _group_facts(pg, group)
+        except TypeError:   # not a process group (torch's NON_GROUP_MEMBER is an int): torch says what
+            facts = _group_facts(pg, group, keep=False)
+        self.rank, self.size, ranks, self.backend_device = facts
+        self.ranks = list(ranks)   # group rank -> global
         self.counter = counter
-        self._pg = group if group is not None else dist.group.WORLD   # its process group object (_message)
-        self.backend_device = compat.backend_device(group)   # where this group's small exchanges live
+        if self.backend_device is None:   # NCCL: this rank's current GPU, which may change
+            self.backend_device = compat.backend_device(group)   # where this group's small exchanges live
         self._p2p_cpu_only = self.backend_device.type == "cpu"   # gloo
         self.log: list[CommCall] = []
         # built by an algorithm of this package (ring.all_reduce, tree.broadcast, ...) for one of
@@ -238,21 +261,22 @@ class Comm:
         def slow(tensor):   # what post_send / post_recv do, for what the fast path leaves out
             shape = tensor.shape
             return NOTHING if 0 in shape else self._message(op, tensor, peer, tag, shape)
-        if trace.clock() is not None or (dist.isend, dist.irecv) != (_TORCH_ISEND, _TORCH_IRECV):
-            return slow   # priced on a virtual clock, or isend / irecv wrapped: every message through them
+        if (trace.clock() is not None or (dist.isend, dist.irecv) != (_TORCH_ISEND, _TORCH_IRECV)
+                or self.counter is not None):
+            return slow   # priced on a virtual clock, isend / irecv wrapped, or counted: all through _message
         call = self._pg.send if op == "send" else self._pg.recv
-        track = flight.p2p_poster(self, op, peer, tag)
-        counter, cpu_only = self.counter, self._p2p_cpu_only
+        cpu_only = self._p2p_cpu_only
+        recorded = flight.p2p_poster(self, op, peer, tag, call, slow, cpu_only)   # None: recorder off
+        if recorded is not None:
+            return recorded
 
         def post(tensor):
             shape = tensor.shape
             if 0 in shape:
                 return NOTHING
-            dtype = tensor.dtype
-            if dtype.is_complex or (cpu_only and not tensor.is_cpu) or counter is not None:
-                return slow(tensor)   # torch's isend views complex as real; the device check; counting
-            work = call([tensor], peer, tag)
-            return work if track is None else track(work, tensor, shape, dtype)
+            if tensor.dtype.is_complex or (cpu_only and not tensor.is_cpu):
+                return slow(tensor)   # torch's isend views complex as real; the device check
+            return call([tensor], peer, tag)
         return post
 
     def _message(self, op, tensor, peer, tag, shape=None):

@@ -200,7 +200,8 @@ def _all_gather_ring(comm: Comm, outs, prepost=True, segment_bytes=SEGMENT_BYTES
     if recvs is None:                              # (step, segment, receive) per message, in order
         recvs = (_post_gather_recvs(comm, outs, segment_bytes, tag) if prepost else
                  [(s, seg, None) for s, (_, c) in enumerate(plan) for seg in segments(outs[c], segment_bytes)])
-    send, recv_from_left = comm.poster("send", right, tag), comm.poster("recv", left, tag)
+    send = comm.poster("send", right, tag)
+    recv_from_left = None if prepost else comm.poster("recv", left, tag)   # lockstep: each receive in turn
     sends = [send(seg) for seg in segments(outs[plan[0][0]], segment_bytes)]
     for s, seg, recv in recvs:
         if not prepost:

@@ -438,10 +438,15 @@ def p2p(comm, op, tensor, peer, tag, work, shape=None, dtype=None):
                        tensor.device.index if rec.cuda_events and tensor.is_cuda else None)
 
 
-def p2p_poster(comm, op, peer, tag):
+def p2p_poster(comm, op, peer, tag, call, slow, cpu_only=True):
     """What :func:`p2p` does for every message of one kind (``op``, ``peer``, ``tag``) that an
-    algorithm posts in one call, with what they share looked up once, not once a message:
-    ``track(work, tensor, shape, dtype)`` -> the tracked handle; None when no recorder is on.
+    algorithm posts in one call (``Comm.poster``), with what they share looked up once, not
+    once a message: ``post(tensor)`` posts a message with ``call([tensor], peer, tag)`` (the
+    process group's send or recv) and records it, in one Python frame (a ring posts 2(N-1)
+    messages a call at least, between copies that leave the caches cold: each frame costs).
+    An empty tensor, a complex one or, on gloo (``cpu_only``), one off the CPU goes through
+    ``slow(tensor)``, the Comm's own path (which skips, views as real or refuses it). None when
+    no recorder is on.
 
     The call site, the innermost span and the group are read when the algorithm asks for
     it (before its first message; nothing opens a span between them), the encoded text
@@ -459,24 +464,31 @@ def p2p_poster(comm, op, peer, tag):
     head = (op, comm.dim, tuple(comm.ranks))
     tail = (comm.ranks[peer], tag, "", spans[-1] if spans else "", site)
     texts = {}   # shape -> (dtype, sequence counter, encoded text)
-    cuda = rec.cuda_events
+    cuda, lock, slots, new = rec.cuda_events, rec._lock, rec.slots, object.__new__
 
-    def track(work, tensor, shape, dtype):
+    def post(tensor):
+        shape, dtype = tensor.shape, tensor.dtype
+        if 0 in shape or dtype.is_complex or (cpu_only and not tensor.is_cpu):
+            return slow(tensor)
+        work = call([tensor], peer, tag)
         known = texts.get(shape)
         if known is None or known[0] is not dtype:
             fields = head + ((shape,), (dtype,)) + tail
             known = texts[shape] = (dtype, *(rec._texts.get(fields) or rec._remember(fields)))
         _, count, text = known
-        with rec._lock:   # (FlightRecorder._put, inline: this runs per message)
+        with lock:   # (FlightRecorder._put, inline)
             index = rec.index = rec.index + 1
             seq = count[0] = count[0] + 1
-            offset = _HEADER_BYTES + ((index - 1) % rec.slots) * SLOT_BYTES
-            mm = rec._mm
+            offset = _HEADER_BYTES + ((index - 1) % slots) * SLOT_BYTES
+            mm = rec._mm   # the text, then the head (its index makes the slot valid), then the count
             mm[offset + _SLOT.size:offset + _SLOT.size + len(text)] = text
             _SLOT.pack_into(mm, offset, b"i", len(text), index, seq)
             _COUNT.pack_into(mm, 8, index)
-        return TrackedWork(work, rec, index, offset, tensor.device.index if cuda and tensor.is_cuda else None)
-    return track
+        tracked = new(TrackedWork)   # (TrackedWork(...) without its __init__'s frame)
+        tracked._work, tracked._fr, tracked.index, tracked._offset = work, rec, index, offset
+        tracked.gpu = tensor.device.index if cuda and tensor.is_cuda else None
+        return tracked
+    return post
 
 
 class TrackedWork(Entry):
