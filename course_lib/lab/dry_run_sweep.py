@@ -16,6 +16,8 @@ search; the dry run is its check.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import random
 import time
 
@@ -31,8 +33,7 @@ BOUND = 0.10            # a row whose step time (or memory) differs more is expl
 
 
 def _draw(rng, moe: bool, s: int) -> Layout:
-    """One random layout: ZeRO-3 is not drawn with TP + SP (the dry run fails on it: its
-    masked_fill gets a float mask on meta, a known limit)."""
+    """One random layout (ZeRO-3 is not drawn with pp > 1 on a tied embedding: FSDP refuses it)."""
     tp = 1 if moe else rng.choice((1, 2, 4, 8))
     sp = tp > 1 and rng.random() < 0.7
     cp = 1 if moe or tp == 8 else rng.choice((1, 1, 2))
@@ -41,7 +42,7 @@ def _draw(rng, moe: bool, s: int) -> Layout:
     ep = rng.choice([e for e in (1, 2, 4, 8) if dp % e == 0]) if moe else 1
     schedule = rng.choice(("1f1b", "gpipe", "interleaved")) if pp > 1 else "1f1b"
     m = pp if pp > 1 else rng.choice((1, 2))
-    zero = 0 if moe or (tp > 1 and sp) else rng.choice((0, 0, 3))
+    zero = 0 if moe else rng.choice((0, 0, 3))
     return Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, schedule=schedule,
                   v=2 if schedule == "interleaved" else 1, micro_batch=1, microbatches=m, seq_len=s,
                   recompute=rng.choice(("none", "selective", "full")),
@@ -50,7 +51,8 @@ def _draw(rng, moe: bool, s: int) -> Layout:
 
 def sweep_layouts(n: int, seed: int = 0) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
-    until the ranks accept it and the planner says it fits."""
+    until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
+    not change) says it fits."""
     from course_lib.virtual.dry_run import check_dry_run
     rng, out, tries = random.Random(seed), [], 0
     combos = [(m, s, g) for m, s in SWEEP_MODELS for g in SWEEP_GPUS]
@@ -65,7 +67,7 @@ def sweep_layouts(n: int, seed: int = 0) -> list:
             check_dry_run(spec, layout)
         except (ValueError, NotImplementedError):
             continue
-        if not estimate(spec, hw, layout, runtime="course").fits:
+        if not estimate(spec, hw, layout).fits:     # runtime="megatron": the draw stays put as the course runtime changes
             continue
         out.append((name, hw, layout))
     return out
@@ -94,14 +96,39 @@ def cause(planner: dict, dry: dict) -> str:
 
 
 def dry_result(name, hw, layout) -> dict:
-    """The dry run's step time, peak memory and step breakdown (rank 0's) of one layout."""
+    """The dry run's step time, peak memory and step breakdown (rank 0's) of one layout, with
+    torch's foreach AdamW: the optimizer the planner's course runtime counts."""
     from course_lib.viz.dry_run import step_breakdown
     from course_lib.virtual import dry_run
     began = time.perf_counter()
-    r = dry_run(name, hw, layout, progress=None)
+    r = dry_run(name, hw, layout, progress=None, optimizer="foreach")
     parts = step_breakdown(r.spans, min(s.rank for s in r.spans), r.step_time)
     return {"step_time": r.step_time, "peak_memory": r.peak_memory, "parts": parts,
             "wall_s": time.perf_counter() - began}
+
+
+def layout_key(name: str, hw: str, layout: Layout) -> str:
+    """A saved dry run's key: the preset, the GPU and the layout's fields that differ from
+    :class:`Layout`'s defaults (a field added to Layout later leaves the key unchanged)."""
+    default = Layout()
+    fields = [f.name for f in dataclasses.fields(Layout) if f.repr]
+    changed = ", ".join(f"{f}={getattr(layout, f)!r}" for f in fields
+                        if getattr(layout, f) != getattr(default, f))
+    return f"{name} | {hw} | Layout({changed})"
+
+
+def stable_keys(dry: dict) -> dict:
+    """``dry`` with every key as :func:`layout_key` writes it (older saved sweeps keyed by
+    ``repr(Layout)`` of every field are read by their fields)."""
+    out = {}
+    for key, value in dry.items():
+        name, hw, text = key.split(" | ", 2)
+        call = ast.parse(text, mode="eval").body
+        fields = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        given = {f: fields.pop(f) for f in ("micro_batch", "global_batch", "microbatches") if f in fields}
+        layout = Layout(**fields, micro_batch=given.get("micro_batch"), microbatches=given.get("microbatches"))
+        out[layout_key(name, hw, layout)] = value
+    return out
 
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
@@ -113,7 +140,7 @@ def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | N
     dry = {} if dry is None else dry
     rows, failed = [], []
     for name, hw, layout in sweep_layouts(n, seed):
-        key = f"{name} | {hw} | {layout!r}"
+        key = layout_key(name, hw, layout)
         if key not in dry and not run_missing:
             continue
         if key not in dry:
@@ -168,5 +195,5 @@ def sweep_summary(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "planner_parts", "cause",
+__all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "layout_key", "stable_keys", "planner_parts", "cause",
            "format_rows", "sweep_summary"]

@@ -1,0 +1,103 @@
+"""The kernels the course's FSDP (``parallel/fsdp.py``, ``fsdp_params.py``) runs around one
+unit per micro-batch, counted: the planner's ``runtime="course"`` prices them as it prices the
+model's own kernels (:class:`~course_lib.planner.kernels.KernelCounter`, the clock's cost model).
+
+The planner sits below ``parallel/`` and imports none of it: the ops below are the FSDP
+program's, written again on meta tensors of the unit's shapes (N = the FSDP group's size;
+a parameter of d0 rows keeps ceil(d0 / N) rows per rank, padded):
+
+- forward: the gathered unit ``(N * S,)``, rank after rank, copied out parameter after
+  parameter (``copy_out``: one ``copy_`` per parameter);
+- backward: the unit gathered and copied out again (not the root: it stays gathered); each
+  parameter's gradient through its view (``slice_backward``) and the split (one ``cat``);
+  the gradients packed rank after rank for the reduce-scatter (one ``copy_`` per parameter,
+  one for the "used" flags); after it, the flags tested (``gt``, an ``|`` after the first
+  micro-batch), the shard divided by N and, after the first micro-batch, added to the
+  shard's gradient.
+
+The all-gathers and reduce-scatters themselves are collectives (:mod:`.runtime`). Checked
+against the dry run, which runs the real FSDP: ``tests/test_planner_fsdp.py``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from course_lib.planner.kernels import KernelCounter, Kernels
+
+
+@functools.lru_cache(maxsize=256)
+def fsdp_unit_kernels(hw, shapes: tuple, world: int, itemsize: int = 2) -> dict:
+    """{"fwd", "regather", "bwd_first", "bwd_later"}: :class:`Kernels` of FSDP's own ops on one
+    unit of parameters ``shapes`` over ``world`` ranks, per micro-batch: the forward's copy
+    out; the backward's gather copied out again ("regather": every unit but the root); the
+    rest of the backward on the first micro-batch of the step and on a later one."""
+    rows = [math.ceil(s[0] / world) for s in shapes]
+    widths = [math.prod(s[1:]) for s in shapes]
+    padded = [r * w for r, w in zip(rows, widths)]
+    S, T = sum(padded), len(shapes)
+
+    def copy_out(gathered):
+        by_rank = gathered.view(world, S)
+        full = torch.empty_like(gathered)
+        off = 0
+        for n in padded:
+            full[world * off:world * (off + n)].view(world, n).copy_(by_rank[:, off:off + n])
+            off += n
+        return full
+
+    with torch.device("meta"):
+        gathered = torch.empty(world * S)
+        with KernelCounter(hw, itemsize) as fwd:
+            full = copy_out(gathered)
+        grads = [torch.empty(s) for s in shapes]
+        out = {"fwd": fwd.total}
+        for name, first in (("bwd_first", True), ("bwd_later", False)):
+            with KernelCounter(hw, itemsize) as bwd:
+                pieces = [torch.ops.aten.slice_backward(g.reshape(-1), [world * n], 0, 0, g.numel(), 1)
+                          for g, n in zip(grads, padded)]
+                grad_full = torch.cat(pieces)
+                packed = grad_full.new_empty(world, S + T)
+                packed[:, S:].copy_(torch.empty(T))
+                off = 0
+                for n in padded:
+                    packed[:, off:off + n].copy_(grad_full[world * off:world * (off + n)].view(world, n))
+                    off += n
+                shard = packed.new_empty(S + T)
+                used = shard[S:] > 0
+                if not first:
+                    used = used | used
+                mine = shard[:S].div(world)
+                if not first:
+                    mine.add_(mine)
+            out[name] = bwd.total
+        with KernelCounter(hw, itemsize) as again:
+            copy_out(gathered)
+        out["regather"] = again.total
+    del full
+    return out
+
+
+def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2) -> tuple:
+    """(forward, backward) :class:`Kernels` per micro-batch (averaged over the step's ``m``) of
+    FSDP's own ops on ``units`` (each a tuple of parameter shapes; the last is the root,
+    which the backward does not gather again)."""
+    fwd, bwd = Kernels(), Kernels()
+    for i, shapes in enumerate(units):
+        k = fsdp_unit_kernels(hw, tuple(shapes), world, itemsize)
+        fwd = fwd + k["fwd"]
+        b = k["bwd_first"] if m == 1 else _mix(k["bwd_first"], k["bwd_later"], 1 / m)
+        bwd = bwd + b + (k["regather"] if i < len(units) - 1 else Kernels())
+    return fwd, bwd
+
+
+def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
+    """``share`` of ``first`` and the rest of ``later`` (kernel counts rounded)."""
+    rest = 1 - share
+    return Kernels(round(first.count * share + later.count * rest), first.flops * share + later.flops * rest,
+                   first.bytes * share + later.bytes * rest, first.time * share + later.time * rest)
+
+
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels"]
