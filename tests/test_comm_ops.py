@@ -60,11 +60,58 @@ def rank_run():
     (ops.sum_over_copies(w, comm, 0, 1) * (r + 1)).sum().backward()
     out["copies"] = w.grad
     out["bytes"] = [(c.op, c.payload) for c in comm.log]
+    out["in_place"] = _in_place_block(comm, r, t)
     try:
         ops.scatter_to_sequence_parallel(torch.zeros(1, t + 1, 2), comm) if t > 1 else None
         out["uneven"] = None
     except ValueError as exc:
         out["uneven"] = str(exc)
+    return out
+
+
+def _block_problem():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(*shape, generator=g, dtype=torch.float64)
+            for shape in ((B, S, H), (FF, H), (FF,), (FF, H), (H, FF), (H,), (B, S, H))]
+
+
+def _block(x, w1, b1, w3, w2, b2, f=lambda h: h, g=lambda y: y):
+    """x + W2 (gelu(W1 f(x) + b1) * W3 f(x)) + b2: f's output read by two matmuls (its gradient
+    is their sum), x read twice (the residual: its gradient is used twice)."""
+    h = f(x)
+    return x + g(F.linear(F.gelu(F.linear(h, w1, b1)) * F.linear(h, w3), w2)) + b2
+
+
+def _in_place_block(comm, r, t):
+    """The block in float64 with f and g summing in place (and copying, the default), the
+    clones each made; and why the default copies: f's output added to another tensor hands
+    the same gradient tensor to f and to that tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib.parallel import comm_ops as ops
+
+    class Clones(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is torch.ops.aten.clone
+            return func(*args, **(kwargs or {}))
+    X, W1, B1, W3, W2, B2, C = _block_problem()
+    rows = [W.chunk(t, 0)[r] for W in (W1, B1, W3)]
+    out = {}
+    for in_place in (True, False):
+        x = X.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in (*rows, W2.chunk(t, 1)[r], B2)]
+        with Clones() as clones:
+            y = _block(x, *ws, f=lambda h: ops.copy_to_parallel(h, comm, in_place=in_place),
+                       g=lambda y: ops.reduce_from_parallel(y, comm, in_place=in_place))
+            (y * C).sum().backward()
+        out[in_place] = (y.detach(), x.grad, *[w.grad for w in ws], clones.n)
+    for in_place in (True, False):     # f(x) + z: AddBackward passes one gradient tensor to both
+        x, z = X.clone().requires_grad_(), X.clone().requires_grad_()
+        w = z * 2.0                    # (its backward runs after f's: autograd runs newer nodes first)
+        (ops.copy_to_parallel(x, comm, in_place=in_place) + w).mul(C).sum().backward()
+        out[("shared", in_place)] = (x.grad, z.grad)
     return out
 
 
@@ -95,6 +142,32 @@ def test_tensor_and_sequence_parallel_mlp_equal_one_device(runs, t):
         (F.linear(Xf, W1f) * F.linear(Xf, problem()[1])).sum().backward()
         tolerance.assert_matches(gw1, W1f.grad.chunk(t, 0)[r])  # backward keeps my slice only
         tolerance.assert_matches(out["copies"], torch.full((3,), t * (t + 1) / 2))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_in_place_reduce_equals_one_device_in_float64(runs, t):
+    """f and g summing in place (the library's TP layers) give one device's block in float64,
+    forward and backward, with f's gradient the sum of two matmuls' and the block input's
+    gradient used twice (the residual): no clone, where the copying default makes two. Where
+    f's output meets another branch in an add, autograd hands both the SAME gradient tensor:
+    summed in place, the other branch's gradient is summed too (2 t C, not 2 C): why the
+    default copies."""
+    X, W1, B1, W3, W2, B2, C = _block_problem()
+    leaves = [w.clone().requires_grad_() for w in (X, W1, B1, W3, W2, B2)]
+    Y = _block(*leaves)
+    (Y * C).sum().backward()
+    for r, out in enumerate(runs[t]):
+        want = [Y, leaves[0].grad, *[w.grad.chunk(t, 0)[r] for w in leaves[1:4]],
+                leaves[4].grad.chunk(t, 1)[r], leaves[5].grad]   # b2: added once, after the sum
+        for in_place in (True, False):
+            *got, clones = out["in_place"][in_place]
+            tolerance.assert_matches(got, want, dtype=torch.float64, what=f"in_place={in_place}, rank {r}")
+            assert clones == (0 if in_place or t == 1 else 2), (in_place, clones)
+        x_grad, z_grad = out["in_place"][("shared", False)]
+        assert torch.equal(x_grad, t * C) and torch.equal(z_grad, 2 * C)
+        if t > 1:
+            x_grad, z_grad = out["in_place"][("shared", True)]
+            assert torch.equal(z_grad, 2 * t * C)     # the hazard, shown: z's gradient was summed too
 
 
 @pytest.mark.parametrize("t", [2, 3])

@@ -141,3 +141,54 @@ def test_fusions_price_as_a_real_launch_and_cut_the_attention_kernels():
         dry_run(SPEC, HW, layout, fusions="fused_everything")
     with pytest.raises(ValueError, match="give one"):
         dry_run(SPEC, HW, layout, fusions=("flash_attention", "scale_mask_softmax"))
+
+
+def test_bias_dropout_add_computes_the_courses_block_and_prices_as_a_real_launch():
+    """Megatron-LM's fused bias + dropout + add (virtual.software) gives the course's block to
+    the bit in float64 (the same adds in the same order; GPT-2 and Llama blocks, every recompute
+    policy); tp 2 x pp 2 without SP (TP's all-reduces summing in place), with it: the dry run is
+    the real 4-rank launch to the bit, and each block's forward runs one kernel less per output
+    layer. The bias + GeLU needs no fusion: the column layer's bias is in its GEMM (addmm), so
+    the course runs a GEMM and one GeLU kernel, as Megatron's fused path does."""
+    import torch
+    from course_lib.gpt import GeLUMLP, GPTConfig, TinyGPT
+    from course_lib.planner.kernel_cost import kernel_kind
+    from course_lib.virtual.software import install
+    x = torch.randint(0, 64, (2, 16))
+    for block in ("gpt2", "llama"):
+        for policy in ("none", "selective", "full"):
+            cfg = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_kv_heads=2,
+                            block=block, recompute=policy)
+            results = []
+            for fusions in ((), ("bias_dropout_add",)):
+                model = TinyGPT(cfg, seed=0).double()
+                assert install(model, fusions) == (2 if fusions else 0)
+                loss = model(x, x)[1]
+                loss.backward()
+                results.append([loss.detach()] + [p.grad for p in model.parameters()])
+            assert all(torch.equal(a, b) for a, b in zip(*results)), (block, policy)
+    layout = Layout(tp=2, pp=2, sp=False, micro_batch=1, global_batch=4, recompute="full")
+    fused = ("scale_mask_softmax", "bias_dropout_add")
+    real = _real(layout, fused)
+    r = dry_run(SPEC, HW, layout, fusions=fused)
+    assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
+    assert r.step_time == max(run["t"] for run in real), (r.step_time, real)
+    for stage in range(2):
+        assert r.memory_by_stage[stage]["activations"] == real[stage * 2]["activations"]
+    unfused = dry_run(SPEC, HW, layout, fusions=fused[:1])
+    # per output layer, one kernel less per forward run: 2 layers x 2 blocks per stage x 2 stages,
+    # each forward run twice (full recompute), 4 micro-batches
+    assert unfused.kernels - r.kernels == 2 * 2 * 2 * 2 * layout.microbatches
+    assert r.step_time < unfused.step_time
+
+    class Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if kernel_kind(func):
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    mlp, h = GeLUMLP(GPTConfig(hidden=32, n_heads=4, vocab_size=64, seq_len=16, n_layers=1)), torch.randn(2, 16, 32)
+    counted = Kernels()
+    counted.ops = []
+    with counted:
+        torch.nn.functional.gelu(mlp.fc(h))
+    assert counted.ops == ["addmm", "gelu"]

@@ -37,9 +37,14 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # Megatron-DeepSpeed is a fork of it); Llama 3 ran FlashAttention (the planner's validation:
 # ``fused_attention`` on its H100s). Megatron-LM of 2021-22 all-reduces the DP gradients after
 # the last backward, not under it (its train_step: ``allreduce_gradients()`` after
-# ``forward_backward_func``, DDP_impl "local"): what the course's runtime does.
-SOFTWARE = {"Korthikanti 2022 T5": ("scale_mask_softmax",), "Narayanan 2021 T1": ("scale_mask_softmax",),
-            "BLOOM 2022": ("scale_mask_softmax",), "Llama 3 T4": ("flash_attention",)}
+# ``forward_backward_func``, DDP_impl "local"): what the course's runtime does. The same code
+# base fuses each row layer's bias + dropout + residual add (Narayanan et al. 2021, Sec. 4.2;
+# ``--no-bias-dropout-fusion`` is store_false: on by default, and neither Korthikanti's nor
+# BLOOM's tr11-176B-ml.slurm turns it off): "bias_dropout_add". Its bias + GeLU fusion is what
+# the course already runs (the bias in the GEMM, then one GeLU kernel): no entry.
+_MEGATRON = ("scale_mask_softmax", "bias_dropout_add")
+SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
+            "BLOOM 2022": _MEGATRON, "Llama 3 T4": ("flash_attention",)}
 
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
 # 2022 T5"` printed it on this project's 2-core machine, 2026-11-28, with Megatron-LM's fused

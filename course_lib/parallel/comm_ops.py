@@ -69,35 +69,55 @@ def _split(comm, x, dim):
     return x.chunk(comm.size, dim)[comm.rank].contiguous()
 
 
-def _all_reduce(comm, x, name):
-    x = x.contiguous().clone()  # an op must not modify its input in place (autograd saved it)
+def _reduces_in_place(x, in_place) -> bool:
+    """May the all-reduce write into ``x`` itself? Only where the caller said it owns ``x``
+    (``in_place``), and ``x`` is a whole contiguous tensor: not a view (an in-place write
+    through a view makes autograd copy the base in backward) nor a leaf that requires grad."""
+    return in_place and x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad)
+
+
+def _all_reduce(comm, x, name, in_place=False):
+    if not _reduces_in_place(x, in_place):
+        x = x.contiguous().clone()  # someone else may read x (autograd saved it, or another branch)
     comm.all_reduce(x, name=name)
     return x
 
 
 class CopyToParallel(torch.autograd.Function):
-    """f: identity forward, all-reduce backward (the input was used by every rank)."""
+    """f: identity forward, all-reduce backward (the input was used by every rank).
+
+    ``in_place``: the gradient that arrives is this Function's alone (the output is read by
+    matmuls only, whose backward hands it a fresh tensor), so it is summed where it lies, as
+    Megatron-LM's ``_reduce`` does; otherwise it is copied first: torch's autograd may hand the
+    same tensor to another Function too (an add's backward passes one gradient to both inputs)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, in_place=False):
+        ctx.comm, ctx.in_place = comm, in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)"), None
+        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)", ctx.in_place), None, None
 
 
 class ReduceFromParallel(torch.autograd.Function):
-    """g: all-reduce forward (sum the partial outputs), identity backward."""
+    """g: all-reduce forward (sum the partial outputs), identity backward.
+
+    ``in_place``: ``x`` is the caller's fresh partial sum (a row-parallel matmul's output, which
+    autograd did not save), summed where it lies (``mark_dirty``), as Megatron-LM does."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm, in_place=False):
+        if _reduces_in_place(x, in_place):
+            comm.all_reduce(x, name="g: all-reduce")
+            ctx.mark_dirty(x)
+            return x
         return _all_reduce(comm, x, "g: all-reduce")
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class GatherFromSequenceParallel(torch.autograd.Function):
@@ -172,16 +192,18 @@ class SplitToParallel(torch.autograd.Function):
         return gather_along(ctx.comm, grad, ctx.dim, "split: all-gather (backward)"), None, None
 
 
-def copy_to_parallel(x, comm):
-    """f (Megatron): identity forward, all-reduce of the gradient backward."""
+def copy_to_parallel(x, comm, in_place=False):
+    """f (Megatron): identity forward, all-reduce of the gradient backward. ``in_place=True``
+    only where the output is read by matmuls alone (the gradient is then summed without a copy)."""
     _check(comm, x)
-    return CopyToParallel.apply(x, comm) if comm.size > 1 else x
+    return CopyToParallel.apply(x, comm, bool(in_place)) if comm.size > 1 else x
 
 
-def reduce_from_parallel(x, comm):
-    """g (Megatron): all-reduce forward, identity backward."""
+def reduce_from_parallel(x, comm, in_place=False):
+    """g (Megatron): all-reduce forward, identity backward. ``in_place=True`` only for a fresh
+    partial sum nobody else reads (summed without a copy; ``x`` becomes the sum)."""
     _check(comm, x)
-    return ReduceFromParallel.apply(x, comm) if comm.size > 1 else x
+    return ReduceFromParallel.apply(x, comm, bool(in_place)) if comm.size > 1 else x
 
 
 def gather_from_sequence_parallel(x, comm, dim=1):

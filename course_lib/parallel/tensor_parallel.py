@@ -192,7 +192,7 @@ class ColumnParallelLinear(nn.Module):
             y = all_gather_matmul(x, self.comm, *map(list, zip(self.weight_and_bias())))[0]
             return gather_from_parallel(y, self.comm, dim=-1) if self.gather_output else y
         if self.input == "replicated":
-            x = copy_to_parallel(x, self.comm)                                 # f
+            x = copy_to_parallel(x, self.comm, in_place=True)   # f (x is read by the matmul only)
         elif self.input == "sequence":
             x = enter_sequence_parallel(x, self.comm, self.keep_gathered)     # SP g
         weight, bias = self._params()
@@ -262,7 +262,7 @@ class RowParallelLinear(nn.Module):
             return y + self.bias if self.bias is not None else y
         y = F.linear(x, self.weight)                                            # partial sum
         if self.output == "reduce":
-            y = reduce_from_parallel(y, self.comm)                              # g
+            y = reduce_from_parallel(y, self.comm, in_place=True)   # g, into the fresh partial sum
         elif self.output == "reduce_scatter":
             y = scatter_to_sequence_parallel(y, self.comm, dim=1)               # SP g-bar
         else:

@@ -225,7 +225,8 @@ def tp_placements(model, t) -> dict:
 def _region_entry(comm, sp, keep_gathered):
     def enter(module, args):  # f, or SP's g: once for every column layer of the region
         x, *rest = args
-        x = enter_sequence_parallel(x, comm, keep_gathered) if sp else copy_to_parallel(x, comm)
+        # (the region's input is read by its column layers only: f sums their gradient in place)
+        x = enter_sequence_parallel(x, comm, keep_gathered) if sp else copy_to_parallel(x, comm, in_place=True)
         return (x, *rest)
     return enter
 

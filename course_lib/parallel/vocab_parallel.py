@@ -75,7 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         local = (idx - self.start).masked_fill(outside, 0)
         x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # partial sum
         if self.output == "reduce":
-            return reduce_from_parallel(x, self.comm)
+            return reduce_from_parallel(x, self.comm, in_place=True)   # x: the fresh masked rows
         if self.output == "reduce_scatter":
             return scatter_to_sequence_parallel(x, self.comm, dim=1)
         return x

@@ -112,7 +112,8 @@ def kernel_kind(func):
     try:
         kind = _KINDS[func]
     except KeyError:
-        priced = (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and not func.is_view
+        # aten's ops, and the course's own fused kernels (course_lib.virtual.software: "course::")
+        priced = (isinstance(func, torch._ops.OpOverload) and func.namespace in ("aten", "course") and not func.is_view
                   and func.overloadpacket not in FREE)
         kind = _KINDS[func] = _Kind(func) if priced else _FREE_OP
     return False if kind is _FREE_OP else kind

@@ -136,8 +136,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
             cost = collective(layout, hw, kind, act, ("tp",))
             # comm_ops: an all-gather along the sequence copies its input and its output to and
             # from (s, b, h) order, a reduce-scatter its input (free with one sequence); an
-            # all-reduce clones its input
-            copies += n * {"all_gather": 2 * (b > 1), "reduce_scatter": 1 * (b > 1), "all_reduce": 1}[kind]
+            # all-reduce sums in place (the row matmul's output; f's gradient, a matmul's): none
+            copies += n * {"all_gather": 2 * (b > 1), "reduce_scatter": 1 * (b > 1), "all_reduce": 0}[kind]
         (fwd if phase == "fwd" else bwd)["tp"] += n * cost
         calls["tp"] = calls.get("tp", 0) + n * m
     fwd_k = Kernels(fwd_k.count + copies, fwd_k.flops, fwd_k.bytes, fwd_k.time)

@@ -19,7 +19,19 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   :mod:`course_lib.planner.kernel_cost`). It keeps Q, K, V, the output and the log-sum-exp
   for backward whatever the recompute policy: its backward recomputes the scores itself.
 
-Both compute what the written-out attention computes (``tests/test_dry_run.py`` checks them
+* ``"bias_dropout_add"``: Megatron-LM's fused bias + dropout + residual add after each
+  row-parallel layer (Narayanan et al. 2021, Sec. 4.2: "fused kernels for ... bias + GeLU and
+  bias + dropout + add"; the flags ``--no-bias-dropout-fusion`` / ``--no-bias-gelu-fusion`` are
+  ``store_false``, so both run by default in Megatron-LM and in BLOOM's Megatron-DeepSpeed,
+  whose tr11-176B-ml.slurm sets neither). Megatron's row layer skips its bias
+  (``skip_bias_add``) and one kernel reads the partial output, the bias and the residual and
+  writes the sum once (:func:`bias_dropout_add`): the course's two (the row layer's
+  ``y + bias``, then ``x + y``) become one. Dropout is not run (the dry run's models have
+  p = 0, where it is the identity in both). Bias + GeLU needs no entry: the course's column
+  layer adds its bias inside the GEMM (``addmm``), so the MLP's first half is a GEMM and one
+  GeLU kernel, forward and backward, as in Megatron's fused path (``mm`` + ``bias_gelu``).
+
+All compute what the written-out attention computes (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
 replace the attention core of the model the dry run builds (:func:`install`), nothing else:
 every other op is the course's.
@@ -31,10 +43,10 @@ import types
 
 import torch
 
-from course_lib.gpt import Attention
+from course_lib.gpt import Attention, Block
 from course_lib.recompute import recompute
 
-FUSIONS = ("scale_mask_softmax", "flash_attention")
+FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add")
 
 
 def check_fusions(fusions) -> tuple:
@@ -133,22 +145,96 @@ def _masked_softmax_shape(x, mask, dim=None, mask_type=None):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("course::bias_dropout_add", mutates_args=())
+def _bias_dropout_add_kernel(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return residual + (x + bias)       # the course's order: the row layer's y + b, then x + that
+
+
+@_bias_dropout_add_kernel.register_fake
+def _bias_dropout_add_shape(x, bias, residual):
+    return torch.empty_like(residual)
+
+
+def _bias_dropout_add_backward(ctx, grad):
+    # what autograd does for the two adds: the gradient passes to x and the residual, and is
+    # summed over the tokens for the bias (one reduction kernel, as unfused)
+    return grad, grad.sum(tuple(range(grad.dim() - 1))), grad
+
+
+_bias_dropout_add_kernel.register_autograd(_bias_dropout_add_backward)
+
+
+def bias_dropout_add(x, bias, residual, dropout=None):
+    """Megatron-LM's fused ``residual + dropout(x + bias)``: (.., h), (h,), (.., h) -> (.., h),
+    one kernel (priced by :mod:`course_lib.planner.kernel_cost` as the bytes it reads and
+    writes once). Dropout with p > 0 is not fused here (NotImplementedError)."""
+    if dropout is not None and dropout.training and dropout.p > 0:
+        raise NotImplementedError("bias_dropout_add: dropout with p > 0 is not run fused (the dry run's "
+                                  "models have p = 0)")
+    if bias is None:                   # no bias (Llama blocks): the residual add alone, as unfused
+        return residual + x
+    return _bias_dropout_add_kernel(x, bias, residual)
+
+
+class _BiasSkipped:
+    """Inside the block, ``linear``'s forward leaves out its bias (Megatron's ``skip_bias_add``);
+    ``as`` gives the bias (None if it has none)."""
+
+    def __init__(self, linear):
+        # the slot itself: recompute and FSDP put plain tensors there, which setattr refuses
+        self.slots, self.bias = linear._parameters, linear._parameters.get("bias")
+
+    def __enter__(self):
+        if self.bias is not None:
+            self.slots["bias"] = None
+        return self.bias
+
+    def __exit__(self, *exc):
+        if self.bias is not None:
+            self.slots["bias"] = self.bias
+
+
+def _output_layer(module, name):
+    out = getattr(module, name, None)
+    if out is None:
+        raise NotImplementedError(f"bias_dropout_add: {type(module).__name__} has no {name!r} output layer "
+                                  f"(the fusion runs dense GPT-2 and Llama blocks)")
+    return out
+
+
+def _layer_bias_dropout_add(self, x, positions=None, doc_ids=None):
+    """:meth:`course_lib.gpt.Block.layer` with each output layer's bias, dropout and the
+    residual add in one kernel."""
+    with _BiasSkipped(_output_layer(self.attn, "wo")) as bias:
+        y = self.attn(self.attn_norm(x), positions, doc_ids=doc_ids)
+    x = bias_dropout_add(y, bias, x, self.attn_out_dropout)
+    with _BiasSkipped(_output_layer(self.mlp, "proj" if hasattr(self.mlp, "proj") else "w2")) as bias:
+        y = self.mlp(self.mlp_norm(x))
+    return bias_dropout_add(y, bias, x, self.mlp_out_dropout)
+
+
 def install(model, fusions) -> int:
-    """Every :class:`~course_lib.gpt.Attention` of ``model`` runs its core as ``fusions`` say
-    (this instance only; before the model is cut). Returns how many were changed."""
+    """Every :class:`~course_lib.gpt.Attention` of ``model`` runs its core as ``fusions`` say,
+    and with ``"bias_dropout_add"`` every :class:`~course_lib.gpt.Block` its output adds (this
+    instance only; before the model is cut). Returns how many modules were changed."""
     fusions = check_fusions(fusions)
     attend = _attend_flash if "flash_attention" in fusions else \
         _attend_scale_mask_softmax if "scale_mask_softmax" in fusions else None
-    if attend is None:
-        return 0
-    _masked_softmax_on_meta()
     n = 0
-    for mod in model.modules():
-        if isinstance(mod, Attention):
-            mod.attend = types.MethodType(attend, mod)
-            n += 1
+    if attend is not None:
+        _masked_softmax_on_meta()
+        for mod in model.modules():
+            if isinstance(mod, Attention):
+                mod.attend = types.MethodType(attend, mod)
+                n += 1
+    if "bias_dropout_add" in fusions:
+        for mod in model.modules():
+            if isinstance(mod, Block):
+                _output_layer(mod.mlp, "proj" if hasattr(mod.mlp, "proj") else "w2")
+                mod.layer = types.MethodType(_layer_bias_dropout_add, mod)
+                n += 1
     return n
 
 
 __all__ = ["FUSIONS", "check_fusions", "install", "scale_mask_softmax_attention", "flash_attention",
-           "CausalSoftmax"]
+           "CausalSoftmax", "bias_dropout_add"]
