@@ -31,5 +31,11 @@ def test_the_cause_is_the_part_that_differs_most():
     planner = {"compute": 1.0, "exposed TP": 0.1, "pipeline bubble": 0.2}
     dry = {"compute": 1.05, "exposed TP": 0.1, "pipeline bubble": 0.5}
     assert cause(planner, dry) == "pipeline bubble -300.0 ms"
+    # a pipeline's bubble is p - 1 passes: a pass 25% longer in the dry run makes its bubble 25%
+    # longer too; the bubble at the dry run's pass agrees, the pass is named
+    planner = {"compute": 1.0, "pipeline bubble": 0.2}
+    dry = {"compute": 1.2, "pipeline bubble": 0.25}
+    assert cause(planner, dry, (0.100, 0.125)) == "F+B per micro-batch -20% (100.0 vs 125.0 ms)"
+    assert cause(planner, {"compute": 1.0, "pipeline bubble": 0.5}, (0.1, 0.1)) == "pipeline bubble -300.0 ms"
     est = estimate(GPT, "h100-sxm", Layout(tp=2, micro_batch=1, microbatches=1), runtime="course")
     assert abs(sum(planner_parts(est).values()) - est.step_time) <= 1e-9 * est.step_time

@@ -88,11 +88,37 @@ def planner_parts(est) -> dict:
     return {part: sum(est.time.get(k, 0.0) for k in kinds) for part, kinds in PARTS.items()}
 
 
-def cause(planner: dict, dry: dict) -> str:
-    """The part where the planner's seconds and the dry run's differ most, signed."""
+def cause(planner: dict, dry: dict, passes: tuple | None = None) -> str:
+    """The part where the planner's seconds and the dry run's differ most, signed.
+
+    ``passes``: (planner, dry run) seconds of the busiest stage's forward + backward of one
+    micro-batch. A pipeline's bubble is p - 1 such passes on the first stage: where the two
+    differ in the pass, the bubble differs in the same ratio without its schedule being wrong.
+    So the bubble is compared at the dry run's pass (the planner's bubble times dry / planner):
+    what remains is the schedule's; the rest is named "F+B per micro-batch" with both passes."""
+    planner = dict(planner)
+    if passes and passes[0] > 0 and planner.get("pipeline bubble", 0.0) > 0:
+        ratio = passes[1] / passes[0]
+        scaled = planner["pipeline bubble"] * ratio
+        per_pass = planner["pipeline bubble"] - scaled         # the bubble's share of the pass's difference
+        planner["pipeline bubble"] = scaled
+        planner["compute"] = planner.get("compute", 0.0) + per_pass
     part = max(dry, key=lambda k: abs(planner.get(k, 0.0) - dry[k]))
     diff = planner.get(part, 0.0) - dry[part]
+    if passes and part == "compute" and passes[0] > 0 and abs(passes[0] / passes[1] - 1) > BOUND / 2:
+        return (f"F+B per micro-batch {passes[0] / passes[1] - 1:+.0%} "
+                f"({passes[0] * 1e3:.1f} vs {passes[1] * 1e3:.1f} ms)")
     return f"{part} {'+' if diff >= 0 else '-'}{abs(diff) * 1e3:.1f} ms"
+
+
+def busiest_pass(est, layout, passes: dict | None) -> tuple | None:
+    """(planner, dry run) seconds of one micro-batch's forward + backward on the busiest stage
+    (the dry run's spans are per chunk: times the chunks), or None without the dry run's."""
+    if not passes:
+        return None
+    chunks = layout.v if layout.schedule == "interleaved" else 1
+    dry = max(f + b for f, b in passes.values()) * chunks
+    return max(st.fwd_time + st.bwd_time for st in est.stages), dry
 
 
 def dry_result(name, hw, layout) -> dict:
@@ -104,7 +130,18 @@ def dry_result(name, hw, layout) -> dict:
     r = dry_run(name, hw, layout, progress=None, optimizer="foreach")
     parts = step_breakdown(r.spans, min(s.rank for s in r.spans), r.step_time)
     return {"step_time": r.step_time, "peak_memory": r.peak_memory, "parts": parts,
-            "wall_s": time.perf_counter() - began}
+            "passes": pass_times(r.spans), "wall_s": time.perf_counter() - began}
+
+
+def pass_times(spans) -> dict:
+    """{rank: [forward seconds, backward seconds]} per micro-batch (and chunk) of each running
+    rank, their means over its schedule's forward and backward spans."""
+    out = {}
+    for kind in "FB":
+        for s in spans:
+            if s.kind == "compute" and s.dim == "pp" and s.name[:1] == kind and s.name[1:2].isdigit():
+                out.setdefault(str(s.rank), {"F": [], "B": []})[kind].append(s.end - s.start)
+    return {r: [sum(v["F"]) / max(1, len(v["F"])), sum(v["B"]) / max(1, len(v["B"]))] for r, v in out.items()}
 
 
 def layout_key(name: str, hw: str, layout: Layout) -> str:
@@ -162,7 +199,8 @@ def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | N
                "megatron_s": estimate(name, hw, layout).step_time,
                "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": d["peak_memory"] / 2**30,
                "memory_diff": est.memory["total"] / d["peak_memory"] - 1,
-               "cause": cause(planner_parts(est), d["parts"]), "planner_parts": planner_parts(est),
+               "cause": cause(planner_parts(est), d["parts"], busiest_pass(est, layout, d.get("passes"))),
+               "planner_parts": planner_parts(est),
                "dry_parts": d["parts"], "wall_s": d["wall_s"]}
         rows.append(row)
         if progress:
@@ -196,4 +234,5 @@ def sweep_summary(rows) -> str:
 
 
 __all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "layout_key", "stable_keys", "planner_parts", "cause",
+           "busiest_pass", "pass_times",
            "format_rows", "sweep_summary"]
