@@ -10,7 +10,8 @@ from course_lib.layout import Layout
 from course_lib.planner import HARDWARE, estimate
 from course_lib.planner.kernels import KernelCounter
 from course_lib.planner.presets import ModelSpec
-from course_lib.planner.runtime import accumulation, fsdp_exposed
+from course_lib.planner.fsdp_ops import fsdp_exposed
+from course_lib.planner.runtime import accumulation
 from course_lib.virtual import dry_run
 
 H100 = HARDWARE["h100-sxm"]

@@ -67,7 +67,7 @@ def sweep_layouts(n: int, seed: int = 0) -> list:
             check_dry_run(spec, layout)
         except (ValueError, NotImplementedError):
             continue
-        if not estimate(spec, hw, layout).fits:     # runtime="megatron": the draw stays put as the course runtime changes
+        if not estimate(spec, hw, layout).fits:     # (runtime="megatron": the draw stays put)
             continue
         out.append((name, hw, layout))
     return out
@@ -285,6 +285,6 @@ def sweep_summary(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "layout_key", "stable_keys", "planner_parts", "cause",
-           "busiest_pass", "pass_times", "memory_cause", "schedule_check",
+__all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "layout_key",
+           "stable_keys", "planner_parts", "cause", "busiest_pass", "pass_times", "memory_cause", "schedule_check",
            "format_rows", "sweep_summary"]

@@ -15,7 +15,9 @@ a parameter of d0 rows keeps ceil(d0 / N) rows per rank, padded):
   micro-batch), the shard divided by N and, after the first micro-batch, added to the
   shard's gradient.
 
-The all-gathers and reduce-scatters themselves are collectives (:mod:`.runtime`). Checked
+The all-gathers and reduce-scatters themselves are collectives (:mod:`.runtime`), exposed as
+the course's FSDP orders and prefetches them (:func:`fsdp_exposed`); a stage's units are its
+blocks and the root (:func:`fsdp_units`). Checked
 against the dry run, which runs the real FSDP: ``tests/test_planner_fsdp.py``.
 """
 from __future__ import annotations
@@ -93,6 +95,41 @@ def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2) ->
     return fwd, bwd
 
 
+def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int) -> list:
+    """The FSDP units of a stage's GPU, each a tuple of parameter shapes: its ``n_layers``
+    blocks, then the root (the embedding on the first stage; the final norm and the head on
+    the last). ``shapes``: the one-block model's ((name, shape), ...) (:func:`trace_step`); a
+    matrix cut by TP keeps 1/t of its rows (or columns: the same bytes)."""
+    def cut(shape):
+        if len(shape) < 2 or t == 1:
+            return shape
+        return (shape[0] // t, *shape[1:]) if shape[0] % t == 0 else (shape[0], shape[1] // t, *shape[2:])
+    block = tuple(cut(x) for name, x in shapes if name.startswith("blocks."))
+    # (a tied head is the embedding: FSDP refuses it on two stages, so pp = 1 holds it once)
+    outside = [(name, x) for name, x in shapes if not name.startswith("blocks.")]
+    root = tuple(cut(x) for name, x in outside if (first and name.startswith(("tok_emb", "pos_emb")))
+                 or (last and name.startswith(("norm", "lm_head"))))
+    return [block] * n_layers + ([root] if root else [])
+
+
+def fsdp_exposed(ag: list, rs: list, c_f: float, c_b: float, n_layers: int, root: bool) -> tuple:
+    """Seconds per micro-batch (forward, backward) that FSDP's collectives add to a stage, the
+    gathers ``ag`` and reduce-scatters ``rs`` of its units (blocks, then the root), as the
+    course's FSDP orders them on its one communication stream: forward, the root's gather and
+    the first block's are waited for (nothing prefetches them), each later block's gather runs
+    while the block before it computes (``c_f``: issued after that block's copy out, so beside
+    the rest of its forward); backward, the last block's gather waits (the root stays
+    gathered), then while block i's backward runs (``c_b``), the stream carries block
+    i + 1's reduce-scatter and block i - 1's gather (one reduce-scatter in flight); the root's
+    and the first block's reduce-scatters are waited for."""
+    blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
+    f = (ag[-1] if root else 0.0) + (blocks_ag[0] if blocks_ag else 0.0) + \
+        sum(max(0.0, a - c_f) for a in blocks_ag[1:])
+    b = (blocks_ag[-1] if blocks_ag else 0.0) + (rs[-1] if root else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
+        sum(max(0.0, a + r - c_b) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
+    return f, b
+
+
 def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
     """``share`` of ``first`` and the rest of ``later`` (kernel counts rounded)."""
     rest = 1 - share
@@ -100,4 +137,4 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
                    first.bytes * share + later.bytes * rest, first.time * share + later.time * rest)
 
 
-__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels"]
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed"]

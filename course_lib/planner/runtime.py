@@ -32,7 +32,7 @@ import math
 
 from course_lib.planner import formulas as F
 from course_lib.planner.kernel_cost import ELEMENTWISE, KernelModel
-from course_lib.planner.fsdp_ops import fsdp_step_kernels
+from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
 from course_lib.planner.kernels import Kernels, trace_step
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
@@ -240,40 +240,6 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                 kernels=kernels, calls=calls)
 
 
-def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int) -> list:
-    """The FSDP units of a stage's GPU, each a tuple of parameter shapes: its ``n_layers``
-    blocks, then the root (the embedding on the first stage; the final norm and the head on
-    the last). ``shapes``: the one-block model's ((name, shape), ...) (:func:`trace_step`); a
-    matrix cut by TP keeps 1/t of its rows (or columns: the same bytes)."""
-    def cut(shape):
-        if len(shape) < 2 or t == 1:
-            return shape
-        return (shape[0] // t, *shape[1:]) if shape[0] % t == 0 else (shape[0], shape[1] // t, *shape[2:])
-    block = tuple(cut(x) for name, x in shapes if name.startswith("blocks."))
-    root = tuple(cut(x) for name, x in shapes if not name.startswith("blocks.")
-                 and ((first and name.startswith(("tok_emb", "pos_emb"))) or (last and name.startswith(("norm", "lm_head")))
-                      or (last and not first and name.startswith("tok_emb") and not any(n == "lm_head.weight" for n, _ in shapes))))
-    return [block] * n_layers + ([root] if root else [])
-
-
-def fsdp_exposed(ag: list, rs: list, c_f: float, c_b: float, n_layers: int, root: bool) -> tuple:
-    """Seconds per micro-batch (forward, backward) that FSDP's collectives add to a stage, the
-    gathers ``ag`` and reduce-scatters ``rs`` of its units (blocks, then the root), as the
-    course's FSDP orders them on its one communication stream: forward, the root's gather and
-    the first block's are waited for (nothing prefetches them), each later block's gather runs
-    while the block before it computes (``c_f``: issued after that block's copy out, so beside
-    the rest of its forward); backward, the last block's gather waits (the root stays
-    gathered), then while block i's backward runs (``c_b``), the stream carries block
-    i + 1's reduce-scatter and block i - 1's gather (one reduce-scatter in flight); the root's
-    and the first block's reduce-scatters are waited for."""
-    blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
-    f = (ag[-1] if root else 0.0) + (blocks_ag[0] if blocks_ag else 0.0) + \
-        sum(max(0.0, a - c_f) for a in blocks_ag[1:])
-    b = (blocks_ag[-1] if blocks_ag else 0.0) + (rs[-1] if root else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
-        sum(max(0.0, a + r - c_b) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
-    return f, b
-
-
 def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:
     """The kernels of one gradient accumulation: autograd's AccumulateGrad adds a backward's
     gradient into ``.grad`` when one is there (every micro-batch after the first), one
@@ -314,4 +280,5 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "accumulation", "fsdp_units", "fsdp_exposed", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
+__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective",
+           "BUCKET_CAP_BYTES"]
