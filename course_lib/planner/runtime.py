@@ -164,6 +164,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
                + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
     tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
+    if model.n_experts > 1:     # the traced block holds all E experts (4 tensors each), this GPU E / (ep etp)
+        tensors -= n_layers * 4 * (model.n_experts - model.n_experts // (layout.ep * layout.etp))
     norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
     if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
         weights, norms, norm_tensors = weights + norms, 0, 0
@@ -234,7 +236,10 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
-    optimizer = adam.scaled(n_local).seconds(hw) + sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    # GradSync's kernels: a bucket's copies issued while the buckets before it are reduced (each
+    # all-reduce is asynchronous): beyond the all-reduces, what is left of them
+    sync = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    optimizer = adam.scaled(n_local).seconds(hw) + max(0.0, sync - tail)
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
