@@ -11,8 +11,11 @@ what the dry run runs) against :func:`course_lib.virtual.dry_run`, step time and
 the planner's default ``runtime="megatron"`` beside. Where they differ by more than 10%, the
 row names the cause: the part of the step (compute and its launches, exposed TP, pipeline
 bubble, DP, optimizer) where the planner's time and the dry run's
-(:func:`course_lib.viz.dry_run.step_breakdown`) differ most. The planner stays the instant
-search; the dry run is its check.
+(:func:`course_lib.viz.dry_run.step_breakdown`) differ most, a pipeline's bubble compared at
+the dry run's own forward + backward of a micro-batch (:func:`cause`: a longer pass makes a
+longer bubble; then the pass is named). :func:`schedule_check` applies the planner's pipeline
+formula to the dry run's own passes. The dry runs use torch's foreach AdamW, which the planner's
+course runtime counts. The planner stays the instant search; the dry run is its check.
 """
 from __future__ import annotations
 
