@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 
-from course_lib.lab.dry_run_sweep import format_rows, sweep_rows, sweep_summary
+from course_lib.lab.dry_run_sweep import format_rows, stable_keys, sweep_rows, sweep_summary
 
 
 def main(argv=None):
@@ -29,7 +29,7 @@ def main(argv=None):
     dry = {}
     if args.saved and os.path.exists(args.saved):
         with open(args.saved) as f:
-            dry = json.load(f)
+            dry = stable_keys(json.load(f))
 
     def save(runs):
         with open(args.saved, "w") as f:

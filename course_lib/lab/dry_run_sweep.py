@@ -11,11 +11,16 @@ what the dry run runs) against :func:`course_lib.virtual.dry_run`, step time and
 the planner's default ``runtime="megatron"`` beside. Where they differ by more than 10%, the
 row names the cause: the part of the step (compute and its launches, exposed TP, pipeline
 bubble, DP, optimizer) where the planner's time and the dry run's
-(:func:`course_lib.viz.dry_run.step_breakdown`) differ most. The planner stays the instant
-search; the dry run is its check.
+(:func:`course_lib.viz.dry_run.step_breakdown`) differ most, a pipeline's bubble compared at
+the dry run's own forward + backward of a micro-batch (:func:`cause`: a longer pass makes a
+longer bubble; then the pass is named). :func:`schedule_check` applies the planner's pipeline
+formula to the dry run's own passes. The dry runs use torch's foreach AdamW, which the planner's
+course runtime counts. The planner stays the instant search; the dry run is its check.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import random
 import time
 
@@ -31,8 +36,7 @@ BOUND = 0.10            # a row whose step time (or memory) differs more is expl
 
 
 def _draw(rng, moe: bool, s: int) -> Layout:
-    """One random layout: ZeRO-3 is not drawn with TP + SP (the dry run fails on it: its
-    masked_fill gets a float mask on meta, a known limit)."""
+    """One random layout (ZeRO-3 is not drawn with pp > 1 on a tied embedding: FSDP refuses it)."""
     tp = 1 if moe else rng.choice((1, 2, 4, 8))
     sp = tp > 1 and rng.random() < 0.7
     cp = 1 if moe or tp == 8 else rng.choice((1, 1, 2))
@@ -41,7 +45,7 @@ def _draw(rng, moe: bool, s: int) -> Layout:
     ep = rng.choice([e for e in (1, 2, 4, 8) if dp % e == 0]) if moe else 1
     schedule = rng.choice(("1f1b", "gpipe", "interleaved")) if pp > 1 else "1f1b"
     m = pp if pp > 1 else rng.choice((1, 2))
-    zero = 0 if moe or (tp > 1 and sp) else rng.choice((0, 0, 3))
+    zero = 0 if moe else rng.choice((0, 0, 3))
     return Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, schedule=schedule,
                   v=2 if schedule == "interleaved" else 1, micro_batch=1, microbatches=m, seq_len=s,
                   recompute=rng.choice(("none", "selective", "full")),
@@ -50,7 +54,8 @@ def _draw(rng, moe: bool, s: int) -> Layout:
 
 def sweep_layouts(n: int, seed: int = 0) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
-    until the ranks accept it and the planner says it fits."""
+    until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
+    not change) says it fits."""
     from course_lib.virtual.dry_run import check_dry_run
     rng, out, tries = random.Random(seed), [], 0
     combos = [(m, s, g) for m, s in SWEEP_MODELS for g in SWEEP_GPUS]
@@ -65,7 +70,7 @@ def sweep_layouts(n: int, seed: int = 0) -> list:
             check_dry_run(spec, layout)
         except (ValueError, NotImplementedError):
             continue
-        if not estimate(spec, hw, layout, runtime="course").fits:
+        if not estimate(spec, hw, layout).fits:     # (runtime="megatron": the draw stays put)
             continue
         out.append((name, hw, layout))
     return out
@@ -82,26 +87,136 @@ PARTS = {   # the planner's TIME_KINDS -> the dry run's step_breakdown parts
 
 def planner_parts(est) -> dict:
     """The planner's step by the dry run's parts (ring hops, EP and ZeRO gathers sit inside
-    the dry run's compute actions, as the pipeline's sends do)."""
-    return {part: sum(est.time.get(k, 0.0) for k in kinds) for part, kinds in PARTS.items()}
+    the dry run's compute actions, as the pipeline's sends do), on the first stage, whose
+    first rank the dry run's parts are of: the planner's ``time`` splits the pipeline on its
+    busiest stage, the first stage's bubble is the pipeline less the first stage's own work."""
+    out = {part: sum(est.time.get(k, 0.0) for k in kinds) for part, kinds in PARTS.items()}
+    stages = est.stages
+    if len(stages) > 1:
+        pipe = out["compute"] + out["exposed TP"] + out["pipeline bubble"]
+        m = est.layout.microbatches
+        first = {kind: m * (stages[0].fwd.get(kind, 0.0) + stages[0].bwd.get(kind, 0.0)) for kind in PARTS["compute"]}
+        first["pp"] = est.time.get("pp", 0.0)
+        out["compute"] = sum(first.values())
+        out["exposed TP"] = m * (stages[0].fwd.get("tp", 0.0) + stages[0].bwd.get("tp", 0.0))
+        out["pipeline bubble"] = pipe - out["compute"] - out["exposed TP"]
+    return out
 
 
-def cause(planner: dict, dry: dict) -> str:
-    """The part where the planner's seconds and the dry run's differ most, signed."""
+def cause(planner: dict, dry: dict, passes: tuple | None = None) -> str:
+    """The part where the planner's seconds and the dry run's differ most, signed.
+
+    ``passes``: (planner, dry run) seconds of the busiest stage's forward + backward of one
+    micro-batch. A pipeline's bubble is p - 1 such passes on the first stage: where the two
+    differ in the pass, the bubble differs in the same ratio without its schedule being wrong.
+    So the bubble is compared at the dry run's pass (the planner's bubble times dry / planner):
+    what remains is the schedule's; the rest is named "F+B per micro-batch" with both passes."""
+    planner = dict(planner)
+    if passes and passes[0] > 0 and planner.get("pipeline bubble", 0.0) > 0:
+        ratio = passes[1] / passes[0]
+        scaled = planner["pipeline bubble"] * ratio
+        per_pass = planner["pipeline bubble"] - scaled         # the bubble's share of the pass's difference
+        planner["pipeline bubble"] = scaled
+        planner["compute"] = planner.get("compute", 0.0) + per_pass
     part = max(dry, key=lambda k: abs(planner.get(k, 0.0) - dry[k]))
     diff = planner.get(part, 0.0) - dry[part]
+    if passes and part == "compute" and passes[0] > 0 and abs(passes[0] / passes[1] - 1) > BOUND / 2:
+        return (f"F+B per micro-batch {passes[0] / passes[1] - 1:+.0%} "
+                f"({passes[0] * 1e3:.1f} vs {passes[1] * 1e3:.1f} ms)")
     return f"{part} {'+' if diff >= 0 else '-'}{abs(diff) * 1e3:.1f} ms"
 
 
+def memory_cause(layout, est, dry_peak: float) -> str:
+    """What a peak-memory difference over :data:`BOUND` is known to come from, or ''.
+
+    ZeRO-3: the dry run's peak holds no activations (measured: 41.21, 41.19 and 41.22 GiB, its
+    states alone, for three GPT 22B layouts whose activations differ by 9 GiB). FSDP packs
+    saved tensors through its own ``saved_tensors_hooks``, inside the pipeline runner's, which
+    counts what is saved: the inner hooks are the ones torch calls, so the runner sees none.
+    Said only where the dry run's peak is the planner's states within 2%."""
+    if abs(est.memory["total"] / dry_peak - 1) <= BOUND or layout.zero != 3:
+        return ""
+    states = sum(est.memory[k] for k in ("params", "grads", "optimizer"))
+    if abs(dry_peak / states - 1) > 0.02:        # the dry run's peak is not its states alone: not this
+        return ""
+    return f"memory: the dry run counts no activations under FSDP ({est.memory['activations'] / 2**30:.1f} GiB)"
+
+
+def schedule_check(layout, dry: dict) -> float | None:
+    """The pipeline's length as the planner's formula gives it from the DRY RUN's own passes
+    (per stage, its slowest running rank's mean forward + backward of a micro-batch or chunk:
+    sum over stages + (m v - 1) x the longest, sends left out), over the dry run's pipeline
+    (the first rank's compute, exposed TP and bubble), less 1. Near 0 (the sends): the
+    planner's schedule is the course's, and a difference in the step is the passes'."""
+    passes = dry.get("passes")
+    if layout.pp == 1 or not passes:
+        return None
+    per_stage = {}
+    for rank, (f, b) in passes.items():
+        stage = (int(rank) // (layout.tp * layout.cp)) % layout.pp
+        per_stage[stage] = max(per_stage.get(stage, 0.0), f + b)
+    v = layout.v if layout.schedule == "interleaved" else 1
+    ops = list(per_stage.values())
+    formula = sum(ops) + (layout.microbatches * v - 1) * max(ops)
+    parts = dry["parts"]
+    return formula / (parts["compute"] + parts["exposed TP"] + parts["pipeline bubble"]) - 1
+
+
+def busiest_pass(est, layout, passes: dict | None) -> tuple | None:
+    """(planner, dry run) seconds of one micro-batch's forward + backward on the busiest stage
+    (the dry run's spans are per chunk: times the chunks), or None without the dry run's."""
+    if not passes:
+        return None
+    chunks = layout.v if layout.schedule == "interleaved" else 1
+    dry = max(f + b for f, b in passes.values()) * chunks
+    return max(st.fwd_time + st.bwd_time for st in est.stages), dry
+
+
 def dry_result(name, hw, layout) -> dict:
-    """The dry run's step time, peak memory and step breakdown (rank 0's) of one layout."""
+    """The dry run's step time, peak memory and step breakdown (rank 0's) of one layout, with
+    torch's foreach AdamW: the optimizer the planner's course runtime counts."""
     from course_lib.viz.dry_run import step_breakdown
     from course_lib.virtual import dry_run
     began = time.perf_counter()
-    r = dry_run(name, hw, layout, progress=None)
+    r = dry_run(name, hw, layout, progress=None, optimizer="foreach")
     parts = step_breakdown(r.spans, min(s.rank for s in r.spans), r.step_time)
     return {"step_time": r.step_time, "peak_memory": r.peak_memory, "parts": parts,
-            "wall_s": time.perf_counter() - began}
+            "passes": pass_times(r.spans), "wall_s": time.perf_counter() - began}
+
+
+def pass_times(spans) -> dict:
+    """{rank: [forward seconds, backward seconds]} per micro-batch (and chunk) of each running
+    rank, their means over its schedule's forward and backward spans."""
+    out = {}
+    for kind in "FB":
+        for s in spans:
+            if s.kind == "compute" and s.dim == "pp" and s.name[:1] == kind and s.name[1:2].isdigit():
+                out.setdefault(str(s.rank), {"F": [], "B": []})[kind].append(s.end - s.start)
+    return {r: [sum(v["F"]) / max(1, len(v["F"])), sum(v["B"]) / max(1, len(v["B"]))] for r, v in out.items()}
+
+
+def layout_key(name: str, hw: str, layout: Layout) -> str:
+    """A saved dry run's key: the preset, the GPU and the layout's fields that differ from
+    :class:`Layout`'s defaults (a field added to Layout later leaves the key unchanged)."""
+    default = Layout()
+    fields = [f.name for f in dataclasses.fields(Layout) if f.repr]
+    changed = ", ".join(f"{f}={getattr(layout, f)!r}" for f in fields
+                        if getattr(layout, f) != getattr(default, f))
+    return f"{name} | {hw} | Layout({changed})"
+
+
+def stable_keys(dry: dict) -> dict:
+    """``dry`` with every key as :func:`layout_key` writes it (older saved sweeps keyed by
+    ``repr(Layout)`` of every field are read by their fields)."""
+    out = {}
+    for key, value in dry.items():
+        name, hw, text = key.split(" | ", 2)
+        call = ast.parse(text, mode="eval").body
+        fields = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        given = {f: fields.pop(f) for f in ("micro_batch", "global_batch", "microbatches") if f in fields}
+        layout = Layout(**fields, micro_batch=given.get("micro_batch"), microbatches=given.get("microbatches"))
+        out[layout_key(name, hw, layout)] = value
+    return out
 
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
@@ -113,7 +228,7 @@ def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | N
     dry = {} if dry is None else dry
     rows, failed = [], []
     for name, hw, layout in sweep_layouts(n, seed):
-        key = f"{name} | {hw} | {layout!r}"
+        key = layout_key(name, hw, layout)
         if key not in dry and not run_missing:
             continue
         if key not in dry:
@@ -135,8 +250,11 @@ def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | N
                "megatron_s": estimate(name, hw, layout).step_time,
                "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": d["peak_memory"] / 2**30,
                "memory_diff": est.memory["total"] / d["peak_memory"] - 1,
-               "cause": cause(planner_parts(est), d["parts"]), "planner_parts": planner_parts(est),
+               "cause": cause(planner_parts(est), d["parts"], busiest_pass(est, layout, d.get("passes"))),
+               "planner_parts": planner_parts(est),
                "dry_parts": d["parts"], "wall_s": d["wall_s"]}
+        row["memory_cause"] = memory_cause(layout, est, d["peak_memory"])
+        row["schedule_check"] = schedule_check(layout, d)
         rows.append(row)
         if progress:
             print(format_rows([row], header=len(rows) == 1), flush=True)
@@ -154,12 +272,18 @@ def format_rows(rows, header=True) -> str:
         cells = [f.format(r[c]) for c, f in COLUMNS]
         if abs(r["time_diff"]) <= BOUND:
             cells[-1] = "-"
+        if r.get("memory_cause"):
+            cells[-1] = (cells[-1] + "; " if cells[-1] != "-" else "") + r["memory_cause"]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
 
 def sweep_summary(rows) -> str:
     lines = []
+    checks = [r["schedule_check"] for r in rows if r.get("schedule_check") is not None]
+    if checks:
+        lines.append(f"pipeline from the dry run's own passes by the planner's formula / the dry run's: "
+                     f"{min(checks):+.1%} to {max(checks):+.1%} over {len(checks)} pipelined rows")
     for key, what in (("time_diff", "step time"), ("memory_diff", "peak memory")):
         errs = [abs(r[key]) for r in rows]
         over = sum(e > BOUND for e in errs)
@@ -168,5 +292,6 @@ def sweep_summary(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "planner_parts", "cause",
+__all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "layout_key",
+           "stable_keys", "planner_parts", "cause", "busiest_pass", "pass_times", "memory_cause", "schedule_check",
            "format_rows", "sweep_summary"]

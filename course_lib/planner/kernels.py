@@ -96,7 +96,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
-    "tensors_outside" (parameter tensors); "adamw_per_element": one AdamW step as torch runs it
+    "tensors_outside" (parameter tensors); "param_shapes": ((name, shape), ...) of the one-block
+    model; "adamw_per_element": one AdamW step as torch runs it
     on CUDA (its ops per step, bytes and time per element). Traced on the meta device at two
     depths: a block is their difference. ``recompute``: the blocks' policy (GPTConfig's), its
     forward again inside the backward."""
@@ -111,8 +112,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
             loss = net(x, x, n_tokens=x.numel())[1]
         with KernelCounter(hw, itemsize) as bwd:
             loss.backward()
-        return fwd, bwd, len(list(net.parameters()))
-    (f1, b1, n1), (f2, b2, n2) = run(1), run(2)
+        return fwd, bwd, len(list(net.parameters())), tuple((k, tuple(q.shape)) for k, q in net.named_parameters())
+    (f1, b1, n1, shapes), (f2, b2, n2, _) = run(1), run(2)
 
     def part(c, names):
         return sum((c.by_op.get(k, Kernels()) for k in names), Kernels())
@@ -122,12 +123,12 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     if model.n_experts > 1:   # kernels one more expert adds to a layer (its loop), fwd and bwd
         half = max(model.top_k, model.n_experts // 2)
         if half < model.n_experts:
-            (hf, hb, _), fewer = run(1, half), model.n_experts - half
+            (hf, hb, _, _), fewer = run(1, half), model.n_experts - half
             per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
-            "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1),
+            "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "param_shapes": shapes,
             "adamw_per_element": _adamw(hw, itemsize)}
 
 

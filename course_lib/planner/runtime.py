@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
+from course_lib.planner.kernel_cost import ELEMENTWISE, KernelModel
+from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
 from course_lib.planner.kernels import Kernels, trace_step
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
@@ -153,6 +155,31 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         fwd["cp"] = n_layers * (c - 1) * max(0.0, hop - block_f)
         bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop)
         calls["cp"] = m * n_layers * (c - 1 + c + 1)
+    # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP);
+    # an MoE's experts cut by the expert mesh (ep x etp), not by TP
+    parts = F.param_breakdown(model)
+    norms = n_layers * 2 * model.hidden + (model.hidden if last else 0)
+    expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
+    experts = n_layers * expert_layer / (layout.ep * layout.etp)
+    weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
+               + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
+    tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
+    if model.n_experts > 1:     # the traced block holds all E experts (4 tensors each), this GPU E / (ep etp)
+        tensors -= n_layers * 4 * (model.n_experts - model.n_experts // (layout.ep * layout.etp))
+    norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
+    if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
+        weights, norms, norm_tensors = weights + norms, 0, 0
+    fsdp = layout.zero == 3                 # FSDP over dp x cp (also over one rank: the same program)
+    if fsdp:                                # its own kernels around each unit (fsdp_ops)
+        units = fsdp_units(k["param_shapes"], t, first, last, n_layers)
+        zf, zb = fsdp_step_kernels(hw, units, _size(layout, ("dp", "cp")), m)
+        fwd_k, bwd_k = fwd_k + zf, bwd_k + zb
+        fwd["compute"], bwd["compute"] = fwd_k.time, bwd_k.time
+    elif m > 1:                             # every backward after a stage's first adds into .grad
+        acc, share = accumulation(hw, weights + norms + experts, tensors), (m - 1) / m   # (per micro-batch)
+        bwd_k = Kernels(bwd_k.count + round(acc.count * share), bwd_k.flops + acc.flops * share,
+                        bwd_k.bytes + acc.bytes * share, bwd_k.time + acc.time * share)
+        bwd["compute"] = bwd_k.time
     # "launch": the kernels' floors on the device beyond their own work, plus the time of
     # issuing them from the host (one op every launch_overhead) beyond what the device does
     # meanwhile: its kernels and the collectives it waits for (TP's, CP's hops). The host does
@@ -167,43 +194,21 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if p > 1:
         calls["pp"] = m * ((not last) + (not first))
 
-    # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP);
-    # an MoE's experts cut by the expert mesh (ep x etp), not by TP
-    parts = F.param_breakdown(model)
-    norms = n_layers * 2 * model.hidden + (model.hidden if last else 0)
-    expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
-    experts = n_layers * expert_layer / (layout.ep * layout.etp)
-    weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
-               + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
-    tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
-    norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
-    if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
-        weights, norms, norm_tensors = weights + norms, 0, 0
     replicas = ("dp", "cp")
-    tail, sync_kernels, fsdp_kernels = 0.0, 0, 0
-    if layout.zero == 3 and _size(layout, replicas) > 1:   # FSDP: units = blocks + the rest
-        root = ((parts["embedding"] if first else 0) + ((parts["lm_head"] or model.vocab * model.hidden)
-                                                         + model.hidden if last else 0)) / t
-        units = [parts["per_layer"] / t] * n_layers + [root]
-        units = [u for u in units if u > 0]
-        ag = [collective(layout, hw, "all_gather", u * 2, replicas) for u in units]
-        rs = [collective(layout, hw, "reduce_scatter", u * 2, replicas) for u in units]
-        fwd["zero"] = sum(ag)
-        bwd["zero"] = sum(ag[:n_layers]) + sum(rs)
-        calls["dp+cp"] = m * (len(units) + n_layers + len(units))
-        if layout.sp and t > 1:                      # each unit's norms over tp
-            tail += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
-            calls["tp"] = calls.get("tp", 0) + len(units)
-        # FSDP's own kernels per micro-batch (fsdp.py, fsdp_params.py): a gathered unit copied out
-        # parameter by parameter (forward; blocks again backward); backward, per parameter the
-        # slice of its gradient and its copy into the packed reduce-scatter input, per unit the
-        # split's cat, the flags' copy, the "used" test and the division; with SP the norms'
-        # rows cat-ed for their all-reduce over tp and copied back
-        block_tensors = n_layers * k["tensors_per_layer"]
-        fsdp_kernels = (tensors + block_tensors + 2 * tensors + 4 * len(units)
-                        + ((len(units) + norm_tensors) if layout.sp and t > 1 else 0))
-        bwd["launch"] += fsdp_kernels * max(hw.launch_overhead, hw.kernel_floor)
-    else:
+    tail, sync_kernels = 0.0, 0
+    if fsdp and _size(layout, replicas) > 1:   # FSDP's collectives, per unit and micro-batch
+        sizes = [sum(math.prod(x) for x in u) for u in units]
+        ag = [collective(layout, hw, "all_gather", n * 2, replicas) for n in sizes]
+        rs = [collective(layout, hw, "reduce_scatter", n * 2, replicas) for n in sizes]
+        per = max(1, n_layers)
+        c_f = (fwd["compute"] + fwd["launch"] + fwd["tp"] + fwd["cp"] - zf.time) / per   # (the copy out precedes it)
+        c_b = (bwd["compute"] + bwd["launch"] + bwd["tp"] + bwd["cp"]) / per
+        fwd["zero"], bwd["zero"] = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root=len(units) > n_layers)
+        calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
+    if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
+        bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
+        calls["tp"] = calls.get("tp", 0) + m * len(units)
+    if not fsdp:
         expert_tensors = n_layers * 4 * model.n_experts // (layout.ep * layout.etp) if experts else 0
         edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
         if experts and edp > 1:      # the experts' gradients over the ranks holding the same experts
@@ -231,10 +236,24 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
-    optimizer = adam.scaled(n_local).seconds(hw) + sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
-    kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count + sync_kernels
+    # GradSync's kernels: a bucket's copies issued while the buckets before it are reduced (each
+    # all-reduce is asynchronous): beyond the all-reduces, what is left of them
+    sync = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    optimizer = adam.scaled(n_local).seconds(hw) + max(0.0, sync - tail)
+    kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
+
+
+def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:
+    """The kernels of one gradient accumulation: autograd's AccumulateGrad adds a backward's
+    gradient into ``.grad`` when one is there (every micro-batch after the first), one
+    ``add_`` per parameter tensor of the stage's ``elements`` (read two, write one), at the
+    elementwise rate (``tests/test_planner_runtime.py`` checks it against a traced second
+    backward)."""
+    model = KernelModel(hw, {2: "bfloat16", 4: "float32"}[itemsize])
+    nbytes = 3 * itemsize * elements
+    return Kernels(tensors, elements, nbytes, model.roofline(elements, nbytes, ELEMENTWISE))
 
 
 def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
@@ -266,4 +285,5 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
+__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective",
+           "BUCKET_CAP_BYTES"]

@@ -137,6 +137,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         install_runtime(net, fusions)
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
             torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+        optimizer_state(opt)
         x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64, device=device)
         fold_token_places(net, cfg, layout, mesh, document_ids(layout.documents))
     if memo is not None:
@@ -146,6 +147,24 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     clock.settle()
     return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
             **gpu_memory(net, opt, clock.cluster)}
+
+
+def optimizer_state(opt) -> None:
+    """Give ``opt`` (:class:`FusedAdamW` or torch's AdamW) the state its first step would create:
+    zero moments and a zero step count, the values it creates them with (so the step computes
+    the same), made here, where the clock is muted. The priced step is one of a run in
+    progress, as the planner's and a published run's are: it finds its state there (creating
+    it, two ``zeros_like`` per parameter, is not part of a training step)."""
+    params = opt.params if isinstance(opt, FusedAdamW) else [q for g in opt.param_groups for q in g["params"]]
+    for q in params:
+        if isinstance(opt, FusedAdamW):
+            opt.state.setdefault(q, {"step": torch.zeros((), dtype=torch.float32, device=q.device),
+                                     "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)})
+        elif not opt.state[q]:          # torch's AdamW (not capturable, not fused): its step on the host
+            step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            opt.state[q].update(step=torch.tensor(0.0, dtype=step_dtype),
+                                exp_avg=torch.zeros_like(q, memory_format=torch.preserve_format),
+                                exp_avg_sq=torch.zeros_like(q, memory_format=torch.preserve_format))
 
 
 def document_ids(lengths) -> torch.Tensor | None:

@@ -1,0 +1,140 @@
+"""The kernels the course's FSDP (``parallel/fsdp.py``, ``fsdp_params.py``) runs around one
+unit per micro-batch, counted: the planner's ``runtime="course"`` prices them as it prices the
+model's own kernels (:class:`~course_lib.planner.kernels.KernelCounter`, the clock's cost model).
+
+The planner sits below ``parallel/`` and imports none of it: the ops below are the FSDP
+program's, written again on meta tensors of the unit's shapes (N = the FSDP group's size;
+a parameter of d0 rows keeps ceil(d0 / N) rows per rank, padded):
+
+- forward: the gathered unit ``(N * S,)``, rank after rank, copied out parameter after
+  parameter (``copy_out``: one ``copy_`` per parameter);
+- backward: the unit gathered and copied out again (not the root: it stays gathered); each
+  parameter's gradient through its view (``slice_backward``) and the split (one ``cat``);
+  the gradients packed rank after rank for the reduce-scatter (one ``copy_`` per parameter,
+  one for the "used" flags); after it, the flags tested (``gt``, an ``|`` after the first
+  micro-batch), the shard divided by N and, after the first micro-batch, added to the
+  shard's gradient.
+
+The all-gathers and reduce-scatters themselves are collectives (:mod:`.runtime`), exposed as
+the course's FSDP orders and prefetches them (:func:`fsdp_exposed`); a stage's units are its
+blocks and the root (:func:`fsdp_units`). Checked
+against the dry run, which runs the real FSDP: ``tests/test_planner_fsdp.py``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from course_lib.planner.kernels import KernelCounter, Kernels
+
+
+@functools.lru_cache(maxsize=256)
+def fsdp_unit_kernels(hw, shapes: tuple, world: int, itemsize: int = 2) -> dict:
+    """{"fwd", "regather", "bwd_first", "bwd_later"}: :class:`Kernels` of FSDP's own ops on one
+    unit of parameters ``shapes`` over ``world`` ranks, per micro-batch: the forward's copy
+    out; the backward's gather copied out again ("regather": every unit but the root); the
+    rest of the backward on the first micro-batch of the step and on a later one."""
+    rows = [math.ceil(s[0] / world) for s in shapes]
+    widths = [math.prod(s[1:]) for s in shapes]
+    padded = [r * w for r, w in zip(rows, widths)]
+    S, T = sum(padded), len(shapes)
+
+    def copy_out(gathered):
+        by_rank = gathered.view(world, S)
+        full = torch.empty_like(gathered)
+        off = 0
+        for n in padded:
+            full[world * off:world * (off + n)].view(world, n).copy_(by_rank[:, off:off + n])
+            off += n
+        return full
+
+    with torch.device("meta"):
+        gathered = torch.empty(world * S)
+        with KernelCounter(hw, itemsize) as fwd:
+            full = copy_out(gathered)
+        grads = [torch.empty(s) for s in shapes]
+        out = {"fwd": fwd.total}
+        for name, first in (("bwd_first", True), ("bwd_later", False)):
+            with KernelCounter(hw, itemsize) as bwd:
+                pieces = [torch.ops.aten.slice_backward(g.reshape(-1), [world * n], 0, 0, g.numel(), 1)
+                          for g, n in zip(grads, padded)]
+                grad_full = torch.cat(pieces)
+                packed = grad_full.new_empty(world, S + T)
+                packed[:, S:].copy_(torch.empty(T))
+                off = 0
+                for n in padded:
+                    packed[:, off:off + n].copy_(grad_full[world * off:world * (off + n)].view(world, n))
+                    off += n
+                shard = packed.new_empty(S + T)
+                used = shard[S:] > 0
+                if not first:
+                    used = used | used
+                mine = shard[:S].div(world)
+                if not first:
+                    mine.add_(mine)
+            out[name] = bwd.total
+        with KernelCounter(hw, itemsize) as again:
+            copy_out(gathered)
+        out["regather"] = again.total
+    del full
+    return out
+
+
+def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2) -> tuple:
+    """(forward, backward) :class:`Kernels` per micro-batch (averaged over the step's ``m``) of
+    FSDP's own ops on ``units`` (each a tuple of parameter shapes; the last is the root,
+    which the backward does not gather again)."""
+    fwd, bwd = Kernels(), Kernels()
+    for i, shapes in enumerate(units):
+        k = fsdp_unit_kernels(hw, tuple(shapes), world, itemsize)
+        fwd = fwd + k["fwd"]
+        b = k["bwd_first"] if m == 1 else _mix(k["bwd_first"], k["bwd_later"], 1 / m)
+        bwd = bwd + b + (k["regather"] if i < len(units) - 1 else Kernels())
+    return fwd, bwd
+
+
+def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int) -> list:
+    """The FSDP units of a stage's GPU, each a tuple of parameter shapes: its ``n_layers``
+    blocks, then the root (the embedding on the first stage; the final norm and the head on
+    the last). ``shapes``: the one-block model's ((name, shape), ...) (:func:`trace_step`); a
+    matrix cut by TP keeps 1/t of its rows (or columns: the same bytes)."""
+    def cut(shape):
+        if len(shape) < 2 or t == 1:
+            return shape
+        return (shape[0] // t, *shape[1:]) if shape[0] % t == 0 else (shape[0], shape[1] // t, *shape[2:])
+    block = tuple(cut(x) for name, x in shapes if name.startswith("blocks."))
+    # (a tied head is the embedding: FSDP refuses it on two stages, so pp = 1 holds it once)
+    outside = [(name, x) for name, x in shapes if not name.startswith("blocks.")]
+    root = tuple(cut(x) for name, x in outside if (first and name.startswith(("tok_emb", "pos_emb")))
+                 or (last and name.startswith(("norm", "lm_head"))))
+    return [block] * n_layers + ([root] if root else [])
+
+
+def fsdp_exposed(ag: list, rs: list, c_f: float, c_b: float, n_layers: int, root: bool) -> tuple:
+    """Seconds per micro-batch (forward, backward) that FSDP's collectives add to a stage, the
+    gathers ``ag`` and reduce-scatters ``rs`` of its units (blocks, then the root), as the
+    course's FSDP orders them on its one communication stream: forward, the root's gather and
+    the first block's are waited for (nothing prefetches them), each later block's gather runs
+    while the block before it computes (``c_f``: issued after that block's copy out, so beside
+    the rest of its forward); backward, the last block's gather waits (the root stays
+    gathered), then while block i's backward runs (``c_b``), the stream carries block
+    i + 1's reduce-scatter and block i - 1's gather (one reduce-scatter in flight); the root's
+    and the first block's reduce-scatters are waited for."""
+    blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
+    f = (ag[-1] if root else 0.0) + (blocks_ag[0] if blocks_ag else 0.0) + \
+        sum(max(0.0, a - c_f) for a in blocks_ag[1:])
+    b = (blocks_ag[-1] if blocks_ag else 0.0) + (rs[-1] if root else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
+        sum(max(0.0, a + r - c_b) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
+    return f, b
+
+
+def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
+    """``share`` of ``first`` and the rest of ``later`` (kernel counts rounded)."""
+    rest = 1 - share
+    return Kernels(round(first.count * share + later.count * rest), first.flops * share + later.flops * rest,
+                   first.bytes * share + later.bytes * rest, first.time * share + later.time * rest)
+
+
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed"]
