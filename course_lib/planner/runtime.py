@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
+from course_lib.planner.kernel_cost import COPY, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
@@ -40,6 +41,10 @@ STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
 # against the counts of course_lib.lab.virtual_runs, for cp = 2..8):
 VOCAB_LOSS_KERNELS = 29           # vocabulary-parallel cross entropy less the plain one, fwd + bwd
+VOCAB_LOSS_BYTES = {              # ... and the bytes its kernels move per local logit, by class
+    "fwd": {"reduction": -2, "broadcast": 8, "elementwise": 4, "copy": 2},
+    "bwd": {"reduction": -2, "copy": 6},
+}
 RING_KERNELS = {                  # per layer, busiest rank: (fixed, per ring rank), fwd and bwd
     False: ((7, 41), (3, 32)),    # one K/V head per query head
     True: ((6, 42), (1, 35)),     # grouped-query attention: K/V heads repeated per block
@@ -104,48 +109,49 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     first, last = stage == 0, stage == p - 1
-    k = trace_step(model, hw, b, s, recompute=layout.recompute)   # (recomputation: in the backward)
-    split = t * c                                    # each rank's share of a layer's elements
-
-    def run(kern, n=1):                              # n copies of a traced part, on 1/split of its elements
-        return Kernels(kern.count * n, kern.flops * n / split, kern.bytes * n / split, kern.time * n / split)
-    fwd_k, bwd_k = run(k["layer_fwd"], n_layers), run(k["layer_bwd"], n_layers)
+    # one TP and CP rank's kernels (recomputation: in the backward)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c)
+    fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:
-            fwd_k, bwd_k = fwd_k + run(k[part + "_fwd"]), bwd_k + run(k[part + "_bwd"])
+            fwd_k, bwd_k = fwd_k + k[part + "_fwd"], bwd_k + k[part + "_bwd"]
     # (every kernel at its own roofline is "compute")
     fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
     bwd = {**fwd, "compute": bwd_k.time}
     calls = {}
     ep_f, ep_b = moe_parts(model, hw, layout, k, n_layers)
-    fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time)
-    bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
+    fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time, fwd_k.device)
+    bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time, bwd_k.device)
     if layout.ep * layout.etp > 1:
         fwd["ep"] = bwd["ep"] = n_layers * ep_time(model, hw, layout, b * s / c)
         calls["ep"] = m * n_layers * 2 * 3     # counts, dispatch, combine; forward and backward
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
-    copies = 0                                       # TP's own kernels per micro-batch (see below)
+    added = {"fwd": Kernels(), "bwd": Kernels()}     # TP's own kernels per micro-batch (see below)
     for (phase, kind), n in tp_calls(layout, first, last, n_layers).items():
         if kind == "loss":                           # (b s/cp,) maxima, then (2, b s/cp) sums: fp32 -> bf16
             cost = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
-            copies += VOCAB_LOSS_KERNELS
+            added["fwd"] += Kernels(VOCAB_LOSS_KERNELS, 0.0, 0.0, 0.0, VOCAB_LOSS_KERNELS * hw.kernel_floor)
+            for pas, classes in VOCAB_LOSS_BYTES.items():
+                added[pas] += vocab_loss_kernels(hw, classes, b * s / c * math.ceil(model.vocab / t))
         else:
             cost = collective(layout, hw, kind, act, ("tp",))
             # comm_ops: an all-gather along the sequence copies its input and its output to and
             # from (s, b, h) order, a reduce-scatter its input (free with one sequence); an
             # all-reduce clones its input
-            copies += n * {"all_gather": 2 * (b > 1), "reduce_scatter": 1 * (b > 1), "all_reduce": 1}[kind]
+            copied = {"all_gather": (act / t, act) if b > 1 else (), "reduce_scatter": (act,) if b > 1 else (),
+                      "all_reduce": (act,)}[kind]
+            added[phase] += sum((copy_kernel(hw, x) for x in copied), Kernels()).times(n)
         (fwd if phase == "fwd" else bwd)["tp"] += n * cost
         calls["tp"] = calls.get("tp", 0) + n * m
-    fwd_k = Kernels(fwd_k.count + copies, fwd_k.flops, fwd_k.bytes, fwd_k.time)
+    fwd_k, bwd_k = fwd_k + added["fwd"], bwd_k + added["bwd"]
     if c > 1:                                        # ring attention, K and V of this rank's heads
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
         hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw
         ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
-        fwd_k = Kernels(fwd_k.count + n_layers * ring_f, fwd_k.flops, fwd_k.bytes, fwd_k.time)
-        bwd_k = Kernels(bwd_k.count + n_layers * ring_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
+        fwd_k = fwd_k + Kernels(n_layers * ring_f)
+        bwd_k = bwd_k + Kernels(n_layers * ring_b)
         # a hop travels while one block's attention computes (1/c of the ring's kernels, launched):
         # exposed, its excess; the accumulator's last hop home has nothing to hide behind
         per = max(hw.launch_overhead, hw.kernel_floor)     # a small kernel: issued, or its floor
@@ -159,8 +165,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     # not wait for a collective (it enqueues it and goes on issuing), so where it is the slower
     # side the collectives hide behind its issue
     for part, kern in ((fwd, fwd_k), (bwd, bwd_k)):
-        device = max(kern.time, kern.count * hw.kernel_floor)        # the kernels, at least their floors
+        device = max(kern.device, kern.count * hw.kernel_floor)      # the kernels, at least their floors
         issue = kern.count * hw.launch_overhead                      # the host's side
+        part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
@@ -235,6 +242,20 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
+
+
+def vocab_loss_kernels(hw, classes: dict, logits: float) -> Kernels:
+    """The work the vocabulary-parallel loss adds to one pass over the plain one: ``classes``
+    its bytes per logit by kernel class, on ``logits`` logits (its launches counted apart)."""
+    rate = KernelModel(hw).bytes_rate
+    seconds = sum(n * logits / rate[cls] for cls, n in classes.items())
+    return Kernels(0, 0.0, sum(classes.values()) * logits, seconds, seconds)
+
+
+def copy_kernel(hw, nbytes: float) -> Kernels:
+    """One copy of ``nbytes`` (read, then written) on ``hw``: a kernel of the copy class."""
+    seconds = KernelModel(hw).roofline(0, 2 * nbytes, COPY)
+    return Kernels(1, 0.0, 2 * nbytes, seconds, max(seconds, hw.kernel_floor))
 
 
 def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
