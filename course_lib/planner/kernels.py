@@ -162,7 +162,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
-    "tensors_outside" (parameter tensors); "adamw_per_element": one AdamW step as torch runs it
+    "tensors_outside" (parameter tensors); "params": (name, elements) of each parameter of the one-block model, on a
+    TP rank, in registration order; "adamw_per_element": one AdamW step as torch runs it
     on CUDA (its ops per step, bytes and time per element). Traced on the meta device at two
     depths: a block is their difference. ``recompute``: the blocks' policy (GPTConfig's), its
     forward again inside the backward. ``tp``, ``sp``, ``cp``: the kernels of one rank of that
@@ -181,14 +182,18 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
             loss = net(x, x, n_tokens=x.numel())[1]
         with KernelCounter(hw, itemsize, record=True) as bwd:
             loss.backward()
-        return fwd, bwd, len(list(net.parameters()))
+        return fwd, bwd, tuple((name, p.numel()) for name, p in net.named_parameters())
 
     def run(layers, n_experts=None):
-        fwd, bwd, n = trace(layers, n_experts)
-        lf, lb = (fwd, bwd) if tp == 1 else trace(layers, n_experts, tp)[:2]
+        fwd, bwd, params = trace(layers, n_experts)
+        if tp > 1:
+            fwd_t, bwd_t, params = trace(layers, n_experts, tp)
+        else:
+            fwd_t, bwd_t = fwd, bwd
         floor = hw.kernel_floor
-        return _rank_pass(fwd, lf, tp, sp, cp, floor), _rank_pass(bwd, lb, tp, sp, cp, floor), n
-    (f1, b1, n1), (f2, b2, n2) = run(1), run(2)
+        return _rank_pass(fwd, fwd_t, tp, sp, cp, floor), _rank_pass(bwd, bwd_t, tp, sp, cp, floor), params
+    (f1, b1, p1), (f2, b2, p2) = run(1), run(2)
+    n1, n2 = len(p1), len(p2)
 
     def part(c, names):
         return sum((c.by_op.get(k, Kernels()) for k in names), Kernels())
@@ -203,7 +208,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
-            "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1),
+            "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1,
             "adamw_per_element": _adamw(hw, itemsize)}
 
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
+from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
 from course_lib.planner.kernel_cost import COPY, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
 
-BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
 STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
@@ -181,7 +181,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
     experts = n_layers * expert_layer / (layout.ep * layout.etp)
     weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
-               + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
+               + (head_weights(model, first) if last else 0)) / t
     tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
     norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
     if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
@@ -211,25 +211,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                         + ((len(units) + norm_tensors) if layout.sp and t > 1 else 0))
         bwd["launch"] += fsdp_kernels * max(hw.launch_overhead, hw.kernel_floor)
     else:
-        expert_tensors = n_layers * 4 * model.n_experts // (layout.ep * layout.etp) if experts else 0
-        edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
-        if experts and edp > 1:      # the experts' gradients over the ranks holding the same experts
-            buckets = max(1, math.ceil(experts * 4 / BUCKET_CAP_BYTES))
-            alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
-            tail += buckets * F.collective_time("all_reduce", experts * 2 / buckets, edp, alpha, bw)
-            calls["edp"] = buckets
-            sync_kernels += 2 * expert_tensors + buckets
-        for n_params, n_tensors, dims in ((weights, tensors - norm_tensors - expert_tensors, replicas),
-                                          (norms, norm_tensors, replicas + ("tp",))):
-            dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
-            if n_params <= 0 or _size(layout, dims) <= 1:
-                continue
-            buckets = max(1, math.ceil(n_params * 4 / BUCKET_CAP_BYTES))
-            tail += buckets * collective(layout, hw, "all_reduce", n_params * 2 / buckets, dims)
-            calls["+".join(dims)] = calls.get("+".join(dims), 0) + buckets
-            # GradSync's kernels: each gradient copied into its bucket and its flag set; a
-            # bucket's flags read back
-            sync_kernels += 2 * n_tensors + buckets
+        tail, sync_kernels = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
     loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
     if loss_dims:
@@ -242,6 +224,37 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
+
+
+def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict) -> tuple:
+    """(seconds, kernels) of GradSync after the schedule on this stage (no ZeRO-3): one all-reduce
+    per bucket (:mod:`.buckets`: the program's own buckets) over its reduce dims of size > 1, the
+    experts' over the ranks holding the same experts; ``calls`` gets the calls per dims.
+    GradSync's kernels: each gradient copied into its bucket and its flag set; a bucket's flags
+    read back."""
+    seconds, kernels = 0.0, 0
+    edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
+    for dims, n, tensors in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
+        if dims == ("edp",):
+            if edp <= 1:
+                continue
+            alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
+            seconds += F.collective_time("all_reduce", n * 2, edp, alpha, bw)
+        else:
+            dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
+            if not dims:
+                continue
+            seconds += collective(layout, hw, "all_reduce", n * 2, dims)
+        calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
+        kernels += 2 * tensors + 1
+    return seconds, kernels
+
+
+def head_weights(model, first: bool) -> int:
+    """The LM head's weights on the last stage: its own matrix, or with tied embeddings a copy of
+    the embedding's, unless the last stage is also the first (one tensor, counted there)."""
+    parts = F.param_breakdown(model)
+    return parts["lm_head"] or (0 if first else model.vocab * model.hidden)
 
 
 def vocab_loss_kernels(hw, classes: dict, logits: float) -> Kernels:
