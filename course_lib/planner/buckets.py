@@ -49,15 +49,16 @@ def stage_params(model, layout, params, n_layers: int, first: bool, last: bool) 
 
 
 def assign_buckets(params, cap: float = BUCKET_CAP_BYTES, itemsize: int = 4) -> list:
-    """[(reduce dims, elements, tensors)] of each bucket, in the order they close: GradSync's rule
-    on ``params`` [(reduce dims, elements)] (reverse order, one open bucket per dims)."""
+    """[(reduce dims, elements, [elements of each member])] of each bucket, in the order they
+    close: GradSync's rule on ``params`` [(reduce dims, elements)] (reverse order, one open
+    bucket per dims)."""
     closed, open_ = [], {}
     for dims, n in reversed(params):
         if dims in open_ and (open_[dims][1] + n) * itemsize > cap:
-            closed.append((dims, *open_.pop(dims)[1:]))
-        entry = open_.setdefault(dims, [dims, 0, 0])
+            closed.append(tuple(open_.pop(dims)))
+        entry = open_.setdefault(dims, [dims, 0, []])
         entry[1] += n
-        entry[2] += 1
+        entry[2].append(n)
     return closed + [tuple(v) for v in open_.values()]
 
 

@@ -139,21 +139,74 @@ class _Pass:
     def __init__(self, ops):
         self.ops, self.total, self.by_op = ops, Kernels(), {}
         for name, k in ops:
+            if k is None:                           # a mark (:func:`_mark_tp`)
+                continue
             self.total = self.total + k
             self.by_op[name] = self.by_op.get(name, Kernels()) + k
 
 
 def _rank_pass(whole, local, t: int, sp: bool, c: int, floor: float) -> _Pass:
     """The kernels of one tensor- and context-parallel rank, from the pass traced on one device
-    (``whole``) and on a TP rank's shapes (``local``, the same ops in the same order): with SP an
-    op TP does not cut (it costs what it costs on one device: a norm, a residual add) runs on
-    1/t of the tokens; a CP rank runs every op on 1/c of its tokens. Each op at least the floor."""
-    ops = []
-    for (name, w), (_, k) in zip(whole.ops, local.ops):
-        share = c * (t if sp and t > 1 and (w.flops, w.bytes) == (k.flops, k.bytes) else 1)
+    (``whole``) and on a TP rank's shapes (``local``, the same ops in the same order, and the
+    marks of :func:`_mark_tp`, kept in place): with SP an op TP does not cut (it costs what it
+    costs on one device: a norm, a residual add) runs on 1/t of the tokens; a CP rank runs every
+    op on 1/c of its tokens. The vocabulary-parallel embedding looks every token up (then
+    reduce-scatters). Each op at least the floor."""
+    ops, kernels = [], iter(whole.ops)
+    for name, k in local.ops:
+        if k is None:                               # a mark
+            ops.append((name, None))
+            continue
+        w = next(kernels)[1]
+        uncut = (w.flops, w.bytes) == (k.flops, k.bytes) and not name.startswith("embedding")
+        share = c * (t if sp and t > 1 and uncut else 1)
         k = Kernels(1, k.flops / share, k.bytes / share, k.time / share, max(k.time / share, floor))
         ops.append((name, k))
     return _Pass(ops)
+
+
+def _mark_tp(net, where: list, sp: bool) -> None:
+    """Marks in ``where[-1]`` (the running counter's op list) where one TP rank's program issues a blocking
+    collective ("|all_gather", "|reduce_scatter", "|all_reduce", as :func:`runtime.tp_calls`
+    counts them) and where each part begins ("|block i", "|head"; backward "|bblock i", "|bemb"):
+    module hooks on the forward, gradient hooks for the backward (with full recomputation the
+    block's forward runs again in the backward, its marks too)."""
+    def mark(what):
+        where[-1].append(("|" + what, None))
+
+    def on_grad(x, *what):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda g: [mark(w) for w in what] and None)
+
+    def sublayer(module):          # attention, MLP: column- then row-parallel
+        def pre(mod, args):
+            if sp:
+                mark("all_gather")
+            on_grad(args[0], *(("all_gather", "reduce_scatter") if sp else ("all_reduce",)))
+
+        def post(mod, args, out):
+            mark("reduce_scatter" if sp else "all_reduce")
+            if sp:
+                on_grad(out, "all_gather")
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    for i, block in enumerate(net.blocks):
+        block.register_forward_pre_hook(lambda mod, args, i=i: mark(f"block {i}"))
+        block.register_forward_hook(lambda mod, args, out, i=i: on_grad(out, f"bblock {i}"))
+        sublayer(block.attn)
+        sublayer(block.mlp)
+
+    def embedded(mod, args, out):
+        mark("reduce_scatter" if sp else "all_reduce")
+        on_grad(out, *(("bemb", "all_gather") if sp else ("bemb",)))
+    net.tok_emb.register_forward_hook(embedded)
+    net.norm.register_forward_pre_hook(lambda mod, args: mark("head"))
+
+    def head(mod, args):
+        if sp:
+            mark("all_gather")
+        on_grad(args[0], *(("all_gather", "reduce_scatter") if sp else ("all_reduce",)))
+    net.lm_head.register_forward_pre_hook(head)
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,9 +231,17 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
             if t > 1:
                 tp_rank(net, model, t)
             x = torch.zeros(b, s, dtype=torch.long)
+        where = [[]]                                # the op list marks go to
+        if t > 1:
+            _mark_tp(net, where, sp)
         with KernelCounter(hw, itemsize, record=True) as fwd:
+            fwd.ops = where[-1]
             loss = net(x, x, n_tokens=x.numel())[1]
+            if t > 1:                              # the vocabulary-parallel loss's two all-reduces
+                fwd.ops += [("|loss", None)] * 2
+        where.append([])
         with KernelCounter(hw, itemsize, record=True) as bwd:
+            bwd.ops = where[-1]
             loss.backward()
         return fwd, bwd, tuple((name, p.numel()) for name, p in net.named_parameters())
 
@@ -205,11 +266,35 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
         if half < model.n_experts:
             (hf, hb, _), fewer = run(1, half), model.n_experts - half
             per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
+    seq = {}
+    if tp > 1:                # the marked order of one TP rank's kernels (:mod:`course_lib.planner.issue`)
+        seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
+               "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
+            "sequence": seq,
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
             "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1,
             "adamw_per_element": _adamw(hw, itemsize)}
+
+
+def _split(ops, at, names) -> dict:
+    """{name: [device seconds of a kernel, or the name of a collective]} of ``ops`` cut at the
+    marks ``at`` (a ``None`` name: a piece left out)."""
+    out, piece, i = {}, [], 0
+    for name, k in ops:
+        if i < len(at) and name == at[i]:
+            if names[i] is not None:
+                out[names[i]] = piece
+            piece, i = [], i + 1
+        elif k is None:
+            if not name.startswith(("|block", "|bblock", "|bemb", "|head")):
+                piece.append(name[1:])
+        else:
+            piece.append(k.device)
+    if names[i] is not None:
+        out[names[i]] = piece
+    return out
 
 
 def _adamw(hw, itemsize) -> Kernels:

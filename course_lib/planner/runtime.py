@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
+from course_lib.planner.issue import pass_time
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
 from course_lib.planner.kernel_cost import COPY, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
@@ -145,6 +146,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         (fwd if phase == "fwd" else bwd)["tp"] += n * cost
         calls["tp"] = calls.get("tp", 0) + n * m
     fwd_k, bwd_k = fwd_k + added["fwd"], bwd_k + added["bwd"]
+    costs = {kind: collective(layout, hw, kind, act, ("tp",)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    costs["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
     if c > 1:                                        # ring attention, K and V of this rank's heads
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
@@ -161,14 +164,18 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         calls["cp"] = m * n_layers * (c - 1 + c + 1)
     # "launch": the kernels' floors on the device beyond their own work, plus the time of
     # issuing them from the host (one op every launch_overhead) beyond what the device does
-    # meanwhile: its kernels and the collectives it waits for (TP's, CP's hops). The host does
-    # not wait for a collective (it enqueues it and goes on issuing), so where it is the slower
-    # side the collectives hide behind its issue
-    for part, kern in ((fwd, fwd_k), (bwd, bwd_k)):
+    # meanwhile: its kernels and the collectives it waits for (TP's, CP's hops). Where the host
+    # is the slower side the collectives hide behind its issue, except that at each of TP's
+    # blocking collectives the host waits for the stream: then the traced order of the rank's
+    # kernels is run through the issue chain (:mod:`.issue`), stretch by stretch
+    for phase, part, kern in (("fwd", fwd, fwd_k), ("bwd", bwd, bwd_k)):
         device = max(kern.device, kern.count * hw.kernel_floor)      # the kernels, at least their floors
         issue = kern.count * hw.launch_overhead                      # the host's side
         part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
+        if k["sequence"]:
+            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + added[phase].device
+            part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
     if p > 1:
@@ -187,7 +194,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
         weights, norms, norm_tensors = weights + norms, 0, 0
     replicas = ("dp", "cp")
-    tail, sync_kernels, fsdp_kernels = 0.0, 0, 0
+    tail, sync_kernels, fsdp_kernels, sync_seconds = 0.0, 0, 0, None
     if layout.zero == 3 and _size(layout, replicas) > 1:   # FSDP: units = blocks + the rest
         root = ((parts["embedding"] if first else 0) + ((parts["lm_head"] or model.vocab * model.hidden)
                                                          + model.hidden if last else 0)) / t
@@ -211,7 +218,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                         + ((len(units) + norm_tensors) if layout.sp and t > 1 else 0))
         bwd["launch"] += fsdp_kernels * max(hw.launch_overhead, hw.kernel_floor)
     else:
-        tail, sync_kernels = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
+        tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
     loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
     if loss_dims:
@@ -220,21 +227,25 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
-    optimizer = adam.scaled(n_local).seconds(hw) + sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    if sync_seconds is None:
+        sync_seconds = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds
     kernels = m * (fwd_k.count + bwd_k.count + fsdp_kernels) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
 
 
 def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict) -> tuple:
-    """(seconds, kernels) of GradSync after the schedule on this stage (no ZeRO-3): one all-reduce
-    per bucket (:mod:`.buckets`: the program's own buckets) over its reduce dims of size > 1, the
-    experts' over the ranks holding the same experts; ``calls`` gets the calls per dims.
-    GradSync's kernels: each gradient copied into its bucket and its flag set; a bucket's flags
-    read back."""
-    seconds, kernels = 0.0, 0
+    """(seconds of the all-reduces, kernels, seconds of the kernels) of GradSync after the
+    schedule on this stage (no ZeRO-3): one all-reduce per bucket (:mod:`.buckets`: the
+    program's own buckets) over its reduce dims of size > 1, the experts' over the ranks holding
+    the same experts; ``calls`` gets the calls per dims. GradSync's kernels, through the issue
+    chain: each gradient copied into its bucket and its flag set; a bucket's flags read back."""
+    seconds, chain = 0.0, []
     edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
-    for dims, n, tensors in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
+    floor = hw.kernel_floor
+    params = stage_params(model, layout, k["params"], n_layers, first, last)
+    for dims, n, sizes in assign_buckets(params):
         if dims == ("edp",):
             if edp <= 1:
                 continue
@@ -246,8 +257,34 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
                 continue
             seconds += collective(layout, hw, "all_reduce", n * 2, dims)
         calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
-        kernels += 2 * tensors + 1
-    return seconds, kernels
+        for x in sizes:
+            chain += [copy_kernel(hw, x * 2).device, floor]
+        chain.append(floor)
+    return seconds, len(chain), pass_time({"sync": chain}, ("sync",), 0, hw.launch_overhead, {})
+
+
+def first_step_state(model, hw, layout, n_layers: int, first: bool = True, last: bool = True) -> float:
+    """Seconds of the AdamW state a program's FIRST step creates on a stage of ``n_layers``
+    blocks: torch's AdamW makes each parameter's step counter and its two moments
+    (``zeros_like``: read and written, a copy) before its update. Not in :func:`stage_parts`,
+    which prices a steady step; the dry run (:func:`course_lib.virtual.dry_run`) and a virtual
+    launch run one step from scratch, so they hold it."""
+    s = layout.seq_len or model.seq_len
+    k = trace_step(model, hw, layout.micro_batch, s, recompute=layout.recompute, tp=layout.tp, sp=layout.sp,
+                   cp=layout.cp)
+    shard = _size(layout, ("dp", "cp")) if layout.zero >= 1 else 1
+    chain = []
+    for dims, n in stage_params(model, layout, k["params"], n_layers, first, last):
+        moment = copy_kernel(hw, n / (1 if dims == ("edp",) else shard) * 2).device
+        chain += [hw.kernel_floor, moment, moment]
+    return pass_time({"state": chain}, ("state",), 0, hw.launch_overhead, {})
+
+
+def tp_chain(pieces: dict, phase: str, first: bool, last: bool, n_layers: int, hw, costs: dict) -> float:
+    """Seconds of one pass of a TP rank's traced kernels and collectives through the host's
+    issue chain (:func:`.issue.pass_time`), its parts in the pass's order."""
+    order = (("embedding",) if first else ()) + ("layer",) + (("head",) if last else ())
+    return pass_time(pieces, order if phase == "fwd" else order[::-1], n_layers, hw.launch_overhead, costs)
 
 
 def head_weights(model, first: bool) -> int:
@@ -300,4 +337,4 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
+__all__ = ["stage_parts", "first_step_state", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
