@@ -12,7 +12,10 @@ marked with the collectives (:func:`course_lib.planner.kernels.trace_step`, ``"s
 from __future__ import annotations
 
 
-def _run(seq, state, issue: float, costs: dict) -> None:
+def run_chain(seq, state: list, issue: float, costs: dict | None = None) -> None:
+    """``state`` [host, stream] after the kernels (seconds each) and blocking collectives
+    (names, ``costs[name]`` seconds each) of ``seq``, in order."""
+    costs = costs or {}
     host, t = state
     for x in seq:
         if isinstance(x, str):                       # a blocking collective
@@ -32,12 +35,12 @@ def pass_time(pieces: dict, order: tuple, n_layers: int, issue: float, costs: di
     state = [0.0, 0.0]
     for part in order:
         if part != "layer":
-            _run(pieces.get(part, ()), state, issue, costs)
+            run_chain(pieces.get(part, ()), state, issue, costs)
             continue
         done, lead = 0, None
         while done < n_layers:
             before = state[1]
-            _run(pieces["layer"], state, issue, costs)
+            run_chain(pieces["layer"], state, issue, costs)
             done += 1
             now = state[0] - state[1]
             if lead is not None and abs(now - lead) <= 1e-12:
@@ -49,4 +52,4 @@ def pass_time(pieces: dict, order: tuple, n_layers: int, issue: float, costs: di
     return state[1]
 
 
-__all__ = ["pass_time"]
+__all__ = ["pass_time", "run_chain"]

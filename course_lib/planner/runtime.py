@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
-from course_lib.planner.issue import pass_time
+from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
 from course_lib.planner.kernel_cost import COPY, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
@@ -236,31 +236,33 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
 
 
 def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict) -> tuple:
-    """(seconds of the all-reduces, kernels, seconds of the kernels) of GradSync after the
+    """(seconds the all-reduces add, kernels, seconds of the kernels) of GradSync after the
     schedule on this stage (no ZeRO-3): one all-reduce per bucket (:mod:`.buckets`: the
     program's own buckets) over its reduce dims of size > 1, the experts' over the ranks holding
-    the same experts; ``calls`` gets the calls per dims. GradSync's kernels, through the issue
-    chain: each gradient copied into its bucket and its flag set; a bucket's flags read back."""
-    seconds, chain = 0.0, []
+    the same experts; ``calls`` gets the calls per dims. Bucket by bucket, each gradient is
+    copied into it and its flag set (kernels, through the issue chain), then its all-reduce is
+    launched (async) on its group's stream: it starts when its copies are done and the group's
+    last all-reduce is; groups' streams run side by side; the step waits for the last."""
     edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
-    floor = hw.kernel_floor
-    params = stage_params(model, layout, k["params"], n_layers, first, last)
-    for dims, n, sizes in assign_buckets(params):
+    floor, state, streams, kernels = hw.kernel_floor, [0.0, 0.0], {}, 0
+    for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
         if dims == ("edp",):
             if edp <= 1:
                 continue
             alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
-            seconds += F.collective_time("all_reduce", n * 2, edp, alpha, bw)
+            cost = F.collective_time("all_reduce", n * 2, edp, alpha, bw)
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
             if not dims:
                 continue
-            seconds += collective(layout, hw, "all_reduce", n * 2, dims)
+            cost = collective(layout, hw, "all_reduce", n * 2, dims)
         calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
-        for x in sizes:
-            chain += [copy_kernel(hw, x * 2).device, floor]
-        chain.append(floor)
-    return seconds, len(chain), pass_time({"sync": chain}, ("sync",), 0, hw.launch_overhead, {})
+        chain = [x for n_i in sizes for x in (copy_kernel(hw, n_i * 2).device, floor)] + [floor]
+        kernels += len(chain)
+        run_chain(chain, state, hw.launch_overhead)
+        streams[dims] = max(streams.get(dims, 0.0), state[1]) + cost
+    copies = state[1]
+    return max(0.0, max(streams.values(), default=0.0) - copies), kernels, copies
 
 
 def first_step_state(model, hw, layout, n_layers: int, first: bool = True, last: bool = True) -> float:
