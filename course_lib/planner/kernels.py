@@ -150,8 +150,9 @@ def _rank_pass(whole, local, t: int, sp: bool, c: int, floor: float) -> _Pass:
     (``whole``) and on a TP rank's shapes (``local``, the same ops in the same order, and the
     marks of :func:`_mark_tp`, kept in place): with SP an op TP does not cut (it costs what it
     costs on one device: a norm, a residual add) runs on 1/t of the tokens; a CP rank runs every
-    op on 1/c of its tokens. The vocabulary-parallel embedding looks every token up (then
-    reduce-scatters). Each op at least the floor."""
+    op on 1/c of its tokens, except the embedding's backward, which writes its whole table. The
+    vocabulary-parallel embedding looks every token up (then reduce-scatters). Each op at least
+    the floor."""
     ops, kernels = [], iter(whole.ops)
     for name, k in local.ops:
         if k is None:                               # a mark
@@ -159,7 +160,7 @@ def _rank_pass(whole, local, t: int, sp: bool, c: int, floor: float) -> _Pass:
             continue
         w = next(kernels)[1]
         uncut = (w.flops, w.bytes) == (k.flops, k.bytes) and not name.startswith("embedding")
-        share = c * (t if sp and t > 1 and uncut else 1)
+        share = (c if name != "embedding_dense_backward" else 1) * (t if sp and t > 1 and uncut else 1)
         k = Kernels(1, k.flops / share, k.bytes / share, k.time / share, max(k.time / share, floor))
         ops.append((name, k))
     return _Pass(ops)
