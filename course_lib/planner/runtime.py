@@ -241,8 +241,9 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
     program's own buckets) over its reduce dims of size > 1, the experts' over the ranks holding
     the same experts; ``calls`` gets the calls per dims. Bucket by bucket, each gradient is
     copied into it and its flag set (kernels, through the issue chain), then its all-reduce is
-    launched (async) on its group's stream: it starts when its copies are done and the group's
-    last all-reduce is; groups' streams run side by side; the step waits for the last."""
+    launched (async): it starts when its copies are done and the last all-reduce on the same
+    links (NVLink or the network: their bandwidth is shared, as the clock's lanes share it) is;
+    the step waits for the last."""
     edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
     floor, state, streams, kernels = hw.kernel_floor, [0.0, 0.0], {}, 0
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
@@ -260,7 +261,8 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
         chain = [x for n_i in sizes for x in (copy_kernel(hw, n_i * 2).device, floor)] + [floor]
         kernels += len(chain)
         run_chain(chain, state, hw.launch_overhead)
-        streams[dims] = max(streams.get(dims, 0.0), state[1]) + cost
+        lane = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)
+        streams[lane] = max(streams.get(lane, 0.0), state[1]) + cost
     copies = state[1]
     return max(0.0, max(streams.values(), default=0.0) - copies), kernels, copies
 
