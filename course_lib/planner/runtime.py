@@ -139,9 +139,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
             cost = collective(layout, hw, kind, act, ("tp",))
             # comm_ops: an all-gather along the sequence copies its input and its output to and
             # from (s, b, h) order, a reduce-scatter its input (free with one sequence); an
-            # all-reduce clones its input
+            # all-reduce sums in place (the row matmul's output; f's gradient, a matmul's): none
             copied = {"all_gather": (act / t, act) if b > 1 else (), "reduce_scatter": (act,) if b > 1 else (),
-                      "all_reduce": (act,)}[kind]
+                      "all_reduce": ()}[kind]
             added[phase] += sum((copy_kernel(hw, x) for x in copied), Kernels()).times(n)
         (fwd if phase == "fwd" else bwd)["tp"] += n * cost
         calls["tp"] = calls.get("tp", 0) + n * m
