@@ -134,7 +134,8 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
     """``share`` of ``first`` and the rest of ``later`` (kernel counts rounded)."""
     rest = 1 - share
     return Kernels(round(first.count * share + later.count * rest), first.flops * share + later.flops * rest,
-                   first.bytes * share + later.bytes * rest, first.time * share + later.time * rest)
+                   first.bytes * share + later.bytes * rest, first.time * share + later.time * rest,
+                   first.device * share + later.device * rest)
 
 
 __all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed"]

@@ -31,16 +31,23 @@ class Kernels:
     flops: float = 0.0
     bytes: float = 0.0
     time: float = 0.0           # seconds of the kernels' work (sum of their rooflines, no floor, no host)
+    device: float = 0.0         # seconds on the device: each kernel its roofline or the floor, the longer
 
     def __add__(self, o):
-        return Kernels(self.count + o.count, self.flops + o.flops, self.bytes + o.bytes, self.time + o.time)
+        return Kernels(self.count + o.count, self.flops + o.flops, self.bytes + o.bytes, self.time + o.time,
+                       self.device + o.device)
 
     def __sub__(self, o):
-        return Kernels(self.count - o.count, self.flops - o.flops, self.bytes - o.bytes, self.time - o.time)
+        return Kernels(self.count - o.count, self.flops - o.flops, self.bytes - o.bytes, self.time - o.time,
+                       self.device - o.device)
 
     def scaled(self, data: float) -> "Kernels":
         """The same kernels on ``data`` times the elements (time and bytes scale, count does not)."""
-        return Kernels(self.count, self.flops * data, self.bytes * data, self.time * data)
+        return Kernels(self.count, self.flops * data, self.bytes * data, self.time * data, self.device * data)
+
+    def times(self, n: int) -> "Kernels":
+        """``n`` runs of the same kernels."""
+        return Kernels(self.count * n, self.flops * n, self.bytes * n, self.time * n, self.device * n)
 
     def seconds(self, hw) -> float:
         """Their work, or ``count`` times the longer of the kernel floor and the host's issue
@@ -52,10 +59,12 @@ class KernelCounter(TorchDispatchMode):
     """Inside the block, every op torch runs is counted as a kernel: ``total`` and ``by_op``
     (launches, FLOPs, bytes; with ``hw``, its roofline time on that GPU, else 0)."""
 
-    def __init__(self, hw, itemsize):
+    def __init__(self, hw, itemsize, record: bool = False):
         super().__init__()
         self.model = KernelModel(hw, {2: "bfloat16", 4: "float32"}.get(itemsize, "bfloat16")) if hw is not None else None
         self.itemsize, self.total, self.by_op = itemsize, Kernels(), {}
+        self.ops = [] if record else None       # record=True: (name, Kernels) of every op, in order
+        self.by_class = {}                      # kernel class -> bytes its kernels move
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -68,9 +77,13 @@ class KernelCounter(TorchDispatchMode):
         cost = op_cost(func, args, kwargs, out, self.itemsize)
         if cost is not None:
             t = self.model.roofline(*cost) if self.model is not None else 0.0
-            k, name = Kernels(1, cost[0], cost[1], t), func.overloadpacket.__name__
+            floor = self.model.floor if self.model is not None else 0.0
+            k, name = Kernels(1, cost[0], cost[1], t, max(t, floor)), func.overloadpacket.__name__
             self.total = self.total + k
             self.by_op[name] = self.by_op.get(name, Kernels()) + k
+            self.by_class[cost[2]] = self.by_class.get(cost[2], 0) + cost[1]
+            if self.ops is not None:
+                self.ops.append((name, k))
         return out
 
 
@@ -91,29 +104,161 @@ def _config(model, layers, n_experts=None, recompute="none"):
                      recompute=recompute, **moe)
 
 
+def tp_rank(net, model, t: int) -> None:
+    """``net`` (on meta) cut in place as one of ``t`` tensor-parallel ranks holds it, Megatron's
+    split as the course's ``parallel/`` runs it: each block's query, key/value and MLP input
+    matrices by rows (its heads, at least one K/V head; its FFN columns), its output matrices by
+    columns (their bias whole: added once, after the sum), the embedding and LM head by
+    vocabulary rows; the norms whole. Shapes only (meta): the same program, on a rank's shapes."""
+    def cut(linear, rows=None, cols=None):
+        out, inp = linear.weight.shape
+        linear.weight = torch.nn.Parameter(torch.empty(rows or out, cols or inp, device="meta"))
+        if rows and linear.bias is not None:
+            linear.bias = torch.nn.Parameter(torch.empty(rows, device="meta"))
+    d, share = model.head_dim, (lambda n: -(-n // t))
+    for block in net.blocks:
+        attn, mlp = block.attn, block.mlp
+        cut(attn.wq, rows=share(model.n_heads) * d)
+        for w in (attn.wk, attn.wv):
+            cut(w, rows=max(1, model.n_kv_heads // t) * d)
+        cut(attn.wo, cols=share(model.n_heads) * d)
+        first, second = (("w1", "w3"), "w2") if hasattr(mlp, "w1") else (("fc",), "proj")
+        for name in first:
+            cut(getattr(mlp, name), rows=share(model.ffn))
+        cut(getattr(mlp, second), cols=share(model.ffn))
+    rows = share(model.vocab)
+    net.tok_emb.weight = torch.nn.Parameter(torch.empty(rows, model.hidden, device="meta"))
+    if model.tied:
+        net.lm_head.weight = net.tok_emb.weight
+    else:
+        cut(net.lm_head, rows=rows)
+
+
+class _Pass:
+    """One traced pass as a rank runs it: its kernels in order, their total and by op."""
+
+    def __init__(self, ops):
+        self.ops, self.total, self.by_op = ops, Kernels(), {}
+        for name, k in ops:
+            if k is None:                           # a mark (:func:`_mark_tp`)
+                continue
+            self.total = self.total + k
+            self.by_op[name] = self.by_op.get(name, Kernels()) + k
+
+
+def _rank_pass(whole, local, t: int, sp: bool, c: int, floor: float) -> _Pass:
+    """The kernels of one tensor- and context-parallel rank, from the pass traced on one device
+    (``whole``) and on a TP rank's shapes (``local``, the same ops in the same order, and the
+    marks of :func:`_mark_tp`, kept in place): with SP an op TP does not cut (it costs what it
+    costs on one device: a norm, a residual add) runs on 1/t of the tokens; a CP rank runs every
+    op on 1/c of its tokens, except the embedding's backward, which writes its whole table. The
+    vocabulary-parallel embedding looks every token up (then reduce-scatters). Each op at least
+    the floor."""
+    ops, kernels = [], iter(whole.ops)
+    for name, k in local.ops:
+        if k is None:                               # a mark
+            ops.append((name, None))
+            continue
+        w = next(kernels)[1]
+        uncut = (w.flops, w.bytes) == (k.flops, k.bytes) and not name.startswith("embedding")
+        share = (c if name != "embedding_dense_backward" else 1) * (t if sp and t > 1 and uncut else 1)
+        k = Kernels(1, k.flops / share, k.bytes / share, k.time / share, max(k.time / share, floor))
+        ops.append((name, k))
+    return _Pass(ops)
+
+
+def _mark_tp(net, where: list, sp: bool) -> None:
+    """Marks in ``where[-1]`` (the running counter's op list) where one TP rank's program issues a blocking
+    collective ("|all_gather", "|reduce_scatter", "|all_reduce", as :func:`runtime.tp_calls`
+    counts them) and where each part begins ("|block i", "|head"; backward "|bblock i", "|bemb"):
+    module hooks on the forward, gradient hooks for the backward (with full recomputation the
+    block's forward runs again in the backward, its marks too)."""
+    def mark(what):
+        where[-1].append(("|" + what, None))
+
+    def on_grad(x, *what):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda g: [mark(w) for w in what] and None)
+
+    def sublayer(module):          # attention, MLP: column- then row-parallel
+        def pre(mod, args):
+            if sp:
+                mark("all_gather")
+            on_grad(args[0], *(("all_gather", "reduce_scatter") if sp else ("all_reduce",)))
+
+        def post(mod, args, out):
+            mark("reduce_scatter" if sp else "all_reduce")
+            if sp:
+                on_grad(out, "all_gather")
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    for i, block in enumerate(net.blocks):
+        block.register_forward_pre_hook(lambda mod, args, i=i: mark(f"block {i}"))
+        block.register_forward_hook(lambda mod, args, out, i=i: on_grad(out, f"bblock {i}"))
+        sublayer(block.attn)
+        sublayer(block.mlp)
+
+    def embedded(mod, args, out):
+        mark("reduce_scatter" if sp else "all_reduce")
+        on_grad(out, *(("bemb", "all_gather") if sp else ("bemb",)))
+    net.tok_emb.register_forward_hook(embedded)
+    net.norm.register_forward_pre_hook(lambda mod, args: mark("head"))
+
+    def head(mod, args):
+        if sp:
+            mark("all_gather")
+        on_grad(args[0], *(("all_gather", "reduce_scatter") if sp else ("all_reduce",)))
+    net.lm_head.register_forward_pre_hook(head)
+
+
 @functools.lru_cache(maxsize=64)
-def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none") -> dict:
+def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none", tp: int = 1,
+               sp: bool = False, cp: int = 1) -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
-    "tensors_outside" (parameter tensors); "param_shapes": ((name, shape), ...) of the one-block
-    model; "adamw_per_element": one AdamW step as torch runs it
+    "tensors_outside" (parameter tensors); "params": (name, elements) of each parameter of the one-block model, on a
+    TP rank, in registration order; "param_shapes": ((name, shape), ...) of the one-block model, uncut;
+    "adamw_per_element": one AdamW step as torch runs it
     on CUDA (its ops per step, bytes and time per element). Traced on the meta device at two
     depths: a block is their difference. ``recompute``: the blocks' policy (GPTConfig's), its
-    forward again inside the backward."""
+    forward again inside the backward. ``tp``, ``sp``, ``cp``: the kernels of one rank of that
+    tensor- (:func:`tp_rank`) and context-parallel layout (:func:`_rank_pass`); each kernel's
+    ``device`` time is its roofline or the GPU's floor, the longer."""
     from course_lib.gpt import TinyGPT
 
-    def run(layers, n_experts=None):
+    def trace(layers, n_experts=None, t=1):
         cfg = _config(model, layers, n_experts, recompute)
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
+            if t > 1:
+                tp_rank(net, model, t)
             x = torch.zeros(b, s, dtype=torch.long)
-        with KernelCounter(hw, itemsize) as fwd:
+        where = [[]]                                # the op list marks go to
+        if t > 1:
+            _mark_tp(net, where, sp)
+        with KernelCounter(hw, itemsize, record=True) as fwd:
+            fwd.ops = where[-1]
             loss = net(x, x, n_tokens=x.numel())[1]
-        with KernelCounter(hw, itemsize) as bwd:
+            if t > 1:                              # the vocabulary-parallel loss's two all-reduces
+                fwd.ops += [("|loss", None)] * 2
+        where.append([])
+        with KernelCounter(hw, itemsize, record=True) as bwd:
+            bwd.ops = where[-1]
             loss.backward()
-        return fwd, bwd, len(list(net.parameters())), tuple((k, tuple(q.shape)) for k, q in net.named_parameters())
-    (f1, b1, n1, shapes), (f2, b2, n2, _) = run(1), run(2)
+        return (fwd, bwd, tuple((name, p.numel()) for name, p in net.named_parameters()),
+                tuple((name, tuple(p.shape)) for name, p in net.named_parameters()))
+
+    def run(layers, n_experts=None):
+        fwd, bwd, params, shapes = trace(layers, n_experts)
+        if tp > 1:
+            fwd_t, bwd_t, params, _ = trace(layers, n_experts, tp)
+        else:
+            fwd_t, bwd_t = fwd, bwd
+        floor = hw.kernel_floor
+        return _rank_pass(fwd, fwd_t, tp, sp, cp, floor), _rank_pass(bwd, bwd_t, tp, sp, cp, floor), params, shapes
+    (f1, b1, p1, shapes), (f2, b2, p2, _) = run(1), run(2)
+    n1, n2 = len(p1), len(p2)
 
     def part(c, names):
         return sum((c.by_op.get(k, Kernels()) for k in names), Kernels())
@@ -125,11 +270,35 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
         if half < model.n_experts:
             (hf, hb, _, _), fewer = run(1, half), model.n_experts - half
             per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
+    seq = {}
+    if tp > 1:                # the marked order of one TP rank's kernels (:mod:`course_lib.planner.issue`)
+        seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
+               "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
+            "sequence": seq,
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
-            "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "param_shapes": shapes,
+            "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1, "param_shapes": shapes,
             "adamw_per_element": _adamw(hw, itemsize)}
+
+
+def _split(ops, at, names) -> dict:
+    """{name: [device seconds of a kernel, or the name of a collective]} of ``ops`` cut at the
+    marks ``at`` (a ``None`` name: a piece left out)."""
+    out, piece, i = {}, [], 0
+    for name, k in ops:
+        if i < len(at) and name == at[i]:
+            if names[i] is not None:
+                out[names[i]] = piece
+            piece, i = [], i + 1
+        elif k is None:
+            if not name.startswith(("|block", "|bblock", "|bemb", "|head")):
+                piece.append(name[1:])
+        else:
+            piece.append(k.device)
+    if names[i] is not None:
+        out[names[i]] = piece
+    return out
 
 
 def _adamw(hw, itemsize) -> Kernels:

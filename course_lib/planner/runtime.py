@@ -31,17 +31,22 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
-from course_lib.planner.kernel_cost import ELEMENTWISE, KernelModel
 from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
+from course_lib.planner.issue import pass_time, run_chain
+from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
+from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
 
-BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
 STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
 # against the counts of course_lib.lab.virtual_runs, for cp = 2..8):
 VOCAB_LOSS_KERNELS = 29           # vocabulary-parallel cross entropy less the plain one, fwd + bwd
+VOCAB_LOSS_BYTES = {              # ... and the bytes its kernels move per local logit, by class
+    "fwd": {"reduction": -2, "broadcast": 8, "elementwise": 4, "copy": 2},
+    "bwd": {"reduction": -2, "copy": 6},
+}
 RING_KERNELS = {                  # per layer, busiest rank: (fixed, per ring rank), fwd and bwd
     False: ((7, 41), (3, 32)),    # one K/V head per query head
     True: ((6, 42), (1, 35)),     # grouped-query attention: K/V heads repeated per block
@@ -106,48 +111,51 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     first, last = stage == 0, stage == p - 1
-    k = trace_step(model, hw, b, s, recompute=layout.recompute)   # (recomputation: in the backward)
-    split = t * c                                    # each rank's share of a layer's elements
-
-    def run(kern, n=1):                              # n copies of a traced part, on 1/split of its elements
-        return Kernels(kern.count * n, kern.flops * n / split, kern.bytes * n / split, kern.time * n / split)
-    fwd_k, bwd_k = run(k["layer_fwd"], n_layers), run(k["layer_bwd"], n_layers)
+    # one TP and CP rank's kernels (recomputation: in the backward)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c)
+    fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:
-            fwd_k, bwd_k = fwd_k + run(k[part + "_fwd"]), bwd_k + run(k[part + "_bwd"])
+            fwd_k, bwd_k = fwd_k + k[part + "_fwd"], bwd_k + k[part + "_bwd"]
     # (every kernel at its own roofline is "compute")
     fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
     bwd = {**fwd, "compute": bwd_k.time}
     calls = {}
     ep_f, ep_b = moe_parts(model, hw, layout, k, n_layers)
-    fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time)
-    bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
+    fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time, fwd_k.device)
+    bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time, bwd_k.device)
     if layout.ep * layout.etp > 1:
         fwd["ep"] = bwd["ep"] = n_layers * ep_time(model, hw, layout, b * s / c)
         calls["ep"] = m * n_layers * 2 * 3     # counts, dispatch, combine; forward and backward
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
-    copies = 0                                       # TP's own kernels per micro-batch (see below)
+    added = {"fwd": Kernels(), "bwd": Kernels()}     # TP's own kernels per micro-batch (see below)
     for (phase, kind), n in tp_calls(layout, first, last, n_layers).items():
         if kind == "loss":                           # (b s/cp,) maxima, then (2, b s/cp) sums: fp32 -> bf16
             cost = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
-            copies += VOCAB_LOSS_KERNELS
+            added["fwd"] += Kernels(VOCAB_LOSS_KERNELS, 0.0, 0.0, 0.0, VOCAB_LOSS_KERNELS * hw.kernel_floor)
+            for pas, classes in VOCAB_LOSS_BYTES.items():
+                added[pas] += vocab_loss_kernels(hw, classes, b * s / c * math.ceil(model.vocab / t))
         else:
             cost = collective(layout, hw, kind, act, ("tp",))
             # comm_ops: an all-gather along the sequence copies its input and its output to and
             # from (s, b, h) order, a reduce-scatter its input (free with one sequence); an
             # all-reduce sums in place (the row matmul's output; f's gradient, a matmul's): none
-            copies += n * {"all_gather": 2 * (b > 1), "reduce_scatter": 1 * (b > 1), "all_reduce": 0}[kind]
+            copied = {"all_gather": (act / t, act) if b > 1 else (), "reduce_scatter": (act,) if b > 1 else (),
+                      "all_reduce": ()}[kind]
+            added[phase] += sum((copy_kernel(hw, x) for x in copied), Kernels()).times(n)
         (fwd if phase == "fwd" else bwd)["tp"] += n * cost
         calls["tp"] = calls.get("tp", 0) + n * m
-    fwd_k = Kernels(fwd_k.count + copies, fwd_k.flops, fwd_k.bytes, fwd_k.time)
+    fwd_k, bwd_k = fwd_k + added["fwd"], bwd_k + added["bwd"]
+    costs = {kind: collective(layout, hw, kind, act, ("tp",)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    costs["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
     if c > 1:                                        # ring attention, K and V of this rank's heads
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
         hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw
         ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
-        fwd_k = Kernels(fwd_k.count + n_layers * ring_f, fwd_k.flops, fwd_k.bytes, fwd_k.time)
-        bwd_k = Kernels(bwd_k.count + n_layers * ring_b, bwd_k.flops, bwd_k.bytes, bwd_k.time)
+        fwd_k = fwd_k + Kernels(n_layers * ring_f)
+        bwd_k = bwd_k + Kernels(n_layers * ring_b)
         # a hop travels while one block's attention computes (1/c of the ring's kernels, launched):
         # exposed, its excess; the accumulator's last hop home has nothing to hide behind
         per = max(hw.launch_overhead, hw.kernel_floor)     # a small kernel: issued, or its floor
@@ -162,7 +170,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     expert_layer = model.n_experts * parts["mlp_one_expert"] if model.n_experts > 1 else 0
     experts = n_layers * expert_layer / (layout.ep * layout.etp)
     weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
-               + ((parts["lm_head"] or model.vocab * model.hidden) if last else 0)) / t
+               + (head_weights(model, first) if last else 0)) / t
     tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
     if model.n_experts > 1:     # the traced block holds all E experts (4 tensors each), this GPU E / (ep etp)
         tensors -= n_layers * 4 * (model.n_experts - model.n_experts // (layout.ep * layout.etp))
@@ -178,24 +186,30 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     elif m > 1:                             # every backward after a stage's first adds into .grad
         acc, share = accumulation(hw, weights + norms + experts, tensors), (m - 1) / m   # (per micro-batch)
         bwd_k = Kernels(bwd_k.count + round(acc.count * share), bwd_k.flops + acc.flops * share,
-                        bwd_k.bytes + acc.bytes * share, bwd_k.time + acc.time * share)
+                        bwd_k.bytes + acc.bytes * share, bwd_k.time + acc.time * share,
+                        bwd_k.device + acc.device * share)
         bwd["compute"] = bwd_k.time
     # "launch": the kernels' floors on the device beyond their own work, plus the time of
     # issuing them from the host (one op every launch_overhead) beyond what the device does
-    # meanwhile: its kernels and the collectives it waits for (TP's, CP's hops). The host does
-    # not wait for a collective (it enqueues it and goes on issuing), so where it is the slower
-    # side the collectives hide behind its issue
-    for part, kern in ((fwd, fwd_k), (bwd, bwd_k)):
-        device = max(kern.time, kern.count * hw.kernel_floor)        # the kernels, at least their floors
+    # meanwhile: its kernels and the collectives it waits for (TP's, CP's hops). Where the host
+    # is the slower side the collectives hide behind its issue, except that at each of TP's
+    # blocking collectives the host waits for the stream: then the traced order of the rank's
+    # kernels is run through the issue chain (:mod:`.issue`), stretch by stretch
+    for phase, part, kern in (("fwd", fwd, fwd_k), ("bwd", bwd, bwd_k)):
+        device = max(kern.device, kern.count * hw.kernel_floor)      # the kernels, at least their floors
         issue = kern.count * hw.launch_overhead                      # the host's side
+        part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
+        if k["sequence"]:
+            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + added[phase].device
+            part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
     if p > 1:
         calls["pp"] = m * ((not last) + (not first))
 
     replicas = ("dp", "cp")
-    tail, sync_kernels = 0.0, 0
+    tail, sync_kernels, sync_seconds = 0.0, 0, None
     if fsdp and _size(layout, replicas) > 1:   # FSDP's collectives, per unit and micro-batch
         sizes = [sum(math.prod(x) for x in u) for u in units]
         ag = [collective(layout, hw, "all_gather", n * 2, replicas) for n in sizes]
@@ -208,26 +222,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
         calls["tp"] = calls.get("tp", 0) + m * len(units)
-    if not fsdp:
-        expert_tensors = n_layers * 4 * model.n_experts // (layout.ep * layout.etp) if experts else 0
-        edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
-        if experts and edp > 1:      # the experts' gradients over the ranks holding the same experts
-            buckets = max(1, math.ceil(experts * 4 / BUCKET_CAP_BYTES))
-            alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
-            tail += buckets * F.collective_time("all_reduce", experts * 2 / buckets, edp, alpha, bw)
-            calls["edp"] = buckets
-            sync_kernels += 2 * expert_tensors + buckets
-        for n_params, n_tensors, dims in ((weights, tensors - norm_tensors - expert_tensors, replicas),
-                                          (norms, norm_tensors, replicas + ("tp",))):
-            dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
-            if n_params <= 0 or _size(layout, dims) <= 1:
-                continue
-            buckets = max(1, math.ceil(n_params * 4 / BUCKET_CAP_BYTES))
-            tail += buckets * collective(layout, hw, "all_reduce", n_params * 2 / buckets, dims)
-            calls["+".join(dims)] = calls.get("+".join(dims), 0) + buckets
-            # GradSync's kernels: each gradient copied into its bucket and its flag set; a
-            # bucket's flags read back
-            sync_kernels += 2 * n_tensors + buckets
+    if not fsdp:                              # GradSync after the schedule (:func:`dp_sync`)
+        tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
     loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
     if loss_dims:
@@ -236,10 +232,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
-    # GradSync's kernels: a bucket's copies issued while the buckets before it are reduced (each
-    # all-reduce is asynchronous): beyond the all-reduces, what is left of them
-    sync = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
-    optimizer = adam.scaled(n_local).seconds(hw) + max(0.0, sync - tail)
+    if sync_seconds is None:                  # FSDP: no GradSync buckets
+        sync_seconds = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
+    optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
@@ -253,7 +248,68 @@ def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernel
     backward)."""
     model = KernelModel(hw, {2: "bfloat16", 4: "float32"}[itemsize])
     nbytes = 3 * itemsize * elements
-    return Kernels(tensors, elements, nbytes, model.roofline(elements, nbytes, ELEMENTWISE))
+    seconds = model.roofline(elements, nbytes, ELEMENTWISE)
+    return Kernels(tensors, elements, nbytes, seconds, max(seconds, tensors * hw.kernel_floor))
+
+
+def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict) -> tuple:
+    """(seconds the all-reduces add, kernels, seconds of the kernels) of GradSync after the
+    schedule on this stage (no ZeRO-3): one all-reduce per bucket (:mod:`.buckets`: the
+    program's own buckets) over its reduce dims of size > 1, the experts' over the ranks holding
+    the same experts; ``calls`` gets the calls per dims. Bucket by bucket, each gradient is
+    copied into it and its flag set (kernels, through the issue chain), then its all-reduce is
+    launched (async): it starts when its copies are done and the last all-reduce on the same
+    links (NVLink or the network: their bandwidth is shared, as the clock's lanes share it) is;
+    the step waits for the last."""
+    edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
+    floor, state, streams, kernels = hw.kernel_floor, [0.0, 0.0], {}, 0
+    for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
+        if dims == ("edp",):
+            if edp <= 1:
+                continue
+            alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
+            cost = F.collective_time("all_reduce", n * 2, edp, alpha, bw)
+        else:
+            dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
+            if not dims:
+                continue
+            cost = collective(layout, hw, "all_reduce", n * 2, dims)
+        calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
+        chain = [x for n_i in sizes for x in (copy_kernel(hw, n_i * 2).device, floor)] + [floor]
+        kernels += len(chain)
+        run_chain(chain, state, hw.launch_overhead)
+        lane = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)
+        streams[lane] = max(streams.get(lane, 0.0), state[1]) + cost
+    copies = state[1]
+    return max(0.0, max(streams.values(), default=0.0) - copies), kernels, copies
+
+
+def tp_chain(pieces: dict, phase: str, first: bool, last: bool, n_layers: int, hw, costs: dict) -> float:
+    """Seconds of one pass of a TP rank's traced kernels and collectives through the host's
+    issue chain (:func:`.issue.pass_time`), its parts in the pass's order."""
+    order = (("embedding",) if first else ()) + ("layer",) + (("head",) if last else ())
+    return pass_time(pieces, order if phase == "fwd" else order[::-1], n_layers, hw.launch_overhead, costs)
+
+
+def head_weights(model, first: bool) -> int:
+    """The LM head's weights on the last stage: its own matrix, or with tied embeddings a copy of
+    the embedding's, unless the last stage is also the first (one tensor, counted there)."""
+    parts = F.param_breakdown(model)
+    return parts["lm_head"] or (0 if first else model.vocab * model.hidden)
+
+
+def vocab_loss_kernels(hw, classes: dict, logits: float) -> Kernels:
+    """The work the vocabulary-parallel loss adds to one pass over the plain one: ``classes``
+    its bytes per logit by kernel class, on ``logits`` logits (its launches counted apart)."""
+    rate = KernelModel(hw).bytes_rate
+    seconds = sum(n * logits / rate[cls] for cls, n in classes.items())
+    return Kernels(0, 0.0, sum(classes.values()) * logits, seconds, seconds)
+
+
+def copy_kernel(hw, nbytes: float) -> Kernels:
+    """One copy of ``nbytes`` (read, then written) on ``hw``: a kernel of the copy class."""
+    seconds = KernelModel(hw).roofline(0, 2 * nbytes, COPY)
+    return Kernels(1, 0.0, 2 * nbytes, seconds, max(seconds, hw.kernel_floor))
 
 
 def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
@@ -285,5 +341,5 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "tp_calls", "group_in_node", "collective",
-           "BUCKET_CAP_BYTES"]
+__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "tp_calls", "group_in_node",
+           "collective", "BUCKET_CAP_BYTES"]

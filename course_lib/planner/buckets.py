@@ -1,0 +1,65 @@
+"""The gradient buckets of the course's ``GradSync``, as the planner counts them (``runtime="course"``).
+
+``GradSync`` (``course_lib.parallel.grad_sync``) walks a stage's parameters in reverse order and
+fills one bucket per set of reduce dims until the next parameter would overflow its 25 MiB (a
+larger parameter gets a bucket of its own); each bucket is one all-reduce. The planner sits
+below ``parallel/`` and imports none of it: it walks the same parameters, those the planner's own
+trace of a rank's model holds (:func:`course_lib.planner.kernels.trace_step`, ``"params"``), with
+the same rule; ``tests/test_planner_buckets.py`` checks the buckets against ``GradSync``'s own.
+"""
+from __future__ import annotations
+
+import re
+
+BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
+_EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
+
+
+def stage_params(model, layout, params, n_layers: int, first: bool, last: bool) -> list:
+    """[(reduce dims, elements)] of one rank's parameters on a stage of ``n_layers`` blocks, in
+    registration order. ``params``: (name, elements) of the one-block model on a TP rank. The
+    norms' with SP are summed over (dp, cp, tp), an expert's over the ranks holding the same
+    expert ("edp"; E / (ep etp) of them here, each 1 / etp of its width), the rest over (dp, cp)."""
+    experts = model.n_experts // (layout.ep * layout.etp) if model.n_experts > 1 else 0
+    out = []
+
+    def add(name, n):
+        found = _EXPERT.search(name)
+        if found:
+            if int(found.group(1)) < experts:
+                out.append((("edp",), n // layout.etp))
+            return
+        norm = "norm" in name.rsplit(".", 2)[-2]
+        out.append((("dp", "cp", "tp") if norm and layout.sp and layout.tp > 1 else ("dp", "cp"), n))
+    block = [(name.split(".", 2)[2], n) for name, n in params if name.startswith("blocks.0.")]
+    before = [(name, n) for name, n in params if name.endswith("_emb.weight")]
+    after = [(name, n) for name, n in params if not name.startswith("blocks.") and (name, n) not in before]
+    if first:
+        for name, n in before:
+            add(name, n)
+    for _ in range(n_layers):
+        for name, n in block:
+            add("blocks.0." + name, n)
+    if last:
+        for name, n in after:
+            add(name, n)
+        if model.tied and not first:           # the tied head's own copy of the embedding
+            add("lm_head.weight", dict(params)["tok_emb.weight"])
+    return out
+
+
+def assign_buckets(params, cap: float = BUCKET_CAP_BYTES, itemsize: int = 4) -> list:
+    """[(reduce dims, elements, [elements of each member])] of each bucket, in the order they
+    close: GradSync's rule on ``params`` [(reduce dims, elements)] (reverse order, one open
+    bucket per dims)."""
+    closed, open_ = [], {}
+    for dims, n in reversed(params):
+        if dims in open_ and (open_[dims][1] + n) * itemsize > cap:
+            closed.append(tuple(open_.pop(dims)))
+        entry = open_.setdefault(dims, [dims, 0, []])
+        entry[1] += n
+        entry[2].append(n)
+    return closed + [tuple(v) for v in open_.values()]
+
+
+__all__ = ["BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]
