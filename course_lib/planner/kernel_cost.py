@@ -381,5 +381,6 @@ class KernelModel:
         return t if t > floor else floor
 
 
-__all__ = ["FREE", "COURSE_KERNELS", "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
+__all__ = ["FREE", "COURSE_KERNELS",
+           "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
            "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches"]

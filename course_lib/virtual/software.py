@@ -34,7 +34,8 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
 * ``"fused_qkv"``: Megatron-LM's one QKV GEMM (its ``query_key_value`` ColumnParallelLinear of
   width 3h/t) for the course's three projections W_q, W_k, W_v
   (:mod:`course_lib.virtual.fused_qkv`: the course's weights, one GEMM forward, one for dX and
-  one for dW backward; Megatron stores the three as one tensor, so no concatenation is priced).
+  one for dW backward; Megatron stores the three as one tensor, so no concatenation is priced;
+  the same values and gradients to the bit, ``tests/test_fused_qkv.py``).
 
 All compute what the written-out attention computes (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
