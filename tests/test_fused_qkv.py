@@ -76,11 +76,13 @@ def _real_rank(cfg, layout, fusions):
 
 
 def test_fused_qkv_prices_as_a_real_launch_and_as_one_gemm():
-    """tp 2 x pp 2, 1F1B over 4 micro-batches, Megatron-LM's software: the dry run is the real
-    4-rank launch (step time, kernels, memory), and each block's forward runs two GEMMs fewer,
-    its backward four fewer, two bias sums fewer and no adds of the dX parts; the step is faster."""
+    """tp 2 x pp 2, sequence parallel (x's s/t tokens kept, re-gathered in backward), 1F1B
+    over 4 micro-batches, Megatron-LM's software:
+    the dry run is the real 4-rank launch (step time, kernels, memory); each block's forward
+    runs two GEMMs fewer, its backward four fewer, two bias sums fewer and no adds of the dX
+    parts; the step is faster."""
     from course_lib.virtual.dry_run import model_config
-    layout = Layout(tp=2, pp=2, sp=False, micro_batch=1, global_batch=4, recompute="none")
+    layout = Layout(tp=2, pp=2, sp=True, micro_batch=1, global_batch=4, recompute="none")
     fused = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
     real = launch(_real_rank, 4, model_config(SPEC, layout), layout, fused, clock=VirtualCluster(HW))
     r = dry_run(SPEC, HW, layout, fusions=fused)
