@@ -114,3 +114,19 @@ def test_fused_qkv_is_priced_as_the_combined_gemms():
     dw = torch.ops.course.fused_qkv_weight_grad.default
     args = (x, *out, True)
     assert op_cost(dw, args, {}, dw(*args), 2)[3] == (q + 2 * kv, h, T, 1)
+
+
+def test_fused_qkv_refuses_what_it_does_not_fuse():
+    """Async TP's decomposed all-gather matmul computes the projections itself; a projection
+    that is not an nn.Linear (or TP's column slice) is not fused; biases all or none."""
+    import pytest
+    from course_lib.virtual.fused_qkv import fused_qkv
+    lin = lambda bias=True: torch.nn.Linear(8, 8, bias=bias)
+    x = torch.randn(2, 3, 8)
+    x.async_outputs = {}
+    with pytest.raises(NotImplementedError, match="async TP"):
+        fused_qkv(x, lin(), lin(), lin())
+    with pytest.raises(NotImplementedError, match="Identity"):
+        fused_qkv(torch.randn(2, 3, 8), lin(), torch.nn.Identity(), lin())
+    with pytest.raises(ValueError, match="bias"):
+        fused_qkv(torch.randn(2, 3, 8), lin(), lin(False), lin())
