@@ -179,13 +179,18 @@ class Attention(nn.Module):
             return recompute(core, (q, k, v), rng_of=(self.attn_dropout,))
         return core(q, k, v)
 
+    def project(self, x):  # (b, s, h) -> Q (b, s, a d), K and V (b, s, kv d)
+        """The three projections, three GEMMs (Megatron-LM runs one: virtual.software's fused_qkv)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x, positions=None, doc_ids=None):  # (b, s, h) -> (b, s, h); positions (s,)
         b, s, _ = x.shape
         d = self.head_dim
         positions = check_positions(positions, s, self.max_len)
-        q = self.wq(x).view(b, s, -1, d).transpose(1, 2)   # (b, a, s, d): a local query heads
-        k = self.wk(x).view(b, s, -1, d).transpose(1, 2)   # (b, kv, s, d)
-        v = self.wv(x).view(b, s, -1, d).transpose(1, 2)   # (b, kv, s, d)
+        q, k, v = self.project(x)
+        q = q.view(b, s, -1, d).transpose(1, 2)            # (b, a, s, d): a local query heads
+        k = k.view(b, s, -1, d).transpose(1, 2)            # (b, kv, s, d)
+        v = v.view(b, s, -1, d).transpose(1, 2)            # (b, kv, s, d)
         if self.rotary:
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

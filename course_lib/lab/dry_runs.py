@@ -42,7 +42,10 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # base fuses each row layer's bias + dropout + residual add (Narayanan et al. 2021, Sec. 4.2;
 # ``--no-bias-dropout-fusion`` is store_false: on by default, and neither Korthikanti's nor
 # BLOOM's tr11-176B-ml.slurm turns it off): "bias_dropout_add". Its bias + GeLU fusion is what
-# the course already runs (the bias in the GEMM, then one GeLU kernel): no entry.
+# the course already runs (the bias in the GEMM, then one GeLU kernel): no entry. Its attention
+# projects Q, K and V with one GEMM: ParallelAttention's ``query_key_value`` ColumnParallelLinear
+# of width 3h/t (NVIDIA/Megatron-LM megatron/model/transformer.py, 2021-22; BLOOM's fork,
+# bigscience-workshop/Megatron-DeepSpeed, keeps the same layer in the same file): "fused_qkv".
 # BLOOM's pipeline ran in DeepSpeed's PipelineEngine (Megatron-DeepSpeed with
 # --pipeline-model-parallel-size 12, bigscience train/tr11-176B-ml/tr11-176B-ml.slurm): its
 # TrainSchedule is 1F1B, one SendActivation / RecvGrad / SendGrad / RecvActivation per
@@ -55,7 +58,7 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # crosses Omni-Path (the course: dp outermost, half the hops on NVLink; gpus_per_node=4
 # emulates it: -10.7%, -10.2% with blocking sends); the script's CUDA_LAUNCH_BLOCKING=1
 # (about 75k kernels a rank x 12.3 us = 0.9 s); DeepSpeed's lock-step instruction order.
-_MEGATRON = ("scale_mask_softmax", "bias_dropout_add")
+_MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON + ("blocking_sends",), "Llama 3 T4": ("flash_attention",)}
 

@@ -327,9 +327,10 @@ class ContextParallelAttention(Attention):
                              "(shard_positions(seq_len, cp, rank, layout)): its s/N tokens are not 0..s/N-1")
         check_positions(positions, s, s * self.cp_comm.size)
         d = self.head_dim
-        q = self.wq(x).view(b, s, -1, d).transpose(1, 2)           # (b, a, s/N, d)
-        k = self.wk(x).view(b, s, -1, d).transpose(1, 2)           # (b, kv, s/N, d)
-        v = self.wv(x).view(b, s, -1, d).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.view(b, s, -1, d).transpose(1, 2)                    # (b, a, s/N, d)
+        k = k.view(b, s, -1, d).transpose(1, 2)                    # (b, kv, s/N, d)
+        v = v.view(b, s, -1, d).transpose(1, 2)
         if self.rotary:
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

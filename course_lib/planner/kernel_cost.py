@@ -84,6 +84,38 @@ _ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product
               aten._flash_attention_backward, aten._efficient_attention_forward, aten._efficient_attention_backward,
               *CPU_KERNELS}
 
+
+
+def _qkv_rows(*w) -> int:
+    return sum(t.shape[0] for t in w)
+
+
+def _tokens(t) -> int:
+    return t.numel() // t.shape[-1]
+
+
+# the course's own fused kernels priced as GEMMs (course_lib.virtual.fused_qkv: Megatron-LM's
+# one QKV GEMM, its three weights one [(h + 2 kv)/t, h] operand as Megatron stores them):
+# op name -> (class, (M, N, K, batch) of its arguments)
+COURSE_KERNELS = {
+    "course::fused_qkv": (GEMM, lambda x, wq, wk, wv, *b: (_tokens(x), _qkv_rows(wq, wk, wv), x.shape[-1], 1)),
+    "course::fused_qkv_input_grad": (GEMM, lambda dq, dk, dv, wq, wk, wv: (_tokens(dq), wq.shape[1],
+                                                                            _qkv_rows(wq, wk, wv), 1)),
+    "course::fused_qkv_weight_grad": (GEMM, lambda x, dq, dk, dv, t: (dq.shape[-1] + dk.shape[-1] + dv.shape[-1],
+                                                                       x.shape[-1], _tokens(x), 1)),
+    "course::fused_qkv_bias_grad": (REDUCTION, None),     # the three biases' sum over tokens: one kernel
+}
+
+
+def _course_gemm_flops(func):
+    shape = COURSE_KERNELS[func._schema.name][1]
+
+    def flops(*args, out_val=None, **kwargs):
+        M, N, K, batch = shape(*args)
+        return 2 * M * N * K * batch
+    return flops
+
+
 _FREE_OP = object()  # the memo's mark of an op that launches no kernel
 _KINDS: dict = {}   # OpOverload -> _Kind or _FREE_OP: a memo
 
@@ -96,6 +128,9 @@ class _Kind:
     def __init__(self, func):
         packet = func.overloadpacket
         self.formula, cls = CPU_KERNELS.get(packet, (flop_registry.get(packet), None))
+        course = COURSE_KERNELS.get(func._schema.name)
+        if course is not None:
+            cls, self.formula = course[0], _course_gemm_flops(func) if course[1] else None
         name = packet.__name__
         if cls is None:
             cls = (ATTENTION if packet in _ATTENTION else GEMM if self.formula is not None
@@ -271,7 +306,8 @@ def _gemm_shape(func, args):
     """(M, N, K, batch) of mm / addmm / bmm / baddbmm, else None."""
     packet = func.overloadpacket
     if packet not in _GEMM_SHAPED:
-        return None
+        course = COURSE_KERNELS.get(func._schema.name)
+        return course[1](*args) if course is not None and course[1] else None
     a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
     if a.dim() == 3:
         return a.shape[1], b.shape[2], a.shape[2], a.shape[0]
@@ -345,5 +381,6 @@ class KernelModel:
         return t if t > floor else floor
 
 
-__all__ = ["FREE", "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
+__all__ = ["FREE", "COURSE_KERNELS",
+           "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
            "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches"]

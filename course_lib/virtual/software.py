@@ -31,6 +31,12 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   layer adds its bias inside the GEMM (``addmm``), so the MLP's first half is a GEMM and one
   GeLU kernel, forward and backward, as in Megatron's fused path (``mm`` + ``bias_gelu``).
 
+* ``"fused_qkv"``: Megatron-LM's one QKV GEMM (its ``query_key_value`` ColumnParallelLinear of
+  width 3h/t) for the course's three projections W_q, W_k, W_v
+  (:mod:`course_lib.virtual.fused_qkv`: the course's weights, one GEMM forward, one for dX and
+  one for dW backward; Megatron stores the three as one tensor, so no concatenation is priced;
+  the same values and gradients to the bit, ``tests/test_fused_qkv.py``).
+
 And one runtime behaviour (:data:`RUNTIME`), a way the source's software ran the course's
 program, not a kernel:
 
@@ -55,8 +61,9 @@ import torch
 
 from course_lib.gpt import Attention, Block
 from course_lib.recompute import recompute
+from course_lib.virtual.fused_qkv import project_fused
 
-FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add")
+FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
 RUNTIME = ("blocking_sends",)      # how the program runs, not a kernel (:func:`install_runtime`)
 
 
@@ -225,8 +232,9 @@ def _layer_bias_dropout_add(self, x, positions=None, doc_ids=None):
 
 
 def install(model, fusions) -> int:
-    """Every :class:`~course_lib.gpt.Attention` of ``model`` runs its core as ``fusions`` say,
-    and with ``"bias_dropout_add"`` every :class:`~course_lib.gpt.Block` its output adds (this
+    """Every :class:`~course_lib.gpt.Attention` of ``model`` runs its core as ``fusions`` say
+    (with ``"fused_qkv"`` its projections as one GEMM), and with ``"bias_dropout_add"`` every
+    :class:`~course_lib.gpt.Block` its output adds (this
     instance only; before the model is cut). Returns how many modules were changed."""
     fusions = check_fusions(fusions)
     attend = _attend_flash if "flash_attention" in fusions else \
@@ -237,6 +245,11 @@ def install(model, fusions) -> int:
         for mod in model.modules():
             if isinstance(mod, Attention):
                 mod.attend = types.MethodType(attend, mod)
+                n += 1
+    if "fused_qkv" in fusions:
+        for mod in model.modules():
+            if isinstance(mod, Attention):
+                mod.project = types.MethodType(project_fused, mod)
                 n += 1
     if "bias_dropout_add" in fusions:
         for mod in model.modules():
