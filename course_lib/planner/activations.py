@@ -174,3 +174,42 @@ def stage_activation_bytes(model, s, b, policies, t=1, sp=False, cp=1, in_flight
             raise ValueError(f"unknown recompute policy {p!r}: must be one of {RECOMPUTE}")
     return in_flight * sum(layer_activation_bytes(model, s, b, t, sp, p, cp=cp, fused_attention=fused_attention,
                                                   fused_kernels=fused_kernels) for p in policies)
+
+
+def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1) -> float:
+    """Bytes one layer of the course's own program (``TinyGPT``, what ``runtime="course"`` and the
+    dry run run) keeps for backward, per micro-batch, on one GPU (16-bit).
+
+    Where it differs from :func:`layer_activation_bytes` (Megatron-LM's kernels):
+
+    - attention is written out: its softmax output, 2 a s^2 b / (t cp), is kept (recompute
+      "none"); with context parallelism the ring attention keeps a log-sum-exp instead, as a
+      fused kernel does (:func:`lse_bytes`);
+    - no dropout (``model_config`` builds the model with dropout 0): the GPT-3 block keeps
+      neither the two 1-byte masks (2 s b h) nor the attention dropout's mask and output;
+      its two LayerNorms keep their mean and rstd, 8 bytes a token (the census of
+      ``lab.dry_run_memory.course_terms``);
+    - RMSNorm and SwiGLU in plain ops (no fused kernels);
+    - a mixture of experts (GPT block, ``ExpertParallelMoE``): per routed (token, expert) pair
+      the expert's input row, its two 4h-wide GeLU tensors and its output (kept for the gate's
+      product), 20 h bytes, in place of the dense MLP's 18 h; the router keeps the MLP input.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    scores = recompute == "none" and cp == 1
+    rc = "none" if scores else ("full" if recompute == "full" else "selective")
+    if is_llama_block(model):
+        out = llama_activation_bytes_per_layer(s, b, model.hidden, model.n_heads, model.n_kv_heads,
+                                               model.ffn * model.top_k, t, sp, rc, cp=cp)
+    else:
+        h, a, split = model.hidden, model.n_heads, (t if sp else 1)
+        out = activation_bytes_per_layer(s, b, h, a, t, sp, rc, cp=cp)
+        if rc != "full":
+            tok = s * b / cp
+            dropout = 2.0 * tok * h / split + (3.0 * a * s * tok / t if scores else 0.0)
+            out += 2 * 2 * 2 * tok / split - dropout
+            if model.top_k > 1 or model.n_experts > 1:
+                out += tok * h * (20.0 * model.top_k - 18.0) / t
+    if recompute != "full" and cp > 1:
+        out += lse_bytes(s, b, model.n_heads, t, cp)
+    return out

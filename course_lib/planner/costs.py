@@ -31,7 +31,7 @@ from course_lib.planner import formulas as F
 from course_lib.planner import gemm as G
 from course_lib.planner.async_tp import async_tp_hop, async_tp_layer, transformer_steps
 from course_lib.planner.documents import attention_scale
-from course_lib.planner.activations import layer_activation_bytes
+from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage
 from course_lib.planner.presets import Hardware, ModelSpec
 
@@ -94,10 +94,12 @@ RUNTIMES = ("megatron", "course")
 def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "megatron") -> list[StageCost]:
     """Every stage's cost. ``runtime="megatron"`` (default): the published systems the planner is
     validated against; ``"course"``: the course's own program (:mod:`course_lib.planner.runtime`),
-    its times replacing the compute and communication ones (memory and bytes are the same)."""
+    its times replacing the compute and communication ones, its activations what the course's
+    program keeps (:func:`~course_lib.planner.activations.course_layer_activation_bytes`: the
+    softmax output, no dropout); the states and bytes sent are the same."""
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-    out = _megatron_stage_costs(model, hw, layout)
+    out = _megatron_stage_costs(model, hw, layout, course=runtime == "course")
     if runtime == "course":
         from course_lib.planner.runtime import stage_parts
         for st in out:
@@ -107,7 +109,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "
     return out
 
 
-def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> list[StageCost]:
+def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course: bool = False) -> list[StageCost]:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     h = model.hidden
@@ -241,7 +243,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout) -> lis
         hpz = zeropp_node(layout, hw, n_shard) if "hpz" in layout.zeropp and layout.zero == 3 and n_shard > 1 \
             else None
         mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
-                      hw.fused_kernels, hpz_node=hpz)
+                      hw.fused_kernels, hpz_node=hpz, course=course)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
@@ -299,14 +301,17 @@ def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
 
 
 def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True,
-            fused_kernels=False, hpz_node=None) -> dict:
+            fused_kernels=False, hpz_node=None, course=False) -> dict:
     """Bytes one GPU of stage ``st`` holds at its peak, by category. ``hpz_node`` G: ZeRO++'s
-    hpZ keeps a secondary copy of the 16-bit parameters sharded over the node, 2P/G more."""
+    hpZ keeps a secondary copy of the 16-bit parameters sharded over the node, 2P/G more.
+    ``course``: the activations the course's own program keeps
+    (:func:`~course_lib.planner.activations.course_layer_activation_bytes`)."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
     z = F.zero_memory_bytes(dense, layout.zero, n_zero)
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group)
-    per_layer = layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c, fused_attention=fused,
-                                       fused_kernels=fused_kernels)
+    per_layer = (course_layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c) if course
+                 else layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c,
+                                             fused_attention=fused, fused_kernels=fused_kernels))
     in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)
     activations = per_layer * n_l * in_flight
     temporaries = 0.0

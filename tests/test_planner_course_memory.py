@@ -1,0 +1,66 @@
+"""The planner's runtime="course" activations against the dry run's, per stage (issue #36: the
+planner was 10-23% low on pipelined layouts without recomputation: it counted FlashAttention's
+log-sum-exp where the course's attention keeps its softmax output, and the GPT block's dropout
+masks where the course runs no dropout). Small shapes: each dry run takes about a second."""
+import pytest
+
+from course_lib.lab.dry_run_sweep import BOUND
+from course_lib.layout import Layout
+from course_lib.planner import estimate
+from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes, lse_bytes
+from course_lib.planner.presets import ModelSpec, gpt_spec
+from course_lib.virtual import dry_run
+
+GPT = gpt_spec("GPT 4L h512", 4, 512, 8, V=8192, s=512)
+LLAMA = ModelSpec("Llama-style 4L h512 GQA", 4, 512, 8, 2, 1408, 8192, 512)
+MOE = GPT.with_(name="GPT 4L h512 MoE 4x top-2", n_experts=4, top_k=2)
+PIPE = dict(pp=2, schedule="1f1b", micro_batch=1, microbatches=2, seq_len=512)
+
+
+def layer_bytes(spec, layout):
+    """(planner, dry run) bytes of one layer on stage 0, all its in-flight micro-batches: the
+    stage's activations with two layers a stage less with one (the embedding's few saved
+    tensors, which the planner leaves out, cancel)."""
+    out = []
+    for n in (2 * layout.pp, layout.pp):
+        small = spec.with_(n_layers=n)
+        est = estimate(small, "h100-sxm", layout, runtime="course")
+        r = dry_run(small, "h100-sxm", layout, progress=None, optimizer="foreach")
+        out.append((est.memory_by_stage[0]["activations"], r.memory_by_stage[0]["activations"]))
+    return out[0][0] - out[1][0], out[0][1] - out[1][1]
+
+
+@pytest.mark.parametrize("spec,extra", [(GPT, dict(tp=2)), (LLAMA, dict(tp=2, sp=True))], ids=["gpt-tp2", "llama-tp2-sp"])
+def test_course_activations_equal_the_dry_runs_per_layer(spec, extra):
+    """Both count bytes of saved tensors (integers), so equal up to float rounding; 1F1B's two
+    micro-batches in flight on stage 0 included."""
+    layout = Layout(recompute="none", **PIPE, **extra)
+    planner, dry = layer_bytes(spec, layout)
+    assert planner == pytest.approx(dry, rel=1e-12)
+    s, t = PIPE["seq_len"], extra["tp"]
+    assert planner == 2 * course_layer_activation_bytes(spec, s, 1, t, extra.get("sp", False))
+
+
+def test_moe_activations_within_the_sweeps_bound():
+    """The MoE's expert rows: 20 h bytes per routed pair counted; the dry run keeps about 2 h
+    more per pair (not derived yet: issue #36), so the planner is low but inside the sweep's
+    BOUND."""
+    planner, dry = layer_bytes(MOE, Layout(dp=2, ep=2, recompute="none", **PIPE))
+    assert 1 - BOUND <= planner / dry <= 1, (planner, dry)
+
+
+def test_course_keeps_the_softmax_and_megatron_the_log_sum_exp():
+    s, b, a, kv, f = 512, 1, 8, 2, 1408
+    course = course_layer_activation_bytes(LLAMA, s, b, t=2, sp=True)
+    megatron = layer_activation_bytes(LLAMA, s, b, t=2, sp=True)      # fused attention
+    assert course - megatron == 2 * a * s * s * b / 2 - lse_bytes(s, b, a, t=2)
+    # ring attention (cp > 1) keeps a log-sum-exp: no scores, as the fused kernel
+    assert course_layer_activation_bytes(LLAMA, s, b, cp=2) == layer_activation_bytes(LLAMA, s, b, cp=2)
+    # the GPT block: no dropout masks (2 s b h) but LayerNorm's statistics (8 bytes a token)
+    h = GPT.hidden
+    gap = (layer_activation_bytes(GPT, s, b, recompute="selective")
+           - course_layer_activation_bytes(GPT, s, b, recompute="selective"))
+    assert gap == 2 * s * b * h - 8 * s * b + lse_bytes(s, b, a)   # (megatron: fused, its lse)
+    for rc in ("none", "selective", "full"):
+        with pytest.raises(ValueError, match="recompute"):
+            course_layer_activation_bytes(GPT, s, b, recompute=rc + "x")
