@@ -191,8 +191,11 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
       ``lab.dry_run_memory.course_terms``);
     - RMSNorm and SwiGLU in plain ops (no fused kernels);
     - a mixture of experts (GPT block, ``ExpertParallelMoE``): per routed (token, expert) pair
-      the expert's input row, its two 4h-wide GeLU tensors and its output (kept for the gate's
-      product), 20 h bytes, in place of the dense MLP's 18 h; the router keeps the MLP input.
+      the expert's input row, its two 4h-wide GeLU tensors, its output (kept for the gate's
+      product) and that product (kept by ``index_add``, which sums the pairs back onto their
+      tokens: ``models.saved_activations`` lists it), 22 h bytes, in place of the dense MLP's
+      16 h (its f-wide pair); the router keeps the MLP input, 2 h, as the dense MLP's first
+      matmul does.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -209,7 +212,7 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
             dropout = 2.0 * tok * h / split + (3.0 * a * s * tok / t if scores else 0.0)
             out += 2 * 2 * 2 * tok / split - dropout
             if model.top_k > 1 or model.n_experts > 1:
-                out += tok * h * (20.0 * model.top_k - 18.0) / t
+                out += tok * h * (22.0 * model.top_k - 16.0) / t
     if recompute != "full" and cp > 1:
         out += lse_bytes(s, b, model.n_heads, t, cp)
     return out
