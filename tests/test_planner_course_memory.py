@@ -1,7 +1,8 @@
-"""The planner's runtime="course" activations against the dry run's, per stage (issue #36: the
+"""The planner's runtime="course" activations against the dry run's, per layer (issue #36: the
 planner was 10-23% low on pipelined layouts without recomputation: it counted FlashAttention's
-log-sum-exp where the course's attention keeps its softmax output, and the GPT block's dropout
-masks where the course runs no dropout). Small shapes: each dry run takes about a second."""
+log-sum-exp where the course's attention keeps its softmax output, the GPT block's dropout
+masks where the course runs no dropout, and one dense MLP where an MoE keeps top_k experts'
+rows). Small shapes: each dry run takes about a second."""
 import pytest
 
 from course_lib.layout import Layout
@@ -29,7 +30,8 @@ def layer_bytes(spec, layout):
     return out[0][0] - out[1][0], out[0][1] - out[1][1]
 
 
-@pytest.mark.parametrize("spec,extra", [(GPT, dict(tp=2)), (LLAMA, dict(tp=2, sp=True))], ids=["gpt-tp2", "llama-tp2-sp"])
+@pytest.mark.parametrize("spec,extra", [(GPT, dict(tp=2)), (LLAMA, dict(tp=2, sp=True))],
+                         ids=["gpt-tp2", "llama-tp2-sp"])
 def test_course_activations_equal_the_dry_runs_per_layer(spec, extra):
     """Both count bytes of saved tensors (integers), so equal up to float rounding; 1F1B's two
     micro-batches in flight on stage 0 included."""
