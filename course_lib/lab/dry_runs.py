@@ -47,6 +47,19 @@ _MEGATRON = ("scale_mask_softmax", "bias_dropout_add")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON, "Llama 3 T4": ("flash_attention",)}
 
+# The hidden and attention dropout each source trained with, run by the course's own Dropout
+# modules (virtual.dry_run's ``dropout=``: a mask kernel and a 1-byte mask kept per dropout; in
+# the fused bias + dropout + add, the kernel writes the mask). Megatron-LM's arguments.py:
+# ``--attention-dropout`` and ``--hidden-dropout`` default to 0.1, and neither Narayanan et al.
+# 2021's example scripts (examples/pretrain_gpt*.sh) nor Korthikanti et al. 2022 change them;
+# Korthikanti's activation count (Sec. 4.1, 34sbh + 5as^2b per layer) includes the masks of the
+# two hidden dropouts (2sbh) and the attention dropout's (as^2b). BLOOM: bigscience's
+# train/tr11-176B-ml/README.md, "The default Megatron-LM dropout settings are inherited:
+# --attention-dropout 0.1, --hidden-dropout 0.1" (tr11-176B-ml.slurm sets neither; its
+# Megatron-DeepSpeed's defaults are 0.1; Hugging Face's BloomConfig says 0.0, an inference
+# default). Llama 3: no dropout (its FlashAttention and context parallelism run none here).
+DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
+
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
 # 2022 T5"` printed it on this project's 2-core machine, 2026-11-29, with Megatron-LM's fused
 # scale-mask-softmax and bias-dropout-add (SOFTWARE; wall_s and cpu_s are that machine's,
@@ -100,14 +113,15 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
                "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
                "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
                "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
-               "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source]}
+               "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source],
+               "dropout": DROPOUT[source]}
         began, cpu = time.perf_counter(), time.process_time()
         if layout.zero in (1, 2):      # the ranks run ZeRO 0 (DDP) or 3 (FSDP): the stated rule
             layout = layout.with_(zero=0)
             row["note"] = (row["note"] + "; " if row["note"] else "") + \
                 "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
-            r = dry_run(model, hw, layout, progress=progress, fusions=SOFTWARE[source])
+            r = dry_run(model, hw, layout, progress=progress, fusions=SOFTWARE[source], dropout=DROPOUT[source])
         except (NotImplementedError, ValueError) as e:    # the dry run's limits; a layout the ranks refuse
             row["note"] = f"not run: {e}"
         else:
@@ -192,5 +206,6 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "random_layouts",
+__all__ = ["published_runs", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT",
+           "random_layouts",
            "agreement_rows"]

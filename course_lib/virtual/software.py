@@ -38,11 +38,13 @@ every other op is the course's.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 
 import torch
 
+from course_lib import trace
 from course_lib.gpt import Attention, Block
 from course_lib.recompute import recompute
 
@@ -164,15 +166,63 @@ def _bias_dropout_add_backward(ctx, grad):
 _bias_dropout_add_kernel.register_autograd(_bias_dropout_add_backward)
 
 
+@torch.library.custom_op("course::bias_dropout_add_train", mutates_args=())
+def _bias_dropout_add_train_kernel(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float,
+                                   seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device) >= p
+    return residual + torch.ops.aten.native_dropout_backward(x + bias, keep, _keep_scale(p)), keep
+
+
+@_bias_dropout_add_train_kernel.register_fake
+def _bias_dropout_add_train_shape(x, bias, residual, p, seed):
+    return torch.empty_like(residual), torch.empty_like(x, dtype=torch.bool)
+
+
+def _bias_dropout_add_train_setup(ctx, inputs, output):
+    ctx.scale = _keep_scale(inputs[3])
+    ctx.save_for_backward(output[1])          # the mask, 1 byte per element (Korthikanti's 2sbh)
+
+
+def _bias_dropout_add_train_backward(ctx, grad, _grad_keep):
+    (keep,) = ctx.saved_tensors
+    gx = torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale)     # one kernel, as Megatron's
+    return gx, gx.sum(tuple(range(gx.dim() - 1))), grad, None, None
+
+
+_bias_dropout_add_train_kernel.register_autograd(_bias_dropout_add_train_backward,
+                                                 setup_context=_bias_dropout_add_train_setup)
+
+
+def _keep_scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def _draw_seed(dropout) -> int:
+    """The fused kernel's seed, drawn from the dropout's own stream (a tensor-parallel dropout's
+    generator, else torch's default one): recompute and the ranks' replicated / sharded
+    streams draw it as they would the mask. Bookkeeping, not a kernel (muted on the clock)."""
+    if getattr(dropout, "masks", None) is not None:
+        raise NotImplementedError("bias_dropout_add: a dropout replaying recorded masks is not run fused")
+    clock = trace.clock()
+    with clock.muted() if clock is not None else contextlib.nullcontext():
+        return int(torch.randint(2**62, (), generator=getattr(dropout, "generator", None), device="cpu"))
+
+
 def bias_dropout_add(x, bias, residual, dropout=None):
     """Megatron-LM's fused ``residual + dropout(x + bias)``: (.., h), (h,), (.., h) -> (.., h),
     one kernel (priced by :mod:`course_lib.planner.kernel_cost` as the bytes it reads and
-    writes once). Dropout with p > 0 is not fused here (NotImplementedError)."""
-    if dropout is not None and dropout.training and dropout.p > 0:
-        raise NotImplementedError("bias_dropout_add: dropout with p > 0 is not run fused (the dry run's "
-                                  "models have p = 0)")
+    writes once). With ``dropout`` training at p > 0 the kernel also draws the keep mask (from
+    a seed of the dropout's stream) and writes it, 1 byte per element, kept for backward
+    (one ``native_dropout_backward`` kernel there), as Megatron's jit-fused
+    ``bias_dropout_add_fused_train``."""
     if bias is None:                   # no bias (Llama blocks): the residual add alone, as unfused
-        return residual + x
+        return residual + (x if dropout is None else dropout(x))
+    if dropout is not None and dropout.training and dropout.p > 0:
+        out, keep = _bias_dropout_add_train_kernel(x, bias, residual, float(dropout.p), _draw_seed(dropout))
+        if getattr(dropout, "record", None) is not None:
+            dropout.record.append(keep)
+        return out
     return _bias_dropout_add_kernel(x, bias, residual)
 
 
