@@ -26,8 +26,10 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   whose tr11-176B-ml.slurm sets neither). Megatron's row layer skips its bias
   (``skip_bias_add``) and one kernel reads the partial output, the bias and the residual and
   writes the sum once (:func:`bias_dropout_add`): the course's two (the row layer's
-  ``y + bias``, then ``x + y``) become one. Dropout is not run (the dry run's models have
-  p = 0, where it is the identity in both). Bias + GeLU needs no entry: the course's column
+  ``y + bias``, then ``x + y``) become one. With dropout (p > 0, ``lab.dry_runs.DROPOUT``)
+  the same kernel draws the keep mask from a seed of the dropout's stream and writes it (1 byte
+  per element, kept for backward), as Megatron's jit-fused ``bias_dropout_add_fused_train``.
+  Bias + GeLU needs no entry: the course's column
   layer adds its bias inside the GEMM (``addmm``), so the MLP's first half is a GEMM and one
   GeLU kernel, forward and backward, as in Megatron's fused path (``mm`` + ``bias_gelu``).
 
