@@ -27,8 +27,9 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   (``skip_bias_add``) and one kernel reads the partial output, the bias and the residual and
   writes the sum once (:func:`bias_dropout_add`): the course's two (the row layer's
   ``y + bias``, then ``x + y``) become one. With dropout (p > 0, ``lab.dry_runs.DROPOUT``)
-  the same kernel draws the keep mask from a seed of the dropout's stream and writes it (1 byte
-  per element, kept for backward), as Megatron's jit-fused ``bias_dropout_add_fused_train``.
+  the same kernel reads the keep mask (the dropout's own draw, from its stream; on a GPU the
+  kernel draws and writes it, the same bytes) and keeps it for backward, 1 byte per element,
+  as Megatron's jit-fused ``bias_dropout_add_fused_train``.
   Bias + GeLU needs no entry: the course's column
   layer adds its bias inside the GEMM (``addmm``), so the MLP's first half is a GEMM and one
   GeLU kernel, forward and backward, as in Megatron's fused path (``mm`` + ``bias_gelu``).
@@ -168,63 +169,62 @@ def _bias_dropout_add_backward(ctx, grad):
 _bias_dropout_add_kernel.register_autograd(_bias_dropout_add_backward)
 
 
-@torch.library.custom_op("course::bias_dropout_add_train", mutates_args=())
-def _bias_dropout_add_train_kernel(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float,
-                                   seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device=x.device).manual_seed(seed)
-    keep = torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device) >= p
-    return residual + torch.ops.aten.native_dropout_backward(x + bias, keep, _keep_scale(p)), keep
+@torch.library.custom_op("course::bias_dropout_add_masked", mutates_args=())
+def _bias_dropout_add_masked_kernel(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                    keep: torch.Tensor, scale: float) -> torch.Tensor:
+    # the unfused order: the row layer's y + b, dropout's (y + b) * keep * scale, then x + that
+    return residual + torch.ops.aten.native_dropout_backward(x + bias, keep, scale)
 
 
-@_bias_dropout_add_train_kernel.register_fake
-def _bias_dropout_add_train_shape(x, bias, residual, p, seed):
-    return torch.empty_like(residual), torch.empty_like(x, dtype=torch.bool)
+@_bias_dropout_add_masked_kernel.register_fake
+def _bias_dropout_add_masked_shape(x, bias, residual, keep, scale):
+    return torch.empty_like(residual)
 
 
-def _bias_dropout_add_train_setup(ctx, inputs, output):
-    ctx.scale = _keep_scale(inputs[3])
-    ctx.save_for_backward(output[1])          # the mask, 1 byte per element (Korthikanti's 2sbh)
+def _bias_dropout_add_masked_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[3])          # the mask, 1 byte per element (Korthikanti's 2sbh)
+    ctx.scale = inputs[4]
 
 
-def _bias_dropout_add_train_backward(ctx, grad, _grad_keep):
+def _bias_dropout_add_masked_backward(ctx, grad):
     (keep,) = ctx.saved_tensors
-    gx = torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale)     # one kernel, as Megatron's
+    gx = torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale)     # one kernel
     return gx, gx.sum(tuple(range(gx.dim() - 1))), grad, None, None
 
 
-_bias_dropout_add_train_kernel.register_autograd(_bias_dropout_add_train_backward,
-                                                 setup_context=_bias_dropout_add_train_setup)
+_bias_dropout_add_masked_kernel.register_autograd(_bias_dropout_add_masked_backward,
+                                                  setup_context=_bias_dropout_add_masked_setup)
 
 
-def _keep_scale(p: float) -> float:
-    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-
-
-def _draw_seed(dropout) -> int:
-    """The fused kernel's seed, drawn from the dropout's own stream (a tensor-parallel dropout's
-    generator, else torch's default one): recompute and the ranks' replicated / sharded
-    streams draw it as they would the mask. Bookkeeping, not a kernel (muted on the clock)."""
-    if getattr(dropout, "masks", None) is not None:
-        raise NotImplementedError("bias_dropout_add: a dropout replaying recorded masks is not run fused")
-    clock = trace.clock()
-    with clock.muted() if clock is not None else contextlib.nullcontext():
-        return int(torch.randint(2**62, (), generator=getattr(dropout, "generator", None), device="cpu"))
+def _keep_mask(dropout, x):
+    """The keep mask ``dropout`` draws for ``x``, as its unfused forward draws it (a
+    tensor-parallel dropout's generator, its replayed masks, else torch's default stream;
+    recorded where it records). On a GPU the draw is inside the fused kernel: not a kernel of
+    its own here (muted on the clock)."""
+    masks = getattr(dropout, "masks", None)
+    if masks is not None:
+        keep = masks.pop(0)
+    else:
+        clock = trace.clock()
+        with clock.muted() if clock is not None else contextlib.nullcontext():
+            keep = torch.rand(x.shape, generator=getattr(dropout, "generator", None), device=x.device) >= dropout.p
+    if getattr(dropout, "record", None) is not None:
+        dropout.record.append(keep)
+    return keep
 
 
 def bias_dropout_add(x, bias, residual, dropout=None):
     """Megatron-LM's fused ``residual + dropout(x + bias)``: (.., h), (h,), (.., h) -> (.., h),
     one kernel (priced by :mod:`course_lib.planner.kernel_cost` as the bytes it reads and
-    writes once). With ``dropout`` training at p > 0 the kernel also draws the keep mask (from
-    a seed of the dropout's stream) and writes it, 1 byte per element, kept for backward
+    writes once). With ``dropout`` training at p > 0 the kernel also reads the keep mask (on a
+    GPU it draws and writes it: the same bytes) and keeps it for backward, 1 byte per element
     (one ``native_dropout_backward`` kernel there), as Megatron's jit-fused
     ``bias_dropout_add_fused_train``."""
     if bias is None:                   # no bias (Llama blocks): the residual add alone, as unfused
         return residual + (x if dropout is None else dropout(x))
     if dropout is not None and dropout.training and dropout.p > 0:
-        out, keep = _bias_dropout_add_train_kernel(x, bias, residual, float(dropout.p), _draw_seed(dropout))
-        if getattr(dropout, "record", None) is not None:
-            dropout.record.append(keep)
-        return out
+        scale = 0.0 if dropout.p >= 1.0 else 1.0 / (1.0 - dropout.p)
+        return _bias_dropout_add_masked_kernel(x, bias, residual, _keep_mask(dropout, x), scale)
     return _bias_dropout_add_kernel(x, bias, residual)
 
 
