@@ -225,10 +225,10 @@ def _config(layout, dropout):
 
 
 def test_fused_bias_dropout_add_with_dropout_is_the_courses_dropout_with_its_masks():
-    """bias_dropout_add at p > 0 (one kernel drawing and writing the mask from a seed of the
-    dropout's stream) gives, in float64, what the course's unfused block gives with the same
-    masks, loss and gradients to the bit; full recompute redraws the same masks (equal to no
-    recompute); the mask is kept at 1 byte per element."""
+    """bias_dropout_add at p > 0 (one kernel reading the mask the dropout draws from its own
+    stream, as unfused) gives, in float64, what the course's unfused block gives: the same
+    masks, loss and gradients to the bit, and the same with the masks replayed; full recompute
+    redraws the same masks (equal to no recompute); the mask is a bool, 1 byte per element."""
     import torch
     from course_lib.gpt import GPTConfig, TinyGPT
     from course_lib.parallel.tensor_parallel import TensorParallelDropout
@@ -256,8 +256,11 @@ def test_fused_bias_dropout_add_with_dropout_is_the_courses_dropout_with_its_mas
     fused, masks = run("none", True)
     assert all(len(m) == 1 and m[0].dtype == torch.bool for m in masks.values())
     assert 0 < sum(int(m[0].sum()) for m in masks.values()) < sum(m[0].numel() for m in masks.values())
-    unfused, _ = run("none", False, masks)
+    unfused, drawn = run("none", False)
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+    assert all(torch.equal(masks[n][0], drawn[n][0]) for n in masks)
+    replayed, _ = run("none", True, masks)
+    assert all(torch.equal(a, b) for a, b in zip(fused, replayed))
     recomputed, _ = run("full", True)
     assert all(torch.equal(a, b) for a, b in zip(fused, recomputed))
     # the kernel alone: residual + dropout(x + bias), its gradients through the kept mask

@@ -48,16 +48,17 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON, "Llama 3 T4": ("flash_attention",)}
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
-# modules (virtual.dry_run's ``dropout=``: a mask kernel and a 1-byte mask kept per dropout; in
-# the fused bias + dropout + add, the kernel writes the mask). Megatron-LM's arguments.py:
-# ``--attention-dropout`` and ``--hidden-dropout`` default to 0.1, and neither Narayanan et al.
-# 2021's example scripts (examples/pretrain_gpt*.sh) nor Korthikanti et al. 2022 change them;
-# Korthikanti's activation count (Sec. 4.1, 34sbh + 5as^2b per layer) includes the masks of the
-# two hidden dropouts (2sbh) and the attention dropout's (as^2b). BLOOM: bigscience's
+# modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
+# 1-byte mask kept; in the fused bias + dropout + add, the kernel reads the mask (on a GPU it
+# draws and writes it). Megatron-LM's arguments.py: ``--attention-dropout`` and
+# ``--hidden-dropout`` default to 0.1; Narayanan et al. 2021's own scripts
+# (examples/academic_paper_scripts/sc21/CONFIG.sh) set neither, and Korthikanti et al. 2022's
+# activation count (Sec. 4.1, 34sbh + 5as^2b per layer) includes the masks of the two hidden
+# dropouts (2sbh) and of the attention dropout (as^2b). BLOOM: bigscience's
 # train/tr11-176B-ml/README.md, "The default Megatron-LM dropout settings are inherited:
-# --attention-dropout 0.1, --hidden-dropout 0.1" (tr11-176B-ml.slurm sets neither; its
-# Megatron-DeepSpeed's defaults are 0.1; Hugging Face's BloomConfig says 0.0, an inference
-# default). Llama 3: no dropout (its FlashAttention and context parallelism run none here).
+# --attention-dropout 0.1, --hidden-dropout default=0.1" (tr11-176B-ml.slurm sets neither;
+# Hugging Face's BloomConfig says 0.0, an inference default). Llama 3: none (its FlashAttention
+# and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
 
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
