@@ -192,3 +192,84 @@ def test_bias_dropout_add_computes_the_courses_block_and_prices_as_a_real_launch
     with counted:
         torch.nn.functional.gelu(mlp.fc(h))
     assert counted.ops == ["addmm", "gelu"]
+
+
+def test_dropout_runs_its_masks_and_prices_as_a_real_launch():
+    """The sources' dropout (lab.dry_runs.DROPOUT: Megatron-LM's 0.1, hidden and attention) run
+    by the model's own Dropout modules: tp 2 x pp 2 with SP and selective recompute, Megatron's
+    fused softmax and bias + dropout + add, p = 0.1: the dry run is the real 4-rank launch to
+    the bit (step time, kernels, each stage's states and activations), and the dropout costs
+    kernels, time and mask bytes over p = 0. Context parallelism refuses dropout before
+    anything runs; the one source with a CP row (Llama 3) states none."""
+    from course_lib.lab.dry_runs import DROPOUT, SOFTWARE
+    layout = Layout(tp=2, pp=2, sp=True, micro_batch=1, global_batch=4, recompute="selective")
+    fused = SOFTWARE["Narayanan 2021 T1"]
+    real = launch(_real_rank, layout.n_gpus, _config(layout, 0.1), layout, fused, clock=VirtualCluster(HW))
+    r = dry_run(SPEC, HW, layout, fusions=fused, dropout=0.1)
+    assert r.config.dropout == 0.1
+    assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
+    assert r.step_time == max(run["t"] for run in real), (r.step_time, real)
+    for stage in range(2):
+        assert r.memory_by_stage[stage] == {k: real[stage * 2][k] for k in ("states", "activations")}
+    none = dry_run(SPEC, HW, layout, fusions=fused)
+    assert r.kernels > none.kernels and r.step_time > none.step_time
+    assert all(d["activations"] > n["activations"] for d, n in zip(r.memory_by_stage, none.memory_by_stage))
+    assert DROPOUT["Llama 3 T4"] == 0.0 and DROPOUT["Narayanan 2021 T1"] == 0.1
+    with pytest.raises(ValueError, match="dropout"):
+        dry_run(SPEC, HW, Layout(cp=2, micro_batch=1, global_batch=1), dropout=0.1)
+
+
+def _config(layout, dropout):
+    from course_lib.virtual.dry_run import model_config
+    return model_config(SPEC, layout, dropout=dropout)
+
+
+def test_fused_bias_dropout_add_with_dropout_is_the_courses_dropout_with_its_masks():
+    """bias_dropout_add at p > 0 (one kernel reading the mask the dropout draws from its own
+    stream, as unfused) gives, in float64, what the course's unfused block gives: the same
+    masks, loss and gradients to the bit, and the same with the masks replayed; full recompute
+    redraws the same masks (equal to no recompute); the mask is a bool, 1 byte per element."""
+    import torch
+    from course_lib.gpt import GPTConfig, TinyGPT
+    from course_lib.parallel.tensor_parallel import TensorParallelDropout
+    from course_lib.virtual.software import bias_dropout_add, install
+    x = torch.randint(0, 64, (2, 16))
+
+    def run(policy, fused, masks=None):
+        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4, block="gpt2",
+                        dropout=0.25, recompute=policy)
+        model = TinyGPT(cfg, seed=0).double()
+        drops = {}
+        for name, mod in list(model.named_modules()):
+            if type(mod).__name__ == "Dropout":
+                parent, _, attr = name.rpartition(".")
+                new = TensorParallelDropout(mod.p, torch.Generator().manual_seed(len(drops)),
+                                            masks=None if masks is None else list(masks[name]))
+                new.record = []
+                setattr(model.get_submodule(parent) if parent else model, attr, new)
+                drops[name] = new
+        install(model, ("bias_dropout_add",) if fused else ())
+        loss = model(x, x)[1]
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()], {n: d.record for n, d in drops.items()}
+
+    fused, masks = run("none", True)
+    assert all(len(m) == 1 and m[0].dtype == torch.bool for m in masks.values())
+    assert 0 < sum(int(m[0].sum()) for m in masks.values()) < sum(m[0].numel() for m in masks.values())
+    unfused, drawn = run("none", False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+    assert all(torch.equal(masks[n][0], drawn[n][0]) for n in masks)
+    replayed, _ = run("none", True, masks)
+    assert all(torch.equal(a, b) for a, b in zip(fused, replayed))
+    recomputed, _ = run("full", True)
+    assert all(torch.equal(a, b) for a, b in zip(fused, recomputed))
+    # the kernel alone: residual + dropout(x + bias), its gradients through the kept mask
+    drop = TensorParallelDropout(0.5, torch.Generator().manual_seed(3))
+    drop.record = []
+    h, res = torch.randn(4, 8, dtype=torch.float64, requires_grad=True), torch.randn(4, 8, dtype=torch.float64)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    out = bias_dropout_add(h, b, res, drop)
+    keep = drop.record[0]
+    assert torch.equal(out, res + (h + b) * keep * 2.0)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(h.grad, keep * 2.0) and torch.equal(b.grad, (keep * 2.0).sum(0))

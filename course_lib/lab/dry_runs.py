@@ -62,15 +62,30 @@ _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON + ("blocking_sends",), "Llama 3 T4": ("flash_attention",)}
 
+# The hidden and attention dropout each source trained with, run by the course's own Dropout
+# modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
+# 1-byte mask kept; in the fused bias + dropout + add, the kernel reads the mask (on a GPU it
+# draws and writes it). Megatron-LM's arguments.py: ``--attention-dropout`` and
+# ``--hidden-dropout`` default to 0.1; Narayanan et al. 2021's own scripts
+# (examples/academic_paper_scripts/sc21/CONFIG.sh) set neither, and Korthikanti et al. 2022's
+# activation count (Sec. 4.1, 34sbh + 5as^2b per layer) includes the masks of the two hidden
+# dropouts (2sbh) and of the attention dropout (as^2b). BLOOM: bigscience's
+# train/tr11-176B-ml/README.md, "The default Megatron-LM dropout settings are inherited:
+# --attention-dropout 0.1, --hidden-dropout default=0.1" (tr11-176B-ml.slurm sets neither;
+# Hugging Face's BloomConfig says 0.0, an inference default). Llama 3: none (its FlashAttention
+# and context parallelism run no dropout here).
+DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
+
 # The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
 # 2022 T5"` printed it on this project's 2-core machine, 2026-11-29, with Megatron-LM's fused
-# scale-mask-softmax and bias-dropout-add (SOFTWARE; wall_s and cpu_s are that machine's,
-# loaded); chapter 10 prints it beside its live run with m = 8.
+# scale-mask-softmax and bias-dropout-add (SOFTWARE) and its dropout 0.1 (DROPOUT; without
+# dropout it was 13.299 s, -3.3%, 55.0 GiB; wall_s and cpu_s are that machine's, loaded);
+# chapter 10 prints it beside its live run with m = 8.
 RECORDED_175B = (
     "source | model | GPUs | layout | published_s | planner_s | dry_s | planner_err | dry_err | "
     "planner_GiB | dry_GiB | fits | wall_s | cpu_s",
-    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 13.299 | +1.9% | "
-    "-3.3% | 55.5 | 55.0 | True | 37 | 10")
+    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 13.652 | +1.9% | "
+    "-0.7% | 55.5 | 55.4 | True | 26 | 12")
 
 
 def published_runs():
@@ -112,7 +127,8 @@ def published_row(source, name, model, hw, layout, seconds, flops_rate, note) ->
             "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
             "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
             "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
-            "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source]}
+            "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source],
+            "dropout": DROPOUT[source]}
 
 
 def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0) -> list[dict]:
@@ -130,7 +146,7 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
             row["note"] = (row["note"] + "; " if row["note"] else "") + \
                 "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
-            r = dry_run(model, hw, layout, progress=progress, fusions=SOFTWARE[source])
+            r = dry_run(model, hw, layout, progress=progress, fusions=SOFTWARE[source], dropout=DROPOUT[source])
         except (NotImplementedError, ValueError) as e:    # the dry run's limits; a layout the ranks refuse
             row["note"] = f"not run: {e}"
         else:
@@ -215,5 +231,6 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "published_row", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "random_layouts",
+__all__ = ["published_runs", "published_row", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
+           "DROPOUT", "random_layouts",
            "agreement_rows"]

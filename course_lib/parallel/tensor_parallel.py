@@ -24,10 +24,13 @@ applying all of this to the tiny GPT is :func:`course_lib.parallel.tp_plan.paral
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib import trace
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.async_tp import all_gather_matmul, matmul_reduce_scatter
 from course_lib.parallel.comm_ops import (copy_to_parallel, gather_along, gather_from_parallel,
@@ -311,6 +314,23 @@ class TensorParallelRNG:
         self.sharded = torch.Generator(device=device).manual_seed(seed + 2718 + comm.rank)
 
 
+class _KeptScaled(torch.autograd.Function):
+    """``x * keep * scale`` as CUDA's fused dropout runs it: one kernel forward (it reads x,
+    writes the output and, on a GPU, the mask it draws: the bytes ``native_dropout_backward``
+    reads and writes here), one backward; keeps the bool mask."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.ops.aten.native_dropout_backward(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale), None, None
+
+
 class TensorParallelDropout(nn.Module):
     """Dropout drawing its mask from an explicit generator (one of :class:`TensorParallelRNG`'s),
     or replaying ``masks`` (a list, consumed in order: a single-device run with the masks the
@@ -329,12 +349,12 @@ class TensorParallelDropout(nn.Module):
         if self.masks is not None:
             keep = self.masks.pop(0)
         else:
-            keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+            clock = trace.clock()             # the draw is inside the one kernel below on a GPU
+            with clock.muted() if clock is not None else contextlib.nullcontext():
+                keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
         if self.record is not None:
             self.record.append(keep)
-        if self.p == 1.0:                       # nothing kept (nn.Dropout's p=1): zeros
-            return x * keep
-        return x * keep * (1.0 / (1.0 - self.p))
+        return _KeptScaled.apply(x, keep, 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p))
 
     def extra_repr(self):
         return f"p={self.p}, {self.region}"

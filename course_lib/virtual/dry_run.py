@@ -88,10 +88,12 @@ class DryRun:
         return self.peak_memory <= self.hardware.hbm_bytes
 
 
-def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
+def model_config(spec: ModelSpec, layout: Layout, recompute=None, dropout: float = 0.0) -> GPTConfig:
     """The course's GPTConfig of a planner ModelSpec: "gpt2" blocks (LayerNorm, GeLU 4h, biases,
     learned positions) for a GeLU / LayerNorm model, "llama" blocks (RMSNorm, SwiGLU, rotary, no
-    biases) for the others; the sequence the layout's (else the model's)."""
+    biases) for the others; the sequence the layout's (else the model's). ``dropout``: the
+    source's hidden and attention dropout (one p for both, as Megatron-LM's defaults), run by
+    the model's own Dropout modules."""
     gpt2 = spec.mlp == "gelu"
     if gpt2 != (spec.norm == "layernorm") or gpt2 != spec.bias:
         raise ValueError(f"{spec.name}: the course's blocks are GPT-2 (GeLU, LayerNorm, biases) or Llama "
@@ -100,7 +102,8 @@ def model_config(spec: ModelSpec, layout: Layout, recompute=None) -> GPTConfig:
     return GPTConfig(vocab_size=spec.vocab, seq_len=s, n_layers=spec.n_layers, hidden=spec.hidden,
                      n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, ffn_hidden=spec.ffn,
                      block="gpt2" if gpt2 else "llama", tie_embeddings=spec.tied,
-                     recompute=layout.recompute if recompute is None else recompute, **moe_config(spec, layout))
+                     recompute=layout.recompute if recompute is None else recompute, dropout=dropout,
+                     **moe_config(spec, layout))
 
 
 def moe_config(spec: ModelSpec, layout: Layout) -> dict:
@@ -236,13 +239,13 @@ def gpu_memory(net, opt, cluster) -> dict:
     return {"states": tensor_bytes(cluster, [*model.values(), *grads]) + master + moments, "activations": act}
 
 
-def check_dry_run(spec, layout: Layout) -> GPTConfig:
+def check_dry_run(spec, layout: Layout, dropout: float = 0.0) -> GPTConfig:
     """The GPTConfig of the run, once the layout passed every rule the ranks apply
     (:func:`~course_lib.parallel.layout_rules.check_layout`: ValueError naming the rule) and the
     dry run's own limits (NotImplementedError)."""
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a course_lib Layout, got {type(layout).__name__}")
-    cfg = model_config(spec, layout)
+    cfg = model_config(spec, layout, dropout=dropout)
     check_layout(cfg, layout)
     check_balanced_folding(cfg, layout, document_ids(layout.documents))
     return cfg
@@ -250,7 +253,7 @@ def check_dry_run(spec, layout: Layout) -> GPTConfig:
 
 def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.bfloat16,
             progress: float | None = 30.0, replay: bool = True, optimizer: str = "fused",
-            fusions=()) -> DryRun:
+            fusions=(), dropout: float = 0.0) -> DryRun:
     """One step of ``layout`` for ``model`` (a preset name or ModelSpec) on ``hardware`` (a preset
     name or Hardware), priced on a :class:`~course_lib.virtual.VirtualCluster`: see the module's
     docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
@@ -259,12 +262,14 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     ``fusions``: the attention kernels the source's software fused (:mod:`.software`:
     "scale_mask_softmax", Megatron-LM's; "flash_attention") and how it ran the pipeline
     ("blocking_sends", DeepSpeed's), stated per source, never fitted; default none: the course's
-    attention, written out, and sends waited at the end of the step."""
+    attention, written out, and sends waited at the end of the step. ``dropout``: the source's
+    hidden and attention dropout (:func:`model_config`), stated per source like ``fusions``;
+    default 0."""
     if optimizer not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
     spec, hw = get_model(model), get_hardware(hardware)
-    cfg = check_dry_run(spec, layout)
+    cfg = check_dry_run(spec, layout, dropout)
     fusions = check_fusions(fusions)
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
     shape = MeshShape(**layout.sizes, etp=layout.etp)

@@ -26,8 +26,11 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   whose tr11-176B-ml.slurm sets neither). Megatron's row layer skips its bias
   (``skip_bias_add``) and one kernel reads the partial output, the bias and the residual and
   writes the sum once (:func:`bias_dropout_add`): the course's two (the row layer's
-  ``y + bias``, then ``x + y``) become one. Dropout is not run (the dry run's models have
-  p = 0, where it is the identity in both). Bias + GeLU needs no entry: the course's column
+  ``y + bias``, then ``x + y``) become one. With dropout (p > 0, ``lab.dry_runs.DROPOUT``)
+  the same kernel reads the keep mask (the dropout's own draw, from its stream; on a GPU the
+  kernel draws and writes it, the same bytes) and keeps it for backward, 1 byte per element,
+  as Megatron's jit-fused ``bias_dropout_add_fused_train``.
+  Bias + GeLU needs no entry: the course's column
   layer adds its bias inside the GEMM (``addmm``), so the MLP's first half is a GEMM and one
   GeLU kernel, forward and backward, as in Megatron's fused path (``mm`` + ``bias_gelu``).
 
@@ -54,11 +57,13 @@ every other op is the course's.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 
 import torch
 
+from course_lib import trace
 from course_lib.gpt import Attention, Block
 from course_lib.recompute import recompute
 from course_lib.virtual.fused_qkv import project_fused
@@ -182,15 +187,62 @@ def _bias_dropout_add_backward(ctx, grad):
 _bias_dropout_add_kernel.register_autograd(_bias_dropout_add_backward)
 
 
+@torch.library.custom_op("course::bias_dropout_add_masked", mutates_args=())
+def _bias_dropout_add_masked_kernel(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                    keep: torch.Tensor, scale: float) -> torch.Tensor:
+    # the unfused order: the row layer's y + b, dropout's (y + b) * keep * scale, then x + that
+    return residual + torch.ops.aten.native_dropout_backward(x + bias, keep, scale)
+
+
+@_bias_dropout_add_masked_kernel.register_fake
+def _bias_dropout_add_masked_shape(x, bias, residual, keep, scale):
+    return torch.empty_like(residual)
+
+
+def _bias_dropout_add_masked_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[3])          # the mask, 1 byte per element (Korthikanti's 2sbh)
+    ctx.scale = inputs[4]
+
+
+def _bias_dropout_add_masked_backward(ctx, grad):
+    (keep,) = ctx.saved_tensors
+    gx = torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale)     # one kernel
+    return gx, gx.sum(tuple(range(gx.dim() - 1))), grad, None, None
+
+
+_bias_dropout_add_masked_kernel.register_autograd(_bias_dropout_add_masked_backward,
+                                                  setup_context=_bias_dropout_add_masked_setup)
+
+
+def _keep_mask(dropout, x):
+    """The keep mask ``dropout`` draws for ``x``, as its unfused forward draws it (a
+    tensor-parallel dropout's generator, its replayed masks, else torch's default stream;
+    recorded where it records). On a GPU the draw is inside the fused kernel: not a kernel of
+    its own here (muted on the clock)."""
+    masks = getattr(dropout, "masks", None)
+    if masks is not None:
+        keep = masks.pop(0)
+    else:
+        clock = trace.clock()
+        with clock.muted() if clock is not None else contextlib.nullcontext():
+            keep = torch.rand(x.shape, generator=getattr(dropout, "generator", None), device=x.device) >= dropout.p
+    if getattr(dropout, "record", None) is not None:
+        dropout.record.append(keep)
+    return keep
+
+
 def bias_dropout_add(x, bias, residual, dropout=None):
     """Megatron-LM's fused ``residual + dropout(x + bias)``: (.., h), (h,), (.., h) -> (.., h),
     one kernel (priced by :mod:`course_lib.planner.kernel_cost` as the bytes it reads and
-    writes once). Dropout with p > 0 is not fused here (NotImplementedError)."""
-    if dropout is not None and dropout.training and dropout.p > 0:
-        raise NotImplementedError("bias_dropout_add: dropout with p > 0 is not run fused (the dry run's "
-                                  "models have p = 0)")
+    writes once). With ``dropout`` training at p > 0 the kernel also reads the keep mask (on a
+    GPU it draws and writes it: the same bytes) and keeps it for backward, 1 byte per element
+    (one ``native_dropout_backward`` kernel there), as Megatron's jit-fused
+    ``bias_dropout_add_fused_train``."""
     if bias is None:                   # no bias (Llama blocks): the residual add alone, as unfused
-        return residual + x
+        return residual + (x if dropout is None else dropout(x))
+    if dropout is not None and dropout.training and dropout.p > 0:
+        scale = 0.0 if dropout.p >= 1.0 else 1.0 / (1.0 - dropout.p)
+        return _bias_dropout_add_masked_kernel(x, bias, residual, _keep_mask(dropout, x), scale)
     return _bias_dropout_add_kernel(x, bias, residual)
 
 
