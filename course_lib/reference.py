@@ -112,4 +112,17 @@ def train_gpt(model, batches, optimizer, *, micro=1):
     return model.state_dict(), losses
 
 
-__all__ = ["mlp_data", "shuffled", "mlp_batches", "gpt_batches", "mse_loss", "sgd_step", "train", "train_gpt"]
+def train_parallel(net, batches, optimizer) -> list:
+    """Train a parallel ``net`` whose ``step(x, y)`` runs one step's forward and backward (its
+    micro-batches, its communication) and returns the step's loss: ``optimizer`` steps after
+    each batch. Returns the step losses, to compare with :func:`train_gpt`'s."""
+    losses = []
+    for x, y in batches:
+        losses.append(net.step(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+__all__ = ["mlp_data", "shuffled", "mlp_batches", "gpt_batches", "mse_loss", "sgd_step", "train", "train_gpt",
+           "train_parallel"]

@@ -39,11 +39,7 @@ def _blocking_equals_one_device(pp):
         pipe = PipelineParallel(TinyGPT(cfg, seed=0).double(), Mesh(pp=pp), sched, microbatches=m, v=v)
         pipe.runner.blocking_sends = True
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-        losses = []
-        for x, y in batches:
-            losses.append(pipe.step(x, y))
-            opt.step()
-            opt.zero_grad()
+        losses = reference.train_parallel(pipe, batches, opt)
         got = {n: q.detach() for st in pipe.stages.values() for n, q in st.named_in_model().items()}
         bounds = dict(dtype=torch.float64, optimizer="adamw", steps=STEPS, lr=1e-2)
         out.append(((sched, m, v, tied), tolerance.compare(got, {n: state[n] for n in got}, **bounds),

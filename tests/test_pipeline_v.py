@@ -39,11 +39,7 @@ def _equal(configs, torch_configs):
         state, ref_losses = reference.train_gpt(ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-2), micro=m)
         pipe = PipelineParallel(TinyGPT(cfg, seed=0).double(), mesh, sched, microbatches=m)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        losses = []
-        for x, y in batches:
-            losses.append(pipe.step(x, y))
-            opt.step()
-            opt.zero_grad()
+        losses = reference.train_parallel(pipe, batches, opt)
         got = {n: q.detach() for st in pipe.stages.values() for n, q in st.named_in_model().items()}
         bounds = dict(dtype=torch.float64, optimizer="adamw", steps=STEPS, lr=1e-2)
         out["equal"].append((sched, m, tied, n_layers, tolerance.compare(got, {n: state[n] for n in got}, **bounds),

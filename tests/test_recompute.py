@@ -102,11 +102,7 @@ def _train(layouts, batch):
     for name, (layout, kw) in layouts.items():
         net = parallelize_nd(TinyGPT(CFG, seed=0).double(), Mesh(**layout), **kw)
         opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
-        losses = []
-        for x, y in reference.gpt_batches(CFG, batch=batch, steps=STEPS):
-            losses.append(net.step(x, y))
-            opt.step()
-            opt.zero_grad()
+        losses = reference.train_parallel(net, reference.gpt_batches(CFG, batch=batch, steps=STEPS), opt)
         out[name] = (losses, net.shards())
     return out
 

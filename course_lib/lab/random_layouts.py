@@ -125,11 +125,7 @@ def _train(cases):
             cfg = GPTConfig(**cfg)
             net = parallelize_nd(TinyGPT(cfg, seed=0).double(), Mesh(**dims), **kw)
             opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
-            losses = []
-            for x, y in reference.gpt_batches(cfg, batch=batch, steps=STEPS):
-                losses.append(net.step(x, y))
-                opt.step()
-                opt.zero_grad()
+            losses = reference.train_parallel(net, reference.gpt_batches(cfg, batch=batch, steps=STEPS), opt)
             out[name] = (losses, net.shards())
         except Exception as e:  # noqa: BLE001  (reported per case; the other cases go on)
             out[name] = (None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}")
