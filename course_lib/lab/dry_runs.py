@@ -76,18 +76,6 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
 
-# The full 175B row (m = 64) as `python benchmarks/dry_run_validation.py --source "Korthikanti
-# 2022 T5"` printed it on this project's 2-core machine, 2026-11-29, with Megatron-LM's fused
-# scale-mask-softmax, bias-dropout-add and QKV GEMM (SOFTWARE) and its dropout 0.1 (DROPOUT;
-# wall_s and cpu_s are that machine's, loaded); chapter 10 prints it beside its live run with
-# m = 8, and lab.dry_run_table holds every row of the same pass.
-RECORDED_175B = (
-    "source | model | GPUs | layout | published_s | planner_s | dry_s | planner_err | dry_err | "
-    "planner_GiB | dry_GiB | fits | wall_s | cpu_s",
-    "Korthikanti 2022 T5 | GPT 175B | 64 | TP8 CP1 PP8 DP1 m64 | 13.750 | 14.004 | 13.453 | +1.9% | "
-    "-2.2% | 55.5 | 55.4 | True | 23 | 19")
-
-
 def published_runs():
     """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
     FLOPs convention), note)]: every row, in the planner validation's order."""
