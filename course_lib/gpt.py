@@ -88,6 +88,8 @@ class GPTConfig:
         if not isinstance(self.recompute, str):
             self.recompute = tuple(self.recompute)
         layer_policies(self.recompute, self.n_layers)   # ValueError naming an unknown policy
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise TypeError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.ffn_hidden is None:

@@ -85,6 +85,11 @@ def test_bad_config_raises():
         GPTConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="seq_len"):
         TinyGPT(GPTConfig(seq_len=8))(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        GPTConfig(dropout=1.0)
+    for bad in ("0.1", True, None):
+        with pytest.raises(TypeError, match="dropout must be a number"):
+            GPTConfig(dropout=bad)
 
 
 def test_mlp_awkward_cases():
