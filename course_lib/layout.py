@@ -70,12 +70,16 @@ class Layout:
     gpus_per_node: int | None = None  # ZeRO++'s node: G consecutive FSDP ranks (None: 8 or all)
     documents: tuple = ()             # packed documents' lengths per sequence (sum = seq_len); (): one.
                                       # The planner and the dry run read it; a real step takes doc_ids=
+    order: tuple | None = None        # the ranks' order, outermost first (:func:`rank_order`); None:
+                                      # MESH_ORDER (dp, pp, cp, tp); DeepSpeed's ("pp", "dp", "tp")
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
         given = self.given or frozenset(f for f in BATCH if getattr(self, f) is not None)
         if not isinstance(self.documents, tuple):
             object.__setattr__(self, "documents", tuple(int(n) for n in self.documents))
+        if isinstance(self.order, list):                           # hashable, one spelling
+            object.__setattr__(self, "order", tuple(self.order))
         if isinstance(self.zeropp, (list, set, frozenset, str)):   # hashable, one spelling
             object.__setattr__(self, "zeropp", (self.zeropp,) if isinstance(self.zeropp, str) else tuple(self.zeropp))
         gb, mb, m, dp = self.global_batch, self.micro_batch, self.microbatches, self.dp
@@ -159,6 +163,31 @@ class Layout:
 
 
 FOLD_ORDER = ("dp", "cp", "tp")     # the fold takes its ranks from these, dp first
+MESH_ORDER = ("dp", "pp", "cp", "tp")   # the ranks' default order, outermost -> innermost (TP innermost)
+
+
+def rank_order(order=None, sizes=None) -> tuple:
+    """The mesh's four dimensions, outermost -> innermost, as ``order`` numbers the ranks
+    (None: :data:`MESH_ORDER`). Each name once; a dimension left out must have size 1 in
+    ``sizes`` (it changes no rank: it goes innermost). DeepSpeed's PipeModelDataParallelTopology
+    is ``("pp", "dp", "tp")``: its axes pipe, data, model, row-major. TypeError / ValueError
+    naming the rule."""
+    if order is None:
+        return MESH_ORDER
+    if isinstance(order, str) or not isinstance(order, (tuple, list)):
+        raise TypeError(f"order must be a tuple of mesh dimensions, outermost first (e.g. "
+                        f"('pp', 'dp', 'tp')), got {order!r}")
+    unknown = [d for d in order if d not in MESH_ORDER]
+    if unknown:
+        raise ValueError(f"order: unknown mesh dimension(s) {unknown}; the ranks are ordered over {MESH_ORDER}")
+    if len(set(order)) != len(order):
+        raise ValueError(f"order {tuple(order)} names a dimension twice: name each once, outermost first")
+    missing = [d for d in MESH_ORDER if d not in order]
+    left_out = [f"{d}={sizes[d]}" for d in missing if sizes is not None and sizes.get(d, 1) != 1]
+    if left_out:
+        raise ValueError(f"order {tuple(order)} leaves out {', '.join(left_out)}: name every dimension of "
+                         f"size > 1 (a left-out one has size 1)")
+    return tuple(order) + tuple(missing)
 
 
 def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
@@ -177,4 +206,4 @@ def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
 
 DATA = ("ddp", "fsdp", "hsdp")
 
-__all__ = ["Layout", "DATA", "FOLD_ORDER", "expert_fold"]
+__all__ = ["Layout", "DATA", "FOLD_ORDER", "MESH_ORDER", "expert_fold", "rank_order"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from course_lib.layout import DATA, Layout
+from course_lib.layout import DATA, MESH_ORDER, Layout, rank_order
 from course_lib.parallel.context_parallel import context_parallel, rule_context, rule_doc_ids, shard_positions
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, expert_tp_plan, rule_experts, token_index
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
@@ -47,6 +47,7 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     if layout is None and keywords.get("recompute") is None:
         keywords["recompute"] = model.config.recompute
     L = as_layout(layout, dict(mesh.sizes, ep=mesh.ep, etp=mesh.etp), **keywords)
+    L = rule_order(L, getattr(mesh, "order", MESH_ORDER), given=layout is not None)
     if not isinstance(L.schedule, str):     # an action list: checked once, here (the rules and the
         L = L.with_(schedule=validate(L.schedule, L.pp, L.microbatches, L.v))   # runner take it as is)
     for rule in (rule_names, rule_pipeline):
@@ -66,6 +67,19 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     modules, grad_sync, master = apply_data_parallel(stages, mesh, L, reduce)   # 7. DDP or FSDP
     return NDParallel(stages, mesh, L, modules=modules, grad_sync=grad_sync, master=master,
                       placements=placements(stages, modules, mesh, before))   # where each parameter sits
+
+
+def rule_order(L: Layout, mesh_order: tuple, given: bool) -> Layout:
+    """The layout's rank order is the mesh's: a layout given must say the mesh's order (build the
+    mesh with ``Mesh.from_layout``); keywords take the mesh's."""
+    mine = rank_order(L.order, L.sizes)
+    live = lambda order: tuple(d for d in order if L.sizes[d] > 1)      # (a dim of size 1 numbers nothing)
+    if live(mine) == live(mesh_order):
+        return L
+    if given:
+        raise ValueError(f"the layout's rank order {mine} differs from the mesh's {mesh_order}: build the "
+                         f"mesh with Mesh.from_layout(layout) (or give both one order)")
+    return L.with_(order=mesh_order)
 
 
 def apply_tp(part, mesh, layout, seed=0):
@@ -303,5 +317,5 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
 
 
 __all__ = ["check_layout", "parallelize_nd", "apply_tp", "apply_cp", "apply_ep", "mark_reduce_dims",
-           "apply_data_parallel", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement",
+           "apply_data_parallel", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement", "rule_order",
            "DATA", "SCHEDULES"]

@@ -69,7 +69,7 @@ def check_layout(cfg, layout=None, *, world_size=None, batch=None, **keywords) -
     :class:`~course_lib.layout.Layout`, or its fields as keywords (parallelize_nd's too:
     ``microbatches``, ``schedule``, ``sequence_parallel``, ``data``, ..., and ``batch``)."""
     L = as_layout(layout, batch=batch, **keywords)
-    shape = MeshShape(**L.sizes, etp=L.etp)
+    shape = MeshShape(**L.sizes, etp=L.etp, order=L.order)     # (the order: ValueError naming its rule)
     if world_size is not None and world_size != shape.world_size:
         s = shape.sizes
         raise ValueError(f"the layout dp*pp*cp*tp = {s['dp']}*{s['pp']}*{s['cp']}*{s['tp']} = {shape.world_size} "

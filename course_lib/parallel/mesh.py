@@ -15,6 +15,12 @@ bytes). Either way the dimension that talks most sits on the fastest links:
 
     rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
 
+``order=`` numbers them in another order, outermost first (:func:`~course_lib.layout.rank_order`):
+``Mesh(dp=2, pp=2, tp=2, order=("pp", "dp", "tp"))`` is DeepSpeed's
+PipeModelDataParallelTopology (axes pipe, data, model), rank = (pp_i * dp + dp_i) * tp + tp_i.
+The groups are the same sets of coordinates; which global ranks (so which nodes) hold them follows
+the order. A flattened group's ranks are in the mesh's order too (its outermost named dim first).
+
 The experts have a mesh of their own, folded over the same ranks (Megatron-Core's "MoE
 parallel folding"): inside one pipeline stage, the dp x cp x tp ranks are also
 etp x ep x edp (expert tensor parallel innermost, then expert parallel, then expert data
@@ -40,20 +46,22 @@ import itertools
 import torch.distributed as dist
 
 from course_lib.collectives.comm import Comm
-from course_lib.layout import FOLD_ORDER, expert_fold  # noqa: F401  (the fold is a layout rule)
+from course_lib.layout import FOLD_ORDER, MESH_ORDER, expert_fold, rank_order  # noqa: F401  (layout rules)
 from course_lib.schedules import positive_int
 
-DIMS = ("dp", "pp", "cp", "tp")    # outermost -> innermost
+DIMS = MESH_ORDER                  # outermost -> innermost, unless a mesh's ``order`` says otherwise
 EXPERT_DIMS = ("ep", "etp", "edp")  # the expert mesh, folded over dp (x cp x tp) of one stage
 
 
 class MeshShape:
     """The pure arithmetic of a mesh (no process group): coordinates and rank sets."""
 
-    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1):
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
+                 order=None):
         for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep), ("etp", etp)):
             positive_int(f"mesh dimension {name}", value)
         self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        self.order = rank_order(order, self.sizes)      # outermost -> innermost
         self.ep, self.etp = ep, etp
         self.fold = expert_fold(self.sizes, ep, etp)
         self.world_size = dp * pp * cp * tp
@@ -85,15 +93,19 @@ class MeshShape:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the mesh (world size {self.world_size})")
         out = {}
-        for d in reversed(DIMS):
+        for d in reversed(self.order):
             rank, out[d] = divmod(rank, self.sizes[d])
         out = {d: out[d] for d in DIMS}
         folded = 0                                # this rank's index along the fold, in rank order
-        for d in self.fold:                       # (tp fastest): a group's ranks sorted = by coordinate
+        for d in self._fold_in_order():           # (innermost fastest): a group's ranks sorted = by coordinate
             folded = folded * self.sizes[d] + out[d]
         folded, out["etp"] = divmod(folded, self.etp)
         out["edp"], out["ep"] = divmod(folded, self.ep)
         return out
+
+    def _fold_in_order(self) -> tuple:
+        """The fold's dims in the mesh's order, outermost first."""
+        return tuple(d for d in self.order if d in self.fold)
 
     def _invalid(self, names) -> str:
         problem = _invalid(names)
@@ -121,7 +133,7 @@ class MeshShape:
         if unknown:
             raise ValueError(f"unknown mesh dimension(s) {sorted(unknown)}; the mesh has {DIMS}")
         rank = 0
-        for d in DIMS:
+        for d in self.order:
             i = coords.get(d, 0)
             if not 0 <= i < self.sizes[d]:
                 raise ValueError(f"{d}={i} is outside the mesh ({d} has size {self.sizes[d]})")
@@ -130,24 +142,26 @@ class MeshShape:
 
     def rank_sets(self, dims) -> list[list[int]]:
         """Every group along ``dims``: lists of global ranks that differ only in ``dims``,
-        each in group-rank order (the outermost named dimension outermost), sorted by first rank."""
+        each in group-rank order (the mesh's order: its outermost named dimension outermost, so
+        the ranks ascending, as ``dist.new_group`` numbers them), sorted by first rank."""
         names = _names(dims)
         self._check(names)
         covered, groups = self._covered(names), {}
         for rank in range(self.world_size):
             c = self.coords(rank)
             key = tuple(c[d] for d in DIMS + EXPERT_DIMS if d not in covered)
-            order = tuple(c[d] for d in ("dp", "pp", "cp", "tp", "edp", "ep", "etp") if d in names)
+            order = tuple(c[d] for d in self.order + ("edp", "ep", "etp") if d in names)
             groups.setdefault(key, []).append((order, rank))
         return sorted([r for _, r in sorted(members)] for members in groups.values())
 
     def describe(self) -> str:
-        dims = " x ".join(f"{d}={self.sizes[d]}" for d in DIMS)
+        dims = " x ".join(f"{d}={self.sizes[d]}" for d in self.order)
         experts = ""
         if self.ep * self.etp > 1:
             inside = " x ".join(self.fold)
             experts = f" (ep={self.ep}" + (f" x etp={self.etp}" if self.etp > 1 else "") + f" inside {inside})"
-        return dims + experts + f": {self.world_size} ranks"
+        ordered = "" if self.order == MESH_ORDER else f", ranks in order {' > '.join(self.order)}"
+        return dims + experts + f": {self.world_size} ranks" + ordered
 
 
 def _names(dims) -> tuple:
@@ -177,12 +191,12 @@ class Mesh(MeshShape):
 
     ``impl``: who runs the collectives of every Comm ("torch", "course" or a dict of
     functions, see :class:`~course_lib.collectives.comm.Comm`); ``mesh.comm(dims, impl=...)``
-    overrides it for one group.
+    overrides it for one group. ``order``: the dims outermost first (every rank the same one).
     """
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
-                 impl="torch"):
-        super().__init__(dp, pp, cp, tp, ep, etp)
+                 impl="torch", order=None):
+        super().__init__(dp, pp, cp, tp, ep, etp, order=order)
         if not dist.is_initialized():
             raise RuntimeError("Mesh builds process groups: run it inside course_lib.launch(fn, world_size)")
         world = dist.get_world_size()
@@ -200,9 +214,9 @@ class Mesh(MeshShape):
 
     @classmethod
     def from_layout(cls, layout, **kw) -> "Mesh":
-        """The mesh of a :class:`~course_lib.layout.Layout` (dp, pp, cp, tp, ep, etp)."""
+        """The mesh of a :class:`~course_lib.layout.Layout` (dp, pp, cp, tp, ep, etp, order)."""
         return cls(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, ep=layout.ep,
-                   etp=getattr(layout, "etp", 1), **kw)
+                   etp=getattr(layout, "etp", 1), order=getattr(layout, "order", None), **kw)
 
     def _all_dim_sets(self):
         """Every valid combination of dimensions, in one fixed order."""
@@ -279,7 +293,8 @@ class Mesh(MeshShape):
         return self.rank_of(**{**{d: self.coord[d] for d in DIMS}, dim: i})
 
     # ---------------------------------------------------- torch's DeviceMesh spelling
-    mesh_dim_names = DIMS   # init_device_mesh("cpu", (dp, pp, cp, tp), mesh_dim_names=DIMS) has our groups
+    # init_device_mesh("cpu", sizes in mesh.order, mesh_dim_names=mesh.order) has our groups
+    mesh_dim_names = property(lambda self: self.order)
 
     def get_group(self, mesh_dim: str):
         """As ``DeviceMesh.get_group``: the ProcessGroup along one dimension (the world's group
@@ -297,8 +312,8 @@ class Mesh(MeshShape):
         return self.world_size if mesh_dim is None else len(self.ranks(mesh_dim))
 
     def get_coordinate(self) -> list[int]:
-        """As ``DeviceMesh.get_coordinate``: this rank's index along dp, pp, cp, tp."""
-        return [self.coord[d] for d in DIMS]
+        """As ``DeviceMesh.get_coordinate``: this rank's index along each dim, in the mesh's order."""
+        return [self.coord[d] for d in self.order]
 
     pp_prev = property(lambda self: self.peer("pp", -1), doc="previous pipeline stage's rank (None on stage 0)")
     pp_next = property(lambda self: self.peer("pp", +1), doc="next pipeline stage's rank (None on the last)")

@@ -32,7 +32,8 @@ from course_lib.planner import gemm as G
 from course_lib.planner.async_tp import async_tp_hop, async_tp_layer, transformer_steps
 from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes
-from course_lib.planner.layout import Layout, intra_node, layers_per_stage
+from course_lib.layout import rank_order
+from course_lib.planner.layout import Layout, intra_node, layers_per_stage, strides
 from course_lib.planner.presets import Hardware, ModelSpec
 
 # Bytes of HBM traffic per parameter in an AdamW step: read and write the fp32
@@ -191,7 +192,8 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     # HSDP: FSDP over the shard group (shard_size dp ranks x cp), replicas over the rest
     n_shard = layout.shard_size * c if layout.data == "hsdp" else n_zero
     n_replicas = n_zero // n_shard
-    a_sh, bw_sh = hw.link(layout.shard_size * t * c * p <= hw.gpus_per_node) if n_replicas > 1 else (a_dp, bw_dp)
+    a_sh, bw_sh = hw.link(layout.shard_size * strides(layout)["dp"] <= hw.gpus_per_node) if n_replicas > 1 \
+        else (a_dp, bw_dp)
     out = []
     for st, n_l in enumerate(layers_per_stage(model, layout)):
         dense, expert = _split_params(model, layout, st, n_l)
@@ -291,8 +293,12 @@ def _zeropp_times(coll, layout, hw, dense, n_zero):
 
 def zeropp_node(layout: Layout, hw, n_zero: int) -> int:
     """ZeRO++'s node in FSDP members: the layout's ``gpus_per_node``, else the GPUs of one node
-    over the tp x pp ranks inside it (TP innermost), cut to a divisor of the group."""
-    return math.gcd(n_zero, layout.gpus_per_node or max(1, hw.gpus_per_node // (layout.tp * layout.pp)))
+    over the ranks of the other dims inside the outermost of dp, cp (default order: tp x pp),
+    cut to a divisor of the group."""
+    order = rank_order(layout.order, layout.sizes)
+    inner = order[min(order.index("dp"), order.index("cp")):]
+    others = math.prod(layout.sizes[d] for d in inner if d not in ("dp", "cp"))
+    return math.gcd(n_zero, layout.gpus_per_node or max(1, hw.gpus_per_node // others))
 
 
 def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:

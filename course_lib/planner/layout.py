@@ -6,10 +6,12 @@ Ranks are numbered with TP innermost, then CP, then PP, then DP (the order of th
 Llama 3 paper, Dubey et al. 2024, Sec. 3.3.2): the dimension that talks most sits
 on the fastest links. A group is inside one node when its rank span fits in one
 node; otherwise its ring crosses the network and runs at the network's speed.
+The layout's ``order`` numbers them otherwise (DeepSpeed: PP outermost, so a pipeline
+hop spans dp * cp * tp ranks): :func:`strides` follows it, as the Mesh does.
 """
 from __future__ import annotations
 
-from course_lib.layout import Layout, expert_fold
+from course_lib.layout import Layout, expert_fold, rank_order
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 
@@ -29,6 +31,7 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
     """
     for name in ("dp", "tp", "pp", "cp", "ep", "etp", "v", "micro_batch", "global_batch"):
         _positive_int(f"layout.{name}", getattr(layout, name))
+    rank_order(layout.order, layout.sizes)      # each dim once, the dims of size > 1 all named
     s = layout.seq_len or model.seq_len
     _positive_int("seq_len", s)
     if n_gpus is not None and layout.n_gpus != n_gpus:
@@ -102,22 +105,30 @@ def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
     return [sum(per_chunk[c] for c in range(chunks) if c % layout.pp == st) for st in range(layout.pp)]
 
 
+def strides(layout: Layout) -> dict:
+    """{dim: how many ranks apart two neighbours along ``dim`` are}, in the layout's rank order
+    (default: tp 1, cp tp, pp tp * cp, dp tp * cp * pp; :class:`~course_lib.parallel.mesh.MeshShape`)."""
+    out, stride = {}, 1
+    for d in reversed(rank_order(layout.order, layout.sizes)):
+        out[d], stride = stride, stride * layout.sizes[d]
+    return out
+
+
 def group_span(layout: Layout, dim: str) -> int:
-    """How many consecutive ranks one group of ``dim`` spans (order TP, CP, PP, DP; the expert
-    dims "ep" / "etp" folded over DP, then CP, then TP: :class:`~course_lib.parallel.mesh.MeshShape`)."""
-    t, c, p = layout.tp, layout.cp, layout.pp
+    """How many consecutive ranks one group of ``dim`` spans: its stride times its size (in the
+    layout's rank order, default TP, CP, PP, DP innermost first; the expert dims "ep" / "etp"
+    folded over DP, CP and TP, numbered in that rank order: :class:`~course_lib.parallel.mesh.MeshShape`)."""
+    stride, sizes = strides(layout), layout.sizes
     if dim in ("ep", "etp"):
         fold = expert_fold(layout.sizes, layout.ep, layout.etp)
-        stride = {"dp": t * c * p, "cp": t, "tp": 1}
-        sizes = {"dp": layout.dp, "cp": c, "tp": t}
         step = layout.etp if dim == "ep" else 1                    # fold-index step between members
         last = step * ((layout.ep if dim == "ep" else layout.etp) - 1)
         span = 0
-        for d in reversed(fold):                                   # the last member's coordinates
-            last, i = divmod(last, sizes[d])
+        for d in sorted(fold, key=stride.get):                     # the last member's coordinates,
+            last, i = divmod(last, sizes[d])                       # innermost first
             span += i * stride[d]
         return span + 1
-    return {"tp": t, "cp": t * c, "pp": t * c * p, "dp": layout.n_gpus}[dim]
+    return stride[dim] * sizes[dim]
 
 
 def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:

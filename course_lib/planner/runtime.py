@@ -36,8 +36,7 @@ from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
-
-STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
+from course_lib.planner.layout import strides
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
@@ -62,13 +61,10 @@ def ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
 
 
 def group_in_node(layout, hw, dims) -> bool:
-    """True if the group of mesh ``dims`` (one or several) stays inside one node."""
-    sizes = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
-    stride, last = 1, 0
-    for d in STRIDE_ORDER:
-        if d in dims:
-            last += (sizes[d] - 1) * stride
-        stride *= sizes[d]
+    """True if the group of mesh ``dims`` (one or several) stays inside one node (its last member
+    within gpus_per_node of its first, in the layout's rank order: :func:`.layout.strides`)."""
+    stride, sizes = strides(layout), layout.sizes
+    last = sum((sizes[d] - 1) * stride[d] for d in ("tp", "cp", "pp", "dp") if d in dims)
     return last < hw.gpus_per_node
 
 
@@ -327,7 +323,7 @@ def ep_time(model, hw, layout, tokens) -> float:
     """Seconds of one MoE layer's forward exchanges on the expert mesh, balanced routing:
     the expert counts' all-to-all, then dispatch and combine (:func:`F.moe_dispatch_payloads`;
     the backward the same), the ep group folded over the stage's dp ranks (tp = cp = 1 here)."""
-    stride = layout.tp * layout.cp * layout.pp
+    stride = strides(layout)["dp"]
     alpha, bw = hw.link((layout.ep * layout.etp - 1) * stride < hw.gpus_per_node)
     gather = model.moe_dispatch == "all_gather"
     n = {"all_to_all": layout.ep, "all_gather": layout.ep * layout.etp if gather else layout.etp}

@@ -272,7 +272,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     cfg = check_dry_run(spec, layout, dropout)
     fusions = check_fusions(fusions)
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
-    shape = MeshShape(**layout.sizes, etp=layout.etp)
+    shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order)
     cluster.check(shape.world_size)
     running = running_ranks(shape)
     with torch.device("meta"):
@@ -295,7 +295,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                mesh = StageMesh(rank, **layout.sizes, etp=layout.etp)
+                mesh = StageMesh(rank, **layout.sizes, etp=layout.etp, order=layout.order)
                 out[rank] = train_step(cfg, layout, mesh, device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
                                        optimizer=optimizer, fusions=fusions)

@@ -309,8 +309,9 @@ class StageMesh(Mesh):
     """The :class:`Mesh` of ``sizes`` seen from global rank ``rank``, every Comm a
     :class:`PricedComm` (nothing to build: no process group)."""
 
-    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1):
-        MeshShape.__init__(self, dp, pp, cp, tp, ep, etp)
+    def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
+                 order=None):
+        MeshShape.__init__(self, dp, pp, cp, tp, ep, etp, order=order)
         self.impl, self.rank = "torch", rank
         self.coord = self.coords(rank)
         self._comms = {}
