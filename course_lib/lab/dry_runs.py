@@ -53,10 +53,8 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # (``async_op=True`` is refused): "blocking_sends", the runner waits for each send where it posts it.
 # Measured on BLOOM's row (2026-11-29): +0.03 s (90.601 -> 90.632 s, -13.3% either way): in
 # 1F1B a stage's next action waits for a message anyway, and a send completes once delivered
-# (the clock has no rendezvous with the receiver's post). Not stated here, and not run: DeepSpeed
-# puts pp outermost (PipeModelDataParallelTopology: pipe, data, model), so every BLOOM hop
-# crosses Omni-Path (the course: dp outermost, half the hops on NVLink; gpus_per_node=4
-# emulates it: -10.7%, -10.2% with blocking sends); the script's CUDA_LAUNCH_BLOCKING=1
+# (the clock has no rendezvous with the receiver's post). DeepSpeed's rank order is stated
+# below (:data:`ORDER`). Not stated here, and not run: the script's CUDA_LAUNCH_BLOCKING=1
 # (about 75k kernels a rank x 12.3 us = 0.9 s); DeepSpeed's lock-step instruction order.
 _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
@@ -76,9 +74,27 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
 
+# How each source's software numbered its ranks (Layout.order, outermost first; None: the
+# course's dp, pp, cp, tp), which decides which groups sit inside a node. Megatron-LM of 2021-22
+# (megatron/mpu/initialize.py, initialize_model_parallel): pipeline stage i owns the ranks
+# [i * world/pp, (i + 1) * world/pp) and its data-parallel groups are range(start + j, end, tp):
+# pp outermost, then dp, tp innermost. Korthikanti's and Narayanan's rows are all tp = 8 (a
+# node per TP group, so every hop and every dp group crosses nodes either way) or pp = 1: the
+# order changes none of their groups (tests/test_rank_order.py checks it). BLOOM: Megatron-
+# DeepSpeed's GPTModelPipe (megatron/model/gpt_model.py) builds DeepSpeed's
+# PipeModelDataParallelTopology(num_pp, num_mp, num_dp), whose axes are ['pipe', 'data',
+# 'model'], row-major (deepspeed/runtime/pipe/topology.py): pp outermost, tp innermost, so with
+# tp = 4 on 8-GPU nodes every one of the 11 pipeline hops crosses Omni-Path (the course's order
+# keeps 6 of them on NVLink). Llama 3: the paper's [TP, CP, PP, DP] (Dubey et al. 2024,
+# Sec. 3.3.2), the course's own.
+_MEGATRON_ORDER = ("pp", "dp", "tp")
+ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_ORDER,
+         "BLOOM 2022": ("pp", "dp", "tp"), "Llama 3 T4": None}
+
 def published_runs():
     """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
-    FLOPs convention), note)]: every row, in the planner validation's order."""
+    FLOPs convention), note)]: every row, in the planner validation's order, each layout in its
+    source's rank order (:data:`ORDER`)."""
     rows = []
     for name, pp, gbs, seconds, _ in KORTHIKANTI_TABLE5:
         model = MODELS[name]
@@ -100,7 +116,8 @@ def published_runs():
     for gpus, tp, cp, pp, dp, s, tflops in LLAMA3_TABLE4:
         rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
                      llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops), ""))
-    return rows
+    return [(source, name, model, hw, layout.with_(order=ORDER[source]), *rest)
+            for source, name, model, hw, layout, *rest in rows]
 
 
 def published_row(source, name, model, hw, layout, seconds, flops_rate, note) -> dict:
@@ -116,7 +133,7 @@ def published_row(source, name, model, hw, layout, seconds, flops_rate, note) ->
             "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
             "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
             "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source],
-            "dropout": DROPOUT[source]}
+            "dropout": DROPOUT[source], "order": layout.order}
 
 
 def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0) -> list[dict]:
@@ -220,5 +237,5 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
 
 
 __all__ = ["published_runs", "published_row", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
-           "DROPOUT", "random_layouts",
+           "DROPOUT", "ORDER", "random_layouts",
            "agreement_rows"]
