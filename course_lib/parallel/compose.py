@@ -47,7 +47,7 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     if layout is None and keywords.get("recompute") is None:
         keywords["recompute"] = model.config.recompute
     L = as_layout(layout, dict(mesh.sizes, ep=mesh.ep, etp=mesh.etp), **keywords)
-    L = rule_order(L, getattr(mesh, "order", MESH_ORDER), given=layout is not None)
+    L = rule_order(L, getattr(mesh, "order", MESH_ORDER), given=layout is not None or "order" in keywords)
     if not isinstance(L.schedule, str):     # an action list: checked once, here (the rules and the
         L = L.with_(schedule=validate(L.schedule, L.pp, L.microbatches, L.v))   # runner take it as is)
     for rule in (rule_names, rule_pipeline):
@@ -70,8 +70,8 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
 
 
 def rule_order(L: Layout, mesh_order: tuple, given: bool) -> Layout:
-    """The layout's rank order is the mesh's: a layout given must say the mesh's order (build the
-    mesh with ``Mesh.from_layout``); keywords take the mesh's."""
+    """The layout's rank order is the mesh's: a layout (or an ``order=`` keyword) given must say
+    the mesh's order (build the mesh with ``Mesh.from_layout``); other keywords take the mesh's."""
     mine = rank_order(L.order, L.sizes)
     live = lambda order: tuple(d for d in order if L.sizes[d] > 1)      # (a dim of size 1 numbers nothing)
     if live(mine) == live(mesh_order):
