@@ -4,14 +4,15 @@
     python benchmarks/dry_run_validation.py --source "Korthikanti 2022 T5" --model "GPT 175B"
 
 Prints, row by row as they finish: the published step time, the planner's, the dry run's
-(course_lib.virtual.dry_run, with each source's software and dropout: lab.dry_runs.SOFTWARE, DROPOUT),
+(course_lib.virtual.dry_run, with each source's software, dropout and rank order: lab.dry_runs.SOFTWARE,
+DROPOUT, ORDER),
 their errors, the memory per GPU of both and the wall time; then the mean and worst |error| of the dry run and of the planner over the rows that ran.
 """
 import argparse
 import json
 import sys
 
-from course_lib.lab.dry_runs import DROPOUT, SOFTWARE, SOURCES, format_table, summary, validation_rows
+from course_lib.lab.dry_runs import DROPOUT, ORDER, SOFTWARE, SOURCES, format_table, summary, validation_rows
 
 
 def main(argv=None):
@@ -27,7 +28,7 @@ def main(argv=None):
     print(format_table(rows))
     for source in dict.fromkeys(r["source"] for r in rows):
         print(f"  {source}: software as stated: {', '.join(SOFTWARE[source]) or 'the course as it is'}; "
-              f"dropout {DROPOUT[source]:g}")
+              f"dropout {DROPOUT[source]:g}; ranks " + (" > ".join(ORDER[source]) if ORDER[source] else "the course's"))
     for r in rows:
         if r["note"]:
             print(f"  {r['model']}: {r['note']}")

@@ -79,7 +79,7 @@ def test_bad_orders_are_refused_before_any_rank_starts(order, error, message):
 
 
 def test_a_layout_and_a_mesh_of_other_orders_are_refused():
-    from course_lib.parallel.compose import rule_order
+    from course_lib.parallel.layout_rules import rule_order
     layout = Layout(dp=2, tp=2, pp=2, order=DEEPSPEED)
     with pytest.raises(ValueError, match="Mesh.from_layout"):
         rule_order(layout, MESH_ORDER, given=True)

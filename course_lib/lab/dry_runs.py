@@ -14,7 +14,8 @@ one (Korthikanti), else the FLOPs the paper counts per step over the throughput 
 (Narayanan and BLOOM: hardware FLOPs with recomputation; Llama 3: model FLOPs), with the
 planner's FLOP count for the step (the same for the three columns). What each source's
 software fused is stated once per source (:data:`SOFTWARE`) and run by the dry run as the
-course's program with those kernels (:mod:`course_lib.virtual.software`); its attention kernel
+course's program with those kernels (:mod:`course_lib.virtual.software`), and so is how it
+numbered its ranks (:data:`ORDER`: which groups sit inside a node); its attention kernel
 agrees with the source's hardware's ``fused_attention`` (the planner's statement of the same
 thing). Llama 3's CP row does not run as stated: its K/V all-gather (``cp_comm="all_gather"``)
 is priced by the planner, not built by the ranks (they run the ring; see the row's note).

@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from course_lib.layout import DATA, MESH_ORDER, Layout, rank_order
+from course_lib.layout import DATA, MESH_ORDER, Layout
 from course_lib.parallel.context_parallel import context_parallel, rule_context, rule_doc_ids, shard_positions
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, expert_tp_plan, rule_experts, token_index
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import as_layout, check_layout, rule_names
+from course_lib.parallel.layout_rules import as_layout, check_layout, rule_names, rule_order
 from course_lib.parallel.mesh import DIMS, EXPERT_DIMS, MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.pipeline.rules import rule_batch, rule_pipeline
 from course_lib.parallel.pipeline.runtime import PipelineRuntime
@@ -67,19 +67,6 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     modules, grad_sync, master = apply_data_parallel(stages, mesh, L, reduce)   # 7. DDP or FSDP
     return NDParallel(stages, mesh, L, modules=modules, grad_sync=grad_sync, master=master,
                       placements=placements(stages, modules, mesh, before))   # where each parameter sits
-
-
-def rule_order(L: Layout, mesh_order: tuple, given: bool) -> Layout:
-    """The layout's rank order is the mesh's: a layout (or an ``order=`` keyword) given must say
-    the mesh's order (build the mesh with ``Mesh.from_layout``); other keywords take the mesh's."""
-    mine = rank_order(L.order, L.sizes)
-    live = lambda order: tuple(d for d in order if L.sizes[d] > 1)      # (a dim of size 1 numbers nothing)
-    if live(mine) == live(mesh_order):
-        return L
-    if given:
-        raise ValueError(f"the layout's rank order {mine} differs from the mesh's {mesh_order}: build the "
-                         f"mesh with Mesh.from_layout(layout) (or give both one order)")
-    return L.with_(order=mesh_order)
 
 
 def apply_tp(part, mesh, layout, seed=0):
@@ -317,5 +304,5 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
 
 
 __all__ = ["check_layout", "parallelize_nd", "apply_tp", "apply_cp", "apply_ep", "mark_reduce_dims",
-           "apply_data_parallel", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement", "rule_order",
+           "apply_data_parallel", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement",
            "DATA", "SCHEDULES"]

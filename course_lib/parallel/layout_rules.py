@@ -11,7 +11,7 @@ in the plan's order, in plain arithmetic before any rank starts. Each raises a V
 """
 from __future__ import annotations
 
-from course_lib.layout import DATA, Layout
+from course_lib.layout import DATA, Layout, rank_order
 from course_lib.parallel.context_parallel import rule_context, ulysses_heads  # noqa: F401  (re-exported)
 from course_lib.parallel.expert_parallel import rule_experts
 from course_lib.parallel.fsdp import rule_fsdp
@@ -40,6 +40,20 @@ def as_layout(layout=None, dims=None, **keywords) -> Layout:
     if "sequence_parallel" in keywords:
         keywords["sp"] = keywords.pop("sequence_parallel")
     return Layout.of(**(dims or {}), **keywords)
+
+
+def rule_order(L: Layout, mesh_order: tuple, given: bool) -> Layout:
+    """The layout's rank order is the mesh's: a layout (or an ``order=`` keyword) given must say
+    the mesh's order (build the mesh with ``Mesh.from_layout``); other keywords take the mesh's."""
+    mine = rank_order(L.order, L.sizes)
+    live = lambda order: tuple(d for d in order if L.sizes[d] > 1)      # (a dim of size 1 numbers nothing)
+    if live(mine) == live(mesh_order):
+        return L
+    if given:
+        raise ValueError(f"the layout's rank order {mine} differs from the mesh's {mesh_order}: build the "
+                         f"mesh with Mesh.from_layout(layout) (or give both one order)")
+    return L.with_(order=mesh_order)
+
 
 
 # ------------------------------------------------------------------------ the rules, in order
@@ -81,5 +95,5 @@ def check_layout(cfg, layout=None, *, world_size=None, batch=None, **keywords) -
     return shape
 
 
-__all__ = ["check_layout", "as_layout", "RULES", "positive_int", "partition_layers", "local_heads",
+__all__ = ["check_layout", "as_layout", "rule_order", "RULES", "positive_int", "partition_layers", "local_heads",
            "ulysses_heads", "rule_batch", "rule_names", "rule_pipeline", "splits_weight_gradients", "DATA"]
