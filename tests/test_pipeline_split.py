@@ -129,3 +129,28 @@ def test_the_planner_prices_the_ranks_split():
     assert [st.layers for st in est.stages] == held == [7] + [8] * 14 + [7]
     v = Layout(pp=2, schedule="zb-v", microbatches=4, stage_layers=(0, 2, 1, 1))     # V: rank 0 holds 0 and 3
     assert layers_per_stage(dataclasses.replace(get_model("llama3-8b"), n_layers=4), v) == [1, 3]
+
+
+def _real_rank(cfg, layout):
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.virtual.dry_run import train_step
+    return train_step(cfg, layout, Mesh.from_layout(layout))
+
+
+def test_the_dry_run_prices_the_split_as_a_real_launch():
+    """tp 2 (+ SP) x pp 2, interleaved v = 2, the embedding and the head alone in their chunks:
+    the dry run (meta device, one rank per stage) gives the real 4-rank run's step time and
+    kernels to the bit; without the split (two layers on the embedding's and the head's chunks)
+    the step differs."""
+    from course_lib.planner.presets import gpt_spec
+    from course_lib.virtual import VirtualCluster, dry_run
+    from course_lib.virtual.dry_run import model_config
+
+    spec = gpt_spec("GPT test", 4, 64, 4, V=256, s=32)
+    layout = Layout(tp=2, pp=2, sp=True, schedule="interleaved", v=2, microbatches=2, global_batch=2,
+                    stage_layers=(0, 2, 2, 0))
+    real = launch(_real_rank, 4, model_config(spec, layout), layout, clock=VirtualCluster("a100-80gb"))
+    r = dry_run(spec, "a100-80gb", layout, progress=None)
+    assert r.step_time == max(x["t"] for x in real)
+    assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
+    assert dry_run(spec, "a100-80gb", layout.with_(stage_layers=()), progress=None).step_time != r.step_time
