@@ -1,7 +1,7 @@
 """A given pipeline split (``Layout.stage_layers``, issue #36): virtual stages that hold only the
 embedding or only the head, as Llama 3 405B's (Dubey et al. 2024, Sec. 3.3.2), equal to one
 device over several AdamW steps in float64 (interleaved at pp 2 and 3, v 2 and 3, with TP + SP,
-DP and a tied embedding), refused by name where a stage would hold nothing, and priced by the
+DP and a tied embedding; ZB-V, whose rank 0 holds both ends), refused by name where a stage would hold nothing, and priced by the
 planner as the ranks cut it. Two launches (3 and 4 ranks)."""
 import dataclasses
 
@@ -25,7 +25,9 @@ CASES = {
     3: {"pp3-v3-paper": (dataclasses.replace(CFG, n_layers=7), dict(pp=3),
                          dict(schedule="interleaved", v=3, microbatches=3, stage_layers=split_with_ends(7, 9)), 3),
         "pp3-v2-uneven": (dataclasses.replace(CFG, n_layers=5), dict(pp=3),
-                          dict(schedule="interleaved", v=2, microbatches=3, stage_layers=(0, 1, 2, 1, 1, 0)), 6)},
+                          dict(schedule="interleaved", v=2, microbatches=3, stage_layers=(0, 1, 2, 1, 1, 0)), 6),
+        "pp3-zb-v-ends": (dataclasses.replace(CFG, n_layers=6, tie_embeddings=True), dict(pp=3),   # rank 0: both ends
+                          dict(schedule="zb-v", microbatches=3, stage_layers=(0, 2, 2, 1, 1, 0)), 3)},
     4: {"pp2-tp2-sp-v2-tied": (dataclasses.replace(CFG, tie_embeddings=True), dict(pp=2, tp=2),
                                dict(schedule="interleaved", v=2, microbatches=2, stage_layers=(0, 2, 2, 0)), 4),
         "pp2-dp2-v3-head-only": (dataclasses.replace(CFG, n_layers=5), dict(pp=2, dp=2),
@@ -78,7 +80,7 @@ def test_embedding_and_head_chunks_equal_one_device(runs):
 def test_the_stages_hold_the_given_split(runs):
     for n, cases in CASES.items():
         for name, (cfg, dims, kw, _) in cases.items():
-            cut = partition_layers(cfg.n_layers, dims["pp"] * kw["v"], kw["stage_layers"])
+            cut = partition_layers(cfg.n_layers, len(kw["stage_layers"]), kw["stage_layers"])
             held = {s: layers for r in runs[n] for s, layers in r[name][3].items()}
             assert held == {s: list(cut[s]) for s in range(len(cut))}, name
             assert [len(held[s]) for s in sorted(held)] == list(kw["stage_layers"]), name
