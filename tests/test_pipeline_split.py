@@ -1,8 +1,9 @@
 """A given pipeline split (``Layout.stage_layers``, issue #36): virtual stages that hold only the
 embedding or only the head, as Llama 3 405B's (Dubey et al. 2024, Sec. 3.3.2), equal to one
 device over several AdamW steps in float64 (interleaved at pp 2 and 3, v 2 and 3, with TP + SP,
-DP and a tied embedding; ZB-V, whose rank 0 holds both ends), refused by name where a stage would hold nothing, and priced by the
-planner as the ranks cut it. Two launches (3 and 4 ranks)."""
+DP and a tied embedding; ZB-V, whose rank 0 holds both ends), refused by name where a stage
+would hold nothing, priced by the planner as the ranks cut it and by the dry run as a real
+launch. Three launches (3 and 4 ranks; 4 on the virtual clock)."""
 import dataclasses
 
 import pytest
