@@ -32,7 +32,8 @@ CASES = {
     4: {"pp2-tp2-sp-v2-tied": (dataclasses.replace(CFG, tie_embeddings=True), dict(pp=2, tp=2),
                                dict(schedule="interleaved", v=2, microbatches=2, stage_layers=(0, 2, 2, 0)), 4),
         "pp2-dp2-v3-head-only": (dataclasses.replace(CFG, n_layers=5), dict(pp=2, dp=2),
-                                 dict(schedule="interleaved", v=3, microbatches=2, stage_layers=(1, 1, 1, 1, 1, 0)), 4)},
+                                 dict(schedule="interleaved", v=3, microbatches=2,
+                                      stage_layers=(1, 1, 1, 1, 1, 0)), 4)},
 }
 
 
