@@ -30,7 +30,9 @@ class Layout:
     ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``; with ``shard_size`` S,
     HSDP: ``data == "hsdp"``, sharded over S of the dp ranks, replicated over dp / S).
     ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
-    pipeline rank; ``v`` model chunks per stage (interleaved).
+    pipeline rank; ``v`` model chunks per stage (interleaved). ``stage_layers``: the layers of
+    each of the pp * chunks virtual stages, in model order ((): balanced); the first may hold only
+    the embedding and the last only the head (Llama 3's chunks: :func:`split_with_ends`).
     ``sp``: sequence parallelism with TP; ``async_tp``: its collectives decomposed under the
     matmuls (needs sp and tp > 1). ``recompute``: a policy, or one per block.
     ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
@@ -72,6 +74,7 @@ class Layout:
                                       # The planner and the dry run read it; a real step takes doc_ids=
     order: tuple | None = None        # the ranks' order, outermost first (:func:`rank_order`); None:
                                       # MESH_ORDER (dp, pp, cp, tp); DeepSpeed's ("pp", "dp", "tp")
+    stage_layers: tuple = ()          # layers per virtual stage, model order; (): balanced
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
@@ -80,6 +83,8 @@ class Layout:
             object.__setattr__(self, "documents", tuple(int(n) for n in self.documents))
         if isinstance(self.order, list):                           # hashable, one spelling
             object.__setattr__(self, "order", tuple(self.order))
+        if isinstance(self.stage_layers, list):        # hashable; the pipeline's rule checks it
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if isinstance(self.zeropp, (list, set, frozenset, str)):   # hashable, one spelling
             object.__setattr__(self, "zeropp", (self.zeropp,) if isinstance(self.zeropp, str) else tuple(self.zeropp))
         gb, mb, m, dp = self.global_batch, self.micro_batch, self.microbatches, self.dp
@@ -204,6 +209,47 @@ def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
                      f"{sizes.get('tp', 1)} = {folded}")
 
 
+# The pipeline's split, in plain arithmetic: the ranks (parallel.pipeline.rules.partition_layers)
+# and the planner (planner.layout) both apply it.
+def rule_stage_layers(n_layers: int, n_stages: int, stage_layers) -> None:
+    """A given split: one count per virtual stage, summing to the model's layers; a stage with
+    no layer must hold something else, so only the first (the embedding) or the last (the head,
+    the final norm and the loss) may have none."""
+    if not isinstance(stage_layers, tuple) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                      for n in stage_layers):
+        raise TypeError(f"stage_layers must be a tuple of layer counts (ints), got {stage_layers!r}")
+    if len(stage_layers) != n_stages:
+        raise ValueError(f"stage_layers gives {len(stage_layers)} stages, the pipeline has pp * chunks = "
+                         f"{n_stages}")
+    if any(n < 0 for n in stage_layers) or sum(stage_layers) != n_layers:
+        raise ValueError(f"stage_layers {stage_layers} must be counts >= 0 summing to the model's "
+                         f"{n_layers} layers (sum {sum(stage_layers)})")
+    empty = [i for i, n in enumerate(stage_layers) if n == 0 and 0 < i < n_stages - 1]
+    if empty:
+        raise ValueError(f"stage_layers leaves virtual stage {empty[0]} empty of everything: only the first "
+                         f"(the embedding) and the last (the head) may hold no layer")
+
+
+def split_with_ends(n_layers: int, n_stages: int, embedding: int = 1, head: int = 1) -> tuple:
+    """Layers per virtual stage when the embedding counts as ``embedding`` layers and the head
+    (final norm, output, loss) as ``head``: n_layers + embedding + head slots cut balanced, the
+    ends' slots taken by them (torchtitan's ``input_weight`` / ``output_weight``; Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split`` / ``-loss-``). Llama 3 405B: 126 layers on 16 x 8
+    stages -> (0, 1, ..., 1, 0), "the first model chunk on the first stage has only the embedding"."""
+    n_slots = n_layers + embedding + head
+    if n_stages > n_slots:
+        raise ValueError(f"more pipeline stages ({n_stages}) than layers, embedding and head ({n_slots})")
+    base, extra = divmod(n_slots, n_stages)
+    slots = [base + (i < extra) for i in range(n_stages)]   # the first extra stages one more (shard_range)
+    slots[0] -= embedding
+    slots[-1] -= head
+    if min(slots) < 0:
+        raise ValueError(f"{n_layers} layers on {n_stages} stages: the first or the last stage has fewer slots "
+                         f"than the embedding ({embedding}) or the head ({head}) weighs")
+    return tuple(slots)
+
+
 DATA = ("ddp", "fsdp", "hsdp")
 
-__all__ = ["Layout", "DATA", "FOLD_ORDER", "MESH_ORDER", "expert_fold", "rank_order"]
+__all__ = ["Layout", "DATA", "FOLD_ORDER", "MESH_ORDER", "expert_fold", "rank_order", "rule_stage_layers",
+           "split_with_ends"]

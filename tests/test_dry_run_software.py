@@ -91,22 +91,23 @@ class _OneRankComm:
     rank, size = 0, 1
 
 
-def test_llama3_chunks_the_paper_implies_and_the_most_the_course_cuts():
+def test_llama3_chunks_as_the_paper_states_them():
     """Llama 3's V (Sec. 3.3.2): 126 layers + embedding + output = 128 one-layer slots on 16
-    ranks, 8 chunks a rank; the course needs a layer in every chunk, so it refuses 8 and runs 7,
-    at most 8 layers a rank as the paper's."""
+    ranks, 8 chunks a rank, the first holding only the embedding and the last only the output:
+    the layout's split (Layout.stage_layers), which the dry run accepts; 7 layers on the first
+    and the last rank, 8 on the others."""
     from course_lib.parallel.pipeline.rules import partition_layers
     from course_lib.planner.presets import get_model
     from course_lib.planner.validation import LLAMA3_TABLE4, LLAMA3_V_PAPER, llama3_layout
     from course_lib.virtual.dry_run import check_dry_run
     model = get_model("llama3-405b")
     gpus, tp, cp, pp, dp, s, _ = LLAMA3_TABLE4[0]
-    assert (model.n_layers + 2) == pp * LLAMA3_V_PAPER
-    assert llama3_layout(tp, cp, pp, dp, s).v == 2                         # the rule's default, unchanged
-    with pytest.raises(ValueError, match="more pipeline stages"):
-        check_dry_run(model, llama3_layout(tp, cp, pp, dp, s, v=LLAMA3_V_PAPER).with_(zero=0))
-    v = model.n_layers // pp
-    check_dry_run(model, llama3_layout(tp, cp, pp, dp, s, v=v).with_(zero=0))
-    chunks = partition_layers(model.n_layers, pp * v)
-    per_rank = [sum(len(chunks[j * pp + r]) for j in range(v)) for r in range(pp)]
-    assert v == 7 and max(per_rank) == LLAMA3_V_PAPER and min(per_rank) == LLAMA3_V_PAPER - 1
+    layout = llama3_layout(tp, cp, pp, dp, s)
+    assert (model.n_layers + 2) == pp * LLAMA3_V_PAPER and layout.v == LLAMA3_V_PAPER
+    assert layout.stage_layers == (0,) + (1,) * model.n_layers + (0,)
+    check_dry_run(model, layout.with_(zero=0))
+    with pytest.raises(ValueError, match="more pipeline stages"):           # without the split: refused
+        check_dry_run(model, layout.with_(zero=0, stage_layers=()))
+    chunks = partition_layers(model.n_layers, pp * layout.v, layout.stage_layers)
+    per_rank = [sum(len(chunks[j * pp + r]) for j in range(layout.v)) for r in range(pp)]
+    assert per_rank == [7] + [8] * 14 + [7]

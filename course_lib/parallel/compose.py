@@ -52,7 +52,7 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
         L = L.with_(schedule=validate(L.schedule, L.pp, L.microbatches, L.v))   # runner take it as is)
     for rule in (rule_names, rule_pipeline):
         rule(model.config, L)
-    stages = split_stages(model, mesh, L.v, L.schedule)   # 1. PP: this rank's stages (V schedules: in a V)
+    stages = split_stages(model, mesh, L.v, L.schedule, L.stage_layers)   # 1. PP: this rank's stages
     for st in stages.values():
         apply_tp(st.part, mesh, L, seed)              # 2. TP (+ SP): matrices split over "tp"
         apply_cp(st.part, mesh, L)                    # 3. CP: attention a ring (or Ulysses) over "cp"

@@ -11,9 +11,10 @@ hop spans dp * cp * tp ranks): :func:`strides` follows it, as the Mesh does.
 """
 from __future__ import annotations
 
-from course_lib.layout import Layout, expert_fold, rank_order
+from course_lib.layout import Layout, expert_fold, rank_order, rule_stage_layers
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
+from course_lib.schedules import V_SCHEDULES, stage_rank
 
 CP_COMM = ("ring", "all_gather")
 
@@ -50,13 +51,14 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
                          f"{model.n_kv_heads} KV heads, TP = {layout.tp}")
     if model.ffn % layout.tp:
         raise ValueError(f"TP must divide the FFN size: ffn = {model.ffn}, TP = {layout.tp}")
-    if layout.pp > model.n_layers:
+    split = layout.stage_layers       # given: its ends may hold only the embedding / the head
+    if layout.pp > model.n_layers and not split:
         raise ValueError(f"more pipeline stages than layers: PP = {layout.pp} > {model.n_layers} layers")
     if layout.schedule == "interleaved":
         if layout.pp < 2 or layout.v < 2:
             raise ValueError(f"the interleaved schedule needs PP >= 2 and v >= 2 chunks per stage, "
                              f"got PP = {layout.pp}, v = {layout.v}")
-        if layout.pp * layout.v > model.n_layers:
+        if layout.pp * layout.v > model.n_layers and not split:
             raise ValueError(f"more pipeline chunks than layers: PP*v = {layout.pp * layout.v} > "
                              f"{model.n_layers} layers")
     elif layout.v != 1:
@@ -68,7 +70,9 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
     if layout.global_batch != layout.dp * layout.micro_batch * m:
         raise ValueError(f"global_batch={layout.global_batch} is not dp * micro_batch * microbatches = "
                          f"{layout.dp} * {layout.micro_batch} * {m}")
-    if layout.schedule in ("zb-v", "dualpipe-v") and layout.pp * 2 > model.n_layers:
+    if split:
+        rule_stage_layers(model.n_layers, layout.pp * (2 if layout.schedule in V_SCHEDULES else layout.chunks), split)
+    if layout.schedule in V_SCHEDULES and layout.pp * 2 > model.n_layers and not split:
         raise ValueError(f"{layout.schedule} runs two chunks per stage: PP*2 = {layout.pp * 2} > {model.n_layers} layers")
     if layout.schedule == "dualpipe-v" and m < 2 * layout.pp:
         raise ValueError(f"dualpipe-v needs at least 2p = {2 * layout.pp} micro-batches, got {m}")
@@ -93,9 +97,16 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
 
 
 def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
-    """Transformer layers on each pipeline stage (all chunks), as even as possible;
-    the extra layers go to the middle stages (the first holds the embedding, the
-    last the LM head)."""
+    """Transformer layers on each pipeline stage (all chunks): the layout's ``stage_layers``
+    summed over the chunks each rank holds (``schedules.stage_rank``: a V schedule's two in V
+    order), else as even as possible, the extra layers to the middle stages (the first holds
+    the embedding, the last the LM head)."""
+    if layout.stage_layers:
+        placement = "v" if layout.schedule in V_SCHEDULES else "loop"
+        per_rank = [0] * layout.pp
+        for c, n in enumerate(layout.stage_layers):
+            per_rank[stage_rank(c, layout.pp, placement)] += n
+        return per_rank
     chunks = layout.pp * layout.chunks
     base, extra = divmod(model.n_layers, chunks)
     per_chunk = [base] * chunks

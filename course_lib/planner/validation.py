@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from course_lib.planner import formulas as F
 from course_lib.planner.estimate import estimate
+from course_lib.layout import split_with_ends
 from course_lib.planner.layout import Layout
 from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
 
@@ -118,27 +119,27 @@ LLAMA3_TABLE4 = [(8192, 8, 1, 16, 64, 8192, 430), (16384, 8, 1, 16, 128, 8192, 4
                  (16384, 8, 16, 16, 8, 131072, 380)]
 
 
-# Llama 3's chunks per pipeline rank as Sec. 3.3.2 implies them: "we reduce one Transformer
+# Llama 3's chunks per pipeline rank as Sec. 3.3.2 states them: "we reduce one Transformer
 # layer each from the first and the last stages ... the first model chunk on the first stage has
 # only the embedding, and the last model chunk on the last stage has only output projection and
 # loss": 126 layers + the embedding + the output = 128 one-layer slots = 16 ranks x 8 chunks of
-# one slot each, bubble (PP - 1) / (V M) with V = 8. The course cuts every chunk with at least
-# one layer (parallel.pipeline.rules.partition_layers), so the most it runs is 126 // 16 = 7
-# chunks per rank (at most 8 layers a rank, as the paper's; chunk 0 of ranks 0-13 holds two).
+# one slot each, bubble (PP - 1) / (V M) with V = 8. The course cuts it as stated
+# (``Layout.stage_layers`` = ``course_lib.layout.split_with_ends``: the embedding and the head
+# weigh one layer each, torchtitan's input_weight / output_weight).
 LLAMA3_V_PAPER = 8
 
 
-def llama3_layout(tp, cp, pp, dp, seq_len, recompute="selective", v=2) -> Layout:
+def llama3_layout(tp, cp, pp, dp, seq_len, recompute="selective", v=LLAMA3_V_PAPER) -> Layout:
     """Llama 3's layout for one row of Table 4. Stated (Sec. 3.3.2): TP, CP, PP, DP, 16M
     tokens per step, FSDP sharding optimizer states and gradients (ZeRO-2), an interleaved
-    pipeline schedule, CP as an all-gather of K and V. One rule for what is not stated:
-    sequence parallelism on, v = 2 chunks per stage, micro-batch 1, recompute="selective"
-    (with fused attention it stores what "none" stores). ``v``: chunks per rank; the paper's
-    are :data:`LLAMA3_V_PAPER`, of one layer each, which the course's partition cannot cut (7
-    is the nearest it runs)."""
+    pipeline schedule, CP as an all-gather of K and V, and the pipeline's balance: the
+    embedding and the output each weigh one layer (:func:`~course_lib.layout.split_with_ends`),
+    v = :data:`LLAMA3_V_PAPER` chunks per rank (``v``: another count, cut by the same rule). One
+    rule for what is not stated: sequence parallelism on, micro-batch 1, recompute="selective"
+    (with fused attention it stores what "none" stores)."""
     return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=2, sp=True, schedule="interleaved", v=v,
                   global_batch=16 * 2**20 // seq_len, seq_len=seq_len, recompute=recompute,
-                  cp_comm="all_gather")
+                  cp_comm="all_gather", stage_layers=split_with_ends(MODELS["llama3-405b"].n_layers, pp * v))
 
 
 def llama3_table4(hardware=None, tolerance: float = 0.15, recompute="selective") -> list[dict]:

@@ -185,7 +185,7 @@ def stage_model(model, pp_rank: int, layout: Layout):
     128 blocks, 64 times over, for one or two blocks each). Shares the tensors."""
     v = chunks(layout.schedule, layout.v)               # the V schedules: 2, in V order
     ids = rank_stage_ids(pp_rank, layout.pp, v, placement_of(layout.schedule, layout.pp, v))
-    layers = partition_layers(len(model.blocks), layout.pp * v)
+    layers = partition_layers(len(model.blocks), layout.pp * v, layout.stage_layers)
     mine = {i for s in ids for i in layers[s]}
     view = copy.copy(model)
     view._modules = dict(model._modules)            # (a shallow copy shares the dict of children)

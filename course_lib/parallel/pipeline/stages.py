@@ -1,5 +1,6 @@
-"""The tiny GPT cut into pipeline stages: layers in contiguous, balanced runs, one stage (or v)
-per pp rank; stage 0 also embeds, the last stage also holds the norm, the head and the loss.
+"""The tiny GPT cut into pipeline stages: layers in contiguous, balanced runs (or the counts
+``stage_layers`` gives), one stage (or v) per pp rank; stage 0 also embeds, the last stage also
+holds the norm, the head and the loss (Llama 3: each alone in a stage of no layer).
 
     stages = split_stages(model, mesh, v=1)     # {virtual stage: GPTStage} of this pp rank
     stages = split_stages(model, mesh, schedule="zb-v")   # two, in V order: {r: .., 2p-1-r: ..}
@@ -21,11 +22,12 @@ from course_lib.schedules import chunks, placement_of, rank_stage_ids
 class GPTStage(nn.Module):
     """Stage ``stage`` of ``n_stages`` of a TinyGPT: a copy that keeps only its blocks (and
     the embedding on the first stage, the final norm + head on the last). Its methods are
-    the model's own (``embed``, ``blocks``, ``head``), so the arithmetic is the same."""
+    the model's own (``embed``, ``blocks``, ``head``), so the arithmetic is the same.
+    ``stage_layers``: each stage's count (:func:`~.rules.partition_layers`); () balanced."""
 
-    def __init__(self, model, stage: int, n_stages: int):
+    def __init__(self, model, stage: int, n_stages: int, stage_layers=()):
         super().__init__()
-        layers = partition_layers(len(model.blocks), n_stages)[stage]
+        layers = partition_layers(len(model.blocks), n_stages, stage_layers)[stage]
         self.first, self.last = stage == 0, stage == n_stages - 1
         part = copy.deepcopy(model)             # a tied lm_head stays tied to tok_emb inside it
         part.blocks = nn.ModuleList(part.blocks[i] for i in layers)
@@ -62,20 +64,20 @@ class GPTStage(nn.Module):
         return {self.model_name(n): q for n, q in self.part.named_parameters(remove_duplicate=False)}
 
 
-def gpt_stage(model, stage: int, n_stages: int) -> GPTStage:
-    return GPTStage(model, stage, n_stages)
+def gpt_stage(model, stage: int, n_stages: int, stage_layers=()) -> GPTStage:
+    return GPTStage(model, stage, n_stages, stage_layers)
 
 
-def rank_stages(model, rank: int, p: int, v: int = 1, placement: str = "loop") -> dict:
+def rank_stages(model, rank: int, p: int, v: int = 1, placement: str = "loop", stage_layers=()) -> dict:
     """{virtual stage: GPTStage} of pp rank ``rank``: of p * v stages, those ``placement`` puts
     there (``course_lib.schedules.stage_rank``): "loop", stages rank, rank + p, ...; "v" (v = 2),
     stages rank and 2p - 1 - rank. Each is a copy of the model, so where the first and the last
     stage both live on this rank (p = 1 with v > 1 chunks; rank 0 of a V), a tied embedding /
     LM head would become two matrices training apart: they are made one parameter again, as in
-    the model (autograd adds both stages' gradients)."""
+    the model (autograd adds both stages' gradients). ``stage_layers``: :class:`GPTStage`'s."""
     n_stages = p * v
     ids = rank_stage_ids(rank, p, v, placement)
-    return tie_embeddings({s: GPTStage(model, s, n_stages) for s in ids}, n_stages)
+    return tie_embeddings({s: GPTStage(model, s, n_stages, stage_layers) for s in ids}, n_stages)
 
 
 def tie_embeddings(stages, n_stages=None):
@@ -88,15 +90,16 @@ def tie_embeddings(stages, n_stages=None):
     return stages
 
 
-def split_stages(model, mesh, v: int = 1, schedule=None) -> dict:
+def split_stages(model, mesh, v: int = 1, schedule=None, stage_layers=()) -> dict:
     """PP: this rank's stages of ``model`` cut into pp * v (:func:`rank_stages`); ``schedule``
-    (a name or an action list) says how many chunks and where: the V schedules two, in V order."""
+    (a name or an action list) says how many chunks and where: the V schedules two, in V order;
+    ``stage_layers`` how many layers each (() balanced)."""
     p = mesh.sizes["pp"]
     if schedule is not None:
         v, placement = chunks(schedule, v), placement_of(schedule, p, chunks(schedule, v))
     else:
         placement = "loop"
-    return rank_stages(model, mesh.coord["pp"], p, v, placement)
+    return rank_stages(model, mesh.coord["pp"], p, v, placement, stage_layers)
 
 
 class MLPStage(nn.Module):
