@@ -6,7 +6,8 @@ planner's.
     rows = validation_rows(["Korthikanti 2022 T5"], models=("megatron-175b",))
     print(format_table(rows)); print(summary(rows))
 
-A row is each source's stated layout on the source's hardware, with what the source does not
+A row is each source's stated layout on the source's hardware (Narayanan's micro-batch and
+schedule as its own scripts ran them, :data:`NARAYANAN_SC21`), with what the source does not
 state filled by the one rule the planner's validation uses (:mod:`course_lib.planner.validation`:
 Megatron-LM of 2021-22 unfused attention, ``MEGATRON_2022``; BLOOM's Jean Zay network; Llama
 3 on H100s): nothing is fitted per row. The published step time is the paper's where it prints
@@ -76,6 +77,32 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
 
+# The runs of Narayanan et al. 2021's Table 1 as its authors scripted them: NVIDIA/Megatron-LM
+# examples/sc21/run_table_1.sh (commit de7dc40, "scripts for sc21", 2021-08-10), one case per
+# row. The paper prints TP, PP, GPUs and the batch; the script also sets the micro-batch
+# (--micro-batch-size) and, on four pipelined rows, the interleaved schedule's layers per
+# virtual stage (--num-layers-per-virtual-pipeline-stage); every row --checkpoint-activations
+# (full recomputation) and --fp16. billions -> (micro-batch, layers per virtual stage or None).
+# Also in the script, not run here: DDP=torch on the four PP = 1 rows (PyTorch's DDP: bucketed
+# all-reduces under the last backward), DDP=local on the others (one all-reduce of the whole
+# gradient buffer after the backward, megatron/model/distributed.py: allreduce_gradients);
+# the course's runtime all-reduces its 25 MiB buckets after the backward on every row.
+NARAYANAN_SC21 = {1.7: (16, None), 3.6: (16, None), 7.5: (16, None), 18.4: (8, None), 39.1: (4, None),
+                  76.1: (2, 5), 145.6: (2, 5), 310.1: (1, 3), 529.6: (1, 1), 1008.0: (1, None)}
+
+
+def narayanan_sc21(billions: float, n_layers: int, pp: int) -> dict:
+    """Layout keywords of one Table 1 row as :data:`NARAYANAN_SC21` states it: the micro-batch,
+    and the interleaved schedule with v = layers per stage / layers per virtual stage."""
+    if billions not in NARAYANAN_SC21:
+        raise ValueError(f"no row of Narayanan et al. 2021 Table 1 has {billions!r} billion parameters: "
+                         f"the rows are {sorted(NARAYANAN_SC21)}")
+    micro_batch, per_virtual = NARAYANAN_SC21[billions]
+    if per_virtual is None:
+        return {"micro_batch": micro_batch}
+    return {"micro_batch": micro_batch, "schedule": "interleaved", "v": n_layers // pp // per_virtual}
+
+
 def published_runs():
     """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
     FLOPs convention), note)]: every row, in the planner validation's order."""
@@ -86,8 +113,10 @@ def published_runs():
                      seconds, None, ""))
     for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
         model = gpt_spec(f"GPT {billions:g}B", L, h, a)
-        # the planner validation's rule (narayanan_table1): DP the rest, full recomputation, 1F1B
-        layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full")
+        # the planner validation's rule (narayanan_table1): DP the rest, full recomputation; the
+        # micro-batch and the schedule the source's own scripts ran (NARAYANAN_SC21)
+        layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full",
+                        **narayanan_sc21(billions, L, pp))
         rows.append(("Narayanan 2021 T1", model.name, model, MEGATRON_2022, layout, None,
                      ("hardware", tflops), ""))
     for rc in ("none", "full"):        # bloom_row's rule: the least recomputation that fits
@@ -219,6 +248,6 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "published_row", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
+__all__ = ["published_runs", "published_row", "NARAYANAN_SC21", "narayanan_sc21", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
            "DROPOUT", "random_layouts",
            "agreement_rows"]
