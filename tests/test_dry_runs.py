@@ -17,6 +17,7 @@ def test_narayanan_rows_run_the_micro_batch_and_schedule_of_the_papers_scripts()
     for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
         source, name, model, hw, layout = rows[f"GPT {billions:g}B"][:5]
         seen[billions] = (layout.micro_batch, layout.schedule, layout.v, layout.microbatches)
+        assert layout.overlap_dp == (pp == 1)        # --DDP-impl torch on the PP = 1 rows, local on the others
         assert layout.micro_batch * layout.microbatches * layout.dp == gbs
         assert (layout.tp, layout.pp, layout.n_gpus, layout.recompute) == (tp, pp, gpus, "full")
         check_dry_run(model, layout, dropout=0.1)          # ValueError naming a rule the ranks refuse
@@ -30,6 +31,20 @@ def test_narayanan_rows_run_the_micro_batch_and_schedule_of_the_papers_scripts()
 
 
 def test_a_size_not_in_the_table_is_refused_by_name():
-    assert narayanan_sc21(1.7, 24, 1) == {"micro_batch": 16}
+    assert narayanan_sc21(1.7, 24, 1) == {"micro_batch": 16, "overlap_dp": True}
     with pytest.raises(ValueError, match="no row of Narayanan et al. 2021 Table 1 has 2.0 billion"):
         narayanan_sc21(2.0, 24, 1)
+
+
+def test_ddp_under_the_backward_only_where_the_script_ran_torchs_ddp():
+    """--DDP-impl torch on the four PP = 1 rows: the source's software plus "overlapped_dp"; the
+    pipelined rows (--DDP-impl local) and the other sources run their software as stated."""
+    from course_lib.lab.dry_runs import SOFTWARE, SOURCES, row_software
+    runs = published_runs()
+    for run in runs:
+        source, name = run[:2]
+        want = SOFTWARE[source]
+        if source == "Narayanan 2021 T1" and name in ("GPT 1.7B", "GPT 3.6B", "GPT 7.5B", "GPT 18.4B"):
+            want = want + ("overlapped_dp",)
+        assert row_software(source, name) == want == tuple(published_row(*run)["fusions"]), (source, name)
+    assert set(SOURCES) == {run[0] for run in runs}
