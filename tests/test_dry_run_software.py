@@ -111,3 +111,86 @@ def test_llama3_chunks_as_the_paper_states_them():
     chunks = partition_layers(model.n_layers, pp * layout.v, layout.stage_layers)
     per_rank = [sum(len(chunks[j * pp + r]) for j in range(layout.v)) for r in range(pp)]
     assert per_rank == [7] + [8] * 14 + [7]
+
+
+# PyTorch's DDP under the last backward (software "overlapped_dp": Megatron-LM's --DDP-impl torch
+# on Narayanan et al. 2021's PP = 1 rows). One launch per world size: 3 ranks (dp 3, 3 micro-batches)
+# and 4 (dp 2 x tp 2, 2 micro-batches; dp 4, one micro-batch).
+OVERLAP_LAYOUTS = {3: {"dp3-m3": dict(dp=3, microbatches=3)},
+                   4: {"dp2-tp2-m2": dict(dp=2, tp=2, microbatches=2), "dp4-m1": dict(dp=4, microbatches=1)}}
+
+
+def _train_overlapped(layouts, batch):
+    from course_lib.lab.nd_runs import LR
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.grad_sync import OverlappedGradSync
+    from course_lib.virtual.software import overlap_dp
+    cfg = _cfg(True)
+    out = {}
+    for name, kw in layouts.items():
+        sizes = {k: v for k, v in kw.items() if k in ("dp", "tp")}
+        net = parallelize_nd(TinyGPT(cfg, seed=0).double(), Mesh(**sizes), microbatches=kw["microbatches"])
+        overlap_dp(net)
+        sync = net.grad_sync
+        launched_in_backward = []
+        finish = sync.finish
+
+        def counted_finish():   # buckets the last backward's hooks launched before the runtime's finish
+            launched_in_backward.append(sum(b.work is not None for b in sync.buckets))
+            finish()
+        net.gradient_sums = [counted_finish if f == finish else f for f in net.gradient_sums]
+        opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+        losses = reference.train_parallel(net, reference.gpt_batches(cfg, batch=batch, steps=STEPS), opt)
+        out[name] = (losses, net.shards(), isinstance(sync, OverlappedGradSync), launched_in_backward,
+                     len(sync.buckets))
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_overlapped_dp_trains_as_one_device(world):
+    """The gradient sums launched under the last micro-batch's backward (the earlier ones in
+    no_sync) train as one device in float64 over STEPS AdamW steps, at an odd dp and with TP;
+    every bucket is launched by the backward's hooks, none left for the runtime's finish."""
+    from course_lib.lab.nd_runs import LR, single_device
+    from course_lib.parallel.compose import assemble_nd
+    from course_lib.parallel.mesh import MeshShape
+    batch = 9 if world == 3 else 4
+    ref = single_device(_cfg(True), batch, STEPS, dtype=torch.float64)
+    ranks = course_lib.launch(_train_overlapped, world, OVERLAP_LAYOUTS[world], batch, threads=1, timeout=180)
+    for name, kw in OVERLAP_LAYOUTS[world].items():
+        for losses, _, overlapped, launched, n_buckets in (r[name] for r in ranks):
+            assert overlapped
+            assert launched == [n_buckets] * STEPS, (name, launched, n_buckets)
+            tolerance.assert_matches(losses, ref.losses, optimizer="adamw", steps=STEPS, lr=LR, what=name)
+        sizes = {k: v for k, v in kw.items() if k in ("dp", "tp")}
+        full = assemble_nd([r[name][1] for r in ranks], MeshShape(**sizes))
+        tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR, what=name)
+
+
+def test_overlapped_dp_prices_as_a_real_launch_under_the_backward():
+    """dp 2 x tp 2, two micro-batches: the dry run with DDP under the last backward is the real
+    4-rank launch to the bit; on a model of many buckets its DP all-reduces start before the
+    last backward ends (after it without the statement), and the step is shorter than the one
+    that sums after the backward. A pipeline is refused (Megatron-LM runs torch's DDP without one)."""
+    from course_lib.virtual.dry_run import model_config
+    layout = Layout(dp=2, tp=2, micro_batch=1, global_batch=4)
+    software = ("scale_mask_softmax", "overlapped_dp")
+    real = course_lib.launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, software,
+                             clock=VirtualCluster(HW))
+    r = dry_run(SPEC, HW, layout, fusions=software, progress=None)
+    assert r.kernels == real[0]["kernels"]
+    assert r.step_time == max(x["t"] for x in real), (r.step_time, max(x["t"] for x in real))
+    # wide enough for many 25 MiB buckets (the small model's gradients fill one, launched last);
+    # dp across nodes (2 GPUs a node), as on the published rows: in one node the buckets would
+    # share each GPU's NVLink lanes with the TP all-reduces, and delay them
+    wide = gpt_spec("GPT wide", 4, 2048, 16, V=256, s=1024)
+    r = dry_run(wide, HW, layout, fusions=software, progress=None, gpus_per_node=2)
+    after = dry_run(wide, HW, layout, fusions="scale_mask_softmax", progress=None, gpus_per_node=2)
+    for run, under in ((r, True), (after, False)):
+        last_b = max(s.end for s in run.spans if s.kind == "compute" and s.name.startswith("B"))
+        first_dp = min(s.start for s in run.spans if s.dim == "dp" and s.kind == "comm" and "loss" not in s.name)
+        assert (first_dp < last_b) == under, (under, first_dp, last_b)
+    assert r.step_time < after.step_time, (r.step_time, after.step_time)
+    with pytest.raises(NotImplementedError, match="overlapped_dp: DDP under the last backward runs without a "
+                                                  "pipeline"):
+        dry_run(SPEC, HW, Layout(dp=2, pp=2, micro_batch=1, global_batch=4), fusions=software, progress=None)

@@ -6,7 +6,8 @@ planner's.
     rows = validation_rows(["Korthikanti 2022 T5"], models=("megatron-175b",))
     print(format_table(rows)); print(summary(rows))
 
-A row is each source's stated layout on the source's hardware, with what the source does not
+A row is each source's stated layout on the source's hardware (Narayanan's micro-batch and
+schedule as its own scripts ran them, :data:`NARAYANAN_SC21`), with what the source does not
 state filled by the one rule the planner's validation uses (:mod:`course_lib.planner.validation`:
 Megatron-LM of 2021-22 unfused attention, ``MEGATRON_2022``; BLOOM's Jean Zay network; Llama
 3 on H100s): nothing is fitted per row. The published step time is the paper's where it prints
@@ -39,7 +40,8 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # Megatron-DeepSpeed is a fork of it); Llama 3 ran FlashAttention (the planner's validation:
 # ``fused_attention`` on its H100s). Megatron-LM of 2021-22 all-reduces the DP gradients after
 # the last backward, not under it (its train_step: ``allreduce_gradients()`` after
-# ``forward_backward_func``, DDP_impl "local"): what the course's runtime does. The same code
+# ``forward_backward_func``, DDP_impl "local"): what the course's runtime does (Narayanan's PP = 1
+# rows ran DDP_impl "torch": NARAYANAN_SC21, row_software). The same code
 # base fuses each row layer's bias + dropout + residual add (Narayanan et al. 2021, Sec. 4.2;
 # ``--no-bias-dropout-fusion`` is store_false: on by default, and neither Korthikanti's nor
 # BLOOM's tr11-176B-ml.slurm turns it off): "bias_dropout_add". Its bias + GeLU fusion is what
@@ -92,6 +94,51 @@ _MEGATRON_ORDER = ("pp", "dp", "tp")
 ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_ORDER,
          "BLOOM 2022": ("pp", "dp", "tp"), "Llama 3 T4": None}
 
+
+# The runs of Narayanan et al. 2021's Table 1 as its authors scripted them: NVIDIA/Megatron-LM
+# examples/sc21/run_table_1.sh (commit de7dc40, "scripts for sc21", 2021-08-10), one case per
+# row. The paper prints TP, PP, GPUs and the batch; the script also sets the micro-batch
+# (--micro-batch-size) and, on four pipelined rows, the interleaved schedule's layers per
+# virtual stage (--num-layers-per-virtual-pipeline-stage); every row --checkpoint-activations
+# (full recomputation) and --fp16. And its --DDP-impl: "torch" on the four PP = 1 rows,
+# PyTorch's DDP, whose buckets are all-reduced under the last micro-batch's backward (the
+# earlier ones in no_sync: megatron/schedules.py forward_backward_no_pipelining), run here as
+# software.FUSIONS' "overlapped_dp" (:func:`row_software`); "local" on the others, Megatron's
+# own DDP, all-reducing after the backward (megatron/training.py: allreduce_gradients), as the
+# course's runtime does (its 25 MiB buckets; Megatron one flat buffer per dtype: not stated).
+# billions -> (micro-batch, layers per virtual stage or None, DDP implementation).
+NARAYANAN_SC21 = {1.7: (16, None, "torch"), 3.6: (16, None, "torch"), 7.5: (16, None, "torch"),
+                  18.4: (8, None, "torch"), 39.1: (4, None, "local"), 76.1: (2, 5, "local"),
+                  145.6: (2, 5, "local"), 310.1: (1, 3, "local"), 529.6: (1, 1, "local"),
+                  1008.0: (1, None, "local")}
+
+
+def narayanan_sc21(billions: float, n_layers: int, pp: int) -> dict:
+    """Layout keywords of one Table 1 row as :data:`NARAYANAN_SC21` states it: the micro-batch,
+    the interleaved schedule with v = layers per stage / layers per virtual stage, and whether
+    the DP gradient sums run under the last backward (``overlap_dp``: DDP "torch")."""
+    if billions not in NARAYANAN_SC21:
+        raise ValueError(f"no row of Narayanan et al. 2021 Table 1 has {billions!r} billion parameters: "
+                         f"the rows are {sorted(NARAYANAN_SC21)}")
+    micro_batch, per_virtual, ddp = NARAYANAN_SC21[billions]
+    # the planner's overlap_dp: the gradient sums under the last backward where torch's DDP ran
+    # them there (the dry run reads row_software for the same: the ranks ignore overlap_dp)
+    out = {"micro_batch": micro_batch, "overlap_dp": ddp == "torch"}
+    if per_virtual is not None:
+        out.update(schedule="interleaved", v=n_layers // pp // per_virtual)
+    return out
+
+
+def row_software(source: str, name: str) -> tuple:
+    """What the source's software ran on row ``name``: :data:`SOFTWARE`, and on Narayanan's rows
+    whose script says ``--DDP-impl torch`` PyTorch's DDP under the backward ("overlapped_dp")."""
+    if source == "Narayanan 2021 T1":
+        billions = float(name.removeprefix("GPT ").removesuffix("B"))
+        if NARAYANAN_SC21[billions][2] == "torch":
+            return SOFTWARE[source] + ("overlapped_dp",)
+    return SOFTWARE[source]
+
+
 def published_runs():
     """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
     FLOPs convention), note)]: every row, in the planner validation's order, each layout in its
@@ -103,8 +150,10 @@ def published_runs():
                      seconds, None, ""))
     for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
         model = gpt_spec(f"GPT {billions:g}B", L, h, a)
-        # the planner validation's rule (narayanan_table1): DP the rest, full recomputation, 1F1B
-        layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full")
+        # the planner validation's rule (narayanan_table1): DP the rest, full recomputation; the
+        # micro-batch and the schedule the source's own scripts ran (NARAYANAN_SC21)
+        layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=gbs, recompute="full",
+                        **narayanan_sc21(billions, L, pp))
         rows.append(("Narayanan 2021 T1", model.name, model, MEGATRON_2022, layout, None,
                      ("hardware", tflops), ""))
     for rc in ("none", "full"):        # bloom_row's rule: the least recomputation that fits
@@ -133,7 +182,7 @@ def published_row(source, name, model, hw, layout, seconds, flops_rate, note) ->
             "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
             "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
             "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
-            "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": SOFTWARE[source],
+            "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": row_software(source, name),
             "dropout": DROPOUT[source], "order": layout.order}
 
 
@@ -152,7 +201,8 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
             row["note"] = (row["note"] + "; " if row["note"] else "") + \
                 "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
-            r = dry_run(model, hw, layout, progress=progress, fusions=SOFTWARE[source], dropout=DROPOUT[source])
+            r = dry_run(model, hw, layout, progress=progress, fusions=row_software(source, name),
+                        dropout=DROPOUT[source])
         except (NotImplementedError, ValueError) as e:    # the dry run's limits; a layout the ranks refuse
             row["note"] = f"not run: {e}"
         else:
@@ -237,6 +287,7 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "published_row", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
-           "DROPOUT", "ORDER", "random_layouts",
+__all__ = ["published_runs", "published_row", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
+           "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT", "ORDER",
+           "random_layouts",
            "agreement_rows"]

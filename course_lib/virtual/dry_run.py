@@ -285,7 +285,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
         rec = records[rank] = TapeRecorder(rank)
         trace.install_thread(rec)
         rec.clock = DryRankClock(cluster, rank, shape.world_size, rec, stages)
-        if replay:
+        if replay and "overlapped_dp" not in fusions:   # (its last backward's hooks launch collectives)
             # a forward replayed before its backward's tape repeated (replay.ActionMemo.early):
             # not where a backward may hold async collectives or messages (FSDP, async TP, CP, MoE)
             early = layout.zero == 0 and not layout.async_tp and layout.cp == 1 and spec.n_experts <= 1

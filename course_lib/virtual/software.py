@@ -50,6 +50,14 @@ program, not a kernel:
   sender's next action starts once the message has been delivered. A real launch waits there
   too (gloo on the CPU), and the clock prices the wait: the dry run adds nothing of its own.
 
+* ``"overlapped_dp"``: PyTorch's DDP as Megatron-LM's ``--DDP-impl torch`` runs it (Narayanan
+  et al. 2021's scripts on their PP = 1 rows, ``lab.dry_runs.NARAYANAN_SC21``): the gradient
+  buckets are all-reduced as they fill under the last micro-batch's backward, the earlier
+  backwards inside ``no_sync`` (megatron/schedules.py ``forward_backward_no_pipelining``), not
+  after the schedule: the course's :class:`~course_lib.parallel.grad_sync.OverlappedGradSync`
+  (the same 25 MiB buckets, in reverse order, as torch's DDP) in place of the runtime's
+  GradSync. Without a pipeline only (pp = 1: Megatron-LM runs its own DDP under one).
+
 The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
 replace the attention core of the model the dry run builds (:func:`install`), nothing else:
@@ -65,11 +73,12 @@ import torch
 
 from course_lib import trace
 from course_lib.gpt import Attention, Block
+from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.recompute import recompute
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
-RUNTIME = ("blocking_sends",)      # how the program runs, not a kernel (:func:`install_runtime`)
+RUNTIME = ("blocking_sends", "overlapped_dp")    # how the program runs, not a kernel (:func:`install_runtime`)
 
 
 def check_fusions(fusions) -> tuple:
@@ -320,7 +329,32 @@ def install_runtime(net, software) -> None:
     runner = getattr(net, "runner", None)
     if runner is not None:
         runner.blocking_sends = "blocking_sends" in software
+    if "overlapped_dp" in software and getattr(net, "grad_sync", None) is not None:
+        overlap_dp(net)
+
+
+def overlap_dp(net) -> None:
+    """``net``'s gradient sums (its runtime's GradSync, after the schedule) made PyTorch DDP's:
+    an :class:`OverlappedGradSync` over the same parameters and groups, whose hooks launch each
+    bucket as the last micro-batch's backward fills it; the earlier backwards run without sync."""
+    if net.p != 1:
+        raise NotImplementedError("overlapped_dp: DDP under the last backward runs without a pipeline (pp = 1), "
+                                  f"got pp = {net.p}")
+    old = net.grad_sync
+    dims = {id(q): tuple(b.comm.dim.split("+")) for b in old.buckets for q in b.params}
+    sync = OverlappedGradSync(old.params, old.mesh, divisor=old.divisor, dims=dims)
+    net.grad_sync = sync
+    net.gradient_sums = [sync.finish if f == old.finish else f for f in net.gradient_sums]
+    runner, last, plain = net.runner, net.m - 1, net.runner.B
+
+    def backward(i, s, mb):           # torch DDP's no_sync() around every backward but the last
+        sync.require_sync = mb == last
+        try:
+            plain(i, s, mb)
+        finally:
+            sync.require_sync = True
+    runner.B = backward
 
 
 __all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "scale_mask_softmax_attention",
-           "flash_attention", "CausalSoftmax", "bias_dropout_add"]
+           "flash_attention", "CausalSoftmax", "bias_dropout_add", "overlap_dp"]
