@@ -86,7 +86,8 @@ def test_query_runs_are_the_zigzag_chunks():
     from course_lib.parallel.cp_layouts import shard_positions
     assert cp_allgather.query_runs(shard_positions(24, 3, 1)) == [(0, 4), (4, 8)]           # chunks 1 and 4
     assert cp_allgather.query_runs(shard_positions(24, 3, 1, "contiguous")) == [(0, 8)]
-    assert cp_allgather.query_runs(shard_positions(24, 3, 2)) == [(0, 8)]   # chunks 2 and 3 touch: one run
+    assert cp_allgather.query_runs(shard_positions(24, 3, 2)) == [(0, 8)]   # chunks 2 and 3 touch...
+    assert cp_allgather.query_runs(shard_positions(24, 3, 2), 4) == [(0, 4), (4, 8)]   # ...cut as the zigzag's
 
 
 def test_bad_all_gather_layouts_are_refused_before_ranks_start():

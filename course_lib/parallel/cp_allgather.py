@@ -20,8 +20,11 @@ attention kernel is one call per chunk, no merges.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from course_lib import trace
 from course_lib.attention import causal_attention, document_mask
 from course_lib.parallel.cp_layouts import check_shard_positions, shard_positions
 
@@ -45,11 +48,14 @@ class GatherSequence(torch.autograd.Function):
         return mine, None
 
 
-def query_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """[(lo, hi)]: the runs of consecutive positions in this rank's tokens (zigzag: its two
-    chunks; contiguous: one). Each run sees a prefix of the sequence's keys."""
-    cuts = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
-    bounds = [0] + cuts + [positions.numel()]
+def query_runs(positions: torch.Tensor, chunk: int | None = None) -> list[tuple[int, int]]:
+    """[(lo, hi)]: the runs of consecutive positions in this rank's tokens, each cut into the
+    layout's chunks of ``chunk`` tokens (zigzag: s/2N, so its two chunks are two runs even where
+    they touch, as Llama 3 computes them). Each run sees a prefix of the sequence's keys."""
+    cuts = set((torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist())
+    if chunk:
+        cuts |= set(range(chunk, positions.numel(), chunk))
+    bounds = [0] + sorted(cuts) + [positions.numel()]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -70,14 +76,17 @@ def all_gather_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"
     b, kvh, s_local, d = k.shape
     kv = torch.stack([k, v])                                       # (2, b, kv, s/N, d): one message
     gathered = GatherSequence.apply(kv, comm)                      # (N * 2, b, kv, s/N, d), rank order
-    where = torch.cat([shard_positions(seq_len, n, j, layout, positions.device, doc_ids) for j in range(n)])
-    order = torch.argsort(where)                                   # rank order -> sequence order
+    chunk = s_local // 2 if layout == "zigzag" else None          # the zigzag's two chunks, s/2N each
+    clock = trace.clock()
+    with clock.muted() if clock is not None else contextlib.nullcontext():   # bookkeeping: on a GPU, host ints
+        where = torch.cat([shard_positions(seq_len, n, j, layout, positions.device, doc_ids) for j in range(n)])
+        order = torch.argsort(where).to(q.device)                  # rank order -> sequence order
+        runs = [(lo, hi, int(positions[hi - 1]) + 1) for lo, hi in query_runs(positions, chunk)]   # + keys seen
+        keys = torch.arange(seq_len, device=positions.device)
     kv_all = gathered.view(n, 2, b, kvh, s_local, d).permute(1, 2, 3, 0, 4, 5).reshape(2, b, kvh, seq_len, d)
-    kv_all = kv_all.index_select(3, order.to(q.device))           # (2, b, kv, s, d): keys 0..s-1
-    keys = torch.arange(seq_len, device=positions.device)
+    kv_all = kv_all.index_select(3, order)                         # (2, b, kv, s, d): keys 0..s-1
     outs = []
-    for lo, hi in query_runs(positions):                           # zigzag: chunk i, then chunk 2N-1-i
-        seen = int(positions[hi - 1]) + 1                          # the keys this run can see: 0..seen-1
+    for lo, hi, seen in runs:                                      # zigzag: chunk i, then chunk 2N-1-i
         mask = None if doc_ids is None else document_mask(positions[lo:hi], keys[:seen], doc_ids)
         outs.append(attention(q[:, :, lo:hi], kv_all[0, :, :, :seen], kv_all[1, :, :, :seen],
                               positions[lo:hi], keys[:seen], future=mask))   # (b, a, run, d)

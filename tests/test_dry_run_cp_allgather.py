@@ -1,0 +1,61 @@
+"""Llama 3's all-gather CP on the virtual clock: its attention kernel (virtual/flash_prefix.py,
+FlashAttention causal at the bottom right, one kernel per query chunk) computes the course's
+attention; a dry run of an all-gather CP layout is a real launch of it to the bit, with
+FlashAttention (Llama 3's software) and with the course's written-out attention; its
+all-gather and reduce-scatter are on the clock; the kernel is priced at its trimmed FLOPs."""
+import pytest
+import torch
+
+from course_lib import tolerance
+from course_lib.attention import causal_attention
+from course_lib.launch import launch
+from course_lib.layout import Layout
+from course_lib.planner.presets import ModelSpec
+from course_lib.virtual import VirtualCluster, dry_run
+
+SPEC = ModelSpec("Llama test", 4, 64, 4, 2, 128, 256, 32)      # GQA (4 query heads, 2 K/V), rotary, SwiGLU
+HW = "h100-sxm"
+
+
+def test_flash_prefix_is_the_courses_attention_and_priced_at_its_trimmed_flops():
+    from course_lib.planner.kernel_cost import op_cost
+    from course_lib.virtual.flash_prefix import flash_attention_prefix
+    torch.manual_seed(0)
+    c = 3
+    for length in (3, 5, 12):               # the chunk alone (chunk 0), and after 2 or 9 past keys
+        q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64, requires_grad=True) for n in (c, length, length))
+        want = causal_attention(q, k, v, torch.arange(length - c, length), torch.arange(length))
+        got = flash_attention_prefix(q, k, v)
+        g = torch.randn_like(want)
+        tolerance.assert_matches([got, *torch.autograd.grad(got, (q, k, v), g)],
+                                 [want, *torch.autograd.grad(want, (q, k, v), g)], dtype=torch.float64,
+                                 what=f"{length} keys")
+    with pytest.raises(ValueError, match="must be the last"):
+        flash_attention_prefix(k, q, q)
+    f = torch.ops.course.flash_attention_prefix.default
+    q, k = (torch.empty(1, 16, n, 128, device="meta", dtype=torch.bfloat16) for n in (4096, 3 * 4096))
+    flops, _, kind, _ = op_cost(f, (q, k, k), {}, f(q, k, k), 2)
+    # QK^T and PV over 2 past chunks in full (2 x 2 b a c (2c) d) and the diagonal's half (2 b a c^2 d)
+    assert (flops, kind) == (2 * 2 * 16 * 4096 * 2 * 4096 * 128 + 2 * 16 * 4096 * 4096 * 128, "attention")
+
+
+def _real_rank(cfg, layout, software):
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.virtual.dry_run import train_step
+    return train_step(cfg, layout, Mesh.from_layout(layout), fusions=software)
+
+
+@pytest.mark.parametrize("layout, software", [
+    (Layout(cp=2, tp=2, sp=True, cp_comm="all_gather", micro_batch=1, global_batch=2), ("flash_attention",)),
+    (Layout(cp=2, pp=2, cp_comm="all_gather", micro_batch=1, global_batch=4, recompute="selective"), ()),
+], ids=["flash-cp2-tp2", "course-cp2-pp2"])
+def test_all_gather_cp_dry_run_equals_a_real_launch(layout, software):
+    from course_lib.virtual.dry_run import model_config
+    real = launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, software, clock=VirtualCluster(HW))
+    r = dry_run(SPEC, HW, layout, fusions=software, progress=None)
+    assert r.step_time == max(x["t"] for x in real), (r.step_time, [x["t"] for x in real])
+    comm = [s for s in r.spans if s.dim == "cp"]
+    n = SPEC.n_layers * layout.microbatches // layout.pp        # attention layers a running rank runs
+    for name in ("K/V all-gather", "dK/dV reduce-scatter"):
+        assert len([s for s in comm if s.name == name]) == n * r.ranks_run, name
+    assert not [s for s in comm if "hop" in s.name]             # not the ring
