@@ -3,6 +3,8 @@ FlashAttention causal at the bottom right, one kernel per query chunk) computes 
 attention; a dry run of an all-gather CP layout is a real launch of it to the bit, with
 FlashAttention (Llama 3's software) and with the course's written-out attention; its
 all-gather and reduce-scatter are on the clock; the kernel is priced at its trimmed FLOPs."""
+import sys
+
 import pytest
 import torch
 
@@ -49,11 +51,21 @@ def _real_rank(cfg, layout, software):
     (Layout(cp=2, tp=2, sp=True, cp_comm="all_gather", micro_batch=1, global_batch=2), ("flash_attention",)),
     (Layout(cp=2, pp=2, cp_comm="all_gather", micro_batch=1, global_batch=4, recompute="selective"), ()),
 ], ids=["flash-cp2-tp2", "course-cp2-pp2"])
-def test_all_gather_cp_dry_run_equals_a_real_launch(layout, software):
-    from course_lib.virtual.dry_run import model_config
+def test_all_gather_cp_dry_run_equals_a_real_launch(layout, software, monkeypatch):
+    """Every cp rank run: the real launch's step to the bit. Under FlashAttention the dry run
+    folds the cp ranks (``folds_cp``: cp = 0 alone): never longer than every rank run (a folded
+    twin adds no wait), and shorter by less than cp rank 0's time in collectives with its twins
+    (where it waits for them)."""
+    from course_lib.virtual.dry_run import folds_cp, model_config
     real = launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, software, clock=VirtualCluster(HW))
+    folded = dry_run(SPEC, HW, layout, fusions=software, progress=None)
+    assert folds_cp(layout, software) == (folded.ranks_run == layout.pp)
+    monkeypatch.setattr(sys.modules["course_lib.virtual.dry_run"], "folds_cp", lambda *a: False)
     r = dry_run(SPEC, HW, layout, fusions=software, progress=None)
     assert r.step_time == max(x["t"] for x in real), (r.step_time, [x["t"] for x in real])
+    assert r.ranks_run == layout.pp * layout.cp
+    with_twins = sum(s.end - s.start for s in r.spans if s.rank == 0 and "cp" in s.dim)   # its waits inside
+    assert r.step_time - with_twins <= folded.step_time <= r.step_time
     comm = [s for s in r.spans if s.dim == "cp"]
     n = SPEC.n_layers * layout.microbatches // layout.pp        # attention layers a running rank runs
     for name in ("K/V all-gather", "dK/dV reduce-scatter"):
