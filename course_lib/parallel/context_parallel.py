@@ -39,8 +39,9 @@ from course_lib.attention import (apply_rotary, attention_output, attention_scor
                                   check_doc_ids, check_positions, document_mask, rotary_rows)
 from course_lib.gpt import Attention
 from course_lib.parallel.cp_allgather import all_gather_attention
-from course_lib.parallel.cp_layouts import (LAYOUTS, check_documents, check_shard_positions, sequence_chunks, shard_positions, shard_sequence,  # noqa: F401
-                                            zigzag_chunks, zigzag_positions)
+from course_lib.parallel.cp_layouts import (LAYOUTS, check_documents, check_shard_positions,  # noqa: F401
+                                            sequence_chunks, shard_positions, shard_sequence, zigzag_chunks,
+                                            zigzag_positions)
 from course_lib.parallel.tp_plan import local_heads
 
 # ----------------------------------------------------------------------------- one block
@@ -433,5 +434,6 @@ __all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "s
            "visible_rows_cols", "visible_segments", "block_attention", "running_block_attention", "merge_partial",
            "attention_flops", "RingAttention",
            "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
-           "context_parallel", "METHODS", "CP_COMMS", "cp_method_of", "all_gather_attention", "check_cp_names", "sequence_chunks", "ulysses_heads", "no_dropout", "rule_context",
-           "rule_doc_ids"]
+           "context_parallel", "METHODS", "CP_COMMS",
+           "cp_method_of", "all_gather_attention", "check_cp_names", "sequence_chunks", "ulysses_heads",
+           "no_dropout", "rule_context", "rule_doc_ids"]

@@ -16,8 +16,8 @@ device (shapes, no data); every op is priced by the clock's compute stream, ever
 collective by its links (:mod:`.clock`, :mod:`.links`): the same pricing code as any virtual run.
 
 Ranks that do identical work run once (:mod:`.priced`): per pipeline stage, the ranks at
-dp = tp = 0 (every cp rank but where they do identical work: :func:`running_ranks`), each in a thread of this process; their
-tp / dp / ep twins would issue every collective at the same instant, so a collective starts
+dp = tp = 0 (every cp rank, unless they do identical work: :func:`running_ranks`), each in a
+thread of this process; their tp / dp / ep (and folded cp) twins would issue every collective at the same instant, so a collective starts
 when its running members are ready. A mixture of experts is routed balanced
 (:func:`moe_config`); the token places of the members of a routing group it folds are its own to
 give (:mod:`.moe_folding`).
