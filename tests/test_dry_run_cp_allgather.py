@@ -71,3 +71,17 @@ def test_all_gather_cp_dry_run_equals_a_real_launch(layout, software, monkeypatc
     for name in ("K/V all-gather", "dK/dV reduce-scatter"):
         assert len([s for s in comm if s.name == name]) == n * r.ranks_run, name
     assert not [s for s in comm if "hop" in s.name]             # not the ring
+
+
+def test_the_llama3_128k_row_runs_all_gather_cp_folded():
+    """The published 128k row (Llama 3 Table 4: TP8 CP16 PP16 DP8): the ranks accept its
+    all-gather CP, and under Llama 3's stated software its cp ranks fold (16 ranks run, not 256;
+    benchmarks/dry_run_validation.py runs it)."""
+    from course_lib.lab.dry_runs import LLAMA3_CP_NOTE, SOFTWARE, published_runs
+    from course_lib.virtual.dry_run import check_dry_run, folds_cp
+    (row,) = [r for r in published_runs() if r[4].cp > 1]
+    model, layout, note = row[2], row[4], row[7]
+    assert (layout.cp, layout.cp_comm, layout.seq_len, note) == (16, "all_gather", 131072, LLAMA3_CP_NOTE)
+    check_dry_run(model, layout.with_(zero=0))
+    assert folds_cp(layout, SOFTWARE["Llama 3 T4"]) and not folds_cp(layout.with_(cp_comm="ring"), ("flash_attention",))
+    assert not folds_cp(layout, ())                  # the written-out attention: every cp rank runs
