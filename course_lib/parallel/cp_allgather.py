@@ -69,20 +69,20 @@ def all_gather_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"
     selective recomputation; a fused kernel in a dry run). ``doc_ids`` (s,): the packing."""
     n = comm.size
     seq_len = positions.numel() * n if seq_len is None else seq_len
-    check_shard_positions(positions, seq_len, n, comm.rank, layout, doc_ids, "all-gather attention")
-    if n == 1:
-        mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
-        return attention(q, k, v, positions, positions, future=mask)
     b, kvh, s_local, d = k.shape
-    kv = torch.stack([k, v])                                       # (2, b, kv, s/N, d): one message
-    gathered = GatherSequence.apply(kv, comm)                      # (N * 2, b, kv, s/N, d), rank order
     chunk = s_local // 2 if layout == "zigzag" else None          # the zigzag's two chunks, s/2N each
     clock = trace.clock()
     with clock.muted() if clock is not None else contextlib.nullcontext():   # bookkeeping: on a GPU, host ints
+        check_shard_positions(positions, seq_len, n, comm.rank, layout, doc_ids, "all-gather attention")
         where = torch.cat([shard_positions(seq_len, n, j, layout, positions.device, doc_ids) for j in range(n)])
         order = torch.argsort(where).to(q.device)                  # rank order -> sequence order
         runs = [(lo, hi, int(positions[hi - 1]) + 1) for lo, hi in query_runs(positions, chunk)]   # + keys seen
         keys = torch.arange(seq_len, device=positions.device)
+    if n == 1:
+        mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
+        return attention(q, k, v, positions, positions, future=mask)
+    kv = torch.stack([k, v])                                       # (2, b, kv, s/N, d): one message
+    gathered = GatherSequence.apply(kv, comm)                      # (N * 2, b, kv, s/N, d), rank order
     kv_all = gathered.view(n, 2, b, kvh, s_local, d).permute(1, 2, 3, 0, 4, 5).reshape(2, b, kvh, seq_len, d)
     kv_all = kv_all.index_select(3, order)                         # (2, b, kv, s, d): keys 0..s-1
     outs = []
