@@ -17,6 +17,11 @@ all-gather is exposed (attention waits for it) where the ring hides its hops und
 but with grouped-query attention K and V are small (kv heads against a query heads: Llama 3
 405B has 8 against 128), any mask works on the gathered keys (packed documents), and the
 attention kernel is one call per chunk, no merges.
+
+Here autograd keeps the gathered K/V for backward. Transformer Engine's
+``AttnFuncWithCPAndKVAllGather`` (which cites the same section) keeps only the local K/V and
+all-gathers them again in backward: one collective more per layer, cp times less K/V held
+(the planner prices that one: ``planner.costs``, three collectives per layer).
 """
 from __future__ import annotations
 
