@@ -2,8 +2,8 @@
 ``cp_comm="all_gather"`` on a layout; a GQA Llama-style TinyGPT trained AdamW steps in float64
 through ``parallelize_nd`` equals one device at cp 2 and cp 3, with tp 2 (+ SP) and pp 2,
 zigzag, contiguous and packed documents; its messages are one all-gather per attention
-forward and one reduce-scatter per backward on the cp group; bad layouts are refused before
-any rank starts."""
+forward, and an all-gather and a reduce-scatter per backward on the cp group (Transformer
+Engine's); bad layouts are refused before any rank starts."""
 import pytest
 import torch
 
@@ -70,11 +70,12 @@ def test_all_gather_cp_trains_as_one_device(world):
         shape = check_layout(CFG, **mesh_kw, batch=BATCH, **kw)
         for losses, _, _, names in (r[i] for r in ranks):
             tolerance.assert_matches(losses, ref_losses, optimizer="adamw", steps=STEPS, lr=LR, what=what)
-            # Llama 3's messages: one all-gather per attention forward, one reduce-scatter per
-            # backward (per layer, micro-batch and step), nothing else on cp but the grad sync
+            # Llama 3's messages: one all-gather per attention forward, the same again and one
+            # reduce-scatter per backward (per layer, micro-batch and step), else only grad sync
             m = kw.get("microbatches", 1)
             assert names.count("K/V all-gather") == CFG.n_layers * m * STEPS // mesh_kw.get("pp", 1), (what, names)
             assert names.count("dK/dV reduce-scatter") == names.count("K/V all-gather"), (what, names)
+            assert names.count("K/V all-gather (backward)") == names.count("K/V all-gather"), (what, names)
             assert not [n for n in names if "hop" in n or "ulysses" in n], (what, names)
         grads = assemble_nd([r[i][2] for r in ranks], shape)
         tolerance.assert_matches(grads, ref_grads, what=f"{what}: the first step's gradients")

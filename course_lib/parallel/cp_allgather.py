@@ -18,10 +18,10 @@ but with grouped-query attention K and V are small (kv heads against a query hea
 405B has 8 against 128), any mask works on the gathered keys (packed documents), and the
 attention kernel is one call per chunk, no merges.
 
-Here autograd keeps the gathered K/V for backward. Transformer Engine's
-``AttnFuncWithCPAndKVAllGather`` (which cites the same section) keeps only the local K/V and
-all-gathers them again in backward: one collective more per layer, cp times less K/V held
-(the planner prices that one: ``planner.costs``, three collectives per layer).
+What backward needs of the gathered K/V is not kept: as Transformer Engine's
+``AttnFuncWithCPAndKVAllGather`` (which cites the same section), only the local K/V stay and
+backward all-gathers them again (:class:`RegatheredKV`): three collectives per layer, as the
+planner prices them (``planner.costs``), and cp times less K/V held between the passes.
 """
 from __future__ import annotations
 
@@ -51,6 +51,39 @@ class GatherSequence(torch.autograd.Function):
         mine = grad.new_empty((grad.shape[0] // comm.size,) + tuple(grad.shape[1:]))   # (2, b, kv, s/N, d)
         comm.reduce_scatter_tensor(mine, grad.contiguous(), name="dK/dV reduce-scatter")
         return mine, None
+
+
+class RegatheredKV:
+    """``saved_tensors_hooks`` that keep no view of the gathered K/V for backward: autograd
+    saves a token (offset, size, stride) instead, and the first unpack in backward all-gathers
+    the local K/V again and puts them in sequence order (``regather``). Every other saved
+    tensor, and the local K/V kept, go to the pair this forward runs inside (the pipeline
+    runner's count of saved activations: torch calls only the innermost pair)."""
+
+    def __init__(self, kv_all, local, regather):
+        self.key, self.regather, self.full = _storage_key(kv_all), regather, None
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+        self.local = self.outer_pack(local)        # (2, b, kv, s/N, d): what backward gathers again
+
+    def pack(self, t):
+        if t.numel() and _storage_key(t) == self.key:
+            return ("regathered K/V", t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return self.outer_pack(t)
+
+    def unpack(self, saved):
+        if not (isinstance(saved, tuple) and saved and saved[0] == "regathered K/V"):
+            return self.outer_unpack(saved)
+        if self.full is None:                      # once per backward of this attention
+            self.full = self.regather(self.outer_unpack(self.local))
+        _, offset, size, stride = saved
+        return self.full.as_strided(size, stride, offset)
+
+
+def _storage_key(t):
+    """The storage ``t`` views (on the meta device, where every data_ptr is 0: its identity)."""
+    storage = t.untyped_storage()
+    return t.device, storage._cdata if t.is_meta else storage.data_ptr()
 
 
 def query_runs(positions: torch.Tensor, chunk: int | None = None) -> list[tuple[int, int]]:
@@ -86,16 +119,25 @@ def all_gather_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag"
     if n == 1:
         mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
         return attention(q, k, v, positions, positions, future=mask)
+    def in_sequence_order(gathered):               # (N * 2, b, kv, s/N, d), rank order -> (2, b, kv, s, d)
+        full = gathered.view(n, 2, b, kvh, s_local, d).permute(1, 2, 3, 0, 4, 5).reshape(2, b, kvh, seq_len, d)
+        return full.index_select(3, order)
+
+    def regather(local):                           # backward: the same K/V, gathered again
+        out = local.new_empty((n * 2,) + tuple(local.shape[1:]))
+        comm.all_gather_into_tensor(out, local, name="K/V all-gather (backward)")
+        return in_sequence_order(out)
+
     kv = torch.stack([k, v])                                       # (2, b, kv, s/N, d): one message
-    gathered = GatherSequence.apply(kv, comm)                      # (N * 2, b, kv, s/N, d), rank order
-    kv_all = gathered.view(n, 2, b, kvh, s_local, d).permute(1, 2, 3, 0, 4, 5).reshape(2, b, kvh, seq_len, d)
-    kv_all = kv_all.index_select(3, order)                         # (2, b, kv, s, d): keys 0..s-1
+    kv_all = in_sequence_order(GatherSequence.apply(kv, comm))     # (2, b, kv, s, d): keys 0..s-1
+    hooks = RegatheredKV(kv_all, kv.detach(), regather)
     outs = []
-    for lo, hi, seen in runs:                                      # zigzag: chunk i, then chunk 2N-1-i
-        mask = None if doc_ids is None else document_mask(positions[lo:hi], keys[:seen], doc_ids)
-        outs.append(attention(q[:, :, lo:hi], kv_all[0, :, :, :seen], kv_all[1, :, :, :seen],
-                              positions[lo:hi], keys[:seen], future=mask))   # (b, a, run, d)
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        for lo, hi, seen in runs:                                  # zigzag: chunk i, then chunk 2N-1-i
+            mask = None if doc_ids is None else document_mask(positions[lo:hi], keys[:seen], doc_ids)
+            outs.append(attention(q[:, :, lo:hi], kv_all[0, :, :, :seen], kv_all[1, :, :, :seen],
+                                  positions[lo:hi], keys[:seen], future=mask))   # (b, a, run, d)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (b, a, s/N, d)
 
 
-__all__ = ["GatherSequence", "query_runs", "all_gather_attention"]
+__all__ = ["GatherSequence", "RegatheredKV", "query_runs", "all_gather_attention"]
