@@ -24,16 +24,19 @@ def test_flash_prefix_is_the_courses_attention_and_priced_at_its_trimmed_flops()
     from course_lib.virtual.flash_prefix import flash_attention_prefix
     torch.manual_seed(0)
     c = 3
-    for length in (3, 5, 12):               # the chunk alone (chunk 0), and after 2 or 9 past keys
-        q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64, requires_grad=True) for n in (c, length, length))
+    for length, kv in ((3, 4), (5, 2), (12, 1)):   # the chunk alone (chunk 0), after 2 or 9 past keys; GQA
+        q, k, v = (torch.randn(2, h, n, 8, dtype=torch.float64, requires_grad=True)
+                   for h, n in ((4, c), (kv, length), (kv, length)))
         want = causal_attention(q, k, v, torch.arange(length - c, length), torch.arange(length))
         got = flash_attention_prefix(q, k, v)
         g = torch.randn_like(want)
         tolerance.assert_matches([got, *torch.autograd.grad(got, (q, k, v), g)],
                                  [want, *torch.autograd.grad(want, (q, k, v), g)], dtype=torch.float64,
-                                 what=f"{length} keys")
+                                 what=f"{length} keys, {kv} K/V heads")
     with pytest.raises(ValueError, match="must be the last"):
-        flash_attention_prefix(k, q, q)
+        flash_attention_prefix(k.expand(2, 4, 12, 8), q, q)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        flash_attention_prefix(torch.zeros(1, 3, 2, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
     f = torch.ops.course.flash_attention_prefix.default
     q, k = (torch.empty(1, 16, n, 128, device="meta", dtype=torch.bfloat16) for n in (4096, 3 * 4096))
     flops, _, kind, _ = op_cost(f, (q, k, k), {}, f(q, k, k), 2)

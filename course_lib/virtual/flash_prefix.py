@@ -10,7 +10,8 @@ as there. On the CPU the values come from torch's flash kernel with that mask as
 bias (:func:`prefix_bias`); the clock prices the op as the GPU's kernel: the FLOPs of the
 past keys in full plus the causal half of the diagonal block, torch's SDPA formulas
 (:data:`course_lib.planner.kernel_cost.COURSE_ATTENTION`), at the "attention" fraction of
-peak. It keeps q, k, v, the output and the log-sum-exp for backward.
+peak. Grouped-query K/V go in as they are (kv heads). It keeps q, k, v, the output and the
+log-sum-exp for backward.
 """
 from __future__ import annotations
 
@@ -26,9 +27,23 @@ def prefix_bias(c: int, length: int, dtype, device) -> torch.Tensor:
     return torch.zeros(c, length, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
 
 
+def _heads(q, t):
+    """K or V with one head per query head, for the CPU kernel (a GPU's kernel reads each K/V
+    head once for its group of a / kv query heads: grouped-query attention, no copy)."""
+    rep = q.shape[1] // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _group_sum(g, kv_heads):
+    """The gradient of the per-query-head copies summed back onto each K/V head."""
+    b, a, length, d = g.shape
+    return g if a == kv_heads else g.view(b, kv_heads, a // kv_heads, length, d).sum(2)
+
+
 @torch.library.custom_op("course::flash_attention_prefix", mutates_args=())
 def _prefix_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     c, length = q.shape[2], k.shape[2]
+    k, v = _heads(q, k), _heads(q, v)
     if c == length:                    # the chunk sees only itself: plain causal
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
     bias = prefix_bias(c, length, q.dtype, q.device)
@@ -44,12 +59,15 @@ def _prefix_forward_shape(q, k, v):
 @torch.library.custom_op("course::flash_attention_prefix_backward", mutates_args=())
 def _prefix_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    c, length = q.shape[2], k.shape[2]
+    c, length, kv_heads = q.shape[2], k.shape[2], k.shape[1]
+    k, v = _heads(q, k), _heads(q, v)
     if c == length:
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True)
-    bias = prefix_bias(c, length, q.dtype, q.device)
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
-                                                                     attn_mask=bias)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True)
+    else:
+        bias = prefix_bias(c, length, q.dtype, q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
+                                                                               attn_mask=bias)
+    return dq, _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
 
 
 @_prefix_backward.register_fake
@@ -70,8 +88,11 @@ _prefix_forward.register_autograd(_backward, setup_context=_setup)
 
 
 def flash_attention_prefix(q, k, v):
-    """q (b, a, c, d) at the last c positions of k, v (b, a, L, d) (one head per query head)
-    -> (b, a, c, d): causal attention, one fused kernel."""
+    """q (b, a, c, d) at the last c positions of k, v (b, kv, L, d) (grouped-query: kv divides
+    a) -> (b, a, c, d): causal attention, one fused kernel."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"flash_attention_prefix: query heads ({q.shape[1]}) must be a multiple of key/value "
+                         f"heads ({k.shape[1]})")
     if q.shape[2] > k.shape[2]:
         raise ValueError(f"flash_attention_prefix: the {q.shape[2]} queries must be the last of the "
                          f"{k.shape[2]} keys' positions")

@@ -152,7 +152,7 @@ def _attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
     if q_pos is None and k_pos is None:
         return flash_attention(q, k, v)
     _prefix_positions(q_pos, k_pos, future)       # all-gather CP: a query chunk over the keys it sees
-    return flash_attention_prefix(q, *_kv_for_each_head(q, k, v))
+    return flash_attention_prefix(q, k, v)
 
 
 def _prefix_positions(q_pos, k_pos, future):
