@@ -81,9 +81,11 @@ DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0
 # Llama 3's CP (Dubey et al. 2024, Sec. 3.3.2): K and V all-gathered, each of a rank's two
 # zigzag chunks attended to the keys it sees, dK/dV reduce-scattered; run by the ranks
 # (parallel/cp_allgather.py) with one FlashAttention kernel per chunk (virtual/flash_prefix.py).
-# Measured on the 128k row (2026-11-29): +16.0% against the published time (+14.1% with the
-# gathered K/V kept for backward instead of gathered again), the planner -11.8%; 47 s CPU,
-# 6.1 GiB resident (v = 2 chunks per stage). At 128k attention is most of a layer's work and
+# Measured on the 128k row (2026-11-29), v = 2 chunks per stage: +16.0% against the published
+# time (+14.1% with the gathered K/V kept for backward instead of gathered again), the planner
+# -11.8%; 47 s CPU, 6.1 GiB resident. With the paper's chunks (embedding-only and head-only,
+# v = 8; checked on this branch applied to main at 981add3): -8.5%, the planner -31.0%; 53 s
+# CPU, 7.0 GiB resident. At 128k attention is most of a layer's work and
 # the two price it differently: the clock at FlashAttention-2's measured rate (0.30 of peak,
 # the H100's cited "attention" constant), the planner as GEMMs at the GEMM rate (0.83).
 # Neither is fitted to this row.
