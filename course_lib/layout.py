@@ -37,8 +37,9 @@ class Layout:
     matmuls (needs sp and tp > 1). ``recompute``: a policy, or one per block.
     ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
     the gradient reduction under the last backward (bucketed DDP / ZeRO).
-    Context parallelism: ``cp_comm`` is how the planner prices K/V moving, ``"ring"`` (ring
-    attention, as the CP chapter builds it) or ``"all_gather"`` (Llama 3's, priced only);
+    Context parallelism: ``cp_comm`` is how K/V move, ``"ring"`` (ring attention, as the CP
+    chapter builds it, or Ulysses: ``cp_method``) or ``"all_gather"`` (Llama 3's: K/V
+    all-gathered, dK/dV reduce-scattered; ``cp_method`` stays "ring");
     ``cp_method`` ("ring" / "ulysses") and ``cp_layout`` ("zigzag" / "contiguous" /
     "documents": the zigzag of every packed document; keyword ``cp_balance``) are what the
     ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold

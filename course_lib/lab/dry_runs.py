@@ -18,8 +18,10 @@ software fused is stated once per source (:data:`SOFTWARE`) and run by the dry r
 course's program with those kernels (:mod:`course_lib.virtual.software`), and so is how it
 numbered its ranks (:data:`ORDER`: which groups sit inside a node); its attention kernel
 agrees with the source's hardware's ``fused_attention`` (the planner's statement of the same
-thing). Llama 3's CP row does not run as stated: its K/V all-gather (``cp_comm="all_gather"``)
-is priced by the planner, not built by the ranks (they run the ring; see the row's note).
+thing). Llama 3's 128k row runs its CP as stated: K and V all-gathered over the cp ranks,
+each local query chunk attended by one FlashAttention kernel, dK/dV reduce-scattered
+(``cp_comm="all_gather"``, :mod:`course_lib.parallel.cp_allgather`); its cp ranks do equal
+priced work and run once (:func:`course_lib.virtual.dry_run.folds_cp`; see the row's note).
 """
 from __future__ import annotations
 
@@ -138,6 +140,19 @@ def row_software(source: str, name: str) -> tuple:
             return SOFTWARE[source] + ("overlapped_dp",)
     return SOFTWARE[source]
 
+# Llama 3's CP (Dubey et al. 2024, Sec. 3.3.2): K and V all-gathered, each of a rank's two
+# zigzag chunks attended to the keys it sees, dK/dV reduce-scattered; run by the ranks
+# (parallel/cp_allgather.py) with one FlashAttention kernel per chunk (virtual/flash_prefix.py).
+# Measured on the 128k row (2026-11-29), v = 2 chunks per stage: +16.0% against the published
+# time (+14.1% with the gathered K/V kept for backward instead of gathered again), the planner
+# -11.8%; 47 s CPU, 6.1 GiB resident. With the paper's chunks (embedding-only and head-only,
+# v = 8; checked on this branch applied to main at 981add3): -8.5%, the planner -31.0%; 53 s
+# CPU, 7.0 GiB resident. At 128k attention is most of a layer's work and
+# the two price it differently: the clock at FlashAttention-2's measured rate (0.30 of peak,
+# the H100's cited "attention" constant), the planner as GEMMs at the GEMM rate (0.83).
+# Neither is fitted to this row.
+LLAMA3_CP_NOTE = "CP: all-gathered K/V, cp ranks folded (equal FLOPs under FlashAttention)"
+
 
 def published_runs():
     """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
@@ -165,7 +180,8 @@ def published_runs():
     h100 = HARDWARE["h100-sxm"]
     for gpus, tp, cp, pp, dp, s, tflops in LLAMA3_TABLE4:
         rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
-                     llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops), ""))
+                     llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
+                     LLAMA3_CP_NOTE if cp > 1 else ""))
     return [(source, name, model, hw, layout.with_(order=ORDER[source]), *rest)
             for source, name, model, hw, layout, *rest in rows]
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.layout import DATA, MESH_ORDER, Layout
-from course_lib.parallel.context_parallel import context_parallel, rule_context, rule_doc_ids, shard_positions
+from course_lib.parallel.context_parallel import context_parallel, cp_method_of, rule_context, rule_doc_ids, shard_positions
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, expert_tp_plan, rule_experts, token_index
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
@@ -82,7 +82,7 @@ def apply_cp(part, mesh, layout):
     """Every attention over mesh "cp" (chapter 7): a rank holds s / cp tokens."""
     rule_context(part.config, layout)
     if mesh.sizes["cp"] > 1:
-        context_parallel(part, mesh.comm("cp"), layout.cp_method, layout.cp_layout)
+        context_parallel(part, mesh.comm("cp"), cp_method_of(layout), layout.cp_layout)
 
 
 def apply_ep(part, mesh, layout):

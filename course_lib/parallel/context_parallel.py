@@ -3,6 +3,7 @@
     pos = zigzag_positions(seq_len, cp.size, cp.rank)      # chunks i and 2N-1-i of 2N
     y = ring_attention(q, k, v, pos, cp)                   # K/V blocks go round the ring
     y = ulysses_attention(q, k, v, pos, cp)                # all-to-all: sequence -> heads -> sequence
+    y = all_gather_attention(q, k, v, pos, cp)             # Llama 3: K/V all-gathered
     context_parallel(model, cp, method="ring")             # every block's attention, in place
 
 Everything outside attention is per token, so a rank runs it on its own tokens at their
@@ -17,6 +18,10 @@ keys from the other shards. Two ways to get them:
 * **Ulysses** (Jacobs et al. 2023): an all-to-all turns the sequence shards of q, k, v into
   head shards over the whole sequence, plain attention runs on a/N heads, an all-to-all
   turns the result back. Needs heads (and K/V heads) divisible by N.
+* **All-gathered K/V** (Llama 3, Dubey et al. 2024; ``cp_comm="all_gather"`` on a layout):
+  every rank gathers the whole sequence's K and V (small with grouped-query attention) and
+  attends each of its query chunks to the keys it sees; backward reduce-scatters dK/dV
+  (:mod:`course_lib.parallel.cp_allgather`).
 
 Causal masking makes a contiguous split unfair: rank N-1 sees every key, rank 0 only its
 own. The zigzag layout gives rank i chunks i and 2N-1-i, equal work everywhere; packed
@@ -33,8 +38,10 @@ from course_lib import trace
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_doc_ids, check_positions, document_mask, rotary_rows)
 from course_lib.gpt import Attention
-from course_lib.parallel.cp_layouts import (LAYOUTS, check_documents, sequence_chunks, shard_positions, shard_sequence,  # noqa: F401
-                                            zigzag_chunks, zigzag_positions)
+from course_lib.parallel.cp_allgather import all_gather_attention
+from course_lib.parallel.cp_layouts import (LAYOUTS, check_documents, check_shard_positions,  # noqa: F401
+                                            sequence_chunks, shard_positions, shard_sequence, zigzag_chunks,
+                                            zigzag_positions)
 from course_lib.parallel.tp_plan import local_heads
 
 # ----------------------------------------------------------------------------- one block
@@ -236,13 +243,7 @@ def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag", doc_
     ``doc_ids`` (s,): the whole packed sequence's documents; none attends across them."""
     n = comm.size
     seq_len = positions.numel() * n if seq_len is None else seq_len
-    if doc_ids is not None and doc_ids.shape != (seq_len,):
-        raise ValueError(f"ring attention: doc_ids must be the whole sequence's, shape ({seq_len},) (one "
-                         f"packing for the batch's rows), got {tuple(doc_ids.shape)}")
-    expected = shard_positions(seq_len, n, comm.rank, layout, positions.device, doc_ids)
-    if not torch.equal(positions, expected):
-        raise ValueError(f"ring attention: positions must be this rank's {layout} shard of a sequence of "
-                         f"{seq_len} tokens ({expected.tolist()[:4]}...), got {positions.tolist()[:4]}...")
+    check_shard_positions(positions, seq_len, n, comm.rank, layout, doc_ids, "ring attention")
     if n == 1:
         mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
         return causal_attention(q, k, v, positions, positions, future=mask)
@@ -336,12 +337,29 @@ class ContextParallelAttention(Attention):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cp_method == "ring":   # keeps q, k, v, out, lse: no (s, s) scores for selective to drop
             y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout, doc_ids)
+        elif self.cp_method == "all_gather":   # Llama 3's: each query chunk against the gathered keys
+            y = all_gather_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout,
+                                     doc_ids, self.attend)
         else:
             y = ulysses_attention(q, k, v, positions, self.cp_comm, self.attend, doc_ids)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
-METHODS = ("ring", "ulysses")
+METHODS = ("ring", "ulysses", "all_gather")
+CP_COMMS = ("ring", "all_gather")     # Layout.cp_comm: "all_gather" runs all_gather_attention
+
+
+def cp_method_of(layout) -> str:
+    """What the ranks run for a layout: ``cp_comm="all_gather"`` is Llama 3's all-gathered K/V
+    (it names no other method: ``cp_method`` stays at its default "ring"), else ``cp_method``."""
+    if layout.cp_comm not in CP_COMMS:
+        raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {layout.cp_comm!r}")
+    if layout.cp_comm == "all_gather":
+        if layout.cp_method != "ring":
+            raise ValueError(f"cp_comm='all_gather' (Llama 3's all-gathered K/V) is the CP method itself: "
+                             f"cp_method={layout.cp_method!r} cannot run with it (leave cp_method at 'ring')")
+        return "all_gather"
+    return layout.cp_method
 
 
 def check_cp_names(method: str, layout: str):
@@ -364,9 +382,9 @@ def no_dropout(p: float):
 
 
 def rule_context(cfg, layout):
-    """CP's rules for a TinyGPT config: the sequence cuts into its chunks, Ulysses' heads, no
-    dropout; K/V all-gathered (``cp_comm="all_gather"``) is priced, not built."""
-    check_cp_names(layout.cp_method, layout.cp_layout)
+    """CP's rules for a TinyGPT config: the method (:func:`cp_method_of`), the sequence cuts
+    into its chunks (2 * cp for the zigzag), Ulysses' heads, no dropout."""
+    check_cp_names(cp_method_of(layout), layout.cp_layout)
     documents = getattr(layout, "documents", ())
     if documents and (any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in documents)
                       or sum(documents) != cfg.seq_len):
@@ -377,9 +395,6 @@ def rule_context(cfg, layout):
                          f"documents={documents} are not all multiples of it (pad them)")
     if layout.cp == 1:
         return
-    if layout.cp_comm != "ring":
-        raise ValueError(f"cp_comm={layout.cp_comm!r} (Llama 3's all-gathered K/V) is priced by the planner, not "
-                         f"built here: the ranks run cp_comm='ring' with cp_method 'ring' or 'ulysses'")
     sequence_chunks(cfg.seq_len, layout.cp, layout.cp_layout)
     if layout.cp_method == "ulysses":
         ulysses_heads(*local_heads(cfg.n_heads, cfg.n_kv_heads, layout.tp), layout.cp)
@@ -419,5 +434,6 @@ __all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "s
            "visible_rows_cols", "visible_segments", "block_attention", "running_block_attention", "merge_partial",
            "attention_flops", "RingAttention",
            "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
-           "context_parallel", "METHODS", "check_cp_names", "sequence_chunks", "ulysses_heads", "no_dropout", "rule_context",
-           "rule_doc_ids"]
+           "context_parallel", "METHODS", "CP_COMMS",
+           "cp_method_of", "all_gather_attention", "check_cp_names", "sequence_chunks", "ulysses_heads",
+           "no_dropout", "rule_context", "rule_doc_ids"]

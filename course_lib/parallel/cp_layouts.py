@@ -87,6 +87,19 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return shard_positions(seq_len, cp_size, cp_rank, "zigzag")
 
 
+def check_shard_positions(positions, seq_len: int, cp_size: int, cp_rank: int, layout: str = "zigzag",
+                          doc_ids=None, who: str = "context-parallel attention") -> None:
+    """``positions`` must be this rank's shard (:func:`shard_positions`): every rank knows which
+    tokens the others hold from the layout alone, so nothing about positions is sent."""
+    if doc_ids is not None and doc_ids.shape != (seq_len,):
+        raise ValueError(f"{who}: doc_ids must be the whole sequence's, shape ({seq_len},) (one "
+                         f"packing for the batch's rows), got {tuple(doc_ids.shape)}")
+    expected = shard_positions(seq_len, cp_size, cp_rank, layout, positions.device, doc_ids)
+    if not torch.equal(positions, expected):
+        raise ValueError(f"{who}: positions must be this rank's {layout} shard of a sequence of "
+                         f"{seq_len} tokens ({expected.tolist()[:4]}...), got {positions.tolist()[:4]}...")
+
+
 def shard_sequence(x: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of ``x`` (the full sequence along ``dim``)."""
     return x.index_select(dim, positions)
@@ -116,5 +129,5 @@ def imbalance(work: list[int]) -> float:
 
 
 __all__ = ["LAYOUTS", "zigzag_chunks", "sequence_chunks", "document_spans", "check_documents",
-           "shard_positions", "zigzag_positions", "shard_sequence", "visible_pairs", "work_per_rank",
+           "shard_positions", "check_shard_positions", "zigzag_positions", "shard_sequence", "visible_pairs", "work_per_rank",
            "imbalance"]

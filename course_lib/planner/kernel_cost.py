@@ -107,6 +107,27 @@ COURSE_KERNELS = {
 }
 
 
+def _prefix_flops(q, k, v, *args, out_val=None, **kwargs):
+    """All-gather CP's chunk (course_lib.virtual.flash_prefix): the L - c past keys in full, the
+    chunk's own c x c block causal (half), torch's SDPA formula for each."""
+    b, a, c, d = q.shape
+    past = (b, a, k.shape[2] - c, d)
+    return (sdpa_flop_count(q.shape, past, past) if past[2] else 0) + _causal(sdpa_flop_count(q.shape, q.shape,
+                                                                                              q.shape), True)
+
+
+def _prefix_backward_flops(grad, q, k, v, *args, out_val=None, **kwargs):
+    b, a, c, d = q.shape
+    past = (b, a, k.shape[2] - c, d)
+    return ((sdpa_backward_flop_count(q.shape, q.shape, past, past) if past[2] else 0)
+            + _causal(sdpa_backward_flop_count(q.shape, q.shape, q.shape, q.shape), True))
+
+
+# the course's own fused attention kernels: op name -> FLOP formula (class "attention")
+COURSE_ATTENTION = {"course::flash_attention_prefix": _prefix_flops,
+                    "course::flash_attention_prefix_backward": _prefix_backward_flops}
+
+
 def _course_gemm_flops(func):
     shape = COURSE_KERNELS[func._schema.name][1]
 
@@ -131,6 +152,8 @@ class _Kind:
         course = COURSE_KERNELS.get(func._schema.name)
         if course is not None:
             cls, self.formula = course[0], _course_gemm_flops(func) if course[1] else None
+        if func._schema.name in COURSE_ATTENTION:
+            cls, self.formula = ATTENTION, COURSE_ATTENTION[func._schema.name]
         name = packet.__name__
         if cls is None:
             cls = (ATTENTION if packet in _ATTENTION else GEMM if self.formula is not None

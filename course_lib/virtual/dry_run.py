@@ -16,8 +16,8 @@ device (shapes, no data); every op is priced by the clock's compute stream, ever
 collective by its links (:mod:`.clock`, :mod:`.links`): the same pricing code as any virtual run.
 
 Ranks that do identical work run once (:mod:`.priced`): per pipeline stage, the ranks at
-dp = tp = 0 (every cp rank: :func:`running_ranks`), each in a thread of this process; their
-tp / dp / ep twins would issue every collective at the same instant, so a collective starts
+dp = tp = 0 (every cp rank, unless they do identical work: :func:`running_ranks`), each in a
+thread of this process; their tp / dp / ep (and folded cp) twins would issue every collective at the same instant, so a collective starts
 when its running members are ready. A mixture of experts is routed balanced
 (:func:`moe_config`); the token places of the members of a routing group it folds are its own to
 give (:mod:`.moe_folding`).
@@ -274,7 +274,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
     shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order)
     cluster.check(shape.world_size)
-    running = running_ranks(shape)
+    running = running_ranks(shape, fold_cp=folds_cp(layout, fusions))
     with torch.device("meta"):
         model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
     install(model, fusions)
@@ -326,12 +326,25 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                   cfg, fusions)
 
 
-def running_ranks(shape: MeshShape) -> list:
+def running_ranks(shape: MeshShape, fold_cp: bool = False) -> list:
     """The ranks the dry run runs: dp = tp = 0 of every pipeline stage and every cp rank. The
     cp ranks all run (not folded): under the zigzag split they do equal work but not the same
     kernels (rank 0's later ring blocks are (s/2N, s/N) rows x keys, rank N-1's (s/N, s/2N)),
-    so their times differ by a little, and the ring's messages run between them for real."""
-    return [shape.rank_of(pp=i, cp=j) for i in range(shape.sizes["pp"]) for j in range(shape.sizes["cp"])]
+    so their times differ by a little, and the ring's messages run between them for real.
+    ``fold_cp`` (:func:`folds_cp`): cp = 0 alone, its cp twins folded like tp's."""
+    cps = range(1 if fold_cp else shape.sizes["cp"])
+    return [shape.rank_of(pp=i, cp=j) for i in range(shape.sizes["pp"]) for j in cps]
+
+
+def folds_cp(layout: Layout, fusions=()) -> bool:
+    """Whether the cp ranks do identical work: Llama 3's all-gather CP (``cp_comm="all_gather"``)
+    under FlashAttention, zigzag, one document. Every rank then runs the same kernels but its
+    two attention chunks' (chunks i and 2N-1-i: (i+1) and 2N-i chunks of keys), priced at their
+    FLOPs, whose sum is the same on every rank, and one all-gather and one reduce-scatter that
+    every member issues alike. (The written-out attention's GEMMs round to waves by shape, and
+    the ring's blocks differ: those run every cp rank.)"""
+    return (layout.cp > 1 and layout.cp_comm == "all_gather" and "flash_attention" in fusions
+            and layout.cp_layout == "zigzag" and not layout.documents)
 
 
 def _watch(threads, records, began, every, microbatches=None) -> None:
@@ -367,4 +380,4 @@ def _where(spans, microbatches) -> str:
 
 
 __all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
-           "check_dry_run", "running_ranks", "document_ids"]
+           "check_dry_run", "running_ranks", "folds_cp", "document_ids"]

@@ -75,6 +75,7 @@ from course_lib import trace
 from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.recompute import recompute
+from course_lib.virtual.flash_prefix import flash_attention_prefix
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
@@ -153,12 +154,27 @@ def _attend_scale_mask_softmax(self, q, k, v, q_pos=None, k_pos=None, future=Non
 
 
 def _attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
-    _plain_positions(q_pos, k_pos)
     p = self.attn_dropout.p if self.training else 0.0
     if p:
         raise NotImplementedError("flash_attention: attention dropout is not run fused (the course's CPU "
                                   "kernel has no dropout mask the course's Dropout would match)")
-    return flash_attention(q, k, v)
+    if q_pos is None and k_pos is None:
+        return flash_attention(q, k, v)
+    _prefix_positions(q_pos, k_pos, future)       # all-gather CP: a query chunk over the keys it sees
+    return flash_attention_prefix(q, k, v)
+
+
+def _prefix_positions(q_pos, k_pos, future):
+    """The one shape of positions a fused core runs besides a whole sequence: keys 0..L-1 and
+    the queries at the last of them (:mod:`course_lib.virtual.flash_prefix`)."""
+    n_q, n_k = q_pos.numel(), k_pos.numel()
+    clock = trace.clock()
+    with clock.muted() if clock is not None else contextlib.nullcontext():   # a host check, not a kernel
+        plain = (torch.equal(k_pos, torch.arange(n_k, device=k_pos.device))
+                 and torch.equal(q_pos, torch.arange(n_k - n_q, n_k, device=q_pos.device)))
+    if future is not None or n_q > n_k or not plain:
+        raise NotImplementedError("a fused attention core runs one whole causal sequence (positions 0..s-1) or "
+                                  "one query chunk over the keys before it (all-gather CP), without documents")
 
 
 def _plain_positions(q_pos, k_pos):
