@@ -49,6 +49,13 @@ program, not a kernel:
   (:class:`~course_lib.parallel.pipeline.runner.ScheduleRunner`'s ``blocking_sends``), so the
   sender's next action starts once the message has been delivered. A real launch waits there
   too (gloo on the CPU), and the clock prices the wait: the dry run adds nothing of its own.
+* ``"launch_blocking"``: ``CUDA_LAUNCH_BLOCKING=1`` in the run's environment (BLOOM's
+  tr11-176B-ml.slurm: "do not remove or the training will hang"): every kernel launch returns
+  when the kernel ends, NCCL's collectives and point-to-point kernels too, so the host never runs
+  ahead of the GPU and each kernel costs the host's issue interval (the clock's
+  ``launch_overhead``, cited in the hardware preset) plus its own time. Set on the rank's
+  clock (:meth:`~course_lib.virtual.clock.RankClock.launched`,
+  :class:`~course_lib.virtual.compute.ComputeStream`); nothing computed changes.
 
 The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
@@ -69,7 +76,7 @@ from course_lib.recompute import recompute
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
-RUNTIME = ("blocking_sends",)      # how the program runs, not a kernel (:func:`install_runtime`)
+RUNTIME = ("blocking_sends", "launch_blocking")   # how the program runs, not a kernel (:func:`install_runtime`)
 
 
 def check_fusions(fusions) -> tuple:
@@ -315,12 +322,23 @@ def install(model, fusions) -> int:
 def install_runtime(net, software) -> None:
     """The runtime behaviours of :data:`RUNTIME` in ``software`` set on ``net`` (what
     :func:`~course_lib.parallel.compose.parallelize_nd` returned): ``"blocking_sends"``, its
-    pipeline runner waits for each send where it posts it; absent, it does not."""
+    pipeline runner waits for each send where it posts it; absent, it does not. And on this
+    rank's virtual clock, if one runs (:func:`install_launch_blocking`)."""
     software = check_fusions(software)
     runner = getattr(net, "runner", None)
     if runner is not None:
         runner.blocking_sends = "blocking_sends" in software
+    install_launch_blocking(trace.clock(), software)
 
 
-__all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "scale_mask_softmax_attention",
+def install_launch_blocking(clock, software) -> None:
+    """``"launch_blocking"`` in ``software``: ``clock`` (a rank's virtual clock; None, a wall-clock
+    run: nothing to price) runs as under ``CUDA_LAUNCH_BLOCKING=1``, each launch returning when
+    its kernel ends; absent, launches return at once (eager PyTorch's default)."""
+    if clock is not None:
+        clock.launch_blocking = "launch_blocking" in check_fusions(software)
+
+
+__all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+           "scale_mask_softmax_attention",
            "flash_attention", "CausalSoftmax", "bias_dropout_add"]
