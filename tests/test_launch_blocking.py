@@ -1,9 +1,10 @@
-"""``CUDA_LAUNCH_BLOCKING=1`` on the virtual clock (``"launch_blocking"``, course_lib.virtual.software,
-stated for BLOOM in lab.dry_runs.SOFTWARE): every launch returns when its kernel ends, NCCL's
-too. On a toy whose kernels are counted, the step grows by exactly what the issue interval and
-the kernels' own times explain; one 8-rank launch (dp 2 x tp 2 x pp 2 in DeepSpeed's order,
-BLOOM's software) is the dry run to the bit and trains in float64 as one device, its values
-those of the same run without the item."""
+"""``CUDA_LAUNCH_BLOCKING=1`` on the virtual clock (``"launch_blocking"``, a runtime item of
+course_lib.virtual.software, stated for BLOOM in lab.dry_runs.SOFTWARE): every launch returns
+when its kernel ends, NCCL's too. On toys whose kernels are counted the step grows by exactly
+what the issue interval and the kernels' own times explain; one 8-rank launch (dp 2 x tp 2 x
+pp 2 in DeepSpeed's rank order, all of BLOOM's software) is the dry run to the bit and trains in
+float64 as one device, its values those of the same run without launch blocking."""
+
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from course_lib.layout import Layout
 from course_lib.planner.presets import gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
 from course_lib.virtual.compute import op_time
-from course_lib.virtual.software import RUNTIME, check_fusions, install_launch_blocking
+from course_lib.virtual.software import RUNTIME, check_fusions, install_launch_blocking, install_runtime
 
 SPEC, HW = gpt_spec("GPT test", 4, 64, 4, V=256, s=32), "a100-80gb"
 DEEPSPEED = ("pp", "dp", "tp")
@@ -118,8 +119,9 @@ def _rank(cfg, layout, software, cfg64, layout64, steps):
     out["blocking after the step"] = clock.launch_blocking
     batches = reference.gpt_batches(cfg64, batch=layout64.global_batch, steps=steps)
     for blocking in (False, True):
-        install_launch_blocking(clock, ("launch_blocking",) if blocking else ())
         net = parallelize_nd(TinyGPT(cfg64, seed=0).double(), mesh, layout64)
+        install_runtime(net, software if blocking else tuple(f for f in software if f != "launch_blocking"))
+        assert clock.launch_blocking == blocking
         opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
         out[blocking] = (reference.train_parallel(net, batches, opt), net.shards())
     return out
@@ -162,9 +164,10 @@ def test_bloom_software_dry_run_is_the_real_launch_and_blocking_is_never_shorter
 
 
 def test_launch_blocking_computes_what_the_plain_run_computes(bloom_software_launch):
-    """3 AdamW steps in float64 at dp 2 x tp 2 x pp 2 (3 layers on 2 stages): the run under
-    launch_blocking gives the plain run's losses and shards bit for bit (the clock prices, it
-    computes nothing), and both equal one device within course_lib.tolerance."""
+    """3 AdamW steps in float64 at dp 2 x tp 2 x pp 2 (3 layers on 2 stages), BLOOM's runtime
+    (blocking sends, DeepSpeed's send order): the run under launch_blocking gives the plain
+    run's losses and shards bit for bit (the clock prices, it computes nothing), and both equal
+    one device within course_lib.tolerance."""
     from course_lib.lab.nd_runs import LR, single_device
     from course_lib.parallel.compose import assemble_nd
     from course_lib.parallel.mesh import MeshShape

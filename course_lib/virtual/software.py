@@ -56,6 +56,14 @@ program, not a kernel:
   ``launch_overhead``, cited in the hardware preset) plus its own time. Set on the rank's
   clock (:meth:`~course_lib.virtual.clock.RankClock.launched`,
   :class:`~course_lib.virtual.compute.ComputeStream`); nothing computed changes.
+* ``"deepspeed_p2p_order"``: where DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py,
+  2020 to PR #2862 of March 2023, so BLOOM's 2022 run) puts a stage's sends. Its per-stage
+  order of forwards and backwards is 1F1B's, but a step is ``RecvActivation, SendGrad(previous
+  backward), ForwardPass`` or ``SendActivation(previous forward), RecvGrad, BackwardPass``: a
+  backward's input gradient leaves only once the stage's next activation has arrived (or,
+  with no forward left, before its next RecvGrad). :class:`DeepSpeedP2POrder` holds each
+  gradient send of the runner until then (:mod:`.deepspeed_order`); the messages, their tags
+  and values are the same.
 
 The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
@@ -73,10 +81,12 @@ import torch
 from course_lib import trace
 from course_lib.gpt import Attention, Block
 from course_lib.recompute import recompute
+from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
-RUNTIME = ("blocking_sends", "launch_blocking")   # how the program runs, not a kernel (:func:`install_runtime`)
+RUNTIME = ("blocking_sends", "launch_blocking",  # how the program runs, not a kernel (:func:`install_runtime`)
+           "deepspeed_p2p_order")
 
 
 def check_fusions(fusions) -> tuple:
@@ -328,6 +338,8 @@ def install_runtime(net, software) -> None:
     runner = getattr(net, "runner", None)
     if runner is not None:
         runner.blocking_sends = "blocking_sends" in software
+        if "deepspeed_p2p_order" in software:
+            DeepSpeedP2POrder(runner)
     install_launch_blocking(trace.clock(), software)
 
 
@@ -340,5 +352,6 @@ def install_launch_blocking(clock, software) -> None:
 
 
 __all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+           "DeepSpeedP2POrder",
            "scale_mask_softmax_attention",
            "flash_attention", "CausalSoftmax", "bias_dropout_add"]
