@@ -59,11 +59,24 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # Measured on BLOOM's row (2026-11-29): +0.03 s (90.601 -> 90.632 s, -13.3% either way): in
 # 1F1B a stage's next action waits for a message anyway, and a send completes once delivered
 # (the clock has no rendezvous with the receiver's post). DeepSpeed's rank order is stated
-# below (:data:`ORDER`). Not stated here, and not run: the script's CUDA_LAUNCH_BLOCKING=1
-# (about 75k kernels a rank x 12.3 us = 0.9 s); DeepSpeed's lock-step instruction order.
+# below (:data:`ORDER`). BLOOM's tr11-176B-ml.slurm also sets CUDA_LAUNCH_BLOCKING=1 ("do not
+# remove or the training will hang and nodes will be lost w/o this workaround"): every kernel
+# launch, NCCL's too, returns when the kernel ends, so the host never runs ahead of the GPU:
+# "launch_blocking", priced by the clock's own issue interval (the preset's launch_overhead),
+# nothing fitted. BigScience measured it on the 200B prototype (train/tr11-176B-ml/
+# chronicles-prequel.md, "dealing with JZ hanging on the large model"): 91.04 against 97.20
+# TFLOPs on 80 GPUs, 84.59 / 84.44 and 90.29 / 90.25 on 160 (blocking / not): "a tiny impact
+# or no impact at all to the throughput" at scale. Measured on BLOOM's row (2026-11-29):
+# +0.894 s (92.947 -> 93.841 s), 62,089 kernels a running rank x 12.32 us = 0.765 s of it.
+# DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py, September 2020 to March 2023:
+# the version of BLOOM's 2022 run) runs 1F1B's forwards and backwards, but sends a backward's
+# input gradient only after the stage's next RecvActivation: "deepspeed_p2p_order"
+# (course_lib.virtual.deepspeed_order). Measured: +2.960 s (93.841 -> 96.801 s): with
+# DeepSpeed's rank order each of those waits is a 117 MB activation over Omni-Path.
 _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
+_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
-            "BLOOM 2022": _MEGATRON + ("blocking_sends",), "Llama 3 T4": ("flash_attention",)}
+            "BLOOM 2022": _MEGATRON + _DEEPSPEED, "Llama 3 T4": ("flash_attention",)}
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a

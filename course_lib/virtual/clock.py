@@ -23,6 +23,11 @@ they cross the same lane. The communication layer
   lane (:func:`.links.p2p_time`). A collective built from ``send``/``recv`` (the course's
   rings, trees, a learner's answer) is priced from these messages: what runs is what is priced;
 * ``join(end)`` when the rank waits on async work: ``t = max(t, end)``.
+
+Under ``CUDA_LAUNCH_BLOCKING=1`` (``launch_blocking``, :meth:`launched`) every kernel launch
+returns when the kernel ends, NCCL's too: the host waits for each collective's end where it
+issues it (an async one is priced there), for each send's last byte delivered where it posts
+it, and for each receive's arrival where it waits for it.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ class RankClock:
         self._groups = {}       # (Comm, node map) -> (stream key, nodes, ranks on the fullest node)
         self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
         self.lane = None        # the compute stream's KernelLane inside an overlapped pair
+        self.launch_blocking = False    # CUDA_LAUNCH_BLOCKING=1: each launch returns at its kernel's end
         self._mode = ComputeStream(self)
 
     @property
@@ -93,6 +99,13 @@ class RankClock:
         """The compute stream waits for work that ends at ``end``."""
         self.t = max(self.t, end)
 
+    def launched(self, end: float) -> None:
+        """A communication kernel that ends at ``end`` was launched: under ``CUDA_LAUNCH_BLOCKING=1``
+        the launch returns then, so the host issues nothing before (the compute stream's kernels
+        do the same in :class:`~.compute.ComputeStream`)."""
+        if self.launch_blocking:
+            self.host = max(self.host, end)
+
     # ------------------------------------------------------------------ collectives
     def collective(self, comm, op: str, payload: int, ref, run, beside=True) -> tuple[float, float]:
         """(start, end) of a blocking collective that ``run()`` runs for real on every member of
@@ -110,7 +123,9 @@ class RankClock:
             with self.muted():
                 start, nbytes = exchange.result()
             self._host_reads()
-        return start, self._priced(comm, op, nbytes, start)
+        end = self._priced(comm, op, nbytes, start)
+        self.launched(end)
+        return start, end
 
     def _host_reads(self) -> None:
         """The host read the members' ready times (a blocking collective's): like any read of a
@@ -138,6 +153,9 @@ class RankClock:
         placeholder = spans[-1] if len(spans) > n else None     # (spans muted here: none)
         pending = Pending(comm, op, nbytes, name, ready, exchange, placeholder)
         self._pending.append(pending)
+        if self.launch_blocking:     # the launch returns at its end: priced now, the host waits
+            self.settle()
+            self.launched(pending.end)
         return pending
 
     def settle(self) -> None:
@@ -257,6 +275,7 @@ class RankClock:
         begin = lane.earliest(max(self.t, self.streams[stream]), data)   # after this pair's last message
         lane.reserve(begin, data)
         self.streams[stream] = begin + latency + data
+        self.launched(begin + latency + data)
         return flow, begin, begin + latency + data
 
     def received(self, recv: tuple, sent: float) -> None:
@@ -266,6 +285,7 @@ class RankClock:
         start, end = self.arrived(issued, sent, kind, latency, data)
         self.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
         self.join(end)
+        self.launched(end)      # (DeepSpeed's receives are blocking: posted where they are waited for)
 
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]

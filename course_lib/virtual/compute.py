@@ -17,7 +17,10 @@ Two chains make a rank's compute stream, as in eager PyTorch on a GPU:
 back once the data is there. A step whose kernels are long keeps its host ahead, one whose
 kernels are short is paced by the host. The host waits for the device where it reads a value
 (``.item()``, ``float(t)``, ``if t:``): ``clock.host`` moves to ``clock.t`` (an optimizer's
-step counters excepted: on CUDA they stay on the CPU).
+step counters excepted: on CUDA they stay on the CPU). Under ``CUDA_LAUNCH_BLOCKING=1``
+(``clock.launch_blocking``, :mod:`.software`'s ``"launch_blocking"``) every launch returns when
+its kernel ends: the host moves to ``clock.t`` after each op, so a kernel costs the host's issue
+interval plus its own time, never hidden behind the previous kernel.
 
 torch's optimizers run their CUDA path while a rank is under the clock: a step of an Adam,
 AdamW or (fp32/fp64) SGD whose ``foreach`` is unset runs with ``foreach=True`` (torch's
@@ -98,6 +101,8 @@ class ComputeStream(TorchDispatchMode):
             clock.host = 0.0               # the host: when it issued its last op
         if not hasattr(clock, "lane"):
             clock.lane = None              # set during an overlapped pair (clock.overlapped())
+        if not hasattr(clock, "launch_blocking"):
+            clock.launch_blocking = False  # CUDA_LAUNCH_BLOCKING=1 (RankClock.launched)
         self._hooks, self._switched, self._thread = None, [], None
         self.tape = None                   # a list: every priced op's seconds appended (see replay)
 
@@ -166,7 +171,8 @@ class ComputeStream(TorchDispatchMode):
             else:                                   # (an overlapped pair: the first gaps that fit)
                 host = lane.issue(clock.host, self.issue)
                 clock.t = lane.place(t if t > host else host, seconds)
-            clock.host = host
+            # CUDA_LAUNCH_BLOCKING=1: the launch returns when the kernel ends (launch_blocking)
+            clock.host = clock.t if clock.launch_blocking else host
             clock.kernels += 1
             if self.tape is not None:
                 self.tape.append(seconds)
@@ -176,7 +182,7 @@ class ComputeStream(TorchDispatchMode):
         """The stream's time for a recorded run of ops (``tape``: each priced op's seconds, None
         where the host read a value), without running them: the arithmetic above, op by op."""
         clock, issue = self.clock, self.issue
-        t, host, lane = clock.t, clock.host, clock.lane
+        t, host, lane, blocking = clock.t, clock.host, clock.lane, clock.launch_blocking
         for seconds in tape:
             if seconds is None:
                 host = max(host, t)
@@ -187,6 +193,8 @@ class ComputeStream(TorchDispatchMode):
                 else:
                     host = lane.issue(host, issue)
                     t = lane.place(max(t, host), seconds)
+                if blocking:
+                    host = t
                 clock.kernels += 1
         clock.t, clock.host = t, host
 

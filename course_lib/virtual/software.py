@@ -49,6 +49,21 @@ program, not a kernel:
   (:class:`~course_lib.parallel.pipeline.runner.ScheduleRunner`'s ``blocking_sends``), so the
   sender's next action starts once the message has been delivered. A real launch waits there
   too (gloo on the CPU), and the clock prices the wait: the dry run adds nothing of its own.
+* ``"launch_blocking"``: ``CUDA_LAUNCH_BLOCKING=1`` in the run's environment (BLOOM's
+  tr11-176B-ml.slurm: "do not remove or the training will hang"): every kernel launch returns
+  when the kernel ends, NCCL's collectives and point-to-point kernels too, so the host never runs
+  ahead of the GPU and each kernel costs the host's issue interval (the clock's
+  ``launch_overhead``, cited in the hardware preset) plus its own time. Set on the rank's
+  clock (:meth:`~course_lib.virtual.clock.RankClock.launched`,
+  :class:`~course_lib.virtual.compute.ComputeStream`); nothing computed changes.
+* ``"deepspeed_p2p_order"``: where DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py,
+  2020 to PR #2862 of March 2023, so BLOOM's 2022 run) puts a stage's sends. Its per-stage
+  order of forwards and backwards is 1F1B's, but a step is ``RecvActivation, SendGrad(previous
+  backward), ForwardPass`` or ``SendActivation(previous forward), RecvGrad, BackwardPass``: a
+  backward's input gradient leaves only once the stage's next activation has arrived (or,
+  with no forward left, before its next RecvGrad). :class:`DeepSpeedP2POrder` holds each
+  gradient send of the runner until then (:mod:`.deepspeed_order`); the messages, their tags
+  and values are the same.
 
 * ``"overlapped_dp"``: PyTorch's DDP as Megatron-LM's ``--DDP-impl torch`` runs it (Narayanan
   et al. 2021's scripts on their PP = 1 rows, ``lab.dry_runs.NARAYANAN_SC21``): the gradient
@@ -75,11 +90,13 @@ from course_lib import trace
 from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.recompute import recompute
+from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
 from course_lib.virtual.flash_prefix import flash_attention_prefix
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
-RUNTIME = ("blocking_sends", "overlapped_dp")    # how the program runs, not a kernel (:func:`install_runtime`)
+RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
+           "deepspeed_p2p_order")                                 # (:func:`install_runtime`)
 
 
 def check_fusions(fusions) -> tuple:
@@ -340,13 +357,25 @@ def install(model, fusions) -> int:
 def install_runtime(net, software) -> None:
     """The runtime behaviours of :data:`RUNTIME` in ``software`` set on ``net`` (what
     :func:`~course_lib.parallel.compose.parallelize_nd` returned): ``"blocking_sends"``, its
-    pipeline runner waits for each send where it posts it; absent, it does not."""
+    pipeline runner waits for each send where it posts it; absent, it does not. And on this
+    rank's virtual clock, if one runs (:func:`install_launch_blocking`)."""
     software = check_fusions(software)
     runner = getattr(net, "runner", None)
     if runner is not None:
         runner.blocking_sends = "blocking_sends" in software
+        if "deepspeed_p2p_order" in software:
+            DeepSpeedP2POrder(runner)
     if "overlapped_dp" in software and getattr(net, "grad_sync", None) is not None:
         overlap_dp(net)
+    install_launch_blocking(trace.clock(), software)
+
+
+def install_launch_blocking(clock, software) -> None:
+    """``"launch_blocking"`` in ``software``: ``clock`` (a rank's virtual clock; None, a wall-clock
+    run: nothing to price) runs as under ``CUDA_LAUNCH_BLOCKING=1``, each launch returning when
+    its kernel ends; absent, launches return at once (eager PyTorch's default)."""
+    if clock is not None:
+        clock.launch_blocking = "launch_blocking" in check_fusions(software)
 
 
 def overlap_dp(net) -> None:
@@ -372,5 +401,6 @@ def overlap_dp(net) -> None:
     runner.B = backward
 
 
-__all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "scale_mask_softmax_attention",
-           "flash_attention", "CausalSoftmax", "bias_dropout_add", "overlap_dp"]
+__all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+           "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
+           "bias_dropout_add", "overlap_dp"]
