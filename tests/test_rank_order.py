@@ -271,3 +271,27 @@ def test_each_pipeline_hop_is_priced_on_its_own_link_as_the_dry_run_charges_it()
             assert st.p2p == stage_send_time(layout, hw, st.stage, nbytes, async_tp_hop)
         network = async_tp_hop(hw, nbytes, False)           # the old price: every hop on the network
         assert all(st.p2p < network for st in est.stages) == (order is None), order
+
+
+def test_random_layouts_draw_orders_from_a_stream_of_their_own(monkeypatch):
+    """lab.dry_runs.random_layouts (the planner-vs-dry-run layouts) and lab.random_layouts.draw
+    (the random layouts trained against one device) draw a rank order too: None and others,
+    pp outermost among them; with the order drawn from its own stream the layouts themselves are
+    the ones a draw without orders gives (here: the order helper replaced by one that never
+    draws), so a seed's layouts stay those recorded before."""
+    from course_lib.lab import dry_runs, random_layouts
+    from course_lib.virtual.dry_run import check_dry_run
+    planned = dry_runs.random_layouts(24, seed=0)
+    trained = random_layouts.draw(40, seed=3)
+    orders = [layout.order for _, _, layout in planned]
+    assert None in orders and any(o and o[0] == "pp" for o in orders) and len(set(orders)) >= 6
+    kinds = [dims.get("order") for _, _, _, dims, _, _ in trained]
+    assert None in kinds and len(set(kinds)) >= 6 and MESH_ORDER not in kinds
+    for model, _, layout in planned[:6]:
+        check_dry_run(model, layout)                     # an order is a layout the ranks accept
+    monkeypatch.setattr(dry_runs, "_order", lambda rng: None)
+    monkeypatch.setattr(random_layouts, "_order", lambda rng: None)
+    assert [(m, hw, layout.with_(order=None)) for m, hw, layout in planned] == dry_runs.random_layouts(24, seed=0)
+    strip = [(w, name, cfg, {k: v for k, v in dims.items() if k != "order"}, kw, b)
+             for w, name, cfg, dims, kw, b in trained]
+    assert strip == random_layouts.draw(40, seed=3)
