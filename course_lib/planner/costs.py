@@ -17,7 +17,8 @@ What overlaps with what (the assumptions, stated once):
   (``cp_layout``) shows; an unfused kernel computes the masked scores anyway.
   Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
 - Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
-- EP's all-to-alls and PP's sends are exposed (a send blocks its stage).
+- EP's all-to-alls and PP's sends are exposed (a send blocks its stage); each pipeline hop
+  on NVLink or the network by its own two ranks' nodes (:mod:`.pipeline_hops`).
 - DP's gradient reduction overlaps the last micro-batch's backward and the ZeRO
   parameter all-gather the next forward, when ``layout.overlap_dp``; ZeRO-2/3's
   per-micro-batch collectives overlap that micro-batch's compute.
