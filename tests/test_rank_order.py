@@ -111,9 +111,11 @@ def test_megatrons_order_changes_no_group_of_its_published_rows():
     """lab.dry_runs.ORDER states Megatron-LM's pp-outermost order for Korthikanti's and
     Narayanan's rows: every one is tp = 8 or pp = 1, so each group's nodes (how many ranks on
     each node it touches) are the same as in the course's order; BLOOM's pipeline hops all
-    cross nodes, where the course's order kept 6 of 11 inside. The planner prices every one of
-    those rows as before (BLOOM's pp group spanned nodes either way: it priced every hop on
-    the network already)."""
+    cross nodes, where the course's order kept 6 of 11 inside. The planner prices Korthikanti's
+    and Narayanan's rows the same in either order; BLOOM's, each hop on its own link
+    (planner.pipeline_hops), every hop on the network in DeepSpeed's order (as before the hops
+    were priced one by one) and a shorter step in the course's."""
+    from course_lib.planner.pipeline_hops import hop_in_node
     from course_lib.lab.dry_runs import ORDER, published_runs
     gpn = lambda hw: hw.gpus_per_node
 
@@ -123,9 +125,11 @@ def test_megatrons_order_changes_no_group_of_its_published_rows():
                       for s in m.rank_sets(dim))
     for source, name, model, hw, layout, *_ in published_runs():
         assert layout.order == ORDER[source]
-        if source in ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022"):   # (the planner: unchanged)
+        if source in ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022"):
             a, b = estimate(model, hw, layout), estimate(model, hw, layout.with_(order=None))
-            assert (a.step_time, a.memory) == (b.step_time, b.memory), name
+            assert a.memory == b.memory, name
+            assert (a.step_time == b.step_time) == (source != "BLOOM 2022"), name
+            assert not any(hop_in_node(layout, hw, i, i + 1) for i in range(layout.pp - 1)), name
         if source in ("Korthikanti 2022 T5", "Narayanan 2021 T1"):
             for dim in ("dp", "pp", "tp"):
                 assert shape(layout, layout.order, dim, gpn(hw)) == shape(layout, None, dim, gpn(hw)), (name, dim)
@@ -133,6 +137,9 @@ def test_megatrons_order_changes_no_group_of_its_published_rows():
             for order, crossing in ((None, 5), (layout.order, 11)):   # of the 11 hops per pipeline
                 pipeline = MeshShape(**layout.sizes, order=order).rank_sets("pp")[0]
                 assert sum(a // 8 != b // 8 for a, b in zip(pipeline, pipeline[1:])) == crossing
+                ours = layout.with_(order=order)
+                assert sum(not hop_in_node(ours, hw, i, i + 1) for i in range(layout.pp - 1)) == crossing
+            assert b.step_time < a.step_time, name
 
 
 def _rank(cfg_dry, layout, cfg64, layout64, steps):
@@ -227,3 +234,64 @@ def test_other_orders_on_an_odd_world_train_as_one_device():
     for world, name, cfg, dims, kw, batch in cases:      # accepted before any rank starts
         assert check_layout(GPTConfig(**cfg), **{**dims, **kw}, batch=batch).world_size == world
     assert check(cases, timeout=300) == [("cp-dp moe", None), ("pp-dp 1f1b fsdp", None)]
+
+
+def test_each_pipeline_hop_is_priced_on_its_own_link_as_the_dry_run_charges_it():
+    """16 ranks on four virtual 4-GPU nodes, tp 2 x pp 4 x dp 2, interleaved (v = 2): in the
+    course's order a pipeline spans 8 ranks, two nodes, so hops 0-1 and 2-3 stay on NVLink while
+    1-2 and the wrap-around 3-0 cross; in DeepSpeed's each stage has a node of its own. For every
+    hop the dry run sends on, the planner's link (pipeline_hops.hop_in_node) is the clock's
+    (rank // 4) and its price (NCCL's, async_tp_hop) the send's virtual time; each stage's send
+    time (StageCost.p2p: the mean over its hops) is the mean of the dry run's."""
+    from course_lib.planner.async_tp import async_tp_hop
+    from course_lib.planner.pipeline_hops import hop_in_node, neighbours, stage_send_time
+    spec = gpt_spec("GPT test 8L", 8, 64, 4, V=256, s=32)
+    hw = HARDWARE[HW].with_(gpus_per_node=4)
+    base = Layout(dp=2, tp=2, pp=4, schedule="interleaved", v=2, micro_batch=1, global_batch=8)
+    nbytes = 32 * 64 * 2                                   # (s, b, h) bf16, no SP
+    for order, inside in ((None, 2), (DEEPSPEED, 0)):      # hops on NVLink of the 4 in the ring
+        layout = base.with_(order=order)
+        r = dry_run(spec, HW, layout, gpus_per_node=4)
+        stage_of = {rank: MeshShape(**layout.sizes, order=order).coords(rank)["pp"] for rank in range(16)}
+        sends = {}
+        for s in r.spans:
+            if s.dim == "pp" and s.name.startswith("send to"):
+                sends.setdefault((stage_of[s.rank], stage_of[int(s.name.split()[-1])]), set()).add(
+                    (s.rank // 4 == int(s.name.split()[-1]) // 4, round(s.end - s.start, 15)))
+        assert set(sends) == {(i, n) for i in range(4) for n in neighbours(layout, i)}, order
+        assert sum(hop_in_node(layout, hw, i, (i + 1) % 4) for i in range(4)) == inside, order
+        for (i, n), seen in sends.items():
+            (same_node, t), = seen                          # one link and one price per hop
+            assert hop_in_node(layout, hw, i, n) == same_node, (order, i, n)
+            assert t == pytest.approx(async_tp_hop(hw, nbytes, same_node), rel=1e-9), (order, i, n)
+        est = estimate(spec, hw, layout, runtime="course")
+        for st in est.stages:
+            dry = [next(iter(sends[(st.stage, n)]))[1] for n in neighbours(layout, st.stage)]
+            assert st.p2p == pytest.approx(sum(dry) / len(dry), rel=1e-9), (order, st.stage)
+            assert st.p2p == stage_send_time(layout, hw, st.stage, nbytes, async_tp_hop)
+        network = async_tp_hop(hw, nbytes, False)           # the old price: every hop on the network
+        assert all(st.p2p < network for st in est.stages) == (order is None), order
+
+
+def test_random_layouts_draw_orders_from_a_stream_of_their_own(monkeypatch):
+    """lab.dry_runs.random_layouts (the planner-vs-dry-run layouts) and lab.random_layouts.draw
+    (the random layouts trained against one device) draw a rank order too: None and others,
+    pp outermost among them; with the order drawn from its own stream the layouts themselves are
+    the ones a draw without orders gives (here: the order helper replaced by one that never
+    draws), so a seed's layouts stay those recorded before."""
+    from course_lib.lab import dry_runs, random_layouts
+    from course_lib.virtual.dry_run import check_dry_run
+    planned = dry_runs.random_layouts(24, seed=0)
+    trained = random_layouts.draw(40, seed=3)
+    orders = [layout.order for _, _, layout in planned]
+    assert None in orders and any(o and o[0] == "pp" for o in orders) and len(set(orders)) >= 6
+    kinds = [dims.get("order") for _, _, _, dims, _, _ in trained]
+    assert None in kinds and len(set(kinds)) >= 6 and MESH_ORDER not in kinds
+    for model, _, layout in planned[:6]:
+        check_dry_run(model, layout)                     # an order is a layout the ranks accept
+    monkeypatch.setattr(dry_runs, "_order", lambda rng: None)
+    monkeypatch.setattr(random_layouts, "_order", lambda rng: None)
+    assert [(m, hw, layout.with_(order=None)) for m, hw, layout in planned] == dry_runs.random_layouts(24, seed=0)
+    strip = [(w, name, cfg, {k: v for k, v in dims.items() if k != "order"}, kw, b)
+             for w, name, cfg, dims, kw, b in trained]
+    assert strip == random_layouts.draw(40, seed=3)

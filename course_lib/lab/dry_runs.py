@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 
-from course_lib.layout import Layout
+from course_lib.layout import MESH_ORDER, Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
 from course_lib.planner.validation import (BLOOM, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
@@ -275,11 +275,20 @@ AGREEMENT_MODELS = (gpt_spec("GPT 16L h1024", 16, 1024, 16, V=32000, s=1024),
 AGREEMENT_GPUS = ("a100-80gb", "h100-sxm")
 
 
+def _order(rng):
+    """A rank order: None a third of the time, else the four dims in a random order."""
+    order = tuple(rng.sample(MESH_ORDER, len(MESH_ORDER)))
+    return None if rng.random() < 1 / 3 else order
+
+
 def random_layouts(n: int, seed: int = 0):
-    """``n`` (model, hardware, Layout) drawn at random, each passing every rule the ranks apply."""
+    """``n`` (model, hardware, Layout) drawn at random, each passing every rule the ranks apply;
+    each with a rank order (None, the course's, a third of the time; else any order of the four
+    dims) from a stream of its own, so the layouts drawn for a seed are the ones drawn before."""
     import random
     from course_lib.virtual.dry_run import check_dry_run
     rng, out = random.Random(seed), []
+    order_rng = random.Random(f"rank order {seed}")
     while len(out) < n:
         model, hw = rng.choice(AGREEMENT_MODELS), rng.choice(AGREEMENT_GPUS)
         tp, pp, dp = rng.choice((1, 2, 4, 8)), rng.choice((1, 2, 4)), rng.choice((1, 2, 4))
@@ -287,7 +296,8 @@ def random_layouts(n: int, seed: int = 0):
         m = rng.choice((1, 2, 4, 8)) * (pp if pp > 1 else 1)
         layout = Layout(dp=dp, tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.7, schedule=schedule,
                         v=2 if schedule == "interleaved" else 1, micro_batch=rng.choice((1, 2)), microbatches=m,
-                        recompute=rng.choice(("none", "selective", "full")), zero=rng.choice((0, 0, 3)))
+                        recompute=rng.choice(("none", "selective", "full")), zero=rng.choice((0, 0, 3)),
+                        order=_order(order_rng))
         try:
             check_dry_run(model, layout)
         except (ValueError, NotImplementedError):

@@ -6,8 +6,9 @@ draws ``cases`` layouts with a fixed seed: world sizes 2 to 8 (odd ones included
 dimension (dp, tp, pp, cp, and for an MoE model ep x etp folded over the stage), every
 schedule (GPipe, 1F1B, interleaved v = 2 or 3, ZB-H1, ZB-V, DualPipeV), DDP / FSDP / HSDP /
 ZeRO++'s hpZ, sequence parallelism and async TP, ring or Ulysses CP with either split,
-recompute policies, odd layer counts, GQA, tied embeddings, token dropping, both MoE
-dispatches and both expert MLPs (GeLU, SwiGLU). Layouts that :func:`check_layout` refuses
+recompute policies, rank orders (``Mesh(order=...)``, two thirds of the layouts), odd layer
+counts, GQA, tied embeddings, token dropping, both MoE dispatches and both expert MLPs (GeLU,
+SwiGLU). Layouts that :func:`check_layout` refuses
 are drawn again (the refusal is the right answer for them); every accepted one trains 3 AdamW
 steps in float64 on ranks (one launch per world size) and must equal the single-device run within
 :mod:`course_lib.tolerance`'s bounds: the losses on every rank and the assembled weights.
@@ -28,6 +29,7 @@ from course_lib import reference, tolerance
 from course_lib.gpt import GPTConfig
 from course_lib.lab.nd_runs import LR, single_device
 from course_lib.launch import launch
+from course_lib.layout import MESH_ORDER
 from course_lib.parallel.compose import assemble_nd, check_layout
 from course_lib.parallel.mesh import MeshShape
 
@@ -92,10 +94,17 @@ def _options(rng, dims) -> dict:
     return kw
 
 
+def _order(rng):
+    """The ranks' order: the course's (None) a third of the time, else the four dims in any order."""
+    order = tuple(rng.sample(MESH_ORDER, len(MESH_ORDER)))
+    return None if rng.random() < 1 / 3 or order == MESH_ORDER else order
+
+
 def draw(n: int, seed: int, worlds=(2, 3, 4, 4, 5, 6, 6, 8)) -> list:
     """``n`` layouts check_layout accepts: (world, name, cfg dict, mesh dims, parallelize_nd keywords, batch)."""
     rng, out, tried = random.Random(seed), [], 0
     mlp_rng = random.Random(f"expert mlp {seed}")
+    order_rng = random.Random(f"rank order {seed}")    # (its own stream too: the same layouts)
     while len(out) < n:
         tried += 1
         world = rng.choice(worlds)
@@ -105,6 +114,9 @@ def draw(n: int, seed: int, worlds=(2, 3, 4, 4, 5, 6, 6, 8)) -> list:
         kw = _options(rng, dims)
         batch = dims["dp"] * kw["microbatches"] * rng.choice([1, 2])
         dims = {k: v for k, v in dims.items() if v != 1}
+        order = _order(order_rng)
+        if order is not None:
+            dims["order"] = order
         try:
             check_layout(GPTConfig(**cfg), **dims, batch=batch, **kw)
         except ValueError:

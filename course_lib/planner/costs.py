@@ -17,7 +17,8 @@ What overlaps with what (the assumptions, stated once):
   (``cp_layout``) shows; an unfused kernel computes the masked scores anyway.
   Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
 - Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
-- EP's all-to-alls and PP's sends are exposed (a send blocks its stage).
+- EP's all-to-alls and PP's sends are exposed (a send blocks its stage); each pipeline hop
+  on NVLink or the network by its own two ranks' nodes (:mod:`.pipeline_hops`).
 - DP's gradient reduction overlaps the last micro-batch's backward and the ZeRO
   parameter all-gather the next forward, when ``layout.overlap_dp``; ZeRO-2/3's
   per-micro-batch collectives overlap that micro-batch's compute.
@@ -34,6 +35,7 @@ from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes
 from course_lib.layout import rank_order
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage, strides
+from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import Hardware, ModelSpec
 
 # Bytes of HBM traffic per parameter in an AdamW step: read and write the fp32
@@ -130,7 +132,6 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     head_ran = G.gemms_flops(hg_f) + G.gemms_flops(hg_b)
     a_tp, bw_tp = hw.link(intra_node(layout, hw, "tp"))
     a_cp, bw_cp = hw.link(intra_node(layout, hw, "cp"))
-    a_pp, bw_pp = hw.link(intra_node(layout, hw, "pp"))
     a_dp, bw_dp = hw.link(intra_node(layout, hw, "dp"))
     a_ep, bw_ep = hw.link(intra_node(layout, hw, "ep"))
     a_etp, bw_etp = hw.link(intra_node(layout, hw, "etp"))
@@ -178,7 +179,6 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     ep_tokens = tokens / (t if layout.sp else 1)
     ep_layer = _ep_time(model, layout, ep_tokens, h, (a_ep, bw_ep), (a_etp, bw_etp))
     p2p_bytes = act / (t if layout.sp else 1)
-    p2p = F.collective_time("send_recv", p2p_bytes, 2, a_pp, bw_pp) if p > 1 else 0.0
 
     # non-matmul kernels are memory bound: they stream the layer's activations through
     # HBM (with a fused attention kernel, not the s x s scores)
@@ -260,6 +260,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
                                                  dispatch=model.moe_dispatch) / (t if layout.sp else 1)
             if layout.ep * layout.etp > 1 else 0.0,
         }
+        p2p = stage_send_time(layout, hw, st, p2p_bytes)   # each hop on its own link
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
                              optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0)))
     return out

@@ -31,12 +31,14 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
+from course_lib.planner.async_tp import async_tp_hop
 from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
+from course_lib.planner.pipeline_hops import stage_send_time
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
@@ -200,7 +202,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
             chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + added[phase].device
             part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
     p2p_bytes = act / (t if layout.sp else 1)
-    p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
+    p2p = stage_send_time(layout, hw, stage, p2p_bytes, async_tp_hop)   # each hop on its link, NCCL's price
     if p > 1:
         calls["pp"] = m * ((not last) + (not first))
 
