@@ -61,6 +61,15 @@ def ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
     return f0 + f1 * cp, b0 + b1 * cp
 
 
+def traced_ring(layout) -> str | None:
+    """The CP split the planner traces ring attention on (:mod:`.ring_ops`), or None: cp > 1 with
+    the ranks' ring (``cp_method`` and ``cp_comm`` "ring"), one document, zigzag or contiguous."""
+    if layout.cp > 1 and layout.cp_method == layout.cp_comm == "ring" and not layout.documents \
+            and layout.cp_layout in ("zigzag", "contiguous"):
+        return layout.cp_layout
+    return None
+
+
 def group_in_node(layout, hw, dims) -> bool:
     """True if the group of mesh ``dims`` (one or several) stays inside one node."""
     sizes = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
@@ -111,8 +120,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     first, last = stage == 0, stage == p - 1
-    # one TP and CP rank's kernels (recomputation: in the backward)
-    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c)
+    # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
+    ring = traced_ring(layout)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:
@@ -153,16 +163,20 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
         hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw
-        ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
-        fwd_k = fwd_k + Kernels(n_layers * ring_f)
-        bwd_k = bwd_k + Kernels(n_layers * ring_b)
-        # a hop travels while one block's attention computes (1/c of the ring's kernels, launched):
-        # exposed, its excess; the accumulator's last hop home has nothing to hide behind
-        per = max(hw.launch_overhead, hw.kernel_floor)     # a small kernel: issued, or its floor
-        block_f, block_b = (ring_f / c * per, ring_b / c * per)
+        again = layout.recompute == "full"          # the ring's forward again in the backward, its hops too
+        if ring:        # traced: a hop travels while one block of the ring computes
+            block_f, block_b = k["ring_fwd"].device / c, k["ring_bwd"].device / c
+        else:           # (another core: its kernels counted, a small kernel issued or its floor)
+            ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
+            fwd_k = fwd_k + Kernels(n_layers * ring_f)
+            bwd_k = bwd_k + Kernels(n_layers * (ring_b + again * ring_f))
+            per = max(hw.launch_overhead, hw.kernel_floor)
+            block_f, block_b = (ring_f / c * per, ring_b / c * per)
+        # exposed: a hop's excess over the block it travels under; the accumulator's last hop home
+        # has nothing to hide behind
         fwd["cp"] = n_layers * (c - 1) * max(0.0, hop - block_f)
-        bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop)
-        calls["cp"] = m * n_layers * (c - 1 + c + 1)
+        bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop + again * (c - 1) * max(0.0, hop - block_f))
+        calls["cp"] = m * n_layers * (c - 1 + c + 1 + again * (c - 1))
     # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP);
     # an MoE's experts cut by the expert mesh (ep x etp), not by TP
     parts = F.param_breakdown(model)
