@@ -129,6 +129,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     for part, here in (("embedding", first), ("head", last)):
         if here:
             fwd_k, bwd_k = fwd_k + k[part + "_fwd"], bwd_k + k[part + "_bwd"]
+    traced = {"fwd": fwd_k.device, "bwd": bwd_k.device}     # what the traced order holds (the issue chain's)
     # (every kernel at its own roofline is "compute")
     fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
     bwd = {**fwd, "compute": bwd_k.time}
@@ -217,7 +218,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
         if k["sequence"]:
-            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + added[phase].device
+            # the kernels the traced order does not hold (TP's copies and loss, FSDP's, the
+            # gradients' accumulation) run on the same stream: their device time on top
+            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + kern.device - traced[phase]
             part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = F.collective_time("send_recv", p2p_bytes, 2, *hw.link(group_in_node(layout, hw, ("pp",)))) if p > 1 else 0.0
