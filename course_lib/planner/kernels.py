@@ -253,7 +253,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
             for block in net.blocks:
                 block.attn.attend = ring_core(cp, rank, s, ring)
         where = [[]]                                # the op list marks go to
-        if t == tp and (t > 1 or ring):
+        if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
         with KernelCounter(hw, itemsize, record=True) as fwd:
             fwd.ops = where[-1]
@@ -302,7 +302,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
         ring_pass = dict(zip(("ring_fwd", "ring_bwd"), ring_kernels(hw, b, heads, kv_heads, model.head_dim, s, cp,
                                                                      busiest, ring, itemsize)))
     seq = {}
-    if tp > 1 or ring:        # the marked order of one rank's kernels (:mod:`course_lib.planner.issue`)
+    reads = any(name == "|read" for name, _ in f2.ops + b2.ops)
+    if tp > 1 or ring or reads:   # the marked order of one rank's kernels (:mod:`course_lib.planner.issue`)
         seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
                "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,

@@ -217,7 +217,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         issue = kern.count * hw.launch_overhead                      # the host's side
         part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
-        if k["sequence"]:
+        if k["sequence"] and (t > 1 or ring or layout.ep * layout.etp == 1):   # (the order traced: all E experts)
             # the kernels the traced order does not hold (TP's copies and loss, FSDP's, the
             # gradients' accumulation) run on the same stream: their device time on top
             chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + kern.device - traced[phase]
