@@ -1,5 +1,5 @@
 """The planner's ``runtime="course"`` after the schedule: GradSync's fills and all-reduces, the
-loss's sum and AdamW (course_lib/planner/runtime.py ``dp_sync``, ``bucket_copy``), against the
+loss's sum and AdamW (course_lib/planner/runtime.py ``dp_sync``, buckets.py ``bucket_copy``), against the
 dry run's own tail (from the end of the last backward to the end of the step).
 
 GradSync fills each bucket with ``view.copy_(p.grad)``; the clock prices ``copy_`` as every op,
@@ -12,7 +12,7 @@ model: 2.925 against 2.934 ms for the 1.05 GB bucket over 2 H100s, 0.3%): so 1%.
 from course_lib.layout import Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import get_hardware, get_model
-from course_lib.planner.runtime import bucket_copy
+from course_lib.planner.buckets import bucket_copy
 from course_lib.virtual import dry_run
 
 

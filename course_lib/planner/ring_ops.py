@@ -169,4 +169,13 @@ def ring_kernels(hw, b: int, heads: int, kv_heads: int, head_dim: int, seq_len: 
     return fwd.total, bwd.total
 
 
-__all__ = ["rank_positions", "RingCore", "ring_core", "ring_kernels"]
+def traced_ring(layout) -> str | None:
+    """The CP split the planner traces ring attention on (:mod:`.ring_ops`), or None: cp > 1 with
+    the ranks' ring (``cp_method`` and ``cp_comm`` "ring"), one document, zigzag or contiguous."""
+    if layout.cp > 1 and layout.cp_method == layout.cp_comm == "ring" and not layout.documents \
+            and layout.cp_layout in ("zigzag", "contiguous"):
+        return layout.cp_layout
+    return None
+
+
+__all__ = ["traced_ring", "rank_positions", "RingCore", "ring_core", "ring_kernels"]

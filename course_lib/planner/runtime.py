@@ -17,8 +17,13 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
   all-gather (+ reduce-scatter and all-gather backward), the loss 2 all-reduces (max, sums).
   Without SP: 2 all-reduces forward and 2 backward per layer, 1 at the embedding, 1 at the
   head's backward, 2 in the loss;
-- CP (ring): a hop costs alpha + K/V bytes / bandwidth; forward waits cp - 1 hops, backward
-  cp hops (K/V, then each dK/dV accumulator) and the accumulator's hop home;
+- CP (ring): a CP rank's own program is traced (:mod:`.ring_ops`: its s/cp tokens, the ring's
+  blocks and merges); a hop costs alpha + K/V bytes / bandwidth and travels under one block;
+  forward waits cp - 1 hops, backward cp hops (K/V, then each dK/dV accumulator) and the
+  accumulator's hop home (full recomputation: the forward's again);
+- the host: it issues one op every ``launch_overhead``, and where the program reads a value
+  (a ring's positions, an MoE router's counts) or blocks on TP's collectives it waits for the
+  stream: the rank's traced order runs through that issue chain (:mod:`.issue`);
 - PP: one send per micro-batch and direction between neighbouring stages;
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
@@ -30,14 +35,13 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from course_lib.planner import formulas as F
 from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
-from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
-from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel, op_cost
+from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
+from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
+from course_lib.planner.ring_ops import traced_ring
 
 STRIDE_ORDER = ("tp", "cp", "pp", "dp")   # ranks numbered TP innermost (planner.layout)
 
@@ -61,15 +65,6 @@ def ring_attention_kernels(cp: int, grouped: bool) -> tuple[int, int]:
     cp blocks runs the same kernels; the merge and the hops add a fixed part)."""
     (f0, f1), (b0, b1) = RING_KERNELS[grouped]
     return f0 + f1 * cp, b0 + b1 * cp
-
-
-def traced_ring(layout) -> str | None:
-    """The CP split the planner traces ring attention on (:mod:`.ring_ops`), or None: cp > 1 with
-    the ranks' ring (``cp_method`` and ``cp_comm`` "ring"), one document, zigzag or contiguous."""
-    if layout.cp > 1 and layout.cp_method == layout.cp_comm == "ring" and not layout.documents \
-            and layout.cp_layout in ("zigzag", "contiguous"):
-        return layout.cp_layout
-    return None
 
 
 def group_in_node(layout, hw, dims) -> bool:
@@ -323,18 +318,6 @@ def vocab_loss_kernels(hw, classes: dict, logits: float) -> Kernels:
     rate = KernelModel(hw).bytes_rate
     seconds = sum(n * logits / rate[cls] for cls, n in classes.items())
     return Kernels(0, 0.0, sum(classes.values()) * logits, seconds, seconds)
-
-
-def bucket_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
-    """GradSync's fill of one gradient into its bucket, ``view.copy_(p.grad)``, priced as the clock
-    prices that op (:func:`~course_lib.planner.kernel_cost.op_cost`): ``copy_`` reads its source
-    and names its destination twice (argument and result), 3 x the gradient's bytes, not a
-    clone's 2 (the sweep's dp rows: the dry run's 1.05 GB embedding fill 3.66 ms, not 2.44)."""
-    with torch.device("meta"):
-        dst = torch.empty(elements)
-        cost = op_cost(torch.ops.aten.copy_.default, (dst, torch.empty(elements)), {}, dst, itemsize)
-    seconds = KernelModel(hw).roofline(*cost)
-    return Kernels(1, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor))
 
 
 def copy_kernel(hw, nbytes: float) -> Kernels:
