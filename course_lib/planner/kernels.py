@@ -74,6 +74,8 @@ class KernelCounter(TorchDispatchMode):
             if mixed_devices(args):                         # routing indices (values) meet meta activations
                 args = tuple(to_meta(a) for a in args)
             out = func(*args, **kwargs)
+        if func is _READ and self.ops is not None:     # the host reads a value: it waits for the stream
+            self.ops.append(("|read", None))
         cost = op_cost(func, args, kwargs, out, self.itemsize)
         if cost is not None:
             t = self.model.roofline(*cost) if self.model is not None else 0.0
@@ -88,17 +90,19 @@ class KernelCounter(TorchDispatchMode):
 
 
 _TOPK = torch.ops.aten.topk.default
+_READ = torch.ops.aten._local_scalar_dense.default
 
 
-def _config(model, layers, n_experts=None, recompute="none"):
+def course_config(model, layers, n_experts=None, recompute="none", seq_len=None):
     """The course's GPTConfig of ``model`` at ``layers`` layers; a mixture of experts as the
-    course runs it (experts with the model's MLP, capacity factor 1.25; ``n_experts`` overrides the count)."""
+    course runs it (experts with the model's MLP, capacity factor 1.25; ``n_experts`` overrides the count);
+    ``seq_len``: the sequence (else the model's)."""
     from course_lib.gpt import GPTConfig
     moe = {}
     if model.n_experts > 1:
         moe = dict(n_experts=n_experts or model.n_experts, top_k=model.top_k, capacity_factor=1.25,
                    expert_mlp=model.mlp)
-    return GPTConfig(vocab_size=model.vocab, seq_len=model.seq_len, n_layers=layers, hidden=model.hidden,
+    return GPTConfig(vocab_size=model.vocab, seq_len=seq_len or model.seq_len, n_layers=layers, hidden=model.hidden,
                      n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn,
                      block="gpt2" if model.mlp == "gelu" else "llama", tie_embeddings=model.tied,
                      recompute=recompute, **moe)
@@ -154,7 +158,7 @@ def _rank_pass(whole, local, t: int, sp: bool, c: int, floor: float) -> _Pass:
     op on 1/c of its tokens, except the embedding's backward, which writes its whole table. The
     vocabulary-parallel embedding looks every token up (then reduce-scatters). Each op at least
     the floor."""
-    ops, kernels = [], iter(whole.ops)
+    ops, kernels = [], iter([op for op in whole.ops if op[1] is not None])
     for name, k in local.ops:
         if k is None:                               # a mark
             ops.append((name, None))
@@ -167,14 +171,16 @@ def _rank_pass(whole, local, t: int, sp: bool, c: int, floor: float) -> _Pass:
     return _Pass(ops)
 
 
-def _mark_tp(net, where: list, sp: bool) -> None:
+def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
     """Marks in ``where[-1]`` (the running counter's op list) where one TP rank's program issues a blocking
     collective ("|all_gather", "|reduce_scatter", "|all_reduce", as :func:`runtime.tp_calls`
     counts them) and where each part begins ("|block i", "|head"; backward "|bblock i", "|bemb"):
     module hooks on the forward, gradient hooks for the backward (with full recomputation the
-    block's forward runs again in the backward, its marks too)."""
+    block's forward runs again in the backward, its marks too). ``collectives=False``: the parts'
+    marks only (a context-parallel rank without TP: the host's reads are its waits)."""
     def mark(what):
-        where[-1].append(("|" + what, None))
+        if collectives or what.startswith(("block", "bblock", "bemb", "head")):
+            where[-1].append(("|" + what, None))
 
     def on_grad(x, *what):
         if isinstance(x, torch.Tensor) and x.requires_grad:
@@ -213,7 +219,7 @@ def _mark_tp(net, where: list, sp: bool) -> None:
 
 @functools.lru_cache(maxsize=64)
 def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none", tp: int = 1,
-               sp: bool = False, cp: int = 1) -> dict:
+               sp: bool = False, cp: int = 1, ring: str | None = None) -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
@@ -223,23 +229,35 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     on CUDA (its ops per step, bytes and time per element). Traced on the meta device at two
     depths: a block is their difference. ``recompute``: the blocks' policy (GPTConfig's), its
     forward again inside the backward. ``tp``, ``sp``, ``cp``: the kernels of one rank of that
-    tensor- (:func:`tp_rank`) and context-parallel layout (:func:`_rank_pass`); each kernel's
-    ``device`` time is its roofline or the GPU's floor, the longer."""
+    tensor- (:func:`tp_rank`) and context-parallel layout (:func:`_rank_pass`: every op on 1/cp
+    of the tokens); each kernel's ``device`` time is its roofline or the GPU's floor, the longer.
+    ``ring`` (cp > 1; "zigzag" or "contiguous", the ranks' split): a CP rank's own program
+    instead, traced on its s / cp tokens at their positions with ring attention
+    (:mod:`.ring_ops`), the busiest rank's; "sequence" then holds its order, the host's value
+    reads marked (the ring's trim reads its positions)."""
     from course_lib.gpt import TinyGPT
+    from course_lib.planner.ring_ops import rank_positions, ring_core, ring_kernels
 
-    def trace(layers, n_experts=None, t=1):
-        cfg = _config(model, layers, n_experts, recompute)
+    ring = ring if cp > 1 else None
+
+    def trace(layers, n_experts=None, t=1, rank=None):
+        cfg = course_config(model, layers, n_experts, recompute, seq_len=s if ring else None)
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
             if t > 1:
                 tp_rank(net, model, t)
-            x = torch.zeros(b, s, dtype=torch.long)
+            x = torch.zeros(b, s // cp if ring else s, dtype=torch.long)
+        kw = {}
+        if ring:                                   # a CP rank: its tokens, the ring for every block's core
+            kw = dict(positions=rank_positions(s, cp, rank, ring))
+            for block in net.blocks:
+                block.attn.attend = ring_core(cp, rank, s, ring)
         where = [[]]                                # the op list marks go to
-        if t > 1:
-            _mark_tp(net, where, sp)
+        if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
+            _mark_tp(net, where, sp, collectives=t > 1)
         with KernelCounter(hw, itemsize, record=True) as fwd:
             fwd.ops = where[-1]
-            loss = net(x, x, n_tokens=x.numel())[1]
+            loss = net(x, x, n_tokens=b * s, **kw)[1]
             if t > 1:                              # the vocabulary-parallel loss's two all-reduces
                 fwd.ops += [("|loss", None)] * 2
         where.append([])
@@ -249,15 +267,22 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
         return (fwd, bwd, tuple((name, p.numel()) for name, p in net.named_parameters()),
                 tuple((name, tuple(p.shape)) for name, p in net.named_parameters()))
 
-    def run(layers, n_experts=None):
-        fwd, bwd, params, shapes = trace(layers, n_experts)
+    def run(layers, n_experts=None, rank=None):
+        fwd, bwd, params, shapes = trace(layers, n_experts, rank=rank)
         if tp > 1:
-            fwd_t, bwd_t, params, _ = trace(layers, n_experts, tp)
+            fwd_t, bwd_t, params, _ = trace(layers, n_experts, tp, rank)
         else:
             fwd_t, bwd_t = fwd, bwd
-        floor = hw.kernel_floor
-        return _rank_pass(fwd, fwd_t, tp, sp, cp, floor), _rank_pass(bwd, bwd_t, tp, sp, cp, floor), params, shapes
-    (f1, b1, p1, shapes), (f2, b2, p2, _) = run(1), run(2)
+        floor, c = hw.kernel_floor, 1 if ring else cp
+        return _rank_pass(fwd, fwd_t, tp, sp, c, floor), _rank_pass(bwd, bwd_t, tp, sp, c, floor), params, shapes
+
+    def rank_trace(rank=None):
+        (f1, b1, p1, shapes), (f2, b2, p2, _) = run(1, rank=rank), run(2, rank=rank)
+        return f1, b1, p1, shapes, f2, b2, p2
+    traces = [rank_trace(r) for r in range(cp)] if ring else [rank_trace()]
+    # the busiest rank's (a ring rank's blocks differ: rank 0's later ones (s/2N, s/N), rank N-1's (s/N, s/2N))
+    f1, b1, p1, shapes, f2, b2, p2 = max(traces, key=lambda x: (x[4].total - x[0].total + x[5].total
+                                                                - x[1].total).device)
     n1, n2 = len(p1), len(p2)
 
     def part(c, names):
@@ -268,14 +293,21 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     if model.n_experts > 1:   # kernels one more expert adds to a layer (its loop), fwd and bwd
         half = max(model.top_k, model.n_experts // 2)
         if half < model.n_experts:
-            (hf, hb, _, _), fewer = run(1, half), model.n_experts - half
+            (hf, hb, _, _), fewer = run(1, half, 0 if ring else None), model.n_experts - half
             per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
+    ring_pass = {}
+    if ring:                  # the ring alone on the busiest rank: a K/V hop travels under one of its blocks
+        busiest = traces.index(max(traces, key=lambda x: (x[4].total - x[0].total + x[5].total - x[1].total).device))
+        heads, kv_heads = -(-model.n_heads // tp), max(1, model.n_kv_heads // tp)
+        ring_pass = dict(zip(("ring_fwd", "ring_bwd"), ring_kernels(hw, b, heads, kv_heads, model.head_dim, s, cp,
+                                                                     busiest, ring, itemsize)))
     seq = {}
-    if tp > 1:                # the marked order of one TP rank's kernels (:mod:`course_lib.planner.issue`)
+    reads = any(name == "|read" for name, _ in f2.ops + b2.ops)
+    if tp > 1 or ring or reads:   # the marked order of one rank's kernels (:mod:`course_lib.planner.issue`)
         seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
                "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
-            "sequence": seq,
+            "sequence": seq, **ring_pass,
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
             "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1, "param_shapes": shapes,
@@ -317,5 +349,5 @@ def _adamw(hw, itemsize) -> Kernels:
     return Kernels(k.count, k.flops / n, k.bytes / n, k.bytes / n / rate)
 
 
-__all__ = ["Kernels", "KernelCounter", "trace_step", "FREE", "CLASSES", "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost",
+__all__ = ["Kernels", "KernelCounter", "trace_step", "course_config", "FREE", "CLASSES", "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost",
            "foreach_launches"]

@@ -17,8 +17,13 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
   all-gather (+ reduce-scatter and all-gather backward), the loss 2 all-reduces (max, sums).
   Without SP: 2 all-reduces forward and 2 backward per layer, 1 at the embedding, 1 at the
   head's backward, 2 in the loss;
-- CP (ring): a hop costs alpha + K/V bytes / bandwidth; forward waits cp - 1 hops, backward
-  cp hops (K/V, then each dK/dV accumulator) and the accumulator's hop home;
+- CP (ring): a CP rank's own program is traced (:mod:`.ring_ops`: its s/cp tokens, the ring's
+  blocks and merges); a hop costs alpha + K/V bytes / bandwidth and travels under one block;
+  forward waits cp - 1 hops, backward cp hops (K/V, then each dK/dV accumulator) and the
+  accumulator's hop home (full recomputation: the forward's again);
+- the host: it issues one op every ``launch_overhead``, and where the program reads a value
+  (a ring's positions, an MoE router's counts) or blocks on TP's collectives it waits for the
+  stream: the rank's traced order runs through that issue chain (:mod:`.issue`);
 - PP: one send per micro-batch and direction between neighbouring stages;
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
@@ -34,11 +39,12 @@ from course_lib.planner import formulas as F
 from course_lib.planner.async_tp import async_tp_hop
 from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
-from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, stage_params
+from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
 from course_lib.planner.pipeline_hops import stage_send_time
+from course_lib.planner.ring_ops import traced_ring
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
@@ -109,12 +115,14 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
     first, last = stage == 0, stage == p - 1
-    # one TP and CP rank's kernels (recomputation: in the backward)
-    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c)
+    # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
+    ring = traced_ring(layout)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:
             fwd_k, bwd_k = fwd_k + k[part + "_fwd"], bwd_k + k[part + "_bwd"]
+    traced = {"fwd": fwd_k.device, "bwd": bwd_k.device}     # what the traced order holds (the issue chain's)
     # (every kernel at its own roofline is "compute")
     fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
     bwd = {**fwd, "compute": bwd_k.time}
@@ -151,16 +159,20 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
         hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw
-        ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
-        fwd_k = fwd_k + Kernels(n_layers * ring_f)
-        bwd_k = bwd_k + Kernels(n_layers * ring_b)
-        # a hop travels while one block's attention computes (1/c of the ring's kernels, launched):
-        # exposed, its excess; the accumulator's last hop home has nothing to hide behind
-        per = max(hw.launch_overhead, hw.kernel_floor)     # a small kernel: issued, or its floor
-        block_f, block_b = (ring_f / c * per, ring_b / c * per)
+        again = layout.recompute == "full"          # the ring's forward again in the backward, its hops too
+        if ring:        # traced: a hop travels while one block of the ring computes
+            block_f, block_b = k["ring_fwd"].device / c, k["ring_bwd"].device / c
+        else:           # (another core: its kernels counted, a small kernel issued or its floor)
+            ring_f, ring_b = ring_attention_kernels(c, model.n_kv_heads != model.n_heads)
+            fwd_k = fwd_k + Kernels(n_layers * ring_f)
+            bwd_k = bwd_k + Kernels(n_layers * (ring_b + again * ring_f))
+            per = max(hw.launch_overhead, hw.kernel_floor)
+            block_f, block_b = (ring_f / c * per, ring_b / c * per)
+        # exposed: a hop's excess over the block it travels under; the accumulator's last hop home
+        # has nothing to hide behind
         fwd["cp"] = n_layers * (c - 1) * max(0.0, hop - block_f)
-        bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop)
-        calls["cp"] = m * n_layers * (c - 1 + c + 1)
+        bwd["cp"] = n_layers * (c * max(0.0, hop - block_b) + hop + again * (c - 1) * max(0.0, hop - block_f))
+        calls["cp"] = m * n_layers * (c - 1 + c + 1 + again * (c - 1))
     # parameters of this stage's GPU, after TP: weights, and norms (split over the sequence with SP);
     # an MoE's experts cut by the expert mesh (ep x etp), not by TP
     parts = F.param_breakdown(model)
@@ -198,8 +210,10 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         issue = kern.count * hw.launch_overhead                      # the host's side
         part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
-        if k["sequence"]:
-            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + added[phase].device
+        if k["sequence"] and (t > 1 or ring or layout.ep * layout.etp == 1):   # (the order traced: all E experts)
+            # the kernels the traced order does not hold (TP's copies and loss, FSDP's, the
+            # gradients' accumulation) run on the same stream: their device time on top
+            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + kern.device - traced[phase]
             part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = stage_send_time(layout, hw, stage, p2p_bytes, async_tp_hop)   # each hop on its link, NCCL's price
@@ -273,7 +287,7 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
                 continue
             cost = collective(layout, hw, "all_reduce", n * 2, dims)
         calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
-        chain = [x for n_i in sizes for x in (copy_kernel(hw, n_i * 2).device, floor)] + [floor]
+        chain = [x for n_i in sizes for x in (bucket_copy(hw, n_i).device, floor)] + [floor]
         kernels += len(chain)
         run_chain(chain, state, hw.launch_overhead)
         lane = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)
