@@ -1,0 +1,77 @@
+"""The graders' harness: a question is a table of cases, the learner's function, the
+library's reference, a comparison and a hint per classic mistake.
+
+    check_answers(name, fn, cases, reference, guard=..., exercise=...)   # in this process
+    grads_differ(model, reference_model, **bounds)                        # every gradient, named
+    check_in_process(name, harness, cases, timeout=...)                   # one process per case
+
+Cases, checks on ranks, comparisons: :mod:`course_lib.grading`; guards:
+:mod:`~course_lib.grading.guard`; traffic: :mod:`~course_lib.grading.traffic`; training:
+:mod:`~course_lib.grading.training`.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+from course_lib.grading import Case, check, compare
+from course_lib.grading.guard import learner
+from course_lib.launch import LaunchTimeout, launch
+
+
+def check_answers(name: str, fn, cases, reference: Callable, *, guard=(), exercise: str, seconds: float = 10,
+                  read: Callable | None = None, hint: Callable | None = None, differ: Callable | None = None) -> bool:
+    """Grade ``fn`` on ``cases`` against ``reference`` in this process.
+
+    Each case's ``params["args"]`` go to ``reference(*args)`` first (outside the guard), then a
+    deep copy of them to the learner's ``fn`` (guarded: ``guard`` targets switched off).
+    ``read(got, *args)`` turns the learner's answer into the reference's form (raise
+    :class:`~course_lib.grading.Mismatch` for an answer of the wrong kind); ``differ(got, want,
+    *args)`` is None when they agree (default: ``==``, then ``got .. expected ..``);
+    ``hint(got, want, *args)`` adds the classic mistake's advice to a wrong answer."""
+    answer = learner(fn, *guard, exercise=exercise, seconds=seconds)
+
+    def run(case):
+        args = case.params["args"]
+        want = reference(*args)
+        got = answer(*copy.deepcopy(args))
+        got = read(got, *args) if read else got
+        msg = differ(got, want, *args) if differ else (None if got == want else f"got {got!r}, expected {want!r}")
+        return msg and msg + ((hint(got, want, *args) or "") if hint else "")
+    return check(name, cases, run)
+
+
+def table(rows, label: Callable | str = "", world_size: int = 1) -> list:
+    """One :class:`Case` per row of ``args``; ``label`` a format string of the row or a function of it."""
+    return [Case(dict(args=tuple(row)), world_size,
+                 label(*row) if callable(label) else label.format(*row)) for row in rows]
+
+
+def grads_differ(model, reference, what: str = "", **bounds) -> str | None:
+    """None when every parameter's ``.grad`` of ``model`` equals the one of ``reference`` (the
+    same parameters in the same order) within ``course_lib.tolerance``'s ``bounds`` (default:
+    the one-step bound of the reference's dtype), else the first that differs, named."""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if (p.grad is None) != (q.grad is None):
+            return (f"{what}{name}.grad is {'None' if p.grad is None else 'set'}, expected "
+                    f"{'None' if q.grad is None else 'a gradient'}")
+        if q.grad is not None:
+            msg = compare(p.grad, q.grad, what=f"{what}{name}.grad", **({"dtype": q.grad.dtype} | bounds))
+            if msg:
+                return msg
+    return None
+
+
+def check_in_process(name: str, harness: Callable, cases, timeout: float, hang: str = "an endless loop?") -> bool:
+    """``harness(**case.params)`` in a process of its own per case (one rank): its answer, or a
+    hint after ``timeout`` seconds (``hang`` says what would not stop)."""
+    def run(case):
+        try:
+            [outcome] = launch(harness, 1, timeout=timeout, quiet=True, **case.params)
+        except LaunchTimeout:
+            return f"no answer after {timeout:g} s: {hang}"
+        return outcome
+    return check(name, cases, run)
+
+
+__all__ = ["check_answers", "check_in_process", "grads_differ", "table"]
