@@ -19,12 +19,13 @@ from course_lib.grading.guard import learner
 from course_lib.launch import LaunchTimeout, launch
 
 
-def check_answers(name: str, fn, cases, reference: Callable, *, guard=(), exercise: str, seconds: float = 10,
-                  read: Callable | None = None, hint: Callable | None = None, differ: Callable | None = None) -> bool:
+def check_answers(name: str, fn, cases, reference: Callable | None, *, guard=(), exercise: str,
+                  seconds: float = 10, read: Callable | None = None, hint: Callable | None = None,
+                  differ: Callable | None = None) -> bool:
     """Grade ``fn`` on ``cases`` against ``reference`` in this process.
 
-    Each case's ``params["args"]`` go to ``reference(*args)`` first (outside the guard), then a
-    deep copy of them to the learner's ``fn`` (guarded: ``guard`` targets switched off).
+    Each case's ``params["args"]`` go to ``reference(*args)`` first (outside the guard; or the
+    case's ``params["want"]`` when ``reference`` is None), then a deep copy of them to the learner's ``fn`` (guarded: ``guard`` targets switched off).
     ``read(got, *args)`` turns the learner's answer into the reference's form (raise
     :class:`~course_lib.grading.Mismatch` for an answer of the wrong kind); ``differ(got, want,
     *args)`` is None when they agree (default: ``==``, then ``got .. expected ..``);
@@ -33,7 +34,7 @@ def check_answers(name: str, fn, cases, reference: Callable, *, guard=(), exerci
 
     def run(case):
         args = case.params["args"]
-        want = reference(*args)
+        want = case.params["want"] if reference is None else reference(*args)
         got = answer(*copy.deepcopy(args))
         got = read(got, *args) if read else got
         msg = differ(got, want, *args) if differ else (None if got == want else f"got {got!r}, expected {want!r}")
