@@ -12,9 +12,10 @@ Cases, checks on ranks, comparisons: :mod:`course_lib.grading`; guards:
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable
 
-from course_lib.grading import Case, check, compare
+from course_lib.grading import Case, Mismatch, check, compare
 from course_lib.grading.guard import learner
 from course_lib.launch import LaunchTimeout, launch
 
@@ -24,7 +25,7 @@ def check_answers(name: str, fn, cases, reference: Callable | None, *, guard=(),
                   differ: Callable | None = None) -> bool:
     """Grade ``fn`` on ``cases`` against ``reference`` in this process.
 
-    Each case's ``params["args"]`` go to ``reference(*args)`` first (outside the guard; or the
+    Each case's ``params["args"]`` (a tuple, or a dict of keywords) go to ``reference(*args)`` first (outside the guard; or the
     case's ``params["want"]`` when ``reference`` is None), then a deep copy of them to the learner's ``fn`` (guarded: ``guard`` targets switched off).
     ``read(got, *args)`` turns the learner's answer into the reference's form (raise
     :class:`~course_lib.grading.Mismatch` for an answer of the wrong kind); ``differ(got, want,
@@ -34,12 +35,25 @@ def check_answers(name: str, fn, cases, reference: Callable | None, *, guard=(),
 
     def run(case):
         args = case.params["args"]
-        want = case.params["want"] if reference is None else reference(*args)
-        got = answer(*copy.deepcopy(args))
-        got = read(got, *args) if read else got
-        msg = differ(got, want, *args) if differ else (None if got == want else f"got {got!r}, expected {want!r}")
-        return msg and msg + ((hint(got, want, *args) or "") if hint else "")
+        want = case.params["want"] if reference is None else _call(reference, args)
+        got = _call(answer, copy.deepcopy(args))
+        got = _call(read, args, got) if read else got
+        msg = (_call(differ, args, got, want) if differ
+               else None if got == want else f"got {got!r}, expected {want!r}")
+        return msg and msg + ((_call(hint, args, got, want) or "") if hint else "")
     return check(name, cases, run)
+
+
+def _call(fn, args, *first):
+    """``fn(*first, *args)``, or ``fn(*first, **args)`` when the case's args are a dict."""
+    return fn(*first, **args) if isinstance(args, dict) else fn(*first, *args)
+
+
+def number(got, *args, **kwargs):
+    """A ``read`` for an answer that is a finite number (not a bool)."""
+    if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
+        raise Mismatch(f"expected a finite number, got {got!r}")
+    return got
 
 
 def table(rows, label: Callable | str = "", world_size: int = 1) -> list:
@@ -75,4 +89,4 @@ def check_in_process(name: str, harness: Callable, cases, timeout: float, hang: 
     return check(name, cases, run)
 
 
-__all__ = ["check_answers", "check_in_process", "grads_differ", "table"]
+__all__ = ["check_answers", "check_in_process", "grads_differ", "number", "table"]

@@ -16,6 +16,7 @@ import math
 import torch
 
 from course_lib.grading import Case, check, compare, learner
+from course_lib.grading.harness import check_answers, check_in_process, number
 from course_lib.planner import Layout, estimate
 from course_lib.planner import formulas as F
 from course_lib.planner.search import search
@@ -52,21 +53,13 @@ def _reference_memory_per_gpu(layer_params, layers, s, b, h, a, t, p, d, zero, m
 
 def check_memory_per_gpu(fn) -> bool:
     """fn(layer_params, layers, s, b, h, a, t, p, d, zero, m) -> bytes on the first stage's GPU."""
-    cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items() if k != "layer_params"))
+    cases = [Case(params=dict(args=c), label=", ".join(f"{k}={v}" for k, v in c.items() if k != "layer_params"))
              for c in MEMORY_CASES]
-
-    answer = learner(fn, FORMULAS, REFERENCES, exercise="the memory of a layout", seconds=10)
-
-    def run(case):
-        want = _reference_memory_per_gpu(**case.params)
-        got = answer(**case.params)
-        if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
-            return f"expected a finite number of bytes, got {got!r}"
-        # the same float64 formula in another order: the one-step rounding bound (course_lib.tolerance)
-        if compare(float(got), float(want), dtype=torch.float64):
-            return f"got {got / GiB:.3f} GiB, expected {want / GiB:.3f} GiB"
-        return None
-    return check("memory_per_gpu", cases, run)
+    # the same float64 formula in another order: the one-step rounding bound (course_lib.tolerance)
+    return check_answers("memory_per_gpu", fn, cases, _reference_memory_per_gpu, guard=(FORMULAS, REFERENCES),
+                         exercise="the memory of a layout", read=number,
+                         differ=lambda got, want, **_: compare(float(got), float(want), dtype=torch.float64)
+                         and f"got {got / GiB:.3f} GiB, expected {want / GiB:.3f} GiB")
 
 
 # ----------------------------------------------------------------------------- 1F1B step, unequal stages
@@ -116,19 +109,10 @@ def check_step_time_1f1b(step_time_1f1b, timeout: float = 20.0) -> bool:
     times f, backward times b (lists of length p), m micro-batches and t_comm per message,
     graded against the discrete-event simulator of chapter 6 (exact: integer times). Each
     case runs in a process of its own, so an endless loop becomes a hint, not a hang."""
-    from course_lib.launch import LaunchTimeout, launch
-
-    cases = [Case(params=dict(f=f, b=b, m=m, t_comm=t), label=f"f={list(f)}, b={list(b)}, m={m}, t_comm={t}")
-             for f, b, m, t in STEP_CASES]
-
-    def run(case):
-        try:
-            [outcome] = launch(_step_time_harness, 1, step_time_1f1b, timeout=timeout, quiet=True, **case.params)
-        except LaunchTimeout:
-            return (f"no answer after {timeout:g} s: an endless loop? (a rank waiting for an action "
-                    f"that never runs must not spin forever)")
-        return outcome
-    return check("step_time_1f1b", cases, run)
+    cases = [Case(params=dict(step_time_1f1b=step_time_1f1b, f=f, b=b, m=m, t_comm=t),
+                  label=f"f={list(f)}, b={list(b)}, m={m}, t_comm={t}") for f, b, m, t in STEP_CASES]
+    return check_in_process("step_time_1f1b", _step_time_harness, cases, timeout, hang="an endless loop? (a rank "
+                            "waiting for an action that never runs must not spin forever)")
 
 
 # ----------------------------------------------------------------------------- choose a layout
@@ -200,19 +184,12 @@ def _reference_min_pipeline_stages(model, tp, dp, global_batch, hardware="h100-s
 def check_min_pipeline_stages(fn) -> bool:
     """fn(model, tp, dp, global_batch) -> the fewest pipeline stages (from 1, 2, 4, ..., 32) that
     make the layout fit on H100s, or None."""
-    cases = [Case(params=dict(model=m, tp=t, dp=d, global_batch=g), label=f"{m}, TP {t}, DP {d}, {g} sequences")
-             for m, t, d, g in PP_CASES]
-
-    answer = learner(fn, SEARCH, REFERENCES, exercise="the search for the fewest stages", seconds=20)
-
-    def run(case):
-        want = _reference_min_pipeline_stages(**case.params)
-        got = answer(**case.params)
-        if got != want:
-            return (f"got {got!r}, expected {want!r}" +
-                    (": no PP in 1..32 fits" if want is None else f" (PP {want} is the first that fits in 80 GB)"))
-        return None
-    return check("min_pipeline_stages", cases, run)
+    cases = [Case(params=dict(args=dict(model=m, tp=t, dp=d, global_batch=g)), label=f"{m}, TP {t}, DP {d}, {g} "
+                  f"sequences") for m, t, d, g in PP_CASES]
+    return check_answers("min_pipeline_stages", fn, cases, _reference_min_pipeline_stages, guard=(SEARCH, REFERENCES),
+                         exercise="the search for the fewest stages", seconds=20,
+                         hint=lambda got, want, **_: ": no PP in 1..32 fits" if want is None
+                         else f" (PP {want} is the first that fits in 80 GB)")
 
 
 __all__ = ["check_memory_per_gpu", "check_step_time_1f1b", "check_layout", "check_min_pipeline_stages"]
