@@ -22,7 +22,7 @@ from course_lib.launch import LaunchTimeout, launch
 
 def check_answers(name: str, fn, cases, reference: Callable | None, *, guard=(), exercise: str,
                   seconds: float = 10, read: Callable | None = None, hint: Callable | None = None,
-                  differ: Callable | None = None) -> bool:
+                  differ: Callable | None = None, given: Callable | None = None) -> bool:
     """Grade ``fn`` on ``cases`` against ``reference`` in this process.
 
     Each case's ``params["args"]`` (a tuple, or a dict of keywords) go to ``reference(*args)`` first (outside the guard; or the
@@ -36,7 +36,7 @@ def check_answers(name: str, fn, cases, reference: Callable | None, *, guard=(),
     def run(case):
         args = case.params["args"]
         want = case.params["want"] if reference is None else _call(reference, args)
-        got = _call(answer, copy.deepcopy(args))
+        got = answer(*given(*args)) if given else _call(answer, copy.deepcopy(args))
         got = _call(read, args, got) if read else got
         msg = (_call(differ, args, got, want) if differ
                else None if got == want else f"got {got!r}, expected {want!r}")
