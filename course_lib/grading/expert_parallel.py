@@ -18,6 +18,7 @@ import torch.distributed as dist
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import learner
+from course_lib.grading.harness import guarded
 from course_lib.moe import capacity_keep, load_balancing_loss, route
 from course_lib.parallel.expert_parallel import dispatch_splits
 
@@ -242,10 +243,9 @@ def _ep_harness(fn, T, E, skew):
     everyone = torch.cat([_tokens(s, T, E, skew)[1] for s in range(ep)])   # every rank's tokens' experts
     routed_here = int(((everyone // local) == r).sum())
     xr = x.clone().requires_grad_()
-    guarded = learner(lambda f, *a: f(*a), ROUTING, EXPERT_PARALLEL, exercise="expert parallelism's all-to-alls",
-                      seconds=SECONDS)          # forward and backward alike
+    run = guarded(ROUTING, EXPERT_PARALLEL, exercise="expert parallelism's all-to-alls", seconds=SECONDS)
     with counted_calls() as calls:             # forward AND backward: both move the rows
-        y = guarded(fn, xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
+        y = run(fn, xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             return f"return this rank's outputs ({T}, {HID}), got " + (
                 f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
@@ -257,7 +257,7 @@ def _ep_harness(fn, T, E, skew):
         if not y.requires_grad:
             return ("the output carries no gradient back to the tokens: the all-to-all must be an autograd "
                     "function whose backward is the all-to-all the other way")
-        guarded(lambda: (y * C).sum().backward())
+        run(lambda: (y * C).sum().backward())
     if xr.grad is None:
         return "the tokens got no gradient: the all-to-all's backward is the all-to-all the other way"
     msg = compare(xr.grad, want_x.grad, what="tokens' gradient", **tol)

@@ -3,6 +3,7 @@ library's reference, a comparison and a hint per classic mistake.
 
     check_answers(name, fn, cases, reference, guard=..., exercise=...)   # in this process
     grads_differ(model, reference_model, **bounds)                        # every gradient, named
+    run = guarded(targets, exercise=...); run(f, *args)                    # learner code in pieces
     check_in_process(name, harness, cases, timeout=...)                   # one process per case
 
 Cases, checks on ranks, comparisons: :mod:`course_lib.grading`; guards:
@@ -77,6 +78,17 @@ def grads_differ(model, reference, what: str = "", **bounds) -> str | None:
     return None
 
 
+def guarded(*targets, exercise: str, seconds: float | None = None) -> Callable:
+    """``run(f, *args)``: ``f(*args)`` as a learner's call (``targets`` off, the grader pinned, a
+    time limit), for learner code that runs in pieces: an autograd Function's forward, then the
+    backward that reaches its backward."""
+    return learner(_run, *targets, exercise=exercise, seconds=seconds)
+
+
+def _run(f, *args, **kwargs):
+    return f(*args, **kwargs)
+
+
 def check_in_process(name: str, harness: Callable, cases, timeout: float, hang: str = "an endless loop?") -> bool:
     """``harness(**case.params)`` in a process of its own per case (one rank): its answer, or a
     hint after ``timeout`` seconds (``hang`` says what would not stop)."""
@@ -89,4 +101,4 @@ def check_in_process(name: str, harness: Callable, cases, timeout: float, hang: 
     return check(name, cases, run)
 
 
-__all__ = ["check_answers", "check_in_process", "grads_differ", "number", "table"]
+__all__ = ["check_answers", "check_in_process", "grads_differ", "guarded", "number", "table"]
