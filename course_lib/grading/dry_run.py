@@ -11,6 +11,7 @@ are about, stays on.
 from __future__ import annotations
 
 from course_lib.grading import Case, check, learner
+from course_lib.grading.planner import fitting_estimate
 from course_lib.planner import Layout, estimate
 from course_lib.planner import validation as V
 from course_lib.planner.presets import MODELS, ModelSpec, gpt_spec
@@ -59,14 +60,9 @@ def check_layout_for_mfu(choose_layout) -> bool:
         best, _ = _best_mfu(model, hw, n, batch, limit)
         target = _target(best)
         layout = answer(model, hw, n, batch, limit, target)
-        if not isinstance(layout, Layout):
-            return f"expected a planner Layout, got {type(layout).__name__}"
-        if layout.global_batch != batch:
-            return f"the global batch is {batch} sequences, not {layout.global_batch}"
-        est = estimate(model, hw, layout, n_gpus=n)   # ValueError (not valid on n GPUs) -> a hint
-        if est.memory["total"] > limit:
-            return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
-                    f"over the {limit / GiB:.0f} GiB limit")
+        est = fitting_estimate(layout, model, hw, n, batch, limit)   # a ValueError (not valid on n GPUs): a hint
+        if isinstance(est, str):
+            return est
         if est.mfu < target:
             return (f"{layout.describe()} fits but reaches MFU {est.mfu:.1%}, under the target "
                     f"{target:.1%} (the search's best: {best:.1%})")

@@ -26,18 +26,20 @@ def check_answers(name: str, fn, cases, reference: Callable | None, *, guard=(),
                   differ: Callable | None = None, given: Callable | None = None) -> bool:
     """Grade ``fn`` on ``cases`` against ``reference`` in this process.
 
-    Each case's ``params["args"]`` (a tuple, or a dict of keywords) go to ``reference(*args)`` first (outside the guard; or the
-    case's ``params["want"]`` when ``reference`` is None), then a deep copy of them to the learner's ``fn`` (guarded: ``guard`` targets switched off).
-    ``read(got, *args)`` turns the learner's answer into the reference's form (raise
-    :class:`~course_lib.grading.Mismatch` for an answer of the wrong kind); ``differ(got, want,
-    *args)`` is None when they agree (default: ``==``, then ``got .. expected ..``);
-    ``hint(got, want, *args)`` adds the classic mistake's advice to a wrong answer."""
+    Each case's ``params["args"]`` (a tuple, or a dict of keywords) go to ``reference(*args)``
+    first, outside the guard (or the case holds ``params["want"]`` and ``reference`` is None);
+    then a deep copy of them (or what ``given(*args)`` builds afresh) to the learner's ``fn``,
+    guarded: ``guard``'s targets off, the grader pinned, ``seconds`` at most. ``read(got, *args)``
+    turns the answer into the reference's form (raise :class:`~course_lib.grading.Mismatch` for
+    an answer of the wrong kind); ``differ(got, want, *args)`` is None when they agree (default:
+    ``==``, else ``got .. expected ..``); ``hint(got, want, *args)`` adds the classic mistake's
+    advice to a wrong answer."""
     answer = learner(fn, *guard, exercise=exercise, seconds=seconds)
 
     def run(case):
         args = case.params["args"]
         want = case.params["want"] if reference is None else _call(reference, args)
-        got = answer(*given(*args)) if given else _call(answer, copy.deepcopy(args))
+        got = answer(*_call(given, args)) if given else _call(answer, copy.deepcopy(args))
         got = _call(read, args, got) if read else got
         msg = (_call(differ, args, got, want) if differ
                else None if got == want else f"got {got!r}, expected {want!r}")

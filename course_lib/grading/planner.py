@@ -130,6 +130,20 @@ def _best_layout(model, n_gpus, global_batch, memory_limit):
     return result.best.tokens_per_second, result.best.layout
 
 
+def fitting_estimate(layout, model, hardware, n_gpus, global_batch, memory_limit):
+    """The planner's estimate of a learner's ``layout``, or the hint when it is no Layout, has
+    another global batch, is not valid on ``n_gpus`` (estimate's ValueError) or does not fit."""
+    if not isinstance(layout, Layout):
+        return f"expected a planner Layout, got {type(layout).__name__}"
+    if layout.global_batch != global_batch:
+        return f"the global batch is {global_batch} sequences, not {layout.global_batch}"
+    est = estimate(model, hardware, layout, n_gpus=n_gpus)
+    if est.memory["total"] > memory_limit:
+        return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
+                f"over the {memory_limit / GiB:.0f} GiB limit")
+    return est
+
+
 def check_layout(choose_layout) -> bool:
     """choose_layout(model, n_gpus, global_batch, memory_limit) -> a planner Layout for H100s
     ("h100-sxm"), sequences of 8192 tokens: valid on n_gpus, under memory_limit bytes per GPU,
@@ -140,14 +154,9 @@ def check_layout(choose_layout) -> bool:
         model, n, batch, limit = (case.params[k] for k in ("model", "n_gpus", "global_batch", "memory_limit"))
         best, best_layout = _best_layout(model, n, batch, limit)
         layout = answer(model, n, batch, limit)
-        if not isinstance(layout, Layout):
-            return f"expected a planner Layout, got {type(layout).__name__}"
-        if layout.global_batch != batch:
-            return f"the global batch is {batch} sequences, not {layout.global_batch}"
-        est = estimate(model, "h100-sxm", layout, n_gpus=n)   # ValueError (not valid on n GPUs) -> hint
-        if est.memory["total"] > limit:
-            return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
-                    f"over the {limit / GiB:.0f} GiB limit")
+        est = fitting_estimate(layout, model, "h100-sxm", n, batch, limit)
+        if isinstance(est, str):
+            return est
         share = est.tokens_per_second / best
         if share < LAYOUT_MIN_SHARE:
             return (f"{layout.describe()} fits but runs {est.tokens_per_second:.4g} tokens/s, "
