@@ -7,8 +7,8 @@ sizes, compare with a reference, print ONE stable line.
 Never a raw rank traceback, never a hang: an exception inside a rank becomes a
 one-line hint naming the rank, a deadlock becomes a hint naming the stuck ranks
 and the call they wait in. Chapter-specific checks live in the modules of this
-package (``grading.collectives``, ...) and are built from :func:`check` and
-:func:`check_distributed`.
+package (``grading.collectives``, ...) and are built from :func:`check`,
+:func:`check_distributed` and :mod:`.harness` (a table of cases against the library's reference).
 
 Learners never see a pass line before they pass: in ``solutions/`` the check cell
 carries ``# NBVAL_CHECK_OUTPUT`` and stores its pass line; the generated exercise keeps

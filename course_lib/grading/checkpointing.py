@@ -20,7 +20,8 @@ import random
 
 from course_lib.checkpoint.layout import flat_range_boxes
 from course_lib.checkpoint import plan
-from course_lib.grading import Case, check, learner
+from course_lib.grading import Case, Mismatch
+from course_lib.grading.harness import check_answers, table
 from course_lib.parallel.fsdp_params import dim0_rows
 from course_lib.parallel.placement import Placement
 
@@ -59,7 +60,7 @@ def _zero_boxes(shape, lo, hi):
     return [(tuple(b.offsets), tuple(b.lengths), b.start) for b in flat_range_boxes(shape, lo, hi)]
 
 
-def _as_box(x):
+def _as_box(x, *args):
     """A learner's (offsets, lengths) with lists or tuples -> tuples, or the value as is."""
     if isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(v, (tuple, list)) for v in x):
         return tuple(int(v) for v in x[0]), tuple(int(v) for v in x[1])
@@ -67,7 +68,7 @@ def _as_box(x):
 
 
 # ------------------------------------------------------------------ 1. the box a rank holds
-def _owned_cases():
+def _owned_rows():
     rng = random.Random(12)
     fixed = [((96, 32), 0, 2, 1, 2, 1), ((32, 96), 1, 2, 0, 3, 2), ((5, 4), None, 1, 0, 3, 2),
              ((2, 6), None, 1, 0, 3, 2), ((7,), None, 1, 0, 4, 3), ((8, 6), 1, 3, 2, 3, 1)]
@@ -77,26 +78,18 @@ def _owned_cases():
         tp = 1 if tp_dim is None else rng.choice([t for t in (1, 2, 4) if shape[tp_dim] % t == 0])
         fsdp = rng.randint(1, 5)
         fixed.append((shape, tp_dim, tp, rng.randrange(tp), fsdp, rng.randrange(fsdp)))
-    return [Case(dict(args=a), label=f"shape={a[0]}, tp_dim={a[1]}, tp={a[2]}, tp_rank={a[3]}, fsdp={a[4]}, "
-                                    f"fsdp_rank={a[5]}") for a in fixed]
+    return fixed
 
 
 def check_owned_box(owned_box):
     """owned_box(shape, tp_dim, tp, tp_rank, fsdp, fsdp_rank) -> (offsets, lengths) of the
     global weight this rank holds (TP's even split of dim tp_dim, then FSDP's torch.chunk cut of
     dim 0 of the TP slice), or None if the rank holds no row."""
-    answer = learner(owned_box, LIBRARY, exercise="the box a rank holds", seconds=10)
-
-    def run(case):
-        args = case.params["args"]
-        want, got = _owned_box(*args), _as_box(answer(*args))
-        if got != want:
-            chunk_hint = " (FSDP cuts like torch.chunk: ceil(rows / fsdp) rows per rank, the last ones fewer or " \
-                         "none)" if args[4] > 1 else ""
-            return f"got {got!r}, expected {want!r}{chunk_hint}"
-        return None
-
-    return check("owned_box", _owned_cases(), run)
+    return check_answers(
+        "owned_box", owned_box, table(_owned_rows(), "shape={}, tp_dim={}, tp={}, tp_rank={}, fsdp={}, fsdp_rank={}"),
+        _owned_box, guard=LIBRARY, exercise="the box a rank holds", read=_as_box,
+        hint=lambda got, want, *a: " (FSDP cuts like torch.chunk: ceil(rows / fsdp) rows per rank, the last ones "
+                                   "fewer or none)" if a[4] > 1 else "")
 
 
 # ------------------------------------------------------------------ 2. the read plan
@@ -113,40 +106,35 @@ def _random_tiling(rng, shape):
 
 
 def _plan_cases():
-    rng, cases = random.Random(7), []
-    cases.append(Case(dict(box=((2, 4), (2, 4)), saved=[((0, 0), (2, 8)), ((2, 0), (2, 8))]),
-                      label="rows 2..3 of cols 4..7 against two row blocks that only touch it"))
-    cases.append(Case(dict(box=((), ()), saved=[((), ())]), label="a 0-d tensor (AdamW's step)"))
+    rng = random.Random(7)
+    cases = table([(((2, 4), (2, 4)), [((0, 0), (2, 8)), ((2, 0), (2, 8))])],
+                  "rows 2..3 of cols 4..7 against two row blocks that only touch it")
+    cases += table([(((), ()), [((), ())])], "a 0-d tensor (AdamW's step)")
     for _ in range(6):
         shape = tuple(rng.randint(2, 9) for _ in range(rng.randint(1, 3)))
         saved = _random_tiling(rng, shape)
         offsets = tuple(rng.randrange(n) for n in shape)
         lengths = tuple(rng.randint(1, n - o) for n, o in zip(shape, offsets))
-        cases.append(Case(dict(box=(offsets, lengths), saved=saved),
-                          label=f"shape {shape}, {len(saved)} saved boxes, new box {offsets}+{lengths}"))
+        cases += table([((offsets, lengths), saved)],
+                       f"shape {shape}, {len(saved)} saved boxes, new box {offsets}+{lengths}")
     return cases
+
+
+def _as_plan(got, *args):
+    if not isinstance(got, (list, tuple)) or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in got):
+        raise Mismatch(f"expected a list of (i, (offsets, lengths)), got {got!r}")
+    return [(int(i), _as_box(b)) for i, b in got]
 
 
 def check_read_plan(read_plan):
     """read_plan(box, saved) -> [(i, (offsets, lengths))]: for the new box (offsets, lengths),
     every saved box i it overlaps (in the order of ``saved``) and the overlap, in global
     coordinates; ends are exclusive: boxes that only touch share nothing."""
-    answer = learner(read_plan, LIBRARY, exercise="the read plan", seconds=10)
-
-    def run(case):
-        box, saved = case.params["box"], case.params["saved"]
-        want = plan.read_plan(*box, saved)
-        got = answer(box, list(saved))
-        if not isinstance(got, (list, tuple)) or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in got):
-            return f"expected a list of (i, (offsets, lengths)), got {got!r}"
-        got = [(int(i), _as_box(b)) for i, b in got]
-        if got != want:
-            extra = [g for g in got if g not in want]
-            hint = " (a box that ends where another starts does not overlap it: ends are exclusive)" if extra else ""
-            return f"got {got!r}, expected {want!r}{hint}"
-        return None
-
-    return check("read_plan", _plan_cases(), run)
+    return check_answers(
+        "read_plan", read_plan, _plan_cases(), lambda box, saved: plan.read_plan(*box, saved), guard=LIBRARY,
+        exercise="the read plan", read=_as_plan,
+        hint=lambda got, want, *a: " (a box that ends where another starts does not overlap it: ends are "
+                                   "exclusive)" if any(g not in want for g in got) else "")
 
 
 # ------------------------------------------------------------------ 3. who writes
@@ -158,46 +146,48 @@ def _writer_cases():
                [("w", (0, 0), (2, 8)), norm, step], [("w", (2, 0), (2, 8)), norm, step]]
     fsdp = [[("w", (0, 0), (2, 8)), ("norm", (0,), (4,)), step], [("w", (2, 0), (2, 8)), ("norm", (4,), (4,)), step]]
     pp = [[w, ("tok_emb", (0, 0), (6, 8))], [("head", (0, 0), (6, 8)), ("tok_emb", (0, 0), (6, 8))]]
-    return [Case(dict(per_rank=[[w, norm, step]] * 3), label="3 DP replicas"),
-            Case(dict(per_rank=dp2_tp2), label="tp2 x dp2: a TP slice on two DP ranks, a norm on all four"),
-            Case(dict(per_rank=fsdp), label="FSDP: disjoint rows, one 'step' scalar on both ranks"),
-            Case(dict(per_rank=pp), label="a tied embedding held by the first and last stage"),
-            Case(dict(per_rank=[[], [norm, w], [w]]), label="rank 0 holds nothing")]
+    return [Case(dict(args=(p,)), label=label) for p, label in (
+        ([[w, norm, step]] * 3, "3 DP replicas"),
+        (dp2_tp2, "tp2 x dp2: a TP slice on two DP ranks, a norm on all four"),
+        (fsdp, "FSDP: disjoint rows, one 'step' scalar on both ranks"),
+        (pp, "a tied embedding held by the first and last stage"), ([[], [norm, w], [w]], "rank 0 holds nothing"))]
+
+
+def _as_writers(got, per_rank):
+    if not isinstance(got, (list, tuple)) or len(got) != len(per_rank):
+        raise Mismatch(f"expected one list of indexes per rank ({len(per_rank)}), got {got!r}")
+    return [sorted(int(j) for j in g) for g in got]
 
 
 def check_writers(writers):
     """writers(per_rank) -> for every rank, the indexes (into its own list) of the items it
     writes. per_rank[r] = [(name, offsets, lengths)]: the boxes rank r holds. Every distinct
     (name, offsets, lengths) is written exactly once, by the lowest rank that holds it."""
-    answer = learner(writers, LIBRARY, exercise="who writes a replicated box", seconds=10)
-
-    def run(case):
-        per_rank = case.params["per_rank"]
-        want = _writers(per_rank)
-        got = answer([list(items) for items in per_rank])
-        if not isinstance(got, (list, tuple)) or len(got) != len(per_rank):
-            return f"expected one list of indexes per rank ({len(per_rank)}), got {got!r}"
-        got = [sorted(int(j) for j in g) for g in got]
-        if got != want:
-            n_got, n_want = sum(map(len, got)), sum(map(len, want))
-            hint = f": {n_got} boxes written, {n_want} distinct ones (a replica written on every rank " \
-                   f"multiplies the checkpoint)" if n_got > n_want else ""
-            return f"got {got!r}, expected {want!r}{hint}"
-        return None
-
-    return check("writers", _writer_cases(), run)
+    def hint(got, want, per_rank):
+        n_got, n_want = sum(map(len, got)), sum(map(len, want))
+        return (f": {n_got} boxes written, {n_want} distinct ones (a replica written on every rank multiplies "
+                f"the checkpoint)" if n_got > n_want else "")
+    return check_answers("writers", writers, _writer_cases(), _writers, guard=LIBRARY,
+                         exercise="who writes a replicated box", read=_as_writers, hint=hint)
 
 
 # ------------------------------------------------------------------ 4. a ZeRO slice as boxes
-def _zero_cases():
+def _zero_rows():
     rng = random.Random(3)
-    cases = [((4, 3), 2, 9), ((4, 3), 0, 12), ((5,), 1, 4), ((2, 3, 4), 5, 19), ((3, 4), 4, 8), ((3, 4), 6, 7)]
+    rows = [((4, 3), 2, 9), ((4, 3), 0, 12), ((5,), 1, 4), ((2, 3, 4), 5, 19), ((3, 4), 4, 8), ((3, 4), 6, 7)]
     for _ in range(6):
         shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
         n = math.prod(shape)
         lo = rng.randrange(n)
-        cases.append((shape, lo, rng.randint(lo + 1, n)))
-    return [Case(dict(args=a), label=f"shape={a[0]}, lo={a[1]}, hi={a[2]}") for a in cases]
+        rows.append((shape, lo, rng.randint(lo + 1, n)))
+    return rows
+
+
+def _as_boxes(got, *args):
+    try:
+        return [(tuple(map(int, o)), tuple(map(int, n)), int(s)) for o, n, s in got]
+    except (TypeError, ValueError):
+        raise Mismatch(f"expected a list of (offsets, lengths, start), got {got!r}") from None
 
 
 def check_zero_boxes(zero_boxes):
@@ -205,23 +195,11 @@ def check_zero_boxes(zero_boxes):
     row-major tensor of ``shape`` (ZeRO's owned slice of a flattened weight) as the fewest
     boxes read row by row: a partial first row, whole rows as one box, a partial last row
     (recursively in more dims); start = where the box's elements begin within lo..hi-1."""
-    answer = learner(zero_boxes, LIBRARY, exercise="a ZeRO slice as boxes", seconds=10)
-
-    def run(case):
-        shape, lo, hi = case.params["args"]
-        want = _zero_boxes(shape, lo, hi)
-        got = answer(shape, lo, hi)
-        try:
-            got = [(tuple(map(int, o)), tuple(map(int, n)), int(s)) for o, n, s in got]
-        except (TypeError, ValueError):
-            return f"expected a list of (offsets, lengths, start), got {got!r}"
-        if got != want:
-            covered = sum(math.prod(n) for _, n, _ in got)
-            hint = f" (they hold {covered} elements, the slice {hi - lo})" if covered != hi - lo else ""
-            return f"got {got!r}, expected {want!r}{hint}"
-        return None
-
-    return check("zero_boxes", _zero_cases(), run)
+    def hint(got, want, shape, lo, hi):
+        covered = sum(math.prod(n) for _, n, _ in got)
+        return f" (they hold {covered} elements, the slice {hi - lo})" if covered != hi - lo else ""
+    return check_answers("zero_boxes", zero_boxes, table(_zero_rows(), "shape={}, lo={}, hi={}"), _zero_boxes,
+                         guard=LIBRARY, exercise="a ZeRO slice as boxes", read=_as_boxes, hint=hint)
 
 
 # ------------------------------------------------------------------ 5. the data order (its own module)

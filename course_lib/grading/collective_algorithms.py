@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.grading import Case, check, compare, learner
+from course_lib.grading import Case, Mismatch, compare
+from course_lib.grading.harness import check_answers
 from course_lib.grading.p2p import (COLLECTIVES_LIBRARY, DTYPES, P2PWatch, bind, check_p2p, p2p_cases, rank_data,
                                     rank_info, sum_bounds, sum_of, too_many_bytes)
 
@@ -145,7 +146,7 @@ def _fit_cases():
                     k += 1
                     wobble = 1 + noise * (1 if k % 2 else -1) * ((k % 3) / 2)
                     rows.append((n, N, costmodel.ring_all_reduce(n, N, alpha, beta) * wobble))
-            cases.append(Case(dict(rows=rows), 1, f"alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/B, "
+            cases.append(Case(dict(args=(rows,)), 1, f"alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/B, "
                                                    f"noise={noise:.0%}, {len(rows)} points on world_sizes "
                                                    f"{'/'.join(map(str, worlds))}"))
     return cases
@@ -154,22 +155,21 @@ def _fit_cases():
 def check_fit_alpha_beta(fn) -> bool:
     from course_lib import costmodel
 
-    answer = learner(fn, "course_lib.costmodel:*", "course_lib.costmodel.fit:*", "course_lib.costmodel.algorithms:*",
-                     exercise="the least-squares fit", seconds=20)
-
-    def run_case(case):
-        rows = case.params["rows"]
-        got = answer([tuple(r) for r in rows])
+    def read(got, rows):
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            return f"return (alpha, beta), got {got!r}"
-        ref = costmodel.fit_alpha_beta([("ring_all_reduce", n, N, t) for n, N, t in rows], relative=True)
-        # a fit of noisy measurements, not one computation done two ways: no rounding bound applies.
-        # 2% is the stated agreement with the reference fit (the noise of the cases is 5-10%), the
-        # atol a floor far below any alpha (1 ns) or beta (1e-14 s/B) of the cases
-        return (compare(float(got[0]), ref.alpha, rtol=0.02, atol=1e-9, what="alpha")
-                or compare(float(got[1]), ref.beta, rtol=0.02, atol=1e-14, what="beta"))
+            raise Mismatch(f"return (alpha, beta), got {got!r}")
+        return got
 
-    return check("fit_alpha_beta", _fit_cases(), run_case)
+    # a fit of noisy measurements, not one computation done two ways: no rounding bound applies.
+    # 2% is the stated agreement with the reference fit (the noise of the cases is 5-10%), the
+    # atol a floor far below any alpha (1 ns) or beta (1e-14 s/B) of the cases
+    return check_answers(
+        "fit_alpha_beta", fn, _fit_cases(),
+        lambda rows: costmodel.fit_alpha_beta([("ring_all_reduce", n, N, t) for n, N, t in rows], relative=True),
+        guard=("course_lib.costmodel:*", "course_lib.costmodel.fit:*", "course_lib.costmodel.algorithms:*"),
+        exercise="the least-squares fit", seconds=20, read=read,
+        differ=lambda got, ref, rows: (compare(float(got[0]), ref.alpha, rtol=0.02, atol=1e-9, what="alpha")
+                                       or compare(float(got[1]), ref.beta, rtol=0.02, atol=1e-14, what="beta")))
 
 
 # ----------------------------------------------------------------------------- binomial trees

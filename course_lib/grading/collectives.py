@@ -16,8 +16,9 @@ import math
 
 import torch
 
-from course_lib.grading import Case, check, compare, learner
+from course_lib.grading import Case, compare
 from course_lib.grading.p2p import COLLECTIVES_LIBRARY, DTYPES, P2PWatch, bind, check_p2p, p2p_cases, rank_data, rank_info
+from course_lib.grading.harness import check_answers, number, table
 from course_lib.grading.training import CollectiveWatch
 
 # the course's own collectives: an exercise on torch's may not hand the work to ours
@@ -65,21 +66,13 @@ def check_bus_bandwidth(fn) -> bool:
     all_gather, reduce_scatter, broadcast and all_to_all (n = the whole buffer, as nccl-tests)."""
     from course_lib.costmodel import busbw
 
-    answer = learner(fn, "course_lib.costmodel:*", "course_lib.costmodel.algorithms:*", exercise="bus bandwidth",
-                     seconds=10)
-
-    def run_case(case):
-        got = answer(*case.params["args"])
-        want = busbw(*case.params["args"][:2], case.params["args"][3], case.params["args"][2])
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
-            return f"expected bytes per second as a number, got {got!r}"
+    def differ(got, want, collective, n_bytes, world_size, seconds):
         if compare(float(got), float(want), dtype=torch.float64):   # one float64 formula: rounding only
-            algbw = case.params["args"][1] / case.params["args"][3]
-            return (f"got {got / 1e9:.4g} GB/s, expected {want / 1e9:.4g} GB/s (algbw is {algbw / 1e9:.4g} GB/s: "
-                    f"which fraction of n must the busiest rank move in this collective?)")
-        return None
-    cases = [Case({"args": c}, label=f"{c[0]}, n = {c[1]:,} B, N = {c[2]}, t = {c[3]:g} s") for c in _BUSBW_CASES]
-    return check("bus_bandwidth", cases, run_case)
+            return (f"got {got / 1e9:.4g} GB/s, expected {want / 1e9:.4g} GB/s (algbw is "
+                    f"{n_bytes / seconds / 1e9:.4g} GB/s: which fraction of n must the busiest rank move in this collective?)")
+    return check_answers("bus_bandwidth", fn, table(_BUSBW_CASES, "{0}, n = {1:,} B, N = {2}, t = {3:g} s"),
+                         lambda c, n, N, t: busbw(c, n, t, N), guard=("course_lib.costmodel:*",
+                         "course_lib.costmodel.algorithms:*"), exercise="bus bandwidth", read=number, differ=differ)
 
 
 # ----------------------------------------------------------------------------- find the bug: the logged mean

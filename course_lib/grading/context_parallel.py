@@ -22,7 +22,8 @@ import torch.distributed as dist
 from course_lib.attention import causal_attention
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.traffic import counted_calls
-from course_lib.grading.guard import TORCH_COLLECTIVES, switched_off, time_limit
+from course_lib.grading.guard import TORCH_COLLECTIVES, Shortcut, Tampered, TimeLimit, learner
+from course_lib.grading.harness import check_answers
 from course_lib.parallel.context_parallel import running_block_attention as _running, zigzag_positions
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
@@ -38,9 +39,9 @@ def _qkv(seq, heads, seed, scale, dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------- 1. merge
-def _as_triple(got, what):
+def _as_triple(got, *args):
     if not isinstance(got, (tuple, list)) or len(got) != 3 or not all(isinstance(t, torch.Tensor) for t in got):
-        raise Mismatch(f"{what}: return (acc, m, l) as three tensors, got {type(got).__name__}")
+        raise Mismatch(f"return (acc, m, l) as three tensors, got {type(got).__name__}")
     return got
 
 
@@ -52,44 +53,46 @@ def _compare_running(got, want, tol):
             or compare(acc, want[0], what="acc", **tol))
 
 
+def _merge_case(seq, cut, heads, seed, scale, dtype=torch.float32, swap=False, late=0):
+    """The running forms of keys late..cut and cut.. (the learner's inputs) and of both together."""
+    q, k, v = _qkv(seq, heads, seed, scale, dtype)
+    pos = torch.arange(seq)      # keys from position `late` on: the first queries see none
+    first = _running(q, k[:, :, late:cut], v[:, :, late:cut], pos, pos[late:cut])
+    second = _running(q, k[:, :, cut:], v[:, :, cut:], pos, pos[cut:])
+    return dict(args=(*second, *first) if swap else (*first, *second),
+                want=_running(q, k[:, :, late:], v[:, :, late:], pos, pos[late:]))
+
+
+def _merge_differ(got, want, *args):
+    acc, m, l = got
+    if torch.isnan(acc).any() or torch.isnan(l).any():
+        return ("NaN: where a query sees no key of either block both m are -inf, and exp(-inf - (-inf)) "
+                "is NaN; its acc and l must stay 0" if torch.isinf(want[1]).any() else
+                "NaN: exp overflowed or -inf - -inf; rescale both sides to the larger m")
+    msg = _compare_running((acc, m, l), want, reorder_tolerance(want[0].dtype, *want))
+    normalised = want[0] / want[2].clamp_min(1e-300)[..., None]
+    if msg and compare(acc / l.clamp_min(1e-300)[..., None], normalised,
+                       **reorder_tolerance(want[0].dtype, normalised)) is None:
+        return (f"{msg}: the normalised output is right, but keep the running form: m the larger max, l and acc "
+                f"rescaled to it")
+    return msg
+
+
 def check_merge_running(merge) -> bool:
     """``merge(acc1, m1, l1, acc2, m2, l2)`` must return the running form (acc, m, l) of the
     attention over both key blocks (m the larger max, both sides rescaled to it); the cases
     include queries that see no key of one block (m = -inf, l = 0), queries that see no key of
     either (all stays -inf / 0, no NaN), and scores large enough to overflow a naive exp."""
-    cases = [Case(dict(seq=6, cut=3, heads=2, seed=0, scale=1.0), label="6 tokens, cut at 3 (rows 0-2 see no key of block 2)"),
-             Case(dict(seq=8, cut=1, heads=1, seed=1, scale=1.0), label="8 tokens, cut at 1"),
-             Case(dict(seq=8, cut=7, heads=3, seed=2, scale=1.0, dtype=torch.float64), label="8 tokens, cut at 7, float64"),
-             Case(dict(seq=5, cut=2, heads=2, seed=3, scale=200.0), label="large scores (exp overflows without the max)"),
-             Case(dict(seq=6, cut=3, heads=2, seed=4, scale=1.0, swap=True), label="blocks given in the other order"),
-             Case(dict(seq=8, cut=6, heads=2, seed=5, scale=1.0, late=4),
-                  label="keys at positions 4-7: queries 0-3 see no key of either block")]
-
-    def run(case):
-        p = dict(case.params)
-        q, k, v = _qkv(p["seq"], p["heads"], p["seed"], p["scale"], p.get("dtype", torch.float32))
-        pos = torch.arange(p["seq"])
-        late, cut = p.get("late", 0), p["cut"]      # keys from position `late` on: the first queries see none
-        first = _running(q, k[:, :, late:cut], v[:, :, late:cut], pos, pos[late:cut])
-        second = _running(q, k[:, :, cut:], v[:, :, cut:], pos, pos[cut:])
-        want = _running(q, k[:, :, late:], v[:, :, late:], pos, pos[late:])
-        if p.get("swap"):
-            first, second = second, first
-        with switched_off(CONTEXT_PARALLEL, "the online-softmax merge"), time_limit(SECONDS):
-            got = merge(*(t.clone() for t in first), *(t.clone() for t in second))
-        acc, m, l = _as_triple(got, "merge")
-        if torch.isnan(acc).any() or torch.isnan(l).any():
-            return ("NaN: where a query sees no key of either block both m are -inf, and exp(-inf - (-inf)) "
-                    "is NaN; its acc and l must stay 0" if late else
-                    "NaN: exp overflowed or -inf - -inf; rescale both sides to the larger m")
-        tol = reorder_tolerance(q.dtype, *want)
-        msg = _compare_running((acc, m, l), want, tol)
-        if msg and compare(acc / l.clamp_min(1e-300)[..., None], want[0] / want[2].clamp_min(1e-300)[..., None],
-                           **reorder_tolerance(q.dtype, want[0] / want[2].clamp_min(1e-300)[..., None])) is None:
-            return f"{msg}: the normalised output is right, but keep the running form: m the larger max, l and acc rescaled to it"
-        return msg
-
-    return check("merge_running", cases, run)
+    cases = [Case(_merge_case(**p), label=label) for p, label in (
+        (dict(seq=6, cut=3, heads=2, seed=0, scale=1.0), "6 tokens, cut at 3 (rows 0-2 see no key of block 2)"),
+        (dict(seq=8, cut=1, heads=1, seed=1, scale=1.0), "8 tokens, cut at 1"),
+        (dict(seq=8, cut=7, heads=3, seed=2, scale=1.0, dtype=torch.float64), "8 tokens, cut at 7, float64"),
+        (dict(seq=5, cut=2, heads=2, seed=3, scale=200.0), "large scores (exp overflows without the max)"),
+        (dict(seq=6, cut=3, heads=2, seed=4, scale=1.0, swap=True), "blocks given in the other order"),
+        (dict(seq=8, cut=6, heads=2, seed=5, scale=1.0, late=4),
+         "keys at positions 4-7: queries 0-3 see no key of either block"))]
+    return check_answers("merge_running", merge, cases, None, guard=CONTEXT_PARALLEL, seconds=SECONDS,
+                         exercise="the online-softmax merge", read=_as_triple, differ=_merge_differ)
 
 
 # ----------------------------------------------------------------------------- 2. zigzag
@@ -102,6 +105,7 @@ def check_zigzag_unshard(unshard) -> bool:
              Case(dict(seq=30, n=5, feat=2), label="seq_len=30, cp=5"),
              Case(dict(seq=10, n=2, bad="odd"), label="parts of 5 tokens: must raise ValueError"),
              Case(dict(seq=12, n=2, bad="unequal"), label="parts of 6 and 4 tokens: must raise ValueError")]
+    answer = learner(unshard, CONTEXT_PARALLEL, exercise="the zigzag layout", seconds=SECONDS)
 
     def run(case):
         p = case.params
@@ -114,16 +118,17 @@ def check_zigzag_unshard(unshard) -> bool:
             parts = [full[:, :6], full[:, 6:10]]
         else:
             parts = [full[:, zigzag_positions(p["seq"], p["n"], r)] for r in range(p["n"])]
-        with switched_off(CONTEXT_PARALLEL, "the zigzag layout"), time_limit(SECONDS):
-            if p.get("bad"):
-                try:
-                    unshard([t.clone() for t in parts])
-                except ValueError:
-                    return None
-                except Exception as e:  # noqa: BLE001 - the wrong exception is a hint
-                    return f"raised {type(e).__name__}: {e}, expected ValueError"
-                return "returned a sequence, expected ValueError (each part holds two equal chunks, all parts alike)"
-            got = unshard([t.clone() for t in parts])
+        if p.get("bad"):
+            try:
+                answer([t.clone() for t in parts])
+            except ValueError:
+                return None
+            except (Shortcut, TimeLimit, Tampered):
+                raise
+            except Exception as e:  # noqa: BLE001 - the wrong exception is a hint
+                return f"raised {type(e).__name__}: {e}, expected ValueError"
+            return "returned a sequence, expected ValueError (each part holds two equal chunks, all parts alike)"
+        got = answer([t.clone() for t in parts])
         if isinstance(got, torch.Tensor) and got.shape == full.shape and p["n"] > 1 and \
                 torch.equal(got, torch.cat(parts, 1)):
             return "the parts concatenated: each rank holds two chunks, r and 2cp-1-r, not one contiguous slice"
@@ -139,27 +144,24 @@ def check_block_attention(block_attention) -> bool:
     1/sqrt(d); returns the running form (acc (b, a, s_q, d), m (b, a, s_q), l (b, a, s_q)):
     m the largest visible score, l = sum exp(s - m), acc = sum exp(s - m) v; for a query that
     sees no key, m = -inf and l = acc = 0."""
-    cases = [Case(dict(qp=list(range(6)), kp=list(range(6))), label="one block, causal"),
-             Case(dict(qp=[0, 1, 6, 7], kp=[2, 3, 4, 5]), label="zigzag rank 0's queries, keys 2-5 (rows 0-1 see none)"),
-             Case(dict(qp=[2, 3, 4, 5], kp=[0, 1, 6, 7]), label="queries 2-5, keys 0, 1, 6, 7 (positions, not indexes)"),
-             Case(dict(qp=[0, 1], kp=[4, 5, 6], scale=1.0), label="no query sees a key"),
-             Case(dict(qp=list(range(5)), kp=list(range(5)), scale=300.0), label="large scores"),
-             Case(dict(qp=[3, 9, 10], kp=[1, 2, 9, 11, 12], dtype=torch.float64), label="float64, uneven blocks")]
+    def inputs(qp, kp, scale=1.0, dtype=torch.float32):
+        g = torch.Generator().manual_seed(len(qp) * 10 + len(kp))
+        q = torch.randn(1, 2, len(qp), 8, generator=g, dtype=dtype) * scale
+        k, v = (torch.randn(1, 2, len(kp), 8, generator=g, dtype=dtype) for _ in range(2))
+        return dict(args=(q, k, v, torch.tensor(qp), torch.tensor(kp)))
 
-    def run(case):
-        p = case.params
-        q_pos, k_pos = torch.tensor(p["qp"]), torch.tensor(p["kp"])
-        dtype = p.get("dtype", torch.float32)
-        g = torch.Generator().manual_seed(len(p["qp"]) * 10 + len(p["kp"]))
-        q = torch.randn(1, 2, len(q_pos), 8, generator=g, dtype=dtype) * p.get("scale", 1.0)
-        k, v = (torch.randn(1, 2, len(k_pos), 8, generator=g, dtype=dtype) for _ in range(2))
-        want = _running(q, k, v, q_pos, k_pos)
-        with switched_off(CONTEXT_PARALLEL, "attention over one key block"), time_limit(SECONDS):
-            got = block_attention(q.clone(), k.clone(), v.clone(), q_pos.clone(), k_pos.clone())
-        acc, m, l = _as_triple(got, "block_attention")
+    cases = [Case(inputs(*p), label=label) for p, label in (
+        ((list(range(6)), list(range(6))), "one block, causal"),
+        (([0, 1, 6, 7], [2, 3, 4, 5]), "zigzag rank 0's queries, keys 2-5 (rows 0-1 see none)"),
+        (([2, 3, 4, 5], [0, 1, 6, 7]), "queries 2-5, keys 0, 1, 6, 7 (positions, not indexes)"),
+        (([0, 1], [4, 5, 6], 1.0), "no query sees a key"), ((list(range(5)), list(range(5)), 300.0), "large scores"),
+        (([3, 9, 10], [1, 2, 9, 11, 12], 1.0, torch.float64), "float64, uneven blocks"))]
+
+    def differ(got, want, q, k, v, q_pos, k_pos):
+        acc, m, l = got
         if torch.isnan(acc).any() or torch.isnan(l).any() or torch.isnan(m).any():
             return "NaN: a query that sees no key has m = -inf and l = acc = 0 (exp(s - m) is NaN there)"
-        tol = reorder_tolerance(dtype, *want)
+        tol = reorder_tolerance(q.dtype, *want)
         msg = _compare_running((acc, m, l), want, tol)
         if msg and acc.shape == want[0].shape and m.shape == want[1].shape:
             by_index = _running(q, k, v, torch.arange(len(q_pos)), torch.arange(len(k_pos)))
@@ -169,8 +171,8 @@ def check_block_attention(block_attention) -> bool:
             if compare(m, unscaled[1], **tol) is None:
                 return "scores are not scaled by 1/sqrt(d)"
         return msg
-
-    return check("block_attention", cases, run)
+    return check_answers("block_attention", block_attention, cases, _running, guard=CONTEXT_PARALLEL,
+                         seconds=SECONDS, exercise="attention over one key block", read=_as_triple, differ=differ)
 
 
 # ----------------------------------------------------------------------------- 4. ring attention
@@ -183,9 +185,8 @@ def _ring_harness(fn, seq, heads, scale):
     want = causal_attention(q, k, v, pos, pos)                   # one device, float64
     mine = zigzag_positions(seq, n, r)
     args = [t[:, :, mine].clone() for t in (q, k, v)] + [mine.clone()]
-    with counted_calls() as calls, switched_off(CONTEXT_PARALLEL + TORCH_COLLECTIVES, "the ring"), \
-            time_limit(SECONDS):
-        out = fn(*args)
+    with counted_calls() as calls:
+        out = learner(fn, CONTEXT_PARALLEL, TORCH_COLLECTIVES, exercise="the ring", seconds=SECONDS)(*args)
     if not isinstance(out, torch.Tensor) or out.shape != args[0].shape:
         return f"return this rank's output {tuple(args[0].shape)}, got " + (
             f"{tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)

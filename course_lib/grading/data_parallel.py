@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.grading import Case, Mismatch, check_distributed, compare, learner
 from course_lib.grading import training as T
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.harness import check_answers
 from course_lib.grading.p2p import SameCollectives
 
 # what would do chapter 3's exercises for the learner
@@ -121,24 +122,24 @@ def check_assign_buckets(assign_buckets):
         "float32 and float64 mixed": ([4, 4, 4, 4, 8], 48, (1, 3)),
     }
 
-    answer = learner(assign_buckets, DP_LIBRARY, exercise="bucketing", seconds=10)
+    def params(sizes, cap, doubles):
+        dtypes = [torch.float64 if i in doubles else torch.float32 for i in range(len(sizes))]
+        return [torch.zeros(n, dtype=dt) for n, dt in zip(sizes, dtypes)], cap
 
-    def run(case):
-        sizes, cap, doubles = case.params["sizes"], case.params["cap"], case.params["doubles"]
-        params = [torch.zeros(n, dtype=torch.float64 if i in doubles else torch.float32) for i, n in enumerate(sizes)]
-        expected = course_buckets(params, cap)
-        got = answer(params, cap)
+    def read(got, *args):
         if not isinstance(got, list) or any(not isinstance(b, list) for b in got):
-            return f"expected a list of lists of parameter indexes, got {got!r}"
-        if got != expected:
+            raise Mismatch(f"expected a list of lists of parameter indexes, got {got!r}")
+        return got
+
+    def differ(got, want, sizes, cap, doubles):
+        if got != want:
             kinds = f"float64 at {list(doubles)}, float32 elsewhere" if doubles else "4-byte floats"
             why = (": walk from the last parameter to the first (backward completes the last layer's "
                    "gradients first)" if got and got[0] and got[0][0] == 0 and len(sizes) > 1 else "")
-            return f"sizes {sizes} ({kinds}), cap {cap} bytes: got {got}, expected {expected}{why}"
-        return None
-
-    cases = [Case({"sizes": s, "cap": c, "doubles": d}, label=k) for k, (s, c, d) in lists.items()]
-    return check("assign_buckets", cases, run)
+            return f"sizes {sizes} ({kinds}), cap {cap} bytes: got {got}, expected {want}{why}"
+    return check_answers("assign_buckets", assign_buckets, [Case(dict(args=v), label=k) for k, v in lists.items()],
+                         lambda *a: course_buckets(*params(*a)), guard=DP_LIBRARY, exercise="bucketing",
+                         given=params, read=read, differ=differ)
 
 
 # ----------------------------------------------------------------------------- 2b. overlapped buckets

@@ -28,9 +28,11 @@ import torch
 import torch.nn as nn
 
 from course_lib.debug import desync
-from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner
+from course_lib.grading.harness import check_answers, grads_differ
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 
+_HERE = "course_lib.grading.debugging:"
 LIBRARY = ("course_lib.debug.flight_recorder:*", "course_lib.debug.diagnosis:*", "course_lib.debug.desync:*",
            "course_lib.debug.bisect:*", "course_lib.debug.nonfinite:*")
 
@@ -58,45 +60,42 @@ def _divergence_cases():
     def spmd(n):   # every rank: n rounds of (tp all-reduce, dp all-reduce), on its own groups
         tp, dp = (lambda r: tp0 if r < 2 else tp1), (lambda r: dp0 if r % 2 == 0 else dp1)
         return {r: [c for _ in range(n) for c in ((tp(r),) + ar, (dp(r),) + ar)] for r in range(4)}
-    cases = [Case({"calls": spmd(3)}, label="2x2 mesh, every rank the same program on its own groups")]
+    cases = [Case({"args": (spmd(3),)}, label="2x2 mesh, every rank the same program on its own groups")]
     c = spmd(3)
     c[3][3] = (dp1, "all_reduce", (8, 32))
-    cases.append(Case({"calls": c}, label="rank 3's second dp call has another shape"))
+    cases.append(Case({"args": (c,)}, label="rank 3's second dp call has another shape"))
     c = spmd(3)
     c[2] = c[2][:3]
-    cases.append(Case({"calls": c}, label="rank 2 stopped after 3 calls (never reached the rest)"))
+    cases.append(Case({"args": (c,)}, label="rank 2 stopped after 3 calls (never reached the rest)"))
     c = spmd(2)
     c[1][0], c[1][1] = c[1][1], c[1][0]
-    cases.append(Case({"calls": c}, label="rank 1 made its first two calls in the other order"))
+    cases.append(Case({"args": (c,)}, label="rank 1 made its first two calls in the other order"))
     c = {0: [(tp0,) + ar], 1: []}
-    cases.append(Case({"calls": c}, label="rank 1 has no record at all"))
+    cases.append(Case({"args": (c,)}, label="rank 1 has no record at all"))
     c = spmd(2)
     c[0][2] = (tp0,) + ag
-    cases.append(Case({"calls": c}, label="rank 0 all-gathers where rank 1 all-reduces"))
+    cases.append(Case({"args": (c,)}, label="rank 0 all-gathers where rank 1 all-reduces"))
     for k in range(3):   # random programs on one group of 3 ranks, one planted difference
         g = (0, 1, 2)
         base = [(g, rng.choice(["all_reduce", "broadcast"]), (rng.randint(1, 4), 8)) for _ in range(6)]
         c = {r: list(base) for r in g}
         at = rng.randrange(6)
         c[rng.choice(g)][at] = (g, base[at][1], (9, 8))
-        cases.append(Case({"calls": c}, label=f"one group of 3 ranks, random program {k + 1}"))
+        cases.append(Case({"args": (c,)}, label=f"one group of 3 ranks, random program {k + 1}"))
     return cases
+
+
+def _as_positions(got, calls):
+    if not isinstance(got, dict):
+        raise Mismatch(f"expected a dict {{group: position}}, got {type(got).__name__}")
+    return got
 
 
 def check_divergence(first_divergence) -> bool:
     """``first_divergence(calls) -> {group: position}``; ``calls[rank]`` = [(group, op, shape), ...]."""
-    answer = learner(first_divergence, LIBRARY, "course_lib.grading.debugging:_first_divergence",
-                     exercise="merging the ranks' records", seconds=10)
-
-    def run_case(case):
-        calls = case.params["calls"]
-        want = _first_divergence(calls)
-        got = answer({r: list(v) for r, v in calls.items()})
-        if not isinstance(got, dict):
-            return f"expected a dict {{group: position}}, got {type(got).__name__}"
-        if got != want:
-            return f"got {got}, expected {want} (positions count each group's calls from 1)"
-    return check("first_divergence", _divergence_cases(), run_case)
+    return check_answers("first_divergence", first_divergence, _divergence_cases(), _first_divergence,
+                         guard=(LIBRARY, _HERE + "_first_divergence"), exercise="merging the ranks' records",
+                         read=_as_positions, hint=lambda *_: " (positions count each group's calls from 1)")
 
 
 # ----------------------------------------------------------------------------- 2. fingerprints
@@ -151,40 +150,37 @@ def _grads(local, sizes, kind):
     return {r: total * float(kind) for r in range(dp * cp)}        # a scale
 
 
-def _which_cases():
-    out = []
-    for sizes in ({"dp": 2, "cp": 3}, {"dp": 3, "cp": 2}):
-        for kind in ("ok", "missing cp", "missing dp", "2", "0.5", "3", f"{1 / (sizes['dp'] * sizes['cp'])}"):
-            out.append(Case({"sizes": sizes, "kind": kind}, label=f"dp={sizes['dp']}, cp={sizes['cp']}: {kind}"))
-    return out
-
-
 def _expected(kind):
     if kind in ("ok", "missing cp", "missing dp"):
         return ("ok", None) if kind == "ok" else ("missing", kind.split()[1])
     return ("scaled", float(kind))
 
 
+def _which_cases():
+    out = []
+    for sizes in ({"dp": 2, "cp": 3}, {"dp": 3, "cp": 2}):
+        for kind in ("ok", "missing cp", "missing dp", "2", "0.5", "3", f"{1 / (sizes['dp'] * sizes['cp'])}"):
+            gen = torch.Generator().manual_seed(len(kind) + 7 * sizes["dp"])
+            local = [torch.randn(64, 32, generator=gen) for _ in range(sizes["dp"] * sizes["cp"])]  # float32
+            # one device's gradient: the same sum in another order
+            out.append(Case(dict(args=(_grads(local, sizes, kind), sum(reversed(local)), sizes), want=_expected(kind)),
+                            label=f"dp={sizes['dp']}, cp={sizes['cp']}: {kind}"))
+    return out
+
+
+def _which_differ(got, want, *args):
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"expected a pair like ('missing', 'cp'), got {got!r}"
+    near = want[0] == "scaled" and isinstance(got[1], (int, float)) and abs(got[1] - want[1]) <= 1e-3 * want[1]
+    if got[0] != want[0] or (want[0] == "missing" and got[1] != want[1]) or (want[0] == "scaled" and not near):
+        return f"got {got!r}, expected {want!r}"
+
+
 def check_which_reduction(which_reduction) -> bool:
     """``which_reduction(grads, reference, sizes) -> ("ok", None) | ("missing", dim) | ("scaled", factor)``."""
-    answer = learner(which_reduction, LIBRARY, "course_lib.grading.debugging:_grads",
-                     "course_lib.grading.debugging:_expected", exercise="naming the wrong reduction", seconds=10)
-
-    def run_case(case):
-        sizes, kind = case.params["sizes"], case.params["kind"]
-        gen = torch.Generator().manual_seed(len(kind) + 7 * sizes["dp"])
-        local = [torch.randn(64, 32, generator=gen) for _ in range(sizes["dp"] * sizes["cp"])]  # float32
-        grads = _grads(local, sizes, kind)
-        reference = sum(reversed(local))                          # one device: another order of the sum
-        want = _expected(kind)
-        got = answer({r: g.clone() for r, g in grads.items()}, reference.clone(), dict(sizes))
-        if not (isinstance(got, tuple) and len(got) == 2):
-            return f"expected a pair like ('missing', 'cp'), got {got!r}"
-        if got[0] != want[0] or (want[0] == "missing" and got[1] != want[1]) or \
-                (want[0] == "scaled" and not (isinstance(got[1], (int, float)) and
-                                              abs(got[1] - want[1]) <= 1e-3 * want[1])):
-            return f"got {got!r}, expected {want!r}"
-    return check("which_reduction", _which_cases(), run_case)
+    return check_answers("which_reduction", which_reduction, _which_cases(), None,
+                         guard=(LIBRARY, _HERE + "_grads", _HERE + "_expected"), exercise="naming the wrong reduction",
+                         differ=_which_differ)
 
 
 # ----------------------------------------------------------------------------- 4. the first NaN
@@ -241,19 +237,13 @@ def _nan_case(kind):
 
 def check_first_nan(first_nan_module) -> bool:
     """``first_nan_module(model, x) -> name`` (as in ``model.named_modules()``) or None."""
-    answer = learner(first_nan_module, LIBRARY, "course_lib.grading.debugging:_nan_case",
-                     exercise="finding the first NaN", seconds=10)
     kinds = {"row norm": "a zero row divided by its norm", "parent's own op": "a module makes the NaN itself, "
              "then calls a child", "masked attention": "a -inf mask (on purpose) before a softmax over a row "
              "that hides every key", "none": "no NaN at all"}
-    cases = [Case({"kind": k}, label=v) for k, v in kinds.items()]
-
-    def run_case(case):
-        model, x, want = _nan_case(case.params["kind"])
-        got = answer(model, x)
-        if got != want:
-            return f"got {got!r}, expected {want!r}"
-    return check("first_nan_module", cases, run_case)
+    cases = [Case(dict(args=(model, x), want=want), label=v) for k, v in kinds.items()
+             for model, x, want in [_nan_case(k)]]
+    return check_answers("first_nan_module", first_nan_module, cases, None, guard=(LIBRARY, _HERE + "_nan_case"),
+                         exercise="finding the first NaN")
 
 
 # ----------------------------------------------------------------------------- 5. find and fix
@@ -291,10 +281,8 @@ def _sync_harness(sync, sizes):
     ((net(x) - y) ** 2).sum().div(len(X)).backward()
     # (course_lib.debug stays on: Comm records its calls through it; it fixes nothing)
     learner(sync, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the gradient sync", seconds=20)(net, mesh)
-    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-        bad = compare(p.grad, q.grad, what=name, dtype=torch.float64)
-        if bad:
-            return bad + " (one device's gradient is the sum over every rank holding other rows)"
+    bad = grads_differ(net, ref)
+    return bad and bad + " (one device's gradient is the sum over every rank holding other rows)"
 
 
 def check_sync_fix(sync_gradients) -> bool:
@@ -306,7 +294,6 @@ def check_sync_fix(sync_gradients) -> bool:
 
 
 F64 = torch.float64
-_HERE = "course_lib.grading.debugging:"
 REFERENCES = tuple(_HERE + name for name in ("_boundaries", "_linear", "_token_data", "_rows_of"))
 
 
@@ -412,10 +399,9 @@ def _token_harness(step, splits):
         X, Y, keep, ref = _token_data(counts)
         net = sync_net()
         fn(net, X.chunk(n)[r].clone(), Y.chunk(n)[r].clone(), keep.chunk(n)[r].clone(), comm)
-        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-            bad = compare(p.grad, q.grad, what=name, dtype=F64)
-            if bad:
-                return f"real tokens per rank {list(counts)}: {bad} (one device divides by every rank's real tokens)"
+        bad = grads_differ(net, ref)
+        if bad:
+            return f"real tokens per rank {list(counts)}: {bad} (one device divides by every rank's real tokens)"
 
 
 def check_token_loss(token_step) -> bool:

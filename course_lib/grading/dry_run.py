@@ -11,6 +11,8 @@ are about, stays on.
 from __future__ import annotations
 
 from course_lib.grading import Case, check, learner
+from course_lib.grading.harness import check_answers
+from course_lib.grading.planner import fitting_estimate
 from course_lib.planner import Layout, estimate
 from course_lib.planner import validation as V
 from course_lib.planner.presets import MODELS, ModelSpec, gpt_spec
@@ -59,14 +61,9 @@ def check_layout_for_mfu(choose_layout) -> bool:
         best, _ = _best_mfu(model, hw, n, batch, limit)
         target = _target(best)
         layout = answer(model, hw, n, batch, limit, target)
-        if not isinstance(layout, Layout):
-            return f"expected a planner Layout, got {type(layout).__name__}"
-        if layout.global_batch != batch:
-            return f"the global batch is {batch} sequences, not {layout.global_batch}"
-        est = estimate(model, hw, layout, n_gpus=n)   # ValueError (not valid on n GPUs) -> a hint
-        if est.memory["total"] > limit:
-            return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
-                    f"over the {limit / GiB:.0f} GiB limit")
+        est = fitting_estimate(layout, model, hw, n, batch, limit)   # a ValueError (not valid on n GPUs): a hint
+        if isinstance(est, str):
+            return est
         if est.mfu < target:
             return (f"{layout.describe()} fits but reaches MFU {est.mfu:.1%}, under the target "
                     f"{target:.1%} (the search's best: {best:.1%})")
@@ -115,23 +112,18 @@ def _reference_largest_loss(model, hardware, layout) -> str:
 def check_largest_loss(largest_loss) -> bool:
     """largest_loss(model, hardware, layout) -> which of :data:`CHOICES` costs a published row
     the most time, by the planner's breakdown (``estimate(...).time`` and its FLOP counts)."""
-    answer = learner(largest_loss, SEARCH, BREAKDOWN, REFERENCES, exercise="naming the largest loss", seconds=20)
-
-    def run(case):
-        model, hw, layout = case.params["model"], case.params["hardware"], case.params["layout"]
-        got = answer(model, hw, layout)
+    def differ(got, want, model, hw, layout):
         if got not in CHOICES:
             return f"expected one of {', '.join(map(repr, CHOICES))}, got {got!r}"
-        want = _reference_largest_loss(model, hw, layout)
         if got != want:
-            losses = _losses(estimate(model, hw, layout))
-            step = estimate(model, hw, layout).step_time
-            shares = ", ".join(f"{k} {v / step:.1%}" for k, v in losses.items())
+            est = estimate(model, hw, layout)
+            shares = ", ".join(f"{k} {v / est.step_time:.1%}" for k, v in _losses(est).items())
             return f"got {got!r}, but the planner's breakdown of the step is: {shares}"
-        return None
-    cases = [Case(dict(model=m, hardware=hw, layout=lay), label=f"{label}: {lay.describe()}")
+    cases = [Case(dict(args=(m, hw, lay)), label=f"{label}: {lay.describe()}")
              for label, m, hw, lay in published_rows()]
-    return check("largest_loss", cases, run)
+    return check_answers("largest_loss", largest_loss, cases, _reference_largest_loss,
+                         guard=(SEARCH, BREAKDOWN, REFERENCES), exercise="naming the largest loss", seconds=20,
+                         differ=differ)
 
 
 __all__ = ["check_layout_for_mfu", "check_largest_loss", "mfu_target", "published_rows", "CHOICES"]

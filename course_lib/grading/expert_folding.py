@@ -12,6 +12,7 @@ with a hint) and returns True/False.
 from __future__ import annotations
 
 from course_lib.grading import Case, check, compare
+from course_lib.grading.harness import check_answers
 from course_lib.grading.guard import learner
 from course_lib.moe import capacity
 from course_lib.parallel.mesh import MeshShape
@@ -75,34 +76,31 @@ def check_capacity_factor(smallest_capacity_factor) -> bool:
     assignments one routing group of ``tokens`` tokens sends to expert e (before dropping). Return
     the smallest capacity factor whose capacity ``ceil(cf * tokens * top_k / E)`` drops at most
     ``max_dropped`` assignments (any cf giving that capacity passes)."""
-    cases = [Case(dict(counts=[8, 8, 8, 8], T=16, k=2, budget=0), label="balanced, nothing dropped"),
-             Case(dict(counts=[14, 6, 6, 6], T=16, k=2, budget=0), label="one hot expert, nothing dropped"),
-             Case(dict(counts=[14, 6, 6, 6], T=16, k=2, budget=4), label="one hot expert, 4 drops allowed"),
-             Case(dict(counts=[5, 3, 0, 4, 9, 1, 2, 0], T=12, k=2, budget=3), label="8 experts, 3 drops allowed"),
-             Case(dict(counts=[7, 0, 0], T=7, k=1, budget=6), label="top-1, almost everything may drop"),
-             Case(dict(counts=[10, 10, 10, 2, 10, 6], T=16, k=3, budget=1), label="top-3, 6 experts")]
-    guarded = learner(smallest_capacity_factor, *CAPACITY, exercise="choosing the capacity factor")
+    rows = [([8, 8, 8, 8], 16, 2, 0, "balanced, nothing dropped"),
+            ([14, 6, 6, 6], 16, 2, 0, "one hot expert, nothing dropped"),
+            ([14, 6, 6, 6], 16, 2, 4, "one hot expert, 4 drops allowed"),
+            ([5, 3, 0, 4, 9, 1, 2, 0], 12, 2, 3, "8 experts, 3 drops allowed"),
+            ([7, 0, 0], 7, 1, 6, "top-1, almost everything may drop"),
+            ([10, 10, 10, 2, 10, 6], 16, 3, 1, "top-3, 6 experts")]
 
-    def run(case):
-        p = case.params
-        E, want = len(p["counts"]), _fewest_places(p["counts"], p["budget"])
-        lowest = capacity(p["T"], E, p["k"], 1e-9)          # the grader's capacity, before the learner runs
-        got = guarded(list(p["counts"]), p["T"], p["k"], p["budget"])
+    def differ(got, want, counts, T, k, budget):
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not got > 0:
             return f"return a capacity factor > 0 (a number), got {got!r}"
-        places = capacity(p["T"], E, p["k"], float(got))
-        dropped = sum(max(0, n - places) for n in p["counts"])
+        places = capacity(T, len(counts), k, float(got))
+        dropped = sum(max(0, n - places) for n in counts)
         if got == want and places != want:
             return f"{got} is a capacity (places per expert); return the capacity FACTOR that gives it"
-        if dropped > p["budget"]:
+        if dropped > budget:
             return (f"capacity factor {got} gives {places} places per expert: {dropped} assignments dropped, "
-                    f"more than the {p['budget']} allowed (counts {p['counts']})")
+                    f"more than the {budget} allowed (counts {counts})")
         if places != want:
+            lowest = capacity(T, len(counts), k, 1e-9)
             return (f"capacity factor {got} gives {places} places per expert, but {want} already keep the drops "
-                    f"within {p['budget']}: a smaller factor suffices (capacity at least {lowest})")
-        return None
-
-    return check("smallest_capacity_factor", cases, run)
+                    f"within {budget}: a smaller factor suffices (capacity at least {lowest})")
+    return check_answers("smallest_capacity_factor", smallest_capacity_factor,
+                         [Case(dict(args=row[:4]), label=row[4]) for row in rows],
+                         lambda counts, T, k, budget: _fewest_places(counts, budget), guard=CAPACITY,
+                         exercise="choosing the capacity factor", differ=differ)
 
 
 __all__ = ["check_expert_destinations", "check_capacity_factor"]

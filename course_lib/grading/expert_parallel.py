@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.traffic import counted_calls
-from course_lib.grading.guard import switched_off, time_limit
+from course_lib.grading.guard import learner
+from course_lib.grading.harness import guarded
 from course_lib.moe import capacity_keep, load_balancing_loss, route
 from course_lib.parallel.expert_parallel import dispatch_splits
 
@@ -67,13 +68,14 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
              Case(dict(ep=3, E=9, T=7, k=3, seed=6), label="ep=3, 9 experts, top-3"),
              Case(dict(ep=1, E=3, T=5, k=2, seed=5), label="ep=1: everything stays")]
 
+    answer = learner(split_sizes, EXPERT_PARALLEL, exercise="the dispatch's split sizes", seconds=SECONDS)
+
     def run(case):
         p = case.params
         ep, counts = p["ep"], _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
         for r in range(ep):
             send, recv = dispatch_splits(counts[r], ep), [dispatch_splits(row, ep)[r] for row in counts]
-            with switched_off(EXPERT_PARALLEL, "the dispatch's split sizes"), time_limit(SECONDS):
-                got = split_sizes(counts.clone(), r)
+            got = answer(counts.clone(), r)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
                 return f"rank {r}: return (input_split_sizes, output_split_sizes), got {type(got).__name__}"
             got_send, got_recv = _as_ints(got[0], "input_split_sizes"), _as_ints(got[1], "output_split_sizes")
@@ -113,13 +115,14 @@ def check_switch_aux_loss(aux_loss) -> bool:
         (("random", 5, 8, 2), 3, "5 tokens, 8 experts, top-3"),
         (("random", 7, 5, 4, torch.float64), 2, "float64 logits, top-2"), (("random", 1, 2, 3), 2, "1 token, top-k = E = 2"))]
 
+    answer = learner(aux_loss, ROUTING, exercise="the load-balancing loss", seconds=SECONDS)
+
     def run(case):
         logits, k = logits_of(*case.params["logits"]), case.params["k"]
         mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         expected = load_balancing_loss(ref.softmax(-1), route(ref, k, 1.0)[3], k)   # the library's, in ref's dtype
         expected.backward()
-        with switched_off(ROUTING, "the load-balancing loss"), time_limit(SECONDS):
-            got = aux_loss(mine, k)
+        got = answer(mine, k)
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             return f"return a scalar tensor, got {type(got).__name__}" + (
                 f" of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else "")
@@ -171,11 +174,12 @@ def check_capacity_keep(keep_mask) -> bool:
         ((5, 4, 3, 3), 4, 0, "capacity 0: everything dropped"), ((7, 5, 2, 4), 5, 14, "capacity larger than the tokens"),
         ((torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)), 3, 2, "no tokens"))]
 
+    answer = learner(keep_mask, ROUTING, exercise="the capacity rule", seconds=SECONDS)
+
     def run(case):
         (expert, weight), E, cap = routed(*case.params["routed"]), case.params["E"], case.params["cap"]
         want, by_token = capacity_keep(expert, E, cap, weight), capacity_keep(expert, E, cap)
-        with switched_off(ROUTING, "the capacity rule"), time_limit(SECONDS):
-            got = keep_mask(expert.clone(), weight.clone(), E, cap)
+        got = answer(expert.clone(), weight.clone(), E, cap)
         if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape:
             return f"return a bool tensor of shape {tuple(want.shape)}, got " + (
                 f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__)
@@ -239,10 +243,9 @@ def _ep_harness(fn, T, E, skew):
     everyone = torch.cat([_tokens(s, T, E, skew)[1] for s in range(ep)])   # every rank's tokens' experts
     routed_here = int(((everyone // local) == r).sum())
     xr = x.clone().requires_grad_()
-    guarded = (ROUTING + EXPERT_PARALLEL, "expert parallelism's all-to-alls")
+    run = guarded(ROUTING, EXPERT_PARALLEL, exercise="expert parallelism's all-to-alls", seconds=SECONDS)
     with counted_calls() as calls:             # forward AND backward: both move the rows
-        with switched_off(*guarded), time_limit(SECONDS):
-            y = fn(xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
+        y = run(fn, xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             return f"return this rank's outputs ({T}, {HID}), got " + (
                 f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
@@ -254,8 +257,7 @@ def _ep_harness(fn, T, E, skew):
         if not y.requires_grad:
             return ("the output carries no gradient back to the tokens: the all-to-all must be an autograd "
                     "function whose backward is the all-to-all the other way")
-        with switched_off(*guarded), time_limit(SECONDS):
-            (y * C).sum().backward()
+        run(lambda: (y * C).sum().backward())
     if xr.grad is None:
         return "the tokens got no gradient: the all-to-all's backward is the all-to-all the other way"
     msg = compare(xr.grad, want_x.grad, what="tokens' gradient", **tol)

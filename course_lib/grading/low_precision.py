@@ -15,7 +15,8 @@ import random
 
 import torch
 
-from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.grading import Case, Mismatch, check_distributed, compare, learner
+from course_lib.grading.harness import check_answers
 from course_lib.precision.fp8 import TensorScaling, quantize
 from course_lib.precision.loss_scale import update_scale
 
@@ -54,37 +55,35 @@ def _schedule_cases():
         (_flags("......"), 2.0 ** 126, 2.0, 0.5, 2, "the scale never grows past float32's max"),
         (long_run, 2.0 ** 16, 2.0, 0.5, 2000, "6000 steps with torch's defaults"),
     ]
-    return [Case(params=dict(overflows=f, init_scale=s, growth_factor=g, backoff_factor=b, growth_interval=n),
-                 label=label) for f, s, g, b, n, label in cases]
+    return [Case(params=dict(args=(f, s, g, b, n)), label=label) for f, s, g, b, n, label in cases]
+
+
+def _as_schedule(got, *args):
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise Mismatch("return a pair (scales, stepped): two lists with one entry per step")
+    return list(got[0]), [bool(s) for s in got[1]]
+
+
+def _schedule_differ(got, want, *args):
+    (scales, stepped), (want_scales, want_stepped) = got, want
+    if len(scales) != len(want_scales) or len(stepped) != len(want_stepped):
+        return f"{len(scales)} scales and {len(stepped)} flags for {len(want_scales)} steps: one of each per step"
+    for i, (a, b) in enumerate(zip(stepped, want_stepped)):
+        if a != b:
+            return (f"step {i}: stepped={a}, expected {b} (a step whose gradients overflowed is skipped, every "
+                    f"other one is taken)")
+    for i, (a, b) in enumerate(zip(scales, want_scales)):
+        if compare(float(a), b, exact=True):
+            return (f"the scale at step {i} is {a}, expected {b} (overflow: multiply by the backoff factor "
+                    f"and restart the count of good steps; the growth_interval-th good step in a row "
+                    f"multiplies by the growth factor and restarts the count)")
 
 
 def check_scale_schedule(fn) -> bool:
     """fn(overflows, init_scale, growth_factor, backoff_factor, growth_interval) ->
     (scales, stepped): the scale step i's loss is multiplied by, and whether step i stepped."""
-    answer = learner(fn, LIBRARY, REFERENCES, exercise="the loss scaler's update rule", seconds=10)
-
-    def run(case):
-        p = case.params
-        want_scales, want_stepped = _schedule(**p)
-        got = answer(list(p["overflows"]), p["init_scale"], p["growth_factor"], p["backoff_factor"],
-                     p["growth_interval"])
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            return "return a pair (scales, stepped): two lists with one entry per step"
-        scales, stepped = list(got[0]), [bool(s) for s in got[1]]
-        if len(scales) != len(want_scales) or len(stepped) != len(want_stepped):
-            return f"{len(scales)} scales and {len(stepped)} flags for {len(want_scales)} steps: one of each per step"
-        for i, (a, b) in enumerate(zip(stepped, want_stepped)):
-            if a != b:
-                return (f"step {i}: stepped={a}, expected {b} (a step whose gradients overflowed is "
-                        f"skipped, every other one is taken)")
-        for i, (a, b) in enumerate(zip(scales, want_scales)):
-            if compare(float(a), b, exact=True):
-                return (f"the scale at step {i} is {a}, expected {b} (overflow: multiply by the backoff factor "
-                        f"and restart the count of good steps; the growth_interval-th good step in a row "
-                        f"multiplies by the growth factor and restarts the count)")
-        return None
-
-    return check("scale_schedule", _schedule_cases(), run)
+    return check_answers("scale_schedule", fn, _schedule_cases(), _schedule, guard=(LIBRARY, REFERENCES),
+                         exercise="the loss scaler's update rule", read=_as_schedule, differ=_schedule_differ)
 
 
 # ----------------------------------------------------------------------------- 2. delayed scaling
@@ -104,17 +103,12 @@ def _delayed_cases():
         ([5.0, 1.0, 1.0, 1.0, 1.0], 1, 448.0, "history of one step"),
         (noisy, 16, 448.0, "40 steps, history 16"),
     ]
-    return [Case(params=dict(amaxes=a, history_len=h, fp8_max=m), label=label) for a, h, m, label in cases]
+    return [Case(params=dict(args=(a, h, m)), label=label) for a, h, m, label in cases]
 
 
 def check_delayed_scales(fn) -> bool:
     """fn(amaxes, history_len, fp8_max) -> the scale each step quantises with (delayed scaling)."""
-    answer = learner(fn, LIBRARY, REFERENCES, exercise="delayed scaling's amax history", seconds=10)
-
-    def run(case):
-        p = case.params
-        want = _delayed_scales(**p)
-        got = answer(list(p["amaxes"]), p["history_len"], p["fp8_max"])
+    def differ(got, want, *args):
         if not isinstance(got, (list, tuple)) or len(got) != len(want):
             return f"return one scale per step ({len(want)} of them)"
         for t, (g, w) in enumerate(zip(got, want)):
@@ -122,9 +116,8 @@ def check_delayed_scales(fn) -> bool:
             if compare(float(g), w, dtype=torch.float64, terms=2, scale=w):
                 return (f"step {t}: scale {float(g):.6g}, expected {w:.6g} (fp8_max / the largest amax of the "
                         f"previous history_len steps, this step's not included yet)")
-        return None
-
-    return check("delayed_scales", _delayed_cases(), run)
+    return check_answers("delayed_scales", fn, _delayed_cases(), _delayed_scales, guard=(LIBRARY, REFERENCES),
+                         exercise="delayed scaling's amax history", differ=differ)
 
 
 # ----------------------------------------------------------------------------- 3. quantise
@@ -139,26 +132,21 @@ def _quantize_cases():
         (wide, 2.0 ** -3, torch.float8_e4m3fn, "9 decades, scale 2**-3"),
         (wide, 2.0 ** 4, torch.float8_e5m2, "9 decades, scale 2**4"),
     ]
-    return [Case(params=dict(x=x, scale=s, dtype=d), label=label) for x, s, d, label in cases]
+    return [Case(params=dict(args=(x, s, d)), label=label) for x, s, d, label in cases]
 
 
 def check_quantize_fp8(fn) -> bool:
     """fn(x, scale, dtype) -> x * scale rounded to ``dtype`` (a float8 tensor), saturated."""
-    answer = learner(fn, LIBRARY, REFERENCES, exercise="FP8 quantisation with a scale", seconds=10)
-
-    def run(case):
-        p = case.params
-        want = quantize(**p)
-        got = answer(p["x"].clone(), p["scale"], p["dtype"])
-        if not isinstance(got, torch.Tensor) or got.dtype != p["dtype"]:
+    def differ(got, want, x, scale, dtype):
+        if not isinstance(got, torch.Tensor) or got.dtype != dtype:
             kind = got.dtype if isinstance(got, torch.Tensor) else type(got).__name__
-            return f"return a tensor of dtype {p['dtype']} (the 8-bit codes), got {kind}"
+            return f"return a tensor of dtype {dtype} (the 8-bit codes), got {kind}"
         if not torch.isfinite(got.float()).all():
             return ("an inf or NaN in the result: saturate first (clamp x * scale to +-the format's max, "
                     "torch.finfo(dtype).max)")
         return compare(got.view(torch.uint8), want.view(torch.uint8), exact=True, what="8-bit codes")
-
-    return check("quantize_fp8", _quantize_cases(), run)
+    return check_answers("quantize_fp8", fn, _quantize_cases(), quantize, guard=(LIBRARY, REFERENCES),
+                         exercise="FP8 quantisation with a scale", differ=differ)
 
 
 # ----------------------------------------------------------------------------- 4. the flag over ranks

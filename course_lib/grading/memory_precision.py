@@ -10,11 +10,10 @@ formulas, course_lib.recompute, torch.utils.checkpoint and this module's referen
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from course_lib.grading import Case, check, compare, learner
+from course_lib.grading.harness import check_answers, number
 from course_lib.memory import storage_bytes
 from course_lib.planner.communication import dp_bytes_per_step
 from course_lib.planner.formulas import zero_memory_bytes
@@ -28,12 +27,6 @@ FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.activations:*",
 RECOMPUTE = ("course_lib.recompute:*", "torch.utils.checkpoint:checkpoint", "torch.utils.checkpoint:checkpoint_sequential")
 PRECISION = ("course_lib.precision.mixed:*",)
 __all__ = ["check_activation_bytes", "check_selective_recompute", "check_wire_bytes", "check_model_state_bytes"]
-
-
-def _number(got):
-    if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
-        return f"expected a finite number of bytes, got {got!r}"
-    return None
 
 
 # ----------------------------------------------------------------------------- activation bytes
@@ -52,19 +45,10 @@ ACTIVATION_CASES = [  # s, b, h, a, kv, f, t, sp, policy (bf16 values)
 def _check_bytes(name, fn, reference, cases, exercise, off=(FORMULAS, PRECISION, REFERENCES)) -> bool:
     """Grade fn(**case) -> a byte count against ``reference(**case)`` (exact in float64), with
     the library's formulas (``off``) switched off while fn runs."""
-    answer = learner(fn, *off, exercise=exercise, seconds=10)
-
-    def run(case):
-        want = reference(**case.params)
-        got = answer(**case.params)
-        bad = _number(got)
-        if bad:
-            return bad
-        if compare(float(got), float(want), dtype=torch.float64):
-            return f"got {got:,.0f} bytes, expected {want:,.0f}"
-        return None
-
-    return check(name, [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items())) for c in cases], run)
+    return check_answers(name, fn, [Case(dict(args=c), label=", ".join(f"{k}={v}" for k, v in c.items()))
+                                    for c in cases], reference, guard=off, exercise=exercise, read=number,
+                         differ=lambda got, want, **_: compare(float(got), float(want), dtype=torch.float64)
+                         and f"got {got:,.0f} bytes, expected {want:,.0f}")
 
 
 def _reference_activation_bytes(s, b, h, a, kv, f, t, sp, policy):

@@ -22,6 +22,7 @@ import torch
 
 from course_lib.grading import Case, Mismatch, check, explain
 from course_lib.grading.guard import learner
+from course_lib.grading.harness import check_answers
 from course_lib.lab.nd_exercise_runs import (DATA_DIMS_RUNS, RECORDED, composed_runs_with, measure_layouts,
                                              record_and_answer, recorded_from, recorded_runs, tiny_config)
 from course_lib.launch import LaunchTimeout, launch
@@ -60,15 +61,11 @@ def check_rank_groups(rank_groups) -> bool:
               dict(dp=1, pp=2, cp=2, tp=3), dict(dp=4, pp=2, ep=2), dict(dp=6, tp=2, ep=3)]
     dim_sets = [("tp",), ("cp",), ("pp",), ("dp",), ("dp", "cp"), ("dp", "cp", "tp"), ("pp", "tp"),
                 ("dp", "pp", "cp")]
-    cases = [Case(params=dict(sizes=s, dims=d), label=f"{', '.join(f'{k}={v}' for k, v in s.items())}: groups "
+    cases = [Case(params=dict(args=(s, d)), label=f"{', '.join(f'{k}={v}' for k, v in s.items())}: groups "
                   f"along {'+'.join(d)}") for s in shapes
              for d in dim_sets + ([("ep",), ("edp",), ("cp", "edp")] if "ep" in s else [])]
-    guarded = learner(rank_groups, MESH_ARITHMETIC, ANSWERS, exercise="the mesh's rank arithmetic", seconds=10)
 
-    def run(case):
-        sizes, dims = case.params["sizes"], case.params["dims"]
-        want = _groups(sizes, dims)
-        got = _as_groups(guarded(dict(sizes), tuple(dims)))
+    def differ(got, want, sizes, dims):
         if got == want:
             return None
         if sorted(r for g in got for r in g) != sorted(r for g in want for r in g):
@@ -76,7 +73,8 @@ def check_rank_groups(rank_groups) -> bool:
         if "ep" in dims and got == _groups(sizes, ("edp",)):
             return "got the edp groups: an EP group is ep CONSECUTIVE dp indexes (the ranks that split the experts)"
         return f"got {got}, expected {want} (TP innermost: rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i)"
-    return check("rank_groups", cases, run)
+    return check_answers("rank_groups", rank_groups, cases, _groups, guard=(MESH_ARITHMETIC, ANSWERS),
+                         exercise="the mesh's rank arithmetic", read=lambda got, *_: _as_groups(got), differ=differ)
 
 
 # ============================================================================ 2. choose a layout

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.traffic import counted_calls
-from course_lib.grading.guard import switched_off, time_limit
+from course_lib.grading.guard import learner
+from course_lib.grading.harness import check_answers, number
 from course_lib import schedules as S
 from course_lib.lab.pipeline_runs import trained_like_one_device
 from course_lib.trace import Span
@@ -74,12 +75,13 @@ def _cases(shapes, on_ranks=None):
 
 
 def _compare_to(fn, reference_fn, what):
+    fn = learner(fn, LIBRARY_SCHEDULES, exercise=what, seconds=SECONDS)
+
     def run(case):
         p, m, v = case.params["p"], case.params["m"], case.params.get("v", 1)
         args = (p, m) if "v" not in case.params else (p, m, v)
         want = reference_fn(*args)                       # before the library goes off
-        with switched_off(LIBRARY_SCHEDULES, what), time_limit(SECONDS):
-            answer = fn(*args)
+        answer = fn(*args)
         got = _as_schedule(answer, p, m, v)
         if isinstance(got, str):
             try:                                         # name the mistake too, where the shape allows
@@ -118,11 +120,11 @@ def check_zero_bubble(fn) -> bool:
     """fn(p, m) -> a schedule with every B split off its W; at most p micro-batches live
     per rank, and a simulated bubble (t_f = t_b_input = t_w = 1) no larger than ZB-H1's."""
     cases = _cases([(2, 4), (3, 6), (4, 8), (4, 12), (4, 2), (3, 5), (1, 2)])
+    answer = learner(fn, LIBRARY_SCHEDULES, exercise="placing the W passes", seconds=SECONDS)
+
     def run(case):
         p, m = case.params["p"], case.params["m"]
-        with switched_off(LIBRARY_SCHEDULES, "placing the W passes"), time_limit(SECONDS):
-            answer = fn(p, m)
-        got = _as_schedule(answer, p, m)
+        got = _as_schedule(answer(p, m), p, m)
         if isinstance(got, str):
             return got
         for r, row in enumerate(got):
@@ -162,18 +164,10 @@ def check_bubble(fn) -> bool:
                                             ("zb-h1", 3, 6, 1), ("1f1b", 3, 5, 1))):
         spans = _irregular_trace(name, p, m, v, seed)
         for rank in sorted({0, p // 2, p - 1}):
-            cases.append(Case(params=dict(spans=spans, rank=rank),
+            cases.append(Case(params=dict(args=(spans, rank)),
                               label=f"{name}, p={p}, m={m}, random action times, rank {rank}"))
 
-    def run(case):
-        spans, rank = case.params["spans"], case.params["rank"]
-        want = S.bubble(spans, rank)                     # idle / step, compute spans only
-        with switched_off(["course_lib.schedules:bubble", "course_lib.schedules:formula_bubble",
-                           "course_lib.schedules:bubble_fraction"], "measuring the bubble of a trace"), \
-                time_limit(SECONDS):
-            got = fn(list(spans), rank)
-        if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
-            return f"expected a number, got {got!r}"
+    def differ(got, want, spans, rank):
         if math.isclose(got, want, abs_tol=1e-9):
             return None
         mine = [s for s in spans if s.rank == rank and s.kind == "compute"]
@@ -185,7 +179,9 @@ def check_bubble(fn) -> bool:
         if every and got < want - 1e-9:
             return f"got {got:.4f}, expected {want:.4f}: communication and idle spans are not work"
         return f"got {got:.4f}, expected {want:.4f} (idle time / step time, compute spans only)"
-    return check("bubble_fraction", cases, run)
+    return check_answers("bubble_fraction", fn, cases, S.bubble, read=number, differ=differ, seconds=SECONDS,
+                         guard=["course_lib.schedules:bubble", "course_lib.schedules:formula_bubble",
+                                "course_lib.schedules:bubble_fraction"], exercise="measuring the bubble of a trace")
 
 
 # ----------------------------------------------------------------------------- a real pipeline step
@@ -229,10 +225,11 @@ def _pipeline_harness(fn, m, b):
     mbs = list(x.chunk(m)) if r == 0 else None
     targets = list(y.chunk(m)) if r == p - 1 else None
     from course_lib.parallel import PipelineParallel
-    with counted_calls() as calls, switched_off([PipelineParallel, *LIBRARY_SCHEDULES],
-                                                "the pipeline's sends and receives"), time_limit(SECONDS):
+    answer = learner(fn, PipelineParallel, LIBRARY_SCHEDULES, exercise="the pipeline's sends and receives",
+                     seconds=SECONDS)
+    with counted_calls() as calls:
         try:
-            got = fn(stage, mbs, targets, m, (b, H))
+            got = answer(stage, mbs, targets, m, (b, H))
         except (TypeError, AttributeError) as exc:
             if "NoneType" not in str(exc) and "None" not in str(exc):
                 raise

@@ -12,8 +12,8 @@ one line and returns True/False.
 from __future__ import annotations
 
 from course_lib import schedules as S
-from course_lib.grading import Case, check
-from course_lib.grading.guard import learner
+from course_lib.grading import Mismatch
+from course_lib.grading.harness import check_answers, table
 from course_lib.parallel.pipeline.rules import partition_layers
 
 SECONDS = 10
@@ -35,15 +35,12 @@ def check_v_placement(fn) -> bool:
     """fn(n_layers, p) -> {rank: [layer indices]}: the model cut into 2p balanced stages of
     contiguous layers (the first ``n_layers % 2p`` one layer longer), rank r holding stages r and
     2p - 1 - r."""
-    guarded = learner(fn, *LIBRARY_PLACEMENT, exercise="the V placement", seconds=SECONDS)
-
-    def run(case):
-        n, p = case.params["n_layers"], case.params["p"]
-        want = reference_v_placement(n, p)
-        got = guarded(n, p)
+    def read(got, n, p):
         if not isinstance(got, dict) or sorted(got) != list(range(p)):
-            return f"expected a dict {{rank: [layers]}} for ranks 0..{p - 1}, got {got!r}"[:200]
-        got = {r: sorted(int(x) for x in layers) for r, layers in got.items()}
+            raise Mismatch(f"expected a dict {{rank: [layers]}} for ranks 0..{p - 1}, got {got!r}"[:200])
+        return {r: sorted(int(x) for x in layers) for r, layers in got.items()}
+
+    def differ(got, want, n, p):
         if got == want:
             return None
         loop = {r: [x for s in range(r, 2 * p, p) for x in partition_layers(n, 2 * p)[s]] for r in range(p)}
@@ -54,8 +51,9 @@ def check_v_placement(fn) -> bool:
         r = next(r for r in range(p) if got[r] != want[r])
         return f"rank {r}: got layers {got[r]}, expected {want[r]} (balanced stages: the first n % 2p one longer)"
     shapes = [(8, 2), (8, 4), (7, 2), (9, 4), (6, 3), (2, 1), (13, 5)]
-    return check("v_placement", [Case(params=dict(n_layers=n, p=p), label=f"n_layers={n}, p={p}") for n, p in shapes],
-                 run)
+    return check_answers("v_placement", fn, table(shapes, "n_layers={}, p={}"), reference_v_placement,
+                         guard=LIBRARY_PLACEMENT, exercise="the V placement", seconds=SECONDS, read=read,
+                         differ=differ)
 
 
 def _step(schedule, p):
@@ -67,12 +65,7 @@ def check_zb_v(fn) -> bool:
     """fn(p, m) -> [[(op, stage, mb), ...] per rank]: a ZB-V schedule over 2p stages in V order,
     every backward split into B and W, whose step on the unit clock (a chunk's F 1, B 1, W 1) is
     no longer than ZB-V's and which holds no more micro-batches than ZB-V (1F1B's memory)."""
-    guarded = learner(fn, *LIBRARY_V, exercise="the ZB-V schedule", seconds=SECONDS)
-
-    def run(case):
-        p, m = case.params["p"], case.params["m"]
-        want = S.zero_bubble_v(p, m)
-        answer = guarded(p, m)
+    def differ(answer, want, p, m):
         try:
             got = S.validate(answer, p, m, 2)
         except ValueError as e:
@@ -88,9 +81,9 @@ def check_zb_v(fn) -> bool:
         step, best = _step(got, p), _step(want, p)
         if step > best + 1e-9:
             return f"valid, but the step takes {step:g} units on the unit clock, ZB-V's {best:g}: fill the bubbles"
-        return None
     shapes = [(2, 4), (3, 6), (4, 8), (2, 3), (4, 9), (1, 2), (3, 2), (2, 1)]
-    return check("zb_v", [Case(params=dict(p=p, m=m), label=f"p={p}, m={m}") for p, m in shapes], run)
+    return check_answers("zb_v", fn, table(shapes, "p={}, m={}"), S.zero_bubble_v, guard=LIBRARY_V,
+                         exercise="the ZB-V schedule", seconds=SECONDS, differ=differ)
 
 
 __all__ = ["check_v_placement", "check_zb_v"]

@@ -16,6 +16,7 @@ import math
 import torch
 
 from course_lib.grading import Case, check, compare, learner
+from course_lib.grading.harness import check_answers, check_in_process, number
 from course_lib.planner import Layout, estimate
 from course_lib.planner import formulas as F
 from course_lib.planner.search import search
@@ -52,21 +53,13 @@ def _reference_memory_per_gpu(layer_params, layers, s, b, h, a, t, p, d, zero, m
 
 def check_memory_per_gpu(fn) -> bool:
     """fn(layer_params, layers, s, b, h, a, t, p, d, zero, m) -> bytes on the first stage's GPU."""
-    cases = [Case(params=c, label=", ".join(f"{k}={v}" for k, v in c.items() if k != "layer_params"))
+    cases = [Case(params=dict(args=c), label=", ".join(f"{k}={v}" for k, v in c.items() if k != "layer_params"))
              for c in MEMORY_CASES]
-
-    answer = learner(fn, FORMULAS, REFERENCES, exercise="the memory of a layout", seconds=10)
-
-    def run(case):
-        want = _reference_memory_per_gpu(**case.params)
-        got = answer(**case.params)
-        if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
-            return f"expected a finite number of bytes, got {got!r}"
-        # the same float64 formula in another order: the one-step rounding bound (course_lib.tolerance)
-        if compare(float(got), float(want), dtype=torch.float64):
-            return f"got {got / GiB:.3f} GiB, expected {want / GiB:.3f} GiB"
-        return None
-    return check("memory_per_gpu", cases, run)
+    # the same float64 formula in another order: the one-step rounding bound (course_lib.tolerance)
+    return check_answers("memory_per_gpu", fn, cases, _reference_memory_per_gpu, guard=(FORMULAS, REFERENCES),
+                         exercise="the memory of a layout", read=number,
+                         differ=lambda got, want, **_: compare(float(got), float(want), dtype=torch.float64)
+                         and f"got {got / GiB:.3f} GiB, expected {want / GiB:.3f} GiB")
 
 
 # ----------------------------------------------------------------------------- 1F1B step, unequal stages
@@ -116,19 +109,10 @@ def check_step_time_1f1b(step_time_1f1b, timeout: float = 20.0) -> bool:
     times f, backward times b (lists of length p), m micro-batches and t_comm per message,
     graded against the discrete-event simulator of chapter 6 (exact: integer times). Each
     case runs in a process of its own, so an endless loop becomes a hint, not a hang."""
-    from course_lib.launch import LaunchTimeout, launch
-
-    cases = [Case(params=dict(f=f, b=b, m=m, t_comm=t), label=f"f={list(f)}, b={list(b)}, m={m}, t_comm={t}")
-             for f, b, m, t in STEP_CASES]
-
-    def run(case):
-        try:
-            [outcome] = launch(_step_time_harness, 1, step_time_1f1b, timeout=timeout, quiet=True, **case.params)
-        except LaunchTimeout:
-            return (f"no answer after {timeout:g} s: an endless loop? (a rank waiting for an action "
-                    f"that never runs must not spin forever)")
-        return outcome
-    return check("step_time_1f1b", cases, run)
+    cases = [Case(params=dict(step_time_1f1b=step_time_1f1b, f=f, b=b, m=m, t_comm=t),
+                  label=f"f={list(f)}, b={list(b)}, m={m}, t_comm={t}") for f, b, m, t in STEP_CASES]
+    return check_in_process("step_time_1f1b", _step_time_harness, cases, timeout, hang="an endless loop? (a rank "
+                            "waiting for an action that never runs must not spin forever)")
 
 
 # ----------------------------------------------------------------------------- choose a layout
@@ -146,6 +130,20 @@ def _best_layout(model, n_gpus, global_batch, memory_limit):
     return result.best.tokens_per_second, result.best.layout
 
 
+def fitting_estimate(layout, model, hardware, n_gpus, global_batch, memory_limit):
+    """The planner's estimate of a learner's ``layout``, or the hint when it is no Layout, has
+    another global batch, is not valid on ``n_gpus`` (estimate's ValueError) or does not fit."""
+    if not isinstance(layout, Layout):
+        return f"expected a planner Layout, got {type(layout).__name__}"
+    if layout.global_batch != global_batch:
+        return f"the global batch is {global_batch} sequences, not {layout.global_batch}"
+    est = estimate(model, hardware, layout, n_gpus=n_gpus)
+    if est.memory["total"] > memory_limit:
+        return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
+                f"over the {memory_limit / GiB:.0f} GiB limit")
+    return est
+
+
 def check_layout(choose_layout) -> bool:
     """choose_layout(model, n_gpus, global_batch, memory_limit) -> a planner Layout for H100s
     ("h100-sxm"), sequences of 8192 tokens: valid on n_gpus, under memory_limit bytes per GPU,
@@ -156,14 +154,9 @@ def check_layout(choose_layout) -> bool:
         model, n, batch, limit = (case.params[k] for k in ("model", "n_gpus", "global_batch", "memory_limit"))
         best, best_layout = _best_layout(model, n, batch, limit)
         layout = answer(model, n, batch, limit)
-        if not isinstance(layout, Layout):
-            return f"expected a planner Layout, got {type(layout).__name__}"
-        if layout.global_batch != batch:
-            return f"the global batch is {batch} sequences, not {layout.global_batch}"
-        est = estimate(model, "h100-sxm", layout, n_gpus=n)   # ValueError (not valid on n GPUs) -> hint
-        if est.memory["total"] > limit:
-            return (f"{layout.describe()} needs {est.memory['total'] / GiB:.1f} GiB per GPU, "
-                    f"over the {limit / GiB:.0f} GiB limit")
+        est = fitting_estimate(layout, model, "h100-sxm", n, batch, limit)
+        if isinstance(est, str):
+            return est
         share = est.tokens_per_second / best
         if share < LAYOUT_MIN_SHARE:
             return (f"{layout.describe()} fits but runs {est.tokens_per_second:.4g} tokens/s, "
@@ -200,19 +193,12 @@ def _reference_min_pipeline_stages(model, tp, dp, global_batch, hardware="h100-s
 def check_min_pipeline_stages(fn) -> bool:
     """fn(model, tp, dp, global_batch) -> the fewest pipeline stages (from 1, 2, 4, ..., 32) that
     make the layout fit on H100s, or None."""
-    cases = [Case(params=dict(model=m, tp=t, dp=d, global_batch=g), label=f"{m}, TP {t}, DP {d}, {g} sequences")
-             for m, t, d, g in PP_CASES]
-
-    answer = learner(fn, SEARCH, REFERENCES, exercise="the search for the fewest stages", seconds=20)
-
-    def run(case):
-        want = _reference_min_pipeline_stages(**case.params)
-        got = answer(**case.params)
-        if got != want:
-            return (f"got {got!r}, expected {want!r}" +
-                    (": no PP in 1..32 fits" if want is None else f" (PP {want} is the first that fits in 80 GB)"))
-        return None
-    return check("min_pipeline_stages", cases, run)
+    cases = [Case(params=dict(args=dict(model=m, tp=t, dp=d, global_batch=g)), label=f"{m}, TP {t}, DP {d}, {g} "
+                  f"sequences") for m, t, d, g in PP_CASES]
+    return check_answers("min_pipeline_stages", fn, cases, _reference_min_pipeline_stages, guard=(SEARCH, REFERENCES),
+                         exercise="the search for the fewest stages", seconds=20,
+                         hint=lambda got, want, **_: ": no PP in 1..32 fits" if want is None
+                         else f" (PP {want} is the first that fits in 80 GB)")
 
 
 __all__ = ["check_memory_per_gpu", "check_step_time_1f1b", "check_layout", "check_min_pipeline_stages"]

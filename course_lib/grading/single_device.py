@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from course_lib.grading import Case, check, check_distributed, compare, learner
+from course_lib.grading.harness import check_answers, check_in_process, grads_differ, table
+from course_lib.memory import model_state_bytes
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 from course_lib.grading.p2p import SameCollectives
 
@@ -53,31 +55,33 @@ def _state_case(kind: str):
     return model, opt
 
 
+def _held(kind: str) -> dict:
+    """The reference: the library's count of the case's storages."""
+    held = model_state_bytes(*_state_case(kind))
+    return {"params": held["parameters"], "grads": held["gradients"], "optimizer": held["optimizer_state"]}
+
+
+_WHY = {"params": "is a storage counted twice (a tied weight counts once)?",
+        "grads": "a frozen or unused parameter has no gradient (p.grad is None)",
+        "optimizer": "count every tensor in optimizer.state, once"}
+
+
+def _state_differ(got, want, kind):
+    if not isinstance(got, dict):
+        return f"expected a dict with keys params, grads, optimizer; got {type(got).__name__}"
+    for key in want:
+        if key not in got:
+            return f"the dict has no {key!r} key"
+        msg = compare(got[key], want[key], exact=True, what=key)     # bytes: integers
+        if msg:
+            return msg + (f": {_WHY[key]}" if isinstance(got[key], (int, float)) and got[key] > want[key] else "")
+
+
 def check_state_bytes(state_bytes) -> bool:
     """``state_bytes(model, optimizer) -> {"params": int, "grads": int, "optimizer": int}``."""
-    from course_lib.memory import model_state_bytes
-
-    answer = learner(state_bytes, MEMORY_LIBRARY, exercise="counting storages", seconds=20)
-
-    def run_case(case):
-        model, opt = _state_case(case.params["kind"])
-        held = model_state_bytes(model, opt)
-        expected = {"params": held["parameters"], "grads": held["gradients"], "optimizer": held["optimizer_state"]}
-        got = answer(model, opt)
-        if not isinstance(got, dict):
-            return f"expected a dict with keys params, grads, optimizer; got {type(got).__name__}"
-        for key in ("params", "grads", "optimizer"):
-            if key not in got:
-                return f"the dict has no {key!r} key"
-            msg = compare(got[key], expected[key], exact=True, what=key)     # bytes: integers
-            if msg:
-                why = {"params": "is a storage counted twice (a tied weight counts once)?",
-                       "grads": "a frozen or unused parameter has no gradient (p.grad is None)",
-                       "optimizer": "count every tensor in optimizer.state, once"}[key]
-                return msg + (f": {why}" if isinstance(got[key], (int, float)) and got[key] > expected[key] else "")
-        return None
-
-    return check("state_bytes", [Case({"kind": k}, label=label) for k, label in _STATE_CASES.items()], run_case)
+    return check_answers("state_bytes", state_bytes, table(((k,) for k in _STATE_CASES), _STATE_CASES.get), _held,
+                         guard=MEMORY_LIBRARY, exercise="counting storages", seconds=20, given=_state_case,
+                         differ=_state_differ)
 
 
 # ----------------------------------------------------------------------------- 2. the largest micro-batch
@@ -97,7 +101,6 @@ _FIT_CASES = [
 
 def _training_bytes(cfg_kwargs, batches):
     """(fp32 AdamW state after one step, {b: activation bytes of model(idx, targets)})."""
-    from course_lib.memory import model_state_bytes
     from course_lib.models import GPTConfig, TinyGPT, saved_activations
 
     cfg = GPTConfig(**cfg_kwargs)
@@ -141,19 +144,10 @@ def check_max_micro_batch(max_micro_batch, timeout: float = 30.0) -> bool:
     """``max_micro_batch(cfg, budget_bytes) -> int``: the largest b whose fp32 AdamW training
     state plus the activations TinyGPT(cfg) saves for a (b, seq_len) batch fit the budget,
     0 if none; budgets are set exactly on the boundaries from a real count."""
-    from course_lib.launch import LaunchTimeout, launch
-
-    def run_case(case):
-        try:
-            [outcome] = launch(_fit_harness, 1, max_micro_batch, timeout=timeout, quiet=True, **case.params)
-        except LaunchTimeout:
-            return f"no answer after {timeout:g} s: an endless search?"
-        return outcome
-
-    cases = [Case(dict(cfg_name=c, b=b, extra=e), label=f"{c}, budget = state + activations(b={b})"
-                  + ("" if e == 0 else " - 1 byte" if e == -1 else " + half a sequence"))
-             for c, b, e in _FIT_CASES]
-    return check("max_micro_batch", cases, run_case)
+    cases = [Case(dict(max_micro_batch=max_micro_batch, cfg_name=c, b=b, extra=e),
+                  label=f"{c}, budget = state + activations(b={b})"
+                  + ("" if e == 0 else " - 1 byte" if e == -1 else " + half a sequence")) for c, b, e in _FIT_CASES]
+    return check_in_process("max_micro_batch", _fit_harness, cases, timeout, hang="an endless search?")
 
 
 # ----------------------------------------------------------------------------- 3. averaging gradients
@@ -228,14 +222,9 @@ def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_
         # one step's gradients: the one-step bound (course_lib.tolerance), one scale for them all; at
         # step 1 the parameters differ by one SGD step of that rounding, a second-order change
         largest = max([float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None] or [0.0])
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            if (p.grad is None) != (q.grad is None):
-                return f"step {step}: {name}.grad is {'None' if p.grad is None else 'set'}, expected " \
-                       f"{'None' if q.grad is None else 'a gradient'}"
-            if p.grad is not None:
-                msg = compare(p.grad, q.grad, dtype=q.grad.dtype, scale=largest, what=f"step {step} {name}.grad")
-                if msg:
-                    return msg
+        msg = grads_differ(mine, ref, f"step {step}: ", scale=largest)
+        if msg:
+            return msg
         opt.step()
     return None
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from course_lib.lab.benchmarks import tensor_parallel_layer_bytes
 from course_lib.grading import Case, check, check_distributed, compare, reorder_tolerance
 from course_lib.grading.traffic import counted_calls
-from course_lib.grading.guard import switched_off, time_limit
+from course_lib.grading.guard import learner
+from course_lib.grading.harness import guarded
 from course_lib.parallel.vocab_parallel import shard_range
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
@@ -71,11 +72,10 @@ def _apply(fn_class, x, what):
 # ----------------------------------------------------------------------------- 1. f and g
 def _f_g_harness(f_class, g_class, dtype=torch.float64):
     r, t, (Y, dX, dW1, dW2), tol, X, w1, w2, C = _setup(dtype)
-    x = X.clone().requires_grad_()
-    with switched_off(LIBRARY, "Megatron's f and g"), time_limit(SECONDS):
-        y = _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
-                   "ReduceFromParallel")
-        (y * C).sum().backward()
+    x, run = X.clone().requires_grad_(), guarded(LIBRARY, exercise="Megatron's f and g", seconds=SECONDS)
+    y = run(lambda: _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
+                           "ReduceFromParallel"))
+    run(lambda: (y * C).sum().backward())
     if compare(y.detach(), Y, what="y", **tol):
         return ("the MLP's output is wrong: each rank's row layer gives a PARTIAL sum of the output, g's "
                 "forward must add them over ranks (all-reduce) | " + compare(y.detach(), Y, what="y", **tol))
@@ -113,9 +113,9 @@ def _vocab_harness(fn, vocab, offset, n=10, dtype=torch.float64, smoothing=0.0):
     plain = F.cross_entropy(logits, targets, reduction="none")
     tol = reorder_tolerance(dtype, expected, whole.grad)
     start, stop = shard_range(vocab, t, r)
-    with counted_calls() as calls, switched_off(LIBRARY, "the vocabulary-parallel cross-entropy"), \
-            time_limit(SECONDS):
-        out = fn(logits[:, start:stop].clone(), targets.clone(), start, vocab, smoothing)
+    with counted_calls() as calls:
+        out = learner(fn, LIBRARY, exercise="the vocabulary-parallel cross-entropy", seconds=SECONDS)(
+            logits[:, start:stop].clone(), targets.clone(), start, vocab, smoothing)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         return f"return (loss per token (N,), gradient of the loss sum w.r.t. my logits (N, V_r)), got {out!r}"
     loss, grad = out
@@ -158,18 +158,18 @@ def check_vocab_parallel_loss(vocab_parallel_loss):
 def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
     r, t, (Y, dX, dW1, dW2), tol, X, w1, w2, C = _setup(dtype)
     xs = X.chunk(t, 0)[r].clone().requires_grad_()                # my s/t tokens, (s/t, b, h)
-    with switched_off(LIBRARY, "the sequence-parallel pair"), time_limit(SECONDS):
-        full = _apply(gather_class, xs, "AllGatherSequence")
-        if tuple(full.shape) != tuple(X.shape):
-            return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
-        if compare(full.detach(), X, **tol):
-            return "AllGatherSequence's forward: every rank's tokens, in rank order, along dim 0"
-        partial = F.linear(F.relu(F.linear(full, w1)), w2)            # (s, b, h): a partial sum
-        ys = _apply(scatter_class, partial, "ReduceScatterSequence")
-        if compare(ys.detach(), Y.chunk(t, 0)[r], **tol):
-            return ("ReduceScatterSequence's forward: the SUM over ranks of the partial outputs, this rank keeping "
-                    "its own s/t tokens | " + compare(ys.detach(), Y.chunk(t, 0)[r], what="y", **tol))
-        (ys * C.chunk(t, 0)[r]).sum().backward()
+    run = guarded(LIBRARY, exercise="the sequence-parallel pair", seconds=SECONDS)
+    full = run(_apply, gather_class, xs, "AllGatherSequence")
+    if tuple(full.shape) != tuple(X.shape):
+        return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
+    if compare(full.detach(), X, **tol):
+        return "AllGatherSequence's forward: every rank's tokens, in rank order, along dim 0"
+    partial = F.linear(F.relu(F.linear(full, w1)), w2)            # (s, b, h): a partial sum
+    ys = run(_apply, scatter_class, partial, "ReduceScatterSequence")
+    if compare(ys.detach(), Y.chunk(t, 0)[r], **tol):
+        return ("ReduceScatterSequence's forward: the SUM over ranks of the partial outputs, this rank keeping "
+                "its own s/t tokens | " + compare(ys.detach(), Y.chunk(t, 0)[r], what="y", **tol))
+    run(lambda: (ys * C.chunk(t, 0)[r]).sum().backward())
     if xs.grad is None or compare(xs.grad, dX.chunk(t, 0)[r], **tol):
         return ("the forward is right, the input's gradient is not: the transpose of an all-gather is a "
                 "reduce-scatter, of a reduce-scatter an all-gather")
@@ -202,6 +202,9 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
     from course_lib.launch import launch
 
     counted = {}
+    predict = learner(tp_bytes_per_layer, "course_lib.planner.communication:*",
+                      "course_lib.lab.benchmarks:tensor_parallel_layer_bytes", exercise="predicting the bytes",
+                      seconds=SECONDS)
 
     def run(case):
         t, mode, k = case.params["t"], case.params["mode"], case.params["layer"]
@@ -210,9 +213,7 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
         sp, regather = MODES[mode]
         s, b, h, _, dtype = LAYERS[k]
         size = torch.empty((), dtype=dtype).element_size()
-        with switched_off(["course_lib.planner.communication:*", "course_lib.lab.benchmarks:tensor_parallel_layer_bytes"],
-                          "predicting the bytes"), time_limit(SECONDS):
-            got = tp_bytes_per_layer(s, b, h, t, sp, regather, size)
+        got = predict(s, b, h, t, sp, regather, size)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             return f"return a number of bytes, got {got!r}"
         measured = counted[t][(k, mode)]
@@ -239,13 +240,13 @@ def _bias_harness(fn, dtype=torch.float64):
     tol = reorder_tolerance(dtype, Y, *(v.grad for v in ref))
     mine = [X.clone(), W1.chunk(t, 0)[r].clone(), b1.chunk(t, 0)[r].clone(), W2.chunk(t, 1)[r].clone(), b2.clone()]
     mine = [v.requires_grad_() for v in mine]
-    with switched_off(LIBRARY, "a tensor-parallel MLP with biases"), time_limit(SECONDS):
-        y = fn(*mine)
-        if not isinstance(y, torch.Tensor) or y.shape != Y.shape:
-            return f"return the MLP's output {tuple(Y.shape)}, got " + (
-                f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
-        if y.requires_grad:
-            (y * C).sum().backward()
+    run = guarded(LIBRARY, exercise="a tensor-parallel MLP with biases", seconds=SECONDS)
+    y = run(fn, *mine)
+    if not isinstance(y, torch.Tensor) or y.shape != Y.shape:
+        return f"return the MLP's output {tuple(Y.shape)}, got " + (
+            f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
+    if y.requires_grad:
+        run(lambda: (y * C).sum().backward())
     if compare(y.detach(), Y.detach(), **tol):
         if t > 1 and torch.allclose(y.detach(), Y.detach() + (t - 1) * b2, **tol):
             return (f"the output holds the bias b2 {t} times: every rank added it to its partial sum before the "

@@ -20,10 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import compat
-from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner, learner_class
+from course_lib.grading import Case, Mismatch, check_distributed, compare, learner, learner_class
 from course_lib.grading import training as T
 from course_lib.grading.data_parallel import BUCKET_CAPS
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.harness import check_answers, number, table
 from course_lib.grading.p2p import SameCollectives
 from course_lib.lab.zero_measurements import MEASURED_PARAMS, MEASURED_ROOT_PARAMS, MEASURED_SENT
 from course_lib.parallel.fsdp_params import ShardedUnit
@@ -218,27 +219,23 @@ def check_bytes_per_step(predict):
     """predict(n_params, root_params, stage, world_size, impl) -> bytes one rank sends per step
     (fp32, stage 0 = DDP, impl "gloo" or "ring"), compared within 1% with ``MEASURED_SENT``
     and, for models that were not measured, with the planner's ``dp_bytes_per_step``."""
-    predict = learner(predict, ZERO_LIBRARY, FORMULAS, exercise="the bytes each stage sends", seconds=10)
-
-    def run(case):
-        n, root, impl, stage, world = (case.params[k] for k in ("n", "root", "impl", "stage", "world"))
+    def reference(n, root, stage, world, impl):
         want = MEASURED_SENT.get((impl, stage, world)) if n == MEASURED_PARAMS else None
-        what = "measured" if want is not None else "counted"
-        if want is None:   # gloo's reduce-scatter is an all-reduce keeping a piece (chapter 4 measures it)
-            want = dp_bytes_per_step(n, world, stage, 4, 4, root_params=root,
-                                     reduce_scatter="all_reduce" if impl == "gloo" else "ring")
-        got = predict(n, root, stage, world, impl)
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
-            return f"expected a number of bytes, got {got!r}"
+        # gloo's reduce-scatter is an all-reduce keeping a piece (chapter 4 measures it)
+        return ("measured", want) if want is not None else ("counted", dp_bytes_per_step(
+            n, world, stage, 4, 4, root_params=root, reduce_scatter="all_reduce" if impl == "gloo" else "ring"))
+
+    def differ(got, want, n, root, stage, world, impl):
+        what, want = want
         if abs(got - want) > 0.01 * want:
             return (f"predicted {got:,.0f} bytes, {what} {want:,.0f} ({got / want:.3f}x; P = {n:,}, "
                     f"root unit {root:,}, {_STAGES[stage]}, {world} ranks, {impl})")
-        return None
 
     rows = [(MEASURED_PARAMS, MEASURED_ROOT_PARAMS, s, w, impl) for (impl, s, w) in MEASURED_SENT] + _UNMEASURED
-    return check("bytes_per_step", [Case(dict(n=n, root=root, stage=s, world=w, impl=impl),
-                                         label=f"P = {n:,}, {_STAGES[s]}, {w} ranks, {impl}")
-                                    for n, root, s, w, impl in rows], run)
+    return check_answers("bytes_per_step", predict, table(rows, lambda n, root, s, w, impl: f"P = {n:,}, "
+                                                          f"{_STAGES[s]}, {w} ranks, {impl}"), reference,
+                         guard=(ZERO_LIBRARY, FORMULAS), exercise="the bytes each stage sends", read=number,
+                         differ=differ)
 
 
 # ----------------------------------------------------------------------------- 4. FSDP unit

@@ -10,8 +10,8 @@ keeps. Prints one line: ``hpz_groups: 7/7 cases passed`` or the first failing ca
 """
 from __future__ import annotations
 
-from course_lib.grading import Case, check
-from course_lib.grading.guard import learner
+from course_lib.grading import Case
+from course_lib.grading.harness import check_answers
 from course_lib.parallel.zeropp import hpz_groups
 
 LIBRARY = ("course_lib.parallel.zeropp:*", "course_lib.parallel.hsdp:block_sets",
@@ -47,22 +47,10 @@ def check_hpz_groups(hpz_groups_fn) -> bool:
     all-gather), those of hpZ's secondary partition (the backward all-gather), and holds[r],
     the ranks whose primary shards rank r keeps after forward (chunk ``local`` of G of the
     gathered unit)."""
-    cases = [Case(dict(N=8, G=4), label="2 nodes of 4"),
-             Case(dict(N=8, G=2), label="4 nodes of 2"),
-             Case(dict(N=6, G=2), label="3 nodes of 2 (odd node count)"),
-             Case(dict(N=9, G=3), label="3 nodes of 3 (odd sizes)"),
-             Case(dict(N=4, G=4), label="1 node of 4"),
-             Case(dict(N=16, G=8), label="2 nodes of 8 (H100 nodes)"),
-             Case(dict(N=5, G=1), label="5 nodes of 1 GPU")]
-    guarded = learner(hpz_groups_fn, *LIBRARY, exercise="hpZ's all-gather groups")
-
-    def run(case):
-        N, G = case.params["N"], case.params["G"]
-        want_p, want_s, want_h = hpz_groups(N, G)          # the reference, before the learner runs
-        got = guarded(N, G)
+    def differ(got, want, N, G):
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             return f"return three things (primary, secondary, holds), got {got!r}"
-        for name, g, w in (("primary", got[0], want_p), ("secondary", got[1], want_s)):
+        for name, g, w in (("primary", got[0], want[0]), ("secondary", got[1], want[1])):
             g, w = _as_groups(g, name), _as_groups(w, name)
             if isinstance(g, str):
                 return g
@@ -70,20 +58,21 @@ def check_hpz_groups(hpz_groups_fn) -> bool:
                 hint = _hint(name, g, w, N, G)
                 return f"{name} groups {[list(x) for x in g]}, expected {len(w)} group(s)" + (f"; {hint}" if hint
                                                                                                else "")
-        holds = got[2]
         try:
-            holds = [sorted(int(r) for r in h) for h in holds]
+            holds = [sorted(int(r) for r in h) for h in got[2]]
         except (TypeError, ValueError):
             return f"holds: return one list of ranks per rank, got {got[2]!r}"
         if len(holds) != N:
             return f"holds: one list per rank ({N}), got {len(holds)}"
-        for r, (h, w) in enumerate(zip(holds, want_h)):
+        for r, (h, w) in enumerate(zip(holds, want[2])):
             if h != w:
                 return (f"holds[{r}] = {h}, expected {len(w)} ranks: rank {r} (local index {r % G}) keeps chunk "
                         f"{r % G} of {G} of the gathered unit, whose N shards sit in rank order")
-        return None
-
-    return check("hpz_groups", cases, run)
+    rows = [(8, 4, "2 nodes of 4"), (8, 2, "4 nodes of 2"), (6, 2, "3 nodes of 2 (odd node count)"),
+            (9, 3, "3 nodes of 3 (odd sizes)"), (4, 4, "1 node of 4"), (16, 8, "2 nodes of 8 (H100 nodes)"),
+            (5, 1, "5 nodes of 1 GPU")]
+    return check_answers("hpz_groups", hpz_groups_fn, [Case(dict(args=(N, G)), label=label) for N, G, label in rows],
+                         hpz_groups, guard=LIBRARY, exercise="hpZ's all-gather groups", differ=differ)
 
 
 __all__ = ["check_hpz_groups"]
