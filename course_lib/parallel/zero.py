@@ -34,7 +34,7 @@ from course_lib.parallel.mesh import as_mesh
 BUCKETS_IN_FLIGHT = 2  # buckets being reduced at once: bounds the full-size temporaries
 
 
-class _ShardedBucket:
+class ShardedBucket:
     """One bucket's flat layout: which elements this rank owns, as views into the parameters."""
 
     def __init__(self, index, param_ids, params, rank, world_size):
@@ -120,7 +120,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         holder = torch.nn.ParameterList(everything)  # broadcast rank 0's values: identical replicas
         broadcast_module_states(holder, self.comm, what="ShardedOptimizer")
         ids = assign_buckets(self._params, bucket_cap_mb * 2**20)
-        self.buckets = [_ShardedBucket(k, b, self._params, rank, n) for k, b in enumerate(ids)]
+        self.buckets = [ShardedBucket(k, b, self._params, rank, n) for k, b in enumerate(ids)]
         self._bucket_of = {i: b for b in self.buckets for i in b.param_ids}
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         inner = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.param_groups]
@@ -297,7 +297,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         first = len(self._params)
         self._params += new
         ids = assign_buckets(new, self._bucket_cap_mb * 2**20)  # new buckets: the old slices stay put
-        buckets = [_ShardedBucket(len(self.buckets) + k, [first + i for i in b], self._params, self.comm.rank,
+        buckets = [ShardedBucket(len(self.buckets) + k, [first + i for i in b], self._params, self.comm.rank,
                                   self.comm.size) for k, b in enumerate(ids)]
         self.buckets += buckets
         self._bucket_of.update({i: b for b in buckets for i in b.param_ids})
@@ -430,4 +430,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
 
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "ShardedBucket", "BUCKETS_IN_FLIGHT"]
