@@ -16,8 +16,9 @@ Per step, as in a pipelined ZeRO run (torch's pipelining under FSDP2 with
     after it     one reduce-scatter per bucket: each rank receives the sum of the slices it owns
                  (+ one "used" flag per parameter, as FSDP's), then the sum over the other dims
 
-``stage=1`` keeps the full local gradients to the next step (ZeRO-1: gradients not sharded);
-``stage=2`` frees them once reduced (only the owned slice stays). The optimizer sees one
+``stage=1`` keeps the full gradients to the next step (ZeRO-1: gradients not sharded; the owned
+slices' sums are written into them, as :class:`~course_lib.parallel.zero.ShardedOptimizer`
+does); ``stage=2`` frees them once reduced (only the owned slices' sums stay). The optimizer sees one
 parameter per (parameter, owned slice): a parameter no rank used keeps no gradient.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from course_lib.parallel.grad_sync import assign_buckets
 from course_lib.parallel.zero import BUCKETS_IN_FLIGHT, ShardedBucket
+from course_lib.precision.mixed import check_precision
 
 SHARD_DIMS = ("dp", "cp")   # the dims the ZeRO group spans (the ranks holding the same parameters)
 
@@ -36,7 +38,7 @@ def rule_zero(cfg, layout):
     the owned slices would be the masters; not built here), no experts split over ep."""
     if layout.zero not in (1, 2):
         return
-    if layout.precision not in ("full", None, "fp32"):
+    if check_precision(layout.precision)[0] is not None:
         raise ValueError(f"zero={layout.zero} with precision={layout.precision!r}: ZeRO-1/2 in parallelize_nd "
                          f"run in the parameters' own dtype (precision='full'); not implemented with master weights")
     if cfg.n_experts and layout.ep > 1:
@@ -74,8 +76,8 @@ class ZeroSync:
         return [q for b in self.buckets for q in b.slices]
 
     def shard_gradients(self) -> list:
-        """The gradients of the owned slices (ZeRO-2's only gradients once reduced)."""
-        return [q.grad for q in self.parameters() if q.grad is not None]
+        """ZeRO-2's gradients once reduced: the owned slices' (ZeRO-1's are slices of ``p.grad``)."""
+        return [q.grad for q in self.parameters() if q.grad is not None] if self.stage == 2 else []
 
     def begin_step(self):
         """A step starts: the last step's local gradients go (ZeRO-1 kept them), the parameters
@@ -127,7 +129,15 @@ class ZeroSync:
                 if not used[b.param_ids.index(i)]:
                     continue
                 g = out[at:at + hi - lo]
-                q.grad = g if q.grad is None else q.grad.add_(g)
+                if q.grad is not None:      # not zeroed since the last step: accumulate, as on one device
+                    q.grad.add_(g)
+                elif self.stage == 1:       # ZeRO-1: the sum in the owned slice of the full gradient
+                    p = self.params[i]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    q.grad = p.grad.view(-1)[lo:hi].copy_(g)
+                else:
+                    q.grad = g
             if self.stage == 2:
                 for i in b.param_ids:
                     self.params[i].grad = None
