@@ -131,6 +131,8 @@ def apply_data_parallel(stages, mesh, layout, reduce):
     Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
     gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
     them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
+    ZeRO-1/2 (``layout.zero``): DDP's replicas, a :class:`~course_lib.parallel.zero_nd.ZeroSync`
+    in place of the GradSync (reduce-scatter over ("dp", "cp"), the optimizer on the owned slices).
     Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
     rule_fsdp(next(iter(stages.values())).part.config, layout)
     rule_zero(next(iter(stages.values())).part.config, layout)
