@@ -28,12 +28,16 @@ DRY = {2: Layout(dp=2, tp=2, pp=2, sp=True, zero=2, micro_batch=1, global_batch=
 
 def _cases(dp):
     """float64 runs at dp x pp 2 x tp 2 (+ SP): ZeRO-1 with a tied embedding across the two
-    stages, ZeRO-2 interleaved (v = 2); 3 layers on 2 stages (uneven), an odd batch split at dp 3."""
+    stages, ZeRO-2 interleaved (v = 2); 3 layers on 2 stages (uneven), an odd batch split at dp 3;
+    at dp 2 also ZeRO-1 over dp x cp (cp 2, tp 2: the ZeRO group is the 4 ranks of dp x cp)."""
     dims = dict(dp=dp, pp=2, tp=2)
-    return {"zero1-tied": (dataclasses.replace(CFG, tie_embeddings=True), dims,
-                           dict(zero=1, sp=True, microbatches=3), 3 * dp),
-            "zero2-interleaved": (dataclasses.replace(CFG, n_layers=4), dims,
-                                  dict(zero=2, sp=True, schedule="interleaved", v=2, microbatches=2), 2 * dp)}
+    cases = {"zero1-tied": (dataclasses.replace(CFG, tie_embeddings=True), dims,
+                            dict(zero=1, sp=True, microbatches=3), 3 * dp),
+             "zero2-interleaved": (dataclasses.replace(CFG, n_layers=4), dims,
+                                   dict(zero=2, sp=True, schedule="interleaved", v=2, microbatches=2), 2 * dp)}
+    if dp == 2:
+        cases["zero1-cp2"] = (CFG, dict(dp=2, cp=2, tp=2), dict(zero=1, sp=True, microbatches=2), 4)
+    return cases
 
 
 def _rank(dp):
@@ -75,10 +79,11 @@ def test_zero_1_and_2_equal_one_device(runs, dp):
         full = assemble_nd([r[1] for r in ranks], shape)
         assert set(full) == set(ref.state), name
         tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR, what=name)
-        # the optimizer's slices: every element of every parameter owned by exactly one of the dp ranks
-        for pp in range(2):
-            for tp in range(2):
-                members = [shape.rank_of(dp=d, pp=pp, tp=tp) for d in range(dp)]
+        # the optimizer's slices: every element of every parameter owned by exactly one rank of dp x cp
+        n = shape.sizes
+        for pp in range(n["pp"]):
+            for tp in range(n["tp"]):
+                members = [shape.rank_of(dp=d, cp=c, pp=pp, tp=tp) for d in range(n["dp"]) for c in range(n["cp"])]
                 assert sum(ranks[k][2] for k in members) == ranks[members[0]][3], (name, pp, tp)
                 assert all(ranks[k][2] < ranks[k][3] for k in members), name   # each holds a part only
 
