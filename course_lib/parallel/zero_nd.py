@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.parallel.grad_sync import assign_buckets
-from course_lib.parallel.zero import BUCKETS_IN_FLIGHT, ShardedBucket
+from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, owned_gradient
 from course_lib.precision.mixed import check_precision
 
 SHARD_DIMS = ("dp", "cp")   # the dims the ZeRO group spans (the ranks holding the same parameters)
@@ -89,21 +89,7 @@ class ZeroSync:
     @torch.no_grad()
     def gather(self):
         """All-gather every bucket's owned slices into the full parameters (two buckets in flight)."""
-        pending = []
-        for b in self.buckets:
-            send = b.empty(b.shard)
-            for (i, lo, hi, at, _), q in zip(b.pieces, b.slices):
-                send[at:at + hi - lo].copy_(q.detach())
-            full = b.empty(b.shard * b.comm.size)
-            pending.append((b, full, b.comm.all_gather_into_tensor(full, send, async_op=True,
-                                                                   name=f"all-gather b{b.index}")))
-            if len(pending) >= BUCKETS_IN_FLIGHT or b is self.buckets[-1]:
-                for b_, full_, work in pending:
-                    work.wait()
-                    for i in b_.param_ids:
-                        q = self.params[i]
-                        q.detach().view(-1).copy_(full_[b_.offsets[i]:b_.offsets[i] + q.numel()])
-                pending = []
+        all_gather_buckets(self.buckets, self.params, lambda b: [q.detach() for q in b.slices], lambda b: b.comm)
 
     @torch.no_grad()
     def finish(self):
@@ -131,13 +117,8 @@ class ZeroSync:
                 g = out[at:at + hi - lo]
                 if q.grad is not None:      # not zeroed since the last step: accumulate, as on one device
                     q.grad.add_(g)
-                elif self.stage == 1:       # ZeRO-1: the sum in the owned slice of the full gradient
-                    p = self.params[i]
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    q.grad = p.grad.view(-1)[lo:hi].copy_(g)
-                else:
-                    q.grad = g
+                else:                       # ZeRO-1: the sum in the owned slice of the full gradient
+                    q.grad = owned_gradient(self.params[i], lo, hi, g, self.stage)
             if self.stage == 2:
                 for i in b.param_ids:
                     self.params[i].grad = None
