@@ -1,6 +1,7 @@
-"""Llama 3's FP32 numerics (Dubey et al. 2024, Sec. 3.3.2), stated in lab.dry_runs and priced
-by ``fp32_numerics`` on the dry run's constants, not run: the arithmetic checked on the 8k rows."""
-from course_lib.lab.dry_runs import fp32_numerics
+"""Llama 3's FP32 numerics (Dubey et al. 2024, Sec. 3.3.2), stated and priced by
+``lab.llama3_numerics.fp32_numerics`` on the dry run's constants, not run: the arithmetic
+checked on the 8k rows."""
+from course_lib.lab.llama3_numerics import fp32_numerics
 from course_lib.planner import formulas as F
 from course_lib.planner.presets import HARDWARE, MODELS
 from course_lib.planner.validation import LLAMA3_TABLE4, llama3_layout
@@ -22,6 +23,6 @@ def test_fp32_numerics_on_the_8k_rows():
     alpha, bw = hw.link(False)
     bf16 = F.collective_time("reduce_scatter", 2 * a["parameters"], 64, alpha, bw)
     assert 0 < a["reduce_scatter"] < bf16
-    # the figures lab.dry_runs states
+    # the figures lab.llama3_numerics states
     assert [round(a["accumulation"], 3), round(b["accumulation"], 3), round(a["reduce_scatter"], 3)] == \
         [0.137, 0.069, 0.157]
