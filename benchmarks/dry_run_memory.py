@@ -8,7 +8,7 @@
    and for the course's 7.47B GPT (Narayanan et al. 2021's 7.5B shape) the formula, the
    planner and the dry run (its "states" category: no activation counted). Then the bytes per
    parameter in the dry run's two precisions, and ZeRO-1/2 as chapter 4's ShardedOptimizer
-   measured them on real ranks (the dry run runs ZeRO 0 or 3 only).
+   measured them on real ranks (the dry run runs them too: parallelize_nd's zero_nd).
 2. Korthikanti et al. 2022: one layer's activation bytes per micro-batch (Table 2) at GPT 22B
    and 175B, TP 8, with and without SP, each recomputation: the paper's formula, the planner,
    the course's terms and the dry run (two layers' peak minus one's), in units of s b h. Then
@@ -28,16 +28,15 @@ GB = 1e9
 
 def zero_section():
     began = time.process_time()
-    rows = M.zero_table1_rows()
+    rows = M.zero_table1_rows(dry_stages=(1, 2, 3))
     print(f"ZeRO Table 1, model states GB/GPU; P = {M.ZERO_MODEL.name}'s "
           f"{F.param_count(M.ZERO_MODEL):,} parameters; formula(7.5e9) is planner.validation.zero_table1's")
     print(M.format_rows(rows, M.ZERO_COLUMNS))
     exact = all(r["dry_bytes"] == r["P_formula_bytes"] for r in rows if r["dry_bytes"] is not None)
-    print(f"dry run (stage 3) == 16 P / N to the byte at every N: {exact}")
+    print(f"dry run (stages 1-3) == the formula to the byte at every N: {exact}")
     over = {r["N"]: r["planner_GB"] / r["P_formula_GB"] - 1 for r in rows if r["stage"] == 1}
     print("planner over formula(P): " + ", ".join(f"N={n} {d:+.1%}" for n, d in over.items())
           + "  (it counts a tied LM head a second time at pp = 1)")
-    print("stages 1 and 2: not run by the dry run (parallelize_nd runs ZeRO 0 or 3; the dry run refuses 1/2)")
     print(f"  [{time.process_time() - began:.1f} s CPU]\n")
     print("bytes per parameter, dry run (dp 1, DDP) against the formula for the same training:")
     for r in M.precision_rows():

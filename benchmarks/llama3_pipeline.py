@@ -52,8 +52,7 @@ def main(argv=None):
         for (gpus, tp, cp, pp, dp, s, _), pub in zip(LLAMA3_TABLE4[:2], published):
             layout = llama3_layout(tp, cp, pp, dp, s).with_(**VARIANTS[name])
             est = estimate("llama3-405b", "h100-sxm", layout)
-            # the ranks run ZeRO 0 or 3: ZeRO-2 as DDP (lab.dry_runs.validation_rows' rule)
-            r = dry_run("llama3-405b", "h100-sxm", layout.with_(zero=0), progress=None,
+            r = dry_run("llama3-405b", "h100-sxm", layout, progress=None,       # ZeRO-2, as stated
                         fusions=SOFTWARE["Llama 3 T4"])
             b, rest = split_step(r)
             print(f"{name:<8}{gpus:>6}{layout.microbatches:>4}{r.step_time:8.3f}{r.step_time / pub - 1:+7.1%}"

@@ -27,8 +27,10 @@ class Layout:
     or gradient accumulation): global_batch = dp * micro_batch * microbatches. Give any two
     (or one: the others default to 1 micro-batch of 1 sequence); the third follows.
     ``zero``: the ZeRO stage (0-3) over the dp * cp ranks that hold the same parameters; the
-    ranks run 0 (DDP: ``data == "ddp"``) or 3 (FSDP: ``data == "fsdp"``; with ``shard_size`` S,
-    HSDP: ``data == "hsdp"``, sharded over S of the dp ranks, replicated over dp / S).
+    ranks run 0 (DDP: ``data == "ddp"``), 1 and 2 (DDP's replicas, the optimizer state and, for
+    2, the gradients sharded: :mod:`course_lib.parallel.zero_nd`) or 3 (FSDP: ``data == "fsdp"``;
+    with ``shard_size`` S, HSDP: ``data == "hsdp"``, sharded over S of the dp ranks, replicated
+    over dp / S).
     ``schedule``: a name (course_lib.schedules, torch's spellings too) or an action list per
     pipeline rank; ``v`` model chunks per stage (interleaved). ``stage_layers``: the layers of
     each of the pp * chunks virtual stages, in model order ((): balanced); the first may hold only

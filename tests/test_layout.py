@@ -56,12 +56,13 @@ def test_runtime_keywords_build_the_layout():
 
 def test_the_planner_and_the_ranks_take_the_same_object():
     """One Layout: estimate prices it, check_layout accepts it; what the ranks do not build is
-    refused by check_layout with the reason (ZeRO-1/2); Llama 3's all-gathered K/V both take."""
+    refused by check_layout with the reason (ZeRO-1/2 with master weights); Llama 3's all-gathered
+    K/V both take."""
     L = Layout(dp=2, tp=2, sp=True, global_batch=8, microbatches=2, overlap_dp=False)
     assert check_layout(CFG, L).world_size == 4
     assert estimate(model_spec(CFG), "h100-sxm", L, runtime="course").step_time > 0
     assert check_layout(CFG, L.with_(dp=1, cp=2, cp_comm="all_gather")).world_size == 4   # the ranks run it
-    for change, why in ((dict(zero=1), "ZeRO-1/2"),):
+    for change, why in ((dict(zero=1, precision="bf16"), "ZeRO-1/2"),):
         estimate(model_spec(CFG), "h100-sxm", L.with_(**change))       # the planner prices it
         with pytest.raises(ValueError, match=why):
             check_layout(CFG, L.with_(**change))

@@ -47,17 +47,18 @@ def model_state_bytes(model, hardware, dp: int, zero: int, dtype=torch.bfloat16)
     return max(m["states"] for m in r.memory_by_stage)
 
 
-def zero_table1_rows(devices=TABLE1_DEVICES, model=ZERO_MODEL, hardware="a100-80gb") -> list[dict]:
+def zero_table1_rows(devices=TABLE1_DEVICES, model=ZERO_MODEL, hardware="a100-80gb", dry_stages=(3,)) -> list[dict]:
     """Per devices N and ZeRO stage: the paper's GB, the formula's at the paper's 7.5e9
     parameters (the planner's ``zero_table1``), and for ``model`` (P parameters): the formula's,
-    the planner's estimate (its params + grads + optimizer) and the dry run's. The ranks run
-    stage 0 (DDP) or 3 (FSDP): stages 1 and 2 are not run (``dry_GB`` None)."""
+    the planner's estimate (its params + grads + optimizer) and the dry run's for the stages in
+    ``dry_stages`` (the ranks run all three: ZeRO-1/2 by :mod:`course_lib.parallel.zero_nd`,
+    3 by FSDP; the others' ``dry_GB`` None)."""
     P = F.param_count(model)
     rows = []
     for n in devices:
         for stage, paper in zip((1, 2, 3), ZERO_TABLE1[n]):
             est = estimate(model, hardware, Layout(dp=n, zero=stage, global_batch=n))
-            dry = model_state_bytes(model, hardware, n, stage) if stage == 3 else None
+            dry = model_state_bytes(model, hardware, n, stage) if stage in dry_stages else None
             same = F.zero_memory_bytes(P, stage, n)["total"]
             rows.append({"N": n, "stage": stage, "paper_GB": paper,
                          "formula_GB": F.zero_memory_bytes(ZERO_PSI, stage, n)["total"] / 1e9,

@@ -225,10 +225,6 @@ def validation_rows(sources=SOURCES, models=None, progress: float | None = 60.0)
         row = published_row(*run)
         seconds = row["published_s"]
         began, cpu = time.perf_counter(), time.process_time()
-        if layout.zero in (1, 2):      # the ranks run ZeRO 0 (DDP) or 3 (FSDP): the stated rule
-            layout = layout.with_(zero=0)
-            row["note"] = (row["note"] + "; " if row["note"] else "") + \
-                "ZeRO-1/2 run as DDP (parallelize_nd runs ZeRO 0 or 3): memory is DDP's"
         try:
             r = dry_run(model, hw, layout, progress=progress, fusions=row_software(source, name),
                         dropout=DROPOUT[source])

@@ -31,6 +31,7 @@ from course_lib.parallel.pipeline.runtime import PipelineRuntime
 from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
 from course_lib.parallel.placement import Placement, assemble_tp
 from course_lib.parallel.tp_plan import PLAN, parallelize, rule_sequence, rule_tensor, tp_slice_of
+from course_lib.parallel.zero_nd import ZeroSync, rule_zero
 from course_lib.precision.mixed import MasterWeights, cast_buffers, check_precision
 from course_lib.recompute import set_recompute
 from course_lib.schedules import SCHEDULES, validate
@@ -61,7 +62,7 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
     tie_embeddings(stages, mesh.sizes["pp"] * L.v)    # pp = 1, v > 1: embedding and head one weight again
     reduce = {}                                       # 6. the dims each gradient is summed over
     for st in stages.values():
-        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data != "ddp", dims_of=dims_of))
+        reduce.update(mark_reduce_dims(st, mesh, fsdp=L.data != "ddp" or L.zero > 0, dims_of=dims_of))
     before = {s: {n: (*tp_slice_of(q), reduce[id(q)]) for n, q in st.part.named_parameters(remove_duplicate=False)}
               for s, st in stages.items()}            # each TP slice and its sum dims (before FSDP)
     modules, grad_sync, master = apply_data_parallel(stages, mesh, L, reduce)   # 7. DDP or FSDP
@@ -130,8 +131,11 @@ def apply_data_parallel(stages, mesh, layout, reduce):
     Mixed precision: FSDP's shards are the master weights (all-gathered in the compute dtype,
     gradients reduce-scattered in the reduce dtype); with DDP a :class:`MasterWeights` keeps
     them and the gradients are summed on the masters or on the 16-bit model (the reduce dtype).
+    ZeRO-1/2 (``layout.zero``): DDP's replicas, a :class:`~course_lib.parallel.zero_nd.ZeroSync`
+    in place of the GradSync (reduce-scatter over ("dp", "cp"), the optimizer on the owned slices).
     Returns ({stage: the module the schedule runs}, grad_sync or None, MasterWeights or None)."""
     rule_fsdp(next(iter(stages.values())).part.config, layout)
+    rule_zero(next(iter(stages.values())).part.config, layout)
     compute, reduce_dtype = check_precision(layout.precision)
     if layout.data != "ddp":
         return {s: FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
@@ -139,6 +143,8 @@ def apply_data_parallel(stages, mesh, layout, reduce):
                         zeropp=layout.zeropp, gpus_per_node=layout.gpus_per_node)
                 for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
+    if layout.zero in (1, 2):                         # ZeRO-1/2: DDP's replicas, the optimizer sharded
+        return dict(stages), ZeroSync(params, mesh, reduce, layout.zero), None
     dims = {id(q): reduce[id(q)] for q in params}
     master = None
     if compute is not None:
@@ -192,6 +198,11 @@ class NDParallel(PipelineRuntime):
         self.cfg, self.sizes = next(iter(stages.values())).part.config, dict(mesh.sizes, ep=mesh.ep)
         self.layout, self.placements = layout, placements
         self.sp, self.cp_layout = layout.sp and mesh.sizes["tp"] > 1, layout.cp_layout
+        self.zero = grad_sync if isinstance(grad_sync, ZeroSync) else None   # ZeRO-1/2's sums and gathers
+
+    def parameters(self):
+        """This rank's parameters for the optimizer: under ZeRO-1/2 the slices it owns."""
+        return self.zero.parameters() if self.zero else super().parameters()
 
     def local_batch(self, x, y, doc_ids=None):
         """This rank's part of the global batch: its DP rows, its CP tokens; + the positions."""
@@ -215,6 +226,8 @@ class NDParallel(PipelineRuntime):
         doc_ids = rule_doc_ids(doc_ids, x.shape[1], self.cfg.seq_len, self.cp_layout, self.sizes["cp"])
         doc_ids = None if doc_ids is None else doc_ids.to("cpu" if device.type == "meta" else device)   # (as positions)
         x, y, pos = self.local_batch(x.to(device), y.to(device), doc_ids)
+        if self.zero:           # the parameters the optimizer's slices hold; last step's gradients gone
+            self.zero.begin_step()
         for st in self.stages.values():
             st.positions, st.doc_ids = pos, doc_ids
             for block in st.part.blocks:
@@ -250,10 +263,13 @@ class NDParallel(PipelineRuntime):
         ``grads=True``: their gradients instead (zeros where none), once summed (after
         :meth:`step`); DDP only, FSDP keeps gradient shards."""
         out = {}
+        if self.zero and not grads:     # the slices the optimizer updated, gathered (every rank calls it)
+            self.zero.gather()
         for s, st in self.stages.items():
             mod = self.modules[s]
-            if grads and isinstance(mod, FSDP):
-                raise ValueError("shards(grads=True) needs full gradients: FSDP keeps each rank's shard only")
+            if grads and (isinstance(mod, FSDP) or self.zero):
+                raise ValueError("shards(grads=True) needs full gradients: FSDP and ZeRO-1/2 keep each rank's "
+                                 "shard only")
             full = mod.gather_full_params() if isinstance(mod, FSDP) else None
             for local, q in st.part.named_parameters(remove_duplicate=False):
                 q = self.master.of[id(q)] if self.master else q       # mixed precision: the master

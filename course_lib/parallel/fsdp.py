@@ -79,9 +79,9 @@ class _UnshardFn(torch.autograd.Function):
 def rule_fsdp(cfg, layout):
     """The ranks hold the data-parallel copies whole (ZeRO 0: DDP) or sharded (ZeRO 3: FSDP over
     dp x cp); a weight tied across two pipeline stages would be one weight in two FSDP units."""
-    if layout.zero not in (0, 3):
-        raise ValueError(f"zero={layout.zero!r}: parallelize_nd runs zero=0 (data='ddp') or zero=3 "
-                         f"(data='fsdp' / 'hsdp'); ZeRO-1/2 are ShardedOptimizer's (chapter 4)")
+    if layout.zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={layout.zero!r}: the ZeRO stage is 0 (data='ddp'), 1, 2 (the optimizer "
+                         f"sharded: zero_nd) or 3 (data='fsdp' / 'hsdp')")
     rule_hsdp(cfg, layout)
     rule_zeropp(cfg, layout)
     if layout.data != "ddp" and cfg.n_experts and layout.ep > 1:

@@ -15,6 +15,7 @@ from course_lib.layout import DATA, Layout, rank_order
 from course_lib.parallel.context_parallel import rule_context, ulysses_heads  # noqa: F401  (re-exported)
 from course_lib.parallel.expert_parallel import rule_experts
 from course_lib.parallel.fsdp import rule_fsdp
+from course_lib.parallel.zero_nd import rule_zero
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import (partition_layers, rule_batch, rule_pipeline,  # noqa: F401
                                                splits_weight_gradients)
@@ -73,7 +74,7 @@ def rule_layout_batch(cfg, L):
 
 
 # the plan's order: its steps call the same rules as they apply their dimension
-RULES = (rule_names, rule_pipeline, rule_tensor, rule_sequence, rule_context, rule_experts, rule_fsdp)
+RULES = (rule_names, rule_pipeline, rule_tensor, rule_sequence, rule_context, rule_experts, rule_fsdp, rule_zero)
 
 
 def check_layout(cfg, layout=None, *, world_size=None, batch=None, **keywords) -> MeshShape:

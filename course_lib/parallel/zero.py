@@ -34,7 +34,7 @@ from course_lib.parallel.mesh import as_mesh
 BUCKETS_IN_FLIGHT = 2  # buckets being reduced at once: bounds the full-size temporaries
 
 
-class _ShardedBucket:
+class ShardedBucket:
     """One bucket's flat layout: which elements this rank owns, as views into the parameters."""
 
     def __init__(self, index, param_ids, params, rank, world_size):
@@ -59,6 +59,38 @@ class _ShardedBucket:
 
     def empty(self, n):
         return torch.zeros(n, dtype=self.dtype, device=self.device)
+
+
+def owned_gradient(p, lo, hi, summed, stage):
+    """The gradient of ``p``'s owned elements [lo, hi) given their ``summed`` gradient: ZeRO-2
+    keeps the sum itself; ZeRO-1 writes it into that slice of ``p.grad`` (the full gradient it
+    keeps; made if this rank had none) and returns the slice."""
+    if stage == 2:
+        return summed
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad.view(-1)[lo:hi].copy_(summed)
+
+
+def all_gather_buckets(buckets, params, sources, comm_of):
+    """The full ``params`` from every rank's owned slices: per bucket b, ``sources(b)`` (one
+    tensor per piece of ``b.pieces``) packed and all-gathered over ``comm_of(b)``, then copied
+    into the parameters, ``BUCKETS_IN_FLIGHT`` buckets at a time."""
+    pending = []
+    for b in buckets:
+        send = b.empty(b.shard)
+        for (i, lo, hi, at, _), src in zip(b.pieces, sources(b)):
+            send[at:at + hi - lo].copy_(src)
+        comm = comm_of(b)
+        full = b.empty(b.shard * comm.size)
+        pending.append((b, full, comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")))
+        if len(pending) >= BUCKETS_IN_FLIGHT or b is buckets[-1]:
+            for b_, full_, work in pending:
+                work.wait()
+                for i in b_.param_ids:
+                    p = params[i]
+                    p.detach().view(-1).copy_(full_[b_.offsets[i]:b_.offsets[i] + p.numel()])
+            pending = []
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -120,7 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         holder = torch.nn.ParameterList(everything)  # broadcast rank 0's values: identical replicas
         broadcast_module_states(holder, self.comm, what="ShardedOptimizer")
         ids = assign_buckets(self._params, bucket_cap_mb * 2**20)
-        self.buckets = [_ShardedBucket(k, b, self._params, rank, n) for k, b in enumerate(ids)]
+        self.buckets = [ShardedBucket(k, b, self._params, rank, n) for k, b in enumerate(ids)]
         self._bucket_of = {i: b for b in self.buckets for i in b.param_ids}
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         inner = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.param_groups]
@@ -227,15 +259,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             for i, lo, hi, at, view in b.pieces:
                 shard_grad = b.grad_shard[at:at + hi - lo]
-                if not used[i]:
-                    view.grad = None
-                elif self.stage == 1:  # write the mean into the owned slice of p.grad
-                    p = self._params[i]
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    view.grad = p.grad.view(-1)[lo:hi].copy_(shard_grad)
-                else:
-                    view.grad = shard_grad
+                view.grad = owned_gradient(self._params[i], lo, hi, shard_grad, self.stage) if used[i] else None
             if self.stage == 1:
                 b.grad_shard = None
         for outer, inner in zip(self.param_groups, self.local.param_groups):
@@ -248,21 +272,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _all_gather_params(self):
         """Every rank sends its updated slices and receives the others': full parameters."""
-        pending = []
-        for b in self.buckets:
-            send = b.empty(b.shard)
-            for i, lo, hi, at, view in b.pieces:
-                send[at:at + hi - lo].copy_(view)
-            full = b.empty(b.shard * self.comm.size)
-            work = self.comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")
-            pending.append((b, full, work))
-            if len(pending) >= BUCKETS_IN_FLIGHT or b is self.buckets[-1]:
-                for b_, full_, work in pending:
-                    work.wait()
-                    for i in b_.param_ids:
-                        p = self._params[i]
-                        p.detach().view(-1).copy_(full_[b_.offsets[i]:b_.offsets[i] + p.numel()])
-                pending = []
+        all_gather_buckets(self.buckets, self._params, lambda b: [view for *_, view in b.pieces], lambda b: self.comm)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self._params:
@@ -297,7 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         first = len(self._params)
         self._params += new
         ids = assign_buckets(new, self._bucket_cap_mb * 2**20)  # new buckets: the old slices stay put
-        buckets = [_ShardedBucket(len(self.buckets) + k, [first + i for i in b], self._params, self.comm.rank,
+        buckets = [ShardedBucket(len(self.buckets) + k, [first + i for i in b], self._params, self.comm.rank,
                                   self.comm.size) for k, b in enumerate(ids)]
         self.buckets += buckets
         self._bucket_of.update({i: b for b in buckets for i in b.param_ids})
@@ -430,4 +440,5 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
 
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "ShardedBucket", "BUCKETS_IN_FLIGHT", "all_gather_buckets",
+           "owned_gradient"]

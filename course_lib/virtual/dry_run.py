@@ -229,6 +229,8 @@ def gpu_memory(net, opt, cluster) -> dict:
     cluster's dtype ("activations")."""
     model = {id(q): q for q in net.model_parameters()}
     grads = [q.grad for q in model.values() if q.grad is not None]
+    if getattr(net, "zero", None) is not None:      # ZeRO-1/2: the owned slices' reduced gradients
+        grads += net.zero.shard_gradients()
     updated = net.parameters()
     master = sum(q.numel() for q in updated) * FP32
     moments = sum(t.numel() for st in opt.state.values() for t in st.values()

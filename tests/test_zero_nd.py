@@ -1,0 +1,126 @@
+"""ZeRO-1 and ZeRO-2 in parallelize_nd (``Layout(zero=1 / 2)``, :mod:`course_lib.parallel.zero_nd`):
+equal to one device over several AdamW steps in float64 at dp 2 and dp 3 with pp 2 and tp 2
+(+ SP), the owned slices a partition of every parameter; the dry run of a ZeRO layout is a real
+launch of it on the clock (step time, kernels, memory per stage); bad input refused by name."""
+import dataclasses
+
+import pytest
+import torch
+
+from course_lib import launch, tolerance
+from course_lib.gpt import GPTConfig, TinyGPT
+from course_lib.lab.nd_runs import LR, single_device
+from course_lib.layout import Layout
+from course_lib.parallel.compose import assemble_nd, check_layout
+from course_lib.parallel.mesh import MeshShape
+from course_lib.planner.presets import gpt_spec
+from course_lib.virtual import VirtualCluster, dry_run
+from course_lib.virtual.dry_run import model_config
+
+CFG = GPTConfig(vocab_size=60, seq_len=12, n_layers=3, hidden=24, n_heads=6, n_kv_heads=2, block="llama")
+STEPS = 3
+SPEC = gpt_spec("GPT test", 4, 64, 4, V=256, s=32)
+HW = "a100-80gb"
+# the layout each launch's ranks run first on the virtual clock (its step is the dry run's)
+DRY = {2: Layout(dp=2, tp=2, pp=2, sp=True, zero=2, micro_batch=1, global_batch=4),
+       3: Layout(dp=3, tp=2, pp=2, sp=True, zero=1, micro_batch=1, global_batch=6)}
+
+
+def _cases(dp):
+    """float64 runs at dp x pp 2 x tp 2 (+ SP): ZeRO-1 with a tied embedding across the two
+    stages, ZeRO-2 interleaved (v = 2); 3 layers on 2 stages (uneven), an odd batch split at dp 3;
+    at dp 2 also ZeRO-1 over dp x cp (cp 2, tp 2: the ZeRO group is the 4 ranks of dp x cp)."""
+    dims = dict(dp=dp, pp=2, tp=2)
+    cases = {"zero1-tied": (dataclasses.replace(CFG, tie_embeddings=True), dims,
+                            dict(zero=1, sp=True, microbatches=3), 3 * dp),
+             "zero2-interleaved": (dataclasses.replace(CFG, n_layers=4), dims,
+                                   dict(zero=2, sp=True, schedule="interleaved", v=2, microbatches=2), 2 * dp)}
+    if dp == 2:
+        cases["zero1-cp2"] = (CFG, dict(dp=2, cp=2, tp=2), dict(zero=1, sp=True, microbatches=2), 4)
+    return cases
+
+
+def _rank(dp):
+    """One launch: the dry run's layout's real step on the clock; then each case STEPS AdamW
+    steps (float64): losses, this rank's parameters, how many elements the optimizer's slices hold."""
+    from course_lib import reference
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+    from course_lib.virtual.dry_run import train_step
+
+    L = DRY[dp]
+    out = {"dry": train_step(model_config(SPEC, L), L, Mesh.from_layout(L))}
+    for name, (cfg, dims, kw, batch) in _cases(dp).items():
+        net = parallelize_nd(TinyGPT(cfg, seed=0).double(), Mesh(**dims), Layout(**dims, global_batch=batch, **kw))
+        opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+        losses = reference.train_parallel(net, reference.gpt_batches(cfg, batch=batch, steps=STEPS), opt)
+        owned = sum(q.numel() for q in net.parameters())
+        held = sum(q.numel() for q in net.model_parameters())
+        out[name] = (losses, net.shards(), owned, held)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """dp 2 (8 ranks) and dp 3 (12 ranks), each on a virtual clock of 4-GPU nodes (the dry run's
+    real launch; dp crosses the nodes)."""
+    return {dp: launch(_rank, 4 * dp, dp, clock=VirtualCluster(HW, gpus_per_node=4), timeout=300)
+            for dp in (2, 3)}
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_zero_1_and_2_equal_one_device(runs, dp):
+    for name, (cfg, dims, kw, batch) in _cases(dp).items():
+        shape = check_layout(cfg, Layout(**dims, global_batch=batch, **kw))
+        ref = single_device(cfg, batch, STEPS, dtype=torch.float64)
+        ranks = [r[name] for r in runs[dp]]
+        for losses, *_ in ranks:
+            tolerance.assert_matches(losses, ref.losses, optimizer="adamw", steps=STEPS, lr=LR, what=f"{name}: losses")
+        full = assemble_nd([r[1] for r in ranks], shape)
+        assert set(full) == set(ref.state), name
+        tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR, what=name)
+        # the optimizer's slices: every element of every parameter owned by exactly one rank of dp x cp
+        n = shape.sizes
+        for pp in range(n["pp"]):
+            for tp in range(n["tp"]):
+                members = [shape.rank_of(dp=d, cp=c, pp=pp, tp=tp) for d in range(n["dp"]) for c in range(n["cp"])]
+                assert sum(ranks[k][2] for k in members) == ranks[members[0]][3], (name, pp, tp)
+                assert all(ranks[k][2] < ranks[k][3] for k in members), name   # each holds a part only
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_the_dry_run_of_zero_is_the_real_launch(runs, dp):
+    """The dry run (meta device, one rank per stage) gives the real launch's step time, kernels
+    and memory per stage to the bit (ZeRO-2 at dp 2, ZeRO-1 at dp 3); ZeRO's collectives were
+    priced; the states each GPU holds are below DDP's (and ZeRO-2's below ZeRO-1's)."""
+    L = DRY[dp]
+    real = [r["dry"] for r in runs[dp]]
+    shape = MeshShape(**L.sizes)
+    stage_ranks = [shape.rank_of(pp=i) for i in range(2)]
+    r = dry_run(SPEC, HW, L, gpus_per_node=4, progress=None)
+    assert r.step_time == max(x["t"] for x in real), r.step_time
+    assert r.kernels == sum(real[k]["kernels"] for k in stage_ranks)
+    for i, k in enumerate(stage_ranks):
+        assert r.memory_by_stage[i] == {"states": real[k]["states"], "activations": real[k]["activations"]}
+    assert [s for s in r.spans if s.name.startswith("reduce-scatter b")]
+    assert [s for s in r.spans if s.name.startswith("all-gather b")]
+    other = dry_run(SPEC, HW, L.with_(zero=3 - L.zero), gpus_per_node=4, progress=None)   # 1 <-> 2
+    ddp = dry_run(SPEC, HW, L.with_(zero=0), gpus_per_node=4, progress=None)
+    z1, z2 = (r, other) if L.zero == 1 else (other, r)
+    for i in range(2):
+        assert ddp.memory_by_stage[i]["states"] > z1.memory_by_stage[i]["states"] > z2.memory_by_stage[i]["states"]
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(zero=2, precision="bf16"), "precision"),
+    (dict(zero=4), "ZeRO stage"),
+])
+def test_bad_zero_layouts_are_refused_by_name(changes, match):
+    with pytest.raises(ValueError, match=match):
+        check_layout(CFG, Layout(dp=2, global_batch=2, **changes))
+
+
+def test_zero_with_experts_split_over_ep_is_refused():
+    moe = dataclasses.replace(CFG, n_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="ep=2"):
+        check_layout(moe, Layout(dp=2, ep=2, zero=1, global_batch=2))
