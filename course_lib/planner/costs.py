@@ -16,8 +16,7 @@ What overlaps with what (the assumptions, stated once):
   attention costs the slowest CP rank's visible pairs (:mod:`.documents`), so the split
   (``cp_layout``) shows; an unfused kernel computes the masked scores anyway.
   Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
-- Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`); a fused attention
-  kernel (``hw.fused_attention``) at the Hardware's "attention" rate (``gemm.attention_rate``).
+- Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
 - EP's all-to-alls and PP's sends are exposed (a send blocks its stage).
 - DP's gradient reduction overlaps the last micro-batch's backward and the ZeRO
   parameter all-gather the next forward, when ``layout.overlap_dp``; ZeRO-2/3's
