@@ -87,7 +87,10 @@ def test_fused_attention_memory_and_time():
     assert unfused.memory["activations"] - fused.memory["activations"] == pytest.approx(scores - lse)
     sel = estimate("llama3-8b", hw, lay.with_(recompute="selective"))
     assert sel.memory["activations"] == pytest.approx(fused.memory["activations"])
-    assert fused.time["compute"] < 0.8 * unfused.time["compute"]   # attention is most of it at 32k
+    # faster, though the fused kernel runs at its cited rate (0.30 of peak on half the FLOPs:
+    # 0.5 / 0.30 > 1 / 0.70, the unfused GEMMs'; tests/test_planner_attention.py): the s x s
+    # scores no longer stream through HBM (at the GEMM rate it was < 0.8x; now 0.89x)
+    assert fused.time["compute"] < unfused.time["compute"]
 
 
 def test_mfu_conventions():
@@ -223,8 +226,9 @@ def test_llama3_papers_pipeline_explains_the_drop_from_8k_to_16k_gpus():
     """The 8k-token rows: 16M tokens a step on 8,192 then 16,384 GPUs, DP 64 -> 128, so each
     replica's micro-batches halve (32 -> 16) and the bubble (p - 1) / (v m) doubles. Table 4's
     throughput drops 430 -> 400 TFLOP/s (7.0%). With the paper's v = 8 (and its embedding and
-    head chunks) the planner's drop (8.8%) is nearer that than at v = 2 (18.6%: a bubble 4x as
-    large), the rule the course ran before it could cut the paper's chunks."""
+    head chunks) the planner's drop (6.6%; 8.8% before FlashAttention was priced at its own
+    rate, which lengthens the compute beside the bubble) is nearer that than at v = 2 (16.7%:
+    a bubble 4x as large), the rule the course ran before it could cut the paper's chunks."""
     from course_lib.planner.validation import LLAMA3_TABLE4, LLAMA3_V_PAPER, llama3_layout
 
     def drop(v):
@@ -235,8 +239,8 @@ def test_llama3_papers_pipeline_explains_the_drop_from_8k_to_16k_gpus():
         return 1 - tflops[1] / tflops[0]
 
     paper, stated, former = 1 - LLAMA3_TABLE4[1][-1] / LLAMA3_TABLE4[0][-1], drop(LLAMA3_V_PAPER), drop(2)
-    assert paper < stated < former, (paper, stated, former)      # the bubble's growth, smaller at v = 8
-    assert stated - paper < (former - paper) / 4, (paper, stated, former)
+    assert stated < former, (paper, stated, former)              # the bubble's growth, smaller at v = 8
+    assert abs(stated - paper) < (former - paper) / 4, (paper, stated, former)
 
 
 def test_bloom_row_takes_the_least_recomputation_that_fits():
@@ -255,14 +259,13 @@ def test_error_by_source():
     for st in stats.values():
         errs = [abs(r["rel_err"]) for r in rows if r["source"] == st["source"]]
         assert st["worst_abs_err"] == max(errs) and st["mean_abs_err"] == pytest.approx(sum(errs) / len(errs))
-        if st["source"] != "Llama 3 T4":          # see test_llama3_rows_within_tolerance
-            assert st["worst_abs_err"] <= 0.15
+        assert st["worst_abs_err"] <= 0.15
 
 
-@pytest.mark.xfail(strict=True, reason="#36: with the paper's pipeline (v = 8, the embedding and the output in "
-                   "chunks of their own) the planner's throughput is 14-17% above Table 4 on the 8k rows and 45% "
-                   "on the 128k row; v = 2's bubble (4x the paper's) had hidden it")
 def test_llama3_rows_within_tolerance():
+    # #36: with the paper's pipeline (v = 8) and FlashAttention priced at its cited rate (0.30 of
+    # peak, gemm.attention_rate; at the GEMM model it was +16.7%, +14.4%, +44.9%): +12.9%, +13.3%,
+    # +12.3% model TFLOP/s
     assert all(abs(r["rel_err"]) <= 0.15 for r in llama3_table4())
 
 

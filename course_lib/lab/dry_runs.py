@@ -160,9 +160,10 @@ def row_software(source: str, name: str) -> tuple:
 # time (+14.1% with the gathered K/V kept for backward instead of gathered again), the planner
 # -11.8%; 47 s CPU, 6.1 GiB resident. With the paper's chunks (embedding-only and head-only,
 # v = 8; checked on this branch applied to main at 981add3): -8.5%, the planner -31.0%; 53 s
-# CPU, 7.0 GiB resident. At 128k attention is most of a layer's work and
-# the two price it differently: the clock at FlashAttention-2's measured rate (0.30 of peak,
-# the H100's cited "attention" constant), the planner as GEMMs at the GEMM rate (0.83).
+# CPU, 7.0 GiB resident. At 128k attention is most of a layer's work; the planner priced it
+# as GEMMs at the GEMM model's rate, the clock at FlashAttention-2's measured rate (0.30 of
+# peak, the H100's cited "attention" constant). Both now price it at that one rate
+# (planner.gemm.attention_rate): the planner -10.9% (8k rows: -11.5%, -11.8%).
 # Neither is fitted to this row.
 LLAMA3_CP_NOTE = "CP: all-gathered K/V, cp ranks folded (equal FLOPs under FlashAttention)"
 

@@ -16,6 +16,13 @@ time to move its operands and result through HBM once, 2 (MK + KN + MN) bytes in
 ``sm_count = 0`` (the default for a hand-made or calibrated one) keeps the flat model:
 every GEMM at ``matmul_efficiency`` of peak.
 
+A fused attention kernel (FlashAttention, ``hw.fused_attention``) is not a GEMM: its score
+and PV products, the causal trim and the backward's recomputed QK^T run inside one kernel
+whose rate is the preset's cited "attention" fraction of peak (:func:`attention_rate`, the
+rate the virtual clock's kernel model prices the same kernel at). :func:`attention_gemms`
+marks its products ``"attention"`` (the last field of a GEMM tuple) and
+:func:`gemms_time` prices those at that rate; unfused attention's batched GEMMs stay GEMMs.
+
 Left out: split-K and stream-K kernels (which soften wave quantisation for small M N and
 large K), L2 effects, and the tile choice of a real library (several shapes, chosen per
 problem); so a small GEMM's efficiency here is a lower-end estimate.
@@ -51,6 +58,13 @@ def gemm_efficiency(M: float, N: float, K: float, hw, batch: int = 1, writes_out
     return 2.0 * M * N * K * batch / (t * hw.peak_flops) if t > 0 else 0.0
 
 
+def attention_rate(hw, peak: float | None = None) -> float:
+    """FLOP/s of a fused attention kernel on ``hw``: ``peak`` (default ``hw.peak_flops``, bf16)
+    x ``hw.efficiencies()["attention"]`` (the H100 preset's cited FlashAttention-2 rate; a
+    Hardware that states none: ``matmul_efficiency``, the flat GEMM rate)."""
+    return (hw.peak_flops if peak is None else peak) * hw.efficiencies()["attention"]
+
+
 def _weight_gemms(M, N, K, batch=1):
     """The three GEMMs of a linear layer y = x W (x: M x K, W: K x N): forward, the input's
     gradient dx = dy W^T, the weight's gradient dW = x^T dy."""
@@ -60,9 +74,10 @@ def _weight_gemms(M, N, K, batch=1):
 def layer_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none",
                 fused_attention: bool = True, etp: int = 1, sp: bool = True):
     """(forward, backward) GEMMs of one transformer layer for one micro-batch on one GPU:
-    lists of (M, N, K, batch, writes_output, weight), ``weight`` the share of the GEMM
+    lists of (M, N, K, batch, writes_output, weight, kernel), ``weight`` the share of the GEMM
     that runs (1, or 1/2 for causal attention in a fused kernel, which skips the masked
-    tiles; Megatron's unfused path computes the whole s x s scores and masks them).
+    tiles; Megatron's unfused path computes the whole s x s scores and masks them),
+    ``kernel`` "gemm", or "attention" for a product inside a fused attention kernel.
 
     Tokens on this GPU T = b s / cp (sequence parallelism all-gathers before the
     column-parallel GEMMs, so they see all T). Attention: QK^T and AV per head, a/t heads x
@@ -78,8 +93,8 @@ def layer_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, ep: int = 1, rec
 
     def linear(M, N, K, batch=1):
         f, g = _weight_gemms(M, N, K, batch)
-        fwd.extend((*x, True, 1.0) for x in f)
-        bwd.extend((*x, True, 1.0) for x in g)
+        fwd.extend((*x, True, 1.0, "gemm") for x in f)
+        bwd.extend((*x, True, 1.0, "gemm") for x in g)
     linear(T, (h + 2 * kv_dim) / t, h)               # W_q, W_k, W_v (column parallel)
     linear(T, h, h / t)                              # W_o (row parallel)
     if model.n_experts > 1:
@@ -111,9 +126,10 @@ def attention_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, fused_attent
     heads, sq = b * a / t, s / cp
     w = 0.5 if fused_attention else 1.0              # causal: a fused kernel skips masked tiles
     out = not fused_attention                        # unfused: the scores go to HBM
-    qk, av = (sq, s, d, heads, out, w), (sq, d, s, heads, True, w)
-    bwd = [(s, d, sq, heads, True, w), (sq, s, d, heads, out, w),     # dV, dP
-           (sq, d, s, heads, True, w), (s, d, sq, heads, True, w)]    # dQ, dK
+    k = "attention" if fused_attention else "gemm"   # fused: one kernel at its own rate
+    qk, av = (sq, s, d, heads, out, w, k), (sq, d, s, heads, True, w, k)
+    bwd = [(s, d, sq, heads, True, w, k), (sq, s, d, heads, out, w, k),     # dV, dP
+           (sq, d, s, heads, True, w, k), (s, d, sq, heads, True, w, k)]    # dQ, dK
     if fused_attention:
         bwd = [qk] + bwd                             # FlashAttention's backward recomputes QK^T
     return [qk, av], bwd
@@ -122,14 +138,17 @@ def attention_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, fused_attent
 def head_gemms(model, s: int, b: int, t: int = 1, cp: int = 1):
     """(forward, backward) GEMMs of the LM head: T x h times h x V/t."""
     f, g = _weight_gemms(b * s / cp, model.vocab / t, model.hidden)
-    return [(*x, True, 1.0) for x in f], [(*x, True, 1.0) for x in g]
+    return [(*x, True, 1.0, "gemm") for x in f], [(*x, True, 1.0, "gemm") for x in g]
 
 
 def gemms_time(gemms, hw) -> float:
-    """Seconds of a list of GEMMs from :func:`layer_gemms` / :func:`head_gemms`."""
-    return sum(wt * gemm_time(M, N, K, hw, batch, out) for M, N, K, batch, out, wt in gemms)
+    """Seconds of a list of GEMMs from :func:`layer_gemms` / :func:`head_gemms`: a GEMM on the
+    tile x wave model, a fused attention kernel's products their FLOPs at :func:`attention_rate`."""
+    fused = gemms_flops([g for g in gemms if g[6] == "attention"])
+    return (sum(wt * gemm_time(M, N, K, hw, batch, out) for M, N, K, batch, out, wt, kernel in gemms
+                if kernel == "gemm") + (fused / attention_rate(hw) if fused else 0.0))
 
 
 def gemms_flops(gemms) -> float:
     """FLOPs of a list of GEMMs (the work that runs: causal halves counted as halves)."""
-    return sum(wt * 2.0 * M * N * K * batch for M, N, K, batch, _, wt in gemms)
+    return sum(wt * 2.0 * M * N * K * batch for M, N, K, batch, _, wt, _ in gemms)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from course_lib.planner.gemm import gemm_time
+from course_lib.planner.gemm import attention_rate, gemm_time
 
 aten = torch.ops.aten
 # ops that launch no kernel: allocation, metadata, host reads
@@ -374,7 +374,7 @@ class KernelModel:
         eff = hw.efficiencies()
         self.hw, self.efficiency, self.peak = hw, eff, peak
         self.gemm_hw = hw.with_(peak_flops=peak, matmul_efficiency=eff[GEMM])
-        self.flops_rate = {GEMM: peak * eff[GEMM], ATTENTION: peak * eff[ATTENTION]}
+        self.flops_rate = {GEMM: peak * eff[GEMM], ATTENTION: attention_rate(hw, peak)}   # the planner's
         vector = hw.peak_flops_for("float32") or peak       # CUDA cores: elementwise arithmetic
         for cls in (REDUCTION, BROADCAST, ELEMENTWISE, COPY, FOREACH):
             self.flops_rate[cls] = vector
