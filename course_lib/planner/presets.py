@@ -196,10 +196,21 @@ _H100_KERNELS = dict(
     ))
 
 
-def _same_kernels(gpu):
-    """The H100's kernel model on another GPU of its software stack: the record's fractions."""
+def _same_kernels(gpu, **own):
+    """The H100's kernel model on another GPU of its software stack: the record's fractions,
+    but for the classes in ``own`` (class -> (fraction, its source)), which are the GPU's own."""
     note = f" (measured on an H100, assumed for the {gpu})"
-    return {**_H100_KERNELS, "sources": tuple((k, v + note) for k, v in _H100_KERNELS["sources"])}
+    fractions = {**dict(_H100_KERNELS["kernel_efficiency"]), **{k: f for k, (f, _) in own.items()}}
+    sources = tuple((k, own[k][1] if k in own else v + note) for k, v in _H100_KERNELS["sources"])
+    return {**_H100_KERNELS, "kernel_efficiency": tuple(fractions.items()), "sources": sources}
+
+
+# FlashAttention-2 on an A100 (Dao 2023, arXiv 2307.08691, abstract): "reaching 50-73% of the
+# theoretical maximum FLOPs/s on A100", forward and backward, over sequence lengths and head
+# dims; the range's lower end, so no shape is favoured. The H100's 0.30 is FlashAttention-2
+# there too, a kernel written for the A100's tensor cores (Shah et al. 2024): not the A100's.
+_A100_ATTENTION = (0.50, "FlashAttention-2 on an A100: 50-73% of peak (Dao 2023, arXiv 2307.08691, "
+                         "abstract), its lower end")
 
 
 HARDWARE = {
@@ -207,7 +218,7 @@ HARDWARE = {
     # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100);
     # fp16 as bf16, fp32 19.5 TFLOP/s without TF32 (the virtual clock's dtype_flops)
     "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108,
-                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100")),
+                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100", attention=_A100_ATTENTION)),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
     # direction), one 400 Gb/s NDR NIC per GPU (DGX H100); fp16 as bf16, fp32 67 TFLOP/s without TF32
     "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132,
