@@ -118,9 +118,7 @@ class ActionMemo:
             if kind == "ops":
                 stream.replay(item)
             else:
-                comm, op, name, payload, async_op, shapes, kwargs = item
-                args = tuple(torch.empty(shape, dtype=dtype, device="meta") if shape != "value" else dtype
-                             for shape, dtype in shapes)
+                comm, op, name, payload, async_op, args, kwargs = item
                 comm.replay_call(op, name, payload, async_op, args, kwargs)
         self.replays += 1
 
@@ -168,11 +166,16 @@ class ActionMemo:
 
 
 def _segments(tape) -> list:
-    """[("ops", [seconds or None, ...]) | ("comm", (comm, op, name, payload, async, shapes, kwargs))]."""
+    """[("ops", [seconds or None, ...]) | ("comm", (comm, op, name, payload, async, args, kwargs))]:
+    a collective's arguments made once, meta tensors of the shapes taped (every replay passes
+    the same ones: the dry run's backend moves nothing into them, the clock reads their shapes)."""
     out = []
     for x in tape:
         if isinstance(x, tuple):
-            out.append(("comm", x[:7]))
+            comm, op, name, payload, async_op, shapes, kwargs = x[:7]
+            args = tuple(torch.empty(shape, dtype=dtype, device="meta") if shape != "value" else dtype
+                         for shape, dtype in shapes)
+            out.append(("comm", (comm, op, name, payload, async_op, args, kwargs)))
         elif out and out[-1][0] == "ops":
             out[-1][1].append(x)
         else:
