@@ -189,7 +189,8 @@ def stage_model(model, pp_rank: int, layout: Layout):
     mine = {i for s in ids for i in layers[s]}
     view = copy.copy(model)
     view._modules = dict(model._modules)            # (a shallow copy shares the dict of children)
-    view.blocks = nn.ModuleList(b if i in mine else nn.Identity() for i, b in enumerate(model.blocks))
+    other = nn.Identity()           # one for all: each stage's deepcopy copies it once, not L - l times
+    view.blocks = nn.ModuleList(b if i in mine else other for i, b in enumerate(model.blocks))
     return view
 
 

@@ -42,6 +42,8 @@ from course_lib.virtual.clock import Message, RankClock
 from course_lib.virtual.compute import ComputeStream
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+# factories whose meta kernel is native (C++): run as they are, no key to make
+_NATIVE = frozenset((torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default))
 _TOPK = torch.ops.aten.topk.default
 _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 WAIT = 1.0          # seconds between a waiting thread's checks that no other stage failed
@@ -62,6 +64,7 @@ class Stages:
         self.waiting = {}                      # flow id -> the Event its receiver waits on
         self.ready = defaultdict(dict)         # (group, k) -> {running member: (ready, bytes)}
         self.reads = defaultdict(int)          # (group, k) -> members that read the maximum
+        self.members = {}                      # group -> how many of its ranks run
         self.failed = None
 
     def _wait_for(self, done):
@@ -97,13 +100,15 @@ class Stages:
             return self.messages.pop(flow)
 
     def exchange(self, comm, k: int, rank: int, ready: float, nbytes: float) -> "ReadyTimes":
-        members = [r for r in comm.ranks if r in self.running]
-        if len(members) <= 1:
+        n = self.members.get(comm.group)
+        if n is None:
+            n = self.members[comm.group] = sum(r in self.running for r in comm.ranks)
+        if n <= 1:
             return ReadyTimes(None, None, (ready, nbytes))
         with self.cond:
             self.ready[comm.group, k][rank] = (ready, nbytes)
             self.cond.notify_all()
-        return ReadyTimes(self, ((comm.group, k), len(members)), None)
+        return ReadyTimes(self, ((comm.group, k), n), None)
 
 
 class ReadyTimes:
@@ -368,6 +373,8 @@ class MetaScalars(TorchDispatchMode):
             return balanced_topk(*args, **kwargs)
         if mixed_devices(args):        # positions (values, on the host) meet the meta activations
             args = tuple(to_meta(a) for a in args)
+        if func in _NATIVE:
+            return func(*args, **kwargs)
         fresh = _FRESH.get(func)
         if fresh is None:
             fresh = _FRESH[func] = _makes_new_tensors(func)

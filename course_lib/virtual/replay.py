@@ -57,6 +57,7 @@ class ActionMemo:
         self.runs = {}              # (op, stage) -> real runs so far
         self.extra = {}             # (op, stage) -> what the runner keeps (saved bytes)
         self.replays = 0
+        self.sent = {}              # boundary -> the meta tensor replayed actions send
 
     # ---------------------------------------------------------------- taping
     def begin(self):
@@ -141,8 +142,7 @@ class ActionMemo:
             runner.live[(s, mb)] = runner.out.saved_bytes[(s, mb)] = self.extra[("F", s)]
             runner.out.peak_activation_bytes = max(runner.out.peak_activation_bytes, sum(runner.live.values()))
             if s < runner.n - 1:
-                shape, dtype = runner.shapes[s]
-                runner.send(torch.empty(shape, dtype=dtype, device="meta"), "act", s + 1, mb)
+                runner.send(self._sent(runner, s), "act", s + 1, mb)
             else:
                 runner.out.losses[mb] = 1.0
             runner.state[(s, mb)] = REPLAYED
@@ -159,10 +159,18 @@ class ActionMemo:
                 self.play(("B", s))
             del runner.state[(s, mb)], runner.live[(s, mb)]
             if s > 0:
-                shape, dtype = runner.shapes[s - 1]
-                runner.send(torch.empty(shape, dtype=dtype, device="meta"), "grad", s - 1, mb)
+                runner.send(self._sent(runner, s - 1), "grad", s - 1, mb)
 
         runner.F, runner.B = F, B
+
+    def _sent(self, runner, boundary: int) -> torch.Tensor:
+        """What a replayed action hands on across ``boundary`` (stage -> stage + 1): a meta tensor
+        of the runner's shape, made once (the runner sends a detached copy of it)."""
+        t = self.sent.get(boundary)
+        if t is None:
+            shape, dtype = runner.shapes[boundary]
+            t = self.sent[boundary] = torch.empty(shape, dtype=dtype, device="meta")
+        return t
 
 
 def _segments(tape) -> list:
