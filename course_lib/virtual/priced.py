@@ -35,7 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib import trace
-from course_lib.collectives.comm import Comm
+from course_lib.collectives.comm import Comm, CommCall
+from course_lib.debug import flight_recorder as flight
 from course_lib.meta import balanced_topk, mixed_devices, round_robin, to_meta
 from course_lib.parallel.mesh import Mesh, MeshShape
 from course_lib.virtual.clock import Message, RankClock
@@ -258,14 +259,31 @@ class PricedComm(Comm):
         return super()._call(op, name, payload, async_op, args, kwargs)
 
     def replay_call(self, op, name, payload, async_op, args, kwargs):
-        """The call again, not taped (:mod:`.replay`)."""
-        return super()._call(op, name, payload, async_op, args, kwargs)
+        """The call again, not taped (:mod:`.replay`). A blocking collective of the backend is
+        priced here at once: what ``Comm._virtual_call`` does for it (logged, the members' ready
+        times exchanged, NCCL's price, its span, the stream joins its end) less the backend's
+        call, which moves nothing into a replay's meta tensors. Any other call goes the whole way."""
+        clock = trace.clock()
+        if async_op or clock is None or clock.muted_depth or self._measuring or self.impl != "torch" \
+                or (self.size == 1 and op in ("all_reduce", "broadcast", "barrier")):
+            return super()._call(op, name, payload, async_op, args, kwargs)
+        entry = flight.collective(self, op, args, kwargs, async_op)
+        self._calling = name
+        self.log.append(CommCall(op, name, payload, None))
+        start, end = clock.collective(self, op, payload, args[0] if args else None, _nothing_to_run)
+        trace.recorder().add(name, "comm", start, end, self.dim)
+        clock.join(end)
+        return flight.completed(entry, None)
 
     def _function(self, op):
         fn, who = super()._function(op)
         if who != "torch":
             return fn, who
         return _twins(op, self.rank, self.size, self.folded_values.get(self._calling)), who
+
+
+def _nothing_to_run() -> None:
+    """A replayed collective's backend call: its tensors are meta, nothing moves."""
 
 
 def _twins(op: str, me: int, n: int, values=None):
