@@ -2,6 +2,7 @@
 checked by counting, not by timing: the schedule is built and validated once per dry run, not
 once per stage; a lane's shortcut answers what its scan answers."""
 import random
+import re
 
 import pytest
 
@@ -56,3 +57,26 @@ def test_a_lane_answers_what_its_scan_answers():
         for _ in range(4):
             ready, want = rng.uniform(0, i + 5), rng.uniform(0, 2)
             assert lane.earliest(ready, want) == _scan(lane.busy, ready, want)
+
+
+def test_a_stage_mesh_finds_its_groups_as_the_mesh_does():
+    """StageMesh.ranks looks only at the ranks that differ from its own where the group reaches
+    (not at every group of the world): the same ranks in the same order as MeshShape.rank_sets,
+    for every dimension and pair of dimensions, expert dims folded over dp, cp and tp included,
+    and the same error for a combination the mesh refuses."""
+    import itertools
+
+    from course_lib.parallel.mesh import DIMS, EXPERT_DIMS, MeshShape
+    from course_lib.virtual.priced import StageMesh
+    names = [(d,) for d in DIMS + EXPERT_DIMS] + list(itertools.permutations(DIMS + EXPERT_DIMS, 2))
+    for sizes in (dict(dp=2, pp=3, cp=2, tp=2, ep=2, etp=2), dict(dp=3, pp=2, tp=4, ep=2, etp=2)):
+        shape = MeshShape(**sizes)
+        for dims in names:
+            try:
+                sets = shape.rank_sets(dims)
+            except ValueError as e:
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    StageMesh(0, **sizes).ranks(dims)
+                continue
+            for rank in range(shape.world_size):
+                assert StageMesh(rank, **sizes).ranks(dims) == next(s for s in sets if rank in s)
