@@ -62,14 +62,16 @@ def test_a_lane_answers_what_its_scan_answers():
 def test_a_stage_mesh_finds_its_groups_as_the_mesh_does():
     """StageMesh.ranks looks only at the ranks that differ from its own where the group reaches
     (not at every group of the world): the same ranks in the same order as MeshShape.rank_sets,
-    for every dimension and pair of dimensions, expert dims folded over dp, cp and tp included,
-    and the same error for a combination the mesh refuses."""
+    for every dimension and pair of dimensions, expert dims folded over dp, cp and tp included, in
+    the default rank order and others, and the same error for a combination the mesh refuses."""
     import itertools
 
     from course_lib.parallel.mesh import DIMS, EXPERT_DIMS, MeshShape
     from course_lib.virtual.priced import StageMesh
     names = [(d,) for d in DIMS + EXPERT_DIMS] + list(itertools.permutations(DIMS + EXPERT_DIMS, 2))
-    for sizes in (dict(dp=2, pp=3, cp=2, tp=2, ep=2, etp=2), dict(dp=3, pp=2, tp=4, ep=2, etp=2)):
+    for sizes in (dict(dp=2, pp=3, cp=2, tp=2, ep=2, etp=2), dict(dp=3, pp=2, tp=4, ep=2, etp=2),
+                  dict(dp=2, pp=3, cp=2, tp=2, ep=2, order=("pp", "dp", "cp", "tp")),    # DeepSpeed's
+                  dict(dp=2, pp=2, cp=2, tp=2, ep=4, order=("tp", "pp", "cp", "dp"))):
         shape = MeshShape(**sizes)
         for dims in names:
             try:

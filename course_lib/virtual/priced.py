@@ -329,9 +329,6 @@ def _twin_values(op, args, me, n, reduce_op) -> None:
         raise NotImplementedError(f"dry run: {op} of values on the host")
 
 
-GROUP_ORDER = ("dp", "pp", "cp", "tp", "edp", "ep", "etp")     # a group's ranks, outermost first (Mesh's)
-
-
 class StageMesh(Mesh):
     """The :class:`Mesh` of ``sizes`` seen from global rank ``rank``, every Comm a
     :class:`PricedComm` (nothing to build: no process group)."""
@@ -362,7 +359,7 @@ class StageMesh(Mesh):
             rank = self.rank_of(**{**{d: me[d] for d in DIMS}, **dict(zip(varying, values))})
             c = self.coords(rank)
             if tuple(c[d] for d in outside) == mine:
-                members.append((tuple(c[d] for d in GROUP_ORDER if d in names), rank))
+                members.append((tuple(c[d] for d in self.order + ("edp", "ep", "etp") if d in names), rank))
         return [r for _, r in sorted(members)]
 
     def comm(self, dims, impl=None) -> Comm:
