@@ -7,8 +7,10 @@ action (F or B of a virtual stage) for real until two runs in a row priced the s
 collective (its Comm, shapes and arguments), in order. From then on an action of that stage
 is its tape replayed on the clock: the kernels by the compute stream's own arithmetic
 (:meth:`course_lib.virtual.compute.ComputeStream.replay`), the collectives called again on
-their Comm with fresh meta tensors (priced as the first time, by the clock, with this moment's
-streams and lanes), between the same receive and send the runner makes. Where a tape cannot
+their Comm with meta tensors of the taped shapes, made once per tape (priced as the first
+time, by the clock, with this moment's streams and lanes; a blocking one of the backend straight
+on the clock, :meth:`.priced.PricedComm.replay_call`), between the same receive and send the
+runner makes. Where a tape cannot
 be trusted (an async collective inside, kernels outside the action's span, a zero-bubble
 split), the stage keeps running for real. ``tests/test_dry_run.py`` checks the step time with
 replays against a real launch.
