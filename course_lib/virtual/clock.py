@@ -113,7 +113,8 @@ class RankClock:
         waited for after it (the two messages overlap); else it follows ``run()``."""
         self.settle()
         nbytes = self._bytes(payload, ref)
-        ready = self._ready(comm, op, nbytes)
+        group = self._group(comm)
+        ready = self._ready(comm, op, nbytes, group)
         exchange = self._exchange(comm, ready, nbytes) if comm.size > 1 and beside else None
         run()
         start = ready
@@ -123,7 +124,7 @@ class RankClock:
             with self.muted():
                 start, nbytes = exchange.result()
             self._host_reads()
-        end = self._priced(comm, op, nbytes, start)
+        end = self._priced(comm, op, nbytes, start, group)
         self.launched(end)
         return start, end
 
@@ -132,7 +133,8 @@ class RankClock:
         tensor's value on the compute stream's watch (``.item()``, :mod:`.compute`), it waits for
         the stream (unless muted, in an optimizer step, or outside the stream's mode)."""
         mode = self._mode
-        if not (mode._switched or self.muted_depth) and any(_stack_at(i) is mode for i in range(_stack_len())):
+        if not (mode._switched or self.muted_depth) and \
+                any(_stack_at(i) is mode for i in range(_stack_len() - 1, -1, -1)):   # (most often on top)
             self.host = max(self.host, self.t)
 
     def issue(self, comm, op: str, payload: int, ref, name: str) -> "Pending":
@@ -199,10 +201,11 @@ class RankClock:
             found = self._groups[key] = _Group(("group", comm.group), len(nodes), max(nodes.values()))
         return found
 
-    def _price(self, comm, op: str, nbytes: float) -> tuple:
+    def _price(self, comm, op: str, nbytes: float, group=None) -> tuple:
         """(NCCL's seconds for collective ``op`` of ``nbytes`` on ``comm``, ((lane, seconds) this
-        member's lanes are busy with it, ...)), memoised per group (a step repeats its sizes)."""
-        group = self._group(comm)
+        member's lanes are busy with it, ...)), memoised per group (a step repeats its sizes);
+        ``group``: ``self._group(comm)``, where the caller has it."""
+        group = group or self._group(comm)
         found = group.prices.get((op, nbytes))
         if found is None:
             hw, n_nodes, local = self.cluster.hw, group.n_nodes, group.local
@@ -225,11 +228,12 @@ class RankClock:
         """((lane, seconds), ...) this member's lanes are busy with collective ``op`` of ``nbytes``."""
         return self._price(comm, op, nbytes)[1]
 
-    def _ready(self, comm, op: str, nbytes: float) -> float:
+    def _ready(self, comm, op: str, nbytes: float, group=None) -> float:
         """When this member could start ``op``: its compute stream issued it, the group's stream
         is idle, and its lanes have room for the collective's bytes."""
-        ready = max(self.t, self.streams[self._group(comm).stream])
-        occupancy = self._occupancy(comm, op, nbytes)
+        group = group or self._group(comm)
+        ready = max(self.t, self.streams[group.stream])
+        occupancy = self._price(comm, op, nbytes, group)[1]
         for _ in range(len(occupancy) + 1):      # a gap in every lane at once
             moved = ready
             for lane, seconds in occupancy:
@@ -246,14 +250,15 @@ class RankClock:
         with self.muted():
             return _exchange(comm, ready, nbytes)
 
-    def _priced(self, comm, op: str, nbytes: float, start: float) -> float:
+    def _priced(self, comm, op: str, nbytes: float, start: float, group=None) -> float:
         """The end of collective ``op`` started at ``start``: NCCL's time for it on the group's
         links; the group's stream and this member's lanes are busy meanwhile."""
-        cost, occupancy = self._price(comm, op, nbytes)
+        group = group or self._group(comm)
+        cost, occupancy = self._price(comm, op, nbytes, group)
         for lane, seconds in occupancy:
             self.lanes[lane].reserve(start, seconds)
         end = start + cost
-        key = self._group(comm).stream
+        key = group.stream
         self.streams[key] = max(self.streams[key], end)
         return end
 

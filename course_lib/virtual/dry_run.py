@@ -56,7 +56,7 @@ from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
-from course_lib.schedules import chunks, placement_of, rank_stage_ids
+from course_lib.schedules import chunks, make_schedule, placement_of, rank_stage_ids, validate
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
@@ -189,7 +189,8 @@ def stage_model(model, pp_rank: int, layout: Layout):
     mine = {i for s in ids for i in layers[s]}
     view = copy.copy(model)
     view._modules = dict(model._modules)            # (a shallow copy shares the dict of children)
-    view.blocks = nn.ModuleList(b if i in mine else nn.Identity() for i, b in enumerate(model.blocks))
+    other = nn.Identity()           # one for all: each stage's deepcopy copies it once, not L - l times
+    view.blocks = nn.ModuleList(b if i in mine else other for i, b in enumerate(model.blocks))
     return view
 
 
@@ -277,6 +278,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order)
     cluster.check(shape.world_size)
     running = running_ranks(shape, fold_cp=folds_cp(layout, fusions))
+    run_layout = validated_once(layout)
     with torch.device("meta"):
         model = TinyGPT(cfg, seed=0)        # built once: each stage copies its part of it
     install(model, fusions)
@@ -298,7 +300,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
                 mesh = StageMesh(rank, **layout.sizes, etp=layout.etp, order=layout.order)
-                out[rank] = train_step(cfg, layout, mesh, device="meta", memo=rec.memo,
+                out[rank] = train_step(cfg, run_layout, mesh, device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
                                        optimizer=optimizer, fusions=fusions)
         except BaseException as e:   # noqa: BLE001  (every stage stops; the first error is raised below)
@@ -326,6 +328,18 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                   max(m["states"] + m["activations"] for m in memory), memory, spans, len(running),
                   sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res),
                   cfg, fusions)
+
+
+def validated_once(layout: Layout) -> Layout:
+    """``layout`` with its named schedule made and validated here, once, as the action lists
+    every stage runs (``parallelize_nd`` and the runner take a validated list as is). Each
+    stage would otherwise build and check all p ranks' lists itself: p x p x m x v actions, the
+    largest cost of a long pipeline (1T: 64 stages x 131,072 actions). The same lists, so the
+    same step. A V schedule's name (two chunks whatever ``v`` says) and pp = 1 stay as given."""
+    if not isinstance(layout.schedule, str) or layout.pp == 1 or chunks(layout.schedule, layout.v) != layout.v:
+        return layout
+    p, m, v = layout.pp, layout.microbatches, layout.v
+    return layout.with_(schedule=validate(make_schedule(layout.schedule, p, m, v), p, m, v))
 
 
 def running_ranks(shape: MeshShape, fold_cp: bool = False) -> list:

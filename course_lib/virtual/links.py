@@ -45,15 +45,18 @@ P2P_LL_THRESHOLD = 16 << 10                       # NCCL_P2P_LL_THRESHOLD: LL fo
 
 class Lane:
     """One direction of one link of one GPU: the intervals it is busy, in virtual seconds."""
-    __slots__ = ("busy",)
+    __slots__ = ("busy", "ends")
     KEEP = 256          # intervals remembered (older ones end long before anything still asked)
 
     def __init__(self):
         self.busy: list[tuple[float, float]] = []    # sorted by start
+        self.ends = 0.0     # no interval ends later (a bound: a released one may have ended it)
 
     def earliest(self, ready: float, duration: float) -> float:
         """The first time >= ``ready`` from which the lane is free for ``duration``."""
         t = ready
+        if t >= self.ends:  # every interval ended by then (the scan below would skip them all)
+            return t
         for s, e in self.busy:
             if e <= t:
                 continue
@@ -70,6 +73,8 @@ class Lane:
         while i and busy[i - 1][0] > start:
             i -= 1
         busy.insert(i, (start, start + duration))
+        if start + duration > self.ends:
+            self.ends = start + duration
         if len(busy) > self.KEEP:
             del busy[:len(busy) - self.KEEP]
 

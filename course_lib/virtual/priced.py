@@ -28,6 +28,7 @@ run the same kernels on the same shapes), so:
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import defaultdict, deque
 
@@ -35,13 +36,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib import trace
-from course_lib.collectives.comm import Comm
+from course_lib.collectives.comm import Comm, CommCall
+from course_lib.debug import flight_recorder as flight
 from course_lib.meta import balanced_topk, mixed_devices, round_robin, to_meta
-from course_lib.parallel.mesh import Mesh, MeshShape
+from course_lib.parallel.mesh import DIMS, EXPERT_DIMS, Mesh, MeshShape
 from course_lib.virtual.clock import Message, RankClock
 from course_lib.virtual.compute import ComputeStream
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+# factories whose meta kernel is native (C++): run as they are, no key to make
+_NATIVE = frozenset((torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default))
 _TOPK = torch.ops.aten.topk.default
 _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 WAIT = 1.0          # seconds between a waiting thread's checks that no other stage failed
@@ -62,6 +66,7 @@ class Stages:
         self.waiting = {}                      # flow id -> the Event its receiver waits on
         self.ready = defaultdict(dict)         # (group, k) -> {running member: (ready, bytes)}
         self.reads = defaultdict(int)          # (group, k) -> members that read the maximum
+        self.members = {}                      # group -> how many of its ranks run
         self.failed = None
 
     def _wait_for(self, done):
@@ -97,13 +102,15 @@ class Stages:
             return self.messages.pop(flow)
 
     def exchange(self, comm, k: int, rank: int, ready: float, nbytes: float) -> "ReadyTimes":
-        members = [r for r in comm.ranks if r in self.running]
-        if len(members) <= 1:
+        n = self.members.get(comm.group)
+        if n is None:
+            n = self.members[comm.group] = sum(r in self.running for r in comm.ranks)
+        if n <= 1:
             return ReadyTimes(None, None, (ready, nbytes))
         with self.cond:
             self.ready[comm.group, k][rank] = (ready, nbytes)
             self.cond.notify_all()
-        return ReadyTimes(self, ((comm.group, k), len(members)), None)
+        return ReadyTimes(self, ((comm.group, k), n), None)
 
 
 class ReadyTimes:
@@ -253,14 +260,31 @@ class PricedComm(Comm):
         return super()._call(op, name, payload, async_op, args, kwargs)
 
     def replay_call(self, op, name, payload, async_op, args, kwargs):
-        """The call again, not taped (:mod:`.replay`)."""
-        return super()._call(op, name, payload, async_op, args, kwargs)
+        """The call again, not taped (:mod:`.replay`). A blocking collective of the backend is
+        priced here at once: what ``Comm._virtual_call`` does for it (logged, the members' ready
+        times exchanged, NCCL's price, its span, the stream joins its end) less the backend's
+        call, which moves nothing into a replay's meta tensors. Any other call goes the whole way."""
+        clock = trace.clock()
+        if async_op or clock is None or clock.muted_depth or self._measuring or self.impl != "torch" \
+                or (self.size == 1 and op in ("all_reduce", "broadcast", "barrier")):
+            return super()._call(op, name, payload, async_op, args, kwargs)
+        entry = flight.collective(self, op, args, kwargs, async_op)
+        self._calling = name
+        self.log.append(CommCall(op, name, payload, None))
+        start, end = clock.collective(self, op, payload, args[0] if args else None, _nothing_to_run)
+        trace.recorder().add(name, "comm", start, end, self.dim)
+        clock.join(end)
+        return flight.completed(entry, None)
 
     def _function(self, op):
         fn, who = super()._function(op)
         if who != "torch":
             return fn, who
         return _twins(op, self.rank, self.size, self.folded_values.get(self._calling)), who
+
+
+def _nothing_to_run() -> None:
+    """A replayed collective's backend call: its tensors are meta, nothing moves."""
 
 
 def _twins(op: str, me: int, n: int, values=None):
@@ -319,6 +343,25 @@ class StageMesh(Mesh):
     def group(self, dims):
         return tuple(self.ranks(self._key(dims)))
 
+    def ranks(self, dims) -> list[int]:
+        """:meth:`Mesh.ranks` (this rank's group along ``dims``, in group-rank order), found
+        among the ranks that differ from this one only where the group reaches: not by
+        building every group of the world (a 3,072-GPU row's stages ask about 260 times)."""
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        if not names:
+            return super().ranks(dims)          # (its error)
+        self._check(names)
+        covered, me = self._covered(names), self.coords(self.rank)
+        outside = [d for d in DIMS + EXPERT_DIMS if d not in covered]
+        varying = [d for d in DIMS if d in covered]
+        mine, members = tuple(me[d] for d in outside), []
+        for values in itertools.product(*(range(self.sizes[d]) for d in varying)):
+            rank = self.rank_of(**{**{d: me[d] for d in DIMS}, **dict(zip(varying, values))})
+            c = self.coords(rank)
+            if tuple(c[d] for d in outside) == mine:
+                members.append((tuple(c[d] for d in self.order + ("edp", "ep", "etp") if d in names), rank))
+        return [r for _, r in sorted(members)]
+
     def comm(self, dims, impl=None) -> Comm:
         key = self._key(dims)
         if key not in self._comms:
@@ -368,6 +411,8 @@ class MetaScalars(TorchDispatchMode):
             return balanced_topk(*args, **kwargs)
         if mixed_devices(args):        # positions (values, on the host) meet the meta activations
             args = tuple(to_meta(a) for a in args)
+        if func in _NATIVE:
+            return func(*args, **kwargs)
         fresh = _FRESH.get(func)
         if fresh is None:
             fresh = _FRESH[func] = _makes_new_tensors(func)

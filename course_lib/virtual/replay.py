@@ -7,8 +7,10 @@ action (F or B of a virtual stage) for real until two runs in a row priced the s
 collective (its Comm, shapes and arguments), in order. From then on an action of that stage
 is its tape replayed on the clock: the kernels by the compute stream's own arithmetic
 (:meth:`course_lib.virtual.compute.ComputeStream.replay`), the collectives called again on
-their Comm with fresh meta tensors (priced as the first time, by the clock, with this moment's
-streams and lanes), between the same receive and send the runner makes. Where a tape cannot
+their Comm with meta tensors of the taped shapes, made once per tape (priced as the first
+time, by the clock, with this moment's streams and lanes; a blocking one of the backend straight
+on the clock, :meth:`.priced.PricedComm.replay_call`), between the same receive and send the
+runner makes. Where a tape cannot
 be trusted (an async collective inside, kernels outside the action's span, a zero-bubble
 split), the stage keeps running for real. ``tests/test_dry_run.py`` checks the step time with
 replays against a real launch.
@@ -57,6 +59,7 @@ class ActionMemo:
         self.runs = {}              # (op, stage) -> real runs so far
         self.extra = {}             # (op, stage) -> what the runner keeps (saved bytes)
         self.replays = 0
+        self.sent = {}              # boundary -> the meta tensor replayed actions send
 
     # ---------------------------------------------------------------- taping
     def begin(self):
@@ -118,9 +121,7 @@ class ActionMemo:
             if kind == "ops":
                 stream.replay(item)
             else:
-                comm, op, name, payload, async_op, shapes, kwargs = item
-                args = tuple(torch.empty(shape, dtype=dtype, device="meta") if shape != "value" else dtype
-                             for shape, dtype in shapes)
+                comm, op, name, payload, async_op, args, kwargs = item
                 comm.replay_call(op, name, payload, async_op, args, kwargs)
         self.replays += 1
 
@@ -143,8 +144,7 @@ class ActionMemo:
             runner.live[(s, mb)] = runner.out.saved_bytes[(s, mb)] = self.extra[("F", s)]
             runner.out.peak_activation_bytes = max(runner.out.peak_activation_bytes, sum(runner.live.values()))
             if s < runner.n - 1:
-                shape, dtype = runner.shapes[s]
-                runner.send(torch.empty(shape, dtype=dtype, device="meta"), "act", s + 1, mb)
+                runner.send(self._sent(runner, s), "act", s + 1, mb)
             else:
                 runner.out.losses[mb] = 1.0
             runner.state[(s, mb)] = REPLAYED
@@ -161,18 +161,31 @@ class ActionMemo:
                 self.play(("B", s))
             del runner.state[(s, mb)], runner.live[(s, mb)]
             if s > 0:
-                shape, dtype = runner.shapes[s - 1]
-                runner.send(torch.empty(shape, dtype=dtype, device="meta"), "grad", s - 1, mb)
+                runner.send(self._sent(runner, s - 1), "grad", s - 1, mb)
 
         runner.F, runner.B = F, B
 
+    def _sent(self, runner, boundary: int) -> torch.Tensor:
+        """What a replayed action hands on across ``boundary`` (stage -> stage + 1): a meta tensor
+        of the runner's shape, made once (the runner sends a detached copy of it)."""
+        t = self.sent.get(boundary)
+        if t is None:
+            shape, dtype = runner.shapes[boundary]
+            t = self.sent[boundary] = torch.empty(shape, dtype=dtype, device="meta")
+        return t
+
 
 def _segments(tape) -> list:
-    """[("ops", [seconds or None, ...]) | ("comm", (comm, op, name, payload, async, shapes, kwargs))]."""
+    """[("ops", [seconds or None, ...]) | ("comm", (comm, op, name, payload, async, args, kwargs))]:
+    a collective's arguments made once, meta tensors of the shapes taped (every replay passes
+    the same ones: the dry run's backend moves nothing into them, the clock reads their shapes)."""
     out = []
     for x in tape:
         if isinstance(x, tuple):
-            out.append(("comm", x[:7]))
+            comm, op, name, payload, async_op, shapes, kwargs = x[:7]
+            args = tuple(torch.empty(shape, dtype=dtype, device="meta") if shape != "value" else dtype
+                         for shape, dtype in shapes)
+            out.append(("comm", (comm, op, name, payload, async_op, args, kwargs)))
         elif out and out[-1][0] == "ops":
             out[-1][1].append(x)
         else:
