@@ -17,27 +17,28 @@ import sys
 
 from course_lib.lab.dry_runs import published_row, published_runs, summary
 
-RECORDED_ON = ("2026-11-29, commit d298d58, this project's 2-core machine (loaded: wall_s and "
-               "cpu_s are that machine's); Llama 3 rows at c6c5007 (no later change touches them)")
+RECORDED_ON = ("2026-11-29, commit f604383, this project's 2-core machine (loaded: wall_s and "
+               "cpu_s are that machine's)")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (12.42103782184581, 175.58, False, 60, 17),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (7.48893449524319, 135.95, False, 56, 16),
-    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.5932593053913533, 25.05, True, 7, 3),
-    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (4.010315247942346, 27.07, True, 5, 2),
-    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (4.193467259755509, 28.57, True, 7, 3),
-    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (10.353627996005143, 35.56, True, 3, 3),
-    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.479220501103688, 38.57, True, 5, 4),
-    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (15.26358282058283, 38.84, True, 7, 6),
-    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (24.28763963319156, 39.15, True, 14, 13),
-    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.13118285234803, 44.32, True, 33, 27),
-    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.596059455390446, 39.6, True, 95, 58),
-    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (97.72573950867266, 46.59, True, 294, 204),
-    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.1128127726413248, 43.66, True, 13, 4),
-    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.453324565457592, 55.43, True, 23, 19),
-    ('Korthikanti 2022 T5', 'GPT 530B', 280): (36.127751234490276, 53.28, True, 197, 140),
-    ('Korthikanti 2022 T5', 'GPT 1T', 512): (68.991388273142, 71.39, True, 606, 596),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (89.75508748362044, 77.17, True, 21, 25),
+    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.1128127726413248, 43.66, True, 2, 2),
+    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.453324565457592, 55.43, True, 5, 4),
+    ('Korthikanti 2022 T5', 'GPT 530B', 280): (36.127751234490276, 53.28, True, 27, 26),
+    ('Korthikanti 2022 T5', 'GPT 1T', 512): (68.991388273142, 71.39, True, 56, 54),
+    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.194960929606579, 31.44, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.4163170189105556, 34.2, True, 0, 0),
+    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.504372301840617, 38.27, True, 0, 0),
+    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.947596363480606, 42.67, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.283550182624985, 43.11, True, 1, 2),
+    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.624876301085903, 42.48, True, 2, 2),
+    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.364386335349543, 46.47, True, 3, 3),
+    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (34.61418456029069, 47.39, True, 10, 10),
+    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (49.61874756101029, 42.94, True, 20, 20),
+    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (97.72573950867266, 46.59, True, 39, 39),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (96.88091617878914, 31.91, True, 6, 7),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.017737011450425, 99.7, False, 31, 31),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.155906772432091, 90.79, False, 24, 25),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.096824442434055, 95.36, False, 54, 50),
 }
 
 
