@@ -30,7 +30,7 @@ import time
 from course_lib.layout import MESH_ORDER, Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
-from course_lib.planner.validation import (BLOOM, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
+from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
                                            NARAYANAN_TABLE1, korthikanti_layout, llama3_layout)
 from course_lib.virtual import dry_run
 
@@ -107,7 +107,7 @@ DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0
 # Sec. 3.3.2), the course's own.
 _MEGATRON_ORDER = ("pp", "dp", "tp")
 ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_ORDER,
-         "BLOOM 2022": ("pp", "dp", "tp"), "Llama 3 T4": None}
+         "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None}
 
 
 # The runs of Narayanan et al. 2021's Table 1 as its authors scripted them: NVIDIA/Megatron-LM

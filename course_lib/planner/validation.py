@@ -169,13 +169,21 @@ BLOOM = ModelSpec("BLOOM 176B", 70, 14336, 112, 112, 4 * 14336, 250880, 2048, ml
 JEAN_ZAY = MEGATRON_2022.with_(name="A100 80GB (Jean Zay)", network_bandwidth=4 * 100e9 / 8 / 8)
 
 
+# DeepSpeed's rank order (deepspeed/runtime/pipe/topology.py, PipeModelDataParallelTopology:
+# axes ['pipe', 'data', 'model'], row-major), which BLOOM's Megatron-DeepSpeed builds
+BLOOM_ORDER = ("pp", "dp", "tp")
+
+
 def bloom_row(hardware=None, tolerance: float = 0.15) -> list[dict]:
     """BLOOM's run: stated layout, Megatron-DeepSpeed (2022: unfused attention, no sequence
     parallelism, no selective recomputation). Recomputation is not stated: the rule is the
-    least recomputation whose memory fits in HBM (the run ran)."""
+    least recomputation whose memory fits in HBM (the run ran). Its ranks are numbered as
+    DeepSpeed's PipeModelDataParallelTopology numbers them (axes pipe, data, model: the pipeline
+    outermost, :data:`BLOOM_ORDER`), so every pipeline hop crosses nodes."""
     hw = hardware or JEAN_ZAY
     for rc in ("none", "full"):
-        layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048, recompute=rc)
+        layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048, recompute=rc,
+                        order=BLOOM_ORDER)
         est = estimate(BLOOM, hw, layout)
         if est.fits:
             break
