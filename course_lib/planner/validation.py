@@ -179,7 +179,7 @@ def bloom_row(hardware=None, tolerance: float = 0.15) -> list[dict]:
     parallelism, no selective recomputation). Recomputation is not stated: the rule is the
     least recomputation whose memory fits in HBM (the run ran). Its ranks are numbered as
     DeepSpeed's PipeModelDataParallelTopology numbers them (axes pipe, data, model: the pipeline
-    outermost, :data:`BLOOM_ORDER`), so every pipeline hop crosses nodes."""
+    outermost), so every pipeline hop crosses nodes."""
     hw = hardware or JEAN_ZAY
     for rc in ("none", "full"):
         layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, global_batch=2048, recompute=rc,
