@@ -375,7 +375,7 @@ def segmented_vs_unsegmented():
             x = make(r, numel, dtype, seed=7)
             for op in (R.SUM, R.MAX) + ((R.AVG,) if dtype.is_floating_point else ()):
                 outs = []
-                for seg in (None, 64, 1000):                   # one segment; many; a few, uneven
+                for seg in (None, 256, 1000):                  # one segment; many; a few, uneven
                     y = x.clone()
                     ring.all_reduce(y, op, segment_bytes=seg)
                     outs.append(y)
@@ -383,7 +383,7 @@ def segmented_vs_unsegmented():
             sizes = [numel + q for q in range(N)]             # uneven pieces
             pieces = [make(r, s, dtype, seed=8 + q) for q, s in enumerate(sizes)]
             got = []
-            for seg in (None, 64):
+            for seg in (None, 256):
                 out = torch.empty(sizes[r], dtype=dtype)
                 ring.reduce_scatter(out, [p.clone() for p in pieces], segment_bytes=seg)
                 gathered = [torch.empty(s, dtype=dtype) for s in sizes]

@@ -13,6 +13,7 @@ tests/test_notebooks.py: no notebook is run twice.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -24,8 +25,15 @@ from conftest import OTHER_KERNELS, nbval_strict
 
 def capability_under(env: dict) -> str:
     """The kernels torch picks in a fresh process with ``env`` added to the environment."""
+    return _capability_under(tuple(sorted(env.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_under(env: tuple) -> str:
+    # once per environment in the session: every OTHER_KERNELS notebook asks for the same two
+    # (a fresh process importing torch: ~1 s of CPU, 24 of them before)
     code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **dict(env)}, capture_output=True,
                           text=True, check=True).stdout.strip()
 
 

@@ -4,7 +4,6 @@ Expected times are computed here from the planner's Hardware and the cost model'
 not from the clock's own code. Few launches, each checking several things."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -195,10 +194,17 @@ def _one_f_one_b():
     return _pipelines(4, 8, [("1f1b", 1), ("zb-h1", 1)])
 
 
-def test_pipeline_on_h100_links_is_the_schedule_simulation_and_deterministic(tmp_path):
+def _one_f_one_b_kernels():
+    """(the CPU kernels this rank runs, its 1F1B spans)."""
+    from torch.backends import cpu
+
+    return cpu.get_cpu_capability(), _one_f_one_b()["1f1b"][0]
+
+
+def test_pipeline_on_h100_links_is_the_schedule_simulation_and_deterministic(tmp_path, monkeypatch):
     """With the preset's NVLink, every action starts exactly when schedules.simulate says (its
-    t_comm = one message's time in NCCL's model, the run's own action times); twice in a row, and in a
-    process with the default (non-vectorised) kernels, the spans are identical."""
+    t_comm = one message's time in NCCL's model, the run's own action times); twice in a row, and on
+    ranks with the default (non-vectorised) kernels, the spans are identical."""
     cluster = VirtualCluster("h100-sxm", gpus_per_node=8, dtype=torch.bfloat16)
     first = launch(_one_f_one_b, 4, clock=cluster)
     second = launch(_one_f_one_b, 4, clock=cluster)
@@ -215,15 +221,12 @@ def test_pipeline_on_h100_links_is_the_schedule_simulation_and_deterministic(tmp
         want = {s.name: (s.start, s.end) for s in sim if s.kind == "compute"}
         for s in compute:
             assert (s.start - t0, s.end - t0) == pytest.approx(want[s.name], rel=REL, abs=1e-15), (name, s)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
-    code = ("import pickle, sys, torch, tests.test_virtual as T\n"
-            "from course_lib.launch import launch\nfrom course_lib.virtual import VirtualCluster\n"
-            "res = launch(T._one_f_one_b, 4, clock=VirtualCluster('h100-sxm', 8, torch.bfloat16))\n"
-            "sys.stdout.buffer.write(pickle.dumps([r['1f1b'][0] for r in res]))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import pickle
-    assert pickle.loads(out.stdout) == [r["1f1b"][0] for r in first]
+    # each rank reads ATEN_CPU_CAPABILITY from the launcher's environment at its first op (the
+    # ranks are fresh forks; no subprocess and its forkserver importing torch again, ~4 s of CPU)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    portable = launch(_one_f_one_b_kernels, 4, clock=VirtualCluster("h100-sxm", 8, torch.bfloat16))
+    assert [kernels for kernels, _ in portable] == ["DEFAULT"] * 4
+    assert [spans for _, spans in portable] == [r["1f1b"][0] for r in first]
     # the Chrome trace of that run
     path = tmp_path / "step.json"
     trace.to_chrome_trace(first.spans, path)
@@ -260,7 +263,7 @@ def test_bad_input_and_deadlock():
     with pytest.raises(ValueError, match="gpus_per_node=3 does not divide the world size 4"):
         launch(_deadlock, 4, clock=VirtualCluster("h100-sxm", gpus_per_node=3))
     with pytest.raises(LaunchTimeout, match=r"did not finish within the timeout") as info:
-        launch(_deadlock, 2, clock=VirtualCluster("h100-sxm"), timeout=5)
+        launch(_deadlock, 2, clock=VirtualCluster("h100-sxm"), timeout=2)   # as test_launch's hang
     # each rank is named stuck in its receive (the stack's frame, or the flight recorder's diagnosis)
     assert set(info.value.stuck) == {0, 1}
     assert all("recv" in what or f"rank {r} waits in recv" in str(info.value) for r, what in info.value.stuck.items())
