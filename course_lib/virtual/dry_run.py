@@ -262,10 +262,12 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     docstring. ``progress``: every so many seconds of a long run, a line on stderr (None: quiet).
     ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
     ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach".
-    ``fusions``: the attention kernels the source's software fused (:mod:`.software`:
-    "scale_mask_softmax", Megatron-LM's; "flash_attention") and how it ran the pipeline
-    ("blocking_sends", DeepSpeed's), stated per source, never fitted; default none: the course's
-    attention, written out, and sends waited at the end of the step. ``dropout``: the source's
+    ``fusions``: the kernels the source's software fused (:data:`.software.FUSIONS`:
+    "scale_mask_softmax", Megatron-LM's; "flash_attention"; "bias_dropout_add"; "fused_qkv") and
+    how its program ran (:data:`.software.RUNTIME`: DeepSpeed's "blocking_sends" and
+    "deepspeed_p2p_order", "launch_blocking" for ``CUDA_LAUNCH_BLOCKING=1``, PyTorch DDP's
+    "overlapped_dp"), stated per source, never fitted; default none: the course's attention,
+    written out, and sends waited at the end of the step. ``dropout``: the source's
     hidden and attention dropout (:func:`model_config`), stated per source like ``fusions``;
     default 0."""
     if optimizer not in ("fused", "foreach"):
