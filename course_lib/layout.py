@@ -253,6 +253,7 @@ def split_with_ends(n_layers: int, n_stages: int, embedding: int = 1, head: int 
 
 
 DATA = ("ddp", "fsdp", "hsdp")
+CP_COMM = ("ring", "all_gather")   # Layout.cp_comm: how K/V move (the planner and the ranks both read it)
 
-__all__ = ["Layout", "DATA", "FOLD_ORDER", "MESH_ORDER", "expert_fold", "rank_order", "rule_stage_layers",
+__all__ = ["Layout", "DATA", "CP_COMM", "FOLD_ORDER", "MESH_ORDER", "expert_fold", "rank_order", "rule_stage_layers",
            "split_with_ends"]

@@ -38,6 +38,7 @@ from course_lib import trace
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_doc_ids, check_positions, document_mask, rotary_rows)
 from course_lib.gpt import Attention
+from course_lib.layout import CP_COMM
 from course_lib.parallel.cp_allgather import all_gather_attention
 from course_lib.parallel.cp_layouts import (LAYOUTS, check_documents, check_shard_positions,  # noqa: F401
                                             sequence_chunks, shard_positions, shard_sequence, zigzag_chunks,
@@ -346,14 +347,13 @@ class ContextParallelAttention(Attention):
 
 
 METHODS = ("ring", "ulysses", "all_gather")
-CP_COMMS = ("ring", "all_gather")     # Layout.cp_comm: "all_gather" runs all_gather_attention
 
 
 def cp_method_of(layout) -> str:
     """What the ranks run for a layout: ``cp_comm="all_gather"`` is Llama 3's all-gathered K/V
     (it names no other method: ``cp_method`` stays at its default "ring"), else ``cp_method``."""
-    if layout.cp_comm not in CP_COMMS:
-        raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {layout.cp_comm!r}")
+    if layout.cp_comm not in CP_COMM:
+        raise ValueError(f"cp_comm must be one of {CP_COMM}, got {layout.cp_comm!r}")
     if layout.cp_comm == "all_gather":
         if layout.cp_method != "ring":
             raise ValueError(f"cp_comm='all_gather' (Llama 3's all-gathered K/V) is the CP method itself: "
@@ -434,6 +434,6 @@ __all__ = ["LAYOUTS", "zigzag_chunks", "shard_positions", "zigzag_positions", "s
            "visible_rows_cols", "visible_segments", "block_attention", "running_block_attention", "merge_partial",
            "attention_flops", "RingAttention",
            "ring_attention", "SeqToHeads", "HeadsToSeq", "ulysses_attention", "ContextParallelAttention",
-           "context_parallel", "METHODS", "CP_COMMS",
+           "context_parallel", "METHODS",
            "cp_method_of", "all_gather_attention", "check_cp_names", "sequence_chunks", "ulysses_heads",
            "no_dropout", "rule_context", "rule_doc_ids"]

@@ -11,12 +11,11 @@ hop spans dp * cp * tp ranks): :func:`strides` follows it, as the Mesh does.
 """
 from __future__ import annotations
 
-from course_lib.layout import Layout, expert_fold, rank_order, rule_stage_layers
+from course_lib.layout import CP_COMM, Layout, expert_fold, rank_order, rule_stage_layers
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 from course_lib.schedules import V_SCHEDULES, stage_rank
 
-CP_COMM = ("ring", "all_gather")
 
 
 def _positive_int(name, value):
