@@ -19,6 +19,7 @@ __all__ = ["check_pipeline_plan"]
 # what would answer the pipeline question: the schedules, their simulation and the planner,
 # running the schedule on the clock, or the grader's own reference
 PIPELINE_LIBRARY = ("course_lib.schedules:*", "course_lib.planner.formulas:*",
+                    *(f"course_lib.schedules.{m}:*" for m in ("actions", "classic", "zero_bubble", "names", "bubbles")),
                     "course_lib.planner.simulator:*", "course_lib.planner.search:*",
                     "course_lib.parallel.pipeline.runner:*", "course_lib.launch:launch",
                     "course_lib.lab.pipeline_runs:*")

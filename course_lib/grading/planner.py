@@ -27,6 +27,7 @@ REFERENCES = ("course_lib.grading.planner:_reference_memory_per_gpu", "course_li
 FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.activations:*", "course_lib.planner.estimate:*",
             "course_lib.planner.costs:*", "course_lib.planner.simulator:*", "course_lib.planner.search:*")
 SIMULATORS = ("course_lib.schedules:*", "course_lib.planner.simulator:*", "course_lib.planner.estimate:*",
+              *(f"course_lib.schedules.{m}:*" for m in ("actions", "classic", "zero_bubble", "names", "bubbles")),
               "course_lib.planner.search:*")
 SEARCH = ("course_lib.planner.search:*",)
 
