@@ -213,7 +213,7 @@ def describe_stack(dump: str) -> str:
     if not dump.strip():
         return ""
     threads = dump.split("\n\n")
-    main = next((t for t in threads if "_rank_main" in t), threads[0])   # (launch's rank entry point)
+    main = next((t for t in threads if "rank_main" in t), threads[0])   # (launch's rank entry point)
     frames = []  # most recent first: (file, line, function)
     for line in main.splitlines():
         line = line.strip()
@@ -229,7 +229,7 @@ def describe_stack(dump: str) -> str:
         return f"{os.sep}torch{os.sep}" in f[0]
 
     def is_launcher(f):  # (the virtual clock's frames too: a stuck rank waits in the call that used it)
-        return (f[0].endswith(os.path.join("course_lib", "launch.py"))
+        return (any(f[0].endswith(os.path.join("course_lib", n)) for n in ("launch.py", "rank_process.py"))
                 or f"{os.sep}multiprocessing{os.sep}" in f[0]
                 or f"course_lib{os.sep}virtual{os.sep}" in f[0])
 
