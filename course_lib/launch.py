@@ -46,7 +46,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -57,8 +56,8 @@ import cloudpickle
 from course_lib.debug import postmortem as _debug   # flight recorder, desync check, which rank failed and where
 from course_lib.forkserver import (FORKSERVER_PRELOAD, SHARED_FORKSERVER, can_share_forkserver, rank_context,
                                    start_shared_forkserver, starting_ranks)
-from course_lib.rank_process import (BACKENDS, STARTUP_TIMEOUT, LaunchResult, rank_main, run_under_torchrun, to_cpu,
-                                     under_torchrun)
+from course_lib.rank_process import (BACKENDS, STARTUP_TIMEOUT, LaunchResult, cpu_count, default_threads,
+                                     loopback_interface, rank_main, run_under_torchrun, to_cpu, under_torchrun)
 
 
 class RankError(RuntimeError):
@@ -96,32 +95,6 @@ class LaunchTimeout(TimeoutError):
     def __init__(self, message, stuck):
         super().__init__(message)
         self.stuck = stuck
-
-
-# ----------------------------------------------------------------------------- helpers
-
-def cpu_count() -> int:
-    """Cores this process may use (respects affinity masks and containers)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS, Windows
-        return max(1, os.cpu_count() or 1)
-
-
-def default_threads(world_size: int) -> int:
-    return max(1, cpu_count() // world_size)
-
-
-def loopback_interface() -> str:
-    """Name of the loopback interface: 'lo' on Linux, 'lo0' on macOS/BSD."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (AttributeError, OSError):
-        names = []
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return "lo0" if sys.platform == "darwin" else "lo"
 
 
 def _check_call(fn, args, kwargs):

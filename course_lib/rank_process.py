@@ -14,6 +14,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -39,6 +40,30 @@ class LaunchResult(list):
 
     def spans_of(self, rank):
         return [s for s in self.spans if s.rank == rank]
+
+
+def cpu_count() -> int:
+    """Cores this process may use (respects affinity masks and containers)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads(world_size: int) -> int:
+    return max(1, cpu_count() // world_size)
+
+
+def loopback_interface() -> str:
+    """Name of the loopback interface: 'lo' on Linux, 'lo0' on macOS/BSD."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        names = []
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return "lo0" if sys.platform == "darwin" else "lo"
 
 
 def to_cpu(obj):
@@ -205,5 +230,5 @@ def run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, clock=Non
     return results
 
 
-__all__ = ["BACKENDS", "STARTUP_TIMEOUT", "LaunchResult", "to_cpu", "under_torchrun", "rank_main",
-           "run_under_torchrun"]
+__all__ = ["BACKENDS", "STARTUP_TIMEOUT", "LaunchResult", "cpu_count", "default_threads", "loopback_interface",
+           "to_cpu", "under_torchrun", "rank_main", "run_under_torchrun"]
