@@ -249,6 +249,7 @@ def check_first_nan(first_nan_module) -> bool:
 # ----------------------------------------------------------------------------- 5. find and fix
 
 SYNC_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
+                *(f"course_lib.parallel.fsdp_{m}:*" for m in ("controls", "gather", "gradients", "grad_norm", "state_dict")),
                 "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*")
 
 

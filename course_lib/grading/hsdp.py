@@ -17,6 +17,7 @@ from course_lib.grading.guard import TORCH_DATA_PARALLEL
 from course_lib.grading.training import CollectiveWatch
 
 LIBRARY = ("course_lib.parallel.hsdp:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*",
+           *(f"course_lib.parallel.fsdp_{m}:*" for m in ("controls", "gather", "gradients", "grad_norm", "state_dict")),
            "course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*", TORCH_DATA_PARALLEL)
 
 

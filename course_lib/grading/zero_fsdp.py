@@ -31,6 +31,7 @@ from course_lib.parallel.fsdp_params import ShardedUnit
 from course_lib.planner.communication import dp_bytes_per_step
 
 ZERO_LIBRARY = ("course_lib.parallel.zero:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.grad_sync:*",
+                *(f"course_lib.parallel.fsdp_{m}:*" for m in ("controls", "gather", "gradients", "grad_norm", "state_dict")),
                 "course_lib.parallel.data_parallel:*", "course_lib.parallel.comm_ops:*",
                 "course_lib.grading.training:single_device", TORCH_DATA_PARALLEL)
 FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.communication:*", "course_lib.memory:*")
