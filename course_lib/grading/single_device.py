@@ -173,59 +173,52 @@ class RareBranch(torch.nn.Module):
         return out
 
 
-def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_batch=6):
-    """On each rank: my slice of the global batch, backward, the learner's averaging, a step;
-    then compare with the single-device run of the whole batch (done on this rank too)."""
-    import torch.distributed as dist
-
+def _avg_model(kind):
     from course_lib.models import MLP, GPTConfig, TinyGPT
 
+    if kind == "mlp":
+        return MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
+    return RareBranch() if kind == "branch" else TinyGPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2,
+                                                                   seq_len=16), seed=0)
+
+
+def _avg_batch(kind, gen, rows):
+    """One step's global batch (x, y); for "branch" only its first row takes the rare branch."""
+    if kind == "gpt":
+        idx = torch.randint(0, 256, (rows, 17), generator=gen)
+        return idx[:, :-1], idx[:, 1:]
+    x = torch.randn(rows, 16, generator=gen)
+    if kind == "branch":
+        x[:, 0] = -x[:, 0].abs() - 0.1
+        x[0, 0] = 1.0
+    return x, torch.randn(rows, 32, generator=gen)
+
+
+def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_batch=6):
+    """On each rank: my slice of the global batch, backward, the learner's averaging, a step;
+    compared with one device's gradient of the whole batch (computed on this rank too)."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = global_batch // world
     gen = torch.Generator().manual_seed(1)
-
-    def build():
-        if model_kind == "mlp":
-            return MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
-        if model_kind == "branch":
-            return RareBranch()
-        return TinyGPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, seq_len=16), seed=0)
-
-    def loss_of(model, batch):
-        if model_kind in ("mlp", "branch"):
-            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-        return model(batch[0], batch[1])[1]
-
-    def global_batch_of_step():
-        if model_kind == "gpt":
-            idx = torch.randint(0, 256, (global_batch, 17), generator=gen)
-            return idx[:, :-1], idx[:, 1:]
-        x = torch.randn(global_batch, 16, generator=gen)
-        if model_kind == "branch":      # only the first row of the global batch takes the rare branch
-            x[:, 0] = -x[:, 0].abs() - 0.1
-            x[0, 0] = 1.0
-        return x, torch.randn(global_batch, 32, generator=gen)
-
-    data = [global_batch_of_step() for _ in range(n_steps)]
-    ref, mine = build(), build()
-    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    opt = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
-    in_step = SameCollectives()
+    data = [_avg_batch(model_kind, gen, global_batch) for _ in range(n_steps)]
+    ref, mine = _avg_model(model_kind), _avg_model(model_kind)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, mine)]
+    answer, in_step = learner(average_gradients, DP_LIBRARY, exercise="averaging gradients"), SameCollectives()
     for step, batch in enumerate(data):
-        ref_opt.zero_grad()
-        loss_of(ref, batch).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_of(mine, tuple(t[rank * local:(rank + 1) * local] for t in batch)).backward()
+        for model, (x, y) in ((ref, batch), (mine, [t.chunk(world)[rank] for t in batch])):
+            model.zero_grad(set_to_none=True)
+            (model(x, y)[1] if model_kind == "gpt" else torch.nn.functional.mse_loss(model(x), y)).backward()
         with in_step:
-            learner(average_gradients, DP_LIBRARY, exercise="averaging gradients")(mine)
+            answer(mine)
         # one step's gradients: the one-step bound (course_lib.tolerance), one scale for them all; at
         # step 1 the parameters differ by one SGD step of that rounding, a second-order change
         largest = max([float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None] or [0.0])
         msg = grads_differ(mine, ref, f"step {step}: ", scale=largest)
         if msg:
             return msg
-        opt.step()
+        for opt in opts:
+            opt.step()
     return None
 
 
