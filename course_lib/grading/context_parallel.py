@@ -8,9 +8,6 @@ form (``running_block_attention``), computed before.
     check_zigzag_unshard(unshard)           # [rank r's zigzag tokens] -> the sequence in order
     check_block_attention(block_attention)  # (q, k, v, q_pos, k_pos) -> (acc, m, l) over one key block
     check_ring_attention(ring_attention)    # on ranks: K/V around the ring, blocks merged
-
-Each prints one line (``merge_partial: 5/5 cases passed`` or the first failing case with a
-hint) and returns True/False; a learner's exception becomes the hint, never a traceback.
 """
 from __future__ import annotations
 

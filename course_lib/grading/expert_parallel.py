@@ -6,9 +6,6 @@ answers come from the library's routing (course_lib.moe), computed before.
     check_switch_aux_loss(aux_loss)           # (logits (T, E), top_k) -> scalar tensor, with its gradient
     check_capacity_keep(keep_mask)            # (expert (T, k), weight (T, k), n_experts, capacity) -> keep
     check_expert_parallel_forward(moe_fwd)    # on ranks: tokens to their experts and back, by all-to-all
-
-Each prints one line (``dispatch_split_sizes: 6/6 cases passed`` or the first failing case
-with a hint) and returns True/False; a learner's exception becomes the hint, never a traceback.
 """
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
     check_layout(choose_layout)                   # (model, n_gpus, batch, memory limit) -> a layout
     check_min_pipeline_stages(min_pipeline_stages) # the fewest stages that make a layout fit
 
-Each prints one line and returns True/False; a learner's exception becomes a hint. While
-the learner's function runs, what would answer for it is switched off (the planner's
+While the learner's function runs, what would answer for it is switched off (the planner's
 formulas, simulators and search, chapter 6's schedules, and this module's references).
 """
 from __future__ import annotations

@@ -7,9 +7,7 @@ ranks inside a Megatron MLP or a loss, compared with one device.
     check_tp_bytes_prediction(tp_bytes_per_layer)             # bytes one rank sends per layer, vs counted
     check_tp_mlp_bias(tp_mlp)                                 # find the bug: a row layer's bias, added once
 
-Each prints one line (``megatron_f_g: 3/3 cases passed`` or the first failing case with a
-hint) and returns True/False; a learner's exception or deadlock becomes the hint. While the
-learner's code runs (forward AND backward), the library's tensor-parallel layers and
+While the learner's code runs (forward AND backward), the library's tensor-parallel layers and
 communication functions are switched off; the vocabulary loss's communication is counted.
 """
 from __future__ import annotations
