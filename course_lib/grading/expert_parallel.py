@@ -16,6 +16,7 @@ from course_lib.grading import Case, Mismatch, check, check_distributed, compare
 from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import learner
 from course_lib.grading.harness import guarded
+from course_lib.models import init_uniform_
 from course_lib.moe import capacity_keep, load_balancing_loss, route
 from course_lib.parallel.expert_parallel import dispatch_splits
 
@@ -204,12 +205,8 @@ HID = 4
 def _expert(e):
     """A small MLP with biases: expert(gate * x) differs from gate * expert(x) (for a bias-free
     linear map the two are equal, and the wrong order passed)."""
-    g = torch.Generator().manual_seed(50 + e)
-    mlp = torch.nn.Sequential(torch.nn.Linear(HID, 2 * HID), torch.nn.Tanh(), torch.nn.Linear(2 * HID, HID)).double()
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-    return mlp
+    mlp = torch.nn.Sequential(torch.nn.Linear(HID, 2 * HID), torch.nn.Tanh(), torch.nn.Linear(2 * HID, HID))
+    return init_uniform_(mlp.double(), 50 + e)
 
 
 def _tokens(r, T, E, skew, seed=0):

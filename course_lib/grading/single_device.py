@@ -14,6 +14,7 @@ import torch
 from course_lib.grading import Case, check, check_distributed, compare, learner
 from course_lib.grading.harness import check_answers, check_in_process, grads_differ, table
 from course_lib.memory import model_state_bytes
+from course_lib.models import init_uniform_
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 from course_lib.grading.p2p import SameCollectives
 
@@ -160,10 +161,7 @@ class RareBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.main, self.rare = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        init_uniform_(self, 0)
 
     def forward(self, x):                       # x: (rows, 16)
         out = self.main(x)
