@@ -222,7 +222,6 @@ def _tokens(r, T, E, skew, seed=0):
 def _ep_harness(fn, T, E, skew):
     r, ep = dist.get_rank(), dist.get_world_size()
     local = E // ep
-    x, expert, gate, C = _tokens(r, T, E, skew)
     experts, everyone = [_expert(e) for e in range(E)], []   # every rank's tokens' experts
     for s in range(ep):                       # one device: every rank's tokens (an expert's gradient sums them)
         xs, es, gs, Cs = _tokens(s, T, E, skew)
@@ -231,15 +230,15 @@ def _ep_harness(fn, T, E, skew):
         (ys * Cs).sum().backward()
         everyone.append(es)
         if s == r:
-            want_x, want = xs, ys
+            want_x, want, expert, gate, C = xs, ys, es, gs, Cs
     mine = [_expert(e) for e in range(r * local, (r + 1) * local)]          # my block of experts
     everyone = torch.cat(everyone)
     routed_here = int(((everyone // local) == r).sum())       # rows a right dispatch brings to my experts
-    xr = x.clone().requires_grad_()
+    xr = want_x.detach().clone().requires_grad_()
     run = guarded(ROUTING, EXPERT_PARALLEL, exercise="expert parallelism's all-to-alls", seconds=SECONDS)
     with counted_calls() as calls:             # forward AND backward: both move the rows
         y = run(fn, xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
-        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        if not isinstance(y, torch.Tensor) or y.shape != xr.shape:
             return f"return this rank's outputs ({T}, {HID}), got " + (
                 f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
         grads = [p.grad for e in experts for p in e.parameters() if p.grad is not None]

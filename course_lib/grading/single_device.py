@@ -281,9 +281,8 @@ def check_accumulation(accumulate) -> bool:
                 return msg + f" (|grad| is {ratio:.3g}x the full batch's)"
         return None
 
-    sizes = {(r, k): [len(c) for c in torch.arange(r).tensor_split(k)] for r, k, _ in _ACCUM_CASES}
-    cases = [Case(dict(rows=r, k=k, dtype=dt), label=f"{r} rows in {k} micro-batches {sizes[r, k]}, {dt}")
-             for r, k, dt in _ACCUM_CASES]
+    cases = [Case(dict(rows=r, k=k, dtype=dt), label=f"{r} rows in {k} micro-batches "
+                  f"{[len(c) for c in torch.arange(r).tensor_split(k)]}, {dt}") for r, k, dt in _ACCUM_CASES]
     return check("accumulation", cases, run_case)
 
 
