@@ -93,11 +93,9 @@ _CFGS = {
     "llama-1x64-mqa": dict(n_layers=1, hidden=64, n_heads=4, n_kv_heads=1, seq_len=32, tie_embeddings=True),
 }
 # (config, micro-batch whose total sets the budget, extra bytes): budget = state + activations(b) + extra;
-# extra < 0 puts the budget one byte short of b, extra = "state-1" leaves no room for the state itself
-_FIT_CASES = [
-    ("llama-2x32", 3, 0), ("llama-2x32", 4, -1), ("llama-2x32", 1, -1), ("llama-2x32", 0, -1),
-    ("gpt2-dropout-3x48", 5, 0), ("llama-1x64-mqa", 7, "half"),
-]
+# extra < 0 puts the budget one byte short of b, "half" half a sequence's activations over it
+_FIT_CASES = [("llama-2x32", 3, 0), ("llama-2x32", 4, -1), ("llama-2x32", 1, -1), ("llama-2x32", 0, -1),
+              ("gpt2-dropout-3x48", 5, 0), ("llama-1x64-mqa", 7, "half")]
 
 
 def _training_bytes(cfg_kwargs, batches):
