@@ -5,12 +5,13 @@
     check_writers(writers)            # each distinct box written once, by the lowest rank
     check_zero_boxes(zero_boxes)      # a ZeRO flat slice of a flattened weight, as boxes
     check_resume_data(data_state, restore)   # the data order after a resume on another dp size
-                                             # (grading.checkpoint_data, on course_lib.data.ShardedBatches)
+                                             # (grading.checkpoint_data, with its ShardedBatches)
 
 Each check runs seeded random cases (uneven FSDP cuts, ranks holding nothing, boxes that only
 touch, 0-d tensors) against the library's own (course_lib.checkpoint, computed outside the
-learner's call). While the learner's function runs, course_lib.checkpoint (which answers every
-one of these), FSDP's row cut and the grader's references are switched off.
+learner's call). While the learner's function runs,
+course_lib.checkpoint (which answers every one of these), FSDP's row cut and the grader's
+references are switched off.
 """
 from __future__ import annotations
 
