@@ -16,7 +16,8 @@ from __future__ import annotations
 import copy
 import random
 
-from course_lib.data import ShardedBatches
+import torch
+
 from course_lib.grading import Case, check, learner
 
 # course_lib.checkpoint keeps data_state for you; the references below answer the exercise
@@ -25,6 +26,49 @@ LIBRARY = ("course_lib.checkpoint.plan:*", "course_lib.checkpoint.layout:*", "co
            "course_lib.grading.checkpoint_data:_counters")
 
 __all__ = ["ShardedBatches", "check_resume_data"]
+
+
+class ShardedBatches:
+    """This rank's rows of each global batch of a dataset of ``n_samples``, epoch after epoch.
+
+    Epoch e visits the samples in the order ``order_of(e)`` (DistributedSampler's rule: a
+    permutation seeded with seed + e); global batch s of an epoch is ``order[s B:(s + 1) B]``,
+    an incomplete last batch dropped (``steps_per_epoch = n_samples // B``). Rank ``dp_rank``
+    keeps rows ``rows = (lo, hi)`` of it, cut over dp like torch.chunk: ceil(B / dp) rows per
+    rank, the last ranks fewer or none. State: ``epoch``, ``step`` (global batches taken this
+    epoch), ``position`` (samples this rank took this epoch), ``order`` (this epoch's order).
+    """
+
+    def __init__(self, n_samples: int, global_batch: int, dp: int, dp_rank: int, seed: int = 0):
+        if not 1 <= global_batch <= n_samples:
+            raise ValueError(f"need 1 <= global_batch <= n_samples, got {global_batch}, {n_samples}")
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"need 0 <= dp_rank < dp, got dp_rank={dp_rank}, dp={dp}")
+        self.n_samples, self.global_batch, self.dp, self.dp_rank, self.seed = \
+            n_samples, global_batch, dp, dp_rank, seed
+        self.steps_per_epoch = n_samples // global_batch
+        chunk = -(-global_batch // dp)
+        self.rows = (min(global_batch, dp_rank * chunk), min(global_batch, (dp_rank + 1) * chunk))
+        self.epoch, self.step, self.position = 0, 0, 0
+        self.order = self.order_of(0)
+
+    def order_of(self, epoch: int) -> list[int]:
+        """The order in which epoch ``epoch`` visits the samples."""
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.n_samples, generator=gen).tolist()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.step == self.steps_per_epoch:                  # the epoch is over: the next order
+            self.epoch, self.step, self.position = self.epoch + 1, 0, 0
+            self.order = self.order_of(self.epoch)
+        start = self.step * self.global_batch
+        batch = self.order[start:start + self.global_batch][self.rows[0]:self.rows[1]]
+        self.step += 1
+        self.position += len(batch)
+        return batch
 
 
 # ------------------------------------------------------------------ the grader's reference
