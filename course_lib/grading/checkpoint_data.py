@@ -73,13 +73,9 @@ class ShardedBatches:
 
 # ------------------------------------------------------------------ the grader's reference
 def _global_batches(n_samples, global_batch, seed, count):
-    """The uninterrupted run's first ``count`` global batches, without the loader class."""
-    out, epoch = [], 0
-    while len(out) < count:
-        order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        out += [order[s * global_batch:(s + 1) * global_batch] for s in range(n_samples // global_batch)]
-        epoch += 1
-    return out[:count]
+    """The uninterrupted run's first ``count`` global batches: one loader on dp = 1."""
+    loader = ShardedBatches(n_samples, global_batch, 1, 0, seed)
+    return [next(loader) for _ in range(count)]
 
 
 def _counters(n_samples, global_batch, dp, dp_rank, steps):
@@ -91,9 +87,8 @@ def _counters(n_samples, global_batch, dp, dp_rank, steps):
 
 
 def _counters_differ(got, n, b, dp, r, steps, when):
-    """None if a loader's ``got`` = (epoch, step, position) are an uninterrupted loader's after ``steps``
-    global batches, else a hint. At an epoch's end the rolled-over form (epoch + 1, 0, 0) is the
-    same state (the next batch is the same): it is accepted too."""
+    """None if ``got`` = (epoch, step, position) is an uninterrupted loader's after ``steps``
+    global batches, or, at an epoch's end, its rolled-over form (epoch + 1, 0, 0); else a hint."""
     want = _counters(n, b, dp, r, steps)
     rolled = (want[0] + 1, 0, 0) if steps and want[1] == n // b else None
     if got in (want, rolled):
@@ -191,15 +186,9 @@ def check_resume_data(data_state, restore):
                 hint = _hint(got, k, reference, per_epoch, dp_old == dp_new) if i == 0 else \
                     "the first batches were right, a later one differs (the next epoch's order?)"
                 return f"resumed global batch {k + i} starts {got[:3]}, expected {reference[k + i][:3]}: {hint}"
-        for r, counters in enumerate(restored):
-            msg = _counters_differ(counters, n, b, dp_new, r, k, "right after restore")
-            if msg:
-                return msg
-        for r, loader in enumerate(new):
-            msg = _counters_differ((loader.epoch, loader.step, loader.position), n, b, dp_new, r, k + m,
-                                   f"after {m} resumed batches")
-            if msg:
-                return msg
-        return None
+        after = [(loader.epoch, loader.step, loader.position) for loader in new]
+        return next(filter(None, [_counters_differ(c, n, b, dp_new, r, steps, when) for counters, steps, when in (
+            (restored, k, "right after restore"), (after, k + m, f"after {m} resumed batches"))
+            for r, c in enumerate(counters)]), None)
 
     return check("resume_data", _cases(), run)

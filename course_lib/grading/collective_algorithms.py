@@ -16,6 +16,8 @@ course_lib's collectives and every torch collective are switched off (send/recv 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from course_lib.grading import Case, Mismatch, compare
@@ -140,12 +142,9 @@ def _fit_cases():
     grids = [((4 << 10, 64 << 10, 1 << 20, 16 << 20), (2, 4, 8)), ((8 << 10, 1 << 20), (3, 5))]
     for alpha, beta, noise in ((50e-6, 1e-9, 0.0), (20e-6, 2.5e-10, 0.1), (200e-6, 5e-9, 0.05)):
         for sizes, worlds in grids:
-            rows, k = [], 0
-            for n in sizes:
-                for N in worlds:
-                    k += 1
-                    wobble = 1 + noise * (1 if k % 2 else -1) * ((k % 3) / 2)
-                    rows.append((n, N, costmodel.ring_all_reduce(n, N, alpha, beta) * wobble))
+            wobble = [1 + noise * (1 if k % 2 else -1) * ((k % 3) / 2) for k in range(1, len(sizes) * len(worlds) + 1)]
+            rows = [(n, N, costmodel.ring_all_reduce(n, N, alpha, beta) * w)
+                    for w, (n, N) in zip(wobble, itertools.product(sizes, worlds))]
             cases.append(Case(dict(args=(rows,)), 1, f"alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/B, "
                                                    f"noise={noise:.0%}, {len(rows)} points on world_sizes "
                                                    f"{'/'.join(map(str, worlds))}"))

@@ -8,9 +8,6 @@ form (``running_block_attention``), computed before.
     check_zigzag_unshard(unshard)           # [rank r's zigzag tokens] -> the sequence in order
     check_block_attention(block_attention)  # (q, k, v, q_pos, k_pos) -> (acc, m, l) over one key block
     check_ring_attention(ring_attention)    # on ranks: K/V around the ring, blocks merged
-
-Each prints one line (``merge_partial: 5/5 cases passed`` or the first failing case with a
-hint) and returns True/False; a learner's exception becomes the hint, never a traceback.
 """
 from __future__ import annotations
 
@@ -100,25 +97,20 @@ def check_zigzag_unshard(unshard) -> bool:
     """``unshard(parts)``: parts[r] (b, s/cp, ...) = rank r's tokens in the zigzag layout (its
     chunks r and 2cp-1-r of 2cp, in that order, along dim 1); returns (b, s, ...), the tokens
     in sequence order. Parts of unequal or odd length raise ValueError."""
-    cases = [Case(dict(seq=8, n=2), label="seq_len=8, cp=2"), Case(dict(seq=12, n=3, feat=3), label="seq_len=12, cp=3, (b, s, 3)"),
-             Case(dict(seq=32, n=4), label="seq_len=32, cp=4"), Case(dict(seq=6, n=1), label="seq_len=6, cp=1"),
-             Case(dict(seq=30, n=5, feat=2), label="seq_len=30, cp=5"),
-             Case(dict(seq=10, n=2, bad="odd"), label="parts of 5 tokens: must raise ValueError"),
-             Case(dict(seq=12, n=2, bad="unequal"), label="parts of 6 and 4 tokens: must raise ValueError")]
+    cases = [Case(dict(seq=s, n=n, feat=f, bad=bad), label=label) for s, n, f, bad, label in (
+        (8, 2, 0, "", "seq_len=8, cp=2"), (12, 3, 3, "", "seq_len=12, cp=3, (b, s, 3)"), (32, 4, 0, "", "seq_len=32, cp=4"),
+        (6, 1, 0, "", "seq_len=6, cp=1"), (30, 5, 2, "", "seq_len=30, cp=5"),
+        (10, 2, 0, "odd", "parts of 5 tokens: must raise ValueError"),
+        (12, 2, 0, "unequal", "parts of 6 and 4 tokens: must raise ValueError"))]
     answer = learner(unshard, CONTEXT_PARALLEL, exercise="the zigzag layout", seconds=SECONDS)
 
     def run(case):
         p = case.params
-        g = torch.Generator().manual_seed(p["seq"])
-        shape = (2, p["seq"]) + ((p["feat"],) if p.get("feat") else ())
-        full = torch.randn(*shape, generator=g)
-        if p.get("bad") == "odd":
-            parts = list(full.chunk(p["n"], 1))
-        elif p.get("bad") == "unequal":
-            parts = [full[:, :6], full[:, 6:10]]
-        else:
-            parts = [full[:, zigzag_positions(p["seq"], p["n"], r)] for r in range(p["n"])]
-        if p.get("bad"):
+        shape = (2, p["seq"]) + ((p["feat"],) if p["feat"] else ())
+        full = torch.randn(*shape, generator=torch.Generator().manual_seed(p["seq"]))
+        parts = ([full[:, zigzag_positions(p["seq"], p["n"], r)] for r in range(p["n"])] if not p["bad"] else
+                 list(full.chunk(p["n"], 1)) if p["bad"] == "odd" else [full[:, :6], full[:, 6:10]])
+        if p["bad"]:
             try:
                 answer([t.clone() for t in parts])
             except ValueError:

@@ -57,8 +57,8 @@ def _ddp_hook_harness(hook):
 
 class _Completions:
     """Inside a rank: each ``dist.all_reduce`` call's completion as the caller sees it, a
-    synchronous call at once, an async one when its handle's wait() returns (the handle the
-    learner gets is a thin proxy). ``pending()``: issued and not yet waited."""
+    synchronous call at once, an async one when its handle's wait() first returns (the learner
+    gets a thin proxy of the handle). ``pending()``: issued and not yet waited."""
 
     def __init__(self):
         self.issued = self.sync = self.waited = 0
@@ -67,30 +67,12 @@ class _Completions:
         return self.issued - self.sync - self.waited
 
     def __enter__(self):
-        self._saved, seen = dist.all_reduce, self
-        original = self._saved
-
-        class Handle:
-            def __init__(self, work):
-                self._work, self._done = work, False
-
-            def wait(self, *args, **kwargs):
-                out = self._work.wait(*args, **kwargs)
-                if not self._done:
-                    self._done = True
-                    seen.waited += 1
-                return out
-
-            def __getattr__(self, name):
-                return getattr(self._work, name)
+        self._saved = original = dist.all_reduce
 
         def all_reduce(*args, **kwargs):
             work = original(*args, **kwargs)
-            seen.issued += 1
-            if work is None:
-                seen.sync += 1
-                return None
-            return Handle(work)
+            self.issued, self.sync = self.issued + 1, self.sync + (work is None)
+            return None if work is None else _Waited(work, self)
         for module in (dist, c10d):
             module.all_reduce = all_reduce
         return self
@@ -99,6 +81,22 @@ class _Completions:
         for module in (dist, c10d):
             module.all_reduce = self._saved
         return False
+
+
+class _Waited:
+    """An async all-reduce's handle that counts its first wait() in ``seen.waited``."""
+
+    def __init__(self, work, seen):
+        self._work, self._seen, self._done = work, seen, False
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        self._seen.waited += not self._done
+        self._done = True
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def check_ddp_hook(hook):

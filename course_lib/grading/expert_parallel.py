@@ -6,9 +6,6 @@ answers come from the library's routing (course_lib.moe), computed before.
     check_switch_aux_loss(aux_loss)           # (logits (T, E), top_k) -> scalar tensor, with its gradient
     check_capacity_keep(keep_mask)            # (expert (T, k), weight (T, k), n_experts, capacity) -> keep
     check_expert_parallel_forward(moe_fwd)    # on ranks: tokens to their experts and back, by all-to-all
-
-Each prints one line (``dispatch_split_sizes: 6/6 cases passed`` or the first failing case
-with a hint) and returns True/False; a learner's exception becomes the hint, never a traceback.
 """
 from __future__ import annotations
 
@@ -19,6 +16,7 @@ from course_lib.grading import Case, Mismatch, check, check_distributed, compare
 from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import learner
 from course_lib.grading.harness import guarded
+from course_lib.models import init_uniform_
 from course_lib.moe import capacity_keep, load_balancing_loss, route
 from course_lib.parallel.expert_parallel import dispatch_splits
 
@@ -30,7 +28,7 @@ EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel:*", "course_lib.parallel
                    "course_lib.parallel.expert_parallel:AllToAll.forward")
 
 
-def _counts(ep, n_experts, tokens, top_k, seed, skew=0.0, capacity_factor=1.0):
+def _counts(ep, n_experts, tokens, top_k, seed, skew, capacity_factor):
     """(ep, E) kept assignments per (source rank, expert) of the library's top-k routing
     (course_lib.moe.route) of random tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -60,19 +58,18 @@ def check_dispatch_split_sizes(split_sizes) -> bool:
     tokens to expert e (E experts, E/ep consecutive ones per rank). Must return this rank's
     ``(input_split_sizes, output_split_sizes)`` for the dispatch ``all_to_all_single``:
     rows sent to each rank, rows received from each rank."""
-    cases = [Case(dict(ep=2, E=4, T=8, k=2, seed=0), label="ep=2, 4 experts, top-2"),
-             Case(dict(ep=3, E=6, T=10, k=1, seed=1), label="ep=3, 6 experts, top-1"),
-             Case(dict(ep=4, E=4, T=12, k=2, seed=2), label="ep=4, one expert per rank"),
-             Case(dict(ep=2, E=8, T=16, k=2, seed=3, skew=6.0, cf=0.5), label="ep=2, 8 experts, skewed, tokens dropped"),
-             Case(dict(ep=4, E=8, T=6, k=1, seed=4, skew=9.0, cf=4.0), label="ep=4: most ranks receive nothing"),
-             Case(dict(ep=3, E=9, T=7, k=3, seed=6), label="ep=3, 9 experts, top-3"),
-             Case(dict(ep=1, E=3, T=5, k=2, seed=5), label="ep=1: everything stays")]
+    cases = [Case(dict(zip(("ep", "E", "T", "k", "seed", "skew", "cf"), row)), label=label) for *row, label in (
+        (2, 4, 8, 2, 0, 0.0, 1.0, "ep=2, 4 experts, top-2"), (3, 6, 10, 1, 1, 0.0, 1.0, "ep=3, 6 experts, top-1"),
+        (4, 4, 12, 2, 2, 0.0, 1.0, "ep=4, one expert per rank"),
+        (2, 8, 16, 2, 3, 6.0, 0.5, "ep=2, 8 experts, skewed, tokens dropped"),
+        (4, 8, 6, 1, 4, 9.0, 4.0, "ep=4: most ranks receive nothing"), (3, 9, 7, 3, 6, 0.0, 1.0, "ep=3, 9 experts, top-3"),
+        (1, 3, 5, 2, 5, 0.0, 1.0, "ep=1: everything stays"))]
 
     answer = learner(split_sizes, EXPERT_PARALLEL, exercise="the dispatch's split sizes", seconds=SECONDS)
 
     def run(case):
         p = case.params
-        ep, counts = p["ep"], _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p.get("skew", 0.0), p.get("cf", 1.0))
+        ep, counts = p["ep"], _counts(p["ep"], p["E"], p["T"], p["k"], p["seed"], p["skew"], p["cf"])
         for r in range(ep):
             send, recv = dispatch_splits(counts[r], ep), [dispatch_splits(row, ep)[r] for row in counts]
             got = answer(counts.clone(), r)
@@ -208,12 +205,8 @@ HID = 4
 def _expert(e):
     """A small MLP with biases: expert(gate * x) differs from gate * expert(x) (for a bias-free
     linear map the two are equal, and the wrong order passed)."""
-    g = torch.Generator().manual_seed(50 + e)
-    mlp = torch.nn.Sequential(torch.nn.Linear(HID, 2 * HID), torch.nn.Tanh(), torch.nn.Linear(2 * HID, HID)).double()
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-    return mlp
+    mlp = torch.nn.Sequential(torch.nn.Linear(HID, 2 * HID), torch.nn.Tanh(), torch.nn.Linear(2 * HID, HID))
+    return init_uniform_(mlp.double(), 50 + e)
 
 
 def _tokens(r, T, E, skew, seed=0):
@@ -229,24 +222,23 @@ def _tokens(r, T, E, skew, seed=0):
 def _ep_harness(fn, T, E, skew):
     r, ep = dist.get_rank(), dist.get_world_size()
     local = E // ep
-    x, expert, gate, C = _tokens(r, T, E, skew)
-    experts = [_expert(e) for e in range(E)]
+    experts, everyone = [_expert(e) for e in range(E)], []   # every rank's tokens' experts
     for s in range(ep):                       # one device: every rank's tokens (an expert's gradient sums them)
         xs, es, gs, Cs = _tokens(s, T, E, skew)
         xs.requires_grad_()
         ys = torch.stack([gs[t] * experts[int(es[t])](xs[t]) for t in range(T)])
         (ys * Cs).sum().backward()
+        everyone.append(es)
         if s == r:
-            want_x, want = xs, ys
+            want_x, want, expert, gate, C = xs, ys, es, gs, Cs
     mine = [_expert(e) for e in range(r * local, (r + 1) * local)]          # my block of experts
-    # rows routed to my experts from every rank: what a right dispatch receives
-    everyone = torch.cat([_tokens(s, T, E, skew)[1] for s in range(ep)])   # every rank's tokens' experts
-    routed_here = int(((everyone // local) == r).sum())
-    xr = x.clone().requires_grad_()
+    everyone = torch.cat(everyone)
+    routed_here = int(((everyone // local) == r).sum())       # rows a right dispatch brings to my experts
+    xr = want_x.detach().clone().requires_grad_()
     run = guarded(ROUTING, EXPERT_PARALLEL, exercise="expert parallelism's all-to-alls", seconds=SECONDS)
     with counted_calls() as calls:             # forward AND backward: both move the rows
         y = run(fn, xr, expert.clone(), gate.clone(), torch.nn.ModuleList(mine), E)
-        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        if not isinstance(y, torch.Tensor) or y.shape != xr.shape:
             return f"return this rank's outputs ({T}, {HID}), got " + (
                 f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
         grads = [p.grad for e in experts for p in e.parameters() if p.grad is not None]

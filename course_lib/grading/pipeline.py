@@ -8,8 +8,6 @@ switched off (the exercise is to write them).
     check_zero_bubble(zero_bubble)        # (p, m) -> F, B and W placed: ZB-H1's bubble, 1F1B's peak
     check_bubble(bubble_fraction)         # (spans, rank) -> idle fraction of the step, on irregular traces
     check_pipeline_step(pipeline_step)    # send / recv a real pipeline: activations forward, gradients back
-
-Each prints one line and returns True/False.
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from course_lib.grading.guard import learner
 from course_lib.grading.harness import check_answers, number
 from course_lib import schedules as S
 from course_lib.lab.pipeline_runs import trained_like_one_device
+from course_lib.models import init_uniform_
 from course_lib.trace import Span
 
 SECONDS = 10   # a learner's function that runs longer (an endless loop) is stopped with a hint
@@ -189,19 +188,8 @@ H = 6   # the stages' width: activations (b, H)
 
 
 def _stage(k):
-    """Stage k of the graded pipeline: Linear(H, H) + tanh, seeded by k."""
-    g = torch.Generator().manual_seed(100 + k)
-    lin = torch.nn.Linear(H, H).double()
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5)
-        lin.bias.copy_(torch.randn(H, generator=g, dtype=torch.float64) * 0.1)
-    return torch.nn.Sequential(lin, torch.nn.Tanh())
-
-
-def _batch(m, b, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m * b, H, generator=g, dtype=torch.float64)
-    return x, torch.randn(m * b, H, generator=g, dtype=torch.float64)
+    """Stage k of the graded pipeline: Linear(H, H) + tanh, float64, seeded by k."""
+    return init_uniform_(torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh()).double(), 100 + k)
 
 
 def _learner_line(exc) -> str:
@@ -216,7 +204,8 @@ def _learner_line(exc) -> str:
 
 def _pipeline_harness(fn, m, b):
     r, p = dist.get_rank(), dist.get_world_size()
-    x, y = _batch(m, b)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(m * b, H, generator=g, dtype=torch.float64) for _ in range(2))
     whole = torch.nn.Sequential(*[_stage(k) for k in range(p)])            # one device: the full batch
     want_loss = torch.nn.functional.mse_loss(whole(x), y)
     want_loss.backward()

@@ -5,8 +5,7 @@
     check_layout(choose_layout)                   # (model, n_gpus, batch, memory limit) -> a layout
     check_min_pipeline_stages(min_pipeline_stages) # the fewest stages that make a layout fit
 
-Each prints one line and returns True/False; a learner's exception becomes a hint. While
-the learner's function runs, what would answer for it is switched off (the planner's
+While the learner's function runs, what would answer for it is switched off (the planner's
 formulas, simulators and search, chapter 6's schedules, and this module's references).
 """
 from __future__ import annotations
@@ -15,8 +14,8 @@ import math
 
 import torch
 
-from course_lib.grading import Case, check, compare, learner
-from course_lib.grading.harness import check_answers, check_in_process, number
+from course_lib.grading import Case, compare, learner
+from course_lib.grading.harness import check_answers, check_in_process, number, table
 from course_lib.planner import Layout, estimate
 from course_lib.planner import formulas as F
 from course_lib.planner.search import search
@@ -149,12 +148,8 @@ def check_layout(choose_layout) -> bool:
     """choose_layout(model, n_gpus, global_batch, memory_limit) -> a planner Layout for H100s
     ("h100-sxm"), sequences of 8192 tokens: valid on n_gpus, under memory_limit bytes per GPU,
     and at least 90% of the throughput of the best layout the planner's search finds."""
-    answer = learner(choose_layout, SEARCH, REFERENCES, exercise="the search for a layout", seconds=60)
-
-    def run(case):
-        model, n, batch, limit = (case.params[k] for k in ("model", "n_gpus", "global_batch", "memory_limit"))
-        best, best_layout = _best_layout(model, n, batch, limit)
-        layout = answer(model, n, batch, limit)
+    def differ(layout, want, model, n, batch, limit):
+        best = want[0]
         est = fitting_estimate(layout, model, "h100-sxm", n, batch, limit)
         if isinstance(est, str):
             return est
@@ -163,9 +158,9 @@ def check_layout(choose_layout) -> bool:
             return (f"{layout.describe()} fits but runs {est.tokens_per_second:.4g} tokens/s, "
                     f"{share:.0%} of the best layout found ({best:.4g}); aim for {LAYOUT_MIN_SHARE:.0%}")
         return None
-    cases = [Case(dict(model=m, n_gpus=n, global_batch=g, memory_limit=lim),
-                  label=f"{m}, {n} x H100, {g} sequences, <= {lim / GiB:.0f} GiB") for m, n, g, lim in LAYOUT_TASKS]
-    return check("choose_layout", cases, run)
+    return check_answers("choose_layout", choose_layout, table(LAYOUT_TASKS, lambda m, n, g, lim: f"{m}, {n} x H100, "
+                         f"{g} sequences, <= {lim / GiB:.0f} GiB"), _best_layout, guard=(SEARCH, REFERENCES),
+                         exercise="the search for a layout", seconds=60, differ=differ)
 
 
 # ----------------------------------------------------------------------------- fewest pipeline stages

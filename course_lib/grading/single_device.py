@@ -14,6 +14,7 @@ import torch
 from course_lib.grading import Case, check, check_distributed, compare, learner
 from course_lib.grading.harness import check_answers, check_in_process, grads_differ, table
 from course_lib.memory import model_state_bytes
+from course_lib.models import init_uniform_
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 from course_lib.grading.p2p import SameCollectives
 
@@ -92,11 +93,9 @@ _CFGS = {
     "llama-1x64-mqa": dict(n_layers=1, hidden=64, n_heads=4, n_kv_heads=1, seq_len=32, tie_embeddings=True),
 }
 # (config, micro-batch whose total sets the budget, extra bytes): budget = state + activations(b) + extra;
-# extra < 0 puts the budget one byte short of b, extra = "state-1" leaves no room for the state itself
-_FIT_CASES = [
-    ("llama-2x32", 3, 0), ("llama-2x32", 4, -1), ("llama-2x32", 1, -1), ("llama-2x32", 0, -1),
-    ("gpt2-dropout-3x48", 5, 0), ("llama-1x64-mqa", 7, "half"),
-]
+# extra < 0 puts the budget one byte short of b, "half" half a sequence's activations over it
+_FIT_CASES = [("llama-2x32", 3, 0), ("llama-2x32", 4, -1), ("llama-2x32", 1, -1), ("llama-2x32", 0, -1),
+              ("gpt2-dropout-3x48", 5, 0), ("llama-1x64-mqa", 7, "half")]
 
 
 def _training_bytes(cfg_kwargs, batches):
@@ -160,10 +159,7 @@ class RareBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.main, self.rare = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        init_uniform_(self, 0)
 
     def forward(self, x):                       # x: (rows, 16)
         out = self.main(x)
@@ -173,59 +169,52 @@ class RareBranch(torch.nn.Module):
         return out
 
 
-def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_batch=6):
-    """On each rank: my slice of the global batch, backward, the learner's averaging, a step;
-    then compare with the single-device run of the whole batch (done on this rank too)."""
-    import torch.distributed as dist
-
+def _avg_model(kind):
     from course_lib.models import MLP, GPTConfig, TinyGPT
 
+    if kind == "mlp":
+        return MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
+    return RareBranch() if kind == "branch" else TinyGPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2,
+                                                                   seq_len=16), seed=0)
+
+
+def _avg_batch(kind, gen, rows):
+    """One step's global batch (x, y); for "branch" only its first row takes the rare branch."""
+    if kind == "gpt":
+        idx = torch.randint(0, 256, (rows, 17), generator=gen)
+        return idx[:, :-1], idx[:, 1:]
+    x = torch.randn(rows, 16, generator=gen)
+    if kind == "branch":
+        x[:, 0] = -x[:, 0].abs() - 0.1
+        x[0, 0] = 1.0
+    return x, torch.randn(rows, 32, generator=gen)
+
+
+def _average_gradients_harness(average_gradients, model_kind, n_steps=2, global_batch=6):
+    """On each rank: my slice of the global batch, backward, the learner's averaging, a step;
+    compared with one device's gradient of the whole batch (computed on this rank too)."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = global_batch // world
     gen = torch.Generator().manual_seed(1)
-
-    def build():
-        if model_kind == "mlp":
-            return MLP((16, 32, 16, 32), frozen=(1,), shared=True, unused=True, seed=0)
-        if model_kind == "branch":
-            return RareBranch()
-        return TinyGPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, seq_len=16), seed=0)
-
-    def loss_of(model, batch):
-        if model_kind in ("mlp", "branch"):
-            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-        return model(batch[0], batch[1])[1]
-
-    def global_batch_of_step():
-        if model_kind == "gpt":
-            idx = torch.randint(0, 256, (global_batch, 17), generator=gen)
-            return idx[:, :-1], idx[:, 1:]
-        x = torch.randn(global_batch, 16, generator=gen)
-        if model_kind == "branch":      # only the first row of the global batch takes the rare branch
-            x[:, 0] = -x[:, 0].abs() - 0.1
-            x[0, 0] = 1.0
-        return x, torch.randn(global_batch, 32, generator=gen)
-
-    data = [global_batch_of_step() for _ in range(n_steps)]
-    ref, mine = build(), build()
-    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    opt = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
-    in_step = SameCollectives()
+    data = [_avg_batch(model_kind, gen, global_batch) for _ in range(n_steps)]
+    ref, mine = _avg_model(model_kind), _avg_model(model_kind)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, mine)]
+    answer, in_step = learner(average_gradients, DP_LIBRARY, exercise="averaging gradients"), SameCollectives()
     for step, batch in enumerate(data):
-        ref_opt.zero_grad()
-        loss_of(ref, batch).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_of(mine, tuple(t[rank * local:(rank + 1) * local] for t in batch)).backward()
+        for model, (x, y) in ((ref, batch), (mine, [t.chunk(world)[rank] for t in batch])):
+            model.zero_grad(set_to_none=True)
+            (model(x, y)[1] if model_kind == "gpt" else torch.nn.functional.mse_loss(model(x), y)).backward()
         with in_step:
-            learner(average_gradients, DP_LIBRARY, exercise="averaging gradients")(mine)
+            answer(mine)
         # one step's gradients: the one-step bound (course_lib.tolerance), one scale for them all; at
         # step 1 the parameters differ by one SGD step of that rounding, a second-order change
         largest = max([float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None] or [0.0])
         msg = grads_differ(mine, ref, f"step {step}: ", scale=largest)
         if msg:
             return msg
-        opt.step()
+        for opt in opts:
+            opt.step()
     return None
 
 
@@ -290,9 +279,8 @@ def check_accumulation(accumulate) -> bool:
                 return msg + f" (|grad| is {ratio:.3g}x the full batch's)"
         return None
 
-    sizes = {(r, k): [len(c) for c in torch.arange(r).tensor_split(k)] for r, k, _ in _ACCUM_CASES}
-    cases = [Case(dict(rows=r, k=k, dtype=dt), label=f"{r} rows in {k} micro-batches {sizes[r, k]}, {dt}")
-             for r, k, dt in _ACCUM_CASES]
+    cases = [Case(dict(rows=r, k=k, dtype=dt), label=f"{r} rows in {k} micro-batches "
+                  f"{[len(c) for c in torch.arange(r).tensor_split(k)]}, {dt}") for r, k, dt in _ACCUM_CASES]
     return check("accumulation", cases, run_case)
 
 

@@ -7,9 +7,7 @@ ranks inside a Megatron MLP or a loss, compared with one device.
     check_tp_bytes_prediction(tp_bytes_per_layer)             # bytes one rank sends per layer, vs counted
     check_tp_mlp_bias(tp_mlp)                                 # find the bug: a row layer's bias, added once
 
-Each prints one line (``megatron_f_g: 3/3 cases passed`` or the first failing case with a
-hint) and returns True/False; a learner's exception or deadlock becomes the hint. While the
-learner's code runs (forward AND backward), the library's tensor-parallel layers and
+While the learner's code runs (forward AND backward), the library's tensor-parallel layers and
 communication functions are switched off; the vocabulary loss's communication is counted.
 """
 from __future__ import annotations
@@ -37,26 +35,30 @@ SIZES = (6, 12, 6)  # an MLP h -> 12 -> h: 12 hidden features split over 1, 2, 3
 S, B = 6, 2         # sequence and batch of the inputs (6 tokens split over 1, 2, 3 ranks)
 
 
-def _problem(dtype=torch.float64, bias=False):
-    """X (s, b, h), W1 (12, h), [b1 (12,)], W2 (h, 12), [b2 (h,)], the output's upstream gradient C (s, b, h)."""
+def _setup(dtype, bias=False):
+    """On a rank: (rank, t, [X, W1, [b1,] W2, [b2]], C, one device's Y, its gradients as this rank
+    holds them, their tolerance, this rank's X, W1's rows, [b1's rows,] W2's columns[, b2] as
+    leaves). X (s, b, h), W1 (12, h), W2 (h, 12), C (s, b, h) the output's upstream gradient."""
+    r, t = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(7 if bias else 0)
     h, f = SIZES[0], SIZES[1]
     shapes = ((S, B, h), (f, h), (f,), (h, f), (h,), (S, B, h)) if bias else ((S, B, h), (f, h), (h, f), (S, B, h))
-    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
-
-
-def _setup(dtype):
-    """On a rank: (rank, t, one device's Y, dX, dW1, dW2, their tolerance, X, my rows of W1 and
-    columns of W2 as leaves, C)."""
-    r, t = dist.get_rank(), dist.get_world_size()
-    X, W1, W2, C = _problem(dtype)
-    ref = [v.clone().requires_grad_() for v in (X, W1, W2)]
-    Y = F.linear(F.relu(F.linear(ref[0], ref[1])), ref[2])
+    *whole, C = [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
+    ref = [v.clone().requires_grad_() for v in whole]
+    Y = _mlp(*ref)
     (Y * C).sum().backward()
-    want = (Y.detach(), *(v.grad for v in ref))
-    w1 = W1.chunk(t, 0)[r].clone().requires_grad_()               # column: my rows of W1
-    w2 = W2.chunk(t, 1)[r].clone().requires_grad_()               # row: my columns of W2
-    return r, t, want, reorder_tolerance(dtype, *want), X, w1, w2, C
+    # column-parallel W1 (and b1) by rows, row-parallel W2 by columns, x and b2 whole
+    cuts = (None, 0, 0, 1, None) if bias else (None, 0, 1)
+    shard = [(lambda v: v) if d is None else (lambda v, d=d: v.chunk(t, d)[r]) for d in cuts]
+    want = [cut(v.grad) for cut, v in zip(shard, ref)]
+    mine = [cut(v).clone().requires_grad_() for cut, v in zip(shard, whole)]
+    return r, t, whole, C, Y.detach(), want, reorder_tolerance(dtype, Y, *(v.grad for v in ref)), mine
+
+
+def _mlp(x, w1, *rest):
+    """relu(x W1^T [+ b1]) W2^T [+ b2]: rest is (W2,) or (b1, W2, b2)."""
+    b1, w2, b2 = rest if len(rest) == 3 else (None, rest[0], None)
+    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
 
 
 def _apply(fn_class, x, what):
@@ -71,22 +73,20 @@ def _apply(fn_class, x, what):
 
 # ----------------------------------------------------------------------------- 1. f and g
 def _f_g_harness(f_class, g_class, dtype=torch.float64):
-    r, t, (Y, dX, dW1, dW2), tol, X, w1, w2, C = _setup(dtype)
-    x, run = X.clone().requires_grad_(), guarded(LIBRARY, exercise="Megatron's f and g", seconds=SECONDS)
-    y = run(lambda: _apply(g_class, F.linear(F.relu(F.linear(_apply(f_class, x, "CopyToParallel"), w1)), w2),
-                           "ReduceFromParallel"))
+    r, t, _, C, Y, (dX, dw1, dw2), tol, (x, w1, w2) = _setup(dtype)
+    run = guarded(LIBRARY, exercise="Megatron's f and g", seconds=SECONDS)
+    y = run(lambda: _apply(g_class, _mlp(_apply(f_class, x, "CopyToParallel"), w1, w2), "ReduceFromParallel"))
     run(lambda: (y * C).sum().backward())
     if compare(y.detach(), Y, what="y", **tol):
         return ("the MLP's output is wrong: each rank's row layer gives a PARTIAL sum of the output, g's "
                 "forward must add them over ranks (all-reduce) | " + compare(y.detach(), Y, what="y", **tol))
-    if t > 1 and w2.grad is not None and torch.allclose(w2.grad, t * dW2.chunk(t, 1)[r], **tol):
+    if t > 1 and w2.grad is not None and torch.allclose(w2.grad, t * dw2, **tol):
         return (f"every gradient is {t} times too large: g's backward must not all-reduce (each rank's partial "
                 f"output got the whole output's gradient already)")
     if x.grad is None or compare(x.grad, dX, what="dx", **tol):
         return ("the output is right but the input's gradient is not: every rank used the whole x, so its "
                 "gradient is the SUM of the ranks' partial gradients: f's backward all-reduces")
-    if w1.grad is None or w2.grad is None or compare(w1.grad, dW1.chunk(t, 0)[r], **tol) or \
-            compare(w2.grad, dW2.chunk(t, 1)[r], **tol):
+    if w1.grad is None or w2.grad is None or compare(w1.grad, dw1, **tol) or compare(w2.grad, dw2, **tol):
         return ("the weights' gradients are wrong: g's backward passes the gradient through unchanged "
                 "(each rank's partial output got the whole output's gradient), f's forward is the identity")
     return None
@@ -156,7 +156,7 @@ def check_vocab_parallel_loss(vocab_parallel_loss):
 
 # ----------------------------------------------------------------------------- 3. the SP pair
 def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
-    r, t, (Y, dX, dW1, dW2), tol, X, w1, w2, C = _setup(dtype)
+    r, t, (X, _, _), C, Y, (dX, dw1, dw2), tol, (_, w1, w2) = _setup(dtype)
     xs = X.chunk(t, 0)[r].clone().requires_grad_()                # my s/t tokens, (s/t, b, h)
     run = guarded(LIBRARY, exercise="the sequence-parallel pair", seconds=SECONDS)
     full = run(_apply, gather_class, xs, "AllGatherSequence")
@@ -164,8 +164,7 @@ def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
         return f"AllGatherSequence: shape {tuple(full.shape)} from {tuple(xs.shape)}, expected {tuple(X.shape)}"
     if compare(full.detach(), X, **tol):
         return "AllGatherSequence's forward: every rank's tokens, in rank order, along dim 0"
-    partial = F.linear(F.relu(F.linear(full, w1)), w2)            # (s, b, h): a partial sum
-    ys = run(_apply, scatter_class, partial, "ReduceScatterSequence")
+    ys = run(_apply, scatter_class, _mlp(full, w1, w2), "ReduceScatterSequence")   # of a partial sum (s, b, h)
     if compare(ys.detach(), Y.chunk(t, 0)[r], **tol):
         return ("ReduceScatterSequence's forward: the SUM over ranks of the partial outputs, this rank keeping "
                 "its own s/t tokens | " + compare(ys.detach(), Y.chunk(t, 0)[r], what="y", **tol))
@@ -173,7 +172,7 @@ def _sp_harness(gather_class, scatter_class, dtype=torch.float64):
     if xs.grad is None or compare(xs.grad, dX.chunk(t, 0)[r], **tol):
         return ("the forward is right, the input's gradient is not: the transpose of an all-gather is a "
                 "reduce-scatter, of a reduce-scatter an all-gather")
-    if compare(w1.grad, dW1.chunk(t, 0)[r], **tol) or compare(w2.grad, dW2.chunk(t, 1)[r], **tol):
+    if compare(w1.grad, dw1, **tol) or compare(w2.grad, dw2, **tol):
         return "the weights' gradients are wrong: ReduceScatterSequence's backward must all-gather the gradient"
     return None
 
@@ -232,14 +231,7 @@ def check_tp_bytes_prediction(tp_bytes_per_layer):
 
 # ----------------------------------------------------------------------------- 5. the bias of a row layer
 def _bias_harness(fn, dtype=torch.float64):
-    r, t = dist.get_rank(), dist.get_world_size()
-    X, W1, b1, W2, b2, C = _problem(dtype, bias=True)
-    ref = [v.clone().requires_grad_() for v in (X, W1, b1, W2, b2)]
-    Y = F.linear(F.relu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
-    (Y * C).sum().backward()
-    tol = reorder_tolerance(dtype, Y, *(v.grad for v in ref))
-    mine = [X.clone(), W1.chunk(t, 0)[r].clone(), b1.chunk(t, 0)[r].clone(), W2.chunk(t, 1)[r].clone(), b2.clone()]
-    mine = [v.requires_grad_() for v in mine]
+    r, t, whole, C, Y, want, tol, mine = _setup(dtype, bias=True)
     run = guarded(LIBRARY, exercise="a tensor-parallel MLP with biases", seconds=SECONDS)
     y = run(fn, *mine)
     if not isinstance(y, torch.Tensor) or y.shape != Y.shape:
@@ -247,13 +239,11 @@ def _bias_harness(fn, dtype=torch.float64):
             f"{tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
     if y.requires_grad:
         run(lambda: (y * C).sum().backward())
-    if compare(y.detach(), Y.detach(), **tol):
-        if t > 1 and torch.allclose(y.detach(), Y.detach() + (t - 1) * b2, **tol):
+    if compare(y.detach(), Y, **tol):
+        if t > 1 and torch.allclose(y.detach(), Y + (t - 1) * whole[4], **tol):
             return (f"the output holds the bias b2 {t} times: every rank added it to its partial sum before the "
                     f"all-reduce; add it once, after")
-        return compare(y.detach(), Y.detach(), what="y", **tol)
-    want = [ref[0].grad, ref[1].grad.chunk(t, 0)[r], ref[2].grad.chunk(t, 0)[r], ref[3].grad.chunk(t, 1)[r],
-            ref[4].grad]
+        return compare(y.detach(), Y, what="y", **tol)
     for name, got, w in zip(("x", "w1", "b1", "w2", "b2"), mine, want):
         if got.grad is None:
             return f"{name} got no gradient"
