@@ -77,3 +77,13 @@ def test_k0_is_the_fit_of_the_table_and_the_fraction_the_fit_of_the_record():
     M, N, K, seconds = record()
     assert gemm_time(M, N, K, clock(H100_HW)) == pytest.approx(seconds, rel=1e-3)
 
+
+def test_the_a100_fraction_is_mamfs_a100_row_and_the_same_route_agrees_on_the_h100():
+    assert A100_HW.efficiencies()["gemm"] == pytest.approx(mamf("A100 SXM", A100_HW), abs=1e-3)
+    tf, shape, _ = GM.MAMF["H100 SXM"]
+    priced = 2 * math.prod(shape) / gemm_time(*shape, clock(H100_HW)) / 1e12
+    assert abs(math.log(priced / tf)) <= sum(bound()), (priced, tf)
+    # the H100's fraction, assumed for the A100 before, prices MAMF's A100 shape 6% slow
+    tf, shape, _ = GM.MAMF["A100 SXM"]
+    assumed = 2 * math.prod(shape) / gemm_time(*shape, A100_HW.with_(matmul_efficiency=0.854)) / 1e12
+    assert assumed / tf < 1 - sum(bound())

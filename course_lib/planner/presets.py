@@ -216,12 +216,20 @@ def _same_kernels(gpu, **own):
 _A100_ATTENTION = (0.50, "FlashAttention-2 on an A100: 50-73% of peak (Dao 2023, arXiv 2307.08691, "
                          "abstract), its lower end")
 
+# The A100's own GEMM rate: MAMF's A100 SXM row (planner.gemm_measured.MAMF: 271.2 TFLOP/s at
+# 1024 x 10240 x 5120, torch 2.6 / CUDA 12.6) on the tile x wave model with the H100's K_0
+# (gemm_measured.tile_fraction). The same route on MAMF's H100 row gives 0.840 against the
+# record's 0.854. The H100's 0.854 per tile on an A100 would price that shape at 254 TFLOP/s.
+_A100_GEMM = (0.913, "MAMF's A100 SXM row (stas00/ml-engineering): 271.2 TFLOP/s at 1024x10240x5120, "
+                     "tiles x waves, K + 192 a tile (the H100's K_0, assumed; gemm_measured.tile_fraction)")
+
+
 HARDWARE = {
     # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 600 GB/s both
     # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100);
     # fp16 as bf16, fp32 19.5 TFLOP/s without TF32 (the virtual clock's dtype_flops)
     "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108,
-                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100", attention=_A100_ATTENTION)),
+                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100", attention=_A100_ATTENTION, gemm=_A100_GEMM)),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
     # direction), one 400 Gb/s NDR NIC per GPU (DGX H100); fp16 as bf16, fp32 67 TFLOP/s without TF32
     "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132,
