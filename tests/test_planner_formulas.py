@@ -289,8 +289,12 @@ def test_llama_activation_formulas_at_llama3_shapes():
 def test_gemm_time_tile_and_wave_quantisation():
     from course_lib.planner import HARDWARE
     from course_lib.planner.gemm import gemm_efficiency, gemm_time
-    hw = HARDWARE["a100-80gb"]                       # 108 SMs, 128 x 128 tiles
+    hw = HARDWARE["a100-80gb"].with_(gemm_tile_overhead=0.0)   # 108 SMs, 128 x 128 tiles
     rate = hw.peak_flops * hw.matmul_efficiency
+    # a tile's fixed cost (the preset's K_0, fitted on XLA's H100 table) costs K_0 more steps of K
+    k0 = HARDWARE["a100-80gb"].gemm_tile_overhead
+    assert k0 > 0 and gemm_time(128 * 108, 128, 4096, hw.with_(gemm_tile_overhead=k0)) == pytest.approx(
+        2 * 128 * 128 * (4096 + k0) / (rate / 108))
     tile = 2 * 128 * 128 * 4096 / (rate / 108)       # one tile of depth K = 4096 on one SM
     # 108 tiles: one full wave; 109 tiles: a second wave for one tile
     assert gemm_time(128 * 108, 128, 4096, hw) == pytest.approx(tile)

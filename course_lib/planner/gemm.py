@@ -4,9 +4,11 @@ The assumption, named (``GEMM_MODEL``): a GPU computes a GEMM C = A B (M x K tim
 K x N) as output tiles of ``hw.gemm_tile`` = (t_m, t_n), one tile per SM at a time
 (CUTLASS / cuBLAS's data-parallel kernels). Every tile costs the same, 2 t_m t_n K
 FLOPs at the per-SM share of the achievable rate (``peak x matmul_efficiency /
-sm_count``, what a large, well-shaped GEMM sustains), so
+sm_count``, what a large, well-shaped GEMM sustains), plus a fixed cost per tile, its
+pipeline's fill and its epilogue, stated as ``hw.gemm_tile_overhead`` = K_0 more steps of K
+(fitted on XLA's measured H100 table, :mod:`course_lib.planner.gemm_measured`), so
 
-    time = ceil(tiles / SMs) x 2 t_m t_n K / (rate / SMs),  tiles = ceil(M/t_m) ceil(N/t_n)
+    time = ceil(tiles / SMs) x 2 t_m t_n (K + K_0) / (rate / SMs),  tiles = ceil(M/t_m) ceil(N/t_n)
 
 which charges both **tile quantisation** (a partial tile costs a whole one) and **wave
 quantisation** (a last, partly filled wave of tiles costs a whole wave); the kernel takes
@@ -24,15 +26,17 @@ marks its products ``"attention"`` (the last field of a GEMM tuple) and
 :func:`gemms_time` prices those at that rate; unfused attention's batched GEMMs stay GEMMs.
 
 Left out: split-K and stream-K kernels (which soften wave quantisation for small M N and
-large K), L2 effects, and the tile choice of a real library (several shapes, chosen per
-problem); so a small GEMM's efficiency here is a lower-end estimate.
+large K: fewer tiles than SMs), L2 effects, a kernel's fixed cost of a few microseconds
+(the clock's ``kernel_floor`` bounds it from below), and the tile choice of a real library
+(several shapes, chosen per problem); so a GEMM with fewer tiles than SMs is priced slow.
+``benchmarks/gemm_table.py`` prints the model against the measured table.
 """
 from __future__ import annotations
 
 import math
 
 GEMM_MODEL = ("tile x wave quantisation over the GPU's SMs (output tiles of hw.gemm_tile, one per SM at a "
-              "time, every tile at peak x matmul_efficiency / SMs) and an HBM roofline (operands and result "
+              "time, every tile at peak x matmul_efficiency / SMs, K + hw.gemm_tile_overhead steps) and an HBM roofline (operands and result "
               "read/written once, bf16)")
 
 
@@ -45,7 +49,7 @@ def gemm_time(M: float, N: float, K: float, hw, batch: int = 1, writes_output: b
     if not getattr(hw, "sm_count", 0):
         return flops / rate                        # the flat model
     tm, tn = hw.gemm_tile
-    per_tile = 2.0 * tm * tn * K / (rate / hw.sm_count)
+    per_tile = 2.0 * tm * tn * (K + getattr(hw, "gemm_tile_overhead", 0)) / (rate / hw.sm_count)
     best = min(math.ceil(math.ceil(M / a) * math.ceil(N / b) * batch / hw.sm_count) * per_tile
                for a, b in ((tm, tn), (tn, tm)))
     moved = 2.0 * batch * (M * K + K * N + (M * N if writes_output else 0.0))
