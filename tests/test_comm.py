@@ -145,6 +145,11 @@ def message_records():
     handles = [from_prev(b), to_next(a), to_next(torch.ones(0)), from_prev(b[:0])]   # the empty: not sent
     done = [h.wait() for h in handles]
     posted = [(r.op, r.seq, r.tag, r.shapes, r.dtypes, r.site, r.state) for r in rec.records() if r.index > start]
+    start = rec.index   # the same posters, a shape they have seen in another dtype, then complex (the slow path)
+    again = [from_prev(b.double()), to_next(a.double()),
+             from_prev(torch.empty(5, dtype=torch.complex64)), to_next(torch.ones(5, dtype=torch.complex64))]
+    [h.wait() for h in again]
+    retyped = [(r.op, r.seq, r.shapes, r.dtypes, r.state) for r in rec.records() if r.index > start]
     counted = Comm(counter=counter)
     counted.exchange(a, comm.next, b, comm.prev)
     slow = counted.poster("recv", comm.prev, 6)(b[:3]), counted.poster("send", comm.next, 6)(a[:3])
@@ -170,7 +175,7 @@ def message_records():
     times = measure.time_ops({k: (lambda k=k: order.append(k)) for k in "abc"}, reps=4, warmup=1, shuffle=True)
     return dict(total=x[0].item(), groups=groups, order=order, times={k: len(v) for k, v in times.items()}, in_ring=[(r.op, r.seq, r.tag, r.shapes, r.site, r.state) for r in in_ring],
                 own=[(r.op, r.tag, r.site, r.state) for r in own], counted=sorted(c.op for c in calls.calls),
-                posted=posted, done=done, bad_op=bad_op, nothing=handles[2] is handles[3],
+                posted=posted, retyped=retyped, done=done, bad_op=bad_op, nothing=handles[2] is handles[3],
                 traffic=(counter.bytes_sent, counter.bytes_received, counter.messages_sent),
                 rank=dist.get_rank())
 
@@ -205,6 +210,9 @@ def test_messages_are_recorded_with_their_call_site_and_still_reach_wrapped_send
         sites = {p[5] for p in posted}
         assert len(sites) == 1 and sites.pop().startswith("message_records (")
         assert {int(p[5].split(":")[-1].rstrip(")")) for p in posted} == {lines[2] + 4}
+        assert out["retyped"] == [("recv", 2, ((5,),), ("float64",), "completed"), ("send", 2, ((5,),), ("float64",), "completed"),
+                                  ("recv", 3, ((5,),), ("complex64",), "completed"),
+                                  ("send", 3, ((5,),), ("complex64",), "completed")]
         assert out["traffic"] == (20 + 12, 20 + 12, 2)       # a Comm's counter counts the poster's messages
         assert "op must be 'send' or 'recv'" in out["bad_op"]
         world = (out["rank"], 3, [0, 1, 2])

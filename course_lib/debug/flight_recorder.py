@@ -463,30 +463,32 @@ def p2p_poster(comm, op, peer, tag, call, slow, cpu_only=True):
     spans = trace.recorder()._open
     head = (op, comm.dim, tuple(comm.ranks))
     tail = (comm.ranks[peer], tag, "", spans[-1] if spans else "", site)
-    texts = {}   # shape -> (dtype, sequence counter, encoded text)
+    texts = {}   # shape -> (dtype, sequence counter, encoded text, its length)
     cuda, lock, slots, new = rec.cuda_events, rec._lock, rec.slots, object.__new__
+    pack_slot, pack_count, text_at = _SLOT.pack_into, _COUNT.pack_into, _SLOT.size
 
     def post(tensor):
         shape, dtype = tensor.shape, tensor.dtype
-        if 0 in shape or dtype.is_complex or (cpu_only and not tensor.is_cpu):
-            return slow(tensor)
-        work = call([tensor], peer, tag)
-        known = texts.get(shape)
-        if known is None or known[0] is not dtype:
+        known = texts.get(shape)   # a shape seen before is not empty
+        if known is None or known[0] is not dtype or (cpu_only and not tensor.is_cpu):
+            if 0 in shape or dtype.is_complex or (cpu_only and not tensor.is_cpu):
+                return slow(tensor)
             fields = head + ((shape,), (dtype,)) + tail
-            known = texts[shape] = (dtype, *(rec._texts.get(fields) or rec._remember(fields)))
-        _, count, text = known
+            count, text = rec._texts.get(fields) or rec._remember(fields)
+            known = texts[shape] = (dtype, count, text, len(text))
+        work = call([tensor], peer, tag)
+        _, count, text, length = known
         with lock:   # (FlightRecorder._put, inline)
             index = rec.index = rec.index + 1
             seq = count[0] = count[0] + 1
-            offset = _HEADER_BYTES + ((index - 1) % slots) * SLOT_BYTES
+            offset = _HEADER_BYTES + (index - 1) % slots * SLOT_BYTES
             mm = rec._mm   # the text, then the head (its index makes the slot valid), then the count
-            mm[offset + _SLOT.size:offset + _SLOT.size + len(text)] = text
-            _SLOT.pack_into(mm, offset, b"i", len(text), index, seq)
-            _COUNT.pack_into(mm, 8, index)
+            mm[offset + text_at:offset + text_at + length] = text
+            pack_slot(mm, offset, b"i", length, index, seq)
+            pack_count(mm, 8, index)
         tracked = new(TrackedWork)   # (TrackedWork(...) without its __init__'s frame)
-        tracked._work, tracked._fr, tracked.index, tracked._offset = work, rec, index, offset
-        tracked.gpu = tensor.device.index if cuda and tensor.is_cuda else None
+        tracked._work, tracked._fr, tracked.index, tracked._offset, tracked.gpu = (
+            work, rec, index, offset, tensor.device.index if cuda and tensor.is_cuda else None)
         return tracked
     return post
 
