@@ -37,7 +37,8 @@ import math
 
 from course_lib.planner import formulas as F
 from course_lib.planner.async_tp import async_tp_hop
-from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
+from course_lib.planner.fsdp_ops import (fsdp_exposed, fsdp_exposed_tp, fsdp_exposed_unprefetched, fsdp_step_kernels,
+                                         fsdp_unit_kernels, fsdp_units, prefetched_share)
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
@@ -45,6 +46,7 @@ from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.ring_ops import traced_ring
+from course_lib.schedules import V_SCHEDULES, schedule_order
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
@@ -230,6 +232,17 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         c_f = (fwd["compute"] + fwd["launch"] + fwd["tp"] + fwd["cp"] - zf.time) / per   # (the copy out precedes it)
         c_b = (bwd["compute"] + bwd["launch"] + bwd["tp"] + bwd["cp"]) / per
         fwd["zero"], bwd["zero"] = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root=len(units) > n_layers)
+        if t > 1 and n_layers and group_in_node(layout, hw, ("tp",)) == group_in_node(layout, hw, replicas):
+            # TP's collectives block and cross the same links as FSDP's: they wait (fsdp_ops)
+            copy_b = fsdp_unit_kernels(hw, tuple(units[0]), _size(layout, replicas))["regather"].device
+            fwd["zero"], bwd["zero"] = fsdp_exposed_tp(ag, rs, k["sequence"]["fwd"]["layer"], k["sequence"]["bwd"]["layer"],
+                                                       costs, copy_b, n_layers, root=len(units) > n_layers)
+        # a backward after another, with no forward between (1F1B's, GPipe's), prefetches nothing
+        share = prefetched_share(schedule_order(p, m, layout.schedule, layout.chunks, stage)) \
+            if p > 1 and layout.schedule not in V_SCHEDULES else 1.0
+        bwd["zero"] = share * bwd["zero"] + (1 - share) * fsdp_exposed_unprefetched(ag, rs, n_layers)
+        if len(units) > n_layers:     # the root's reduce-scatter, issued as a backward ends: the
+            tail = rs[-1]             # step waits for the last; an earlier one runs as the stage waits
         calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
