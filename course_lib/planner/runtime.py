@@ -241,6 +241,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         share = prefetched_share(schedule_order(p, m, layout.schedule, layout.chunks, stage)) \
             if p > 1 and layout.schedule not in V_SCHEDULES else 1.0
         bwd["zero"] = share * bwd["zero"] + (1 - share) * fsdp_exposed_unprefetched(ag, rs, n_layers)
+        if last and len(units) > n_layers:   # ... and the head's root, freed after the backward before,
+            bwd["zero"] += (1 - share) * (rs[-1] + ag[-1])   # is gathered again behind its reduce-scatter
         if len(units) > n_layers:     # the root's reduce-scatter, issued as a backward ends: the
             tail = rs[-1]             # step waits for the last; an earlier one runs as the stage waits
         calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
