@@ -46,6 +46,7 @@ from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.ring_ops import traced_ring
+from course_lib.planner.zero_sync import zero_sync
 from course_lib.schedules import V_SCHEDULES, schedule_order
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
@@ -249,7 +250,11 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
         calls["tp"] = calls.get("tp", 0) + m * len(units)
-    if not fsdp:                              # GradSync after the schedule (:func:`dp_sync`)
+    gather = 0.0
+    if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
+        tail, gather, sync_kernels, sync_seconds = zero_sync(model, hw, layout, k, n_layers, first, last, calls,
+                                                             collective, _size)
+    elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
         tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
     loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
@@ -263,7 +268,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         sync_seconds = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
     optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels
-    return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
+    return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
 
 
