@@ -36,7 +36,8 @@ BOUND = 0.10            # a row whose step time (or memory) differs more is expl
 
 
 def _draw(rng, moe: bool, s: int) -> Layout:
-    """One random layout (ZeRO-3 is not drawn with pp > 1 on a tied embedding: FSDP refuses it)."""
+    """One random layout (ZeRO-3 on a tied embedding with pp > 1 is refused by FSDP, ZeRO-1/2 with
+    ep > 1 by the ranks: the MoE draws ZeRO-0)."""
     tp = 1 if moe else rng.choice((1, 2, 4, 8))
     sp = tp > 1 and rng.random() < 0.7
     cp = 1 if moe or tp == 8 else rng.choice((1, 1, 2))
@@ -45,7 +46,7 @@ def _draw(rng, moe: bool, s: int) -> Layout:
     ep = rng.choice([e for e in (1, 2, 4, 8) if dp % e == 0]) if moe else 1
     schedule = rng.choice(("1f1b", "gpipe", "interleaved")) if pp > 1 else "1f1b"
     m = pp if pp > 1 else rng.choice((1, 2))
-    zero = 0 if moe else rng.choice((0, 0, 3))
+    zero = 0 if moe else rng.choice((0, 0, 1, 2, 3, 3))
     return Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, schedule=schedule,
                   v=2 if schedule == "interleaved" else 1, micro_batch=1, microbatches=m, seq_len=s,
                   recompute=rng.choice(("none", "selective", "full")),

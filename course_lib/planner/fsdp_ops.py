@@ -28,6 +28,7 @@ import math
 import torch
 
 from course_lib.planner.kernels import KernelCounter, Kernels
+from course_lib.schedules import V_SCHEDULES, schedule_order
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,6 +203,32 @@ def prefetched_share(order) -> float:
     return hit / n if n else 1.0
 
 
+def fsdp_order(hw, layout, stage: int, units: list, n_layers: int, world: int, ag: list, rs: list, c_f: float,
+               c_b: float, sequence, costs: dict) -> tuple:
+    """(forward, backward) seconds per micro-batch that FSDP's collectives add to ``stage`` (its
+    ``units``: ``n_layers`` blocks, then the root if any, over ``world`` ranks), and the seconds after its last backward, as the
+    course's FSDP issues them: prefetched beside the blocks (:func:`fsdp_exposed`), or, where
+    TP's blocking collectives cross the same links (``sequence``: the TP rank's traced order,
+    :func:`~.kernels.trace_step`'s; None otherwise), delaying them (:func:`fsdp_exposed_tp`). A
+    backward after a backward prefetches nothing (:func:`prefetched_share`,
+    :func:`fsdp_exposed_unprefetched`) and, on the last stage, gathers the head's root again
+    behind its reduce-scatter. The root's reduce-scatter, issued as a backward ends, runs while
+    the stage waits, except the last one: the step waits for it."""
+    root = len(units) > n_layers
+    f, b = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root)
+    if sequence and n_layers:
+        copy_b = fsdp_unit_kernels(hw, tuple(units[0]), world)["regather"].device
+        f, b = fsdp_exposed_tp(ag, rs, sequence["fwd"]["layer"], sequence["bwd"]["layer"], costs, copy_b,
+                               n_layers, root)
+    p, m = layout.pp, layout.microbatches
+    share = prefetched_share(schedule_order(p, m, layout.schedule, layout.chunks, stage)) \
+        if p > 1 and layout.schedule not in V_SCHEDULES else 1.0
+    b = share * b + (1 - share) * fsdp_exposed_unprefetched(ag, rs, n_layers)
+    if stage == p - 1 and root:
+        b += (1 - share) * (rs[-1] + ag[-1])
+    return f, b, (rs[-1] if root else 0.0)
+
+
 def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
     """``share`` of ``first`` and the rest of ``later`` (kernel counts rounded)."""
     rest = 1 - share
@@ -210,5 +237,6 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
                    first.device * share + later.device * rest)
 
 
-__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed", "fsdp_exposed_tp", "fsdp_exposed_unprefetched",
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed", "fsdp_exposed_tp",
+           "fsdp_exposed_unprefetched", "fsdp_order",
            "prefetched_share", "TP_COLLECTIVES"]

@@ -28,7 +28,9 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
   (dp, cp, tp); FSDP: an all-gather per unit (each block, the rest) forward, again per
-  block backward, a reduce-scatter per unit, the SP norms' all-reduce over tp per unit;
+  block backward, a reduce-scatter per unit, the SP norms' all-reduce over tp per unit, in
+  the order the course's FSDP issues them (:func:`.fsdp_ops.fsdp_order`); ZeRO-1/2: the
+  buckets gathered before the schedule, reduce-scattered after it (:mod:`.zero_sync`);
 - the loss: one all-reduce over the (dp, pp, cp) ranks that hold parts of it.
 """
 from __future__ import annotations
@@ -37,8 +39,7 @@ import math
 
 from course_lib.planner import formulas as F
 from course_lib.planner.async_tp import async_tp_hop
-from course_lib.planner.fsdp_ops import (fsdp_exposed, fsdp_exposed_tp, fsdp_exposed_unprefetched, fsdp_step_kernels,
-                                         fsdp_unit_kernels, fsdp_units, prefetched_share)
+from course_lib.planner.fsdp_ops import fsdp_order, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
@@ -47,7 +48,6 @@ from course_lib.planner.layout import strides
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.ring_ops import traced_ring
 from course_lib.planner.zero_sync import zero_sync
-from course_lib.schedules import V_SCHEDULES, schedule_order
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
@@ -232,20 +232,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         per = max(1, n_layers)
         c_f = (fwd["compute"] + fwd["launch"] + fwd["tp"] + fwd["cp"] - zf.time) / per   # (the copy out precedes it)
         c_b = (bwd["compute"] + bwd["launch"] + bwd["tp"] + bwd["cp"]) / per
-        fwd["zero"], bwd["zero"] = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root=len(units) > n_layers)
-        if t > 1 and n_layers and group_in_node(layout, hw, ("tp",)) == group_in_node(layout, hw, replicas):
-            # TP's collectives block and cross the same links as FSDP's: they wait (fsdp_ops)
-            copy_b = fsdp_unit_kernels(hw, tuple(units[0]), _size(layout, replicas))["regather"].device
-            fwd["zero"], bwd["zero"] = fsdp_exposed_tp(ag, rs, k["sequence"]["fwd"]["layer"], k["sequence"]["bwd"]["layer"],
-                                                       costs, copy_b, n_layers, root=len(units) > n_layers)
-        # a backward after another, with no forward between (1F1B's, GPipe's), prefetches nothing
-        share = prefetched_share(schedule_order(p, m, layout.schedule, layout.chunks, stage)) \
-            if p > 1 and layout.schedule not in V_SCHEDULES else 1.0
-        bwd["zero"] = share * bwd["zero"] + (1 - share) * fsdp_exposed_unprefetched(ag, rs, n_layers)
-        if last and len(units) > n_layers:   # ... and the head's root, freed after the backward before,
-            bwd["zero"] += (1 - share) * (rs[-1] + ag[-1])   # is gathered again behind its reduce-scatter
-        if len(units) > n_layers:     # the root's reduce-scatter, issued as a backward ends: the
-            tail = rs[-1]             # step waits for the last; an earlier one runs as the stage waits
+        shared = t > 1 and group_in_node(layout, hw, ("tp",)) == group_in_node(layout, hw, replicas)
+        fwd["zero"], bwd["zero"], tail = fsdp_order(hw, layout, stage, units, n_layers, _size(layout, replicas),
+                                                    ag, rs, c_f, c_b, k["sequence"] if shared else None, costs)
         calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
