@@ -241,8 +241,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         calls["tp"] = calls.get("tp", 0) + m * len(units)
     gather = 0.0
     if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
-        tail, gather, sync_kernels, sync_seconds = zero_sync(model, hw, layout, k, n_layers, first, last, calls,
-                                                             collective, _size)
+        tail, gather, sync_kernels = zero_sync(model, hw, layout, k, n_layers, first, last, calls, collective, _size)
+        sync_seconds = 0.0                    # (its copies are in its chain)
     elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
         tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)

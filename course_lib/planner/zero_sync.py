@@ -2,49 +2,55 @@
 planner's ``runtime="course"``; the planner sits below ``parallel/`` and imports none of it.
 
 Per step, on GradSync's buckets (:mod:`.buckets`: the same 25 MiB rule, one bucket per set of
-reduce dims), the ZeRO group being a bucket's dims among (dp, cp):
+reduce dims), the ZeRO group being a bucket's dims among (dp, cp), N ranks:
 
-- step start: each bucket's owned slices packed (a copy per piece), all-gathered over the
-  group, copied into the parameters (a copy per parameter); before the first forward;
-- after the schedule: each parameter's gradient copied into its bucket, the bucket
-  reduce-scattered (blocking: no overlap with the next bucket's copies), its owned slice then
-  all-reduced over the bucket's other dims (the SP norms' tp);
+- step start: each bucket's owned slice packed (a copy per piece: a parameter's part inside
+  it), all-gathered over the group, copied into the parameters (a copy per parameter);
+- after the schedule: each parameter's gradient copied into its bucket, the "used" flags made
+  and copied in, the bucket reduce-scattered (blocking: the host waits for it), the owned
+  slice then all-reduced over the bucket's other dims (the SP norms' tp), the flags tested and
+  read by the host; ZeRO-1 copies each piece's sum into its full gradient, ZeRO-2 keeps it.
 
-ZeRO-1 and ZeRO-2 send the same (ZeRO-2 frees the full gradients once reduced): no
-reduce-scatter per micro-batch, unlike DeepSpeed's ZeRO-2, which the default runtime prices.
+Every op through the host's issue chain (:func:`.issue.run_chain`: one op per
+``launch_overhead``, a blocking collective or a read waits for the stream). ZeRO-1 and ZeRO-2
+send the same bytes: no reduce-scatter per micro-batch (as DeepSpeed's ZeRO-2 does; the
+default runtime, which models the published systems, keeps that).
 """
 from __future__ import annotations
 
 from course_lib.planner.buckets import assign_buckets, bucket_copy, stage_params
+from course_lib.planner.issue import run_chain
 
 SHARD_DIMS = ("dp", "cp")
 
 
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
               collective, size) -> tuple:
-    """(seconds after the schedule beyond the copies, seconds of the step-start gather, kernels,
-    seconds of the copies) of ZeRO-1/2 on one stage. ``collective(layout, hw, kind, nbytes,
-    dims)`` and ``size(layout, dims)``: :mod:`.runtime`'s; ``calls`` gets the calls per dims."""
-    tail = gather = copies = 0.0
-    kernels = 0
+    """(seconds after the schedule, seconds of the step-start gather, kernels) of ZeRO-1/2 on
+    one stage. ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``:
+    :mod:`.runtime`'s; ``calls`` gets the calls per dims."""
+    floor = max(hw.kernel_floor, 0.0)
+    gather, finish, kernels = [0.0, 0.0], [0.0, 0.0], 0
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
         shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
         rest = tuple(d for d in dims if d not in SHARD_DIMS and size(layout, (d,)) > 1)
         group = size(layout, shard) if shard else 1
-        fill = sum((bucket_copy(hw, n_i) for n_i in sizes), bucket_copy(hw, len(sizes))).device
-        out = sum(bucket_copy(hw, n_i).device for n_i in sizes)
-        pack = sum(bucket_copy(hw, -(-n_i // group)).device for n_i in sizes)
-        kernels += 3 * len(sizes) + 1
-        copies += fill
-        gather += pack + out
-        if shard:
-            tail += collective(layout, hw, "reduce_scatter", n * 2, shard)
-            gather += collective(layout, hw, "all_gather", n * 2, shard)
-            calls["+".join(shard)] = calls.get("+".join(shard), 0) + 2
-        if rest:
-            tail += collective(layout, hw, "all_reduce", -(-n // group) * 2, rest)
-            calls["+".join(rest)] = calls.get("+".join(rest), 0) + 1
-    return tail, gather, kernels, copies
+        owned = -(-n // group)
+        pieces = min(len(sizes), -(-len(sizes) // group) + 1)      # parameters the owned slice cuts
+        costs = {"ag": collective(layout, hw, "all_gather", n * 2, shard) if shard else 0.0,
+                 "rs": collective(layout, hw, "reduce_scatter", n * 2, shard) if shard else 0.0,
+                 "ar": collective(layout, hw, "all_reduce", owned * 2, rest) if rest else 0.0}
+        piece = bucket_copy(hw, -(-owned // pieces)).device
+        seq_g = [piece] * pieces + ["ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
+        seq_f = [bucket_copy(hw, n_i).device for n_i in sizes] + [floor, floor, "rs"] + (["ar"] if rest else []) \
+            + [floor, "read"] + ([piece] * pieces if layout.zero == 1 else [])
+        run_chain(seq_g, gather, hw.launch_overhead, costs)
+        run_chain(seq_f, finish, hw.launch_overhead, costs)
+        kernels += sum(not isinstance(x, str) for x in seq_g + seq_f)
+        for dims_, count in ((shard, 2), (rest, 1)):
+            if dims_:
+                calls["+".join(dims_)] = calls.get("+".join(dims_), 0) + count
+    return finish[1], gather[1], kernels
 
 
 __all__ = ["zero_sync", "SHARD_DIMS"]
