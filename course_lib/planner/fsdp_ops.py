@@ -206,14 +206,14 @@ def prefetched_share(order) -> float:
 def fsdp_order(hw, layout, stage: int, units: list, n_layers: int, world: int, ag: list, rs: list, c_f: float,
                c_b: float, sequence, costs: dict) -> tuple:
     """(forward, backward) seconds per micro-batch that FSDP's collectives add to ``stage`` (its
-    ``units``: ``n_layers`` blocks, then the root if any, over ``world`` ranks), and the seconds after its last backward, as the
-    course's FSDP issues them: prefetched beside the blocks (:func:`fsdp_exposed`), or, where
-    TP's blocking collectives cross the same links (``sequence``: the TP rank's traced order,
-    :func:`~.kernels.trace_step`'s; None otherwise), delaying them (:func:`fsdp_exposed_tp`). A
-    backward after a backward prefetches nothing (:func:`prefetched_share`,
-    :func:`fsdp_exposed_unprefetched`) and, on the last stage, gathers the head's root again
-    behind its reduce-scatter. The root's reduce-scatter, issued as a backward ends, runs while
-    the stage waits, except the last one: the step waits for it."""
+    ``units``: ``n_layers`` blocks, then the root if any, over ``world`` ranks), and the seconds
+    after its last backward, as the course's FSDP issues them: prefetched beside the blocks
+    (:func:`fsdp_exposed`), or, where TP's blocking collectives cross the same links
+    (``sequence``: the TP rank's traced order, :func:`~.kernels.trace_step`'s; None otherwise),
+    delaying them (:func:`fsdp_exposed_tp`). A backward after a backward prefetches nothing
+    (:func:`prefetched_share`, :func:`fsdp_exposed_unprefetched`) and, on the last stage,
+    gathers the head's root again behind its reduce-scatter. The root's reduce-scatter, issued
+    as a backward ends, runs while the stage waits, except the last one: the step waits for it."""
     root = len(units) > n_layers
     f, b = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root)
     if sequence and n_layers:
