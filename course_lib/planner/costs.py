@@ -107,7 +107,8 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "
         from course_lib.planner.runtime import stage_parts
         for st in out:
             r = stage_parts(model, hw, layout, st.stage, st.layers)
-            st.fwd, st.bwd, st.p2p, st.grad_sync, st.param_gather = r["fwd"], r["bwd"], r["p2p"], r["grad_sync"], 0.0
+            st.fwd, st.bwd, st.p2p, st.grad_sync = r["fwd"], r["bwd"], r["p2p"], r["grad_sync"]
+            st.param_gather = r["param_gather"]            # ZeRO-1/2's gather at the step's start
             st.optimizer, st.loss_sync, st.kernels, st.calls = r["optimizer"], r["loss_sync"], r["kernels"], r["calls"]
     return out
 

@@ -28,6 +28,7 @@ import math
 import torch
 
 from course_lib.planner.kernels import KernelCounter, Kernels
+from course_lib.schedules import V_SCHEDULES, schedule_order
 
 
 @functools.lru_cache(maxsize=256)
@@ -120,14 +121,112 @@ def fsdp_exposed(ag: list, rs: list, c_f: float, c_b: float, n_layers: int, root
     while the block before it computes (``c_f``: issued after that block's copy out, so beside
     the rest of its forward); backward, the last block's gather waits (the root stays
     gathered), then while block i's backward runs (``c_b``), the stream carries block
-    i + 1's reduce-scatter and block i - 1's gather (one reduce-scatter in flight); the root's
-    and the first block's reduce-scatters are waited for."""
+    i + 1's reduce-scatter and block i - 1's gather (one reduce-scatter in flight); the first
+    block's reduce-scatter is waited for. The root's is issued as the pass ends and not waited
+    for in it: the caller places it (:mod:`.runtime`)."""
     blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
     f = (ag[-1] if root else 0.0) + (blocks_ag[0] if blocks_ag else 0.0) + \
         sum(max(0.0, a - c_f) for a in blocks_ag[1:])
-    b = (blocks_ag[-1] if blocks_ag else 0.0) + (rs[-1] if root else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
+    b = (blocks_ag[-1] if blocks_ag else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
         sum(max(0.0, a + r - c_b) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
     return f, b
+
+
+TP_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "loss")   # a TP rank's blocking collectives
+
+
+def _lane_wait(seq, costs: dict, busy: float, gather: float = 0.0, copy: float = 0.0) -> float:
+    """Seconds one block's pass (``seq``: its traced kernels' device seconds and its blocking
+    collectives' names, :func:`course_lib.planner.kernels.trace_step`'s "sequence") waits for an
+    FSDP collective that holds the GPU's links: one in flight for ``busy`` seconds as the pass
+    starts; ``gather`` (the next unit's all-gather) issued at the pass's first kernel, after
+    ``copy`` seconds of its own unit's copy out (the backward's: it waits for the unit's first
+    use). A TP collective starts when the links are free, and holds them."""
+    t, lane, issued, base = 0.0, busy, gather <= 0.0, copy * (gather > 0.0)
+    for x in seq:
+        if isinstance(x, str):
+            if x not in TP_COLLECTIVES:          # a host read: no link
+                continue
+            t = max(t, lane) + costs.get(x, 0.0)
+            lane, base = t, base + costs.get(x, 0.0)
+            continue
+        if not issued:
+            t, issued = t + copy, True
+            lane = max(lane, t) + gather
+        t, base = t + x, base + x
+    return max(0.0, t - base)
+
+
+def fsdp_exposed_tp(ag: list, rs: list, seq_f, seq_b, costs: dict, copy_b: float, n_layers: int,
+                    root: bool) -> tuple:
+    """:func:`fsdp_exposed` where the FSDP group's collectives and TP's blocking ones cross the
+    same links (the clock's lanes: NVLink or the network, shared by every collective of the
+    GPU): a block's prefetched gather does not run beside its compute, it delays the block's
+    next TP collective (forward: issued as the block starts, its first collective comes after a
+    norm; backward: the reduce-scatter of the block after it holds the links as it starts, the
+    gather of the block before it is issued after its own copy out, ``copy_b``). Per
+    micro-batch: the waits as :func:`_lane_wait` runs them on the layer's traced order (``seq_f``,
+    ``seq_b``), plus what nothing prefetches (as :func:`fsdp_exposed`)."""
+    blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
+    f = (ag[-1] if root else 0.0) + (blocks_ag[0] if blocks_ag else 0.0) + \
+        sum(_lane_wait(seq_f, costs, a) for a in blocks_ag[1:])
+    b = (blocks_ag[-1] if blocks_ag else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
+        sum(_lane_wait(seq_b, costs, r, a, copy_b) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
+    return f, b
+
+
+def fsdp_exposed_unprefetched(ag: list, rs: list, n_layers: int) -> float:
+    """Seconds per micro-batch a backward adds where the course's FSDP prefetches nothing: it
+    prefetches the block before from a unit's first use in a backward, once per forward of the
+    stage (a second backward in a row, as 1F1B's and GPipe's after their forwards, finds the
+    units marked started). Each block then gathers when its backward needs it, on the group's
+    one stream behind the reduce-scatter of the block after it: the top block's gather, every
+    other block's reduce-scatter + gather, the first block's reduce-scatter (the root's comes after
+    the pass)."""
+    blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
+    if not blocks_ag:
+        return 0.0
+    return blocks_ag[-1] + sum(r + a for a, r in zip(blocks_ag[:-1], blocks_rs[1:])) + blocks_rs[0]
+
+
+def prefetched_share(order) -> float:
+    """The share of a stage's backward passes the course's FSDP prefetches in: ``order`` its
+    (phase, micro-batch, chunk) actions (:func:`course_lib.schedules.schedule_order`); a
+    backward of a chunk prefetches when a forward of that chunk ran since its last backward."""
+    fresh, n, hit = {}, 0, 0
+    for phase, _, chunk in order:
+        if phase == "F":
+            fresh[chunk] = True
+        elif phase == "B":
+            n, hit = n + 1, hit + fresh.get(chunk, False)
+            fresh[chunk] = False
+    return hit / n if n else 1.0
+
+
+def fsdp_order(hw, layout, stage: int, units: list, n_layers: int, world: int, ag: list, rs: list, c_f: float,
+               c_b: float, sequence, costs: dict) -> tuple:
+    """(forward, backward) seconds per micro-batch that FSDP's collectives add to ``stage`` (its
+    ``units``: ``n_layers`` blocks, then the root if any, over ``world`` ranks), and the seconds
+    after its last backward, as the course's FSDP issues them: prefetched beside the blocks
+    (:func:`fsdp_exposed`), or, where TP's blocking collectives cross the same links
+    (``sequence``: the TP rank's traced order, :func:`~.kernels.trace_step`'s; None otherwise),
+    delaying them (:func:`fsdp_exposed_tp`). A backward after a backward prefetches nothing
+    (:func:`prefetched_share`, :func:`fsdp_exposed_unprefetched`) and, on the last stage,
+    gathers the head's root again behind its reduce-scatter. The root's reduce-scatter, issued
+    as a backward ends, runs while the stage waits, except the last one: the step waits for it."""
+    root = len(units) > n_layers
+    f, b = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root)
+    if sequence and n_layers:
+        copy_b = fsdp_unit_kernels(hw, tuple(units[0]), world)["regather"].device
+        f, b = fsdp_exposed_tp(ag, rs, sequence["fwd"]["layer"], sequence["bwd"]["layer"], costs, copy_b,
+                               n_layers, root)
+    p, m = layout.pp, layout.microbatches
+    share = prefetched_share(schedule_order(p, m, layout.schedule, layout.chunks, stage)) \
+        if p > 1 and layout.schedule not in V_SCHEDULES else 1.0
+    b = share * b + (1 - share) * fsdp_exposed_unprefetched(ag, rs, n_layers)
+    if stage == p - 1 and root:
+        b += (1 - share) * (rs[-1] + ag[-1])
+    return f, b, (rs[-1] if root else 0.0)
 
 
 def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
@@ -138,4 +237,6 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
                    first.device * share + later.device * rest)
 
 
-__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed"]
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed", "fsdp_exposed_tp",
+           "fsdp_exposed_unprefetched", "fsdp_order",
+           "prefetched_share", "TP_COLLECTIVES"]

@@ -28,7 +28,9 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
   (dp, cp, tp); FSDP: an all-gather per unit (each block, the rest) forward, again per
-  block backward, a reduce-scatter per unit, the SP norms' all-reduce over tp per unit;
+  block backward, a reduce-scatter per unit, the SP norms' all-reduce over tp per unit, in
+  the order the course's FSDP issues them (:func:`.fsdp_ops.fsdp_order`); ZeRO-1/2: the
+  buckets gathered before the schedule, reduce-scattered after it (:mod:`.zero_sync`);
 - the loss: one all-reduce over the (dp, pp, cp) ranks that hold parts of it.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ import math
 
 from course_lib.planner import formulas as F
 from course_lib.planner.async_tp import async_tp_hop
-from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_step_kernels, fsdp_units
+from course_lib.planner.fsdp_ops import fsdp_order, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
@@ -45,6 +47,7 @@ from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.ring_ops import traced_ring
+from course_lib.planner.zero_sync import zero_sync
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
 # parallel/ and imports none of it; tests/test_planner_runtime.py checks these numbers
@@ -229,12 +232,18 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         per = max(1, n_layers)
         c_f = (fwd["compute"] + fwd["launch"] + fwd["tp"] + fwd["cp"] - zf.time) / per   # (the copy out precedes it)
         c_b = (bwd["compute"] + bwd["launch"] + bwd["tp"] + bwd["cp"]) / per
-        fwd["zero"], bwd["zero"] = fsdp_exposed(ag, rs, c_f, c_b, n_layers, root=len(units) > n_layers)
+        shared = t > 1 and group_in_node(layout, hw, ("tp",)) == group_in_node(layout, hw, replicas)
+        fwd["zero"], bwd["zero"], tail = fsdp_order(hw, layout, stage, units, n_layers, _size(layout, replicas),
+                                                    ag, rs, c_f, c_b, k["sequence"] if shared else None, costs)
         calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
         calls["tp"] = calls.get("tp", 0) + m * len(units)
-    if not fsdp:                              # GradSync after the schedule (:func:`dp_sync`)
+    gather = 0.0
+    if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
+        tail, gather, sync_kernels = zero_sync(model, hw, layout, k, n_layers, first, last, calls, collective, _size)
+        sync_seconds = 0.0                    # (its copies are in its chain)
+    elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
         tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
     loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
@@ -248,7 +257,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         sync_seconds = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
     optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels
-    return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, loss_sync=loss, optimizer=optimizer,
+    return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
 
 

@@ -1,0 +1,56 @@
+"""ZeRO-1 and ZeRO-2 as the course's ranks run them (``parallel/zero_nd.py``), priced for the
+planner's ``runtime="course"``; the planner sits below ``parallel/`` and imports none of it.
+
+Per step, on GradSync's buckets (:mod:`.buckets`: the same 25 MiB rule, one bucket per set of
+reduce dims), the ZeRO group being a bucket's dims among (dp, cp), N ranks:
+
+- step start: each bucket's owned slice packed (a copy per piece: a parameter's part inside
+  it), all-gathered over the group, copied into the parameters (a copy per parameter);
+- after the schedule: each parameter's gradient copied into its bucket, the "used" flags made
+  and copied in, the bucket reduce-scattered (blocking: the host waits for it), the owned
+  slice then all-reduced over the bucket's other dims (the SP norms' tp), the flags tested and
+  read by the host; ZeRO-1 copies each piece's sum into its full gradient, ZeRO-2 keeps it.
+
+Every op through the host's issue chain (:func:`.issue.run_chain`: one op per
+``launch_overhead``, a blocking collective or a read waits for the stream). ZeRO-1 and ZeRO-2
+send the same bytes: no reduce-scatter per micro-batch (as DeepSpeed's ZeRO-2 does; the
+default runtime, which models the published systems, keeps that).
+"""
+from __future__ import annotations
+
+from course_lib.planner.buckets import assign_buckets, bucket_copy, stage_params
+from course_lib.planner.issue import run_chain
+
+SHARD_DIMS = ("dp", "cp")
+
+
+def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
+              collective, size) -> tuple:
+    """(seconds after the schedule, seconds of the step-start gather, kernels) of ZeRO-1/2 on
+    one stage. ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``:
+    :mod:`.runtime`'s; ``calls`` gets the calls per dims."""
+    floor = max(hw.kernel_floor, 0.0)
+    gather, finish, kernels = [0.0, 0.0], [0.0, 0.0], 0
+    for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
+        shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
+        rest = tuple(d for d in dims if d not in SHARD_DIMS and size(layout, (d,)) > 1)
+        group = size(layout, shard) if shard else 1
+        owned = -(-n // group)
+        pieces = min(len(sizes), -(-len(sizes) // group) + 1)      # parameters the owned slice cuts
+        costs = {"ag": collective(layout, hw, "all_gather", n * 2, shard) if shard else 0.0,
+                 "rs": collective(layout, hw, "reduce_scatter", n * 2, shard) if shard else 0.0,
+                 "ar": collective(layout, hw, "all_reduce", owned * 2, rest) if rest else 0.0}
+        piece = bucket_copy(hw, -(-owned // pieces)).device
+        seq_g = [piece] * pieces + ["ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
+        seq_f = [bucket_copy(hw, n_i).device for n_i in sizes] + [floor, floor, "rs"] + (["ar"] if rest else []) \
+            + [floor, "read"] + ([piece] * pieces if layout.zero == 1 else [])
+        run_chain(seq_g, gather, hw.launch_overhead, costs)
+        run_chain(seq_f, finish, hw.launch_overhead, costs)
+        kernels += sum(not isinstance(x, str) for x in seq_g + seq_f)
+        for dims_, count in ((shard, 2), (rest, 1)):
+            if dims_:
+                calls["+".join(dims_)] = calls.get("+".join(dims_), 0) + count
+    return finish[1], gather[1], kernels
+
+
+__all__ = ["zero_sync", "SHARD_DIMS"]
