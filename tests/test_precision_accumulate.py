@@ -1,0 +1,93 @@
+"""Gradients accumulated in the reduce dtype (course_lib/precision/mixed.py ``MainGrads``,
+``"bf16-accumulate-fp32"``) and ZeRO-1/2 with master weights (course_lib/parallel/zero_nd.py: the
+owned slices are the masters):
+
+* MainGrads adds each backward's gradient into its buffer as autograd produces it: in float64
+  over fp32 gradients, the buffer is the float64 sum of the separate backwards, exactly;
+* ZeRO-1 and ZeRO-2 under fp32 compute and float64 masters equal one device running the same
+  recipe over 2 AdamW steps, within fp32's derived bounds (course_lib.tolerance), at dp 2 x pp 2
+  (2 micro-batches, each gradient accumulated) and dp 3 (an odd split);
+* "bf16-accumulate-fp32" with DDP and with ZeRO-2: the first step's gradients within twice one
+  device's own bf16 error of a float64 run; on one device (one micro-batch) it is
+  "bf16-reduce-fp32", bit for bit.
+"""
+import pytest
+import torch
+
+from course_lib import tolerance
+from course_lib.gpt import GPTConfig
+from course_lib.lab.precision_runs import one_device, precision_runs
+from course_lib.lab.nd_runs import LR
+from course_lib.precision.mixed import MainGrads, MasterWeights, accumulates, relative_error
+
+CFG = GPTConfig(vocab_size=96, seq_len=16, n_layers=4, hidden=32, n_heads=4, n_kv_heads=2, block="llama")
+BATCH = 6
+
+
+def test_main_grads_add_each_backward_in_their_dtype():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    xs = [torch.randn(3, 8) for _ in range(3)]
+    separate = []
+    for x in xs:
+        lin.zero_grad(set_to_none=True)
+        lin(x).square().sum().backward()
+        separate.append([p.grad.clone() for p in lin.parameters()])
+    lin.zero_grad(set_to_none=True)
+    main = MainGrads(list(lin.parameters()), torch.float64)
+    for x in xs:
+        lin(x).square().sum().backward()
+        assert all(p.grad is None for p in lin.parameters())      # freed once added
+    for i, p in enumerate(lin.parameters()):
+        want = separate[0][i].double() + separate[1][i] + separate[2][i]
+        got = main.pop(p)
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+    main.remove()
+    # MasterWeights(accumulate=True): the sum lands in the master's .grad, in the masters' dtype
+    model = torch.nn.Linear(8, 4).double()
+    mw = MasterWeights(model.parameters(), torch.float32, torch.float64, accumulate=True)
+    for x in xs:
+        model(x).square().sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(m.grad.dtype == torch.float64 for m in mw.parameters())
+    assert accumulates("bf16-accumulate-fp32") and not accumulates("bf16-reduce-fp32")
+    with pytest.raises(ValueError, match="unknown precision"):
+        accumulates("bf16-fp32")
+
+
+ZERO = {"zero2-dp2-pp2": (dict(dp=2, pp=2), dict(zero=2, microbatches=2)),
+        "zero1-dp2-tp2": (dict(dp=2, tp=2), dict(zero=1, sp=True))}
+
+
+def test_zero_with_master_weights_equals_one_device():
+    steps = 2
+    want = one_device(CFG, BATCH - 2, steps, "fp32", torch.float64)
+    runs = precision_runs(CFG, ZERO, BATCH - 2, steps, precisions=("fp32",), dtype=torch.float64)
+    for case, by in runs.items():
+        got = by["fp32"]
+        assert got.held["master"][1] == ["torch.float64"] and got.held["model"][1] == ["torch.float32"], case
+        tolerance.assert_matches(got.grads, want.grads, dtype=torch.float32, what=f"{case} first gradients")
+        tolerance.assert_matches(got.losses, want.losses, dtype=torch.float32, what=f"{case} losses")
+        tolerance.assert_matches(got.state, want.state, dtype=torch.float32, optimizer="adamw", steps=steps,
+                                 lr=LR, what=f"{case} parameters")
+    odd = precision_runs(CFG, {"zero2-dp3": (dict(dp=3), dict(zero=2))}, 3, steps, precisions=("fp32",),
+                         dtype=torch.float64, world_size=3)["zero2-dp3"]["fp32"]
+    want = one_device(CFG, 3, steps, "fp32", torch.float64)
+    tolerance.assert_matches(odd.state, want.state, dtype=torch.float32, optimizer="adamw", steps=steps, lr=LR,
+                             what="zero2-dp3 parameters")
+
+
+def test_bf16_accumulated_in_fp32_within_one_device_error_doubled():
+    truth = one_device(CFG, BATCH - 2, 1, "full", torch.float64)
+    mine = one_device(CFG, BATCH - 2, 1, "bf16-accumulate-fp32")
+    same = one_device(CFG, BATCH - 2, 1, "bf16-reduce-fp32")
+    assert all(torch.equal(mine.grads[k], same.grads[k]) for k in same.grads)     # one micro-batch: no sum
+    own = relative_error(same.grads, truth.grads)
+    assert 2 ** -12 < own < 2 ** -6
+    cases = {"ddp-dp2-pp2": (dict(dp=2, pp=2), dict(microbatches=2)), **ZERO}
+    runs = precision_runs(CFG, cases, BATCH - 2, 1, precisions=("bf16-accumulate-fp32",))
+    for case, by in runs.items():
+        run = by["bf16-accumulate-fp32"]
+        assert run.held["model"][1] == ["torch.bfloat16"] and run.held["master"][1] == ["torch.float32"], case
+        err = relative_error(run.grads, truth.grads)
+        assert err <= 2 * own, f"{case}: {err:.3g} > 2 x {own:.3g}"
