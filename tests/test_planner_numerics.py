@@ -57,6 +57,15 @@ def test_the_published_runtime_prices_the_reduce_dtype_and_the_step():
         assert st.optimizer == pytest.approx(numerics(p).optimizer_bytes * P / hw.hbm_bandwidth, rel=1e-12), p
     extra = by["bf16-accumulate-fp32"].bwd["elementwise"] - by["full"].bwd["elementwise"]
     assert extra == pytest.approx((6 + 3 * 10) * P / 4 / hw.hbm_bandwidth, rel=1e-12)   # per micro-batch
+    # ZeRO-2: gradients summed in bf16 are reduce-scattered every micro-batch (in the backward);
+    # summed in their own fp32 buffer, once, after the schedule
+    z2 = {p: estimate(LLAMA, hw, L.with_(precision=p, zero=2, overlap_dp=False)).stages[0]
+          for p in ("bf16", "bf16-accumulate-fp32")}
+    assert z2["bf16"].bwd["zero"] > 0 and z2["bf16"].grad_sync == 0
+    assert z2["bf16-accumulate-fp32"].bwd["zero"] == 0
+    rs = {n: F.collective_time("reduce_scatter", P * n, 8, alpha * pieces, bw) for n in (2, 4)}
+    assert z2["bf16"].bwd["zero"] == pytest.approx(rs[2], rel=1e-12)
+    assert z2["bf16-accumulate-fp32"].grad_sync == pytest.approx(rs[4], rel=1e-12)
 
 
 def test_the_course_runtime_prices_what_a_dry_run_adds():

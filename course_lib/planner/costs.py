@@ -225,7 +225,9 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
         if layout.zero == 0:
             grad_sync = coll("all_reduce", dense, n_zero, red) + coll("all_reduce", expert, n_exp_group, red)
             param_gather = 0.0
-        elif layout.zero == 1:
+        elif layout.zero == 1 or (layout.zero == 2 and num.per_microbatch):
+            # ZeRO-2 summing each micro-batch's gradients in its own (fp32) buffer: one
+            # reduce-scatter of the sum after the schedule (Llama 3's FP32 accumulation; the ranks')
             grad_sync, param_gather = grad_rs, gather
         else:
             grad_sync, param_gather = 0.0, (gather if layout.zero == 2 else 0.0)
@@ -253,6 +255,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             else None
         mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
                       hw.fused_kernels, hpz_node=hpz, course=course)
+        m_rs = 1 if num.per_microbatch else m     # ZeRO-2's reduce-scatters a step (see above)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
@@ -261,8 +264,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             "dp": (sum(F.zeropp_bytes_per_step(dense, n_zero, layout.zeropp, zeropp_node(layout, hw, n_zero),
                                                microbatches=m).values()) if layout.zeropp and n_zero > 1
                    else F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
-                   else F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
-            + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
+                   else F.dp_bytes_per_step(dense, n_zero, layout.zero, red, microbatches=m_rs) if n_zero > 1
+                   else 0.0)
+            + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, red, microbatches=m_rs) if n_exp_group > 1
+               else 0.0),
             "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c, etp=layout.etp,
                                                  dispatch=model.moe_dispatch) / (t if layout.sp else 1)
             if layout.ep * layout.etp > 1 else 0.0,
