@@ -88,8 +88,12 @@ class ZeroSync:
         return [q for b in self.buckets for q in b.slices]
 
     def shard_gradients(self) -> list:
-        """ZeRO-2's gradients once reduced: the owned slices' (ZeRO-1's are slices of ``p.grad``)."""
-        return [q.grad for q in self.parameters() if q.grad is not None] if self.stage == 2 else []
+        """Gradients held besides the parameters' own: ZeRO-2's once reduced, the owned slices'
+        (ZeRO-1's are slices of ``p.grad``); ZeRO-1 summing in its own buffers (``accumulate``):
+        those, kept to the next step as ZeRO-1 keeps the full gradients."""
+        if self.stage == 2:
+            return [q.grad for q in self.parameters() if q.grad is not None]
+        return list(self.main_grads.grads.values()) if self.main_grads is not None else []
 
     def begin_step(self):
         """A step starts: the last step's local gradients go (ZeRO-1 kept them), the parameters
@@ -114,8 +118,9 @@ class ZeroSync:
             n, t = b.comm.size, len(b.param_ids)
             packed = torch.zeros(n * (b.shard + t), dtype=b.reduce_dtype, device=b.device).view(n, b.shard + t)
             flat = packed[:, :b.shard]
-            grads = [self.main_grads.pop(self.params[i]) if self.main_grads is not None else self.params[i].grad
-                     for i in b.param_ids]
+            main = self.main_grads
+            grads = [self.params[i].grad if main is None else main.pop(self.params[i]) if self.stage == 2
+                     else main.grads.get(id(self.params[i])) for i in b.param_ids]   # (ZeRO-1 keeps them)
             for i, g in zip(b.param_ids, grads):
                 if g is not None:           # (the flat vector runs row after row of ``flat``)
                     _flat_range(flat, b.offsets[i], g.numel()).copy_(g.view(-1))
