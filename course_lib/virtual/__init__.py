@@ -16,8 +16,9 @@ from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of 
   copies), never under a minimum per kernel; the host issues one op every
   ``launch_overhead`` seconds and a kernel cannot start before it is issued; torch's
   optimizers run their CUDA path (foreach); the constants are fitted on a recorded H100 run.
-  Bytes at the virtual dtype; views and metadata are free; ops inside a communication call
-  belong to its price;
+  Bytes at the virtual dtype (``dtype=None``: each tensor at its own, GEMMs at their dtype's
+  rate, for a program that runs the GPU's dtypes for real); views and metadata are free; ops
+  inside a communication call belong to its price;
 * communication (:mod:`.clock`, :mod:`.links`): the backend's collectives (torch's) as NCCL
   would run them, by NCCL's own tuning model (ring or tree, LL / LL128 / Simple, whichever is
   fastest for the size); a collective built from ``send``/``recv`` (the course's, a
