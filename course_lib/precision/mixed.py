@@ -58,7 +58,8 @@ class MainGrads:
 
     def __init__(self, params, dtype, into=None):
         self.dtype, self.into, self.grads = dtype, into, {}
-        self.handles = [p.register_post_accumulate_grad_hook(self._add) for p in params if p.requires_grad]
+        self.params = [p for p in params if p.requires_grad]
+        self.handles = [p.register_post_accumulate_grad_hook(self._add) for p in self.params]
 
     @torch.no_grad()
     def _add(self, p):
@@ -69,6 +70,11 @@ class MainGrads:
             g = self.grads.get(id(p))
             self.grads[id(p)] = p.grad.to(self.dtype) if g is None else g.add_(p.grad)
         p.grad = None
+
+    def holders(self) -> dict:
+        """{id(parameter): an object whose ``.grad`` is its buffer (zeros if no backward reached
+        it)}: what a sum written for ``.grad`` (the pipeline's tied-embedding sum) reads."""
+        return {id(p): MainGrad(self, p) for p in self.params}
 
     def pop(self, p):
         """The buffer of ``p`` (None if no backward reached it), forgotten here."""
@@ -139,6 +145,24 @@ class MasterWeights:
                 g = p.grad.to(m.dtype)
                 m.grad = g if m.grad is None else m.grad.add_(g)
                 p.grad = None
+
+
+class MainGrad:
+    """One parameter's :class:`MainGrads` buffer as a ``.grad`` to read and write."""
+
+    def __init__(self, main, p):
+        self.main, self.p = main, p
+
+    @property
+    def grad(self):
+        g = self.main.grads.get(id(self.p))
+        if g is None:
+            g = self.main.grads[id(self.p)] = torch.zeros(self.p.shape, dtype=self.main.dtype, device=self.p.device)
+        return g
+
+    @grad.setter
+    def grad(self, value):
+        self.main.grads[id(self.p)] = value
 
 
 def cast_buffers(module, dtype):
