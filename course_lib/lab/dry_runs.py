@@ -76,7 +76,7 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # (course_lib.virtual.deepspeed_order). Measured: +2.960 s (93.841 -> 96.801 s): with
 # DeepSpeed's rank order each of those waits is a 117 MB activation over Omni-Path.
 _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
-_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order")
+_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order", "zero_all_reduce")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON + _DEEPSPEED, "Llama 3 T4": ("flash_attention",)}
 
@@ -136,8 +136,9 @@ ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_
 #   each backward, deepspeed/runtime/pipe/engine.py), the pipeline's ReduceGrads all-reduces
 #   those fp32 gradients (``_bf16_reduce_grads``: get_grads_for_reduction, the fp32 flat
 #   buffers), each rank steps its partition of the fp32 masters, and the bf16 partitions are
-#   all-gathered: "bf16-accumulate-fp32" with ZeRO-1 here. Not the same collective: the course's
-#   ZeRO-1 reduce-scatters the fp32 gradients, half an all-reduce's bytes.
+#   all-gathered: "bf16-accumulate-fp32" with ZeRO-1 here, its all-reduce the runtime item
+#   "zero_all_reduce" (SOFTWARE; course_lib.virtual.software): the course's ZeRO-1 would
+#   reduce-scatter, half an all-reduce's bytes.
 # * Llama 3 (Dubey et al. 2024, Sec. 3.3.2, "Numerical stability"): FP32 gradient accumulation
 #   during backward over the micro-batches and the reduce-scatter of gradients in FP32 across
 #   the data-parallel workers, under FSDP's ZeRO-2: "bf16-accumulate-fp32" with zero=2.

@@ -82,6 +82,7 @@ class ZeroSync:
             for q in self.params:
                 q.data = q.data.to(compute)             # the model computes in 16 bits
         self.main_grads = MainGrads(self.params, reduce or compute) if accumulate else None
+        self.all_reduce = False     # True: each bucket all-reduced, each rank keeping its slice (DeepSpeed's BF16_Optimizer)
 
     def parameters(self) -> list:
         """The owned slices (one per parameter piece this rank owns): what the optimizer updates."""
@@ -126,8 +127,12 @@ class ZeroSync:
                     _flat_range(flat, b.offsets[i], g.numel()).copy_(g.view(-1))
             had = [float(g is not None) for g in grads]
             packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
-            out = torch.zeros(b.shard + t, dtype=b.reduce_dtype, device=b.device)
-            b.comm.reduce_scatter_tensor(out, packed.view(-1), name=f"reduce-scatter b{b.index}")
+            if self.all_reduce:         # the whole sum on every rank (twice a reduce-scatter's bytes), this rank's row kept
+                b.comm.all_reduce(packed.view(-1), name=f"all-reduce b{b.index}")
+                out = packed[b.comm.rank]
+            else:
+                out = torch.zeros(b.shard + t, dtype=b.reduce_dtype, device=b.device)
+                b.comm.reduce_scatter_tensor(out, packed.view(-1), name=f"reduce-scatter b{b.index}")
             if b.rest is not None:
                 b.rest.all_reduce(out, name=f"all-reduce b{b.index} over {b.rest.dim}")
             used = (out[b.shard:] > 0).tolist()
