@@ -112,7 +112,6 @@ def test_the_dry_run_of_zero_is_the_real_launch(runs, dp):
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(zero=2, precision="bf16"), "precision"),
     (dict(zero=4), "ZeRO stage"),
 ])
 def test_bad_zero_layouts_are_refused_by_name(changes, match):

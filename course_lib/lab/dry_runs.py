@@ -15,8 +15,10 @@ one (Korthikanti), else the FLOPs the paper counts per step over the throughput 
 (Narayanan and BLOOM: hardware FLOPs with recomputation; Llama 3: model FLOPs), with the
 planner's FLOP count for the step (the same for the three columns). What each source's
 software fused is stated once per source (:data:`SOFTWARE`) and run by the dry run as the
-course's program with those kernels (:mod:`course_lib.virtual.software`), and so is how it
-numbered its ranks (:data:`ORDER`: which groups sit inside a node); its attention kernel
+course's program with those kernels (:mod:`course_lib.virtual.software`), and so are how it
+numbered its ranks (:data:`ORDER`: which groups sit inside a node) and its numerics
+(:data:`PRECISION`: fp32 masters and moments, gradients summed and reduced in the stated dtype,
+each tensor priced at its own dtype; the planner prices the same, :mod:`course_lib.planner.numerics`); its attention kernel
 agrees with the source's hardware's ``fused_attention`` (the planner's statement of the same
 thing). Llama 3's 128k row runs its CP as stated: K and V all-gathered over the cp ranks,
 each local query chunk attended by one FlashAttention kernel, dK/dV reduce-scattered
@@ -74,7 +76,7 @@ SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4
 # (course_lib.virtual.deepspeed_order). Measured: +2.960 s (93.841 -> 96.801 s): with
 # DeepSpeed's rank order each of those waits is a 117 MB activation over Omni-Path.
 _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
-_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order")
+_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order", "zero_all_reduce")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON + _DEEPSPEED, "Llama 3 T4": ("flash_attention",)}
 
@@ -108,6 +110,44 @@ DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0
 _MEGATRON_ORDER = ("pp", "dp", "tp")
 ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_ORDER,
          "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None}
+
+
+# The numerics each source trained with (Layout.precision, course_lib.precision.mixed), run by
+# the dry run for real: a 16-bit model, fp32 master weights and AdamW moments (the course's
+# MasterWeights, or ZeRO's owned slices), gradients accumulated and reduced as stated, every
+# tensor priced at its own dtype (VirtualCluster(dtype=None)). Read in the sources' code:
+# * Megatron-LM 2021-22 (NVIDIA/Megatron-LM at 55ba1f7b96, 2022-05-26): Narayanan et al.'s
+#   scripts run --fp16 (examples/sc21/CONFIG.sh); megatron/arguments.py turns on
+#   accumulate_allreduce_grads_in_fp32 only for --bf16 (its flag is store_true, default off),
+#   so under --fp16 DistributedDataParallel's main_grad buffer has the parameters' dtype
+#   (megatron/model/distributed.py, _get_buffer_type): each micro-batch's gradient is added in
+#   fp16 and all-reduced in fp16; Float16OptimizerWithFloat16Params
+#   (megatron/optimizer/optimizer.py) keeps fp32 masters (``param.detach().clone().float()``)
+#   and Adam's moments, takes ``main_grad.float()`` as the masters' gradient and copies the
+#   masters back into the fp16 model after the step: "bf16" here (fp16 priced as bf16: the same
+#   bytes, and the A100's fp16 and bf16 tensor-core rates are one, 312 TFLOP/s). Korthikanti et
+#   al. 2022 ran the same code base; their precision is not in a script we have read: the same
+#   --fp16, one rule for the two sources.
+# * BLOOM (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm): --bf16 and ZERO_STAGE=0
+#   ("important: bf16 must use z0! it implements its own zero stage 1 equivalent"): DeepSpeed's
+#   BF16_Optimizer (microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py at 9b70ce56e,
+#   2022-06-30): after every micro-batch's backward update_hp_grads adds the bf16 gradients into
+#   fp32 ones (``hp_grad.add_(lp.grad.to(hp_grad.dtype))``; the pipeline engine calls it after
+#   each backward, deepspeed/runtime/pipe/engine.py), the pipeline's ReduceGrads all-reduces
+#   those fp32 gradients (``_bf16_reduce_grads``: get_grads_for_reduction, the fp32 flat
+#   buffers), each rank steps its partition of the fp32 masters, and the bf16 partitions are
+#   all-gathered: "bf16-accumulate-fp32" with ZeRO-1 here, its all-reduce the runtime item
+#   "zero_all_reduce" (SOFTWARE; course_lib.virtual.software): the course's ZeRO-1 would
+#   reduce-scatter, half an all-reduce's bytes.
+# * Llama 3 (Dubey et al. 2024, Sec. 3.3.2, "Numerical stability"): FP32 gradient accumulation
+#   during backward over the micro-batches and the reduce-scatter of gradients in FP32 across
+#   the data-parallel workers, under FSDP's ZeRO-2: "bf16-accumulate-fp32" with zero=2.
+# Left out, in every source: the gradient clipping's global norm (Megatron's --clip-grad and
+# BLOOM's: one read of the gradients and a small all-reduce) and, under fp16, the loss scaler's
+# unscale and inf check (torch._amp_foreach_non_finite_check_and_unscale_ and an all-reduce of
+# found_inf in Float16OptimizerWithFloat16Params); the course's runtime does not run them.
+PRECISION = {"Korthikanti 2022 T5": "bf16", "Narayanan 2021 T1": "bf16", "BLOOM 2022": "bf16-accumulate-fp32",
+             "Llama 3 T4": "bf16-accumulate-fp32"}
 
 
 # The runs of Narayanan et al. 2021's Table 1 as its authors scripted them: NVIDIA/Megatron-LM
@@ -171,7 +211,7 @@ LLAMA3_CP_NOTE = "CP: all-gathered K/V, cp ranks folded (equal FLOPs under Flash
 def published_runs():
     """[(source, name, ModelSpec, Hardware, Layout, published seconds or None, (metric, value,
     FLOPs convention), note)]: every row, in the planner validation's order, each layout in its
-    source's rank order (:data:`ORDER`)."""
+    source's rank order (:data:`ORDER`) and numerics (:data:`PRECISION`)."""
     rows = []
     for name, pp, gbs, seconds, _ in KORTHIKANTI_TABLE5:
         model = MODELS[name]
@@ -196,7 +236,7 @@ def published_runs():
         rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
                      llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
                      LLAMA3_CP_NOTE if cp > 1 else ""))
-    return [(source, name, model, hw, layout.with_(order=ORDER[source]), *rest)
+    return [(source, name, model, hw, layout.with_(order=ORDER[source], precision=PRECISION[source]), *rest)
             for source, name, model, hw, layout, *rest in rows]
 
 
@@ -324,6 +364,6 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
 
 
 __all__ = ["published_runs", "published_row", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
-           "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT", "ORDER",
+           "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT", "ORDER", "PRECISION",
            "random_layouts",
            "agreement_rows"]

@@ -32,7 +32,7 @@ from course_lib.parallel.pipeline.stages import split_stages, tie_embeddings
 from course_lib.parallel.placement import Placement, assemble_tp
 from course_lib.parallel.tp_plan import PLAN, parallelize, rule_sequence, rule_tensor, tp_slice_of
 from course_lib.parallel.zero_nd import ZeroSync, rule_zero
-from course_lib.precision.mixed import MasterWeights, cast_buffers, check_precision
+from course_lib.precision.mixed import MasterWeights, accumulates, cast_buffers, check_precision
 from course_lib.recompute import set_recompute
 from course_lib.schedules import SCHEDULES, validate
 
@@ -144,11 +144,15 @@ def apply_data_parallel(stages, mesh, layout, reduce):
                 for s, st in stages.items()}, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
     if layout.zero in (1, 2):                         # ZeRO-1/2: DDP's replicas, the optimizer sharded
-        return dict(stages), ZeroSync(params, mesh, reduce, layout.zero), None
+        if compute is not None:
+            for st in stages.values():
+                cast_buffers(st, compute)
+        return dict(stages), ZeroSync(params, mesh, reduce, layout.zero, compute=compute, reduce=reduce_dtype,
+                                      accumulate=accumulates(layout.precision)), None
     dims = {id(q): reduce[id(q)] for q in params}
     master = None
     if compute is not None:
-        master = MasterWeights(params, compute, reduce_dtype)
+        master = MasterWeights(params, compute, reduce_dtype, accumulate=accumulates(layout.precision))
         for st in stages.values():
             cast_buffers(st, compute)
         if master.reduce_on_master:

@@ -35,13 +35,14 @@ from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes
 from course_lib.layout import rank_order
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage, strides
+from course_lib.planner.numerics import numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import Hardware, ModelSpec
 
-# Bytes of HBM traffic per parameter in an AdamW step: read and write the fp32
-# master weight, momentum and variance (24), read the bf16 gradient (2), write the
-# bf16 weight (2). The step is memory bound, so time = bytes / HBM bandwidth.
-OPTIMIZER_BYTES_PER_PARAM = 28
+# Bytes of HBM traffic per parameter in an AdamW step: the precision's
+# (numerics.Numerics.optimizer_bytes: 28 under "full", the fp32 master weight, momentum and
+# variance read and written, the bf16 gradient read, the bf16 weight written). The step is
+# memory bound, so time = bytes / HBM bandwidth.
 # The logits of the last stage: bf16 logits plus the fp32 softmax the loss keeps.
 LOGIT_BYTES = 2 + 4
 
@@ -194,6 +195,8 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     ew_fwd_layer = stream
     ew_bwd_layer = 2 * stream + (stream if layout.recompute == "full" else 0.0)
 
+    num = numerics(layout.precision)                  # the bytes of the gradients' sums and the step
+    ew_rate = hw.hbm_bandwidth                        # (memory bound, as the stream above)
     n_zero = layout.dp * c                            # ranks holding the same parameters
     # HSDP: FSDP over the shard group (shard_size dp ranks x cp), replicas over the rest
     n_shard = layout.shard_size * c if layout.data == "hsdp" else n_zero
@@ -218,15 +221,19 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             if N <= 1 or n_params <= 0:
                 return 0.0
             return F.collective_time(kind, n_params * nbytes, N, link[0] * pieces, link[1])
-        # HSDP: the shard group's collectives on its (NVLink) link, then the shard all-reduced
-        grad_rs = coll("reduce_scatter", dense, n_shard, link=(a_sh, bw_sh)) + coll("reduce_scatter", expert,
-                                                                                 n_exp_group)
-        grad_rs += coll("all_reduce", dense / n_shard, n_replicas)
+        # HSDP: the shard group's collectives on its (NVLink) link, then the shard all-reduced;
+        # the gradients in the precision's reduce dtype (numerics.reduce bytes)
+        red = num.reduce
+        grad_rs = coll("reduce_scatter", dense, n_shard, red, link=(a_sh, bw_sh)) + coll("reduce_scatter", expert,
+                                                                                      n_exp_group, red)
+        grad_rs += coll("all_reduce", dense / n_shard, n_replicas, red)
         gather = coll("all_gather", dense, n_shard, link=(a_sh, bw_sh)) + coll("all_gather", expert, n_exp_group)
         if layout.zero == 0:
-            grad_sync = coll("all_reduce", dense, n_zero) + coll("all_reduce", expert, n_exp_group)
+            grad_sync = coll("all_reduce", dense, n_zero, red) + coll("all_reduce", expert, n_exp_group, red)
             param_gather = 0.0
-        elif layout.zero == 1:
+        elif layout.zero == 1 or (layout.zero == 2 and num.per_microbatch):
+            # ZeRO-2 summing each micro-batch's gradients in its own (fp32) buffer: one
+            # reduce-scatter of the sum after the schedule (Llama 3's FP32 accumulation; the ranks')
             grad_sync, param_gather = grad_rs, gather
         else:
             grad_sync, param_gather = 0.0, (gather if layout.zero == 2 else 0.0)
@@ -246,12 +253,15 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
                 fwd["zero"], bwd["zero"] = z_f, z_b
         shard = n_shard if layout.zero >= 1 else 1
         shard_e = n_exp_group if layout.zero >= 1 else 1
-        optimizer = OPTIMIZER_BYTES_PER_PARAM * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
+        optimizer = num.optimizer_bytes * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
+        if num.masters:     # a mixed precision's gradient sums over the micro-batches, in the backward
+            bwd["elementwise"] += num.accumulation_bytes(m) * (dense + expert) / m / ew_rate
 
         hpz = zeropp_node(layout, hw, n_shard) if "hpz" in layout.zeropp and layout.zero == 3 and n_shard > 1 \
             else None
         mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
                       hw.fused_kernels, hpz_node=hpz, course=course)
+        m_rs = 1 if num.per_microbatch else m     # ZeRO-2's reduce-scatters a step (see above)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
@@ -260,8 +270,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             "dp": (sum(F.zeropp_bytes_per_step(dense, n_zero, layout.zeropp, zeropp_node(layout, hw, n_zero),
                                                microbatches=m).values()) if layout.zeropp and n_zero > 1
                    else F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
-                   else F.dp_bytes_per_step(dense, n_zero, layout.zero, microbatches=m) if n_zero > 1 else 0.0)
-            + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, microbatches=m) if n_exp_group > 1 else 0.0),
+                   else F.dp_bytes_per_step(dense, n_zero, layout.zero, red, microbatches=m_rs) if n_zero > 1
+                   else 0.0)
+            + (F.dp_bytes_per_step(expert, n_exp_group, layout.zero, red, microbatches=m_rs) if n_exp_group > 1
+               else 0.0),
             "ep": m * n_l * F.ep_bytes_per_layer(s, b, h, layout.ep, model.top_k, cp=c, etp=layout.etp,
                                                  dispatch=model.moe_dispatch) / (t if layout.sp else 1)
             if layout.ep * layout.etp > 1 else 0.0,
@@ -320,8 +332,10 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     ``course``: the activations the course's own program keeps
     (:func:`~course_lib.planner.activations.course_layer_activation_bytes`)."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
-    z = F.zero_memory_bytes(dense, layout.zero, n_zero)
-    ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group)
+    # a mixed precision's masters hold fp32 gradients after the step (the bf16 model's freed)
+    g = 4 if numerics(layout.precision).masters else 2
+    z = F.zero_memory_bytes(dense, layout.zero, n_zero, grad_bytes=g)
+    ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group, grad_bytes=g)
     per_layer = (course_layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c) if course
                  else layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c,
                                              fused_attention=fused, fused_kernels=fused_kernels))

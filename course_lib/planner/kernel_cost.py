@@ -193,22 +193,23 @@ def _strided_elements(t) -> int:
 
 class _ElementBytes(dict):
     """dtype -> bytes per element on the modelled GPU: floating tensors at ``itemsize``, others
-    at their own (a memo: one dict lookup per tensor in place of two attribute reads)."""
+    at their own; ``itemsize`` None: every tensor at its own dtype's (a program that runs the
+    GPU's dtypes for real). A memo: one dict lookup per tensor in place of two attribute reads."""
 
-    def __init__(self, itemsize: int):
+    def __init__(self, itemsize: int | None):
         super().__init__()
         self.itemsize = itemsize
 
     def __missing__(self, dtype):
-        size = self[dtype] = self.itemsize if dtype.is_floating_point else dtype.itemsize
+        size = self[dtype] = self.itemsize if dtype.is_floating_point and self.itemsize else dtype.itemsize
         return size
 
 
 _ELEMENT_BYTES: dict = {}   # modelled itemsize -> its _ElementBytes
 
 
-def element_bytes(itemsize: int) -> _ElementBytes:
-    """The dtype -> bytes-per-element memo of one modelled ``itemsize``."""
+def element_bytes(itemsize: int | None) -> _ElementBytes:
+    """The dtype -> bytes-per-element memo of one modelled ``itemsize`` (None: each dtype's own)."""
     try:
         return _ELEMENT_BYTES[itemsize]
     except KeyError:
@@ -218,9 +219,9 @@ def element_bytes(itemsize: int) -> _ElementBytes:
 
 def _add_bytes(t, itemsize) -> int:
     """Bytes of one tensor the kernel touches; floating tensors at the modelled ``itemsize``,
-    others at their own."""
+    others at their own (``itemsize`` None: every tensor at its own)."""
     dtype = t.dtype
-    return _elements(t) * (itemsize if dtype.is_floating_point else dtype.itemsize)
+    return _elements(t) * (itemsize if dtype.is_floating_point and itemsize else dtype.itemsize)
 
 
 _Tensor = torch.Tensor
@@ -245,9 +246,10 @@ def foreach_launches(numels, depth: int) -> int:
     return launches + (blocks > 0)
 
 
-def op_cost(func, args, kwargs, out, itemsize: int):
+def op_cost(func, args, kwargs, out, itemsize: int | None):
     """(FLOPs, bytes, class, detail) of one aten op as the GPU runs it, or None if it launches no
-    kernel. ``detail``: a GEMM's (M, N, K, batch), a foreach op's kernel launches, else None."""
+    kernel. ``detail``: a GEMM's (M, N, K, batch), a foreach op's kernel launches, else None.
+    ``itemsize``: floating tensors' bytes per element (None: each tensor's own dtype's)."""
     kind = kernel_kind(func)
     if kind is False:
         return None
@@ -337,6 +339,22 @@ def _gemm_shape(func, args):
     return a.shape[0], b.shape[1], a.shape[1], 1
 
 
+RATED = (GEMM, ATTENTION)    # the classes whose FLOP rate is the dtype's (tensor cores)
+
+
+def compute_dtype(args, out):
+    """The dtype a kernel computes in: its output's (a GEMM's, an attention's), else its first
+    tensor argument's; None if it has no tensor."""
+    if isinstance(out, _Tensor):
+        return out.dtype
+    for v in (out, *args) if isinstance(out, (list, tuple)) else args:
+        if isinstance(v, _Tensor):
+            return v.dtype
+        if isinstance(v, (list, tuple)) and v and isinstance(v[0], _Tensor):
+            return v[0].dtype
+    return None
+
+
 def _flops(func, formula, args, kwargs, out):
     # keyed by the op's C++ operator (an OpOverload hashes in Python) and torch.Size (a tuple)
     key = (getattr(func, "_op", func), *[a.shape if isinstance(a, _Tensor) else
@@ -406,4 +424,5 @@ class KernelModel:
 
 __all__ = ["FREE", "COURSE_KERNELS",
            "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
-           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches"]
+           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches",
+           "RATED", "compute_dtype"]

@@ -45,6 +45,7 @@ from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
+from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.ring_ops import traced_ring
 from course_lib.planner.zero_sync import zero_sync
@@ -190,17 +191,17 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
     if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
         weights, norms, norm_tensors = weights + norms, 0, 0
+    num = numerics(layout.precision)        # where the gradients are summed, in which dtype
     fsdp = layout.zero == 3                 # FSDP over dp x cp (also over one rank: the same program)
     if fsdp:                                # its own kernels around each unit (fsdp_ops)
         units = fsdp_units(k["param_shapes"], t, first, last, n_layers)
         zf, zb = fsdp_step_kernels(hw, units, _size(layout, ("dp", "cp")), m)
         fwd_k, bwd_k = fwd_k + zf, bwd_k + zb
         fwd["compute"], bwd["compute"] = fwd_k.time, bwd_k.time
-    elif m > 1:                             # every backward after a stage's first adds into .grad
-        acc, share = accumulation(hw, weights + norms + experts, tensors), (m - 1) / m   # (per micro-batch)
-        bwd_k = Kernels(bwd_k.count + round(acc.count * share), bwd_k.flops + acc.flops * share,
-                        bwd_k.bytes + acc.bytes * share, bwd_k.time + acc.time * share,
-                        bwd_k.device + acc.device * share)
+    elif m > 1 or num.per_microbatch:       # every backward after a stage's first adds into .grad
+        acc = gradient_sums(hw, weights + norms + experts, tensors, num, m)   # the step's; per micro-batch:
+        bwd_k = Kernels(bwd_k.count + round(acc.count / m), bwd_k.flops + acc.flops / m,
+                        bwd_k.bytes + acc.bytes / m, bwd_k.time + acc.time / m, bwd_k.device + acc.device / m)
         bwd["compute"] = bwd_k.time
     # "launch": the kernels' floors on the device beyond their own work, plus the time of
     # issuing them from the host (one op every launch_overhead) beyond what the device does
@@ -241,10 +242,12 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         calls["tp"] = calls.get("tp", 0) + m * len(units)
     gather = 0.0
     if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
-        tail, gather, sync_kernels = zero_sync(model, hw, layout, k, n_layers, first, last, calls, collective, _size)
+        tail, gather, sync_kernels = zero_sync(model, hw, layout, k, n_layers, first, last, calls, collective, _size,
+                                               num.reduce)
         sync_seconds = 0.0                    # (its copies are in its chain)
     elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
-        tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls)
+        tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls, num.reduce,
+                                                   num.reduce if num.masters else 4)
     loss_dims = tuple(d for d in ("dp", "pp", "cp") if _size(layout, (d,)) > 1)
     loss = collective(layout, hw, "all_reduce", 2, loss_dims) if loss_dims else 0.0
     if loss_dims:
@@ -255,8 +258,13 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
     if sync_seconds is None:                  # FSDP: no GradSync buckets
         sync_seconds = sync_kernels * max(hw.launch_overhead, hw.kernel_floor)
-    optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds
-    kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels
+    step = Kernels(0, 0, 0, 0.0, 0.0)
+    if num.masters:     # fp32 masters: AdamW's tensors all fp32 (twice bf16's bytes), the masters copied
+        # into the bf16 model at the step's start, and (unless summed in fp32 already) the gradients widened
+        adam = Kernels(adam.count, adam.flops, 2 * adam.bytes, 2 * adam.time)
+        step = master_copies(hw, (weights + norms) / shard + experts, tensors, num)
+    optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds + step.device
+    kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels + step.count
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
                 kernels=kernels, calls=calls)
 
@@ -273,30 +281,34 @@ def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernel
     return Kernels(tensors, elements, nbytes, seconds, max(seconds, tensors * hw.kernel_floor))
 
 
-def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict) -> tuple:
+def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
+            itemsize: int = 2, held: int = 4) -> tuple:
     """(seconds the all-reduces add, kernels, seconds of the kernels) of GradSync after the
     schedule on this stage (no ZeRO-3): one all-reduce per bucket (:mod:`.buckets`: the
     program's own buckets) over its reduce dims of size > 1, the experts' over the ranks holding
-    the same experts; ``calls`` gets the calls per dims. Bucket by bucket, each gradient is
+    the same experts; ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on the
+    wire (the precision's reduce dtype, :mod:`.numerics`); ``held``: its bytes in the program's
+    bucket (the CPU run's fp32; a 16-bit model's own under "bf16"). Bucket by bucket, each gradient is
     copied into it and its flag set (kernels, through the issue chain), then its all-reduce is
     launched (async): it starts when its copies are done and the last all-reduce on the same
     links (NVLink or the network: their bandwidth is shared, as the clock's lanes share it) is;
     the step waits for the last."""
     edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
     floor, state, streams, kernels = hw.kernel_floor, [0.0, 0.0], {}, 0
-    for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
+    for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last),
+                                         itemsize=held):
         if dims == ("edp",):
             if edp <= 1:
                 continue
             alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
-            cost = F.collective_time("all_reduce", n * 2, edp, alpha, bw)
+            cost = F.collective_time("all_reduce", n * itemsize, edp, alpha, bw)
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
             if not dims:
                 continue
-            cost = collective(layout, hw, "all_reduce", n * 2, dims)
+            cost = collective(layout, hw, "all_reduce", n * itemsize, dims)
         calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
-        chain = [x for n_i in sizes for x in (bucket_copy(hw, n_i).device, floor)] + [floor]
+        chain = [x for n_i in sizes for x in (bucket_copy(hw, n_i, itemsize).device, floor)] + [floor]
         kernels += len(chain)
         run_chain(chain, state, hw.launch_overhead)
         lane = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)

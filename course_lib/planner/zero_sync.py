@@ -25,10 +25,11 @@ SHARD_DIMS = ("dp", "cp")
 
 
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
-              collective, size) -> tuple:
+              collective, size, itemsize: int = 2) -> tuple:
     """(seconds after the schedule, seconds of the step-start gather, kernels) of ZeRO-1/2 on
     one stage. ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``:
-    :mod:`.runtime`'s; ``calls`` gets the calls per dims."""
+    :mod:`.runtime`'s; ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on
+    the wire (the precision's reduce dtype, :mod:`.numerics`)."""
     floor = max(hw.kernel_floor, 0.0)
     gather, finish, kernels = [0.0, 0.0], [0.0, 0.0], 0
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
@@ -38,8 +39,8 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
         owned = -(-n // group)
         pieces = min(len(sizes), -(-len(sizes) // group) + 1)      # parameters the owned slice cuts
         costs = {"ag": collective(layout, hw, "all_gather", n * 2, shard) if shard else 0.0,
-                 "rs": collective(layout, hw, "reduce_scatter", n * 2, shard) if shard else 0.0,
-                 "ar": collective(layout, hw, "all_reduce", owned * 2, rest) if rest else 0.0}
+                 "rs": collective(layout, hw, "reduce_scatter", n * itemsize, shard) if shard else 0.0,
+                 "ar": collective(layout, hw, "all_reduce", owned * itemsize, rest) if rest else 0.0}
         piece = bucket_copy(hw, -(-owned // pieces)).device
         seq_g = [piece] * pieces + ["ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
         seq_f = [bucket_copy(hw, n_i).device for n_i in sizes] + [floor, floor, "rs"] + (["ar"] if rest else []) \

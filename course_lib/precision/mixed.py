@@ -14,9 +14,14 @@ step. What a precision name asks for:
 
 * ``"full"``: nothing changes, the model's own dtype everywhere (the course's default);
 * ``"bf16"``: bf16 weights, activations, and gradients, reduced in bf16 (2 bytes on the wire);
-* ``"bf16-reduce-fp32"``: bf16 compute, gradients accumulated and reduced in fp32 (torch
-  FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): 4 bytes per
-  gradient element on the wire, no bf16 rounding of the sum;
+* ``"bf16-reduce-fp32"``: bf16 compute, gradients reduced in fp32 (torch FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): 4 bytes per gradient
+  element on the wire, no bf16 rounding of the sum (the micro-batches' gradients are
+  accumulated by autograd in bf16, then widened);
+* ``"bf16-accumulate-fp32"``: as ``"bf16-reduce-fp32"``, and each micro-batch's gradient
+  added into an fp32 buffer as its backward produces it (Megatron-LM's ``main_grad`` under
+  ``accumulate_allreduce_grads_in_fp32``, DeepSpeed's BF16_Optimizer ``update_hp_grads``,
+  Llama 3's "FP32 gradient accumulation"): :class:`MasterWeights` with ``accumulate=True``;
 * ``"fp32"``: fp32 compute and reduction under whatever master dtype the model has (with
   a float64 model: the same plumbing as bf16, checkable to fp32's derived bounds).
 
@@ -32,7 +37,56 @@ import torch.nn as nn
 from course_lib.precision.loss_scale import FP16_NAMES, check_loss_scaler
 
 PRECISIONS = {"full": (None, None), "fp32": (torch.float32, torch.float32),
-              "bf16": (torch.bfloat16, torch.bfloat16), "bf16-reduce-fp32": (torch.bfloat16, torch.float32)}
+              "bf16": (torch.bfloat16, torch.bfloat16), "bf16-reduce-fp32": (torch.bfloat16, torch.float32),
+              "bf16-accumulate-fp32": (torch.bfloat16, torch.float32)}
+ACCUMULATE_IN_REDUCE = ("bf16-accumulate-fp32",)    # each micro-batch's gradient added in the reduce dtype
+
+
+def accumulates(name) -> bool:
+    """Whether precision ``name`` adds each backward's gradients into a buffer of its reduce
+    dtype as they are produced (:class:`MainGrads`), not in the compute dtype by autograd."""
+    check_precision(name)
+    return name in ACCUMULATE_IN_REDUCE
+
+
+class MainGrads:
+    """Each backward's gradient of ``params`` added, as soon as autograd has it (a
+    post-accumulate-grad hook), into a buffer of ``dtype`` (Megatron-LM's ``main_grad``: its
+    hook's ``main_grad.add_(grad)``; the first backward's gradient cast into a new buffer), and
+    the parameter's own gradient freed. ``buffer(p)``/``pop(p)`` read it; ``into(p)`` (optional)
+    names where the sum lives (a master's ``.grad``), else :attr:`grads` keeps it."""
+
+    def __init__(self, params, dtype, into=None):
+        self.dtype, self.into, self.grads = dtype, into, {}
+        self.params = [p for p in params if p.requires_grad]
+        self.handles = [p.register_post_accumulate_grad_hook(self._add) for p in self.params]
+
+    @torch.no_grad()
+    def _add(self, p):
+        if self.into is not None:
+            m = self.into(p)
+            m.grad = p.grad.to(self.dtype) if m.grad is None else m.grad.add_(p.grad)
+        else:
+            g = self.grads.get(id(p))
+            self.grads[id(p)] = p.grad.to(self.dtype) if g is None else g.add_(p.grad)
+        p.grad = None
+
+    def holders(self) -> dict:
+        """{id(parameter): an object whose ``.grad`` is its buffer (zeros if no backward reached
+        it)}: what a sum written for ``.grad`` (the pipeline's tied-embedding sum) reads."""
+        return {id(p): MainGrad(self, p) for p in self.params}
+
+    def pop(self, p):
+        """The buffer of ``p`` (None if no backward reached it), forgotten here."""
+        return self.grads.pop(id(p), None)
+
+    def clear(self):
+        self.grads.clear()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def check_precision(name):
@@ -53,10 +107,12 @@ class MasterWeights:
     Autograd accumulates the micro-batches' gradients in the model, in the compute dtype;
     :meth:`to_master` moves them to the masters' ``.grad``, before the reduction when
     ``reduce`` is the masters' dtype (:attr:`reduce_on_master`), after it otherwise.
+    ``accumulate=True`` (``"bf16-accumulate-fp32"``): each backward's gradient is added into
+    the master's ``.grad`` as autograd produces it (:class:`MainGrads`), in the masters' dtype.
     :attr:`of` maps a parameter to its master: where it sits and which dims sum its gradient
     are the plan's record of the parameter (``NDParallel.placements``)."""
 
-    def __init__(self, params, compute, reduce=None):
+    def __init__(self, params, compute, reduce=None, accumulate=False):
         self.model = list({id(p): p for p in params}.values())
         self.compute, self.reduce = compute, reduce or compute
         self.master = []
@@ -67,6 +123,7 @@ class MasterWeights:
         self.of = {id(p): m for p, m in zip(self.model, self.master)}   # model parameter -> master
         for p in self.model:
             p.data = p.data.to(compute)                  # the model computes in 16 bits
+        self.main_grads = MainGrads(self.model, self.dtype, into=lambda p: self.of[id(p)]) if accumulate else None
 
     def parameters(self):
         return list(self.master)
@@ -90,6 +147,24 @@ class MasterWeights:
                 p.grad = None
 
 
+class MainGrad:
+    """One parameter's :class:`MainGrads` buffer as a ``.grad`` to read and write."""
+
+    def __init__(self, main, p):
+        self.main, self.p = main, p
+
+    @property
+    def grad(self):
+        g = self.main.grads.get(id(self.p))
+        if g is None:
+            g = self.main.grads[id(self.p)] = torch.zeros(self.p.shape, dtype=self.main.dtype, device=self.p.device)
+        return g
+
+    @grad.setter
+    def grad(self, value):
+        self.main.grads[id(self.p)] = value
+
+
 def cast_buffers(module, dtype):
     """Floating buffers (rotary tables) in the compute dtype, as FSDP's ``compute_dtype`` does."""
     for buf in module.buffers():
@@ -105,7 +180,7 @@ def train_mixed(model, batches, lr, precision="bf16", weight_decay=0.1):
     names = [n for n, _ in model.named_parameters()]
     master = None
     if compute is not None:
-        master = MasterWeights(model.parameters(), compute, reduce)
+        master = MasterWeights(model.parameters(), compute, reduce, accumulate=accumulates(precision))
         cast_buffers(model, compute)
     params = master.parameters() if master else list(model.parameters())
     opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
@@ -147,5 +222,5 @@ def sum_rounded(terms, dtype):
     return total
 
 
-__all__ = ["PRECISIONS", "check_precision", "MasterWeights", "cast_buffers", "train_mixed", "relative_error",
+__all__ = ["PRECISIONS", "ACCUMULATE_IN_REDUCE", "accumulates", "MainGrads", "check_precision", "MasterWeights", "cast_buffers", "train_mixed", "relative_error",
            "sum_rounded"]

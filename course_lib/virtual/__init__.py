@@ -16,8 +16,9 @@ from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of 
   copies), never under a minimum per kernel; the host issues one op every
   ``launch_overhead`` seconds and a kernel cannot start before it is issued; torch's
   optimizers run their CUDA path (foreach); the constants are fitted on a recorded H100 run.
-  Bytes at the virtual dtype; views and metadata are free; ops inside a communication call
-  belong to its price;
+  Bytes at the virtual dtype (``dtype=None``: each tensor at its own, GEMMs at their dtype's
+  rate, for a program that runs the GPU's dtypes for real); views and metadata are free; ops
+  inside a communication call belong to its price;
 * communication (:mod:`.clock`, :mod:`.links`): the backend's collectives (torch's) as NCCL
   would run them, by NCCL's own tuning model (ring or tree, LL / LL128 / Simple, whichever is
   fastest for the size); a collective built from ``send``/``recv`` (the course's, a
@@ -52,7 +53,14 @@ from course_lib.virtual import clock, compute, links  # noqa: F401  (the rooms: 
 class VirtualCluster:
     """A modelled cluster: ``hardware`` (a planner preset name or a Hardware), ``gpus_per_node``
     (NVLink inside a node, the network across), ``dtype`` (the precision the GPUs would
-    compute and communicate in; the CPU run keeps its own dtype and results)."""
+    compute and communicate in; the CPU run keeps its own dtype and results).
+
+    ``dtype=None``: each tensor at its OWN dtype, for a program that runs the GPU's dtypes for
+    real (a bf16 model under ``Layout.precision``, its fp32 master weights, moments and reduced
+    gradients): its bytes at its element size, in kernels and on the wire, and a GEMM or fused
+    attention at its dtype's rate (``Hardware.peak_flops_for``: bf16's peak, fp32's without
+    TF32). The default (bf16) prices every floating tensor at 2 bytes and every GEMM at bf16's
+    rate: a CPU float32 program standing for a bf16 GPU one, as the chapters run."""
 
     def __init__(self, hardware="h100-sxm", gpus_per_node: int | None = None, dtype=torch.bfloat16):
         if not isinstance(hardware, Hardware) and hardware not in HARDWARE:
@@ -63,19 +71,31 @@ class VirtualCluster:
         if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
             raise ValueError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
         self.gpus_per_node = gpn
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
-        name = str(dtype).removeprefix("torch.")
-        peak = self.hw.peak_flops_for(name)
-        if peak is None:
-            known = ["bfloat16"] + [d for d, _ in self.hw.dtype_flops]
-            raise ValueError(f"dtype {dtype} has no FLOP rate on {self.hw.name}: the preset knows {known}")
-        self.dtype, self.peak_flops = dtype, peak
-        self.kernels = KernelModel(self.hw, name)                      # every kernel's device time
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None (each tensor at its "
+                             f"own dtype), got {dtype!r}")
+        self.dtype = dtype
+        self._models = {}                                              # dtype -> its KernelModel (own dtypes)
+        self.kernels = self.kernels_for(torch.bfloat16 if dtype is None else dtype)   # every kernel's device time
+        self.peak_flops = self.kernels.peak
         self.flops_rate = self.kernels.flops_rate[GEMM]                # FLOP/s a large GEMM sustains
         self.bytes_rate = self.kernels.bytes_rate[ELEMENTWISE]         # B/s a plain elementwise kernel streams
         self.launch_overhead = self.hw.launch_overhead                 # the host issues one op every ... s
         self.kernel_floor = self.hw.kernel_floor                       # the least a kernel takes on the device
+
+    def kernels_for(self, dtype: torch.dtype) -> KernelModel:
+        """The kernel model of a kernel computing in ``dtype``: the cluster's own under a fixed
+        ``dtype``; else the dtype's (its GEMM and attention rate; a ValueError naming a dtype
+        the hardware has no FLOP rate for)."""
+        key = dtype if self.dtype is None else self.dtype
+        model = self._models.get(key)
+        if model is None:
+            name = str(key).removeprefix("torch.")
+            if self.hw.peak_flops_for(name) is None:
+                known = ["bfloat16"] + [d for d, _ in self.hw.dtype_flops]
+                raise ValueError(f"dtype {key} has no FLOP rate on {self.hw.name}: the preset knows {known}")
+            model = self._models[key] = KernelModel(self.hw, name)
+        return model
 
     def check(self, world_size: int) -> None:
         """ValueError unless ``world_size`` GPUs fill whole nodes (before any rank starts)."""
@@ -93,8 +113,9 @@ class VirtualCluster:
         return self.hw.link(all(self.node(r) == self.node(ranks[0]) for r in ranks))
 
     def itemsize(self, t: torch.Tensor) -> int:
-        """Bytes per element on the virtual GPU: floating tensors at the virtual dtype."""
-        return self.dtype.itemsize if t.is_floating_point() else t.element_size()
+        """Bytes per element on the virtual GPU: floating tensors at the virtual dtype (None:
+        every tensor at its own)."""
+        return self.dtype.itemsize if self.dtype is not None and t.is_floating_point() else t.element_size()
 
     def kernel_time(self, flops: float, nbytes: float, cls: str = ELEMENTWISE, detail=None) -> float:
         """Seconds one kernel of class ``cls`` runs on the device (:class:`KernelModel`; a GEMM's
@@ -107,12 +128,14 @@ class VirtualCluster:
 
     def describe(self) -> str:
         """Every constant the prices come from, one line each, its source below it (76 columns)."""
-        hw, dt = self.hw, str(self.dtype).removeprefix("torch.")
+        hw = self.hw
+        dt = "each tensor at its own dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
         eff, sources = self.kernels.efficiency, dict(hw.sources)
         gemm = (f"tiles x waves on {hw.sm_count} SMs, " if hw.sm_count else "") + f"{eff['gemm']:g} of peak"
         rows = [
             (f"virtual cluster: {hw.name}, {self.gpus_per_node} GPUs per node, {dt}", None),
-            (f"  compute: {self.peak_flops / 1e12:g} TFLOP/s {dt} peak", None),
+            (f"  compute: {self.peak_flops / 1e12:g} TFLOP/s "
+             f"{'bfloat16 (each GEMM at its dtype)' if self.dtype is None else dt} peak", None),
             (f"    GEMM {gemm} = {self.flops_rate / 1e12:.4g} TFLOP/s",
              sources.get("gemm", "matmul_efficiency: assumed")),
             (f"    fused attention {eff['attention']:g} of peak", sources.get("attention", "assumed")),

@@ -37,13 +37,20 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.planner.kernel_cost import (FREE, _add_bytes, element_bytes, kernel_kind, kind_cost,  # the planner's
-                                            op_cost)
+from course_lib.planner.kernel_cost import (FREE, RATED, _add_bytes, compute_dtype, element_bytes,  # the planner's
+                                            kernel_kind, kind_cost, op_cost)
+
+
+def _itemsize(cluster):
+    """Floating tensors' bytes per element on ``cluster``: its dtype's, None for each tensor's own."""
+    return None if cluster.dtype is None else cluster.dtype.itemsize
 
 
 def tensor_bytes(cluster, tensors) -> int:
-    """Bytes of ``tensors`` on the virtual GPU (floating tensors at the virtual dtype)."""
-    return sum(_add_bytes(t, cluster.dtype.itemsize) for t in tensors)
+    """Bytes of ``tensors`` on the virtual GPU (floating tensors at the virtual dtype; a cluster
+    of ``dtype=None``: each at its own)."""
+    itemsize = _itemsize(cluster)
+    return sum(_add_bytes(t, itemsize) for t in tensors)
 
 
 def op_flops(func, args, kwargs, out) -> int:
@@ -55,8 +62,12 @@ def op_time(cluster, func, args, kwargs, out) -> float:
     """Seconds of one aten op's kernel on the virtual GPU's device (0 for views and metadata):
     :func:`course_lib.planner.kernel_cost.op_cost` (which the planner counts too) priced by the
     cluster's kernel model. The host's issue interval is the stream's (:class:`ComputeStream`)."""
-    cost = op_cost(func, args, kwargs, out, cluster.dtype.itemsize)
-    return 0.0 if cost is None else cluster.kernel_time(*cost)
+    cost = op_cost(func, args, kwargs, out, _itemsize(cluster))
+    if cost is None:
+        return 0.0
+    if cluster.dtype is None and cost[2] in RATED:      # a GEMM or attention at its own dtype's rate
+        return cluster.kernels_for(compute_dtype(args, out)).seconds(*cost)
+    return cluster.kernel_time(*cost)
 
 
 _READ = torch.ops.aten._local_scalar_dense.default    # the host reads a value: it waits for the device
@@ -92,9 +103,10 @@ class ComputeStream(TorchDispatchMode):
 
     def __init__(self, clock):
         super().__init__()
-        self.clock, self.itemsize = clock, clock.cluster.dtype.itemsize
+        self.clock, self.itemsize = clock, _itemsize(clock.cluster)
         self.sizes = element_bytes(self.itemsize)       # dtype -> bytes per element on the virtual GPU
         self.model = clock.cluster.kernels
+        self.own = clock.cluster.dtype is None          # each tensor at its own dtype: GEMMs at theirs
         self.issue = clock.cluster.launch_overhead
         self._seconds = {}                 # (FLOPs, bytes, class, detail) -> the model's seconds: a memo
         if not hasattr(clock, "host"):
@@ -159,11 +171,13 @@ class ComputeStream(TorchDispatchMode):
             return out
         if not clock.muted_depth:           # op_time, inlined: one call less per op
             cost = kind_cost(kind, func, args, kwargs, out, self.sizes)
-            seconds = self._seconds.get(cost)
+            key = (*cost, compute_dtype(args, out)) if self.own and cost[2] in RATED else cost
+            seconds = self._seconds.get(key)
             if seconds is None:             # (a step repeats its kernels: each priced once)
                 if len(self._seconds) > 65536:
                     self._seconds.clear()
-                seconds = self._seconds[cost] = self.model.seconds(*cost)
+                model = self.clock.cluster.kernels_for(key[4]) if key is not cost else self.model
+                seconds = self._seconds[key] = model.seconds(*cost)
             t, lane = clock.t, clock.lane
             if lane is None:
                 host = clock.host + self.issue      # the host issues it...

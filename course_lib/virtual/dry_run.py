@@ -30,9 +30,19 @@ Megatron-LM's fused scale-mask-softmax, FlashAttention): the model runs that att
 which computes what the course's written-out attention computes; nothing else changes, and
 nothing is fitted (``lab.dry_runs.SOFTWARE`` states it per source).
 
+Numerics: with ``layout.precision`` "full" (the default) the program runs in float and the
+clock prices every floating tensor at the cluster's dtype (bf16: 2 bytes, bf16's GEMM rate),
+the fp32 master weights and moments counted in memory by formula. Under a mixed precision
+(``Layout.precision``, :mod:`course_lib.precision.mixed`: "bf16", "bf16-reduce-fp32",
+"bf16-accumulate-fp32") the program runs it for real: a bf16 model, fp32 masters (or ZeRO's fp32
+owned slices) and moments, gradients accumulated and reduced in the stated dtype; the cluster
+prices each tensor at its own dtype (``VirtualCluster(dtype=None)``), in time and in memory
+(``lab.dry_runs.PRECISION`` states each source's).
+
 Memory (``peak_memory``): the largest over the running ranks of what its GPU holds after the
-step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12) plus the runner's peak of
-activations saved for backward; temporaries inside an op are not counted.
+step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12; or, under a precision, the tensors
+themselves) plus the runner's peak of activations saved for backward; temporaries inside an op
+are not counted.
 """
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model
+from course_lib.precision.mixed import check_precision
 from course_lib.schedules import chunks, make_schedule, placement_of, rank_stage_ids, validate
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
@@ -223,16 +234,25 @@ FP32 = 4
 
 
 def gpu_memory(net, opt, cluster) -> dict:
-    """Bytes this rank's GPU holds, as mixed-precision training on the virtual cluster keeps
-    them (ZeRO's convention, K = 12): the parameters and gradients the stages compute with at
-    the cluster's dtype; an fp32 master of every parameter the optimizer updates and its fp32
-    optimizer states ("states"); the runner's peak of activations saved for backward, at the
-    cluster's dtype ("activations")."""
+    """Bytes this rank's GPU holds after the step, as mixed-precision training on the virtual
+    cluster keeps them. A cluster of one dtype (the course's float program standing for a bf16
+    one): ZeRO's convention, K = 12, the parameters and gradients the stages compute with at the
+    cluster's dtype, an fp32 master of every parameter the optimizer updates and its fp32
+    optimizer states by formula ("states"); the runner's peak of activations saved for backward,
+    at the cluster's dtype ("activations"). A cluster of each tensor's own dtype (a program run
+    under ``Layout.precision``: its masters and moments are real tensors): every tensor the rank
+    holds, once, at its own dtype: the 16-bit parameters and gradients, the masters, their
+    gradients and the optimizer's states; the activations as they are."""
     model = {id(q): q for q in net.model_parameters()}
     grads = [q.grad for q in model.values() if q.grad is not None]
     if getattr(net, "zero", None) is not None:      # ZeRO-1/2: the owned slices' reduced gradients
         grads += net.zero.shard_gradients()
     updated = net.parameters()
+    if cluster.dtype is None:
+        held = {id(t): t for t in [*model.values(), *grads, *updated, *(q.grad for q in updated if q.grad is not None),
+                                   *(t for st in opt.state.values() for t in st.values()
+                                     if isinstance(t, torch.Tensor) and t.numel() > 1)]}
+        return {"states": tensor_bytes(cluster, held.values()), "activations": net.last_result.peak_activation_bytes}
     master = sum(q.numel() for q in updated) * FP32
     moments = sum(t.numel() for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.numel() > 1) * FP32
@@ -269,14 +289,17 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     "overlapped_dp"), stated per source, never fitted; default none: the course's attention,
     written out, and sends waited at the end of the step. ``dropout``: the source's
     hidden and attention dropout (:func:`model_config`), stated per source like ``fusions``;
-    default 0."""
+    default 0. ``dtype``: the cluster's, under ``layout.precision`` "full" (under another
+    precision each tensor is priced at its own dtype, see the module's docstring)."""
     if optimizer not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
     from course_lib.virtual import VirtualCluster      # (the package imports this module)
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout, dropout)
     fusions = check_fusions(fusions)
-    cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node, dtype=dtype)
+    # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
+    cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
+                             dtype=None if check_precision(layout.precision)[0] is not None else dtype)
     shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order)
     cluster.check(shape.world_size)
     running = running_ranks(shape, fold_cp=folds_cp(layout, fusions))

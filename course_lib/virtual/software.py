@@ -73,6 +73,13 @@ program, not a kernel:
   (the same 25 MiB buckets, in reverse order, as torch's DDP) in place of the runtime's
   GradSync. Without a pipeline only (pp = 1: Megatron-LM runs its own DDP under one).
 
+* ``"zero_all_reduce"``: DeepSpeed's BF16_Optimizer (BLOOM: tr11-176B-ml.slurm's ZERO_STAGE=0,
+  "bf16 ... implements its own zero stage 1 equivalent"; deepspeed/runtime/pipe/engine.py
+  ``_bf16_reduce_grads`` all-reduces the fp32 gradients, then each rank steps its partition):
+  ZeRO's gradient buckets all-reduced, each rank keeping its slice of the sum
+  (:class:`~course_lib.parallel.zero_nd.ZeroSync`'s ``all_reduce``), in place of a
+  reduce-scatter: the same sums, twice the bytes.
+
 The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
 replace the attention core of the model the dry run builds (:func:`install`), nothing else:
@@ -97,7 +104,7 @@ from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
-           "deepspeed_p2p_order")                                 # (:func:`install_runtime`)
+           "deepspeed_p2p_order", "zero_all_reduce")              # (:func:`install_runtime`)
 
 
 def check_fusions(fusions) -> tuple:
@@ -253,6 +260,8 @@ def install_runtime(net, software) -> None:
             DeepSpeedP2POrder(runner)
     if "overlapped_dp" in software and getattr(net, "grad_sync", None) is not None:
         overlap_dp(net)
+    if getattr(net, "zero", None) is not None:
+        net.zero.all_reduce = "zero_all_reduce" in software
     install_launch_blocking(trace.clock(), software)
 
 

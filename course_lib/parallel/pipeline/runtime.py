@@ -120,7 +120,9 @@ class PipelineRuntime:
         on_master = self.master is not None and self.master.reduce_on_master
         if on_master:
             self.master.to_master()                                 # sum the gradients in the masters' dtype
-        sum_tied_gradient(self.embedding_comm, self.stages, self.master.of if on_master else None)
+        main = getattr(self.grad_sync, "main_grads", None)   # (ZeRO summing in its own fp32 buffers)
+        sum_tied_gradient(self.embedding_comm, self.stages,
+                          self.master.of if on_master else main.holders() if main is not None else None)
         for finish in self.gradient_sums:
             finish()
         if self.master and not on_master:
