@@ -10,15 +10,11 @@
     check_token_loss(token_step)                  # a loss divided by the local token count
     check_uneven_gather(gather_rows)              # an all-gather of shards of uneven length
 
-Each runs the learner's function (in this process; questions 5-9 on real ranks) on cases
-that include the traps the exercise names, prints one line and returns True iff every case
-passed. While it runs, course_lib.debug (the chapter's own implementations), data
-parallelism and this module's references are switched off. The find-and-fix questions 6-9
-compare what every rank holds with one device's (float64, tiny sizes) through
-grading.compare: a fix that only silences the symptom (no hang, no error any more, but
-zeros, a local copy, a mean of means, padding left in or rows cut off) moves other numbers
-than one device's and fails; each case's inputs are chosen so that no single hard-coded
-count or shape passes.
+Questions 5-9 run on real ranks. While the learner's function runs, course_lib.debug, data
+parallelism and this module's references are off. The find-and-fix questions compare what
+every rank holds with one device's (float64, tiny sizes): a fix that only silences the
+symptom (zeros, a local copy, a mean of means, padding left in) fails, and no single
+hard-coded count or shape passes.
 """
 from __future__ import annotations
 
@@ -28,11 +24,13 @@ import torch
 import torch.nn as nn
 
 from course_lib.debug import desync
+from course_lib.models import MLP
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner
 from course_lib.grading.harness import check_answers, grads_differ
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 
 _HERE = "course_lib.grading.debugging:"
+REFERENCES = _HERE + "_*"   # this module's references and data, off while the learner's code runs
 LIBRARY = ("course_lib.debug.flight_recorder:*", "course_lib.debug.diagnosis:*", "course_lib.debug.desync:*",
            "course_lib.debug.bisect:*", "course_lib.debug.nonfinite:*")
 
@@ -94,7 +92,7 @@ def _as_positions(got, calls):
 def check_divergence(first_divergence) -> bool:
     """``first_divergence(calls) -> {group: position}``; ``calls[rank]`` = [(group, op, shape), ...]."""
     return check_answers("first_divergence", first_divergence, _divergence_cases(), _first_divergence,
-                         guard=(LIBRARY, _HERE + "_first_divergence"), exercise="merging the ranks' records",
+                         guard=(LIBRARY, REFERENCES), exercise="merging the ranks' records",
                          read=_as_positions, hint=lambda *_: " (positions count each group's calls from 1)")
 
 
@@ -179,45 +177,31 @@ def _which_differ(got, want, *args):
 def check_which_reduction(which_reduction) -> bool:
     """``which_reduction(grads, reference, sizes) -> ("ok", None) | ("missing", dim) | ("scaled", factor)``."""
     return check_answers("which_reduction", which_reduction, _which_cases(), None,
-                         guard=(LIBRARY, _HERE + "_grads", _HERE + "_expected"), exercise="naming the wrong reduction",
+                         guard=(LIBRARY, REFERENCES), exercise="naming the wrong reduction",
                          differ=_which_differ)
 
 
 # ----------------------------------------------------------------------------- 4. the first NaN
 
 class _Op(nn.Module):
-    """One tensor operation as a module of its own (so that it has a name in named_modules)."""
-    def __init__(self, fn):
+    """A tensor operation ``fn`` as a module of its own (a name in named_modules), then its
+    children in order: ``_Op(torch.log, proj=...)`` makes a NaN itself, then calls a child."""
+    def __init__(self, fn=None, **children):
         super().__init__()
         self.fn = fn
+        for name, child in children.items():
+            self.add_module(name, child)
 
     def forward(self, x):
-        return self.fn(x)
+        x = self.fn(x) if self.fn else x
+        for child in self.children():
+            x = child(x)
+        return x
 
 
 def _mask(scores):      # (rows, keys): hide keys at or after the row's index (a row may hide all)
     hide = torch.arange(scores.shape[-1])[None, :] >= torch.arange(scores.shape[0])[:, None]
     return scores.masked_fill(hide, float("-inf"))     # -inf on purpose: not a NaN
-
-
-class _LogThenLinear(nn.Module):
-    """Makes the NaN itself (a log of a negative), then hands it to its child."""
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.proj(torch.log(x))
-
-
-class _Block(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.out = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.out(self.inner(x))
 
 
 def _nan_case(kind):
@@ -227,7 +211,8 @@ def _nan_case(kind):
         x[1] = 0
         return nn.Sequential(nn.Linear(4, 4, bias=False), _Op(lambda x: x / x.norm(dim=-1, keepdim=True)), nn.Linear(4, 2)), x, "1"
     if kind == "parent's own op":
-        return nn.Sequential(nn.Linear(4, 4), _Block(_LogThenLinear())), torch.randn(5, 4), "1.inner"
+        block = _Op(inner=_Op(torch.log, proj=nn.Linear(4, 4)), out=nn.Linear(4, 4))   # log of a negative
+        return nn.Sequential(nn.Linear(4, 4), block), torch.randn(5, 4), "1.inner"
     if kind == "masked attention":
         return nn.Sequential(nn.Linear(4, 4), _Op(_mask), _Op(lambda x: x.softmax(-1)), nn.Linear(4, 4)), torch.randn(4, 4), "2"
     if kind == "none":
@@ -242,7 +227,8 @@ def check_first_nan(first_nan_module) -> bool:
              "that hides every key", "none": "no NaN at all"}
     cases = [Case(dict(args=(model, x), want=want), label=v) for k, v in kinds.items()
              for model, x, want in [_nan_case(k)]]
-    return check_answers("first_nan_module", first_nan_module, cases, None, guard=(LIBRARY, _HERE + "_nan_case"),
+    return check_answers("first_nan_module", first_nan_module, cases, None,  # (the models' _Op stays on)
+                         guard=(LIBRARY, _HERE + "_nan_case"),
                          exercise="finding the first NaN")
 
 
@@ -258,10 +244,9 @@ def _sync_data(rows=24):
             torch.randn(rows, 2, generator=gen, dtype=torch.float64))
 
 
-def sync_net():
-    """The net of the sync questions, the same on every rank."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+def _net():
+    """The net of the sync questions, the same on every rank (float64)."""
+    return MLP((8, 16, 2), seed=0).double()
 
 
 def _sync_harness(sync, sizes):
@@ -272,12 +257,12 @@ def _sync_harness(sync, sizes):
 
     mesh = Mesh(**sizes)
     X, Y = _sync_data()
-    ref = sync_net()                                             # one device, outside the guard
+    ref = _net()                                             # one device, outside the guard
     ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
     shards, c = mesh.sizes["dp"] * mesh.sizes["cp"], mesh.coord
     mine = c["dp"] * mesh.sizes["cp"] + c["cp"]                 # this rank's rows: (24 / shards, 8)
     x, y = X.chunk(shards)[mine], Y.chunk(shards)[mine]
-    net = sync_net()
+    net = _net()
     ((net(x) - y) ** 2).sum().div(len(X)).backward()
     # (course_lib.debug stays on: Comm records its calls through it; it fixes nothing)
     learner(sync, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the gradient sync", seconds=20)(net, mesh)
@@ -294,7 +279,6 @@ def check_sync_fix(sync_gradients) -> bool:
 
 
 F64 = torch.float64
-REFERENCES = tuple(_HERE + name for name in ("_boundaries", "_linear", "_token_data", "_rows_of"))
 
 
 def _comm(dim):
@@ -386,7 +370,7 @@ def _token_data(counts, rows=6):
     keep = torch.zeros(len(counts) * rows, dtype=torch.bool)
     for r, k in enumerate(counts):
         keep[r * rows: r * rows + k] = True
-    ref = sync_net()
+    ref = _net()
     (((ref(X) - Y) ** 2).sum(-1)[keep].sum() / keep.sum()).backward()
     return X, Y, keep, ref
 
@@ -397,7 +381,7 @@ def _token_harness(step, splits):
     fn = learner(step, REFERENCES, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the token-weighted loss", seconds=20)
     for counts in splits:
         X, Y, keep, ref = _token_data(counts)
-        net = sync_net()
+        net = _net()
         fn(net, X.chunk(n)[r].clone(), Y.chunk(n)[r].clone(), keep.chunk(n)[r].clone(), comm)
         bad = grads_differ(net, ref)
         if bad:
