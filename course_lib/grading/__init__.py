@@ -4,23 +4,16 @@ sizes, compare with a reference, print ONE stable line.
     ring_all_reduce: 8/8 cases passed
     ring_all_reduce: FAILED case 3/8 (world_size=3, numel=7, dtype=int64): rank 1 got ... expected ...
 
-Never a raw rank traceback, never a hang: an exception inside a rank becomes a
-one-line hint naming the rank, a deadlock becomes a hint naming the stuck ranks
-and the call they wait in. Chapter-specific checks live in the modules of this
-package (``grading.collectives``, ...) and are built from :func:`check`,
-:func:`check_distributed` and :mod:`.harness` (a table of cases against the library's reference).
+A learner's exception (in a rank too) becomes a one-line hint; a deadlock, one naming the
+stuck ranks. The chapters' checks (``grading.collectives``, ...) are built from
+:func:`check`, :func:`check_distributed` and :mod:`.harness`; what would do the exercise is
+off while the learner's code runs (:mod:`.guard`).
 
-Learners never see a pass line before they pass: in ``solutions/`` the check cell
-carries ``# NBVAL_CHECK_OUTPUT`` and stores its pass line; the generated exercise keeps
-the cell without the marker and without output. In a notebook (an IPython kernel) a
-failed check raises :class:`GradeFailed`, shown as its one line, so
-``pytest --nbval-lax exercises/X.ipynb`` fails until every check passes (the notebook's last
-cell, :func:`all_checks_passed`, fails while a check cell was deleted or not run), and
-``scripts/grade.py`` compares each check's output with the solution's. In plain Python
-(tests, scripts) a check prints its line and returns False.
-
-While the learner's function runs, what would do the exercise for it is switched off
-(:mod:`course_lib.grading.guard`): wrap it with ``guard.learner(fn, targets, exercise=...)``.
+In a notebook a failed check raises :class:`GradeFailed` (shown as its line), so
+``pytest --nbval-lax`` fails until every check passes; the last cell,
+:func:`all_checks_passed`, fails while a check cell was deleted or not run. The solutions
+store each pass line (``# NBVAL_CHECK_OUTPUT``), which ``scripts/grade.py`` compares; the
+generated exercises keep the cells without it. In plain Python a check prints and returns False.
 """
 from __future__ import annotations
 

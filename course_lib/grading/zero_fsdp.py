@@ -1,5 +1,5 @@
-"""Graders of chapter 4 (ZeRO and FSDP), trained on real ranks and compared with
-single-device training on the full batch (the harness: :mod:`course_lib.grading.training`).
+"""Graders of chapter 4 (ZeRO and FSDP): trained on real ranks against one device on the full
+batch (:mod:`course_lib.grading.training`), the library's ZeRO / FSDP / DDP and formulas off.
 
     check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
     check_zero2_hooks(make_zero2_hooks)    # one async reduce-scatter per bucket; keep the shard only
@@ -7,13 +7,11 @@ single-device training on the full batch (the harness: :mod:`course_lib.grading.
     check_bytes_per_step(predict)          # (n_params, root, stage, world_size, impl) -> bytes sent
     check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
     check_fsdp_prefetch(run_units)         # next unit's all-gather in flight while a unit computes
-
-While the learner's code runs, course_lib's ZeRO / FSDP / data parallelism, torch's and the
-planner's formulas are switched off (:mod:`course_lib.grading.guard`).
 """
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -329,15 +327,13 @@ class _PrefetchLog:
         self.events.append(("gather", k))
         self.live.add(k)
         self.peak = max(self.peak, len(self.live))
-        log = self
 
-        class Handle:
-            def wait(self):
-                if work is not None:
-                    work.wait()
-                log.events.append(("wait", k))
-                return _unit_params(unit, full)
-        return Handle()
+        def wait():
+            if work is not None:
+                work.wait()
+            self.events.append(("wait", k))
+            return _unit_params(unit, full)
+        return SimpleNamespace(wait=wait)
 
     def compute(self, k, full):
         """The compute(k, full) handed to the learner: refuses a unit out of order at once."""
