@@ -26,7 +26,7 @@ import torch.nn as nn
 from course_lib.debug import desync
 from course_lib.models import MLP
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner
-from course_lib.grading.harness import check_answers, grads_differ
+from course_lib.grading.harness import check_answers, grads_differ, on_ranks
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 
 _HERE = "course_lib.grading.debugging:"
@@ -323,9 +323,8 @@ def _pipeline_harness(exchange):
 def check_pipeline_exchange(exchange_boundaries, timeout: float = 10.0) -> bool:
     """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages
     (``timeout``: seconds a case may take before it is a hang)."""
-    cases = [Case({"exchange": exchange_boundaries}, 3, "3 stages"),
-             Case({"exchange": exchange_boundaries}, 4, "4 stages")]
-    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=timeout)
+    return on_ranks("exchange_boundaries", _pipeline_harness, (3, 4), "{} stages".format, timeout,
+                    exchange=exchange_boundaries)
 
 
 # ----------------------------------------------------------------------------- 7. the wrong group
@@ -390,9 +389,8 @@ def _token_harness(step, splits):
 
 def check_token_loss(token_step) -> bool:
     """``token_step(net, x, y, keep, comm)``: backward and gradient sum; every gradient equals one device's."""
-    case = Case({"step": token_step, "splits": [(5, 1, 3), (0, 4, 6)]}, 3,
-                "3 ranks, real tokens (5, 1, 3) then (0, 4, 6)")
-    return check_distributed("token_step", _token_harness, [case], timeout=10)
+    return on_ranks("token_step", _token_harness, (3,), "3 ranks, real tokens (5, 1, 3) then (0, 4, 6)", 10,
+                    step=token_step, splits=[(5, 1, 3), (0, 4, 6)])
 
 
 # ----------------------------------------------------------------------------- 9. uneven shards
@@ -416,9 +414,8 @@ def _rows_harness(gather, splits):
 
 def check_uneven_gather(gather_rows) -> bool:
     """``gather_rows(mine, comm) -> (sum of every rank's rows, 4)``, rows known only to their rank."""
-    case = Case({"gather": gather_rows, "splits": [(3, 1, 4), (0, 5, 2), (2, 2, 2)]}, 3,
-                "3 ranks, rows (3, 1, 4), (0, 5, 2), (2, 2, 2)")
-    return check_distributed("gather_rows", _rows_harness, [case], timeout=10)
+    return on_ranks("gather_rows", _rows_harness, (3,), "3 ranks, rows (3, 1, 4), (0, 5, 2), (2, 2, 2)", 10,
+                    gather=gather_rows, splits=[(3, 1, 4), (0, 5, 2), (2, 2, 2)])
 
 
 __all__ = ["check_divergence", "check_fingerprint", "check_which_reduction", "check_first_nan", "check_sync_fix",

@@ -5,6 +5,7 @@ library's reference, a comparison and a hint per classic mistake.
     grads_differ(model, reference_model, **bounds)                        # every gradient, named
     run = guarded(targets, exercise=...); run(f, *args)                    # learner code in pieces
     check_in_process(name, harness, cases, timeout=...)                   # one process per case
+    on_ranks(name, harness, (2, 3), "label", fn=answer)                    # a case per world size
     results = once(lambda: launch(...), hang=...); results()             # one launch, many cases
 
 Cases, checks on ranks, comparisons: :mod:`course_lib.grading`; guards:
@@ -17,7 +18,7 @@ import copy
 import math
 from typing import Callable
 
-from course_lib.grading import Case, Mismatch, check, compare
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare
 from course_lib.grading.guard import learner
 from course_lib.launch import LaunchTimeout, launch
 
@@ -104,6 +105,14 @@ def check_in_process(name: str, harness: Callable, cases, timeout: float, hang: 
     return check(name, cases, run)
 
 
+def on_ranks(name: str, harness: Callable, worlds, label: Callable | str = "", timeout: float = 30.0,
+             **params) -> bool:
+    """:func:`~course_lib.grading.check_distributed` of ``harness(**params)`` on each world size
+    of ``worlds`` (``label`` a string, or a function of the world size)."""
+    cases = [Case(dict(params), n, label(n) if callable(label) else label) for n in worlds]
+    return check_distributed(name, harness, cases, timeout=timeout)
+
+
 def once(run: Callable, hang: Callable | None = None) -> Callable:
     """``results()``: ``run()``'s value (a launch that every case of a grader reads), computed
     at the first call only; after a hang, the hint ``hang(exc)`` (a str, from the
@@ -125,4 +134,4 @@ def once(run: Callable, hang: Callable | None = None) -> Callable:
     return results
 
 
-__all__ = ["check_answers", "check_in_process", "grads_differ", "guarded", "once", "number", "table"]
+__all__ = ["check_answers", "check_in_process", "grads_differ", "guarded", "once", "number", "on_ranks", "table"]

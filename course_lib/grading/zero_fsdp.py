@@ -22,7 +22,7 @@ from course_lib.grading import Case, Mismatch, check_distributed, compare, learn
 from course_lib.grading import training as T
 from course_lib.grading.data_parallel import BUCKET_CAPS
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
-from course_lib.grading.harness import check_answers, number, table
+from course_lib.grading.harness import check_answers, number, on_ranks, table
 from course_lib.grading.p2p import SameCollectives
 from course_lib.lab.zero_measurements import MEASURED_PARAMS, MEASURED_ROOT_PARAMS, MEASURED_SENT
 from course_lib.parallel.fsdp_params import ShardedUnit
@@ -117,8 +117,7 @@ def check_zero1_step(zero1_step):
     """zero1_step(flat, flat_grad, shard, optimizer): flat (world*S,) the full padded parameters,
     flat_grad this rank's (unsynchronised) gradient of them, shard (S,) the slice this rank
     owns with ``optimizer`` over it. Afterwards flat must hold the updated parameters."""
-    cases = [Case({"zero1_step": zero1_step}, world_size=n, label=f"MLP {T.SIZES}, AdamW") for n in (2, 3, 1)]
-    return check_distributed("zero1_step", _zero1_harness, cases, timeout=60)
+    return on_ranks("zero1_step", _zero1_harness, (2, 3, 1), f"MLP {T.SIZES}, AdamW", 60, zero1_step=zero1_step)
 
 
 # ----------------------------------------------------------------------------- 4b. ZeRO-2 hooks
@@ -309,9 +308,8 @@ def _fsdp_unit_harness(GatherParams):
 def check_fsdp_unit(GatherParams):
     """GatherParams.apply(shard) -> the all-gathered flat parameters; its backward must
     reduce-scatter the gradient and return the *mean* gradient of this rank's shard."""
-    cases = [Case({"GatherParams": GatherParams}, world_size=n, label=f"MLP {T.SIZES}, one unit per layer")
-             for n in (2, 3, 1)]
-    return check_distributed("fsdp_unit", _fsdp_unit_harness, cases)
+    return on_ranks("fsdp_unit", _fsdp_unit_harness, (2, 3, 1), f"MLP {T.SIZES}, one unit per layer",
+                    GatherParams=GatherParams)
 
 
 # ----------------------------------------------------------------------------- 4b'. FSDP prefetch
