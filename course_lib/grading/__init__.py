@@ -123,12 +123,9 @@ def all_checks_passed(names) -> bool:
 
 
 def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
-    """Run ``run_case(case)`` for each case; a case passes if it returns None/True.
-
-    ``run_case`` may return a mismatch string, return False, or raise. Reports one
-    line: all passed, or the first failing case with a hint. Returns True iff all
-    passed; in a notebook a failure raises :class:`GradeFailed` instead (see above).
-    """
+    """``run_case(case)`` for each case: None/True passes; a mismatch string, False or an
+    exception fails. Prints one line (all passed, or the first failing case with its hint) and
+    returns True iff all passed; in a notebook a failure raises :class:`GradeFailed`."""
     cases = list(cases)
     for i, case in enumerate(cases, 1):
         try:
@@ -150,13 +147,10 @@ def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
 
 def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0,
                       on_timeout: Callable[[LaunchTimeout], str] | None = None) -> bool:
-    """Run ``harness(**case.params)`` on ``case.world_size`` ranks for every case.
-
-    On each rank the harness returns None when the rank's answer is right, or a
-    mismatch string (it may also raise :class:`Mismatch`). Learner code runs
-    inside the harness, so its exceptions and deadlocks become hints (``on_timeout``
-    writes a deadlock's own hint from the :class:`LaunchTimeout`).
-    """
+    """:func:`check` with ``harness(**case.params)`` on ``case.world_size`` ranks per case: on
+    each rank None when its answer is right, else a mismatch string (or :class:`Mismatch`
+    raised). The learner's exceptions and deadlocks become hints (``on_timeout`` writes a
+    deadlock's own from the :class:`LaunchTimeout`)."""
 
     def run_case(case: Case):
         try:
@@ -177,16 +171,12 @@ def compare(got, expected, rtol: float | None = None, atol: float | None = None,
             exact: bool = False, **bounds) -> str | None:
     """None if ``got`` matches ``expected`` (tensors, numbers or sequences), else a short message.
 
-    How close is close enough (floating point; integers, bools and other values compare exactly):
-    - ``exact=True`` (or ``rtol=0, atol=0``): bit for bit, for what moves data without adding
-      (a broadcast, a shift, a gather, counts).
-    - neither ``rtol`` nor ``atol``: the bound the arithmetic allows, from
-      :func:`course_lib.tolerance.compare` with ``bounds`` (``dtype``, ``terms``, ``scale``,
-      ``optimizer``, ``steps``, ``lr``, ``grad_scale``, ...): a sum of N ranks' values is
-      ``terms=N + 1, scale=max sum |x_i|``; one step's gradients the one-step bound; parameters
-      after optimizer steps the optimizer's bound. Numbers are float64 unless ``dtype`` says.
-    - ``rtol``/``atol``: a stated tolerance, for what is not an equality of two computations
-      (a fit of measurements) or a bound the caller derived itself.
+    Floating point (integers, bools and other values compare exactly): ``exact=True`` (or
+    ``rtol=0, atol=0``) bit for bit, for what moves data without adding; by default the bound
+    the arithmetic allows, :func:`course_lib.tolerance.compare` with ``bounds`` (``dtype``,
+    ``terms``, ``scale``, ``optimizer``, ``steps``, ``lr``, ``grad_scale``, ...; a sum of N
+    ranks' values is ``terms=N + 1, scale=max sum |x_i|``; numbers are float64 unless ``dtype``
+    says); ``rtol``/``atol`` a stated tolerance (a fit of measurements, a bound derived by the caller).
     """
     import torch
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from course_lib.debug import desync
 from course_lib.models import MLP
+from course_lib.reference import mlp_data
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner
 from course_lib.grading.harness import check_answers, grads_differ, on_ranks
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
@@ -148,20 +149,15 @@ def _grads(local, sizes, kind):
     return {r: total * float(kind) for r in range(dp * cp)}        # a scale
 
 
-def _expected(kind):
-    if kind in ("ok", "missing cp", "missing dp"):
-        return ("ok", None) if kind == "ok" else ("missing", kind.split()[1])
-    return ("scaled", float(kind))
-
-
 def _which_cases():
     out = []
     for sizes in ({"dp": 2, "cp": 3}, {"dp": 3, "cp": 2}):
         for kind in ("ok", "missing cp", "missing dp", "2", "0.5", "3", f"{1 / (sizes['dp'] * sizes['cp'])}"):
             gen = torch.Generator().manual_seed(len(kind) + 7 * sizes["dp"])
             local = [torch.randn(64, 32, generator=gen) for _ in range(sizes["dp"] * sizes["cp"])]  # float32
-            # one device's gradient: the same sum in another order
-            out.append(Case(dict(args=(_grads(local, sizes, kind), sum(reversed(local)), sizes), want=_expected(kind)),
+            want = (("ok", None) if kind == "ok" else ("missing", kind.split()[1]) if kind.startswith("missing")
+                    else ("scaled", float(kind)))   # one device's gradient below: the same sum in another order
+            out.append(Case(dict(args=(_grads(local, sizes, kind), sum(reversed(local)), sizes), want=want),
                             label=f"dp={sizes['dp']}, cp={sizes['cp']}: {kind}"))
     return out
 
@@ -238,15 +234,15 @@ SYNC_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_par
                 "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*")
 
 
-def _sync_data(rows=24):
-    gen = torch.Generator().manual_seed(11)
-    return (torch.randn(rows, 8, generator=gen, dtype=torch.float64),
-            torch.randn(rows, 2, generator=gen, dtype=torch.float64))
-
-
 def _net():
     """The net of the sync questions, the same on every rank (float64)."""
     return MLP((8, 16, 2), seed=0).double()
+
+
+def _data(rows, seed):
+    """Its inputs (rows, 8) and targets (rows, 2), float64: course_lib.reference's MLP data."""
+    X, Y, _ = mlp_data(seed, rows, 0, (8, 16, 2))
+    return X.double(), Y.double()
 
 
 def _sync_harness(sync, sizes):
@@ -256,7 +252,7 @@ def _sync_harness(sync, sizes):
     from course_lib.parallel.mesh import Mesh
 
     mesh = Mesh(**sizes)
-    X, Y = _sync_data()
+    X, Y = _data(24, 11)
     ref = _net()                                             # one device, outside the guard
     ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
     shards, c = mesh.sizes["dp"] * mesh.sizes["cp"], mesh.coord
@@ -363,12 +359,8 @@ def check_gather_group(gather_outputs) -> bool:
 def _token_data(counts, rows=6):
     """Every rank ``rows`` rows, the first counts[r] real, the rest padding; one device's
     loss = squared error summed over every real token / the number of real tokens."""
-    gen = torch.Generator().manual_seed(sum(counts))
-    X = torch.randn(len(counts) * rows, 8, generator=gen, dtype=F64)
-    Y = torch.randn(len(counts) * rows, 2, generator=gen, dtype=F64)
-    keep = torch.zeros(len(counts) * rows, dtype=torch.bool)
-    for r, k in enumerate(counts):
-        keep[r * rows: r * rows + k] = True
+    X, Y = _data(len(counts) * rows, sum(counts))
+    keep = (torch.arange(rows)[None, :] < torch.tensor(counts)[:, None]).flatten()
     ref = _net()
     (((ref(X) - Y) ** 2).sum(-1)[keep].sum() / keep.sum()).backward()
     return X, Y, keep, ref
