@@ -25,7 +25,9 @@ from course_lib.grading.guard import TORCH_DATA_PARALLEL
 from course_lib.grading.harness import check_answers, number, on_ranks, table
 from course_lib.grading.p2p import SameCollectives
 from course_lib.lab.zero_measurements import MEASURED_PARAMS, MEASURED_ROOT_PARAMS, MEASURED_SENT
+from course_lib.collectives import Comm
 from course_lib.parallel.fsdp_params import ShardedUnit
+from course_lib.parallel.zero import ShardedBucket, all_gather_buckets
 from course_lib.planner.communication import dp_bytes_per_step
 
 ZERO_LIBRARY = ("course_lib.parallel.zero:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.grad_sync:*",
@@ -132,8 +134,8 @@ def _zero2_hooks_harness(make_hooks, cap):
     if isinstance(first, str):
         return first
     params, buckets = first
-    numels = [[params[i].numel() for i in ids] for ids in buckets]
-    sizes = [math.ceil(sum(n) / world) for n in numels]  # S_b
+    owned = [ShardedBucket(b, ids, params, rank, world) for b, ids in enumerate(buckets)]   # the library's layout
+    comm = Comm(dim="dp")
     for step, shards, calls, overlapped in steps:
         kinds = [k for k, _ in calls]
         if world > 1 and "all_reduce" in kinds:
@@ -150,16 +152,13 @@ def _zero2_hooks_harness(make_hooks, cap):
                     f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
         if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
             return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
-        for b, (ids, size, shard) in enumerate(zip(buckets, sizes, shards)):
-            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
+        for b, shard in zip(owned, shards):
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard,):
                 got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
-                return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
-            with torch.no_grad():   # SGD on the owned slice of the bucket's (N * S_b,) padded parameters
-                flat = torch.zeros(size * world)
-                flat[:sum(numels[b])] = torch.cat([params[i].reshape(-1) for i in ids])
-                compat.all_gather_into_tensor(flat, (flat[rank * size:(rank + 1) * size] - T.LR * shard).contiguous())
-                for i, new in zip(ids, flat.split(numels[b] + [size * world - sum(numels[b])])):
-                    params[i].copy_(new.view_as(params[i]))
+                return f"bucket {b.index}: the shard should be a ({b.shard},) tensor, got {got}"
+        with torch.no_grad():   # SGD on the owned slices, all-gathered as the library's ZeRO does
+            all_gather_buckets(owned, params, lambda b: [view - T.LR * shards[b.index][at:at + hi - lo]
+                                                         for _, lo, hi, at, view in b.pieces], lambda b: comm)
     return T.compare_params(params, T.single_device(T.sgd))
 
 
