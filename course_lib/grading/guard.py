@@ -147,21 +147,28 @@ def _label(owner, name, obj) -> str:
     return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _held(key, switch, restore):
+    """``switch()`` unless ``key`` is already off (nested guards count in ``_ACTIVE``); returns
+    the function that, at the last release, calls ``restore()``."""
+    if key not in _ACTIVE:
+        _ACTIVE[key] = [restore, 0]
+        switch()
+    _ACTIVE[key][1] += 1
+
+    def release():
+        entry = _ACTIVE[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0]()
+            del _ACTIVE[key]
+    return release
+
+
 def _switch_off_code(raw, message: str):
     """Swap a Python function's code for one raising Shortcut; returns the restore function."""
-    key = ("code", id(raw))
-    if key not in _ACTIVE:
-        _ACTIVE[key] = [raw, raw.__code__, 0]
-        raw.__code__ = _stub_code(raw.__code__, message)
-    _ACTIVE[key][2] += 1
-
-    def restore():
-        entry = _ACTIVE[key]
-        entry[2] -= 1
-        if entry[2] == 0:
-            entry[0].__code__ = entry[1]
-            del _ACTIVE[key]
-    return restore
+    code = raw.__code__
+    return _held(("code", id(raw)), lambda: setattr(raw, "__code__", _stub_code(code, message)),
+                 lambda: setattr(raw, "__code__", code))
 
 
 def _switch_off(target, exercise: str):
@@ -194,21 +201,8 @@ def _switch_off(target, exercise: str):
             raise TypeError(f"cannot switch off {obj!r}: name it as 'module:attr'")
         saved_attr = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
         key = ("attr", id(owner), name)
-    if key not in _ACTIVE:
-        _ACTIVE[key] = [owner, name, saved_attr, 0]
-        setattr(owner, name, replacement)
-    _ACTIVE[key][3] += 1
-
-    def restore_attr():
-        entry = _ACTIVE[key]
-        entry[3] -= 1
-        if entry[3] == 0:
-            if entry[2] is None:
-                delattr(entry[0], entry[1])
-            else:
-                setattr(entry[0], entry[1], entry[2])
-            del _ACTIVE[key]
-    return restore_attr
+    return _held(key, lambda: setattr(owner, name, replacement),
+                 lambda: delattr(owner, name) if saved_attr is None else setattr(owner, name, saved_attr))
 
 
 @contextlib.contextmanager
