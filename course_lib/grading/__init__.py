@@ -35,10 +35,8 @@ class Case:
     label: str = ""
 
     def describe(self) -> str:
-        parts = [f"world_size={self.world_size}"] if self.world_size > 1 and "world_size" not in self.label else []
-        if self.label:
-            parts.append(self.label)
-        return ", ".join(parts)
+        shown = self.world_size > 1 and "world_size" not in self.label
+        return ", ".join(([f"world_size={self.world_size}"] if shown else []) + ([self.label] if self.label else []))
 
 
 class Mismatch(AssertionError):
@@ -57,13 +55,9 @@ def _explain_rank_error(err: RankError) -> str:
         return _one_line(str(err).split("\n\n--- traceback")[0].split(": ", 1)[-1])
     if err.exc_type is None:
         return _one_line(str(err))
-    last = [ln for ln in err.remote_traceback.strip().splitlines() if ln.strip()]
-    where = ""
-    for ln in reversed(last):  # the learner's innermost frame, if any
-        ln = ln.strip()
-        if ln.startswith("File ") and "course_lib" not in ln and "torch" not in ln:
-            where = " at " + ln[len("File "):]
-            break
+    frames = [ln.strip()[len("File "):] for ln in err.remote_traceback.splitlines()   # the learner's
+              if ln.strip().startswith("File ") and "course_lib" not in ln and "torch" not in ln]
+    where = f" at {frames[-1]}" if frames else ""                                     # innermost, if any
     head = str(err).split("\n\n--- traceback")[0]
     return _one_line(f"{head}{where}")
 
