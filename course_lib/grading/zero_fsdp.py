@@ -53,7 +53,7 @@ def _zero_traffic_hint(watch, world):
 # ----------------------------------------------------------------------------- 3. ZeRO-1
 def _zero1_harness(zero1_step):
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = T.mlp(rank)
+    model = T.mlp(0)                  # rank 0's MLP on every rank (seeded)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     size = math.ceil(numel / world)
@@ -61,7 +61,6 @@ def _zero1_harness(zero1_step):
     for p, view in zip(params, flat.split([p.numel() for p in params] + [size * world - numel])):
         view.copy_(p.detach().view(-1))
         p.data = view.view_as(p)
-    dist.broadcast(flat, 0)
     mine = slice(rank * size, (rank + 1) * size)
     shard = flat[mine].clone()  # this rank's master slice
     answer = learner(zero1_step, ZERO_LIBRARY, exercise="the ZeRO-1 step")
@@ -72,8 +71,7 @@ def _zero1_harness(zero1_step):
     for batch in T.data():
         x, y = T.local(batch, rank, world)
         F.mse_loss(model(x), y).backward()
-        flat_grad = torch.zeros_like(flat)
-        flat_grad[:numel] = torch.cat([p.grad.view(-1) for p in params])
+        flat_grad = torch.cat([p.grad.view(-1) for p in params] + [torch.zeros(flat.numel() - numel)])
         mean, magnitude = flat_grad.clone(), flat_grad.abs()  # the owned slice's mean; sum over ranks of |g_i|
         dist.all_reduce(mean)
         dist.all_reduce(magnitude)
@@ -239,10 +237,7 @@ def _sharded_mlp(sizes=T.SIZES):
     """Rank 0's MLP on every rank, one FSDP unit per Linear (weight and bias cut along dim 0,
     this rank's rows packed: (S,)): [(unit, a copy of its shard)]."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = T.mlp(rank, sizes)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    units = [ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world) for layer in model.layers]
+    units = [ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world) for layer in T.mlp(0, sizes).layers]
     return [(unit, unit.flat_shard.clone()) for unit in units]
 
 
