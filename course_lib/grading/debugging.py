@@ -59,21 +59,19 @@ def _divergence_cases():
     def spmd(n):   # every rank: n rounds of (tp all-reduce, dp all-reduce), on its own groups
         tp, dp = (lambda r: tp0 if r < 2 else tp1), (lambda r: dp0 if r % 2 == 0 else dp1)
         return {r: [c for _ in range(n) for c in ((tp(r),) + ar, (dp(r),) + ar)] for r in range(4)}
-    cases = [Case({"args": (spmd(3),)}, label="2x2 mesh, every rank the same program on its own groups")]
-    c = spmd(3)
-    c[3][3] = (dp1, "all_reduce", (8, 32))
-    cases.append(Case({"args": (c,)}, label="rank 3's second dp call has another shape"))
-    c = spmd(3)
-    c[2] = c[2][:3]
-    cases.append(Case({"args": (c,)}, label="rank 2 stopped after 3 calls (never reached the rest)"))
-    c = spmd(2)
-    c[1][0], c[1][1] = c[1][1], c[1][0]
-    cases.append(Case({"args": (c,)}, label="rank 1 made its first two calls in the other order"))
-    c = {0: [(tp0,) + ar], 1: []}
-    cases.append(Case({"args": (c,)}, label="rank 1 has no record at all"))
-    c = spmd(2)
-    c[0][2] = (tp0,) + ag
-    cases.append(Case({"args": (c,)}, label="rank 0 all-gathers where rank 1 all-reduces"))
+
+    def planted(n, rank, edit):   # spmd(n), rank's record edited
+        c = spmd(n)
+        c[rank] = edit(c[rank])
+        return c
+    cases = [Case({"args": (c,)}, label=label) for c, label in [
+        (spmd(3), "2x2 mesh, every rank the same program on its own groups"),
+        (planted(3, 3, lambda r: r[:3] + [(dp1, "all_reduce", (8, 32))] + r[4:]),
+         "rank 3's second dp call has another shape"),
+        (planted(3, 2, lambda r: r[:3]), "rank 2 stopped after 3 calls (never reached the rest)"),
+        (planted(2, 1, lambda r: [r[1], r[0]] + r[2:]), "rank 1 made its first two calls in the other order"),
+        ({0: [(tp0,) + ar], 1: []}, "rank 1 has no record at all"),
+        (planted(2, 0, lambda r: r[:2] + [(tp0,) + ag] + r[3:]), "rank 0 all-gathers where rank 1 all-reduces")]]
     for k in range(3):   # random programs on one group of 3 ranks, one planted difference
         g = (0, 1, 2)
         base = [(g, rng.choice(["all_reduce", "broadcast"]), (rng.randint(1, 4), 8)) for _ in range(6)]
