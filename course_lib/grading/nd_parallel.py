@@ -53,8 +53,7 @@ def check_rank_groups(rank_groups) -> bool:
     """rank_groups(sizes, dims) -> every group along ``dims`` (a tuple of names from dp, pp,
     cp, tp, ep, edp): lists of the global ranks that differ only in those dims; on meshes with
     odd sizes, every single dim and several combinations, EP inside DP."""
-    shapes = [dict(dp=2, tp=2), dict(dp=3, tp=2), dict(dp=2, pp=2, cp=2, tp=2), dict(pp=3, cp=3),
-              dict(dp=1, pp=2, cp=2, tp=3), dict(dp=4, pp=2, ep=2), dict(dp=6, tp=2, ep=3)]
+    shapes = [s for s in GROUP_SHAPES if s != dict(dp=2, pp=2, tp=2)]   # (3D: inside 4D's groups)
     dim_sets = [("tp",), ("cp",), ("pp",), ("dp",), ("dp", "cp"), ("dp", "cp", "tp"), ("pp", "tp"),
                 ("dp", "pp", "cp")]
     cases = [Case(params=dict(args=(s, d)), label=f"{', '.join(f'{k}={v}' for k, v in s.items())}: groups "
