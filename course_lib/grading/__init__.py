@@ -4,23 +4,16 @@ sizes, compare with a reference, print ONE stable line.
     ring_all_reduce: 8/8 cases passed
     ring_all_reduce: FAILED case 3/8 (world_size=3, numel=7, dtype=int64): rank 1 got ... expected ...
 
-Never a raw rank traceback, never a hang: an exception inside a rank becomes a
-one-line hint naming the rank, a deadlock becomes a hint naming the stuck ranks
-and the call they wait in. Chapter-specific checks live in the modules of this
-package (``grading.collectives``, ...) and are built from :func:`check`,
-:func:`check_distributed` and :mod:`.harness` (a table of cases against the library's reference).
+A learner's exception (in a rank too) becomes a one-line hint; a deadlock, one naming the
+stuck ranks. The chapters' checks (``grading.collectives``, ...) are built from
+:func:`check`, :func:`check_distributed` and :mod:`.harness`; what would do the exercise is
+off while the learner's code runs (:mod:`.guard`).
 
-Learners never see a pass line before they pass: in ``solutions/`` the check cell
-carries ``# NBVAL_CHECK_OUTPUT`` and stores its pass line; the generated exercise keeps
-the cell without the marker and without output. In a notebook (an IPython kernel) a
-failed check raises :class:`GradeFailed`, shown as its one line, so
-``pytest --nbval-lax exercises/X.ipynb`` fails until every check passes (the notebook's last
-cell, :func:`all_checks_passed`, fails while a check cell was deleted or not run), and
-``scripts/grade.py`` compares each check's output with the solution's. In plain Python
-(tests, scripts) a check prints its line and returns False.
-
-While the learner's function runs, what would do the exercise for it is switched off
-(:mod:`course_lib.grading.guard`): wrap it with ``guard.learner(fn, targets, exercise=...)``.
+In a notebook a failed check raises :class:`GradeFailed` (shown as its line), so
+``pytest --nbval-lax`` fails until every check passes; the last cell,
+:func:`all_checks_passed`, fails while a check cell was deleted or not run. The solutions
+store each pass line (``# NBVAL_CHECK_OUTPUT``), which ``scripts/grade.py`` compares; the
+generated exercises keep the cells without it. In plain Python a check prints and returns False.
 """
 from __future__ import annotations
 
@@ -42,10 +35,8 @@ class Case:
     label: str = ""
 
     def describe(self) -> str:
-        parts = [f"world_size={self.world_size}"] if self.world_size > 1 and "world_size" not in self.label else []
-        if self.label:
-            parts.append(self.label)
-        return ", ".join(parts)
+        shown = self.world_size > 1 and "world_size" not in self.label
+        return ", ".join(([f"world_size={self.world_size}"] if shown else []) + ([self.label] if self.label else []))
 
 
 class Mismatch(AssertionError):
@@ -64,13 +55,9 @@ def _explain_rank_error(err: RankError) -> str:
         return _one_line(str(err).split("\n\n--- traceback")[0].split(": ", 1)[-1])
     if err.exc_type is None:
         return _one_line(str(err))
-    last = [ln for ln in err.remote_traceback.strip().splitlines() if ln.strip()]
-    where = ""
-    for ln in reversed(last):  # the learner's innermost frame, if any
-        ln = ln.strip()
-        if ln.startswith("File ") and "course_lib" not in ln and "torch" not in ln:
-            where = " at " + ln[len("File "):]
-            break
+    frames = [ln.strip()[len("File "):] for ln in err.remote_traceback.splitlines()   # the learner's
+              if ln.strip().startswith("File ") and "course_lib" not in ln and "torch" not in ln]
+    where = f" at {frames[-1]}" if frames else ""                                     # innermost, if any
     head = str(err).split("\n\n--- traceback")[0]
     return _one_line(f"{head}{where}")
 
@@ -130,12 +117,9 @@ def all_checks_passed(names) -> bool:
 
 
 def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
-    """Run ``run_case(case)`` for each case; a case passes if it returns None/True.
-
-    ``run_case`` may return a mismatch string, return False, or raise. Reports one
-    line: all passed, or the first failing case with a hint. Returns True iff all
-    passed; in a notebook a failure raises :class:`GradeFailed` instead (see above).
-    """
+    """``run_case(case)`` for each case: None/True passes; a mismatch string, False or an
+    exception fails. Prints one line (all passed, or the first failing case with its hint) and
+    returns True iff all passed; in a notebook a failure raises :class:`GradeFailed`."""
     cases = list(cases)
     for i, case in enumerate(cases, 1):
         try:
@@ -157,13 +141,10 @@ def check(name: str, cases, run_case: Callable[[Case], Any]) -> bool:
 
 def check_distributed(name: str, harness: Callable, cases, timeout: float = 30.0,
                       on_timeout: Callable[[LaunchTimeout], str] | None = None) -> bool:
-    """Run ``harness(**case.params)`` on ``case.world_size`` ranks for every case.
-
-    On each rank the harness returns None when the rank's answer is right, or a
-    mismatch string (it may also raise :class:`Mismatch`). Learner code runs
-    inside the harness, so its exceptions and deadlocks become hints (``on_timeout``
-    writes a deadlock's own hint from the :class:`LaunchTimeout`).
-    """
+    """:func:`check` with ``harness(**case.params)`` on ``case.world_size`` ranks per case: on
+    each rank None when its answer is right, else a mismatch string (or :class:`Mismatch`
+    raised). The learner's exceptions and deadlocks become hints (``on_timeout`` writes a
+    deadlock's own from the :class:`LaunchTimeout`)."""
 
     def run_case(case: Case):
         try:
@@ -184,16 +165,12 @@ def compare(got, expected, rtol: float | None = None, atol: float | None = None,
             exact: bool = False, **bounds) -> str | None:
     """None if ``got`` matches ``expected`` (tensors, numbers or sequences), else a short message.
 
-    How close is close enough (floating point; integers, bools and other values compare exactly):
-    - ``exact=True`` (or ``rtol=0, atol=0``): bit for bit, for what moves data without adding
-      (a broadcast, a shift, a gather, counts).
-    - neither ``rtol`` nor ``atol``: the bound the arithmetic allows, from
-      :func:`course_lib.tolerance.compare` with ``bounds`` (``dtype``, ``terms``, ``scale``,
-      ``optimizer``, ``steps``, ``lr``, ``grad_scale``, ...): a sum of N ranks' values is
-      ``terms=N + 1, scale=max sum |x_i|``; one step's gradients the one-step bound; parameters
-      after optimizer steps the optimizer's bound. Numbers are float64 unless ``dtype`` says.
-    - ``rtol``/``atol``: a stated tolerance, for what is not an equality of two computations
-      (a fit of measurements) or a bound the caller derived itself.
+    Floating point (integers, bools and other values compare exactly): ``exact=True`` (or
+    ``rtol=0, atol=0``) bit for bit, for what moves data without adding; by default the bound
+    the arithmetic allows, :func:`course_lib.tolerance.compare` with ``bounds`` (``dtype``,
+    ``terms``, ``scale``, ``optimizer``, ``steps``, ``lr``, ``grad_scale``, ...; a sum of N
+    ranks' values is ``terms=N + 1, scale=max sum |x_i|``; numbers are float64 unless ``dtype``
+    says); ``rtol``/``atol`` a stated tolerance (a fit of measurements, a bound derived by the caller).
     """
     import torch
 

@@ -10,15 +10,11 @@
     check_token_loss(token_step)                  # a loss divided by the local token count
     check_uneven_gather(gather_rows)              # an all-gather of shards of uneven length
 
-Each runs the learner's function (in this process; questions 5-9 on real ranks) on cases
-that include the traps the exercise names, prints one line and returns True iff every case
-passed. While it runs, course_lib.debug (the chapter's own implementations), data
-parallelism and this module's references are switched off. The find-and-fix questions 6-9
-compare what every rank holds with one device's (float64, tiny sizes) through
-grading.compare: a fix that only silences the symptom (no hang, no error any more, but
-zeros, a local copy, a mean of means, padding left in or rows cut off) moves other numbers
-than one device's and fails; each case's inputs are chosen so that no single hard-coded
-count or shape passes.
+Questions 5-9 run on real ranks. While the learner's function runs, course_lib.debug, data
+parallelism and this module's references are off. The find-and-fix questions compare what
+every rank holds with one device's (float64, tiny sizes): a fix that only silences the
+symptom (zeros, a local copy, a mean of means, padding left in) fails, and no single
+hard-coded count or shape passes.
 """
 from __future__ import annotations
 
@@ -28,11 +24,14 @@ import torch
 import torch.nn as nn
 
 from course_lib.debug import desync
+from course_lib.models import MLP
+from course_lib.reference import mlp_data
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner
-from course_lib.grading.harness import check_answers, grads_differ
+from course_lib.grading.harness import check_answers, grads_differ, on_ranks
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
 
 _HERE = "course_lib.grading.debugging:"
+REFERENCES = _HERE + "_*"   # this module's references and data, off while the learner's code runs
 LIBRARY = ("course_lib.debug.flight_recorder:*", "course_lib.debug.diagnosis:*", "course_lib.debug.desync:*",
            "course_lib.debug.bisect:*", "course_lib.debug.nonfinite:*")
 
@@ -60,21 +59,19 @@ def _divergence_cases():
     def spmd(n):   # every rank: n rounds of (tp all-reduce, dp all-reduce), on its own groups
         tp, dp = (lambda r: tp0 if r < 2 else tp1), (lambda r: dp0 if r % 2 == 0 else dp1)
         return {r: [c for _ in range(n) for c in ((tp(r),) + ar, (dp(r),) + ar)] for r in range(4)}
-    cases = [Case({"args": (spmd(3),)}, label="2x2 mesh, every rank the same program on its own groups")]
-    c = spmd(3)
-    c[3][3] = (dp1, "all_reduce", (8, 32))
-    cases.append(Case({"args": (c,)}, label="rank 3's second dp call has another shape"))
-    c = spmd(3)
-    c[2] = c[2][:3]
-    cases.append(Case({"args": (c,)}, label="rank 2 stopped after 3 calls (never reached the rest)"))
-    c = spmd(2)
-    c[1][0], c[1][1] = c[1][1], c[1][0]
-    cases.append(Case({"args": (c,)}, label="rank 1 made its first two calls in the other order"))
-    c = {0: [(tp0,) + ar], 1: []}
-    cases.append(Case({"args": (c,)}, label="rank 1 has no record at all"))
-    c = spmd(2)
-    c[0][2] = (tp0,) + ag
-    cases.append(Case({"args": (c,)}, label="rank 0 all-gathers where rank 1 all-reduces"))
+
+    def planted(n, rank, edit):   # spmd(n), rank's record edited
+        c = spmd(n)
+        c[rank] = edit(c[rank])
+        return c
+    cases = [Case({"args": (c,)}, label=label) for c, label in [
+        (spmd(3), "2x2 mesh, every rank the same program on its own groups"),
+        (planted(3, 3, lambda r: r[:3] + [(dp1, "all_reduce", (8, 32))] + r[4:]),
+         "rank 3's second dp call has another shape"),
+        (planted(3, 2, lambda r: r[:3]), "rank 2 stopped after 3 calls (never reached the rest)"),
+        (planted(2, 1, lambda r: [r[1], r[0]] + r[2:]), "rank 1 made its first two calls in the other order"),
+        ({0: [(tp0,) + ar], 1: []}, "rank 1 has no record at all"),
+        (planted(2, 0, lambda r: r[:2] + [(tp0,) + ag] + r[3:]), "rank 0 all-gathers where rank 1 all-reduces")]]
     for k in range(3):   # random programs on one group of 3 ranks, one planted difference
         g = (0, 1, 2)
         base = [(g, rng.choice(["all_reduce", "broadcast"]), (rng.randint(1, 4), 8)) for _ in range(6)]
@@ -94,7 +91,7 @@ def _as_positions(got, calls):
 def check_divergence(first_divergence) -> bool:
     """``first_divergence(calls) -> {group: position}``; ``calls[rank]`` = [(group, op, shape), ...]."""
     return check_answers("first_divergence", first_divergence, _divergence_cases(), _first_divergence,
-                         guard=(LIBRARY, _HERE + "_first_divergence"), exercise="merging the ranks' records",
+                         guard=(LIBRARY, REFERENCES), exercise="merging the ranks' records",
                          read=_as_positions, hint=lambda *_: " (positions count each group's calls from 1)")
 
 
@@ -150,20 +147,15 @@ def _grads(local, sizes, kind):
     return {r: total * float(kind) for r in range(dp * cp)}        # a scale
 
 
-def _expected(kind):
-    if kind in ("ok", "missing cp", "missing dp"):
-        return ("ok", None) if kind == "ok" else ("missing", kind.split()[1])
-    return ("scaled", float(kind))
-
-
 def _which_cases():
     out = []
     for sizes in ({"dp": 2, "cp": 3}, {"dp": 3, "cp": 2}):
         for kind in ("ok", "missing cp", "missing dp", "2", "0.5", "3", f"{1 / (sizes['dp'] * sizes['cp'])}"):
             gen = torch.Generator().manual_seed(len(kind) + 7 * sizes["dp"])
             local = [torch.randn(64, 32, generator=gen) for _ in range(sizes["dp"] * sizes["cp"])]  # float32
-            # one device's gradient: the same sum in another order
-            out.append(Case(dict(args=(_grads(local, sizes, kind), sum(reversed(local)), sizes), want=_expected(kind)),
+            want = (("ok", None) if kind == "ok" else ("missing", kind.split()[1]) if kind.startswith("missing")
+                    else ("scaled", float(kind)))   # one device's gradient below: the same sum in another order
+            out.append(Case(dict(args=(_grads(local, sizes, kind), sum(reversed(local)), sizes), want=want),
                             label=f"dp={sizes['dp']}, cp={sizes['cp']}: {kind}"))
     return out
 
@@ -179,45 +171,31 @@ def _which_differ(got, want, *args):
 def check_which_reduction(which_reduction) -> bool:
     """``which_reduction(grads, reference, sizes) -> ("ok", None) | ("missing", dim) | ("scaled", factor)``."""
     return check_answers("which_reduction", which_reduction, _which_cases(), None,
-                         guard=(LIBRARY, _HERE + "_grads", _HERE + "_expected"), exercise="naming the wrong reduction",
+                         guard=(LIBRARY, REFERENCES), exercise="naming the wrong reduction",
                          differ=_which_differ)
 
 
 # ----------------------------------------------------------------------------- 4. the first NaN
 
 class _Op(nn.Module):
-    """One tensor operation as a module of its own (so that it has a name in named_modules)."""
-    def __init__(self, fn):
+    """A tensor operation ``fn`` as a module of its own (a name in named_modules), then its
+    children in order: ``_Op(torch.log, proj=...)`` makes a NaN itself, then calls a child."""
+    def __init__(self, fn=None, **children):
         super().__init__()
         self.fn = fn
+        for name, child in children.items():
+            self.add_module(name, child)
 
     def forward(self, x):
-        return self.fn(x)
+        x = self.fn(x) if self.fn else x
+        for child in self.children():
+            x = child(x)
+        return x
 
 
 def _mask(scores):      # (rows, keys): hide keys at or after the row's index (a row may hide all)
     hide = torch.arange(scores.shape[-1])[None, :] >= torch.arange(scores.shape[0])[:, None]
     return scores.masked_fill(hide, float("-inf"))     # -inf on purpose: not a NaN
-
-
-class _LogThenLinear(nn.Module):
-    """Makes the NaN itself (a log of a negative), then hands it to its child."""
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.proj(torch.log(x))
-
-
-class _Block(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.out = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.out(self.inner(x))
 
 
 def _nan_case(kind):
@@ -227,7 +205,8 @@ def _nan_case(kind):
         x[1] = 0
         return nn.Sequential(nn.Linear(4, 4, bias=False), _Op(lambda x: x / x.norm(dim=-1, keepdim=True)), nn.Linear(4, 2)), x, "1"
     if kind == "parent's own op":
-        return nn.Sequential(nn.Linear(4, 4), _Block(_LogThenLinear())), torch.randn(5, 4), "1.inner"
+        block = _Op(inner=_Op(torch.log, proj=nn.Linear(4, 4)), out=nn.Linear(4, 4))   # log of a negative
+        return nn.Sequential(nn.Linear(4, 4), block), torch.randn(5, 4), "1.inner"
     if kind == "masked attention":
         return nn.Sequential(nn.Linear(4, 4), _Op(_mask), _Op(lambda x: x.softmax(-1)), nn.Linear(4, 4)), torch.randn(4, 4), "2"
     if kind == "none":
@@ -242,7 +221,8 @@ def check_first_nan(first_nan_module) -> bool:
              "that hides every key", "none": "no NaN at all"}
     cases = [Case(dict(args=(model, x), want=want), label=v) for k, v in kinds.items()
              for model, x, want in [_nan_case(k)]]
-    return check_answers("first_nan_module", first_nan_module, cases, None, guard=(LIBRARY, _HERE + "_nan_case"),
+    return check_answers("first_nan_module", first_nan_module, cases, None,  # (the models' _Op stays on)
+                         guard=(LIBRARY, _HERE + "_nan_case"),
                          exercise="finding the first NaN")
 
 
@@ -253,16 +233,15 @@ SYNC_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_par
                 "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*")
 
 
-def _sync_data(rows=24):
-    gen = torch.Generator().manual_seed(11)
-    return (torch.randn(rows, 8, generator=gen, dtype=torch.float64),
-            torch.randn(rows, 2, generator=gen, dtype=torch.float64))
+def _net():
+    """The net of the sync questions, the same on every rank (float64)."""
+    return MLP((8, 16, 2), seed=0).double()
 
 
-def sync_net():
-    """The net of the sync questions, the same on every rank."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+def _data(rows, seed):
+    """Its inputs (rows, 8) and targets (rows, 2), float64: course_lib.reference's MLP data."""
+    X, Y, _ = mlp_data(seed, rows, 0, (8, 16, 2))
+    return X.double(), Y.double()
 
 
 def _sync_harness(sync, sizes):
@@ -272,13 +251,13 @@ def _sync_harness(sync, sizes):
     from course_lib.parallel.mesh import Mesh
 
     mesh = Mesh(**sizes)
-    X, Y = _sync_data()
-    ref = sync_net()                                             # one device, outside the guard
+    X, Y = _data(24, 11)
+    ref = _net()                                             # one device, outside the guard
     ((ref(X) - Y) ** 2).sum().div(len(X)).backward()
     shards, c = mesh.sizes["dp"] * mesh.sizes["cp"], mesh.coord
     mine = c["dp"] * mesh.sizes["cp"] + c["cp"]                 # this rank's rows: (24 / shards, 8)
     x, y = X.chunk(shards)[mine], Y.chunk(shards)[mine]
-    net = sync_net()
+    net = _net()
     ((net(x) - y) ** 2).sum().div(len(X)).backward()
     # (course_lib.debug stays on: Comm records its calls through it; it fixes nothing)
     learner(sync, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the gradient sync", seconds=20)(net, mesh)
@@ -295,7 +274,6 @@ def check_sync_fix(sync_gradients) -> bool:
 
 
 F64 = torch.float64
-REFERENCES = tuple(_HERE + name for name in ("_boundaries", "_linear", "_token_data", "_rows_of"))
 
 
 def _comm(dim):
@@ -340,9 +318,8 @@ def _pipeline_harness(exchange):
 def check_pipeline_exchange(exchange_boundaries, timeout: float = 10.0) -> bool:
     """``exchange_boundaries(comm, output, input_grad) -> (input_act, output_grad)`` on 3 and 4 stages
     (``timeout``: seconds a case may take before it is a hang)."""
-    cases = [Case({"exchange": exchange_boundaries}, 3, "3 stages"),
-             Case({"exchange": exchange_boundaries}, 4, "4 stages")]
-    return check_distributed("exchange_boundaries", _pipeline_harness, cases, timeout=timeout)
+    return on_ranks("exchange_boundaries", _pipeline_harness, (3, 4), "{} stages".format, timeout,
+                    exchange=exchange_boundaries)
 
 
 # ----------------------------------------------------------------------------- 7. the wrong group
@@ -381,13 +358,9 @@ def check_gather_group(gather_outputs) -> bool:
 def _token_data(counts, rows=6):
     """Every rank ``rows`` rows, the first counts[r] real, the rest padding; one device's
     loss = squared error summed over every real token / the number of real tokens."""
-    gen = torch.Generator().manual_seed(sum(counts))
-    X = torch.randn(len(counts) * rows, 8, generator=gen, dtype=F64)
-    Y = torch.randn(len(counts) * rows, 2, generator=gen, dtype=F64)
-    keep = torch.zeros(len(counts) * rows, dtype=torch.bool)
-    for r, k in enumerate(counts):
-        keep[r * rows: r * rows + k] = True
-    ref = sync_net()
+    X, Y = _data(len(counts) * rows, sum(counts))
+    keep = (torch.arange(rows)[None, :] < torch.tensor(counts)[:, None]).flatten()
+    ref = _net()
     (((ref(X) - Y) ** 2).sum(-1)[keep].sum() / keep.sum()).backward()
     return X, Y, keep, ref
 
@@ -398,7 +371,7 @@ def _token_harness(step, splits):
     fn = learner(step, REFERENCES, SYNC_LIBRARY, TORCH_DATA_PARALLEL, exercise="the token-weighted loss", seconds=20)
     for counts in splits:
         X, Y, keep, ref = _token_data(counts)
-        net = sync_net()
+        net = _net()
         fn(net, X.chunk(n)[r].clone(), Y.chunk(n)[r].clone(), keep.chunk(n)[r].clone(), comm)
         bad = grads_differ(net, ref)
         if bad:
@@ -407,9 +380,8 @@ def _token_harness(step, splits):
 
 def check_token_loss(token_step) -> bool:
     """``token_step(net, x, y, keep, comm)``: backward and gradient sum; every gradient equals one device's."""
-    case = Case({"step": token_step, "splits": [(5, 1, 3), (0, 4, 6)]}, 3,
-                "3 ranks, real tokens (5, 1, 3) then (0, 4, 6)")
-    return check_distributed("token_step", _token_harness, [case], timeout=10)
+    return on_ranks("token_step", _token_harness, (3,), "3 ranks, real tokens (5, 1, 3) then (0, 4, 6)", 10,
+                    step=token_step, splits=[(5, 1, 3), (0, 4, 6)])
 
 
 # ----------------------------------------------------------------------------- 9. uneven shards
@@ -433,9 +405,8 @@ def _rows_harness(gather, splits):
 
 def check_uneven_gather(gather_rows) -> bool:
     """``gather_rows(mine, comm) -> (sum of every rank's rows, 4)``, rows known only to their rank."""
-    case = Case({"gather": gather_rows, "splits": [(3, 1, 4), (0, 5, 2), (2, 2, 2)]}, 3,
-                "3 ranks, rows (3, 1, 4), (0, 5, 2), (2, 2, 2)")
-    return check_distributed("gather_rows", _rows_harness, [case], timeout=10)
+    return on_ranks("gather_rows", _rows_harness, (3,), "3 ranks, rows (3, 1, 4), (0, 5, 2), (2, 2, 2)", 10,
+                    gather=gather_rows, splits=[(3, 1, 4), (0, 5, 2), (2, 2, 2)])
 
 
 __all__ = ["check_divergence", "check_fingerprint", "check_which_reduction", "check_first_nan", "check_sync_fix",

@@ -2,35 +2,19 @@
 
     answer = learner(fn, "course_lib.collectives.ring:all_reduce", TORCH_COLLECTIVES,
                      exercise="the ring", seconds=10)
-    answer(x)   # fn(x), with the ring's all_reduce and every torch collective raising Shortcut
+    answer(x)   # fn(x); the ring's all_reduce and torch's collectives raise Shortcut meanwhile
 
-A grader wraps the learner's function with :func:`learner` and calls the wrapper
-where it called the function, in the grading process or inside a rank (the
-wrapper travels by value with the harness, and switches the targets off in the
-process that calls it). A target is switched off *as an object*, not only as a
-module attribute: a Python function gets a body that raises (its ``__code__`` is
-swapped and restored afterwards), so a copy the learner imported earlier
-(``from course_lib.collectives.ring import all_reduce``) is off too; a class
-cannot be constructed; a method of torch's ``ProcessGroup`` (the C++ object every
-``torch.distributed`` collective ends in) raises. The error says what to do:
+The wrapper travels by value (into ranks too). A target is off *as an object*: a Python
+function's ``__code__`` is swapped for one that raises (so a copy imported earlier is off
+too), a class cannot be constructed, a ``ProcessGroup`` method raises; all restored after.
+The grader's own code is pinned (:mod:`.integrity`): an answer that rebinds its names is
+undone and fails with :class:`Tampered`; ``seconds`` stops an endless loop (:class:`TimeLimit`).
 
-    Shortcut: write this yourself: the exercise is the ring (course_lib.collectives.ring.all_reduce is switched off ...)
-
-The grader's own code is pinned around each call (:mod:`.integrity`): an answer that
-rebinds the grader's names (``compare``, ``too_many_bytes``, ``torch.equal``) is restored
-and fails with :class:`Tampered`.
-
-``seconds`` stops a learner's function that runs too long in the grading process
-(an endless loop) with :class:`TimeLimit`; in ranks, ``launch``'s timeout does it.
-
-Targets: a callable, or "module:attr.path" (imported when the guard starts, so a
-grader names the reference without importing it at module level), "module:*" (every
-function the module defines or lists in ``__all__`` from course_lib, and every method of
-those classes), or a list of those. A course_lib target that names nothing (a function renamed
-since the grader was written) raises LookupError naming it when the grader wraps the learner's
-function (before any case runs), and so does a pattern that matches nothing: a rename never
-quietly unguards a question (tests/test_grading_guard.py
-resolves every grader's targets). A torch name this torch version lacks is skipped.
+Targets: a callable, "module:attr.path", "module:*" (every function and method the module
+defines or lists in ``__all__``; "module:_*" those starting with "_"), or lists of those. A
+course_lib target that names nothing raises LookupError when the learner's function is
+wrapped, before any case runs (tests/test_grading_guard.py resolves every grader's targets);
+a torch name this torch version lacks is skipped.
 """
 from __future__ import annotations
 
@@ -163,21 +147,28 @@ def _label(owner, name, obj) -> str:
     return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _held(key, switch, restore):
+    """``switch()`` unless ``key`` is already off (nested guards count in ``_ACTIVE``); returns
+    the function that, at the last release, calls ``restore()``."""
+    if key not in _ACTIVE:
+        _ACTIVE[key] = [restore, 0]
+        switch()
+    _ACTIVE[key][1] += 1
+
+    def release():
+        entry = _ACTIVE[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0]()
+            del _ACTIVE[key]
+    return release
+
+
 def _switch_off_code(raw, message: str):
     """Swap a Python function's code for one raising Shortcut; returns the restore function."""
-    key = ("code", id(raw))
-    if key not in _ACTIVE:
-        _ACTIVE[key] = [raw, raw.__code__, 0]
-        raw.__code__ = _stub_code(raw.__code__, message)
-    _ACTIVE[key][2] += 1
-
-    def restore():
-        entry = _ACTIVE[key]
-        entry[2] -= 1
-        if entry[2] == 0:
-            entry[0].__code__ = entry[1]
-            del _ACTIVE[key]
-    return restore
+    code = raw.__code__
+    return _held(("code", id(raw)), lambda: setattr(raw, "__code__", _stub_code(code, message)),
+                 lambda: setattr(raw, "__code__", code))
 
 
 def _switch_off(target, exercise: str):
@@ -192,6 +183,9 @@ def _switch_off(target, exercise: str):
     raw = getattr(obj, "__func__", obj)  # a bound or class method: its function
     if hasattr(raw, "__code__"):           # a Python function: every reference to it is off
         return _switch_off_code(raw, message)
+
+    def replacement(*args, **kwargs):
+        raise Shortcut(message)
     if isinstance(obj, type):              # a class: constructing it raises
         # Through __init__, never __new__: once a __new__ assigned to a class is deleted again,
         # CPython's tp_new slot passes the arguments on to object.__new__, and the class can
@@ -201,33 +195,14 @@ def _switch_off(target, exercise: str):
         if hasattr(own_init, "__code__"):
             return _switch_off_code(own_init, message)
         owner, name, saved_attr = obj, "__init__", None   # inherited: a refusing one, deleted after
-
-        def replacement(self, *args, **kwargs):
-            raise Shortcut(message)
         key = ("attr", id(obj), "__init__")
     else:                                  # a builtin method (ProcessGroup.allreduce): replace the attribute
         if owner is None:
             raise TypeError(f"cannot switch off {obj!r}: name it as 'module:attr'")
         saved_attr = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
-
-        def replacement(*args, **kwargs):
-            raise Shortcut(message)
         key = ("attr", id(owner), name)
-    if key not in _ACTIVE:
-        _ACTIVE[key] = [owner, name, saved_attr, 0]
-        setattr(owner, name, replacement)
-    _ACTIVE[key][3] += 1
-
-    def restore_attr():
-        entry = _ACTIVE[key]
-        entry[3] -= 1
-        if entry[3] == 0:
-            if entry[2] is None:
-                delattr(entry[0], entry[1])
-            else:
-                setattr(entry[0], entry[1], entry[2])
-            del _ACTIVE[key]
-    return restore_attr
+    return _held(key, lambda: setattr(owner, name, replacement),
+                 lambda: delattr(owner, name) if saved_attr is None else setattr(owner, name, saved_attr))
 
 
 @contextlib.contextmanager
@@ -295,10 +270,8 @@ def learner_class(cls, *targets, exercise: str, seconds: float | None = None):
         raise TypeError(f"expected your class, got {type(cls).__name__}: {cls!r}")
     wrapped = {}
     for name, value in vars(cls).items():
-        if isinstance(value, staticmethod):
-            wrapped[name] = staticmethod(learner(value.__func__, *targets, exercise=exercise, seconds=seconds))
-        elif isinstance(value, classmethod):
-            wrapped[name] = classmethod(learner(value.__func__, *targets, exercise=exercise, seconds=seconds))
+        if isinstance(value, (staticmethod, classmethod)):
+            wrapped[name] = type(value)(learner(value.__func__, *targets, exercise=exercise, seconds=seconds))
         elif callable(value) and not isinstance(value, type) and hasattr(value, "__code__"):
             wrapped[name] = learner(value, *targets, exercise=exercise, seconds=seconds)
     return type(cls.__name__, (cls,), wrapped)

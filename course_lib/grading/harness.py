@@ -5,6 +5,8 @@ library's reference, a comparison and a hint per classic mistake.
     grads_differ(model, reference_model, **bounds)                        # every gradient, named
     run = guarded(targets, exercise=...); run(f, *args)                    # learner code in pieces
     check_in_process(name, harness, cases, timeout=...)                   # one process per case
+    on_ranks(name, harness, (2, 3), "label", fn=answer)                    # a case per world size
+    results = once(lambda: launch(...), hang=...); results()             # one launch, many cases
 
 Cases, checks on ranks, comparisons: :mod:`course_lib.grading`; guards:
 :mod:`~course_lib.grading.guard`; traffic: :mod:`~course_lib.grading.traffic`; training:
@@ -16,7 +18,7 @@ import copy
 import math
 from typing import Callable
 
-from course_lib.grading import Case, Mismatch, check, compare
+from course_lib.grading import Case, Mismatch, check, check_distributed, compare
 from course_lib.grading.guard import learner
 from course_lib.launch import LaunchTimeout, launch
 
@@ -103,4 +105,33 @@ def check_in_process(name: str, harness: Callable, cases, timeout: float, hang: 
     return check(name, cases, run)
 
 
-__all__ = ["check_answers", "check_in_process", "grads_differ", "guarded", "number", "table"]
+def on_ranks(name: str, harness: Callable, worlds, label: Callable | str = "", timeout: float = 30.0,
+             **params) -> bool:
+    """:func:`~course_lib.grading.check_distributed` of ``harness(**params)`` on each world size
+    of ``worlds`` (``label`` a string, or a function of the world size)."""
+    cases = [Case(dict(params), n, label(n) if callable(label) else label) for n in worlds]
+    return check_distributed(name, harness, cases, timeout=timeout)
+
+
+def once(run: Callable, hang: Callable | None = None) -> Callable:
+    """``results()``: ``run()``'s value (a launch that every case of a grader reads), computed
+    at the first call only; after a hang, the hint ``hang(exc)`` (a str, from the
+    :class:`LaunchTimeout`) instead; a run that failed (or hung, without ``hang``) raises its
+    error again at each call."""
+    memo = []
+
+    def results():
+        if not memo:
+            try:
+                memo.append(run())
+            except LaunchTimeout as exc:
+                memo.append(hang(exc) if hang else exc)
+            except Exception as exc:  # noqa: BLE001 - a rank died: check() turns it into its hint
+                memo.append(exc)
+        if isinstance(memo[0], Exception):
+            raise memo[0]
+        return memo[0]
+    return results
+
+
+__all__ = ["check_answers", "check_in_process", "grads_differ", "guarded", "once", "number", "on_ranks", "table"]

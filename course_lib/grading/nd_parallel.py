@@ -1,7 +1,5 @@
-"""Graders of chapter 9 (N-D parallelism): lay ranks out on a mesh, choose a layout by running
-it, name the group of a collective, repair the dims a composed run sums each gradient over.
-The real runs behind them live in the lab (:mod:`course_lib.lab.nd_exercise_runs`); the
-references are the library's: ``MeshShape.rank_sets``, ``check_layout`` and the plan's ``data_dims``.
+"""Graders of chapter 9 (N-D parallelism), against the library's ``MeshShape.rank_sets``,
+``check_layout``, the plan's ``data_dims`` and real runs (:mod:`course_lib.lab.nd_exercise_runs`).
 
     check_rank_groups(rank_groups)       # (sizes, dims) -> every group of global ranks along dims
     check_choose_layout(choose_layout)   # (cfg, world, budget_bytes, batch) -> dict(dp, pp, cp, tp, microbatches)
@@ -9,23 +7,23 @@ references are the library's: ``MeshShape.rank_sets``, ``check_layout`` and the 
     check_data_dims(data_dims)           # (marks, sizes) -> the mesh dims a gradient is summed over
 
 Tools the exercises use: :func:`measure_layouts`, :data:`WHATS`, :func:`buggy_data_dims`,
-:func:`composed_runs`. Each checker prints one line and returns True/False; a learner's
-exception, hang or wrong answer becomes the hint. While the learner's function runs, the
-library's mesh arithmetic and composition rules (and this module's answers) are off.
+:func:`composed_runs`. While the learner's function runs, the library's mesh arithmetic and
+composition rules (and this module's answers) are off.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import torch
 
 from course_lib.grading import Case, Mismatch, check, explain
 from course_lib.grading.guard import learner
-from course_lib.grading.harness import check_answers
+from course_lib.grading.harness import check_answers, once
 from course_lib.lab.nd_exercise_runs import (DATA_DIMS_RUNS, RECORDED, composed_runs_with, measure_layouts,
                                              record_and_answer, recorded_from, recorded_runs, tiny_config)
-from course_lib.launch import LaunchTimeout, launch
+from course_lib.launch import launch
 from course_lib.parallel import MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.compose import check_layout, data_dims
 
@@ -33,9 +31,7 @@ DIM_KEYS = ("dp", "pp", "cp", "tp")
 MESH_ARITHMETIC = ("course_lib.parallel.mesh:MeshShape.coords", "course_lib.parallel.mesh:MeshShape.rank_of",
                    "course_lib.parallel.mesh:MeshShape.rank_sets", "course_lib.parallel.mesh:Mesh",
                    "course_lib.parallel.mesh:GroupMesh")
-ANSWERS = tuple(f"course_lib.grading.nd_parallel:{f}" for f in (
-    "_groups", "_expected_group", "_expected_dims", "_valid_layouts", "_largest_fitting_dp")) + (
-    "course_lib.parallel.compose:data_dims",)
+ANSWERS = ("course_lib.grading.nd_parallel:_*", "course_lib.parallel.compose:data_dims")
 
 
 # ============================================================================ 1. groups of a mesh
@@ -57,8 +53,7 @@ def check_rank_groups(rank_groups) -> bool:
     """rank_groups(sizes, dims) -> every group along ``dims`` (a tuple of names from dp, pp,
     cp, tp, ep, edp): lists of the global ranks that differ only in those dims; on meshes with
     odd sizes, every single dim and several combinations, EP inside DP."""
-    shapes = [dict(dp=2, tp=2), dict(dp=3, tp=2), dict(dp=2, pp=2, cp=2, tp=2), dict(pp=3, cp=3),
-              dict(dp=1, pp=2, cp=2, tp=3), dict(dp=4, pp=2, ep=2), dict(dp=6, tp=2, ep=3)]
+    shapes = [s for s in GROUP_SHAPES if s != dict(dp=2, pp=2, tp=2)]   # (3D: inside 4D's groups)
     dim_sets = [("tp",), ("cp",), ("pp",), ("dp",), ("dp", "cp"), ("dp", "cp", "tp"), ("pp", "tp"),
                 ("dp", "pp", "cp")]
     cases = [Case(params=dict(args=(s, d)), label=f"{', '.join(f'{k}={v}' for k, v in s.items())}: groups "
@@ -78,20 +73,19 @@ def check_rank_groups(rank_groups) -> bool:
 
 
 # ============================================================================ 2. choose a layout
+def _refusal(cfg, lay, world_size, batch):
+    """None when check_layout accepts ``lay``, else its reason."""
+    try:
+        check_layout(cfg, **lay, world_size=world_size, batch=batch)
+    except ValueError as exc:
+        return str(exc)
+
+
 def _valid_layouts(cfg, world_size, batch):
-    """Every (dp, pp, cp, tp) with product ``world_size`` and microbatches = pp that
-    check_layout accepts (the reference's candidates)."""
-    out = []
-    for dp, pp, cp, tp in itertools.product(range(1, world_size + 1), repeat=4):
-        if dp * pp * cp * tp != world_size:
-            continue
-        lay = dict(dp=dp, pp=pp, cp=cp, tp=tp, microbatches=pp)
-        try:
-            check_layout(cfg, **lay, world_size=world_size, batch=batch)
-        except ValueError:
-            continue
-        out.append(lay)
-    return out
+    """Every (dp, pp, cp, tp) of ``world_size`` ranks, microbatches = pp, that check_layout accepts."""
+    sizes = itertools.product(range(1, world_size + 1), repeat=4)
+    layouts = [dict(zip(DIM_KEYS, d), microbatches=d[1]) for d in sizes if math.prod(d) == world_size]
+    return [lay for lay in layouts if _refusal(cfg, lay, world_size, batch) is None]
 
 
 LAYOUT_PROBLEMS = [  # (config overrides, world size, global batch); the cheapest first
@@ -115,18 +109,16 @@ def _largest_fitting_dp(measured, budget):
 
 
 def _as_layout(got):
+    keys = DIM_KEYS + ("microbatches",)
     if not isinstance(got, dict):
         raise Mismatch(f"expected a dict(dp=, pp=, cp=, tp=, microbatches=) or None, got {type(got).__name__}")
-    missing = [k for k in DIM_KEYS + ("microbatches",) if k not in got]
+    missing = [k for k in keys if k not in got]
     if missing:
         raise Mismatch(f"the layout dict lacks {missing}: give dp, pp, cp, tp and microbatches")
-    out = {}
-    for k in DIM_KEYS + ("microbatches",):
-        v = got[k]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise Mismatch(f"{k} must be an int, got {v!r}")
-        out[k] = v
-    return out
+    for k in keys:
+        if isinstance(got[k], bool) or not isinstance(got[k], int):
+            raise Mismatch(f"{k} must be an int, got {got[k]!r}")
+    return {k: got[k] for k in keys}
 
 
 def _describe(lay):
@@ -138,47 +130,37 @@ def check_choose_layout(choose_layout) -> bool:
     with microbatches = pp, that check_layout accepts, whose measured peak fits the budget on
     every rank, with the largest dp among the layouts that fit; None if none fits. Budgets
     sit exactly on the measured boundaries (a peak equal to the budget fits)."""
-    problems, cases = [], []
-    for k, (over, world, batch) in enumerate(LAYOUT_PROBLEMS):
+    cases, guarded = [], learner(choose_layout, ANSWERS, exercise="choosing the layout", seconds=300)  # it may measure
+    for over, world, batch in LAYOUT_PROBLEMS:
         cfg = tiny_config(**over)
-        layouts = _valid_layouts(cfg, world, batch)
-        problems.append((cfg, world, batch, layouts))
-        for dp in sorted({lay["dp"] for lay in layouts}, reverse=True):   # two budgets per dp: on and under
-            for under in (0, 1):
-                cases.append(Case(params=dict(k=k, dp=dp, under=under, world=world, batch=batch),
-                                  label=f"world_size={world}, batch={batch}, {cfg.n_layers} layers, seq_len="
-                                        f"{cfg.seq_len}, budget {'one byte under' if under else 'on'} the "
-                                        f"smallest peak with dp={dp}"))
-    measured_of = {}
-    guarded = learner(choose_layout, ANSWERS, exercise="choosing the layout", seconds=300)   # it may measure
-
-    def measured(k):  # measured when a case first needs it: a failing learner costs one launch
-        if k not in measured_of:
-            cfg, world, batch, layouts = problems[k]
-            measured_of[k] = list(zip(layouts, measure_layouts(cfg, world, layouts, batch)))
-        return measured_of[k]
+        layouts = _valid_layouts(cfg, world, batch)   # measured when a case first needs them: a failing
+        runs = once(lambda cfg=cfg, world=world, batch=batch, layouts=layouts:   # learner costs one launch
+                    list(zip(layouts, measure_layouts(cfg, world, layouts, batch))))
+        cases += [Case(params=dict(cfg=cfg, runs=runs, dp=dp, under=under, world=world, batch=batch),
+                       label=f"world_size={world}, batch={batch}, {cfg.n_layers} layers, seq_len={cfg.seq_len}, "
+                             f"budget {'one byte under' if under else 'on'} the smallest peak with dp={dp}")
+                  for dp in sorted({lay["dp"] for lay in layouts}, reverse=True) for under in (0, 1)]
 
     def run(case):
         p = case.params
-        cfg, runs = problems[p["k"]][0], measured(p["k"])
-        p["budget"] = _best_per_dp(runs)[p["dp"]] - p["under"]
-        want = _largest_fitting_dp(runs, p["budget"])
-        got = guarded(dataclasses.replace(cfg), p["world"], p["budget"], p["batch"])
+        runs = p["runs"]()
+        budget = _best_per_dp(runs)[p["dp"]] - p["under"]
+        want = _largest_fitting_dp(runs, budget)
+        got = guarded(dataclasses.replace(p["cfg"]), p["world"], budget, p["batch"])
         if got is None:
             return None if want is None else f"got None, but a layout with dp={want} fits"
         lay = _as_layout(got)
         if want is None:
             smallest = min(pk for _, pk in runs)
-            return f"got {_describe(lay)}, but no layout fits {p['budget']} bytes (smallest peak {smallest})"
+            return f"got {_describe(lay)}, but no layout fits {budget} bytes (smallest peak {smallest})"
         if lay["microbatches"] != lay["pp"]:
             return f"use microbatches = pp (one per stage): got microbatches={lay['microbatches']} with pp={lay['pp']}"
-        try:
-            check_layout(cfg, **lay, world_size=p["world"], batch=p["batch"])
-        except ValueError as exc:
-            return f"{_describe(lay)} is not a valid layout: {exc}"
-        peak = dict((tuple(sorted(m.items())), pk) for m, pk in runs)[tuple(sorted(lay.items()))]
-        if peak > p["budget"]:
-            return f"{_describe(lay)} peaks at {peak} bytes on its fullest rank, over the budget of {p['budget']}"
+        refusal = _refusal(p["cfg"], lay, p["world"], p["batch"])
+        if refusal:
+            return f"{_describe(lay)} is not a valid layout: {refusal}"
+        peak = next(pk for m, pk in runs if m == lay)
+        if peak > budget:
+            return f"{_describe(lay)} peaks at {peak} bytes on its fullest rank, over the budget of {budget}"
         if lay["dp"] < want:
             return f"{_describe(lay)} fits, but a layout with dp={want} fits too: the largest dp is wanted"
         return None
@@ -227,33 +209,20 @@ GROUP_SHAPES = [  # mesh arithmetic, every rank and every collective
 
 
 def _answers(group_of):
-    """In a process of its own: the learner's answer to each query, or the error it raised."""
+    """In a rank: the learner's answer to each query (a list of ints), or a hint."""
     def answer(queries):
         out = []
         for shape, rank, what in queries:
             try:
                 got = group_of(dict(shape), rank, what)
-                if hasattr(got, "tolist"):
-                    got = got.tolist()
-                if isinstance(got, (list, tuple, set, range)):
-                    got = [int(r) for r in got]
-                out.append(("ok", got))
+                got = got.tolist() if hasattr(got, "tolist") else got
+                if not isinstance(got, (list, tuple, set, range)):
+                    raise Mismatch(f"expected a sorted list of global ranks, got {got!r}")
+                out.append([int(r) for r in got])
             except Exception as exc:  # noqa: BLE001 - a learner's error becomes a hint
-                out.append(("error", explain(exc)))
+                out.append(explain(exc))
         return out
     return answer
-
-
-def _judge(answer, want, rank, what):
-    status, got = answer
-    where = f"rank {rank}, {what!r}"
-    if status == "error":
-        return f"{where}: {got}"
-    if not isinstance(got, list):
-        return f"{where}: expected a sorted list of global ranks, got {got!r}"
-    if got != want:
-        return f"{where}: got {got}, expected {want}"
-    return None
 
 
 def check_group_of(group_of, timeout=60.0) -> bool:
@@ -274,28 +243,24 @@ def check_group_of(group_of, timeout=60.0) -> bool:
                           label=f"{label}, groups recorded in a real run"))
         queries += qs
     guarded = learner(_answers(group_of), ANSWERS, exercise="naming the group")
-    problem = None
-    try:
+
+    def answers():   # one launch: the groups a real run used, and the learner's answers
         per_rank = launch(record_and_answer, 4, recorded_runs(RECORDED), guarded, queries, threads=1,
                           timeout=timeout, quiet=True)
-        recorded, answers = recorded_from([found for found, _ in per_rank], RECORDED), per_rank[0][1]
-    except LaunchTimeout:
-        answers, problem = None, f"no answer after {timeout:g} s: an endless loop?"
-    except Exception as exc:  # noqa: BLE001 - e.g. group_of cannot be shipped: check() explains it
-        answers, problem = None, exc
+        return recorded_from([found for found, _ in per_rank], RECORDED), per_rank[0][1]
+    results = once(answers, hang=lambda exc: f"no answer after {timeout:g} s: an endless loop?")
 
     def run(case):
-        if isinstance(problem, Exception):
-            raise problem
-        if answers is None:
-            return problem
-        p = case.params
+        out, p = results(), case.params
+        if isinstance(out, str):
+            return out
+        recorded, got_all = out
         for k, (shape, rank, what) in enumerate(p["qs"]):
             want = (_expected_group(shape, rank, what) if p["kind"] == "arithmetic"
                     else recorded[(p["label"], rank, what)])
-            msg = _judge(answers[p["start"] + k], want, rank, what)
-            if msg:
-                return msg
+            got = got_all[p["start"] + k]
+            if got != want:
+                return f"rank {rank}, {what!r}: " + (got if isinstance(got, str) else f"got {got}, expected {want}")
         return None
     return check("group_of", cases, run)
 
@@ -370,7 +335,9 @@ def check_data_dims(data_dims, timeout=90.0) -> bool:
     guarded = learner(data_dims, ANSWERS, exercise="the dims a gradient is summed over", seconds=5)
     cases = [Case(params=dict(rules=True), label="the rule on 6 meshes, experts with cp > 1 among them")]
     cases += [Case(params=dict(i=i), label=label) for i, (label, *_) in enumerate(DATA_DIMS_RUNS)]
-    outcome = {}
+    results = once(lambda: composed_runs(guarded, timeout=timeout), hang=lambda exc: (
+        f"hung (no result after {timeout:g} s): do the ranks of a group all agree on its dims? "
+        + "; ".join(f"rank {r} {what}" for r, what in sorted(exc.stuck.items())[:2])))
 
     def rules():
         for marks, sizes in RULE_CASES:
@@ -391,18 +358,8 @@ def check_data_dims(data_dims, timeout=90.0) -> bool:
     def run(case):
         if case.params.get("rules"):
             return rules()
-        if not outcome:
-            try:
-                outcome["results"] = composed_runs(guarded, timeout=timeout)
-            except LaunchTimeout as exc:
-                stuck = "; ".join(f"rank {r} {what}" for r, what in sorted(exc.stuck.items())[:2])
-                outcome["problem"] = (f"hung (no result after {timeout:g} s): do the ranks of a group all "
-                                      f"agree on its dims? {stuck}")
-            except Exception as exc:  # noqa: BLE001 - a rank died: check() turns it into its hint
-                outcome["problem"] = exc
-        if isinstance(outcome.get("problem"), Exception):
-            raise outcome["problem"]
-        return outcome.get("problem") or outcome["results"][case.params["i"]]
+        out = results()
+        return out if isinstance(out, str) else out[case.params["i"]]
     return check("data_dims", cases, run)
 
 

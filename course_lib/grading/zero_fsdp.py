@@ -1,5 +1,5 @@
-"""Graders of chapter 4 (ZeRO and FSDP), trained on real ranks and compared with
-single-device training on the full batch (the harness: :mod:`course_lib.grading.training`).
+"""Graders of chapter 4 (ZeRO and FSDP): trained on real ranks against one device on the full
+batch (:mod:`course_lib.grading.training`), the library's ZeRO / FSDP / DDP and formulas off.
 
     check_zero1_step(zero1_step)           # (flat, flat_grad, shard, optimizer): RS, step, AG
     check_zero2_hooks(make_zero2_hooks)    # one async reduce-scatter per bucket; keep the shard only
@@ -7,13 +7,11 @@ single-device training on the full batch (the harness: :mod:`course_lib.grading.
     check_bytes_per_step(predict)          # (n_params, root, stage, world_size, impl) -> bytes sent
     check_fsdp_unit(GatherParams)          # autograd.Function: all-gather fwd, reduce-scatter bwd
     check_fsdp_prefetch(run_units)         # next unit's all-gather in flight while a unit computes
-
-While the learner's code runs, course_lib's ZeRO / FSDP / data parallelism, torch's and the
-planner's formulas are switched off (:mod:`course_lib.grading.guard`).
 """
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -24,10 +22,12 @@ from course_lib.grading import Case, Mismatch, check_distributed, compare, learn
 from course_lib.grading import training as T
 from course_lib.grading.data_parallel import BUCKET_CAPS
 from course_lib.grading.guard import TORCH_DATA_PARALLEL
-from course_lib.grading.harness import check_answers, number, table
+from course_lib.grading.harness import check_answers, number, on_ranks, table
 from course_lib.grading.p2p import SameCollectives
 from course_lib.lab.zero_measurements import MEASURED_PARAMS, MEASURED_ROOT_PARAMS, MEASURED_SENT
+from course_lib.collectives import Comm
 from course_lib.parallel.fsdp_params import ShardedUnit
+from course_lib.parallel.zero import ShardedBucket, all_gather_buckets
 from course_lib.planner.communication import dp_bytes_per_step
 
 ZERO_LIBRARY = ("course_lib.parallel.zero:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.grad_sync:*",
@@ -54,7 +54,7 @@ def _zero_traffic_hint(watch, world):
 # ----------------------------------------------------------------------------- 3. ZeRO-1
 def _zero1_harness(zero1_step):
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = T.mlp(rank)
+    model = T.mlp(0)                  # rank 0's MLP on every rank (seeded)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     size = math.ceil(numel / world)
@@ -62,7 +62,6 @@ def _zero1_harness(zero1_step):
     for p, view in zip(params, flat.split([p.numel() for p in params] + [size * world - numel])):
         view.copy_(p.detach().view(-1))
         p.data = view.view_as(p)
-    dist.broadcast(flat, 0)
     mine = slice(rank * size, (rank + 1) * size)
     shard = flat[mine].clone()  # this rank's master slice
     answer = learner(zero1_step, ZERO_LIBRARY, exercise="the ZeRO-1 step")
@@ -73,8 +72,7 @@ def _zero1_harness(zero1_step):
     for batch in T.data():
         x, y = T.local(batch, rank, world)
         F.mse_loss(model(x), y).backward()
-        flat_grad = torch.zeros_like(flat)
-        flat_grad[:numel] = torch.cat([p.grad.view(-1) for p in params])
+        flat_grad = torch.cat([p.grad.view(-1) for p in params] + [torch.zeros(flat.numel() - numel)])
         mean, magnitude = flat_grad.clone(), flat_grad.abs()  # the owned slice's mean; sum over ranks of |g_i|
         dist.all_reduce(mean)
         dist.all_reduce(magnitude)
@@ -120,8 +118,7 @@ def check_zero1_step(zero1_step):
     """zero1_step(flat, flat_grad, shard, optimizer): flat (world*S,) the full padded parameters,
     flat_grad this rank's (unsynchronised) gradient of them, shard (S,) the slice this rank
     owns with ``optimizer`` over it. Afterwards flat must hold the updated parameters."""
-    cases = [Case({"zero1_step": zero1_step}, world_size=n, label=f"MLP {T.SIZES}, AdamW") for n in (2, 3, 1)]
-    return check_distributed("zero1_step", _zero1_harness, cases, timeout=60)
+    return on_ranks("zero1_step", _zero1_harness, (2, 3, 1), f"MLP {T.SIZES}, AdamW", 60, zero1_step=zero1_step)
 
 
 # ----------------------------------------------------------------------------- 4b. ZeRO-2 hooks
@@ -136,8 +133,8 @@ def _zero2_hooks_harness(make_hooks, cap):
     if isinstance(first, str):
         return first
     params, buckets = first
-    numels = [[params[i].numel() for i in ids] for ids in buckets]
-    sizes = [math.ceil(sum(n) / world) for n in numels]  # S_b
+    owned = [ShardedBucket(b, ids, params, rank, world) for b, ids in enumerate(buckets)]   # the library's layout
+    comm = Comm(dim="dp")
     for step, shards, calls, overlapped in steps:
         kinds = [k for k, _ in calls]
         if world > 1 and "all_reduce" in kinds:
@@ -154,16 +151,13 @@ def _zero2_hooks_harness(make_hooks, cap):
                     f"finish(): ZeRO-2 keeps only the owned shard (set p.grad = None)")
         if not isinstance(shards, (list, tuple)) or len(shards) != len(buckets):
             return f"finish() should return one gradient shard per bucket ({len(buckets)}), got {shards!r}"
-        for b, (ids, size, shard) in enumerate(zip(buckets, sizes, shards)):
-            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (size,):
+        for b, shard in zip(owned, shards):
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard,):
                 got = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
-                return f"bucket {b}: the shard should be a ({size},) tensor, got {got}"
-            with torch.no_grad():   # SGD on the owned slice of the bucket's (N * S_b,) padded parameters
-                flat = torch.zeros(size * world)
-                flat[:sum(numels[b])] = torch.cat([params[i].reshape(-1) for i in ids])
-                compat.all_gather_into_tensor(flat, (flat[rank * size:(rank + 1) * size] - T.LR * shard).contiguous())
-                for i, new in zip(ids, flat.split(numels[b] + [size * world - sum(numels[b])])):
-                    params[i].copy_(new.view_as(params[i]))
+                return f"bucket {b.index}: the shard should be a ({b.shard},) tensor, got {got}"
+        with torch.no_grad():   # SGD on the owned slices, all-gathered as the library's ZeRO does
+            all_gather_buckets(owned, params, lambda b: [view - T.LR * shards[b.index][at:at + hi - lo]
+                                                         for _, lo, hi, at, view in b.pieces], lambda b: comm)
     return T.compare_params(params, T.single_device(T.sgd))
 
 
@@ -244,10 +238,7 @@ def _sharded_mlp(sizes=T.SIZES):
     """Rank 0's MLP on every rank, one FSDP unit per Linear (weight and bias cut along dim 0,
     this rank's rows packed: (S,)): [(unit, a copy of its shard)]."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = T.mlp(rank, sizes)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), 0)
-    units = [ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world) for layer in model.layers]
+    units = [ShardedUnit(0, "", layer, [layer.weight, layer.bias], [], rank, world) for layer in T.mlp(0, sizes).layers]
     return [(unit, unit.flat_shard.clone()) for unit in units]
 
 
@@ -312,9 +303,8 @@ def _fsdp_unit_harness(GatherParams):
 def check_fsdp_unit(GatherParams):
     """GatherParams.apply(shard) -> the all-gathered flat parameters; its backward must
     reduce-scatter the gradient and return the *mean* gradient of this rank's shard."""
-    cases = [Case({"GatherParams": GatherParams}, world_size=n, label=f"MLP {T.SIZES}, one unit per layer")
-             for n in (2, 3, 1)]
-    return check_distributed("fsdp_unit", _fsdp_unit_harness, cases)
+    return on_ranks("fsdp_unit", _fsdp_unit_harness, (2, 3, 1), f"MLP {T.SIZES}, one unit per layer",
+                    GatherParams=GatherParams)
 
 
 # ----------------------------------------------------------------------------- 4b'. FSDP prefetch
@@ -330,15 +320,13 @@ class _PrefetchLog:
         self.events.append(("gather", k))
         self.live.add(k)
         self.peak = max(self.peak, len(self.live))
-        log = self
 
-        class Handle:
-            def wait(self):
-                if work is not None:
-                    work.wait()
-                log.events.append(("wait", k))
-                return _unit_params(unit, full)
-        return Handle()
+        def wait():
+            if work is not None:
+                work.wait()
+            self.events.append(("wait", k))
+            return _unit_params(unit, full)
+        return SimpleNamespace(wait=wait)
 
     def compute(self, k, full):
         """The compute(k, full) handed to the learner: refuses a unit out of order at once."""
