@@ -255,7 +255,9 @@ class Comm:
         with ``peer`` and ``tag`` fixed, for an algorithm that posts many such messages in one
         call (a ring: 2(N-1) and more). The same messages, counted and recorded alike; what
         they share (the process group's call, the recorder's call site and text) is looked
-        up once. An empty tensor posts nothing and gets :data:`NOTHING`, whose wait returns."""
+        up once, and the flight recorder keeps its recorded posts from one call to the next
+        (``flight_recorder.p2p_poster``: this call's group and Comm held weakly). An empty
+        tensor posts nothing and gets :data:`NOTHING`, whose wait returns."""
         if op not in ("send", "recv"):
             raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
         if (trace.clock() is not None or (dist.isend, dist.irecv) != (_TORCH_ISEND, _TORCH_IRECV)
