@@ -404,3 +404,24 @@ def test_segmented_ring_is_bitwise_the_unsegmented_ring(N):
         # 4 segments of 1000 B per chunk: 4x the messages, the same bytes
         assert counts[None] == (2 * (N - 1), 2 * (N - 1) * 4000)
         assert counts[1000] == (2 * (N - 1) * 4, 2 * (N - 1) * 4000)
+
+
+def test_contiguous_flat_writes_back_a_copy_and_yields_a_flat_tensor_as_it_is():
+    """core.contiguous_flat: a non-contiguous tensor is worked on in a contiguous copy, written
+    back on exit (not after an error); a 1-D contiguous tensor is yielded itself, others as a view."""
+    from course_lib.collectives.core import contiguous_flat, contiguous_flats
+
+    t = torch.arange(12.).reshape(3, 4).t()                     # not contiguous
+    with contiguous_flat(t) as flat:
+        assert flat.shape == (12,) and flat.is_contiguous()
+        flat.mul_(2)
+    assert torch.equal(t, torch.arange(12.).reshape(3, 4).t() * 2)
+    with pytest.raises(RuntimeError), contiguous_flat(t) as flat:
+        flat.zero_()
+        raise RuntimeError("inside")
+    assert torch.equal(t, torch.arange(12.).reshape(3, 4).t() * 2)   # the copy was not written back
+    u, m = torch.arange(6.), torch.zeros(2, 3)
+    with contiguous_flat(u) as flat, contiguous_flat(m) as flat_m:
+        assert flat is u and flat_m.shape == (6,) and flat_m.data_ptr() == m.data_ptr()
+    with contiguous_flats([t, u]) as flats:
+        assert [f.shape for f in flats] == [(12,), (6,)]

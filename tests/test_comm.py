@@ -170,12 +170,28 @@ def message_records():
         except ValueError as e:
             groups.append(str(e))
         groups.append((Comm().rank, Comm().size, Comm().ranks))
+    # the posts kept from call to call: each call's records carry its own call site (two lines)
+    start, y = rec.index, torch.ones(6)
+    ring.all_reduce(y)                                           # site A
+    ring.all_reduce(y)                                           # site B, the next line
+    two_calls = [(r.op, r.seq, r.tag, r.site, r.state) for r in rec.records() if r.index > start]
+    # ... and they keep neither a tensor nor a destroyed group alive
+    import gc
+    import weakref
+    whole = dist.new_group([0, 1, 2])
+    t = torch.ones(6)
+    refs = weakref.ref(t), weakref.ref(whole)
+    ring.all_reduce(t, group=whole)
+    dist.destroy_process_group(whole)
+    del t, whole
+    gc.collect()
+    freed = [ref() is None for ref in refs]
     # time_ops(shuffle=True): each repetition in its own order, the same on every rank
     order = []
     times = measure.time_ops({k: (lambda k=k: order.append(k)) for k in "abc"}, reps=4, warmup=1, shuffle=True)
     return dict(total=x[0].item(), groups=groups, order=order, times={k: len(v) for k, v in times.items()}, in_ring=[(r.op, r.seq, r.tag, r.shapes, r.site, r.state) for r in in_ring],
                 own=[(r.op, r.tag, r.site, r.state) for r in own], counted=sorted(c.op for c in calls.calls),
-                posted=posted, retyped=retyped, done=done, bad_op=bad_op, nothing=handles[2] is handles[3],
+                posted=posted, retyped=retyped, two_calls=two_calls, freed=freed, done=done, bad_op=bad_op, nothing=handles[2] is handles[3],
                 traffic=(counter.bytes_sent, counter.bytes_received, counter.messages_sent),
                 rank=dist.get_rank())
 
@@ -210,6 +226,19 @@ def test_messages_are_recorded_with_their_call_site_and_still_reach_wrapped_send
         sites = {p[5] for p in posted}
         assert len(sites) == 1 and sites.pop().startswith("message_records (")
         assert {int(p[5].split(":")[-1].rstrip(")")) for p in posted} == {lines[2] + 4}
+        # two calls from two lines: 8 messages each (3 ranks, 6 elements: one segment a chunk), each
+        # call's records with its own line, the sequence numbers running on from one call to the next
+        two = out["two_calls"]
+        assert len(two) == 16 and {state for *_, state in two} == {"completed"}
+        line_a = int(two[0][3].split(":")[-1].rstrip(")"))
+        for call, site_line in ((two[:8], line_a), (two[8:], line_a + 1)):
+            assert {int(site.split(":")[-1].rstrip(")")) for *_, site, _ in call} == {site_line}
+            assert all(site.startswith("message_records (") for *_, site, _ in call)
+        for op in ("send", "recv"):
+            for tag in (0, 1):
+                seqs = [seq for o, seq, t, *_ in two if o == op and t == tag]
+                assert len(seqs) == 4 and seqs == list(range(seqs[0], seqs[0] + 4))
+        assert out["freed"] == [True, True]   # the tensor and the destroyed group: nothing kept them
         assert out["retyped"] == [("recv", 2, ((5,),), ("float64",), "completed"), ("send", 2, ((5,),), ("float64",), "completed"),
                                   ("recv", 3, ((5,),), ("complex64",), "completed"),
                                   ("send", 3, ((5,),), ("complex64",), "completed")]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import sys
 import weakref
@@ -254,30 +255,32 @@ class Comm:
         with ``peer`` and ``tag`` fixed, for an algorithm that posts many such messages in one
         call (a ring: 2(N-1) and more). The same messages, counted and recorded alike; what
         they share (the process group's call, the recorder's call site and text) is looked
-        up once. An empty tensor posts nothing and gets :data:`NOTHING`, whose wait returns."""
+        up once, and the flight recorder keeps its recorded posts from one call to the next
+        (``flight_recorder.p2p_poster``: this call's group and Comm held weakly). An empty
+        tensor posts nothing and gets :data:`NOTHING`, whose wait returns."""
         if op not in ("send", "recv"):
             raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
-
-        def slow(tensor):   # what post_send / post_recv do, for what the fast path leaves out
-            shape = tensor.shape
-            return NOTHING if 0 in shape else self._message(op, tensor, peer, tag, shape)
         if (trace.clock() is not None or (dist.isend, dist.irecv) != (_TORCH_ISEND, _TORCH_IRECV)
-                or self.counter is not None):
-            return slow   # priced on a virtual clock, isend / irecv wrapped, or counted: all through _message
-        call = self._pg.send if op == "send" else self._pg.recv
-        cpu_only = self._p2p_cpu_only
-        recorded = flight.p2p_poster(self, op, peer, tag, call, slow, cpu_only)   # None: recorder off
+                or self.counter is not None):   # priced on a virtual clock, isend / irecv wrapped, or
+            return functools.partial(self.post_slow, op, peer=peer, tag=tag)   # counted: all through _message
+        recorded = flight.p2p_poster(self, op, peer, tag)   # None: recorder off
         if recorded is not None:
             return recorded
+        call, cpu_only, slow = self._pg.send if op == "send" else self._pg.recv, self._p2p_cpu_only, self.post_slow
 
         def post(tensor):
             shape = tensor.shape
             if 0 in shape:
                 return NOTHING
             if tensor.dtype.is_complex or (cpu_only and not tensor.is_cpu):
-                return slow(tensor)   # torch's isend views complex as real; the device check
+                return slow(op, tensor, peer, tag)   # torch's isend views complex as real; the device check
             return call([tensor], peer, tag)
         return post
+
+    def post_slow(self, op, tensor, peer, tag):
+        """What post_send / post_recv do: a poster's path for what its fast path leaves out."""
+        shape = tensor.shape
+        return NOTHING if 0 in shape else self._message(op, tensor, peer, tag, shape)
 
     def _message(self, op, tensor, peer, tag, shape=None):
         """One message posted, counted, recorded. Called straight from the four methods above:

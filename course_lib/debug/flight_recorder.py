@@ -37,6 +37,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from course_lib import trace
@@ -207,6 +208,7 @@ class FlightRecorder:
                 os.close(fd)
         self.index, self._seq, self._groups, self._lock = 0, {}, {}, threading.Lock()
         self._texts = {}   # a call's fields -> (its sequence counter, encoded text): see record()
+        self._posters = {}   # (op, dim, ranks, peer, tag, cpu_only) -> make(...): see p2p_poster()
         self._mm[:_HEADER.size] = _HEADER.pack(_MAGIC, 0, slots)
 
     def record(self, op, dim, ranks, tensors, peer=None, tag=0, extra="", span="", site="",
@@ -251,6 +253,14 @@ class FlightRecorder:
             self._texts.clear()
         self._texts[fields] = known = (count, tail)
         return known
+
+    def poster_maker(self, op, dim, ranks, peer, tag, cpu_only):
+        """The maker of :func:`p2p_poster`'s posts for one kind of message, kept."""
+        if len(self._posters) > _MEMO_MAX:
+            self._posters.clear()
+        make = self._posters[op, dim, ranks, peer, tag, cpu_only] = _poster_maker(
+            self, op, dim, ranks, peer, tag, cpu_only)
+        return make
 
     def enqueued(self, entry: Entry):
         """The CPU call returned: mark it enqueued until its CUDA event fires."""
@@ -438,59 +448,83 @@ def p2p(comm, op, tensor, peer, tag, work, shape=None, dtype=None):
                        tensor.device.index if rec.cuda_events and tensor.is_cuda else None)
 
 
-def p2p_poster(comm, op, peer, tag, call, slow, cpu_only=True):
+def p2p_poster(comm, op, peer, tag):
     """What :func:`p2p` does for every message of one kind (``op``, ``peer``, ``tag``) that an
     algorithm posts in one call (``Comm.poster``), with what they share looked up once, not
-    once a message: ``post(tensor)`` posts a message with ``call([tensor], peer, tag)`` (the
-    process group's send or recv) and records it, in one Python frame (a ring posts 2(N-1)
-    messages a call at least, between copies that leave the caches cold: each frame costs).
-    An empty tensor, a complex one or, on gloo (``cpu_only``), one off the CPU goes through
-    ``slow(tensor)``, the Comm's own path (which skips, views as real or refuses it). None when
-    no recorder is on.
+    once a message: ``post(tensor)`` posts a message straight to the process group's send or
+    recv and records it, in one Python frame (a ring posts 2(N-1) messages a call at least,
+    between copies that leave the caches cold: each frame costs). An empty tensor, a complex
+    one or, on gloo, one off the CPU goes through ``comm.post_slow``, the Comm's own path
+    (which skips, views as real or refuses it). None when no recorder is on.
 
-    The call site, the innermost span and the group are read when the algorithm asks for
-    it (before its first message; nothing opens a span between them), the encoded text
-    once per shape. Each message still gets its own record, index and sequence number,
-    states waiting and completed: the records are those :func:`p2p` writes."""
+    The call site and the innermost span are read when the algorithm asks for ``post``
+    (before its first message; nothing opens a span between them). The posts themselves are
+    kept by the recorder from one call to the next (:meth:`FlightRecorder.poster_maker`), one
+    per call site and span, keyed by the group's ranks: they hold this call's process group
+    and Comm only weakly, so a group that is destroyed, or a Comm, is freed as if never
+    posted to. Each message still gets its own record, index and sequence number, states
+    waiting and completed: the records are those :func:`p2p` writes."""
     rec = _recorder
     if rec is None:
         return None
-    site = getattr(comm, "_site", None)
+    site = comm._site
     if site is None:
         site = call_site(2)   # the layer's own frames are skipped: the algorithm's caller
-        if getattr(comm, "one_call", False):
+        if comm.one_call:
             comm._site = site
     spans = trace.recorder()._open
-    head = (op, comm.dim, tuple(comm.ranks))
-    tail = (comm.ranks[peer], tag, "", spans[-1] if spans else "", site)
-    texts = {}   # shape -> (dtype, sequence counter, encoded text, its length)
+    key = (op, comm.dim, tuple(comm.ranks), peer, tag, comm._p2p_cpu_only)
+    make = rec._posters.get(key) or rec.poster_maker(*key)
+    return make(site, spans[-1] if spans else "", comm)
+
+
+def _poster_maker(rec, op, dim, ranks, peer, tag, cpu_only):
+    """``make(site, span, comm) -> post``: the recorded posts of one kind of message (see
+    :func:`p2p_poster`), one per call site and span, each with the encoded text of its shapes."""
+    head, global_peer = (op, dim, ranks), ranks[peer]
+    posts = {}          # (site, span) -> post
+    now = [None] * 3    # this call's process group and Comm (weak references), the group's send / recv
     cuda, lock, slots, new = rec.cuda_events, rec._lock, rec.slots, object.__new__
     pack_slot, pack_count, text_at = _SLOT.pack_into, _COUNT.pack_into, _SLOT.size
 
-    def post(tensor):
-        shape, dtype = tensor.shape, tensor.dtype
-        known = texts.get(shape)   # a shape seen before is not empty
-        if known is None or known[0] is not dtype or (cpu_only and not tensor.is_cpu):
-            if 0 in shape or dtype.is_complex or (cpu_only and not tensor.is_cpu):
-                return slow(tensor)
-            fields = head + ((shape,), (dtype,)) + tail
-            count, text = rec._texts.get(fields) or rec._remember(fields)
-            known = texts[shape] = (dtype, count, text, len(text))
-        work = call([tensor], peer, tag)
-        _, count, text, length = known
-        with lock:   # (FlightRecorder._put, inline)
-            index = rec.index = rec.index + 1
-            seq = count[0] = count[0] + 1
-            offset = _HEADER_BYTES + (index - 1) % slots * SLOT_BYTES
-            mm = rec._mm   # the text, then the head (its index makes the slot valid), then the count
-            mm[offset + text_at:offset + text_at + length] = text
-            pack_slot(mm, offset, b"i", length, index, seq)
-            pack_count(mm, 8, index)
-        tracked = new(TrackedWork)   # (TrackedWork(...) without its __init__'s frame)
-        tracked._work, tracked._fr, tracked.index, tracked._offset, tracked.gpu = (
-            work, rec, index, offset, tensor.device.index if cuda and tensor.is_cuda else None)
-        return tracked
-    return post
+    def make(site, span, comm):
+        pg = comm._pg
+        now[0], now[1], now[2] = weakref.ref(pg), weakref.ref(comm), getattr(type(pg), op)
+        post = posts.get((site, span))
+        if post is None:
+            if len(posts) > _MEMO_MAX:
+                posts.clear()
+            post = posts[site, span] = _post(site, span)
+        return post
+
+    def _post(site, span):
+        tail, texts = (global_peer, tag, "", span, site), {}   # texts: shape -> (dtype, counter, text, length)
+
+        def post(tensor):
+            shape, dtype = tensor.shape, tensor.dtype
+            known = texts.get(shape)   # a shape seen before is not empty
+            if known is None or known[0] is not dtype or (cpu_only and not tensor.is_cpu):
+                if 0 in shape or dtype.is_complex or (cpu_only and not tensor.is_cpu):
+                    return now[1]().post_slow(op, tensor, peer, tag)
+                fields = head + ((shape,), (dtype,)) + tail
+                count, text = rec._texts.get(fields) or rec._remember(fields)
+                known = texts[shape] = (dtype, count, text, len(text))
+            work = now[2](now[0](), [tensor], peer, tag)   # pg.send([tensor], peer, tag)
+            _, count, text, length = known
+            with lock:   # (FlightRecorder._put, inline)
+                index = rec.index = rec.index + 1
+                seq = count[0] = count[0] + 1
+                offset = _HEADER_BYTES + (index - 1) % slots * SLOT_BYTES
+                mm = rec._mm   # the text, then the head (its index makes the slot valid), then the count
+                mm[offset + text_at:offset + text_at + length] = text
+                pack_slot(mm, offset, b"i", length, index, seq)
+                pack_count(mm, 8, index)
+            tracked = new(TrackedWork)   # (TrackedWork(...) without its __init__'s frame)
+            tracked._work, tracked._fr, tracked.index, tracked._offset, tracked.gpu = (
+                work, rec, index, offset, tensor.device.index if cuda and tensor.is_cuda else None)
+            return tracked
+        return post
+    return make
 
 
 class TrackedWork(Entry):
