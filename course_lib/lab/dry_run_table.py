@@ -17,28 +17,28 @@ import sys
 
 from course_lib.lab.dry_runs import published_row, published_runs, summary
 
-RECORDED_ON = ("2026-11-29, commit f604383, this project's 2-core machine (loaded: wall_s and "
+RECORDED_ON = ("2026-11-29, commit baae1f8, this project's 2-core machine (loaded: wall_s and "
                "cpu_s are that machine's)")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
-    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.1128127726413248, 43.66, True, 2, 2),
-    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.453324565457592, 55.43, True, 5, 4),
-    ('Korthikanti 2022 T5', 'GPT 530B', 280): (36.127751234490276, 53.28, True, 27, 26),
-    ('Korthikanti 2022 T5', 'GPT 1T', 512): (68.991388273142, 71.39, True, 56, 54),
-    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.194960929606579, 31.44, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.4163170189105556, 34.2, True, 0, 0),
-    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.504372301840617, 38.27, True, 0, 0),
-    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.947596363480606, 42.67, True, 1, 1),
-    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.283550182624985, 43.11, True, 1, 2),
-    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.624876301085903, 42.48, True, 2, 2),
-    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.364386335349543, 46.47, True, 3, 3),
-    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (34.61418456029069, 47.39, True, 10, 10),
-    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (49.61874756101029, 42.94, True, 20, 20),
-    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (97.72573950867266, 46.59, True, 39, 39),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (96.88091617878914, 31.91, True, 6, 7),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.017737011450425, 99.7, False, 31, 31),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.155906772432091, 90.79, False, 24, 25),
-    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.096824442434055, 95.36, False, 54, 50),
+    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.2187599420174722, 48.91, True, 3, 2),
+    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.344390272681293, 61.11, True, 5, 4),
+    ('Korthikanti 2022 T5', 'GPT 530B', 280): (35.32664056251025, 57.97, True, 36, 23),
+    ('Korthikanti 2022 T5', 'GPT 1T', 512): (67.09746444057842, 77.01, True, 149, 64),
+    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.3402144527808035, 37.68, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.5293202410531754, 39.13, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.567909682183209, 42.6, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.948176166622124, 47.23, True, 7, 1),
+    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.101990586274967, 47.81, True, 3, 1),
+    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.412405880633237, 47.19, True, 3, 2),
+    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (22.82329330250621, 51.26, True, 9, 3),
+    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (33.767080984851674, 52.65, True, 27, 12),
+    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (48.203197201660934, 48.14, True, 34, 22),
+    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (94.35661721376326, 52.22, True, 67, 38),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (99.94702051972176, 43.02, True, 17, 11),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.386494579427996, 99.83, False, 37, 31),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.58618509070976, 90.87, False, 24, 21),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.521701757111003, 95.5, False, 59, 62),
 }
 
 
