@@ -1,5 +1,6 @@
-"""The sweep's one peak-memory row over 10% (benchmarks/dry_run_vs_planner.json: Llama 3 8B, A100,
-DP4 ZeRO-3 x TP4 x PP2 x CP2, full recomputation, +17.1%) is the planner's temporaries, which
+"""The earlier sweep's one peak-memory row over 10% (its draw before ZeRO-1/2 were drawn; its dry run
+kept in benchmarks/dry_run_vs_planner.json: Llama 3 8B, A100, DP4 ZeRO-3 x TP4 x PP2 x CP2, full
+recomputation, +17.1%) is the planner's temporaries, which
 the dry run's peak leaves out by its definition (states after the step + activations saved for
 backward): without them the two agree to 0.01%. Read from the recorded dry run (no run here)."""
 import json
