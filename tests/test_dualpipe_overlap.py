@@ -115,7 +115,9 @@ def _pair_times(launch_overhead, wait=50e-6):
 def test_the_pairs_clock_hides_a_wait_unless_the_host_is_the_bottleneck():
     compute = _pair_times(0.0, wait=0.0)[0]          # 30 kernels back to back, nothing to wait for
     second = compute * 20 / 30                       # the second action's 20 kernels
-    for wait in (20e-6, 50e-6):                      # shorter, then longer than the second's compute
+    # waits of whole kernels (a gap is filled by whole kernels: 8, then 22 kernels' time),
+    # shorter, then longer than the second's compute
+    for wait in (8 * compute / 30, 22 * compute / 30):
         plain, overlapped = _pair_times(0.0, wait)   # the host runs ahead (issue time 0)
         assert plain == pytest.approx(compute + wait, rel=1e-12)
         # the formula exactly: the wait hides under the other's compute, min(wait, compute_B)
