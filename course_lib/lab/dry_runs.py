@@ -80,6 +80,20 @@ _DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order", "zero_
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON + _DEEPSPEED, "Llama 3 T4": ("flash_attention",)}
 
+# Megatron-LM's pipeline exchange, in the code both Megatron sources ran (megatron/
+# p2p_communication.py ``_communicate``): every send and receive posted by one batch_isend_irecv,
+# each request waited for, then torch.cuda.synchronize() (de7dc40, the sc21 scripts' commit,
+# L118-130; 55ba1f7b, May 2022, L125-139), and, on by default, the scatter/gather of Narayanan
+# et al. 2021, Sec. 4.1: each tensor-parallel rank sends 1/t of the activation over its own
+# InfiniBand card and the receiver all-gathers the pieces over NVLink (de7dc40 arguments.py
+# L585-587, ``--no-scatter-gather-tensors-in-pipeline`` store_false; the paper's Figure 18
+# measures up to 11% more throughput with it on communication-intensive interleaved runs).
+# 55ba1f7b skips the scatter/gather under sequence parallelism (each rank's activation is its
+# own s/t rows already, sent whole): Korthikanti's rows, all sp, get the blocking exchange only.
+# "megatron_p2p" (course_lib.virtual.megatron_p2p) runs it.
+_MEGATRON_P2P = {"Narayanan 2021 T1": ("megatron_p2p",), "Korthikanti 2022 T5": ("megatron_p2p",)}
+SOFTWARE = {source: software + _MEGATRON_P2P.get(source, ()) for source, software in SOFTWARE.items()}
+
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
 # 1-byte mask kept; in the fused bias + dropout + add, the kernel reads the mask (on a GPU it

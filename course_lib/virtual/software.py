@@ -65,6 +65,16 @@ program, not a kernel:
   gradient send of the runner until then (:mod:`.deepspeed_order`); the messages, their tags
   and values are the same.
 
+* ``"megatron_p2p"``: Megatron-LM's pipeline exchange (``_communicate`` in
+  megatron/p2p_communication.py, de7dc40 L118-142 for Narayanan et al. 2021's runs, 55ba1f7b
+  for Korthikanti et al. 2022's): each tensor-parallel rank sends its 1/t of the activation or
+  gradient over the network, the sends and receives are waited for and the host synchronised
+  (``torch.cuda.synchronize()``), then the receiver all-gathers the t pieces over its
+  tensor-parallel group (NVLink); under sequence parallelism (55ba1f7b), or where t does not
+  divide the element count, the whole tensor travels, still blocking.
+  :class:`~.megatron_p2p.MegatronP2P` is then the runner's transport (:mod:`.megatron_p2p`);
+  the same values, bit for bit.
+
 * ``"overlapped_dp"``: PyTorch's DDP as Megatron-LM's ``--DDP-impl torch`` runs it (Narayanan
   et al. 2021's scripts on their PP = 1 rows, ``lab.dry_runs.NARAYANAN_SC21``): the gradient
   buckets are all-reduced as they fill under the last micro-batch's backward, the earlier
@@ -100,11 +110,13 @@ from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
 from course_lib.virtual.flash_prefix import flash_attention_prefix
+from course_lib.virtual.megatron_p2p import MegatronP2P
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
            "deepspeed_p2p_order", "zero_all_reduce")              # (:func:`install_runtime`)
+RUNTIME = RUNTIME + ("megatron_p2p",)       # Megatron-LM's blocking scatter/gather exchange
 
 
 def check_fusions(fusions) -> tuple:
@@ -258,11 +270,27 @@ def install_runtime(net, software) -> None:
         runner.blocking_sends = "blocking_sends" in software
         if "deepspeed_p2p_order" in software:
             DeepSpeedP2POrder(runner)
+        megatron_p2p(net, software)
     if "overlapped_dp" in software and getattr(net, "grad_sync", None) is not None:
         overlap_dp(net)
     if getattr(net, "zero", None) is not None:
         net.zero.all_reduce = "zero_all_reduce" in software
     install_launch_blocking(trace.clock(), software)
+
+
+def megatron_p2p(net, software) -> None:
+    """``"megatron_p2p"`` in ``software``: ``net``'s pipeline runner exchanges as Megatron-LM's
+    ``_communicate`` (:class:`MegatronP2P`): in 1/t pieces gathered over the stage's "tp" group,
+    unless the layout runs sequence parallelism (``net.sp``); once (a second call keeps it)."""
+    runner = net.runner
+    if "megatron_p2p" not in software:
+        return
+    if isinstance(runner.comm, MegatronP2P):
+        runner.blocking_sends = True
+        return
+    mesh = net.mesh
+    tp = mesh.comm("tp") if mesh.sizes.get("tp", 1) > 1 else None
+    MegatronP2P(runner, tp, scatter_gather=not getattr(net, "sp", False))
 
 
 def install_launch_blocking(clock, software) -> None:
@@ -298,4 +326,4 @@ def overlap_dp(net) -> None:
 
 __all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
-           "bias_dropout_add", "overlap_dp"]
+           "bias_dropout_add", "overlap_dp", "megatron_p2p", "MegatronP2P"]

@@ -1,0 +1,149 @@
+"""Megatron-LM's pipeline exchange (``"megatron_p2p"``, :mod:`.software`), run by the course's
+pipeline runner.
+
+Megatron-LM moves every activation and gradient between pipeline stages with one function,
+``_communicate`` (NVIDIA/Megatron-LM megatron/p2p_communication.py; at de7dc40, the commit of
+Narayanan et al. 2021's sc21 scripts, L85-142; at 55ba1f7b, Korthikanti et al. 2022's era,
+L63-152). Each call:
+
+1. *scatter*: each tensor-parallel rank sends only its 1/t of the flattened tensor
+   (``mpu.split_tensor_into_1d_equal_chunks``: elements [r n/t, (r+1) n/t)), the
+   "scatter/gather optimization" of Narayanan et al. 2021, Sec. 4.1: the t ranks of a stage hold
+   the same activation, and each sends a different 1/t of it over its own InfiniBand card
+   (their Figure 18: up to 11% more throughput on communication-intensive interleaved runs);
+   on by default (``--no-scatter-gather-tensors-in-pipeline`` is ``store_false``, de7dc40
+   arguments.py L585-587);
+2. sends and receives posted as one ``torch.distributed.batch_isend_irecv``, every request
+   waited for (``req.wait()``), then ``torch.cuda.synchronize()`` ("to protect against race
+   condition when using batch_isend_irecv()"): the host goes on only once the exchange, and
+   everything the GPU had queued, is done (de7dc40 L118-130; 55ba1f7b L125-139);
+3. *gather*: the receiver all-gathers the t pieces over its tensor-parallel group, on NVLink
+   (``mpu.gather_split_1d_tensor``), and views the result in the tensor's shape.
+
+Where the 1/t split does not apply, the whole tensor travels: under sequence parallelism
+(55ba1f7b: ``not args.sequence_parallel``; each rank's activation is its own s/t rows already,
+and the ranks' tensors differ), with t = 1, and where the element count is not divisible by t
+(55ba1f7b L64-72 falls back to the whole tensor; de7dc40 floor-divides, and its receiver's
+``.view(tensor_shape)`` of t * floor(n/t) elements raises. With Megatron's own shapes it never
+arises: the hidden size is divisible by t).
+
+On the course's :class:`~course_lib.parallel.pipeline.runner.ScheduleRunner` the exchange is
+the runner's transport (:class:`MegatronP2P`, its ``comm``): every send waited for where it is
+posted (the runner's ``blocking_sends``), then the host synchronised; every receive waited
+for, the host synchronised, then gathered. Megatron batches a stage's send and its next
+receive into one call and waits for both; the runner posts its receives ahead and waits for
+each where the next action needs it: the stage's next kernel starts at the later of the two
+either way. On gloo the pieces and the gather move real bytes: the values are the default
+exchange's, bit for bit (``tests/test_megatron_p2p.py``). On a virtual clock the pieces take
+the network's lanes for 1/t of the bytes, the gather the tensor-parallel group's NVLink, and
+the synchronisation moves the host to where the device's streams end
+(:func:`host_synchronize`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from course_lib import trace
+
+
+def host_synchronize(clock) -> None:
+    """``torch.cuda.synchronize()`` on a rank's virtual clock (None, a wall-clock run: nothing to
+    price): the host waits until the compute stream and every communication stream are idle,
+    so the next kernel is issued from then on."""
+    if clock is None or clock.muted_depth:
+        return
+    clock.settle()                      # async collectives issued: priced, their streams' ends known
+    clock.host = max(clock.host, clock.t, clock.comm_free)
+
+
+def splits(tensor, tp_size: int, scatter_gather: bool) -> bool:
+    """Whether ``tensor`` travels as t pieces (Megatron-LM 55ba1f7b's rule, see the module doc)."""
+    return scatter_gather and tp_size > 1 and tensor.numel() % tp_size == 0
+
+
+def piece_of(tensor, tp_rank: int, tp_size: int):
+    """This tensor-parallel rank's 1/t of ``tensor`` flattened (``split_tensor_into_1d_equal_chunks``):
+    a view, (numel / t,)."""
+    n = tensor.numel() // tp_size
+    return tensor.reshape(-1)[tp_rank * n:(tp_rank + 1) * n]
+
+
+@contextlib.contextmanager
+def _off_the_tape(clock):
+    """The gather belongs to the exchange, not to the pipeline action whose receive it ends: a dry
+    run's :class:`~course_lib.virtual.replay.ActionMemo` does not tape it (a replayed action's
+    receive runs it again)."""
+    memo = getattr(clock, "memo", None)
+    taping = memo.taping if memo is not None else None
+    if memo is not None:
+        memo.taping = None
+    try:
+        yield
+    finally:
+        if memo is not None:
+            memo.taping = taping
+
+
+class Synchronized:
+    """A send's or receive's work handle: ``wait()`` waits for it, then synchronises the host;
+    a receive sent in pieces is then gathered over the tensor-parallel group into ``full``."""
+    __slots__ = ("work", "piece", "full", "tp", "done")
+
+    def __init__(self, work, piece=None, full=None, tp=None):
+        self.work, self.piece, self.full, self.tp, self.done = work, piece, full, tp, False
+
+    def wait(self, timeout=None):
+        if self.done:
+            return True
+        self.work.wait()
+        clock = trace.clock()
+        host_synchronize(clock)
+        if self.piece is not None:      # (n,) <- t pieces of (n/t,), in tp rank order
+            with _off_the_tape(clock):
+                self.tp.all_gather_into_tensor(self.full.view(-1), self.piece, name="all-gather p2p")
+        self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class MegatronP2P:
+    """Megatron-LM's ``_communicate`` as the transport of ``runner`` (a ScheduleRunner; this
+    instance only: it becomes ``runner.comm``, and its sends block): messages over the runner's
+    pipeline Comm, in pieces of 1/t gathered over ``tp`` (the stage's tensor-parallel Comm)
+    where :func:`splits` says so; ``scatter_gather=False`` (sequence parallelism) sends whole
+    tensors. The same messages, tags and order as the runner's own; a step's values unchanged."""
+
+    def __init__(self, runner, tp=None, scatter_gather: bool = True):
+        if isinstance(runner.comm, MegatronP2P):
+            raise ValueError("megatron_p2p: this runner already exchanges as Megatron-LM does")
+        self.pp, self.tp = runner.comm, tp
+        self.scatter_gather = bool(scatter_gather) and tp is not None and tp.size > 1
+        self.rank, self.size, self.backend_device = self.pp.rank, self.pp.size, self.pp.backend_device
+        runner.comm, runner.blocking_sends = self, True
+
+    def _splits(self, tensor) -> bool:
+        return splits(tensor, self.tp.size if self.tp is not None else 1, self.scatter_gather)
+
+    def isend(self, tensor, peer: int, tag: int = 0):
+        if self._splits(tensor):
+            tensor = piece_of(tensor, self.tp.rank, self.tp.size)     # (numel / t,) of this rank
+        return Synchronized(self.pp.isend(tensor, peer, tag))
+
+    def irecv(self, tensor, peer: int, tag: int = 0):
+        if not self._splits(tensor):
+            return Synchronized(self.pp.irecv(tensor, peer, tag))
+        piece = torch.empty(tensor.numel() // self.tp.size, dtype=tensor.dtype, device=tensor.device)
+        return Synchronized(self.pp.irecv(piece, peer, tag), piece, tensor, self.tp)
+
+    def send(self, tensor, peer: int):      # (the runner's shape headers: plain messages)
+        self.pp.send(tensor, peer)
+
+    def recv(self, tensor, peer: int):
+        self.pp.recv(tensor, peer)
+
+
+__all__ = ["MegatronP2P", "Synchronized", "host_synchronize", "splits", "piece_of"]
