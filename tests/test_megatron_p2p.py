@@ -17,9 +17,10 @@ from course_lib.virtual.megatron_p2p import MegatronP2P, piece_of, splits
 STEPS = 2
 SOFTWARE = ("megatron_p2p",)
 # micro-batch 3 of 7 tokens (odd), hidden 16: an activation of 3 * 7 * 16 = 336 elements,
-# 168 per tp rank; sequence parallelism: (3, 4, 16) per rank, sent whole
+# 168 per tp rank; interleaved: 6 micro-batches of (1, 7, 16), a steady state (m > p);
+# sequence parallelism: (3, 4, 16) per rank, sent whole
 LAYOUTS = {"1f1b": (Layout(tp=2, pp=2, micro_batch=3, global_batch=6), 7),
-           "interleaved": (Layout(tp=2, pp=2, schedule="interleaved", v=2, micro_batch=3, global_batch=6), 7),
+           "interleaved": (Layout(tp=2, pp=2, schedule="interleaved", v=2, micro_batch=1, global_batch=6), 7),
            "sp": (Layout(tp=2, pp=2, sp=True, micro_batch=3, global_batch=6), 8)}
 
 
@@ -52,7 +53,7 @@ def _transport():
     from course_lib import trace
     from course_lib.parallel.mesh import Mesh
     mesh = Mesh(tp=2, pp=2)
-    runner = types.SimpleNamespace(comm=mesh.comm("pp"), blocking_sends=False)
+    runner = types.SimpleNamespace(comm=mesh.comm("pp"), blocking_sends=False, n=2, p=2)   # (2 stages, v 1)
     p2p = MegatronP2P(runner, mesh.comm("tp"))
     trace.reset()
     got, pp = [], mesh.coord["pp"]
@@ -106,6 +107,50 @@ def test_megatron_exchange_trains_bit_for_bit_as_the_default_one(values, name):
         gathers = sum(n == "all-gather p2p" for n in spans1)
         assert "all-gather p2p" not in spans0 and left == 0
         assert (gathers == 0) if name == "sp" else (gathers > 0), (name, rank, gathers)
+
+
+def megatron_interleaved(p: int, m: int, v: int, r: int) -> list:
+    """Megatron-LM's interleaved schedule on pipeline rank ``r`` (de7dc40 megatron/schedules.py
+    L141-360, restated): its forwards, backwards and sends in order, named as the course's runner
+    names its spans. Warm-up: (p - r - 1) * 2 + (v - 1) * p forwards (all of them if m = p), each
+    sending at once; steady state: a forward, a backward, then one exchange sending both; cool-down:
+    each backward sending at once. Microbatch k runs chunk (k mod pv) // p (backward: reversed)."""
+    total, n = m * v, p * v
+    warm = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+    out = []
+
+    def run(op, k):
+        c = (k % n) // p
+        s, mb = (c if op == "F" else v - 1 - c) * p + r, (k // n) * p + k % p
+        out.append(f"{op}{mb}" + (f"@{s}" if s else ""))
+        return s, mb
+
+    def send(kind, s, mb):
+        if (kind == "act" and s < n - 1) or (kind == "grad" and s > 0):
+            out.append(f"send {kind} {mb}")
+    for k in range(warm):
+        send("act", *run("F", k))
+    for k in range(total - warm):
+        f = run("F", k + warm)
+        send("grad", *run("B", k))
+        send("act", *f)
+    for k in range(total - warm, total):
+        send("grad", *run("B", k))
+    return out
+
+
+def test_interleaved_exchanges_where_megatron_does(values):
+    """tp 2 x pp 2, v 2, 6 micro-batches: every rank's forwards, backwards and sends come in the
+    order of Megatron-LM's interleaved schedule (a steady-state forward's activation leaves after
+    the next backward's gradient); the default exchange sends each at once (another order)."""
+    import re
+    event = re.compile(r"^(?:[FB]\d+(?:@\d+)?|send (?:act|grad) \d+)$")
+    for rank, out in enumerate(values):
+        (_, _, _, plain, _), (_, _, _, spans, _) = out["interleaved"]
+        events = [n for n in spans if event.match(n)]
+        expected = megatron_interleaved(2, 6, 2, rank // 2)
+        assert events[:len(expected)] == expected, (rank, events[:len(expected)])   # step 1 of 2
+        assert [n for n in plain if event.match(n)][:len(expected)] != expected, rank
 
 
 SPEC, HW = gpt_spec("GPT test", 6, 64, 4, V=256, s=32), "a100-80gb"     # as tests/test_dry_run_software.py

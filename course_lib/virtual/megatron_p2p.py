@@ -33,7 +33,9 @@ posted (the runner's ``blocking_sends``), then the host synchronised; every rece
 for, the host synchronised, then gathered. Megatron batches a stage's send and its next
 receive into one call and waits for both; the runner posts its receives ahead and waits for
 each where the next action needs it: the stage's next kernel starts at the later of the two
-either way. On gloo the pieces and the gather move real bytes: the values are the default
+either way. Megatron's interleaved schedule exchanges after each steady-state pair of a forward
+and a backward: the forward's activation leaves with the backward's gradient
+(:class:`InterleavedOrder`, on the runner when v > 1). On gloo the pieces and the gather move real bytes: the values are the default
 exchange's, bit for bit (``tests/test_megatron_p2p.py``). On a virtual clock the pieces take
 the network's lanes for 1/t of the bytes, the gather the tensor-parallel group's NVLink, and
 the synchronisation moves the host to where the device's streams end
@@ -110,6 +112,39 @@ class Synchronized:
         return self.done
 
 
+class InterleavedOrder:
+    """Where Megatron-LM's interleaved schedule exchanges (``forward_backward_pipelining_with_
+    interleaving``, de7dc40 megatron/schedules.py L302-340): in its steady state each iteration
+    runs a forward, then a backward, then ONE ``send_forward_backward_recv_forward_backward``: the
+    forward's activation leaves together with the backward's input gradient, after the backward.
+    On ``runner`` (this instance only: its ``send`` and ``backward_done``) the activation of a
+    forward that the schedule follows with a backward is held, and sent when that backward is
+    done (after its gradient, if it sends one); every other message where the runner sends it
+    (warm-up and cool-down send at once, as Megatron's ``send_forward_recv_forward`` and
+    ``send_backward_recv_backward`` do)."""
+
+    def __init__(self, runner):
+        acts = runner.actions
+        self.pairs = {(s, mb): (s2, mb2) for (op, s, mb), (op2, s2, mb2) in zip(acts, acts[1:])
+                      if op == "F" and op2 == "B"}
+        self.runner, self.held = runner, None
+        self._send, self._done = runner.send, runner.backward_done
+        runner.send, runner.backward_done = self.send, self.backward_done
+
+    def send(self, t, kind, s, mb):
+        pair = self.pairs.get((s - 1, mb)) if kind == "act" else None
+        if pair is not None and self.runner.rank_of(s) != self.runner.me:
+            self.held = (pair, (t, kind, s, mb))    # (the forward's own output: kept as is until sent)
+            return
+        self._send(t, kind, s, mb)
+
+    def backward_done(self, s, mb):
+        self._done(s, mb)
+        if self.held is not None and self.held[0] == (s, mb):
+            held, self.held = self.held[1], None
+            self._send(*held)
+
+
 class MegatronP2P:
     """Megatron-LM's ``_communicate`` as the transport of ``runner`` (a ScheduleRunner; this
     instance only: it becomes ``runner.comm``, and its sends block): messages over the runner's
@@ -124,6 +159,7 @@ class MegatronP2P:
         self.scatter_gather = bool(scatter_gather) and tp is not None and tp.size > 1
         self.rank, self.size, self.backend_device = self.pp.rank, self.pp.size, self.pp.backend_device
         runner.comm, runner.blocking_sends = self, True
+        self.order = InterleavedOrder(runner) if runner.n > runner.p else None    # v > 1: Megatron's interleaving
 
     def _splits(self, tensor) -> bool:
         return splits(tensor, self.tp.size if self.tp is not None else 1, self.scatter_gather)
@@ -146,4 +182,4 @@ class MegatronP2P:
         self.pp.recv(tensor, peer)
 
 
-__all__ = ["MegatronP2P", "Synchronized", "host_synchronize", "splits", "piece_of"]
+__all__ = ["MegatronP2P", "InterleavedOrder", "Synchronized", "host_synchronize", "splits", "piece_of"]

@@ -162,6 +162,7 @@ class ActionMemo:
             del runner.state[(s, mb)], runner.live[(s, mb)]
             if s > 0:
                 runner.send(self._sent(runner, s - 1), "grad", s - 1, mb)
+            runner.backward_done(s, mb)
 
         runner.F, runner.B = F, B
 

@@ -245,6 +245,11 @@ class ScheduleRunner:
             self.send(dx, "grad", s - 1, mb)
         elif (s, mb) in self.split and x is not None:
             _accumulate(x, dx)                          # the caller's input: x.grad, as backward() gives
+        self.backward_done(s, mb)
+
+    def backward_done(self, s, mb):
+        """Called when the backward of stage s, micro-batch mb, has sent its gradient: nothing here;
+        a runtime that exchanges after it (Megatron-LM's interleaving, ``virtual.megatron_p2p``) sets it."""
 
     def W(self, i, s, mb):
         """The weight gradients B left for later."""
