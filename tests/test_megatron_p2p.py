@@ -181,6 +181,15 @@ def test_dry_run_prices_megatrons_exchange_as_a_real_launch():
     assert len(gathers) == len(receives) == 2 * (2 * 2 - 1) * 4      # 3 boundaries, F and B, 4 micro-batches
     sends = lambda run: sorted(s.end - s.start for s in run.spans if s.name.startswith("send to"))
     assert all(a < b for a, b in zip(sends(r), sends(plain)))        # 1/2 of the bytes on the wire
+    # Megatron's timers: a synchronised host at every pass and exchange, priced as a real launch
+    timed = software + ("megatron_timers",)
+    real = course_lib.launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, timed,
+                             clock=VirtualCluster(HW, gpus_per_node=2), timeout=180)
+    t = dry_run(SPEC, HW, layout, fusions=timed, gpus_per_node=2, progress=None)
+    assert t.step_time == max(x["t"] for x in real) and t.kernels == r.kernels
+    assert t.step_time > r.step_time, (t.step_time, r.step_time)
+    with pytest.raises(ValueError, match="give 'megatron_p2p' with it"):
+        dry_run(SPEC, HW, layout, fusions=("megatron_timers",))
     wide = gpt_spec("GPT wide", 4, 2048, 16, V=256, s=2048)
     lay = Layout(tp=2, pp=2, micro_batch=1, global_batch=4)
     assert dry_run(wide, HW, lay, fusions=software, progress=None).step_time > \

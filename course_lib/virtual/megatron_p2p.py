@@ -145,6 +145,41 @@ class InterleavedOrder:
             self._send(*held)
 
 
+class Timers:
+    """Megatron-LM's timers on ``runner`` (``"megatron_timers"``; this instance only: its ``send``,
+    ``recv`` and ``backward_done``). Megatron of 2021-22 times every pass and every exchange,
+    always: ``timers('forward-compute')`` and ``timers('backward-compute')`` around each forward
+    and backward (de7dc40 megatron/schedules.py L53/L63, L79/L95), ``timers('forward-recv')``,
+    ``timers('forward-send')`` and the batched exchanges' around each call of p2p_communication
+    (schedules.py passes ``timers=timers``), and each ``start()`` and ``stop()`` calls
+    ``torch.cuda.synchronize()`` (megatron/global_vars.py L192-203). Here the host is synchronised
+    (:func:`host_synchronize`) before and after each send and receive (after the gather: the
+    timer stops once ``_communicate`` returns) and when a backward is done. Where the runner has
+    no hook, the host is synchronised already: a forward starts after the previous action's
+    stop, and the last stage's forward ends reading its loss (``float(loss)``)."""
+
+    def __init__(self, runner):
+        self._send, self._recv, self._done = runner.send, runner.recv, runner.backward_done
+        runner.send, runner.recv, runner.backward_done = self.send, self.recv, self.backward_done
+
+    def send(self, t, kind, s, mb):
+        clock = trace.clock()
+        host_synchronize(clock)
+        self._send(t, kind, s, mb)
+        host_synchronize(clock)
+
+    def recv(self, i, kind, s, mb):
+        clock = trace.clock()
+        host_synchronize(clock)
+        out = self._recv(i, kind, s, mb)
+        host_synchronize(clock)
+        return out
+
+    def backward_done(self, s, mb):
+        host_synchronize(trace.clock())     # timers('backward-compute').stop()
+        self._done(s, mb)
+
+
 class MegatronP2P:
     """Megatron-LM's ``_communicate`` as the transport of ``runner`` (a ScheduleRunner; this
     instance only: it becomes ``runner.comm``, and its sends block): messages over the runner's
@@ -182,4 +217,4 @@ class MegatronP2P:
         self.pp.recv(tensor, peer)
 
 
-__all__ = ["MegatronP2P", "InterleavedOrder", "Synchronized", "host_synchronize", "splits", "piece_of"]
+__all__ = ["MegatronP2P", "InterleavedOrder", "Timers", "Synchronized", "host_synchronize", "splits", "piece_of"]

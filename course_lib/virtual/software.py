@@ -73,7 +73,13 @@ program, not a kernel:
   tensor-parallel group (NVLink); under sequence parallelism (55ba1f7b), or where t does not
   divide the element count, the whole tensor travels, still blocking.
   :class:`~.megatron_p2p.MegatronP2P` is then the runner's transport (:mod:`.megatron_p2p`);
-  the same values, bit for bit.
+  the same values, bit for bit. With v > 1, its interleaved schedule's order: a steady-state
+  forward's activation leaves with the next backward's gradient (:class:`~.megatron_p2p.
+  InterleavedOrder`).
+* ``"megatron_timers"``: Megatron-LM's timers around every forward, backward and exchange, each
+  start and stop a ``torch.cuda.synchronize()`` (megatron/global_vars.py L192-203 at de7dc40):
+  the host waits for the device there (:class:`~.megatron_p2p.Timers`), priced by the clock's
+  own issue interval (the preset's launch_overhead); nothing computed changes.
 
 * ``"overlapped_dp"``: PyTorch's DDP as Megatron-LM's ``--DDP-impl torch`` runs it (Narayanan
   et al. 2021's scripts on their PP = 1 rows, ``lab.dry_runs.NARAYANAN_SC21``): the gradient
@@ -110,13 +116,13 @@ from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
 from course_lib.virtual.flash_prefix import flash_attention_prefix
-from course_lib.virtual.megatron_p2p import MegatronP2P
+from course_lib.virtual.megatron_p2p import MegatronP2P, Timers
 from course_lib.virtual.fused_qkv import project_fused
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
            "deepspeed_p2p_order", "zero_all_reduce")              # (:func:`install_runtime`)
-RUNTIME = RUNTIME + ("megatron_p2p",)       # Megatron-LM's blocking scatter/gather exchange
+RUNTIME = RUNTIME + ("megatron_p2p", "megatron_timers")   # Megatron-LM's exchange, its timers' syncs
 
 
 def check_fusions(fusions) -> tuple:
@@ -128,6 +134,9 @@ def check_fusions(fusions) -> tuple:
     for f in fusions:
         if f not in FUSIONS + RUNTIME:
             raise ValueError(f"unknown fusion {f!r}: the dry run knows {FUSIONS + RUNTIME}")
+    if "megatron_timers" in fusions and "megatron_p2p" not in fusions:
+        raise ValueError("fusions: 'megatron_timers' (Megatron-LM's timers) times Megatron's own exchange: "
+                         "give 'megatron_p2p' with it")
     if {"scale_mask_softmax", "flash_attention"} <= set(fusions):
         raise ValueError("fusions: 'scale_mask_softmax' and 'flash_attention' are two kernels for the same "
                          "attention core; give one")
@@ -281,7 +290,9 @@ def install_runtime(net, software) -> None:
 def megatron_p2p(net, software) -> None:
     """``"megatron_p2p"`` in ``software``: ``net``'s pipeline runner exchanges as Megatron-LM's
     ``_communicate`` (:class:`MegatronP2P`): in 1/t pieces gathered over the stage's "tp" group,
-    unless the layout runs sequence parallelism (``net.sp``); once (a second call keeps it)."""
+    unless the layout runs sequence parallelism (``net.sp``); with ``"megatron_timers"`` the host
+    synchronised where Megatron's timers start and stop (:class:`Timers`). Once (a second call
+    keeps what the first installed)."""
     runner = net.runner
     if "megatron_p2p" not in software:
         return
@@ -291,6 +302,8 @@ def megatron_p2p(net, software) -> None:
     mesh = net.mesh
     tp = mesh.comm("tp") if mesh.sizes.get("tp", 1) > 1 else None
     MegatronP2P(runner, tp, scatter_gather=not getattr(net, "sp", False))
+    if "megatron_timers" in software:
+        Timers(runner)
 
 
 def install_launch_blocking(clock, software) -> None:
