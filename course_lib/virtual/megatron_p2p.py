@@ -217,4 +217,23 @@ class MegatronP2P:
         self.pp.recv(tensor, peer)
 
 
-__all__ = ["MegatronP2P", "InterleavedOrder", "Timers", "Synchronized", "host_synchronize", "splits", "piece_of"]
+def install_megatron_p2p(net, software) -> None:
+    """``"megatron_p2p"`` in ``software`` (:mod:`.software`'s names): ``net``'s pipeline runner
+    exchanges as Megatron-LM's ``_communicate`` (:class:`MegatronP2P`): in 1/t pieces gathered over
+    the stage's "tp" group, unless the layout runs sequence parallelism (``net.sp``); with
+    ``"megatron_timers"`` the host synchronised where Megatron's timers start and stop
+    (:class:`Timers`). Once (a second call keeps what the first installed)."""
+    runner = net.runner
+    if "megatron_p2p" not in software:
+        return
+    if isinstance(runner.comm, MegatronP2P):
+        runner.blocking_sends = True
+        return
+    mesh = net.mesh
+    tp = mesh.comm("tp") if mesh.sizes.get("tp", 1) > 1 else None
+    MegatronP2P(runner, tp, scatter_gather=not getattr(net, "sp", False))
+    if "megatron_timers" in software:
+        Timers(runner)
+
+
+__all__ = ["install_megatron_p2p", "MegatronP2P", "InterleavedOrder", "Timers", "Synchronized", "host_synchronize", "splits", "piece_of"]

@@ -65,21 +65,10 @@ program, not a kernel:
   gradient send of the runner until then (:mod:`.deepspeed_order`); the messages, their tags
   and values are the same.
 
-* ``"megatron_p2p"``: Megatron-LM's pipeline exchange (``_communicate`` in
-  megatron/p2p_communication.py, de7dc40 L118-142 for Narayanan et al. 2021's runs, 55ba1f7b
-  for Korthikanti et al. 2022's): each tensor-parallel rank sends its 1/t of the activation or
-  gradient over the network, the sends and receives are waited for and the host synchronised
-  (``torch.cuda.synchronize()``), then the receiver all-gathers the t pieces over its
-  tensor-parallel group (NVLink); under sequence parallelism (55ba1f7b), or where t does not
-  divide the element count, the whole tensor travels, still blocking.
-  :class:`~.megatron_p2p.MegatronP2P` is then the runner's transport (:mod:`.megatron_p2p`);
-  the same values, bit for bit. With v > 1, its interleaved schedule's order: a steady-state
-  forward's activation leaves with the next backward's gradient (:class:`~.megatron_p2p.
-  InterleavedOrder`).
-* ``"megatron_timers"``: Megatron-LM's timers around every forward, backward and exchange, each
-  start and stop a ``torch.cuda.synchronize()`` (megatron/global_vars.py L192-203 at de7dc40):
-  the host waits for the device there (:class:`~.megatron_p2p.Timers`), priced by the clock's
-  own issue interval (the preset's launch_overhead); nothing computed changes.
+* ``"megatron_p2p"``, ``"megatron_timers"``: Megatron-LM's pipeline exchange (``_communicate``:
+  1/t pieces over the network, blocking waits, ``torch.cuda.synchronize()``, the pieces
+  all-gathered over the tensor-parallel group; its interleaved schedule's send order) and its
+  timers' synchronisations (:mod:`.megatron_p2p`); the same values, bit for bit.
 
 * ``"overlapped_dp"``: PyTorch's DDP as Megatron-LM's ``--DDP-impl torch`` runs it (Narayanan
   et al. 2021's scripts on their PP = 1 rows, ``lab.dry_runs.NARAYANAN_SC21``): the gradient
@@ -116,8 +105,8 @@ from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
 from course_lib.virtual.flash_prefix import flash_attention_prefix
-from course_lib.virtual.megatron_p2p import MegatronP2P, Timers
 from course_lib.virtual.fused_qkv import project_fused
+from course_lib.virtual.megatron_p2p import MegatronP2P, install_megatron_p2p
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
@@ -279,31 +268,12 @@ def install_runtime(net, software) -> None:
         runner.blocking_sends = "blocking_sends" in software
         if "deepspeed_p2p_order" in software:
             DeepSpeedP2POrder(runner)
-        megatron_p2p(net, software)
+        install_megatron_p2p(net, software)
     if "overlapped_dp" in software and getattr(net, "grad_sync", None) is not None:
         overlap_dp(net)
     if getattr(net, "zero", None) is not None:
         net.zero.all_reduce = "zero_all_reduce" in software
     install_launch_blocking(trace.clock(), software)
-
-
-def megatron_p2p(net, software) -> None:
-    """``"megatron_p2p"`` in ``software``: ``net``'s pipeline runner exchanges as Megatron-LM's
-    ``_communicate`` (:class:`MegatronP2P`): in 1/t pieces gathered over the stage's "tp" group,
-    unless the layout runs sequence parallelism (``net.sp``); with ``"megatron_timers"`` the host
-    synchronised where Megatron's timers start and stop (:class:`Timers`). Once (a second call
-    keeps what the first installed)."""
-    runner = net.runner
-    if "megatron_p2p" not in software:
-        return
-    if isinstance(runner.comm, MegatronP2P):
-        runner.blocking_sends = True
-        return
-    mesh = net.mesh
-    tp = mesh.comm("tp") if mesh.sizes.get("tp", 1) > 1 else None
-    MegatronP2P(runner, tp, scatter_gather=not getattr(net, "sp", False))
-    if "megatron_timers" in software:
-        Timers(runner)
 
 
 def install_launch_blocking(clock, software) -> None:
@@ -339,4 +309,4 @@ def overlap_dp(net) -> None:
 
 __all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
-           "bias_dropout_add", "overlap_dp", "megatron_p2p", "MegatronP2P"]
+           "bias_dropout_add", "overlap_dp", "MegatronP2P"]
