@@ -83,15 +83,29 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # Megatron-LM's pipeline exchange, in the code both Megatron sources ran (megatron/
 # p2p_communication.py ``_communicate``): every send and receive posted by one batch_isend_irecv,
 # each request waited for, then torch.cuda.synchronize() (de7dc40, the sc21 scripts' commit,
-# L118-130; 55ba1f7b, May 2022, L125-139), and, on by default, the scatter/gather of Narayanan
+# L104-130; 55ba1f7b, May 2022, L113-139), and, on by default, the scatter/gather of Narayanan
 # et al. 2021, Sec. 4.1: each tensor-parallel rank sends 1/t of the activation over its own
 # InfiniBand card and the receiver all-gathers the pieces over NVLink (de7dc40 arguments.py
 # L585-587, ``--no-scatter-gather-tensors-in-pipeline`` store_false; the paper's Figure 18
 # measures up to 11% more throughput with it on communication-intensive interleaved runs).
 # 55ba1f7b skips the scatter/gather under sequence parallelism (each rank's activation is its
 # own s/t rows already, sent whole): Korthikanti's rows, all sp, get the blocking exchange only.
-# "megatron_p2p" (course_lib.virtual.megatron_p2p) runs it.
-_MEGATRON_P2P = {"Narayanan 2021 T1": ("megatron_p2p",), "Korthikanti 2022 T5": ("megatron_p2p",)}
+# Its interleaved schedule sends a steady-state forward's activation with the next backward's
+# gradient (schedules.py L271-340). "megatron_p2p" (course_lib.virtual.megatron_p2p) runs it.
+# Both commits' timers call torch.cuda.synchronize() at every start and stop (de7dc40
+# megatron/global_vars.py L192-203, 55ba1f7b L221-231), around every forward, backward and
+# exchange: "megatron_timers", priced by the clock's issue interval (launch_overhead).
+# Measured (2026-11-29), Narayanan's rows, step s: as recorded -> megatron_p2p -> + timers:
+# 39.1B 14.102 -> 14.106 -> 14.107; 76.1B 14.412 -> 14.457 -> 14.459 (-10.2% -> -10.0%);
+# 145.6B 22.823 -> 22.854 -> 22.856 (-8.0% -> -7.9%); 310.1B 33.767 -> 33.919 -> 33.925
+# (-10.2% -> -9.8%); 529.6B 48.203 -> 48.711 -> 48.728 (-10.9% -> -9.9%); 1008B 94.357 ->
+# 94.389 (-8.1% -> -8.0%); PP = 1 rows: no exchange, the timers +1.5 ms (1.7B), +2.7 ms (18.4B).
+# The interleaved order alone: +0.003 s (76.1B), +0.002 s (529.6B). Smaller than an estimate
+# that adds every blocked send and gather to the step (+0.12 s, +1.28 s): in 1F1B a stage
+# mostly waits for its next message anyway, and the clock's send completes once delivered,
+# with no rendezvous with the receiver's post (NCCL's does).
+_MEGATRON_P2P = {"Narayanan 2021 T1": ("megatron_p2p", "megatron_timers"),
+                 "Korthikanti 2022 T5": ("megatron_p2p", "megatron_timers")}
 SOFTWARE = {source: software + _MEGATRON_P2P.get(source, ()) for source, software in SOFTWARE.items()}
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout

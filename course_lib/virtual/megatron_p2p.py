@@ -3,8 +3,8 @@ pipeline runner.
 
 Megatron-LM moves every activation and gradient between pipeline stages with one function,
 ``_communicate`` (NVIDIA/Megatron-LM megatron/p2p_communication.py; at de7dc40, the commit of
-Narayanan et al. 2021's sc21 scripts, L85-142; at 55ba1f7b, Korthikanti et al. 2022's era,
-L63-152). Each call:
+Narayanan et al. 2021's sc21 scripts, L24-143; at 55ba1f7b, Korthikanti et al. 2022's era,
+L24-159). Each call:
 
 1. *scatter*: each tensor-parallel rank sends only its 1/t of the flattened tensor
    (``mpu.split_tensor_into_1d_equal_chunks``: elements [r n/t, (r+1) n/t)), the
@@ -16,7 +16,7 @@ L63-152). Each call:
 2. sends and receives posted as one ``torch.distributed.batch_isend_irecv``, every request
    waited for (``req.wait()``), then ``torch.cuda.synchronize()`` ("to protect against race
    condition when using batch_isend_irecv()"): the host goes on only once the exchange, and
-   everything the GPU had queued, is done (de7dc40 L118-130; 55ba1f7b L125-139);
+   everything the GPU had queued, is done (de7dc40 L104-130; 55ba1f7b L113-139);
 3. *gather*: the receiver all-gathers the t pieces over its tensor-parallel group, on NVLink
    (``mpu.gather_split_1d_tensor``), and views the result in the tensor's shape.
 
@@ -114,7 +114,7 @@ class Synchronized:
 
 class InterleavedOrder:
     """Where Megatron-LM's interleaved schedule exchanges (``forward_backward_pipelining_with_
-    interleaving``, de7dc40 megatron/schedules.py L302-340): in its steady state each iteration
+    interleaving``, de7dc40 megatron/schedules.py L271-340): in its steady state each iteration
     runs a forward, then a backward, then ONE ``send_forward_backward_recv_forward_backward``: the
     forward's activation leaves together with the backward's input gradient, after the backward.
     On ``runner`` (this instance only: its ``send`` and ``backward_done``) the activation of a
