@@ -99,7 +99,8 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # 39.1B 14.102 -> 14.106 -> 14.107; 76.1B 14.412 -> 14.457 -> 14.459 (-10.2% -> -10.0%);
 # 145.6B 22.823 -> 22.854 -> 22.856 (-8.0% -> -7.9%); 310.1B 33.767 -> 33.919 -> 33.925
 # (-10.2% -> -9.8%); 529.6B 48.203 -> 48.711 -> 48.728 (-10.9% -> -9.9%); 1008B 94.357 ->
-# 94.389 (-8.1% -> -8.0%); PP = 1 rows: no exchange, the timers +1.5 ms (1.7B), +2.7 ms (18.4B).
+# 94.389 -> 94.397 (-8.1% -> -8.0%); PP = 1 rows: no exchange, the timers +1.5 ms (1.7B),
+# +2.7 ms (18.4B).
 # The interleaved order alone: +0.003 s (76.1B), +0.002 s (529.6B). Smaller than an estimate
 # that adds every blocked send and gather to the step (+0.12 s, +1.28 s): in 1F1B a stage
 # mostly waits for its next message anyway, and the clock's send completes once delivered,

@@ -33,13 +33,16 @@ posted (the runner's ``blocking_sends``), then the host synchronised; every rece
 for, the host synchronised, then gathered. Megatron batches a stage's send and its next
 receive into one call and waits for both; the runner posts its receives ahead and waits for
 each where the next action needs it: the stage's next kernel starts at the later of the two
-either way. Megatron's interleaved schedule exchanges after each steady-state pair of a forward
-and a backward: the forward's activation leaves with the backward's gradient
-(:class:`InterleavedOrder`, on the runner when v > 1). On gloo the pieces and the gather move real bytes: the values are the default
-exchange's, bit for bit (``tests/test_megatron_p2p.py``). On a virtual clock the pieces take
-the network's lanes for 1/t of the bytes, the gather the tensor-parallel group's NVLink, and
-the synchronisation moves the host to where the device's streams end
-(:func:`host_synchronize`).
+either way. Megatron's interleaved schedule exchanges after each steady-state pair of a
+forward and a backward: the forward's activation leaves with the backward's gradient
+(:class:`InterleavedOrder`, on the runner when v > 1). Megatron's timers synchronise the host
+around every pass and exchange too (:class:`Timers`, ``"megatron_timers"``).
+
+On gloo the pieces and the gather move real bytes: the values are the default exchange's, bit
+for bit (``tests/test_megatron_p2p.py``). On a virtual clock the pieces take the network's
+lanes for 1/t of the bytes, the gather the tensor-parallel group's NVLink, and a
+synchronisation moves the host to where the device's streams end (:func:`host_synchronize`).
+The runner's ``bytes_sent`` still counts the tensors it hands on, not the pieces.
 """
 from __future__ import annotations
 
@@ -236,4 +239,5 @@ def install_megatron_p2p(net, software) -> None:
         Timers(runner)
 
 
-__all__ = ["install_megatron_p2p", "MegatronP2P", "InterleavedOrder", "Timers", "Synchronized", "host_synchronize", "splits", "piece_of"]
+__all__ = ["install_megatron_p2p", "MegatronP2P", "InterleavedOrder", "Timers", "Synchronized", "host_synchronize",
+           "splits", "piece_of"]
