@@ -100,7 +100,9 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # 145.6B 22.823 -> 22.854 -> 22.856 (-8.0% -> -7.9%); 310.1B 33.767 -> 33.919 -> 33.925
 # (-10.2% -> -9.8%); 529.6B 48.203 -> 48.711 -> 48.728 (-10.9% -> -9.9%); 1008B 94.357 ->
 # 94.389 -> 94.397 (-8.1% -> -8.0%); PP = 1 rows: no exchange, the timers +1.5 ms (1.7B),
-# +2.7 ms (18.4B).
+# +2.7 ms (18.4B). Korthikanti's (blocking, whole s/t activations; the timers add nothing but on
+# 22B, +0.7 ms): 175B 13.344 -> 13.410 (-2.9% -> -2.5%); 530B 35.327 -> 36.058 (-6.6% ->
+# -4.7%); 1T 67.097 -> 68.119 (-6.1% -> -4.7%).
 # The interleaved order alone: +0.003 s (76.1B), +0.002 s (529.6B). Smaller than an estimate
 # that adds every blocked send and gather to the step (+0.12 s, +1.28 s): in 1F1B a stage
 # mostly waits for its next message anyway, and the clock's send completes once delivered,
