@@ -103,7 +103,8 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 # +2.7 ms (18.4B). Korthikanti's (blocking, whole s/t activations; the timers add nothing but on
 # 22B, +0.7 ms): 175B 13.344 -> 13.410 (-2.9% -> -2.5%); 530B 35.327 -> 36.058 (-6.6% ->
 # -4.7%); 1T 67.097 -> 68.119 (-6.1% -> -4.7%).
-# The interleaved order alone: +0.003 s (76.1B), +0.002 s (529.6B). Smaller than an estimate
+# The interleaved order alone: +0.003 s (76.1B), +0.002 s (529.6B); blocking whole activations
+# (no scatter/gather): +0.529 s (76.1B), +5.394 s (529.6B). Smaller than an estimate
 # that adds every blocked send and gather to the step (+0.12 s, +1.28 s): in 1F1B a stage
 # mostly waits for its next message anyway, and the clock's send completes once delivered,
 # with no rendezvous with the receiver's post (NCCL's does).
