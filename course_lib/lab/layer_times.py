@@ -18,6 +18,18 @@ The clock's layer is the course's own program as ``lab.dry_runs`` runs the Korth
 numerics, Megatron's rank order), on ``MEGATRON_2022``: a dry run of the model with 2 layers
 less the same run with 1 (one micro-batch, pp = 1): what the second layer adds to the forward
 span and to the backward span. Everything outside the layers is in both runs and cancels.
+
+What the clock's layer runs that Megatron-LM 2022's did not, or the other way (the errors
+:func:`layer_rows` prints come from these; nothing here is fitted):
+* its sequence-parallel backward is Megatron's (``"sp_backward_overlap"`` in the source's
+  software): re-gather under dX, reduce-scatter under dW. Its tensor-parallel-only backward is
+  not: Megatron's column layer without SP all-reduced dX asynchronously under dW
+  (``--async-tensor-model-parallel-allreduce``, on by default at 55ba1f7b); the course's ``f``
+  waits (the two "baseline" rows' and "selective recompute"'s backward: not like for like).
+* the course's activations are (batch, sequence, hidden), Megatron's (sequence, batch, hidden):
+  every SP all-gather and reduce-scatter along the sequence transposes its tensors around the
+  collective (:func:`~course_lib.parallel.comm_ops.gather_along`), strided copies at micro-batch
+  4 and none at micro-batch 1 (a size-1 batch moves for free): the SP rows' forward.
 """
 from __future__ import annotations
 
