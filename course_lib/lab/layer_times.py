@@ -30,6 +30,8 @@ What the clock's layer runs that Megatron-LM 2022's did not, or the other way (t
   every SP all-gather and reduce-scatter along the sequence transposes its tensors around the
   collective (:func:`~course_lib.parallel.comm_ops.gather_along`), strided copies at micro-batch
   4 and none at micro-batch 1 (a size-1 batch moves for free): the SP rows' forward.
+  (The Table 5 row, ``lab.dry_runs``, runs 4 micro-batches of 1 where Table 3 says one of 4:
+  measured 2026-11-29 on this branch, 1.061 s as run, 1.160 s at Table 3's micro-batch.)
 """
 from __future__ import annotations
 

@@ -67,6 +67,9 @@ def slice_parameter(p: nn.Parameter, dim: int, start: int, stop: int) -> nn.Para
     return q
 
 
+AGAIN = "SP g: all-gather again (backward)"
+
+
 class SequenceShardInput:
     """The all-gathered input of a sequence-parallel region, shared by its column layers.
 
@@ -86,14 +89,15 @@ class SequenceShardInput:
         self.users, self.readers = self.users + 1, self.readers + 1
 
     def full(self, shard):
-        return self.full_async(shard)()
+        if self._full is None:
+            self._full = gather_along(self.comm, shard.detach(), self.dim, AGAIN)
+        return self._full
 
     def full_async(self, shard):
         """A function giving the full input: the all-gather launched now unless another column
         layer of the region gathered it already (its wait is the function's)."""
         if self._full is None:
-            pending = gather_along(self.comm, shard.detach(), self.dim, "SP g: all-gather again (backward)",
-                                   async_op=True)
+            pending = gather_along(self.comm, shard.detach(), self.dim, AGAIN, async_op=True)
 
             def wait():
                 if self._full is None:
