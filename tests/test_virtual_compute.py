@@ -14,7 +14,7 @@ from course_lib import trace
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.models import MLP, SmallCNN
 from course_lib.planner import HARDWARE
-from course_lib.planner.kernel_cost import ATTENTION, COPY, CPU_KERNELS, foreach_launches, op_cost
+from course_lib.planner.kernel_cost import ATTENTION, COPY, CPU_KERNELS, STREAMING_COPIES, foreach_launches, op_cost
 from course_lib.virtual import VirtualCluster, gpu_check
 
 H100 = HARDWARE["h100-sxm"]
@@ -162,7 +162,9 @@ def test_every_op_the_course_trains_does_its_arithmetic_and_runs_the_gpus_kernel
     CPU-only kernel is priced as itself (it is priced as the GPU's, CPU_KERNELS)."""
     ops = _walk(*MODELS[name])
     assert ops and any(name.startswith("_foreach_") for name in ops)
-    free = sorted(op for op, (flops, _, cls, _) in ops.items() if flops == 0 and cls is not COPY)
+    # (a copy whose tensors are contiguous is priced at the streaming rate: class elementwise, 0 FLOPs)
+    free = sorted(op for op, (flops, _, cls, _) in ops.items()
+                  if flops == 0 and cls is not COPY and getattr(aten, op) not in STREAMING_COPIES)
     assert not free, f"{name}: ops priced at 0 FLOPs that do arithmetic: {free}"
     cpu = sorted(op for op in ops if "cpu" in op and getattr(aten, op) not in CPU_KERNELS)
     assert not cpu, f"{name}: CPU-only kernels priced as they are: {cpu}"

@@ -111,6 +111,12 @@ SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
 _MEGATRON_P2P = {"Narayanan 2021 T1": ("megatron_p2p", "megatron_timers"),
                  "Korthikanti 2022 T5": ("megatron_p2p", "megatron_timers")}
 SOFTWARE = {source: software + _MEGATRON_P2P.get(source, ()) for source, software in SOFTWARE.items()}
+# Megatron-LM of Korthikanti et al. 2022 (55ba1f7b96, megatron/mpu/layers.py L239-309,
+# LinearWithGradAccumulationAndAsyncCommunication): a sequence-parallel column layer's backward
+# re-gathers its input under the dX GEMM and reduce-scatters dX under the dW GEMM, both async on
+# the tp group's stream (course_lib.virtual.software.SP_RUNTIME). Narayanan et al. 2021's code
+# (de7dc40) ran no SP and a synchronous f; BLOOM's and Llama 3's rows run no Megatron SP layer.
+SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("sp_backward_overlap",)
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a

@@ -43,23 +43,36 @@ def _check(comm, x, dim=None):
         raise ValueError(f"dim={dim} is not a dimension of a tensor of shape {tuple(x.shape)}")
 
 
-def gather_along(comm, x, dim, name):
-    """(.., n, ..) on each rank -> (.., size * n, ..): the pieces in group-rank order along ``dim``."""
+def gather_along(comm, x, dim, name, async_op=False):
+    """(.., n, ..) on each rank -> (.., size * n, ..): the pieces in group-rank order along ``dim``.
+    ``async_op``: the all-gather is launched and a function returned that waits for it and
+    gives the result (the caller computes in between: Megatron-LM 2022's SP backward)."""
     x = x.movedim(dim, 0).contiguous()                               # (n, ...) gathered along dim 0
     out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
-    comm.all_gather_into_tensor(out, x, name=name)
-    return out.movedim(0, dim).contiguous()  # one copy here, not one per layer that reads it
+    work = comm.all_gather_into_tensor(out, x, name=name, async_op=async_op)
+
+    def result():
+        if work is not None:
+            work.wait()
+        return out.movedim(0, dim).contiguous()  # one copy here, not one per layer that reads it
+    return result if async_op else result()
 
 
-def _reduce_scatter(comm, x, dim, name):
-    """(.., size * n, ..) on each rank -> (.., n, ..): the sum over ranks of this rank's piece."""
+def reduce_scatter_along(comm, x, dim, name, async_op=False):
+    """(.., size * n, ..) on each rank -> (.., n, ..): the sum over ranks of this rank's piece.
+    ``async_op``: as :func:`gather_along`'s, a function that waits and gives the result."""
     if x.shape[dim] % comm.size:
         raise ValueError(f"{name}: dimension {dim} of size {x.shape[dim]} does not split evenly over the "
                          f"{comm.size} ranks of the group (sequence parallelism needs seq % tp == 0)")
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // comm.size, *x.shape[1:]))
-    comm.reduce_scatter_tensor(out, x, name=name)
-    return out.movedim(0, dim)
+    work = comm.reduce_scatter_tensor(out, x, name=name, async_op=async_op)
+
+    def result():
+        if work is not None:
+            work.wait()
+        return out.movedim(0, dim)
+    return result if async_op else result()
 
 
 def _split(comm, x, dim):
@@ -121,16 +134,23 @@ class ReduceFromParallel(torch.autograd.Function):
 
 
 class GatherFromSequenceParallel(torch.autograd.Function):
-    """SP g: all-gather along ``dim`` forward, reduce-scatter backward."""
+    """SP g: all-gather along ``dim`` forward, reduce-scatter backward. ``region``: the region's
+    :class:`~course_lib.parallel.tensor_parallel.SequenceShardInput`, whose single column layer
+    may have reduce-scattered the gradient itself, under its weight gradient (``region.reduced``,
+    Megatron-LM 2022's overlap): then that is the result, not a second reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
+    def forward(ctx, x, comm, dim, region=None):
+        ctx.comm, ctx.dim, ctx.region = comm, dim, region
         return gather_along(comm, x, dim, "SP g: all-gather")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(ctx.comm, grad, ctx.dim, "SP g: reduce-scatter (backward)"), None, None
+        region = ctx.region
+        if region is not None and region.reduced is not None:
+            reduced, region.reduced = region.reduced, None
+            return reduced, None, None, None
+        return reduce_scatter_along(ctx.comm, grad, ctx.dim, "SP g: reduce-scatter (backward)"), None, None, None
 
 
 class ScatterToSequenceParallel(torch.autograd.Function):
@@ -139,7 +159,7 @@ class ScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim):
         ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(comm, x, dim, "SP g-bar: reduce-scatter")
+        return reduce_scatter_along(comm, x, dim, "SP g-bar: reduce-scatter")
 
     @staticmethod
     def backward(ctx, grad):
@@ -206,10 +226,11 @@ def reduce_from_parallel(x, comm, in_place=False):
     return ReduceFromParallel.apply(x, comm, bool(in_place)) if comm.size > 1 else x
 
 
-def gather_from_sequence_parallel(x, comm, dim=1):
-    """SP g (sequence parallelism): all-gather along ``dim`` forward, reduce-scatter backward."""
+def gather_from_sequence_parallel(x, comm, dim=1, region=None):
+    """SP g (sequence parallelism): all-gather along ``dim`` forward, reduce-scatter backward
+    (``region``: see :class:`GatherFromSequenceParallel`)."""
     _check(comm, x, dim)
-    return GatherFromSequenceParallel.apply(x, comm, dim % x.dim()) if comm.size > 1 else x
+    return GatherFromSequenceParallel.apply(x, comm, dim % x.dim(), region) if comm.size > 1 else x
 
 
 def scatter_to_sequence_parallel(x, comm, dim=1):
@@ -241,6 +262,6 @@ def sum_over_copies(x, comm, slot, n_slots):
 
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_sequence_parallel",
            "scatter_to_sequence_parallel", "split_to_parallel", "gather_from_parallel", "sum_over_copies",
-           "gather_along", "CopyToParallel", "ReduceFromParallel",
+           "gather_along", "reduce_scatter_along", "CopyToParallel", "ReduceFromParallel",
            "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel",
            "GatherFromParallel", "SumOverCopies"]

@@ -35,7 +35,7 @@ from course_lib.collectives.comm import Comm
 from course_lib.parallel.async_tp import all_gather_matmul, matmul_reduce_scatter
 from course_lib.parallel.comm_ops import (copy_to_parallel, gather_along, gather_from_parallel,
                                           gather_from_sequence_parallel, reduce_from_parallel,
-                                          scatter_to_sequence_parallel, sum_over_copies)
+                                          reduce_scatter_along, scatter_to_sequence_parallel, sum_over_copies)
 from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.replicas import check_replicas
 from course_lib.parallel.vocab_parallel import shard_range
@@ -67,21 +67,44 @@ def slice_parameter(p: nn.Parameter, dim: int, start: int, stop: int) -> nn.Para
     return q
 
 
+AGAIN = "SP g: all-gather again (backward)"
+
+
 class SequenceShardInput:
     """The all-gathered input of a sequence-parallel region, shared by its column layers.
 
     Forward keeps only this rank's s/t tokens (``shard``) for backward; the first backward
     that needs the full input all-gathers it again, the others reuse it, the last drops it
-    (Korthikanti et al. 2022, Sec. 4.2.2: an extra all-gather buys t times less memory)."""
+    (Korthikanti et al. 2022, Sec. 4.2.2: an extra all-gather buys t times less memory).
+    ``reduced``: the region's input gradient, reduce-scattered by its one column layer
+    (:func:`column_backward`'s overlap), for the region's entry to return."""
 
     def __init__(self, shard, comm, dim=1):
         self.shard, self.comm, self.dim = shard, comm, dim
-        self.users, self._full = 0, None
+        self.users, self.readers, self._full, self.reduced = 0, 0, None, None
+
+    def add_reader(self):
+        """A column layer reads the region (forward): ``readers`` of it in all, ``users`` still to
+        run their backward."""
+        self.users, self.readers = self.users + 1, self.readers + 1
 
     def full(self, shard):
         if self._full is None:
-            self._full = gather_along(self.comm, shard.detach(), self.dim, "SP g: all-gather again (backward)")
+            self._full = gather_along(self.comm, shard.detach(), self.dim, AGAIN)
         return self._full
+
+    def full_async(self, shard):
+        """A function giving the full input: the all-gather launched now unless another column
+        layer of the region gathered it already (its wait is the function's)."""
+        if self._full is None:
+            pending = gather_along(self.comm, shard.detach(), self.dim, AGAIN, async_op=True)
+
+            def wait():
+                if self._full is None:
+                    self._full = pending()
+                return self._full
+            return wait
+        return lambda: self._full
 
     def release(self):
         self.users -= 1
@@ -89,35 +112,64 @@ class SequenceShardInput:
             self._full = None
 
 
+def column_backward(source, shard, overlap, input_grad, weight_grads):
+    """The backward of a column layer reading SP region ``source``: (its input gradient, what
+    ``weight_grads(x_full)`` returns). ``input_grad()`` computes dX; ``weight_grads`` dW and db
+    from the re-gathered input. Plain (``overlap`` False): the all-gather, then dX, then dW;
+    the region's entry reduce-scatters dX after. Megatron-LM 2022's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` (``overlap``): the all-gather launched
+    on the group's stream under dX's GEMM, then, where this layer is the region's only reader
+    (its dX is the region's whole gradient), dX's reduce-scatter launched under dW's GEMM: the
+    same collectives on the same tensors, so the same values, to the bit."""
+    if not overlap:
+        x_full = source.full(shard)
+        return input_grad(), weight_grads(x_full)
+    gathered = source.full_async(shard)
+    grad_x = input_grad()                                     # under the all-gather
+    x_full = gathered()
+    reducing = None
+    if source.readers == 1:
+        reducing = reduce_scatter_along(source.comm, grad_x, source.dim, "SP g: reduce-scatter (backward)",
+                                        async_op=True)
+    grads = weight_grads(x_full)                              # under the reduce-scatter
+    if reducing is not None:
+        source.reduced = reducing()
+    return grad_x, grads
+
+
 def enter_sequence_parallel(x, comm, keep_gathered=False):
     """SP g: all-gather the s/t tokens of every rank (backward: reduce-scatter). Unless
     ``keep_gathered``, the column layers that read the result keep only ``x`` for backward."""
-    full = gather_from_sequence_parallel(x, comm, dim=1)  # (b, s/t, h) -> (b, s, h)
-    if not keep_gathered and comm.size > 1:
-        full.sequence_shard = SequenceShardInput(x, comm, dim=1)
+    region = SequenceShardInput(x, comm, dim=1) if not keep_gathered and comm.size > 1 else None
+    full = gather_from_sequence_parallel(x, comm, dim=1, region=region)  # (b, s/t, h) -> (b, s, h)
+    if region is not None:
+        full.sequence_shard = region
     return full
 
 
 class LinearKeepingShard(torch.autograd.Function):
-    """y = x_full W^T + b, saving only the sequence shard of x_full (re-gathered in backward)."""
+    """y = x_full W^T + b, saving only the sequence shard of x_full (re-gathered in backward;
+    ``overlap``: under the input gradient's GEMM, :func:`column_backward`)."""
 
     @staticmethod
-    def forward(ctx, x_full, shard, weight, bias, source):
+    def forward(ctx, x_full, shard, weight, bias, source, overlap=False):
         ctx.save_for_backward(shard, weight)                  # (b, s/t, h): not (b, s, h)
-        ctx.source, ctx.has_bias = source, bias is not None
-        source.users += 1
+        ctx.source, ctx.has_bias, ctx.overlap = source, bias is not None, overlap
+        source.add_reader()
         return F.linear(x_full, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):                                  # grad (b, s, out_r)
         shard, weight = ctx.saved_tensors
-        x_full = ctx.source.full(shard)                       # all-gather again (once per region)
-        grad_x = grad @ weight                                # (b, s, in)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t() @ x_full.reshape(-1, x_full.shape[-1])
-        grad_b = g2.sum(0) if ctx.has_bias else None
+
+        def weight_grads(x_full):
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.t() @ x_full.reshape(-1, x_full.shape[-1])
+            return grad_w, (g2.sum(0) if ctx.has_bias else None)
+        grad_x, (grad_w, grad_b) = column_backward(ctx.source, shard, ctx.overlap,
+                                                   lambda: grad @ weight, weight_grads)   # (b, s, in)
         ctx.source.release()
-        return grad_x, None, grad_w, grad_b, None
+        return grad_x, None, grad_w, grad_b, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -166,6 +218,8 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.input, self.gather_output, self.keep_gathered = comm, input, gather_output, keep_gathered
         self.in_features, self.out_features, self.full_out_features = linear.in_features, stop - start, out
         self.copies, self.rows, self.async_tp = copies, (start, stop), bool(async_tp)
+        # Megatron-LM 2022's SP backward overlap (course_lib.virtual.software, "sp_backward_overlap")
+        self.overlap_backward = False
         self.weight = slice_parameter(linear.weight, 0, start, stop)           # (out_r, in)
         self.bias = slice_parameter(linear.bias, 0, start, stop) if linear.bias is not None else None
         for p in (self.weight, self.bias):
@@ -201,7 +255,7 @@ class ColumnParallelLinear(nn.Module):
         weight, bias = self._params()
         source = getattr(x, "sequence_shard", None)
         if source is not None:   # SP: keep the s/t shard for backward, not the gathered input
-            y = LinearKeepingShard.apply(x, source.shard, weight, bias, source)
+            y = LinearKeepingShard.apply(x, source.shard, weight, bias, source, self.overlap_backward)
         else:
             y = F.linear(x, weight, bias)
         return gather_from_parallel(y, self.comm, dim=-1) if self.gather_output else y
@@ -360,6 +414,6 @@ class TensorParallelDropout(nn.Module):
         return f"p={self.p}, {self.region}"
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShardInput", "LinearKeepingShard",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShardInput", "LinearKeepingShard", "column_backward",
            "enter_sequence_parallel", "slice_parameter", "check_same_everywhere", "head_rows", "shard_range",
            "TensorParallelRNG", "TensorParallelDropout"]

@@ -57,6 +57,17 @@ _COPIES = {aten.copy_, aten.clone, aten._to_copy, aten.cat, aten.stack, aten.ind
            aten.masked_scatter, aten.diag_embed, aten.unfold_backward, aten.split_with_sizes_copy,
            aten.alias_copy, aten.view_copy, aten.permute_copy, aten.transpose_copy, aten.expand_copy,
            aten.lift_fresh_copy, aten._unsafe_index_put, aten.nonzero, aten.unique_dim, aten._unique2}
+# The "copy" class's rate (Hardware.kernel_efficiency) was fitted on the recorded H100 block's
+# copies (course_lib.virtual.gpu_check.fit_kernels), every one of them strided: the transposes of
+# the heads' layout (clone of a (b, a, s, d) view, cat of rotary halves). A copy whose tensors
+# are all contiguous (a cast, a clone, a cat of whole tensors, a fill) is one streaming pass over
+# memory, what the "elementwise" rate was measured on (the record's add of 2 x 256 MiB): priced
+# at that rate. Its destination is written, not read (copy_, fill_, zero_: the GPU's kernel
+# writes the output and reads only the source).
+STREAMING_COPIES = {aten.copy_, aten.clone, aten._to_copy, aten.cat, aten.stack, aten.fill_, aten.zero_,
+                     aten.zeros, aten.zeros_like, aten.ones, aten.ones_like, aten.full, aten.full_like,
+                     aten.new_zeros, aten.new_ones, aten.new_full}
+WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_}
 
 
 def _causal(flops, is_causal):
@@ -144,7 +155,7 @@ _KINDS: dict = {}   # OpOverload -> _Kind or _FREE_OP: a memo
 class _Kind:
     """How one aten op is priced: its FLOP formula (None: one FLOP per element, or none for a
     copy), its class, and which arguments it writes when it returns nothing (foreach ops)."""
-    __slots__ = ("formula", "cls", "writes", "embedding")
+    __slots__ = ("formula", "cls", "writes", "embedding", "streams", "write_only")
 
     def __init__(self, func):
         packet = func.overloadpacket
@@ -163,6 +174,8 @@ class _Kind:
         self.writes = tuple(i for i, a in enumerate(func._schema.arguments)
                             if a.alias_info is not None and a.alias_info.is_write)
         self.embedding = packet is aten.embedding
+        self.streams = cls is COPY and packet in STREAMING_COPIES      # priced as a stream when contiguous
+        self.write_only = packet in WRITE_ONLY                         # its first argument is not read
 
 
 def kernel_kind(func):
@@ -256,6 +269,14 @@ def op_cost(func, args, kwargs, out, itemsize: int | None):
     return kind_cost(kind, func, args, kwargs, out, element_bytes(itemsize))
 
 
+def _any_strided(args, out) -> bool:
+    """Whether the result, or a tensor in a list argument (cat's), is not contiguous."""
+    if isinstance(out, _Tensor) and not out.is_contiguous():
+        return True
+    return any(isinstance(t, _Tensor) and not t.is_contiguous()
+               for v in args if isinstance(v, (list, tuple)) for t in v)
+
+
 def _list_bytes(v, sizes) -> int:
     n = 0
     for t in v:
@@ -271,9 +292,13 @@ def kind_cost(kind, func, args, kwargs, out, sizes):
     nbytes = most = 0
     least = None                                       # the smallest input that is not a scalar
     lists = None
+    strided = False                                    # a tensor argument is not contiguous
     for v in args:
         if isinstance(v, _Tensor):
-            n = v.numel() if v.is_contiguous() else _strided_elements(v)
+            if v.is_contiguous():
+                n = v.numel()
+            else:
+                n, strided = _strided_elements(v), True
             nbytes += n * sizes[v.dtype]
             if n > most:
                 most = n
@@ -308,6 +333,11 @@ def kind_cost(kind, func, args, kwargs, out, sizes):
             v = args[i] if i < len(args) else None
             if isinstance(v, (list, tuple)):
                 nbytes += _list_bytes(v, sizes)
+    if kind.streams:
+        if kind.write_only:                            # the destination is written (the result), not read
+            nbytes -= _elements(args[0]) * sizes[args[0].dtype]
+        if not (strided or _any_strided(args, out)):
+            cls = ELEMENTWISE                          # one streaming pass (see STREAMING_COPIES)
     if kind.embedding:                                 # the rows read, not the table
         weight, indices = args[0], args[1]
         nbytes -= (_elements(weight) - indices.numel() * weight.shape[-1]) * sizes[weight.dtype]
@@ -422,7 +452,7 @@ class KernelModel:
         return t if t > floor else floor
 
 
-__all__ = ["FREE", "COURSE_KERNELS",
+__all__ = ["FREE", "COURSE_KERNELS", "STREAMING_COPIES", "WRITE_ONLY",
            "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
            "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches",
            "RATED", "compute_dtype"]

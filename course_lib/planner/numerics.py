@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
+from course_lib.planner.kernel_cost import ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels
 
 OPTIMIZER_BYTES_FULL = 28     # fp32 master, momentum, variance read and written; bf16 gradient read, weight written
@@ -85,7 +85,8 @@ def gradient_sums(hw, elements: float, tensors: int, num, m: int) -> Kernels:
     cast, add = (2 + num.accumulate) * elements, (2 * num.accumulate + 2) * elements
     out = Kernels(0, 0, 0, 0.0, 0.0)
     for nbytes, n in ((cast, 1), (add, m - 1)):
-        seconds = model.roofline(0 if nbytes == cast else elements, nbytes, COPY if nbytes == cast else ELEMENTWISE)
+        # (the cast of contiguous tensors streams: the clock's elementwise rate, kernel_cost.STREAMING_COPIES)
+        seconds = model.roofline(0 if nbytes == cast else elements, nbytes, ELEMENTWISE)
         out = out + Kernels(tensors, 0 if nbytes == cast else elements, nbytes, seconds,
                             max(seconds, tensors * hw.kernel_floor)).times(n)
     return out
@@ -93,14 +94,15 @@ def gradient_sums(hw, elements: float, tensors: int, num, m: int) -> Kernels:
 
 def master_copies(hw, elements: float, tensors: int, num) -> Kernels:
     """The kernels of the fp32 masters around a step (``course_lib.precision.mixed.MasterWeights``),
-    one per tensor each: the masters copied into the bf16 model (``copy_``: as the clock prices it,
-    the destination named twice, 2 + 2 + 4 bytes), and the gradients widened to fp32 (``.to``:
-    2 + 4) unless they were summed in fp32."""
+    one per tensor each: the masters copied into the bf16 model (``copy_``: the fp32 source read,
+    the bf16 destination written, 4 + 2 bytes), and the gradients widened to fp32 (``.to``:
+    2 + 4) unless they were summed in fp32; contiguous casts, priced as the clock prices them
+    (kernel_cost.STREAMING_COPIES: one streaming pass, the elementwise rate)."""
     model = KernelModel(hw, "float32")
     out = Kernels(0, 0, 0, 0.0, 0.0)
-    for nbytes in (8 * elements, 6 * elements if num.widen else 0):
+    for nbytes in (6 * elements, 6 * elements if num.widen else 0):
         if nbytes:
-            seconds = model.roofline(0, nbytes, COPY)
+            seconds = model.roofline(0, nbytes, ELEMENTWISE)
             out = out + Kernels(tensors, 0, nbytes, seconds, max(seconds, tensors * hw.kernel_floor))
     return out
 

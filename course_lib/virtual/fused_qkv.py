@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from course_lib.parallel.tensor_parallel import ColumnParallelLinear
+from course_lib.parallel.tensor_parallel import ColumnParallelLinear, column_backward
 
 
 @torch.library.custom_op("course::fused_qkv", mutates_args=())
@@ -87,10 +87,10 @@ class FusedQKV(torch.autograd.Function):
     backward and x re-gathered there (the course's SP Linear, Korthikanti et al. 2022)."""
 
     @staticmethod
-    def forward(ctx, x, shard, source, wq, wk, wv, bq, bk, bv):
-        ctx.source, ctx.has_bias = source, bq is not None
+    def forward(ctx, x, shard, source, wq, wk, wv, bq, bk, bv, overlap=False):
+        ctx.source, ctx.has_bias, ctx.overlap = source, bq is not None, overlap
         if source is not None:
-            source.users += 1
+            source.add_reader()
             ctx.save_for_backward(shard, wq, wk, wv)
         else:
             ctx.save_for_backward(x, wq, wk, wv)
@@ -100,14 +100,19 @@ class FusedQKV(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         x, wq, wk, wv = ctx.saved_tensors
         source = ctx.source
-        if source is not None:
-            x = source.full(x)                      # all-gather again (once per region)
-        dx = torch.ops.course.fused_qkv_input_grad(dq, dk, dv, wq, wk, wv)
-        dw = torch.ops.course.fused_qkv_weight_grad(x, dq, dk, dv, source is None)
-        db = torch.ops.course.fused_qkv_bias_grad(dq, dk, dv) if ctx.has_bias else (None,) * 3
-        if source is not None:
+
+        def input_grad():
+            return torch.ops.course.fused_qkv_input_grad(dq, dk, dv, wq, wk, wv)
+
+        def weight_grads(x):
+            dw = torch.ops.course.fused_qkv_weight_grad(x, dq, dk, dv, source is None)
+            return dw, (torch.ops.course.fused_qkv_bias_grad(dq, dk, dv) if ctx.has_bias else (None,) * 3)
+        if source is None:
+            dx, (dw, db) = input_grad(), weight_grads(x)
+        else:       # x all-gathered again (once per region); overlapped as Megatron-LM 2022's, or not
+            dx, (dw, db) = column_backward(source, x, ctx.overlap, input_grad, weight_grads)
             source.release()
-        return (dx, None, None, *dw, *db)
+        return (dx, None, None, *dw, *db, None)
 
 
 def _weights(linear):
@@ -136,7 +141,8 @@ def fused_qkv(x, wq, wk, wv):
         raise ValueError("fused_qkv: W_q, W_k and W_v must all have a bias or none")
     source = getattr(x, "sequence_shard", None)
     shard = source.shard if source is not None else None
-    return FusedQKV.apply(x, shard, source, w_q, w_k, w_v, b_q, b_k, b_v)
+    overlap = getattr(wq, "overlap_backward", False)      # (a column-parallel W_q: the region's)
+    return FusedQKV.apply(x, shard, source, w_q, w_k, w_v, b_q, b_k, b_v, overlap)
 
 
 def project_fused(self, x):

@@ -175,7 +175,7 @@ H100 = dict(
     device='NVIDIA H100 80GB HBM3', torch='2.11.0+cu130', preset='h100-sxm', date="2026-11-27",
     rows=[
         dict(label='GEMM 8192^3', virtual=0.00138704, measured=0.00138704, virtual_then=0.0015922),
-        dict(label='block fwd+bwd (h 2048, s 2048, b 4)', virtual=0.0110235, measured=0.0120574,
+        dict(label='block fwd+bwd (h 2048, s 2048, b 4)', virtual=0.0110165, measured=0.0120574,
              virtual_then=0.00865431),
         dict(label='1000 tiny kernels', virtual=0.012322, measured=0.0123212, virtual_then=0.004),
         dict(label='add 2 x 256 MiB (HBM streaming)', virtual=0.000277651, measured=0.000277648,

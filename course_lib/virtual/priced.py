@@ -235,6 +235,22 @@ class TwinArrival(Arrival):
         return True
 
 
+class TapedWait:
+    """The handle of an async collective taped by an action's memo (:mod:`.replay`): its wait is
+    taped where it happens, then done."""
+    __slots__ = ("handle", "memo", "at")
+
+    def __init__(self, handle, memo, at):
+        self.handle, self.memo, self.at = handle, memo, at
+
+    def wait(self, timeout=None):
+        self.memo.comm_wait(self.at)
+        return self.handle.wait()
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+
 class PricedComm(Comm):
     """A :class:`Comm` of the global ranks ``ranks`` seen from ``rank``: the same calls, traced
     and priced on the rank's clock; the backend's part of each call does nothing."""
@@ -255,9 +271,12 @@ class PricedComm(Comm):
 
     def _call(self, op, name, payload, async_op, args, kwargs):
         clock = trace.clock()
-        if clock is not None and clock.memo is not None:
-            clock.memo.comm_call(self, op, name, payload, async_op, args, kwargs)
-        return super()._call(op, name, payload, async_op, args, kwargs)
+        memo = clock.memo if clock is not None else None
+        at = memo.comm_call(self, op, name, payload, async_op, args, kwargs) if memo is not None else None
+        handle = super()._call(op, name, payload, async_op, args, kwargs)
+        if async_op and at is not None and handle is not None:
+            return TapedWait(handle, memo, at)      # its wait taped where the action waits
+        return handle
 
     def replay_call(self, op, name, payload, async_op, args, kwargs):
         """The call again, not taped (:mod:`.replay`). A blocking collective of the backend is

@@ -9,10 +9,10 @@ is its tape replayed on the clock: the kernels by the compute stream's own arith
 (:meth:`course_lib.virtual.compute.ComputeStream.replay`), the collectives called again on
 their Comm with meta tensors of the taped shapes, made once per tape (priced as the first
 time, by the clock, with this moment's streams and lanes; a blocking one of the backend straight
-on the clock, :meth:`.priced.PricedComm.replay_call`), between the same receive and send the
-runner makes. Where a tape cannot
-be trusted (an async collective inside, kernels outside the action's span, a zero-bubble
-split), the stage keeps running for real. ``tests/test_dry_run.py`` checks the step time with
+on the clock, :meth:`.priced.PricedComm.replay_call`; an async one waited for where the action
+waited, its wait taped in order), between the same receive and send the runner makes. Where a
+tape cannot be trusted (an async collective not waited for inside the action, kernels outside
+the action's span, a zero-bubble split), the stage keeps running for real. ``tests/test_dry_run.py`` checks the step time with
 replays against a real launch.
 """
 from __future__ import annotations
@@ -70,17 +70,27 @@ class ActionMemo:
         self.active = False
         self.clock.stream_tape(None)
 
-    def comm_call(self, comm, op, name, payload, async_op, args, kwargs) -> None:
-        """A collective inside the action being taped (PricedComm calls this)."""
+    def comm_call(self, comm, op, name, payload, async_op, args, kwargs):
+        """A collective inside the action being taped (PricedComm calls this): its place in the
+        tape (None: not taped). An async one is replayable once the action waits for it inside
+        its compute span (:meth:`comm_wait`: its wait is taped where it happens)."""
         if self.taping is None or self.clock.muted_depth:
-            return
+            return None
         if not self.active:            # a collective of the action outside its compute span
             self.bad.add(self.taping)
-            return
-        if async_op:
-            self.bad.add(self.taping)
+            return None
         shapes = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else ("value", a) for a in args)
         self.tape.append((comm, op, name, payload, async_op, shapes, kwargs, repr(sorted(kwargs.items()))))
+        return len(self.tape) - 1
+
+    def comm_wait(self, at) -> None:
+        """The wait for the async collective taped at ``at`` (PricedComm's handle calls this)."""
+        if self.taping is None or self.clock.muted_depth or self.tape is None:
+            return
+        if not self.active:            # waited for outside the action's compute span
+            self.bad.add(self.taping)
+            return
+        self.tape.append(("wait", at))
 
     def _run_real(self, key, run):
         clock, self.taping, self.tape = self.clock, key, None
@@ -95,9 +105,13 @@ class ActionMemo:
         if tape is None or clock.kernels - k0 != sum(1 for x in tape if x is not None and not isinstance(x, tuple)):
             self.bad.add(key)          # kernels priced outside the action's span: not a replayable unit
             return
+        waited = {x[1] for x in tape if isinstance(x, tuple) and x[0] == "wait"}
+        if any(isinstance(x, tuple) and x[0] != "wait" and x[4] and i not in waited for i, x in enumerate(tape)):
+            self.bad.add(key)          # an async collective the action does not wait for
         if key in self.bad or n < 2:
             return                     # (run 1: the first backward makes the gradients)
-        signature = [x if not isinstance(x, tuple) else (id(x[0]),) + x[1:6] + (x[7],) for x in tape]
+        signature = [x if not isinstance(x, tuple) or x[0] == "wait" else (id(x[0]),) + x[1:6] + (x[7],)
+                     for x in tape]
         if n == 2:
             self.tapes[key] = signature
         elif signature == self.tapes[key]:
@@ -116,13 +130,17 @@ class ActionMemo:
         return ("B", s) in self.ready or self.early
 
     def play(self, key) -> None:
-        stream = self.clock.stream()
+        stream, pending = self.clock.stream(), {}
         for kind, item in self.ready[key]:
             if kind == "ops":
                 stream.replay(item)
+            elif kind == "wait":                # an async collective's wait, where the action waited
+                pending.pop(item).wait()
             else:
-                comm, op, name, payload, async_op, args, kwargs = item
-                comm.replay_call(op, name, payload, async_op, args, kwargs)
+                at, comm, op, name, payload, async_op, args, kwargs = item
+                handle = comm.replay_call(op, name, payload, async_op, args, kwargs)
+                if async_op:
+                    pending[at] = handle
         self.replays += 1
 
     # ---------------------------------------------------------------- the runner's actions
@@ -177,16 +195,19 @@ class ActionMemo:
 
 
 def _segments(tape) -> list:
-    """[("ops", [seconds or None, ...]) | ("comm", (comm, op, name, payload, async, args, kwargs))]:
+    """[("ops", [seconds or None, ...]) | ("comm", (place, comm, op, name, payload, async, args, kwargs))
+    | ("wait", the place of the async collective waited for)]:
     a collective's arguments made once, meta tensors of the shapes taped (every replay passes
     the same ones: the dry run's backend moves nothing into them, the clock reads their shapes)."""
     out = []
-    for x in tape:
-        if isinstance(x, tuple):
+    for at, x in enumerate(tape):
+        if isinstance(x, tuple) and x[0] == "wait":
+            out.append(("wait", x[1]))
+        elif isinstance(x, tuple):
             comm, op, name, payload, async_op, shapes, kwargs = x[:7]
             args = tuple(torch.empty(shape, dtype=dtype, device="meta") if shape != "value" else dtype
                          for shape, dtype in shapes)
-            out.append(("comm", (comm, op, name, payload, async_op, args, kwargs)))
+            out.append(("comm", (at, comm, op, name, payload, async_op, args, kwargs)))
         elif out and out[-1][0] == "ops":
             out[-1][1].append(x)
         else:

@@ -101,6 +101,7 @@ import torch
 from course_lib import trace
 from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
+from course_lib.parallel.tensor_parallel import ColumnParallelLinear
 from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
@@ -112,6 +113,18 @@ FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_q
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
            "deepspeed_p2p_order", "zero_all_reduce")              # (:func:`install_runtime`)
 RUNTIME = RUNTIME + ("megatron_p2p", "megatron_timers")   # Megatron-LM's exchange, its timers' syncs
+# Megatron-LM 2022's sequence-parallel column layer (NVIDIA/Megatron-LM at 55ba1f7b96,
+# megatron/mpu/layers.py, LinearWithGradAccumulationAndAsyncCommunication.backward, L239-309):
+# the input re-gathered with ``_all_gather_base(..., async_op=True)`` while ``grad_output.matmul
+# (weight)`` (dX) runs, ``handle.wait()``, then dX reduce-scattered with ``_reduce_scatter_base(...,
+# async_op=True)`` while the weight gradient's GEMM and the bias's sum run, ``handle.wait()``
+# (Korthikanti et al. 2022, Sec. 4.2.2: "we overlap this communication with the computation
+# required to calculate gradients"). Run by the course's SP column layers
+# (:func:`~course_lib.parallel.tensor_parallel.column_backward`; the fused QKV GEMM's too), the
+# collectives on the tp group's stream; the values are the plain layer's, to the bit. Narayanan
+# et al. 2021's code (de7dc40) has no SP and a synchronous f (copy_to_tensor_model_parallel_region).
+SP_RUNTIME = ("sp_backward_overlap",)
+RUNTIME = RUNTIME + SP_RUNTIME
 
 
 def check_fusions(fusions) -> tuple:
@@ -273,7 +286,21 @@ def install_runtime(net, software) -> None:
         overlap_dp(net)
     if getattr(net, "zero", None) is not None:
         net.zero.all_reduce = "zero_all_reduce" in software
+    overlap_sp_backward(net, "sp_backward_overlap" in software)
     install_launch_blocking(trace.clock(), software)
+
+
+def overlap_sp_backward(net, on: bool = True) -> int:
+    """Every column-parallel layer of ``net``'s stages (or of ``net``, a module) runs (``on``) or not its SP backward as
+    Megatron-LM 2022's (:data:`SP_RUNTIME`): the re-gather under dX's GEMM, dX's reduce-scatter
+    under dW's. Returns how many layers it set."""
+    n = 0
+    stages = [net] if isinstance(net, torch.nn.Module) else getattr(net, "stages", {}).values()
+    for stage in stages:
+        for mod in stage.modules():
+            if isinstance(mod, ColumnParallelLinear):
+                mod.overlap_backward, n = on, n + 1
+    return n
 
 
 def install_launch_blocking(clock, software) -> None:
@@ -307,6 +334,6 @@ def overlap_dp(net) -> None:
     runner.B = backward
 
 
-__all__ = ["FUSIONS", "RUNTIME", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "overlap_sp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
            "bias_dropout_add", "overlap_dp", "MegatronP2P"]
