@@ -48,22 +48,28 @@ def zero_table1(tolerance: float = 0.01) -> list[dict]:
 
 
 # Korthikanti et al. 2022, Tables 3 and 5: A100 GPUs, sequence 2048, TP 8, sequence
-# parallelism + selective recomputation, interleaved pipeline; micro-batch 1; DP 1.
+# parallelism + selective recomputation; DP 1.
 # (model preset, PP, global batch, paper's iteration time s, paper's MFU)
 KORTHIKANTI_TABLE5 = [("megatron-22b", 1, 4, 1.10, 0.415), ("megatron-175b", 8, 64, 13.75, 0.514),
                       ("megatron-530b", 35, 280, 37.83, 0.560), ("gpt-1t", 64, 512, 71.49, 0.563)]
+# What the paper states of each row's schedule, keyed by (PP, global batch): Table 3's "Micro
+# Batch Size" (4 for 22B, 1 for the others) and Sec. 6: "We use the interleaving schedule with
+# three interleaving stages (m = 3) for the 175B and 530B models" (v = 3 chunks per stage; the 1T
+# row is not named: 1F1B, v = 1). (micro-batch, v)
+KORTHIKANTI_SCHEDULE = {(1, 4): (4, 1), (8, 64): (1, 3), (35, 280): (1, 3), (64, 512): (1, 1)}
 
 
 def korthikanti_layout(model, pp: int, global_batch: int) -> Layout:
-    """The paper's layout for one row. The paper does not print v, the model chunks
-    per stage; one rule for every row: the smallest v >= 2 that divides the layers
-    of a stage (175B: 2, 530B: 3, 1T: 2)."""
+    """The paper's layout for one row of Table 5: TP 8 with SP, selective recomputation, the
+    micro-batch and interleaving the paper states (:data:`KORTHIKANTI_SCHEDULE`)."""
+    micro_batch, v = KORTHIKANTI_SCHEDULE[(pp, global_batch)]
     if pp == 1:
-        return Layout(tp=8, sp=True, recompute="selective", global_batch=global_batch)
-    per_stage = model.n_layers // pp
-    v = min(k for k in range(2, per_stage + 1) if per_stage % k == 0)
+        return Layout(tp=8, sp=True, recompute="selective", micro_batch=micro_batch, global_batch=global_batch)
+    if v == 1:
+        return Layout(tp=8, pp=pp, sp=True, recompute="selective", schedule="1f1b", micro_batch=micro_batch,
+                      global_batch=global_batch)
     return Layout(tp=8, pp=pp, sp=True, recompute="selective", schedule="interleaved", v=v,
-                  global_batch=global_batch)
+                  micro_batch=micro_batch, global_batch=global_batch)
 
 
 def korthikanti_table5(hardware=None, tolerance: float = 0.15) -> list[dict]:
