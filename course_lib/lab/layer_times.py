@@ -30,8 +30,9 @@ What the clock's layer runs that Megatron-LM 2022's did not, or the other way (t
   every SP all-gather and reduce-scatter along the sequence transposes its tensors around the
   collective (:func:`~course_lib.parallel.comm_ops.gather_along`), strided copies at micro-batch
   4 and none at micro-batch 1 (a size-1 batch moves for free): the SP rows' forward.
-  (The Table 5 row, ``lab.dry_runs``, runs 4 micro-batches of 1 where Table 3 says one of 4:
-  measured 2026-11-29 on this branch, 1.061 s as run, 1.160 s at Table 3's micro-batch.)
+  (The Table 5 row, ``lab.dry_runs``, runs Table 3's one micro-batch of 4,
+  :data:`~course_lib.planner.validation.KORTHIKANTI_SCHEDULE`: 1.161 s; 4 micro-batches of 1,
+  which it ran before 2026-11-29, took 1.061 s.)
 """
 from __future__ import annotations
 
@@ -93,12 +94,11 @@ def layer_rows(micro_batch: int = MICRO_BATCH, hardware=MEGATRON_2022, fusions=N
 
 
 def format_layer_table(rows) -> str:
-    lines = [f"{'Table 4 experiment':28s} {'paper fwd/bwd ms':>16s} {'clock fwd/bwd ms':>17s} "
-             f"{'fwd':>7s} {'bwd':>7s} {'both':>7s}"]
+    """The rows as a table 69 characters wide: milliseconds, forward (F) and backward (B)."""
+    lines = [f"{'Table 4 (ms)':24}{'paper F':>8}{'B':>6}{'clock F':>9}{'B':>7}{'err F':>8}{'B':>7}"]
     for r in rows:
-        lines.append(f"{r['experiment']:28s} {r['paper_fwd_ms']:7.1f} {r['paper_bwd_ms']:8.1f} "
-                     f"{r['clock_fwd_ms']:8.2f} {r['clock_bwd_ms']:8.2f} {r['fwd_err']:+7.1%} "
-                     f"{r['bwd_err']:+7.1%} {r['total_err']:+7.1%}")
+        lines.append(f"{r['experiment']:24}{r['paper_fwd_ms']:8.1f}{r['paper_bwd_ms']:6.1f}"
+                     f"{r['clock_fwd_ms']:9.2f}{r['clock_bwd_ms']:7.2f}{r['fwd_err']:+8.1%}{r['bwd_err']:+7.1%}")
     return "\n".join(lines)
 
 
