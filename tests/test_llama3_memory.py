@@ -45,3 +45,14 @@ def test_paper_quotes_name_what_the_rows_follow():
     assert "only the embedding" in LM.PAPER["balance"]
     assert "without activation checkpointing" in LM.PAPER["deallocate"]
     assert [r[4].n_gpus for r in LM.llama_rows()] == [8192, 16384, 16384]
+
+
+def test_held_over_step_model(tiny):
+    # the walk's saved-activation peak is the dry run's own count on the peak stage, to the byte
+    k = tiny["peak_stage"]
+    assert tiny["held"]["count"] == tiny["held_deallocated"]["count"] == tiny["stages"][k]["total"]
+    # the course's runner holds more (fp32 sums, every sent tensor to the step's end); freeing a sent
+    # tensor once delivered holds less than that, and never less than the count
+    assert tiny["held"]["program"] > tiny["held_deallocated"]["program"] > tiny["held"]["count"]
+    with pytest.raises(ValueError, match="layer chunks"):
+        LM.held_over_step(TINY, LAYOUT, 0, tiny["layer"], 0, 0)       # stage 0: the embedding's chunk

@@ -144,10 +144,58 @@ def uncounted(spec, hw, layout, stage: int) -> dict:
             "sent_kept_at_end": 2 * layout.microbatches * layout.v * b}
 
 
+def held_over_step(spec, layout, stage: int, layer: int, states: int, stage_params: int,
+                   deallocate: bool = False) -> dict:
+    """A model of what an interior rank ``stage`` holds over the step, action by action on the
+    schedule the ranks run (not run; ``layer``, ``states``: the dry run's), peaks returned:
+
+    - "count": the states after the step + the saved activations (the dry run's count);
+    - "program": + the fp32 gradient sums (a chunk's from its first backward; ``stage_params``
+      parameters, 4 bytes each, on equal one-layer chunks), the activations it sent (the stage
+      outputs, kept for backward and then in the runner's ``sends``) and the input gradients it
+      sent, both to the step's end, and the RECV_DEPTH receive buffers posted ahead: the course's
+      runner as it runs;
+    - with ``deallocate``: Llama 3's "proactively deallocate ... the input and output tensors of
+      each pipeline stage" read as Megatron-LM's ``deallocate_output_tensor`` does it: a sent
+      tensor's storage freed once its send is done, taken as the rank's next action (the
+      receiver posts its receives ahead), the autograd graph kept."""
+    from course_lib.parallel.pipeline.rules import partition_layers
+    from course_lib.schedules import chunks, make_schedule
+    v = chunks(layout.schedule, layout.v)
+    per = [len(r) for r in partition_layers(spec.n_layers, layout.pp * v, layout.stage_layers)]
+    actions = make_schedule(layout.schedule, layout.pp, layout.microbatches, v)[stage]
+    mine = sorted({a.stage for a in actions})
+    if any(per[s] == 0 for s in mine) or any(a.op == "W" for a in actions):
+        raise ValueError(f"held_over_step models a rank of layer chunks without W actions; rank {stage} is not")
+    b, sums = boundary_bytes(layout, spec), 4 * stage_params // len(mine)
+    saved = held = fp32 = 0
+    sent_last, started = 0, set()
+    peak = {"count": 0, "program": 0}
+    for a in actions:
+        if deallocate:
+            held -= sent_last               # what the last action sent: delivered, freed
+        sent_last = 0
+        if a.op == "F":
+            saved += per[a.stage] * layer
+            sent_last = b if a.stage < layout.pp * v - 1 else 0      # the stage's output
+        else:
+            if a.stage not in started:      # a chunk's fp32 sums, from its first backward on
+                started.add(a.stage)
+                fp32 += sums
+            peak["program"] = max(peak["program"], states + fp32 + saved + held + 2 * b)
+            saved -= per[a.stage] * layer
+            sent_last = b if a.stage > 0 else 0                        # its input's gradient
+        held += sent_last
+        peak["count"] = max(peak["count"], states + saved)
+        peak["program"] = max(peak["program"], states + fp32 + saved + held + 2 * b)
+    return peak
+
+
 def breakdown(run_row, progress=None) -> dict:
     """One row run and taken apart: the dry run's peak stage, its states and activations, one
     layer's bytes (and in units of s b h / t), the in-flight layers, the most bytes a layer could
-    save and fit the GPU (``fit_units``), and :func:`uncounted`."""
+    save and fit the GPU (``fit_units``), :func:`uncounted`, and the peak stage's
+    :func:`held_over_step` without and with Llama 3's deallocation."""
     source, name, spec, hw, layout = run_row[:5]
     r = dry_run(spec, hw, layout, progress=progress, fusions=row_software(source, name), dropout=DROPOUT[source])
     layer = one_layer(spec, hw, layout, source)
@@ -155,10 +203,14 @@ def breakdown(run_row, progress=None) -> dict:
     peak = max(stages, key=lambda s: s["total"])
     unit = unit_bytes(layout, spec)
     budget = (hw.hbm_bytes - peak["states"]) / peak["layers_in_flight"]
+    params = estimate(spec, hw, layout).memory_by_stage[peak["stage"]]["params"] // 2
+    held = {d: held_over_step(spec, layout, peak["stage"], layer, peak["states"], params, deallocate=d)
+            for d in (False, True)}
     return {"model": name, "GPUs": layout.n_gpus, "m": layout.microbatches, "step_time": r.step_time,
             "peak": r.peak_memory, "fits": r.fits, "stages": stages, "peak_stage": peak["stage"],
             "layer": layer, "layer_units": layer / unit, "fit_units": budget / unit, "unit": unit,
-            "uncounted": uncounted(spec, hw, layout, peak["stage"])}
+            "uncounted": uncounted(spec, hw, layout, peak["stage"]), "held": held[False],
+            "held_deallocated": held[True]}
 
 
 def breakdown_rows(names=None, progress=None) -> list[dict]:
@@ -178,11 +230,14 @@ def format_breakdown(rows) -> str:
                   f"  to fit 80 GiB a layer may save {b['fit_units']:.2f} s b h / t",
                   f"  not counted: fp32 gradient sums {u['fp32_grad_sums'] / GiB:.2f} GiB, stage outputs "
                   f"kept {u['outputs_kept'] / GiB:.2f} GiB, sent and kept at the step's end "
-                  f"{u['sent_kept_at_end'] / GiB:.2f} GiB"]
+                  f"{u['sent_kept_at_end'] / GiB:.2f} GiB",
+                  f"  held over the step (model): count {b['held']['count'] / GiB:.2f} GiB, the course's "
+                  f"program {b['held']['program'] / GiB:.2f} GiB, with Llama 3's deallocation "
+                  f"{b['held_deallocated']['program'] / GiB:.2f} GiB"]
         lines += [f"  stage {s['stage']:2d}: states {s['states'] / GiB:6.2f} activations {s['activations'] / GiB:6.2f}"
                   f" = {s['layers_in_flight']:6.2f} layers + {s['rest'] / GiB:.3f} GiB" for s in b["stages"]]
     return "\n".join(lines)
 
 
 __all__ = ["PAPER", "SOURCE", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
-           "peak_chunks", "stage_rows", "uncounted", "breakdown", "breakdown_rows", "format_breakdown"]
+           "peak_chunks", "stage_rows", "uncounted", "held_over_step", "breakdown", "breakdown_rows", "format_breakdown"]
