@@ -14,6 +14,21 @@ bytes (:func:`course_lib.lab.dry_run_memory.layer_activations` at the row's shap
 :func:`stage_rows` checks that identity on the run. What the accounting leaves out is
 sized beside it (:func:`uncounted`): the stage outputs and messages the runner holds, and the
 fp32 gradient sums of ZeRO-2 with FP32 accumulation, which live during the schedule.
+
+Measured (2026-11-29, ``benchmarks/llama3_memory.py``; unit s b h / t = 32 MiB): every row peaks
+on pp rank 1 (Llama 3's balance takes a layer off rank 0, whose warm-up is the deepest), its
+activations exactly its layers in flight x one layer: 8k on 8,192 GPUs 6.68 + 141 x 0.661 =
+99.83 GiB; 8k on 16,384 (m = p = 16: every forward before the first backward) 6.31 + 128 x
+0.661 = 90.87; 128k 6.31 + 128 x 0.697 = 95.50. A layer saves 21.14 units (8k; "none" and
+"selective" alike under FlashAttention: no checkpointing, as the paper's 8K claim): attention
+5.14 (x, x / rms, the norm's output that TP + SP re-gathers, Q, K and V of one KV head, the
+log-sum-exp, O), MLP 16 (x, x / rms, the norm's output, w1 x, w3 x, silu(w1 x), the product: 3.25
+each); at 128k 22.30 (CP: each local chunk's output kept by its kernel and again, concatenated,
+by the output projection; the rank's rotary tables, K and V, positions). To fit 80 GiB a layer
+could save 16.64 units (8k, 8,192) or 18.42 (the others). The stage outputs are not in the
+count (interior stages: activations = layers x one layer, to the byte), so Llama 3's
+deallocation of them changes no counted byte; it acts on what the count leaves out
+(:func:`held_over_step`: 123.36 -> 111.80, 96.42 -> 92.42, 101.04 -> 97.04 GiB).
 """
 from __future__ import annotations
 
