@@ -129,7 +129,8 @@ def one_layer(spec, hw, layout, source: str = SOURCE) -> int:
 
 
 def stage_rows(run, layer: int) -> list[dict]:
-    """Per pipeline stage of the DryRun ``run``: states, activations, the chunks it holds at its
+    """Per pipeline stage of the DryRun ``run``: states, activations, ``total`` (their sum, the
+    count before the dry run read the states at each moment), ``peak`` (the dry run's), the chunks it holds at its
     peak (:func:`peak_chunks`; the planner's count beside: ``formula_chunks``) and ``rest``:
     activations minus the layers they hold x ``layer`` (0 where every live chunk is a layer: the
     peak is in-flight layers x one layer; on the end stages, the embedding's or the head's)."""
@@ -137,7 +138,7 @@ def stage_rows(run, layer: int) -> list[dict]:
     for k, mem in enumerate(run.memory_by_stage):
         held = peak_chunks(run.model, run.layout, k)
         out.append({"stage": k, "states": mem["states"], "activations": mem["activations"],
-                    "total": mem["states"] + mem["activations"], "in_flight_chunks": held["chunks"],
+                    "total": mem["states"] + mem["activations"], "peak": mem["peak"], "in_flight_chunks": held["chunks"],
                     "formula_chunks": in_flight_chunks(run.layout, k), "layers_in_flight": held["layers"],
                     "no_layer_chunks": held["no_layer"], "rest": mem["activations"] - held["layers"] * layer})
     return out
@@ -160,12 +161,18 @@ def uncounted(spec, hw, layout, stage: int) -> dict:
 
 
 def held_over_step(spec, layout, stage: int, layer: int, states: int, stage_params: int,
-                   deallocate: bool = False) -> dict:
+                   deallocate: bool = False, owned: int | None = None) -> dict:
     """A model of what an interior rank ``stage`` holds over the step, action by action on the
     schedule the ranks run (not run; ``layer``, ``states``: the dry run's), peaks returned:
 
-    - "count": the states after the step + the saved activations (the dry run's count);
-    - "program": + the fp32 gradient sums (a chunk's from its first backward; ``stage_params``
+    - "count": the states after the step + the saved activations (the dry run's count before
+      it read the states at each moment);
+    - "held" (with ``owned``, the parameters of the rank's ZeRO-2 slices): the states as they
+      are at each action + the saved activations, after each forward and at the end of each
+      backward, and the states after the step: the owned slices' fp32 gradients (4 ``owned``
+      bytes) exist only after the step, the fp32 sums during it (a chunk's, 4 bytes a
+      parameter, from its first backward): the dry run's ``peak`` (sent tensors not counted);
+    - "program": the states (before any backward, with ``owned``) + the fp32 gradient sums (a chunk's from its first backward; ``stage_params``
       parameters, 4 bytes each, on equal one-layer chunks), the activations it sent (the stage
       outputs, kept for backward and then in the runner's ``sends``) and the input gradients it
       sent, both to the step's end, and the RECV_DEPTH receive buffers posted ahead: the course's
@@ -186,6 +193,10 @@ def held_over_step(spec, layout, stage: int, layer: int, states: int, stage_para
     saved = held = fp32 = 0
     sent_last, started = 0, set()
     peak = {"count": 0, "program": 0}
+    during = None if owned is None else states - 4 * owned      # the states before any backward
+    base = states if during is None else during
+    if during is not None:
+        peak["held"] = states
     for a in actions:
         if deallocate:
             held -= sent_last               # what the last action sent: delivered, freed
@@ -193,16 +204,20 @@ def held_over_step(spec, layout, stage: int, layer: int, states: int, stage_para
         if a.op == "F":
             saved += per[a.stage] * layer
             sent_last = b if a.stage < layout.pp * v - 1 else 0      # the stage's output
+            if during is not None:
+                peak["held"] = max(peak["held"], during + fp32 + saved)
         else:
             if a.stage not in started:      # a chunk's fp32 sums, from its first backward on
                 started.add(a.stage)
                 fp32 += sums
-            peak["program"] = max(peak["program"], states + fp32 + saved + held + 2 * b)
+            peak["program"] = max(peak["program"], base + fp32 + saved + held + 2 * b)
+            if during is not None:
+                peak["held"] = max(peak["held"], during + fp32 + saved)
             saved -= per[a.stage] * layer
             sent_last = b if a.stage > 0 else 0                        # its input's gradient
         held += sent_last
         peak["count"] = max(peak["count"], states + saved)
-        peak["program"] = max(peak["program"], states + fp32 + saved + held + 2 * b)
+        peak["program"] = max(peak["program"], base + fp32 + saved + held + 2 * b)
     return peak
 
 
@@ -215,11 +230,12 @@ def breakdown(run_row, progress=None) -> dict:
     r = dry_run(spec, hw, layout, progress=progress, fusions=row_software(source, name), dropout=DROPOUT[source])
     layer = one_layer(spec, hw, layout, source)
     stages = stage_rows(r, layer)
-    peak = max(stages, key=lambda s: s["total"])
+    peak = max(stages, key=lambda s: s["peak"])
     unit = unit_bytes(layout, spec)
     budget = (hw.hbm_bytes - peak["states"]) / peak["layers_in_flight"]
     params = estimate(spec, hw, layout).memory_by_stage[peak["stage"]]["params"] // 2
-    held = {d: held_over_step(spec, layout, peak["stage"], layer, peak["states"], params, deallocate=d)
+    owned = params // (layout.dp * layout.cp) if layout.zero == 2 else None   # ZeRO-2's slices (padding left out)
+    held = {d: held_over_step(spec, layout, peak["stage"], layer, peak["states"], params, deallocate=d, owned=owned)
             for d in (False, True)}
     return {"model": name, "GPUs": layout.n_gpus, "m": layout.microbatches, "step_time": r.step_time,
             "peak": r.peak_memory, "fits": r.fits, "stages": stages, "peak_stage": peak["stage"],
@@ -246,6 +262,8 @@ def format_breakdown(rows) -> str:
                   f"  not counted: fp32 gradient sums {u['fp32_grad_sums'] / GiB:.2f} GiB, stage outputs "
                   f"kept {u['outputs_kept'] / GiB:.2f} GiB, sent and kept at the step's end "
                   f"{u['sent_kept_at_end'] / GiB:.2f} GiB",
+                  f"  the dry run's peak over the step {b['peak'] / GiB:.2f} GiB (the model: "
+                  f"{b['held'].get('held', 0) / GiB:.2f}); states after + activations {p['total'] / GiB:.2f} GiB",
                   f"  held over the step (model): count {b['held']['count'] / GiB:.2f} GiB, the course's "
                   f"program {b['held']['program'] / GiB:.2f} GiB, with Llama 3's deallocation "
                   f"{b['held_deallocated']['program'] / GiB:.2f} GiB"]
