@@ -51,3 +51,26 @@ def test_peak_over_the_step_equals_the_schedule_model_and_a_real_launch():
     for stage in range(LAYOUT.pp):
         got = real[shape.rank_of(pp=stage)]
         assert {k: got[k] for k in ("states", "activations", "peak")} == r.memory_by_stage[stage], stage
+
+
+def test_the_planner_counts_the_same_moments():
+    """The planner's memory (estimate(...).memory) by the same rule: under ZeRO-2 with FP32
+    accumulation the schedule holds 4 bytes a parameter of sums beside the activations; under
+    "bf16" without a pipeline the masters' fp32 gradients, which appear after the schedule,
+    make the step's end the peak (the dry run: its peak is the states after the step). Each
+    within the planner-vs-dry-run sweep's bound of the dry run."""
+    from course_lib.lab.dry_run_sweep import BOUND
+    from course_lib.planner import estimate
+    bf16 = LAYOUT.with_(zero=0, precision="bf16", pp=1, schedule="1f1b", v=1, stage_layers=None)
+    for layout, at_end in ((LAYOUT, False), (bf16, True)):
+        est = estimate(SPEC, HW, layout, runtime="course")
+        r = dry_run(SPEC, HW, layout, fusions=FUSIONS, progress=None)
+        assert abs(est.memory["total"] / r.peak_memory - 1) <= BOUND, (layout, est.memory, r.peak_memory)
+        m = est.memory
+        states_after = m["params"] + m["grads_after_step"] + m["optimizer"]
+        assert (m["total"] == states_after) is at_end
+        assert (r.peak_memory == max(s["states"] for s in r.memory_by_stage)) is at_end
+        if at_end:      # during the schedule: the bf16 model's gradients, 2 bytes; after it: fp32, 4
+            assert m["grads"] == m["grads_after_step"] == 2 * m["params"] and m["total"] < states_after + m["activations"]
+        else:           # the whole fp32 sums during the schedule; the owned half's after it
+            assert m["grads"] == 2 * m["params"] == 2 * m["grads_after_step"]
