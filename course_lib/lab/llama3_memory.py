@@ -138,7 +138,8 @@ def stage_rows(run, layer: int) -> list[dict]:
     for k, mem in enumerate(run.memory_by_stage):
         held = peak_chunks(run.model, run.layout, k)
         out.append({"stage": k, "states": mem["states"], "activations": mem["activations"],
-                    "total": mem["states"] + mem["activations"], "peak": mem["peak"], "in_flight_chunks": held["chunks"],
+                    "total": mem["states"] + mem["activations"], "peak": mem["peak"],
+                    "in_flight_chunks": held["chunks"],
                     "formula_chunks": in_flight_chunks(run.layout, k), "layers_in_flight": held["layers"],
                     "no_layer_chunks": held["no_layer"], "rest": mem["activations"] - held["layers"] * layer})
     return out
@@ -172,7 +173,8 @@ def held_over_step(spec, layout, stage: int, layer: int, states: int, stage_para
       backward, and the states after the step: the owned slices' fp32 gradients (4 ``owned``
       bytes) exist only after the step, the fp32 sums during it (a chunk's, 4 bytes a
       parameter, from its first backward): the dry run's ``peak`` (sent tensors not counted);
-    - "program": the states (before any backward, with ``owned``) + the fp32 gradient sums (a chunk's from its first backward; ``stage_params``
+    - "program": the states (before any backward, with ``owned``) + the fp32 gradient sums (a
+      chunk's from its first backward; ``stage_params``
       parameters, 4 bytes each, on equal one-layer chunks), the activations it sent (the stage
       outputs, kept for backward and then in the runner's ``sends``) and the input gradients it
       sent, both to the step's end, and the RECV_DEPTH receive buffers posted ahead: the course's

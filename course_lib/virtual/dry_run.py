@@ -264,7 +264,7 @@ def gpu_memory(net, opt, cluster) -> dict:
 
 class MemoryProbe:
     """What this rank's GPU holds at a moment of the step (see :func:`gpu_memory`):
-    ``probe(saved)`` -> its states now (the tensors that do not change during a step, counted
+    ``probe(saved, states_changed)`` -> its states now (the tensors that do not change during a step, counted
     once here, and :func:`gradient_tensors` as they are now) plus ``saved`` bytes of
     activations (the runner's count, at the cluster's dtype). Installed as the pipeline
     runner's ``memory_probe`` before the step."""
@@ -283,7 +283,7 @@ class MemoryProbe:
             act_item = net.act_dtype.itemsize if net.act_dtype is not None else \
                 next(q.element_size() for q in model if q.is_floating_point())
             self.act_scale = (cluster.dtype.itemsize, act_item)
-        self.model, self.updated = model, updated
+        self.model, self.updated, self.last = model, updated, None
 
     def activations(self, saved: int) -> int:
         return saved * self.act_scale[0] // self.act_scale[1]
@@ -291,8 +291,10 @@ class MemoryProbe:
     def states(self) -> int:
         return self.fixed + tensor_bytes(self.cluster, gradient_tensors(self.net, self.model, self.updated, self.own))
 
-    def __call__(self, saved: int) -> int:
-        return self.states() + self.activations(saved)
+    def __call__(self, saved: int, states_changed: bool = True) -> int:
+        if states_changed or self.last is None:     # (a forward changes no gradient buffer)
+            self.last = self.states()
+        return self.last + self.activations(saved)
 
 
 def gradient_tensors(net, model, updated, own_dtype: bool) -> list:
@@ -475,5 +477,6 @@ def _where(spans, microbatches) -> str:
     return spans[-1].name if spans else "building"
 
 
-__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "MemoryProbe", "gradient_tensors", "model_config", "moe_config",
+__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "MemoryProbe", "gradient_tensors",
+           "model_config", "moe_config",
            "check_dry_run", "running_ranks", "folds_cp", "document_ids"]

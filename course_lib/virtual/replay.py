@@ -143,7 +143,7 @@ class ActionMemo:
                 self.play(("F", s))
             runner.live[(s, mb)] = runner.out.saved_bytes[(s, mb)] = self.extra[("F", s)]
             runner.out.peak_activation_bytes = max(runner.out.peak_activation_bytes, sum(runner.live.values()))
-            runner.note_held()
+            runner.note_held(states_changed=False)
             if s < runner.n - 1:
                 runner.send(self._sent(runner, s), "act", s + 1, mb)
             else:

@@ -132,8 +132,8 @@ class ScheduleRunner:
     blocking_sends=True: every send is waited for before the rank goes on (the sender idles
     until its message has left: on a virtual clock, until its last byte is delivered); settable
     between steps (``runner.blocking_sends``).
-    memory_probe (settable, default None): ``probe(saved)`` -> the bytes the GPU holds now, given
-    the bytes saved for backward now; called after each forward and at the end of each backward
+    memory_probe (settable, default None): ``probe(saved, states_changed)`` -> the bytes the GPU
+    holds now, given the bytes saved for backward now; called after each forward and at the end of each backward
     (B, W) before its saved tensors go, where states and activations coexist at their largest;
     the step's largest is ``peak_held_bytes`` (the dry run's peak over the step).
     """
@@ -184,6 +184,7 @@ class ScheduleRunner:
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.state, self.sends, self.live, self.local, self.posted, self.nxt = {}, [], {}, {}, {}, 0
         self.out = StepResult()
+        self.note_held()                            # the states as the step starts (the probe's first ask)
         self._post_recvs(-1)
         pairs = fb_pairs(self.actions, self.split) if self.overlap_fb else set()
         clock = trace.clock() if pairs else None
@@ -229,7 +230,7 @@ class ScheduleRunner:
                                                    for q in lin.parameters() if q.requires_grad]
         self.live[(s, mb)] = self.out.saved_bytes[(s, mb)] = saved.bytes()
         self.out.peak_activation_bytes = max(self.out.peak_activation_bytes, sum(self.live.values()))
-        self.note_held()
+        self.note_held(states_changed=False)
         if s < self.n - 1:
             self.send(y, "act", s + 1, mb)
         # stage 0's input wants a gradient only if the caller's tensor asks for one
@@ -262,10 +263,12 @@ class ScheduleRunner:
         self.note_held()
         del self.live[(s, mb)]
 
-    def note_held(self):
-        """Ask ``memory_probe`` (if set) what the GPU holds now; keep the step's largest."""
+    def note_held(self, states_changed: bool = True):
+        """Ask ``memory_probe`` (if set) what the GPU holds now; keep the step's largest.
+        ``states_changed=False`` (after a forward): no gradient buffer came or went since the last ask."""
         if self.memory_probe is not None:
-            self.out.peak_held_bytes = max(self.out.peak_held_bytes, self.memory_probe(sum(self.live.values())))
+            held = self.memory_probe(sum(self.live.values()), states_changed)
+            self.out.peak_held_bytes = max(self.out.peak_held_bytes, held)
 
     def send(self, t, kind, s, mb):
         """Hand ``t`` to stage s (its activation input, or its output's gradient)."""
