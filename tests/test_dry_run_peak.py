@@ -55,14 +55,16 @@ def test_peak_over_the_step_equals_the_schedule_model_and_a_real_launch():
 
 def test_the_planner_counts_the_same_moments():
     """The planner's memory (estimate(...).memory) by the same rule: under ZeRO-2 with FP32
-    accumulation the schedule holds 4 bytes a parameter of sums beside the activations; under
+    accumulation the schedule holds 4 bytes a parameter of sums beside the activations (where
+    m = p, one chunk's: planner.formulas.gradient_moments); under
     "bf16" without a pipeline the masters' fp32 gradients, which appear after the schedule,
     make the step's end the peak (the dry run: its peak is the states after the step). Each
     within the planner-vs-dry-run sweep's bound of the dry run."""
     from course_lib.lab.dry_run_sweep import BOUND
     from course_lib.planner import estimate
     bf16 = LAYOUT.with_(zero=0, precision="bf16", pp=1, schedule="1f1b", v=1, stage_layers=None)
-    for layout, at_end in ((LAYOUT, False), (bf16, True)):
+    m_is_p = LAYOUT.with_(global_batch=6)       # m = p = 3: every forward before the first backward
+    for layout, at_end in ((LAYOUT, False), (bf16, True), (m_is_p, False)):
         est = estimate(SPEC, HW, layout, runtime="course")
         r = dry_run(SPEC, HW, layout, fusions=FUSIONS, progress=None)
         assert abs(est.memory["total"] / r.peak_memory - 1) <= BOUND, (layout, est.memory, r.peak_memory)
@@ -73,5 +75,8 @@ def test_the_planner_counts_the_same_moments():
         if at_end:      # during the schedule: the bf16 model's gradients, 2 bytes; after it: fp32, 4
             assert m["grads"] == m["grads_after_step"] == 2 * m["params"]
             assert m["total"] < states_after + m["activations"]
-        else:           # the whole fp32 sums during the schedule; the owned half's after it
+        elif layout is LAYOUT:  # the whole fp32 sums during the schedule; the owned half's after it
             assert m["grads"] == 2 * m["params"] == 2 * m["grads_after_step"]
+        else:           # one chunk's sums (of 2) with the most activations: the first backward's end
+            assert m["grads"] == m["params"]
+            assert m["activations"] == max(s["activations"] for s in est.memory_by_stage)

@@ -336,7 +336,10 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     Under ZeRO-1/2 and DDP the schedule holds every gradient whole, in the precision's
     accumulation dtype (``Numerics.accumulate``: ZeRO-2's fp32 sums, gone after the
     reduce-scatter; the bf16 model's gradients, before the masters' fp32 ones appear); ZeRO-3
-    reduce-scatters them in the backward: its shards. ``hpz_node`` G: ZeRO++'s
+    reduce-scatters them in the backward: its shards. A chunk's buffers come with its first
+    backward (:func:`~course_lib.planner.formulas.gradient_moments`: an interleaved stage whose
+    every forward runs before its first backward holds one chunk's with the most activations).
+    ``hpz_node`` G: ZeRO++'s
     hpZ keeps a secondary copy of the 16-bit parameters sharded over the node, 2P/G more.
     ``course``: the activations the course's own program keeps
     (:func:`~course_lib.planner.activations.course_layer_activation_bytes`)."""
@@ -365,10 +368,14 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     if hpz_node:
         z = {**z, "params": z["params"] + 2 * dense / hpz_node, "total": z["total"] + 2 * dense / hpz_node}
     after = z["grads"] + ze["grads"]
-    during = after if layout.zero == 3 else (dense + expert) * num.accumulate
+    whole = (dense + expert) * num.accumulate
     rest = z["params"] + ze["params"] + z["optimizer"] + ze["optimizer"]
-    schedule = during + activations + temporaries >= after
-    return {"params": z["params"] + ze["params"], "grads": during if schedule else after,
+    # the schedule's moments: each chunk's gradient buffers from its first backward (ZeRO-3: its shards)
+    moments = [(after if layout.zero == 3 else share * whole, per_layer * n_l * saved + temporaries)
+               for share, saved in F.gradient_moments(p, layout.microbatches, layout.schedule, layout.chunks, st)]
+    grads, held = max(moments, key=sum)
+    schedule = grads + held >= after
+    return {"params": z["params"] + ze["params"], "grads": grads if schedule else after,
             "optimizer": z["optimizer"] + ze["optimizer"], "activations": activations,
             "temporaries": temporaries, "grads_after_step": after,
-            "total": rest + max(during + activations + temporaries, after)}
+            "total": rest + max(grads + held, after)}
