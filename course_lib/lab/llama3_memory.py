@@ -5,9 +5,11 @@ what Dubey et al. 2024 (arXiv 2407.21783) say about memory (:data:`PAPER`).
     rows = breakdown_rows()                  # the three rows (a minute of CPU each)
     print(format_breakdown(rows))
 
-The dry run's peak of a GPU is its model states after the step plus the pipeline runner's peak
-of the tensors autograd saved for backward (``peak_activation_bytes``: storages, parameters
-excluded). Each Llama row's chunk is one layer (``llama3_layout``: 126 layers, the embedding
+The dry run's peak of a GPU is the largest over the step of its model states as they are at
+that moment plus the tensors autograd saved for backward then (``memory_by_stage[k]["peak"]``);
+its categories stay the states after the step and the runner's peak of saved activations
+(``peak_activation_bytes``: storages, parameters excluded), whose sum was the peak before
+(``total`` here, the "count"). Each Llama row's chunk is one layer (``llama3_layout``: 126 layers, the embedding
 and the head on 16 x 8 chunks), so a stage's activation peak is its in-flight chunk forwards
 (:func:`~course_lib.planner.formulas.in_flight_microbatches` x v) times one layer's saved
 bytes (:func:`course_lib.lab.dry_run_memory.layer_activations` at the row's shape);
@@ -28,7 +30,14 @@ by the output projection; the rank's rotary tables, K and V, positions). To fit 
 could save 16.64 units (8k, 8,192) or 18.42 (the others). The stage outputs are not in the
 count (interior stages: activations = layers x one layer, to the byte), so Llama 3's
 deallocation of them changes no counted byte; it acts on what the count leaves out
-(:func:`held_over_step`: 123.36 -> 111.80, 96.42 -> 92.42, 101.04 -> 97.04 GiB).
+(:func:`held_over_step`, the course's runner -> with Llama 3's deallocation, the states as they
+are at each action: 123.18 -> 111.61, 96.33 -> 92.33, 100.95 -> 96.95 GiB).
+
+The peak over the step (2026-11-29, the states at each moment): 99.83 -> 111.52 GiB (8k on
+8,192: every chunk's fp32 sums, 11.88 GiB, reach the stage before its last forward, less the
+owned slices' fp32 gradients, 0.19 GiB, which exist only after the step), 90.87 -> 92.26 (8k on
+16,384, m = p: every forward runs before the first backward, which holds one chunk's sums of
+eight), 95.50 -> 96.89 (128k); :func:`held_over_step`'s "held" gives the same to 0.01 GiB.
 """
 from __future__ import annotations
 
