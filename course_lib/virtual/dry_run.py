@@ -94,7 +94,8 @@ class DryRun:
     step_time: float           # virtual seconds of one optimizer step (the slowest running rank)
     mfu: float                 # model FLOPs (planner's count, full attention) / (step * GPUs * peak)
     peak_memory: int           # bytes, the largest over the GPUs (see the module's docstring)
-    memory_by_stage: list      # per pipeline stage: {"states": bytes, "activations": bytes}
+    memory_by_stage: list      # per pipeline stage: {"states": after the step, "activations": their peak,
+                               #  "peak": the largest held over the step} (bytes)
     spans: list                # trace.Span of the running ranks, virtual seconds
     ranks_run: int
     kernels: int               # kernels priced on the running ranks' compute streams
