@@ -101,7 +101,7 @@ def test_the_dry_run_of_zero_is_the_real_launch(runs, dp):
     assert r.step_time == max(x["t"] for x in real), r.step_time
     assert r.kernels == sum(real[k]["kernels"] for k in stage_ranks)
     for i, k in enumerate(stage_ranks):
-        assert r.memory_by_stage[i] == {"states": real[k]["states"], "activations": real[k]["activations"]}
+        assert r.memory_by_stage[i] == {part: real[k][part] for part in ("states", "activations", "peak")}
     assert [s for s in r.spans if s.name.startswith("reduce-scatter b")]
     assert [s for s in r.spans if s.name.startswith("all-gather b")]
     other = dry_run(SPEC, HW, L.with_(zero=3 - L.zero), gpus_per_node=4, progress=None)   # 1 <-> 2

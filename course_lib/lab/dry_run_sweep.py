@@ -131,8 +131,9 @@ def cause(planner: dict, dry: dict, passes: tuple | None = None) -> str:
 def memory_cause(layout, est, dry_peak: float) -> str:
     """What a peak-memory difference over :data:`BOUND` is known to come from, or ''.
 
-    The dry run's peak is the states after the step and the activations saved for backward
-    (:func:`course_lib.virtual.dry_run.gpu_memory`: "temporaries inside an op are not counted");
+    The dry run's peak is the states at each moment of the step and the activations saved for
+    backward then (:func:`course_lib.virtual.dry_run.gpu_memory`: "temporaries inside an op are
+    not counted");
     the planner's adds what a GPU holds only for a moment ("temporaries": the last stage's
     logits, under full recomputation the layer being recomputed, under ZeRO-3 the gathered
     parameters of two units). Said where the planner's peak without them is the dry run's

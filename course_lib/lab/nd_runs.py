@@ -193,7 +193,7 @@ def planner_memory(est) -> dict:
     parameter in both conventions (bf16 weight + bf16 gradient + fp32 master, momentum and
     variance; or fp32 weight + fp32 gradient + fp32 momentum and variance); activations and
     communication buffers are bf16 in the planner and fp32 here: twice the bytes."""
-    states = est.memory["params"] + est.memory["grads"] + est.memory["optimizer"]
+    states = est.memory["params"] + est.memory["grads_after_step"] + est.memory["optimizer"]   # after the step
     return {"states": states, "peak": states + 2 * (est.memory["activations"] + est.memory["temporaries"])}
 
 

@@ -327,13 +327,26 @@ def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
 
 def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True,
             fused_kernels=False, hpz_node=None, course=False) -> dict:
-    """Bytes one GPU of stage ``st`` holds at its peak, by category. ``hpz_node`` G: ZeRO++'s
+    """Bytes one GPU of stage ``st`` holds at its peak over the step, by category: the larger
+    of the schedule's moment (the states with the gradient buffers the schedule holds, the
+    activations and the temporaries) and the step's end (the states after it, no activation),
+    as the dry run counts (:func:`course_lib.virtual.dry_run.gpu_memory`). "grads": the
+    gradients at that moment ("grads_after_step" beside: the step's end is the peak where they
+    are the same).
+    Under ZeRO-1/2 and DDP the schedule holds every gradient whole, in the precision's
+    accumulation dtype (``Numerics.accumulate``: ZeRO-2's fp32 sums, gone after the
+    reduce-scatter; the bf16 model's gradients, before the masters' fp32 ones appear); ZeRO-3
+    reduce-scatters them in the backward: its shards. A chunk's buffers come with its first
+    backward (:func:`~course_lib.planner.formulas.gradient_moments`: an interleaved stage whose
+    every forward runs before its first backward holds one chunk's with the most activations).
+    ``hpz_node`` G: ZeRO++'s
     hpZ keeps a secondary copy of the 16-bit parameters sharded over the node, 2P/G more.
     ``course``: the activations the course's own program keeps
     (:func:`~course_lib.planner.activations.course_layer_activation_bytes`)."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
     # a mixed precision's masters hold fp32 gradients after the step (the bf16 model's freed)
-    g = 4 if numerics(layout.precision).masters else 2
+    num = numerics(layout.precision)
+    g = 4 if num.masters else 2
     z = F.zero_memory_bytes(dense, layout.zero, n_zero, grad_bytes=g)
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group, grad_bytes=g)
     per_layer = (course_layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c) if course
@@ -354,7 +367,15 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
         temporaries += 2 * 2 * (dense + expert) / n_l
     if hpz_node:
         z = {**z, "params": z["params"] + 2 * dense / hpz_node, "total": z["total"] + 2 * dense / hpz_node}
-    return {"params": z["params"] + ze["params"], "grads": z["grads"] + ze["grads"],
+    after = z["grads"] + ze["grads"]
+    whole = (dense + expert) * num.accumulate
+    rest = z["params"] + ze["params"] + z["optimizer"] + ze["optimizer"]
+    # the schedule's moments: each chunk's gradient buffers from its first backward (ZeRO-3: its shards)
+    moments = [(after if layout.zero == 3 else share * whole, per_layer * n_l * saved + temporaries)
+               for share, saved in F.gradient_moments(p, layout.microbatches, layout.schedule, layout.chunks, st)]
+    grads, held = max(moments, key=sum)
+    schedule = grads + held >= after
+    return {"params": z["params"] + ze["params"], "grads": grads if schedule else after,
             "optimizer": z["optimizer"] + ze["optimizer"], "activations": activations,
-            "temporaries": temporaries,
-            "total": z["total"] + ze["total"] + activations + temporaries}
+            "temporaries": temporaries, "grads_after_step": after,
+            "total": rest + max(grads + held, after)}

@@ -244,6 +244,29 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
     return min(p + (p - 1 - 2 * stage) / v, float(m))
 
 
+def gradient_moments(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0) -> list:
+    """Where a pipeline stage's gradient buffers and saved activations together can peak:
+    [(share of its gradient buffers allocated, micro-batches of activations saved)], one moment
+    per chunk: the end of the first backward that reaches it (its buffers come with it; that
+    backward's activations not yet freed). Backwards run in groups of p micro-batches per chunk,
+    the last chunk first (Megatron-LM's interleaved order, the course's): the c-th chunk's first
+    at backward (c - 1) p + 1. Every backward before the last forward ends with the peak's
+    in-flight chunks saved (:func:`in_flight_microbatches`); each one after, one fewer. GPipe
+    and 1F1B: one chunk, (1, in flight). ZB-H1 and the V schedules (weight gradients apart
+    from B): every buffer with the peak, (1, in flight)."""
+    n_mb = in_flight_microbatches(p, m, schedule, v, stage)
+    if schedule != "interleaved" or v == 1:
+        return [(1.0, n_mb)]
+    n, total = round(n_mb * v), m * v               # chunk forwards in flight at the peak; backwards
+    steady = total - n + 1                          # backwards that end with n saved
+    out = []
+    for c in range(1, v + 1):
+        j = (c - 1) * p + 1
+        if j <= total:
+            out.append((c / v, (n - max(0, j - steady)) / v))
+    return out
+
+
 def pipeline_idle(schedule: str, p: int, t_f: float, t_b: float) -> float:
     """Idle time of a stage per step, equal stages, a stage's forward ``t_f`` and backward
     ``t_b`` per micro-batch (all its chunks): (p - 1)(t_f + t_b) for GPipe and 1F1B, (p - 1)(t_f +

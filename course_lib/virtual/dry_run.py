@@ -39,10 +39,19 @@ owned slices) and moments, gradients accumulated and reduced in the stated dtype
 prices each tensor at its own dtype (``VirtualCluster(dtype=None)``), in time and in memory
 (``lab.dry_runs.PRECISION`` states each source's).
 
-Memory (``peak_memory``): the largest over the running ranks of what its GPU holds after the
-step (:func:`gpu_memory`: mixed precision, ZeRO's K = 12; or, under a precision, the tensors
-themselves) plus the runner's peak of activations saved for backward; temporaries inside an op
-are not counted.
+Memory (``peak_memory``): the largest over the running ranks and over the step of what its GPU
+holds (:func:`gpu_memory`, ``memory_by_stage[k]["peak"]``): the model states as they are at that
+moment (:class:`MemoryProbe`: parameters, masters and moments, and the gradient buffers as the
+program allocates and frees them, :func:`gradient_tensors`: ZeRO-2's fp32 sums live during the
+schedule and are gone after it, the masters' fp32 gradients of "bf16" appear after it) plus the
+activations autograd saved for backward then (the runner's count; the pipeline runner asks
+after each forward and at the end of each backward), and the states after the step.
+``memory_by_stage`` keeps "states" (after the step) and "activations" (their own peak) beside
+it. Not counted: temporaries inside an op; the collectives' flat buffers (ZeRO's and DDP's
+bucket being reduced, FSDP's gathered parameters); the stage outputs and messages the course's
+runner keeps (an output until its backward, every send until the step's end, RECV_DEPTH
+receive buffers), which Megatron-LM and Llama 3 free once sent (``deallocate_output_tensor``;
+:func:`course_lib.lab.llama3_memory.held_over_step` sizes them).
 """
 from __future__ import annotations
 
@@ -85,7 +94,8 @@ class DryRun:
     step_time: float           # virtual seconds of one optimizer step (the slowest running rank)
     mfu: float                 # model FLOPs (planner's count, full attention) / (step * GPUs * peak)
     peak_memory: int           # bytes, the largest over the GPUs (see the module's docstring)
-    memory_by_stage: list      # per pipeline stage: {"states": bytes, "activations": bytes}
+    memory_by_stage: list      # per pipeline stage: {"states": after the step, "activations": their peak,
+                               #  "peak": the largest held over the step} (bytes)
     spans: list                # trace.Span of the running ranks, virtual seconds
     ranks_run: int
     kernels: int               # kernels priced on the running ranks' compute streams
@@ -156,6 +166,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         fold_token_places(net, cfg, layout, mesh, document_ids(layout.documents))
     if memo is not None:
         memo.install(net.runner)
+    net.runner.memory_probe = MemoryProbe(net, opt, clock.cluster)
     net.step(x, x, doc_ids=document_ids(layout.documents))
     opt.step()
     clock.settle()
@@ -234,32 +245,79 @@ FP32 = 4
 
 
 def gpu_memory(net, opt, cluster) -> dict:
-    """Bytes this rank's GPU holds after the step, as mixed-precision training on the virtual
-    cluster keeps them. A cluster of one dtype (the course's float program standing for a bf16
-    one): ZeRO's convention, K = 12, the parameters and gradients the stages compute with at the
-    cluster's dtype, an fp32 master of every parameter the optimizer updates and its fp32
-    optimizer states by formula ("states"); the runner's peak of activations saved for backward,
-    at the cluster's dtype ("activations"). A cluster of each tensor's own dtype (a program run
-    under ``Layout.precision``: its masters and moments are real tensors): every tensor the rank
-    holds, once, at its own dtype: the 16-bit parameters and gradients, the masters, their
-    gradients and the optimizer's states; the activations as they are."""
-    model = {id(q): q for q in net.model_parameters()}
-    grads = [q.grad for q in model.values() if q.grad is not None]
-    if getattr(net, "zero", None) is not None:      # ZeRO-1/2: the owned slices' reduced gradients
-        grads += net.zero.shard_gradients()
-    updated = net.parameters()
-    if cluster.dtype is None:
-        held = {id(t): t for t in [*model.values(), *grads, *updated, *(q.grad for q in updated if q.grad is not None),
-                                   *(t for st in opt.state.values() for t in st.values()
-                                     if isinstance(t, torch.Tensor) and t.numel() > 1)]}
-        return {"states": tensor_bytes(cluster, held.values()), "activations": net.last_result.peak_activation_bytes}
-    master = sum(q.numel() for q in updated) * FP32
-    moments = sum(t.numel() for st in opt.state.values() for t in st.values()
-                  if isinstance(t, torch.Tensor) and t.numel() > 1) * FP32
-    act_item = net.act_dtype.itemsize if net.act_dtype is not None else \
-        next(q.element_size() for q in model.values() if q.is_floating_point())
-    act = net.last_result.peak_activation_bytes * cluster.dtype.itemsize // act_item
-    return {"states": tensor_bytes(cluster, [*model.values(), *grads]) + master + moments, "activations": act}
+    """Bytes this rank's GPU holds, as mixed-precision training on the virtual cluster keeps
+    them: "states", after the step; "activations", the runner's peak of activations saved for
+    backward; "peak", the largest over the step of the states as they are at that moment plus
+    the activations saved then (:class:`MemoryProbe`, the runner's ``peak_held_bytes``), and the
+    states after the step. A cluster of one dtype (the course's float program standing for a
+    bf16 one): ZeRO's convention, K = 12, the parameters and gradients the stages compute with
+    at the cluster's dtype, an fp32 master of every parameter the optimizer updates and its fp32
+    optimizer states by formula; activations at the cluster's dtype. A cluster of each tensor's
+    own dtype (a program run under ``Layout.precision``: its masters and moments are real
+    tensors): every tensor the rank holds, once, at its own dtype: the 16-bit parameters and
+    gradients, the masters, their gradients, the fp32 gradient sums and the optimizer's
+    states; the activations as they are."""
+    probe = net.runner.memory_probe or MemoryProbe(net, opt, cluster)
+    states = probe.states()
+    return {"states": states, "activations": probe.activations(net.last_result.peak_activation_bytes),
+            "peak": max(states, net.last_result.peak_held_bytes)}
+
+
+class MemoryProbe:
+    """What this rank's GPU holds at a moment of the step (see :func:`gpu_memory`):
+    ``probe(saved, states_changed)`` -> its states now (the tensors that do not change during a step, counted
+    once here, and :func:`gradient_tensors` as they are now) plus ``saved`` bytes of
+    activations (the runner's count, at the cluster's dtype). Installed as the pipeline
+    runner's ``memory_probe`` before the step."""
+
+    def __init__(self, net, opt, cluster):
+        self.net, self.cluster = net, cluster
+        model, updated = net.model_parameters(), net.parameters()
+        moments = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
+        self.own = cluster.dtype is None
+        if self.own:
+            self.fixed = tensor_bytes(cluster, {id(t): t for t in [*model, *updated, *moments]}.values())
+            self.act_scale = (1, 1)
+        else:
+            self.fixed = tensor_bytes(cluster, model) + FP32 * (sum(q.numel() for q in updated) +
+                                                                 sum(t.numel() for t in moments))
+            act_item = net.act_dtype.itemsize if net.act_dtype is not None else \
+                next(q.element_size() for q in model if q.is_floating_point())
+            self.act_scale = (cluster.dtype.itemsize, act_item)
+        self.model, self.updated, self.last = model, updated, None
+
+    def activations(self, saved: int) -> int:
+        return saved * self.act_scale[0] // self.act_scale[1]
+
+    def states(self) -> int:
+        return self.fixed + tensor_bytes(self.cluster, gradient_tensors(self.net, self.model, self.updated, self.own))
+
+    def __call__(self, saved: int, states_changed: bool = True) -> int:
+        if states_changed or self.last is None:     # (a forward changes no gradient buffer)
+            self.last = self.states()
+        return self.last + self.activations(saved)
+
+
+def gradient_tensors(net, model, updated, own_dtype: bool) -> list:
+    """The gradient buffers this rank holds now, each once: the model parameters' ``.grad``;
+    ZeRO's owned slices' reduced gradients and its fp32 sums (``MainGrads``: whole buffers, from
+    a parameter's first backward to the reduce-scatter after the schedule); FSDP's gradient
+    shards reduced in the backward and the unsharded sums it keeps where it does not sync
+    (before they are handed to the parameters' ``.grad``); under a precision
+    (``own_dtype``) the gradients of what the optimizer updates (the masters', where the fp32
+    sums of "bf16-accumulate-fp32" live without ZeRO)."""
+    grads = [q.grad for q in model if q.grad is not None]
+    zero = getattr(net, "zero", None)
+    if zero is not None:
+        grads += zero.shard_gradients()
+        if zero.main_grads is not None:
+            grads += zero.main_grads.grads.values()
+    for mod in getattr(net, "modules", {}).values():      # FSDP's units: shards reduced in backward,
+        for u in getattr(mod, "units", ()):                # sums kept unsharded where it does not sync
+            grads += [t for t in (getattr(u, "grad_shard", None), getattr(u, "accumulated", None)) if t is not None]
+    if own_dtype:
+        grads += [q.grad for q in updated if q.grad is not None]
+    return list({id(g): g for g in grads}.values())
 
 
 def check_dry_run(spec, layout: Layout, dropout: float = 0.0) -> GPTConfig:
@@ -347,10 +405,10 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     step = max(r["t"] for r in res)
     s = cfg.seq_len
     model_flops = formulas.flops_per_token(spec, s, "none") * layout.global_batch * s
-    memory = [{"states": r["states"], "activations": r["activations"]} for r in res]
+    memory = [{"states": r["states"], "activations": r["activations"], "peak": r["peak"]} for r in res]
     spans = [sp for r in running for sp in records[r].resolve()]
     return DryRun(spec, hw, layout, step, model_flops / (step * shape.world_size * hw.peak_flops),
-                  max(m["states"] + m["activations"] for m in memory), memory, spans, len(running),
+                  max(m["peak"] for m in memory), memory, spans, len(running),
                   sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res),
                   cfg, fusions)
 
@@ -420,5 +478,6 @@ def _where(spans, microbatches) -> str:
     return spans[-1].name if spans else "building"
 
 
-__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "model_config", "moe_config",
+__all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "MemoryProbe", "gradient_tensors",
+           "model_config", "moe_config",
            "check_dry_run", "running_ranks", "folds_cp", "document_ids"]

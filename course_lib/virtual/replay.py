@@ -161,6 +161,7 @@ class ActionMemo:
                 self.play(("F", s))
             runner.live[(s, mb)] = runner.out.saved_bytes[(s, mb)] = self.extra[("F", s)]
             runner.out.peak_activation_bytes = max(runner.out.peak_activation_bytes, sum(runner.live.values()))
+            runner.note_held(states_changed=False)
             if s < runner.n - 1:
                 runner.send(self._sent(runner, s), "act", s + 1, mb)
             else:
@@ -177,6 +178,7 @@ class ActionMemo:
                 runner.recv(i, "grad", s, mb)
             with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
                 self.play(("B", s))
+            runner.note_held()          # (its gradients' buffers exist: its stage's first backward ran)
             del runner.state[(s, mb)], runner.live[(s, mb)]
             if s > 0:
                 runner.send(self._sent(runner, s - 1), "grad", s - 1, mb)

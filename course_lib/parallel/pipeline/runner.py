@@ -91,6 +91,7 @@ def backward_weight(for_w):
 class StepResult:
     losses: dict = field(default_factory=dict)        # micro-batch -> loss (last stage only)
     peak_activation_bytes: int = 0                    # saved for backward, at the worst moment
+    peak_held_bytes: int = 0                          # ``memory_probe``'s largest (0 without one)
     saved_bytes: dict = field(default_factory=dict)   # (stage, mb) -> bytes its forward saved
     bytes_sent: int = 0
     messages: int = 0
@@ -131,6 +132,10 @@ class ScheduleRunner:
     blocking_sends=True: every send is waited for before the rank goes on (the sender idles
     until its message has left: on a virtual clock, until its last byte is delivered); settable
     between steps (``runner.blocking_sends``).
+    memory_probe (settable, default None): ``probe(saved, states_changed)`` -> the bytes the GPU
+    holds now, given the bytes saved for backward now; called after each forward and at the end of each backward
+    (B, W) before its saved tensors go, where states and activations coexist at their largest;
+    the step's largest is ``peak_held_bytes`` (the dry run's peak over the step).
     """
 
     def __init__(self, schedule, stages: dict, comm, *, p: int, m: int, v: int = 1, act_shape=None,
@@ -140,6 +145,7 @@ class ScheduleRunner:
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.overlap_fb, self.blocking_sends = overlap_fb, blocking_sends
+        self.memory_probe = None
         if comm.size != p:
             raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
         if not isinstance(scale_grads, bool):
@@ -178,6 +184,7 @@ class ScheduleRunner:
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.state, self.sends, self.live, self.local, self.posted, self.nxt = {}, [], {}, {}, {}, 0
         self.out = StepResult()
+        self.note_held()                            # the states as the step starts (the probe's first ask)
         self._post_recvs(-1)
         pairs = fb_pairs(self.actions, self.split) if self.overlap_fb else set()
         clock = trace.clock() if pairs else None
@@ -223,6 +230,7 @@ class ScheduleRunner:
                                                    for q in lin.parameters() if q.requires_grad]
         self.live[(s, mb)] = self.out.saved_bytes[(s, mb)] = saved.bytes()
         self.out.peak_activation_bytes = max(self.out.peak_activation_bytes, sum(self.live.values()))
+        self.note_held(states_changed=False)
         if s < self.n - 1:
             self.send(y, "act", s + 1, mb)
         # stage 0's input wants a gradient only if the caller's tensor asks for one
@@ -235,11 +243,13 @@ class ScheduleRunner:
         with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
             if (s, mb) in self.split:
                 dx, for_w = backward_input(y, dy, x, record)
+                self.note_held()
                 self.state[(s, mb)] = for_w
                 self.live[(s, mb)] = storage_bytes([t for _, inp, g in for_w for t in (inp, g)])
             else:
                 torch.autograd.backward(y, dy)
                 dx = None if x is None else x.grad
+                self.note_held()
                 del self.state[(s, mb)], self.live[(s, mb)]
         if s > 0:
             self.send(dx, "grad", s - 1, mb)
@@ -255,7 +265,15 @@ class ScheduleRunner:
         """The weight gradients B left for later."""
         with trace.span(f"W{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
             backward_weight(self.state.pop((s, mb)))
+        self.note_held()
         del self.live[(s, mb)]
+
+    def note_held(self, states_changed: bool = True):
+        """Ask ``memory_probe`` (if set) what the GPU holds now; keep the step's largest.
+        ``states_changed=False`` (after a forward): no gradient buffer came or went since the last ask."""
+        if self.memory_probe is not None:
+            held = self.memory_probe(sum(self.live.values()), states_changed)
+            self.out.peak_held_bytes = max(self.out.peak_held_bytes, held)
 
     def send(self, t, kind, s, mb):
         """Hand ``t`` to stage s (its activation input, or its output's gradient)."""

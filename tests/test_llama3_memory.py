@@ -1,0 +1,62 @@
+"""Llama 3's rows taken apart (course_lib/lab/llama3_memory.py), checked at a small shape of the
+same layout (ZeRO-2, FP32 accumulation, TP + SP, interleaved, one layer a chunk, the embedding
+and the head alone in their chunks, FlashAttention): every interior stage's activation peak
+is its layers in flight times one layer's saved bytes, exactly, and the chunks in flight are
+the planner's formula; so the stage outputs the runner hands on are not in the count."""
+import pytest
+
+from course_lib.lab import llama3_memory as LM
+from course_lib.layout import Layout, split_with_ends
+from course_lib.planner.presets import ModelSpec, get_hardware
+
+TINY = ModelSpec("tiny Llama", 6, 64, 4, 2, 176, 128, 32)
+LAYOUT = Layout(dp=2, tp=2, pp=4, zero=2, sp=True, schedule="interleaved", v=2, global_batch=16, seq_len=32,
+                precision="bf16-accumulate-fp32", stage_layers=split_with_ends(6, 8))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LM.breakdown((LM.SOURCE, TINY.name, TINY, get_hardware("h100-sxm"), LAYOUT))
+
+
+def test_interior_peak_is_layers_in_flight_times_one_layer(tiny):
+    stages = tiny["stages"]
+    assert [s["in_flight_chunks"] for s in stages] == [s["formula_chunks"] for s in stages] == [11, 9, 7, 5]
+    for s in stages[1:-1]:
+        assert s["no_layer_chunks"] == 0 and s["rest"] == 0
+        assert s["activations"] == s["layers_in_flight"] * tiny["layer"]
+    # the ends: stage 0 holds 7 embedding-only chunks (their token ids), stage 3 one head-only chunk
+    assert stages[0]["no_layer_chunks"] == 7 and 0 < stages[0]["rest"] < tiny["layer"]
+    assert stages[-1]["no_layer_chunks"] == 1 and stages[-1]["rest"] > 0
+    assert tiny["peak_stage"] == 1 and tiny["peak"] == stages[1]["peak"] > stages[1]["total"]
+
+
+def test_boundary_and_uncounted():
+    # a boundary activation (b, s / tp, h) in bf16; the sends kept to the step's end: 2 m v of them
+    assert LM.boundary_bytes(LAYOUT, TINY) == 1 * 16 * 64 * 2
+    assert LM.unit_bytes(LAYOUT, TINY) == 32 * 64 * 2 // 2
+    u = LM.uncounted(TINY, "h100-sxm", LAYOUT, 1)
+    assert u["sent_kept_at_end"] == 2 * LAYOUT.microbatches * 2 * 2048
+    assert u["outputs_kept"] == 9 * 2048
+
+
+def test_paper_quotes_name_what_the_rows_follow():
+    # the statements the layout's balance and numerics follow, quoted as printed
+    assert "only the embedding" in LM.PAPER["balance"]
+    assert "without activation checkpointing" in LM.PAPER["deallocate"]
+    assert [r[4].n_gpus for r in LM.llama_rows()] == [8192, 16384, 16384]
+
+
+def test_held_over_step_model(tiny):
+    # the walk's saved-activation peak is the dry run's own count on the peak stage, to the byte
+    k = tiny["peak_stage"]
+    assert tiny["held"]["count"] == tiny["held_deallocated"]["count"] == tiny["stages"][k]["total"]
+    # the states at each moment (the fp32 sums during the schedule): the dry run's peak, but for the
+    # planner's parameter count the breakdown sizes the sums with (to the byte: test_dry_run_peak.py)
+    assert tiny["held"]["held"] == tiny["held_deallocated"]["held"]
+    assert abs(tiny["held"]["held"] - tiny["peak"]) < 1e-3 * tiny["peak"]
+    # the course's runner holds more (fp32 sums, every sent tensor to the step's end); freeing a sent
+    # tensor once delivered holds less than that, and never less than the count
+    assert tiny["held"]["program"] > tiny["held_deallocated"]["program"] > tiny["held"]["count"]
+    with pytest.raises(ValueError, match="layer chunks"):
+        LM.held_over_step(TINY, LAYOUT, 0, tiny["layer"], 0, 0)       # stage 0: the embedding's chunk
