@@ -56,7 +56,7 @@ from course_lib.planner.zero_sync import zero_sync
 VOCAB_LOSS_KERNELS = 29           # vocabulary-parallel cross entropy less the plain one, fwd + bwd
 VOCAB_LOSS_BYTES = {              # ... and the bytes its kernels move per local logit, by class
     "fwd": {"reduction": -2, "broadcast": 8, "elementwise": 4, "copy": 2},
-    "bwd": {"reduction": -2, "copy": 6},
+    "bwd": {"reduction": -2, "elementwise": 4, "copy": 2},   # its contiguous copies stream
 }
 RING_KERNELS = {                  # per layer, busiest rank: (fixed, per ring rank), fwd and bwd
     False: ((7, 41), (3, 32)),    # one K/V head per query head
