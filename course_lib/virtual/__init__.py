@@ -143,6 +143,7 @@ class VirtualCluster:
         for cls in ("elementwise", "broadcast", "reduction", "copy"):
             rows.append((f"    {cls:11s} {eff[cls]:5.3f} = {hw.hbm_bandwidth * eff[cls] / 1e12:.3g} TB/s",
                          sources.get(cls, "hbm_efficiency: assumed")))
+        rows.append(("    (copy: strided copies; a contiguous copy, cast or fill: elementwise)", None))
         rows += [(f"  host: issues one op every {hw.launch_overhead * 1e6:.3g} us",
                   sources.get("launch_overhead", "assumed")),
                  (f"  device: at least {hw.kernel_floor * 1e6:.3g} us a kernel", sources.get("kernel_floor", "assumed"))]
