@@ -10,7 +10,9 @@ from course_lib.layout import Layout
 from course_lib.planner import HARDWARE, estimate
 from course_lib.planner.kernels import KernelCounter
 from course_lib.planner.presets import ModelSpec
-from course_lib.planner.fsdp_ops import fsdp_exposed, fsdp_exposed_tp, fsdp_exposed_unprefetched, prefetched_share
+from course_lib.planner.fsdp_ops import (fsdp_chain, fsdp_exposed, fsdp_exposed_tp, fsdp_exposed_unprefetched,
+                                         fsdp_unit_kernels, fsdp_units, prefetched_share)
+from course_lib.planner.kernels import trace_step
 from course_lib.planner.runtime import accumulation
 from course_lib.planner.presets import get_model
 from course_lib.schedules import schedule_order
@@ -65,6 +67,26 @@ def test_fsdp_on_tp_links_and_without_prefetch():
     assert prefetched_share(schedule_order(2, 2, "1f1b", 1, 0)) == 0.5       # F F B B
     assert prefetched_share(schedule_order(2, 2, "1f1b", 1, 1)) == 1.0       # F B F B
     assert prefetched_share(schedule_order(2, 4, "gpipe", 1, 1)) == 0.25
+
+
+def test_fsdp_kernels_are_issued_by_the_host():
+    """Over one rank FSDP's copies are contiguous and stream (kernel_cost.STREAMING_COPIES): a
+    block's copies out take the device less time than the host takes to issue them, so in the
+    issue chain (fsdp_chain) the host paces them; their device seconds alone (what the planner
+    added on top of the traced chain before, -6.9% against the dry run at dp 1) fall short."""
+    shapes = trace_step(LLAMA, H100, 1, 1024, order=True)["param_shapes"]
+    units = fsdp_units(shapes, 1, False, False, 4)           # an interior stage: four blocks, no root
+    k = fsdp_unit_kernels(H100, tuple(units[0]), 1)
+    assert math.isclose(sum(k["order"]["fwd"]), k["fwd"].device, rel_tol=1e-12)
+    assert len(k["order"]["bwd_later"]) == k["bwd_later"].count
+    assert k["fwd"].device < k["fwd"].count * H100.launch_overhead
+    nothing = {"layer": []}
+    f = fsdp_chain(H100, units, 1, 4, nothing, "fwd", False, False, 2, {})
+    assert f >= 4 * k["fwd"].count * H100.launch_overhead > 4 * k["fwd"].device
+    b1, b2 = (fsdp_chain(H100, units, 1, 4, nothing, "bwd", False, False, m, {}) for m in (1, 2))
+    later = 4 * (k["regather"].count + k["bwd_later"].count)
+    assert b2 > b1 >= 4 * (k["regather"].count + k["bwd_first"].count) * H100.launch_overhead
+    assert b2 < later * H100.launch_overhead + 4 * (k["regather"].device + k["bwd_later"].device)
 
 
 def test_zero3_and_accumulation_agree_with_the_dry_run():

@@ -17,7 +17,9 @@ a parameter of d0 rows keeps ceil(d0 / N) rows per rank, padded):
 
 The all-gathers and reduce-scatters themselves are collectives (:mod:`.runtime`), exposed as
 the course's FSDP orders and prefetches them (:func:`fsdp_exposed`); a stage's units are its
-blocks and the root (:func:`fsdp_units`). Checked
+blocks and the root (:func:`fsdp_units`). The kernels above go through the host's issue chain
+in their places among the model's (:func:`fsdp_chain`): over one rank the copies are
+contiguous and stream, shorter than the host's issue of them. Checked
 against the dry run, which runs the real FSDP: ``tests/test_planner_fsdp.py``.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 
 import torch
 
+from course_lib.planner.issue import pass_time
 from course_lib.planner.kernels import KernelCounter, Kernels
 from course_lib.schedules import V_SCHEDULES, schedule_order
 
@@ -36,7 +39,9 @@ def fsdp_unit_kernels(hw, shapes: tuple, world: int, itemsize: int = 2) -> dict:
     """{"fwd", "regather", "bwd_first", "bwd_later"}: :class:`Kernels` of FSDP's own ops on one
     unit of parameters ``shapes`` over ``world`` ranks, per micro-batch: the forward's copy
     out; the backward's gather copied out again ("regather": every unit but the root); the
-    rest of the backward on the first micro-batch of the step and on a later one."""
+    rest of the backward on the first micro-batch of the step and on a later one. Under
+    "order": the same four, each a tuple of its kernels' device seconds in issue order (the
+    host's issue chain, :func:`fsdp_pieces`)."""
     rows = [math.ceil(s[0] / world) for s in shapes]
     widths = [math.prod(s[1:]) for s in shapes]
     padded = [r * w for r, w in zip(rows, widths)]
@@ -53,12 +58,12 @@ def fsdp_unit_kernels(hw, shapes: tuple, world: int, itemsize: int = 2) -> dict:
 
     with torch.device("meta"):
         gathered = torch.empty(world * S)
-        with KernelCounter(hw, itemsize) as fwd:
+        with KernelCounter(hw, itemsize, record=True) as fwd:
             full = copy_out(gathered)
         grads = [torch.empty(s) for s in shapes]
-        out = {"fwd": fwd.total}
+        out, order = {"fwd": fwd.total}, {"fwd": _devices(fwd)}
         for name, first in (("bwd_first", True), ("bwd_later", False)):
-            with KernelCounter(hw, itemsize) as bwd:
+            with KernelCounter(hw, itemsize, record=True) as bwd:
                 pieces = [torch.ops.aten.slice_backward(g.reshape(-1), [world * n], 0, 0, g.numel(), 1)
                           for g, n in zip(grads, padded)]
                 grad_full = torch.cat(pieces)
@@ -75,12 +80,18 @@ def fsdp_unit_kernels(hw, shapes: tuple, world: int, itemsize: int = 2) -> dict:
                 mine = shard[:S].div(world)
                 if not first:
                     mine.add_(mine)
-            out[name] = bwd.total
-        with KernelCounter(hw, itemsize) as again:
+            out[name], order[name] = bwd.total, _devices(bwd)
+        with KernelCounter(hw, itemsize, record=True) as again:
             copy_out(gathered)
-        out["regather"] = again.total
+        out["regather"], order["regather"] = again.total, _devices(again)
     del full
+    out["order"] = order
     return out
+
+
+def _devices(counter) -> tuple:
+    """The device seconds of each kernel ``counter`` recorded, in order."""
+    return tuple(k.device for _, k in counter.ops if k is not None)
 
 
 def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2) -> tuple:
@@ -94,6 +105,38 @@ def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2) ->
         b = k["bwd_first"] if m == 1 else _mix(k["bwd_first"], k["bwd_later"], 1 / m)
         bwd = bwd + b + (k["regather"] if i < len(units) - 1 else Kernels())
     return fwd, bwd
+
+
+def fsdp_chain(hw, units: list, world: int, n_layers: int, pieces: dict, phase: str, first: bool, last: bool,
+               m: int, costs: dict) -> float:
+    """Seconds of one pass (``phase``, per micro-batch: averaged over the step's ``m``) through the
+    host's issue chain (:func:`.issue.pass_time`) with FSDP's own kernels in the places the
+    course's FSDP issues them: forward, the root's copy out before anything, each block's before
+    the block; backward, each block's gather copied out again before the block's backward, its
+    gradients packed and folded after it, the root's after the pass. ``pieces``: the rank's
+    traced order (:func:`~.kernels.trace_step`'s "sequence"); ``units`` as :func:`fsdp_units`.
+    Each such kernel is issued one ``launch_overhead`` after the last, as every kernel is: where
+    they are short (a unit's many small parameters; contiguous copies at the streaming rate, as
+    over one rank), the host paces them, not the device."""
+    root = units[-1] if len(units) > n_layers else None
+    block = fsdp_unit_kernels(hw, tuple(units[0]), world)["order"] if n_layers else None
+    mine = fsdp_unit_kernels(hw, tuple(root), world)["order"] if root else None
+    order = (("embedding",) if first else ()) + ("layer",) + (("head",) if last else ())
+
+    def run(name):
+        out = dict(pieces)
+        if phase == "fwd":
+            out["layer"] = list(block["fwd"]) + list(pieces.get("layer", ())) if block else pieces.get("layer", ())
+            out["fsdp root"] = mine["fwd"] if mine else ()
+            return pass_time(out, ("fsdp root",) + order, n_layers, hw.launch_overhead, costs)
+        if block:
+            out["layer"] = list(block["regather"]) + list(pieces.get("layer", ())) + list(block[name])
+        out["fsdp root"] = mine[name] if mine else ()
+        return pass_time(out, order[::-1] + ("fsdp root",), n_layers, hw.launch_overhead, costs)
+
+    if phase == "fwd" or m == 1:
+        return run("bwd_first")
+    return run("bwd_first") / m + run("bwd_later") * (1 - 1 / m)
 
 
 def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int) -> list:
@@ -237,6 +280,6 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
                    first.device * share + later.device * rest)
 
 
-__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_units", "fsdp_exposed", "fsdp_exposed_tp",
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_chain", "fsdp_units", "fsdp_exposed", "fsdp_exposed_tp",
            "fsdp_exposed_unprefetched", "fsdp_order",
            "prefetched_share", "TP_COLLECTIVES"]

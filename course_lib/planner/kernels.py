@@ -219,7 +219,7 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
 
 @functools.lru_cache(maxsize=64)
 def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none", tp: int = 1,
-               sp: bool = False, cp: int = 1, ring: str | None = None) -> dict:
+               sp: bool = False, cp: int = 1, ring: str | None = None, order: bool = False) -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
@@ -234,7 +234,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     ``ring`` (cp > 1; "zigzag" or "contiguous", the ranks' split): a CP rank's own program
     instead, traced on its s / cp tokens at their positions with ring attention
     (:mod:`.ring_ops`), the busiest rank's; "sequence" then holds its order, the host's value
-    reads marked (the ring's trim reads its positions)."""
+    reads marked (the ring's trim reads its positions). ``order``: "sequence" also without TP,
+    a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`)."""
     from course_lib.gpt import TinyGPT
     from course_lib.planner.ring_ops import rank_positions, ring_core, ring_kernels
 
@@ -303,7 +304,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
                                                                      busiest, ring, itemsize)))
     seq = {}
     reads = any(name == "|read" for name, _ in f2.ops + b2.ops)
-    if tp > 1 or ring or reads:   # the marked order of one rank's kernels (:mod:`course_lib.planner.issue`)
+    if tp > 1 or ring or reads or order:   # the marked order of one rank's kernels (:mod:`course_lib.planner.issue`)
         seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
                "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,

@@ -23,7 +23,8 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
   accumulator's hop home (full recomputation: the forward's again);
 - the host: it issues one op every ``launch_overhead``, and where the program reads a value
   (a ring's positions, an MoE router's counts) or blocks on TP's collectives it waits for the
-  stream: the rank's traced order runs through that issue chain (:mod:`.issue`);
+  stream: the rank's traced order runs through that issue chain (:mod:`.issue`); under ZeRO-3
+  with FSDP's own kernels in their places (:func:`.fsdp_ops.fsdp_chain`);
 - PP: one send per micro-batch and direction between neighbouring stages;
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
@@ -39,7 +40,7 @@ import math
 
 from course_lib.planner import formulas as F
 from course_lib.planner.async_tp import async_tp_hop
-from course_lib.planner.fsdp_ops import fsdp_order, fsdp_step_kernels, fsdp_units
+from course_lib.planner.fsdp_ops import fsdp_chain, fsdp_order, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
@@ -121,7 +122,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     first, last = stage == 0, stage == p - 1
     # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
     ring = traced_ring(layout)
-    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring)
+    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring,
+                   order=layout.zero == 3)     # (FSDP's kernels join the issue chain: fsdp_ops.fsdp_chain)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:
@@ -215,9 +217,15 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
         if k["sequence"] and (t > 1 or ring or layout.ep * layout.etp == 1):   # (the order traced: all E experts)
-            # the kernels the traced order does not hold (TP's copies and loss, FSDP's, the
-            # gradients' accumulation) run on the same stream: their device time on top
-            chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs) + kern.device - traced[phase]
+            # the kernels the traced order does not hold (TP's copies and loss, the gradients'
+            # accumulation) run on the same stream: their device time on top; FSDP's are issued
+            # in their places, the host pacing them where they are short (fsdp_ops.fsdp_chain)
+            if fsdp:
+                chain = fsdp_chain(hw, units, _size(layout, ("dp", "cp")), n_layers, k["sequence"][phase], phase,
+                                   first, last, m, costs) - (zf if phase == "fwd" else zb).device
+            else:
+                chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs)
+            chain += kern.device - traced[phase]
             part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = stage_send_time(layout, hw, stage, p2p_bytes, async_tp_hop)   # each hop on its link, NCCL's price
