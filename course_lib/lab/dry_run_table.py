@@ -17,28 +17,28 @@ import sys
 
 from course_lib.lab.dry_runs import published_row, published_runs, summary
 
-RECORDED_ON = ("2026-11-29, commit baae1f8, this project's 2-core machine (loaded: wall_s and "
+RECORDED_ON = ("2026-11-29, commit db9f9a9, this project's 2-core machine (loaded: wall_s and "
                "cpu_s are that machine's)")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
-    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.2187599420174722, 48.91, True, 3, 2),
-    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.344390272681293, 61.11, True, 5, 4),
-    ('Korthikanti 2022 T5', 'GPT 530B', 280): (35.32664056251025, 57.97, True, 36, 23),
-    ('Korthikanti 2022 T5', 'GPT 1T', 512): (67.09746444057842, 77.01, True, 149, 64),
-    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.3402144527808035, 37.68, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.5293202410531754, 39.13, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.567909682183209, 42.6, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.948176166622124, 47.23, True, 7, 1),
-    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.101990586274967, 47.81, True, 3, 1),
-    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.412405880633237, 47.19, True, 3, 2),
-    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (22.82329330250621, 51.26, True, 9, 3),
-    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (33.767080984851674, 52.65, True, 27, 12),
-    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (48.203197201660934, 48.14, True, 34, 22),
-    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (94.35661721376326, 52.22, True, 67, 38),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (99.94702051972176, 43.02, True, 17, 11),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.386494579427996, 99.83, False, 37, 31),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.58618509070976, 90.87, False, 24, 21),
-    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.521701757111003, 95.5, False, 59, 62),
+    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.161277926503548, 51.09, True, 2, 2),
+    ('Korthikanti 2022 T5', 'GPT 175B', 64): (12.412474751786288, 54.46, True, 10, 11),
+    ('Korthikanti 2022 T5', 'GPT 530B', 280): (34.480689358617816, 54.13, True, 49, 52),
+    ('Korthikanti 2022 T5', 'GPT 1T', 512): (68.07752059754579, 59.48, True, 83, 86),
+    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.2668148886363664, 34.6, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.43954337956211, 35.81, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.4777419795890134, 39.11, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.781429015111604, 42.91, True, 2, 2),
+    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (13.920228726596669, 43.18, True, 2, 2),
+    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.282764968927246, 42.63, True, 7, 3),
+    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (22.618383929644967, 46.84, True, 10, 8),
+    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (33.62778502533714, 47.89, True, 11, 11),
+    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (48.32114259865405, 44.31, True, 43, 44),
+    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (93.69198095956888, 48.15, True, 77, 81),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (99.20915953643706, 40.86, True, 15, 15),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.308415522959296, 111.52, False, 55, 59),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.3796284728186805, 92.26, False, 42, 42),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.294038929173237, 96.89, False, 87, 91),
 }
 
 
