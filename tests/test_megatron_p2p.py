@@ -194,3 +194,20 @@ def test_dry_run_prices_megatrons_exchange_as_a_real_launch():
     lay = Layout(tp=2, pp=2, micro_batch=1, global_batch=4)
     assert dry_run(wide, HW, lay, fusions=software, progress=None).step_time > \
         dry_run(wide, HW, lay, fusions="scale_mask_softmax", progress=None).step_time
+
+
+def test_a_rank_with_only_warm_up_forwards_sends_each_at_once():
+    """m = p: on the first ranks every forward is a warm-up one (m v chunks within Megatron's
+    warm-up count), and Megatron sends each activation at once (send_forward_recv_forward),
+    never after a backward. Holding the last one for the first backward deadlocked the next
+    stage (pp 4, v 2, m 4 hung before 2026-11-29): the run must finish."""
+    import threading
+
+    spec = gpt_spec("GPT test", 8, 64, 4, V=256, s=32)
+    layout = Layout(tp=2, pp=4, sp=True, schedule="interleaved", v=2, global_batch=4)
+    done = []
+    run = threading.Thread(target=lambda: done.append(
+        dry_run(spec, HW, layout, progress=None, fusions=("megatron_p2p",))), daemon=True)
+    run.start()
+    run.join(120)
+    assert done and done[0].step_time > 0, "the dry run did not finish in 120 s: a deadlock"

@@ -128,8 +128,14 @@ class InterleavedOrder:
 
     def __init__(self, runner):
         acts = runner.actions
+        ops = [a[0] for a in acts]
+        # no steady state on this rank (every forward a warm-up one: m * v chunks within Megatron's
+        # warm-up count, e.g. m = p): Megatron sends each warm-up activation at once
+        # (send_forward_recv_forward, its last one with the first gradient's receive), never
+        # after a backward; holding the last one for the first backward would deadlock
+        steady = "B" in ops and "F" in ops and ops.index("B") < len(ops) - 1 - ops[::-1].index("F")
         self.pairs = {(s, mb): (s2, mb2) for (op, s, mb), (op2, s2, mb2) in zip(acts, acts[1:])
-                      if op == "F" and op2 == "B"}
+                      if op == "F" and op2 == "B"} if steady else {}
         self.runner, self.held = runner, None
         self._send, self._done = runner.send, runner.backward_done
         runner.send, runner.backward_done = self.send, self.backward_done
