@@ -396,7 +396,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                for i, r in enumerate(running)]
     for t in threads:
         t.start()
-    _watch(threads, records, began, progress, layout.microbatches)
+    deadlock = _watch(threads, records, began, progress, layout.microbatches, stages)
+    if deadlock:
+        raise RuntimeError(deadlock)
     errors = [v for v in out.values() if isinstance(v, BaseException)]
     if errors:
         first = next((e for e in errors if not type(e).__name__ == "StageFailed"), errors[0])
@@ -446,14 +448,27 @@ def folds_cp(layout: Layout, fusions=()) -> bool:
             and layout.cp_layout == "zigzag" and not layout.documents)
 
 
-def _watch(threads, records, began, every, microbatches=None) -> None:
+def _watch(threads, records, began, every, microbatches=None, stages=None) -> str | None:
     """Wait for the stages; every ``every`` seconds, a line on stderr: the elapsed wall time and,
     for the first and the last stage, the micro-batch its last pipeline action ran (F12@3: the
-    forward of micro-batch 12 on virtual stage 3) and its virtual time."""
-    last = time.perf_counter()
+    forward of micro-batch 12 on virtual stage 3) and its virtual time. A deadlock (every stage
+    still running waits for a message or a collective, and nothing was posted for
+    ``STUCK_CHECKS`` checks a second apart: none can send what another waits for) stops every
+    stage and is returned, each stage's last action named; None when the stages ended."""
+    last, seen, stuck = time.perf_counter(), None, 0
     for t in threads:
         while t.is_alive():
             t.join(1.0)
+            snap = stages.stuck(sum(th.is_alive() for th in threads)) if stages is not None else None
+            stuck, seen = (stuck + 1 if snap is not None and snap == seen else 0), snap
+            if stuck >= STUCK_CHECKS:
+                where = "; ".join(f"rank {r}: {_where(records[r].spans, microbatches)}" for r in sorted(records))
+                why = ("the dry run stopped: every running stage waits for a message or a collective "
+                       f"that no stage will send (a deadlock in the program's order): {where}")
+                stages.fail("deadlock")
+                for th in threads:
+                    th.join()
+                return why
             if every is not None and time.perf_counter() - last >= every:
                 last = time.perf_counter()
                 where = []
@@ -463,6 +478,7 @@ def _watch(threads, records, began, every, microbatches=None) -> None:
                 print(f"dry run, {last - began:.0f} s: " + "; ".join(where), file=sys.stderr, flush=True)
 
 
+STUCK_CHECKS = 3   # a deadlock is called after 3 checks a second apart with nothing posted
 _ACTION = re.compile(r"([FBWI])(\d+)(?:@(\d+))?$")
 _PASS = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
 

@@ -68,12 +68,25 @@ class Stages:
         self.reads = defaultdict(int)          # (group, k) -> members that read the maximum
         self.members = {}                      # group -> how many of its ranks run
         self.failed = None
+        self.blocked = 0                       # threads waiting for a message or a collective
+        self.progress = 0                      # messages posted and ready times given: a counter
 
     def _wait_for(self, done):
-        while not done():
-            if self.failed is not None:
-                raise StageFailed(f"stopped: another stage failed ({self.failed})")
-            self.cond.wait(WAIT)
+        self.blocked += 1
+        try:
+            while not done():
+                if self.failed is not None:
+                    raise StageFailed(f"stopped: another stage failed ({self.failed})")
+                self.cond.wait(WAIT)
+        finally:
+            self.blocked -= 1
+
+    def stuck(self, alive: int) -> tuple | None:
+        """(blocked, progress) when every one of the ``alive`` stage threads waits (none can post
+        what another waits for, unless something was posted since: the caller compares two
+        snapshots), else None."""
+        with self.cond:
+            return (self.blocked, self.progress) if alive and self.blocked >= alive else None
 
     def fail(self, why) -> None:
         with self.cond:
@@ -85,6 +98,7 @@ class Stages:
 
     def post(self, flow: str, begin: float) -> None:
         with self.cond:
+            self.progress += 1
             self.messages[flow] = begin
             ev = self.waiting.pop(flow, None)
         if ev is not None:          # wake its receiver only (64 stages: not 63 others for nothing)
@@ -95,9 +109,14 @@ class Stages:
             if flow in self.messages:
                 return self.messages.pop(flow)
             ev = self.waiting[flow] = threading.Event()
-        while not ev.wait(WAIT) or flow not in self.messages:
-            if self.failed is not None:
-                raise StageFailed(f"stopped: another stage failed ({self.failed})")
+            self.blocked += 1
+        try:
+            while not ev.wait(WAIT) or flow not in self.messages:
+                if self.failed is not None:
+                    raise StageFailed(f"stopped: another stage failed ({self.failed})")
+        finally:
+            with self.cond:
+                self.blocked -= 1
         with self.cond:
             return self.messages.pop(flow)
 
@@ -109,6 +128,7 @@ class Stages:
             return ReadyTimes(None, None, (ready, nbytes))
         with self.cond:
             self.ready[comm.group, k][rank] = (ready, nbytes)
+            self.progress += 1
             self.cond.notify_all()
         return ReadyTimes(self, ((comm.group, k), n), None)
 
