@@ -80,3 +80,27 @@ def test_the_clock_prices_the_overlap_and_the_dry_run_is_the_real_launch():
     hidden = sum(s.duration for s in before.spans if s.dim == "tp" and s.name in
                  ("SP g: all-gather again (backward)", "SP g: reduce-scatter (backward)"))
     assert 0 < before.step_time - r.step_time <= hidden, (before.step_time, r.step_time, hidden)
+
+
+def _extra_reader_rank():
+    """One column layer reads the SP region (so the overlap reduce-scatters its dX itself), and
+    another op also reads the gathered input: the region's gradient must be both readers' sum."""
+    import torch.distributed as dist
+    from course_lib.collectives.comm import Comm
+    from course_lib.parallel.tensor_parallel import LinearKeepingShard, enter_sequence_parallel
+    comm = Comm(dist.group.WORLD)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 6 * comm.size, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    grads = []
+    for overlap in (False, True):
+        x = x0[:, 6 * comm.rank:6 * (comm.rank + 1)].clone().requires_grad_()
+        full = enter_sequence_parallel(x, comm)
+        y = LinearKeepingShard.apply(full, x, w, None, full.sequence_shard, overlap)
+        (y.square().sum() + 3.0 * full.sum()).backward()        # the second reader: not a column layer
+        grads.append(x.grad)
+    return torch.equal(*grads)
+
+
+def test_the_overlap_leaves_a_region_with_another_reader_to_its_own_reduce_scatter():
+    assert all(launch(_extra_reader_rank, 2))

@@ -148,8 +148,9 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     def backward(ctx, grad):
         region = ctx.region
         if region is not None and region.reduced is not None:
-            reduced, region.reduced = region.reduced, None
-            return reduced, None, None, None
+            (source, reduced), region.reduced = region.reduced, None
+            if grad is source:        # the column layer's dX is the whole gradient: no other reader
+                return reduced, None, None, None
         return reduce_scatter_along(ctx.comm, grad, ctx.dim, "SP g: reduce-scatter (backward)"), None, None, None
 
 

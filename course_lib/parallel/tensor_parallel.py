@@ -76,8 +76,9 @@ class SequenceShardInput:
     Forward keeps only this rank's s/t tokens (``shard``) for backward; the first backward
     that needs the full input all-gathers it again, the others reuse it, the last drops it
     (Korthikanti et al. 2022, Sec. 4.2.2: an extra all-gather buys t times less memory).
-    ``reduced``: the region's input gradient, reduce-scattered by its one column layer
-    (:func:`column_backward`'s overlap), for the region's entry to return."""
+    ``reduced``: (dX, its reduce-scatter) from the region's one column layer
+    (:func:`column_backward`'s overlap), for the region's entry to return when the gradient it
+    receives is that dX (nothing else read the gathered input; else it reduce-scatters its own)."""
 
     def __init__(self, shard, comm, dim=1):
         self.shard, self.comm, self.dim = shard, comm, dim
@@ -132,8 +133,8 @@ def column_backward(source, shard, overlap, input_grad, weight_grads):
         reducing = reduce_scatter_along(source.comm, grad_x, source.dim, "SP g: reduce-scatter (backward)",
                                         async_op=True)
     grads = weight_grads(x_full)                              # under the reduce-scatter
-    if reducing is not None:
-        source.reduced = reducing()
+    if reducing is not None:      # kept with the dX it sums: the region's entry checks it got that dX
+        source.reduced = (grad_x, reducing())
     return grad_x, grads
 
 
