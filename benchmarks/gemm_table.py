@@ -9,6 +9,8 @@
    matmul_efficiency, 0.70 a tile, assumed); the table's two campaigns against each other
    (the noise floor).
 2. MAMF's best shapes (A100 SXM, H100 SXM): the per-tile fraction each implies.
+2b. Beyond the table's K: TileLang's H800 family (M = N = 8192, K 256-16,384), rate(K) /
+   rate(4096) measured and modelled (the kernels' level divided out).
 3. The published validation rows' GEMMs (planner.gemm.layer_gemms, one micro-batch of one
    layer on one GPU): their shapes, the FLOP-weighted K, whether the table covers them, and
    the GEMM part's efficiency with and without K_0 (the A100 rows: its MAMF fraction).
@@ -81,6 +83,15 @@ def mamf_section():
               f"per tile {implied:.3f}; preset {hw.matmul_efficiency:.3f} prices it at {model:.1f}")
 
 
+def k_trend_section():
+    print("2b. Rate over K beyond the table: TileLang on an H800 SXM, M = N = 8192, fp16")
+    print("   " + GM.TILELANG_H800_SOURCE[:70] + "...")
+    print(f"   {'K':>6s} {'TFLOP/s':>8s} {'measured / K=4096':>18s} {'model / K=4096':>15s} {'model / measured':>17s}")
+    for K, (measured, model) in GM.k_trend(clock_hw("h100-sxm")).items():
+        print(f"   {K:6d} {GM.TILELANG_H800[K]:8d} {measured:18.4f} {model:15.4f} {model / measured:17.4f}")
+    print("   > 1 at small K: TileLang's kernels are slower there than cuBLAS (XLA's table: 1.08 at K=256)")
+
+
 def efficiency(gemms, hw):
     flops = sum(w * 2 * M * N * K * b for M, N, K, b, _, w, k in gemms if k == "gemm")
     seconds = sum(w * gemm_time(M, N, K, hw, b, out) for M, N, K, b, out, w, k in gemms if k == "gemm")
@@ -113,6 +124,8 @@ def main():
     table_section()
     print()
     mamf_section()
+    print()
+    k_trend_section()
     print()
     rows_section()
     return 0

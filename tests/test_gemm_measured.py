@@ -87,3 +87,21 @@ def test_the_a100_fraction_is_mamfs_a100_row_and_the_same_route_agrees_on_the_h1
     tf, shape, _ = GM.MAMF["A100 SXM"]
     assumed = 2 * math.prod(shape) / gemm_time(*shape, A100_HW.with_(matmul_efficiency=0.854)) / 1e12
     assert assumed / tf < 1 - sum(bound())
+
+
+def test_beyond_the_table_the_models_k_trend_is_tilelangs():
+    """XLA's table stops at K = 4096; the big models' weight GEMMs run at K = 12,288-25,600.
+    TileLang's H800 family (M = N = 8192, K to 16,384; not cuBLAS, so only rate(K) / rate(4096)
+    is compared) shows the rate still rising 4.1% from 4096 to 16,384: the model's K_0 gives
+    3.5%, no more, so the model is not optimistic at large K. The model without K_0 (a flat
+    rate over K) contradicts it beyond the same bound."""
+    limit = sum(bound())
+    trend = GM.k_trend(clock(H100_HW))
+    assert set(GM.TILELANG_H800) >= {2048, 4096, 8192, 16384}
+    for K in (2048, 8192, 16384):
+        measured, model = trend[K]
+        assert abs(math.log(model / measured)) <= limit, (K, measured, model)
+    measured, model = trend[16384]
+    assert model <= measured, "the model's rate rises faster over K than measured"
+    flat = GM.k_trend(H100_HW.with_(gemm_tile_overhead=0.0, matmul_efficiency=0.834))
+    assert abs(math.log(flat[16384][1] / flat[16384][0])) > limit

@@ -103,6 +103,16 @@ MAMF = {
     "H100 SXM": (794.5, (2048, 2048, 13312), "2.7.0+cu126"),
 }
 
+# Beyond XLA's grid (K <= 4096): one GEMM family timed at K up to 16384, M = N = 8192, fp16, on an
+# H800 SXM (the H100 SXM's SMs, clocks and HBM; only its NVLink is cut), by TileLang's autotuned
+# kernels (not cuBLAS: their level differs, so only the TREND over K is compared; see k_trend).
+TILELANG_H800_SOURCE = ("xwhzz/tilelang (a fork of tile-ai/tilelang) benchmark/matmul/README.md, "
+                        "'FP16 Matmul Benchmark (8192x8192)', read at commit "
+                        "b2acfc3791d5ddeef3772214222461c85659c904; measured at tilelang 17bd0a6c, "
+                        "driver 560.35.05")
+# K: TFLOP/s (the README's latency column is in milliseconds: 2 M N K / latency gives these)
+TILELANG_H800 = {256: 386, 512: 520, 1024: 628, 2048: 705, 4096: 736, 8192: 758, 16384: 766}
+
 
 
 def measured_seconds(row) -> tuple:
@@ -116,6 +126,16 @@ def model_ratios(hw, rows=XLA_H100) -> list:
     """(b, M, N, K, model seconds / measured seconds) per row, ``hw``'s tile x wave model
     (:func:`course_lib.planner.gemm.gemm_time`, its ``matmul_efficiency`` per tile)."""
     return [(*r[:4], gemm_time(r[1], r[2], r[3], hw, r[0]) / measured_seconds(r)[0]) for r in rows]
+
+
+def k_trend(hw, rates=TILELANG_H800, M=8192, N=8192, base=4096) -> dict:
+    """K: (measured rate at K / at ``base``, the model's rate at K / at ``base``) for an
+    M x N x K family measured at several K (default :data:`TILELANG_H800`): how a GEMM's rate
+    grows with K, the kernel's level divided out. The model's ratio above the measured one
+    at large K: the model would be optimistic for the big models' GEMMs (K 12,288-25,600)."""
+    def rate(K):
+        return 2.0 * M * N * K / gemm_time(M, N, K, hw)
+    return {K: (r / rates[base], rate(K) / rate(base)) for K, r in sorted(rates.items())}
 
 
 def tile_fraction(hw, M, N, K, seconds) -> float:
@@ -139,5 +159,5 @@ def fit_tile_overhead(hw, record, candidates=range(0, 513, 32)) -> tuple:
     return best, fitted(best).matmul_efficiency
 
 
-__all__ = ["XLA_H100", "XLA_H100_SOURCE", "MAMF", "MAMF_SOURCE", "measured_seconds", "model_ratios",
-           "tile_fraction", "log_rms", "fit_tile_overhead"]
+__all__ = ["XLA_H100", "XLA_H100_SOURCE", "MAMF", "MAMF_SOURCE", "TILELANG_H800", "TILELANG_H800_SOURCE",
+           "measured_seconds", "model_ratios", "k_trend", "tile_fraction", "log_rms", "fit_tile_overhead"]
