@@ -144,3 +144,22 @@ def _second_reader_rank():
 def test_the_overlap_leaves_a_region_with_another_reader_to_its_own_all_reduce():
     res = launch(_second_reader_rank, 2)
     assert all(all(r) for r in res), res
+
+
+def test_the_full_recompute_column_runs_table5s_layouts_without_sp_and_the_tp_overlap():
+    """Korthikanti et al. 2022 Table 5's "Full Recompute" column: the T5 rows' layouts with full
+    recomputation and no SP, the same software with the TP overlap in place of the SP one."""
+    from course_lib.lab.dry_runs import DROPOUT, FULL_RECOMPUTE, ORDER, PRECISION, SOFTWARE, published_runs
+    runs = [run for run in published_runs() if run[0] in ("Korthikanti 2022 T5", FULL_RECOMPUTE)]
+    t5 = {run[2].name: run for run in runs if run[0] == "Korthikanti 2022 T5"}
+    full = {run[2].name: run for run in runs if run[0] == FULL_RECOMPUTE}
+    assert set(t5) == set(full) and len(full) == 4
+    assert {name: run[5] for name, run in full.items()} == {"GPT 22B": 1.42, "GPT 175B": 18.13, "GPT 530B": 49.05,
+                                                            "GPT 1T": 94.42}
+    for name, run in full.items():
+        assert run[4] == t5[name][4].with_(sp=False, recompute="full"), name
+    assert "sp_backward_overlap" in SOFTWARE["Korthikanti 2022 T5"]
+    assert set(SOFTWARE[FULL_RECOMPUTE]) == set(SOFTWARE["Korthikanti 2022 T5"]) - {"sp_backward_overlap"}
+    assert "tp_backward_overlap" in SOFTWARE[FULL_RECOMPUTE]
+    assert all("tp_backward_overlap" not in sw for source, sw in SOFTWARE.items() if not source.startswith("Korth"))
+    assert all(d[FULL_RECOMPUTE] == d["Korthikanti 2022 T5"] for d in (DROPOUT, ORDER, PRECISION))
