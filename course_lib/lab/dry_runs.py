@@ -125,6 +125,10 @@ SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("sp_backwar
 # its Table 5 rows run SP, where it is off (they do not move: 22B 1.161277926503548 s before and
 # after); its "Full Recompute" column runs no SP (Sec. 6.3), so that source runs it and not the
 # SP overlap. Narayanan et al. 2021's code (de7dc40) has no such flag (f waits).
+# Measured (2026-11-29), the Full Recompute rows without -> with it: 22B 1.430 -> 1.353 s
+# (+0.7% -> -4.7%), 175B 18.008 -> 17.308 s (-0.7% -> -4.5%): the clock hides each all-reduce
+# whole under the dW GEMM; it slows neither (on a GPU, NCCL's kernels take SMs and HBM
+# bandwidth from the GEMM beside them: not modelled).
 SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("tp_backward_overlap",)
 SOFTWARE[FULL_RECOMPUTE] = tuple(f for f in SOFTWARE["Korthikanti 2022 T5"] if f != "sp_backward_overlap")
 
