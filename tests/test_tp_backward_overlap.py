@@ -137,7 +137,8 @@ def _second_reader_rank():
                 loss = sum(y.square().sum() for y in ys) + (3.0 * full.sum() if second else 0.0)  # the second reader
                 loss.backward()
                 grads.append([x.grad] + [t.grad for t in w + b])
-            same.append(all(a is not None and torch.equal(a, c) for a, c in zip(*grads) if c is not None or a is not None))
+            pairs = [(a, c) for a, c in zip(*grads) if a is not None or c is not None]
+            same.append(all(a is not None and c is not None and torch.equal(a, c) for a, c in pairs))
     return same
 
 
