@@ -32,11 +32,13 @@ import time
 from course_lib.layout import MESH_ORDER, Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
-from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022,
-                                           NARAYANAN_TABLE1, korthikanti_layout, llama3_layout)
+from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_FULL_RECOMPUTE, KORTHIKANTI_TABLE5,
+                                           LLAMA3_TABLE4, MEGATRON_2022, NARAYANAN_TABLE1, korthikanti_layout,
+                                           llama3_layout)
 from course_lib.virtual import dry_run
 
-SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
+FULL_RECOMPUTE = "Korthikanti 2022 T5 full recompute"     # Table 5's "Full Recompute" column
+SOURCES = ("Korthikanti 2022 T5", FULL_RECOMPUTE, "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
 
 # The attention kernels each source's software ran (course_lib.virtual.software.FUSIONS):
 # Megatron-LM (Narayanan et al. 2021, Sec. 4.2: fused scale + mask + softmax, one kernel with
@@ -117,6 +119,18 @@ SOFTWARE = {source: software + _MEGATRON_P2P.get(source, ()) for source, softwar
 # the tp group's stream (course_lib.virtual.software.SP_RUNTIME). Narayanan et al. 2021's code
 # (de7dc40) ran no SP and a synchronous f; BLOOM's and Llama 3's rows run no Megatron SP layer.
 SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("sp_backward_overlap",)
+# Without SP the same column layer all-reduces dX asynchronously under the dW GEMM
+# (--async-tensor-model-parallel-allreduce, on by default at 55ba1f7b96: arguments.py L570-575,
+# off under SP, L314-317; course_lib.virtual.software.TP_RUNTIME). Stated for Korthikanti's code:
+# its Table 5 rows run SP, where it is off (they do not move: 22B 1.161277926503548 s before and
+# after); its "Full Recompute" column runs no SP (Sec. 6.3), so that source runs it and not the
+# SP overlap. Narayanan et al. 2021's code (de7dc40) has no such flag (f waits).
+# Measured (2026-11-29), the Full Recompute rows without -> with it: 22B 1.430 -> 1.353 s
+# (+0.7% -> -4.7%), 175B 18.008 -> 17.308 s (-0.7% -> -4.5%): the clock hides each all-reduce
+# whole under the dW GEMM; it slows neither (on a GPU, NCCL's kernels take SMs and HBM
+# bandwidth from the GEMM beside them: not modelled).
+SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("tp_backward_overlap",)
+SOFTWARE[FULL_RECOMPUTE] = tuple(f for f in SOFTWARE["Korthikanti 2022 T5"] if f != "sp_backward_overlap")
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
@@ -131,6 +145,7 @@ SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("sp_backwar
 # Hugging Face's BloomConfig says 0.0, an inference default). Llama 3: none (its FlashAttention
 # and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
+DROPOUT[FULL_RECOMPUTE] = DROPOUT["Korthikanti 2022 T5"]
 
 # How each source's software numbered its ranks (Layout.order, outermost first; None: the
 # course's dp, pp, cp, tp), which decides which groups sit inside a node. Megatron-LM of 2021-22
@@ -146,8 +161,8 @@ DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0
 # keeps 6 of them on NVLink). Llama 3: the paper's [TP, CP, PP, DP] (Dubey et al. 2024,
 # Sec. 3.3.2), the course's own.
 _MEGATRON_ORDER = ("pp", "dp", "tp")
-ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_ORDER,
-         "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None}
+ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, FULL_RECOMPUTE: _MEGATRON_ORDER,
+         "Narayanan 2021 T1": _MEGATRON_ORDER, "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None}
 
 
 # The numerics each source trained with (Layout.precision, course_lib.precision.mixed), run by
@@ -184,8 +199,8 @@ ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, "Narayanan 2021 T1": _MEGATRON_
 # BLOOM's: one read of the gradients and a small all-reduce) and, under fp16, the loss scaler's
 # unscale and inf check (torch._amp_foreach_non_finite_check_and_unscale_ and an all-reduce of
 # found_inf in Float16OptimizerWithFloat16Params); the course's runtime does not run them.
-PRECISION = {"Korthikanti 2022 T5": "bf16", "Narayanan 2021 T1": "bf16", "BLOOM 2022": "bf16-accumulate-fp32",
-             "Llama 3 T4": "bf16-accumulate-fp32"}
+PRECISION = {"Korthikanti 2022 T5": "bf16", FULL_RECOMPUTE: "bf16", "Narayanan 2021 T1": "bf16",
+             "BLOOM 2022": "bf16-accumulate-fp32", "Llama 3 T4": "bf16-accumulate-fp32"}
 
 
 # The runs of Narayanan et al. 2021's Table 1 as its authors scripted them: NVIDIA/Megatron-LM
@@ -255,6 +270,10 @@ def published_runs():
         model = MODELS[name]
         rows.append(("Korthikanti 2022 T5", model.name, model, MEGATRON_2022, korthikanti_layout(model, pp, gbs),
                      seconds, None, ""))
+    for name, pp, gbs, seconds in KORTHIKANTI_FULL_RECOMPUTE:     # the same rows, full recompute, no SP
+        model = MODELS[name]
+        rows.append((FULL_RECOMPUTE, f"{model.name}, full", model, MEGATRON_2022,
+                     korthikanti_layout(model, pp, gbs, sp=False, recompute="full"), seconds, None, "no SP"))
     for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
         model = gpt_spec(f"GPT {billions:g}B", L, h, a)
         # the planner validation's rule (narayanan_table1): DP the rest, full recomputation; the
@@ -401,7 +420,7 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "published_row", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
+__all__ = ["published_runs", "published_row", "FULL_RECOMPUTE", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
            "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT", "ORDER", "PRECISION",
            "random_layouts",
            "agreement_rows"]

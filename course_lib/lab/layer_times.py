@@ -21,11 +21,12 @@ span and to the backward span. Everything outside the layers is in both runs and
 
 What the clock's layer runs that Megatron-LM 2022's did not, or the other way (the errors
 :func:`layer_rows` prints come from these; nothing here is fitted):
-* its sequence-parallel backward is Megatron's (``"sp_backward_overlap"`` in the source's
-  software): re-gather under dX, reduce-scatter under dW. Its tensor-parallel-only backward is
-  not: Megatron's column layer without SP all-reduced dX asynchronously under dW
-  (``--async-tensor-model-parallel-allreduce``, on by default at 55ba1f7b); the course's ``f``
-  waits (the two "baseline" rows' and "selective recompute"'s backward: not like for like).
+* its column layers' backward is Megatron's (the source's software): with SP
+  (``"sp_backward_overlap"``) the re-gather under dX, the reduce-scatter under dW; without SP
+  (``"tp_backward_overlap"``, ``--async-tensor-model-parallel-allreduce``, on by default at
+  55ba1f7b) dX's all-reduce under dW where a region has one column layer (the fused QKV GEMM,
+  the MLP's W_1): the two "baseline" rows and "selective recompute". Before it (2026-11-29),
+  ``f`` waited for dW: backward 11.88 ms (no recompute), 19.96 (full), 13.28 (selective).
 * the course's activations are (batch, sequence, hidden), Megatron's (sequence, batch, hidden):
   every SP all-gather and reduce-scatter along the sequence transposes its tensors around the
   collective (:func:`~course_lib.parallel.comm_ops.gather_along`), strided copies at micro-batch

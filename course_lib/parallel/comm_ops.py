@@ -82,7 +82,7 @@ def _split(comm, x, dim):
     return x.chunk(comm.size, dim)[comm.rank].contiguous()
 
 
-def _reduces_in_place(x, in_place) -> bool:
+def reduces_in_place(x, in_place) -> bool:
     """May the all-reduce write into ``x`` itself? Only where the caller said it owns ``x``
     (``in_place``), and ``x`` is a whole contiguous tensor: not a view (an in-place write
     through a view makes autograd copy the base in backward) nor a leaf that requires grad."""
@@ -90,7 +90,7 @@ def _reduces_in_place(x, in_place) -> bool:
 
 
 def _all_reduce(comm, x, name, in_place=False):
-    if not _reduces_in_place(x, in_place):
+    if not reduces_in_place(x, in_place):
         x = x.contiguous().clone()  # someone else may read x (autograd saved it, or another branch)
     comm.all_reduce(x, name=name)
     return x
@@ -102,16 +102,30 @@ class CopyToParallel(torch.autograd.Function):
     ``in_place``: the gradient that arrives is this Function's alone (the output is read by
     matmuls only, whose backward hands it a fresh tensor), so it is summed where it lies, as
     Megatron-LM's ``_reduce`` does; otherwise it is copied first: torch's autograd may hand the
-    same tensor to another Function too (an add's backward passes one gradient to both inputs)."""
+    same tensor to another Function too (an add's backward passes one gradient to both inputs).
+    ``region``: the region's :class:`~course_lib.parallel.tp_backward_overlap.ReplicatedInput`,
+    whose single column layer may have all-reduced its dX itself, under its weight gradient
+    (``region.reduced``, Megatron-LM 2022's overlap): returned when the gradient is that dX."""
 
     @staticmethod
-    def forward(ctx, x, comm, in_place=False):
-        ctx.comm, ctx.in_place = comm, in_place
+    def forward(ctx, x, comm, in_place=False, region=None):
+        ctx.comm, ctx.in_place, ctx.region = comm, in_place, region
+        if region is not None:        # its column layer may hand autograd no dX (summed in place)
+            ctx.set_materialize_grads(False)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)", ctx.in_place), None, None
+        region = ctx.region
+        if region is not None and region.reduced is not None:
+            (handed, reduced, again), region.reduced = region.reduced, None
+            if grad is handed:        # the column layer's dX is the whole gradient: no other reader
+                return reduced, None, None, None
+            if handed is None:        # another reader's gradient: the layer's dX again, added
+                grad = grad + again()
+        if grad is None:
+            return None, None, None, None
+        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)", ctx.in_place), None, None, None
 
 
 class ReduceFromParallel(torch.autograd.Function):
@@ -122,7 +136,7 @@ class ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, in_place=False):
-        if _reduces_in_place(x, in_place):
+        if reduces_in_place(x, in_place):
             comm.all_reduce(x, name="g: all-reduce")
             ctx.mark_dirty(x)
             return x
@@ -213,11 +227,12 @@ class SplitToParallel(torch.autograd.Function):
         return gather_along(ctx.comm, grad, ctx.dim, "split: all-gather (backward)"), None, None
 
 
-def copy_to_parallel(x, comm, in_place=False):
+def copy_to_parallel(x, comm, in_place=False, region=None):
     """f (Megatron): identity forward, all-reduce of the gradient backward. ``in_place=True``
-    only where the output is read by matmuls alone (the gradient is then summed without a copy)."""
+    only where the output is read by matmuls alone (the gradient is then summed without a copy).
+    ``region``: see :class:`CopyToParallel`."""
     _check(comm, x)
-    return CopyToParallel.apply(x, comm, bool(in_place)) if comm.size > 1 else x
+    return CopyToParallel.apply(x, comm, bool(in_place), region) if comm.size > 1 else x
 
 
 def reduce_from_parallel(x, comm, in_place=False):
@@ -263,6 +278,6 @@ def sum_over_copies(x, comm, slot, n_slots):
 
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_sequence_parallel",
            "scatter_to_sequence_parallel", "split_to_parallel", "gather_from_parallel", "sum_over_copies",
-           "gather_along", "reduce_scatter_along", "CopyToParallel", "ReduceFromParallel",
+           "gather_along", "reduce_scatter_along", "reduces_in_place", "CopyToParallel", "ReduceFromParallel",
            "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel",
            "GatherFromParallel", "SumOverCopies"]

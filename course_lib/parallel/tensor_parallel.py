@@ -33,11 +33,12 @@ import torch.nn.functional as F
 from course_lib import trace
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.async_tp import all_gather_matmul, matmul_reduce_scatter
-from course_lib.parallel.comm_ops import (copy_to_parallel, gather_along, gather_from_parallel,
+from course_lib.parallel.comm_ops import (gather_along, gather_from_parallel,
                                           gather_from_sequence_parallel, reduce_from_parallel,
                                           reduce_scatter_along, scatter_to_sequence_parallel, sum_over_copies)
 from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.replicas import check_replicas
+from course_lib.parallel.tp_backward_overlap import LinearAllReducingInput, enter_tensor_parallel
 from course_lib.parallel.vocab_parallel import shard_range
 
 INPUTS = ("replicated", "sequence", "entered")
@@ -219,8 +220,10 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.input, self.gather_output, self.keep_gathered = comm, input, gather_output, keep_gathered
         self.in_features, self.out_features, self.full_out_features = linear.in_features, stop - start, out
         self.copies, self.rows, self.async_tp = copies, (start, stop), bool(async_tp)
-        # Megatron-LM 2022's SP backward overlap (course_lib.virtual.software, "sp_backward_overlap")
-        self.overlap_backward = False
+        # Megatron-LM 2022's backward overlaps (course_lib.virtual.software): "sp_backward_overlap"
+        # (SP: re-gather under dX, reduce-scatter under dW), "tp_backward_overlap" (TP alone: dX's
+        # all-reduce under dW, course_lib.parallel.tp_backward_overlap)
+        self.overlap_backward, self.overlap_all_reduce = False, False
         self.weight = slice_parameter(linear.weight, 0, start, stop)           # (out_r, in)
         self.bias = slice_parameter(linear.bias, 0, start, stop) if linear.bias is not None else None
         for p in (self.weight, self.bias):
@@ -250,13 +253,16 @@ class ColumnParallelLinear(nn.Module):
             y = all_gather_matmul(x, self.comm, *map(list, zip(self.weight_and_bias())))[0]
             return gather_from_parallel(y, self.comm, dim=-1) if self.gather_output else y
         if self.input == "replicated":
-            x = copy_to_parallel(x, self.comm, in_place=True)   # f (x is read by the matmul only)
+            x = enter_tensor_parallel(x, self.comm)   # f (x is read by the matmul only)
         elif self.input == "sequence":
             x = enter_sequence_parallel(x, self.comm, self.keep_gathered)     # SP g
         weight, bias = self._params()
         source = getattr(x, "sequence_shard", None)
+        region = getattr(x, "replicated_region", None) if self.overlap_all_reduce else None
         if source is not None:   # SP: keep the s/t shard for backward, not the gathered input
             y = LinearKeepingShard.apply(x, source.shard, weight, bias, source, self.overlap_backward)
+        elif region is not None:  # TP: dX's all-reduce under dW's GEMM
+            y = LinearAllReducingInput.apply(x, weight, bias, region)
         else:
             y = F.linear(x, weight, bias)
         return gather_from_parallel(y, self.comm, dim=-1) if self.gather_output else y

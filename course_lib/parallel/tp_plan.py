@@ -23,12 +23,12 @@ import torch.nn as nn
 
 from course_lib.collectives.comm import Comm
 from course_lib.parallel.async_tp import async_region_entry
-from course_lib.parallel.comm_ops import copy_to_parallel
 from course_lib.parallel.mesh import get_reduce_dims, set_reduce_dims
 from course_lib.parallel.placement import tp_placement
 from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDropout,
                                                  TensorParallelRNG, check_same_everywhere, enter_sequence_parallel,
                                                  head_rows)
+from course_lib.parallel.tp_backward_overlap import enter_tensor_parallel
 from course_lib.parallel.vocab_parallel import (VocabParallelEmbedding, shard_range, vocab_parallel_cross_entropy,
                                                vocab_rule)
 
@@ -226,7 +226,7 @@ def _region_entry(comm, sp, keep_gathered):
     def enter(module, args):  # f, or SP's g: once for every column layer of the region
         x, *rest = args
         # (the region's input is read by its column layers only: f sums their gradient in place)
-        x = enter_sequence_parallel(x, comm, keep_gathered) if sp else copy_to_parallel(x, comm, in_place=True)
+        x = enter_sequence_parallel(x, comm, keep_gathered) if sp else enter_tensor_parallel(x, comm)
         return (x, *rest)
     return enter
 

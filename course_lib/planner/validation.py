@@ -59,17 +59,40 @@ KORTHIKANTI_TABLE5 = [("megatron-22b", 1, 4, 1.10, 0.415), ("megatron-175b", 8, 
 KORTHIKANTI_SCHEDULE = {(1, 4): (4, 1), (8, 64): (1, 3), (35, 280): (1, 3), (64, 512): (1, 1)}
 
 
-def korthikanti_layout(model, pp: int, global_batch: int) -> Layout:
-    """The paper's layout for one row of Table 5: TP 8 with SP, selective recomputation, the
+# Korthikanti et al. 2022, Table 5's "Full Recompute" column: the same rows (Table 3's layouts,
+# Sec. 6's schedules: KORTHIKANTI_SCHEDULE) with full activation recomputation and NO sequence
+# parallelism (Sec. 6.3: "performing full recomputation without sequence parallelism"); the
+# paper's iteration time, s. (model preset, PP, global batch, seconds)
+KORTHIKANTI_FULL_RECOMPUTE = [("megatron-22b", 1, 4, 1.42), ("megatron-175b", 8, 64, 18.13),
+                              ("megatron-530b", 35, 280, 49.05), ("gpt-1t", 64, 512, 94.42)]
+
+
+def korthikanti_layout(model, pp: int, global_batch: int, sp: bool = True, recompute: str = "selective") -> Layout:
+    """The paper's layout for one row of Table 5: TP 8 with SP, selective recomputation (or the
+    ``sp`` and ``recompute`` of another column: ``False, "full"``, the "Full Recompute" one), the
     micro-batch and interleaving the paper states (:data:`KORTHIKANTI_SCHEDULE`)."""
     micro_batch, v = KORTHIKANTI_SCHEDULE[(pp, global_batch)]
     if pp == 1:
-        return Layout(tp=8, sp=True, recompute="selective", micro_batch=micro_batch, global_batch=global_batch)
+        return Layout(tp=8, sp=sp, recompute=recompute, micro_batch=micro_batch, global_batch=global_batch)
     if v == 1:
-        return Layout(tp=8, pp=pp, sp=True, recompute="selective", schedule="1f1b", micro_batch=micro_batch,
+        return Layout(tp=8, pp=pp, sp=sp, recompute=recompute, schedule="1f1b", micro_batch=micro_batch,
                       global_batch=global_batch)
-    return Layout(tp=8, pp=pp, sp=True, recompute="selective", schedule="interleaved", v=v,
+    return Layout(tp=8, pp=pp, sp=sp, recompute=recompute, schedule="interleaved", v=v,
                   micro_batch=micro_batch, global_batch=global_batch)
+
+
+def korthikanti_full_recompute(hardware=None, tolerance: float = 0.15) -> list[dict]:
+    """The planner's step time next to Table 5's "Full Recompute" column
+    (:data:`KORTHIKANTI_FULL_RECOMPUTE`), every row on ``MEGATRON_2022`` unless ``hardware``."""
+    hw = hardware or MEGATRON_2022
+    rows = []
+    for name, pp, gbs, paper_time in KORTHIKANTI_FULL_RECOMPUTE:
+        model = MODELS[name]
+        layout = korthikanti_layout(model, pp, gbs, sp=False, recompute="full")
+        est = estimate(model, hw, layout)
+        rows.append(_row("Korthikanti 2022 T5 full recompute", model.name, layout.n_gpus, layout, "step s",
+                         paper_time, est.step_time, est, tolerance))
+    return rows
 
 
 def korthikanti_table5(hardware=None, tolerance: float = 0.15) -> list[dict]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear, column_backward
+from course_lib.parallel.tp_backward_overlap import all_reduced_column_backward
 
 
 @torch.library.custom_op("course::fused_qkv", mutates_args=())
@@ -43,8 +44,10 @@ def _qkv_shape(x, wq, wk, wv, bq, bk, bv):
 def _input_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                 wv: torch.Tensor) -> torch.Tensor:
     # autograd's sum of the three Linears' dX: V's arrives first, then K's, then Q's
-    mm = [g.reshape(-1, g.shape[-1]).mm(w) for g, w in ((dv, wv), (dk, wk), (dq, wq))]
-    return ((mm[0] + mm[1]) + mm[2]).view(*dq.shape[:-1], wq.shape[1])
+    # (the last add writes the (.., in) result: a fresh tensor, not a view, as the fake's, so f
+    # sums it in place on the CPU as in the dry run, as Megatron-LM does)
+    mm = [g.reshape(-1, g.shape[-1]).mm(w).view(*dq.shape[:-1], wq.shape[1]) for g, w in ((dv, wv), (dk, wk), (dq, wq))]
+    return (mm[0] + mm[1]) + mm[2]
 
 
 @_input_grad.register_fake
@@ -84,11 +87,15 @@ def _bias_grad_shape(dq, dk, dv):
 class FusedQKV(torch.autograd.Function):
     """(x W_q^T + b_q, x W_k^T + b_k, x W_v^T + b_v) as one op forward, one dX and one dW op
     backward. ``shard``/``source``: under sequence parallelism, x's s/t tokens are kept for
-    backward and x re-gathered there (the course's SP Linear, Korthikanti et al. 2022)."""
+    backward and x re-gathered there (the course's SP Linear, Korthikanti et al. 2022).
+    ``region``: without SP, the tensor-parallel region whose dX the GEMM all-reduces under dW
+    (``"tp_backward_overlap"``, :mod:`course_lib.parallel.tp_backward_overlap`)."""
 
     @staticmethod
-    def forward(ctx, x, shard, source, wq, wk, wv, bq, bk, bv, overlap=False):
-        ctx.source, ctx.has_bias, ctx.overlap = source, bq is not None, overlap
+    def forward(ctx, x, shard, source, wq, wk, wv, bq, bk, bv, overlap=False, region=None):
+        ctx.source, ctx.has_bias, ctx.overlap, ctx.region = source, bq is not None, overlap, region
+        if region is not None:
+            region.add_reader()
         if source is not None:
             source.add_reader()
             ctx.save_for_backward(shard, wq, wk, wv)
@@ -107,12 +114,14 @@ class FusedQKV(torch.autograd.Function):
         def weight_grads(x):
             dw = torch.ops.course.fused_qkv_weight_grad(x, dq, dk, dv, source is None)
             return dw, (torch.ops.course.fused_qkv_bias_grad(dq, dk, dv) if ctx.has_bias else (None,) * 3)
-        if source is None:
+        if source is None and ctx.region is not None:    # dX all-reduced under dW, as Megatron-LM 2022's
+            dx, (dw, db) = all_reduced_column_backward(ctx.region, input_grad, lambda: weight_grads(x))
+        elif source is None:
             dx, (dw, db) = input_grad(), weight_grads(x)
         else:       # x all-gathered again (once per region); overlapped as Megatron-LM 2022's, or not
             dx, (dw, db) = column_backward(source, x, ctx.overlap, input_grad, weight_grads)
             source.release()
-        return (dx, None, None, *dw, *db, None)
+        return (dx, None, None, *dw, *db, None, None)
 
 
 def _weights(linear):
@@ -142,7 +151,8 @@ def fused_qkv(x, wq, wk, wv):
     source = getattr(x, "sequence_shard", None)
     shard = source.shard if source is not None else None
     overlap = getattr(wq, "overlap_backward", False)      # (a column-parallel W_q: the region's)
-    return FusedQKV.apply(x, shard, source, w_q, w_k, w_v, b_q, b_k, b_v, overlap)
+    region = getattr(x, "replicated_region", None) if getattr(wq, "overlap_all_reduce", False) else None
+    return FusedQKV.apply(x, shard, source, w_q, w_k, w_v, b_q, b_k, b_v, overlap, region)
 
 
 def project_fused(self, x):

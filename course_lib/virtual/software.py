@@ -124,7 +124,19 @@ RUNTIME = RUNTIME + ("megatron_p2p", "megatron_timers")   # Megatron-LM's exchan
 # collectives on the tp group's stream; the values are the plain layer's, to the bit. Narayanan
 # et al. 2021's code (de7dc40) has no SP and a synchronous f (copy_to_tensor_model_parallel_region).
 SP_RUNTIME = ("sp_backward_overlap",)
-RUNTIME = RUNTIME + SP_RUNTIME
+# Megatron-LM 2022's tensor-parallel column layer without SP (55ba1f7b96, megatron/mpu/layers.py
+# L239-309 as above, ``ctx.async_grad_allreduce``: dX all-reduced with ``torch.distributed.
+# all_reduce(grad_input, ..., async_op=True)`` while the weight gradient's GEMM and the bias's sum
+# run, ``handle.wait()``; L397-408: the column layer then skips ``copy_to_tensor_model_parallel_
+# region``, f; model/language_model.py L30-55: the LM head's too). ``--no-async-tensor-model-
+# parallel-allreduce`` (arguments.py L570-575, store_false: on by default), turned off where
+# sequence parallelism runs (L314-317). Korthikanti et al. 2022, Sec. 6.2: "we overlap
+# all-reduce communication with the linear weight's gradient computation". Run by the course's
+# TP column layers and the fused QKV GEMM without SP (:mod:`course_lib.parallel.
+# tp_backward_overlap`), the all-reduce on the tp group's stream; the values are the plain
+# layer's, to the bit. Narayanan et al. 2021's code (de7dc40) has no such flag: f waits.
+TP_RUNTIME = ("tp_backward_overlap",)
+RUNTIME = RUNTIME + SP_RUNTIME + TP_RUNTIME
 
 
 def check_fusions(fusions) -> tuple:
@@ -287,6 +299,7 @@ def install_runtime(net, software) -> None:
     if getattr(net, "zero", None) is not None:
         net.zero.all_reduce = "zero_all_reduce" in software
     overlap_sp_backward(net, "sp_backward_overlap" in software)
+    overlap_tp_backward(net, "tp_backward_overlap" in software)
     install_launch_blocking(trace.clock(), software)
 
 
@@ -300,6 +313,20 @@ def overlap_sp_backward(net, on: bool = True) -> int:
         for mod in stage.modules():
             if isinstance(mod, ColumnParallelLinear):
                 mod.overlap_backward, n = on, n + 1
+    return n
+
+
+def overlap_tp_backward(net, on: bool = True) -> int:
+    """Every column-parallel layer of ``net``'s stages (or of ``net``, a module) runs (``on``) or
+    not its tensor-parallel backward as Megatron-LM 2022's (:data:`TP_RUNTIME`): dX's all-reduce
+    under dW's GEMM, where the layer is its region's only column layer and SP is off. Returns
+    how many layers it set."""
+    n = 0
+    stages = [net] if isinstance(net, torch.nn.Module) else getattr(net, "stages", {}).values()
+    for stage in stages:
+        for mod in stage.modules():
+            if isinstance(mod, ColumnParallelLinear):
+                mod.overlap_all_reduce, n = on, n + 1
     return n
 
 
@@ -334,6 +361,6 @@ def overlap_dp(net) -> None:
     runner.B = backward
 
 
-__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "overlap_sp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "TP_RUNTIME", "overlap_sp_backward", "overlap_tp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
            "bias_dropout_add", "overlap_dp", "MegatronP2P"]
