@@ -71,9 +71,9 @@ def test_the_validation_rows_and_random_layouts_are_the_planners():
     """lab.dry_runs runs every published row the planner's validation uses, with the same
     layouts (its runner is benchmarks/dry_run_validation.py, not a timed test)."""
     from course_lib.lab.dry_runs import published_runs, random_layouts
-    from course_lib.planner.validation import korthikanti_full_recompute, published_rows
+    from course_lib.planner.validation import korthikanti_dp8, korthikanti_full_recompute, published_rows
     from course_lib.virtual.dry_run import check_dry_run
-    rows, planner = published_runs(), published_rows() + korthikanti_full_recompute()
+    rows, planner = published_runs(), published_rows() + korthikanti_full_recompute() + korthikanti_dp8()
     assert len(rows) == len(planner)
     assert {r[0] for r in rows} == {r["source"] for r in planner}
     drawn = random_layouts(6, seed=1)

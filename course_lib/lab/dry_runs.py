@@ -32,13 +32,14 @@ import time
 from course_lib.layout import MESH_ORDER, Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
-from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_FULL_RECOMPUTE, KORTHIKANTI_TABLE5,
-                                           LLAMA3_TABLE4, MEGATRON_2022, NARAYANAN_TABLE1, korthikanti_layout,
-                                           llama3_layout)
+from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_DP8, KORTHIKANTI_FULL_RECOMPUTE,
+                                           KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022, NARAYANAN_TABLE1,
+                                           korthikanti_dp8_layout, korthikanti_layout, llama3_layout)
 from course_lib.virtual import dry_run
 
 FULL_RECOMPUTE = "Korthikanti 2022 T5 full recompute"     # Table 5's "Full Recompute" column
-SOURCES = ("Korthikanti 2022 T5", FULL_RECOMPUTE, "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
+DP8 = "Korthikanti 2022 Sec. 6.3"                         # its 530B row at 8-way DP
+SOURCES = ("Korthikanti 2022 T5", FULL_RECOMPUTE, DP8, "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
 
 # The attention kernels each source's software ran (course_lib.virtual.software.FUSIONS):
 # Megatron-LM (Narayanan et al. 2021, Sec. 4.2: fused scale + mask + softmax, one kernel with
@@ -131,6 +132,7 @@ SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("sp_backwar
 # bandwidth from the GEMM beside them: not modelled).
 SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("tp_backward_overlap",)
 SOFTWARE[FULL_RECOMPUTE] = tuple(f for f in SOFTWARE["Korthikanti 2022 T5"] if f != "sp_backward_overlap")
+SOFTWARE[DP8] = SOFTWARE["Korthikanti 2022 T5"]     # Table 5's code; its DP all-reduce after the backward
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
@@ -145,7 +147,7 @@ SOFTWARE[FULL_RECOMPUTE] = tuple(f for f in SOFTWARE["Korthikanti 2022 T5"] if f
 # Hugging Face's BloomConfig says 0.0, an inference default). Llama 3: none (its FlashAttention
 # and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
-DROPOUT[FULL_RECOMPUTE] = DROPOUT["Korthikanti 2022 T5"]
+DROPOUT[FULL_RECOMPUTE] = DROPOUT[DP8] = DROPOUT["Korthikanti 2022 T5"]
 
 # How each source's software numbered its ranks (Layout.order, outermost first; None: the
 # course's dp, pp, cp, tp), which decides which groups sit inside a node. Megatron-LM of 2021-22
@@ -161,7 +163,7 @@ DROPOUT[FULL_RECOMPUTE] = DROPOUT["Korthikanti 2022 T5"]
 # keeps 6 of them on NVLink). Llama 3: the paper's [TP, CP, PP, DP] (Dubey et al. 2024,
 # Sec. 3.3.2), the course's own.
 _MEGATRON_ORDER = ("pp", "dp", "tp")
-ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, FULL_RECOMPUTE: _MEGATRON_ORDER,
+ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, FULL_RECOMPUTE: _MEGATRON_ORDER, DP8: _MEGATRON_ORDER,
          "Narayanan 2021 T1": _MEGATRON_ORDER, "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None}
 
 
@@ -199,7 +201,7 @@ ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, FULL_RECOMPUTE: _MEGATRON_ORDER
 # BLOOM's: one read of the gradients and a small all-reduce) and, under fp16, the loss scaler's
 # unscale and inf check (torch._amp_foreach_non_finite_check_and_unscale_ and an all-reduce of
 # found_inf in Float16OptimizerWithFloat16Params); the course's runtime does not run them.
-PRECISION = {"Korthikanti 2022 T5": "bf16", FULL_RECOMPUTE: "bf16", "Narayanan 2021 T1": "bf16",
+PRECISION = {"Korthikanti 2022 T5": "bf16", FULL_RECOMPUTE: "bf16", DP8: "bf16", "Narayanan 2021 T1": "bf16",
              "BLOOM 2022": "bf16-accumulate-fp32", "Llama 3 T4": "bf16-accumulate-fp32"}
 
 
@@ -274,6 +276,10 @@ def published_runs():
         model = MODELS[name]
         rows.append((FULL_RECOMPUTE, f"{model.name}, full", model, MEGATRON_2022,
                      korthikanti_layout(model, pp, gbs, sp=False, recompute="full"), seconds, None, "no SP"))
+    for name, pp, dp, gbs, seconds in KORTHIKANTI_DP8:     # Table 5's 530B row, 8 replicas
+        model = MODELS[name]
+        rows.append((DP8, f"{model.name}, dp {dp}", model, MEGATRON_2022, korthikanti_dp8_layout(model, pp, dp, gbs),
+                     seconds, None, "DP after the backward"))
     for billions, a, h, L, tp, pp, gpus, gbs, tflops in NARAYANAN_TABLE1:
         model = gpt_spec(f"GPT {billions:g}B", L, h, a)
         # the planner validation's rule (narayanan_table1): DP the rest, full recomputation; the
@@ -420,7 +426,7 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "published_row", "FULL_RECOMPUTE", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
+__all__ = ["published_runs", "published_row", "FULL_RECOMPUTE", "DP8", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
            "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT", "ORDER", "PRECISION",
            "random_layouts",
            "agreement_rows"]

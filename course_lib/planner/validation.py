@@ -67,6 +67,14 @@ KORTHIKANTI_FULL_RECOMPUTE = [("megatron-22b", 1, 4, 1.42), ("megatron-175b", 8,
                               ("megatron-530b", 35, 280, 49.05), ("gpt-1t", 64, 512, 94.42)]
 
 
+# Korthikanti et al. 2022, Sec. 6.3: "if we scale the 530B model to 8-way data parallellism
+# (2240 GPUs) while keeping batch size per model instance constant ... the time per iteration
+# increases slightly from 37.83 seconds to 39.15 seconds ... we do not use any overlapping of
+# gradient all-reduces with back-propagation": Table 5's 530B row with DP 8 and 8 x 280
+# sequences. (model preset, PP, DP, global batch, seconds)
+KORTHIKANTI_DP8 = [("megatron-530b", 35, 8, 2240, 39.15)]
+
+
 def korthikanti_layout(model, pp: int, global_batch: int, sp: bool = True, recompute: str = "selective") -> Layout:
     """The paper's layout for one row of Table 5: TP 8 with SP, selective recomputation (or the
     ``sp`` and ``recompute`` of another column: ``False, "full"``, the "Full Recompute" one), the
@@ -91,6 +99,26 @@ def korthikanti_full_recompute(hardware=None, tolerance: float = 0.15) -> list[d
         layout = korthikanti_layout(model, pp, gbs, sp=False, recompute="full")
         est = estimate(model, hw, layout)
         rows.append(_row("Korthikanti 2022 T5 full recompute", model.name, layout.n_gpus, layout, "step s",
+                         paper_time, est.step_time, est, tolerance))
+    return rows
+
+
+def korthikanti_dp8_layout(model, pp: int, dp: int, global_batch: int) -> Layout:
+    """Sec. 6.3's run: Table 5's layout for the row (the same micro-batches per model instance)
+    with ``dp`` replicas of it, the gradients all-reduced after the backward (not overlapped)."""
+    return korthikanti_layout(model, pp, global_batch // dp).with_(dp=dp, global_batch=global_batch,
+                                                                    overlap_dp=False)
+
+
+def korthikanti_dp8(hardware=None, tolerance: float = 0.15) -> list[dict]:
+    """The planner's step time next to Sec. 6.3's 530B at 8-way DP (:data:`KORTHIKANTI_DP8`)."""
+    hw = hardware or MEGATRON_2022
+    rows = []
+    for name, pp, dp, gbs, paper_time in KORTHIKANTI_DP8:
+        model = MODELS[name]
+        layout = korthikanti_dp8_layout(model, pp, dp, gbs)
+        est = estimate(model, hw, layout)
+        rows.append(_row("Korthikanti 2022 Sec. 6.3", model.name, layout.n_gpus, layout, "step s",
                          paper_time, est.step_time, est, tolerance))
     return rows
 
