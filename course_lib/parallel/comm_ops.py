@@ -102,30 +102,16 @@ class CopyToParallel(torch.autograd.Function):
     ``in_place``: the gradient that arrives is this Function's alone (the output is read by
     matmuls only, whose backward hands it a fresh tensor), so it is summed where it lies, as
     Megatron-LM's ``_reduce`` does; otherwise it is copied first: torch's autograd may hand the
-    same tensor to another Function too (an add's backward passes one gradient to both inputs).
-    ``region``: the region's :class:`~course_lib.parallel.tp_backward_overlap.ReplicatedInput`,
-    whose single column layer may have all-reduced its dX itself, under its weight gradient
-    (``region.reduced``, Megatron-LM 2022's overlap): returned when the gradient is that dX."""
+    same tensor to another Function too (an add's backward passes one gradient to both inputs)."""
 
     @staticmethod
-    def forward(ctx, x, comm, in_place=False, region=None):
-        ctx.comm, ctx.in_place, ctx.region = comm, in_place, region
-        if region is not None:        # its column layer may hand autograd no dX (summed in place)
-            ctx.set_materialize_grads(False)
+    def forward(ctx, x, comm, in_place=False):
+        ctx.comm, ctx.in_place = comm, in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        region = ctx.region
-        if region is not None and region.reduced is not None:
-            (handed, reduced, again), region.reduced = region.reduced, None
-            if grad is handed:        # the column layer's dX is the whole gradient: no other reader
-                return reduced, None, None, None
-            if handed is None:        # another reader's gradient: the layer's dX again, added
-                grad = grad + again()
-        if grad is None:
-            return None, None, None, None
-        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)", ctx.in_place), None, None, None
+        return _all_reduce(ctx.comm, grad, "f: all-reduce (backward)", ctx.in_place), None, None
 
 
 class ReduceFromParallel(torch.autograd.Function):
@@ -227,12 +213,11 @@ class SplitToParallel(torch.autograd.Function):
         return gather_along(ctx.comm, grad, ctx.dim, "split: all-gather (backward)"), None, None
 
 
-def copy_to_parallel(x, comm, in_place=False, region=None):
+def copy_to_parallel(x, comm, in_place=False):
     """f (Megatron): identity forward, all-reduce of the gradient backward. ``in_place=True``
-    only where the output is read by matmuls alone (the gradient is then summed without a copy).
-    ``region``: see :class:`CopyToParallel`."""
+    only where the output is read by matmuls alone (the gradient is then summed without a copy)."""
     _check(comm, x)
-    return CopyToParallel.apply(x, comm, bool(in_place), region) if comm.size > 1 else x
+    return CopyToParallel.apply(x, comm, bool(in_place)) if comm.size > 1 else x
 
 
 def reduce_from_parallel(x, comm, in_place=False):

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib.parallel.comm_ops import copy_to_parallel, reduces_in_place
+from course_lib.collectives.comm import Comm
+from course_lib.parallel.comm_ops import CopyToParallel, reduces_in_place
 
 NAME = "f: all-reduce (backward)"       # the span f's own all-reduce has: the same collective
 
@@ -44,14 +45,42 @@ class ReplicatedInput:
         self.readers += 1
 
 
+class CopyToRegion(CopyToParallel):
+    """``f`` (:class:`~course_lib.parallel.comm_ops.CopyToParallel`, its gradient summed in
+    place) for a region: its backward returns the dX the region's one column layer all-reduced
+    under its weight gradient (``region.reduced``) when the gradient it receives is that dX;
+    else (another reader added to it) it all-reduces what it got, as ``f`` does."""
+
+    @staticmethod
+    def forward(ctx, x, comm, region):
+        ctx.region = region
+        ctx.set_materialize_grads(False)   # the column layer may hand autograd no dX (summed in place)
+        return CopyToParallel.forward(ctx, x, comm, True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        region = ctx.region
+        if region.reduced is not None:
+            (handed, reduced, again), region.reduced = region.reduced, None
+            if grad is handed:        # the column layer's dX is the whole gradient: no other reader
+                return reduced, None, None
+            if handed is None:        # another reader's gradient: the layer's dX again, added
+                grad = grad + again()
+        if grad is None:
+            return None, None, None
+        return CopyToParallel.backward(ctx, grad)
+
+
 def enter_tensor_parallel(x, comm):
     """f (Megatron): identity forward, all-reduce of the gradient backward, for a region whose
     input is read by matmuls only; the result carries the region (``replicated_region``) for
     its column layers. One rank: ``x`` itself (nothing to sum)."""
+    if not isinstance(comm, Comm):
+        raise TypeError(f"pass the group's Comm (e.g. mesh.comm('tp')), got {type(comm).__name__}")
     if comm.size == 1:
         return x
     region = ReplicatedInput(comm)
-    y = copy_to_parallel(x, comm, in_place=True, region=region)
+    y = CopyToRegion.apply(x, comm, region)
     y.replicated_region = region
     return y
 
@@ -112,5 +141,5 @@ class LinearAllReducingInput(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-__all__ = ["ReplicatedInput", "enter_tensor_parallel", "all_reduced_column_backward",
+__all__ = ["ReplicatedInput", "CopyToRegion", "enter_tensor_parallel", "all_reduced_column_backward",
            "LinearAllReducingInput"]
