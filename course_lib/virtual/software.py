@@ -303,17 +303,20 @@ def install_runtime(net, software) -> None:
     install_launch_blocking(trace.clock(), software)
 
 
+def _column_layers(net):
+    """The column-parallel layers of ``net``'s stages (or of ``net``, a module)."""
+    stages = [net] if isinstance(net, torch.nn.Module) else getattr(net, "stages", {}).values()
+    return [mod for stage in stages for mod in stage.modules() if isinstance(mod, ColumnParallelLinear)]
+
+
 def overlap_sp_backward(net, on: bool = True) -> int:
     """Every column-parallel layer of ``net``'s stages (or of ``net``, a module) runs (``on``) or not its SP backward as
     Megatron-LM 2022's (:data:`SP_RUNTIME`): the re-gather under dX's GEMM, dX's reduce-scatter
     under dW's. Returns how many layers it set."""
-    n = 0
-    stages = [net] if isinstance(net, torch.nn.Module) else getattr(net, "stages", {}).values()
-    for stage in stages:
-        for mod in stage.modules():
-            if isinstance(mod, ColumnParallelLinear):
-                mod.overlap_backward, n = on, n + 1
-    return n
+    layers = _column_layers(net)
+    for mod in layers:
+        mod.overlap_backward = on
+    return len(layers)
 
 
 def overlap_tp_backward(net, on: bool = True) -> int:
@@ -321,13 +324,10 @@ def overlap_tp_backward(net, on: bool = True) -> int:
     not its tensor-parallel backward as Megatron-LM 2022's (:data:`TP_RUNTIME`): dX's all-reduce
     under dW's GEMM, where the layer is its region's only column layer and SP is off. Returns
     how many layers it set."""
-    n = 0
-    stages = [net] if isinstance(net, torch.nn.Module) else getattr(net, "stages", {}).values()
-    for stage in stages:
-        for mod in stage.modules():
-            if isinstance(mod, ColumnParallelLinear):
-                mod.overlap_all_reduce, n = on, n + 1
-    return n
+    layers = _column_layers(net)
+    for mod in layers:
+        mod.overlap_all_reduce = on
+    return len(layers)
 
 
 def install_launch_blocking(clock, software) -> None:
