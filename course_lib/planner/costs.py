@@ -18,7 +18,10 @@ What overlaps with what (the assumptions, stated once):
   Llama 3's all-gather CP (``cp_comm="all_gather"``) is exposed.
 - Matmuls run at the efficiency of their shape (:mod:`course_lib.planner.gemm`).
 - EP's all-to-alls and PP's sends are exposed (a send blocks its stage); each pipeline hop
-  on NVLink or the network by its own two ranks' nodes (:mod:`.pipeline_hops`).
+  on NVLink or the network by its own two ranks' nodes (:mod:`.pipeline_hops`). Without
+  sequence parallelism a stage's t tensor-parallel ranks each send 1/t of the message and the
+  receiver all-gathers the pieces over its TP group (Megatron-LM's scatter/gather, DeepSpeed's
+  partitioned pipe); the course's runtime sends it whole.
 - DP's gradient reduction overlaps the last micro-batch's backward and the ZeRO
   parameter all-gather the next forward, when ``layout.overlap_dp``; ZeRO-2/3's
   per-micro-batch collectives overlap that micro-batch's compute.
@@ -186,6 +189,13 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     ep_tokens = tokens / (t if layout.sp else 1)
     ep_layer = _ep_time(model, layout, ep_tokens, h, (a_ep, bw_ep), (a_etp, bw_etp))
     p2p_bytes = act / (t if layout.sp else 1)
+    # Megatron-LM's scatter/gather of a pipeline message (Narayanan et al. 2021, Sec. 4.1; on by
+    # default, de7dc40 to 55ba1f7b: --no-scatter-gather-tensors-in-pipeline is store_false) and
+    # DeepSpeed's partitioned pipe (PipelineEngine's is_pipe_partitioned = is_model_parallel,
+    # 2020-22): without sequence parallelism each tensor-parallel rank sends 1/t of the
+    # activation (or gradient), the receiver all-gathers the pieces over its TP group. Under SP
+    # each rank's message is already its own s/t; the course's program sends it whole.
+    scatter = t if (t > 1 and not layout.sp and not course and (s * b * h) % t == 0) else 1
 
     # non-matmul kernels are memory bound: they stream the layer's activations through
     # HBM (with a fused attention kernel, not the s x s scores)
@@ -264,9 +274,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
         m_rs = 1 if num.per_microbatch else m     # ZeRO-2's reduce-scatters a step (see above)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
-            "tp": m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0,
+            "tp": (m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0)
+            + (sends * p2p_bytes * (t - 1) / t if scatter > 1 and p > 1 else 0.0),   # the pieces' all-gathers
             "cp": m * n_l * F.cp_bytes_per_layer(s, b, kv_local, c, algorithm=layout.cp_comm) if c > 1 else 0.0,
-            "pp": sends * p2p_bytes if p > 1 else 0.0,
+            "pp": sends * p2p_bytes / scatter if p > 1 else 0.0,
             "dp": (sum(F.zeropp_bytes_per_step(dense, n_zero, layout.zeropp, zeropp_node(layout, hw, n_zero),
                                                microbatches=m).values()) if layout.zeropp and n_zero > 1
                    else F.hsdp_bytes_per_step(dense, n_shard, n_replicas, microbatches=m) if layout.data == "hsdp"
@@ -278,7 +289,9 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
                                                  dispatch=model.moe_dispatch) / (t if layout.sp else 1)
             if layout.ep * layout.etp > 1 else 0.0,
         }
-        p2p = stage_send_time(layout, hw, st, p2p_bytes)   # each hop on its own link
+        p2p = stage_send_time(layout, hw, st, p2p_bytes / scatter)   # each hop on its own link
+        if scatter > 1:            # the t pieces all-gathered over the stage's tensor-parallel group
+            p2p += F.collective_time("all_gather", p2p_bytes, t, a_tp, bw_tp)
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
                              optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0)))
     return out
