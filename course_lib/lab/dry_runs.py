@@ -82,7 +82,15 @@ PLANNER_SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Ll
 # (course_lib.virtual.deepspeed_order). Measured: +2.960 s (93.841 -> 96.801 s): with
 # DeepSpeed's rank order each of those waits is a 117 MB activation over Omni-Path.
 _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
-_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order", "zero_all_reduce")
+# The same engine partitions each pipeline message over the model-parallel group
+# (is_pipe_partitioned = is_grad_partitioned = is_model_parallel, deepspeed/runtime/pipe/engine.py
+# L132-134 at 735406e53, June 2022): 1/t of an activation or gradient from each TP rank, the
+# receiver's all-gather, the sender's output gathered again before its backward:
+# "deepspeed_partitioned_pipe" (course_lib.virtual.deepspeed_order.install_partitioned_pipe).
+# Measured on BLOOM's row (2026-11-29): 99.209 -> 92.783 s (-5.1% -> -11.2%): its activations
+# cross Omni-Path (DeepSpeed's rank order), now a quarter of each from every TP rank.
+_DEEPSPEED = ("blocking_sends", "launch_blocking", "deepspeed_p2p_order", "deepspeed_partitioned_pipe",
+              "zero_all_reduce")
 SOFTWARE = {"Korthikanti 2022 T5": _MEGATRON, "Narayanan 2021 T1": _MEGATRON,
             "BLOOM 2022": _MEGATRON + _DEEPSPEED, "Llama 3 T4": ("flash_attention",)}
 

@@ -76,7 +76,7 @@ def piece_of(tensor, tp_rank: int, tp_size: int):
 
 
 @contextlib.contextmanager
-def _off_the_tape(clock):
+def off_the_tape(clock):
     """The gather belongs to the exchange, not to the pipeline action whose receive it ends: a dry
     run's :class:`~course_lib.virtual.replay.ActionMemo` does not tape it (a replayed action's
     receive runs it again)."""
@@ -92,21 +92,23 @@ def _off_the_tape(clock):
 
 
 class Synchronized:
-    """A send's or receive's work handle: ``wait()`` waits for it, then synchronises the host;
-    a receive sent in pieces is then gathered over the tensor-parallel group into ``full``."""
-    __slots__ = ("work", "piece", "full", "tp", "done")
+    """A send's or receive's work handle: ``wait()`` waits for it, then synchronises the host
+    (``sync``; DeepSpeed's exchange does not); a receive sent in pieces is then gathered over the
+    tensor-parallel group into ``full``."""
+    __slots__ = ("work", "piece", "full", "tp", "done", "sync")
 
-    def __init__(self, work, piece=None, full=None, tp=None):
-        self.work, self.piece, self.full, self.tp, self.done = work, piece, full, tp, False
+    def __init__(self, work, piece=None, full=None, tp=None, sync=True):
+        self.work, self.piece, self.full, self.tp, self.done, self.sync = work, piece, full, tp, False, sync
 
     def wait(self, timeout=None):
         if self.done:
             return True
         self.work.wait()
         clock = trace.clock()
-        host_synchronize(clock)
+        if self.sync:
+            host_synchronize(clock)
         if self.piece is not None:      # (n,) <- t pieces of (n/t,), in tp rank order
-            with _off_the_tape(clock):
+            with off_the_tape(clock):
                 self.tp.all_gather_into_tensor(self.full.view(-1), self.piece, name="all-gather p2p")
         self.done = True
         return True
@@ -194,12 +196,14 @@ class MegatronP2P:
     instance only: it becomes ``runner.comm``, and its sends block): messages over the runner's
     pipeline Comm, in pieces of 1/t gathered over ``tp`` (the stage's tensor-parallel Comm)
     where :func:`splits` says so; ``scatter_gather=False`` (sequence parallelism) sends whole
-    tensors. The same messages, tags and order as the runner's own; a step's values unchanged."""
+    tensors; ``synchronize=False``: no host synchronisation after a wait (DeepSpeed's
+    partitioned pipe, :mod:`.deepspeed_order`). The same messages, tags and order as the
+    runner's own; a step's values unchanged."""
 
-    def __init__(self, runner, tp=None, scatter_gather: bool = True):
+    def __init__(self, runner, tp=None, scatter_gather: bool = True, synchronize: bool = True):
         if isinstance(runner.comm, MegatronP2P):
             raise ValueError("megatron_p2p: this runner already exchanges as Megatron-LM does")
-        self.pp, self.tp = runner.comm, tp
+        self.pp, self.tp, self.sync = runner.comm, tp, bool(synchronize)
         self.scatter_gather = bool(scatter_gather) and tp is not None and tp.size > 1
         self.rank, self.size, self.backend_device = self.pp.rank, self.pp.size, self.pp.backend_device
         runner.comm, runner.blocking_sends = self, True
@@ -211,13 +215,13 @@ class MegatronP2P:
     def isend(self, tensor, peer: int, tag: int = 0):
         if self._splits(tensor):
             tensor = piece_of(tensor, self.tp.rank, self.tp.size)     # (numel / t,) of this rank
-        return Synchronized(self.pp.isend(tensor, peer, tag))
+        return Synchronized(self.pp.isend(tensor, peer, tag), sync=self.sync)
 
     def irecv(self, tensor, peer: int, tag: int = 0):
         if not self._splits(tensor):
-            return Synchronized(self.pp.irecv(tensor, peer, tag))
+            return Synchronized(self.pp.irecv(tensor, peer, tag), sync=self.sync)
         piece = torch.empty(tensor.numel() // self.tp.size, dtype=tensor.dtype, device=tensor.device)
-        return Synchronized(self.pp.irecv(piece, peer, tag), piece, tensor, self.tp)
+        return Synchronized(self.pp.irecv(piece, peer, tag), piece, tensor, self.tp, sync=self.sync)
 
     def send(self, tensor, peer: int):      # (the runner's shape headers: plain messages)
         self.pp.send(tensor, peer)
@@ -246,4 +250,4 @@ def install_megatron_p2p(net, software) -> None:
 
 
 __all__ = ["install_megatron_p2p", "MegatronP2P", "InterleavedOrder", "Timers", "Synchronized", "host_synchronize",
-           "splits", "piece_of"]
+           "splits", "piece_of", "off_the_tape"]

@@ -64,6 +64,10 @@ program, not a kernel:
   with no forward left, before its next RecvGrad). :class:`DeepSpeedP2POrder` holds each
   gradient send of the runner until then (:mod:`.deepspeed_order`); the messages, their tags
   and values are the same.
+* ``"deepspeed_partitioned_pipe"`` (with ``"deepspeed_p2p_order"``): the same engine sends each
+  activation and input gradient as a ``PartitionedTensor`` over the model-parallel group, 1/t
+  from each tensor-parallel rank, all-gathered by the receiver, and its backward gathers the
+  stage's own freed output again (:func:`~course_lib.virtual.deepspeed_order.install_partitioned_pipe`).
 
 * ``"megatron_p2p"``, ``"megatron_timers"``: Megatron-LM's pipeline exchange (``_communicate``:
   1/t pieces over the network, blocking waits, ``torch.cuda.synchronize()``, the pieces
@@ -104,7 +108,7 @@ from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear
 from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
-from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder
+from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder, install_partitioned_pipe
 from course_lib.virtual.flash_prefix import flash_attention_prefix
 from course_lib.virtual.fused_qkv import project_fused
 from course_lib.virtual.megatron_p2p import MegatronP2P, install_megatron_p2p
@@ -113,6 +117,7 @@ FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_q
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
            "deepspeed_p2p_order", "zero_all_reduce")              # (:func:`install_runtime`)
 RUNTIME = RUNTIME + ("megatron_p2p", "megatron_timers")   # Megatron-LM's exchange, its timers' syncs
+RUNTIME = RUNTIME + ("deepspeed_partitioned_pipe",)      # DeepSpeed's PartitionedTensor pipeline messages
 # Megatron-LM 2022's sequence-parallel column layer (NVIDIA/Megatron-LM at 55ba1f7b96,
 # megatron/mpu/layers.py, LinearWithGradAccumulationAndAsyncCommunication.backward, L239-309):
 # the input re-gathered with ``_all_gather_base(..., async_op=True)`` while ``grad_output.matmul
@@ -148,6 +153,9 @@ def check_fusions(fusions) -> tuple:
     for f in fusions:
         if f not in FUSIONS + RUNTIME:
             raise ValueError(f"unknown fusion {f!r}: the dry run knows {FUSIONS + RUNTIME}")
+    if "deepspeed_partitioned_pipe" in fusions and "deepspeed_p2p_order" not in fusions:
+        raise ValueError("fusions: 'deepspeed_partitioned_pipe' is DeepSpeed's PipelineEngine's exchange: "
+                         "give 'deepspeed_p2p_order' with it")
     if "megatron_timers" in fusions and "megatron_p2p" not in fusions:
         raise ValueError("fusions: 'megatron_timers' (Megatron-LM's timers) times Megatron's own exchange: "
                          "give 'megatron_p2p' with it")
@@ -292,7 +300,9 @@ def install_runtime(net, software) -> None:
     if runner is not None:
         runner.blocking_sends = "blocking_sends" in software
         if "deepspeed_p2p_order" in software:
-            DeepSpeedP2POrder(runner)
+            order = DeepSpeedP2POrder(runner)
+            if "deepspeed_partitioned_pipe" in software:
+                install_partitioned_pipe(net, order)
         install_megatron_p2p(net, software)
     if "overlapped_dp" in software and getattr(net, "grad_sync", None) is not None:
         overlap_dp(net)
