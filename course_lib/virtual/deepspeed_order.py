@@ -83,7 +83,8 @@ def install_partitioned_pipe(net, order) -> None:
     of that micro-batch's backward (L735-746). Run on ``net``'s pipeline runner with the pieces
     and gathers of :class:`~course_lib.virtual.megatron_p2p.MegatronP2P` (no host
     synchronisation) and ``order`` (:class:`DeepSpeedP2POrder`, whose gradient receive then
-    gathers the output). Not sent: the pieces' meta tensor (a few int64 a message). The same
+    gathers the output). Not sent: the pieces' meta tensor (a few int64 a message); not freed: the output (the
+    runner keeps it, so the memory counted is the course's program's). The same
     values; nothing to do without tensor parallelism or under sequence parallelism."""
     mesh = net.mesh
     if mesh.sizes.get("tp", 1) == 1 or getattr(net, "sp", False):
