@@ -11,6 +11,7 @@ from course_lib.layout import Layout
 from course_lib.planner.presets import gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
 from course_lib.virtual.software import check_fusions
+from test_megatron_p2p import train_tiny_gpt
 
 ORDER = ("blocking_sends", "deepspeed_p2p_order")
 PARTITIONED = ORDER + ("deepspeed_partitioned_pipe",)
@@ -18,31 +19,9 @@ PARTITIONED = ORDER + ("deepspeed_partitioned_pipe",)
 LAYOUT, SEQ = Layout(tp=2, pp=2, micro_batch=3, global_batch=6), 7
 
 
-def _train(software):
-    """2 AdamW steps of a 4-layer GPT on this rank: losses, first-step gradients, shards, spans."""
-    from course_lib import reference, trace
-    from course_lib.gpt import GPTConfig, TinyGPT
-    from course_lib.parallel.compose import parallelize_nd
-    from course_lib.parallel.mesh import Mesh
-    from course_lib.virtual.software import install_runtime
-    cfg = GPTConfig(vocab_size=32, seq_len=SEQ, n_layers=4, hidden=16, n_heads=2, dropout=0.0)
-    net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh.from_layout(LAYOUT), LAYOUT)
-    install_runtime(net, software)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-    trace.reset()
-    losses, grads = [], None
-    for x, y in reference.gpt_batches(cfg, batch=LAYOUT.global_batch, steps=2):
-        opt.zero_grad()
-        losses.append(net.step(x, y))
-        if grads is None:
-            grads = {n: g.clone() for n, (g, _) in net.shards(grads=True).items()}
-        opt.step()
-    shards = {n: t.detach().clone() for n, (t, _) in net.shards().items()}
-    return losses, grads, shards, [s.name for s in trace.spans()]
-
-
 def _both():
-    return _train(ORDER), _train(PARTITIONED)
+    """The same 2-step training run (test_megatron_p2p's) with whole and with partitioned messages."""
+    return train_tiny_gpt(LAYOUT, SEQ, ORDER), train_tiny_gpt(LAYOUT, SEQ, PARTITIONED)
 
 
 def test_partitioned_messages_train_bit_for_bit_as_whole_ones():
@@ -50,7 +29,7 @@ def test_partitioned_messages_train_bit_for_bit_as_whole_ones():
     messages' to the bit; every received message is gathered, and the first stage (it sent its
     outputs in pieces) gathers its output again before each backward."""
     out = course_lib.launch(_both, 4, timeout=240)
-    for rank, ((l0, g0, s0, spans0), (l1, g1, s1, spans1)) in enumerate(out):
+    for rank, ((l0, g0, s0, spans0, _), (l1, g1, s1, spans1, _)) in enumerate(out):
         assert l0 == l1, rank
         assert all(torch.equal(g0[k], g1[k]) for k in g0) and all(torch.equal(s0[k], s1[k]) for k in s0), rank
         gathers, outputs = spans1.count("all-gather p2p"), spans1.count("all-gather output")

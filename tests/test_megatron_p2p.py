@@ -24,7 +24,7 @@ LAYOUTS = {"1f1b": (Layout(tp=2, pp=2, micro_batch=3, global_batch=6), 7),
            "sp": (Layout(tp=2, pp=2, sp=True, micro_batch=3, global_batch=6), 8)}
 
 
-def _train(layout, seq, software):
+def train_tiny_gpt(layout, seq, software):
     """STEPS AdamW steps of a 4-layer GPT on this rank: losses, first-step gradients, shards, span names."""
     from course_lib import reference, trace
     from course_lib.gpt import GPTConfig, TinyGPT
@@ -73,7 +73,7 @@ def _transport():
 def _values():
     out = {"transport": _transport()}
     for name, (layout, seq) in LAYOUTS.items():
-        out[name] = (_train(layout, seq, ()), _train(layout, seq, SOFTWARE))
+        out[name] = (train_tiny_gpt(layout, seq, ()), train_tiny_gpt(layout, seq, SOFTWARE))
     return out
 
 

@@ -438,7 +438,6 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
     return rows
 
 
-__all__ = ["published_runs", "published_row", "FULL_RECOMPUTE", "DP8", "PLANNER_SOURCES", "NARAYANAN_SC21", "narayanan_sc21", "row_software",
-           "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE", "DROPOUT", "ORDER", "PRECISION",
-           "random_layouts",
-           "agreement_rows"]
+__all__ = ["published_runs", "published_row", "FULL_RECOMPUTE", "DP8", "PLANNER_SOURCES", "NARAYANAN_SC21",
+           "narayanan_sc21", "row_software", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
+           "DROPOUT", "ORDER", "PRECISION", "random_layouts", "agreement_rows"]
