@@ -120,7 +120,10 @@ class Hardware:
     the streaming multiprocessors and the output tile of the GEMM-by-shape model
     (:data:`course_lib.planner.gemm.GEMM_MODEL`); ``sm_count = 0`` keeps every GEMM at
     ``matmul_efficiency`` of peak (a hand-made or calibrated Hardware); ``gemm_tile_overhead``
-    a tile's fixed cost (pipeline fill, epilogue) in steps of K.
+    a tile's fixed cost (pipeline fill, epilogue) in steps of K. ``nccl_channels`` the channels
+    NCCL's ring runs on inside one node, one CTA (one SM) each while a collective runs: the
+    virtual clock takes them from the compute kernels beside it
+    (:mod:`course_lib.virtual.contention`); 0: collectives take no SMs (a hand-made Hardware).
     """
 
     name: str
@@ -146,6 +149,7 @@ class Hardware:
     hbm_efficiency: float = 1.0
     kernel_efficiency: tuple = ()
     kernel_floor: float = 0.0
+    nccl_channels: int = 0
     sources: tuple = ()
 
     @property
@@ -180,8 +184,18 @@ class Hardware:
 # (course_lib.virtual.gpu_check.H100: scripts/device_check.py, torch 2.11, 2026-11-27;
 # gpu_check.fit_kernels reproduces them from the record, tests/test_virtual_compute.py checks it)
 _RECORD = "gpu_check.H100 (H100 SXM, 2026-11-27)"
+# NCCL's ring inside a DGX node (NVIDIA/nccl 5067397c, src/graph): the search gives each channel
+# its speedArray's first speed that fits the GPU's NVLinks (A100: 12 links x SM80_NVLINK_BW 20 =
+# 240 GB/s, 6 channels at 40; H100: 18 x 20.6 = 371 GB/s, 6 at 60); ncclTopoDupChannels doubles
+# them (search.cc L1036-1049) and ncclTopoPostset doubles again (connect.cc L460): 24 on both.
+# The same count seen on an H100: an all-gather of 24 CTAs beside a 132-tile GEMM (NVIDIA
+# developer forum, thread 337991: "Compute-Communication Overlap Causes Severe GEMM Performance
+# Degradation because of Tail Effect").
+_NCCL_CHANNELS = ("NCCL's ring on a DGX A100 / H100 node: 6 channels from the topology search "
+                  "(src/graph/search.cc), doubled by ncclTopoDupChannels, doubled in ncclTopoPostset "
+                  "(connect.cc): 24 (NVIDIA/nccl 5067397c)")
 _H100_KERNELS = dict(
-    launch_overhead=12.32e-6, hbm_efficiency=0.906, kernel_floor=2e-6, gemm_tile_overhead=192.0,
+    launch_overhead=12.32e-6, hbm_efficiency=0.906, kernel_floor=2e-6, gemm_tile_overhead=192.0, nccl_channels=24,
     kernel_efficiency=(("gemm", 0.85352), ("attention", 0.30), ("reduction", 0.675), ("broadcast", 0.290),
                        ("copy", 0.257)),
     sources=(
@@ -197,7 +211,11 @@ _H100_KERNELS = dict(
         ("launch_overhead", f"{_RECORD}: 1000 one-element adds in 12.32 ms, issued by eager PyTorch"),
         ("kernel_floor", "assumed, not in the record (its tiny kernels are paced by the host): "
                          "an H100 runs a one-element kernel in about 2 us"),
+        ("nccl_channels", _NCCL_CHANNELS),
     ))
+
+
+_OWN_DERIVATION = ("nccl_channels",)     # sources that derive the A100's value too
 
 
 def _same_kernels(gpu, **own):
@@ -205,7 +223,8 @@ def _same_kernels(gpu, **own):
     but for the classes in ``own`` (class -> (fraction, its source)), which are the GPU's own."""
     note = f" (measured on an H100, assumed for the {gpu})"
     fractions = {**dict(_H100_KERNELS["kernel_efficiency"]), **{k: f for k, (f, _) in own.items()}}
-    sources = tuple((k, own[k][1] if k in own else v + note) for k, v in _H100_KERNELS["sources"])
+    sources = tuple((k, own[k][1] if k in own else v if k in _OWN_DERIVATION else v + note)
+                    for k, v in _H100_KERNELS["sources"])
     return {**_H100_KERNELS, "kernel_efficiency": tuple(fractions.items()), "sources": sources}
 
 

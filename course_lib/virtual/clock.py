@@ -24,6 +24,11 @@ they cross the same lane. The communication layer
   rings, trees, a learner's answer) is priced from these messages: what runs is what is priced;
 * ``join(end)`` when the rank waits on async work: ``t = max(t, end)``.
 
+An async collective's kernel holds SMs (NCCL's channels, one CTA each) from when its stream
+reaches it until it ends, waiting for its peers included (``sm_windows``): a compute kernel
+that runs meanwhile gets the other SMs (:mod:`.contention`: a GEMM's tiles, a fused attention
+kernel's share). So an overlapped collective is not free: it costs the compute beside it.
+
 Under ``CUDA_LAUNCH_BLOCKING=1`` (``launch_blocking``, :meth:`launched`) every kernel launch
 returns when the kernel ends, NCCL's too: the host waits for each collective's end where it
 issues it (an async one is priced there), for each send's last byte delivered where it posts
@@ -38,6 +43,7 @@ import torch.distributed as dist
 
 from course_lib.virtual import links
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
+from course_lib.virtual.contention import ctas
 from course_lib.virtual.exchange import exchange as _exchange
 from course_lib.virtual.overlap import OverlappedPair
 
@@ -63,6 +69,8 @@ class RankClock:
         self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
         self.lane = None        # the compute stream's KernelLane inside an overlapped pair
         self.launch_blocking = False    # CUDA_LAUNCH_BLOCKING=1: each launch returns at its kernel's end
+        self.sm_windows = []    # [start, end, CTAs] of the async collectives' kernels (:mod:`.contention`)
+        self.sm_busy_until = 0.0            # the latest of their ends
         self._mode = ComputeStream(self)
 
     @property
@@ -146,14 +154,16 @@ class RankClock:
         nbytes = self._bytes(payload, ref)
         ready = self._ready(comm, op, nbytes)
         exchange = self._exchange(comm, ready, nbytes) if comm.size > 1 else None
+        window = None
         if comm.size > 1:    # its lanes held from its ready time until it is priced (settle)
             for lane, seconds in self._occupancy(comm, op, nbytes):
                 self.lanes[lane].reserve(ready, seconds)
+            window = self._hold_sms(comm, op, nbytes, ready)
         spans = self.recorder.spans
         n = len(spans)
         self.recorder.add(name, "comm", ready, ready, comm.dim)
         placeholder = spans[-1] if len(spans) > n else None     # (spans muted here: none)
-        pending = Pending(comm, op, nbytes, name, ready, exchange, placeholder)
+        pending = Pending(comm, op, nbytes, name, ready, exchange, placeholder, window)
         self._pending.append(pending)
         if self.launch_blocking:     # the launch returns at its end: priced now, the host waits
             self.settle()
@@ -172,8 +182,27 @@ class RankClock:
                 for lane, seconds in self._occupancy(p.comm, p.op, p.nbytes):
                     self.lanes[lane].release(p.ready, seconds)
             p.end = self._priced(p.comm, p.op, nbytes, start)
+            if p.window is not None and p.end > p.window[1]:   # its kernel holds its SMs until it ends
+                p.window[1] = p.end
+                self.sm_busy_until = max(self.sm_busy_until, p.end)
             if p.placeholder is not None:
                 self._replace(p.placeholder, start, p.end)
+
+    def _hold_sms(self, comm, op: str, nbytes: float, ready: float):
+        """The SMs an async collective's kernel holds from ``ready`` (when its stream reaches it:
+        it launches and waits there for its peers) for NCCL's time for it, until :meth:`settle`
+        knows its end: a window [start, end, CTAs] the compute kernels beside it see
+        (:mod:`.contention`); None where it holds none."""
+        group = self._group(comm)
+        cost, _, held = self._price(comm, op, nbytes, group)
+        if not held:
+            return None
+        if self.lane is None:           # (an overlapped pair's second action restarts the time)
+            self.sm_windows = [w for w in self.sm_windows if w[1] > self.t]
+        window = [ready, ready + cost, held]
+        self.sm_windows.append(window)
+        self.sm_busy_until = max(self.sm_busy_until, window[1])
+        return window
 
     def _replace(self, old, start: float, end: float) -> None:
         """The priced span in place of its placeholder; where the trace was reset since it was
@@ -203,22 +232,25 @@ class RankClock:
 
     def _price(self, comm, op: str, nbytes: float, group=None) -> tuple:
         """(NCCL's seconds for collective ``op`` of ``nbytes`` on ``comm``, ((lane, seconds) this
-        member's lanes are busy with it, ...)), memoised per group (a step repeats its sizes);
-        ``group``: ``self._group(comm)``, where the caller has it."""
+        member's lanes are busy with it, ...), the CTAs its kernel holds (:func:`.contention.ctas`;
+        an all-to-all: none counted, NCCL's point-to-point channels are not modelled)), memoised
+        per group (a step repeats its sizes); ``group``: ``self._group(comm)``, where the caller
+        has it."""
         group = group or self._group(comm)
         found = group.prices.get((op, nbytes))
         if found is None:
             hw, n_nodes, local = self.cluster.hw, group.n_nodes, group.local
             if comm.size <= 1:
-                found = (0.0, ())
+                found = (0.0, (), 0)
             elif op == "all_to_all_single":
                 cost, nv, net = links.all_to_all_time(hw, nbytes, comm.size, local, n_nodes)
-                found = (cost, _both_ways((("nvlink", nv), ("net", net))))
+                found = (cost, _both_ways((("nvlink", nv), ("net", net))), 0)
             else:
                 kind = "nvlink" if n_nodes == 1 else "net"
-                cost = links.nccl_collective(hw, NCCL_OPS[op], nbytes, comm.size, n_nodes)[0]
+                cost, _, algorithm = links.nccl_collective(hw, NCCL_OPS[op], nbytes, comm.size, n_nodes)
                 seconds = links.lane_bytes(NCCL_OPS[op], nbytes, comm.size) / links.bus_bandwidth(hw, kind)
-                found = (cost, _both_ways(((kind, seconds),)))
+                held = ctas(hw, nbytes, comm.size, n_nodes, local, algorithm) if self._mode.contended else 0
+                found = (cost, _both_ways(((kind, seconds),)), held)
             if len(group.prices) > 4096:
                 group.prices.clear()
             group.prices[op, nbytes] = found
@@ -254,7 +286,7 @@ class RankClock:
         """The end of collective ``op`` started at ``start``: NCCL's time for it on the group's
         links; the group's stream and this member's lanes are busy meanwhile."""
         group = group or self._group(comm)
-        cost, occupancy = self._price(comm, op, nbytes, group)
+        cost, occupancy, _ = self._price(comm, op, nbytes, group)
         for lane, seconds in occupancy:
             self.lanes[lane].reserve(start, seconds)
         end = start + cost
@@ -364,11 +396,12 @@ class _Group:
 
 class Pending:
     """An async collective issued on the virtual clock, priced by ``RankClock.settle``."""
-    __slots__ = ("comm", "op", "nbytes", "name", "ready", "exchange", "placeholder", "end")
+    __slots__ = ("comm", "op", "nbytes", "name", "ready", "exchange", "placeholder", "end", "window")
 
-    def __init__(self, comm, op, nbytes, name, ready, exchange, placeholder):
+    def __init__(self, comm, op, nbytes, name, ready, exchange, placeholder, window=None):
         self.comm, self.op, self.nbytes, self.name = comm, op, nbytes, name
         self.ready, self.exchange, self.placeholder, self.end = ready, exchange, placeholder, None
+        self.window = window        # [start, end, CTAs] of its kernel's SMs (RankClock._hold_sms)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

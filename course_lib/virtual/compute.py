@@ -37,8 +37,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.planner.kernel_cost import (FREE, RATED, _add_bytes, compute_dtype, element_bytes,  # the planner's
-                                            kernel_kind, kind_cost, op_cost)
+from course_lib.planner.kernel_cost import (ATTENTION, FREE, GEMM, RATED, _add_bytes, compute_dtype,  # the planner's
+                                            element_bytes, kernel_kind, kind_cost, op_cost)
+from course_lib.virtual.contention import Tiles, contended_end, gemm_tiles
 
 
 def _itemsize(cluster):
@@ -68,6 +69,18 @@ def op_time(cluster, func, args, kwargs, out) -> float:
     if cluster.dtype is None and cost[2] in RATED:      # a GEMM or attention at its own dtype's rate
         return cluster.kernels_for(compute_dtype(args, out)).seconds(*cost)
     return cluster.kernel_time(*cost)
+
+
+def contention_shape(model, cost, seconds: float) -> float:
+    """``seconds`` of a kernel (``cost``: (FLOPs, bytes, class, detail)) priced by ``model``, as
+    :class:`~.contention.Tiles` where a collective beside it would slow it: a GEMM on its tile
+    model's waves, a fused attention kernel at its FLOP rate; else as they are."""
+    flops, _, cls, detail = cost[:4]
+    if cls is GEMM and detail is not None:
+        return gemm_tiles(*detail, model.gemm_hw, seconds)
+    if cls is ATTENTION and seconds > model.floor and flops / model.flops_rate[ATTENTION] == seconds:
+        return Tiles(seconds)
+    return seconds
 
 
 _READ = torch.ops.aten._local_scalar_dense.default    # the host reads a value: it waits for the device
@@ -117,6 +130,10 @@ class ComputeStream(TorchDispatchMode):
             clock.launch_blocking = False  # CUDA_LAUNCH_BLOCKING=1 (RankClock.launched)
         self._hooks, self._switched, self._thread = None, [], None
         self.tape = None                   # a list: every priced op's seconds appended (see replay)
+        hw = clock.cluster.hw               # collectives take SMs from the kernels beside them
+        self.contended = bool(getattr(hw, "nccl_channels", 0) and getattr(hw, "sm_count", 0))
+        if not hasattr(clock, "sm_busy_until"):
+            clock.sm_windows, clock.sm_busy_until = [], 0.0
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -177,20 +194,35 @@ class ComputeStream(TorchDispatchMode):
                 if len(self._seconds) > 65536:
                     self._seconds.clear()
                 model = self.clock.cluster.kernels_for(key[4]) if key is not cost else self.model
-                seconds = self._seconds[key] = model.seconds(*cost)
+                seconds = model.seconds(*cost)
+                if self.contended:
+                    seconds = contention_shape(model, cost, seconds)
+                self._seconds[key] = seconds
             t, lane = clock.t, clock.lane
             if lane is None:
                 host = clock.host + self.issue      # the host issues it...
-                clock.t = (t if t > host else host) + seconds   # ...the device runs it
+                start = t if t > host else host     # ...the device runs it
+                if start < clock.sm_busy_until and type(seconds) is Tiles:      # beside a collective
+                    clock.t = contended_end(start, seconds, clock.sm_windows, clock.cluster.hw.sm_count)
+                else:
+                    clock.t = start + seconds
             else:                                   # (an overlapped pair: the first gaps that fit)
                 host = lane.issue(clock.host, self.issue)
-                clock.t = lane.place(t if t > host else host, seconds)
+                start = t if t > host else host
+                clock.t = lane.place(start, self._beside(start, seconds))
             # CUDA_LAUNCH_BLOCKING=1: the launch returns when the kernel ends (launch_blocking)
             clock.host = clock.t if clock.launch_blocking else host
             clock.kernels += 1
             if self.tape is not None:
                 self.tape.append(seconds)
         return out
+
+    def _beside(self, start: float, seconds: float) -> float:
+        """A kernel's seconds from ``start``: longer where a collective holds SMs meanwhile."""
+        clock = self.clock
+        if start < clock.sm_busy_until and type(seconds) is Tiles:
+            return contended_end(start, seconds, clock.sm_windows, clock.cluster.hw.sm_count) - start
+        return seconds
 
     def replay(self, tape) -> None:
         """The stream's time for a recorded run of ops (``tape``: each priced op's seconds, None
@@ -203,10 +235,15 @@ class ComputeStream(TorchDispatchMode):
             else:
                 if lane is None:
                     host = host + issue
-                    t = (t if t > host else host) + seconds
+                    start = t if t > host else host
+                    if start < clock.sm_busy_until and type(seconds) is Tiles:
+                        t = contended_end(start, seconds, clock.sm_windows, clock.cluster.hw.sm_count)
+                    else:
+                        t = start + seconds
                 else:
                     host = lane.issue(host, issue)
-                    t = lane.place(max(t, host), seconds)
+                    start = max(t, host)
+                    t = lane.place(start, self._beside(start, seconds))
                 if blocking:
                     host = t
                 clock.kernels += 1

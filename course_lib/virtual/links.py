@@ -18,7 +18,8 @@ bandwidth factors), which NCCL uses to choose an algorithm per call: for each al
 algorithm bandwidth``, the fastest wins. The latencies scale with the preset's alpha
 (``Hardware.nvlink_latency``, ``network_latency``: NCCL's Ring/Simple ``hwLat``), so a
 preset with alpha 0 has no latency; the bus bandwidth is the preset's achievable one.
-Left out: NVLS/CollNet (switch offload), the tree's per-size correction factors, channels.
+Left out: NVLS/CollNet (switch offload), the tree's per-size correction factors. NCCL's
+channels appear once: as the SMs a collective's kernel holds beside compute (:mod:`.contention`).
 
 **Point-to-point** (``send``/``recv``, and every collective built from them, the course's
 rings and trees included: they are priced from their own messages) costs one ring step of
@@ -214,7 +215,18 @@ def describe(hw) -> list[str]:
         f"    with Simple {hw.nvlink_latency * 1e6:g} us on NVLink, {hw.network_latency * 1e6:g} us"
         f" on the network",
         "  streams: one per communicator, one per peer for send/recv",
-    ]
+    ] + _sm_lines(hw)
+
+
+def _sm_lines(hw) -> list[str]:
+    """The SMs a collective's kernel holds (:mod:`.contention`), where ``hw`` states them."""
+    if not (getattr(hw, "nccl_channels", 0) and hw.sm_count):
+        return []
+    import textwrap
+    source = dict(hw.sources).get("nccl_channels", "assumed")
+    return [f"  SMs: a collective holds up to {hw.nccl_channels} of the {hw.sm_count} (a CTA a channel);",
+            "    a GEMM beside it runs its tiles on the others"] + \
+        textwrap.wrap(source + "]", 76, initial_indent="      [", subsequent_indent="       ")
 
 
 __all__ = ["Lane", "nccl_collective", "collective_time", "p2p_time", "all_to_all_time", "lane_bytes", "describe",
