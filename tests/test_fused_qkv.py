@@ -112,7 +112,7 @@ def test_fused_qkv_is_priced_as_the_combined_gemms():
     args = (*out, wq, wk, wv)
     assert op_cost(dx, args, {}, dx(*args), 2)[3] == (T, h, q + 2 * kv, 1)
     dw = torch.ops.course.fused_qkv_weight_grad.default
-    args = (x, *out, True)
+    args = (x, *out)
     assert op_cost(dw, args, {}, dw(*args), 2)[3] == (q + 2 * kv, h, T, 1)
 
 

@@ -112,8 +112,8 @@ COURSE_KERNELS = {
     "course::fused_qkv": (GEMM, lambda x, wq, wk, wv, *b: (_tokens(x), _qkv_rows(wq, wk, wv), x.shape[-1], 1)),
     "course::fused_qkv_input_grad": (GEMM, lambda dq, dk, dv, wq, wk, wv: (_tokens(dq), wq.shape[1],
                                                                             _qkv_rows(wq, wk, wv), 1)),
-    "course::fused_qkv_weight_grad": (GEMM, lambda x, dq, dk, dv, t: (dq.shape[-1] + dk.shape[-1] + dv.shape[-1],
-                                                                       x.shape[-1], _tokens(x), 1)),
+    "course::fused_qkv_weight_grad": (GEMM, lambda x, dq, dk, dv: (dq.shape[-1] + dk.shape[-1] + dv.shape[-1],
+                                                                    x.shape[-1], _tokens(x), 1)),
     "course::fused_qkv_bias_grad": (REDUCTION, None),     # the three biases' sum over tokens: one kernel
 }
 

@@ -56,20 +56,17 @@ def _input_grad_shape(dq, dk, dv, wq, wk, wv):
 
 
 @torch.library.custom_op("course::fused_qkv_weight_grad", mutates_args=())
-def _weight_grad(x: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                 transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``transposed``: as nn.Linear's autograd computes it, (x^T dY)^T (else dY^T x, the
-    # sequence-parallel Linear's form); returned contiguous, as Megatron's GEMM writes it
+def _weight_grad(x: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # dY^T x, each in the weight's layout: the GEMM nn.Linear's autograd runs (torch's
+    # mm_mat2_backward for x W^T: grad.t().mm(mat1)) and the sequence-parallel Linear's, so the
+    # same bits on every BLAS (the transposed (x^T dY)^T gives others on some: AMD's MKL path)
     x2 = x.reshape(-1, x.shape[-1])
-    out = []
-    for g in (dq, dk, dv):
-        g2 = g.reshape(-1, g.shape[-1])
-        out.append(x2.t().mm(g2).t().contiguous() if transposed else g2.t().mm(x2))
-    return tuple(out)
+    return tuple(g.reshape(-1, g.shape[-1]).t().mm(x2) for g in (dq, dk, dv))
 
 
 @_weight_grad.register_fake
-def _weight_grad_shape(x, dq, dk, dv, transposed):
+def _weight_grad_shape(x, dq, dk, dv):
     return tuple(x.new_empty(g.shape[-1], x.shape[-1]) for g in (dq, dk, dv))
 
 
@@ -112,7 +109,7 @@ class FusedQKV(torch.autograd.Function):
             return torch.ops.course.fused_qkv_input_grad(dq, dk, dv, wq, wk, wv)
 
         def weight_grads(x):
-            dw = torch.ops.course.fused_qkv_weight_grad(x, dq, dk, dv, source is None)
+            dw = torch.ops.course.fused_qkv_weight_grad(x, dq, dk, dv)
             return dw, (torch.ops.course.fused_qkv_bias_grad(dq, dk, dv) if ctx.has_bias else (None,) * 3)
         if source is None and ctx.region is not None:    # dX all-reduced under dW, as Megatron-LM 2022's
             dx, (dw, db) = all_reduced_column_backward(ctx.region, input_grad, lambda: weight_grads(x))
