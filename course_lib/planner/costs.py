@@ -68,6 +68,10 @@ class StageCost:
     loss_sync: float = 0.0        # the loss's all-reduce after the step (runtime="course")
     kernels: int = 0              # kernels this GPU launches per step (runtime="course")
     calls: dict = field(default_factory=dict)        # collectives and sends per step, by mesh dims
+    # seconds per micro-batch (all chunks) of the fwd / bwd times that are the host's issue beyond
+    # the device's work (runtime="course"; 0: launches hidden): a stage waiting for its input has
+    # its host issue them meanwhile (estimate.pipeline_time)
+    host: tuple = (0.0, 0.0)
 
     @property
     def fwd_time(self) -> float:
@@ -114,6 +118,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "
             st.fwd, st.bwd, st.p2p, st.grad_sync = r["fwd"], r["bwd"], r["p2p"], r["grad_sync"]
             st.param_gather = r["param_gather"]            # ZeRO-1/2's gather at the step's start
             st.optimizer, st.loss_sync, st.kernels, st.calls = r["optimizer"], r["loss_sync"], r["kernels"], r["calls"]
+            st.host = r["host"]
     return out
 
 

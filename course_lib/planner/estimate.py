@@ -105,6 +105,26 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
     if layout.schedule in ("zb-h1", *F.V_SCHEDULES) and p > 1:    # DeepSeek-V3's Table 2
         busy = max(stages, key=lambda st: st.fwd_time + st.bwd_time)
         return m * max(ops) + F.pipeline_idle(layout.schedule, p, busy.fwd_time, busy.bwd_time), ops
+    if p > 1 and any(sum(st.host) for st in stages):
+        # the course's program (runtime="course"): a stage waiting for its input has its host
+        # issue the op's kernels meanwhile, and they run at its device's pace (op less its host
+        # excess) once the input is there. Through the busiest stage k: its first input arrives
+        # after the first stage's first forward (host-paced: it waits for nothing) and the
+        # stages between at their devices' pace; its host issues all m v ops from the start,
+        # its device runs them from that arrival: the later of the two; then the last
+        # micro-batch's round trip through the stages after k and its backward through the
+        # stages before, at their devices' pace. With no host excess: the formula below.
+        half = [F.p2p_sends(layout.schedule, p, st.stage, v) * st.p2p / 2 for st in stages]
+        fdev = [(st.fwd_time - st.host[0]) / v + x for st, x in zip(stages, half)]
+        bdev = [(st.bwd_time - st.host[1]) / v + x for st, x in zip(stages, half)]
+        first = stages[0].fwd_time / v + half[0]
+
+        def through(k):
+            fill = first + sum(fdev[1:k]) if k else 0.0
+            dev = fdev[k] + bdev[k]
+            return (max(m * v * ops[k], fill + m * v * dev) + sum(bdev[:k])
+                    + sum(fdev[j] + bdev[j] for j in range(k + 1, p)))
+        return max(through(k) for k in range(p)), ops
     return sum(ops) + (m * v - 1) * max(ops), ops
 
 
@@ -136,7 +156,8 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None, runtime
         tail = (max(0.0, st.grad_sync - window_b) + st.loss_sync + st.optimizer
                 + max(0.0, st.param_gather - window_f))
         finish.append((t_pipe - slack + tail, tail, st))
-        slack += st.bwd_time / v + (st.p2p if layout.pp > 1 else 0.0)
+        # the last backward passes the stage at its device's pace (its host issued it ahead)
+        slack += (st.bwd_time - (st.host[1] if layout.pp > 1 else 0.0)) / v + (st.p2p if layout.pp > 1 else 0.0)
     step, tail, st_end = max(finish, key=lambda x: x[0])
     step = max(step, t_pipe)
 

@@ -123,7 +123,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
     ring = traced_ring(layout)
     k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring,
-                   order=layout.zero == 3)     # (FSDP's kernels join the issue chain: fsdp_ops.fsdp_chain)
+                   order=layout.zero == 3 or layout.pp > 1)     # (FSDP's kernels join the issue chain: fsdp_ops.fsdp_chain)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:
@@ -211,6 +211,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     # is the slower side the collectives hide behind its issue, except that at each of TP's
     # blocking collectives the host waits for the stream: then the traced order of the rank's
     # kernels is run through the issue chain (:mod:`.issue`), stretch by stretch
+    host = {}             # the host's issue beyond the device's work, per phase (what "launch" holds of it)
     for phase, part, kern in (("fwd", fwd, fwd_k), ("bwd", bwd, bwd_k)):
         device = max(kern.device, kern.count * hw.kernel_floor)      # the kernels, at least their floors
         issue = kern.count * hw.launch_overhead                      # the host's side
@@ -227,6 +228,11 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                 chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs)
             chain += kern.device - traced[phase]
             part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
+        host[phase] = part["launch"] - (device - kern.time)
+    if t > 1 or c > 1 or layout.ep * layout.etp > 1 or layout.zero == 3:
+        # the host waits for the stream inside the pass (TP's blocking collectives, the ring's
+        # positions, the router's counts, FSDP's order): it cannot issue the pass ahead
+        host = {"fwd": 0.0, "bwd": 0.0}
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = stage_send_time(layout, hw, stage, p2p_bytes, async_tp_hop)   # each hop on its link, NCCL's price
     if p > 1:
@@ -274,7 +280,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds + step.device
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels + step.count
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
-                kernels=kernels, calls=calls)
+                kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]))
 
 
 def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:
