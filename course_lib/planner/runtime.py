@@ -229,10 +229,13 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
             chain += kern.device - traced[phase]
             part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
         host[phase] = part["launch"] - (device - kern.time)
-    if t > 1 or c > 1 or layout.ep * layout.etp > 1 or layout.zero == 3:
-        # the host waits for the stream inside the pass (TP's blocking collectives, the ring's
-        # positions, the router's counts, FSDP's order): it cannot issue the pass ahead
-        host = {"fwd": 0.0, "bwd": 0.0}
+    for phase in host:
+        # where the host waits for the stream inside the pass (a blocking collective of TP's, a
+        # value it reads: the ring's positions, an MoE router's counts; FSDP's order) it cannot
+        # issue the pass ahead of its input
+        parts = k["sequence"].get(phase, {}).values() if k["sequence"] else ()
+        if fsdp or any(isinstance(x, str) for part in parts for x in part):
+            host[phase] = 0.0
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = stage_send_time(layout, hw, stage, p2p_bytes, async_tp_hop)   # each hop on its link, NCCL's price
     if p > 1:
