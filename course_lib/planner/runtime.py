@@ -25,7 +25,10 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
   (a ring's positions, an MoE router's counts) or blocks on TP's collectives it waits for the
   stream: the rank's traced order runs through that issue chain (:mod:`.issue`); under ZeRO-3
   with FSDP's own kernels in their places (:func:`.fsdp_ops.fsdp_chain`);
-- PP: one send per micro-batch and direction between neighbouring stages;
+- PP: one send per micro-batch and direction between neighbouring stages; a pass whose traced
+  order holds no host wait reports what its host's issue adds beyond its device's work
+  (``host``): a stage waiting for its input issues it ahead, so the fill and the drain pass it
+  at its device's pace (:func:`course_lib.planner.estimate.pipeline_time`);
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
   (dp, cp, tp); FSDP: an all-gather per unit (each block, the rest) forward, again per
