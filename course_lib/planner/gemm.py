@@ -40,18 +40,24 @@ GEMM_MODEL = ("tile x wave quantisation over the GPU's SMs (output tiles of hw.g
               "read/written once, bf16)")
 
 
+def tile_work(M: float, N: float, K: float, hw, batch: int = 1) -> tuple[int, float]:
+    """(output tiles, seconds of one tile on one SM) of ``batch`` GEMMs of (M x K) @ (K x N) on
+    ``hw`` (``sm_count`` > 0): the tile or its transpose, whichever gives fewer tiles (both
+    take a tile's same time, so the fewer tiles the fewer waves)."""
+    tm, tn = hw.gemm_tile
+    rate = hw.peak_flops * hw.matmul_efficiency
+    per_tile = 2.0 * tm * tn * (K + getattr(hw, "gemm_tile_overhead", 0)) / (rate / hw.sm_count)
+    return min(math.ceil(M / a) * math.ceil(N / b) * batch for a, b in ((tm, tn), (tn, tm))), per_tile
+
+
 def gemm_time(M: float, N: float, K: float, hw, batch: int = 1, writes_output: bool = True) -> float:
     """Seconds of ``batch`` GEMMs of (M x K) @ (K x N) on ``hw`` (see the module doc)."""
     if min(M, N, K, batch) <= 0:
         return 0.0
-    rate = hw.peak_flops * hw.matmul_efficiency
-    flops = 2.0 * M * N * K * batch
     if not getattr(hw, "sm_count", 0):
-        return flops / rate                        # the flat model
-    tm, tn = hw.gemm_tile
-    per_tile = 2.0 * tm * tn * (K + getattr(hw, "gemm_tile_overhead", 0)) / (rate / hw.sm_count)
-    best = min(math.ceil(math.ceil(M / a) * math.ceil(N / b) * batch / hw.sm_count) * per_tile
-               for a, b in ((tm, tn), (tn, tm)))
+        return 2.0 * M * N * K * batch / (hw.peak_flops * hw.matmul_efficiency)   # the flat model
+    tiles, per_tile = tile_work(M, N, K, hw, batch)
+    best = math.ceil(tiles / hw.sm_count) * per_tile
     moved = 2.0 * batch * (M * K + K * N + (M * N if writes_output else 0.0))
     return max(best, moved / hw.hbm_bandwidth)
 

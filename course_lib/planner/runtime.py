@@ -126,7 +126,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
     ring = traced_ring(layout)
     k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring,
-                   order=layout.zero == 3 or layout.pp > 1)     # (FSDP's kernels join the issue chain: fsdp_ops.fsdp_chain)
+                   order=layout.zero == 3 or layout.pp > 1)
+    # (the order traced: FSDP's kernels join the issue chain, fsdp_ops.fsdp_chain; a pipeline's
+    # passes are issued ahead or not by what waits inside them, the ``host`` below)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
     for part, here in (("embedding", first), ("head", last)):
         if here:

@@ -133,7 +133,7 @@ class ComputeStream(TorchDispatchMode):
         hw = clock.cluster.hw               # collectives take SMs from the kernels beside them
         self.contended = bool(getattr(hw, "nccl_channels", 0) and getattr(hw, "sm_count", 0))
         if not hasattr(clock, "sm_busy_until"):
-            clock.sm_windows, clock.sm_busy_until = [], 0.0
+            clock.sm_windows, clock.sm_busy_until = [], 0.0   # (a clock that runs no collective)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

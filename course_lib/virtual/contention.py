@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 
+from course_lib.planner.gemm import tile_work
+
 SIMPLE_THREADS, LL_THREADS, LL128_THREADS = 512, 512, 640   # device.h: NCCL_*_MAX_NTHREADS
 THRESHOLD = {"Simple": 64, "LL": 8, "LL128": 8}              # comm.h: NCCL_*_THREAD_THRESHOLD
 EPS = 1e-15
@@ -48,7 +50,8 @@ def ctas(hw, nbytes: float, n_ranks: int, n_nodes: int, local: int, protocol: st
         channels = min(channels, 2 * local)
     proto = protocol.split("/")[-1]
     threads = {"Simple": SIMPLE_THREADS, "LL": LL_THREADS, "LL128": LL128_THREADS}[proto]
-    threshold = THRESHOLD[proto] * (n_ranks if proto == "LL" else 1)
+    ring_ll = proto == "LL" and protocol.startswith("ring")        # tuning.cc: the ring's LL threshold x ranks
+    threshold = THRESHOLD[proto] * (n_ranks if ring_ll else 1)
     return max(1, min(channels, int(nbytes // (threads * threshold))))
 
 
@@ -66,15 +69,12 @@ class Tiles(float):
 
 def gemm_tiles(M, N, K, batch, hw, seconds: float) -> Tiles | float:
     """``seconds`` (the kernel model's time for the GEMM) as :class:`Tiles` where it is the tile
-    model's waves (not the HBM roofline, not the kernel floor), else as it is. The orientation
-    with fewer tiles (the tile model's own choice: both orientations share a tile's time)."""
-    sms = hw.sm_count
-    if not sms:
+    model's waves (:func:`course_lib.planner.gemm.tile_work`; not the HBM roofline, not the
+    kernel floor), else as it is."""
+    if not hw.sm_count:
         return seconds
-    tm, tn = hw.gemm_tile
-    tau = 2.0 * tm * tn * (K + hw.gemm_tile_overhead) / (hw.peak_flops * hw.matmul_efficiency / sms)
-    tiles = min(math.ceil(M / a) * math.ceil(N / b) * batch for a, b in ((tm, tn), (tn, tm)))
-    if math.ceil(tiles / sms) * tau != seconds:
+    tiles, tau = tile_work(M, N, K, hw, batch)
+    if math.ceil(tiles / hw.sm_count) * tau != seconds:
         return seconds
     return Tiles(seconds, tiles, tau)
 
