@@ -1,29 +1,38 @@
-"""Fused kernels, as autograd sees them: what they keep for backward.
+"""Fused kernels, as autograd and the virtual clock see them: what they keep for backward, and
+one kernel each.
 
 A chain of elementwise operations written in plain ops keeps an input for every op that
-needs one in backward. A fused kernel (Megatron-LM's and Transformer Engine's RMSNorm and
-SwiGLU on GPUs) runs the chain in one pass and keeps only the chain's inputs, recomputing
-the rest in its backward: cheap elementwise work traded for memory. The two here are
-written as ``torch.autograd.Function`` so that autograd keeps exactly what such a kernel
+needs one in backward, and launches a kernel per op. A fused kernel (Megatron-LM's and
+Transformer Engine's RMSNorm and SwiGLU on GPUs) runs the chain in one pass and keeps only
+the chain's inputs, recomputing the rest in its backward: cheap elementwise work traded for
+memory and launches. The two here are ``course::`` operators (``torch.library.custom_op``),
+one kernel forward and one backward, which the virtual clock prices as such
+(:data:`course_lib.planner.kernel_cost.COURSE_KERNELS`: the norm as a row reduction, like
+LayerNorm's kernels, SwiGLU as one streaming pass); autograd keeps exactly what such a kernel
 keeps (``models.saved_activations`` counts it), and they give the plain ops' results:
 
 - ``rms_norm(x, weight, eps)``: keeps x and 1/rms per row in fp32 (the input's dtype if
-  wider), where the plain ops (``gpt.RMSNorm``) keep x, x / rms and 1/rms;
+  wider), where the plain ops (``gpt.RMSNorm``) keep x, x / rms and 1/rms; its backward
+  gives dx and the weight's gradient in one kernel (a real one finishes the weight's partial
+  sums in a second, tiny kernel: left out);
 - ``swiglu(a, b) = silu(a) * b``: keeps a and b, where the plain ops also keep silu(a).
   (The product is W_2's input: the matmul after it keeps it in either case.)
 
-``kernels()`` runs the course's Llama blocks with both, so the planner's
-``llama_activation_bytes_per_layer(fused_kernels=True)`` is checked by counting
+``install(model)`` makes one model's RMSNorm and SwiGLU modules run them (the dry run's
+``"rmsnorm_swiglu"`` software item and the planner's count of the course's program, both for a
+Hardware with ``fused_kernels``); ``kernels()`` does it for every block while inside, so the
+planner's ``llama_activation_bytes_per_layer(fused_kernels=True)`` is checked by counting
 (tests/test_planner_formulas.py), as the unfused formula is.
 """
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 import torch.nn.functional as F
 
-from course_lib import gpt
+from course_lib import gpt, moe
 
 
 def _wide(dtype):
@@ -31,55 +40,133 @@ def _wide(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.to(_wide(x.dtype)).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
-        ctx.save_for_backward(x, weight, rstd)
-        return (x * rstd.to(x.dtype)) * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        wide = rstd.dtype
-        n = x.to(wide) * rstd                           # x / rms, recomputed
-        g = grad.to(wide)
-        dn = g * weight.to(wide)
-        dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
-        dw = (g * n).reshape(-1, n.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None
+@torch.library.custom_op("course::rms_norm", mutates_args=())
+def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt(x.to(_wide(x.dtype)).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return (x * rstd.to(x.dtype)) * weight, rstd
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return F.silu(a) * b
+@_rms_norm_kernel.register_fake
+def _rms_norm_shape(x, weight, eps):
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=_wide(x.dtype))
 
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        s = torch.sigmoid(a)                            # recomputed
-        return grad * b * s * (1 + a * (1 - s)), grad * a * s
+
+@torch.library.custom_op("course::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_kernel(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    wide = rstd.dtype
+    n = x.to(wide) * rstd                           # x / rms, recomputed
+    g = grad.to(wide)
+    dn = g * weight.to(wide)
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    dw = (g * n).reshape(-1, n.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+@_rms_norm_backward_kernel.register_fake
+def _rms_norm_backward_shape(grad, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(ctx, grad, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward_kernel(grad, x, weight, rstd)
+    return dx, dw, None
+
+
+_rms_norm_kernel.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+@torch.library.custom_op("course::swiglu", mutates_args=())
+def _swiglu_kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+@_swiglu_kernel.register_fake
+def _swiglu_shape(a, b):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("course::swiglu_backward", mutates_args=())
+def _swiglu_backward_kernel(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.sigmoid(a)                            # recomputed
+    return grad * b * s * (1 + a * (1 - s)), grad * a * s
+
+
+@_swiglu_backward_kernel.register_fake
+def _swiglu_backward_shape(grad, a, b):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return _swiglu_backward_kernel(grad, a, b)
+
+
+_swiglu_kernel.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 def rms_norm(x, weight, eps=1e-5):
-    """x / rms(x) * weight, keeping x and an fp32 1/rms per row for backward."""
-    return _RMSNorm.apply(x, weight, eps)
+    """x / rms(x) * weight, keeping x and an fp32 1/rms per row for backward: one kernel."""
+    return _rms_norm_kernel(x, weight, eps)[0]
 
 
 def swiglu(a, b):
-    """silu(a) * b, keeping a and b for backward (silu(a) is recomputed)."""
-    return _SwiGLU.apply(a, b)
+    """silu(a) * b, keeping a and b for backward (silu(a) is recomputed): one kernel."""
+    return _swiglu_kernel(a, b)
+
+
+def _norm_forward(self, x):
+    return rms_norm(x, self.weight, self.eps)
+
+
+def _swiglu_forward(self, x):
+    return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+_plain_inner = moe.Expert.inner
+
+
+def _expert_inner(self, x):
+    return swiglu(self.w1(x), self.w3(x)) if self.mlp == "swiglu" else _plain_inner(self, x)
+
+
+def install(model) -> int:
+    """Every ``gpt.RMSNorm``, ``gpt.SwiGLU`` and SwiGLU expert (``moe.Expert``) of ``model``
+    (this instance only) runs the fused kernels above; returns how many modules were changed."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, gpt.RMSNorm):
+            mod.forward = types.MethodType(_norm_forward, mod)
+        elif isinstance(mod, gpt.SwiGLU):
+            mod.forward = types.MethodType(_swiglu_forward, mod)
+        elif isinstance(mod, moe.Expert) and mod.mlp == "swiglu":
+            mod.inner = types.MethodType(_expert_inner, mod)
+        else:
+            continue
+        n += 1
+    return n
 
 
 @contextlib.contextmanager
 def kernels():
-    """Inside: every ``gpt.RMSNorm`` and ``gpt.SwiGLU`` runs the fused functions above."""
-    saved = gpt.RMSNorm.forward, gpt.SwiGLU.forward
-    gpt.RMSNorm.forward = lambda self, x: rms_norm(x, self.weight, self.eps)
-    gpt.SwiGLU.forward = lambda self, x: self.w2(swiglu(self.w1(x), self.w3(x)))
+    """Inside: every ``gpt.RMSNorm``, ``gpt.SwiGLU`` and SwiGLU expert runs the fused kernels
+    above."""
+    saved = gpt.RMSNorm.forward, gpt.SwiGLU.forward, moe.Expert.inner
+    gpt.RMSNorm.forward, gpt.SwiGLU.forward, moe.Expert.inner = _norm_forward, _swiglu_forward, _expert_inner
     try:
         yield
     finally:
-        gpt.RMSNorm.forward, gpt.SwiGLU.forward = saved
+        gpt.RMSNorm.forward, gpt.SwiGLU.forward, moe.Expert.inner = saved
+
+
+__all__ = ["rms_norm", "swiglu", "install", "kernels"]

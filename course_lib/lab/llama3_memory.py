@@ -38,6 +38,13 @@ The peak over the step (2026-11-29, the states at each moment): 99.83 -> 111.52 
 owned slices' fp32 gradients, 0.19 GiB, which exist only after the step), 90.87 -> 92.26 (8k on
 16,384, m = p: every forward runs before the first backward, which holds one chunk's sums of
 eight), 95.50 -> 96.89 (128k); :func:`held_over_step`'s "held" gives the same to 0.01 GiB.
+
+With fused RMSNorm and SwiGLU (kernels the paper does not name; a Hardware with
+``fused_kernels``, which the dry run now runs as :mod:`course_lib.fused`'s one-kernel ops:
+measured 2026-11-29, a what-if, not the recorded rows): 88.39 GiB (8k on 8,192: the fp32 sums
+and 141 layers in flight still do not fit), 71.26 (8k on 16,384) and 75.89 (128k) fit; the
+step 10.988 / 6.212 / 14.126 s, -12.1% / -7.6% / -7.5% against the published times (as run:
+-9.6% / -5.1% / -6.4%); the planner's memory the same to 0.01 GiB on the two 8k rows.
 """
 from __future__ import annotations
 

@@ -176,7 +176,8 @@ def stage_activation_bytes(model, s, b, policies, t=1, sp=False, cp=1, in_flight
                                                   fused_kernels=fused_kernels) for p in policies)
 
 
-def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1) -> float:
+def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1,
+                                  fused_kernels=False) -> float:
     """Bytes one layer of the course's own program (``TinyGPT``, what ``runtime="course"`` and the
     dry run run) keeps for backward, per micro-batch, on one GPU (16-bit).
 
@@ -189,7 +190,8 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
       neither the two 1-byte masks (2 s b h) nor the attention dropout's mask and output;
       its two LayerNorms keep their mean and rstd, 8 bytes a token (the census of
       ``lab.dry_run_memory.course_terms``);
-    - RMSNorm and SwiGLU in plain ops (no fused kernels);
+    - RMSNorm and SwiGLU in plain ops, unless ``fused_kernels`` (a Hardware's: the course's
+      own fused kernels, :mod:`course_lib.fused`, which the dry run then runs);
     - a mixture of experts (GPT block, ``ExpertParallelMoE``): per routed (token, expert) pair
       the expert's input row, its two 4h-wide GeLU tensors, its output (kept for the gate's
       product) and that product (kept by ``index_add``, which sums the pairs back onto their
@@ -203,7 +205,8 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
     rc = "none" if scores else ("full" if recompute == "full" else "selective")
     if is_llama_block(model):
         out = llama_activation_bytes_per_layer(s, b, model.hidden, model.n_heads, model.n_kv_heads,
-                                               model.ffn * model.top_k, t, sp, rc, cp=cp)
+                                               model.ffn * model.top_k, t, sp, rc, cp=cp,
+                                               fused_kernels=fused_kernels)
     else:
         h, a, split = model.hidden, model.n_heads, (t if sp else 1)
         out = activation_bytes_per_layer(s, b, h, a, t, sp, rc, cp=cp)

@@ -105,9 +105,9 @@ def _tokens(t) -> int:
     return t.numel() // t.shape[-1]
 
 
-# the course's own fused kernels priced as GEMMs (course_lib.virtual.fused_qkv: Megatron-LM's
-# one QKV GEMM, its three weights one [(h + 2 kv)/t, h] operand as Megatron stores them):
-# op name -> (class, (M, N, K, batch) of its arguments)
+# the course's own fused kernels (``course::`` ops): op name -> (class, (M, N, K, batch) of its
+# arguments for one priced as a GEMM, else None). As GEMMs: course_lib.virtual.fused_qkv,
+# Megatron-LM's one QKV GEMM, its three weights one [(h + 2 kv)/t, h] operand as Megatron stores them
 COURSE_KERNELS = {
     "course::fused_qkv": (GEMM, lambda x, wq, wk, wv, *b: (_tokens(x), _qkv_rows(wq, wk, wv), x.shape[-1], 1)),
     "course::fused_qkv_input_grad": (GEMM, lambda dq, dk, dv, wq, wk, wv: (_tokens(dq), wq.shape[1],
@@ -115,6 +115,12 @@ COURSE_KERNELS = {
     "course::fused_qkv_weight_grad": (GEMM, lambda x, dq, dk, dv: (dq.shape[-1] + dk.shape[-1] + dv.shape[-1],
                                                                     x.shape[-1], _tokens(x), 1)),
     "course::fused_qkv_bias_grad": (REDUCTION, None),     # the three biases' sum over tokens: one kernel
+    # course_lib.fused: a fused RMSNorm (a row reduction, as LayerNorm's kernels), forward and
+    # backward one kernel each; SwiGLU one streaming pass each way
+    "course::rms_norm": (REDUCTION, None),
+    "course::rms_norm_backward": (REDUCTION, None),
+    "course::swiglu": (ELEMENTWISE, None),
+    "course::swiglu_backward": (ELEMENTWISE, None),
 }
 
 

@@ -236,6 +236,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     (:mod:`.ring_ops`), the busiest rank's; "sequence" then holds its order, the host's value
     reads marked (the ring's trim reads its positions). ``order``: "sequence" also without TP,
     a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`)."""
+    from course_lib import fused
     from course_lib.gpt import TinyGPT
     from course_lib.planner.ring_ops import rank_positions, ring_core, ring_kernels
 
@@ -245,6 +246,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
         cfg = course_config(model, layers, n_experts, recompute, seq_len=s if ring else None)
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
+            if getattr(hw, "fused_kernels", False):       # RMSNorm and SwiGLU as one kernel each way
+                fused.install(net)
             if t > 1:
                 tp_rank(net, model, t)
             x = torch.zeros(b, s // cp if ring else s, dtype=torch.long)

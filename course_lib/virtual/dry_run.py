@@ -341,7 +341,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     ``replay``: an action whose price repeats is replayed (:mod:`.replay`), not run again.
     ``optimizer``: "fused" (:class:`FusedAdamW`, what the published systems ran) or "foreach".
     ``fusions``: the kernels the source's software fused (:data:`.software.FUSIONS`:
-    "scale_mask_softmax", Megatron-LM's; "flash_attention"; "bias_dropout_add"; "fused_qkv") and
+    "scale_mask_softmax", Megatron-LM's; "flash_attention"; "bias_dropout_add"; "fused_qkv";
+    "rmsnorm_swiglu", added for a Hardware with ``fused_kernels``) and
     how its program ran (:data:`.software.RUNTIME`: DeepSpeed's "blocking_sends" and
     "deepspeed_p2p_order", "launch_blocking" for ``CUDA_LAUNCH_BLOCKING=1``, PyTorch DDP's
     "overlapped_dp"), stated per source, never fitted; default none: the course's attention,
@@ -355,6 +356,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout, dropout)
     fusions = check_fusions(fusions)
+    if getattr(hw, "fused_kernels", False) and "rmsnorm_swiglu" not in fusions:
+        fusions += ("rmsnorm_swiglu",)     # the Hardware's statement, which the planner reads too
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
                              dtype=None if check_precision(layout.precision)[0] is not None else dtype)

@@ -102,7 +102,7 @@ import types
 
 import torch
 
-from course_lib import trace
+from course_lib import fused, trace
 from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear
@@ -114,6 +114,9 @@ from course_lib.virtual.fused_qkv import project_fused
 from course_lib.virtual.megatron_p2p import MegatronP2P, install_megatron_p2p
 
 FUSIONS = ("scale_mask_softmax", "flash_attention", "bias_dropout_add", "fused_qkv")
+# RMSNorm and SwiGLU as one kernel each way (course_lib.fused): what Hardware.fused_kernels
+# states for the planner, run by the ranks (dry_run adds it for such a Hardware)
+FUSIONS = FUSIONS + ("rmsnorm_swiglu",)
 RUNTIME = ("blocking_sends", "overlapped_dp", "launch_blocking",  # how the program runs, not a kernel
            "deepspeed_p2p_order", "zero_all_reduce")              # (:func:`install_runtime`)
 RUNTIME = RUNTIME + ("megatron_p2p", "megatron_timers")   # Megatron-LM's exchange, its timers' syncs
@@ -263,7 +266,8 @@ def _masked_softmax_shape(x, mask, dim=None, mask_type=None):
 
 def install(model, fusions) -> int:
     """Every :class:`~course_lib.gpt.Attention` of ``model`` runs its core as ``fusions`` say
-    (with ``"fused_qkv"`` its projections as one GEMM), and with ``"bias_dropout_add"`` every
+    (with ``"fused_qkv"`` its projections as one GEMM), with ``"rmsnorm_swiglu"`` its RMSNorm
+    and SwiGLU modules as :mod:`course_lib.fused`'s kernels, and with ``"bias_dropout_add"`` every
     :class:`~course_lib.gpt.Block` its output adds (this
     instance only; before the model is cut). Returns how many modules were changed."""
     fusions = check_fusions(fusions)
@@ -281,6 +285,8 @@ def install(model, fusions) -> int:
             if isinstance(mod, Attention):
                 mod.project = types.MethodType(project_fused, mod)
                 n += 1
+    if "rmsnorm_swiglu" in fusions:
+        n += fused.install(model)
     if "bias_dropout_add" in fusions:
         for mod in model.modules():
             if isinstance(mod, Block):

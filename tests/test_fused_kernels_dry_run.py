@@ -1,0 +1,86 @@
+"""course_lib.fused's RMSNorm and SwiGLU as the ranks run them: one ``course::`` kernel each way,
+priced as one; a Hardware with ``fused_kernels`` makes the dry run run them (the planner's
+statement, so the same arguments run the same program); what they no longer keep, to the byte."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from course_lib import fused, gpt, tolerance
+from course_lib.lab.dry_run_memory import layer_activations
+from course_lib.planner import Layout, estimate
+from course_lib.planner.kernel_cost import ELEMENTWISE, REDUCTION, op_cost
+from course_lib.planner.presets import HARDWARE, MODELS
+from course_lib.virtual import dry_run
+
+SMALL = replace(MODELS["llama3-8b"], n_layers=2, name="llama3-8b, 2 layers")
+H100 = HARDWARE["h100-sxm"]
+
+
+def _loss_and_grads(model, idx):
+    model.zero_grad()
+    loss = model(idx, idx)[1]
+    loss.backward()
+    return {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_installed_kernels_give_the_plain_ops_results(experts):
+    """float64: the loss and every gradient of a Llama TinyGPT (SwiGLU experts too) with the
+    fused kernels installed equal the plain ops' within the one-step float64 bound, tensor by
+    tensor (the fused backward sums the same terms in another order)."""
+    kw = dict(n_experts=experts, top_k=2, expert_mlp="swiglu") if experts else {}
+    cfg = gpt.GPTConfig(n_layers=2, seq_len=16, hidden=32, n_heads=4, n_kv_heads=2, **kw)
+    idx = torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    plain = _loss_and_grads(gpt.TinyGPT(cfg, seed=0).double(), idx)
+    model = gpt.TinyGPT(cfg, seed=0).double()
+    mlps = experts if experts else 1            # SwiGLU modules of a block: the MLP, or its experts
+    assert fused.install(model) == (2 + mlps) * cfg.n_layers + 1     # the two norms; the final norm
+    got = _loss_and_grads(model, idx)
+    for name, want in plain.items():
+        tolerance.assert_matches(got[name], want, dtype=torch.float64, what=name)
+    assert gpt.RMSNorm.forward is not fused._norm_forward      # this instance only
+
+
+def test_each_fused_op_is_one_kernel_of_its_class():
+    """Priced as one kernel: the norm a row reduction reading x and the weight, writing y and
+    the fp32 1/rms; SwiGLU one streaming pass over a, b and the product (bf16 bytes)."""
+    x, w = torch.empty(8, 64, device="meta"), torch.empty(64, device="meta")
+    out = torch.ops.course.rms_norm(x, w, 1e-5)
+    flops, nbytes, cls, _ = op_cost(torch.ops.course.rms_norm.default, (x, w, 1e-5), {}, out, 2)
+    assert cls == REDUCTION and nbytes == (8 * 64 * 2 + 64 + 8) * 2
+    back = torch.ops.course.rms_norm_backward(x, x, w, out[1])
+    _, nbytes, cls, _ = op_cost(torch.ops.course.rms_norm_backward.default, (x, x, w, out[1]), {}, back, 2)
+    assert cls == REDUCTION and nbytes == (3 * 8 * 64 + 2 * 64 + 8) * 2
+    a = torch.empty(8, 256, device="meta")
+    _, nbytes, cls, _ = op_cost(torch.ops.course.swiglu.default, (a, a), {}, torch.ops.course.swiglu(a, a), 2)
+    assert cls == ELEMENTWISE and nbytes == 3 * 8 * 256 * 2
+    back = torch.ops.course.swiglu_backward(a, a, a)
+    _, nbytes, cls, _ = op_cost(torch.ops.course.swiglu_backward.default, (a, a, a), {}, back, 2)
+    assert cls == ELEMENTWISE and nbytes == 5 * 8 * 256 * 2
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+def test_fused_hardware_runs_the_fused_program(tp, sp):
+    """A Hardware with ``fused_kernels``: the dry run keeps, per layer, exactly the plain
+    program's bytes less each norm's x / rms (s b h, over t with SP) and SwiGLU's silu(w1 x)
+    (s b f / t), 16-bit; launches fewer kernels and is faster; the planner's course runtime
+    (which traces the same program) moves with it, time and activations."""
+    lay = Layout(tp=tp, sp=sp, micro_batch=1, global_batch=2, recompute="selective")
+    s, h, f = SMALL.seq_len, SMALL.hidden, SMALL.ffn
+    runs, plans, layers = {}, {}, {}
+    for fk in (False, True):
+        hw = H100.with_(fused_kernels=fk)
+        runs[fk] = dry_run(SMALL, hw, lay, progress=None)
+        plans[fk] = estimate(SMALL, hw, lay, runtime="course")
+        layers[fk] = layer_activations(SMALL, hw, lay, fusions=())
+    assert "rmsnorm_swiglu" in runs[True].fusions and "rmsnorm_swiglu" not in runs[False].fusions
+    gone = 2 * s * h * 2 / (tp if sp else 1) + s * f * 2 / tp
+    assert layers[False] - layers[True] == gone
+    # (one micro-batch in flight; the planner counts the two fp32 1/rms per token at 4 bytes,
+    # the dry run at the activations' 2: 2 x 2 bytes a token of 8,192 per layer, 1e-4 of it)
+    assert plans[False].memory["activations"] - plans[True].memory["activations"] == pytest.approx(
+        gone * SMALL.n_layers, rel=1e-3)
+    assert runs[True].kernels < runs[False].kernels and runs[True].step_time < runs[False].step_time
+    for fk in (False, True):     # the planner's course runtime within 5% of the dry run, fused or not
+        assert plans[fk].step_time == pytest.approx(runs[fk].step_time, rel=0.05)
