@@ -161,7 +161,7 @@ _KINDS: dict = {}   # OpOverload -> _Kind or _FREE_OP: a memo
 class _Kind:
     """How one aten op is priced: its FLOP formula (None: one FLOP per element, or none for a
     copy), its class, and which arguments it writes when it returns nothing (foreach ops)."""
-    __slots__ = ("formula", "cls", "writes", "embedding", "streams", "write_only")
+    __slots__ = ("formula", "cls", "writes", "embedding", "streams", "write_only", "fused")
 
     def __init__(self, func):
         packet = func.overloadpacket
@@ -180,6 +180,11 @@ class _Kind:
         self.writes = tuple(i for i, a in enumerate(func._schema.arguments)
                             if a.alias_info is not None and a.alias_info.is_write)
         self.embedding = packet is aten.embedding
+        # a course:: kernel is one fused pass (Megatron-LM's jit-fused bias + dropout + add, a
+        # fused SwiGLU): a small operand (a bias) is read once, from cache, at the streaming
+        # rate; the broadcast class was fitted on eager PyTorch's broadcasting kernels (the H100
+        # block's muls: course_lib.virtual.gpu_check.fit_kernels)
+        self.fused = func.namespace == "course"
         self.streams = cls is COPY and packet in STREAMING_COPIES      # priced as a stream when contiguous
         self.write_only = packet in WRITE_ONLY                         # its first argument is not read
 
@@ -328,7 +333,7 @@ def kind_cost(kind, func, args, kwargs, out, sizes):
         nbytes += n * sizes[out.dtype]
         if cls is ELEMENTWISE:
             flops = n                                  # one FLOP per element (memory bound)
-            if least is not None and least < n:
+            if least is not None and least < n and not kind.fused:
                 cls = BROADCAST                        # an input smaller than the output: read again per row
     elif isinstance(out, (list, tuple)):
         nbytes += _list_bytes(out, sizes)
