@@ -194,3 +194,25 @@ def test_overlapped_dp_prices_as_a_real_launch_under_the_backward():
     with pytest.raises(NotImplementedError, match="overlapped_dp: DDP under the last backward runs without a "
                                                   "pipeline"):
         dry_run(SPEC, HW, Layout(dp=2, pp=2, micro_batch=1, global_batch=4), fusions=software, progress=None)
+
+
+def test_sequence_first_unprices_the_layout_copies_only():
+    """Megatron-LM's (s, b, h) activations ("sequence_first"): the sequence-parallel collectives'
+    transposing copies go unpriced. At micro-batch 1 the course's (b, s, h) pieces are
+    contiguous already: the same step to the bit, the same kernels. At micro-batch 2 each SP
+    gather copies its input and output (2 kernels) and each reduce-scatter its input (1): per
+    region (attention, MLP) forward a gather and a reduce-scatter (3), backward the column
+    layer's re-gather, the gather's reduce-scatter and the reduce-scatter's gather (5): 16 a
+    layer; the embedding's reduce-scatter and its backward (3) and the head's region (5): 8;
+    the step is shorter. Without SP nothing moves."""
+    def run(micro_batch, sp, software):
+        lay = Layout(tp=2, sp=sp, micro_batch=micro_batch, global_batch=micro_batch)
+        return dry_run(SPEC, HW, lay, progress=None, fusions=software)
+    for sp in (True, False):
+        one = [run(1, sp, sw) for sw in ((), ("sequence_first",))]
+        assert (one[0].step_time, one[0].kernels) == (one[1].step_time, one[1].kernels)
+    two = [run(2, True, sw) for sw in ((), ("sequence_first",))]
+    assert two[0].kernels - two[1].kernels == 16 * SPEC.n_layers + 8
+    assert two[1].step_time < two[0].step_time
+    plain = [run(2, False, sw) for sw in ((), ("sequence_first",))]
+    assert (plain[0].step_time, plain[0].kernels) == (plain[1].step_time, plain[1].kernels)

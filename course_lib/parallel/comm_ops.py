@@ -31,8 +31,11 @@ Every op takes the :class:`~course_lib.collectives.comm.Comm` of its group (e.g.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from course_lib import trace
 from course_lib.collectives.comm import Comm
 
 
@@ -43,28 +46,45 @@ def _check(comm, x, dim=None):
         raise ValueError(f"dim={dim} is not a dimension of a tensor of shape {tuple(x.shape)}")
 
 
-def gather_along(comm, x, dim, name, async_op=False):
+def layout_copies(sequence: bool):
+    """Where the copies that move a (batch, sequence, hidden) activation's sequence to the front
+    and back run: priced as kernels, unless ``sequence`` (the dimension is the sequence of a
+    sequence-parallel collective) and this rank's virtual clock runs a program that keeps its
+    activations (sequence, batch, hidden), Megatron-LM's, where the sequence is already first
+    and no such copy exists (``clock.sequence_first``: the dry run's ``"sequence_first"``
+    software item). The copies still run on the CPU: the values are the same."""
+    clock = trace.clock() if sequence else None
+    return clock.muted() if clock is not None and getattr(clock, "sequence_first", False) \
+        else contextlib.nullcontext()
+
+
+def gather_along(comm, x, dim, name, async_op=False, sequence=False):
     """(.., n, ..) on each rank -> (.., size * n, ..): the pieces in group-rank order along ``dim``.
     ``async_op``: the all-gather is launched and a function returned that waits for it and
-    gives the result (the caller computes in between: Megatron-LM 2022's SP backward)."""
-    x = x.movedim(dim, 0).contiguous()                               # (n, ...) gathered along dim 0
+    gives the result (the caller computes in between: Megatron-LM 2022's SP backward).
+    ``sequence``: ``dim`` is the sequence (:func:`layout_copies`)."""
+    with layout_copies(sequence):
+        x = x.movedim(dim, 0).contiguous()                           # (n, ...) gathered along dim 0
     out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
     work = comm.all_gather_into_tensor(out, x, name=name, async_op=async_op)
 
     def result():
         if work is not None:
             work.wait()
-        return out.movedim(0, dim).contiguous()  # one copy here, not one per layer that reads it
+        with layout_copies(sequence):
+            return out.movedim(0, dim).contiguous()  # one copy here, not one per layer that reads it
     return result if async_op else result()
 
 
-def reduce_scatter_along(comm, x, dim, name, async_op=False):
+def reduce_scatter_along(comm, x, dim, name, async_op=False, sequence=False):
     """(.., size * n, ..) on each rank -> (.., n, ..): the sum over ranks of this rank's piece.
-    ``async_op``: as :func:`gather_along`'s, a function that waits and gives the result."""
+    ``async_op``: as :func:`gather_along`'s, a function that waits and gives the result;
+    ``sequence``: as :func:`gather_along`'s."""
     if x.shape[dim] % comm.size:
         raise ValueError(f"{name}: dimension {dim} of size {x.shape[dim]} does not split evenly over the "
                          f"{comm.size} ranks of the group (sequence parallelism needs seq % tp == 0)")
-    x = x.movedim(dim, 0).contiguous()
+    with layout_copies(sequence):
+        x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // comm.size, *x.shape[1:]))
     work = comm.reduce_scatter_tensor(out, x, name=name, async_op=async_op)
 
@@ -142,7 +162,7 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, region=None):
         ctx.comm, ctx.dim, ctx.region = comm, dim, region
-        return gather_along(comm, x, dim, "SP g: all-gather")
+        return gather_along(comm, x, dim, "SP g: all-gather", sequence=True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -151,7 +171,8 @@ class GatherFromSequenceParallel(torch.autograd.Function):
             (source, reduced), region.reduced = region.reduced, None
             if grad is source:        # the column layer's dX is the whole gradient: no other reader
                 return reduced, None, None, None
-        return reduce_scatter_along(ctx.comm, grad, ctx.dim, "SP g: reduce-scatter (backward)"), None, None, None
+        return (reduce_scatter_along(ctx.comm, grad, ctx.dim, "SP g: reduce-scatter (backward)", sequence=True),
+                None, None, None)
 
 
 class ScatterToSequenceParallel(torch.autograd.Function):
@@ -160,11 +181,11 @@ class ScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim):
         ctx.comm, ctx.dim = comm, dim
-        return reduce_scatter_along(comm, x, dim, "SP g-bar: reduce-scatter")
+        return reduce_scatter_along(comm, x, dim, "SP g-bar: reduce-scatter", sequence=True)
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_along(ctx.comm, grad, ctx.dim, "SP g-bar: all-gather (backward)"), None, None
+        return gather_along(ctx.comm, grad, ctx.dim, "SP g-bar: all-gather (backward)", sequence=True), None, None
 
 
 class GatherFromParallel(torch.autograd.Function):
@@ -264,5 +285,5 @@ def sum_over_copies(x, comm, slot, n_slots):
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_sequence_parallel",
            "scatter_to_sequence_parallel", "split_to_parallel", "gather_from_parallel", "sum_over_copies",
            "gather_along", "reduce_scatter_along", "reduces_in_place", "CopyToParallel", "ReduceFromParallel",
-           "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel",
+           "GatherFromSequenceParallel", "ScatterToSequenceParallel", "SplitToParallel", "layout_copies",
            "GatherFromParallel", "SumOverCopies"]

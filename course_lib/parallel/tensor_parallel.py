@@ -92,14 +92,14 @@ class SequenceShardInput:
 
     def full(self, shard):
         if self._full is None:
-            self._full = gather_along(self.comm, shard.detach(), self.dim, AGAIN)
+            self._full = gather_along(self.comm, shard.detach(), self.dim, AGAIN, sequence=True)
         return self._full
 
     def full_async(self, shard):
         """A function giving the full input: the all-gather launched now unless another column
         layer of the region gathered it already (its wait is the function's)."""
         if self._full is None:
-            pending = gather_along(self.comm, shard.detach(), self.dim, AGAIN, async_op=True)
+            pending = gather_along(self.comm, shard.detach(), self.dim, AGAIN, async_op=True, sequence=True)
 
             def wait():
                 if self._full is None:
@@ -132,7 +132,7 @@ def column_backward(source, shard, overlap, input_grad, weight_grads):
     reducing = None
     if source.readers == 1:
         reducing = reduce_scatter_along(source.comm, grad_x, source.dim, "SP g: reduce-scatter (backward)",
-                                        async_op=True)
+                                        async_op=True, sequence=True)
     grads = weight_grads(x_full)                              # under the reduce-scatter
     if reducing is not None:      # kept with the dX it sums: the region's entry checks it got that dX
         source.reduced = (grad_x, reducing())

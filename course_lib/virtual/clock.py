@@ -69,6 +69,7 @@ class RankClock:
         self._pending = []      # async collectives issued, not priced yet (settle() prices them in order)
         self.lane = None        # the compute stream's KernelLane inside an overlapped pair
         self.launch_blocking = False    # CUDA_LAUNCH_BLOCKING=1: each launch returns at its kernel's end
+        self.sequence_first = False     # the program's activations (s, b, h): comm_ops.layout_copies
         self.sm_windows = []    # [start, end, CTAs] of the async collectives' kernels (:mod:`.contention`)
         self.sm_busy_until = 0.0            # the latest of their ends
         self._mode = ComputeStream(self)

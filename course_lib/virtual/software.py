@@ -145,6 +145,14 @@ SP_RUNTIME = ("sp_backward_overlap",)
 # layer's, to the bit. Narayanan et al. 2021's code (de7dc40) has no such flag: f waits.
 TP_RUNTIME = ("tp_backward_overlap",)
 RUNTIME = RUNTIME + SP_RUNTIME + TP_RUNTIME
+# Megatron-LM keeps its activations (sequence, batch, hidden) (megatron/model/transformer.py,
+# "hidden_states: [s, b, h]"), so its sequence-parallel collectives gather and scatter the first
+# dimension, contiguous pieces (megatron/mpu/mappings.py at 55ba1f7b96, _gather_along_first_dim
+# and _reduce_scatter_along_first_dim): none of the copies that move the course's (batch,
+# sequence, hidden) sequence to the front and back (course_lib.parallel.comm_ops.layout_copies,
+# at micro-batches over 1). Run by the course's layers with those copies unpriced.
+LAYOUT_RUNTIME = ("sequence_first",)
+RUNTIME = RUNTIME + LAYOUT_RUNTIME
 
 
 def check_fusions(fusions) -> tuple:
@@ -300,7 +308,8 @@ def install_runtime(net, software) -> None:
     """The runtime behaviours of :data:`RUNTIME` in ``software`` set on ``net`` (what
     :func:`~course_lib.parallel.compose.parallelize_nd` returned): ``"blocking_sends"``, its
     pipeline runner waits for each send where it posts it; absent, it does not. And on this
-    rank's virtual clock, if one runs (:func:`install_launch_blocking`)."""
+    rank's virtual clock, if one runs (:func:`install_launch_blocking`; ``"sequence_first"``:
+    :data:`LAYOUT_RUNTIME`)."""
     software = check_fusions(software)
     runner = getattr(net, "runner", None)
     if runner is not None:
@@ -317,6 +326,9 @@ def install_runtime(net, software) -> None:
     overlap_sp_backward(net, "sp_backward_overlap" in software)
     overlap_tp_backward(net, "tp_backward_overlap" in software)
     install_launch_blocking(trace.clock(), software)
+    clock = trace.clock()
+    if clock is not None:
+        clock.sequence_first = "sequence_first" in software
 
 
 def _column_layers(net):
@@ -377,6 +389,6 @@ def overlap_dp(net) -> None:
     runner.B = backward
 
 
-__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "TP_RUNTIME", "overlap_sp_backward", "overlap_tp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "TP_RUNTIME", "LAYOUT_RUNTIME", "overlap_sp_backward", "overlap_tp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
            "bias_dropout_add", "overlap_dp", "MegatronP2P"]
