@@ -22,7 +22,6 @@ from course_lib.grading.traffic import counted_calls
 from course_lib.grading.guard import learner
 from course_lib.grading.harness import check_answers, number
 from course_lib import schedules as S
-from course_lib.lab.pipeline_runs import trained_like_one_device
 from course_lib.models import init_uniform_
 from course_lib.trace import Span
 
@@ -66,11 +65,10 @@ def _diagnose(got, want, p):
     return None
 
 
-def _cases(shapes, on_ranks=None):
-    """A case per (p, m) or (p, m, v); the one equal to ``on_ranks`` also trains on real ranks."""
+def _cases(shapes):
+    """A case per (p, m) or (p, m, v)."""
     keys = ("p", "m", "v")
-    return [Case(dict(zip(keys, s), on_ranks=s == on_ranks), label=", ".join(f"{k}={x}" for k, x in zip(keys, s)))
-            for s in shapes]
+    return [Case(dict(zip(keys, s)), label=", ".join(f"{k}={x}" for k, x in zip(keys, s))) for s in shapes]
 
 
 def _compare_to(fn, reference_fn, what):
@@ -91,21 +89,15 @@ def _compare_to(fn, reference_fn, what):
             return got + (f"; {diff}" if diff else "")
         if got == S.gpipe(p, m) and got != want:
             return "this is GPipe's order (all forwards, then all backwards): 1F1B starts backwards early"
-        diff = _diagnose(got, want, p)
-        if diff:
-            return diff
-        if case.params.get("on_ranks"):
-            ok, diff, bound = trained_like_one_device(got, p, m)
-            if not ok:
-                return (f"ran on {p} ranks: parameters differ from one device by {diff:.3g} (float64 rounding "
-                        f"allows {bound:.2g})")
-        return None
+        # None only where every rank's order is the reference's, action for action (a run of it
+        # on ranks would test the library's runner, not the answer: chapter 6 trains it there)
+        return _diagnose(got, want, p)
     return run
 
 
 def check_one_f_one_b(fn) -> bool:
     """fn(p, m) -> [[(op, stage, mb), ...] per rank]: warm-up, steady 1F1B, cool-down."""
-    cases = _cases([(2, 4), (3, 2), (4, 8), (4, 1), (3, 7), (1, 3), (2, 3)], on_ranks=(2, 3))
+    cases = _cases([(2, 4), (3, 2), (4, 8), (4, 1), (3, 7), (1, 3), (2, 3)])
     return check("one_f_one_b", cases, _compare_to(fn, S.one_f_one_b, "the 1F1B order"))
 
 

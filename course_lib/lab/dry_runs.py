@@ -86,8 +86,8 @@ _MEGATRON = ("scale_mask_softmax", "bias_dropout_add", "fused_qkv")
 # the first dimension: "sequence_first" (course_lib.virtual.software.LAYOUT_RUNTIME), the
 # course's transposing copies around them unpriced (at micro-batch 1 there are none; without
 # SP none run). BLOOM's fork keeps the same layout. Measured (2026-11-29): Table 5's 22B row
-# (micro-batch 4) 1.175 -> 0.975 s (+6.8% -> -11.4%): 16 copies a layer less, 4.5 ms of
-# a layer's 22 ms (Table 4's sequence-parallel rows, lab.layer_times); no other row moves.
+# (micro-batch 4) 1.175 -> 0.975 s (+6.8% -> -11.4%): 16 copies a layer less, 4.1 ms of
+# a layer's 22.6 ms (Table 4's selective + sequence row, lab.layer_times); no other row moves.
 _MEGATRON = _MEGATRON + ("sequence_first",)
 # The same engine partitions each pipeline message over the model-parallel group
 # (is_pipe_partitioned = is_grad_partitioned = is_model_parallel, deepspeed/runtime/pipe/engine.py

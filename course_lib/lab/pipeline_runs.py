@@ -9,9 +9,6 @@ idles 10.02% on the clock). The bubble is read from the clock's compute spans (t
 idles most), the memory from what the ranks hold (their parameters plus the activations
 autograd saved, at the fullest moment: ``ScheduleRunner``'s peak).
 
-``trained_like_one_device`` trains a tiny GPT with a given schedule on p ranks (chapter 6's
-1F1B question, one case run for real).
-
 The fewest micro-batches that pass come from one measured step per (layers, v), cached: its
 per-action times and message latency (``measured_costs``) replayed by the schedule simulator
 (``schedules.simulate``) for every (m, v), its saved bytes per chunk times the micro-batches
@@ -186,39 +183,5 @@ def fewest_microbatches(p, layers, budget, max_m, bubble, layers_all):
     return _fewest(p, layers, budget, max_m, bubble, tuple(layers_all), _prices())
 
 
-def _train_rank(schedule, p, m):
-    """Train a tiny GPT for 2 SGD steps with ``schedule``, in float64; return (whether it
-    matches one device within course_lib.tolerance's bound, the largest difference, the bound).
-    A schedule only reorders the micro-batches' gradient sums: rounding is all that may differ."""
-    from course_lib import reference, tolerance
-    from course_lib.models import GPTConfig, TinyGPT
-    from course_lib.parallel import Mesh, PipelineParallel
-
-    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layers=4, hidden=16, n_heads=2, tie_embeddings=True)
-    batches = reference.gpt_batches(cfg, batch=2 * m, steps=2)
-    largest = []                                   # G of the bound: the largest gradient element
-
-    def sgd(params):
-        largest.append(max(float(q.grad.abs().max()) for q in params if q.grad is not None))
-        reference.sgd_step(params, 0.5)
-    state, _ = reference.train_gpt(TinyGPT(cfg, seed=0).double(), batches, sgd, micro=m)
-    pipe = PipelineParallel(TinyGPT(cfg, seed=0).double(), Mesh(pp=p), schedule, microbatches=m)
-    for x, y in batches:
-        pipe.step(x, y)
-        reference.sgd_step(pipe.parameters(), 0.5)
-        for q in pipe.parameters():
-            q.grad = None
-    got = {n: q.detach() for st in pipe.stages.values() for n, q in st.named_in_model().items()}
-    check = tolerance.compare(got, {n: state[n] for n in got}, dtype=torch.float64, optimizer="sgd", steps=2,
-                              lr=0.5, grad_scale=max(largest))
-    return check.ok, check.diff, check.bound
-
-
-def trained_like_one_device(schedule, p, m):
-    """(whether p ranks training with ``schedule`` for 2 SGD steps in float64 match one device
-    within course_lib.tolerance's bound, the largest difference, the bound): the worst rank's."""
-    return min(launch(_train_rank, p, schedule, p, m, timeout=60, quiet=True))
-
-
 __all__ = ["FREE_H100", "ROWS", "WIDTH", "schedule_of", "chunk_counts", "worst_bubble", "clock_steps",
-           "measured_steps", "replayed_step", "fewest_microbatches", "trained_like_one_device"]
+           "measured_steps", "replayed_step", "fewest_microbatches"]
