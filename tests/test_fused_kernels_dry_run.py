@@ -8,6 +8,7 @@ import torch
 
 from course_lib import fused, gpt, tolerance
 from course_lib.lab.dry_run_memory import layer_activations
+from course_lib.lab.nd_runs import LR, single_device
 from course_lib.planner import Layout, estimate
 from course_lib.planner.kernel_cost import ELEMENTWISE, REDUCTION, op_cost
 from course_lib.planner.presets import HARDWARE, MODELS
@@ -84,3 +85,47 @@ def test_fused_hardware_runs_the_fused_program(tp, sp):
     assert runs[True].kernels < runs[False].kernels and runs[True].step_time < runs[False].step_time
     for fk in (False, True):     # the planner's course runtime within 5% of the dry run, fused or not
         assert plans[fk].step_time == pytest.approx(runs[fk].step_time, rel=0.05)
+
+
+def _fused_run(layout, kw, cfg, batch, steps):
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+    from course_lib import reference
+
+    model = gpt.TinyGPT(cfg, seed=0).double()
+    fused.install(model)                       # before the plan cuts it, as the dry run does
+    net = parallelize_nd(model, Mesh(**layout), **kw)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+    losses, grads = [], None
+    for x, y in reference.gpt_batches(cfg, batch=batch, steps=steps):
+        losses.append(net.step(x, y))
+        if grads is None and kw.get("data") != "fsdp":
+            grads = net.shards(grads=True)     # the first step's: AdamW would hide a wrong scale
+        opt.step()
+        opt.zero_grad()
+    return losses, net.shards(), grads
+
+
+@pytest.mark.parametrize("layout,kw", [(dict(dp=2, tp=2), {}),                                   # TP + SP
+                                       (dict(dp=2, tp=2), dict(data="fsdp", sequence_parallel=False))])
+def test_fused_kernels_train_like_one_device_on_ranks(layout, kw):
+    """The fused kernels installed on a Llama TinyGPT cut by ``parallelize_nd`` (TP + SP, FSDP x
+    TP: the norms on sequence shards, SwiGLU's w1 and w3 column-parallel) train 3 AdamW steps
+    in float64 like the plain model on one device: the first step's gradients within the
+    one-step bound (not under FSDP, which keeps shards only), losses and parameters within the
+    AdamW bound."""
+    from course_lib import launch
+    from course_lib.parallel.compose import assemble_nd, check_layout
+
+    cfg = gpt.GPTConfig(vocab_size=96, seq_len=16, n_layers=2, hidden=32, n_heads=4, n_kv_heads=2)
+    batch, steps = 8, 3
+    shape = check_layout(cfg, **layout, batch=batch, **kw)
+    ref = single_device(cfg, batch, steps, groups=shape.sizes["dp"], dtype=torch.float64)
+    ranks = launch(_fused_run, shape.world_size, layout, kw, cfg, batch, steps, threads=1)
+    for losses, _, _ in ranks:
+        tolerance.assert_matches(losses, ref.losses, optimizer="adamw", steps=steps, lr=LR, what="losses")
+    if kw.get("data") != "fsdp":
+        grads = assemble_nd([g for _, _, g in ranks], shape)
+        tolerance.assert_matches(grads, ref.grads, what="the first step's gradients")
+    full = assemble_nd([shards for _, shards, _ in ranks], shape)
+    tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=steps, lr=LR)
