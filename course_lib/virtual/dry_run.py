@@ -345,7 +345,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     "rmsnorm_swiglu", added for a Hardware with ``fused_kernels``) and
     how its program ran (:data:`.software.RUNTIME`: DeepSpeed's "blocking_sends" and
     "deepspeed_p2p_order", "launch_blocking" for ``CUDA_LAUNCH_BLOCKING=1``, PyTorch DDP's
-    "overlapped_dp"), stated per source, never fitted; default none: the course's attention,
+    "overlapped_dp", Megatron-LM's exchange, overlaps and (s, b, h) activations:
+    "megatron_p2p", "sp_backward_overlap", "tp_backward_overlap", "sequence_first"; the full
+    list and each one's source in :mod:`.software`), stated per source, never fitted; default none: the course's attention,
     written out, and sends waited at the end of the step. ``dropout``: the source's
     hidden and attention dropout (:func:`model_config`), stated per source like ``fusions``;
     default 0. ``dtype``: the cluster's, under ``layout.precision`` "full" (under another
