@@ -34,3 +34,22 @@ def test_literal_round_trips_the_benchmarks_json(tmp_path):
     assert recorded == {("Korthikanti 2022 T5", "GPT 175B", 64): (13.25, 55.04, True, 37, 10)}
     got = {r["model"]: r for r in recorded_rows(recorded)}
     assert got["GPT 175B"]["dry_s"] == 13.25 and got["GPT 22B"]["dry_s"] is None
+
+
+FRESH = [("Korthikanti 2022 T5", "GPT 22B"), ("Korthikanti 2022 T5 full recompute", "GPT 22B, full"),
+         ("Narayanan 2021 T1", "GPT 1.7B"), ("Narayanan 2021 T1", "GPT 18.4B"), ("Narayanan 2021 T1", "GPT 39.1B")]
+
+
+@pytest.mark.parametrize("source,name", FRESH)
+def test_the_recorded_rows_are_what_todays_code_computes(source, name):
+    """The quick rows (a few seconds each: no pipeline or two stages) run again: the dry run is
+    deterministic, so the recorded step time and memory are today's to the last digits. A change
+    to the clock, the program or a source's statements that moves a row fails here until the
+    table is recorded again (``benchmarks/dry_run_validation.py``, ``python -m
+    course_lib.lab.dry_run_table``)."""
+    from course_lib.lab.dry_runs import validation_rows
+
+    [row] = validation_rows(sources=(source,), models=(name,), progress=None)
+    dry_s, gib, fits, _, _ = RECORDED[(source, name, row["GPUs"])]
+    assert row["dry_s"] == pytest.approx(dry_s, rel=1e-9)
+    assert round(row["dry_GiB"], 2) == gib and row["fits"] == fits
