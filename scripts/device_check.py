@@ -6,7 +6,9 @@ Four workloads in bf16 that the kernel model was fitted on (``gpu_check.workload
 8192^3 GEMM, a TinyGPT block forward and backward at h = 2048, s = 2048, b = 4, 1000
 one-element additions (the host's issue interval) and a streaming add of 2 x 256 MiB; then
 four it never saw (``gpu_check.unseen_workloads``): a GPT-2 block of another shape, the
-SwiGLU MLP alone, attention alone and an AdamW step (foreach); and one 256 MiB all-reduce over
+SwiGLU MLP alone, attention alone and an AdamW step (foreach); the 12 GEMMs of one layer of
+Korthikanti's 22B and 175B rows, back to back (``gpu_check.gemm_workloads``: the clock's GEMM
+rate at the published rows' shapes); and one 256 MiB all-reduce over
 NCCL when there are at least two GPUs. Virtual: the workload run once under the virtual clock
 (:mod:`course_lib.virtual`, the preset named by ``--hardware`` or guessed from the device's
 name); measured: CUDA events around the same workload, median of ``--repeats`` after warm-up.
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from course_lib import trace  # noqa: E402
 from course_lib.launch import launch  # noqa: E402
 from course_lib.virtual import VirtualCluster  # noqa: E402
-from course_lib.virtual.gpu_check import (breakdown, fit_kernels, measured_seconds,  # noqa: E402
+from course_lib.virtual.gpu_check import (breakdown, fit_kernels, gemm_workloads, measured_seconds,  # noqa: E402
                                           print_against_recorded, unseen_workloads, virtual_seconds, workloads)
 
 FITTED, UNSEEN = 0.15, 0.20      # virtual / measured within 1 +- these
@@ -103,7 +105,8 @@ def main(argv=None):
     print(cluster.describe())
     device = "cuda" if gpu else "meta"
     rows, bound = [], {}
-    for tolerance, works in ((FITTED, workloads(device)), (UNSEEN, unseen_workloads(device))):
+    for tolerance, works in ((FITTED, workloads(device)), (UNSEEN, unseen_workloads(device)),
+                             (UNSEEN, gemm_workloads(device))):
         for label, (setup, run) in works.items():
             virtual = virtual_seconds(cluster, setup, run)
             measured = measured_seconds(setup, run, args.repeats) if gpu else None

@@ -283,3 +283,19 @@ def test_the_dispatch_prices_each_op_as_op_time():
             with replay:
                 net(x, x, n_tokens=x.numel())[1].backward()
             assert replay.priced > 100 and (clock.t, clock.host) == (replay.t, replay.host)
+
+
+def test_the_published_layers_gemms_are_the_tile_model_back_to_back():
+    """device_check's GEMMs of one published layer (gpu_check.gemm_workloads): 12 GEMMs a layer
+    (4 forward, dX and dW of each backward), priced on the meta device as the tile model's
+    kernel times summed, plus the first kernel's issue (the host then runs ahead: each GEMM
+    takes longer than an issue)."""
+    for hw in ("h100-sxm", "a100-80gb"):
+        cluster = VirtualCluster(hw, gpus_per_node=8, dtype=torch.bfloat16)
+        for label, (setup, run) in gpu_check.gemm_workloads("meta").items():
+            h, tokens = gpu_check.PUBLISHED_LAYERS[label.removeprefix("layer GEMMs, ")]
+            shapes = gpu_check.layer_gemms(h, tokens)
+            assert len(shapes) == 12 and sum(2 * m * k * n for m, k, n in shapes) == 3 * 24 * tokens * h * h // 8
+            kernels = sum(cluster.kernel_time(2.0 * m * k * n, 0, "gemm", (m, n, k, 1)) for m, k, n in shapes)
+            got = gpu_check.virtual_seconds(cluster, setup, run)
+            assert got == pytest.approx(kernels + cluster.hw.launch_overhead, rel=1e-9), label

@@ -1,7 +1,7 @@
 """The virtual GPU clock against a real GPU: the workloads, their prices, and one recorded run.
 
 ``scripts/device_check.py`` runs :func:`workloads` (those the kernel model is fitted on) and
-:func:`unseen_workloads` (those it is checked on) on a CUDA machine (CUDA events, medians) and
+:func:`unseen_workloads` and :func:`gemm_workloads` (those it is checked on) on a CUDA machine (CUDA events, medians) and
 under the virtual clock, breaks a transformer block down per aten op (:func:`breakdown`) and
 fits the kernel model (:func:`fit_kernels`). :data:`H100` is what it measured on one H100 SXM:
 the presets' kernel constants are :func:`fit_kernels` of it, and chapter 0 prints it next to
@@ -93,6 +93,45 @@ def unseen_workloads(device):
             "SwiGLU MLP fwd+bwd (h 4096, f 11008, 8192 tokens)": (module(SwiGLU, mlp, (4, 2048, 4096)), fwd_bwd),
             "attention fwd+bwd (h 2048, s 4096, b 2)": (module(Attention, llama, (2, 4096, 2048)), fwd_bwd),
             "AdamW step (foreach, 48 x 2M bf16)": (adamw, lambda opt: opt.step())}
+
+
+# One layer of a published run, one tensor-parallel rank (tp 8): (hidden, tokens per micro-batch)
+PUBLISHED_LAYERS = {"22B (Korthikanti Table 4: tp 8, 4 x 2048 tokens)": (6144, 4 * 2048),
+                    "175B (Korthikanti Table 5: tp 8, 2048 tokens)": (12288, 2048)}
+
+
+def layer_gemms(h: int, tokens: int, t: int = 8) -> list:
+    """The 12 GEMMs of one GPT layer's forward and backward on one of ``t`` tensor-parallel ranks,
+    as (M, K, N) of (M x K) @ (K x N): QKV (one GEMM, width 3h/t), the attention's output
+    projection, the MLP's two (4h/t); backward each layer's dX = dY W^T and dW = X^T dY (the
+    attention's batched products and everything memory-bound left out)."""
+    layers = [(h, 3 * h // t), (h // t, h), (h, 4 * h // t), (4 * h // t, h)]      # (in, out) per rank
+    out = []
+    for k, n in layers:
+        out.append((tokens, k, n))                  # forward: y = x W
+    for k, n in layers:
+        out += [(tokens, n, k), (k, tokens, n)]     # dX = dY W^T, dW = X^T dY
+    return out
+
+
+def gemm_workloads(device):
+    """The GEMMs of one layer of the published runs (:data:`PUBLISHED_LAYERS`, :func:`layer_gemms`)
+    run back to back, bf16, operands made once: the clock's tile x wave model at the shapes its
+    published rows run, against a GPU's cuBLAS in a training-like sequence (a different operand
+    each GEMM, nothing repeated while hot in L2). ``scripts/device_check.py`` holds them to the
+    unseen workloads' +-20% and prints virtual / measured: the check of the clock's GEMM rate
+    that chapter 10 asks of a GPU (its published rows all run fast)."""
+    def make(h, tokens):
+        def setup():
+            with torch.device(device):
+                return [(torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16))
+                        for m, k, n in layer_gemms(h, tokens)]
+        return setup
+
+    def run(pairs):
+        for a, b in pairs:
+            a @ b
+    return {f"layer GEMMs, {name}": (make(*shape), run) for name, shape in PUBLISHED_LAYERS.items()}
 
 
 def virtual_seconds(cluster, setup, run):
