@@ -115,8 +115,9 @@ class Hardware:
     scores stay on chip (not stored for backward, not streamed through HBM), masked causal
     tiles are skipped, and the backward recomputes QK^T. ``fused_kernels`` whether RMSNorm
     and SwiGLU run fused (Megatron-LM, Transformer Engine), keeping less for backward
-    (``llama_activation_bytes_per_layer``); off by default: the course's block, written in
-    plain ops, as counted in chapter 0. ``sm_count`` and ``gemm_tile``:
+    (``llama_activation_bytes_per_layer``) and launching one kernel each way (the dry run and
+    the planner's course runtime then run :mod:`course_lib.fused`'s); off by default: the
+    course's block, written in plain ops, as counted in chapter 0. ``sm_count`` and ``gemm_tile``:
     the streaming multiprocessors and the output tile of the GEMM-by-shape model
     (:data:`course_lib.planner.gemm.GEMM_MODEL`); ``sm_count = 0`` keeps every GEMM at
     ``matmul_efficiency`` of peak (a hand-made or calibrated Hardware); ``gemm_tile_overhead``
