@@ -347,10 +347,10 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     "deepspeed_p2p_order", "launch_blocking" for ``CUDA_LAUNCH_BLOCKING=1``, PyTorch DDP's
     "overlapped_dp", Megatron-LM's exchange, overlaps and (s, b, h) activations:
     "megatron_p2p", "sp_backward_overlap", "tp_backward_overlap", "sequence_first"; the full
-    list and each one's source in :mod:`.software`), stated per source, never fitted; default none: the course's attention,
-    written out, and sends waited at the end of the step. ``dropout``: the source's
-    hidden and attention dropout (:func:`model_config`), stated per source like ``fusions``;
-    default 0. ``dtype``: the cluster's, under ``layout.precision`` "full" (under another
+    list and each one's source in :mod:`.software`), stated per source, never fitted; default
+    none: the course's attention, written out, and sends waited at the end of the step.
+    ``dropout``: the source's hidden and attention dropout (:func:`model_config`), stated per
+    source like ``fusions``; default 0. ``dtype``: the cluster's, under ``layout.precision`` "full" (under another
     precision each tensor is priced at its own dtype, see the module's docstring)."""
     if optimizer not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be 'fused' or 'foreach', got {optimizer!r}")
@@ -358,6 +358,9 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     spec, hw = get_model(model), get_hardware(hardware)
     cfg = check_dry_run(spec, layout, dropout)
     fusions = check_fusions(fusions)
+    if "rmsnorm_swiglu" in fusions and not (spec.norm == "rmsnorm" or spec.mlp == "swiglu"):
+        raise ValueError(f"fusions: 'rmsnorm_swiglu' fuses RMSNorm and SwiGLU, and {spec.name} has neither "
+                         f"(norm {spec.norm!r}, mlp {spec.mlp!r})")
     if getattr(hw, "fused_kernels", False) and "rmsnorm_swiglu" not in fusions:
         fusions += ("rmsnorm_swiglu",)     # the Hardware's statement, which the planner reads too
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own

@@ -1,12 +1,12 @@
 """The virtual GPU clock against a real GPU: the workloads, their prices, and one recorded run.
 
 ``scripts/device_check.py`` runs :func:`workloads` (those the kernel model is fitted on) and
-:func:`unseen_workloads` and :func:`gemm_workloads` (those it is checked on) on a CUDA machine (CUDA events, medians) and
-under the virtual clock, breaks a transformer block down per aten op (:func:`breakdown`) and
-fits the kernel model (:func:`fit_kernels`). :data:`H100` is what it measured on one H100 SXM:
-the presets' kernel constants are :func:`fit_kernels` of it, and chapter 0 prints it next to
-the virtual times computed on the spot (:func:`against_recorded`, on PyTorch's ``meta``
-device: prices need shapes only).
+:func:`unseen_workloads` and :func:`gemm_workloads` (those it is checked on) on a CUDA machine
+(CUDA events, medians) and under the virtual clock, breaks a transformer block down per aten
+op (:func:`breakdown`) and fits the kernel model (:func:`fit_kernels`). :data:`H100` is what
+it measured on one H100 SXM: the presets' kernel constants are :func:`fit_kernels` of it, and
+chapter 0 prints it next to the virtual times computed on the spot (:func:`against_recorded`,
+on PyTorch's ``meta`` device: prices need shapes only).
 """
 from __future__ import annotations
 

@@ -325,8 +325,8 @@ def install_runtime(net, software) -> None:
         net.zero.all_reduce = "zero_all_reduce" in software
     overlap_sp_backward(net, "sp_backward_overlap" in software)
     overlap_tp_backward(net, "tp_backward_overlap" in software)
-    install_launch_blocking(trace.clock(), software)
     clock = trace.clock()
+    install_launch_blocking(clock, software)
     if clock is not None:
         clock.sequence_first = "sequence_first" in software
 
@@ -389,6 +389,7 @@ def overlap_dp(net) -> None:
     runner.B = backward
 
 
-__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "TP_RUNTIME", "LAYOUT_RUNTIME", "overlap_sp_backward", "overlap_tp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
+__all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "TP_RUNTIME", "LAYOUT_RUNTIME", "overlap_sp_backward",
+           "overlap_tp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
            "bias_dropout_add", "overlap_dp", "MegatronP2P"]
