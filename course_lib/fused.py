@@ -18,6 +18,13 @@ keeps (``models.saved_activations`` counts it), and they give the plain ops' res
 - ``swiglu(a, b) = silu(a) * b``: keeps a and b, where the plain ops also keep silu(a).
   (The product is W_2's input: the matmul after it keeps it in either case.)
 
+And FlashAttention's causal core (``flash_attention``, ``install_flash(model)``): torch's CPU
+flash kernel, one kernel forward and one backward, which keeps Q, K, V, the output and the
+log-sum-exp, never the s x s scores, and which the clock prices as the GPU's fused kernel
+(its FLOPs, causal half, at the preset's "attention" fraction). The dry run runs it for a
+Hardware with ``fused_attention`` (the planner's statement that attention is fused), and the
+planner's count of the course's program traces it, as for the two kernels above.
+
 ``install(model)`` makes one model's RMSNorm and SwiGLU modules run them (the dry run's
 ``"rmsnorm_swiglu"`` software item and the planner's count of the course's program, both for a
 Hardware with ``fused_kernels``); ``kernels()`` does it for every block while inside, so the
@@ -32,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from course_lib import gpt, moe
+from course_lib import gpt, moe, trace
 
 
 def _wide(dtype):
@@ -157,6 +164,84 @@ def install(model) -> int:
     return n
 
 
+def kv_for_each_head(q, k, v):
+    """K and V with one head per query head (grouped-query attention): a view for one KV head."""
+    rep = q.shape[1] // k.shape[1]
+    if rep == 1:
+        return k, v
+    if k.shape[1] == 1:
+        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def flash_attention(q, k, v, dropout_p=0.0):
+    """FlashAttention's core, causal: q (b, a, s, d), k and v (b, kv, s, d) -> (b, a, s, d), one
+    fused kernel. Grouped-query attention runs as FlashAttention-2 runs it: each K/V head read
+    by its a / kv query heads inside the kernel, never copied out per query head (torch's CPU
+    kernel takes kv < a heads too), so backward keeps K and V at their own kv heads."""
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)
+    return out
+
+
+def flash_block(q, k, v, causal: bool):
+    """One FlashAttention call over a block of keys: q (b, a, s_q, d), k and v (b, kv, s_k, d)
+    -> (out (b, a, s_q, d) in q's dtype, lse (b, a, s_q) in fp32 for 16-bit q): every key
+    visible (``causal`` False) or the block's own positions on both sides (True)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def flash_block_backward(dout, q, k, v, out, lse, causal: bool):
+    """FlashAttention's backward of one block given the WHOLE attention's output and
+    log-sum-exp rows (``out``, ``lse``): P = exp(S - lse) is then the final softmax on the
+    block and D = rowsum(dO * O) the final one, so (dq, dk, dv) are the block's exact part of
+    the gradients (k, v at their own kv heads)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+
+
+def flash_causal(q_pos, k_pos):
+    """How one FlashAttention call computes the queries at ``q_pos`` over the keys at ``k_pos``
+    (host tensors): False when every key is at or before every query (no mask), True when both
+    sides hold the same ascending positions (the kernel's causal mask), None otherwise (another
+    mask: not one call). A host check on positions the ranks know, not a kernel: unpriced."""
+    clock = trace.clock()
+    with clock.muted() if clock is not None else contextlib.nullcontext():
+        if not q_pos.numel() or not k_pos.numel():
+            return None
+        if int(k_pos.max()) <= int(q_pos.min()):
+            return False
+        if torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()):
+            return True
+        return None
+
+
+def plain_causal(attn, q_pos, k_pos, future) -> bool:
+    """Whether an attention call of ``attn`` is one whole causal sequence (no positions given,
+    the model's own causal mask): what one causal flash kernel computes."""
+    return q_pos is None and k_pos is None and (future is None or future is attn.future_mask
+                                                or future._base is attn.future_mask)
+
+
+def attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
+    if not plain_causal(self, q_pos, k_pos, future):
+        raise NotImplementedError("flash_attention: the course's FlashAttention core runs one whole causal "
+                                  "sequence (no positions, no packed documents' mask)")
+    if self.training and self.attn_dropout.p:
+        raise NotImplementedError("flash_attention: attention dropout is not run fused (the course's CPU "
+                                  "kernel has no dropout mask the course's Dropout would match)")
+    return flash_attention(q, k, v)
+
+
+def install_flash(model) -> int:
+    """Every ``gpt.Attention`` of ``model`` (this instance only) runs its core as
+    :func:`flash_attention`; returns how many modules were changed."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, gpt.Attention):
+            mod.attend = types.MethodType(attend_flash, mod)
+            n += 1
+    return n
+
+
 @contextlib.contextmanager
 def kernels():
     """Inside: every ``gpt.RMSNorm``, ``gpt.SwiGLU`` and SwiGLU expert runs the fused kernels
@@ -169,4 +254,5 @@ def kernels():
         gpt.RMSNorm.forward, gpt.SwiGLU.forward, moe.Expert.inner = saved
 
 
-__all__ = ["rms_norm", "swiglu", "install", "kernels"]
+__all__ = ["rms_norm", "swiglu", "install", "kernels", "kv_for_each_head", "flash_attention", "plain_causal",
+           "attend_flash", "install_flash", "flash_block", "flash_block_backward", "flash_causal"]

@@ -1,6 +1,7 @@
 """Context parallelism (course_lib/parallel/context_parallel.py) against one device.
 
-Ring attention and Ulysses: outputs and gradients (q, k, v) equal to full causal attention
+Ring attention (its blocks written out, and as FlashAttention kernels) and Ulysses: outputs
+and gradients (q, k, v) equal to full causal attention
 on one device for several lengths, CP sizes 2, 3, 4, both layouts and grouped-query heads
 (fp32, within one step's reordering bound, course_lib.tolerance); a tiny GPT trained 5 AdamW
 steps in float64 with CP (Mesh(cp=2), ring and Ulysses; Mesh(dp=2, cp=2) with DDP over
@@ -31,7 +32,8 @@ def _attention_cases(n):
     out = []
     for seq in (2 * n * 2, 2 * n * 5):
         for a, kv in ((4, 4), (6, 2) if n == 3 else (4, 2)):
-            out += [("ring", seq, a, kv, "zigzag"), ("ring", seq, a, kv, "contiguous")]
+            out += [(ring, seq, a, kv, layout) for ring in ("ring", "ring_flash")
+                    for layout in ("zigzag", "contiguous")]
             if a % n == 0 and kv % n == 0:
                 out.append(("ulysses", seq, a, kv, "zigzag"))
     return out
@@ -51,8 +53,8 @@ def _attention_on_ranks(cases):
         pos = cp.shard_positions(seq, comm.size, comm.rank, layout)
         local = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
         comm.counter.reset()
-        if method == "ring":
-            y = cp.ring_attention(*local, pos, comm, seq, layout)
+        if method.startswith("ring"):     # ring_flash: its blocks as FlashAttention kernels
+            y = cp.ring_attention(*local, pos, comm, seq, layout, flash=method == "ring_flash")
         else:
             y = cp.ulysses_attention(*local, pos, mesh.comm("cp"))
         forward_bytes = comm.counter.bytes_sent
@@ -76,7 +78,7 @@ def test_ring_and_ulysses_equal_full_attention(n):
             tolerance.assert_matches(got_y, y.detach().index_select(2, pos), what=where)
             tolerance.assert_matches({n: g for n, g in zip("qkv", grads)},
                                      {n: t.grad.index_select(2, pos) for n, t in zip("qkv", ts)}, what=where)
-            if method == "ring":  # N-1 hops of this rank's K and V, forward; backward adds N of dK, dV
+            if method.startswith("ring"):  # N-1 hops of this rank's K and V, forward; backward adds N of dK, dV
                 kv_bytes = 2 * 2 * kv * (seq // n) * 8 * 4
                 assert fwd_bytes == (n - 1) * kv_bytes, where
                 assert all_bytes - fwd_bytes == (n - 1) * kv_bytes + n * kv_bytes, where
@@ -117,7 +119,10 @@ def _train_cp(mesh_shape, method, layout, batches):
     from course_lib.parallel.mesh import Mesh
 
     mesh = Mesh(**mesh_shape)
-    model = cp.context_parallel(TinyGPT(CFG, seed=0).double(), mesh.comm("cp"), method, layout)
+    flash = method == "ring_flash"                                 # the ring's blocks as FlashAttention kernels
+    model = cp.context_parallel(TinyGPT(CFG, seed=0).double(), mesh.comm("cp"), "ring" if flash else method, layout)
+    for block in model.blocks:
+        block.attn.flash_blocks = flash
     ddp = DDP(model, mesh=mesh, dims=("dp", "cp"), divisor=1)   # loss already / global tokens
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     c = mesh.coord
@@ -146,7 +151,8 @@ def _first_step_grads(batch):
 
 
 @pytest.mark.parametrize("mesh_shape,method,layout", [
-    (dict(cp=2), "ring", "zigzag"), (dict(cp=2), "ulysses", "contiguous"), (dict(dp=2, cp=2), "ring", "zigzag")])
+    (dict(cp=2), "ring", "zigzag"), (dict(cp=2), "ulysses", "contiguous"), (dict(dp=2, cp=2), "ring", "zigzag"),
+    (dict(cp=3), "ring_flash", "zigzag")])
 def test_training_with_cp_equals_one_device(mesh_shape, method, layout):
     batches = reference.gpt_batches(CFG, batch=BATCH, steps=STEPS)
     model = TinyGPT(CFG, seed=0).double()            # float64: exactness is the claim
@@ -201,15 +207,20 @@ def _bf16_ring(seq):
     comm = Mesh(cp=dist.get_world_size()).comm("cp")
     q, k, v, dy = _qkv(seq, 4, 2, seed=3)
     pos = cp.shard_positions(seq, comm.size, comm.rank, "zigzag")
-    local = [t.index_select(2, pos).bfloat16().requires_grad_() for t in (q, k, v)]
-    y = cp.ring_attention(*local, pos, comm, seq, "zigzag")
-    (y.float() * dy.index_select(2, pos)).sum().backward()
-    return pos, y.detach(), [t.grad for t in local]
+    out = []
+    for flash in (False, True):
+        local = [t.index_select(2, pos).bfloat16().requires_grad_() for t in (q, k, v)]
+        y = cp.ring_attention(*local, pos, comm, seq, "zigzag", flash=flash)
+        (y.float() * dy.index_select(2, pos)).sum().backward()
+        out.append((pos, y.detach(), [t.grad for t in local]))
+    return out
 
 
 def test_bf16_ring_attention_is_as_accurate_as_one_device_bf16():
     """16-bit blocks merge and accumulate in fp32: the error against fp32 attention is no
-    larger than one device's bf16 attention (merging N partial results in bf16 doubled it)."""
+    larger than one device's bf16 attention (merging N partial results in bf16 doubled it),
+    the blocks written out or as FlashAttention kernels (each block's output and gradients
+    rounded to bf16 by the kernel, then merged and summed in fp32)."""
     seq, n = 64, 4
     q, k, v, dy = _qkv(seq, 4, 2, seed=3)
     exact = [t.double().requires_grad_() for t in (q, k, v)]
@@ -224,10 +235,12 @@ def test_bf16_ring_attention_is_as_accurate_as_one_device_bf16():
         return float((got - want).norm() / want.norm())
 
     one_device = [rel(y16, y64)] + [rel(t.grad, e.grad) for t, e in zip(low, exact)]
-    for pos, y, grads in launch(_bf16_ring, n, seq):
-        ring = [rel(y, y64.index_select(2, pos))] + [rel(g, e.grad.index_select(2, pos)) for g, e in zip(grads, exact)]
-        for name, mine, single in zip(("out", "dq", "dk", "dv"), ring, one_device):
-            assert mine <= 1.25 * single, (name, mine, single)
+    for runs in launch(_bf16_ring, n, seq):
+        for flash, (pos, y, grads) in zip((False, True), runs):
+            ring = [rel(y, y64.index_select(2, pos))] + [rel(g, e.grad.index_select(2, pos))
+                                                         for g, e in zip(grads, exact)]
+            for name, mine, single in zip(("out", "dq", "dk", "dv"), ring, one_device):
+                assert mine <= 1.25 * single, (name, flash, mine, single)
 
 
 def test_running_block_attention_is_the_log_sum_exp_form_kept_running():

@@ -4,7 +4,7 @@ import pytest
 
 from course_lib.launch import launch
 from course_lib.layout import Layout
-from course_lib.planner.presets import gpt_spec
+from course_lib.planner.presets import HARDWARE, gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
 
 SPEC = gpt_spec("GPT test", 4, 64, 4, V=256, s=32)     # GeLU, LayerNorm, biases, tied, learned positions
@@ -28,9 +28,10 @@ def test_dry_run_equals_a_real_launch_and_folds_replicas():
     the dry run (2 ranks running, on meta, the later actions replayed) gives the real 8-rank
     run's step time to the bit."""
     layout = Layout(dp=2, tp=2, pp=2, sp=True, micro_batch=1, global_batch=12, recompute="selective")
-    real = _real(layout)
-    real_step = max(r["t"] for r in real)
     r = dry_run(SPEC, HW, layout)
+    assert r.fusions == ("flash_attention",)               # the A100 preset states fused attention
+    real = _real(layout, r.fusions)                        # the same program, on 8 real ranks
+    real_step = max(r["t"] for r in real)
     assert r.ranks_run == 2 and r.replayed > 0
     assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
     assert r.step_time == real_step, (r.step_time, real_step)     # the same prices in the same order
@@ -133,10 +134,13 @@ def test_fusions_price_as_a_real_launch_and_cut_the_attention_kernels():
     assert r.fusions == (fused,) and r.replayed > 0
     assert r.kernels == real[0]["kernels"] + real[2]["kernels"]
     assert r.step_time == real_step, (r.step_time, real_step)     # the same prices in the same order
-    plain = dry_run(SPEC, HW, layout)
+    plain = dry_run(SPEC, HARDWARE[HW].with_(fused_attention=False), layout)    # the written-out core
     flash = dry_run(SPEC, HW, layout, fusions=["flash_attention"])
     assert flash.kernels < r.kernels < plain.kernels
     assert flash.step_time < r.step_time < plain.step_time
+    stated = dry_run(SPEC, HW, layout)        # the preset states fused attention: FlashAttention runs
+    assert stated.fusions == ("flash_attention",)
+    assert (stated.kernels, stated.step_time) == (flash.kernels, flash.step_time)
     with pytest.raises(ValueError, match="unknown fusion"):
         dry_run(SPEC, HW, layout, fusions="fused_everything")
     with pytest.raises(ValueError, match="give one"):
@@ -273,3 +277,24 @@ def test_fused_bias_dropout_add_with_dropout_is_the_courses_dropout_with_its_mas
     assert torch.equal(out, res + (h + b) * keep * 2.0)
     out.backward(torch.ones_like(out))
     assert torch.equal(h.grad, keep * 2.0) and torch.equal(b.grad, (keep * 2.0).sum(0))
+
+
+def test_the_hardwares_fused_attention_is_run_as_the_planner_prices_it():
+    """A Hardware stating ``fused_attention`` (every preset: the planner's FlashAttention) runs
+    the course's FlashAttention core, and ring CP its blocks as that kernel; a source's stated
+    kernel wins, packed documents and Ulysses keep the written-out core; attention dropout,
+    which the course's CPU flash kernel does not run, is refused by name before any rank
+    starts."""
+    from course_lib.virtual.dry_run import hardware_attention
+    a100 = HARDWARE[HW]
+    plain = Layout(tp=2, micro_batch=1, global_batch=2)
+    assert hardware_attention(a100, plain) == ("flash_attention",)
+    assert hardware_attention(a100, plain.with_(cp=2)) == ("flash_attention",)            # ring: flash blocks
+    assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses")) == ()
+    assert hardware_attention(a100, plain.with_(documents=(16, 16))) == ()
+    assert hardware_attention(a100, plain, ("scale_mask_softmax",)) == ()
+    assert hardware_attention(a100.with_(fused_attention=False), plain) == ()
+    with pytest.raises(ValueError, match="fused_attention"):
+        dry_run(SPEC, HW, plain, dropout=0.1)
+    stated = dry_run(SPEC, HW, plain, dropout=0.1, fusions=("scale_mask_softmax",))   # Megatron's, stated
+    assert stated.fusions == ("scale_mask_softmax",)

@@ -12,7 +12,7 @@ from course_lib import tolerance
 from course_lib.attention import causal_attention
 from course_lib.launch import launch
 from course_lib.layout import Layout
-from course_lib.planner.presets import ModelSpec
+from course_lib.planner.presets import HARDWARE, ModelSpec
 from course_lib.virtual import VirtualCluster, dry_run
 
 SPEC = ModelSpec("Llama test", 4, 64, 4, 2, 128, 256, 32)      # GQA (4 query heads, 2 K/V), rotary, SwiGLU
@@ -60,11 +60,13 @@ def test_all_gather_cp_dry_run_equals_a_real_launch(layout, software, monkeypatc
     twin adds no wait), and shorter by less than cp rank 0's time in collectives with its twins
     (where it waits for them)."""
     from course_lib.virtual.dry_run import folds_cp, model_config
-    real = launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, software, clock=VirtualCluster(HW))
-    folded = dry_run(SPEC, HW, layout, fusions=software, progress=None)
+    hw = HW if software else HARDWARE[HW].with_(fused_attention=False)   # "course": the written-out core
+    real = launch(_real_rank, layout.n_gpus, model_config(SPEC, layout), layout, software, clock=VirtualCluster(hw))
+    folded = dry_run(SPEC, hw, layout, fusions=software, progress=None)
+    assert folded.fusions == software
     assert folds_cp(layout, software) == (folded.ranks_run == layout.pp)
     monkeypatch.setattr(sys.modules["course_lib.virtual.dry_run"], "folds_cp", lambda *a: False)
-    r = dry_run(SPEC, HW, layout, fusions=software, progress=None)
+    r = dry_run(SPEC, hw, layout, fusions=software, progress=None)
     assert r.step_time == max(x["t"] for x in real), (r.step_time, [x["t"] for x in real])
     assert r.ranks_run == layout.pp * layout.cp
     with_twins = sum(s.end - s.start for s in r.spans if s.rank == 0 and "cp" in s.dim)   # its waits inside

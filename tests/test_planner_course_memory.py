@@ -8,7 +8,7 @@ import pytest
 from course_lib.layout import Layout
 from course_lib.planner import estimate
 from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes, lse_bytes
-from course_lib.planner.presets import ModelSpec, gpt_spec
+from course_lib.planner.presets import HARDWARE, ModelSpec, gpt_spec
 from course_lib.virtual import dry_run
 
 GPT = gpt_spec("GPT 4L h512", 4, 512, 8, V=8192, s=512)
@@ -17,35 +17,51 @@ MOE = GPT.with_(name="GPT 4L h512 MoE 4x top-2", n_experts=4, top_k=2)
 PIPE = dict(pp=2, schedule="1f1b", micro_batch=1, microbatches=2, seq_len=512)
 
 
-def layer_bytes(spec, layout):
+H100 = HARDWARE["h100-sxm"]                       # states fused attention: FlashAttention runs
+WRITTEN_OUT = H100.with_(fused_attention=False)    # the course's attention, written out
+
+
+def layer_bytes(spec, layout, hw=H100):
     """(planner, dry run) bytes of one layer on stage 0, all its in-flight micro-batches: the
     stage's activations with two layers a stage less with one (the embedding's few saved
     tensors, which the planner leaves out, cancel)."""
     out = []
     for n in (2 * layout.pp, layout.pp):
         small = spec.with_(n_layers=n)
-        est = estimate(small, "h100-sxm", layout, runtime="course")
-        r = dry_run(small, "h100-sxm", layout, progress=None, optimizer="foreach")
+        est = estimate(small, hw, layout, runtime="course")
+        r = dry_run(small, hw, layout, progress=None, optimizer="foreach")
         out.append((est.memory_by_stage[0]["activations"], r.memory_by_stage[0]["activations"]))
     return out[0][0] - out[1][0], out[0][1] - out[1][1]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["written-out", "flash"])
 @pytest.mark.parametrize("spec,extra", [(GPT, dict(tp=2)), (LLAMA, dict(tp=2, sp=True))],
                          ids=["gpt-tp2", "llama-tp2-sp"])
-def test_course_activations_equal_the_dry_runs_per_layer(spec, extra):
+def test_course_activations_equal_the_dry_runs_per_layer(spec, extra, fused):
     """Both count bytes of saved tensors (integers), so equal up to float rounding; 1F1B's two
-    micro-batches in flight on stage 0 included."""
+    micro-batches in flight on stage 0 included. On a Hardware that states fused attention
+    both run FlashAttention: its log-sum-exp kept instead of the softmax output, and K / V at
+    their own kv heads (grouped-query attention read in the kernel, not copied out)."""
     layout = Layout(recompute="none", **PIPE, **extra)
-    planner, dry = layer_bytes(spec, layout)
-    assert planner == pytest.approx(dry, rel=1e-12)
-    s, t = PIPE["seq_len"], extra["tp"]
-    assert planner == 2 * course_layer_activation_bytes(spec, s, 1, t, extra.get("sp", False))
+    planner, dry = layer_bytes(spec, layout, H100 if fused else WRITTEN_OUT)
+    s, t, a = PIPE["seq_len"], extra["tp"], spec.n_heads
+    # the planner counts FlashAttention's log-sum-exp in fp32, 4 bytes; the dry run under
+    # precision "full" prices every float at the cluster's 2 bytes: 2 bytes a row less, for
+    # each of the 2 micro-batches in flight (a "bf16" layout prices it at its fp32: below)
+    assert planner - dry == (2 * lse_bytes(s, 1, a, t) / 2 if fused else 0)
+    course = course_layer_activation_bytes(spec, s, 1, t, extra.get("sp", False), fused_attention=fused)
+    assert planner == 2 * course
+    if fused:   # the softmax output (2 bytes a score, a / t heads, causal: every s x s kept) less the lse
+        written = course_layer_activation_bytes(spec, s, 1, t, extra.get("sp", False))
+        assert written - course == 2 * (a / t) * s * s - lse_bytes(s, 1, a, t)
+    if fused and spec is LLAMA:   # each tensor at its own dtype: the fp32 lse counted as the planner does
+        assert layer_bytes(spec, layout.with_(precision="bf16"))[1] == planner
 
 
 def test_moe_activations_equal_the_dry_runs_per_layer():
     """The MoE's expert rows, 22 h bytes per routed (token, expert) pair; the router's few
     bytes (its (T, E) probabilities, the chosen experts' indices) are left out: below 1e-2."""
-    planner, dry = layer_bytes(MOE, Layout(dp=2, ep=2, recompute="none", **PIPE))
+    planner, dry = layer_bytes(MOE, Layout(dp=2, ep=2, recompute="none", **PIPE), WRITTEN_OUT)
     assert planner == pytest.approx(dry, rel=1e-2)
     assert planner < dry
 

@@ -41,10 +41,13 @@ def _same(a, b):
     assert a.time == pytest.approx(b.time, rel=1e-12) and a.device == pytest.approx(b.device, rel=1e-12)
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["written-out", "flash"])
 @pytest.mark.parametrize("cp,heads,kv,layout", [(2, 8, 2, "zigzag"), (3, 4, 4, "zigzag"), (2, 4, 1, "contiguous")])
-def test_the_planners_ring_is_the_codes(cp, heads, kv, layout):
+def test_the_planners_ring_is_the_codes(cp, heads, kv, layout, flash):
     """RingAttention's forward and backward on every rank, on meta tensors, against the planner's
-    (:func:`ring_kernels`): the same kernels, bytes and seconds; the positions the same."""
+    (:func:`ring_kernels`): the same kernels, bytes and seconds; the positions the same. Its
+    blocks written out, or as FlashAttention kernels (a Hardware stating fused attention)."""
+    hw = H100.with_(fused_attention=flash)
     s, d = 24 * cp, 16
     for r in range(cp):
         pos = shard_positions(s, cp, r, layout)
@@ -52,20 +55,23 @@ def test_the_planners_ring_is_the_codes(cp, heads, kv, layout):
         with torch.device("meta"):
             q = torch.empty(1, heads, s // cp, d, requires_grad=True)
             k, v = (torch.empty(1, kv, s // cp, d, requires_grad=True) for _ in range(2))
-        with KernelCounter(H100, 2) as f:
-            out = RingAttention.apply(q, k, v, pos, _ring(cp, r), s, layout)
-        with KernelCounter(H100, 2) as b:
+        with KernelCounter(hw, 2) as f:
+            out = RingAttention.apply(q, k, v, pos, _ring(cp, r), s, layout, None, flash)
+        with KernelCounter(hw, 2) as b:
             out.backward(torch.empty_like(out))
-        fwd, bwd = ring_kernels(H100, 1, heads, kv, d, s, cp, r, layout)
+        fwd, bwd = ring_kernels(hw, 1, heads, kv, d, s, cp, r, layout)
+        assert any("flash" in op for op in b.by_op) == flash        # every block a kernel, or written out
         _same(fwd, f.total)
         _same(bwd, b.total)
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["written-out", "flash"])
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_a_traced_cp_rank_is_the_codes(recompute):
+def test_a_traced_cp_rank_is_the_codes(recompute, flash):
     """A CP rank of the whole model (the code's context_parallel on the planner's meta model), its
     layer's kernels forward and backward (full recomputation: the ring again in the backward),
     against trace_step's for the busiest rank."""
+    hw = H100.with_(fused_attention=flash)
     s, cp = 64, 2
     per_rank = []
     for r in range(cp):
@@ -75,15 +81,17 @@ def test_a_traced_cp_rank_is_the_codes(recompute):
             with torch.device("meta"):
                 net = TinyGPT(course_config(cfg, n, recompute=recompute, seq_len=s), seed=0)
             context_parallel(net, _ring(cp, r))
+            for block in net.blocks:
+                block.attn.flash_blocks = flash
             x = torch.zeros(1, s // cp, dtype=torch.long, device="meta")
-            with KernelCounter(H100, 2) as f:
+            with KernelCounter(hw, 2) as f:
                 loss = net(x, x, positions=shard_positions(s, cp, r), n_tokens=s)[1]
-            with KernelCounter(H100, 2) as b:
+            with KernelCounter(hw, 2) as b:
                 loss.backward()
             layers.append((f.total, b.total))
         per_rank.append((layers[1][0] - layers[0][0], layers[1][1] - layers[0][1]))
     code = max(per_rank, key=lambda fb: (fb[0] + fb[1]).device)
-    k = trace_step(SMALL, H100, 1, s, recompute=recompute, cp=cp, ring="zigzag")
+    k = trace_step(SMALL, hw, 1, s, recompute=recompute, cp=cp, ring="zigzag")
     _same(k["layer_fwd"], code[0])
     _same(k["layer_bwd"], code[1])
     assert "read" in k["sequence"]["fwd"]["layer"]       # the trim's host reads, marked for the issue chain

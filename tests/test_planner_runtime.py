@@ -25,11 +25,17 @@ class _Clock:      # what ComputeStream reads of a rank's clock
         self.cluster, self.t, self.kernels, self.muted_depth = cluster, 0.0, 0, 0
 
 
-def test_traced_kernels_are_a_real_steps():
+@pytest.mark.parametrize("fused", [False, True], ids=["written-out", "flash"])
+def test_traced_kernels_are_a_real_steps(fused):
     """Op by op, the meta trace launches what a real CPU step launches, except the clones
     autograd's gradient accumulation makes of a gradient it cannot take over (at most one per
-    parameter); priced the same, the step's time agrees within 1%."""
+    parameter); priced the same, the step's time agrees within 1%. On a Hardware that states
+    fused attention both run the course's FlashAttention core (course_lib.fused)."""
+    from course_lib import fused as kernels
+    hw = H100.with_(fused_attention=fused)
     model = TinyGPT(CFG, seed=0)
+    if fused:
+        assert kernels.install_flash(model) == CFG.n_layers
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = reference.gpt_batches(CFG, batch=2, steps=1)[0]
 
@@ -38,21 +44,24 @@ def test_traced_kernels_are_a_real_steps():
         opt.step()
         opt.zero_grad()
     step()                                        # AdamW's state exists: a steady step
-    clock = _Clock(VirtualCluster(H100, dtype=torch.bfloat16))
+    clock = _Clock(VirtualCluster(hw, dtype=torch.bfloat16))
     with ComputeStream(clock):
         step()
-    with KernelCounter(H100, 2) as real:
+    with KernelCounter(hw, 2) as real:
         model(x, y, n_tokens=y.numel())[1].backward()
     with torch.device("meta"):
         net, xm = TinyGPT(CFG, seed=0), torch.zeros(2, CFG.seq_len, dtype=torch.long)
-    with KernelCounter(H100, 2) as traced:
+        if fused:
+            kernels.install_flash(net)
+    with KernelCounter(hw, 2) as traced:
         net(xm, xm, n_tokens=xm.numel())[1].backward()
     ops = {k: v.count for k, v in real.by_op.items()}
     ops_traced = {k: v.count for k, v in traced.by_op.items()}
     n_tensors = len(list(model.parameters()))
     assert {k: n for k, n in ops.items() if k != "clone"} == {k: n for k, n in ops_traced.items() if k != "clone"}
     assert 0 <= ops.get("clone", 0) - ops_traced.get("clone", 0) <= n_tensors
-    est = estimate(model_spec(CFG), H100, Layout(micro_batch=2, global_batch=2), runtime="course")
+    assert ("_scaled_dot_product_flash_attention_for_cpu" in " ".join(ops)) == fused
+    est = estimate(model_spec(CFG), hw, Layout(micro_batch=2, global_batch=2), runtime="course")
     assert 0 <= clock.kernels - est.stages[0].kernels <= n_tensors
     assert abs(est.step_time / clock.t - 1) < 0.01
 

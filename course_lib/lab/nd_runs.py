@@ -134,7 +134,7 @@ def predict(run: LayoutRun, hardware, runtime="course"):
     from course_lib.planner import simulate
 
     est = virtual_runs.planner_estimate(run.cfg, run.layout, run.kw, run.batch, hardware, runtime)
-    return est, simulate(est.model, hardware, est.layout, runtime=runtime)
+    return est, simulate(est.model, est.hardware, est.layout, runtime=runtime)
 
 
 def _torch_side_by_side(dp, tp, cfg_dict, batch, steps, timed):

@@ -97,14 +97,15 @@ def planner_estimate(cfg: GPTConfig, layout: dict, kw: dict, batch: int, hardwar
     """``planner.estimate`` of ``cfg`` on the same layout (the one Layout the ranks run: SP as
     parallelize_nd applies it, ZeRO-3 for FSDP, gradients summed after backward) and hardware
     preset, by default as the course's runtime runs it (``runtime="course"``: its kernels,
-    launches and collectives)."""
-    from course_lib.planner import estimate
+    launches and collectives; the chapters' model writes attention out, :func:`~course_lib.planner.written_out`)."""
+    from course_lib.planner import estimate, written_out
     from course_lib.planner.calibration import model_spec
 
     spec = model_spec(cfg)
     if cfg.n_experts:
         spec = spec.with_(n_experts=cfg.n_experts, top_k=cfg.top_k)
-    return estimate(spec, hardware, as_layout(dims=layout, batch=batch, **kw), runtime=runtime)
+    hw = written_out(hardware) if runtime == "course" else hardware
+    return estimate(spec, hw, as_layout(dims=layout, batch=batch, **kw), runtime=runtime)
 
 
 # The kernels the course's runtime adds to a TinyGPT step, counted on its own code. The planner

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from course_lib import trace
+from course_lib import fused, trace
 from course_lib.attention import (apply_rotary, attention_output, attention_scores, causal_attention,
                                   check_doc_ids, check_positions, document_mask, rotary_rows)
 from course_lib.gpt import Attention
@@ -125,23 +125,44 @@ def attention_flops(q_pos, k_pos, heads, head_dim, batch=1):
 
 
 # ----------------------------------------------------------------------------- ring attention
-def _block_forward(q, k, v, q_pos, k_pos, out, lse, doc_ids=None):
-    """Merge block (k, v) into (out, lse), computing only its visible rows and columns."""
+def _flash_mask(flash, q_pos, k_pos, doc_ids):
+    """With ``flash``, how one FlashAttention call runs this segment (:func:`course_lib.fused.flash_causal`:
+    False, True), else None: the segment runs written out."""
+    return fused.flash_causal(q_pos, k_pos) if flash and doc_ids is None else None
+
+
+def _block_forward(q, k, v, q_pos, k_pos, out, lse, doc_ids=None, flash=False):
+    """Merge block (k, v) into (out, lse), computing only its visible rows and columns
+    (``flash``: each segment one FlashAttention kernel where one call computes it)."""
     segments = visible_segments(q_pos, k_pos, doc_ids)
     if segments:                                                   # else fully masked: skipped
         out, lse = out.clone(), lse.clone()
     for rows, cols in segments:                                    # disjoint rows: one per document
-        o, l = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], q_pos[rows], k_pos[cols])
-        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o, l)
+        causal = _flash_mask(flash, q_pos[rows], k_pos[cols], doc_ids)
+        if causal is None:
+            o, l = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], q_pos[rows], k_pos[cols])
+        else:
+            o, l = fused.flash_block(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal)
+        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o.to(out.dtype), l)
     return out, lse
 
 
-def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, doc_ids=None):
+def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, doc_ids=None, out=None):
     """FlashAttention's backward for one block, with the GLOBAL lse (so P is the final softmax;
     16-bit inputs are computed in lse's fp32, like the forward), on its visible segments:
-    dV += P^T dO; dP = dO V^T; dS = P (dP - delta); dQ += dS K / sqrt(d); dK += dS^T Q / sqrt(d)."""
+    dV += P^T dO; dP = dO V^T; dS = P (dP - delta); dQ += dS K / sqrt(d); dK += dS^T Q / sqrt(d).
+    Given the whole ``out`` (the ring's blocks as FlashAttention kernels), a segment that one
+    call computes runs the kernel's backward with the global out and lse rows instead."""
     for rows, cols in visible_segments(q_pos, k_pos, doc_ids):
-        _segment_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, rows, cols)
+        causal = _flash_mask(out is not None, q_pos[rows], k_pos[cols], doc_ids)
+        if causal is None:
+            _segment_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, rows, cols)
+            continue
+        gq, gk, gv = fused.flash_block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                                out[:, :, rows], lse[:, :, rows], causal)
+        dq[:, :, rows] += gq
+        dk[:, :, cols] += gk
+        dv[:, :, cols] += gv
 
 
 def _segment_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, rows, cols):
@@ -169,11 +190,13 @@ class RingAttention(torch.autograd.Function):
     another rank's block holds (nothing extra sent).
     16-bit inputs: the block softmax, P V, the merges (out, lse) and the gradients (dQ, and dK/dV,
     which then travel in fp32) are computed in fp32, where FlashAttention accumulates;
-    K/V travel in their own dtype; fp32 and fp64 are unchanged.
+    K/V travel in their own dtype; fp32 and fp64 are unchanged. ``flash``: each block a
+    FlashAttention kernel forward and backward (16-bit products on tensor cores, fp32
+    accumulation, no block's scores in memory), merged the same way: what torch's own CP runs.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, comm, seq_len, layout, doc_ids=None):
+    def forward(ctx, q, k, v, positions, comm, seq_len, layout, doc_ids=None, flash=False):
         n, r = comm.size, comm.rank
         pos_of = [shard_positions(seq_len, n, j, layout, positions.device, doc_ids) for j in range(n)]
         acc = torch.promote_types(q.dtype, torch.float32)          # bf16 blocks merge in fp32 (flash-attn's rule)
@@ -188,14 +211,14 @@ class RingAttention(torch.autograd.Function):
                 works = [comm.irecv(nxt, comm.prev), comm.isend(kv, comm.next)]
                 start = trace.now()
             with trace.span(f"attend block {src}", kind="compute"):  # ...then compute under it
-                out, lse = _block_forward(q, kv[0], kv[1], positions, pos_of[src], out, lse, doc_ids)
+                out, lse = _block_forward(q, kv[0], kv[1], positions, pos_of[src], out, lse, doc_ids, flash)
             if works:
                 comm.wait(*works)
                 trace.recorder().add(f"K/V hop {step + 1}", "comm", start, trace.now(), comm.dim)
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.pos_of, ctx.doc_ids = comm, pos_of, doc_ids
+        ctx.comm, ctx.pos_of, ctx.doc_ids, ctx.flash = comm, pos_of, doc_ids, flash
         return out
 
     @staticmethod
@@ -221,7 +244,7 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
             with trace.span(f"attend block {src} (backward)", kind="compute"):
                 _block_backward(q, kv[0], kv[1], pos_of[r], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1],
-                                ctx.doc_ids)
+                                ctx.doc_ids, out if ctx.flash else None)
             comm.wait(*works)
             if dkv_send is not None:
                 comm.wait(dkv_send)
@@ -233,22 +256,23 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         home = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)
         comm.wait(comm.irecv(home, comm.prev), dkv_send)
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag", doc_ids=None):
+def ring_attention(q, k, v, positions, comm, seq_len=None, layout="zigzag", doc_ids=None, flash=False):
     """Causal attention of this rank's queries over the WHOLE sequence's keys.
 
     q (b, a, s/N, d); k, v (b, kv, s/N, d): this rank's tokens at ``positions`` (those of
     ``shard_positions(seq_len, N, rank, layout, doc_ids=doc_ids)``) -> (b, a, s/N, d).
-    ``doc_ids`` (s,): the whole packed sequence's documents; none attends across them."""
+    ``doc_ids`` (s,): the whole packed sequence's documents; none attends across them.
+    ``flash``: the blocks as FlashAttention kernels (:class:`RingAttention`)."""
     n = comm.size
     seq_len = positions.numel() * n if seq_len is None else seq_len
     check_shard_positions(positions, seq_len, n, comm.rank, layout, doc_ids, "ring attention")
     if n == 1:
         mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
         return causal_attention(q, k, v, positions, positions, future=mask)
-    return RingAttention.apply(q, k, v, positions, comm, seq_len, layout, doc_ids)
+    return RingAttention.apply(q, k, v, positions, comm, seq_len, layout, doc_ids, flash)
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -320,7 +344,10 @@ def ulysses_attention(q, k, v, positions, comm, attention=causal_attention, doc_
 # ----------------------------------------------------------------------------- in a model
 class ContextParallelAttention(Attention):
     """``course_lib.gpt.Attention`` with its core replaced: same weights, same names; only the
-    attention over the sequence talks to the other CP ranks."""
+    attention over the sequence talks to the other CP ranks. ``flash_blocks``: the ring's
+    blocks as FlashAttention kernels (set with the dry run's ``"flash_attention"``)."""
+
+    flash_blocks = False
 
     def forward(self, x, positions=None, doc_ids=None):            # (b, s/N, h), positions (s/N,)
         b, s, _ = x.shape
@@ -337,7 +364,8 @@ class ContextParallelAttention(Attention):
             cos, sin = rotary_rows(self.cos, self.sin, positions, s)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cp_method == "ring":   # keeps q, k, v, out, lse: no (s, s) scores for selective to drop
-            y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout, doc_ids)
+            y = ring_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout, doc_ids,
+                               self.flash_blocks)
         elif self.cp_method == "all_gather":   # Llama 3's: each query chunk against the gathered keys
             y = all_gather_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout,
                                      doc_ids, self.attend)

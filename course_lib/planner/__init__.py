@@ -32,12 +32,12 @@ from course_lib.planner.formulas import (
     zero_memory_bytes,
 )
 from course_lib.planner.layout import Layout, validate
-from course_lib.planner.presets import HARDWARE, MODELS, Hardware, ModelSpec
+from course_lib.planner.presets import HARDWARE, MODELS, Hardware, ModelSpec, written_out
 from course_lib.planner.simulator import simulate
 
 __all__ = [
     "estimate", "Estimate", "simulate", "Layout", "validate", "MODELS", "HARDWARE", "ModelSpec",
-    "Hardware", "activation_bytes_per_layer", "bubble_fraction", "collective_bytes_per_rank",
+    "Hardware", "written_out", "activation_bytes_per_layer", "bubble_fraction", "collective_bytes_per_rank",
     "collective_time", "flops_per_token", "in_flight_microbatches", "model_dims",
     "param_breakdown", "param_count", "training_flops", "zero_memory_bytes",
 ]

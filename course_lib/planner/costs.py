@@ -368,7 +368,8 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     z = F.zero_memory_bytes(dense, layout.zero, n_zero, grad_bytes=g)
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group, grad_bytes=g)
     per_layer = (course_layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c,
-                                               fused_kernels=fused_kernels) if course
+                                               fused_kernels=fused_kernels,
+                                               fused_attention=fused and not layout.documents) if course
                  else layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c,
                                              fused_attention=fused, fused_kernels=fused_kernels))
     in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)

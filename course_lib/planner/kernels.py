@@ -248,6 +248,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
             net = TinyGPT(cfg, seed=0)
             if getattr(hw, "fused_kernels", False):       # RMSNorm and SwiGLU as one kernel each way
                 fused.install(net)
+            if getattr(hw, "fused_attention", False) and not ring:   # FlashAttention (a ring runs its own)
+                fused.install_flash(net)
             if t > 1:
                 tp_rank(net, model, t)
             x = torch.zeros(b, s // cp if ring else s, dtype=torch.long)
@@ -255,7 +257,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
         if ring:                                   # a CP rank: its tokens, the ring for every block's core
             kw = dict(positions=rank_positions(s, cp, rank, ring))
             for block in net.blocks:
-                block.attn.attend = ring_core(cp, rank, s, ring)
+                block.attn.attend = ring_core(cp, rank, s, ring, getattr(hw, "fused_attention", False))
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)

@@ -275,3 +275,12 @@ def get_hardware(hw) -> Hardware:
     if isinstance(hw, str) and hw in HARDWARE:
         return HARDWARE[hw]
     raise ValueError(f"unknown hardware {hw!r}; presets: {sorted(HARDWARE)}")
+
+
+def written_out(hw) -> Hardware:
+    """``hw`` (a preset name or Hardware) stating no fused kernels: the course's TinyGPT as the
+    chapters run it, attention and norms in plain ops. A preset states FlashAttention
+    (``fused_attention``), what published systems run and what ``planner.estimate`` and
+    ``virtual.dry_run`` then price; the chapters' model writes its attention out, so the
+    planner's ``runtime="course"`` count of that model takes this Hardware."""
+    return get_hardware(hw).with_(fused_attention=False, fused_kernels=False)

@@ -17,6 +17,9 @@ written again (one ``cp`` rank's positions, its c blocks in the ring's order, th
 backward's accumulators), on the model's own attention pieces (:mod:`course_lib.attention`),
 so traced on the meta device they are the kernels the ranks launch, op for op. K/V's hops are
 the runtime's (:mod:`.runtime`): here a message is an empty buffer.
+On a Hardware that states ``fused_attention`` the ranks run each block as one FlashAttention
+kernel forward and one backward (``ContextParallelAttention.flash_blocks``, what torch's own CP
+runs; :func:`course_lib.fused.flash_block`), merged by the same rule: traced here the same way.
 ``tests/test_planner_ring.py`` checks the kernels against the code itself and the step against
 the dry run.
 """
@@ -26,6 +29,7 @@ import math
 
 import torch
 
+from course_lib import fused
 from course_lib.attention import attention_output, attention_scores
 
 
@@ -73,9 +77,18 @@ def _merge(out1, lse1, out2, lse2):
     return out1 * w1 + out2 * w2, lse
 
 
-def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
-    """FlashAttention's backward of one block with the global lse, on its computed part."""
+def _block_backward(q, k, v, q_pos, k_pos, dout, lse, delta, dq, dk, dv, out=None):
+    """FlashAttention's backward of one block with the global lse, on its computed part (given
+    the whole ``out``: the kernel's backward where one call computes the segment)."""
     for rows, cols in _segments(q_pos, k_pos):
+        causal = fused.flash_causal(q_pos[rows], k_pos[cols]) if out is not None else None
+        if causal is not None:
+            gq, gk, gv = fused.flash_block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                                    out[:, :, rows], lse[:, :, rows], causal)
+            dq[:, :, rows] += gq
+            dk[:, :, cols] += gk
+            dv[:, :, cols] += gv
+            continue
         b, a, _, d = q.shape
         kv = k.shape[1]
         qr, kc, vc, do = (t.to(lse.dtype) for t in (q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]))
@@ -95,7 +108,7 @@ class RingCore(torch.autograd.Function):
     added on arrival) on rank ``rank`` of ``cp``; K/V arrive as empty buffers (meta: shapes)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, cp, rank, seq_len, layout):
+    def forward(ctx, q, k, v, positions, cp, rank, seq_len, layout, flash=False):
         pos_of = [rank_positions(seq_len, cp, j, layout) for j in range(cp)]
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)     # (b, a, s/N, d)
@@ -108,20 +121,24 @@ class RingCore(torch.autograd.Function):
             if segments:
                 out, lse = out.clone(), lse.clone()
             for rows, cols in segments:
-                o, m = _block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], positions[rows],
-                              pos_of[src][cols])
-                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, m)
+                causal = fused.flash_causal(positions[rows], pos_of[src][cols]) if flash else None
+                if causal is None:
+                    o, m = _block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], positions[rows],
+                                  pos_of[src][cols])
+                else:
+                    o, m = fused.flash_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
+                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o.to(out.dtype), m)
             if nxt is not None:
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = (pos_of, cp, rank)
+        ctx.ring = (pos_of, cp, rank, flash)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        pos_of, cp, rank = ctx.ring
+        pos_of, cp, rank, flash = ctx.ring
         dout = dout.contiguous()
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # (b, a, s/N)
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
@@ -131,24 +148,26 @@ class RingCore(torch.autograd.Function):
             acc_in = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device) if step > 0 else None
             nxt = torch.empty_like(kv) if step < cp - 1 else None
             dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
-            _block_backward(q, kv[0], kv[1], pos_of[rank], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1])
+            _block_backward(q, kv[0], kv[1], pos_of[rank], pos_of[src], dout, lse, delta, dq, dkv[0], dkv[1],
+                            out if flash else None)
             if acc_in is not None:
                 dkv += acc_in
             if nxt is not None:
                 kv = nxt
         home = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_core(cp: int, rank: int, seq_len: int, layout: str = "zigzag"):
+def ring_core(cp: int, rank: int, seq_len: int, layout: str = "zigzag", flash: bool = False):
     """An attention core (``Attention.attend``'s signature) that runs the ring on rank ``rank``:
     the ranks' ``ring_attention`` (its positions checked against the rank's shard), then
-    :class:`RingCore`."""
+    :class:`RingCore` (``flash``: its blocks as FlashAttention kernels, a Hardware's
+    ``fused_attention``, as the dry run runs them)."""
     def attend(q, k, v, q_pos=None, k_pos=None, future=None):
         expected = rank_positions(seq_len, cp, rank, layout)
         if not torch.equal(q_pos, expected):
             raise ValueError(f"ring attention: positions must be rank {rank}'s {layout} shard")
-        return RingCore.apply(q, k, v, q_pos, cp, rank, seq_len, layout)
+        return RingCore.apply(q, k, v, q_pos, cp, rank, seq_len, layout, flash)
     return attend
 
 
@@ -163,7 +182,7 @@ def ring_kernels(hw, b: int, heads: int, kv_heads: int, head_dim: int, seq_len: 
         k, v = (torch.empty(b, kv_heads, n, head_dim, requires_grad=True) for _ in range(2))
     pos = rank_positions(seq_len, cp, rank, layout)
     with KernelCounter(hw, itemsize) as fwd:
-        out = RingCore.apply(q, k, v, pos, cp, rank, seq_len, layout)
+        out = RingCore.apply(q, k, v, pos, cp, rank, seq_len, layout, getattr(hw, "fused_attention", False))
     with KernelCounter(hw, itemsize) as bwd:
         out.backward(torch.empty_like(out))
     return fwd.total, bwd.total

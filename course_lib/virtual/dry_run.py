@@ -28,7 +28,11 @@ of the same layout, to the last bit of the step time.
 What a published run's software fused is the caller's to state (``fusions``, :mod:`.software`:
 Megatron-LM's fused scale-mask-softmax, FlashAttention): the model runs that attention kernel,
 which computes what the course's written-out attention computes; nothing else changes, and
-nothing is fitted (``lab.dry_runs.SOFTWARE`` states it per source).
+nothing is fitted (``lab.dry_runs.SOFTWARE`` states it per source). What the Hardware states
+fused runs fused, as ``planner.estimate`` prices it for the same arguments: ``fused_kernels``
+(RMSNorm and SwiGLU) and ``fused_attention`` (FlashAttention, every preset's statement; ring
+CP's blocks as that kernel), unless the caller states another attention kernel
+(:func:`hardware_attention`; :func:`course_lib.planner.written_out` is the chapters' program).
 
 Numerics: with ``layout.precision`` "full" (the default) the program runs in float and the
 clock prices every floating tensor at the cluster's dtype (bf16: 2 bytes, bf16's GEMM rate),
@@ -148,7 +152,9 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
     runs it). Run by the dry run (meta device, a :class:`~.priced.StageMesh`, an
     :class:`~.replay.ActionMemo`) and by a real launch (a Mesh) alike. ``fusions``: the attention
-    kernels the model built here runs (:func:`.software.install`; a ``model`` given has its own),
+    kernels the model built here runs (:func:`.software.install`, and FlashAttention where the
+    clock's Hardware states it, :func:`hardware_attention`, as the dry run does; a ``model``
+    given has its own),
     and the runtime behaviours the runner keeps (:func:`.software.install_runtime`). Returns the
     clock's end, its kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
@@ -156,7 +162,7 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         if model is None:
             with torch.device(device):
                 model = TinyGPT(cfg, seed=0)
-            install(model, fusions)
+            install(model, fusions + hardware_attention(clock.cluster.hw, layout, fusions, cfg.dropout))
         net = parallelize_nd(model, mesh, layout)
         install_runtime(net, fusions)
         opt = FusedAdamW(net.parameters()) if optimizer == "fused" else \
@@ -363,6 +369,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                          f"(norm {spec.norm!r}, mlp {spec.mlp!r})")
     if getattr(hw, "fused_kernels", False) and "rmsnorm_swiglu" not in fusions:
         fusions += ("rmsnorm_swiglu",)     # the Hardware's statement, which the planner reads too
+    fusions += hardware_attention(hw, layout, fusions, dropout)
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
                              dtype=None if check_precision(layout.precision)[0] is not None else dtype)
@@ -421,6 +428,27 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
                   max(m["peak"] for m in memory), memory, spans, len(running),
                   sum(r["kernels"] for r in res), time.perf_counter() - began, sum(r["replayed"] for r in res),
                   cfg, fusions)
+
+
+def hardware_attention(hw, layout: Layout, fusions=(), dropout: float = 0.0) -> tuple:
+    """``("flash_attention",)`` where the Hardware states ``fused_attention`` (the planner's
+    FlashAttention: no s x s scores kept, one kernel each way) and ``fusions`` name no attention
+    kernel of their own; else ``()``: a source's stated kernel wins (``lab.dry_runs.SOFTWARE``:
+    Megatron-LM's on ``MEGATRON_2022``, whose Hardware says unfused). Ring CP then runs each of
+    its blocks as the same kernel (``ContextParallelAttention.flash_blocks``). Packed documents
+    (``layout.documents``) keep the written-out attention and its document mask (the course's
+    flash core runs one causal sequence), and so does Ulysses, whose core sees the gathered
+    sequence in the ranks' order. Dropout in attention is refused here, by name: the course's
+    CPU flash kernel has none (ValueError)."""
+    if not getattr(hw, "fused_attention", False) or {"scale_mask_softmax", "flash_attention"} & set(fusions):
+        return ()
+    if layout.documents or (layout.cp > 1 and layout.cp_comm != "all_gather" and layout.cp_method == "ulysses"):
+        return ()
+    if dropout:
+        raise ValueError(f"dropout {dropout}: {hw.name} states fused_attention (FlashAttention) and the course's "
+                         "flash kernel runs no dropout; give dropout=0, or state the source's attention kernel "
+                         "(fusions=('scale_mask_softmax',)) or hardware.with_(fused_attention=False)")
+    return ("flash_attention",)
 
 
 def validated_once(layout: Layout) -> Layout:
@@ -504,4 +532,4 @@ def _where(spans, microbatches) -> str:
 
 __all__ = ["dry_run", "DryRun", "train_step", "FusedAdamW", "gpu_memory", "MemoryProbe", "gradient_tensors",
            "model_config", "moe_config",
-           "check_dry_run", "running_ranks", "folds_cp", "document_ids"]
+           "check_dry_run", "running_ranks", "folds_cp", "document_ids", "hardware_attention"]

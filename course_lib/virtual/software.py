@@ -18,6 +18,9 @@ its own on the virtual clock. The published systems ran fewer kernels, and each 
   fused kernel: its FLOPs, causal half, at the preset's cited "attention" fraction of peak,
   :mod:`course_lib.planner.kernel_cost`). It keeps Q, K, V, the output and the log-sum-exp
   for backward whatever the recompute policy: its backward recomputes the scores itself.
+  Grouped-query K and V are read in the kernel, not copied per query head. Ring CP runs
+  each of its blocks as this kernel (``ContextParallelAttention.flash_blocks``). A Hardware
+  that states ``fused_attention`` gets it without naming it (``dry_run.hardware_attention``).
 
 * ``"bias_dropout_add"``: Megatron-LM's fused bias + dropout + residual add after each
   row-parallel layer (Narayanan et al. 2021, Sec. 4.2: "fused kernels for ... bias + GeLU and
@@ -103,6 +106,7 @@ import types
 import torch
 
 from course_lib import fused, trace
+from course_lib.fused import flash_attention
 from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear
@@ -176,16 +180,6 @@ def check_fusions(fusions) -> tuple:
     return fusions
 
 
-def _kv_for_each_head(q, k, v):
-    """K and V with one head per query head (grouped-query attention): a view for one KV head."""
-    rep = q.shape[1] // k.shape[1]
-    if rep == 1:
-        return k, v
-    if k.shape[1] == 1:
-        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
-    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-
-
 class CausalSoftmax(torch.autograd.Function):
     """softmax over the last dim with the entries where ``future`` is True left out: one kernel
     forward (``_masked_softmax``), one backward (``_softmax_backward_data``: a left-out entry's
@@ -206,19 +200,12 @@ class CausalSoftmax(torch.autograd.Function):
 def scale_mask_softmax_attention(q, k, v, future, dropout=None):
     """Megatron-LM's attention core: (b, a, s, d) -> (b, a, s, d), causal (``future``: (s, s),
     True above the diagonal)."""
-    k, v = _kv_for_each_head(q, k, v)
+    k, v = fused.kv_for_each_head(q, k, v)
     scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
     probs = CausalSoftmax.apply(scores, future)
     if dropout is not None:
         probs = dropout(probs)
     return probs @ v
-
-
-def flash_attention(q, k, v, dropout_p=0.0):
-    """FlashAttention's core, causal: (b, a, s, d) -> (b, a, s, d), one fused kernel."""
-    k, v = _kv_for_each_head(q, k, v)
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)
-    return out
 
 
 def _attend_scale_mask_softmax(self, q, k, v, q_pos=None, k_pos=None, future=None):
@@ -233,12 +220,11 @@ def _attend_scale_mask_softmax(self, q, k, v, q_pos=None, k_pos=None, future=Non
 
 
 def _attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
-    p = self.attn_dropout.p if self.training else 0.0
-    if p:
+    if q_pos is None and k_pos is None:
+        return fused.attend_flash(self, q, k, v, q_pos, k_pos, future)
+    if self.training and self.attn_dropout.p:
         raise NotImplementedError("flash_attention: attention dropout is not run fused (the course's CPU "
                                   "kernel has no dropout mask the course's Dropout would match)")
-    if q_pos is None and k_pos is None:
-        return flash_attention(q, k, v)
     _prefix_positions(q_pos, k_pos, future)       # all-gather CP: a query chunk over the keys it sees
     return flash_attention_prefix(q, k, v)
 
@@ -287,6 +273,7 @@ def install(model, fusions) -> int:
         for mod in model.modules():
             if isinstance(mod, Attention):
                 mod.attend = types.MethodType(attend, mod)
+                mod.flash_blocks = attend is _attend_flash   # ring CP: its blocks as the same kernel
                 n += 1
     if "fused_qkv" in fusions:
         for mod in model.modules():
