@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.meta import balanced_topk, mixed_devices, to_meta
 from course_lib.planner.kernel_cost import (ATTENTION, CLASSES, COPY, CPU_KERNELS, ELEMENTWISE, FOREACH,  # noqa: F401
-                                            FREE, GEMM, KernelModel, foreach_launches, kernel_kind, op_cost)
+                                            FREE, GEMM, RATED, KernelModel, compute_dtype, foreach_launches,
+                                            kernel_kind, op_cost)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class KernelCounter(TorchDispatchMode):
     def __init__(self, hw, itemsize, record: bool = False):
         super().__init__()
         self.model = KernelModel(hw, {2: "bfloat16", 4: "float32"}.get(itemsize, "bfloat16")) if hw is not None else None
+        self.hw, self.models = hw, {}           # itemsize None: a GEMM's / attention's rate is its dtype's
         self.itemsize, self.total, self.by_op = itemsize, Kernels(), {}
         self.ops = [] if record else None       # record=True: (name, Kernels) of every op, in order
         self.by_class = {}                      # kernel class -> bytes its kernels move
@@ -78,8 +80,13 @@ class KernelCounter(TorchDispatchMode):
             self.ops.append(("|read", None))
         cost = op_cost(func, args, kwargs, out, self.itemsize)
         if cost is not None:
-            t = self.model.roofline(*cost) if self.model is not None else 0.0
-            floor = self.model.floor if self.model is not None else 0.0
+            model = self.model
+            if model is not None and self.itemsize is None and cost[2] in RATED:   # as the clock's own dtypes
+                dtype = compute_dtype(args, out)
+                model = self.models.get(dtype) or self.models.setdefault(
+                    dtype, KernelModel(self.hw, str(dtype).removeprefix("torch.")))
+            t = model.roofline(*cost) if model is not None else 0.0
+            floor = model.floor if model is not None else 0.0
             k, name = Kernels(1, cost[0], cost[1], t, max(t, floor)), func.overloadpacket.__name__
             self.total = self.total + k
             self.by_op[name] = self.by_op.get(name, Kernels()) + k
@@ -218,7 +225,7 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "none", tp: int = 1,
+def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: str = "none", tp: int = 1,
                sp: bool = False, cp: int = 1, ring: str | None = None, order: bool = False) -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
@@ -235,7 +242,10 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
     instead, traced on its s / cp tokens at their positions with ring attention
     (:mod:`.ring_ops`), the busiest rank's; "sequence" then holds its order, the host's value
     reads marked (the ring's trim reads its positions). ``order``: "sequence" also without TP,
-    a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`)."""
+    a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`).
+    ``itemsize``: every float priced at so many bytes (2: the dry run's precision "full"), or
+    None: a mixed precision's bf16 model, each tensor priced at its own dtype as the dry run
+    prices it then (the fp32 the program computes in: its norms' statistics, the loss)."""
     from course_lib import fused
     from course_lib.gpt import TinyGPT
     from course_lib.planner.ring_ops import rank_positions, ring_core, ring_kernels
@@ -252,6 +262,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
                 fused.install_flash(net)
             if t > 1:
                 tp_rank(net, model, t)
+            if itemsize is None:                          # a mixed precision: the bf16 model (buffers too)
+                net = net.to(torch.bfloat16)
             x = torch.zeros(b, s // cp if ring else s, dtype=torch.long)
         kw = {}
         if ring:                                   # a CP rank: its tokens, the ring for every block's core
@@ -317,7 +329,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int = 2, recompute: str = "n
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
             "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1, "param_shapes": shapes,
-            "adamw_per_element": _adamw(hw, itemsize)}
+            "adamw_per_element": _adamw(hw, itemsize or 2)}     # (the runtime prices the masters' fp32)
 
 
 def _split(ops, at, names) -> dict:

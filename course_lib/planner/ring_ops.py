@@ -177,9 +177,10 @@ def ring_kernels(hw, b: int, heads: int, kv_heads: int, head_dim: int, seq_len: 
     (:class:`RingCore`) on rank ``rank``: ``heads`` and ``kv_heads`` its own (a TP rank's)."""
     from course_lib.planner.kernels import KernelCounter     # (kernels traces the model with this module)
     n = seq_len // cp
+    dtype = torch.bfloat16 if itemsize is None else torch.float32   # None: a mixed precision's own dtypes
     with torch.device("meta"):
-        q = torch.empty(b, heads, n, head_dim, requires_grad=True)
-        k, v = (torch.empty(b, kv_heads, n, head_dim, requires_grad=True) for _ in range(2))
+        q = torch.empty(b, heads, n, head_dim, requires_grad=True, dtype=dtype)
+        k, v = (torch.empty(b, kv_heads, n, head_dim, requires_grad=True, dtype=dtype) for _ in range(2))
     pos = rank_positions(seq_len, cp, rank, layout)
     with KernelCounter(hw, itemsize) as fwd:
         out = RingCore.apply(q, k, v, pos, cp, rank, seq_len, layout, getattr(hw, "fused_attention", False))

@@ -59,6 +59,8 @@ from course_lib.planner.zero_sync import zero_sync
 # against the counts of course_lib.lab.virtual_runs, for cp = 2..8):
 VOCAB_LOSS_KERNELS = 29           # vocabulary-parallel cross entropy less the plain one, fwd + bwd
 VOCAB_LOSS_BYTES = {              # ... and the bytes its kernels move per local logit, by class
+    # (every float at 2 bytes, as under precision "full"; it computes in fp32, so twice these at
+    # the tensors' own dtypes, under a mixed precision: tests/test_planner_course_tp.py)
     "fwd": {"reduction": -2, "broadcast": 8, "elementwise": 4, "copy": 2},
     "bwd": {"reduction": -2, "elementwise": 4, "copy": 2},   # its contiguous copies stream
 }
@@ -125,8 +127,10 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     first, last = stage == 0, stage == p - 1
     # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
     ring = traced_ring(layout)
-    k = trace_step(model, hw, b, s, recompute=layout.recompute, tp=t, sp=layout.sp, cp=c, ring=ring,
-                   order=layout.zero == 3 or layout.pp > 1)
+    # a mixed precision runs a bf16 model and computes some of it in fp32: each tensor at its own dtype
+    own = layout.precision != "full"
+    k = trace_step(model, hw, b, s, itemsize=None if own else 2, recompute=layout.recompute, tp=t, sp=layout.sp,
+                   cp=c, ring=ring, order=layout.zero == 3 or layout.pp > 1)
     # (the order traced: FSDP's kernels join the issue chain, fsdp_ops.fsdp_chain; a pipeline's
     # passes are issued ahead or not by what waits inside them, the ``host`` below)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
@@ -151,7 +155,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         if kind == "loss":                           # (b s/cp,) maxima, then (2, b s/cp) sums: fp32 -> bf16
             cost = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
             added["fwd"] += Kernels(VOCAB_LOSS_KERNELS, 0.0, 0.0, 0.0, VOCAB_LOSS_KERNELS * hw.kernel_floor)
-            for pas, classes in VOCAB_LOSS_BYTES.items():
+            for pas, classes in VOCAB_LOSS_BYTES.items():   # its logits fp32: 4 bytes at their own dtype
+                classes = {cls: n * (2 if own else 1) for cls, n in classes.items()}
                 added[pas] += vocab_loss_kernels(hw, classes, b * s / c * math.ceil(model.vocab / t))
         else:
             cost = collective(layout, hw, kind, act, ("tp",))
