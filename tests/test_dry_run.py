@@ -291,6 +291,7 @@ def test_the_hardwares_fused_attention_is_run_as_the_planner_prices_it():
     assert hardware_attention(a100, plain) == ("flash_attention",)
     assert hardware_attention(a100, plain.with_(cp=2)) == ("flash_attention",)            # ring: flash blocks
     assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses")) == ()
+    assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses", cp_layout="contiguous")) == ()
     assert hardware_attention(a100, plain.with_(documents=(16, 16))) == ()
     assert hardware_attention(a100, plain, ("scale_mask_softmax",)) == ()
     assert hardware_attention(a100.with_(fused_attention=False), plain) == ()

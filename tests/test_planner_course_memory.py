@@ -81,3 +81,22 @@ def test_course_keeps_the_softmax_and_megatron_the_log_sum_exp():
     for rc in ("none", "selective", "full"):
         with pytest.raises(ValueError, match="recompute"):
             course_layer_activation_bytes(GPT, s, b, recompute=rc + "x")
+
+
+def test_ulysses_keeps_the_softmax_of_its_heads_as_the_dry_run_does():
+    """Ulysses (cp 2) writes attention out on a / cp heads over the whole sequence, on every
+    Hardware (the course's flash core is not what its gathered, rank-ordered sequence runs:
+    ``presets.runs_flash``): the planner keeps that softmax, a / cp heads x s^2 x 2 bytes a
+    layer, as the dry run does (no recomputation less selective, to the byte; the planner
+    counted the ring's log-sum-exp instead before)."""
+    layout = Layout(cp=2, cp_method="ulysses", cp_layout="contiguous", micro_batch=1, global_batch=1, seq_len=512)
+    kept = {}
+    for rc in ("none", "selective"):
+        lay = layout.with_(recompute=rc)
+        est = estimate(LLAMA, "h100-sxm", lay, runtime="course")
+        r = dry_run(LLAMA, "h100-sxm", lay, progress=None, optimizer="foreach")
+        assert r.fusions == ()
+        kept[rc] = est.memory_by_stage[0]["activations"], r.memory_by_stage[0]["activations"]
+    scores = LLAMA.n_layers * (LLAMA.n_heads // 2) * 512 ** 2 * 2
+    assert kept["none"][0] - kept["selective"][0] == scores
+    assert kept["none"][1] - kept["selective"][1] == scores

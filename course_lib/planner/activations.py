@@ -177,7 +177,7 @@ def stage_activation_bytes(model, s, b, policies, t=1, sp=False, cp=1, in_flight
 
 
 def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", cp=1,
-                                  fused_kernels=False, fused_attention=False) -> float:
+                                  fused_kernels=False, fused_attention=False, ulysses=False) -> float:
     """Bytes one layer of the course's own program (``TinyGPT``, what ``runtime="course"`` and the
     dry run run) keeps for backward, per micro-batch, on one GPU (16-bit).
 
@@ -188,6 +188,8 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
       fused kernel does (:func:`lse_bytes`), and so does the course's FlashAttention core
       (``fused_attention``, a Hardware's: :func:`course_lib.fused.flash_attention`, which the
       dry run then runs), which keeps Q, K, V, its output and the log-sum-exp at any policy;
+      Ulysses CP (``ulysses``) writes attention out on a / cp heads over the whole sequence:
+      the same softmax bytes as a / cp heads of one device's, no log-sum-exp;
     - no dropout (``model_config`` builds the model with dropout 0): the GPT-3 block keeps
       neither the two 1-byte masks (2 s b h) nor the attention dropout's mask and output;
       its two LayerNorms keep their mean and rstd, 8 bytes a token (the census of
@@ -203,7 +205,7 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    scores = recompute == "none" and cp == 1 and not fused_attention
+    scores = recompute == "none" and (cp == 1 or ulysses) and not fused_attention
     rc = "none" if scores else ("full" if recompute == "full" else "selective")
     if is_llama_block(model):
         out = llama_activation_bytes_per_layer(s, b, model.hidden, model.n_heads, model.n_kv_heads,
@@ -218,6 +220,6 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
             out += 2 * 2 * 2 * tok / split - dropout
             if model.top_k > 1 or model.n_experts > 1:
                 out += tok * h * (22.0 * model.top_k - 16.0) / t
-    if recompute != "full" and (cp > 1 or fused_attention):
+    if recompute != "full" and ((cp > 1 and not ulysses) or fused_attention):
         out += lse_bytes(s, b, model.n_heads, t, cp)
     return out

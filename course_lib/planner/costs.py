@@ -40,7 +40,7 @@ from course_lib.layout import rank_order
 from course_lib.planner.layout import Layout, intra_node, layers_per_stage, strides
 from course_lib.planner.numerics import numerics
 from course_lib.planner.pipeline_hops import stage_send_time
-from course_lib.planner.presets import Hardware, ModelSpec
+from course_lib.planner.presets import Hardware, ModelSpec, flash_core
 
 # Bytes of HBM traffic per parameter in an AdamW step: the precision's
 # (numerics.Numerics.optimizer_bytes: 28 under "full", the fp32 master weight, momentum and
@@ -369,7 +369,9 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     ze = F.zero_memory_bytes(expert, layout.zero, n_exp_group, grad_bytes=g)
     per_layer = (course_layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c,
                                                fused_kernels=fused_kernels,
-                                               fused_attention=fused and not layout.documents) if course
+                                               fused_attention=fused and flash_core(layout),
+                                               ulysses=c > 1 and layout.cp_comm != "all_gather"
+                                               and layout.cp_method == "ulysses") if course
                  else layer_activation_bytes(model, s, b, t, layout.sp, layout.recompute, cp=c,
                                              fused_attention=fused, fused_kernels=fused_kernels))
     in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)

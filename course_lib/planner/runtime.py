@@ -51,6 +51,7 @@ from course_lib.planner.kernels import Kernels, trace_step
 from course_lib.planner.layout import strides
 from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
+from course_lib.planner.presets import runs_flash
 from course_lib.planner.ring_ops import traced_ring
 from course_lib.planner.zero_sync import zero_sync
 
@@ -129,8 +130,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     ring = traced_ring(layout)
     # a mixed precision runs a bf16 model and computes some of it in fp32: each tensor at its own dtype
     own = layout.precision != "full"
-    k = trace_step(model, hw, b, s, itemsize=None if own else 2, recompute=layout.recompute, tp=t, sp=layout.sp,
-                   cp=c, ring=ring, order=layout.zero == 3 or layout.pp > 1)
+    traced_hw = hw.with_(fused_attention=runs_flash(hw, layout))    # what the ranks' attention runs
+    k = trace_step(model, traced_hw, b, s, itemsize=None if own else 2, recompute=layout.recompute, tp=t,
+                   sp=layout.sp, cp=c, ring=ring, order=layout.zero == 3 or layout.pp > 1)
     # (the order traced: FSDP's kernels join the issue chain, fsdp_ops.fsdp_chain; a pipeline's
     # passes are issued ahead or not by what waits inside them, the ``host`` below)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)

@@ -78,7 +78,7 @@ from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
-from course_lib.planner.presets import ModelSpec, get_hardware, get_model
+from course_lib.planner.presets import ModelSpec, get_hardware, get_model, runs_flash
 from course_lib.precision.mixed import check_precision
 from course_lib.schedules import chunks, make_schedule, placement_of, rank_stage_ids, validate
 from course_lib.virtual.compute import tensor_bytes
@@ -438,11 +438,10 @@ def hardware_attention(hw, layout: Layout, fusions=(), dropout: float = 0.0) -> 
     its blocks as the same kernel (``ContextParallelAttention.flash_blocks``). Packed documents
     (``layout.documents``) keep the written-out attention and its document mask (the course's
     flash core runs one causal sequence), and so does Ulysses, whose core sees the gathered
-    sequence in the ranks' order. Dropout in attention is refused here, by name: the course's
-    CPU flash kernel has none (ValueError)."""
-    if not getattr(hw, "fused_attention", False) or {"scale_mask_softmax", "flash_attention"} & set(fusions):
-        return ()
-    if layout.documents or (layout.cp > 1 and layout.cp_comm != "all_gather" and layout.cp_method == "ulysses"):
+    sequence in the ranks' order (:func:`course_lib.planner.presets.runs_flash`, the planner's
+    rule too). Dropout in attention is refused here, by name: the course's CPU
+    flash kernel has none (ValueError)."""
+    if not runs_flash(hw, layout, fusions):
         return ()
     if dropout:
         raise ValueError(f"dropout {dropout}: {hw.name} states fused_attention (FlashAttention) and the course's "
