@@ -164,16 +164,6 @@ def install(model) -> int:
     return n
 
 
-def kv_for_each_head(q, k, v):
-    """K and V with one head per query head (grouped-query attention): a view for one KV head."""
-    rep = q.shape[1] // k.shape[1]
-    if rep == 1:
-        return k, v
-    if k.shape[1] == 1:
-        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
-    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-
-
 def flash_attention(q, k, v, dropout_p=0.0):
     """FlashAttention's core, causal: q (b, a, s, d), k and v (b, kv, s, d) -> (b, a, s, d), one
     fused kernel. Grouped-query attention runs as FlashAttention-2 runs it: each K/V head read
@@ -214,7 +204,7 @@ def flash_causal(q_pos, k_pos):
         return None
 
 
-def plain_causal(attn, q_pos, k_pos, future) -> bool:
+def _plain_causal(attn, q_pos, k_pos, future) -> bool:
     """Whether an attention call of ``attn`` is one whole causal sequence (no positions given,
     the model's own causal mask): what one causal flash kernel computes."""
     return q_pos is None and k_pos is None and (future is None or future is attn.future_mask
@@ -222,7 +212,9 @@ def plain_causal(attn, q_pos, k_pos, future) -> bool:
 
 
 def attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
-    if not plain_causal(self, q_pos, k_pos, future):
+    """``Attention.attend`` as :func:`flash_attention` (set per instance by :func:`install_flash`):
+    one whole causal sequence, no attention dropout (NotImplementedError naming either)."""
+    if not _plain_causal(self, q_pos, k_pos, future):
         raise NotImplementedError("flash_attention: the course's FlashAttention core runs one whole causal "
                                   "sequence (no positions, no packed documents' mask)")
     if self.training and self.attn_dropout.p:
@@ -254,5 +246,5 @@ def kernels():
         gpt.RMSNorm.forward, gpt.SwiGLU.forward, moe.Expert.inner = saved
 
 
-__all__ = ["rms_norm", "swiglu", "install", "kernels", "kv_for_each_head", "flash_attention", "plain_causal",
+__all__ = ["rms_norm", "swiglu", "install", "kernels", "flash_attention",
            "attend_flash", "install_flash", "flash_block", "flash_block_backward", "flash_causal"]

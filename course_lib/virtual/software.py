@@ -180,6 +180,16 @@ def check_fusions(fusions) -> tuple:
     return fusions
 
 
+def _kv_for_each_head(q, k, v):
+    """K and V with one head per query head (grouped-query attention): a view for one KV head."""
+    rep = q.shape[1] // k.shape[1]
+    if rep == 1:
+        return k, v
+    if k.shape[1] == 1:
+        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 class CausalSoftmax(torch.autograd.Function):
     """softmax over the last dim with the entries where ``future`` is True left out: one kernel
     forward (``_masked_softmax``), one backward (``_softmax_backward_data``: a left-out entry's
@@ -200,7 +210,7 @@ class CausalSoftmax(torch.autograd.Function):
 def scale_mask_softmax_attention(q, k, v, future, dropout=None):
     """Megatron-LM's attention core: (b, a, s, d) -> (b, a, s, d), causal (``future``: (s, s),
     True above the diagonal)."""
-    k, v = fused.kv_for_each_head(q, k, v)
+    k, v = _kv_for_each_head(q, k, v)
     scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
     probs = CausalSoftmax.apply(scores, future)
     if dropout is not None:
