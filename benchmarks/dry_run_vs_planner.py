@@ -1,6 +1,6 @@
 """The planner against the dry run on random valid layouts (three presets x two GPUs).
 
-    python benchmarks/dry_run_vs_planner.py              # 54 layouts (minutes on 2 cores)
+    python benchmarks/dry_run_vs_planner.py              # 54 layouts and their CP twins (minutes)
     python benchmarks/dry_run_vs_planner.py -n 6 --seed 1
     python benchmarks/dry_run_vs_planner.py --saved benchmarks/dry_run_vs_planner.json --saved-only
 

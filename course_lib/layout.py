@@ -162,7 +162,8 @@ class Layout:
                 f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else ""),
                 f"PP{self.pp}" + (f"({self.schedule}" + (f", v={self.v}" if self.chunks > 1 else "") + ")"
                                   if self.pp > 1 else ""),
-                f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else "")]
+                f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else
+                                  "(Ulysses)" if self.cp > 1 and self.cp_method == "ulysses" else "")]
         if self.ep > 1:
             dims.append(f"EP{self.ep}")
         if self.etp > 1:

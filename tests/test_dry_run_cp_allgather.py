@@ -1,4 +1,4 @@
-"""Llama 3's all-gather CP on the virtual clock: its attention kernel (virtual/flash_prefix.py,
+"""Llama 3's all-gather CP on the virtual clock: its attention kernel (course_lib/flash_prefix.py,
 FlashAttention causal at the bottom right, one kernel per query chunk) computes the course's
 attention; a dry run of an all-gather CP layout is a real launch of it to the bit, with
 FlashAttention (Llama 3's software) and with the course's written-out attention; its
@@ -21,7 +21,7 @@ HW = "h100-sxm"
 
 def test_flash_prefix_is_the_courses_attention_and_priced_at_its_trimmed_flops():
     from course_lib.planner.kernel_cost import op_cost
-    from course_lib.virtual.flash_prefix import flash_attention_prefix
+    from course_lib.flash_prefix import flash_attention_prefix
     torch.manual_seed(0)
     c = 3
     for length, kv in ((3, 4), (5, 2), (12, 1)):   # the chunk alone (chunk 0), after 2 or 9 past keys; GQA

@@ -54,11 +54,31 @@ def _draw(rng, moe: bool, s: int) -> Layout:
                   zero=zero)
 
 
-def sweep_layouts(n: int, seed: int = 0) -> list:
+def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
     until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
-    not change) says it fits."""
+    not change) says it fits; ``cp_methods``: after the n, each drawn CP layout (a ring) again
+    with Llama 3's all-gathered K/V and with Ulysses, where the ranks accept it and it fits (the
+    same draw: the n rows do not move)."""
     from course_lib.virtual.dry_run import check_dry_run
+    out = _drawn(n, seed, check_dry_run)
+    if not cp_methods:
+        return out
+    twins = []
+    for name, hw, layout in out:
+        if layout.cp == 1:
+            continue
+        for twin in (layout.with_(cp_comm="all_gather"), layout.with_(cp_method="ulysses")):
+            try:
+                check_dry_run(get_model(name), twin)
+            except (ValueError, NotImplementedError):
+                continue
+            if estimate(name, hw, twin).fits:
+                twins.append((name, hw, twin))
+    return out + twins
+
+
+def _drawn(n: int, seed: int, check_dry_run) -> list:
     rng, out, tries = random.Random(seed), [], 0
     combos = [(m, s, g) for m, s in SWEEP_MODELS for g in SWEEP_GPUS]
     while len(out) < n:

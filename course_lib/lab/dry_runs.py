@@ -268,7 +268,7 @@ def row_software(source: str, name: str) -> tuple:
 
 # Llama 3's CP (Dubey et al. 2024, Sec. 3.3.2): K and V all-gathered, each of a rank's two
 # zigzag chunks attended to the keys it sees, dK/dV reduce-scattered; run by the ranks
-# (parallel/cp_allgather.py) with one FlashAttention kernel per chunk (virtual/flash_prefix.py).
+# (parallel/cp_allgather.py) with one FlashAttention kernel per chunk (course_lib/flash_prefix.py).
 # Measured on the 128k row (2026-11-29), v = 2 chunks per stage: +16.0% against the published
 # time (+14.1% with the gathered K/V kept for backward instead of gathered again), the planner
 # -11.8%; 47 s CPU, 6.1 GiB resident. With the paper's chunks (embedding-only and head-only,

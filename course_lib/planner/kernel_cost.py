@@ -125,7 +125,7 @@ COURSE_KERNELS = {
 
 
 def _prefix_flops(q, k, v, *args, out_val=None, **kwargs):
-    """All-gather CP's chunk (course_lib.virtual.flash_prefix): the L - c past keys in full, the
+    """All-gather CP's chunk (course_lib.flash_prefix): the L - c past keys in full, the
     chunk's own c x c block causal (half), torch's SDPA formula for each."""
     b, a, c, d = q.shape
     past = (b, a, k.shape[2] - c, d)

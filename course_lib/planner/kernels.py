@@ -72,6 +72,8 @@ class KernelCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _TOPK and args[0].is_meta:        # a router's choice: balanced (meta.balanced_topk)
             out = balanced_topk(*args, **kwargs)
+        elif func is _READ and args[0].is_meta:      # a value read on meta is 1, as the dry run reads it
+            out = 1.0 if args[0].is_floating_point() else 1     # (virtual.priced.MetaScalars)
         else:
             if mixed_devices(args):                         # routing indices (values) meet meta activations
                 args = tuple(to_meta(a) for a in args)
@@ -226,7 +228,8 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
 
 @functools.lru_cache(maxsize=64)
 def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: str = "none", tp: int = 1,
-               sp: bool = False, cp: int = 1, ring: str | None = None, order: bool = False) -> dict:
+               sp: bool = False, cp: int = 1, ring: str | None = None, order: bool = False,
+               method: str = "ring") -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
@@ -241,19 +244,23 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
     ``ring`` (cp > 1; "zigzag" or "contiguous", the ranks' split): a CP rank's own program
     instead, traced on its s / cp tokens at their positions with ring attention
     (:mod:`.ring_ops`), the busiest rank's; "sequence" then holds its order, the host's value
-    reads marked (the ring's trim reads its positions). ``order``: "sequence" also without TP,
+    reads marked (the ring's trim reads its positions); ``method`` "all_gather" or "ulysses": that
+    CP rank's program instead (:mod:`.cp_ops`: Llama 3's all-gathered K/V, FlashAttention per
+    query chunk where ``hw`` states fused attention; Ulysses' head shards, its core written out),
+    the busiest rank's. ``order``: "sequence" also without TP,
     a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`).
     ``itemsize``: every float priced at so many bytes (2: the dry run's precision "full"), or
     None: a mixed precision's bf16 model, each tensor priced at its own dtype as the dry run
     prices it then (the fp32 the program computes in: its norms' statistics, the loss)."""
     from course_lib import fused
     from course_lib.gpt import TinyGPT
+    from course_lib.planner.cp_ops import gather_core, ulysses_core
     from course_lib.planner.ring_ops import rank_positions, ring_core, ring_kernels
 
     ring = ring if cp > 1 else None
 
     def trace(layers, n_experts=None, t=1, rank=None):
-        cfg = course_config(model, layers, n_experts, recompute, seq_len=s if ring else None)
+        cfg = course_config(model, layers, n_experts, recompute, seq_len=s)   # the traced sequence, as the dry run's
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
             if getattr(hw, "fused_kernels", False):       # RMSNorm and SwiGLU as one kernel each way
@@ -266,10 +273,14 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                 net = net.to(torch.bfloat16)
             x = torch.zeros(b, s // cp if ring else s, dtype=torch.long)
         kw = {}
-        if ring:                                   # a CP rank: its tokens, the ring for every block's core
+        if ring:                                   # a CP rank: its tokens, its method for every block's core
             kw = dict(positions=rank_positions(s, cp, rank, ring))
+            flash = getattr(hw, "fused_attention", False)
             for block in net.blocks:
-                block.attn.attend = ring_core(cp, rank, s, ring, getattr(hw, "fused_attention", False))
+                attn = block.attn
+                attn.attend = ring_core(cp, rank, s, ring, flash) if method == "ring" else \
+                    gather_core(cp, rank, s, ring, flash, attn.attend) if method == "all_gather" else \
+                    ulysses_core(cp, rank, s, ring, attn.attend)
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
@@ -314,7 +325,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
             (hf, hb, _, _), fewer = run(1, half, 0 if ring else None), model.n_experts - half
             per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
     ring_pass = {}
-    if ring:                  # the ring alone on the busiest rank: a K/V hop travels under one of its blocks
+    if ring and method == "ring":   # the ring alone on the busiest rank: a K/V hop travels under one of its blocks
         busiest = traces.index(max(traces, key=lambda x: (x[4].total - x[0].total + x[5].total - x[1].total).device))
         heads, kv_heads = -(-model.n_heads // tp), max(1, model.n_kv_heads // tp)
         ring_pass = dict(zip(("ring_fwd", "ring_bwd"), ring_kernels(hw, b, heads, kv_heads, model.head_dim, s, cp,

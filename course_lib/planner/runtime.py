@@ -21,6 +21,11 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
   blocks and merges); a hop costs alpha + K/V bytes / bandwidth and travels under one block;
   forward waits cp - 1 hops, backward cp hops (K/V, then each dK/dV accumulator) and the
   accumulator's hop home (full recomputation: the forward's again);
+- CP (all-gather, Llama 3's; Ulysses): a CP rank's own program is traced too (:mod:`.cp_ops`:
+  the K/V gathered and put in sequence order, each query chunk attended; or Q, K, V to head
+  shards and back); its messages are exposed, the core waits for them (:func:`_gathered_cp`).
+  Packed documents, or another split of the sequence: one device's attention cut by cp, with
+  the ring's kernel count and hops in its place (:data:`RING_KERNELS`), an approximation;
 - the host: it issues one op every ``launch_overhead``, and where the program reads a value
   (a ring's positions, an MoE router's counts) or blocks on TP's collectives it waits for the
   stream: the rank's traced order runs through that issue chain (:mod:`.issue`); under ZeRO-3
@@ -52,6 +57,7 @@ from course_lib.planner.layout import strides
 from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import runs_flash
+from course_lib.planner.cp_ops import cp_message_bytes, traced_cp
 from course_lib.planner.ring_ops import traced_ring
 from course_lib.planner.zero_sync import zero_sync
 
@@ -119,6 +125,27 @@ def tp_calls(layout, first: bool, last: bool, n_layers: int) -> dict:
     return calls
 
 
+def _gathered_cp(model, hw, layout, method: str, b: int, s: int, n_layers: int) -> tuple:
+    """(forward, backward seconds, calls) of one micro-batch's CP messages on a stage, all-gather
+    CP or Ulysses (the ranks' order, :mod:`.cp_ops`), each exposed: the core waits for them.
+    All-gather: K/V gathered forward, gathered again and dK/dV reduce-scattered backward (full
+    recomputation: the forward's gather again). Ulysses: the positions gathered, Q, K, V to head
+    shards and the output back, forward; the four gradients backward (full: the forward again)."""
+    c, t = layout.cp, layout.tp
+    heads, kv_heads = -(-model.n_heads // t), max(1, model.n_kv_heads // t)
+    size = cp_message_bytes(method, b, heads, kv_heads, model.head_dim, s, c)
+    again = layout.recompute == "full"
+
+    def call(kind, nbytes):
+        return collective(layout, hw, kind, nbytes, ("cp",))
+    if method == "all_gather":
+        gather, scatter = call("all_gather", size["all_gather"]), call("reduce_scatter", size["all_gather"])
+        return n_layers * gather, n_layers * ((1 + again) * gather + scatter), n_layers * (3 + again)
+    swap = call("all_to_all", size["q"]) + 2 * call("all_to_all", size["kv"]) + call("all_to_all", size["out"])
+    where = call("all_gather", s * 8)               # every rank's positions, int64
+    return n_layers * (where + swap), n_layers * (swap + again * (where + swap)), n_layers * (5 + 4 + again * 5)
+
+
 def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     """The course's runtime on ``stage``: per micro-batch {fwd, bwd}: {kind: seconds} with
     kinds compute / launch / tp / cp / zero; the step's tail (dp, loss); the optimizer; the
@@ -128,11 +155,12 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     first, last = stage == 0, stage == p - 1
     # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
     ring = traced_ring(layout)
+    method, split = traced_cp(layout)       # all-gather CP and Ulysses: a CP rank's own program too
     # a mixed precision runs a bf16 model and computes some of it in fp32: each tensor at its own dtype
     own = layout.precision != "full"
     traced_hw = hw.with_(fused_attention=runs_flash(hw, layout))    # what the ranks' attention runs
     k = trace_step(model, traced_hw, b, s, itemsize=None if own else 2, recompute=layout.recompute, tp=t,
-                   sp=layout.sp, cp=c, ring=ring, order=layout.zero == 3 or layout.pp > 1)
+                   sp=layout.sp, cp=c, ring=split, order=layout.zero == 3 or layout.pp > 1, method=method)
     # (the order traced: FSDP's kernels join the issue chain, fsdp_ops.fsdp_chain; a pipeline's
     # passes are issued ahead or not by what waits inside them, the ``host`` below)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
@@ -173,7 +201,10 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     fwd_k, bwd_k = fwd_k + added["fwd"], bwd_k + added["bwd"]
     costs = {kind: collective(layout, hw, kind, act, ("tp",)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
     costs["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
-    if c > 1:                                        # ring attention, K and V of this rank's heads
+    if c > 1 and split and method != "ring":        # all-gather CP, Ulysses: messages the core waits for
+        fwd["cp"], bwd["cp"], calls["cp"] = _gathered_cp(model, hw, layout, method, b, s, n_layers)
+        calls["cp"] *= m
+    elif c > 1:                                      # ring attention, K and V of this rank's heads
         kv_heads = max(1, model.n_kv_heads // t)
         alpha, bw = hw.link(group_in_node(layout, hw, ("cp",)))
         hop = alpha + 2 * b * kv_heads * (s / c) * model.head_dim * 2 / bw

@@ -113,7 +113,7 @@ from course_lib.parallel.tensor_parallel import ColumnParallelLinear
 from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder, install_partitioned_pipe
-from course_lib.virtual.flash_prefix import flash_attention_prefix
+from course_lib.flash_prefix import flash_attention_prefix
 from course_lib.virtual.fused_qkv import project_fused
 from course_lib.virtual.megatron_p2p import MegatronP2P, install_megatron_p2p
 
@@ -241,7 +241,7 @@ def _attend_flash(self, q, k, v, q_pos=None, k_pos=None, future=None):
 
 def _prefix_positions(q_pos, k_pos, future):
     """The one shape of positions a fused core runs besides a whole sequence: keys 0..L-1 and
-    the queries at the last of them (:mod:`course_lib.virtual.flash_prefix`)."""
+    the queries at the last of them (:mod:`course_lib.flash_prefix`)."""
     n_q, n_k = q_pos.numel(), k_pos.numel()
     clock = trace.clock()
     with clock.muted() if clock is not None else contextlib.nullcontext():   # a host check, not a kernel
