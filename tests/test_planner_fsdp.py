@@ -52,17 +52,25 @@ def test_fsdp_collectives_hide_behind_the_blocks_they_prefetch_beside():
 
 
 def test_fsdp_on_tp_links_and_without_prefetch():
-    """On links TP shares, a prefetch delays the next TP collective by what the kernels before
-    it do not cover; a backward after a backward prefetches nothing (1F1B's stage 0, GPipe)."""
+    """On links TP shares, a prefetch slows the next TP collective: the two split the bandwidth,
+    so the TP collective takes its own bytes' time more (here its whole 0.25), not the rest of the
+    prefetch (the clock's lanes until 2026-11-29 made it wait: forward 3.0 - 0.5, backward 2.0 and
+    3.0 - 1.0); once the prefetch's bytes are through, nothing. A backward after a backward
+    prefetches nothing (1F1B's stage 0, GPipe)."""
     ag, rs = [3.0, 3.0, 3.0, 1.0], [2.0, 2.0, 2.0, 0.5]
     costs = {"all_gather": 0.25, "reduce_scatter": 0.25}
     seq_f = [0.5, "all_gather", 4.0, "reduce_scatter"]        # a norm, then TP's first collective
     seq_b = ["all_gather", 1.0, "all_gather", 4.0]
     f, b = fsdp_exposed_tp(ag, rs, seq_f, seq_b, costs, copy_b=0.5, n_layers=3, root=True)
-    assert f == 1.0 + 3.0 + 2 * (3.0 - 0.5)
-    # backward: the reduce-scatter in flight delays the first collective by all of it; the
-    # gather, issued after the unit's copy out, the second by 3.0 - 1.0
-    assert b == 3.0 + 2.0 + 2 * (2.0 + 2.0)
+    # forward, blocks 2 and 3: the gather in flight slows the first collective (the second
+    # comes after it); the first block's gather and the root's are exposed
+    assert f == 1.0 + 3.0 + 2 * 0.25
+    # backward: the reduce-scatter in flight slows the first collective, the gather issued after
+    # the unit's copy out the second
+    assert b == 3.0 + 2.0 + 2 * (0.25 + 0.25)
+    # a TP collective whose bytes take less time on the links than its whole call: slowed by those
+    _, b_lanes = fsdp_exposed_tp(ag, rs, seq_f, seq_b, costs, 0.5, 3, True, lanes={"all_gather": 0.125})
+    assert b_lanes == 3.0 + 2.0 + 2 * (0.125 + 0.125)
     assert fsdp_exposed_unprefetched(ag, rs, 3) == 3.0 + 2 * (2.0 + 3.0) + 2.0
     assert prefetched_share(schedule_order(2, 2, "1f1b", 1, 0)) == 0.5       # F F B B
     assert prefetched_share(schedule_order(2, 2, "1f1b", 1, 1)) == 1.0       # F B F B

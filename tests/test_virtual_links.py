@@ -101,8 +101,10 @@ def _tp_beside_dp():
 def test_tp_collective_does_not_queue_behind_a_dp_bucket():
     """dp x tp = 2 x 2. NCCL runs one stream per communicator: the TP all-reduce starts when it is
     issued, beside the in-flight DP bucket. With the DP group across nodes (2 GPUs a node) they
-    share no lane; inside one node they share each GPU's NVLink lanes, and the TP collective
-    waits there for the bucket's bytes (a lane carries one transfer at a time)."""
+    share no lane; inside one node they share each GPU's NVLink lanes: the two kernels' channels
+    interleave on the link, so the TP collective is slowed by its own bytes' time (two transfers
+    splitting the bandwidth), not held until the bucket's 32 MiB are through (first come, first
+    served, as the clock had it before 2026-11-29: tp.start = t0 + 93 us)."""
     across = launch(_tp_beside_dp, 4, clock=VirtualCluster("h100-sxm", gpus_per_node=2))
     for t0, dp, tp in across:
         assert tp.start == pytest.approx(t0, abs=1e-12)       # not after dp.end, as one stream had it
@@ -110,8 +112,9 @@ def test_tp_collective_does_not_queue_behind_a_dp_bucket():
     inside = launch(_tp_beside_dp, 4, clock=VirtualCluster("h100-sxm", gpus_per_node=4))
     for t0, dp, tp in inside:
         bucket_on_lane = 2 * (2 - 1) / 2 * 32 * MiB / NVLINK   # a ring all-reduce sends 2(N-1)/N n
-        assert tp.start == pytest.approx(t0 + bucket_on_lane, rel=1e-6)
-        assert tp.start < dp.end                               # still its own stream
+        tp_on_lane = 2 * (2 - 1) / 2 * MiB / NVLINK
+        assert tp.start == pytest.approx(t0 + min(bucket_on_lane, tp_on_lane), rel=1e-6)
+        assert tp.end < dp.end                                 # its own stream, sharing the lane
 
 
 def _algorithms():
@@ -177,10 +180,38 @@ def _p2p_behind_collective():
 
 def test_point_to_point_meets_collectives_on_the_lanes():
     """A 1 MiB message issued while a 16 MiB all-reduce of the same two GPUs holds their NVLink
-    lanes arrives after the all-reduce's bytes: they share the lane."""
+    lanes shares them: its bytes take twice their time (half the bandwidth), once, though it
+    crosses two busy lanes (the sender's and the receiver's: it moves at the lower share). First
+    come, first served (before 2026-11-29), it arrived after the all-reduce's 16 MiB."""
     res = launch(_p2p_behind_collective, 2, clock=VirtualCluster("h100-sxm", gpus_per_node=8))
-    lane = 2 * (2 - 1) / 2 * 16 * MiB / NVLINK
-    assert res[1] == pytest.approx(lane + SIMPLE_NVLINK + MiB / NVLINK, rel=REL)
+    assert res[1] == pytest.approx(MiB / NVLINK + SIMPLE_NVLINK + MiB / NVLINK, rel=REL)
+
+
+def _small_beside_big_beside_small():
+    """Rank 0 sends 16 MiB, then 1 MiB, to rank 1 (one communicator: one pair stream)."""
+    comm = Comm(None)
+    big, small = torch.zeros(8 * MiB), torch.zeros(MiB // 2)
+    comm.barrier()
+    t0 = trace.now()
+    if comm.rank == 0:
+        works = [comm.isend(big, 1, tag=0), comm.isend(small, 1, tag=1)]
+        Comm.wait(*works)
+        return None
+    a, b = comm.irecv(big, 0, tag=0), comm.irecv(small, 0, tag=1)
+    a.wait()
+    big_at = trace.now() - t0
+    b.wait()
+    return trace.now() - t0, big_at
+
+
+def test_a_shared_lane_is_never_slower_than_first_come_first_served():
+    """The same pair's messages run one after another (one stream per pair), so sharing never
+    applies there: a 1 MiB message behind a 16 MiB one on the same pair arrives after it, as
+    before. Sharing is between streams (communicators), never a way around a stream's order."""
+    res = launch(_small_beside_big_beside_small, 2, clock=VirtualCluster("h100-sxm", gpus_per_node=8))
+    small_at, big_at = res[1]
+    assert big_at == pytest.approx(SIMPLE_NVLINK + 16 * MiB / NVLINK, rel=REL)
+    assert small_at == pytest.approx(2 * SIMPLE_NVLINK + 17 * MiB / NVLINK, rel=REL)
 
 
 def _reset_while_pending():

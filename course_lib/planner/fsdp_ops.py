@@ -178,20 +178,27 @@ def fsdp_exposed(ag: list, rs: list, c_f: float, c_b: float, n_layers: int, root
 TP_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "loss")   # a TP rank's blocking collectives
 
 
-def _lane_wait(seq, costs: dict, busy: float, gather: float = 0.0, copy: float = 0.0) -> float:
+def _lane_wait(seq, costs: dict, busy: float, gather: float = 0.0, copy: float = 0.0,
+               lanes: dict | None = None) -> float:
     """Seconds one block's pass (``seq``: its traced kernels' device seconds and its blocking
     collectives' names, :func:`course_lib.planner.kernels.trace_step`'s "sequence") waits for an
-    FSDP collective that holds the GPU's links: one in flight for ``busy`` seconds as the pass
-    starts; ``gather`` (the next unit's all-gather) issued at the pass's first kernel, after
-    ``copy`` seconds of its own unit's copy out (the backward's: it waits for the unit's first
-    use). A TP collective starts when the links are free, and holds them."""
+    FSDP collective on the GPU's links: one in flight for ``busy`` seconds as the pass starts;
+    ``gather`` (the next unit's all-gather) issued at the pass's first kernel, after ``copy``
+    seconds of its own unit's copy out (the backward's: it waits for the unit's first use). A TP
+    collective shares the links with it: two transfers splitting the bandwidth, it is slowed by
+    at most its own bytes' time (``lanes``: seconds per collective on the link, alpha left out;
+    default its whole time), never more than waiting for the links to be free would; its bytes
+    join theirs on the link."""
+    lanes = costs if lanes is None else lanes
     t, lane, issued, base = 0.0, busy, gather <= 0.0, copy * (gather > 0.0)
     for x in seq:
         if isinstance(x, str):
             if x not in TP_COLLECTIVES:          # a host read: no link
                 continue
-            t = max(t, lane) + costs.get(x, 0.0)
-            lane, base = t, base + costs.get(x, 0.0)
+            own = lanes.get(x, 0.0)
+            start = t + min(max(0.0, lane - t), own)
+            lane = max(lane, t) + own
+            t, base = start + costs.get(x, 0.0), base + costs.get(x, 0.0)
             continue
         if not issued:
             t, issued = t + copy, True
@@ -201,20 +208,20 @@ def _lane_wait(seq, costs: dict, busy: float, gather: float = 0.0, copy: float =
 
 
 def fsdp_exposed_tp(ag: list, rs: list, seq_f, seq_b, costs: dict, copy_b: float, n_layers: int,
-                    root: bool) -> tuple:
+                    root: bool, lanes: dict | None = None) -> tuple:
     """:func:`fsdp_exposed` where the FSDP group's collectives and TP's blocking ones cross the
     same links (the clock's lanes: NVLink or the network, shared by every collective of the
-    GPU): a block's prefetched gather does not run beside its compute, it delays the block's
-    next TP collective (forward: issued as the block starts, its first collective comes after a
+    GPU): a block's prefetched gather slows the block's next TP collectives, which share the
+    links with it (:func:`_lane_wait`; forward: issued as the block starts, its first collective comes after a
     norm; backward: the reduce-scatter of the block after it holds the links as it starts, the
     gather of the block before it is issued after its own copy out, ``copy_b``). Per
     micro-batch: the waits as :func:`_lane_wait` runs them on the layer's traced order (``seq_f``,
     ``seq_b``), plus what nothing prefetches (as :func:`fsdp_exposed`)."""
     blocks_ag, blocks_rs = ag[:n_layers], rs[:n_layers]
     f = (ag[-1] if root else 0.0) + (blocks_ag[0] if blocks_ag else 0.0) + \
-        sum(_lane_wait(seq_f, costs, a) for a in blocks_ag[1:])
+        sum(_lane_wait(seq_f, costs, a, lanes=lanes) for a in blocks_ag[1:])
     b = (blocks_ag[-1] if blocks_ag else 0.0) + (blocks_rs[0] if blocks_rs else 0.0) + \
-        sum(_lane_wait(seq_b, costs, r, a, copy_b) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
+        sum(_lane_wait(seq_b, costs, r, a, copy_b, lanes) for a, r in zip(blocks_ag[:-1], blocks_rs[1:]))
     return f, b
 
 
@@ -247,13 +254,13 @@ def prefetched_share(order) -> float:
 
 
 def fsdp_order(hw, layout, stage: int, units: list, n_layers: int, world: int, ag: list, rs: list, c_f: float,
-               c_b: float, sequence, costs: dict) -> tuple:
+               c_b: float, sequence, costs: dict, lanes: dict | None = None) -> tuple:
     """(forward, backward) seconds per micro-batch that FSDP's collectives add to ``stage`` (its
     ``units``: ``n_layers`` blocks, then the root if any, over ``world`` ranks), and the seconds
     after its last backward, as the course's FSDP issues them: prefetched beside the blocks
     (:func:`fsdp_exposed`), or, where TP's blocking collectives cross the same links
     (``sequence``: the TP rank's traced order, :func:`~.kernels.trace_step`'s; None otherwise),
-    delaying them (:func:`fsdp_exposed_tp`). A backward after a backward prefetches nothing
+    slowing them (:func:`fsdp_exposed_tp`; ``lanes``: their seconds on the links). A backward after a backward prefetches nothing
     (:func:`prefetched_share`, :func:`fsdp_exposed_unprefetched`) and, on the last stage,
     gathers the head's root again behind its reduce-scatter. The root's reduce-scatter, issued
     as a backward ends, runs while the stage waits, except the last one: the step waits for it."""
@@ -262,7 +269,7 @@ def fsdp_order(hw, layout, stage: int, units: list, n_layers: int, world: int, a
     if sequence and n_layers:
         copy_b = fsdp_unit_kernels(hw, tuple(units[0]), world)["regather"].device
         f, b = fsdp_exposed_tp(ag, rs, sequence["fwd"]["layer"], sequence["bwd"]["layer"], costs, copy_b,
-                               n_layers, root)
+                               n_layers, root, lanes)
     p, m = layout.pp, layout.microbatches
     share = prefetched_share(schedule_order(p, m, layout.schedule, layout.chunks, stage)) \
         if p > 1 and layout.schedule not in V_SCHEDULES else 1.0

@@ -97,13 +97,14 @@ def _size(layout, dims) -> int:
     return math.prod({"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}[d] for d in dims)
 
 
-def collective(layout, hw, kind, nbytes, dims) -> float:
-    """Seconds of one ring collective of ``nbytes`` over the group of ``dims``."""
+def collective(layout, hw, kind, nbytes, dims, latency: bool = True) -> float:
+    """Seconds of one ring collective of ``nbytes`` over the group of ``dims`` (``latency=False``:
+    its bytes' seconds on the links alone, what it shares with other transfers there)."""
     n = _size(layout, dims)
     if n <= 1:
         return 0.0
     alpha, bw = hw.link(group_in_node(layout, hw, dims))
-    return F.collective_time(kind, nbytes, n, alpha, bw)
+    return F.collective_time(kind, nbytes, n, alpha if latency else 0.0, bw)
 
 
 def tp_calls(layout, first: bool, last: bool, n_layers: int) -> dict:
@@ -201,6 +202,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     fwd_k, bwd_k = fwd_k + added["fwd"], bwd_k + added["bwd"]
     costs = {kind: collective(layout, hw, kind, act, ("tp",)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
     costs["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
+    lanes = {kind: collective(layout, hw, kind, act, ("tp",), latency=False) for kind in costs if kind != "loss"}
+    lanes["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",), False) for x in (1, 2)) / 2
     if c > 1 and split and method != "ring":        # all-gather CP, Ulysses: messages the core waits for
         fwd["cp"], bwd["cp"], calls["cp"] = _gathered_cp(model, hw, layout, method, b, s, n_layers)
         calls["cp"] *= m
@@ -295,7 +298,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         c_b = (bwd["compute"] + bwd["launch"] + bwd["tp"] + bwd["cp"]) / per
         shared = t > 1 and group_in_node(layout, hw, ("tp",)) == group_in_node(layout, hw, replicas)
         fwd["zero"], bwd["zero"], tail = fsdp_order(hw, layout, stage, units, n_layers, _size(layout, replicas),
-                                                    ag, rs, c_f, c_b, k["sequence"] if shared else None, costs)
+                                                    ag, rs, c_f, c_b, k["sequence"] if shared else None, costs,
+                                                    lanes)
         calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
@@ -350,31 +354,37 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
     wire (the precision's reduce dtype, :mod:`.numerics`); ``held``: its bytes in the program's
     bucket (the CPU run's fp32; a 16-bit model's own under "bf16"). Bucket by bucket, each gradient is
     copied into it and its flag set (kernels, through the issue chain), then its all-reduce is
-    launched (async): it starts when its copies are done and the last all-reduce on the same
-    links (NVLink or the network: their bandwidth is shared, as the clock's lanes share it) is;
-    the step waits for the last."""
+    launched (async): it starts when its copies are done and its communicator's last all-reduce
+    is; on links (NVLink or the network) that another communicator's all-reduce holds it shares
+    their bandwidth, as the clock's lanes share it (slowed by at most its own bytes' time, its
+    bytes after theirs); the step waits for the last."""
     edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
-    floor, state, streams, kernels = hw.kernel_floor, [0.0, 0.0], {}, 0
+    floor, state, kernels = hw.kernel_floor, [0.0, 0.0], 0
+    free, links, done = {}, {}, 0.0       # a communicator's stream; a link's bytes; the last end
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last),
                                          itemsize=held):
         if dims == ("edp",):
             if edp <= 1:
                 continue
             alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
-            cost = F.collective_time("all_reduce", n * itemsize, edp, alpha, bw)
+            cost, own = (F.collective_time("all_reduce", n * itemsize, edp, a, bw) for a in (alpha, 0.0))
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
             if not dims:
                 continue
-            cost = collective(layout, hw, "all_reduce", n * itemsize, dims)
+            cost, own = (collective(layout, hw, "all_reduce", n * itemsize, dims, x) for x in (True, False))
         calls["+".join(dims)] = calls.get("+".join(dims), 0) + 1
         chain = [x for n_i in sizes for x in (bucket_copy(hw, n_i, itemsize).device, floor)] + [floor]
         kernels += len(chain)
         run_chain(chain, state, hw.launch_overhead)
-        lane = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)
-        streams[lane] = max(streams.get(lane, 0.0), state[1]) + cost
+        link = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)
+        ready, busy = max(state[1], free.get(dims, 0.0)), links.get(link, 0.0)
+        start = ready + min(max(0.0, busy - ready), own)
+        links[link] = max(busy, start) + own
+        free[dims] = start + cost
+        done = max(done, start + cost)
     copies = state[1]
-    return max(0.0, max(streams.values(), default=0.0) - copies), kernels, copies
+    return max(0.0, done - copies), kernels, copies
 
 
 def tp_chain(pieces: dict, phase: str, first: bool, last: bool, n_layers: int, hw, costs: dict) -> float:

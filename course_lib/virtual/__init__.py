@@ -24,11 +24,11 @@ from the planner's :class:`~course_lib.planner.presets.Hardware` (one source of 
   fastest for the size); a collective built from ``send``/``recv`` (the course's, a
   learner's) from its own messages, each one NCCL's point-to-point time; bytes at the
   virtual dtype. Links fill: each GPU's NVLink and NIC have a send and a receive lane, a
-  transfer holds the lanes it crosses for bytes / bandwidth, and transfers that want a lane
-  at once take it in turn;
+  transfer holds the lanes it crosses for bytes / bandwidth, and transfers of different
+  streams that want a lane at once share it (each slowed, none served whole before the other);
 * streams: a compute stream per rank, one stream per communicator and one per peer for
-  point-to-point, as NCCL's. A collective starts once every member issued it, its stream is
-  free and its lanes have room (the members exchange their ready times with a tiny
+  point-to-point, as NCCL's. A collective starts once every member issued it and its stream
+  is free, slowed where its lanes are shared (the members exchange their ready times with a tiny
   all-reduce beside the real one); a message carries the time its bytes start, and its
   receive completes once they crossed the receiver's lane; ``wait()`` joins the streams.
   Waits, bubbles and overlap come from the program itself.

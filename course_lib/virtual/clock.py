@@ -7,7 +7,7 @@ one per communicator (``streams[group]``), and one per peer and direction for
 point-to-point (torch's NCCL backend gives each pair of ranks a communicator of its own).
 The bytes cross this GPU's lanes (:mod:`.links`: NVLink and NIC, send and receive), which
 every stream shares: collectives of different groups overlap in time and meet only where
-they cross the same lane. The communication layer
+they cross the same lane, and there they share it (:meth:`.links.Lane.shared`). The communication layer
 (:class:`course_lib.collectives.comm.Comm`) calls:
 
 * ``collective(comm, op, payload, ref, run)`` around a backend collective (``run()``): the
@@ -17,10 +17,10 @@ they cross the same lane. The communication layer
   the backend (:mod:`.exchange`), so the collective starts at the latest member's ready time and ends
   NCCL's time for it later (:func:`.links.nccl_collective`) on every member; it holds each
   member's lanes for the bytes its algorithm moves there;
-* ``isend`` / ``irecv``: the real message, its payload's bytes followed by 8 bytes holding the
-  time its bytes start to leave (one message, not two: half the transport's work); the
-  receive completes ``latency + bytes / bandwidth`` after its bytes can enter the receiver's
-  lane (:func:`.links.p2p_time`). A collective built from ``send``/``recv`` (the course's
+* ``isend`` / ``irecv``: the real message, its payload's bytes followed by 16 bytes holding
+  the time its bytes start to leave and the time they were ready to (one message, not two:
+  half the transport's work); the receive completes ``latency + bytes / bandwidth`` after its
+  bytes can enter the receiver's lane, shared with what is on it (:func:`.links.p2p_time`). A collective built from ``send``/``recv`` (the course's
   rings, trees, a learner's answer) is priced from these messages: what runs is what is priced;
 * ``join(end)`` when the rank waits on async work: ``t = max(t, end)``.
 
@@ -123,7 +123,7 @@ class RankClock:
         self.settle()
         nbytes = self._bytes(payload, ref)
         group = self._group(comm)
-        ready = self._ready(comm, op, nbytes, group)
+        ready, _ = self._ready(comm, op, nbytes, group)
         exchange = self._exchange(comm, ready, nbytes) if comm.size > 1 and beside else None
         run()
         start = ready
@@ -153,18 +153,18 @@ class RankClock:
         next collective is issued: the same start and end as a blocking call would get."""
         self.settle()
         nbytes = self._bytes(payload, ref)
-        ready = self._ready(comm, op, nbytes)
+        ready, slot = self._ready(comm, op, nbytes)
         exchange = self._exchange(comm, ready, nbytes) if comm.size > 1 else None
         window = None
-        if comm.size > 1:    # its lanes held from its ready time until it is priced (settle)
+        if comm.size > 1:    # its lanes held (where its bytes fit) until it is priced (settle)
             for lane, seconds in self._occupancy(comm, op, nbytes):
-                self.lanes[lane].reserve(ready, seconds)
+                self.lanes[lane].reserve(slot, seconds)
             window = self._hold_sms(comm, op, nbytes, ready)
         spans = self.recorder.spans
         n = len(spans)
         self.recorder.add(name, "comm", ready, ready, comm.dim)
         placeholder = spans[-1] if len(spans) > n else None     # (spans muted here: none)
-        pending = Pending(comm, op, nbytes, name, ready, exchange, placeholder, window)
+        pending = Pending(comm, op, nbytes, name, ready, exchange, placeholder, window, slot)
         self._pending.append(pending)
         if self.launch_blocking:     # the launch returns at its end: priced now, the host waits
             self.settle()
@@ -181,7 +181,7 @@ class RankClock:
                     start, nbytes = p.exchange.result()
             if p.comm.size > 1:
                 for lane, seconds in self._occupancy(p.comm, p.op, p.nbytes):
-                    self.lanes[lane].release(p.ready, seconds)
+                    self.lanes[lane].release(p.slot, seconds)
             p.end = self._priced(p.comm, p.op, nbytes, start)
             if p.window is not None and p.end > p.window[1]:   # its kernel holds its SMs until it ends
                 p.window[1] = p.end
@@ -261,20 +261,23 @@ class RankClock:
         """((lane, seconds), ...) this member's lanes are busy with collective ``op`` of ``nbytes``."""
         return self._price(comm, op, nbytes)[1]
 
-    def _ready(self, comm, op: str, nbytes: float, group=None) -> float:
-        """When this member could start ``op``: its compute stream issued it, the group's stream
-        is idle, and its lanes have room for the collective's bytes."""
+    def _ready(self, comm, op: str, nbytes: float, group=None) -> tuple[float, float]:
+        """(start, slot): when this member could start ``op`` (its compute stream issued it and
+        the group's stream is idle), sharing its lanes with the transfers on them (slowed as
+        :meth:`.links.Lane.shared` says: by at most its own bytes' time), and where its bytes fit
+        in every lane at once (the slot its lane time is reserved at)."""
         group = group or self._group(comm)
-        ready = max(self.t, self.streams[group.stream])
+        issued = slot = max(self.t, self.streams[group.stream])
         occupancy = self._price(comm, op, nbytes, group)[1]
         for _ in range(len(occupancy) + 1):      # a gap in every lane at once
-            moved = ready
+            moved = slot
             for lane, seconds in occupancy:
                 moved = self.lanes[lane].earliest(moved, seconds)
-            if moved == ready:
+            if moved == slot:
                 break
-            ready = moved
-        return ready
+            slot = moved
+        share = max((seconds for _, seconds in occupancy), default=0.0)
+        return issued + min(slot - issued, share), slot
 
     def _exchange(self, comm, ready: float, nbytes: float):
         """The members' latest ready time and largest payload (``.result()``, not counted in
@@ -288,8 +291,9 @@ class RankClock:
         links; the group's stream and this member's lanes are busy meanwhile."""
         group = group or self._group(comm)
         cost, occupancy, _ = self._price(comm, op, nbytes, group)
-        for lane, seconds in occupancy:
-            self.lanes[lane].reserve(start, seconds)
+        for lane, seconds in occupancy:         # its bytes where they fit (they share from start)
+            lane = self.lanes[lane]
+            lane.reserve(lane.earliest(start, seconds), seconds)
         end = start + cost
         key = group.stream
         self.streams[key] = max(self.streams[key], end)
@@ -305,20 +309,23 @@ class RankClock:
         latency, data = links.p2p_time(self.cluster.hw, tensor_bytes(self.cluster, [tensor]), intra)
         return f"{src}>{dst} tag {tag} #{k}", ("nvlink" if intra else "net"), latency, data
 
-    def sent(self, comm, tensor, dst: int, tag: int) -> tuple[str, float, float]:
-        """(flow id, when its bytes start to leave, when its last byte is delivered) of one
-        message to global rank ``dst``: it takes this GPU's send lane and the pair's stream."""
+    def sent(self, comm, tensor, dst: int, tag: int) -> tuple[str, float, float, tuple]:
+        """(flow id, when its bytes start to leave, when its last byte is delivered, what the
+        message tells its receiver: (that start, when it was ready to leave)) of one message to
+        global rank ``dst``: it takes this GPU's send lane and the pair's stream."""
         flow, kind, latency, data = self._message(comm, self.rank, dst, tag, tensor)
         stream, lane = ("send", comm.group, dst), self.lanes[kind, "send"]
-        begin = lane.earliest(max(self.t, self.streams[stream]), data)   # after this pair's last message
-        lane.reserve(begin, data)
+        ready = max(self.t, self.streams[stream])           # after this pair's last message
+        begin, slot = lane.shared(ready, data)
+        lane.reserve(slot, data)
         self.streams[stream] = begin + latency + data
         self.launched(begin + latency + data)
-        return flow, begin, begin + latency + data
+        return flow, begin, begin + latency + data, (begin, ready)
 
-    def received(self, recv: tuple, sent: float) -> None:
-        """A receive (``recv``: what :meth:`irecv` noted) whose bytes started leaving at ``sent``
-        completes: its span recorded, the compute stream waits for it."""
+    def received(self, recv: tuple, sent: tuple) -> None:
+        """A receive (``recv``: what :meth:`irecv` noted) of a message that ``sent`` (the
+        sender's (start, ready), :meth:`sent`) completes: its span recorded, the compute stream
+        waits for it."""
         issued, kind, latency, data, flow, src, dim = recv
         start, end = self.arrived(issued, sent, kind, latency, data)
         self.recorder.add(f"recv from {src}", "comm", start, end, dim, "recv:" + flow)
@@ -327,9 +334,9 @@ class RankClock:
 
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]
-        flow, begin, end = self.sent(comm, tensor, dst, tag)
-        with self.muted():        # one message: the payload's bytes, then its start time's 8
-            header = torch.tensor([begin], dtype=torch.float64, device=tensor.device)
+        flow, begin, end, told = self.sent(comm, tensor, dst, tag)
+        with self.muted():        # one message: the payload's bytes, then its start and ready times
+            header = torch.tensor(told, dtype=torch.float64, device=tensor.device)
             wire = torch.cat([_as_bytes(tensor), header.view(torch.uint8)])
             work = dist.isend(wire, dst, group=comm.group, tag=tag)
         self.recorder.add(f"send to {dst}", "comm", begin, end, comm.dim, "send:" + flow)
@@ -338,17 +345,22 @@ class RankClock:
     def irecv(self, comm, tensor, peer: int, tag: int):
         src = comm.ranks[peer]
         with self.muted():
-            wire = torch.empty(tensor.numel() * tensor.element_size() + 8, dtype=torch.uint8, device=tensor.device)
+            wire = torch.empty(tensor.numel() * tensor.element_size() + 16, dtype=torch.uint8, device=tensor.device)
             work = dist.irecv(wire, src, group=comm.group, tag=tag)
         flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
         return Message(self, (work,), (wire, tensor), recv=(self.t, kind, latency, data, flow, src, comm.dim))
 
-    def arrived(self, issued: float, sent: float, kind: str, latency: float, data: float) -> tuple[float, float]:
-        """(start, end) of a receive issued at ``issued`` whose bytes started leaving at ``sent``:
-        they enter this GPU's receive lane when it has room."""
+    def arrived(self, issued: float, sent: tuple, kind: str, latency: float, data: float) -> tuple[float, float]:
+        """(start, end) of a receive issued at ``issued`` of a message whose bytes started leaving
+        at ``sent[0]``, ready at ``sent[1]``: they share this GPU's receive lane with what is on
+        it. One transfer crossing two shared lanes is slowed by the busier (it moves at the
+        lower of its two shares), not by both: its start is the later of the sender's and of
+        what this lane alone would give it from when it was ready."""
+        begin, ready = sent
         lane = self.lanes[kind, "recv"]
-        begin = lane.earliest(sent, data)
-        lane.reserve(begin, data)
+        start, slot = lane.shared(ready, data)
+        lane.reserve(lane.earliest(begin, data) if slot < begin else slot, data)
+        begin = max(begin, start)
         return max(issued, begin), max(issued, begin + latency + data)
 
 
@@ -397,12 +409,13 @@ class _Group:
 
 class Pending:
     """An async collective issued on the virtual clock, priced by ``RankClock.settle``."""
-    __slots__ = ("comm", "op", "nbytes", "name", "ready", "exchange", "placeholder", "end", "window")
+    __slots__ = ("comm", "op", "nbytes", "name", "ready", "exchange", "placeholder", "end", "window", "slot")
 
-    def __init__(self, comm, op, nbytes, name, ready, exchange, placeholder, window=None):
+    def __init__(self, comm, op, nbytes, name, ready, exchange, placeholder, window=None, slot=None):
         self.comm, self.op, self.nbytes, self.name = comm, op, nbytes, name
         self.ready, self.exchange, self.placeholder, self.end = ready, exchange, placeholder, None
         self.window = window        # [start, end, CTAs] of its kernel's SMs (RankClock._hold_sms)
+        self.slot = ready if slot is None else slot     # where its lane time is held meanwhile
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -430,10 +443,10 @@ class Message:
             wire, tensor = self._keep
             with clock.muted():   # the payload into the receive's tensor, the send time after it
                 if tensor.is_contiguous():
-                    _as_bytes(tensor).copy_(wire[:-8])
+                    _as_bytes(tensor).copy_(wire[:-16])
                 else:
-                    tensor.copy_(wire[:-8].view(tensor.dtype).view(tensor.shape))
-                sent = float(wire[-8:].view(torch.float64))
+                    tensor.copy_(wire[:-16].view(tensor.dtype).view(tensor.shape))
+                sent = tuple(wire[-16:].view(torch.float64).tolist())
             clock.received(self._recv, sent)
         elif self._sent is not None:
             clock.join(self._sent)

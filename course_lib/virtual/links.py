@@ -3,13 +3,22 @@ that fill.
 
 **Lanes.** Every GPU has four lanes, each one direction of one link: NVLink send, NVLink
 receive (through the NVSwitch: one per GPU, whoever the peer is), NIC send, NIC receive. A
-transfer occupies the lanes it crosses for ``bytes / bandwidth``; transfers that want a lane
-at the same time take it one after another (:class:`Lane`: the earliest gap long enough). So
-splitting a message never beats its bandwidth time, two sends one way on one link take twice
-as long as one, and a send does not slow a receive (the other direction's lane). Collectives
-occupy the lanes of every member for the bytes their algorithm moves through each.
-A real lane interleaves concurrent transfers (NCCL's channels) where this one serialises
-them: the pair finishes at the same time, but here the first issued finishes first.
+transfer occupies the lanes it crosses for ``bytes / bandwidth``, and the lane keeps every
+transfer's bytes (:class:`Lane`: each in the earliest gap long enough), so splitting a
+message never beats its bandwidth time, two sends one way on one link take twice as long as
+one, and a send does not slow a receive (the other direction's lane). Collectives occupy the
+lanes of every member for the bytes their algorithm moves through each.
+Transfers of different streams that want a lane at the same time share it (:meth:`Lane.shared`):
+a GPU's concurrent NCCL kernels interleave their channels' packets on the link, so a small
+transfer issued beside a large one is slowed, not held until the large one's last byte (which
+first come, first served, the clock's rule until 2026-11-29, did: a 29 us all-to-all then
+waited 2 ms behind an FSDP prefetch). The rule, two transfers splitting the bandwidth: the
+newcomer starts at once and waits at most its own bytes' time more, never longer than first
+come, first served would make it; one crossing two shared lanes (a message: the sender's send
+lane, the receiver's receive lane) is slowed by the busier, not by both. Left out: the one
+already on the lane is not slowed in turn (its end was priced when it was issued), and three
+or more at once share as two do. A stream's own order stays: a pair's messages, a
+communicator's collectives, one after another.
 
 **Collectives of the backend** (torch's: gloo stands in for NCCL) are priced by NCCL's own
 tuning model (``src/graph/tuning.cc``, NCCL 2.19-2.21: ``baseLat``, ``hwLat``, the protocol
@@ -65,6 +74,16 @@ class Lane:
                 break
             t = e
         return t
+
+    def shared(self, ready: float, duration: float) -> tuple[float, float]:
+        """(start, slot) of a transfer of ``duration`` seconds ready at ``ready``, sharing the lane
+        with the transfers on it rather than waiting behind them: it starts at ``ready`` and is
+        slowed as two transfers splitting the bandwidth are (it waits at most ``duration`` more),
+        never later than first come first served would end it. ``slot``: where its bytes are
+        reserved, the first gap that holds them (:meth:`earliest`), so that later transfers still
+        find every byte on the lane."""
+        slot = self.earliest(ready, duration)
+        return ready + min(slot - ready, duration), slot
 
     def reserve(self, start: float, duration: float) -> None:
         if duration <= 0:

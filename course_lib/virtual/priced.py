@@ -14,7 +14,7 @@ run the same kernels on the same shapes), so:
   another transport for the two things that travel between ranks: a collective's members'
   ready times (:meth:`Stages.exchange`: the MAX over the running members; members that do not
   run issued at the same instant as their running twin, so they change no maximum) and a
-  message's start time (:meth:`Stages.post` / :meth:`Stages.take`, between running ranks;
+  message's start and ready times (:meth:`Stages.post` / :meth:`Stages.take`, between running ranks;
   a ring's hop to and from a folded member, async TP's: by symmetry, the message received
   from k places behind left when this rank's own message to k places ahead did);
 * :class:`StageMesh` is a :class:`~course_lib.parallel.mesh.Mesh` seen from one running rank,
@@ -96,15 +96,15 @@ class Stages:
         for ev in waiting:
             ev.set()
 
-    def post(self, flow: str, begin: float) -> None:
+    def post(self, flow: str, sent: tuple) -> None:
         with self.cond:
             self.progress += 1
-            self.messages[flow] = begin
+            self.messages[flow] = sent
             ev = self.waiting.pop(flow, None)
         if ev is not None:          # wake its receiver only (64 stages: not 63 others for nothing)
             ev.set()
 
-    def take(self, flow: str) -> float:
+    def take(self, flow: str) -> tuple:
         with self.cond:
             if flow in self.messages:
                 return self.messages.pop(flow)
@@ -161,7 +161,7 @@ class DryRankClock(RankClock):
         self._mode = DryStream(self)
         self.stages = stages
         self._k = defaultdict(int)             # group -> collectives this rank issued on it
-        self._twin_sends = defaultdict(deque)  # (group, offset, tag) -> start times of sends to folded ranks
+        self._twin_sends = defaultdict(deque)  # (group, offset, tag) -> (start, ready) of sends to folded ranks
 
     memo = None             # an ActionMemo (:mod:`.replay`), when the dry run replays actions
 
@@ -179,11 +179,11 @@ class DryRankClock(RankClock):
 
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]
-        flow, begin, end = self.sent(comm, tensor, dst, tag)
+        flow, begin, end, told = self.sent(comm, tensor, dst, tag)
         if dst in self.stages.running:
-            self.stages.post(flow, begin)
+            self.stages.post(flow, told)
         else:       # a folded peer: its twin k places behind sends me the same message now
-            self._twin_sends[self._twin_key(comm, peer - comm.rank, tag)].append(begin)
+            self._twin_sends[self._twin_key(comm, peer - comm.rank, tag)].append(told)
         self.recorder.add(f"send to {dst}", "comm", begin, end, comm.dim, "send:" + flow)
         return Message(self, (), (), sent=end)
 
@@ -201,7 +201,7 @@ class DryRankClock(RankClock):
         receives from ``-offset`` left when this rank's own message to ``+offset`` left."""
         return comm.group, offset % comm.size, tag
 
-    def twin_sent(self, key) -> float:
+    def twin_sent(self, key) -> tuple:
         sends = self._twin_sends[key]
         if not sends:
             raise NotImplementedError(f"dry run: a receive from a folded rank of group {list(key[0])} (offset "
