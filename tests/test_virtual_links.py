@@ -288,3 +288,25 @@ def test_a_blocking_collective_reads_its_exchange_on_the_host():
         assert t > host and after == host
         t, host, after = out["blocking"]
         assert t > host and after == t
+
+
+def test_a_lane_is_shared_as_processor_sharing_shares_it():
+    """Lane.shared, the rule alone: each transfer still on the lane delays a newcomer by the lane
+    time it has left or the newcomer's own, the less (an equal part of the bandwidth each), never
+    by more than first come, first served would; its bytes are kept after theirs."""
+    from course_lib.virtual.links import Lane
+    lane = Lane()
+    lane.reserve(0.0, 10.0)                                   # a large transfer in flight
+    start, slot = lane.shared(2.0, 1.0)                       # a small one beside it
+    assert (start, slot) == (3.0, 10.0)                       # twice its time, not 8 + 1
+    lane.reserve(slot, 1.0)
+    assert lane.shared(10.5, 4.0) == (11.0, 11.0)             # after the large: only the small's rest
+    even = Lane()
+    ends = []
+    for _ in range(3):                                        # three equal ones at once
+        start, slot = even.shared(0.0, 2.0)
+        even.reserve(slot, 2.0)
+        ends.append(start + 2.0)
+    assert ends == [2.0, 4.0, 6.0]                            # the lane carries 6 s of bytes by 6 s
+    idle = Lane()
+    assert idle.shared(1.0, 5.0) == (1.0, 1.0)

@@ -12,13 +12,14 @@ Transfers of different streams that want a lane at the same time share it (:meth
 a GPU's concurrent NCCL kernels interleave their channels' packets on the link, so a small
 transfer issued beside a large one is slowed, not held until the large one's last byte (which
 first come, first served, the clock's rule until 2026-11-29, did: a 29 us all-to-all then
-waited 2 ms behind an FSDP prefetch). The rule, two transfers splitting the bandwidth: the
-newcomer starts at once and waits at most its own bytes' time more, never longer than first
-come, first served would make it; one crossing two shared lanes (a message: the sender's send
+waited 2 ms behind an FSDP prefetch). The rule, processor sharing (each transfer on a lane an
+equal part of it): every transfer still on the lane delays a newcomer by the lane time it has
+left or the newcomer's own, the less, so a small one beside a large one takes twice its time
+and three equal ones issued at once end as first come, first served ends them; never longer
+than first come, first served would make it. One crossing two shared lanes (a message: the sender's send
 lane, the receiver's receive lane) is slowed by the busier, not by both. Left out: the one
-already on the lane is not slowed in turn (its end was priced when it was issued), and three
-or more at once share as two do. A stream's own order stays: a pair's messages, a
-communicator's collectives, one after another.
+already on the lane is not slowed in turn (its end was priced when it was issued). A stream's
+own order stays: a pair's messages, a communicator's collectives, one after another.
 
 **Collectives of the backend** (torch's: gloo stands in for NCCL) are priced by NCCL's own
 tuning model (``src/graph/tuning.cc``, NCCL 2.19-2.21: ``baseLat``, ``hwLat``, the protocol
@@ -77,13 +78,19 @@ class Lane:
 
     def shared(self, ready: float, duration: float) -> tuple[float, float]:
         """(start, slot) of a transfer of ``duration`` seconds ready at ``ready``, sharing the lane
-        with the transfers on it rather than waiting behind them: it starts at ``ready`` and is
-        slowed as two transfers splitting the bandwidth are (it waits at most ``duration`` more),
-        never later than first come first served would end it. ``slot``: where its bytes are
-        reserved, the first gap that holds them (:meth:`earliest`), so that later transfers still
-        find every byte on the lane."""
+        with the transfers on it rather than waiting behind them (processor sharing: each of the
+        transfers on the lane gets an equal part of its bandwidth): each one still on it delays
+        the newcomer by the lane time it has left, or by the newcomer's own, the less; never more
+        than first come, first served would (``slot``, :meth:`earliest`: where its bytes are
+        reserved, so later transfers still find every byte on the lane)."""
         slot = self.earliest(ready, duration)
-        return ready + min(slot - ready, duration), slot
+        if slot == ready:
+            return ready, slot
+        delay = 0.0
+        for s, e in self.busy:
+            if e > ready and s < slot:
+                delay += min(e - max(s, ready), duration)
+        return ready + min(slot - ready, delay), slot
 
     def reserve(self, start: float, duration: float) -> None:
         if duration <= 0:
