@@ -25,7 +25,7 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "copied per query head (8k rows 0.07% faster, memory unchanged: at TP 8 one K/V head a rank was "
                "a view); every row run again on 2026-11-29 (thirteenth session) on the clock whose lanes are "
                "shared by concurrent transfers (links.Lane.shared), not served first come first served: every "
-               "row the same to the bit (no published schedule puts two streams' transfers on one lane at once)")
+               "row the same to the bit")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
     ('Korthikanti 2022 T5', 'GPT 22B', 8): (0.9746321292818583, 51.09, True, 3, 2),
