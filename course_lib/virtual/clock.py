@@ -264,8 +264,8 @@ class RankClock:
     def _ready(self, comm, op: str, nbytes: float, group=None) -> tuple[float, float]:
         """(start, slot): when this member could start ``op`` (its compute stream issued it and
         the group's stream is idle), sharing its lanes with the transfers on them (slowed as
-        :meth:`.links.Lane.shared` says: by at most its own bytes' time), and where its bytes fit
-        in every lane at once (the slot its lane time is reserved at)."""
+        :meth:`.links.Lane.shared` says, by its busiest lane), and where its bytes fit in every
+        lane at once (the slot its lane time is reserved at)."""
         group = group or self._group(comm)
         issued = slot = max(self.t, self.streams[group.stream])
         occupancy = self._price(comm, op, nbytes, group)[1]
@@ -276,8 +276,10 @@ class RankClock:
             if moved == slot:
                 break
             slot = moved
-        share = max((seconds for _, seconds in occupancy), default=0.0)
-        return issued + min(slot - issued, share), slot
+        start = issued
+        for lane, seconds in occupancy:
+            start = max(start, self.lanes[lane].shared(issued, seconds)[0])
+        return min(start, slot), slot
 
     def _exchange(self, comm, ready: float, nbytes: float):
         """The members' latest ready time and largest payload (``.result()``, not counted in
