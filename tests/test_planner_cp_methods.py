@@ -124,3 +124,21 @@ def test_a_sequence_longer_than_the_models_and_a_small_model():
         est = estimate(SPEC, "h100-sxm", layout, runtime="course")
         r = dry_run(SPEC, "h100-sxm", layout, progress=None, optimizer="foreach")
         assert abs(est.step_time / r.step_time - 1) <= BOUND, (layout.cp_method, est.step_time, r.step_time)
+
+
+@pytest.mark.parametrize("kw", [dict(cp_comm="all_gather"), dict(cp_method="ulysses"),
+                                dict(cp_comm="all_gather", recompute="full"),
+                                dict(cp_method="ulysses", recompute="full")],
+                         ids=["all-gather", "ulysses", "all-gather-full", "ulysses-full"])
+def test_the_planners_cp_calls_are_the_programs(kw):
+    """Per step, the collectives the planner counts on the cp group (its messages, 3 or 4 + 1 per
+    layer and micro-batch, and the gradients' buckets and loss over cp) are the ones the dry run's
+    rank issues there, one span each."""
+    spec = get_model("llama3-8b").with_(n_layers=2)
+    layout = Layout(cp=2, micro_batch=1, microbatches=2, seq_len=2048, **kw)
+    est = estimate(spec, "h100-sxm", layout, runtime="course")
+    r = dry_run(spec, "h100-sxm", layout, progress=None)
+    rank = min(s.rank for s in r.spans)
+    issued = [s for s in r.spans if s.rank == rank and s.kind == "comm" and s.dim == "cp"
+              and not s.name.startswith("wait")]
+    assert est.stages[0].calls["cp"] == len(issued)
