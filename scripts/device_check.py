@@ -8,7 +8,10 @@ one-element additions (the host's issue interval) and a streaming add of 2 x 256
 four it never saw (``gpu_check.unseen_workloads``): a GPT-2 block of another shape, the
 SwiGLU MLP alone, attention alone and an AdamW step (foreach); the 12 GEMMs of one layer of
 Korthikanti's 22B and 175B rows, back to back (``gpu_check.gemm_workloads``: the clock's GEMM
-rate at the published rows' shapes); and one 256 MiB all-reduce over
+rate at the published rows' shapes); FlashAttention's causal forward and backward at three
+published rows' shapes (``gpu_check.attention_workloads``: the clock's attention model, timed
+back to back, since the host's dispatch of one call is longer than the kernel at the smaller
+shapes); and one 256 MiB all-reduce over
 NCCL when there are at least two GPUs. Virtual: the workload run once under the virtual clock
 (:mod:`course_lib.virtual`, the preset named by ``--hardware`` or guessed from the device's
 name); measured: CUDA events around the same workload, median of ``--repeats`` after warm-up.
@@ -16,7 +19,9 @@ On a GPU the fitted workloads are held to +-15%, the unseen ones to +-20% (said 
 kernel model is fitted again on this GPU (``gpu_check.fit_kernels``: the block's per-op profile
 from torch.profiler, printed with ``--breakdown``), and a span recorded under
 ``launch(backend="nccl")`` is checked to report the GEMM's GPU time (CUDA events).
-``--save FILE`` writes every figure to a JSON file (a record like ``gpu_check.H100``).
+Every workload is priced twice, on the GPU's tensors and on the meta device's (shapes only, as
+the dry run prices), and any difference is printed. ``--save FILE`` writes every figure to a
+JSON file (a record like ``gpu_check.H100``).
 Without CUDA it prints the virtual times (priced on the meta device: shapes only) and the
 recorded H100 run against today's prices (``gpu_check.H100``).
 
@@ -41,8 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from course_lib import trace  # noqa: E402
 from course_lib.launch import launch  # noqa: E402
 from course_lib.virtual import VirtualCluster  # noqa: E402
-from course_lib.virtual.gpu_check import (breakdown, fit_kernels, gemm_workloads, measured_seconds,  # noqa: E402
-                                          print_against_recorded, unseen_workloads, virtual_seconds, workloads)
+from course_lib.virtual.gpu_check import (attention_workloads, breakdown, fit_kernels, gemm_workloads,  # noqa: E402
+                                          measured_seconds, print_against_recorded, unseen_workloads,
+                                          virtual_seconds, workloads)
 
 FITTED, UNSEEN = 0.15, 0.20      # virtual / measured within 1 +- these
 
@@ -104,14 +110,17 @@ def main(argv=None):
     print(f"device: {name}; torch {torch.__version__}")
     print(cluster.describe())
     device = "cuda" if gpu else "meta"
-    rows, bound = [], {}
-    for tolerance, works in ((FITTED, workloads(device)), (UNSEEN, unseen_workloads(device)),
-                             (UNSEEN, gemm_workloads(device))):
-        for label, (setup, run) in works.items():
+    rows, bound, on_meta = [], {}, {}
+    for tolerance, make in ((FITTED, workloads), (UNSEEN, unseen_workloads), (UNSEEN, gemm_workloads),
+                            (UNSEEN, attention_workloads)):
+        meta = make("meta")
+        for label, (setup, run) in make(device).items():
             virtual = virtual_seconds(cluster, setup, run)
-            measured = measured_seconds(setup, run, args.repeats) if gpu else None
+            measured = (measured_seconds(setup, run, args.repeats, back_to_back=make is attention_workloads)
+                        if gpu else None)
             rows.append((label, virtual, measured))
             bound[label] = tolerance
+            on_meta[label] = virtual_seconds(cluster, *meta[label]) if gpu else virtual
     n = torch.cuda.device_count() if gpu else 0
     if n >= 2:
         measured = max(launch(_all_reduce, n, args.repeats, backend="nccl", quiet=True))
@@ -122,6 +131,9 @@ def main(argv=None):
         span = launch(_gemm_span, 1, backend="nccl", quiet=True)[0]
         print(f"span of one GEMM under launch(backend='nccl'): {span * 1e3:.3f} ms "
               f"(CUDA events; span / measured {span / rows[0][2]:.2f})")
+    moved = {k: v / on_meta[k] for k, v, _ in rows if k in on_meta and v != on_meta[k]}
+    print("priced on the meta device (shapes only), the same workloads cost the same: "
+          + ("every one" if not moved else ", ".join(f"{k}: GPU / meta {r:.4f}" for k, r in moved.items())))
     for label, virtual, measured in rows:
         line = f"{label:50s} virtual {virtual * 1e3:9.3f} ms"
         if measured is not None:
@@ -131,7 +143,8 @@ def main(argv=None):
                 line += f"   within +-{bound[label]:.0%}: {abs(ratio - 1) <= bound[label]}"
         print(line)
     record = dict(device=name, torch=torch.__version__, preset=preset,
-                  rows=[dict(label=k, virtual=v, measured=m) for k, v, m in rows])
+                  rows=[dict(label=k, virtual=v, measured=m) for k, v, m in rows],
+                  virtual_on_meta=on_meta)
     if gpu:
         record["span_over_events"] = span / rows[0][2]
         record["issue_interval"] = next(m for k, _, m in rows if k == "1000 tiny kernels") / 1000

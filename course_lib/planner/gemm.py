@@ -19,11 +19,12 @@ time to move its operands and result through HBM once, 2 (MK + KN + MN) bytes in
 every GEMM at ``matmul_efficiency`` of peak.
 
 A fused attention kernel (FlashAttention, ``hw.fused_attention``) is not a GEMM: its score
-and PV products, the causal trim and the backward's recomputed QK^T run inside one kernel
-whose rate is the preset's cited "attention" fraction of peak (:func:`attention_rate`, the
-rate the virtual clock's kernel model prices the same kernel at). :func:`attention_gemms`
-marks its products ``"attention"`` (the last field of a GEMM tuple) and
-:func:`gemms_time` prices those at that rate; unfused attention's batched GEMMs stay GEMMs.
+and PV products, the causal trim and the backward's recomputed QK^T run inside one kernel,
+priced by its own tile x wave model (:data:`ATTENTION_MODEL`, :func:`attention_kernel_time`,
+the model the virtual clock's kernel model prices the same kernel by). :func:`attention_gemms`
+marks its products ``"attention"`` (forward) or ``"attention_backward"`` (the last field of a
+GEMM tuple) and :func:`gemms_time` prices those by that model; unfused attention's batched
+GEMMs stay GEMMs.
 
 Left out: split-K and stream-K kernels (which soften wave quantisation for small M N and
 large K: fewer tiles than SMs), L2 effects, a kernel's fixed cost of a few microseconds
@@ -69,10 +70,85 @@ def gemm_efficiency(M: float, N: float, K: float, hw, batch: int = 1, writes_out
 
 
 def attention_rate(hw, peak: float | None = None) -> float:
-    """FLOP/s of a fused attention kernel on ``hw``: ``peak`` (default ``hw.peak_flops``, bf16)
-    x ``hw.efficiencies()["attention"]`` (the H100 preset's cited FlashAttention-2 rate; a
-    Hardware that states none: ``matmul_efficiency``, the flat GEMM rate)."""
+    """FLOP/s of one tile of a fused attention kernel's forward on ``hw``: ``peak`` (default
+    ``hw.peak_flops``, bf16) x ``hw.efficiencies()["attention"]`` (a Hardware that states none:
+    ``matmul_efficiency``, the flat GEMM rate). With ``sm_count = 0`` the whole kernel's rate."""
     return (hw.peak_flops if peak is None else peak) * hw.efficiencies()["attention"]
+
+
+ATTENTION_BLOCK = 128
+ATTENTION_MODEL = (
+    "FlashAttention-2's grid: the forward one CTA per 128 queries of a head, the backward one per 128 keys, "
+    "launched head by head in ascending blocks; a CTA visits the keys (forward) or queries (backward) it sees, "
+    "causal aligned at the bottom right; it costs 4 x 128 x (d + D_0) x (visited + K_0) FLOPs "
+    "(x 2.5 backward) at the per-SM share of peak x its direction's efficiency; the GPU runs the CTAs one per "
+    "SM, each SM taking the next when it frees (greedy list schedule): waves, the causal imbalance and a "
+    "partly filled last wave all priced")
+
+
+def _visits(s_q: int, s_k: int, causal: bool, backward: bool, block: int = ATTENTION_BLOCK) -> list:
+    """Rows each CTA of one head visits, in launch order: keys per query block (forward) or
+    queries per key block (backward), whole blocks; causal: query i sees keys up to
+    s_k - s_q + i (bottom-right aligned, FlashAttention's rule for s_q != s_k)."""
+    def whole(n):
+        return min(-(-max(n, 0) // block) * block, s_q if backward else s_k)
+    if backward:
+        first = range(0, s_k, block)
+        return [whole(s_q - max(0, k - (s_k - s_q))) if causal else s_q for k in first]
+    ends = (min(i + block, s_q) for i in range(0, s_q, block))
+    return [whole(s_k - s_q + e) if causal else s_k for e in ends]
+
+
+_MAKESPANS: dict = {}
+
+
+def _makespan(heads: int, s_q: int, s_k: int, causal: bool, backward: bool, k0: float, sms: int) -> float:
+    """Steps (visited rows + K_0, summed along the busiest SM) of the greedy list schedule of
+    ``heads`` x the CTAs of :func:`_visits` over ``sms`` SMs, in launch order."""
+    key = (heads, s_q, s_k, causal, backward, k0, sms)
+    if key in _MAKESPANS:
+        return _MAKESPANS[key]
+    import heapq
+    work = [v + k0 for v in _visits(s_q, s_k, causal, backward)]
+    n = heads * len(work)
+    if n <= sms:
+        span = max(work)
+    elif min(work) == max(work):                     # equal CTAs: whole waves
+        span = -(-n // sms) * work[0]
+    else:
+        free = [0.0] * sms
+        for _ in range(heads):
+            for w in work:
+                heapq.heapreplace(free, free[0] + w)
+        span = max(free)
+    _MAKESPANS[key] = span
+    return span
+
+
+def attention_pairs(s_q: int, s_k: int, causal: bool) -> float:
+    """(query, key) pairs a head computes: s_q s_k, or causal (bottom right) the past keys in
+    full and half the s_q x s_q block (the convention of torch's SDPA FLOP formulas halved)."""
+    return s_q * (s_k - s_q) + s_q * s_q / 2 if causal else float(s_q * s_k)
+
+
+def attention_kernel_time(hw, heads: int, s_q: int, s_k: int, d: int, causal: bool, backward: bool,
+                          peak: float | None = None) -> float:
+    """Seconds of one fused attention kernel (FlashAttention's forward or backward) over
+    ``heads`` (batch x query heads) of ``s_q`` queries and ``s_k`` keys of head dim ``d``
+    (:data:`ATTENTION_MODEL`; ``hw.sm_count = 0``: its FLOPs at :func:`attention_rate`).
+    Constants: ``hw.efficiencies()["attention"]`` and ``hw.attention_backward_efficiency`` (0:
+    the forward's) per tile, ``hw.attention_tile_overhead`` (K_0 forward, backward) and
+    ``hw.attention_head_overhead`` (D_0)."""
+    rate = attention_rate(hw, peak)
+    flops = 4.0 * heads * d * attention_pairs(s_q, s_k, causal) * (2.5 if backward else 1.0)
+    if not getattr(hw, "sm_count", 0):
+        return flops / rate
+    if backward and getattr(hw, "attention_backward_efficiency", 0.0):
+        rate = rate / hw.efficiencies()["attention"] * hw.attention_backward_efficiency
+    k0 = getattr(hw, "attention_tile_overhead", (0.0, 0.0))[1 if backward else 0]
+    d0 = getattr(hw, "attention_head_overhead", 0.0)
+    steps = _makespan(int(heads), int(s_q), int(s_k), bool(causal), bool(backward), k0, hw.sm_count)
+    return steps * 4.0 * ATTENTION_BLOCK * (d + d0) * (2.5 if backward else 1.0) / (rate / hw.sm_count)
 
 
 def _weight_gemms(M, N, K, batch=1):
@@ -136,12 +212,13 @@ def attention_gemms(model, s: int, b: int, t: int = 1, cp: int = 1, fused_attent
     heads, sq = b * a / t, s / cp
     w = 0.5 if fused_attention else 1.0              # causal: a fused kernel skips masked tiles
     out = not fused_attention                        # unfused: the scores go to HBM
-    k = "attention" if fused_attention else "gemm"   # fused: one kernel at its own rate
+    k = "attention" if fused_attention else "gemm"   # fused: one kernel, its own model
+    kb = "attention_backward" if fused_attention else "gemm"
     qk, av = (sq, s, d, heads, out, w, k), (sq, d, s, heads, True, w, k)
-    bwd = [(s, d, sq, heads, True, w, k), (sq, s, d, heads, out, w, k),     # dV, dP
-           (sq, d, s, heads, True, w, k), (s, d, sq, heads, True, w, k)]    # dQ, dK
+    bwd = [(s, d, sq, heads, True, w, kb), (sq, s, d, heads, out, w, kb),     # dV, dP
+           (sq, d, s, heads, True, w, kb), (s, d, sq, heads, True, w, kb)]    # dQ, dK
     if fused_attention:
-        bwd = [qk] + bwd                             # FlashAttention's backward recomputes QK^T
+        bwd = [(*qk[:6], kb)] + bwd                  # FlashAttention's backward recomputes QK^T
     return [qk, av], bwd
 
 
@@ -151,12 +228,24 @@ def head_gemms(model, s: int, b: int, t: int = 1, cp: int = 1):
     return [(*x, True, 1.0, "gemm") for x in f], [(*x, True, 1.0, "gemm") for x in g]
 
 
+ATTENTION_KERNELS = ("attention", "attention_backward")
+
+
 def gemms_time(gemms, hw) -> float:
     """Seconds of a list of GEMMs from :func:`layer_gemms` / :func:`head_gemms`: a GEMM on the
-    tile x wave model, a fused attention kernel's products their FLOPs at :func:`attention_rate`."""
-    fused = gemms_flops([g for g in gemms if g[6] == "attention"])
-    return (sum(wt * gemm_time(M, N, K, hw, batch, out) for M, N, K, batch, out, wt, kernel in gemms
-                if kernel == "gemm") + (fused / attention_rate(hw) if fused else 0.0))
+    tile x wave model; a fused attention kernel's products (forward, backward) their FLOPs at
+    the rate :func:`attention_kernel_time` gives its kernel, a kernel's shape read from its
+    first product, QK^T (M queries, N keys, K head dim, batch heads; causal when halved)."""
+    total = sum(wt * gemm_time(M, N, K, hw, batch, out) for M, N, K, batch, out, wt, kernel in gemms
+                if kernel == "gemm")
+    for kernel in ATTENTION_KERNELS:
+        mine = [g for g in gemms if g[6] == kernel]
+        if mine:
+            sq, sk, d, heads, _, wt, _ = mine[0]
+            causal, backward = wt < 1, kernel == "attention_backward"
+            flops = 4.0 * heads * d * attention_pairs(sq, sk, causal) * (2.5 if backward else 1.0)
+            total += gemms_flops(mine) * attention_kernel_time(hw, heads, sq, sk, d, causal, backward) / flops
+    return total
 
 
 def gemms_flops(gemms) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from course_lib.planner.gemm import attention_rate, gemm_time
+from course_lib.planner.gemm import attention_kernel_time, attention_rate, gemm_time
 
 aten = torch.ops.aten
 # ops that launch no kernel: allocation, metadata, host reads
@@ -88,13 +88,61 @@ CPU_KERNELS = {
     aten._scaled_dot_product_flash_attention_for_cpu: (_cpu_attention, ATTENTION),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (_cpu_attention_backward, ATTENTION),
 }
-_ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+_GPU_ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
               aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_backward,
               aten._scaled_dot_product_efficient_attention_backward,
               aten._scaled_dot_product_cudnn_attention_backward, aten._flash_attention_forward,
-              aten._flash_attention_backward, aten._efficient_attention_forward, aten._efficient_attention_backward,
-              *CPU_KERNELS}
+              aten._flash_attention_backward, aten._efficient_attention_forward, aten._efficient_attention_backward}
+_ATTENTION = _GPU_ATTENTION | set(CPU_KERNELS)
 
+
+def _gpu_causal(func, formula):
+    """torch's FLOP formula for a CUDA attention kernel (flop_counter counts every tile: "we
+    aren't accounting for causal attention here") halved when the call is causal, as the CPU
+    kernels' above: ``is_causal``, or the memory-efficient kernel's ``custom_mask_type`` (1 top
+    left, 2 bottom right; 0 none). A GPU run under the clock prices SDPA as the dry run does."""
+    names = [a.name for a in func._schema.arguments]
+    at = names.index("is_causal") if "is_causal" in names else names.index("custom_mask_type")
+    name = names[at]
+
+    def flops(*args, out_val=None, **kwargs):
+        causal = args[at] if len(args) > at else kwargs.get(name, False)
+        return _causal(formula(*args, out_val=out_val, **kwargs), bool(causal))
+    return flops
+
+
+
+# a fused attention op: (its query's argument, its key's, its causal flag's: an index, or True
+# for the course's all-gather CP kernel, causal at the bottom right; backward)
+_ATTENTION_ARGS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": (0, 1, 4, False),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (1, 2, 7, True),
+    "aten::_scaled_dot_product_flash_attention": (0, 1, 4, False),
+    "aten::_scaled_dot_product_flash_attention_backward": (1, 2, 11, True),
+    "aten::_scaled_dot_product_efficient_attention": (0, 1, 6, False),
+    "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, 11, True),
+    "aten::_scaled_dot_product_cudnn_attention": (0, 1, 6, False),
+    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, True),
+    "course::flash_attention_prefix": (0, 1, True, False),
+    "course::flash_attention_prefix_backward": (1, 2, True, True),
+}
+
+
+def attention_shape(func, args, kwargs=None):
+    """(heads, queries, keys, head dim, causal, backward) of a fused attention op whose query is
+    (batch, heads, s_q, d) and key (batch, kv heads, s_k, d), the kernel model's input
+    (:func:`course_lib.planner.gemm.attention_kernel_time`); None for another op or layout
+    (the varlen kernels: their FLOPs at the forward's rate)."""
+    spec = _ATTENTION_ARGS.get(func._schema.name)
+    if spec is None:
+        return None
+    qi, ki, ci, backward = spec
+    q, k = args[qi], args[ki]
+    if ci is True:
+        causal = True
+    else:
+        causal = args[ci] if len(args) > ci else (kwargs or {}).get("is_causal", False)
+    return q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal), backward
 
 
 def _qkv_rows(*w) -> int:
@@ -166,6 +214,8 @@ class _Kind:
     def __init__(self, func):
         packet = func.overloadpacket
         self.formula, cls = CPU_KERNELS.get(packet, (flop_registry.get(packet), None))
+        if packet in _GPU_ATTENTION and self.formula is not None:
+            self.formula = _gpu_causal(func, self.formula)
         course = COURSE_KERNELS.get(func._schema.name)
         if course is not None:
             cls, self.formula = course[0], _course_gemm_flops(func) if course[1] else None
@@ -354,6 +404,8 @@ def kind_cost(kind, func, args, kwargs, out, sizes):
         nbytes -= (_elements(weight) - indices.numel() * weight.shape[-1]) * sizes[weight.dtype]
     if kind.formula is not None:
         flops, detail = _flops(func, kind.formula, args, kwargs, out)
+        if cls is ATTENTION:
+            detail = attention_shape(func, args, kwargs)
     elif cls is REDUCTION:
         flops = most
     elif cls is FOREACH:
@@ -418,7 +470,8 @@ class KernelModel:
 
     * a GEMM (mm, bmm, ...): the tile x wave model (:func:`~course_lib.planner.gemm.gemm_time`)
       at the class's fraction of peak per tile, or its bytes at HBM's streaming rate if longer;
-    * fused attention: its FLOPs at the class's fraction of peak, or its bytes;
+    * fused attention: its tile x wave model (:func:`~course_lib.planner.gemm.attention_kernel_time`,
+      the op's shape from :func:`attention_shape`), or its bytes if longer;
     * every other kernel: its bytes at its class's fraction of HBM bandwidth (its FLOPs, one per
       element, at the dtype's non-tensor rate, never the bound); a foreach op launches
       :func:`foreach_launches` kernels;
@@ -441,17 +494,29 @@ class KernelModel:
         self.bytes_rate[GEMM] = self.bytes_rate[ATTENTION] = self.bytes_rate[FOREACH] = self.bytes_rate[ELEMENTWISE]
         self.floor, self.issue = hw.kernel_floor, hw.launch_overhead
         self._gemm: dict = {}               # (M, N, K, batch) -> seconds of the tile model
+        self._attention: dict = {}          # attention_shape -> seconds of its tile model
+
+    def compute(self, flops, cls=ELEMENTWISE, detail=None) -> float:
+        """Seconds of the kernel's arithmetic: a GEMM's or a fused attention kernel's tile
+        model where its shape is known, else its FLOPs at its class's rate."""
+        if cls is GEMM and detail is not None:
+            try:
+                return self._gemm[detail]
+            except KeyError:
+                M, N, K, batch = detail
+                t = self._gemm[detail] = gemm_time(M, N, K, self.gemm_hw, batch)
+                return t
+        if cls is ATTENTION and detail is not None:
+            try:
+                return self._attention[detail]
+            except KeyError:
+                t = self._attention[detail] = attention_kernel_time(self.hw, *detail, peak=self.peak)
+                return t
+        return flops / self.flops_rate[cls]
 
     def roofline(self, flops, nbytes, cls=ELEMENTWISE, detail=None) -> float:
         """Seconds of the kernel's work alone: its compute or its memory traffic (no floor)."""
-        if cls is GEMM and detail is not None:
-            try:
-                compute = self._gemm[detail]
-            except KeyError:
-                M, N, K, batch = detail
-                compute = self._gemm[detail] = gemm_time(M, N, K, self.gemm_hw, batch)
-        else:
-            compute = flops / self.flops_rate[cls]
+        compute = self.compute(flops, cls, detail)
         memory = nbytes / self.bytes_rate[cls]
         return compute if compute > memory else memory
 
@@ -465,5 +530,5 @@ class KernelModel:
 
 __all__ = ["FREE", "COURSE_KERNELS", "STREAMING_COPIES", "WRITE_ONLY",
            "CLASSES", "GEMM", "ATTENTION", "REDUCTION", "BROADCAST", "ELEMENTWISE", "COPY", "FOREACH",
-           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "kind_cost", "element_bytes", "foreach_launches",
+           "CPU_KERNELS", "KernelModel", "kernel_kind", "op_cost", "attention_shape", "kind_cost", "element_bytes", "foreach_launches",
            "RATED", "compute_dtype"]

@@ -121,7 +121,12 @@ class Hardware:
     the streaming multiprocessors and the output tile of the GEMM-by-shape model
     (:data:`course_lib.planner.gemm.GEMM_MODEL`); ``sm_count = 0`` keeps every GEMM at
     ``matmul_efficiency`` of peak (a hand-made or calibrated Hardware); ``gemm_tile_overhead``
-    a tile's fixed cost (pipeline fill, epilogue) in steps of K. ``nccl_channels`` the channels
+    a tile's fixed cost (pipeline fill, epilogue) in steps of K. A fused attention kernel's
+    tile x wave model (:data:`course_lib.planner.gemm.ATTENTION_MODEL`): "attention" above the
+    forward's fraction of peak per CTA, ``attention_backward_efficiency`` the backward's (0: the
+    forward's), ``attention_tile_overhead`` a CTA's fixed cost in rows visited (K_0: forward,
+    backward), ``attention_head_overhead`` its per-score cost in head dims (D_0: the softmax).
+    ``nccl_channels`` the channels
     NCCL's ring runs on inside one node, one CTA (one SM) each while a collective runs: the
     virtual clock takes them from the compute kernels beside it
     (:mod:`course_lib.virtual.contention`); 0: collectives take no SMs (a hand-made Hardware).
@@ -145,6 +150,9 @@ class Hardware:
     sm_count: int = 0
     gemm_tile: tuple = (128, 128)
     gemm_tile_overhead: float = 0.0
+    attention_tile_overhead: tuple = (0.0, 0.0)
+    attention_head_overhead: float = 0.0
+    attention_backward_efficiency: float = 0.0
     dtype_flops: tuple = ()
     launch_overhead: float = 4e-6
     hbm_efficiency: float = 1.0
@@ -195,16 +203,31 @@ _RECORD = "gpu_check.H100 (H100 SXM, 2026-11-27)"
 _NCCL_CHANNELS = ("NCCL's ring on a DGX A100 / H100 node: 6 channels from the topology search "
                   "(src/graph/search.cc), doubled by ncclTopoDupChannels, doubled in ncclTopoPostset "
                   "(connect.cc): 24 (NVIDIA/nccl 5067397c)")
+# FlashAttention-2's tile x wave model (planner.gemm.ATTENTION_MODEL), fitted on 76 shapes timed on
+# an H200 (planner.attention_measured.fit_attention, tests/test_attention_model.py checks it): the
+# H100's SMs, clocks and bf16 peak, and the kernel is compute bound at every shape kept, so the
+# same constants hold on the H100. At 8192 causal tokens they give 340 TFLOP/s forward and 300
+# backward, the published range of torch's SDPA on an H100 (287-304 TFLOP/s forward + backward,
+# pytorch/benchmark PR #2296; 298-370, Shah et al. 2024, Fig. 5); at 2048 tokens and 12 heads,
+# 100-130: the waves and the causal imbalance, which a flat fraction of peak (0.30, before) missed.
+_ATTENTION_FIT = dict(attention_backward_efficiency=0.3639, attention_tile_overhead=(128.0, 384.0),
+                      attention_head_overhead=16.0)
+_ATTENTION_SOURCES = (
+    ("attention", "FlashAttention-2's forward per CTA, tiles x waves (planner.gemm.ATTENTION_MODEL), fitted on 76 "
+                  "shapes timed on an H200, the H100's SMs and peak (planner.attention_measured): log-rms 6.1%"),
+    ("attention_tile", "its backward per CTA 0.3639 of peak, a CTA's fixed cost 128 keys forward, 384 queries "
+                       "backward, the softmax 16 head dims a score: the same fit (backward log-rms 2.2%)"),
+)
 _H100_KERNELS = dict(
     launch_overhead=12.32e-6, hbm_efficiency=0.906, kernel_floor=2e-6, gemm_tile_overhead=192.0, nccl_channels=24,
-    kernel_efficiency=(("gemm", 0.85352), ("attention", 0.30), ("reduction", 0.675), ("broadcast", 0.290),
+    kernel_efficiency=(("gemm", 0.85352), ("attention", 0.3935), ("reduction", 0.675), ("broadcast", 0.290),
                        ("copy", 0.257)),
+    **_ATTENTION_FIT,
     sources=(
         ("gemm", f"{_RECORD}: GEMM 8192^3 in 1.387 ms less one issue, tiles x waves, K + 192 a tile"),
         ("gemm_tile_overhead", "XLA's measured H100 GEMM table (planner.gemm_measured.XLA_H100, 65 shapes): "
                                "the K_0 in 0, 32, ..., 512 of least log-rms error, the record kept exact"),
-        ("attention", "not in the record: torch's SDPA (FlashAttention-2) on an H100 SXM at head dim 128, "
-                      "287-304 TFLOP/s (pytorch/benchmark PR #2296), 298-370 (Shah et al. 2024, Fig. 5)"),
+        *_ATTENTION_SOURCES,
         ("elementwise", f"{_RECORD}: add 2 x 256 MiB in 277.6 us less one issue"),
         ("broadcast", f"{_RECORD}: the block's per-op profile, least squares"),
         ("reduction", f"{_RECORD}: the block's per-op profile, least squares"),
@@ -219,14 +242,42 @@ _H100_KERNELS = dict(
 _OWN_DERIVATION = ("nccl_channels",)     # sources that derive the A100's value too
 
 
-def _same_kernels(gpu, **own):
+def _same_kernels(gpu, fields=(), notes=(), **own):
     """The H100's kernel model on another GPU of its software stack: the record's fractions,
-    but for the classes in ``own`` (class -> (fraction, its source)), which are the GPU's own."""
+    but for the classes in ``own`` (class -> (fraction, its source)), which are the GPU's own,
+    and the Hardware ``fields`` (name, value) pairs it states itself, sourced in ``notes``."""
     note = f" (measured on an H100, assumed for the {gpu})"
     fractions = {**dict(_H100_KERNELS["kernel_efficiency"]), **{k: f for k, (f, _) in own.items()}}
-    sources = tuple((k, own[k][1] if k in own else v if k in _OWN_DERIVATION else v + note)
+    notes = dict(notes)
+    sources = tuple((k, notes[k] if k in notes else own[k][1] if k in own
+                     else v if k in _OWN_DERIVATION else v + note)
                     for k, v in _H100_KERNELS["sources"])
-    return {**_H100_KERNELS, "kernel_efficiency": tuple(fractions.items()), "sources": sources}
+    return {**_H100_KERNELS, **dict(fields), "kernel_efficiency": tuple(fractions.items()), "sources": sources}
+
+
+# The H200's own kernel model: gpu_check.fit_kernels of its own record (gpu_check.H200, one H200
+# SXM, 2026-11-29); its GEMM tile cost and kernel floor the H100's (the same SMs); attention the
+# fit above, made on this GPU. Its host issued an op every 6.55 us, the H100 record's every 12.3:
+# the issue interval is the host's (CPU, driver, Python), not the GPU's.
+_RECORD_H200 = "gpu_check.H200 (H200 SXM, 2026-11-29)"
+_H200_KERNELS = dict(
+    launch_overhead=6.5547e-6, hbm_efficiency=0.90658, kernel_floor=2e-6, gemm_tile_overhead=192.0, nccl_channels=24,
+    kernel_efficiency=(("gemm", 0.81126), ("attention", 0.3935), ("reduction", 0.56196), ("broadcast", 0.22466),
+                       ("copy", 0.19432)),
+    **_ATTENTION_FIT,
+    sources=(
+        ("gemm", f"{_RECORD_H200}: GEMM 8192^3 in 1.453 ms less one issue, tiles x waves, K + 192 a tile"),
+        ("gemm_tile_overhead", "XLA's measured H100 GEMM table (planner.gemm_measured.XLA_H100): the H100's "
+                               "K_0, the same SMs"),
+        *_ATTENTION_SOURCES,
+        ("elementwise", f"{_RECORD_H200}: add 2 x 256 MiB in 191.6 us less one issue"),
+        ("broadcast", f"{_RECORD_H200}: the block's per-op profile, least squares"),
+        ("reduction", f"{_RECORD_H200}: the block's per-op profile, least squares"),
+        ("copy", f"{_RECORD_H200}: the block's per-op profile, least squares"),
+        ("launch_overhead", f"{_RECORD_H200}: 1000 one-element adds in 6.555 ms, issued by eager PyTorch"),
+        ("kernel_floor", "assumed (the H100's): a Hopper GPU runs a one-element kernel in about 2 us"),
+        ("nccl_channels", _NCCL_CHANNELS),
+    ))
 
 
 # FlashAttention-2 on an A100 (Dao 2023, arXiv 2307.08691, abstract): "reaching 50-73% of the
@@ -234,7 +285,10 @@ def _same_kernels(gpu, **own):
 # dims; the range's lower end, so no shape is favoured. The H100's 0.30 is FlashAttention-2
 # there too, a kernel written for the A100's tensor cores (Shah et al. 2024): not the A100's.
 _A100_ATTENTION = (0.50, "FlashAttention-2 on an A100: 50-73% of peak (Dao 2023, arXiv 2307.08691, "
-                         "abstract), its lower end")
+                         "abstract), its lower end, a whole kernel's rate: per CTA, with no fixed cost of its "
+                         "own (a K_0 and D_0 of 0), the backward at the forward's")
+_A100_ATTENTION_TILES = (("attention_backward_efficiency", 0.0), ("attention_tile_overhead", (0.0, 0.0)),
+                         ("attention_head_overhead", 0.0))
 
 # The A100's own GEMM rate: MAMF's A100 SXM row (planner.gemm_measured.MAMF: 271.2 TFLOP/s at
 # 1024 x 10240 x 5120, torch 2.6 / CUDA 12.6) on the tile x wave model with the H100's K_0
@@ -249,14 +303,15 @@ HARDWARE = {
     # directions (300 per direction), one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100);
     # fp16 as bf16, fp32 19.5 TFLOP/s without TF32 (the virtual clock's dtype_flops)
     "a100-80gb": Hardware("A100 80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, sm_count=108,
-                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100", attention=_A100_ATTENTION, gemm=_A100_GEMM)),
+                          dtype_flops=(("float16", 312e12), ("float32", 19.5e12)), **_same_kernels("A100", _A100_ATTENTION_TILES, (("attention_tile", _A100_ATTENTION[1]),),
+                                          attention=_A100_ATTENTION, gemm=_A100_GEMM)),
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per
     # direction), one 400 Gb/s NDR NIC per GPU (DGX H100); fp16 as bf16, fp32 67 TFLOP/s without TF32
     "h100-sxm": Hardware("H100 SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, sm_count=132,
                          dtype_flops=(("float16", 989e12), ("float32", 67e12)), **_H100_KERNELS),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
     "h200": Hardware("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, sm_count=132,
-                     dtype_flops=(("float16", 989e12), ("float32", 67e12)), **_same_kernels("H200")),
+                     dtype_flops=(("float16", 989e12), ("float32", 67e12)), **_H200_KERNELS),
 }
 
 

@@ -138,7 +138,15 @@ class VirtualCluster:
              f"{'bfloat16 (each GEMM at its dtype)' if self.dtype is None else dt} peak", None),
             (f"    GEMM {gemm} = {self.flops_rate / 1e12:.4g} TFLOP/s",
              sources.get("gemm", "matmul_efficiency: assumed")),
-            (f"    fused attention {eff['attention']:g} of peak", sources.get("attention", "assumed")),
+            (f"    fused attention {eff['attention']:g} of peak" + (
+                f" a CTA, tiles x waves on {hw.sm_count} SMs" if hw.sm_count else ""), sources.get("attention", "assumed")),
+            ]
+        if hw.sm_count:
+            k0f, k0b = hw.attention_tile_overhead
+            rows.append((f"      backward {hw.attention_backward_efficiency or eff['attention']:g}; a CTA's "
+                         f"fixed cost {k0f:g} / {k0b:g} rows, softmax {hw.attention_head_overhead:g} dims",
+                         sources.get("attention_tile")))
+        rows += [
             (f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM; a kernel streams at its class's share:", None)]
         for cls in ("elementwise", "broadcast", "reduction", "copy"):
             rows.append((f"    {cls:11s} {eff[cls]:5.3f} = {hw.hbm_bandwidth * eff[cls] / 1e12:.3g} TB/s",

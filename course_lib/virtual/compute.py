@@ -74,11 +74,12 @@ def op_time(cluster, func, args, kwargs, out) -> float:
 def contention_shape(model, cost, seconds: float) -> float:
     """``seconds`` of a kernel (``cost``: (FLOPs, bytes, class, detail)) priced by ``model``, as
     :class:`~.contention.Tiles` where a collective beside it would slow it: a GEMM on its tile
-    model's waves, a fused attention kernel at its FLOP rate; else as they are."""
+    model's waves, a fused attention kernel (compute bound) its work shared out by SMs; else as
+    they are."""
     flops, _, cls, detail = cost[:4]
     if cls is GEMM and detail is not None:
         return gemm_tiles(*detail, model.gemm_hw, seconds)
-    if cls is ATTENTION and seconds > model.floor and flops / model.flops_rate[ATTENTION] == seconds:
+    if cls is ATTENTION and seconds > model.floor and model.compute(flops, cls, detail) == seconds:
         return Tiles(seconds)
     return seconds
 
