@@ -13,7 +13,7 @@ One launch per world size runs every case of that size.
 import pytest
 import torch
 
-from course_lib import launch, reference, tolerance
+from course_lib import fused, launch, reference, tolerance
 from course_lib.attention import causal_attention
 from course_lib.models import GPTConfig, TinyGPT
 from course_lib.parallel import context_parallel as cp
@@ -34,8 +34,9 @@ def _attention_cases(n):
         for a, kv in ((4, 4), (6, 2) if n == 3 else (4, 2)):
             out += [(ring, seq, a, kv, layout) for ring in ("ring", "ring_flash")
                     for layout in ("zigzag", "contiguous")]
-            if a % n == 0 and kv % n == 0:
+            if a % n == 0 and kv % n == 0:   # ulysses_flash: its core one FlashAttention kernel, in order
                 out.append(("ulysses", seq, a, kv, "zigzag"))
+                out += [("ulysses_flash", seq, a, kv, layout) for layout in ("zigzag", "contiguous")]
     return out
 
 
@@ -55,6 +56,9 @@ def _attention_on_ranks(cases):
         comm.counter.reset()
         if method.startswith("ring"):     # ring_flash: its blocks as FlashAttention kernels
             y = cp.ring_attention(*local, pos, comm, seq, layout, flash=method == "ring_flash")
+        elif method == "ulysses_flash":
+            y = cp.ulysses_attention(*local, pos, mesh.comm("cp"), lambda q, k, v: fused.flash_attention(q, k, v),
+                                     seq_len=seq, layout=layout, in_order=True)
         else:
             y = cp.ulysses_attention(*local, pos, mesh.comm("cp"))
         forward_bytes = comm.counter.bytes_sent
@@ -119,8 +123,12 @@ def _train_cp(mesh_shape, method, layout, batches):
     from course_lib.parallel.mesh import Mesh
 
     mesh = Mesh(**mesh_shape)
-    flash = method == "ring_flash"                                 # the ring's blocks as FlashAttention kernels
-    model = cp.context_parallel(TinyGPT(CFG, seed=0).double(), mesh.comm("cp"), "ring" if flash else method, layout)
+    # the ring's blocks as FlashAttention kernels; Ulysses' core one such kernel on the sequence in order
+    flash = method in ("ring_flash", "ulysses_flash")
+    model = TinyGPT(CFG, seed=0).double()
+    if method == "ulysses_flash":
+        fused.install_flash(model)
+    model = cp.context_parallel(model, mesh.comm("cp"), method.removesuffix("_flash"), layout)
     for block in model.blocks:
         block.attn.flash_blocks = flash
     ddp = DDP(model, mesh=mesh, dims=("dp", "cp"), divisor=1)   # loss already / global tokens
@@ -152,7 +160,7 @@ def _first_step_grads(batch):
 
 @pytest.mark.parametrize("mesh_shape,method,layout", [
     (dict(cp=2), "ring", "zigzag"), (dict(cp=2), "ulysses", "contiguous"), (dict(dp=2, cp=2), "ring", "zigzag"),
-    (dict(cp=3), "ring_flash", "zigzag")])
+    (dict(cp=3), "ring_flash", "zigzag"), (dict(cp=2), "ulysses_flash", "zigzag")])
 def test_training_with_cp_equals_one_device(mesh_shape, method, layout):
     batches = reference.gpt_batches(CFG, batch=BATCH, steps=STEPS)
     model = TinyGPT(CFG, seed=0).double()            # float64: exactness is the claim

@@ -282,7 +282,8 @@ def test_fused_bias_dropout_add_with_dropout_is_the_courses_dropout_with_its_mas
 def test_the_hardwares_fused_attention_is_run_as_the_planner_prices_it():
     """A Hardware stating ``fused_attention`` (every preset: the planner's FlashAttention) runs
     the course's FlashAttention core, and ring CP its blocks as that kernel; a source's stated
-    kernel wins, packed documents and Ulysses keep the written-out core; attention dropout,
+    kernel wins, packed documents keep the written-out core (Ulysses runs the kernel on
+    its gathered sequence put in order); attention dropout,
     which the course's CPU flash kernel does not run, is refused by name before any rank
     starts."""
     from course_lib.virtual.dry_run import hardware_attention
@@ -290,8 +291,9 @@ def test_the_hardwares_fused_attention_is_run_as_the_planner_prices_it():
     plain = Layout(tp=2, micro_batch=1, global_batch=2)
     assert hardware_attention(a100, plain) == ("flash_attention",)
     assert hardware_attention(a100, plain.with_(cp=2)) == ("flash_attention",)            # ring: flash blocks
-    assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses")) == ()
-    assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses", cp_layout="contiguous")) == ()
+    assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses")) == ("flash_attention",)
+    assert hardware_attention(a100, plain.with_(cp=2, cp_method="ulysses", cp_layout="contiguous")) == \
+        ("flash_attention",)
     assert hardware_attention(a100, plain.with_(documents=(16, 16))) == ()
     assert hardware_attention(a100, plain, ("scale_mask_softmax",)) == ()
     assert hardware_attention(a100.with_(fused_attention=False), plain) == ()

@@ -8,7 +8,7 @@ import pytest
 from course_lib.layout import Layout
 from course_lib.planner import estimate
 from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes, lse_bytes
-from course_lib.planner.presets import HARDWARE, ModelSpec, gpt_spec
+from course_lib.planner.presets import HARDWARE, ModelSpec, gpt_spec, written_out
 from course_lib.virtual import dry_run
 
 GPT = gpt_spec("GPT 4L h512", 4, 512, 8, V=8192, s=512)
@@ -83,20 +83,22 @@ def test_course_keeps_the_softmax_and_megatron_the_log_sum_exp():
             course_layer_activation_bytes(GPT, s, b, recompute=rc + "x")
 
 
-def test_ulysses_keeps_the_softmax_of_its_heads_as_the_dry_run_does():
-    """Ulysses (cp 2) writes attention out on a / cp heads over the whole sequence, on every
-    Hardware (the course's flash core is not what its gathered, rank-ordered sequence runs:
-    ``presets.runs_flash``): the planner keeps that softmax, a / cp heads x s^2 x 2 bytes a
-    layer, as the dry run does (no recomputation less selective, to the byte; the planner
-    counted the ring's log-sum-exp instead before)."""
-    layout = Layout(cp=2, cp_method="ulysses", cp_layout="contiguous", micro_batch=1, global_batch=1, seq_len=512)
-    kept = {}
-    for rc in ("none", "selective"):
-        lay = layout.with_(recompute=rc)
-        est = estimate(LLAMA, "h100-sxm", lay, runtime="course")
-        r = dry_run(LLAMA, "h100-sxm", lay, progress=None, optimizer="foreach")
-        assert r.fusions == ()
-        kept[rc] = est.memory_by_stage[0]["activations"], r.memory_by_stage[0]["activations"]
-    scores = LLAMA.n_layers * (LLAMA.n_heads // 2) * 512 ** 2 * 2
-    assert kept["none"][0] - kept["selective"][0] == scores
-    assert kept["none"][1] - kept["selective"][1] == scores
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_ulysses_keeps_the_softmax_of_its_heads_as_the_dry_run_does(split):
+    """Ulysses (cp 2) written out (a Hardware without fused attention: the chapters' program)
+    keeps the softmax of a / cp heads over the whole sequence: the planner keeps it, a / cp
+    heads x s^2 x 2 bytes a layer, as the dry run does (no recomputation less selective, to the
+    byte). With FlashAttention (every preset) its core runs on the sequence put in order and
+    keeps no scores: no recomputation and selective keep the same, on both sides."""
+    layout = Layout(cp=2, cp_method="ulysses", cp_layout=split, micro_batch=1, global_batch=1, seq_len=512)
+    for hw, fusions in ((written_out(HARDWARE["h100-sxm"]), ()), (HARDWARE["h100-sxm"], ("flash_attention",))):
+        kept = {}
+        for rc in ("none", "selective"):
+            lay = layout.with_(recompute=rc)
+            est = estimate(LLAMA, hw, lay, runtime="course")
+            r = dry_run(LLAMA, hw, lay, progress=None, optimizer="foreach")
+            assert r.fusions == fusions
+            kept[rc] = est.memory_by_stage[0]["activations"], r.memory_by_stage[0]["activations"]
+        scores = LLAMA.n_layers * (LLAMA.n_heads // 2) * 512 ** 2 * 2 if not fusions else 0
+        assert kept["none"][0] - kept["selective"][0] == scores
+        assert kept["none"][1] - kept["selective"][1] == scores

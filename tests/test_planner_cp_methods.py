@@ -71,14 +71,16 @@ def _code_layer_muted(method, cp, r, s, recompute, flash):
     return layers[1][0] - layers[0][0], layers[1][1] - layers[0][1], names
 
 
-@pytest.mark.parametrize("method,flash", [("all_gather", True), ("all_gather", False), ("ulysses", False)],
-                         ids=["all-gather-flash", "all-gather-written-out", "ulysses"])
+@pytest.mark.parametrize("method,flash", [("all_gather", True), ("all_gather", False), ("ulysses", False),
+                                         ("ulysses", True)],
+                         ids=["all-gather-flash", "all-gather-written-out", "ulysses", "ulysses-flash"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_a_traced_cp_rank_is_the_codes(method, flash, recompute):
     """A CP rank of the whole model (the code's context_parallel on the planner's meta model), its
     layer's kernels forward and backward, against trace_step's for the busiest rank: all-gather
-    CP with FlashAttention per chunk (Llama 3's) or written out, Ulysses written out (its core
-    attends the gathered positions, which on meta have no values to run FlashAttention on)."""
+    CP with FlashAttention per chunk (Llama 3's) or written out, Ulysses with FlashAttention on
+    the sequence put in order (zigzag: index_select there and back) or written out (its core at
+    the gathered positions)."""
     hw = H100.with_(fused_attention=flash)
     s, cp = 48, 3 if method == "all_gather" else 2      # an odd cp (Ulysses: heads divisible by cp)
     per_rank = [_code_layer(method, cp, r, s, recompute, flash) for r in range(cp)]
@@ -87,8 +89,9 @@ def test_a_traced_cp_rank_is_the_codes(method, flash, recompute):
     _same(k["layer_fwd"], code[0])
     _same(k["layer_bwd"], code[1])
     names = code[2]
-    assert ("flash_attention_prefix" in names) == flash          # each chunk one kernel, or written out
-    assert ("index_select" in names) == (method == "all_gather")   # K/V put in sequence order
+    assert ("flash_attention_prefix" in names) == (flash and method == "all_gather")   # each chunk one kernel
+    assert ("_scaled_dot_product_flash_attention_for_cpu" in names) == (flash and method == "ulysses")
+    assert ("index_select" in names) == (method == "all_gather" or flash)   # put in sequence order
 
 
 SPEC = ModelSpec("Llama test", 4, 64, 4, 2, 128, 256, 32)
@@ -106,7 +109,7 @@ SPEC = ModelSpec("Llama test", 4, 64, 4, 2, 128, 256, 32)
 ], ids=["ag-cp2", "ag-cp4-full", "ag-tp4-sp-cp2-full", "ulysses-cp4-full", "ulysses-tp2-sp-cp2", "ag-pp2-zero3"])
 def test_cp_method_steps_agree_with_the_dry_run(layout):
     """Llama 3 8B's shapes, 2 blocks, H100 (FlashAttention stated: all-gather CP runs it per chunk,
-    Ulysses writes its core out). Before (the ring's kernels and hops in their place): -4.2%,
+    Ulysses on its gathered sequence put in order). Before (the ring's kernels and hops in their place): -4.2%,
     +13.1%, +8.8%, +10.3%, -6.7% and (not run then) the pipeline with FSDP."""
     spec = get_model("llama3-8b").with_(n_layers=2)
     est = estimate(spec, "h100-sxm", layout, runtime="course")

@@ -30,6 +30,7 @@ documents (``doc_ids``: no attention across documents) need the zigzag of every 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -321,17 +322,25 @@ def _heads_to_seq(x, comm):
     return recv.transpose(0, 1).reshape(b, n * h, s // n, d)           # (b, h, s/N, d)
 
 
-def ulysses_attention(q, k, v, positions, comm, attention=causal_attention, doc_ids=None):
+def ulysses_attention(q, k, v, positions, comm, attention=causal_attention, doc_ids=None, seq_len=None,
+                      layout=None, in_order=False):
     """DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, all-to-all back.
     Any layout works: the gathered positions say where every token sits. ``attention``: the
     core on a/N heads (``Attention.attend``: recomputed there under selective recomputation).
-    ``doc_ids``: the whole sequence's documents ((s,) or (b, s)); none attends across them."""
+    ``doc_ids``: the whole sequence's documents ((s,) or (b, s)); none attends across them.
+
+    ``in_order`` (a core that runs one whole causal sequence, FlashAttention's): the gathered
+    tokens are put in sequence order by the host's order of ``layout``'s shards (no positions
+    gathered), the core runs on positions 0..s-1, its output goes back to the ranks' order;
+    the contiguous layout's order is the sequence's already (no copies)."""
     n = comm.size
     a, kv = q.shape[1], k.shape[1]
     ulysses_heads(a, kv, n)                     # the rule check_layout applies before any rank starts
     if n == 1:
         mask = None if doc_ids is None else document_mask(positions, positions, doc_ids)
         return attention(q, k, v, positions, positions, future=mask)
+    if in_order:
+        return _ulysses_in_order(q, k, v, positions, comm, attention, doc_ids, seq_len, layout)
     everyone = torch.empty(n * positions.numel(), dtype=positions.dtype, device=q.device)
     comm.all_gather_into_tensor(everyone, positions.to(q.device).contiguous(), name="ulysses positions")
     qh, kh, vh = (SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))  # (b, heads/N, s, d)
@@ -341,11 +350,35 @@ def ulysses_attention(q, k, v, positions, comm, attention=causal_attention, doc_
     return HeadsToSeq.apply(y.contiguous(), comm)                      # (b, a, s/N, d)
 
 
+def _ulysses_in_order(q, k, v, positions, comm, attention, doc_ids, seq_len, layout):
+    """:func:`ulysses_attention` with its core on the sequence in order (``in_order``)."""
+    if doc_ids is not None:
+        raise NotImplementedError("Ulysses with a core that runs one whole causal sequence (FlashAttention): "
+                                  "packed documents need their mask, which that core does not take")
+    n = comm.size
+    seq_len = positions.numel() * n if seq_len is None else seq_len
+    clock = trace.clock()
+    with clock.muted() if clock is not None else contextlib.nullcontext():   # bookkeeping: host ints
+        check_shard_positions(positions, seq_len, n, comm.rank, layout, None, "Ulysses attention")
+        where = torch.cat([shard_positions(seq_len, n, j, layout, positions.device) for j in range(n)])
+        plain = bool(torch.equal(where, torch.arange(seq_len, device=where.device)))
+        order, back = torch.argsort(where).to(q.device), where.to(q.device)   # rank order <-> sequence order
+    qh, kh, vh = (SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))  # (b, heads/N, s, d)
+    if not plain:
+        qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
+    with trace.span("attention on a/N heads", kind="compute"):
+        y = attention(qh, kh, vh)                                         # positions 0..s-1
+    if not plain:
+        y = y.index_select(2, back)
+    return HeadsToSeq.apply(y.contiguous(), comm)                        # (b, a, s/N, d)
+
+
 # ----------------------------------------------------------------------------- in a model
 class ContextParallelAttention(Attention):
     """``course_lib.gpt.Attention`` with its core replaced: same weights, same names; only the
     attention over the sequence talks to the other CP ranks. ``flash_blocks``: the ring's
-    blocks as FlashAttention kernels (set with the dry run's ``"flash_attention"``)."""
+    blocks as FlashAttention kernels, Ulysses' core on the sequence in order (set with the dry
+    run's ``"flash_attention"``)."""
 
     flash_blocks = False
 
@@ -370,7 +403,8 @@ class ContextParallelAttention(Attention):
             y = all_gather_attention(q, k, v, positions, self.cp_comm, s * self.cp_comm.size, self.cp_layout,
                                      doc_ids, self.attend)
         else:
-            y = ulysses_attention(q, k, v, positions, self.cp_comm, self.attend, doc_ids)
+            y = ulysses_attention(q, k, v, positions, self.cp_comm, self.attend, doc_ids, s * self.cp_comm.size,
+                                  self.cp_layout, self.flash_blocks)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -188,8 +188,9 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
       fused kernel does (:func:`lse_bytes`), and so does the course's FlashAttention core
       (``fused_attention``, a Hardware's: :func:`course_lib.fused.flash_attention`, which the
       dry run then runs), which keeps Q, K, V, its output and the log-sum-exp at any policy;
-      Ulysses CP (``ulysses``) writes attention out on a / cp heads over the whole sequence:
-      the same softmax bytes as a / cp heads of one device's, no log-sum-exp;
+      Ulysses CP (``ulysses``) written out (no ``fused_attention``) attends on a / cp heads
+      over the whole sequence: the same softmax bytes as a / cp heads of one device's, no
+      log-sum-exp; with ``fused_attention`` its FlashAttention core keeps the log-sum-exp;
     - no dropout (``model_config`` builds the model with dropout 0): the GPT-3 block keeps
       neither the two 1-byte masks (2 s b h) nor the attention dropout's mask and output;
       its two LayerNorms keep their mean and rstd, 8 bytes a token (the census of

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.flash_prefix import flash_attention_prefix
+from course_lib.fused import flash_attention
 from course_lib.planner.ring_ops import rank_positions
 
 
@@ -152,15 +153,33 @@ def _heads_to_seq(x, n):
     return recv.transpose(0, 1).reshape(b, n * h, s // n, d)
 
 
-def ulysses_core(cp: int, rank: int, seq_len: int, layout: str = "zigzag", inner=None):
-    """An attention core that runs Ulysses on rank ``rank`` of ``cp``: the positions gathered
-    (an empty buffer: on the meta device they have no values), Q, K, V to head shards, ``inner``
-    (the block's core, written out) on a/cp heads over the whole sequence, the output back."""
+def ulysses_core(cp: int, rank: int, seq_len: int, layout: str = "zigzag", inner=None, flash: bool = False):
+    """An attention core that runs Ulysses on rank ``rank`` of ``cp``: Q, K, V to head shards,
+    the core on a/cp heads over the whole sequence, the output back. Written out (``inner``,
+    the block's core): the positions gathered first (an empty buffer: on the meta device they
+    have no values), the core at the gathered positions. ``flash``: no positions gathered; the
+    sequence put in order by the host's order of the shards (the contiguous split's is the
+    sequence's: no copies), one FlashAttention kernel over it, the output back in rank order."""
     mine = rank_positions(seq_len, cp, rank, layout).tolist()
+    where = torch.cat([rank_positions(seq_len, cp, j, layout) for j in range(cp)])
+    plain = bool(torch.equal(where, torch.arange(seq_len)))
 
     def attend(q, k, v, q_pos=None, k_pos=None, future=None):
         if q_pos.tolist() != mine:
             raise ValueError(f"Ulysses attention: positions must be rank {rank}'s {layout} shard")
+        if flash:
+            # the host's order and its inverse, moved to the GPU under the ranks' mute: on the
+            # meta device indices of their shape
+            order = torch.empty(where.shape, dtype=where.dtype, device=q.device) if q.is_meta else \
+                torch.argsort(where).to(q.device)
+            back = torch.empty(where.shape, dtype=where.dtype, device=q.device) if q.is_meta else where.to(q.device)
+            qh, kh, vh = (_AllToAll.apply(t.contiguous(), cp, True) for t in (q, k, v))
+            if not plain:
+                qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
+            y = flash_attention(qh, kh, vh)
+            if not plain:
+                y = y.index_select(2, back)
+            return _AllToAll.apply(y.contiguous(), cp, False)
         everyone = torch.empty(cp * q_pos.numel(), dtype=q_pos.dtype, device=q.device)
         q_pos.to(q.device).contiguous()                   # the all-gather's input
         qh, kh, vh = (_AllToAll.apply(t.contiguous(), cp, True) for t in (q, k, v))

@@ -246,7 +246,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
     (:mod:`.ring_ops`), the busiest rank's; "sequence" then holds its order, the host's value
     reads marked (the ring's trim reads its positions); ``method`` "all_gather" or "ulysses": that
     CP rank's program instead (:mod:`.cp_ops`: Llama 3's all-gathered K/V, FlashAttention per
-    query chunk where ``hw`` states fused attention; Ulysses' head shards, its core written out),
+    query chunk where ``hw`` states fused attention; Ulysses' head shards, its core FlashAttention on the sequence put in order where ``hw``
+    states fused attention, else written out),
     the busiest rank's. ``order``: "sequence" also without TP,
     a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`).
     ``itemsize``: every float priced at so many bytes (2: the dry run's precision "full"), or
@@ -280,7 +281,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                 attn = block.attn
                 attn.attend = ring_core(cp, rank, s, ring, flash) if method == "ring" else \
                     gather_core(cp, rank, s, ring, flash, attn.attend) if method == "all_gather" else \
-                    ulysses_core(cp, rank, s, ring, attn.attend)
+                    ulysses_core(cp, rank, s, ring, attn.attend, flash)
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)

@@ -336,10 +336,10 @@ def runs_flash(hw, layout, fusions=()) -> bool:
     """Whether the course's program runs FlashAttention for ``layout`` on ``hw`` (a Hardware):
     where the Hardware states ``fused_attention`` and ``fusions`` (a source's software, the dry
     run's) name no attention kernel of their own, unless the core is not causal calls the
-    course's flash kernel makes: packed documents (their mask) or Ulysses (its core attends the
-    gathered sequence at the positions the all-gather brought, in the ranks' order). Ring CP
-    runs each of its blocks as the kernel; all-gather CP each query chunk. The one rule the dry
-    run (``virtual.dry_run.hardware_attention``) and the planner's ``runtime="course"`` apply."""
+    course's flash kernel makes: packed documents (their mask). Ring CP runs each of its blocks
+    as the kernel; all-gather CP each query chunk; Ulysses its core on the gathered sequence
+    put in order. The one rule the dry run (``virtual.dry_run.hardware_attention``) and the
+    planner's ``runtime="course"`` apply."""
     if not getattr(hw, "fused_attention", False) or {"scale_mask_softmax", "flash_attention"} & set(fusions):
         return False
     return flash_core(layout)
@@ -347,8 +347,7 @@ def runs_flash(hw, layout, fusions=()) -> bool:
 
 def flash_core(layout) -> bool:
     """Whether ``layout``'s attention core can be FlashAttention calls (:func:`runs_flash`)."""
-    ulysses = layout.cp > 1 and layout.cp_comm != "all_gather" and layout.cp_method == "ulysses"
-    return not (layout.documents or ulysses)
+    return not layout.documents
 
 
 def written_out(hw) -> Hardware:

@@ -130,8 +130,9 @@ def _gathered_cp(model, hw, layout, method: str, b: int, s: int, n_layers: int) 
     """(forward, backward seconds, calls) of one micro-batch's CP messages on a stage, all-gather
     CP or Ulysses (the ranks' order, :mod:`.cp_ops`), each exposed: the core waits for them.
     All-gather: K/V gathered forward, gathered again and dK/dV reduce-scattered backward (full
-    recomputation: the forward's gather again). Ulysses: the positions gathered, Q, K, V to head
-    shards and the output back, forward; the four gradients backward (full: the forward again)."""
+    recomputation: the forward's gather again). Ulysses: the positions gathered (not where the
+    core is FlashAttention: the host orders the sequence), Q, K, V to head shards and the output
+    back, forward; the four gradients backward (full: the forward again)."""
     c, t = layout.cp, layout.tp
     heads, kv_heads = -(-model.n_heads // t), max(1, model.n_kv_heads // t)
     size = cp_message_bytes(method, b, heads, kv_heads, model.head_dim, s, c)
@@ -143,8 +144,11 @@ def _gathered_cp(model, hw, layout, method: str, b: int, s: int, n_layers: int) 
         gather, scatter = call("all_gather", size["all_gather"]), call("reduce_scatter", size["all_gather"])
         return n_layers * gather, n_layers * ((1 + again) * gather + scatter), n_layers * (3 + again)
     swap = call("all_to_all", size["q"]) + 2 * call("all_to_all", size["kv"]) + call("all_to_all", size["out"])
-    where = call("all_gather", s * 8)               # every rank's positions, int64
-    return n_layers * (where + swap), n_layers * (swap + again * (where + swap)), n_layers * (5 + 4 + again * 5)
+    gathers = 0 if runs_flash(hw, layout) else 1     # every rank's positions, int64 (written-out core)
+    where = gathers * call("all_gather", s * 8)
+    fwd_calls = 4 + gathers
+    return (n_layers * (where + swap), n_layers * (swap + again * (where + swap)),
+            n_layers * (fwd_calls + 4 + again * fwd_calls))
 
 
 def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:

@@ -435,11 +435,10 @@ def hardware_attention(hw, layout: Layout, fusions=(), dropout: float = 0.0) -> 
     FlashAttention: no s x s scores kept, one kernel each way) and ``fusions`` name no attention
     kernel of their own; else ``()``: a source's stated kernel wins (``lab.dry_runs.SOFTWARE``:
     Megatron-LM's on ``MEGATRON_2022``, whose Hardware says unfused). Ring CP then runs each of
-    its blocks as the same kernel (``ContextParallelAttention.flash_blocks``). Packed documents
-    (``layout.documents``) keep the written-out attention and its document mask (the course's
-    flash core runs one causal sequence), and so does Ulysses, whose core sees the gathered
-    sequence in the ranks' order (:func:`course_lib.planner.presets.runs_flash`, the planner's
-    rule too). Dropout in attention is refused here, by name: the course's CPU
+    its blocks as the same kernel (``ContextParallelAttention.flash_blocks``), and Ulysses its
+    core on the gathered sequence put in order. Packed documents (``layout.documents``) keep
+    the written-out attention and its document mask (the course's flash core runs one causal
+    sequence) (:func:`course_lib.planner.presets.runs_flash`, the planner's rule too). Dropout in attention is refused here, by name: the course's CPU
     flash kernel has none (ValueError)."""
     if not runs_flash(hw, layout, fusions):
         return ()
