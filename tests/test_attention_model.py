@@ -13,7 +13,7 @@ import torch
 from course_lib.planner import HARDWARE
 from course_lib.planner.attention_measured import (H200_FLASH, HOST_BOUND, fit_attention, gpu_bound, log_rms,
                                                    measured, model_ratios)
-from course_lib.planner.gemm import ATTENTION_BLOCK, _visits, attention_kernel_time, attention_pairs
+from course_lib.planner.gemm import ATTENTION_BLOCK, attention_kernel_time, attention_pairs, attention_visits
 from course_lib.planner.kernel_cost import ATTENTION, attention_shape, op_cost
 
 H100, H200 = HARDWARE["h100-sxm"], HARDWARE["h200"]
@@ -50,13 +50,13 @@ def test_the_greedy_schedule_on_small_cases():
     k0f, k0b = hw.attention_tile_overhead
     d0, eff, effb = hw.attention_head_overhead, hw.efficiencies()["attention"], hw.attention_backward_efficiency
     per_sm = hw.peak_flops / hw.sm_count
-    assert _visits(256, 256, True, False) == [128, 256] and _visits(256, 256, True, True) == [256, 128]
+    assert attention_visits(256, 256, True, False) == [128, 256] and attention_visits(256, 256, True, True) == [256, 128]
     assert attention_kernel_time(hw, 1, 256, 256, 128, True, False) == pytest.approx(
         4 * ATTENTION_BLOCK * (128 + d0) * (256 + k0f) / (eff * per_sm), rel=1e-12)
     n = 300 * 4                                    # 300 heads x 4 blocks, equal: ceil(1200 / 132) waves
     assert attention_kernel_time(hw, 300, 512, 512, 64, False, False) == pytest.approx(
         math.ceil(n / 132) * 4 * ATTENTION_BLOCK * (64 + d0) * (512 + k0f) / (eff * per_sm), rel=1e-12)
-    assert _visits(128, 1024, True, False) == [1024] and _visits(128, 1024, True, True) == [128] * 8
+    assert attention_visits(128, 1024, True, False) == [1024] and attention_visits(128, 1024, True, True) == [128] * 8
     assert attention_kernel_time(hw, 1, 128, 1024, 128, True, True) == pytest.approx(
         2.5 * 4 * ATTENTION_BLOCK * (128 + d0) * (128 + k0b) / (effb * per_sm), rel=1e-12)
     assert attention_pairs(128, 1024, True) == 128 * 896 + 128 * 128 / 2

@@ -52,8 +52,9 @@ def _library_search(model, hardware, n_gpus, global_batch, memory_limit, target_
 
 @pytest.mark.parametrize("wrong, hints", [
     (_hard_coded, ["case 2/", "8 x h100-sxm"]),
-    # (38.6% before #36 priced the a100-80gb preset's fused attention at its 0.30 of peak)
-    (_all_tp, ["case 1/", "reaches MFU", "the search's best: 38.9%"]),
+    # (38.6% before #36 priced the a100-80gb preset's fused attention at its 0.30 of peak; 38.9%
+    # before FlashAttention's tile x wave model, which charges the A100's kernel its waves)
+    (_all_tp, ["case 1/", "reaches MFU", "the search's best: 38.4%"]),
     (_plain_dp, ["case 1/", "reaches MFU", "under the target"]),
     (_library_search, ["write this yourself", "search"]),
 ], ids=["hard-coded", "tp-inside-pp-across", "plain-dp", "library-search"])

@@ -86,7 +86,7 @@ ATTENTION_MODEL = (
     "partly filled last wave all priced")
 
 
-def _visits(s_q: int, s_k: int, causal: bool, backward: bool, block: int = ATTENTION_BLOCK) -> list:
+def attention_visits(s_q: int, s_k: int, causal: bool, backward: bool, block: int = ATTENTION_BLOCK) -> list:
     """Rows each CTA of one head visits, in launch order: keys per query block (forward) or
     queries per key block (backward), whole blocks; causal: query i sees keys up to
     s_k - s_q + i (bottom-right aligned, FlashAttention's rule for s_q != s_k)."""
@@ -100,21 +100,24 @@ def _visits(s_q: int, s_k: int, causal: bool, backward: bool, block: int = ATTEN
 
 
 _MAKESPANS: dict = {}
+_SCHEDULED = 20000      # CTAs scheduled one by one up to this many (> 150 waves on 132 SMs beyond)
 
 
 def _makespan(heads: int, s_q: int, s_k: int, causal: bool, backward: bool, k0: float, sms: int) -> float:
     """Steps (visited rows + K_0, summed along the busiest SM) of the greedy list schedule of
-    ``heads`` x the CTAs of :func:`_visits` over ``sms`` SMs, in launch order."""
+    ``heads`` x the CTAs of :func:`attention_visits` over ``sms`` SMs, in launch order."""
     key = (heads, s_q, s_k, causal, backward, k0, sms)
     if key in _MAKESPANS:
         return _MAKESPANS[key]
     import heapq
-    work = [v + k0 for v in _visits(s_q, s_k, causal, backward)]
+    work = [v + k0 for v in attention_visits(s_q, s_k, causal, backward)]
     n = heads * len(work)
     if n <= sms:
         span = max(work)
     elif min(work) == max(work):                     # equal CTAs: whole waves
         span = -(-n // sms) * work[0]
+    elif n > _SCHEDULED:                             # many waves: the mean load plus half a CTA's
+        span = heads * sum(work) / sms + max(work) / 2   # tail (within max / 2 of the schedule's)
     else:
         free = [0.0] * sms
         for _ in range(heads):
