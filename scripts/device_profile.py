@@ -21,18 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from course_lib.virtual import VirtualCluster  # noqa: E402
-from course_lib.virtual.gpu_check import breakdown, measured_seconds, unseen_workloads  # noqa: E402
+from course_lib.virtual.gpu_check import (breakdown, foreach_calls, measured_seconds,  # noqa: E402
+                                          unseen_workloads)
 
-FOREACH = {
-    "_foreach_add_": lambda a, b, c: torch._foreach_add_(a, b),
-    "_foreach_mul_ scalar": lambda a, b, c: torch._foreach_mul_(a, 0.5),
-    "_foreach_lerp_": lambda a, b, c: torch._foreach_lerp_(a, b, 0.1),
-    "_foreach_addcmul_": lambda a, b, c: torch._foreach_addcmul_(a, b, c, value=0.1),
-    "_foreach_addcdiv_": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, value=0.1),
-    "_foreach_sqrt": lambda a, b, c: torch._foreach_sqrt(a),
-    "_foreach_div_ list": lambda a, b, c: torch._foreach_div_(a, c),
-    "_foreach_norm": lambda a, b, c: torch._foreach_norm(a),
-}
 
 
 def main(argv=None):
@@ -64,7 +55,7 @@ def main(argv=None):
     for dtype in (torch.bfloat16, torch.float32):
         for n, e in ((48, 2 << 20), (48, 1 << 16), (8, 16 << 20), (256, 1 << 18)):
             a, b, c = ([torch.rand(e, device="cuda", dtype=dtype) + 1 for _ in range(n)] for _ in range(3))
-            for op, fn in FOREACH.items():
+            for op, fn in foreach_calls().items():
                 seconds = measured_seconds(lambda: None, lambda _: fn(a, b, c), 5, back_to_back=True)
                 out["foreach"].append(dict(op=op, dtype=str(dtype), n=n, elements=e, seconds=seconds))
             print(dtype, n, e, flush=True)

@@ -491,7 +491,8 @@ class KernelModel:
         for cls in (REDUCTION, BROADCAST, ELEMENTWISE, COPY, FOREACH):
             self.flops_rate[cls] = vector
         self.bytes_rate = {cls: hw.hbm_bandwidth * eff[cls] for cls in CLASSES}
-        self.bytes_rate[GEMM] = self.bytes_rate[ATTENTION] = self.bytes_rate[FOREACH] = self.bytes_rate[ELEMENTWISE]
+        self.bytes_rate[GEMM] = self.bytes_rate[ATTENTION] = self.bytes_rate[ELEMENTWISE]
+        self.bytes_rate[FOREACH] = hw.hbm_bandwidth * eff[FOREACH]      # the elementwise share unless stated
         self.floor, self.issue = hw.kernel_floor, hw.launch_overhead
         self._gemm: dict = {}               # (M, N, K, batch) -> seconds of the tile model
         self._attention: dict = {}          # attention_shape -> seconds of its tile model

@@ -176,7 +176,8 @@ class Hardware:
         eff = {"gemm": self.matmul_efficiency, "attention": self.matmul_efficiency}
         eff.update({c: self.hbm_efficiency for c in ("reduction", "broadcast", "elementwise", "copy", "foreach")})
         eff.update(dict(self.kernel_efficiency))
-        eff["foreach"] = eff["elementwise"]
+        if "foreach" not in dict(self.kernel_efficiency):   # torch's _foreach_ kernels: measured on the H200
+            eff["foreach"] = eff["elementwise"]
         return eff
 
     def link(self, intra_node: bool) -> tuple[float, float]:
@@ -263,7 +264,7 @@ _RECORD_H200 = "gpu_check.H200 (H200 SXM, 2026-11-29)"
 _H200_KERNELS = dict(
     launch_overhead=6.5547e-6, hbm_efficiency=0.90658, kernel_floor=2e-6, gemm_tile_overhead=192.0, nccl_channels=24,
     kernel_efficiency=(("gemm", 0.81126), ("attention", 0.3935), ("reduction", 0.56196), ("broadcast", 0.22466),
-                       ("copy", 0.19432)),
+                       ("copy", 0.19432), ("foreach", 0.698)),
     **_ATTENTION_FIT,
     sources=(
         ("gemm", f"{_RECORD_H200}: GEMM 8192^3 in 1.453 ms less one issue, tiles x waves, K + 192 a tile"),
@@ -274,6 +275,9 @@ _H200_KERNELS = dict(
         ("broadcast", f"{_RECORD_H200}: the block's per-op profile, least squares"),
         ("reduction", f"{_RECORD_H200}: the block's per-op profile, least squares"),
         ("copy", f"{_RECORD_H200}: the block's per-op profile, least squares"),
+        ("foreach", "gpu_check.H200_FOREACH: torch's in-place _foreach_ kernels over 48 x 2M, 8 x 16M and 256 x 256K "
+                    "elements, bf16 and fp32 (36 rows), the geometric mean of their bytes / time / HBM (bf16 0.63, "
+                    "fp32 0.77); the H100's is the elementwise share, not measured"),
         ("launch_overhead", f"{_RECORD_H200}: 1000 one-element adds in 6.555 ms, issued by eager PyTorch"),
         ("kernel_floor", "assumed (the H100's): a Hopper GPU runs a one-element kernel in about 2 us"),
         ("nccl_channels", _NCCL_CHANNELS),

@@ -148,7 +148,8 @@ class VirtualCluster:
                          sources.get("attention_tile")))
         rows += [
             (f"  memory:  {hw.hbm_bandwidth / 1e12:g} TB/s HBM; a kernel streams at its class's share:", None)]
-        for cls in ("elementwise", "broadcast", "reduction", "copy"):
+        stated = ("foreach",) if "foreach" in dict(hw.kernel_efficiency) else ()
+        for cls in ("elementwise", "broadcast", "reduction", "copy") + stated:
             rows.append((f"    {cls:11s} {eff[cls]:5.3f} = {hw.hbm_bandwidth * eff[cls] / 1e12:.3g} TB/s",
                          sources.get(cls, "hbm_efficiency: assumed")))
         rows.append(("    (copy: strided copies; a contiguous copy, cast or fill: elementwise)", None))

@@ -368,6 +368,123 @@ H200_AFTER = dict(
     ],
 )
 
+# scripts/device_profile.py on the first H200 machine, 2026-11-29: torch's _foreach_ kernels over n
+# tensors of e elements, microseconds of one call, calls back to back (op, dtype, n, e, us). The
+# 48 x 64K rows are the host's (a call's dispatch is longer than its kernels); the out-of-place
+# sqrt and the norm fall back to a kernel per tensor at many small tensors.
+H200_FOREACH = (
+    ('_foreach_add_', 'bfloat16', 48, 2097152, 186.1),
+    ('_foreach_mul_ scalar', 'bfloat16', 48, 2097152, 146.5),
+    ('_foreach_lerp_', 'bfloat16', 48, 2097152, 182.6),
+    ('_foreach_addcmul_', 'bfloat16', 48, 2097152, 223.1),
+    ('_foreach_addcdiv_', 'bfloat16', 48, 2097152, 232.1),
+    ('_foreach_sqrt', 'bfloat16', 48, 2097152, 280.7),
+    ('_foreach_div_ list', 'bfloat16', 48, 2097152, 199.0),
+    ('_foreach_norm', 'bfloat16', 48, 2097152, 249.2),
+    ('_foreach_add_', 'bfloat16', 48, 65536, 32.1),
+    ('_foreach_mul_ scalar', 'bfloat16', 48, 65536, 23.3),
+    ('_foreach_lerp_', 'bfloat16', 48, 65536, 31.6),
+    ('_foreach_addcmul_', 'bfloat16', 48, 65536, 41.0),
+    ('_foreach_addcdiv_', 'bfloat16', 48, 65536, 40.8),
+    ('_foreach_sqrt', 'bfloat16', 48, 65536, 251.5),
+    ('_foreach_div_ list', 'bfloat16', 48, 65536, 50.1),
+    ('_foreach_norm', 'bfloat16', 48, 65536, 213.8),
+    ('_foreach_add_', 'bfloat16', 8, 16777216, 251.3),
+    ('_foreach_mul_ scalar', 'bfloat16', 8, 16777216, 201.5),
+    ('_foreach_lerp_', 'bfloat16', 8, 16777216, 248.5),
+    ('_foreach_addcmul_', 'bfloat16', 8, 16777216, 304.0),
+    ('_foreach_addcdiv_', 'bfloat16', 8, 16777216, 314.1),
+    ('_foreach_sqrt', 'bfloat16', 8, 16777216, 218.1),
+    ('_foreach_div_ list', 'bfloat16', 8, 16777216, 267.7),
+    ('_foreach_norm', 'bfloat16', 8, 16777216, 133.1),
+    ('_foreach_add_', 'bfloat16', 256, 262144, 134.1),
+    ('_foreach_mul_ scalar', 'bfloat16', 256, 262144, 109.4),
+    ('_foreach_lerp_', 'bfloat16', 256, 262144, 137.2),
+    ('_foreach_addcmul_', 'bfloat16', 256, 262144, 195.7),
+    ('_foreach_addcdiv_', 'bfloat16', 256, 262144, 208.8),
+    ('_foreach_sqrt', 'bfloat16', 256, 262144, 1411.3),
+    ('_foreach_div_ list', 'bfloat16', 256, 262144, 146.6),
+    ('_foreach_norm', 'bfloat16', 256, 262144, 1127.9),
+    ('_foreach_add_', 'float32', 48, 2097152, 321.5),
+    ('_foreach_mul_ scalar', 'float32', 48, 2097152, 235.2),
+    ('_foreach_lerp_', 'float32', 48, 2097152, 321.3),
+    ('_foreach_addcmul_', 'float32', 48, 2097152, 416.0),
+    ('_foreach_addcdiv_', 'float32', 48, 2097152, 419.4),
+    ('_foreach_sqrt', 'float32', 48, 2097152, 297.7),
+    ('_foreach_div_ list', 'float32', 48, 2097152, 319.6),
+    ('_foreach_norm', 'float32', 48, 2097152, 150.2),
+    ('_foreach_add_', 'float32', 48, 65536, 20.6),
+    ('_foreach_mul_ scalar', 'float32', 48, 65536, 14.3),
+    ('_foreach_lerp_', 'float32', 48, 65536, 19.9),
+    ('_foreach_addcmul_', 'float32', 48, 65536, 25.8),
+    ('_foreach_addcdiv_', 'float32', 48, 65536, 26.3),
+    ('_foreach_sqrt', 'float32', 48, 65536, 140.3),
+    ('_foreach_div_ list', 'float32', 48, 65536, 61.6),
+    ('_foreach_norm', 'float32', 48, 65536, 127.3),
+    ('_foreach_add_', 'float32', 8, 16777216, 424.7),
+    ('_foreach_mul_ scalar', 'float32', 8, 16777216, 311.7),
+    ('_foreach_lerp_', 'float32', 8, 16777216, 424.7),
+    ('_foreach_addcmul_', 'float32', 8, 16777216, 543.1),
+    ('_foreach_addcdiv_', 'float32', 8, 16777216, 550.1),
+    ('_foreach_sqrt', 'float32', 8, 16777216, 320.8),
+    ('_foreach_div_ list', 'float32', 8, 16777216, 431.2),
+    ('_foreach_norm', 'float32', 8, 16777216, 172.6),
+    ('_foreach_add_', 'float32', 256, 262144, 214.3),
+    ('_foreach_mul_ scalar', 'float32', 256, 262144, 166.3),
+    ('_foreach_lerp_', 'float32', 256, 262144, 214.4),
+    ('_foreach_addcmul_', 'float32', 256, 262144, 293.8),
+    ('_foreach_addcdiv_', 'float32', 256, 262144, 298.7),
+    ('_foreach_sqrt', 'float32', 256, 262144, 759.8),
+    ('_foreach_div_ list', 'float32', 256, 262144, 217.4),
+    ('_foreach_norm', 'float32', 256, 262144, 625.5),
+)
+FOREACH_STREAMING = ("_foreach_add_", "_foreach_mul_ scalar", "_foreach_lerp_", "_foreach_addcmul_",
+                     "_foreach_addcdiv_", "_foreach_div_ list")
+
+
+def foreach_calls():
+    """{label: call(a, b, c)} of :data:`H200_FOREACH`'s ops on three lists of tensors."""
+    return {"_foreach_add_": lambda a, b, c: torch._foreach_add_(a, b),
+            "_foreach_mul_ scalar": lambda a, b, c: torch._foreach_mul_(a, 0.5),
+            "_foreach_lerp_": lambda a, b, c: torch._foreach_lerp_(a, b, 0.1),
+            "_foreach_addcmul_": lambda a, b, c: torch._foreach_addcmul_(a, b, c, value=0.1),
+            "_foreach_addcdiv_": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, value=0.1),
+            "_foreach_sqrt": lambda a, b, c: torch._foreach_sqrt(a),
+            "_foreach_div_ list": lambda a, b, c: torch._foreach_div_(a, c),
+            "_foreach_norm": lambda a, b, c: torch._foreach_norm(a)}
+
+
+def fit_foreach(hw, rows=H200_FOREACH) -> tuple:
+    """(efficiency, {dtype: efficiency}) of torch's in-place streaming _foreach_ kernels
+    (:data:`FOREACH_STREAMING`) over lists of at least 48M elements: the geometric mean of each
+    call's bytes (as the clock counts them, on the meta device) / its time / HBM bandwidth."""
+    import math
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib.planner.kernel_cost import op_cost
+    calls, shares = foreach_calls(), {}
+
+    class Bytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            cost = op_cost(func, args, kwargs or {}, out, None)
+            if cost is not None:
+                self.nbytes = cost[1]
+            return out
+    for op, dtype, n, e, us in rows:
+        if op not in FOREACH_STREAMING or n * e < 48 << 20:
+            continue
+        a, b, c = ([torch.empty(e, device="meta", dtype=getattr(torch, dtype)) for _ in range(n)] for _ in range(3))
+        mode = Bytes()
+        with mode:
+            calls[op](a, b, c)
+        shares.setdefault(dtype, []).append(mode.nbytes / (us * 1e-6) / hw.hbm_bandwidth)
+
+    def mean(v):
+        return math.exp(sum(math.log(x) for x in v) / len(v))
+    return mean([x for v in shares.values() for x in v]), {k: mean(v) for k, v in shares.items()}
+
 def against_recorded(cluster, record=H100):
     """[(workload, virtual seconds priced now on ``cluster``, measured seconds recorded)] for
     every workload of ``record``: the workloads run on PyTorch's ``meta`` device."""
