@@ -485,6 +485,16 @@ def fit_foreach(hw, rows=H200_FOREACH) -> tuple:
         return math.exp(sum(math.log(x) for x in v) / len(v))
     return mean([x for v in shares.values() for x in v]), {k: mean(v) for k, v in shares.items()}
 
+# scripts/device_profile.py on the first H200 machine: the unseen workloads' kernels summed from
+# torch.profiler's self device time, next to CUDA events around one run alone and runs back to
+# back (seconds). What the events hold beyond the kernels is gaps between them.
+H200_PROFILE = {
+    'GPT-2 block fwd+bwd (h 1024, s 1024, b 8)': dict(kernels=0.00254474, alone=0.0034143, back_to_back=0.00343021),
+    'attention fwd+bwd (h 2048, s 4096, b 2)': dict(kernels=0.0105047, alone=0.0109729, back_to_back=0.0109574),
+    'AdamW step (foreach, 48 x 2M bf16)': dict(kernels=0.00127645, alone=0.00179378, back_to_back=0.00161849),
+    'AdamW step (fused, 48 x 2M bf16)': dict(kernels=0.000498153, alone=0.000844016, back_to_back=0.000592468),
+}
+
 def against_recorded(cluster, record=H100):
     """[(workload, virtual seconds priced now on ``cluster``, measured seconds recorded)] for
     every workload of ``record``: the workloads run on PyTorch's ``meta`` device."""
