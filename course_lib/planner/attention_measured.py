@@ -193,6 +193,12 @@ H200_FLASH = (
     (64, 8192, 64, False, 3608.3, 13467.3, None, None),)
 
 
+def cudnn(rows=H200_FLASH) -> list:
+    """The causal rows' cuDNN columns as rows of their own (heads, s, d, causal, forward us,
+    forward + backward us): the kernel ``F.scaled_dot_product_attention`` runs by default here."""
+    return [(r[0], r[1], r[2], r[3], r[6], r[7]) for r in rows if r[6] is not None]
+
+
 def gpu_bound(rows=H200_FLASH) -> list:
     """The rows whose forward takes at least :data:`HOST_BOUND` (the GPU, not the host, sets it)."""
     return [r for r in rows if r[4] * 1e-6 >= HOST_BOUND]
