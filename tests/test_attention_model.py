@@ -98,3 +98,21 @@ def test_cudnns_attention_fits_the_same_model_at_twice_the_rate():
     assert fit["attention_backward_efficiency"] > 1.9 * H200.attention_backward_efficiency
     flash = next(r for r in H200_FLASH if r[:4] == (16, 8192, 128, True))
     assert 1.8 < flash[5] / flash[7] < 2.0
+
+
+def test_cudnn_attention_states_that_fit_and_plans_with_it():
+    from course_lib.planner import Layout, estimate
+    from course_lib.planner.presets import cudnn_attention
+    fit = fit_attention(H200, gpu_bound(cudnn()))
+    for name in ("h100-sxm", "h200"):
+        hw = cudnn_attention(name)
+        assert hw.efficiencies()["attention"] == pytest.approx(fit["attention"], abs=5e-5)
+        assert hw.attention_backward_efficiency == pytest.approx(fit["attention_backward_efficiency"], abs=5e-5)
+        assert (hw.attention_tile_overhead, hw.attention_head_overhead) == (fit["attention_tile_overhead"],
+                                                                            fit["attention_head_overhead"])
+        assert "cuDNN" in dict(hw.sources)["attention"]
+    layout = Layout(tp=8, pp=2, sp=True, micro_batch=1, global_batch=8, seq_len=8192)
+    fa2, cud = (estimate("llama3-70b", hw, layout).step_time for hw in ("h100-sxm", cudnn_attention("h100-sxm")))
+    assert cud < fa2                                  # the faster kernel, the shorter step
+    with pytest.raises(ValueError, match="132 SMs"):
+        cudnn_attention("a100-80gb")

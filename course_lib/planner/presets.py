@@ -354,6 +354,36 @@ def flash_core(layout) -> bool:
     return not layout.documents
 
 
+# cuDNN's attention on a Hopper GPU: planner.attention_measured.fit_attention of the H200 grid's
+# cuDNN columns (attention_measured.cudnn, the 36 GPU-bound causal rows), the kernel that
+# F.scaled_dot_product_attention runs by default there with torch 2.11
+_CUDNN_ATTENTION = dict(attention=0.8121, attention_backward_efficiency=0.7023,
+                        attention_tile_overhead=(128.0, 224.0), attention_head_overhead=32.0)
+
+
+def cudnn_attention(hw) -> Hardware:
+    """``hw`` (a Hopper preset's name or Hardware) with its fused attention priced as cuDNN's
+    kernel, which ``F.scaled_dot_product_attention`` picks by default on an H100 / H200 with torch
+    2.11, instead of FlashAttention-2 (the presets' kernel, the published rows'): the same tile x
+    wave model (:data:`course_lib.planner.gemm.ATTENTION_MODEL`) fitted on cuDNN's columns of the
+    H200 grid (forward 7.5%, backward 5.3% log-rms). ValueError for a GPU that is not Hopper's
+    132 SMs (the fit's)."""
+    hw = get_hardware(hw)
+    if hw.sm_count != 132:
+        raise ValueError(f"cudnn_attention: its constants were fitted on a Hopper GPU's 132 SMs, "
+                         f"not {hw.name}'s {hw.sm_count}")
+    c = _CUDNN_ATTENTION
+    eff = tuple((k, c["attention"] if k == "attention" else v) for k, v in hw.kernel_efficiency)
+    note = ("cuDNN's attention (SDPA's default on Hopper, torch 2.11), fitted on the H200 grid's cuDNN "
+            "columns (planner.attention_measured.cudnn): forward 0.8121 of peak a CTA, log-rms 7.5%")
+    tile = "its backward 0.7023, K_0 128 / 224 rows, D_0 32: the same fit (backward log-rms 5.3%)"
+    sources = tuple((k, note if k == "attention" else tile if k == "attention_tile" else v) for k, v in hw.sources)
+    return hw.with_(name=hw.name + " (cuDNN attention)", kernel_efficiency=eff, sources=sources,
+                    attention_backward_efficiency=c["attention_backward_efficiency"],
+                    attention_tile_overhead=c["attention_tile_overhead"],
+                    attention_head_overhead=c["attention_head_overhead"])
+
+
 def written_out(hw) -> Hardware:
     """``hw`` (a preset name or Hardware) stating no fused kernels: the course's TinyGPT as the
     chapters run it, attention and norms in plain ops. A preset states FlashAttention
