@@ -1,7 +1,7 @@
 """FlashAttention's time on this GPU over a grid of shapes: the data the clock's attention
-model is fitted on and checked against (``course_lib.virtual.gpu_check.ATTENTION_GRID``).
+model is fitted on and checked against (``course_lib.planner.attention_measured.H200_FLASH``).
 
-    python scripts/device_attention.py --save FILE [--repeats 10]
+    python scripts/device_attention.py --save FILE [--repeats 5] [--cudnn]
 
 For each (heads x batch, sequence, head dim, causal): CUDA-event medians of the forward alone
 (``aten._scaled_dot_product_flash_attention``, the kernel F.scaled_dot_product_attention runs
@@ -13,34 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
+import os
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from course_lib.virtual.gpu_check import measured_seconds  # noqa: E402
+
 aten = torch.ops.aten
 
 
-def timed(fn, repeats, target=3e-3):
-    """Seconds of one call: CUDA events around ``n`` calls back to back (n such that they take
-    about ``target``), so the host's dispatch of a call overlaps the GPU's previous one, as in a
-    training step; the median over ``repeats``. A call the host cannot issue faster than the
-    GPU runs it is host-bound: its figure is the host's."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-
-    def run(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / n
-    n = max(1, min(200, math.ceil(target / run(1))))
-    return statistics.median(run(n) for _ in range(repeats))
+def timed(fn, repeats):
+    """Seconds of one call, calls back to back (``gpu_check.measured_seconds``: the host's
+    dispatch of a call overlaps the GPU's previous one, as in a training step)."""
+    return measured_seconds(lambda: None, lambda _: fn(), repeats, back_to_back=True)
 
 
 def shapes(limit=1 << 33):

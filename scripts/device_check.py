@@ -25,7 +25,9 @@ JSON file (a record like ``gpu_check.H100``).
 Without CUDA it prints the virtual times (priced on the meta device: shapes only) and the
 recorded H100 run against today's prices (``gpu_check.H100``).
 
-The H100 record (one H100 SXM, 2026-11-27): the preset's constants are fitted on it
+The H200 record (``gpu_check.H200``, 2026-11-29) is the H200 preset's own fit; a second
+H200 machine's run is ``gpu_check.H200_AFTER``. The H100 record (one H100 SXM, 2026-11-27):
+the preset's constants are fitted on it
 (``planner.presets``, their sources printed by ``VirtualCluster.describe()``). Priced by the
 model of that day (roofline at 70% of peak, HBM at 100%, 4 us per kernel), virtual / measured
 was: GEMM 1.15, block 0.72, tiny kernels 0.32, streaming add 0.88; priced now: 1.00, 0.90,

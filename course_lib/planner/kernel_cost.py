@@ -96,35 +96,44 @@ _GPU_ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_pro
 _ATTENTION = _GPU_ATTENTION | set(CPU_KERNELS)
 
 
+_CAUSAL_ARG: dict = {}     # op schema name -> (index, name) of its causal flag
+
+
+def _is_causal(func, args, kwargs=None) -> bool:
+    """A fused attention call's causal flag, read where its schema puts it: ``is_causal``, or
+    the memory-efficient kernel's ``custom_mask_type`` (1 top left, 2 bottom right; 0 none)."""
+    key = func._schema.name
+    if key not in _CAUSAL_ARG:
+        names = [a.name for a in func._schema.arguments]
+        name = "is_causal" if "is_causal" in names else "custom_mask_type"
+        _CAUSAL_ARG[key] = names.index(name), name
+    at, name = _CAUSAL_ARG[key]
+    return bool(args[at] if len(args) > at else (kwargs or {}).get(name, False))
+
+
 def _gpu_causal(func, formula):
     """torch's FLOP formula for a CUDA attention kernel (flop_counter counts every tile: "we
-    aren't accounting for causal attention here") halved when the call is causal, as the CPU
-    kernels' above: ``is_causal``, or the memory-efficient kernel's ``custom_mask_type`` (1 top
-    left, 2 bottom right; 0 none). A GPU run under the clock prices SDPA as the dry run does."""
-    names = [a.name for a in func._schema.arguments]
-    at = names.index("is_causal") if "is_causal" in names else names.index("custom_mask_type")
-    name = names[at]
-
+    aren't accounting for causal attention here") halved when the call is causal
+    (:func:`_is_causal`), as the CPU kernels' above: a GPU run under the clock prices SDPA as
+    the dry run does."""
     def flops(*args, out_val=None, **kwargs):
-        causal = args[at] if len(args) > at else kwargs.get(name, False)
-        return _causal(formula(*args, out_val=out_val, **kwargs), bool(causal))
+        return _causal(formula(*args, out_val=out_val, **kwargs), _is_causal(func, args, kwargs))
     return flops
 
 
-
-# a fused attention op: (its query's argument, its key's, its causal flag's: an index, or True
-# for the course's all-gather CP kernel, causal at the bottom right; backward)
+# a fused attention op: (its query's argument, its key's, backward); the course's all-gather CP
+# kernel is causal at the bottom right whatever it is passed
 _ATTENTION_ARGS = {
-    "aten::_scaled_dot_product_flash_attention_for_cpu": (0, 1, 4, False),
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (1, 2, 7, True),
-    "aten::_scaled_dot_product_flash_attention": (0, 1, 4, False),
-    "aten::_scaled_dot_product_flash_attention_backward": (1, 2, 11, True),
-    "aten::_scaled_dot_product_efficient_attention": (0, 1, 6, False),
-    "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, 11, True),
-    "aten::_scaled_dot_product_cudnn_attention": (0, 1, 6, False),
-    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, 14, True),
-    "course::flash_attention_prefix": (0, 1, True, False),
-    "course::flash_attention_prefix_backward": (1, 2, True, True),
+    "aten::_scaled_dot_product_flash_attention_for_cpu": (0, 1, False),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (1, 2, True),
+    "aten::_scaled_dot_product_flash_attention": (0, 1, False),
+    "aten::_scaled_dot_product_flash_attention_backward": (1, 2, True),
+    "aten::_scaled_dot_product_efficient_attention": (0, 1, False),
+    "aten::_scaled_dot_product_efficient_attention_backward": (1, 2, True),
+    "aten::_scaled_dot_product_cudnn_attention": (0, 1, False),
+    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 2, True),
+    "course::flash_attention_prefix": (0, 1, False),
+    "course::flash_attention_prefix_backward": (1, 2, True),
 }
 
 
@@ -133,16 +142,14 @@ def attention_shape(func, args, kwargs=None):
     (batch, heads, s_q, d) and key (batch, kv heads, s_k, d), the kernel model's input
     (:func:`course_lib.planner.gemm.attention_kernel_time`); None for another op or layout
     (the varlen kernels: their FLOPs at the forward's rate)."""
-    spec = _ATTENTION_ARGS.get(func._schema.name)
+    name = func._schema.name
+    spec = _ATTENTION_ARGS.get(name)
     if spec is None:
         return None
-    qi, ki, ci, backward = spec
+    qi, ki, backward = spec
     q, k = args[qi], args[ki]
-    if ci is True:
-        causal = True
-    else:
-        causal = args[ci] if len(args) > ci else (kwargs or {}).get("is_causal", False)
-    return q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal), backward
+    causal = True if name in COURSE_ATTENTION else _is_causal(func, args, kwargs)
+    return q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], causal, backward
 
 
 def _qkv_rows(*w) -> int:

@@ -1,13 +1,16 @@
-"""The virtual GPU clock against a real GPU: the workloads, their prices, and one recorded run.
+"""The virtual GPU clock against a real GPU: the workloads, their prices, and the recorded runs.
 
 ``scripts/device_check.py`` runs :func:`workloads` (those the kernel model is fitted on) and
 :func:`unseen_workloads`, :func:`gemm_workloads` and :func:`attention_workloads` (those it is
-checked on) on a CUDA machine
-(CUDA events, medians) and under the virtual clock, breaks a transformer block down per aten
-op (:func:`breakdown`) and fits the kernel model (:func:`fit_kernels`). :data:`H100` is what
-it measured on one H100 SXM: the presets' kernel constants are :func:`fit_kernels` of it, and
-chapter 0 prints it next to the virtual times computed on the spot (:func:`against_recorded`,
-on PyTorch's ``meta`` device: prices need shapes only).
+checked on) on a CUDA machine (CUDA events, medians) and under the virtual clock, breaks a
+transformer block down per aten op (:func:`breakdown`) and fits the kernel model
+(:func:`fit_kernels`). :data:`H100` is what it measured on one H100 SXM, :data:`H200` on one
+H200: each preset's kernel constants are :func:`fit_kernels` of its own GPU's record, and
+chapter 0 prints both next to the virtual times computed on the spot (:func:`against_recorded`,
+on PyTorch's ``meta`` device: prices need shapes only). :data:`H200_AFTER` is a second H200
+machine's run of the unseen workloads; :data:`H200_FOREACH` torch's foreach kernels on a grid
+(:func:`fit_foreach`, the H200's "foreach" share); :data:`H200_PROFILE` the unseen workloads'
+kernels against their events (``scripts/device_profile.py``).
 """
 from __future__ import annotations
 
