@@ -189,6 +189,14 @@ class Hardware:
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)
 
+    def with_kernel_rate(self, kernel_class: str, fraction: float, source: str) -> "Hardware":
+        """This Hardware with the clock's ``kernel_class`` fraction (``kernel_efficiency``) set to
+        ``fraction`` and its ``sources`` entry to ``source`` (the planner's ``matmul_efficiency``
+        is its own planning rate and does not move)."""
+        rates = {**dict(self.kernel_efficiency), kernel_class: fraction}
+        sources = {**dict(self.sources), kernel_class: source}
+        return replace(self, kernel_efficiency=tuple(rates.items()), sources=tuple(sources.items()))
+
 
 # The kernel model's constants, fitted once on the course's recorded H100 SXM run
 # (course_lib.virtual.gpu_check.H100: scripts/device_check.py, torch 2.11, 2026-11-27;
