@@ -49,6 +49,21 @@ def collective_time(kind: str, n_bytes: float, N: int, alpha: float, bandwidth: 
     return costmodel.cost(algorithm, n_bytes, N, alpha, 1.0 / bandwidth)
 
 
+def all_to_all_time(n_bytes: float, N: int, local: int, intra: tuple, inter: tuple) -> float:
+    """An all-to-all of ``n_bytes`` (one rank's input, n/N to each member) over N ranks of which
+    ``local`` (this one included) share its node: its pairwise exchanges with the other local
+    members on NVLink, ``intra`` = (alpha, B/s), and with the rest on the network, ``inter``,
+    the two at once (NCCL posts every pair's send and receive together, each link class its own
+    lanes): the longer of (local - 1)(alpha + n/N / B) and (N - local)(alpha' + n/N / B'). With
+    every member on one side it is :func:`collective_time`'s pairwise all-to-all."""
+    if N <= 1:
+        return 0.0
+    part = n_bytes / N
+    on_node = (local - 1) * (intra[0] + part / intra[1]) if local > 1 else 0.0
+    off_node = (N - local) * (inter[0] + part / inter[1]) if N > local else 0.0
+    return max(on_node, off_node)
+
+
 _RING_ALGORITHM = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
                    "reduce_scatter": "ring_reduce_scatter", "all_to_all": "pairwise_all_to_all",
                    "send_recv": "point_to_point"}

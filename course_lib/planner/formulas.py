@@ -21,6 +21,7 @@ from course_lib.planner.activations import (  # noqa: F401
 from course_lib.planner.communication import moe_dispatch_bytes, moe_dispatch_payloads  # noqa: F401
 from course_lib.planner.communication import (  # noqa: F401
     QUANT_BYTES,
+    all_to_all_time,
     collective_bytes_per_rank,
     collective_time,
     cp_bytes_per_layer,

@@ -229,7 +229,7 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
 @functools.lru_cache(maxsize=64)
 def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: str = "none", tp: int = 1,
                sp: bool = False, cp: int = 1, ring: str | None = None, order: bool = False,
-               method: str = "ring") -> dict:
+               method: str = "ring", ep: int = 1) -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
@@ -248,7 +248,10 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
     CP rank's program instead (:mod:`.cp_ops`: Llama 3's all-gathered K/V, FlashAttention per
     query chunk where ``hw`` states fused attention; Ulysses' head shards, its core FlashAttention on the sequence put in order where ``hw``
     states fused attention, else written out),
-    the busiest rank's. ``order``: "sequence" also without TP,
+    the busiest rank's. ``ep`` > 1: an MoE's layers as expert-parallel rank 0 of ``ep`` runs them
+    (:mod:`.ep_ops`: its E / ep experts on the rows every rank routes to them, its dispatch's
+    bookkeeping; the layouts :func:`~.ep_ops.traced_ep` covers), the parameters still the
+    one-device model's (the runtime cuts the experts). ``order``: "sequence" also without TP,
     a ring or host reads (ZeRO-3: FSDP's own kernels join the issue chain, :mod:`.fsdp_ops`).
     ``itemsize``: every float priced at so many bytes (2: the dry run's precision "full"), or
     None: a mixed precision's bf16 model, each tensor priced at its own dtype as the dry run
@@ -256,6 +259,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
     from course_lib import fused
     from course_lib.gpt import TinyGPT
     from course_lib.planner.cp_ops import gather_core, ulysses_core
+    from course_lib.planner.ep_ops import install_ep
     from course_lib.planner.ring_ops import rank_positions, ring_core, ring_kernels
 
     ring = ring if cp > 1 else None
@@ -273,6 +277,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
             if itemsize is None:                          # a mixed precision: the bf16 model (buffers too)
                 net = net.to(torch.bfloat16)
             x = torch.zeros(b, s // cp if ring else s, dtype=torch.long)
+        params = (tuple((name, p.numel()) for name, p in net.named_parameters()),
+                  tuple((name, tuple(p.shape)) for name, p in net.named_parameters()))
         kw = {}
         if ring:                                   # a CP rank: its tokens, its method for every block's core
             kw = dict(positions=rank_positions(s, cp, rank, ring))
@@ -285,6 +291,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
+        if ep > 1 and n_experts is None:            # an EP rank's MoE layers (their experts E / ep), the
+            install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)))   # ep group's calls marked
         with KernelCounter(hw, itemsize, record=True) as fwd:
             fwd.ops = where[-1]
             loss = net(x, x, n_tokens=b * s, **kw)[1]
@@ -294,8 +302,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         with KernelCounter(hw, itemsize, record=True) as bwd:
             bwd.ops = where[-1]
             loss.backward()
-        return (fwd, bwd, tuple((name, p.numel()) for name, p in net.named_parameters()),
-                tuple((name, tuple(p.shape)) for name, p in net.named_parameters()))
+        return (fwd, bwd) + params
 
     def run(layers, n_experts=None, rank=None):
         fwd, bwd, params, shapes = trace(layers, n_experts, rank=rank)
@@ -333,7 +340,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                                                                      busiest, ring, itemsize)))
     seq = {}
     reads = any(name == "|read" for name, _ in f2.ops + b2.ops)
-    if tp > 1 or ring or reads or order:   # the marked order of one rank's kernels (:mod:`course_lib.planner.issue`)
+    if tp > 1 or ring or reads or order or ep > 1:   # the marked order of one rank's kernels (:mod:`.issue`)
         seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
                "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,

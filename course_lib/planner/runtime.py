@@ -58,6 +58,7 @@ from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import runs_flash
 from course_lib.planner.cp_ops import cp_message_bytes, traced_cp
+from course_lib.planner.ep_ops import traced_ep
 from course_lib.planner.ring_ops import traced_ring
 from course_lib.planner.zero_sync import zero_sync
 
@@ -165,7 +166,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     own = layout.precision != "full"
     traced_hw = hw.with_(fused_attention=runs_flash(hw, layout))    # what the ranks' attention runs
     k = trace_step(model, traced_hw, b, s, itemsize=None if own else 2, recompute=layout.recompute, tp=t,
-                   sp=layout.sp, cp=c, ring=split, order=layout.zero == 3 or layout.pp > 1, method=method)
+                   sp=layout.sp, cp=c, ring=split, order=layout.zero == 3 or layout.pp > 1, method=method,
+                   ep=traced_ep(model, layout))
     # (the order traced: FSDP's kernels join the issue chain, fsdp_ops.fsdp_chain; a pipeline's
     # passes are issued ahead or not by what waits inside them, the ``host`` below)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
@@ -180,7 +182,15 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     ep_f, ep_b = moe_parts(model, hw, layout, k, n_layers)
     fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time, fwd_k.device)
     bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time, bwd_k.device)
-    if layout.ep * layout.etp > 1:
+    ep_calls = {}                            # an EP rank traced as it runs: its blocking calls, each's seconds
+    if traced_ep(model, layout) > 1:
+        ep_calls = ep_call_costs(model, hw, layout, b * s / c)
+        forward = [v for name, v in ep_calls.items() if "backward" not in name]   # counts, dispatch, combine
+        again = layout.recompute == "full"              # the MoE's forward again in the backward, its calls too
+        fwd["ep"] = n_layers * sum(forward)
+        bwd["ep"] = n_layers * (sum(v for name, v in ep_calls.items() if "backward" in name) + again * sum(forward))
+        calls["ep"] = m * n_layers * (len(ep_calls) + again * len(forward))
+    elif layout.ep * layout.etp > 1:
         fwd["ep"] = bwd["ep"] = n_layers * ep_time(model, hw, layout, b * s / c)
         calls["ep"] = m * n_layers * 2 * 3     # counts, dispatch, combine; forward and backward
 
@@ -208,6 +218,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     costs["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
     lanes = {kind: collective(layout, hw, kind, act, ("tp",), latency=False) for kind in costs if kind != "loss"}
     lanes["loss"] = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",), False) for x in (1, 2)) / 2
+    costs.update(ep_calls)
     if c > 1 and split and method != "ring":        # all-gather CP, Ulysses: messages the core waits for
         fwd["cp"], bwd["cp"], calls["cp"] = _gathered_cp(model, hw, layout, method, b, s, n_layers)
         calls["cp"] *= m
@@ -267,7 +278,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         issue = kern.count * hw.launch_overhead                      # the host's side
         part["compute"] = kern.time
         part["launch"] = device - kern.time + max(0.0, issue - device - part["tp"] - part["cp"])
-        if k["sequence"] and (t > 1 or ring or layout.ep * layout.etp == 1):   # (the order traced: all E experts)
+        if k["sequence"] and (t > 1 or ring or layout.ep * layout.etp == 1 or ep_calls):   # (the order traced)
             # the kernels the traced order does not hold (TP's copies and loss, the gradients'
             # accumulation) run on the same stream: their device time on top; FSDP's are issued
             # in their places, the host pacing them where they are short (fsdp_ops.fsdp_chain)
@@ -277,7 +288,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
             else:
                 chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs)
             chain += kern.device - traced[phase]
-            part["launch"] = max(part["launch"], chain - part["tp"] - kern.time)
+            part["launch"] = max(part["launch"], chain - part["tp"] - part["ep"] - kern.time)
         host[phase] = part["launch"] - (device - kern.time)
     for phase in host:
         # where the host waits for the stream inside the pass (a blocking collective of TP's, a
@@ -423,11 +434,29 @@ def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
     """(forward, backward) kernels per micro-batch that an MoE stage does NOT launch on an EP
     rank: the traced layer runs all E experts (one device), an ep x etp rank E / (ep etp)
     (the same rows in all: balanced routing, T k of them)."""
-    if model.n_experts <= 1 or layout.ep * layout.etp == 1:
-        return 0, 0
+    if model.n_experts <= 1 or layout.ep * layout.etp == 1 or traced_ep(model, layout) > 1:
+        return 0, 0                 # (an EP rank traced as it runs: its own kernels already)
     gone = model.n_experts - model.n_experts // (layout.ep * layout.etp)
     per_f, per_b = k["per_expert_kernels"]
     return round(n_layers * gone * per_f), round(n_layers * gone * per_b)
+
+
+def ep_call_costs(model, hw, layout, tokens) -> dict:
+    """{name: seconds} of each blocking call an EP rank makes in one MoE layer (all-to-all
+    dispatch, balanced routing; :mod:`.ep_ops` marks them by these names): the expert counts'
+    exchange, dispatch and combine, and the last two again in backward, each the same message.
+    The ep group is ep consecutive dp ranks (strided by the layout's rank order); the members on
+    this rank's node exchange over NVLink, the others over the network, at once
+    (:func:`F.all_to_all_time`)."""
+    stride, n = strides(layout)["dp"], layout.ep
+    local = sum(1 for i in range(n) if i * stride < hw.gpus_per_node)
+
+    def a2a(nbytes):
+        return F.all_to_all_time(nbytes, n, local, hw.link(True), hw.link(False))
+    payload = F.moe_dispatch_payloads(tokens, model.hidden, model.top_k, n, 1, "all_to_all")["all_to_all"]
+    message = a2a(payload / 2)
+    return {"expert counts": a2a(model.n_experts * 8), "dispatch": message, "combine": message,
+            "combine (backward)": message, "dispatch (backward)": message}
 
 
 def ep_time(model, hw, layout, tokens) -> float:
@@ -448,5 +477,5 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "tp_calls", "group_in_node",
+__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "ep_call_costs", "tp_calls", "group_in_node",
            "collective", "BUCKET_CAP_BYTES"]

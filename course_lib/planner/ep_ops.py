@@ -1,0 +1,128 @@
+"""An expert-parallel rank's MoE layer as the ranks run it, written again on the planner's
+side: the kernels ``runtime="course"`` traces for an EP rank
+(:func:`course_lib.planner.kernels.trace_step`, its ``ep``).
+
+The ranks' code (``parallel/expert_parallel.py``: ``ExpertParallelMoE`` with the all-to-all
+dispatch) is not one device's MoE with fewer experts. One device loops over all E experts,
+each on the T k / E rows routed to it (their indices, a gather, the expert, the router
+weight, an ``index_add`` per expert). An EP rank sorts its kept assignments by expert,
+exchanges the counts, sends each rank the rows of its experts, and runs its E / ep experts
+each on the rows every one of the ep ranks routed to it, ep T k / E under balanced routing:
+fewer and larger GEMMs, and its own bookkeeping around them (the rows sorted by expert,
+concatenated, put back in the received order, one ``index_add`` of the combined rows).
+Priced as one device's loop with the other experts' launches taken away, as the planner
+did before, the sweep's EP 4 layouts of the GPT 1.3B MoE were 7.7-8.6% over the dry run
+(``benchmarks/dry_run_vs_planner.py``); traced as the rank runs, its 11 EP rows are within
+-2.7% to +0.3% (2026-11-30), the one across two nodes once its all-to-all was priced per link
+(:func:`~course_lib.planner.formulas.all_to_all_time`).
+
+Here: the all-to-all dispatch (the model's ``moe_dispatch``), its routing group the rank's own
+tokens (tp = cp = 1, ``etp`` 1): the layouts the planner traces this way
+(:func:`traced_ep`). The planner sits below ``parallel/`` and imports none of it: the ops
+below are the ranks', written again, so traced on the meta device they are the kernels the
+ranks launch, op for op (``tests/test_planner_ep_ops.py`` checks it against the code). A
+message is an empty buffer here (its time is the runtime's :func:`~.runtime.ep_time`); the
+counts' exchange is balanced routing's, as the dry run folds it: every rank of the ep group
+sends this one what this one sends each of them (the running rank is ep rank 0, its experts
+the first E / ep, the busiest when E does not divide T k).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from course_lib.moe import route, shared_output
+
+
+def traced_ep(model, layout) -> int:
+    """The ep of ``layout`` whose rank :class:`EPRankMoE` traces for ``model``, else 1 (no
+    experts, ep 1, or a case it does not cover: etp > 1, tp or cp > 1, the all-gather dispatch;
+    those keep one device's loop with the other experts' launches taken away)."""
+    if model.n_experts <= 1 or layout.ep <= 1:
+        return 1
+    covered = layout.etp == 1 and layout.tp == 1 and layout.cp == 1 and model.moe_dispatch == "all_to_all"
+    return layout.ep if covered else 1
+
+
+def _unmarked(name):
+    """A mark nobody records (a rank traced without its issue order)."""
+
+
+class _Message(torch.autograd.Function):
+    """An all-to-all of rows (``AllToAll``'s): ``out_rows`` rows arrive for the ``in_rows`` sent;
+    backward, the same exchange the other way. Empty buffers: nothing moves here. ``mark(name)``
+    where the ranks' blocking call is (the host waits for the stream there)."""
+
+    @staticmethod
+    def forward(ctx, x, out_rows, in_rows, name, mark):
+        ctx.in_rows, ctx.name, ctx.mark = in_rows, name, mark
+        out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
+        x.contiguous()
+        mark(name)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        grad = g.new_empty((ctx.in_rows,) + tuple(g.shape[1:]))
+        g.contiguous()
+        ctx.mark(ctx.name + " (backward)")
+        return grad, None, None, None, None
+
+
+class EPRankMoE(nn.Module):
+    """EP rank 0 of ``ep`` of ``moe`` (a ``course_lib.moe.MoE``): the router and the shared
+    experts whole, the first E / ep experts; ``forward(x) -> (y, aux)`` as ``MoE.forward``.
+    ``mark(name)`` is called where the ranks make a blocking call of the ep group ("expert
+    counts", "dispatch", "combine", and the last two's "(backward)")."""
+
+    def __init__(self, moe, ep: int, mark=_unmarked):
+        super().__init__()
+        if moe.n_experts % ep:
+            raise ValueError(f"the number of experts ({moe.n_experts}) must be divisible by ep={ep}")
+        self.ep, self.n_experts, self.local = ep, moe.n_experts, moe.n_experts // ep
+        self.top_k, self.capacity_factor, self.normalize_topk = moe.top_k, moe.capacity_factor, moe.normalize_topk
+        self.router, self.shared = moe.router, moe.shared
+        self.experts = nn.ModuleList(moe.experts[:self.local])
+        self.mark = mark
+
+    def forward(self, x):
+        expert, weight, keep, _, aux = route(self.router(x), self.top_k, self.capacity_factor, self.normalize_topk)
+        (~keep).nonzero()                       # the ranks keep the dropped pairs (their bookkeeping)
+        return shared_output(self.shared, x) + self._all_to_all(x, expert, weight, keep), aux
+
+    def _all_to_all(self, x, expert, weight, keep):
+        tok, j = torch.nonzero(keep, as_tuple=True)
+        e = expert[tok, j]
+        order = torch.sort(e, stable=True).indices
+        tok, j, e = tok[order], j[order], e[order]
+        counts = torch.bincount(e, minlength=self.n_experts)
+        recv_counts = torch.empty_like(counts)
+        with _disable_current_modes():         # the counts' exchange: balanced, what this rank sends
+            recv_counts.view(self.ep, -1).copy_(counts.reshape(self.ep, -1)[0].expand(self.ep, -1))
+        self.mark("expert counts")
+        send_splits = counts.view(self.ep, -1).sum(1).tolist()
+        recv_counts = recv_counts.view(self.ep, self.local)
+        recv_splits = recv_counts.sum(1).tolist()
+        rows = _Message.apply(x[tok], sum(recv_splits), sum(send_splits), "dispatch", self.mark)
+        local_e = torch.arange(self.local, device=counts.device)
+        local_e = local_e.repeat(self.ep).repeat_interleave(recv_counts.flatten())
+        by_expert = torch.sort(local_e, stable=True).indices
+        per_expert = torch.bincount(local_e, minlength=self.local).tolist()
+        outs = [net(chunk) for net, chunk in zip(self.experts, rows[by_expert].split(per_expert))]
+        done = torch.cat(outs)[torch.argsort(by_expert)]
+        back = _Message.apply(done, sum(send_splits), sum(recv_splits), "combine", self.mark)
+        return torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])
+
+
+def install_ep(net, ep: int, mark=_unmarked) -> None:
+    """Every MoE layer of ``net`` (a TinyGPT) as EP rank 0 of ``ep`` runs it (``mark``: see
+    :class:`EPRankMoE`)."""
+    for block in net.blocks:
+        mlp = getattr(block, "mlp", None)
+        if mlp is not None and hasattr(mlp, "moe"):
+            mlp.moe = EPRankMoE(mlp.moe, ep, mark)
+            mlp.groups = 1
+
+
+__all__ = ["EPRankMoE", "install_ep", "traced_ep"]
