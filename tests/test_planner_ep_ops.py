@@ -113,6 +113,55 @@ def test_a_traced_ep_rank_is_the_codes(spec, ep, recompute):
         ["combine (backward)", "dispatch (backward)"]
 
 
+class _Group(_Comm):
+    """The routing group's comm (cp x tp ranks) of group rank 0: every member's token places
+    the group's own order (balanced routing, as the dry run folds them), its logits empty."""
+
+    def all_gather_into_tensor(self, out, inp, name=None, async_op=False):
+        if not out.is_meta:
+            with _disable_current_modes():
+                out.copy_(torch.arange(out.shape[0]))
+        self.where[-1].append(("|" + name, None))
+
+
+@pytest.mark.parametrize("spec", [SMALL, SWIGLU], ids=["gelu-experts", "swiglu-experts"])
+@pytest.mark.parametrize("ep,group", [(2, 2), (4, 2), (2, 4), (8, 3)])
+def test_an_ep_layer_with_a_routing_group_is_the_codes(spec, ep, group):
+    """One MoE layer whose routing group spans ``group`` ranks (cp x tp: each routes its own
+    tokens after gathering the group's places and logits), EP rank 0 of ``ep``: the code's
+    ExpertParallelMoE against EPRankMoE, forward and backward, op for op and call for call."""
+    from course_lib.moe import MoE
+    T = 24
+    runs = []
+    for which in ("code", "planner"):
+        where = [[]]
+        with torch.device("meta"):
+            moe = MoE(spec.hidden, spec.ffn, 8, 2, 1.25, seed=0, mlp=spec.mlp)
+            x = torch.zeros(T, spec.hidden, requires_grad=True)
+        if which == "code":
+            comm, token_comm = _Comm(ep, where), _Group(group, where)
+            mesh = types.SimpleNamespace(size=lambda d: ep if d == "ep" else 1, sizes={"cp": group},
+                                         comm=lambda dims, impl=None: comm if dims == "ep" else token_comm)
+            layer = ExpertParallelMoE(moe, mesh)
+            layer.token_index = torch.arange(T)
+        else:
+            layer = EPRankMoE(moe, ep, lambda what: where[-1].append(("|" + what, None)), group)
+        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as f:
+            f.ops = where[-1]
+            y, aux = layer(x)
+            out = (y.sum() + aux)
+        where.append([])
+        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as b:
+            b.ops = where[-1]
+            out.backward()
+        runs.append((f, b))
+    (cf, cb), (pf, pb) = runs
+    _same(pf.total, cf.total)
+    _same(pb.total, cb.total)
+    assert [n for n, k in pf.ops] == [n for n, k in cf.ops] and [n for n, k in pb.ops] == [n for n, k in cb.ops]
+    assert [n for n, k in pf.ops if k is None][:2] == ["|routing: token places", "|routing: logits"]
+
+
 def test_the_ep_rank_runs_fewer_larger_expert_gemms():
     """One device's MoE runs E experts on T k / E rows each; EP rank 0 of 4 runs two of them on
     4 T k / E rows each: the same GEMM FLOPs (router included) in a quarter of the expert GEMMs."""
@@ -142,6 +191,28 @@ def test_ep_steps_agree_with_the_dry_run(ep, recompute):
     assert abs(est.step_time / r.step_time - 1) <= BOUND / 2, (est.step_time, r.step_time)
 
 
+@pytest.mark.parametrize("kw", [dict(tp=2, sp=True), dict(cp=2), dict(cp=2, cp_comm="all_gather"),
+                                dict(cp=2, recompute="full")],
+                         ids=["tp2-sp", "cp2-ring", "cp2-all-gather", "cp2-full"])
+def test_ep_with_a_routing_group_agrees_with_the_dry_run(kw):
+    """EP 4 beside TP (SP: each TP rank routes its own tokens) or CP: the routing group's gathers
+    traced, TP's calls only the attention's (the MoE routes under SP). Priced as one device's loop
+    with the MLP's TP calls, the planner was +30.9% (tp 2) and +25.3% (cp 2, the ring) here."""
+    spec = get_model("gpt-1.3b-moe-8x").with_(n_layers=4)
+    layout = Layout(dp=4, ep=4, micro_batch=1, microbatches=2, seq_len=2048, **kw)
+    est = estimate(spec, "h100-sxm", layout, runtime="course")
+    r = dry_run(spec, "h100-sxm", layout, progress=None, optimizer="foreach")
+    assert abs(est.step_time / r.step_time - 1) <= BOUND, (est.step_time, r.step_time)
+    # the routing group's gathers: two a layer's forward (again under full recomputation), each
+    # priced by the planner
+    rank = min(s.rank for s in r.spans)
+    issued = [s for s in r.spans if s.rank == rank and s.kind == "comm" and s.name.startswith("routing")]
+    again = layout.recompute == "full"
+    assert len(issued) == layout.microbatches * spec.n_layers * 2 * (1 + again)
+    priced = ep_call_costs(spec, get_hardware("h100-sxm"), layout, 2048 // layout.cp // layout.tp)
+    assert {s.name for s in issued} == {x for x in priced if x.startswith("routing")}
+
+
 @pytest.mark.parametrize("pp,recompute,per_layer", [(1, "selective", 5), (4, "full", 8)])
 def test_the_planners_ep_calls_are_the_programs(pp, recompute, per_layer):
     """Per step, the collectives the planner counts on the ep group (3 forward + 2 backward per
@@ -168,7 +239,7 @@ def test_what_the_planner_does_not_trace_as_an_ep_rank():
     assert traced_ep(spec, Layout(dp=4, ep=4)) == 4
     assert traced_ep(spec, Layout(dp=4, ep=1)) == 1
     assert traced_ep(spec.with_(moe_dispatch="all_gather"), Layout(dp=4, ep=4)) == 1
-    assert traced_ep(spec, Layout(dp=4, ep=2, tp=2)) == 1
+    assert traced_ep(spec, Layout(dp=4, ep=2, tp=2, sp=True)) == 2      # its routing group traced too
     assert traced_ep(get_model("llama3-8b"), Layout(dp=4)) == 1
     with pytest.raises(ValueError, match="divisible by ep"):
         EPRankMoE(types.SimpleNamespace(n_experts=8), 3)

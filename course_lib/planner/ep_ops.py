@@ -16,12 +16,13 @@ did before, the sweep's EP 4 layouts of the GPT 1.3B MoE were 7.7-8.6% over the 
 -2.7% to +0.3% (2026-11-30), the one across two nodes once its all-to-all was priced per link
 (:func:`~course_lib.planner.formulas.all_to_all_time`).
 
-Here: the all-to-all dispatch (the model's ``moe_dispatch``), its routing group the rank's own
-tokens (tp = cp = 1, ``etp`` 1): the layouts the planner traces this way
-(:func:`traced_ep`). The planner sits below ``parallel/`` and imports none of it: the ops
-below are the ranks', written again, so traced on the meta device they are the kernels the
-ranks launch, op for op (``tests/test_planner_ep_ops.py`` checks it against the code). A
-message is an empty buffer here (its time is the runtime's :func:`~.runtime.ep_time`); the
+Here: the all-to-all dispatch (the model's ``moe_dispatch``), ``etp`` 1, the routing group
+the rank's own tokens or those of its cp x tp ranks (sequence parallelism: each TP rank routes
+its own s / tp tokens): the layouts the planner traces this way (:func:`traced_ep`). The
+planner sits below ``parallel/`` and imports none of it: the ops below are the ranks', written
+again, so traced on the meta device they are the kernels the ranks launch, op for op
+(``tests/test_planner_ep_ops.py`` checks it against the code). A message is an empty buffer
+here (its time is the runtime's :func:`~.runtime.ep_call_costs`); the
 counts' exchange is balanced routing's, as the dry run folds it: every rank of the ep group
 sends this one what this one sends each of them (the running rank is ep rank 0, its experts
 the first E / ep, the busiest when E does not divide T k).
@@ -37,12 +38,11 @@ from course_lib.moe import route, shared_output
 
 def traced_ep(model, layout) -> int:
     """The ep of ``layout`` whose rank :class:`EPRankMoE` traces for ``model``, else 1 (no
-    experts, ep 1, or a case it does not cover: etp > 1, tp or cp > 1, the all-gather dispatch;
-    those keep one device's loop with the other experts' launches taken away)."""
+    experts, ep 1, or a case it does not cover: etp > 1, the all-gather dispatch; those keep one
+    device's loop with the other experts' launches taken away)."""
     if model.n_experts <= 1 or layout.ep <= 1:
         return 1
-    covered = layout.etp == 1 and layout.tp == 1 and layout.cp == 1 and model.moe_dispatch == "all_to_all"
-    return layout.ep if covered else 1
+    return layout.ep if layout.etp == 1 and model.moe_dispatch == "all_to_all" else 1
 
 
 def _unmarked(name):
@@ -73,23 +73,59 @@ class _Message(torch.autograd.Function):
 class EPRankMoE(nn.Module):
     """EP rank 0 of ``ep`` of ``moe`` (a ``course_lib.moe.MoE``): the router and the shared
     experts whole, the first E / ep experts; ``forward(x) -> (y, aux)`` as ``MoE.forward``.
-    ``mark(name)`` is called where the ranks make a blocking call of the ep group ("expert
-    counts", "dispatch", "combine", and the last two's "(backward)")."""
+    ``group``: the ranks its routing group spans (cp x tp with sequence parallelism), which
+    all-gather every member's token places and router logits and route the group's tokens in
+    the single-device order, this rank (group rank 0) keeping its own rows. ``mark(name)`` is
+    called where the ranks make a blocking call ("routing: token places", "routing: logits"
+    on the group; "expert counts", "dispatch", "combine", and the last two's "(backward)" on
+    the ep group)."""
 
-    def __init__(self, moe, ep: int, mark=_unmarked):
+    def __init__(self, moe, ep: int, mark=_unmarked, group: int = 1):
         super().__init__()
         if moe.n_experts % ep:
             raise ValueError(f"the number of experts ({moe.n_experts}) must be divisible by ep={ep}")
-        self.ep, self.n_experts, self.local = ep, moe.n_experts, moe.n_experts // ep
+        self.ep, self.n_experts, self.local, self.group = ep, moe.n_experts, moe.n_experts // ep, group
         self.top_k, self.capacity_factor, self.normalize_topk = moe.top_k, moe.capacity_factor, moe.normalize_topk
         self.router, self.shared = moe.router, moe.shared
         self.experts = nn.ModuleList(moe.experts[:self.local])
         self.mark = mark
 
     def forward(self, x):
-        expert, weight, keep, _, aux = route(self.router(x), self.top_k, self.capacity_factor, self.normalize_topk)
-        (~keep).nonzero()                       # the ranks keep the dropped pairs (their bookkeeping)
+        expert, weight, keep, _, aux = self.route(x)
         return shared_output(self.shared, x) + self._all_to_all(x, expert, weight, keep), aux
+
+    def route(self, x):
+        logits = self.router(x)
+        args = (self.top_k, self.capacity_factor, self.normalize_topk)
+        if self.group == 1:
+            out = route(logits, *args)
+            (~out[2]).nonzero()                 # the ranks keep the dropped pairs (their bookkeeping)
+            return out
+        T, g = x.shape[0], self.group
+        # the members' places: balanced routing's, as the dry run folds them (each member sends
+        # every expert as many tokens as the others), here the group's order itself
+        with _disable_current_modes():         # (the plan sets them, outside the layer)
+            places, group_places = torch.arange(T), torch.arange(g * T)
+        index = self._gathered(places, "routing: token places", group_places)
+        table = self._gathered(logits.detach(), "routing: logits")
+        rows = list(table.split(T))
+        rows[0] = logits                        # my rows live, the others' fixed
+        order = torch.argsort(index)
+        expert, weight, keep, counts, aux = route(torch.cat(rows)[order], *args)
+        (~keep).nonzero()
+        mine = torch.argsort(order).view(g, T)[0]
+        return expert[mine], weight[mine], keep[mine], counts, aux
+
+    def _gathered(self, x, name, values=None):
+        """``gather_along(token_comm, x, 0, name)`` of the ranks: x's rows from every member of
+        the routing group, in group order (a host tensor gets ``values``); a blocking call."""
+        x = x.movedim(0, 0).contiguous()
+        out = x.new_empty((self.group * x.shape[0], *x.shape[1:]))
+        if values is not None:
+            with _disable_current_modes():
+                out.copy_(values)
+        self.mark(name)
+        return out.movedim(0, 0).contiguous()
 
     def _all_to_all(self, x, expert, weight, keep):
         tok, j = torch.nonzero(keep, as_tuple=True)
@@ -115,13 +151,13 @@ class EPRankMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])
 
 
-def install_ep(net, ep: int, mark=_unmarked) -> None:
-    """Every MoE layer of ``net`` (a TinyGPT) as EP rank 0 of ``ep`` runs it (``mark``: see
-    :class:`EPRankMoE`)."""
+def install_ep(net, ep: int, mark=_unmarked, group: int = 1) -> None:
+    """Every MoE layer of ``net`` (a TinyGPT) as EP rank 0 of ``ep`` runs it (``mark``,
+    ``group``: see :class:`EPRankMoE`)."""
     for block in net.blocks:
         mlp = getattr(block, "mlp", None)
         if mlp is not None and hasattr(mlp, "moe"):
-            mlp.moe = EPRankMoE(mlp.moe, ep, mark)
+            mlp.moe = EPRankMoE(mlp.moe, ep, mark, group)
             mlp.groups = 1
 
 

@@ -122,7 +122,7 @@ def tp_rank(net, model, t: int) -> None:
     split as the course's ``parallel/`` runs it: each block's query, key/value and MLP input
     matrices by rows (its heads, at least one K/V head; its FFN columns), its output matrices by
     columns (their bias whole: added once, after the sum), the embedding and LM head by
-    vocabulary rows; the norms whole. Shapes only (meta): the same program, on a rank's shapes."""
+    vocabulary rows; the norms and an MoE layer whole (its experts are the expert mesh's). Shapes only (meta): the same program, on a rank's shapes."""
     def cut(linear, rows=None, cols=None):
         out, inp = linear.weight.shape
         linear.weight = torch.nn.Parameter(torch.empty(rows or out, cols or inp, device="meta"))
@@ -135,6 +135,8 @@ def tp_rank(net, model, t: int) -> None:
         for w in (attn.wk, attn.wv):
             cut(w, rows=max(1, model.n_kv_heads // t) * d)
         cut(attn.wo, cols=share(model.n_heads) * d)
+        if hasattr(mlp, "moe"):        # an MoE's experts are cut by the expert mesh, not by TP; its
+            continue                   # router is whole (with SP each TP rank routes its s / tp tokens)
         first, second = (("w1", "w3"), "w2") if hasattr(mlp, "w1") else (("fc",), "proj")
         for name in first:
             cut(getattr(mlp, name), rows=share(model.ffn))
@@ -211,7 +213,8 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
         block.register_forward_pre_hook(lambda mod, args, i=i: mark(f"block {i}"))
         block.register_forward_hook(lambda mod, args, out, i=i: on_grad(out, f"bblock {i}"))
         sublayer(block.attn)
-        sublayer(block.mlp)
+        if not hasattr(block.mlp, "moe"):     # an MoE under SP routes the rank's own tokens: no TP calls
+            sublayer(block.mlp)
 
     def embedded(mod, args, out):
         mark("reduce_scatter" if sp else "all_reduce")
@@ -292,7 +295,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
         if ep > 1 and n_experts is None:            # an EP rank's MoE layers (their experts E / ep), the
-            install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)))   # ep group's calls marked
+            group = cp * (tp if sp else 1)          # routing group's and the ep group's calls marked
+            install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)), group)
         with KernelCounter(hw, itemsize, record=True) as fwd:
             fwd.ops = where[-1]
             loss = net(x, x, n_tokens=b * s, **kw)[1]

@@ -108,20 +108,22 @@ def collective(layout, hw, kind, nbytes, dims, latency: bool = True) -> float:
     return F.collective_time(kind, nbytes, n, alpha if latency else 0.0, bw)
 
 
-def tp_calls(layout, first: bool, last: bool, n_layers: int) -> dict:
-    """{(pass, kind): calls} of TP in one micro-batch on one stage (see the module doc)."""
+def tp_calls(layout, first: bool, last: bool, n_layers: int, moe: bool = False) -> dict:
+    """{(pass, kind): calls} of TP in one micro-batch on one stage (see the module doc); ``moe``:
+    the MLPs are mixtures of experts, which under SP route the rank's own tokens (no TP calls)."""
     if layout.tp == 1:
         return {}
+    k = 1 if moe else 2                   # TP's sublayers a block: attention, and the MLP unless experts
     if layout.sp:
-        fwd_ag, fwd_rs = 2 * n_layers + last, 2 * n_layers + first
-        bwd_ag, bwd_rs = 4 * n_layers + first + last, 2 * n_layers + last
+        fwd_ag, fwd_rs = k * n_layers + last, k * n_layers + first
+        bwd_ag, bwd_rs = 2 * k * n_layers + first + last, k * n_layers + last
         calls = {("fwd", "all_gather"): fwd_ag, ("fwd", "reduce_scatter"): fwd_rs,
                  ("bwd", "all_gather"): bwd_ag, ("bwd", "reduce_scatter"): bwd_rs}
     else:
-        calls = {("fwd", "all_reduce"): 2 * n_layers + first, ("bwd", "all_reduce"): 2 * n_layers + last}
+        calls = {("fwd", "all_reduce"): k * n_layers + first, ("bwd", "all_reduce"): k * n_layers + last}
     if layout.recompute == "full":        # the blocks' forward again in the backward, its TP calls too
         for kind in (("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)):
-            calls[("bwd", kind)] += 2 * n_layers
+            calls[("bwd", kind)] += k * n_layers
     if last:
         calls[("fwd", "loss")] = 2
     return calls
@@ -184,19 +186,24 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time, bwd_k.device)
     ep_calls = {}                            # an EP rank traced as it runs: its blocking calls, each's seconds
     if traced_ep(model, layout) > 1:
-        ep_calls = ep_call_costs(model, hw, layout, b * s / c)
-        forward = [v for name, v in ep_calls.items() if "backward" not in name]   # counts, dispatch, combine
+        ep_calls = ep_call_costs(model, hw, layout, b * s / c / (t if layout.sp else 1))   # the rank's tokens
+        forward = [v for name, v in ep_calls.items() if "backward" not in name]   # (routing,) counts, dispatch, combine
         again = layout.recompute == "full"              # the MoE's forward again in the backward, its calls too
         fwd["ep"] = n_layers * sum(forward)
         bwd["ep"] = n_layers * (sum(v for name, v in ep_calls.items() if "backward" in name) + again * sum(forward))
-        calls["ep"] = m * n_layers * (len(ep_calls) + again * len(forward))
+        routing = routing_group(layout)
+        for dims, names in (("ep", [x for x in ep_calls if not x.startswith("routing")]),
+                            ("+".join(routing), [x for x in ep_calls if x.startswith("routing")])):
+            if names:
+                n_forward = sum("backward" not in x for x in names)
+                calls[dims] = calls.get(dims, 0) + m * n_layers * (len(names) + again * n_forward)
     elif layout.ep * layout.etp > 1:
         fwd["ep"] = bwd["ep"] = n_layers * ep_time(model, hw, layout, b * s / c)
         calls["ep"] = m * n_layers * 2 * 3     # counts, dispatch, combine; forward and backward
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
     added = {"fwd": Kernels(), "bwd": Kernels()}     # TP's own kernels per micro-batch (see below)
-    for (phase, kind), n in tp_calls(layout, first, last, n_layers).items():
+    for (phase, kind), n in tp_calls(layout, first, last, n_layers, model.n_experts > 1).items():
         if kind == "loss":                           # (b s/cp,) maxima, then (2, b s/cp) sums: fp32 -> bf16
             cost = sum(collective(layout, hw, "all_reduce", x * b * s / c * 2, ("tp",)) for x in (1, 2)) / 2
             added["fwd"] += Kernels(VOCAB_LOSS_KERNELS, 0.0, 0.0, 0.0, VOCAB_LOSS_KERNELS * hw.kernel_floor)
@@ -455,8 +462,20 @@ def ep_call_costs(model, hw, layout, tokens) -> dict:
         return F.all_to_all_time(nbytes, n, local, hw.link(True), hw.link(False))
     payload = F.moe_dispatch_payloads(tokens, model.hidden, model.top_k, n, 1, "all_to_all")["all_to_all"]
     message = a2a(payload / 2)
-    return {"expert counts": a2a(model.n_experts * 8), "dispatch": message, "combine": message,
+    out = {}
+    group = routing_group(layout)
+    if group:                   # the routing group's token places (int64) and router logits (bf16), gathered
+        g = _size(layout, group)
+        out = {"routing: token places": collective(layout, hw, "all_gather", g * tokens * 8, group),
+               "routing: logits": collective(layout, hw, "all_gather", g * tokens * model.n_experts * 2, group)}
+    return {**out, "expert counts": a2a(model.n_experts * 8), "dispatch": message, "combine": message,
             "combine (backward)": message, "dispatch (backward)": message}
+
+
+def routing_group(layout) -> tuple:
+    """The mesh dims an MoE's routing group spans beyond the rank: cp, and tp (sequence
+    parallelism: each TP rank routes its own s / tp tokens); () for the rank's own tokens."""
+    return tuple(d for d, n in (("cp", layout.cp), ("tp", layout.tp if layout.sp else 1)) if n > 1)
 
 
 def ep_time(model, hw, layout, tokens) -> float:
@@ -477,5 +496,5 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "ep_call_costs", "tp_calls", "group_in_node",
+__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "ep_call_costs", "routing_group", "tp_calls", "group_in_node",
            "collective", "BUCKET_CAP_BYTES"]
