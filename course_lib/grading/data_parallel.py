@@ -17,13 +17,12 @@ import torch.nn.functional as F
 
 from course_lib.grading import Case, Mismatch, check_distributed, compare, learner
 from course_lib.grading import training as T
-from course_lib.grading.guard import TORCH_DATA_PARALLEL
-from course_lib.grading.harness import check_answers
+from course_lib.grading.guard import COURSE_DATA_PARALLEL, TORCH_DATA_PARALLEL
+from course_lib.grading.harness import check_answers, on_ranks
 from course_lib.grading.p2p import SameCollectives
 
 # what would do chapter 3's exercises for the learner
-DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
-              "course_lib.grading.training:single_device", TORCH_DATA_PARALLEL)
+DP_LIBRARY = (COURSE_DATA_PARALLEL, "course_lib.grading.training:single_device", TORCH_DATA_PARALLEL)
 
 
 # ----------------------------------------------------------------------------- 1. DDP hook
@@ -102,8 +101,7 @@ class _Waited:
 def check_ddp_hook(hook):
     """hook(param, world_size, handles) runs when param.grad is complete: it must start an
     async all-reduce that leaves the *mean* in param.grad, and append the work handle."""
-    cases = [Case({"hook": hook}, world_size=n, label=f"MLP {T.SIZES}, {T.STEPS} SGD steps") for n in (2, 3, 1)]
-    return check_distributed("ddp_hook", _ddp_hook_harness, cases)
+    return on_ranks("ddp_hook", _ddp_hook_harness, (2, 3, 1), f"MLP {T.SIZES}, {T.STEPS} SGD steps", hook=hook)
 
 
 # ----------------------------------------------------------------------------- 2. buckets

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.grading import Case, check, learner
+from course_lib.grading.guard import COURSE_DATA_PARALLEL
 from course_lib.lab.ddp_buckets import bucket_inputs, bucket_sweep, gradient_timeline, step_seconds
 from course_lib.launch import launch
 from course_lib.planner.presets import HARDWARE
@@ -21,8 +22,8 @@ from course_lib.virtual import VirtualCluster
 __all__ = ["check_bucket_cap", "bucket_inputs"]
 
 # what would answer the bucket question for the learner: running DDP under the clock
-DDP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*", "course_lib.launch:launch",
-               "course_lib.lab.ddp_buckets:*", "course_lib.grading.ddp_overlap:_*")
+DDP_LIBRARY = (COURSE_DATA_PARALLEL, "course_lib.launch:launch", "course_lib.lab.ddp_buckets:*",
+               "course_lib.grading.ddp_overlap:_*")
 MARGIN = 0.05   # a step at most 5% slower than the sweep's fastest: a replay of the buckets on the
 # clock's prices (each all-reduce's NCCL price on one stream, the host's wait and divide per bucket)
 # picks the fastest size on every hidden case, an alpha-beta price lands within 0.5% (2026-11), and

@@ -28,7 +28,7 @@ from course_lib.models import MLP
 from course_lib.reference import mlp_data
 from course_lib.grading import Case, Mismatch, check, check_distributed, compare, learner
 from course_lib.grading.harness import check_answers, grads_differ, on_ranks
-from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.guard import COURSE_DATA_PARALLEL, COURSE_FSDP, TORCH_DATA_PARALLEL
 
 _HERE = "course_lib.grading.debugging:"
 REFERENCES = _HERE + "_*"   # this module's references and data, off while the learner's code runs
@@ -228,9 +228,7 @@ def check_first_nan(first_nan_module) -> bool:
 
 # ----------------------------------------------------------------------------- 5. find and fix
 
-SYNC_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*",
-                *(f"course_lib.parallel.fsdp_{m}:*" for m in ("controls", "gather", "gradients", "grad_norm", "state_dict")),
-                "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*")
+SYNC_LIBRARY = (COURSE_DATA_PARALLEL, COURSE_FSDP, "course_lib.parallel.zero:*")
 
 
 def _net():

@@ -48,6 +48,10 @@ TORCH_DATA_PARALLEL = (
     "torch.distributed.fsdp:FullyShardedDataParallel",
     "torch.distributed.fsdp:fully_shard",
 )
+# the course's own (chapters 3-4): DDP's gradient sync, and FSDP with the parts it inherits
+COURSE_DATA_PARALLEL = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*")
+COURSE_FSDP = ("course_lib.parallel.fsdp:*", *(f"course_lib.parallel.fsdp_{m}:*" for m in (
+    "controls", "gather", "gradients", "grad_norm", "state_dict")))
 
 
 _DUNDERS = ("__init__", "__call__")
@@ -278,4 +282,4 @@ def learner_class(cls, *targets, exercise: str, seconds: float | None = None):
 
 
 __all__ = ["learner", "learner_class", "switched_off", "time_limit", "Shortcut", "TimeLimit", "Tampered",
-           "TORCH_COLLECTIVES", "TORCH_DATA_PARALLEL"]
+           "TORCH_COLLECTIVES", "TORCH_DATA_PARALLEL", "COURSE_DATA_PARALLEL", "COURSE_FSDP"]

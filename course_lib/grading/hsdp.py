@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 
 from course_lib.grading import Case, check_distributed, compare, learner
-from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.guard import COURSE_DATA_PARALLEL, COURSE_FSDP, TORCH_DATA_PARALLEL
 from course_lib.grading.training import CollectiveWatch
 
-LIBRARY = ("course_lib.parallel.hsdp:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.zero:*",
-           *(f"course_lib.parallel.fsdp_{m}:*" for m in ("controls", "gather", "gradients", "grad_norm", "state_dict")),
-           "course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*", TORCH_DATA_PARALLEL)
+LIBRARY = ("course_lib.parallel.hsdp:*", COURSE_FSDP, "course_lib.parallel.zero:*", COURSE_DATA_PARALLEL,
+           TORCH_DATA_PARALLEL)
 
 
 def _gradient(rank, numel, seed):

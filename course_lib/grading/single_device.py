@@ -15,12 +15,12 @@ from course_lib.grading import Case, check, check_distributed, compare, learner
 from course_lib.grading.harness import check_answers, check_in_process, grads_differ, table
 from course_lib.memory import model_state_bytes
 from course_lib.models import init_uniform_
-from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.guard import COURSE_DATA_PARALLEL, TORCH_DATA_PARALLEL
 from course_lib.grading.p2p import SameCollectives
 
 # what would count the bytes for the learner (exercise 1) or average the gradients (exercise 3)
 MEMORY_LIBRARY = ("course_lib.memory:*",)
-DP_LIBRARY = ("course_lib.parallel.grad_sync:*", "course_lib.parallel.data_parallel:*", TORCH_DATA_PARALLEL)
+DP_LIBRARY = (COURSE_DATA_PARALLEL, TORCH_DATA_PARALLEL)
 
 # ----------------------------------------------------------------------------- 1. training state
 

@@ -21,7 +21,7 @@ from course_lib import compat
 from course_lib.grading import Case, Mismatch, check_distributed, compare, learner, learner_class
 from course_lib.grading import training as T
 from course_lib.grading.data_parallel import BUCKET_CAPS
-from course_lib.grading.guard import TORCH_DATA_PARALLEL
+from course_lib.grading.guard import COURSE_DATA_PARALLEL, COURSE_FSDP, TORCH_DATA_PARALLEL
 from course_lib.grading.harness import check_answers, number, on_ranks, table
 from course_lib.grading.p2p import SameCollectives
 from course_lib.lab.zero_measurements import MEASURED_PARAMS, MEASURED_ROOT_PARAMS, MEASURED_SENT
@@ -30,9 +30,7 @@ from course_lib.parallel.fsdp_params import ShardedUnit
 from course_lib.parallel.zero import ShardedBucket, all_gather_buckets
 from course_lib.planner.communication import dp_bytes_per_step
 
-ZERO_LIBRARY = ("course_lib.parallel.zero:*", "course_lib.parallel.fsdp:*", "course_lib.parallel.grad_sync:*",
-                *(f"course_lib.parallel.fsdp_{m}:*" for m in ("controls", "gather", "gradients", "grad_norm", "state_dict")),
-                "course_lib.parallel.data_parallel:*", "course_lib.parallel.comm_ops:*",
+ZERO_LIBRARY = ("course_lib.parallel.zero:*", COURSE_FSDP, COURSE_DATA_PARALLEL, "course_lib.parallel.comm_ops:*",
                 "course_lib.grading.training:single_device", TORCH_DATA_PARALLEL)
 FORMULAS = ("course_lib.planner.formulas:*", "course_lib.planner.communication:*", "course_lib.memory:*")
 
