@@ -56,6 +56,22 @@ def _mesh(ep, where):
 _MUTE = types.SimpleNamespace(muted=_disable_current_modes)
 
 
+def _counted(forward, where):
+    """(forward, backward) KernelCounters of ``forward()`` -> a loss and its backward, each
+    recording its ops (and the calls marked into ``where[-1]``), the clock's mute as a dry run's."""
+    passes = []
+    for run in (forward, None):
+        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as c:
+            c.ops = where[-1]
+            if run is not None:
+                loss = run()
+            else:
+                loss.backward()
+        where.append([])
+        passes.append(c)
+    return passes
+
+
 def _code_layer(spec, ep, s, recompute):
     """The code's EP rank 0 on the planner's meta model: one layer's kernels and marked order
     (2 blocks less 1), forward and backward."""
@@ -67,14 +83,7 @@ def _code_layer(spec, ep, s, recompute):
         for block in net.blocks:
             block.mlp.moe = ExpertParallelMoE(block.mlp.moe, _mesh(ep, where))
         x = torch.zeros(1, s, dtype=torch.long, device="meta")
-        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as f:
-            f.ops = where[-1]
-            loss = net(x, x, n_tokens=s)[1]
-        where.append([])
-        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as b:
-            b.ops = where[-1]
-            loss.backward()
-        layers.append((f, b))
+        layers.append(_counted(lambda: net(x, x, n_tokens=s)[1], where))
     (f1, b1), (f2, b2) = layers
     return f2.total - f1.total, b2.total - b1.total, f2.ops, b2.ops
 
@@ -146,15 +155,10 @@ def test_an_ep_layer_with_a_routing_group_is_the_codes(spec, ep, group):
             layer.token_index = torch.arange(T)
         else:
             layer = EPRankMoE(moe, ep, lambda what: where[-1].append(("|" + what, None)), group)
-        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as f:
-            f.ops = where[-1]
+        def loss(layer=layer):
             y, aux = layer(x)
-            out = (y.sum() + aux)
-        where.append([])
-        with mock.patch("course_lib.trace.clock", lambda: _MUTE), KernelCounter(PLAIN, 2, record=True) as b:
-            b.ops = where[-1]
-            out.backward()
-        runs.append((f, b))
+            return y.sum() + aux
+        runs.append(_counted(loss, where))
     (cf, cb), (pf, pb) = runs
     _same(pf.total, cf.total)
     _same(pb.total, cb.total)
