@@ -122,7 +122,8 @@ def tp_rank(net, model, t: int) -> None:
     split as the course's ``parallel/`` runs it: each block's query, key/value and MLP input
     matrices by rows (its heads, at least one K/V head; its FFN columns), its output matrices by
     columns (their bias whole: added once, after the sum), the embedding and LM head by
-    vocabulary rows; the norms and an MoE layer whole (its experts are the expert mesh's). Shapes only (meta): the same program, on a rank's shapes."""
+    vocabulary rows; the norms and an MoE layer whole (its experts are the expert mesh's). Shapes
+    only (meta): the same program, on a rank's shapes."""
     def cut(linear, rows=None, cols=None):
         out, inp = linear.weight.shape
         linear.weight = torch.nn.Parameter(torch.empty(rows or out, cols or inp, device="meta"))
