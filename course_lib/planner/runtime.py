@@ -100,12 +100,47 @@ def _size(layout, dims) -> int:
 
 def collective(layout, hw, kind, nbytes, dims, latency: bool = True) -> float:
     """Seconds of one ring collective of ``nbytes`` over the group of ``dims`` (``latency=False``:
-    its bytes' seconds on the links alone, what it shares with other transfers there)."""
+    its bytes' seconds on the links alone, what it shares with other transfers there): the
+    network's bandwidth once the group leaves a node, and each step's latency its own link's
+    (:func:`ring_alpha`)."""
     n = _size(layout, dims)
     if n <= 1:
         return 0.0
-    alpha, bw = hw.link(group_in_node(layout, hw, dims))
+    _, bw = hw.link(group_in_node(layout, hw, dims))
+    alpha = ring_alpha(hw, kind, n, group_nodes(layout, hw, dims))
     return F.collective_time(kind, nbytes, n, alpha if latency else 0.0, bw)
+
+
+def group_nodes(layout, hw, dims, every: dict | None = None) -> int:
+    """The nodes the group of mesh ``dims`` spans (the first rank's group, the layout's rank
+    order); ``every``: {dim: k}, only every k-th index along that dim is a member."""
+    stride, sizes, offsets = strides(layout), layout.sizes, [0]
+    for d in dims:
+        k = (every or {}).get(d, 1)
+        offsets = [o + i * stride[d] for o in offsets for i in range(0, sizes[d], k)]
+    return len({o // hw.gpus_per_node for o in offsets})
+
+
+def expert_replica_nodes(layout, hw) -> int:
+    """The nodes an expert's replicas span: the ranks holding the same expert, every ep-th dp
+    rank (the ep group folded over consecutive dp ranks) with all of cp and tp
+    (``MeshShape.expert_replicas``: "edp", and the stage dims outside the fold); where ep does
+    not divide dp, the whole dp x cp x tp group."""
+    every = {"dp": layout.ep * layout.etp} if layout.dp % (layout.ep * layout.etp) == 0 else None
+    return group_nodes(layout, hw, ("dp", "cp", "tp"), every)
+
+
+def ring_alpha(hw, kind: str, n: int, nodes: int) -> float:
+    """A ring step's mean latency over ``n`` ranks on ``nodes`` nodes: a ring through the nodes
+    crosses the network on ``nodes`` of a pass's steps (an all-reduce's two passes, 2 (n - 1)
+    steps: 2 nodes of them; NCCL's tuning model counts the same, ``nInterSteps``), the other steps
+    go GPU to GPU inside a node, at NVLink's latency; one node: NVLink's."""
+    intra, inter = hw.link(True)[0], hw.link(False)[0]
+    if nodes <= 1:
+        return intra
+    steps, crossing = (2 * (n - 1), 2 * nodes) if kind == "all_reduce" else (n - 1, nodes - 1)
+    crossing = min(steps, crossing if n > nodes else steps)
+    return (crossing * inter + (steps - crossing) * intra) / steps
 
 
 def tp_calls(layout, first: bool, last: bool, n_layers: int, moe: bool = False) -> dict:
@@ -388,7 +423,8 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
         if dims == ("edp",):
             if edp <= 1:
                 continue
-            alpha, bw = hw.link(group_in_node(layout, hw, ("dp",)))
+            nodes = expert_replica_nodes(layout, hw)
+            alpha, bw = ring_alpha(hw, "all_reduce", edp, nodes), hw.link(nodes == 1)[1]
             cost, own = (F.collective_time("all_reduce", n * itemsize, edp, a, bw) for a in (alpha, 0.0))
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
@@ -399,7 +435,7 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
         chain = [x for n_i in sizes for x in (bucket_copy(hw, n_i, itemsize).device, floor)] + [floor]
         kernels += len(chain)
         run_chain(chain, state, hw.launch_overhead)
-        link = group_in_node(layout, hw, ("dp",) if dims == ("edp",) else dims)
+        link = expert_replica_nodes(layout, hw) == 1 if dims == ("edp",) else group_in_node(layout, hw, dims)
         ready, busy = max(state[1], free.get(dims, 0.0)), links.get(link, 0.0)
         start = ready + min(max(0.0, busy - ready), own)
         links[link] = max(busy, start) + own
