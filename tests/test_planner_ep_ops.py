@@ -134,7 +134,7 @@ class _Group(_Comm):
 
 
 @pytest.mark.parametrize("spec", [SMALL, SWIGLU], ids=["gelu-experts", "swiglu-experts"])
-@pytest.mark.parametrize("ep,group", [(2, 2), (4, 2), (2, 4), (8, 3)])
+@pytest.mark.parametrize("ep,group", [(1, 2), (2, 2), (4, 2), (2, 4), (8, 3)])
 def test_an_ep_layer_with_a_routing_group_is_the_codes(spec, ep, group):
     """One MoE layer whose routing group spans ``group`` ranks (cp x tp: each routes its own
     tokens after gathering the group's places and logits), EP rank 0 of ``ep``: the code's
@@ -241,10 +241,11 @@ def test_the_planners_ep_calls_are_the_programs(pp, recompute, per_layer):
 def test_what_the_planner_does_not_trace_as_an_ep_rank():
     spec = get_model("gpt-1.3b-moe-8x")
     assert traced_ep(spec, Layout(dp=4, ep=4)) == 4
-    assert traced_ep(spec, Layout(dp=4, ep=1)) == 1
-    assert traced_ep(spec.with_(moe_dispatch="all_gather"), Layout(dp=4, ep=4)) == 1
+    assert traced_ep(spec, Layout(dp=4, ep=1)) == 0                      # one device's MoE on each rank
+    assert traced_ep(spec, Layout(dp=4, cp=2)) == 1                      # folded: the group's routing
+    assert traced_ep(spec.with_(moe_dispatch="all_gather"), Layout(dp=4, ep=4)) == 0
     assert traced_ep(spec, Layout(dp=4, ep=2, tp=2, sp=True)) == 2      # its routing group traced too
-    assert traced_ep(get_model("llama3-8b"), Layout(dp=4)) == 1
+    assert traced_ep(get_model("llama3-8b"), Layout(dp=4)) == 0
     with pytest.raises(ValueError, match="divisible by ep"):
         EPRankMoE(types.SimpleNamespace(n_experts=8), 3)
 

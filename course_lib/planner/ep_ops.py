@@ -37,12 +37,15 @@ from course_lib.moe import route, shared_output
 
 
 def traced_ep(model, layout) -> int:
-    """The ep of ``layout`` whose rank :class:`EPRankMoE` traces for ``model``, else 1 (no
-    experts, ep 1, or a case it does not cover: etp > 1, the all-gather dispatch; those keep one
-    device's loop with the other experts' launches taken away)."""
-    if model.n_experts <= 1 or layout.ep <= 1:
-        return 1
-    return layout.ep if layout.etp == 1 and model.moe_dispatch == "all_to_all" else 1
+    """The ep of ``layout`` whose rank :class:`EPRankMoE` traces for ``model``; 0 where the ranks
+    run one device's MoE (no experts; ep, cp and tp all 1: nothing folded) or a case it does not
+    cover (etp > 1, the all-gather dispatch: one device's loop with the other experts' launches
+    taken away). With ep 1 beside cp or tp the ranks still run the folded layer (its routing
+    group across them): traced, ep 1."""
+    folded = layout.ep * layout.etp * layout.cp * layout.tp > 1
+    if model.n_experts <= 1 or not folded or layout.etp > 1 or model.moe_dispatch != "all_to_all":
+        return 0
+    return layout.ep
 
 
 def _unmarked(name):

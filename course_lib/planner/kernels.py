@@ -233,7 +233,7 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
 @functools.lru_cache(maxsize=64)
 def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: str = "none", tp: int = 1,
                sp: bool = False, cp: int = 1, ring: str | None = None, order: bool = False,
-               method: str = "ring", ep: int = 1) -> dict:
+               method: str = "ring", ep: int = 0) -> dict:
     """The kernels of one forward + backward of the course's TinyGPT with ``model``'s shapes on
     one micro-batch of ``b`` sequences of ``s`` tokens, by part and pass: "layer_fwd"/"layer_bwd"
     (one block), "embedding_*", "head_*" (final norm, LM head, loss); "tensors_per_layer" /
@@ -252,7 +252,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
     CP rank's program instead (:mod:`.cp_ops`: Llama 3's all-gathered K/V, FlashAttention per
     query chunk where ``hw`` states fused attention; Ulysses' head shards, its core FlashAttention on the sequence put in order where ``hw``
     states fused attention, else written out),
-    the busiest rank's. ``ep`` > 1: an MoE's layers as expert-parallel rank 0 of ``ep`` runs them
+    the busiest rank's. ``ep`` >= 1: an MoE's layers as expert-parallel rank 0 of ``ep`` runs them
     (:mod:`.ep_ops`: its E / ep experts on the rows every rank routes to them, its dispatch's
     bookkeeping; the layouts :func:`~.ep_ops.traced_ep` covers), the parameters still the
     one-device model's (the runtime cuts the experts). ``order``: "sequence" also without TP,
@@ -295,7 +295,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
-        if ep > 1 and n_experts is None:            # an EP rank's MoE layers (their experts E / ep), the
+        if ep and n_experts is None:                # an EP rank's MoE layers (their experts E / ep), the
             group = cp * (tp if sp else 1)          # routing group's and the ep group's calls marked
             install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)), group)
         with KernelCounter(hw, itemsize, record=True) as fwd:
@@ -345,7 +345,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                                                                      busiest, ring, itemsize)))
     seq = {}
     reads = any(name == "|read" for name, _ in f2.ops + b2.ops)
-    if tp > 1 or ring or reads or order or ep > 1:   # the marked order of one rank's kernels (:mod:`.issue`)
+    if tp > 1 or ring or reads or order or ep:   # the marked order of one rank's kernels (:mod:`.issue`)
         seq = {"fwd": _split(f2.ops, ("|block 0", "|block 1", "|head"), ("embedding", None, "layer", "head")),
                "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,

@@ -220,7 +220,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time, fwd_k.device)
     bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time, bwd_k.device)
     ep_calls = {}                            # an EP rank traced as it runs: its blocking calls, each's seconds
-    if traced_ep(model, layout) > 1:
+    if traced_ep(model, layout):
         ep_calls = ep_call_costs(model, hw, layout, b * s / c / (t if layout.sp else 1))   # the rank's tokens
         forward = [v for name, v in ep_calls.items() if "backward" not in name]   # (routing,) counts, dispatch, combine
         again = layout.recompute == "full"              # the MoE's forward again in the backward, its calls too
@@ -477,7 +477,7 @@ def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
     """(forward, backward) kernels per micro-batch that an MoE stage does NOT launch on an EP
     rank: the traced layer runs all E experts (one device), an ep x etp rank E / (ep etp)
     (the same rows in all: balanced routing, T k of them)."""
-    if model.n_experts <= 1 or layout.ep * layout.etp == 1 or traced_ep(model, layout) > 1:
+    if model.n_experts <= 1 or layout.ep * layout.etp == 1 or traced_ep(model, layout):
         return 0, 0                 # (an EP rank traced as it runs: its own kernels already)
     gone = model.n_experts - model.n_experts // (layout.ep * layout.etp)
     per_f, per_b = k["per_expert_kernels"]
@@ -504,6 +504,8 @@ def ep_call_costs(model, hw, layout, tokens) -> dict:
         g = _size(layout, group)
         out = {"routing: token places": collective(layout, hw, "all_gather", g * tokens * 8, group),
                "routing: logits": collective(layout, hw, "all_gather", g * tokens * model.n_experts * 2, group)}
+    if n == 1:                  # (ep 1 beside cp or tp: the routing group's calls alone)
+        return out
     return {**out, "expert counts": a2a(model.n_experts * 8), "dispatch": message, "combine": message,
             "combine (backward)": message, "dispatch (backward)": message}
 
