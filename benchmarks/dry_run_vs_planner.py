@@ -25,8 +25,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--saved", help="JSON file of dry runs already made (read, then updated)")
     ap.add_argument("--saved-only", action="store_true", help="only the layouts --saved holds (instant)")
-    ap.add_argument("--moe-groups", action="store_true", help="each drawn MoE layout again beside tp 2 + SP and "
-                                                              "cp 2 (lab.dry_run_sweep.sweep_layouts)")
+    ap.add_argument("--no-moe-groups", action="store_true", help="without each drawn MoE layout again beside "
+                                                                 "tp 2 + SP and cp 2 (lab.dry_run_sweep.sweep_layouts)")
     args = ap.parse_args(argv)
     dry = {}
     if args.saved and os.path.exists(args.saved):
@@ -37,7 +37,7 @@ def main(argv=None):
         with open(args.saved, "w") as f:
             json.dump(runs, f, indent=0, sort_keys=True)
     rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None,
-                      run_missing=not args.saved_only, moe_groups=args.moe_groups)
+                      run_missing=not args.saved_only, moe_groups=not args.no_moe_groups)
     print()
     print(format_rows(rows))
     for part in rows[0]["dry_parts"]:

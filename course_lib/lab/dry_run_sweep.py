@@ -54,17 +54,17 @@ def _draw(rng, moe: bool, s: int) -> Layout:
                   zero=zero)
 
 
-def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bool = False) -> list:
+def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bool = True) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
     until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
     not change) says it fits; ``cp_methods``: after the n, each drawn CP layout (a ring) again
     with Llama 3's all-gathered K/V and with Ulysses, where the ranks accept it and it fits (the
     same draw: the n rows do not move); ``moe_groups``: each drawn MoE layout (tp = cp = 1) again
     beside tp 2 with sequence parallelism and beside cp 2 (its routing group across those ranks),
-    where the ranks accept it and it fits. Run on 2026-11-30 (36 such rows, 108 in all): 5 over
-    10%, every one beside tp 2 + SP (planner 12-17% fast, its passes short: the experts' GEMMs of
-    a TP rank's s / tp tokens priced as the whole sequence's divided by tp, not at their own
-    shape); the cp twins within 10%. Off by default, the sweep the issue asks for being the n."""
+    where the ranks accept it and it fits (36 rows on 2026-11-30: 108 in all). Their first run
+    found 5 over 10%, every one beside tp 2 + SP, the planner 12-17% fast: it priced a TP rank's
+    experts on the whole sequence divided by tp, not at their own s / tp rows (now
+    ``ep_ops.install_ep(shard=)``: none over 10%)."""
     from course_lib.virtual.dry_run import check_dry_run
     out = _drawn(n, seed, check_dry_run)
     twins = []
@@ -254,7 +254,7 @@ def stable_keys(dry: dict) -> dict:
 
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
-               saved=None, run_missing: bool = True, moe_groups: bool = False) -> list[dict]:
+               saved=None, run_missing: bool = True, moe_groups: bool = True) -> list[dict]:
     """The rows of :func:`sweep_layouts`. ``dry``: {layout key: :func:`dry_result`} already run
     (the planner is instant, the dry runs take minutes: a saved sweep compares a changed
     planner at once); the runs made here are added to it, and ``saved(dry)`` called after each.

@@ -18,7 +18,8 @@ did before, the sweep's EP 4 layouts of the GPT 1.3B MoE were 7.7-8.6% over the 
 
 Here: the all-to-all dispatch (the model's ``moe_dispatch``), ``etp`` 1, the routing group
 the rank's own tokens or those of its cp x tp ranks (sequence parallelism: each TP rank routes
-its own s / tp tokens): the layouts the planner traces this way (:func:`traced_ep`). The
+its own s / tp tokens, traced on them: :func:`install_ep`'s ``shard``): the layouts the planner
+traces this way (:func:`traced_ep`). The
 planner sits below ``parallel/`` and imports none of it: the ops below are the ranks', written
 again, so traced on the meta device they are the kernels the ranks launch, op for op
 (``tests/test_planner_ep_ops.py`` checks it against the code). A message is an empty buffer
@@ -154,14 +155,57 @@ class EPRankMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])
 
 
-def install_ep(net, ep: int, mark=_unmarked, group: int = 1) -> None:
+class _Shard(torch.autograd.Function):
+    """(b, s, h) -> its first s / t positions, a TP rank's sequence shard under SP; backward the
+    gradient put back in place. The trace runs the whole sequence where a TP rank holds its
+    shard: these copies stand in for that, not for the ranks' program, so the counter does not
+    see them."""
+
+    @staticmethod
+    def forward(ctx, x, t):
+        ctx.shape, ctx.n = x.shape, x.shape[1] // t
+        with _disable_current_modes():
+            return x[:, :ctx.n].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        with _disable_current_modes():
+            out = g.new_zeros(ctx.shape)
+            out[:, :ctx.n] = g
+        return out, None
+
+
+class _Unshard(torch.autograd.Function):
+    """The shard's result back at its place in the whole sequence (the inverse of :class:`_Shard`,
+    unseen by the counter as it is)."""
+
+    @staticmethod
+    def forward(ctx, y, shape):
+        ctx.n = y.shape[1]
+        with _disable_current_modes():
+            out = y.new_zeros(shape)
+            out[:, :ctx.n] = y
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        with _disable_current_modes():
+            return g[:, :ctx.n].clone(), None
+
+
+def install_ep(net, ep: int, mark=_unmarked, group: int = 1, shard: int = 1) -> None:
     """Every MoE layer of ``net`` (a TinyGPT) as EP rank 0 of ``ep`` runs it (``mark``,
-    ``group``: see :class:`EPRankMoE`)."""
+    ``group``: see :class:`EPRankMoE`); ``shard`` > 1: on a TP rank's trace under SP, each MoE
+    layer runs on the rank's s / shard tokens, as the ranks' MoE does (its GEMMs at their own
+    shape, not the whole sequence's divided by tp)."""
     for block in net.blocks:
         mlp = getattr(block, "mlp", None)
         if mlp is not None and hasattr(mlp, "moe"):
             mlp.moe = EPRankMoE(mlp.moe, ep, mark, group)
             mlp.groups = 1
+            if shard > 1:
+                whole = mlp.forward
+                mlp.forward = lambda x, whole=whole: _Unshard.apply(whole(_Shard.apply(x, shard)), x.shape)
 
 
 __all__ = ["EPRankMoE", "install_ep", "traced_ep"]

@@ -296,8 +296,9 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
         if ep and n_experts is None:                # an EP rank's MoE layers (their experts E / ep), the
-            group = cp * (tp if sp else 1)          # routing group's and the ep group's calls marked
-            install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)), group)
+            group = cp * (tp if sp else 1)          # routing group's and the ep group's calls marked; a TP
+            install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)), group,   # rank's own
+                       shard=t if sp else 1)                                  # tokens under SP
         with KernelCounter(hw, itemsize, record=True) as fwd:
             fwd.ops = where[-1]
             loss = net(x, x, n_tokens=b * s, **kw)[1]
