@@ -90,7 +90,7 @@ def _code_layer(spec, ep, s, recompute):
 
 def _same(a, b):
     assert (a.count, a.flops, a.bytes) == (b.count, b.flops, b.bytes)
-    assert a.time == pytest.approx(b.time, rel=1e-12) and a.device == pytest.approx(b.device, rel=1e-12)
+    assert (a.time, a.device) == (b.time, b.device)      # the same kernels, priced and summed in one order
 
 
 def _calls(ops):
@@ -258,8 +258,8 @@ def test_a_ring_across_nodes_pays_the_network_latency_on_its_crossing_steps_only
     hw = get_hardware("h100-sxm")
     nv, net = hw.link(True)[0], hw.link(False)[0]
     assert ring_alpha(hw, "all_reduce", 8, 1) == nv
-    assert ring_alpha(hw, "all_reduce", 16, 2) == pytest.approx((4 * net + 26 * nv) / 30)
-    assert ring_alpha(hw, "all_gather", 16, 2) == pytest.approx((net + 14 * nv) / 15)
+    assert ring_alpha(hw, "all_reduce", 16, 2) == (4 * net + 26 * nv) / 30
+    assert ring_alpha(hw, "all_gather", 16, 2) == (1 * net + 14 * nv) / 15
     assert ring_alpha(hw, "all_reduce", 4, 4) == net and ring_alpha(hw, "reduce_scatter", 4, 4) == net
 
 
