@@ -2,6 +2,8 @@
 to one device (losses, gradients through the parameters, parameters) over 5 steps, p = 2, 3, 4,
 m = 1..8 (m < p too), tied embeddings, DP around PP, and torch.distributed.pipelining.
 Few launches, each running many configurations."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,8 +79,9 @@ def _check(rows):
 def two_ranks():
     configs = [("gpipe", 1, 1, True), ("gpipe", 3, 1, False), ("1f1b", 2, 1, True), ("1f1b", 8, 1, False),
                ("zb-h1", 1, 1, False), ("zb-h1", 4, 1, True), ("zb-h1", 8, 1, True),
-               ("interleaved", 4, 2, True), ("interleaved", 2, 4, False)]
-    torch_configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1)]
+               ("interleaved", 4, 2, True), ("interleaved", 2, 4, False), ("interleaved", 3, 2, False),
+               ("interleaved", 1, 3, True)]             # m = 3, 1: torch's one round of N = m
+    torch_configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("interleaved", 3, 2), ("zb-h1", 4, 1)]
     jobs = [("equal", _equal_to_one_device, (1, 2, configs)), ("torch", _same_as_torch, (torch_configs,)),
             ("bad", _bad_ranks, ()), ("input grad", _input_grads, ()), ("names", _names_on_ranks, ()),
             ("scale grads", _scale_grads, ())]
@@ -91,7 +94,8 @@ def test_p2_every_schedule_and_m(two_ranks):
 
 
 def test_p3_m_below_p():
-    configs = [("gpipe", 2, 1, True), ("1f1b", 1, 1, True), ("zb-h1", 6, 1, False), ("interleaved", 3, 2, True)]
+    configs = [("gpipe", 2, 1, True), ("1f1b", 1, 1, True), ("zb-h1", 6, 1, False), ("interleaved", 3, 2, True),
+               ("interleaved", 2, 2, False), ("interleaved", 4, 2, False)]    # m < p; m = 4: one round of 4
     for rank in course_lib.launch(_equal_to_one_device, 3, 1, 3, configs, timeout=180):
         _check(rank)
 
@@ -110,7 +114,7 @@ def _same_as_torch(configs):
     out = []
     for sched, m, v in configs:
         cfg = _cfg(sched == "1f1b")            # one tied: torch's schedules leave it to us, as ours
-        batches = reference.gpt_batches(cfg, batch=8, steps=3)
+        batches = reference.gpt_batches(cfg, batch=8 if 8 % m == 0 else 4 * m, steps=3)
         runs = []
         for cls in (PipelineParallel, TorchPipeline):
             pipe = cls(TinyGPT(cfg, seed=0).double(), mesh, sched, microbatches=m, v=v)
@@ -136,12 +140,49 @@ def test_same_as_torch_pipelining(two_ranks):
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 8), (4, 16)])
 def test_simulated_bubble_matches_formula(p, m):
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        if name == "interleaved" and m % p:
-            continue
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)):
         sched = S.make_schedule(name, p, m, v)
         spans = S.simulate(sched, p, v)
         assert S.bubble(spans) == pytest.approx(S.formula_bubble(name, p, m, v), abs=1e-9), name
+
+
+def _torch_interleaved(torch_schedules, p, m, v):
+    """torch's ScheduleInterleaved1F1B order, computed as its constructor does (no ranks): its
+    rounds, max(1, m // p), of m / rounds micro-batches; None where torch refuses m."""
+    rounds = max(1, m // p)
+    if m % rounds:
+        return None
+    fake = SimpleNamespace(pp_group_size=p, n_local_stages=v, microbatches_per_round=m // rounds,
+                           _n_microbatches=m)
+    op = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [[S.Action(op[a.computation_type.name], a.stage_index, a.microbatch_index)
+             for a in torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r)
+             if a is not None] for r in range(p)]
+
+
+def test_interleaved_is_torchs_order_for_every_m():
+    """Ours is torch's interleaved order wherever torch runs one (m < p and m not a multiple of p
+    included: Llama 3's N = 5 of p = 4, m = 10), refused where torch refuses; with any group
+    N >= p the bubble stays (p - 1)/(v m + p - 1), below p it is the formula's m < p case."""
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    ran = 0
+    for p in range(1, 6):
+        for v in (2, 3, 4):
+            for m in range(1, 21):
+                theirs = _torch_interleaved(torch_schedules, p, m, v)
+                if theirs is None:
+                    with pytest.raises(ValueError, match="rounds"):
+                        S.interleaved_1f1b(p, m, v)
+                    continue
+                ours = S.interleaved_1f1b(p, m, v)
+                assert ours == theirs, (p, m, v)
+                ran += 1
+                for n in (d for d in range(min(p, m), m + 1) if m % d == 0):
+                    sched = S.validate(S.interleaved_1f1b(p, m, v, group=n), p, m, v)
+                    spans = S.simulate(sched, p, v, t_f=1 / v, t_b=2 / v)
+                    assert S.bubble(spans) == pytest.approx(S.bubble_fraction(p, m, "interleaved", v), abs=1e-9)
+    assert ran == 213
+    assert S.microbatch_group(4, 10) == 5 and S.microbatch_group(4, 8) == 4 and S.microbatch_group(4, 3) == 3
 
 
 def test_zero_bubble_formula_exact_for_every_m():
@@ -289,8 +330,12 @@ def test_input_gradient_every_schedule(two_ranks):
 def test_bad_input():
     with pytest.raises(ValueError, match="more pipeline stages"):
         partition_layers(3, 4)
-    with pytest.raises(ValueError, match="multiple of p"):
-        S.interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="rounds of equal size"):
+        S.interleaved_1f1b(4, 9, 2)          # 2 rounds (torch's rule) of 4.5
+    with pytest.raises(ValueError, match="must divide m"):
+        S.interleaved_1f1b(4, 8, 2, group=3)
+    with pytest.raises(ValueError, match="below min\\(p, m\\)"):
+        S.interleaved_1f1b(4, 8, 2, group=2)
     with pytest.raises(ValueError, match="m \\(micro-batches\\)"):
         S.one_f_one_b(2, 0)
     with pytest.raises(ValueError, match="schedule must be one of"):
@@ -301,7 +346,7 @@ def test_bad_input():
 def _bad_ranks():
     out = []
     for make in (lambda: Mesh(pp=3),                                       # 2 ranks, mesh of 3
-                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "interleaved", 3, v=2),
+                 lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "interleaved", 5, v=2),
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), "1f1b", 4, v=1).step(
                      torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long)),
                  lambda: PipelineParallel(TinyGPT(_cfg(False)), Mesh(pp=2), S.one_f_one_b(3, 2), 2),
@@ -317,7 +362,7 @@ def _bad_ranks():
 def test_bad_input_on_ranks(two_ranks):
     msgs = two_ranks[0]["bad"]
     assert "world has 2 ranks" in msgs[0]
-    assert "multiple of p" in msgs[1]
+    assert "rounds of equal size" in msgs[1]        # m = 5 on p = 2: torch's 2 rounds of 2.5
     assert "must cut into microbatches=4" in msgs[2]
     assert "expected 2 lists" in msgs[3]
     assert "pipeline group of p ranks; this one has 2" in msgs[4]

@@ -19,7 +19,7 @@ GiB = 2**30
     (Layout(dp=3, micro_batch=2, global_batch=8), None, "micro-batch x DP must divide the global batch"),
     (Layout(pp=33, global_batch=64), None, "more pipeline stages than layers"),
     (Layout(pp=4, schedule="interleaved", v=16, global_batch=64), None, "more pipeline chunks than layers"),
-    (Layout(pp=4, schedule="interleaved", v=2, global_batch=6), None, "micro-batches divisible by PP"),
+    (Layout(pp=4, schedule="interleaved", v=2, global_batch=9), None, "rounds of equal size"),   # torch's rule
     (Layout(pp=4, schedule="interleaved", v=1, global_batch=8), None, "needs PP >= 2 and v >= 2"),
     (Layout(pp=4, v=2, global_batch=8), None, "needs schedule='interleaved'"),
     (Layout(cp=3, global_batch=8), None, "CP must divide the sequence length"),

@@ -13,7 +13,7 @@ EVEN = ModelSpec("even", 48, 1024, 16, 16, 4096, 2, 1024)   # a 2-token vocabula
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 9), (8, 8)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 9), (8, 8), (4, 10), (4, 3)])   # 10: N = 5; 3 < p
 def test_bubble_matches_formula(schedule, v, p, m):
     sim = simulate(EVEN, IDEAL, Layout(pp=p, schedule=schedule, v=v, global_batch=m))
     expected = F.bubble_fraction(p, m, schedule, v)
@@ -43,6 +43,11 @@ def test_schedules_run_every_op_once():
     ("llama3-70b", Layout(dp=2, tp=2, pp=4, cp=2, sp=True, zero=1, schedule="interleaved", v=2,
                           global_batch=16, recompute="selective")),
     ("mixtral-8x7b", Layout(dp=4, tp=2, pp=2, ep=4, sp=True, global_batch=16, recompute="selective")),
+    # torch's rounds: m = 6 on PP 4 (one round of N = 6), m = 2 < PP (micro-batches come round late)
+    ("llama3-70b", Layout(dp=2, tp=8, pp=4, sp=True, schedule="interleaved", v=2, global_batch=12,
+                          recompute="selective")),
+    ("llama3-70b", Layout(dp=2, tp=8, pp=4, sp=True, schedule="interleaved", v=4, global_batch=4,
+                          recompute="selective")),
 ])
 def test_simulated_step_matches_estimate(model, layout):
     sim = simulate(model, "h100-sxm", layout)

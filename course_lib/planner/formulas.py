@@ -34,7 +34,7 @@ from course_lib.planner.communication import (  # noqa: F401
     zeropp_bytes_per_step,
 )
 from course_lib.schedules import PLANNED as SCHEDULES  # the schedules the planner prices
-from course_lib.schedules import V_SCHEDULES, formula_idle, formula_peak_activations
+from course_lib.schedules import V_SCHEDULES, formula_idle, formula_peak_activations, microbatch_group
 from course_lib.schedules import bubble_fraction  # noqa: F401  (next to the schedules it prices)
 
 # Accepted spellings of the config fields, so a nanoGPT-, Hugging Face- or
@@ -220,7 +220,8 @@ def flops_per_token(cfg=None, seq_len: int = 2048, recompute: str = "none", caus
     return d["n_layers"] * (lf + lb) + hf + hb
 
 
-def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0) -> float:
+def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0,
+                           group: int | None = None) -> float:
     """Micro-batches whose activations a pipeline stage holds at its peak.
 
     GPipe runs all m forwards first: m. 1F1B (Narayanan et al. 2021) lets stage i
@@ -230,9 +231,12 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
     before its first backward, plus the one of the steady state, and each chunk holds
     1/v of its layers. Stage i warms up with two chunk forwards fewer per stage
     before it (Megatron-LM's schedule, and the course's: tests/test_planner_formulas.py
-    counts it on ``course_lib.schedules``): p + (p - 1 - 2 i)/v, at most m. ZB-V and
-    DualPipeV (``schedules.formula_peak_activations``, in chunks of half a stage): min(p, m)
-    and p + 1/2 on every stage.
+    counts it on ``course_lib.schedules``): p + (p - 1 - 2 i)/v, at most m. Taken N at a time
+    per chunk (``schedules.microbatch_group``: torch's rounds where p does not divide m, or a
+    chosen N), the warm-up is 2 (p - 1 - i) + (v - 1) N: (2 (p - 1 - i) + (v - 1) N + 1)/v,
+    at most m (N = p gives the above). ZB-V and DualPipeV
+    (``schedules.formula_peak_activations``, in chunks of half a stage): min(p, m) and p + 1/2
+    on every stage.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -242,27 +246,30 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
         return float(m)
     if schedule == "1f1b" or v == 1:
         return float(min(p - stage, m))
-    return min(p + (p - 1 - 2 * stage) / v, float(m))
+    n = microbatch_group(p, m, group)
+    return min((2 * (p - 1 - stage) + (v - 1) * n + 1) / v, float(m))
 
 
-def gradient_moments(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0) -> list:
+def gradient_moments(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0,
+                     group: int | None = None) -> list:
     """Where a pipeline stage's gradient buffers and saved activations together can peak:
     [(share of its gradient buffers allocated, micro-batches of activations saved)], one moment
     per chunk: the end of the first backward that reaches it (its buffers come with it; that
-    backward's activations not yet freed). Backwards run in groups of p micro-batches per chunk,
-    the last chunk first (Megatron-LM's interleaved order, the course's): the c-th chunk's first
-    at backward (c - 1) p + 1. Every backward before the last forward ends with the peak's
+    backward's activations not yet freed). Backwards run in groups of N micro-batches per chunk
+    (``schedules.microbatch_group``: p where p divides m), the last chunk first (Megatron-LM's
+    and torch's interleaved order, the course's): the c-th chunk's first at backward (c - 1) N + 1. Every backward before the last forward ends with the peak's
     in-flight chunks saved (:func:`in_flight_microbatches`); each one after, one fewer. GPipe
     and 1F1B: one chunk, (1, in flight). ZB-H1 and the V schedules (weight gradients apart
     from B): every buffer with the peak, (1, in flight)."""
-    n_mb = in_flight_microbatches(p, m, schedule, v, stage)
+    n_mb = in_flight_microbatches(p, m, schedule, v, stage, group)
     if schedule != "interleaved" or v == 1:
         return [(1.0, n_mb)]
     n, total = round(n_mb * v), m * v               # chunk forwards in flight at the peak; backwards
     steady = total - n + 1                          # backwards that end with n saved
+    size = microbatch_group(p, m, group)
     out = []
     for c in range(1, v + 1):
-        j = (c - 1) * p + 1
+        j = (c - 1) * size + 1
         if j <= total:
             out.append((c / v, (n - max(0, j - steady)) / v))
     return out

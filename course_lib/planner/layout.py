@@ -14,7 +14,7 @@ from __future__ import annotations
 from course_lib.layout import CP_COMM, Layout, expert_fold, rank_order, rule_stage_layers
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
-from course_lib.schedules import V_SCHEDULES, stage_rank
+from course_lib.schedules import V_SCHEDULES, microbatch_group, stage_rank
 
 
 
@@ -75,9 +75,8 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
         raise ValueError(f"{layout.schedule} runs two chunks per stage: PP*2 = {layout.pp * 2} > {model.n_layers} layers")
     if layout.schedule == "dualpipe-v" and m < 2 * layout.pp:
         raise ValueError(f"dualpipe-v needs at least 2p = {2 * layout.pp} micro-batches, got {m}")
-    if layout.schedule == "interleaved" and m % layout.pp:
-        raise ValueError(f"the interleaved schedule needs the micro-batches divisible by PP: "
-                         f"{m} micro-batches, PP = {layout.pp}")
+    if layout.schedule == "interleaved" and layout.v > 1:
+        microbatch_group(layout.pp, m)      # torch's rounds: m < 2 PP, or a multiple of m // PP
     if layout.cp_comm not in CP_COMM:
         raise ValueError(f"cp_comm must be one of {CP_COMM}, got {layout.cp_comm!r}")
     if s % layout.cp:

@@ -25,8 +25,12 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     (t_f + t_b) of which m (t_f + t_b) is work: bubble = (p-1)/(m+p-1) (Huang et al.
     2019; Narayanan et al. 2021). Interleaved with v chunks per stage: each chunk
     takes (t_f + t_b)/v, the fill and drain shrink to (p-1)(t_f + t_b)/v, the work
-    stays m (t_f + t_b): bubble = (p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2).
-    The simulator reproduces both (tests/test_planner_simulator.py). ZB-V and DualPipeV:
+    stays m (t_f + t_b): bubble = (p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2),
+    for any micro-batch group N >= p (:func:`~course_lib.schedules.microbatch_group`). With
+    m < p micro-batches (torch's one round, N = m) a micro-batch comes back to rank 0 for its
+    next chunk p - m chunk-times after the group left it: the step is (p v + m - 1) chunk-times
+    of forward and backward, bubble = ((p - m) v + m - 1)/(p v + m - 1) (the same at m = p).
+    The simulator reproduces them (tests/test_planner_simulator.py). ZB-V and DualPipeV:
     :func:`formula_bubble` with a chunk's F : B : W = 1 : 2 : 1 (the weight-gradient GEMMs are
     half of a backward's), (p-1)/(6m + p-1) and (p-1)/(3m + p-1).
     """
@@ -37,6 +41,8 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     if schedule in V_SCHEDULES or schedule == "zb-h1":
         return formula_bubble(schedule, p, m)
     vv = v if schedule == "interleaved" else 1
+    if vv > 1 and m < p:
+        return ((p - m) * vv + m - 1) / (p * vv + m - 1)
     return (p - 1) / (vv * m + p - 1)
 
 
