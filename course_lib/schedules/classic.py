@@ -20,7 +20,7 @@ def microbatch_group(p: int, m: int, group: int | None = None) -> int:
         if m % rounds:
             raise ValueError(f"interleaved 1F1B runs m micro-batches in max(1, m // p) = {rounds} rounds of "
                              f"equal size (torch's ScheduleInterleaved1F1B): m = {m} is not a multiple of "
-                             f"{rounds} (p = {p}); take m < 2p or a multiple of {rounds} (or choose N: group=)")
+                             f"{rounds} (p = {p}): take m < 2p or a multiple of {rounds}")
         return m // rounds
     group = positive_int("group", group)
     if m % group:
