@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 BATCH = ("global_batch", "micro_batch", "microbatches")
+GRAD_REDUCE = ("step", "chunk", "round")   # when ZeRO-2 reduce-scatters a pipeline chunk's sums
 RUNTIME_NAMES = {"sequence_parallel": "sp", "batch": "global_batch",   # parallelize_nd's keywords
                  "cp_balance": "cp_layout"}
 
@@ -38,7 +39,12 @@ class Layout:
     ``sp``: sequence parallelism with TP; ``async_tp``: its collectives decomposed under the
     matmuls (needs sp and tp > 1). ``recompute``: a policy, or one per block.
     ``precision``: a name of course_lib.precision.mixed. ``overlap_dp``: the planner prices
-    the gradient reduction under the last backward (bucketed DDP / ZeRO).
+    the gradient reduction under the last backward (bucketed DDP / ZeRO). ``grad_reduce``
+    (ZeRO-2 under a pipeline, :data:`GRAD_REDUCE`): when a chunk's gradient sums are
+    reduce-scattered and freed: "step", once after the schedule (Megatron-LM 2021-22);
+    "chunk", as soon as that chunk's last backward has run, under the backwards still to come
+    (torch's pipelining with FSDP2, Megatron-Core's ``overlap_grad_reduce``); "round", after each
+    round of N micro-batch backwards through it (Llama 3's flexible N: ``schedules.microbatch_group``).
     Context parallelism: ``cp_comm`` is how K/V move, ``"ring"`` (ring attention, as the CP
     chapter builds it, or Ulysses: ``cp_method``) or ``"all_gather"`` (Llama 3's: K/V
     all-gathered, dK/dV reduce-scattered; ``cp_method`` stays "ring");
@@ -78,6 +84,7 @@ class Layout:
     order: tuple | None = None        # the ranks' order, outermost first (:func:`rank_order`); None:
                                       # MESH_ORDER (dp, pp, cp, tp); DeepSpeed's ("pp", "dp", "tp")
     stage_layers: tuple = ()          # layers per virtual stage, model order; (): balanced
+    grad_reduce: str = "step"         # ZeRO-2 under a pipeline: "step", "chunk" or "round"
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
@@ -164,6 +171,8 @@ class Layout:
                                   if self.pp > 1 else ""),
                 f"CP{self.cp}" + ("(all-gather)" if self.cp > 1 and self.cp_comm == "all_gather" else
                                   "(Ulysses)" if self.cp > 1 and self.cp_method == "ulysses" else "")]
+        if self.zero == 2 and self.grad_reduce != "step":
+            dims[0] += f" reduced per {self.grad_reduce}"
         if self.ep > 1:
             dims.append(f"EP{self.ep}")
         if self.etp > 1:

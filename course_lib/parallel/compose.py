@@ -147,8 +147,10 @@ def apply_data_parallel(stages, mesh, layout, reduce):
         if compute is not None:
             for st in stages.values():
                 cast_buffers(st, compute)
-        return dict(stages), ZeroSync(params, mesh, reduce, layout.zero, compute=compute, reduce=reduce_dtype,
-                                      accumulate=accumulates(layout.precision)), None
+        zero = ZeroSync(params, mesh, reduce, layout.zero, compute=compute, reduce=reduce_dtype,
+                        accumulate=accumulates(layout.precision),
+                        chunks=chunk_of(stages) if layout.grad_reduce != "step" else None)
+        return dict(stages), zero, None
     dims = {id(q): reduce[id(q)] for q in params}
     master = None
     if compute is not None:
@@ -160,6 +162,22 @@ def apply_data_parallel(stages, mesh, layout, reduce):
             params = master.parameters()
     params = [q for q in params if dims[id(q)]]
     return dict(stages), (GradSync(params, mesh, divisor=1, dims=dims) if params else None), master
+
+
+def chunk_of(stages) -> dict:
+    """{id(parameter): the pipeline chunk (stage) that holds it}, for ZeRO's reductions chunk by
+    chunk; a parameter of two chunks, or a tied embedding (summed over the pipeline after the
+    schedule), belongs to none."""
+    seen = {}
+    for s, st in stages.items():
+        for q in st.parameters():
+            seen.setdefault(id(q), set()).add(s)
+    tied = set()
+    for st in stages.values():
+        if st.part.config.tie_embeddings:
+            tied |= {id(mod.weight) for mod in (getattr(st.part, "tok_emb", None), getattr(st.part, "lm_head", None))
+                     if mod is not None}
+    return {i: next(iter(s)) for i, s in seen.items() if len(s) == 1 and i not in tied}
 
 
 def placements(stages, modules, mesh, before) -> dict:
@@ -203,6 +221,10 @@ class NDParallel(PipelineRuntime):
         self.layout, self.placements = layout, placements
         self.sp, self.cp_layout = layout.sp and mesh.sizes["tp"] > 1, layout.cp_layout
         self.zero = grad_sync if isinstance(grad_sync, ZeroSync) else None   # ZeRO-1/2's sums and gathers
+        if self.zero is not None and layout.grad_reduce != "step":   # chunk by chunk, in the schedule
+            self.zero.reduce_in_rounds(layout.grad_reduce)
+            self.runner.gradients_done = self.zero.gradients_done
+            self.runner.gradients_starting = self.zero.gradients_starting
 
     def parameters(self):
         """This rank's parameters for the optimizer: under ZeRO-1/2 the slices it owns."""

@@ -8,13 +8,22 @@ sharded optimizer (:mod:`course_lib.parallel.zero`'s buckets and owned slices) o
 The ZeRO group of a parameter is the ranks that hold the same parameter and sum its gradient:
 its reduce dims among "dp" and "cp" (the plan's, :func:`~course_lib.parallel.compose.data_dims`).
 Its other reduce dims (a sequence-parallel norm weight's "tp") are summed after, on the slice.
-Per step, as in a pipelined ZeRO run (torch's pipelining under FSDP2 with
-``reshard_after_forward=False``, Llama 3's Sec. 3.3.2; Megatron-LM's distributed optimizer):
+Per step (``layout.grad_reduce``, :data:`~course_lib.layout.GRAD_REDUCE`):
 
     step start   all-gather the parameters from the owned slices (the optimizer updated them)
     schedule     every micro-batch's backward accumulates the full local gradient in ``p.grad``
-    after it     one reduce-scatter per bucket: each rank receives the sum of the slices it owns
+    after it     "step" (Megatron-LM 2021-22's ``allreduce_gradients()`` after the schedule): one
+                 reduce-scatter per bucket: each rank receives the sum of the slices it owns
                  (+ one "used" flag per parameter, as FSDP's), then the sum over the other dims
+    or in it     "chunk": a pipeline chunk's buckets as soon as its last micro-batch's backward
+                 has run, under the backwards of the chunks still to come (torch 2.13's
+                 pipelining with FSDP2: ``perform_reduce_grad`` after a stage's last backward;
+                 Megatron-Core's ``overlap_grad_reduce``); "round": after each round of N
+                 micro-batches through the chunk (``schedules.microbatch_group``), the rounds'
+                 sums added on the owned slices (Llama 3, Sec. 3.3.2: N chosen "for the best
+                 communication and memory efficiency")
+
+The parameters are gathered once, at the step's start, in every mode.
 
 ``stage=1`` keeps the full gradients to the next step (ZeRO-1: gradients not sharded; the owned
 slices' sums are written into them, as :class:`~course_lib.parallel.zero.ShardedOptimizer`
@@ -26,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from course_lib.layout import GRAD_REDUCE
 from course_lib.parallel.grad_sync import assign_buckets
 from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, owned_gradient
 from course_lib.precision.mixed import MainGrads, check_precision
@@ -35,7 +45,13 @@ SHARD_DIMS = ("dp", "cp")   # the dims the ZeRO group spans (the ranks holding t
 
 def rule_zero(cfg, layout):
     """ZeRO-1/2 in ``parallelize_nd``: dense parameters in one dtype (under a mixed precision the
-    owned slices are the master weights), no experts split over ep."""
+    owned slices are the master weights), no experts split over ep; ``grad_reduce`` other than
+    "step" only with ZeRO-2 (ZeRO-1 keeps the whole gradients to the step anyway)."""
+    if layout.grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {layout.grad_reduce!r}")
+    if layout.grad_reduce != "step" and layout.zero != 2:
+        raise ValueError(f"grad_reduce={layout.grad_reduce!r} frees a chunk's gradient sums once reduce-scattered: "
+                         f"that is ZeRO-2 (zero=2), got zero={layout.zero}")
     if layout.zero not in (1, 2):
         return
     check_precision(layout.precision)
@@ -58,13 +74,16 @@ class ZeroSync:
     backward's gradient is added into a ``reduce``-dtype buffer as autograd produces it
     (:class:`~course_lib.precision.mixed.MainGrads`), which the reduce-scatter reads."""
 
-    def __init__(self, params, mesh, dims, stage, bucket_cap_mb=25, compute=None, reduce=None, accumulate=False):
+    def __init__(self, params, mesh, dims, stage, bucket_cap_mb=25, compute=None, reduce=None, accumulate=False,
+                 chunks=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroSync: stage must be 1 or 2, got {stage!r}")
         self.stage, self.params, self.compute = stage, [q for q in params if q.requires_grad], compute
         key = {id(q): tuple(dims[id(q)]) for q in self.params}
+        chunk = chunks or {}               # {id(parameter): its pipeline chunk}: buckets never span two
         self.buckets = []
-        for ids in assign_buckets(self.params, bucket_cap_mb * 2**20, key=lambda q: (q.dtype, q.device, key[id(q)])):
+        for ids in assign_buckets(self.params, bucket_cap_mb * 2**20,
+                                  key=lambda q: (q.dtype, q.device, key[id(q)], chunk.get(id(q)))):
             d = key[id(self.params[ids[0]])]
             shard = tuple(x for x in d if x in SHARD_DIMS)
             rest = tuple(x for x in d if x not in SHARD_DIMS)
@@ -73,6 +92,7 @@ class ZeroSync:
             comm = mesh.comm(shard)
             b = ShardedBucket(len(self.buckets), ids, self.params, comm.rank, comm.size)
             b.comm, b.rest = comm, (mesh.comm(rest) if rest else None)
+            b.chunk = chunk.get(id(self.params[ids[0]]))
             b.slices = [nn.Parameter(view.detach().clone()) for *_, view in b.pieces]
             b.reduce_dtype = reduce or compute or b.dtype
             if compute is not None:
@@ -83,6 +103,53 @@ class ZeroSync:
                 q.data = q.data.to(compute)             # the model computes in 16 bits
         self.main_grads = MainGrads(self.params, reduce or compute) if accumulate else None
         self.all_reduce = False     # True: each bucket all-reduced, each rank keeping its slice (DeepSpeed's BF16_Optimizer)
+        self.rounds = None          # None: after the schedule; "chunk" / "round": :meth:`reduce_in_rounds`
+        self.pending = []           # reductions launched in the schedule, in flight
+        self.freed = set()          # chunks whose sums a round freed, their next backward to come
+
+    def reduce_in_rounds(self, per: str):
+        """Reduce-scatter each chunk's buckets (those of ``chunks``) in the schedule, under the
+        backwards that follow, and free its gradients (ZeRO-2): ``per="chunk"`` once, after the
+        chunk's last backward (torch's pipelining with FSDP2); ``per="round"`` after each round
+        of its backwards (Llama 3), the rounds' sums added on the owned slices. The runner says
+        when (:meth:`gradients_done`). The buckets of no chunk (a tied embedding, summed over the
+        pipeline after the schedule) and the last reductions finish in :meth:`finish`."""
+        if self.stage != 2:
+            raise ValueError("ZeroSync.reduce_in_rounds frees the gradients it reduced: ZeRO-2 only")
+        if per not in ("chunk", "round"):
+            raise ValueError(f"ZeroSync.reduce_in_rounds: per must be 'chunk' or 'round', got {per!r}")
+        self.rounds = per
+
+    def gradients_done(self, chunk, round_end: bool, last: bool):
+        """The runner's call when one more micro-batch's weight gradients of ``chunk`` are
+        complete (``round_end``: the last of a round of them; ``last``: of the step): then the
+        reductions launched before are waited for (they had a round of backwards to run under)
+        and this chunk's launched."""
+        if self.rounds is None or not (last or (round_end and self.rounds == "round")):
+            return
+        self._drain()
+        self.pending += [self._launch(b, async_op=True) for b in self.buckets if b.chunk == chunk]
+        if not last:
+            self.freed.add(chunk)
+
+    @torch.no_grad()
+    def gradients_starting(self, chunk):
+        """Before a backward of ``chunk``: if a round freed its sums, their buffers again, zeros
+        (as the round's first backward would make them; every backward then adds into its
+        buffers alike, and a dry run replays one price for all of them)."""
+        if chunk not in self.freed:
+            return
+        self.freed.discard(chunk)
+        main = self.main_grads
+        for b in self.buckets:
+            if b.chunk != chunk:
+                continue
+            for i in b.param_ids:
+                p = self.params[i]
+                if main is not None:
+                    main.grads.setdefault(id(p), torch.zeros(p.shape, dtype=main.dtype, device=p.device))
+                elif p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def parameters(self) -> list:
         """The owned slices (one per parameter piece this rank owns): what the optimizer updates."""
@@ -92,8 +159,10 @@ class ZeroSync:
         """Gradients held besides the parameters' own: ZeRO-2's once reduced, the owned slices'
         (ZeRO-1's are slices of ``p.grad``); ZeRO-1 summing in its own buffers (``accumulate``):
         those, kept to the next step as ZeRO-1 keeps the full gradients."""
-        if self.stage == 2:
-            return [q.grad for q in self.parameters() if q.grad is not None]
+        if self.stage == 2:             # (+ the packed sums in flight and the owned sums arrived: :meth:`reduce_in_rounds`)
+            return [q.grad for q in self.parameters() if q.grad is not None] + \
+                [packed for _, packed, _, _ in self.pending] + \
+                [b.arrived for b in self.buckets if getattr(b, "arrived", None) is not None]
         return list(self.main_grads.grads.values()) if self.main_grads is not None else []
 
     def begin_step(self):
@@ -103,6 +172,9 @@ class ZeroSync:
             q.grad = None
         if self.main_grads is not None:
             self.main_grads.clear()
+        self.pending, self.freed = [], set()
+        for b in self.buckets:
+            b.arrived = None
         self.gather()
 
     @torch.no_grad()
@@ -114,41 +186,75 @@ class ZeroSync:
     def finish(self):
         """Reduce-scatter each bucket's local gradients (with one "used" flag per parameter),
         sum the owned slice over the other dims, and give each owned slice its gradient (added
-        to one not zeroed since the last step, as on one device). ZeRO-2 frees ``p.grad``."""
+        to one not zeroed since the last step, as on one device). ZeRO-2 frees ``p.grad``.
+        Reduced chunk by chunk: the reductions still in flight, each chunk's sums handed out,
+        then the buckets of no chunk."""
+        self._drain()
         for b in self.buckets:
-            n, t = b.comm.size, len(b.param_ids)
-            packed = torch.zeros(n * (b.shard + t), dtype=b.reduce_dtype, device=b.device).view(n, b.shard + t)
-            flat = packed[:, :b.shard]
-            main = self.main_grads
-            grads = [self.params[i].grad if main is None else main.pop(self.params[i]) if self.stage == 2
-                     else main.grads.get(id(self.params[i])) for i in b.param_ids]   # (ZeRO-1 keeps them)
-            for i, g in zip(b.param_ids, grads):
-                if g is not None:           # (the flat vector runs row after row of ``flat``)
-                    _flat_range(flat, b.offsets[i], g.numel()).copy_(g.view(-1))
-            had = [float(g is not None) for g in grads]
-            packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
-            if self.all_reduce:         # the whole sum on every rank (twice a reduce-scatter's bytes), this rank's row kept
-                b.comm.all_reduce(packed.view(-1), name=f"all-reduce b{b.index}")
-                out = packed[b.comm.rank]
-            else:
-                out = torch.zeros(b.shard + t, dtype=b.reduce_dtype, device=b.device)
-                b.comm.reduce_scatter_tensor(out, packed.view(-1), name=f"reduce-scatter b{b.index}")
-            if b.rest is not None:
-                b.rest.all_reduce(out, name=f"all-reduce b{b.index} over {b.rest.dim}")
-            used = (out[b.shard:] > 0).tolist()
-            for (i, lo, hi, at, _), q in zip(b.pieces, b.slices):
-                if not used[b.param_ids.index(i)]:
-                    continue
-                g = out[at:at + hi - lo]
-                if q.grad is not None:      # not zeroed since the last step: accumulate, as on one device
-                    q.grad.add_(g)
-                elif self.compute is not None:    # mixed precision: the master's gradient, in its dtype
-                    q.grad = g.to(q.dtype)
-                else:                       # ZeRO-1: the sum in the owned slice of the full gradient
-                    q.grad = owned_gradient(self.params[i], lo, hi, g, self.stage)
-            if self.stage == 2:
-                for i in b.param_ids:
-                    self.params[i].grad = None
+            if self.rounds is None or b.chunk is None:
+                self._arrive(self._launch(b))
+            self._hand_out(b)
+
+    def _drain(self):
+        while self.pending:
+            self._arrive(self.pending.pop(0))
+
+    def _launch(self, b, async_op=False):
+        """Pack bucket ``b``'s gradients (+ its flags) and start their reduce-scatter; ZeRO-2
+        frees them (the packed copy is what is sent). Returns what :meth:`_arrive` takes."""
+        n, t = b.comm.size, len(b.param_ids)
+        packed = torch.zeros(n * (b.shard + t), dtype=b.reduce_dtype, device=b.device).view(n, b.shard + t)
+        flat = packed[:, :b.shard]
+        main = self.main_grads
+        grads = [self.params[i].grad if main is None else main.pop(self.params[i]) if self.stage == 2
+                 else main.grads.get(id(self.params[i])) for i in b.param_ids]   # (ZeRO-1 keeps them)
+        for i, g in zip(b.param_ids, grads):
+            if g is not None:           # (the flat vector runs row after row of ``flat``)
+                _flat_range(flat, b.offsets[i], g.numel()).copy_(g.view(-1))
+        had = [float(g is not None) for g in grads]
+        packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
+        if self.all_reduce:         # the whole sum on every rank (twice a reduce-scatter's bytes), this rank's row kept
+            work = b.comm.all_reduce(packed.view(-1), async_op=async_op, name=f"all-reduce b{b.index}")
+            out = packed[b.comm.rank]
+        else:
+            out = torch.zeros(b.shard + t, dtype=b.reduce_dtype, device=b.device)
+            work = b.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=async_op,
+                                                name=f"reduce-scatter b{b.index}")
+        if self.stage == 2:
+            for i in b.param_ids:
+                self.params[i].grad = None
+        return b, packed, out, work if async_op else None
+
+    @staticmethod
+    def _arrive(launched):
+        """Wait for a bucket's reduction; its owned sum (and flags) added to the bucket's
+        ``arrived`` (one reduction per round: their sum; nothing read by the host)."""
+        b, _packed, out, work = launched
+        if work is not None:
+            work.wait()
+        arrived = getattr(b, "arrived", None)
+        b.arrived = out if arrived is None else arrived.add_(out)
+
+    def _hand_out(self, b):
+        """The bucket's arrived sum: summed over the other dims, its flags read, handed to the
+        owned slices (added to what they hold: a step not zeroed)."""
+        out = getattr(b, "arrived", None)
+        if out is None:
+            return
+        b.arrived = None
+        if b.rest is not None:
+            b.rest.all_reduce(out, name=f"all-reduce b{b.index} over {b.rest.dim}")
+        used = (out[b.shard:] > 0).tolist()
+        for (i, lo, hi, at, _), q in zip(b.pieces, b.slices):
+            if not used[b.param_ids.index(i)]:
+                continue
+            g = out[at:at + hi - lo]
+            if q.grad is not None:      # not zeroed since the last step: accumulate, as on one device
+                q.grad.add_(g)
+            elif self.compute is not None:    # mixed precision: the master's gradient, in its dtype
+                q.grad = g.to(q.dtype)
+            else:                       # ZeRO-1: the sum in the owned slice of the full gradient
+                q.grad = owned_gradient(self.params[i], lo, hi, g, self.stage)
 
 
 def _flat_range(flat, start, size):

@@ -72,6 +72,9 @@ class StageCost:
     # the device's work (runtime="course"; 0: launches hidden): a stage waiting for its input has
     # its host issue them meanwhile (estimate.pipeline_time)
     host: tuple = (0.0, 0.0)
+    # ZeRO-2 reduced chunk by chunk in the schedule (formulas.zero_rounds): one chunk's
+    # reduce-scatters' seconds, each waited for at the end of the round after its own
+    round_reduce: float = 0.0
 
     @property
     def fwd_time(self) -> float:
@@ -118,6 +121,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "
             st.fwd, st.bwd, st.p2p, st.grad_sync = r["fwd"], r["bwd"], r["p2p"], r["grad_sync"]
             st.param_gather = r["param_gather"]            # ZeRO-1/2's gather at the step's start
             st.optimizer, st.loss_sync, st.kernels, st.calls = r["optimizer"], r["loss_sync"], r["kernels"], r["calls"]
+            st.round_reduce = r["round_reduce"]
             st.host = r["host"]
     return out
 
@@ -243,9 +247,16 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
                                                                                       n_exp_group, red)
         grad_rs += coll("all_reduce", dense / n_shard, n_replicas, red)
         gather = coll("all_gather", dense, n_shard, link=(a_sh, bw_sh)) + coll("all_gather", expert, n_exp_group)
+        rounds = F.zero_rounds(layout)
         if layout.zero == 0:
             grad_sync = coll("all_reduce", dense, n_zero, red) + coll("all_reduce", expert, n_exp_group, red)
             param_gather = 0.0
+        elif rounds is not None:
+            # ZeRO-2 reduced chunk by chunk in the schedule (layout.grad_reduce): each chunk's
+            # reduce-scatter after its round, under the backwards still to come (their excess
+            # exposed there); the last chunk's after the schedule
+            per, sched, chunks = rounds
+            grad_sync, param_gather = grad_rs / chunks, gather      # (the others: estimate.round_waits)
         elif layout.zero == 1 or (layout.zero == 2 and num.per_microbatch):
             # ZeRO-2 summing each micro-batch's gradients in its own (fp32) buffer: one
             # reduce-scatter of the sum after the schedule (Llama 3's FP32 accumulation; the ranks')
@@ -276,7 +287,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             else None
         mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
                       hw.fused_kernels, hpz_node=hpz, course=course)
-        m_rs = 1 if num.per_microbatch else m     # ZeRO-2's reduce-scatters a step (see above)
+        m_rs = rounds[0] if rounds else 1 if num.per_microbatch else m   # ZeRO-2's reduce-scatters a step (above)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
         comm = {
             "tp": (m * n_l * F.tp_bytes_per_layer(s, b, h, t, layout.sp, layout.recompute, cp=c) if t > 1 else 0.0)
@@ -298,7 +309,8 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
         if scatter > 1:            # the t pieces all-gathered over the stage's tensor-parallel group
             p2p += F.collective_time("all_gather", p2p_bytes, t, a_tp, bw_tp)
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
-                             optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0)))
+                             optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0),
+                             round_reduce=grad_rs / rounds[2] if rounds is not None else 0.0))
     return out
 
 
@@ -393,8 +405,15 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     whole = (dense + expert) * num.accumulate
     rest = z["params"] + ze["params"] + z["optimizer"] + ze["optimizer"]
     # the schedule's moments: each chunk's gradient buffers from its first backward (ZeRO-3: its shards)
-    moments = [(after if layout.zero == 3 else share * whole, per_layer * n_l * saved + temporaries)
-               for share, saved in F.gradient_moments(p, layout.microbatches, layout.schedule, layout.chunks, st)]
+    rounds = F.zero_rounds(layout)
+    if rounds is not None and layout.chunks > 1 and (rounds[0] > 1 or rounds[1] == 1):
+        # reduced after each round (or the schedule's one round): a chunk's sums freed once
+        # sent (F.round_moments), beside the owned slices' reduced gradients
+        moments = [(held * whole / layout.chunks + owned * after, per_layer * n_l * saved + temporaries)
+                   for held, owned, saved in F.round_moments(p, layout.microbatches, layout.chunks, st)]
+    else:
+        moments = [(after if layout.zero == 3 else share * whole, per_layer * n_l * saved + temporaries)
+                   for share, saved in F.gradient_moments(p, layout.microbatches, layout.schedule, layout.chunks, st)]
     grads, held = max(moments, key=sum)
     schedule = grads + held >= after
     return {"params": z["params"] + ze["params"], "grads": grads if schedule else after,

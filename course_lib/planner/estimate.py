@@ -128,6 +128,20 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
     return sum(ops) + (m * v - 1) * max(ops) + wait_round(p, m, v) * sum(ops) / p, ops
 
 
+def round_waits(stages, layout: Layout, t_pipe: float) -> list[float]:
+    """Seconds each stage waits in its schedule for ZeRO-2's reductions chunk by chunk
+    (``formulas.zero_rounds``: R of each of its c chunks a step, ``StageCost.round_reduce``
+    seconds each): each but the last is waited for at the end of the round after its own, so
+    one that outlasts a round (the schedule's time over its rounds) holds the stage back by the
+    difference; the last one is the step's tail (``grad_sync``)."""
+    rounds = F.zero_rounds(layout)
+    if rounds is None:
+        return [0.0] * len(stages)
+    per, sched, chunks = rounds
+    round_time = t_pipe / (sched * chunks)
+    return [(per * chunks - 1) * max(0.0, st.round_reduce - round_time) for st in stages]
+
+
 def wait_round(p: int, m: int, v: int) -> int:
     """Chunk-ops each rank waits, beyond the fill and drain, for its micro-batches to come round
     the ring: interleaved with m < p (torch's one round of N = m) waits p - m at each of the v - 1
@@ -158,12 +172,13 @@ def estimate(model, hardware, layout: Layout, n_gpus: int | None = None, runtime
     # the course's program sums the gradients after the schedule (GradSync.finish), where
     # the published systems overlap them with the last backward (runtime.py's module doc)
     overlap = layout.overlap_dp and runtime != "course"
-    for st, op in zip(stages, ops):
+    waits = round_waits(stages, layout, t_pipe)
+    for st, op, wait in zip(stages, ops, waits):
         # the last backward op (and its send, on stages after the first) hides the gradient ring
         window_b = st.bwd_time / v + (st.p2p if st.stage > 0 else 0.0) if overlap else 0.0
         window_f = st.fwd_time / v if overlap else 0.0
         tail = (max(0.0, st.grad_sync - window_b) + st.loss_sync + st.optimizer
-                + max(0.0, st.param_gather - window_f))
+                + max(0.0, st.param_gather - window_f) + wait)
         finish.append((t_pipe - slack + tail, tail, st))
         # the last backward passes the stage at its device's pace (its host issued it ahead)
         slack += (st.bwd_time - (st.host[1] if layout.pp > 1 else 0.0)) / v + (st.p2p if layout.pp > 1 else 0.0)

@@ -275,6 +275,36 @@ def gradient_moments(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: 
     return out
 
 
+def round_moments(p: int, m: int, v: int, stage: int = 0) -> list:
+    """:func:`gradient_moments` of an interleaved stage whose ZeRO-2 sums are reduced after each
+    round through a chunk (``grad_reduce="round"``): [(chunks' sums held whole, share of the
+    owned slices' reduced gradients, micro-batches of activations saved)] at the end of each
+    chunk's first backward of each round. A round's end sends its chunk's sums (held until the
+    next round's end has waited for them) and the next chunk's come: two whole at most; the
+    owned slices get each chunk's share when its reduction is waited for."""
+    n_mb = in_flight_microbatches(p, m, "interleaved", v, stage)
+    n, total, size = round(n_mb * v), m * v, microbatch_group(p, m)
+    steady = total - n + 1
+    out = []
+    for k in range(m // size * v):                  # the k-th (round, chunk) in backward order
+        j = k * size + 1
+        out.append((min(k + 1, 2), max(0, k - 1) / v if k < v else 1.0, (n - max(0, j - steady)) / v))
+    return out
+
+
+def zero_rounds(layout) -> tuple | None:
+    """ZeRO-2 reducing chunk by chunk in the schedule (``layout.grad_reduce`` "chunk" or
+    "round"): (reductions of each chunk per step, rounds the schedule runs through a chunk,
+    chunks per stage); None when it reduces after the schedule. The interleaved order runs
+    m / N rounds (``schedules.microbatch_group``); "round" reduces after each, "chunk" after
+    the last; the other schedules run one."""
+    if layout.zero != 2 or layout.grad_reduce == "step":
+        return None
+    v, m = layout.chunks, layout.microbatches
+    rounds = m // microbatch_group(layout.pp, m) if layout.schedule == "interleaved" and v > 1 else 1
+    return (rounds if layout.grad_reduce == "round" else 1), rounds, v
+
+
 def pipeline_idle(schedule: str, p: int, t_f: float, t_b: float) -> float:
     """Idle time of a stage per step, equal stages, a stage's forward ``t_f`` and backward
     ``t_b`` per micro-batch (all its chunks): (p - 1)(t_f + t_b) for GPipe and 1F1B, (p - 1)(t_f +

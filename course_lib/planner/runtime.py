@@ -60,6 +60,7 @@ from course_lib.planner.presets import runs_flash
 from course_lib.planner.cp_ops import cp_message_bytes, traced_cp
 from course_lib.planner.ep_ops import traced_ep
 from course_lib.planner.ring_ops import traced_ring
+from course_lib.planner.formulas import zero_rounds
 from course_lib.planner.zero_sync import zero_sync
 
 # Kernels the course's parallel code adds, counted on that code (the planner sits below
@@ -361,11 +362,12 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
         calls["tp"] = calls.get("tp", 0) + m * len(units)
-    gather = 0.0
+    gather, rs_chunk = 0.0, 0.0
     if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
-        tail, gather, sync_kernels = zero_sync(model, hw, layout, k, n_layers, first, last, calls, collective, _size,
-                                               num.reduce)
+        tail, gather, sync_kernels, in_schedule, rs_chunk = zero_sync(model, hw, layout, k, n_layers, first, last,
+                                                                      calls, collective, _size, num.reduce)
         sync_seconds = 0.0                    # (its copies are in its chain)
+        bwd["zero"] += (in_schedule + rounds_stretch(hw, layout, rs_chunk, fwd["compute"] + bwd["compute"])) / m
     elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
         tail, sync_kernels, sync_seconds = dp_sync(model, hw, layout, k, n_layers, first, last, calls, num.reduce,
                                                    num.reduce if num.masters else 4)
@@ -387,7 +389,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds + step.device
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels + step.count
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
-                kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]))
+                round_reduce=rs_chunk, kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]))
 
 
 def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:
@@ -400,6 +402,28 @@ def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernel
     nbytes = 3 * itemsize * elements
     seconds = model.roofline(elements, nbytes, ELEMENTWISE)
     return Kernels(tensors, elements, nbytes, seconds, max(seconds, tensors * hw.kernel_floor))
+
+
+def rounds_stretch(hw, layout, rs_chunk: float, compute: float) -> float:
+    """Seconds a step of ZeRO-2 reduced chunk by chunk (``formulas.zero_rounds``) adds to the
+    compute beside its reductions: each but the last runs under the next round (N chunk-backwards
+    and the forwards 1F1B runs between them, ``compute`` a micro-batch's through the stage);
+    while it runs its NCCL kernel holds ``nccl_channels`` SMs (a group across nodes: two per GPU
+    of a node in it, NCCL's channels on its NICs), so the kernels beside it get the rest: they
+    take channels / (SMs - channels) of the time they share with it more. What a reduction
+    outlasting its round adds is the pipeline's (``estimate.round_waits``)."""
+    rounds = zero_rounds(layout)
+    if rounds is None or rs_chunk <= 0:
+        return 0.0
+    per, sched, chunks = rounds
+    window = layout.microbatches // sched * compute / chunks
+    ch, sms = getattr(hw, "nccl_channels", 0) or 0, getattr(hw, "sm_count", 0) or 0
+    dims = tuple(d for d in ("dp", "cp") if _size(layout, (d,)) > 1)
+    nodes = group_nodes(layout, hw, dims) if dims else 1
+    if nodes > 1:       # across nodes NCCL runs a channel per NIC of a node in the group, doubled
+        ch = min(ch, 2 * _size(layout, dims) // nodes)
+    stretch = ch / (sms - ch) if 0 < ch < sms else 0.0
+    return (per * chunks - 1) * min(rs_chunk, window) * stretch
 
 
 def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,

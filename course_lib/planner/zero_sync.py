@@ -19,6 +19,7 @@ default runtime, which models the published systems, keeps that).
 from __future__ import annotations
 
 from course_lib.planner.buckets import assign_buckets, bucket_copy, stage_params
+from course_lib.planner.formulas import zero_rounds
 from course_lib.planner.issue import run_chain
 
 SHARD_DIMS = ("dp", "cp")
@@ -26,13 +27,19 @@ SHARD_DIMS = ("dp", "cp")
 
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
               collective, size, itemsize: int = 2) -> tuple:
-    """(seconds after the schedule, seconds of the step-start gather, kernels) of ZeRO-1/2 on
-    one stage. ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``:
-    :mod:`.runtime`'s; ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on
-    the wire (the precision's reduce dtype, :mod:`.numerics`)."""
+    """(seconds after the schedule, seconds of the step-start gather, kernels, seconds in the
+    schedule, one chunk's reduce-scatters' seconds) of ZeRO-1/2 on one stage. ``collective(layout, hw, kind, nbytes, dims)`` and
+    ``size(layout, dims)``: :mod:`.runtime`'s; ``calls`` gets the calls per dims; ``itemsize``:
+    a gradient's bytes on the wire (the precision's reduce dtype, :mod:`.numerics`).
+    Reduced chunk by chunk (``layout.grad_reduce``, ``formulas.zero_rounds``: R reductions of
+    each of the stage's c chunks): the last chunk's 1/c of the chain after the schedule; the
+    others' packing copies, the buffers made again for a next round and the host's wait and
+    read at each round's end run in the schedule (the collectives themselves under it)."""
     floor = max(hw.kernel_floor, 0.0)
-    gather, finish, kernels = [0.0, 0.0], [0.0, 0.0], 0
+    gather, finish, kernels, copies, sent = [0.0, 0.0], [0.0, 0.0], 0, 0.0, 0.0
+    total = 0
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
+        total += n
         shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
         rest = tuple(d for d in dims if d not in SHARD_DIMS and size(layout, (d,)) > 1)
         group = size(layout, shard) if shard else 1
@@ -47,11 +54,21 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
             + [floor, "read"] + ([piece] * pieces if layout.zero == 1 else [])
         run_chain(seq_g, gather, hw.launch_overhead, costs)
         run_chain(seq_f, finish, hw.launch_overhead, costs)
+        copies += sum(x for x in seq_f if not isinstance(x, str)) + hw.launch_overhead * len(seq_f)
+        sent += costs["rs"]
         kernels += sum(not isinstance(x, str) for x in seq_g + seq_f)
         for dims_, count in ((shard, 2), (rest, 1)):
             if dims_:
                 calls["+".join(dims_)] = calls.get("+".join(dims_), 0) + count
-    return finish[1], gather[1], kernels
+    rounds = zero_rounds(layout)
+    if rounds is None:
+        return finish[1], gather[1], kernels, 0.0, 0.0
+    per, _, chunks = rounds
+    # a round's end frees its chunk's sums; the next round's first backward finds zeros made
+    # before it (a write: a third of a copy's bytes), (R - 1) times for each chunk
+    again = (per - 1) * bucket_copy(hw, total, 4).device / 3 if per > 1 else 0.0
+    return (finish[1] / chunks, gather[1], kernels * per, copies * (per * chunks - 1) / chunks + again,
+            sent / chunks)
 
 
 __all__ = ["zero_sync", "SHARD_DIMS"]

@@ -132,6 +132,12 @@ class ScheduleRunner:
     blocking_sends=True: every send is waited for before the rank goes on (the sender idles
     until its message has left: on a virtual clock, until its last byte is delivered); settable
     between steps (``runner.blocking_sends``).
+    gradients_done (settable, default None): called with (stage s, round_end, last) once a
+    micro-batch's weight gradients of s are complete (after its B, or its W where one is split
+    off): ``round_end``, the next such action is another stage's; ``last``, s's last this step.
+    ZeRO's reductions chunk by chunk (``ZeroSync.gradients_done``); ``gradients_starting`` (s),
+    before each B or W of s: where ZeRO freed s's sums after a round, their buffers come back
+    there, as a first backward makes them (``ZeroSync.gradients_starting``).
     memory_probe (settable, default None): ``probe(saved, states_changed)`` -> the bytes the GPU
     holds now, given the bytes saved for backward now; called after each forward and at the end of each backward
     (B, W) before its saved tensors go, where states and activations coexist at their largest;
@@ -146,6 +152,8 @@ class ScheduleRunner:
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.overlap_fb, self.blocking_sends = overlap_fb, blocking_sends
         self.memory_probe = None
+        self.gradients_done = None      # settable: (s, round_end, last) when a micro-batch's weight gradients of s are complete
+        self.gradients_starting = None  # settable: (s) before each backward (B or W) of stage s
         if comm.size != p:
             raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
         if not isinstance(scale_grads, bool):
@@ -159,6 +167,7 @@ class ScheduleRunner:
         self.actions = self.schedule[self.me]
         self.stages, self.comm, self.scale_grads = stages, comm, scale_grads
         self.split = {(s, mb) for op, s, mb in self.actions if op == "W"}   # B and W apart (zero bubble)
+        self.grad_ends = self._gradient_ends()
         # boundary s (stage s -> s + 1): (shape, dtype) of the activation and of its gradient
         self.shapes = None if act_shape is None else {s: (tuple(act_shape), act_dtype) for s in range(self.n - 1)}
         self.linears = {s: _linears(mod) for s, mod in stages.items()}     # their W comes apart from B
@@ -194,13 +203,19 @@ class ScheduleRunner:
             op, s, mb = self.actions[i]
             if i in pairs and overlapped is not None:
                 self._post_recvs(i + 1)             # both receives posted before the pair starts
+                if self.gradients_starting is not None:
+                    self.gradients_starting(self.actions[i + 1][1])
                 with overlapped() as pair:
                     self.F(i, s, mb)
                     pair.next()
                     self.B(i + 1, *self.actions[i + 1][1:])
+                self._gradients_complete(*self.actions[i + 1])
                 i += 2
                 continue
+            if op != "F" and self.gradients_starting is not None:
+                self.gradients_starting(s)
             getattr(self, op)(i, s, mb)
+            self._gradients_complete(op, s, mb)
             i += 1
         with trace.span("wait sends", "comm", "pp"):
             for work, _ in self.sends:
@@ -256,6 +271,21 @@ class ScheduleRunner:
         elif (s, mb) in self.split and x is not None:
             _accumulate(x, dx)                          # the caller's input: x.grad, as backward() gives
         self.backward_done(s, mb)
+
+    def _gradients_complete(self, op, s, mb):
+        """After an action (outside it: a dry run's replayed action runs no runner code): tell
+        ``gradients_done`` when it completed a micro-batch's weight gradients of stage s."""
+        if self.gradients_done is not None and (op == "W" or (op == "B" and (s, mb) not in self.split)):
+            self.gradients_done(s, *self.grad_ends[(op, s, mb)])
+
+    def _gradient_ends(self) -> dict:
+        """{completing action: (round_end, last)}: of the actions that complete a micro-batch's
+        weight gradients (a B, or its W where one is split off), in this rank's order, whether
+        the next one is another stage's (the end of a round of backwards through s: N of them
+        in the interleaved order) and whether it is the last of its stage."""
+        done = [(op, s, mb) for op, s, mb in self.actions if op == "W" or (op == "B" and (s, mb) not in self.split)]
+        last = {s: k for k, (_, s, _) in enumerate(done)}
+        return {a: (k == len(done) - 1 or done[k + 1][1] != a[1], last[a[1]] == k) for k, a in enumerate(done)}
 
     def backward_done(self, s, mb):
         """Called when the backward of stage s, micro-batch mb, has sent its gradient: nothing here;
