@@ -486,3 +486,33 @@ def test_wrong_act_shape_raises_before_sending(act_shape, act_dtype):
     assert info.value.rank == 0 and info.value.exc_type == "ValueError", str(info.value)
     msg = str(info.value)
     assert "(3, 8) torch.float32" in msg and f"act_shape={act_shape}" in msg, msg
+
+
+def test_reduce_points_are_torchs_reduce_grad():
+    """Where ZeRO-2's grad_reduce="chunk" sends a stage's sums (``reduce_points``: its last
+    backward) is where torch's pipelining schedules REDUCE_GRAD (``_add_reduce_grad``, on torch's
+    own interleaved order); "round" ends are every N-th backward of a stage in that order."""
+    ts = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(ts, "_add_reduce_grad"):
+        pytest.skip("this torch has no _add_reduce_grad")
+    checked = 0
+    for p in (2, 3, 4):
+        for v in (2, 3):
+            for m in (p, p + 1, 2 * p, 3 * p):
+                for r, theirs_row in enumerate(_torch_interleaved(ts, p, m, v)):
+                    fake = SimpleNamespace(pp_group_size=p, n_local_stages=v, _n_microbatches=m,
+                                           microbatches_per_round=S.microbatch_group(p, m))
+                    acts = ts._add_reduce_grad(ts.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r), m)
+                    theirs, prev = [], None
+                    for a in (a for a in acts if a is not None):
+                        if a.computation_type.name == "REDUCE_GRAD":
+                            theirs.append((prev.stage_index, prev.microbatch_index))
+                        else:
+                            prev = a
+                    points = S.reduce_points(S.interleaved_1f1b(p, m, v)[r])
+                    assert [(a.stage, a.mb) for a, (_, last) in points.items() if last] == theirs, (p, m, v, r)
+                    ends = [k for k, (a, (end, _)) in enumerate(points.items()) if end]
+                    n = S.microbatch_group(p, m)
+                    assert ends == [k for k in range(len(points)) if (k + 1) % n == 0], (p, m, v, r)
+                    checked += 1
+    assert checked == 72

@@ -27,7 +27,8 @@ This module checks an action list (:func:`validate`) and runs it on a unit clock
 from __future__ import annotations
 
 from course_lib.schedules.actions import (OPS, PLACEMENTS, PLANNED, SCHEDULES, V_SCHEDULES, Action, check_shape,
-                                          dependency, format_schedule, positive_int, rank_stage_ids, stage_rank)
+                                          dependency, format_schedule, positive_int, rank_stage_ids, reduce_points,
+                                          stage_rank)
 from course_lib.schedules.bubbles import (bubble, bubble_fraction, formula_bubble, formula_idle,
                                           formula_peak_activations, in_flight)
 from course_lib.schedules.classic import gpipe, interleaved_1f1b, microbatch_group, one_f_one_b, schedule_order
@@ -182,4 +183,4 @@ def simulate(schedule, p: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t
 __all__ = ["Action", "OPS", "SCHEDULES", "V_SCHEDULES", "PLACEMENTS", "stage_rank", "rank_stage_ids", "chunks",
            "placement_of", "zero_bubble_v", "dualpipe_v", "formula_idle", "formula_peak_activations", "schedule_order", "bubble_fraction", "positive_int", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
            "make_schedule", "schedule_name", "SCHEDULE_ALIASES", "validate", "simulate", "bubble", "formula_bubble",
-           "in_flight", "microbatch_group", "format_schedule", "dependency", "ValidSchedule", "PLANNED", "check_shape"]
+           "in_flight", "microbatch_group", "reduce_points", "format_schedule", "dependency", "ValidSchedule", "PLANNED", "check_shape"]

@@ -60,6 +60,20 @@ def dependency(a: Action, p: int, v: int):
     return None
 
 
+def reduce_points(actions) -> dict:
+    """Where one rank's gradient sums are complete, for sharded data parallelism to reduce
+    them: {action: (round_end, last)} over the actions that complete a micro-batch's weight
+    gradients (a B, or its W where the list splits one off), in the rank's order. ``last``:
+    its stage's last (torch's pipelining schedules its REDUCE_GRAD there: ``grad_reduce=
+    "chunk"``); ``round_end``: the next such action is another stage's, the end of a round of
+    backwards through the stage (N of them in the interleaved order: ``grad_reduce="round"``)."""
+    split = {(s, mb) for op, s, mb in actions if op == "W"}
+    done = [Action(op, s, mb) for op, s, mb in actions if op == "W" or (op == "B" and (s, mb) not in split)]
+    last = {a.stage: k for k, a in enumerate(done)}
+    return {a: (k == len(done) - 1 or done[k + 1].stage != a.stage, last[a.stage] == k)
+            for k, a in enumerate(done)}
+
+
 def format_schedule(schedule, width: int = 0) -> str:
     """One line per rank: ``rank 0: F0 F1 B0 ...`` (``@s``: virtual stage s > 0)."""
     rows = [f"rank {r}: " + " ".join(str(Action(*a)) for a in row) for r, row in enumerate(schedule)]

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
-from course_lib.schedules import dependency, stage_rank, validate
+from course_lib.schedules import dependency, reduce_points, stage_rank, validate
 
 
 def _linears(module):
@@ -167,7 +167,7 @@ class ScheduleRunner:
         self.actions = self.schedule[self.me]
         self.stages, self.comm, self.scale_grads = stages, comm, scale_grads
         self.split = {(s, mb) for op, s, mb in self.actions if op == "W"}   # B and W apart (zero bubble)
-        self.grad_ends = self._gradient_ends()
+        self.grad_ends = reduce_points(self.actions)     # where each stage's gradient sums are complete
         # boundary s (stage s -> s + 1): (shape, dtype) of the activation and of its gradient
         self.shapes = None if act_shape is None else {s: (tuple(act_shape), act_dtype) for s in range(self.n - 1)}
         self.linears = {s: _linears(mod) for s, mod in stages.items()}     # their W comes apart from B
@@ -277,15 +277,6 @@ class ScheduleRunner:
         ``gradients_done`` when it completed a micro-batch's weight gradients of stage s."""
         if self.gradients_done is not None and (op == "W" or (op == "B" and (s, mb) not in self.split)):
             self.gradients_done(s, *self.grad_ends[(op, s, mb)])
-
-    def _gradient_ends(self) -> dict:
-        """{completing action: (round_end, last)}: of the actions that complete a micro-batch's
-        weight gradients (a B, or its W where one is split off), in this rank's order, whether
-        the next one is another stage's (the end of a round of backwards through s: N of them
-        in the interleaved order) and whether it is the last of its stage."""
-        done = [(op, s, mb) for op, s, mb in self.actions if op == "W" or (op == "B" and (s, mb) not in self.split)]
-        last = {s: k for k, (_, s, _) in enumerate(done)}
-        return {a: (k == len(done) - 1 or done[k + 1][1] != a[1], last[a[1]] == k) for k, a in enumerate(done)}
 
     def backward_done(self, s, mb):
         """Called when the backward of stage s, micro-batch mb, has sent its gradient: nothing here;
