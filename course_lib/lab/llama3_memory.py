@@ -87,6 +87,31 @@ PAPER = {
 }
 
 
+# The three rows run with ZeRO-2's sums sent chunk by chunk (``Layout.grad_reduce``), a what-if:
+# the recorded rows (lab.dry_run_table.RECORDED) send them after the schedule, as Megatron-LM of
+# 2021-22 did, and the paper does not say when Llama 3's FSDP sent them. Measured 2026-11-30
+# (sixteenth session) on the 2-core machine by :func:`grad_reduce_rows` (38-52 s a row):
+# {(row, GPUs, mode): (step seconds, peak GiB)}; "step": the recorded rows.
+GRAD_REDUCE_RECORDED = {
+    ("Llama 3 405B, 8k", 8192, "chunk"): (11.17636647504918, 111.52),
+    ("Llama 3 405B, 8k", 8192, "round"): (11.22627858447414, 102.75),
+    ("Llama 3 405B, 8k", 16384, "round"): (6.127437385781626, 92.26),    # one round: "chunk"'s
+    ("Llama 3 405B, 128k", 16384, "round"): (13.96561545198469, 96.89),
+}
+
+
+def grad_reduce_rows(cases=tuple(GRAD_REDUCE_RECORDED)) -> dict:
+    """Each (row, GPUs, mode) of ``cases`` run by the dry run with ``grad_reduce=mode``, the row's
+    own software: {case: (step seconds, peak GiB)} (:data:`GRAD_REDUCE_RECORDED`'s numbers)."""
+    out = {}
+    for name, gpus, mode in cases:
+        (source, _, model, hw, layout, *_), = llama_rows([(name, gpus)])
+        r = dry_run(model, hw, layout.with_(grad_reduce=mode), fusions=row_software(source, name),
+                    dropout=DROPOUT[source], progress=None)
+        out[name, gpus, mode] = (r.step_time, round(r.peak_memory / GiB, 2))
+    return out
+
+
 def llama_rows(names=None):
     """The Llama 3 rows of :func:`course_lib.lab.dry_runs.published_runs` (``names``: (model name,
     GPUs) pairs, e.g. ("Llama 3 405B, 8k", 8192); None: all three)."""
@@ -290,5 +315,5 @@ def format_breakdown(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PAPER", "SOURCE", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
+__all__ = ["PAPER", "SOURCE", "GRAD_REDUCE_RECORDED", "grad_reduce_rows", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
            "peak_chunks", "stage_rows", "uncounted", "held_over_step", "breakdown", "breakdown_rows", "format_breakdown"]
