@@ -45,6 +45,10 @@ def _cases(dp):
                                  grad_reduce="round"), 4 * dp)
     cases["zero2-chunk-zb"] = (CFG, dims, dict(zero=2, sp=True, schedule="zb-h1", microbatches=3,
                                                grad_reduce="chunk"), 3 * dp)
+    if dp == 2:     # MoE: each replica and micro-batch a routing group (the reference's groups)
+        cases["zero2-round-moe"] = (dataclasses.replace(CFG, n_layers=4, n_experts=8, top_k=1), dict(dp=4, pp=2),
+                                    dict(zero=2, schedule="interleaved", v=2, microbatches=4,
+                                         grad_reduce="round"), 16)
     return cases
 
 
@@ -80,7 +84,8 @@ def runs():
 def test_zero_1_and_2_equal_one_device(runs, dp):
     for name, (cfg, dims, kw, batch) in _cases(dp).items():
         shape = check_layout(cfg, Layout(**dims, global_batch=batch, **kw))
-        ref = single_device(cfg, batch, STEPS, dtype=torch.float64)
+        groups = dims["dp"] * kw.get("microbatches", 1) if cfg.n_experts else 1   # MoE: a routing group
+        ref = single_device(cfg, batch, STEPS, groups=groups, dtype=torch.float64)   # per replica and micro-batch
         ranks = [r[name] for r in runs[dp]]
         for losses, *_ in ranks:
             tolerance.assert_matches(losses, ref.losses, optimizer="adamw", steps=STEPS, lr=LR, what=f"{name}: losses")

@@ -136,7 +136,8 @@ class ZeroSync:
     def gradients_starting(self, chunk):
         """Before a backward of ``chunk``: if a round freed its sums, their buffers again, zeros
         (as the round's first backward would make them; every backward then adds into its
-        buffers alike, and a dry run replays one price for all of them)."""
+        buffers alike, and a dry run replays one price for all of them), for the parameters
+        that had one."""
         if chunk not in self.freed:
             return
         self.freed.discard(chunk)
@@ -144,7 +145,7 @@ class ZeroSync:
         for b in self.buckets:
             if b.chunk != chunk:
                 continue
-            for i in b.param_ids:
+            for i in b.refill:          # (a parameter no backward reached keeps none, as on one device)
                 p = self.params[i]
                 if main is not None:
                     main.grads.setdefault(id(p), torch.zeros(p.shape, dtype=main.dtype, device=p.device))
@@ -212,6 +213,7 @@ class ZeroSync:
             if g is not None:           # (the flat vector runs row after row of ``flat``)
                 _flat_range(flat, b.offsets[i], g.numel()).copy_(g.view(-1))
         had = [float(g is not None) for g in grads]
+        b.refill = [i for i, g in zip(b.param_ids, grads) if g is not None]   # (:meth:`gradients_starting`)
         packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
         if self.all_reduce:         # the whole sum on every rank (twice a reduce-scatter's bytes), this rank's row kept
             work = b.comm.all_reduce(packed.view(-1), async_op=async_op, name=f"all-reduce b{b.index}")
