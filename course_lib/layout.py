@@ -222,6 +222,18 @@ def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
                      f"{sizes.get('tp', 1)} = {folded}")
 
 
+def rule_grad_reduce(layout) -> None:
+    """``grad_reduce`` one of :data:`GRAD_REDUCE`; other than "step" only with ZeRO-2, which frees
+    a chunk's gradient sums once sent (ZeRO-1 keeps the whole gradients to the step anyway;
+    FSDP sends its own in the backward). The ranks (``zero_nd.rule_zero``) and the planner
+    (``planner.layout.validate``) both apply it."""
+    if layout.grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {layout.grad_reduce!r}")
+    if layout.grad_reduce != "step" and layout.zero != 2:
+        raise ValueError(f"grad_reduce={layout.grad_reduce!r} frees a chunk's gradient sums once reduce-scattered: "
+                         f"that is ZeRO-2 (zero=2), got zero={layout.zero}")
+
+
 # The pipeline's split, in plain arithmetic: the ranks (parallel.pipeline.rules.partition_layers)
 # and the planner (planner.layout) both apply it.
 def rule_stage_layers(n_layers: int, n_stages: int, stage_layers) -> None:

@@ -20,6 +20,8 @@ GiB = 2**30
     (Layout(pp=33, global_batch=64), None, "more pipeline stages than layers"),
     (Layout(pp=4, schedule="interleaved", v=16, global_batch=64), None, "more pipeline chunks than layers"),
     (Layout(pp=4, schedule="interleaved", v=2, global_batch=9), None, "rounds of equal size"),   # torch's rule
+    (Layout(dp=2, zero=1, grad_reduce="round", global_batch=2), None, "that is ZeRO-2"),
+    (Layout(dp=2, zero=2, grad_reduce="layer", global_batch=2), None, "grad_reduce must be one of"),
     (Layout(pp=4, schedule="interleaved", v=1, global_batch=8), None, "needs PP >= 2 and v >= 2"),
     (Layout(pp=4, v=2, global_batch=8), None, "needs schedule='interleaved'"),
     (Layout(cp=3, global_batch=8), None, "CP must divide the sequence length"),

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from course_lib.layout import GRAD_REDUCE
+from course_lib.layout import rule_grad_reduce
 from course_lib.parallel.grad_sync import assign_buckets
 from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, owned_gradient
 from course_lib.precision.mixed import MainGrads, check_precision
@@ -47,11 +47,7 @@ def rule_zero(cfg, layout):
     """ZeRO-1/2 in ``parallelize_nd``: dense parameters in one dtype (under a mixed precision the
     owned slices are the master weights), no experts split over ep; ``grad_reduce`` other than
     "step" only with ZeRO-2 (ZeRO-1 keeps the whole gradients to the step anyway)."""
-    if layout.grad_reduce not in GRAD_REDUCE:
-        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {layout.grad_reduce!r}")
-    if layout.grad_reduce != "step" and layout.zero != 2:
-        raise ValueError(f"grad_reduce={layout.grad_reduce!r} frees a chunk's gradient sums once reduce-scattered: "
-                         f"that is ZeRO-2 (zero=2), got zero={layout.zero}")
+    rule_grad_reduce(layout)
     if layout.zero not in (1, 2):
         return
     check_precision(layout.precision)

@@ -11,7 +11,7 @@ hop spans dp * cp * tp ranks): :func:`strides` follows it, as the Mesh does.
 """
 from __future__ import annotations
 
-from course_lib.layout import CP_COMM, Layout, expert_fold, rank_order, rule_stage_layers
+from course_lib.layout import CP_COMM, Layout, expert_fold, rank_order, rule_grad_reduce, rule_stage_layers
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 from course_lib.schedules import V_SCHEDULES, microbatch_group, stage_rank
@@ -77,6 +77,7 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
         raise ValueError(f"dualpipe-v needs at least 2p = {2 * layout.pp} micro-batches, got {m}")
     if layout.schedule == "interleaved" and layout.v > 1:
         microbatch_group(layout.pp, m)      # torch's rounds: m < 2 PP, or a multiple of m // PP
+    rule_grad_reduce(layout)
     if layout.cp_comm not in CP_COMM:
         raise ValueError(f"cp_comm must be one of {CP_COMM}, got {layout.cp_comm!r}")
     if s % layout.cp:
