@@ -82,3 +82,15 @@ def test_a_stage_mesh_finds_its_groups_as_the_mesh_does():
                 continue
             for rank in range(shape.world_size):
                 assert StageMesh(rank, **sizes).ranks(dims) == next(s for s in sets if rank in s)
+
+
+@pytest.mark.parametrize("schedule, m", [("dualpipe-v", 8), ("dualpipe-v", 16), ("zb-v", 8)])
+def test_replay_of_a_schedule_that_splits_some_backwards_is_the_real_run(schedule, m):
+    """DualPipeV splits its first backwards (B apart from W) and runs the rest whole: the dry
+    run used to replay a forward whose whole backward had no tape yet and stopped with a
+    RuntimeError. Now it replays only what has a tape, and the step is the unreplayed one."""
+    layout = Layout(pp=4, schedule=schedule, micro_batch=1, global_batch=m)
+    replayed = dry_run(SPEC, "a100-80gb", layout, progress=None)
+    real = dry_run(SPEC, "a100-80gb", layout, progress=None, replay=False)
+    assert replayed.step_time == real.step_time and replayed.kernels == real.kernels
+    assert replayed.memory_by_stage == real.memory_by_stage

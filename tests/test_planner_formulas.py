@@ -390,3 +390,23 @@ def test_cp_bytes_per_layer_are_what_the_course_ring_sends():
     assert F.cp_bytes_per_layer(s, b, kv * d, N, 4, "all_gather") == 3 * (N - 1) * KV / N
     with pytest.raises(ValueError, match="algorithm"):
         F.cp_bytes_per_layer(s, b, kv * d, N, algorithm="tree")
+
+
+def test_zero_rounds_count_the_schedules_own_order():
+    """grad_reduce's reductions per chunk and step, counted on the first rank's order: m / N
+    rounds interleaved (m = 16 on p = 4: 4), one in 1F1B and ZB-H1, and where a V schedule
+    alternates its two chunks a round per micro-batch or so; "chunk" reduces once; "step" and
+    ZeRO-1/3 are not chunk by chunk."""
+    from course_lib import schedules as S
+    from course_lib.layout import Layout
+
+    def rounds(**kw):
+        return F.zero_rounds(Layout(dp=4, pp=4, zero=2, global_batch=64, grad_reduce="round", **kw))
+    assert rounds(schedule="interleaved", v=2) == (4, 4, 2) and rounds(schedule="interleaved", v=4) == (4, 4, 4)
+    assert rounds(schedule="1f1b") == (1, 1, 1) and rounds(schedule="zb-h1") == (1, 1, 1)
+    ends = sum(end for end, _ in S.reduce_points(S.make_schedule("zb-v", 4, 16)[0]).values())
+    assert rounds(schedule="zb-v") == (ends / 2, ends / 2, 2) and ends > 2 * 4
+    assert F.zero_rounds(Layout(dp=4, pp=4, zero=2, schedule="interleaved", v=2, global_batch=64,
+                                grad_reduce="chunk")) == (1, 4, 2)
+    for kw in (dict(zero=2), dict(zero=1), dict(zero=3)):
+        assert F.zero_rounds(Layout(dp=4, pp=4, global_batch=64, **kw)) is None

@@ -406,7 +406,7 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     rest = z["params"] + ze["params"] + z["optimizer"] + ze["optimizer"]
     # the schedule's moments: each chunk's gradient buffers from its first backward (ZeRO-3: its shards)
     rounds = F.zero_rounds(layout)
-    if rounds is not None and layout.chunks > 1 and (rounds[0] > 1 or rounds[1] == 1):
+    if rounds is not None and layout.schedule == "interleaved" and layout.chunks > 1 and (rounds[0] > 1 or rounds[1] == 1):
         # reduced after each round (or the schedule's one round): a chunk's sums freed once
         # sent (F.round_moments), beside the owned slices' reduced gradients
         moments = [(held * whole / layout.chunks + owned * after, per_layer * n_l * saved + temporaries)

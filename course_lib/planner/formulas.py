@@ -11,6 +11,8 @@ N (or G) ranks in a collective.
 """
 from __future__ import annotations
 
+import functools
+
 # the activation-memory and communication formulas live in rooms of their own; they are
 # part of this namespace live in their own room; they are part of this namespace
 from course_lib.planner.activations import (  # noqa: F401
@@ -34,7 +36,8 @@ from course_lib.planner.communication import (  # noqa: F401
     zeropp_bytes_per_step,
 )
 from course_lib.schedules import PLANNED as SCHEDULES  # the schedules the planner prices
-from course_lib.schedules import V_SCHEDULES, formula_idle, formula_peak_activations, microbatch_group
+from course_lib.schedules import (V_SCHEDULES, chunks, formula_idle, formula_peak_activations, make_schedule,
+                                  microbatch_group, reduce_points)
 from course_lib.schedules import bubble_fraction  # noqa: F401  (next to the schedules it prices)
 
 # Accepted spellings of the config fields, so a nanoGPT-, Hugging Face- or
@@ -295,14 +298,23 @@ def round_moments(p: int, m: int, v: int, stage: int = 0) -> list:
 def zero_rounds(layout) -> tuple | None:
     """ZeRO-2 reducing chunk by chunk in the schedule (``layout.grad_reduce`` "chunk" or
     "round"): (reductions of each chunk per step, rounds the schedule runs through a chunk,
-    chunks per stage); None when it reduces after the schedule. The interleaved order runs
-    m / N rounds (``schedules.microbatch_group``); "round" reduces after each, "chunk" after
-    the last; the other schedules run one."""
+    chunks per stage); None when it reduces after the schedule. Counted on the schedule's own
+    order (``schedules.reduce_points`` of the first rank): a round is a run of backwards through
+    one chunk, m / N of them in the interleaved order, one in 1F1B, one per micro-batch where a
+    V schedule alternates its two chunks; "round" reduces after each, "chunk" after the last."""
     if layout.zero != 2 or layout.grad_reduce == "step":
         return None
-    v, m = layout.chunks, layout.microbatches
-    rounds = m // microbatch_group(layout.pp, m) if layout.schedule == "interleaved" and v > 1 else 1
-    return (rounds if layout.grad_reduce == "round" else 1), rounds, v
+    ends, chunks = _round_ends(layout.schedule, layout.pp, layout.microbatches, layout.v)
+    rounds = ends / chunks
+    return (rounds if layout.grad_reduce == "round" else 1), rounds, chunks
+
+
+@functools.lru_cache(maxsize=256)
+def _round_ends(schedule, p: int, m: int, v: int) -> tuple:
+    """(round ends, chunks) on the first rank of ``schedule``'s order (a name: the planner prices
+    named schedules)."""
+    points = reduce_points(make_schedule(schedule, p, m, chunks(schedule, v))[0])
+    return sum(end for end, _ in points.values()), len({a.stage for a in points})
 
 
 def pipeline_idle(schedule: str, p: int, t_f: float, t_b: float) -> float:

@@ -416,7 +416,7 @@ def rounds_stretch(hw, layout, rs_chunk: float, compute: float) -> float:
     if rounds is None or rs_chunk <= 0:
         return 0.0
     per, sched, chunks = rounds
-    window = layout.microbatches // sched * compute / chunks
+    window = layout.microbatches / sched * compute / chunks
     ch, sms = getattr(hw, "nccl_channels", 0) or 0, getattr(hw, "sm_count", 0) or 0
     dims = tuple(d for d in ("dp", "cp") if _size(layout, (d,)) > 1)
     nodes = group_nodes(layout, hw, dims) if dims else 1

@@ -67,7 +67,7 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
     # a round's end frees its chunk's sums; the next round's first backward finds zeros made
     # before it (a write: a third of a copy's bytes), (R - 1) times for each chunk
     again = (per - 1) * bucket_copy(hw, total, 4).device / 3 if per > 1 else 0.0
-    return (finish[1] / chunks, gather[1], kernels * per, copies * (per * chunks - 1) / chunks + again,
+    return (finish[1] / chunks, gather[1], round(kernels * per), copies * (per * chunks - 1) / chunks + again,
             sent / chunks)
 
 

@@ -145,8 +145,12 @@ class ActionMemo:
 
     # ---------------------------------------------------------------- the runner's actions
     def install(self, runner) -> None:
-        """Wrap ``runner``'s F and B (this instance only) with taping and replay."""
+        """Wrap ``runner``'s F and B (this instance only) with taping and replay. A schedule that
+        splits some backwards (zero bubble: DualPipeV's first ones) replays a forward only once
+        its stage's full backward has a tape: its first backwards do not tape the full one."""
         real_f, real_b = runner.F, runner.B
+        if runner.split:
+            self.early = False
 
         def F(i, s, mb):
             if (s, mb) in runner.split or not self._replayable(s):
@@ -169,8 +173,9 @@ class ActionMemo:
             runner.state[(s, mb)] = REPLAYED
 
         def B(i, s, mb):
-            if runner.state.get((s, mb)) is not REPLAYED:
-                return self._run_real(("B", s), lambda: real_b(i, s, mb))
+            if runner.state.get((s, mb)) is not REPLAYED:      # (an input-gradient-only B: a tape of its own)
+                return self._run_real(("B", s) if (s, mb) not in runner.split else ("B input", s),
+                                      lambda: real_b(i, s, mb))
             if ("B", s) not in self.ready:      # (early replay: the backward's tape did not repeat)
                 raise RuntimeError(f"stage {s}: the forward of micro-batch {mb} was replayed, but its "
                                    f"backward's price did not repeat; run the dry run with replay=False")
