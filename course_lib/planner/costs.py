@@ -255,8 +255,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             # ZeRO-2 reduced chunk by chunk in the schedule (layout.grad_reduce): each chunk's
             # reduce-scatter after its round, under the backwards still to come (their excess
             # exposed there); the last chunk's after the schedule
-            per, sched, chunks = rounds
-            grad_sync, param_gather = grad_rs / chunks, gather      # (the others: estimate.round_waits)
+            grad_sync, param_gather = grad_rs / rounds[2], gather   # (the others: estimate.round_waits)
         elif layout.zero == 1 or (layout.zero == 2 and num.per_microbatch):
             # ZeRO-2 summing each micro-batch's gradients in its own (fp32) buffer: one
             # reduce-scatter of the sum after the schedule (Llama 3's FP32 accumulation; the ranks')

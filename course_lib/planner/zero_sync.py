@@ -28,16 +28,16 @@ SHARD_DIMS = ("dp", "cp")
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
               collective, size, itemsize: int = 2) -> tuple:
     """(seconds after the schedule, seconds of the step-start gather, kernels, seconds in the
-    schedule, one chunk's reduce-scatters' seconds) of ZeRO-1/2 on one stage. ``collective(layout, hw, kind, nbytes, dims)`` and
-    ``size(layout, dims)``: :mod:`.runtime`'s; ``calls`` gets the calls per dims; ``itemsize``:
-    a gradient's bytes on the wire (the precision's reduce dtype, :mod:`.numerics`).
-    Reduced chunk by chunk (``layout.grad_reduce``, ``formulas.zero_rounds``: R reductions of
-    each of the stage's c chunks): the last chunk's 1/c of the chain after the schedule; the
-    others' packing copies, the buffers made again for a next round and the host's wait and
-    read at each round's end run in the schedule (the collectives themselves under it)."""
+    schedule, one chunk's reduce-scatters' seconds) of ZeRO-1/2 on one stage.
+    ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``: :mod:`.runtime`'s;
+    ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on the wire (the
+    precision's reduce dtype, :mod:`.numerics`). Reduced chunk by chunk (``layout.grad_reduce``,
+    ``formulas.zero_rounds``: R reductions of each of the stage's c chunks): the last chunk's
+    1/c of the chain after the schedule; the others' packing copies and the buffers made again
+    for a next round run in the schedule, the collectives under it."""
     floor = max(hw.kernel_floor, 0.0)
-    gather, finish, kernels, copies, sent = [0.0, 0.0], [0.0, 0.0], 0, 0.0, 0.0
-    total = 0
+    gather, finish, kernels, copies, sent = [0.0, 0.0], [0.0, 0.0], [0, 0], 0.0, 0.0
+    total, per = 0, (zero_rounds(layout) or (1,))[0]
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
         total += n
         shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
@@ -56,19 +56,20 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
         run_chain(seq_f, finish, hw.launch_overhead, costs)
         copies += sum(x for x in seq_f if not isinstance(x, str)) + hw.launch_overhead * len(seq_f)
         sent += costs["rs"]
-        kernels += sum(not isinstance(x, str) for x in seq_g + seq_f)
-        for dims_, count in ((shard, 2), (rest, 1)):
+        kernels[0] += sum(not isinstance(x, str) for x in seq_g)
+        kernels[1] += sum(not isinstance(x, str) for x in seq_f)
+        for dims_, count in ((shard, 1 + round(per)), (rest, round(per))):   # a gather; a reduce-scatter a round
             if dims_:
                 calls["+".join(dims_)] = calls.get("+".join(dims_), 0) + count
     rounds = zero_rounds(layout)
     if rounds is None:
-        return finish[1], gather[1], kernels, 0.0, 0.0
-    per, _, chunks = rounds
+        return finish[1], gather[1], sum(kernels), 0.0, 0.0
+    chunks = rounds[2]
     # a round's end frees its chunk's sums; the next round's first backward finds zeros made
     # before it (a write: a third of a copy's bytes), (R - 1) times for each chunk
     again = (per - 1) * bucket_copy(hw, total, 4).device / 3 if per > 1 else 0.0
-    return (finish[1] / chunks, gather[1], round(kernels * per), copies * (per * chunks - 1) / chunks + again,
-            sent / chunks)
+    return (finish[1] / chunks, gather[1], kernels[0] + round(kernels[1] * per),
+            copies * (per * chunks - 1) / chunks + again, sent / chunks)
 
 
 __all__ = ["zero_sync", "SHARD_DIMS"]
