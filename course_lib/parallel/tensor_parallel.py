@@ -39,6 +39,7 @@ from course_lib.parallel.comm_ops import (gather_along, gather_from_parallel,
 from course_lib.parallel.mesh import set_reduce_dims
 from course_lib.parallel.replicas import check_replicas
 from course_lib.parallel.tp_backward_overlap import LinearAllReducingInput, enter_tensor_parallel
+from course_lib.parallel.weight_grads import linear, open_record
 from course_lib.parallel.vocab_parallel import shard_range
 
 INPUTS = ("replicated", "sequence", "entered")
@@ -259,7 +260,9 @@ class ColumnParallelLinear(nn.Module):
         weight, bias = self._params()
         source = getattr(x, "sequence_shard", None)
         region = getattr(x, "replicated_region", None) if self.overlap_all_reduce else None
-        if source is not None:   # SP: keep the s/t shard for backward, not the gathered input
+        if open_record() is not None:   # a zero-bubble split: dW for W to compute (weight_grads)
+            y = linear(x, weight, bias, (self.weight, self.bias), source, getattr(source, "shard", None))
+        elif source is not None:   # SP: keep the s/t shard for backward, not the gathered input
             y = LinearKeepingShard.apply(x, source.shard, weight, bias, source, self.overlap_backward)
         elif region is not None:  # TP: dX's all-reduce under dW's GEMM
             y = LinearAllReducingInput.apply(x, weight, bias, region)
@@ -324,7 +327,7 @@ class RowParallelLinear(nn.Module):
         if self.output == "reduce_scatter" and self.async_tp:   # the reduce-scatter under the matmul
             y = matmul_reduce_scatter(x, self.weight, self.comm)                # (b, s/t, out)
             return y + self.bias if self.bias is not None else y
-        y = F.linear(x, self.weight)                                            # partial sum
+        y = linear(x, self.weight, None, (self.weight,))       # partial sum (zero bubble: dW in W)
         if self.output == "reduce":
             y = reduce_from_parallel(y, self.comm, in_place=True)   # g, into the fresh partial sum
         elif self.output == "reduce_scatter":

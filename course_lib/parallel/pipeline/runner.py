@@ -23,13 +23,16 @@ the receiving one). ``measured_costs`` reads from a trace what a step spent betw
 The zero-bubble split of a backward (Qi et al. 2023), where a schedule has a ``W``: ``B``
 computes the gradient of the stage's input and of every Linear layer's *output* (one backward
 pass through the activations, no weight GEMM), keeping each Linear's input and output
-gradient; ``W`` later does the weight GEMMs ``dW = dy^T x`` (and ``db = sum dy``). The few
-other parameters (norm weights, embeddings) get their gradients in ``B``, and so do a Linear's
-own parameters where the forward used them without calling it (expert TP's ``F.linear`` on
-w2's slice).
+gradient; ``W`` later does the weight GEMMs ``dW = dy^T x`` (and ``db = sum dy``). The
+tensor-parallel layers split their own backward (:mod:`course_lib.parallel.weight_grads`: the
+forward runs inside ``recording``, each layer leaves its dW in the record, W runs them; under
+sequence parallelism W gathers the kept shard again). The few other parameters (norm weights,
+embeddings) get their gradients in ``B``, and so do a Linear's own parameters where the
+forward used them without calling it (expert TP's ``F.linear`` on w2's slice).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass, field
 
@@ -38,6 +41,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
+from course_lib.parallel.weight_grads import held, recording, run_later
 from course_lib.schedules import dependency, reduce_points, stage_rank, validate
 
 
@@ -49,6 +53,16 @@ def _outside(module, linears):
     """The trainable parameters of ``module`` that no Linear of ``linears`` holds."""
     in_linear = {id(w) for lin in linears for w in lin.parameters()}
     return [q for q in module.parameters() if q.requires_grad and id(q) not in in_linear]
+
+
+def _shared(module):
+    """ids of the parameters two modules of ``module`` hold (a tied embedding and head)."""
+    seen, twice = set(), set()
+    for mod in module.modules():
+        for q in mod._parameters.values():
+            if q is not None:
+                (twice if id(q) in seen else seen).add(id(q))
+    return twice
 
 
 def _accumulate(p, g):
@@ -172,6 +186,7 @@ class ScheduleRunner:
         self.shapes = None if act_shape is None else {s: (tuple(act_shape), act_dtype) for s in range(self.n - 1)}
         self.linears = {s: _linears(mod) for s, mod in stages.items()}     # their W comes apart from B
         self.others = {s: _outside(mod, self.linears[s]) for s, mod in stages.items()}
+        self.shared = {s: _shared(mod) for s, mod in stages.items()}     # held by two modules (tied)
         self.device = next((q.device for mod in stages.values() for q in mod.parameters()), None)  # NCCL: GPU
         # the receives, in action order: (action index, (kind, from stage, stage, mb))
         self.needs = [(i, ("act" if op == "F" else "grad", src, s, mb)) for i, (op, s, mb) in enumerate(self.actions)
@@ -231,7 +246,8 @@ class ScheduleRunner:
                      for lin in self.linears[s]]
             record["others"] = self.others[s]
         with trace.span(f"F{mb}" + (f"@{s}" if s else ""), "compute", "pp"), \
-                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                (recording(record) if (s, mb) in self.split else contextlib.nullcontext()):
             y = self.stages[s](x)
             if s == self.n - 1:
                 y = self.loss_fn(y, self.targets[mb])
@@ -243,6 +259,9 @@ class ScheduleRunner:
             called = {id(mod) for mod, _, _ in record["calls"]}
             record["others"] = record["others"] + [q for lin in self.linears[s] if id(lin) not in called
                                                    for q in lin.parameters() if q.requires_grad]
+        if record.get("deferred"):   # a tensor-parallel layer's dW comes in W (weight_grads): not in B,
+            later = {id(q) for q in record["deferred"]} - self.shared[s]     # unless tied elsewhere
+            record["others"] = [q for q in record["others"] if id(q) not in later]
         self.live[(s, mb)] = self.out.saved_bytes[(s, mb)] = saved.bytes()
         self.out.peak_activation_bytes = max(self.out.peak_activation_bytes, sum(self.live.values()))
         self.note_held(states_changed=False)
@@ -259,8 +278,9 @@ class ScheduleRunner:
             if (s, mb) in self.split:
                 dx, for_w = backward_input(y, dy, x, record)
                 self.note_held()
-                self.state[(s, mb)] = for_w
-                self.live[(s, mb)] = storage_bytes([t for _, inp, g in for_w for t in (inp, g)])
+                self.state[(s, mb)] = (for_w, record.get("later", []))
+                self.live[(s, mb)] = storage_bytes([t for _, inp, g in for_w for t in (inp, g)] +
+                                                   held(record.get("later", [])))
             else:
                 torch.autograd.backward(y, dy)
                 dx = None if x is None else x.grad
@@ -285,7 +305,9 @@ class ScheduleRunner:
     def W(self, i, s, mb):
         """The weight gradients B left for later."""
         with trace.span(f"W{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
-            backward_weight(self.state.pop((s, mb)))
+            for_w, later = self.state.pop((s, mb))
+            backward_weight(for_w)
+            run_later(later)                 # the tensor-parallel layers' (weight_grads)
         self.note_held()
         del self.live[(s, mb)]
 
