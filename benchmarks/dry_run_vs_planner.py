@@ -27,6 +27,8 @@ def main(argv=None):
     ap.add_argument("--saved-only", action="store_true", help="only the layouts --saved holds (instant)")
     ap.add_argument("--no-moe-groups", action="store_true", help="without each drawn MoE layout again beside "
                                                                  "tp 2 + SP and cp 2 (lab.dry_run_sweep.sweep_layouts)")
+    ap.add_argument("--no-split", action="store_true", help="without each drawn pipeline layout again under ZB-H1, "
+                                                            "ZB-V and DualPipeV (lab.dry_run_sweep.split_twins)")
     args = ap.parse_args(argv)
     dry = {}
     if args.saved and os.path.exists(args.saved):
@@ -37,7 +39,8 @@ def main(argv=None):
         with open(args.saved, "w") as f:
             json.dump(runs, f, indent=0, sort_keys=True)
     rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None,
-                      run_missing=not args.saved_only, moe_groups=not args.no_moe_groups)
+                      run_missing=not args.saved_only, moe_groups=not args.no_moe_groups,
+                      split=not args.no_split)
     print()
     print(format_rows(rows))
     for part in rows[0]["dry_parts"]:

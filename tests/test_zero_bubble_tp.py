@@ -115,3 +115,28 @@ def test_w_holds_the_tp_weight_gemms_on_the_clock():
     b = sum(sp.end - sp.start for sp in spans if sp.name[0] == "B")
     assert 0.15 < w / (b + w) < 0.35, (w, b)
     assert runs["zb-h1"].step_time < 0.95 * runs["1f1b"].step_time, {s: r.step_time for s, r in runs.items()}
+
+
+def _fp32_sums(layout, kw):
+    """The fp32 gradient sums (the masters' .grad) after one step under bf16-accumulate-fp32."""
+    from course_lib.parallel.compose import parallelize_nd
+    from course_lib.parallel.mesh import Mesh
+
+    net = parallelize_nd(TinyGPT(CFG, seed=0), Mesh(**layout), **kw, precision="bf16-accumulate-fp32")
+    x, y = reference.gpt_batches(CFG, batch=8, steps=1)[0]
+    net.step(x, y)
+    return {f"{s}.{n}": net.master.of[id(q)].grad for s, st in net.stages.items() for n, q in st.named_parameters()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_w_adds_each_micro_batch_into_the_fp32_sums(tp):
+    """W writes .grad outside autograd; mixed precision's fp32 sums take each backward's gradient
+    in a post-accumulate-grad hook (MainGrads), so W runs the hooks as autograd would: the sums
+    of ZB-H1 are 1F1B's to the bit (they were bf16 sums of W's weights: 1e-5 apart at 8
+    micro-batches), the tensor-parallel layers' included."""
+    runs = {s: launch(_fp32_sums, 2 * tp, dict(pp=2, tp=tp), dict(schedule=s, microbatches=8), threads=1)
+            for s in ("1f1b", "zb-h1")}
+    for ours, theirs in zip(runs["zb-h1"], runs["1f1b"]):
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            assert ours[name] is not None and torch.equal(ours[name], theirs[name]), name

@@ -54,7 +54,20 @@ def _draw(rng, moe: bool, s: int) -> Layout:
                   zero=zero)
 
 
-def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bool = True) -> list:
+def split_twins(layout: Layout) -> list:
+    """A drawn pipeline layout under each schedule that splits its backwards (ZB-H1 at its m,
+    ZB-V at its m, DualPipeV at m = 2p), as close as the ranks accept: no recomputation (the
+    split keeps each Linear's input, which recomputation does not) and DDP or ZeRO-1/2 (not
+    FSDP, which the split's W writes around)."""
+    if layout.pp == 1:
+        return []
+    base = layout.with_(v=1, recompute="none", zero=min(layout.zero, 2))
+    return [base.with_(schedule="zb-h1"), base.with_(schedule="zb-v"),
+            base.with_(schedule="dualpipe-v", microbatches=2 * layout.pp)]
+
+
+def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bool = True,
+                  split: bool = True) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
     until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
     not change) says it fits; ``cp_methods``: after the n, each drawn CP layout (a ring) again
@@ -64,7 +77,9 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
     where the ranks accept it and it fits (36 rows on 2026-11-30: 108 in all). Their first run
     found 5 over 10%, every one beside tp 2 + SP, the planner 12-17% fast: it priced a TP rank's
     experts on the whole sequence divided by tp, not at their own s / tp rows (now
-    ``ep_ops.install_ep(shard=)``: none over 10%)."""
+    ``ep_ops.install_ep(shard=)``: none over 10%). ``split``: then each drawn pipeline layout again
+    under the schedules with W actions (:func:`split_twins`), where the ranks accept it and it
+    fits (2026-11-30, seventeenth session)."""
     from course_lib.virtual.dry_run import check_dry_run
     out = _drawn(n, seed, check_dry_run)
     twins = []
@@ -76,6 +91,14 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
         else:
             continue
         for twin in candidates:
+            try:
+                check_dry_run(get_model(name), twin)
+            except (ValueError, NotImplementedError):
+                continue
+            if estimate(name, hw, twin).fits:
+                twins.append((name, hw, twin))
+    for name, hw, layout in out if split else ():
+        for twin in split_twins(layout):
             try:
                 check_dry_run(get_model(name), twin)
             except (ValueError, NotImplementedError):
@@ -254,14 +277,14 @@ def stable_keys(dry: dict) -> dict:
 
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
-               saved=None, run_missing: bool = True, moe_groups: bool = True) -> list[dict]:
+               saved=None, run_missing: bool = True, moe_groups: bool = True, split: bool = True) -> list[dict]:
     """The rows of :func:`sweep_layouts`. ``dry``: {layout key: :func:`dry_result`} already run
     (the planner is instant, the dry runs take minutes: a saved sweep compares a changed
     planner at once); the runs made here are added to it, and ``saved(dry)`` called after each.
-    ``run_missing=False``: only the layouts ``dry`` holds; ``moe_groups``: see :func:`sweep_layouts`."""
+    ``run_missing=False``: only the layouts ``dry`` holds; ``moe_groups``, ``split``: see :func:`sweep_layouts`."""
     dry = {} if dry is None else dry
     rows, failed = [], []
-    for name, hw, layout in sweep_layouts(n, seed, moe_groups=moe_groups):
+    for name, hw, layout in sweep_layouts(n, seed, moe_groups=moe_groups, split=split):
         key = layout_key(name, hw, layout)
         if key not in dry and not run_missing:
             continue
@@ -327,5 +350,5 @@ def sweep_summary(rows) -> str:
 
 
 __all__ = ["SWEEP_MODELS", "SWEEP_GPUS", "BOUND", "sweep_layouts", "sweep_rows", "dry_result", "layout_key",
-           "stable_keys", "planner_parts", "cause", "busiest_pass", "pass_times", "memory_cause", "schedule_check",
+           "stable_keys", "split_twins", "planner_parts", "cause", "busiest_pass", "pass_times", "memory_cause", "schedule_check",
            "format_rows", "sweep_summary"]

@@ -90,17 +90,24 @@ class _LinearLater(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
-def _add_grad(p, grad_of_p):
+def add_grad(p, grad_of_p):
     """Into ``p``'s gradient: a leaf's ``.grad`` (the GEMM adds into it in place from the second
-    micro-batch on, ``grad_of_p(out)``), or through autograd for a tensor computed from one."""
+    micro-batch on, ``grad_of_p(out)``; ``grad_of_p(None)``: a new tensor), then the leaf's
+    post-accumulate-grad hooks, as autograd's AccumulateGrad runs them (mixed precision's fp32
+    sums, :class:`~course_lib.precision.mixed.MainGrads`, take the gradient there); or through
+    autograd for a tensor computed from one (a sum over K/V copies: its all-reduce too)."""
     if not p.requires_grad:
         return
-    if p.grad_fn is not None:                                 # a sum over copies: its backward too
+    if p.grad_fn is not None:
         torch.autograd.backward(p, grad_of_p(None))
-    elif p.grad is None:
+        return
+    if p.grad is None:
         p.grad = grad_of_p(None)
     else:
         grad_of_p(p.grad)
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    for hook in list(hooks.values()):
+        hook(p)
 
 
 def run_later(later) -> None:
@@ -112,9 +119,9 @@ def run_later(later) -> None:
             x = source.full(kept)
             source.release()
         x2 = x.reshape(-1, x.shape[-1])
-        _add_grad(weight, lambda out: g2.t().mm(x2) if out is None else out.addmm_(g2.t(), x2))
+        add_grad(weight, lambda out: g2.t().mm(x2) if out is None else out.addmm_(g2.t(), x2))
         if bias is not None:
-            _add_grad(bias, lambda out: g2.sum(0) if out is None else out.add_(g2.sum(0)))
+            add_grad(bias, lambda out: g2.sum(0) if out is None else out.add_(g2.sum(0)))
 
 
 def held(later) -> list:
@@ -122,4 +129,4 @@ def held(later) -> list:
     return [t for _, _, kept, _, g2 in later for t in (kept, g2)]
 
 
-__all__ = ["recording", "open_record", "linear", "run_later", "held"]
+__all__ = ["recording", "open_record", "linear", "run_later", "held", "add_grad"]

@@ -224,3 +224,32 @@ def course_layer_activation_bytes(model, s, b, t=1, sp=False, recompute="none", 
     if recompute != "full" and ((cp > 1 and not ulysses) or fused_attention):
         out += lse_bytes(s, b, model.n_heads, t, cp)
     return out
+
+
+def w_kept_bytes_per_layer(model, s, b, t=1, sp=False, cp=1, value_bytes=2) -> float:
+    """Bytes one layer keeps from B to W under a zero-bubble split (ZB-H1, ZB-V, DualPipeV; the
+    course's runner and ``parallel.weight_grads``), per micro-batch on one GPU: what dW = dY^T X
+    needs of each Linear, its input X (once where several read it: W_q, W_k, W_v; the MLP's first
+    layers) and its output's gradient dY. B frees the rest of the layer's activations.
+
+    - inputs: the attention's and the MLP's (s b h each, s b h / t kept with SP: W gathers the
+      shard again), W_o's (s b h / t) and the MLP's last layer's (s b f / t);
+    - output gradients: Q (h / t wide), K and V (this rank's K/V heads), the MLP's f-wide
+      layers (f / t; SwiGLU's two), and the two row layers' outputs, h wide on every TP rank
+      (the partial sums' gradient is the whole one);
+    - a mixture of experts: the MLP terms for each of the top_k experts a token visits.
+    """
+    tok, h, f, k = s * b / cp, model.hidden, model.ffn, model.top_k
+    kv = max(1, model.n_kv_heads // t) * model.head_dim
+    shared = h / (t if sp else 1)
+    first_mlp = 2 if model.mlp == "swiglu" else 1
+    inputs = 2 * shared + h / t + k * f / t
+    grads = h / t + 2 * kv + h + k * first_mlp * f / t + h
+    return value_bytes * tok * (inputs + grads)
+
+
+def head_w_kept_bytes(model, s, b, t=1, sp=False, cp=1, value_bytes=2) -> float:
+    """The LM head's share of :func:`w_kept_bytes_per_layer`: its input (s b h, the shard with
+    SP) and its logits' gradient (s b V / t)."""
+    tok = s * b / cp
+    return value_bytes * tok * (model.hidden / (t if sp else 1) + model.vocab / t)

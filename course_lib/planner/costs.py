@@ -35,9 +35,10 @@ from course_lib.planner import formulas as F
 from course_lib.planner import gemm as G
 from course_lib.planner.async_tp import async_tp_hop, async_tp_layer, transformer_steps
 from course_lib.planner.documents import attention_scale
-from course_lib.planner.activations import course_layer_activation_bytes, layer_activation_bytes
+from course_lib.planner.activations import (course_layer_activation_bytes, head_w_kept_bytes, layer_activation_bytes,
+                                            w_kept_bytes_per_layer)
 from course_lib.layout import rank_order
-from course_lib.planner.layout import Layout, intra_node, layers_per_stage, strides
+from course_lib.planner.layout import Layout, holds_head, intra_node, layers_per_chunk, layers_per_stage, strides
 from course_lib.planner.numerics import numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import Hardware, ModelSpec, flash_core
@@ -75,6 +76,9 @@ class StageCost:
     # ZeRO-2 reduced chunk by chunk in the schedule (formulas.zero_rounds): one chunk's
     # reduce-scatters' seconds, each waited for at the end of the round after its own
     round_reduce: float = 0.0
+    # a schedule that splits its backwards (formulas.SPLIT): the seconds of W per micro-batch (all
+    # chunks), inside ``bwd`` (0: the formula's convention, half the backward)
+    w_time: float = 0.0
 
     @property
     def fwd_time(self) -> float:
@@ -94,11 +98,12 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
     dense = n_layers * dense_layer
     if stage == 0:
         dense += parts["embedding"]
-    if stage == layout.pp - 1:
+    if holds_head(layout, stage):
         # the final norm, and the LM head: a tied head is a second copy on the last stage when it is
-        # not the first (Megatron's word-embedding copy), the embedding itself when pp = 1
+        # not the first (Megatron's word-embedding copy), the embedding itself where one rank holds
+        # both (pp = 1; a V schedule's rank 0)
         dense += F.param_count(model) - model.n_layers * parts["per_layer"] - parts["embedding"] - parts["lm_head"]
-        dense += parts["lm_head"] or (model.vocab * model.hidden if layout.pp > 1 else 0)
+        dense += parts["lm_head"] or (model.vocab * model.hidden if stage != 0 else 0)
     return dense / layout.tp, n_layers * expert_layer / (layout.ep * layout.etp)   # the folded expert mesh
 
 
@@ -122,6 +127,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "
             st.param_gather = r["param_gather"]            # ZeRO-1/2's gather at the step's start
             st.optimizer, st.loss_sync, st.kernels, st.calls = r["optimizer"], r["loss_sync"], r["kernels"], r["calls"]
             st.round_reduce = r["round_reduce"]
+            st.w_time = r["w_time"]
             st.host = r["host"]
     return out
 
@@ -226,10 +232,10 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     for st, n_l in enumerate(layers_per_stage(model, layout)):
         dense, expert = _split_params(model, layout, st, n_l)
         n_exp_group = max(1, n_zero * t // (layout.ep * layout.etp))   # the ranks holding the same experts
-        last = st == p - 1
-        fwd = {"compute": n_l * lf + (hf if last else 0.0),
+        last, head = st == p - 1, holds_head(layout, st)
+        fwd = {"compute": n_l * lf + (hf if head else 0.0),
                "elementwise": n_l * ew_fwd_layer, "tp": n_l * tp_fwd_layer, "cp": n_l * cp_fwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
-        bwd = {"compute": n_l * lb + (hb if last else 0.0),
+        bwd = {"compute": n_l * lb + (hb if head else 0.0),
                "elementwise": n_l * ew_bwd_layer, "tp": n_l * tp_bwd_layer, "cp": n_l * cp_bwd_layer, "ep": n_l * ep_layer, "zero": 0.0}
 
         # DP collectives go layer by layer (DDP buckets, FSDP units): one collective per
@@ -308,7 +314,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
         if scatter > 1:            # the t pieces all-gathered over the stage's tensor-parallel group
             p2p += F.collective_time("all_gather", p2p_bytes, t, a_tp, bw_tp)
         out.append(StageCost(st, n_l, dense + expert, expert, mem, fwd, bwd, p2p, grad_sync, param_gather,
-                             optimizer, comm, n_l * layer_ran + (head_ran if last else 0.0),
+                             optimizer, comm, n_l * layer_ran + (head_ran if head else 0.0),
                              round_reduce=grad_rs / rounds[2] if rounds is not None else 0.0))
     return out
 
@@ -351,7 +357,7 @@ def zeropp_node(layout: Layout, hw, n_zero: int) -> int:
 
 def dp_pieces(layout: Layout, stage: int, n_layers: int) -> int:
     """How many separate DP collectives (one per layer, plus embedding and head) a stage runs."""
-    return max(1, n_layers + (stage == 0) + (stage == layout.pp - 1))
+    return max(1, n_layers + (stage == 0) + holds_head(layout, stage))
 
 
 def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused=True,
@@ -388,7 +394,7 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     in_flight = F.in_flight_microbatches(p, layout.microbatches, layout.schedule, layout.chunks, stage=st)
     activations = per_layer * n_l * in_flight
     temporaries = 0.0
-    if st == p - 1:
+    if holds_head(layout, st):
         temporaries += b * s / c * model.vocab / t * LOGIT_BYTES
     if layout.recompute == "full" and n_l:
         # the one layer being recomputed holds its activations during its backward
@@ -413,6 +419,14 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     else:
         moments = [(after if layout.zero == 3 else share * whole, per_layer * n_l * saved + temporaries)
                    for share, saved in F.gradient_moments(p, layout.microbatches, layout.schedule, layout.chunks, st)]
+    if layout.schedule in F.SPLIT:     # B trades a chunk's activations for what its W needs
+        kept = w_kept_bytes_per_layer(model, s, b, t, layout.sp, c)
+        per_chunk = layers_per_chunk(model, layout)
+        head = head_w_kept_bytes(model, s, b, t, layout.sp, c)
+        activations = F.split_peak(layout.schedule, p, layout.microbatches, st,
+                                   {k: (per_layer * n, kept * n + (head if k == len(per_chunk) - 1 else 0.0))
+                                    for k, n in enumerate(per_chunk)})
+        moments = [(after if layout.zero == 3 else whole, activations + temporaries)]
     grads, held = max(moments, key=sum)
     schedule = grads + held >= after
     return {"params": z["params"] + ze["params"], "grads": grads if schedule else after,

@@ -20,6 +20,7 @@ from course_lib.planner import formulas as F
 from course_lib.planner.costs import StageCost, stage_costs
 from course_lib.planner.layout import Layout, intra_node, validate
 from course_lib.planner.presets import Hardware, ModelSpec, get_hardware, get_model
+from course_lib.planner.simulator import pipeline_phase
 
 GiB = 2**30
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -102,9 +103,11 @@ def pipeline_time(stages: list[StageCost], layout: Layout) -> tuple[float, list[
     for st in stages:
         sends = F.p2p_sends(layout.schedule, p, st.stage, v)
         ops.append((st.fwd_time + st.bwd_time) / v + (sends * st.p2p if p > 1 else 0.0))
-    if layout.schedule in ("zb-h1", *F.V_SCHEDULES) and p > 1:    # DeepSeek-V3's Table 2
-        busy = max(stages, key=lambda st: st.fwd_time + st.bwd_time)
-        return m * max(ops) + F.pipeline_idle(layout.schedule, p, busy.fwd_time, busy.bwd_time), ops
+    if layout.schedule in F.SPLIT and p > 1:
+        # W apart from B: the action lists run on the stages' own costs (simulator.pipeline_phase):
+        # DeepSeek-V3's Table 2 (F.pipeline_idle) holds for equal stages with W half a backward,
+        # and a V's first rank holds the embedding and the LM head; the course's W is its GEMMs
+        return pipeline_phase(stages, layout), ops
     if p > 1 and any(sum(st.host) for st in stages):
         # the course's program (runtime="course"): a stage waiting for its input has its host
         # issue the op's kernels meanwhile, and they run at its device's pace (op less its host

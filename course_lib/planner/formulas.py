@@ -253,6 +253,30 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
     return min((2 * (p - 1 - stage) + (v - 1) * n + 1) / v, float(m))
 
 
+SPLIT = ("zb-h1", *V_SCHEDULES)      # the schedules whose backwards split into B and W
+
+
+def split_peak(schedule: str, p: int, m: int, stage: int, chunk_bytes: dict) -> float:
+    """Bytes of activations a pipeline rank holds at its peak under a schedule that splits its
+    backwards (:data:`SPLIT`), walked on the schedule's own order (``make_schedule``'s actions of
+    rank ``stage``): a forward of chunk c adds its activations, a B trades them for what W needs
+    (``chunk_bytes[c]`` = (activations, kept for W), per micro-batch), a W frees that; a backward
+    not split frees all. The peak over the step, taken after each action."""
+    actions = make_schedule(schedule, p, m, chunks(schedule))[stage]
+    split = {(a.stage, a.mb) for a in actions if a.op == "W"}
+    live = peak = 0.0
+    for a in actions:
+        act, kept = chunk_bytes[a.stage]
+        if a.op == "F":
+            live += act
+        elif a.op == "B":
+            live += (kept if (a.stage, a.mb) in split else 0.0) - act
+        else:
+            live -= kept
+        peak = max(peak, live)
+    return peak
+
+
 def gradient_moments(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0,
                      group: int | None = None) -> list:
     """Where a pipeline stage's gradient buffers and saved activations together can peak:

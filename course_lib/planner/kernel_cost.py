@@ -35,7 +35,11 @@ FREE = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.ne
 GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY, FOREACH = (
     "gemm", "attention", "reduction", "broadcast", "elementwise", "copy", "foreach")
 CLASSES = (GEMM, ATTENTION, REDUCTION, BROADCAST, ELEMENTWISE, COPY)   # (foreach: elementwise, batched)
-_GEMM_SHAPED = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+_GEMM_SHAPED = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addmm_, aten.baddbmm_}
+# in place, the same GEMM (zero bubble's W adds dY^T X into .grad with addmm_): torch's FLOP
+# counter has no formula for them (they were priced as one elementwise pass), so their
+# out-of-place twin's
+_IN_PLACE_GEMMS = {aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm}
 _REDUCTIONS = {aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
                aten._masked_softmax, aten._masked_softmax_backward,
                aten._safe_softmax, aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.var, aten.std,
@@ -220,7 +224,7 @@ class _Kind:
 
     def __init__(self, func):
         packet = func.overloadpacket
-        self.formula, cls = CPU_KERNELS.get(packet, (flop_registry.get(packet), None))
+        self.formula, cls = CPU_KERNELS.get(packet, (flop_registry.get(_IN_PLACE_GEMMS.get(packet, packet)), None))
         if packet in _GPU_ATTENTION and self.formula is not None:
             self.formula = _gpu_causal(func, self.formula)
         course = COURSE_KERNELS.get(func._schema.name)
@@ -433,7 +437,7 @@ def _gemm_shape(func, args):
     if packet not in _GEMM_SHAPED:
         course = COURSE_KERNELS.get(func._schema.name)
         return course[1](*args) if course is not None and course[1] else None
-    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm, *_IN_PLACE_GEMMS) else (args[0], args[1])
     if a.dim() == 3:
         return a.shape[1], b.shape[2], a.shape[2], a.shape[0]
     return a.shape[0], b.shape[1], a.shape[1], 1

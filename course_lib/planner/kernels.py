@@ -12,6 +12,7 @@ course's TinyGPT once, on PyTorch's ``meta`` device (shapes, no data, any size),
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -292,6 +293,11 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                 attn.attend = ring_core(cp, rank, s, ring, flash) if method == "ring" else \
                     gather_core(cp, rank, s, ring, flash, attn.attend) if method == "all_gather" else \
                     ulysses_core(cp, rank, s, ring, attn.attend, flash)
+        linears = []                                # zero bubble's W: each Linear call's shapes
+        for mod in net.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.register_forward_hook(lambda mod, a, o: linears.append(
+                    (tuple(a[0].shape), tuple(o.shape), mod.bias is not None, mod.weight.dtype)))
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
@@ -308,24 +314,25 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         with KernelCounter(hw, itemsize, record=True) as bwd:
             bwd.ops = where[-1]
             loss.backward()
-        return (fwd, bwd) + params
+        return (fwd, bwd) + params + (linears,)
 
     def run(layers, n_experts=None, rank=None):
-        fwd, bwd, params, shapes = trace(layers, n_experts, rank=rank)
+        fwd, bwd, params, shapes, linears = trace(layers, n_experts, rank=rank)
         if tp > 1:
-            fwd_t, bwd_t, params, _ = trace(layers, n_experts, tp, rank)
+            fwd_t, bwd_t, params, _, linears = trace(layers, n_experts, tp, rank)
         else:
             fwd_t, bwd_t = fwd, bwd
         floor, c = hw.kernel_floor, 1 if ring else cp
-        return _rank_pass(fwd, fwd_t, tp, sp, c, floor), _rank_pass(bwd, bwd_t, tp, sp, c, floor), params, shapes
+        return (_rank_pass(fwd, fwd_t, tp, sp, c, floor), _rank_pass(bwd, bwd_t, tp, sp, c, floor), params, shapes,
+                _w_pass(hw, itemsize, linears, c, floor))
 
     def rank_trace(rank=None):
-        (f1, b1, p1, shapes), (f2, b2, p2, _) = run(1, rank=rank), run(2, rank=rank)
-        return f1, b1, p1, shapes, f2, b2, p2
+        (f1, b1, p1, shapes, w1), (f2, b2, p2, _, w2) = run(1, rank=rank), run(2, rank=rank)
+        return f1, b1, p1, shapes, f2, b2, p2, w1, w2
     traces = [rank_trace(r) for r in range(cp)] if ring else [rank_trace()]
     # the busiest rank's (a ring rank's blocks differ: rank 0's later ones (s/2N, s/N), rank N-1's (s/N, s/2N))
-    f1, b1, p1, shapes, f2, b2, p2 = max(traces, key=lambda x: (x[4].total - x[0].total + x[5].total
-                                                                - x[1].total).device)
+    f1, b1, p1, shapes, f2, b2, p2, w1, w2 = max(traces, key=lambda x: (x[4].total - x[0].total + x[5].total
+                                                                        - x[1].total).device)
     n1, n2 = len(p1), len(p2)
 
     def part(c, names):
@@ -336,7 +343,7 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
     if model.n_experts > 1:   # kernels one more expert adds to a layer (its loop), fwd and bwd
         half = max(model.top_k, model.n_experts // 2)
         if half < model.n_experts:
-            (hf, hb, _, _), fewer = run(1, half, 0 if ring else None), model.n_experts - half
+            (hf, hb, *_), fewer = run(1, half, 0 if ring else None), model.n_experts - half
             per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
     ring_pass = {}
     if ring and method == "ring":   # the ring alone on the busiest rank: a K/V hop travels under one of its blocks
@@ -351,10 +358,35 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                "bwd": _split(b2.ops, ("|bblock 1", "|bblock 0", "|bemb"), ("head", "layer", None, "embedding"))}
     return {"layer_fwd": layer_f, "layer_bwd": layer_b, "embedding_fwd": emb_f, "embedding_bwd": emb_b,
             "sequence": seq, **ring_pass,
+            "layer_w": w2[0] - w1[0], "head_w": w1[0] - (w2[0] - w1[0]),      # zero bubble's W (_w_pass)
+            "layer_w_elements": w2[1] - w1[1], "head_w_elements": w1[1] - (w2[1] - w1[1]),
+            "layer_w_tensors": w2[2] - w1[2], "head_w_tensors": w1[2] - (w2[2] - w1[2]),
             "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
             "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1, "param_shapes": shapes,
             "adamw_per_element": _adamw(hw, itemsize or 2)}     # (the runtime prices the masters' fp32)
+
+
+def _w_pass(hw, itemsize, linears, c: int, floor: float) -> tuple:
+    """Zero bubble's W of one pass (ZB-H1, ZB-V, DualPipeV; the course's runner and
+    ``parallel.weight_grads``): for each Linear call of the forward, (input shape, output shape,
+    bias, dtype), dW = dY^T X added into ``.grad`` in place (``addmm_``: the accumulation is the
+    GEMM's, no add of its own) and db = the sum of dY added; a CP rank's on 1/c of the tokens.
+    (its Kernels, the parameter elements and tensors it accumulates): B is the whole backward less these
+    GEMMs (the same shapes as autograd's dW) and less their accumulation."""
+    elements = tensors = 0
+    with KernelCounter(hw, itemsize) as w:
+        for x_shape, y_shape, bias, dtype in linears:
+            tokens, n_in, n_out = math.prod(x_shape[:-1]), x_shape[-1], y_shape[-1]
+            x2 = torch.empty(tokens, n_in, device="meta", dtype=dtype)
+            g2 = torch.empty(tokens, n_out, device="meta", dtype=dtype)
+            torch.empty(n_out, n_in, device="meta", dtype=dtype).addmm_(g2.t(), x2)
+            elements, tensors = elements + n_out * n_in, tensors + 1
+            if bias:
+                torch.empty(n_out, device="meta", dtype=dtype).add_(g2.sum(0))
+                elements, tensors = elements + n_out, tensors + 1
+    k = w.total
+    return Kernels(k.count, k.flops / c, k.bytes / c, k.time / c, max(k.time / c, k.count * floor)), elements, tensors
 
 
 def _split(ops, at, names) -> dict:

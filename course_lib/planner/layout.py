@@ -95,24 +95,38 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
             raise ValueError(f"ETP must divide the expert width: ffn = {model.ffn}, ETP = {layout.etp}")
 
 
-def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
-    """Transformer layers on each pipeline stage (all chunks): the layout's ``stage_layers``
-    summed over the chunks each rank holds (``schedules.stage_rank``: a V schedule's two in V
-    order), else as even as possible, the extra layers to the middle stages (the first holds
-    the embedding, the last the LM head)."""
+def layers_per_chunk(model: ModelSpec, layout: Layout) -> list[int]:
+    """Transformer layers of each model chunk, in chunk order (pp x chunks of them; a V
+    schedule's 2 pp): the layout's ``stage_layers``, else as even as possible, the extra layers
+    to the middle chunks (the first holds the embedding, the last the LM head)."""
     if layout.stage_layers:
-        placement = "v" if layout.schedule in V_SCHEDULES else "loop"
-        per_rank = [0] * layout.pp
-        for c, n in enumerate(layout.stage_layers):
-            per_rank[stage_rank(c, layout.pp, placement)] += n
-        return per_rank
-    chunks = layout.pp * layout.chunks
+        return list(layout.stage_layers)
+    chunks = layout.pp * (2 if layout.schedule in V_SCHEDULES else layout.chunks)
     base, extra = divmod(model.n_layers, chunks)
     per_chunk = [base] * chunks
     order = sorted(range(chunks), key=lambda c: (abs(c - (chunks - 1) / 2), c))
     for c in order[:extra]:
         per_chunk[c] += 1
-    return [sum(per_chunk[c] for c in range(chunks) if c % layout.pp == st) for st in range(layout.pp)]
+    return per_chunk
+
+
+def layers_per_stage(model: ModelSpec, layout: Layout) -> list[int]:
+    """Transformer layers on each pipeline stage (all chunks): :func:`layers_per_chunk` summed
+    over the chunks each rank holds (``schedules.stage_rank``: a V schedule's two in V order)."""
+    placement = "v" if layout.schedule in V_SCHEDULES else "loop"
+    per_rank = [0] * layout.pp
+    for c, n in enumerate(layers_per_chunk(model, layout)):
+        per_rank[stage_rank(c, layout.pp, placement)] += n
+    return per_rank
+
+
+def holds_head(layout: Layout, stage: int) -> bool:
+    """Does pp rank ``stage`` hold the last chunk (the final norm, the LM head, the loss)? The
+    last rank; under a V schedule rank 0, which holds the first chunk and the last
+    (``schedules.stage_rank``: chunk 2p - 1 is rank 0's)."""
+    if layout.schedule in V_SCHEDULES:
+        return stage == stage_rank(2 * layout.pp - 1, layout.pp, "v")
+    return stage == layout.pp - 1
 
 
 def strides(layout: Layout) -> dict:

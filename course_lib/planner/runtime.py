@@ -53,7 +53,7 @@ from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
-from course_lib.planner.layout import strides
+from course_lib.planner.layout import holds_head, strides
 from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import runs_flash
@@ -196,7 +196,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     p2p send; kernels per step; calls per mesh dim per step."""
     s = layout.seq_len or model.seq_len
     b, t, c, p, m = layout.micro_batch, layout.tp, layout.cp, layout.pp, layout.microbatches
-    first, last = stage == 0, stage == p - 1
+    first, last = stage == 0, holds_head(layout, stage)      # (last: holds the head; a V's rank 0)
     # one TP and CP rank's kernels (recomputation: in the backward); ring attention traced as it runs
     ring = traced_ring(layout)
     method, split = traced_cp(layout)       # all-gather CP and Ulysses: a CP rank's own program too
@@ -304,8 +304,12 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         zf, zb = fsdp_step_kernels(hw, units, _size(layout, ("dp", "cp")), m)
         fwd_k, bwd_k = fwd_k + zf, bwd_k + zb
         fwd["compute"], bwd["compute"] = fwd_k.time, bwd_k.time
-    elif m > 1 or num.per_microbatch:       # every backward after a stage's first adds into .grad
-        acc = gradient_sums(hw, weights + norms + experts, tensors, num, m)   # the step's; per micro-batch:
+    split = layout.schedule in F.SPLIT       # zero bubble: W's GEMMs add into .grad themselves
+    w_k = k["layer_w"].times(n_layers) + (k["head_w"] if last else Kernels()) if split else Kernels()
+    w_params = [n_layers * k[f"layer_w_{x}"] + (k[f"head_w_{x}"] if last else 0) if split and not num.per_microbatch
+                else 0 for x in ("elements", "tensors")]     # (fp32 sums: W's hooks add, as autograd's)
+    if not fsdp and (m > 1 or num.per_microbatch):   # every backward after a stage's first adds into .grad
+        acc = gradient_sums(hw, weights + norms + experts - w_params[0], tensors - w_params[1], num, m)   # per step;
         bwd_k = Kernels(bwd_k.count + round(acc.count / m), bwd_k.flops + acc.flops / m,
                         bwd_k.bytes + acc.bytes / m, bwd_k.time + acc.time / m, bwd_k.device + acc.device / m)
         bwd["compute"] = bwd_k.time
@@ -343,7 +347,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     p2p_bytes = act / (t if layout.sp else 1)
     p2p = stage_send_time(layout, hw, stage, p2p_bytes, async_tp_hop)   # each hop on its link, NCCL's price
     if p > 1:
-        calls["pp"] = m * ((not last) + (not first))
+        calls["pp"] = m * (F.p2p_sends(layout.schedule, p, stage) if layout.schedule in F.V_SCHEDULES
+                           else (stage < p - 1) + (stage > 0))
 
     replicas = ("dp", "cp")
     tail, sync_kernels, sync_seconds = 0.0, 0, None
@@ -389,7 +394,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     optimizer = adam.scaled(n_local).seconds(hw) + sync_seconds + step.device
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels + step.count
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
-                round_reduce=rs_chunk, kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]))
+                round_reduce=rs_chunk, kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]),
+                w_time=w_k.device)
 
 
 def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:

@@ -49,16 +49,18 @@ def _rank(layout: Layout, dp_i: int, pp_i: int, cp_i: int, tp_i: int) -> int:
 
 
 def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str = "megatron",
-             w_fraction: float = 0.5) -> SimulatedStep:
+             w_fraction: float | None = 0.5) -> SimulatedStep:
     """Simulate one step; every GPU when the layout has at most ``max_gpus``, else one
     GPU per pipeline stage (the others of its TP, CP and DP groups run the same program).
     ``runtime``: as in :func:`~course_lib.planner.estimate` ("course": the course's program).
     ``w_fraction``: for the V schedules, the part of a backward's work that is its weight
-    gradient W, run apart (default 1/2: the weight GEMMs are half a backward's, the estimate's
-    convention; less where a backward holds more than GEMMs, e.g. recomputation)."""
+    gradient W, run apart (default 1/2: the weight GEMMs are half a backward's, the megatron
+    runtime's convention; less where a backward holds more than GEMMs, e.g. recomputation; None:
+    each stage's own, ``StageCost.w_time``, which runtime="course" traces)."""
     model, hw = get_model(model), get_hardware(hardware)
     validate(model, hw, layout)
-    if isinstance(w_fraction, bool) or not isinstance(w_fraction, (int, float)) or not 0 <= w_fraction <= 1:
+    if w_fraction is not None and (isinstance(w_fraction, bool) or not isinstance(w_fraction, (int, float))
+                                   or not 0 <= w_fraction <= 1):
         raise ValueError(f"w_fraction (W's part of a backward) must be a number in [0, 1], got {w_fraction!r}")
     stages = stage_costs(model, hw, layout, runtime)
     p, m, v = layout.pp, layout.microbatches, layout.chunks
@@ -70,7 +72,7 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
     programs = {}
     for d, st, c, t in coords:
         sc = stages[st]
-        prog = _action_program(layout, sc, (d, c, t), st, w_fraction) if layout.schedule in ACTION_LISTS else []
+        prog = action_program(layout, sc, (d, c, t), st, w_fraction) if layout.schedule in ACTION_LISTS else []
         for phase, mb, ch in (schedule_order(p, m, layout.schedule, v, st) if not prog else ()):
             vs = ch * p + st                               # virtual stage of this chunk
             parts = sc.fwd if phase == "F" else sc.bwd
@@ -95,7 +97,7 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
         else:
             prog += _data_parallel_tail(hw, layout, sc, t)
         programs[_rank(layout, d, st, c, t)] = prog
-    spans = _run(programs, layout, every)
+    spans = run_programs(programs)
     out = SimulatedStep(sorted(spans, key=lambda s: (s.rank, s.start)))
     out.step_time = max((s.end for s in out), default=0.0)
     out.ranks = sorted(programs)
@@ -103,22 +105,24 @@ def simulate(model, hardware, layout: Layout, max_gpus: int = 64, runtime: str =
     return out
 
 
-def _action_program(layout, sc, where, rank, w_fraction):
+def action_program(layout, sc, where, rank, w_fraction=None):
     """The program of pp rank ``rank`` under a schedule with W actions, from its action list:
     ZB-H1 (one chunk, the stage) or a V (two chunks, stages ``rank`` and 2p - 1 - ``rank``,
     each half the stage's work and communication); a split backward's W is ``w_fraction`` of
-    the chunk's backward work, its B the rest; messages only between ranks (the turn of the V,
-    stage p - 1 to p, stays on rank p - 1)."""
+    the chunk's backward work (None: the stage's own ``w_time``, else half), its B the rest;
+    messages only between ranks (the turn of the V, stage p - 1 to p, stays on rank p - 1)."""
     p, m = layout.pp, layout.microbatches
     k, placement = (2, "v") if layout.schedule in V_SCHEDULES else (1, "loop")
     row = make_schedule(layout.schedule, p, m)[rank]
     split = {(a.stage, a.mb) for a in row if a.op == "W"}
     last_b = max(i for i, a in enumerate(row) if a.op == "B")
+    own_w = sc.w_time or (sc.bwd["compute"] + sc.bwd["elementwise"] + sc.bwd.get("launch", 0.0)) / 2
     prog = []
     for i, a in enumerate(row):
         parts = sc.fwd if a.op == "F" else sc.bwd
         work = (parts["compute"] + parts["elementwise"] + parts.get("launch", 0.0)) / k
-        w = w_fraction * (sc.bwd["compute"] + sc.bwd["elementwise"] + sc.bwd.get("launch", 0.0)) / k
+        w = (w_fraction * (sc.bwd["compute"] + sc.bwd["elementwise"] + sc.bwd.get("launch", 0.0))
+             if w_fraction is not None else own_w) / k
         src = {"F": a.stage - 1, "B": a.stage + 1}.get(a.op)
         if src is not None and 0 <= src < k * p:
             prog.append(("wait", ("act" if a.op == "F" else "grad", *where, a.mb, src)))
@@ -169,7 +173,16 @@ def _data_parallel_tail(hw, layout, sc, t):
     return tail
 
 
-def _run(programs: dict, layout: Layout, every: bool) -> list[Span]:
+def pipeline_phase(stages, layout: Layout) -> float:
+    """The pipeline phase of a schedule with W actions (:data:`ACTION_LISTS`): each pp rank's
+    action list run on its stage's costs (``stages``, one GPU per stage; W its own ``w_time``),
+    up to its last action; the latest end over the ranks. Exact where a formula assumes equal
+    stages (a V's first rank holds the embedding and the LM head) or a W of half a backward."""
+    programs = {st.stage: action_program(layout, st, (0, 0, 0), st.stage) for st in stages}
+    return max((sp.end for sp in run_programs(programs)), default=0.0)
+
+
+def run_programs(programs: dict) -> list[Span]:
     """Process the programs' events in virtual-time order."""
     spans, ready, waiters, marks = [], {}, defaultdict(list), {}
     pending = defaultdict(dict)

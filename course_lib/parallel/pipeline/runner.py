@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from course_lib import trace
 from course_lib.memory import storage_bytes
-from course_lib.parallel.weight_grads import held, recording, run_later
+from course_lib.parallel.weight_grads import add_grad, held, recording, run_later
 from course_lib.schedules import dependency, reduce_points, stage_rank, validate
 
 
@@ -66,13 +66,9 @@ def _shared(module):
 
 
 def _accumulate(p, g):
-    """p.grad += g; the first time, p.grad = a copy of g."""
-    if g is None:
-        return
-    if p.grad is None:
-        p.grad = g.clone()
-    else:
-        p.grad += g
+    """p.grad += g; the first time, p.grad = a copy of g (then its hooks, as autograd's)."""
+    if g is not None:
+        add_grad(p, lambda out: g.clone() if out is None else out.add_(g))
 
 
 def backward_input(y, dy, x, record):
@@ -94,11 +90,10 @@ def backward_weight(for_w):
     micro-batch on, the GEMM adds into ``.grad`` in place (one pass, no temporary)."""
     for mod, inp, dout in for_w:
         dout2, inp2 = dout.reshape(-1, dout.shape[-1]), inp.reshape(-1, inp.shape[-1])
-        w, b = mod.weight, mod.bias
-        if w.requires_grad:                                              # dW = dout^T inp: (out, in)
-            w.grad = dout2.t() @ inp2 if w.grad is None else w.grad.addmm_(dout2.t(), inp2)
-        if b is not None and b.requires_grad:
-            b.grad = dout2.sum(0) if b.grad is None else b.grad.add_(dout2.sum(0))
+        # dW = dout^T inp: (out, in), into .grad as autograd would put it (its hooks run)
+        add_grad(mod.weight, lambda out: dout2.t() @ inp2 if out is None else out.addmm_(dout2.t(), inp2))
+        if mod.bias is not None:
+            add_grad(mod.bias, lambda out: dout2.sum(0) if out is None else out.add_(dout2.sum(0)))
 
 
 @dataclass
