@@ -40,6 +40,7 @@ from course_lib.planner.activations import (course_layer_activation_bytes, head_
 from course_lib.layout import rank_order
 from course_lib.planner.layout import Layout, holds_head, intra_node, layers_per_chunk, layers_per_stage, strides
 from course_lib.planner.numerics import numerics
+from course_lib.schedules import stage_rank
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import Hardware, ModelSpec, flash_core
 
@@ -105,6 +106,20 @@ def _split_params(model: ModelSpec, layout: Layout, stage: int, n_layers: int):
         dense += F.param_count(model) - model.n_layers * parts["per_layer"] - parts["embedding"] - parts["lm_head"]
         dense += parts["lm_head"] or (model.vocab * model.hidden if stage != 0 else 0)
     return dense / layout.tp, n_layers * expert_layer / (layout.ep * layout.etp)   # the folded expert mesh
+
+
+def _chunk_shares(model: ModelSpec, layout: Layout, per_chunk: list) -> dict:
+    """{chunk: its share of its pp rank's parameters}: its layers, the embedding with the
+    first chunk, the final norm and LM head with the last (a tied head's copy as
+    :func:`_split_params` counts it)."""
+    placement = "v" if layout.schedule in F.V_SCHEDULES else "loop"
+    parts = F.param_breakdown(model)
+    head = F.param_count(model) - model.n_layers * parts["per_layer"] - parts["embedding"]
+    size = {k: n * parts["per_layer"] + (parts["embedding"] if k == 0 else 0)
+            + (head if k == len(per_chunk) - 1 else 0) for k, n in enumerate(per_chunk)}
+    rank = {k: stage_rank(k, layout.pp, placement) for k in size}
+    total = {r: sum(v for k, v in size.items() if rank[k] == r) for r in set(rank.values())}
+    return {k: v / total[rank[k]] if total[rank[k]] else 0.0 for k, v in size.items()}
 
 
 RUNTIMES = ("megatron", "course")
@@ -422,11 +437,14 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     if layout.schedule in F.SPLIT:     # B trades a chunk's activations for what its W needs
         kept = w_kept_bytes_per_layer(model, s, b, t, layout.sp, c)
         per_chunk = layers_per_chunk(model, layout)
+        last_chunk = len(per_chunk) - 1
         head = head_w_kept_bytes(model, s, b, t, layout.sp, c)
-        activations = F.split_peak(layout.schedule, p, layout.microbatches, st,
-                                   {k: (per_layer * n, kept * n + (head if k == len(per_chunk) - 1 else 0.0))
-                                    for k, n in enumerate(per_chunk)})
-        moments = [(after if layout.zero == 3 else whole, activations + temporaries)]
+        walk = F.split_moments(layout.schedule, p, layout.microbatches, st,
+                               {k: (per_layer * n, kept * n + (head if k == last_chunk else 0.0))
+                                for k, n in enumerate(per_chunk)},
+                               {k: whole * share for k, share in _chunk_shares(model, layout, per_chunk).items()})
+        activations = max(held for _, held in walk)
+        moments = [(after if layout.zero == 3 else grads, held + temporaries) for grads, held in walk]
     grads, held = max(moments, key=sum)
     schedule = grads + held >= after
     return {"params": z["params"] + ze["params"], "grads": grads if schedule else after,

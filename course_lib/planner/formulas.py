@@ -256,25 +256,35 @@ def in_flight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, s
 SPLIT = ("zb-h1", *V_SCHEDULES)      # the schedules whose backwards split into B and W
 
 
-def split_peak(schedule: str, p: int, m: int, stage: int, chunk_bytes: dict) -> float:
-    """Bytes of activations a pipeline rank holds at its peak under a schedule that splits its
-    backwards (:data:`SPLIT`), walked on the schedule's own order (``make_schedule``'s actions of
-    rank ``stage``): a forward of chunk c adds its activations, a B trades them for what W needs
-    (``chunk_bytes[c]`` = (activations, kept for W), per micro-batch), a W frees that; a backward
-    not split frees all. The peak over the step, taken after each action."""
+def split_moments(schedule: str, p: int, m: int, stage: int, chunk_bytes: dict, grad_bytes: dict | None = None) -> list:
+    """[(gradient bytes allocated, activation bytes held)] after each action of pp rank
+    ``stage`` under a schedule that splits its backwards (:data:`SPLIT`), walked on the
+    schedule's own order (``make_schedule``'s actions): a forward of chunk c adds its
+    activations, a B trades them for what W needs (``chunk_bytes[c]`` = (activations, kept for
+    W), per micro-batch), a W frees that; a backward not split frees all. A chunk's gradient
+    buffers (``grad_bytes[c]``) come with its first backward."""
     actions = make_schedule(schedule, p, m, chunks(schedule))[stage]
     split = {(a.stage, a.mb) for a in actions if a.op == "W"}
-    live = peak = 0.0
+    live, grads, seen, out = 0.0, 0.0, set(), []
     for a in actions:
         act, kept = chunk_bytes[a.stage]
         if a.op == "F":
             live += act
         elif a.op == "B":
             live += (kept if (a.stage, a.mb) in split else 0.0) - act
+            if a.stage not in seen:
+                seen.add(a.stage)
+                grads += (grad_bytes or {}).get(a.stage, 0.0)
         else:
             live -= kept
-        peak = max(peak, live)
-    return peak
+        out.append((grads, live))
+    return out
+
+
+def split_peak(schedule: str, p: int, m: int, stage: int, chunk_bytes: dict) -> float:
+    """The activation bytes a rank holds at its peak under a schedule with W actions: the
+    largest of :func:`split_moments`'."""
+    return max(held for _, held in split_moments(schedule, p, m, stage, chunk_bytes))
 
 
 def gradient_moments(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0,
