@@ -4,7 +4,10 @@ Re-exported by :mod:`course_lib.planner.formulas` (one namespace for every formu
 """
 from __future__ import annotations
 
+import math
+
 from course_lib import costmodel
+from course_lib import nccl_tuning as T
 
 
 # ---- communication: what each rank sends, and how long a ring takes -------------------
@@ -47,6 +50,66 @@ def collective_time(kind: str, n_bytes: float, N: int, alpha: float, bandwidth: 
     if algorithm is None:
         raise ValueError(f"unknown collective {kind!r}")
     return costmodel.cost(algorithm, n_bytes, N, alpha, 1.0 / bandwidth)
+
+
+def nccl_time(hw, kind: str, nbytes: float, n: int, nodes: int) -> tuple[float, float]:
+    """(seconds, seconds its bytes take) of one NCCL collective as NCCL's own tuning model prices
+    it to choose (NCCL 2.19-2.21 ``src/graph/tuning.cc``; the published constants in
+    :mod:`course_lib.nccl_tuning`): each algorithm (the ring; the tree too for an all-reduce)
+    with each protocol (LL, LL128, Simple) costs latency + bytes / algorithm bandwidth, and the
+    fastest is the one NCCL runs. ``nbytes``: the whole buffer (all-reduce's tensor, all-gather's
+    output, reduce-scatter's input), on ``n`` ranks over ``nodes`` nodes.
+
+    - bandwidth: the link's (``hw.link``: NVLink inside a node, the network across), times the
+      protocol's share (LL a quarter on a ring across nodes or in an all-reduce, capped by
+      llMaxBw; LL128 0.92, 0.7 with one GPU per node); a ring's algorithm bandwidth is that
+      times n / its steps, a tree's half of 0.92 of it;
+    - latency: baseLat, plus per ring step hwLat of its link, the steps that cross the network
+      at the network's (an all-reduce's 2 x nodes of its 2 (n - 1), NCCL's ``nInterSteps``), the
+      others at NVLink's or at least the NIC's overhead (x3 for Simple); a tree's 2 (its depth
+      in the node + log2 nodes); the latencies scale with the preset's alpha (``Hardware.
+      nvlink_latency``, ``network_latency``: hwLat of a Simple ring step); an all-reduce's
+      Simple ring across nodes x 1.9 from 64 KiB x n / 16 (the "plateau effect of ring")."""
+    if n <= 1:
+        return 0.0, 0.0
+    if kind == "all_reduce":
+        steps, crossing, algorithms = 2 * (n - 1), (2 * nodes if nodes > 1 else 0), ("ring", "tree")
+    elif kind in ("all_gather", "reduce_scatter"):
+        steps, crossing, algorithms = n - 1, nodes - 1, ("ring",)
+    else:
+        raise ValueError(f"NCCL's tuning model prices all_reduce, all_gather, reduce_scatter; got {kind!r}")
+    us_nvlink = 1e-6 * hw.nvlink_latency / T.PRESET_ALPHA_IS["nvlink"]
+    us_net = 1e-6 * hw.network_latency / T.PRESET_ALPHA_IS["net"]
+    link = hw.link(nodes == 1)[1]
+    ll_cap = T.LL_MAX_BW[min(nodes, 4) if nodes != 3 else 4]
+    best = None
+    for algo in algorithms:
+        for i, proto in enumerate(T.PROTOCOLS):
+            on_node = T.HW_LATENCY["nvlink"][algo][i] * us_nvlink * (1.8 if nodes > 1 and proto == "LL" else 1)
+            off_node = T.HW_LATENCY["net"][algo][i] * us_net
+            base = T.BASE_LATENCY[algo][i] * (us_nvlink if nodes == 1 else us_net)
+            if algo == "ring":
+                share = {"LL": T.RING_LL[0 if nodes > 1 or kind == "all_reduce" else 1],
+                         "LL128": T.RING_LL128[0 if n / nodes < 2 else 1], "Simple": 1.0}[proto]
+                bus = min(ll_cap, link * share) if proto == "LL" else link * share
+                algbw = bus * n / steps
+                if nodes > 1:
+                    on_node = max(on_node, T.NET_OVERHEAD * us_net * 1e6 * (3 if proto == "Simple" else 1))
+                latency = base + (steps - crossing) * on_node + crossing * off_node
+                if proto == "Simple" and nodes > 1 and kind == "all_reduce" and nbytes >= n / 16 * 65536:
+                    latency *= T.RING_PLATEAU
+            else:
+                bus = link * T.TREE_BUS
+                if proto == "LL":
+                    bus = min(bus * T.TREE_LL, ll_cap)
+                elif proto == "LL128":
+                    bus *= T.TREE_LL128[0 if nodes == 1 else 1]
+                algbw = bus / 2
+                latency = base + 2 * ((n // nodes - 1) * on_node + int(math.log2(nodes)) * off_node)
+            data = nbytes / algbw
+            if best is None or latency + data < best[0]:
+                best = (latency + data, data)
+    return best
 
 
 def all_to_all_time(n_bytes: float, N: int, local: int, intra: tuple, inter: tuple) -> float:

@@ -30,6 +30,7 @@ from course_lib.planner.communication import (  # noqa: F401
     dp_bytes_per_step,
     ep_bytes_per_layer,
     hsdp_bytes_per_step,
+    nccl_time,
     pp_bytes_per_microbatch,
     ring_steps,
     tp_bytes_per_layer,

@@ -100,13 +100,18 @@ def _size(layout, dims) -> int:
 
 
 def collective(layout, hw, kind, nbytes, dims, latency: bool = True) -> float:
-    """Seconds of one ring collective of ``nbytes`` over the group of ``dims`` (``latency=False``:
-    its bytes' seconds on the links alone, what it shares with other transfers there): the
-    network's bandwidth once the group leaves a node, and each step's latency its own link's
-    (:func:`ring_alpha`)."""
+    """Seconds of one collective of ``nbytes`` over the group of ``dims`` (``latency=False``:
+    its bytes' seconds on the links alone, what it shares with other transfers there): an
+    all-reduce, all-gather or reduce-scatter as NCCL's tuning model prices the algorithm and
+    protocol it picks (:func:`~course_lib.planner.communication.nccl_time`: LL for small
+    messages, the ring's latency terms across nodes); another kind a ring, each step's latency
+    its own link's (:func:`ring_alpha`); the network's bandwidth once the group leaves a node."""
     n = _size(layout, dims)
     if n <= 1:
         return 0.0
+    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        seconds, data = F.nccl_time(hw, kind, nbytes, n, group_nodes(layout, hw, dims))
+        return seconds if latency else data
     _, bw = hw.link(group_in_node(layout, hw, dims))
     alpha = ring_alpha(hw, kind, n, group_nodes(layout, hw, dims))
     return F.collective_time(kind, nbytes, n, alpha if latency else 0.0, bw)
@@ -453,9 +458,7 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
         if dims == ("edp",):
             if edp <= 1:
                 continue
-            nodes = expert_replica_nodes(layout, hw)
-            alpha, bw = ring_alpha(hw, "all_reduce", edp, nodes), hw.link(nodes == 1)[1]
-            cost, own = (F.collective_time("all_reduce", n * itemsize, edp, a, bw) for a in (alpha, 0.0))
+            cost, own = F.nccl_time(hw, "all_reduce", n * itemsize, edp, expert_replica_nodes(layout, hw))
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
             if not dims:

@@ -42,16 +42,11 @@ from __future__ import annotations
 import functools
 import math
 
-# NCCL src/graph/tuning.cc (2.19-2.21). Microseconds. [algorithm][protocol]
-PROTOCOLS = ("LL", "LL128", "Simple")
-BASE_LATENCY = {"tree": (6.8, 14.0, 0.0), "ring": (6.6, 14.0, 8.4)}
-HW_LATENCY = {"nvlink": {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4)},
-              "net": {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0)}}
-# hwLat[.][RING][SIMPLE]: the presets' alpha (``Hardware.nvlink_latency`` / ``network_latency``)
-PRESET_ALPHA_IS = {"nvlink": HW_LATENCY["nvlink"]["ring"][2] * 1e-6, "net": HW_LATENCY["net"]["ring"][2] * 1e-6}
-LL_MAX_BW = {1: 87.7e9, 2: 39.0e9, 4: 20.4e9}   # llMaxBws: Hopper/Ampere one node; Intel CPUs 2, 4+ nodes
-NET_OVERHEAD = 1e-6                               # getNetOverhead: x86 Intel, x3 for Simple
-P2P_LL_THRESHOLD = 16 << 10                       # NCCL_P2P_LL_THRESHOLD: LL for messages up to 16 KiB
+# NCCL src/graph/tuning.cc (2.19-2.21): the constants (course_lib.nccl_tuning, data the planner
+# reads too; the arithmetic below is the clock's own)
+from course_lib.nccl_tuning import (BASE_LATENCY, HW_LATENCY, LL_MAX_BW, NET_OVERHEAD, P2P_LL_THRESHOLD,
+                                    PRESET_ALPHA_IS, PROTOCOLS, RING_LL, RING_LL128, RING_PLATEAU, TREE_BUS,
+                                    TREE_LL, TREE_LL128)
 
 
 class Lane:
@@ -149,16 +144,16 @@ def nccl_collective(hw, op: str, nbytes: float, n_ranks: int, n_nodes: int):
             bus = bw
             if algo == "ring":
                 if proto == "LL":
-                    bus = min(ll_cap, bus * (0.25 if (n_nodes > 1 or op == "all_reduce") else 1 / 3))
+                    bus = min(ll_cap, bus * RING_LL[0 if (n_nodes > 1 or op == "all_reduce") else 1])
                 elif proto == "LL128":
-                    bus = bus * (0.7 if ppn < 2 else 0.92)
+                    bus = bus * RING_LL128[0 if ppn < 2 else 1]
                 algbw = bus * (n_ranks / nsteps if op != "broadcast" else 1.0)
             else:
-                bus = bus * 0.92
+                bus = bus * TREE_BUS
                 if proto == "LL":
-                    bus = min(bus / 3.8, ll_cap)
+                    bus = min(bus * TREE_LL, ll_cap)
                 elif proto == "LL128":
-                    bus = bus * (7 / 9 if n_nodes == 1 else 120 / 128)
+                    bus = bus * TREE_LL128[0 if n_nodes == 1 else 1]
                 algbw = bus * 0.5
             base = BASE_LATENCY[algo][p] * 1e-6 * (scale_intra if n_nodes == 1 else scale_net)
             intra = HW_LATENCY["nvlink"][algo][p] * 1e-6 * scale_intra
@@ -177,7 +172,7 @@ def nccl_collective(hw, op: str, nbytes: float, n_ranks: int, n_nodes: int):
             data = nbytes / algbw if algbw != math.inf else 0.0
             if (algo == "ring" and proto == "Simple" and n_nodes > 1 and op == "all_reduce"
                     and nbytes >= n_ranks / 16 * 65536):
-                lat *= 1.9                                # NCCL's "plateau effect of ring"
+                lat *= RING_PLATEAU                       # NCCL's "plateau effect of ring"
             t = lat + data
             if best is None or t < best[0]:
                 best = (t, data, f"{algo}/{proto}")
