@@ -4,10 +4,10 @@ parallel loss, the host's wait at each blocking collective) and the data-paralle
 MoE (GradSync's own buckets, the tied head once). Both price a steady step (the dry run gives
 AdamW its state before the step, unpriced).
 
-The bound is the sweep's (10%); what is left inside it, measured on these layouts: the planner
-prices TP's collectives with its alpha-beta ring, the clock with NCCL's model (a 16.8 MB
-all-gather over 4 H100s: 45 against 54 us), and the vocabulary-parallel embedding's own masks
-are not traced."""
+The bound is the sweep's (10%); what is left inside it, measured on these layouts: the
+vocabulary-parallel embedding's own masks are not traced. (Until 2026-11-30 the planner priced
+TP's collectives with its alpha-beta ring, the clock with NCCL's model: a 16.8 MB all-gather
+over 4 H100s, 45 against 54 us; both now price NCCL's choice, planner.communication.nccl_time.)"""
 import pytest
 import torch
 

@@ -7,8 +7,9 @@ it: the source read and the destination written (not read), 2 x the gradient's b
 streaming pass at the elementwise rate when both are contiguous (kernel_cost.STREAMING_COPIES).
 The planner once priced it apart from the clock and the tail came out 7.4% short on this layout
 (the sweep's dp and cp rows lost the same); it now calls the clock's own op_cost. Everything in the tail is priced by
-the same kernel model but the all-reduces (the planner's alpha-beta ring, the clock's NCCL
-model: 2.925 against 2.934 ms for the 1.05 GB bucket over 2 H100s, 0.3%): so 1%."""
+the same kernel model, and the all-reduces by NCCL's tuning model on both sides, each its own
+transcription (planner.communication.nccl_time; until 2026-11-30 the planner's alpha-beta ring:
+2.925 against the clock's 2.934 ms for the 1.05 GB bucket over 2 H100s, 0.3%): so 1%."""
 from course_lib.layout import Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import get_hardware, get_model

@@ -243,12 +243,14 @@ def test_trace_reset_while_a_collective_is_pending():
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
 def test_the_planners_formula_against_the_clocks_model(op):
-    """The planner's alpha-beta ring (planner.communication) and the clock's NCCL model are
-    written apart. Where the bytes dominate they agree within 5%: the planner's domain (64 MiB
-    in a node, 1 GiB across nodes). Across nodes at 64 MiB the planner is above the clock: it
-    charges every ring step the network's alpha, where NCCL's rings cross the network only
-    between nodes. Where latency dominates they part the other way too (the planner has no
-    protocol choice): at 64 KiB on 8 GPUs of a node NCCL's LL is several times faster."""
+    """The planner's alpha-beta ring (planner.communication.collective_time: its default
+    runtime's, which models the published systems) and the clock's NCCL model are written apart.
+    Where the bytes dominate they agree within 5%: the formula's domain (64 MiB in a node, 1 GiB
+    across nodes). Across nodes at 64 MiB the formula is above the clock: it charges every ring
+    step the network's alpha, where NCCL's rings cross the network only between nodes. Where
+    latency dominates they part the other way too (the formula has no protocol choice): at
+    64 KiB on 8 GPUs of a node NCCL's LL is several times faster. The course runtime prices
+    NCCL's choice itself (planner.communication.nccl_time, tests/test_planner_nccl.py)."""
     from course_lib.planner.communication import collective_time as planner_time
     from course_lib.virtual.links import collective_time as clock_time
     for N, n in ((8, 64 * MiB), (8, 1024 * MiB), (16, 1024 * MiB), (64, 1024 * MiB)):
