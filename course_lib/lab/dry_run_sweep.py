@@ -83,6 +83,13 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
     fits (2026-11-30, seventeenth session)."""
     from course_lib.virtual.dry_run import check_dry_run
     out = _drawn(n, seed, check_dry_run)
+    def accepted(name, hw, twin) -> bool:        # the ranks run it and the planner says it fits
+        try:
+            check_dry_run(get_model(name), twin)
+        except (ValueError, NotImplementedError):
+            return False
+        return estimate(name, hw, twin).fits
+
     twins = []
     for name, hw, layout in out:
         if cp_methods and layout.cp > 1:
@@ -91,21 +98,9 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
             candidates = (layout.with_(tp=2, sp=True), layout.with_(cp=2))
         else:
             continue
-        for twin in candidates:
-            try:
-                check_dry_run(get_model(name), twin)
-            except (ValueError, NotImplementedError):
-                continue
-            if estimate(name, hw, twin).fits:
-                twins.append((name, hw, twin))
+        twins += [(name, hw, twin) for twin in candidates if accepted(name, hw, twin)]
     for name, hw, layout in out if split else ():
-        for twin in split_twins(layout):
-            try:
-                check_dry_run(get_model(name), twin)
-            except (ValueError, NotImplementedError):
-                continue
-            if estimate(name, hw, twin).fits:
-                twins.append((name, hw, twin))
+        twins += [(name, hw, twin) for twin in split_twins(layout) if accepted(name, hw, twin)]
     return out + twins
 
 
