@@ -100,6 +100,22 @@ GRAD_REDUCE_RECORDED = {
 }
 
 
+# The 8,192-GPU row with the sums sent each round AND fused RMSNorm and SwiGLU (a Hardware with
+# ``fused_kernels``: kernels the paper does not name), a what-if: (step seconds, peak GiB) of the
+# dry run, measured 2026-11-30 (seventeenth session, 22 s of CPU) by :func:`fused_round_row`; it
+# fits in 80 GiB with 0.38 GiB to spare (nothing left for an allocator's slack).
+FUSED_ROUND_RECORDED = (10.900856184473344, 79.62)
+
+
+def fused_round_row(name="Llama 3 405B, 8k", gpus=8192) -> tuple:
+    """The row run by the dry run with ``grad_reduce="round"`` on its Hardware with
+    ``fused_kernels``: (step seconds, peak GiB) (:data:`FUSED_ROUND_RECORDED`)."""
+    (source, _, model, hw, layout, *_), = llama_rows([(name, gpus)])
+    r = dry_run(model, hw.with_(fused_kernels=True), layout.with_(grad_reduce="round"),
+                fusions=row_software(source, name), dropout=DROPOUT[source], progress=None)
+    return r.step_time, round(r.peak_memory / GiB, 2)
+
+
 def grad_reduce_rows(cases=tuple(GRAD_REDUCE_RECORDED)) -> dict:
     """Each (row, GPUs, mode) of ``cases`` run by the dry run with ``grad_reduce=mode``, the row's
     own software: {case: (step seconds, peak GiB)} (:data:`GRAD_REDUCE_RECORDED`'s numbers)."""
@@ -315,5 +331,5 @@ def format_breakdown(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PAPER", "SOURCE", "GRAD_REDUCE_RECORDED", "grad_reduce_rows", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
+__all__ = ["PAPER", "SOURCE", "GRAD_REDUCE_RECORDED", "grad_reduce_rows", "FUSED_ROUND_RECORDED", "fused_round_row", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
            "peak_chunks", "stage_rows", "uncounted", "held_over_step", "breakdown", "breakdown_rows", "format_breakdown"]
