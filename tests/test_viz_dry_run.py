@@ -38,3 +38,13 @@ def test_a_stage_done_early_waits_for_the_drain():
 def test_unknown_rank_is_refused():
     with pytest.raises(ValueError, match="no span of rank 5"):
         step_breakdown(_spans(), 5)
+
+
+def test_a_gradient_sum_over_tp_is_data_parallelism():
+    """The SP norms' sum (dp x tp) and the experts' (tp x edp) after the schedule are DP's, not
+    exposed TP: on the sweep's MoE beside tp 2 + SP, 165 ms of "exposed TP" was mostly the
+    experts' bucket all-reduces over tp x edp."""
+    spans = [Span(0, "F0", "compute", 0, 4, "pp"), Span(0, "SP all-gather", "comm", 1, 2, "tp"),
+             Span(0, "all-reduce b0", "comm", 4, 6, "dp+tp"), Span(0, "all-reduce b1", "comm", 6, 9, "tp+edp")]
+    parts = step_breakdown(spans, 0)
+    assert parts["exposed TP"] == 1 and parts["DP all-reduce"] == 5 and sum(parts.values()) == 9

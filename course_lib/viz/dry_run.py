@@ -58,10 +58,13 @@ def step_breakdown(spans, rank: int, step_end: float | None = None) -> dict:
         raise ValueError(f"no span of rank {rank} (ranks: {sorted({s.rank for s in spans})})")
     t0, t1 = min(s.start for s in mine), max(s.end for s in mine)
     t1 = t1 if step_end is None else max(t1, step_end)
-    tp = _union((s.start, s.end) for s in mine if s.kind == "comm" and "tp" in s.dim.split("+"))
+    # a gradient sum is data parallelism's whatever else its group spans (the SP norms' over dp x
+    # tp, the experts' over their replicas, "edp" across tp): TP's are the collectives over tp alone
+    sums = [s for s in mine if s.kind == "comm" and {"dp", "edp"} & set(s.dim.split("+"))]
+    tp = _union((s.start, s.end) for s in mine if s.kind == "comm" and "tp" in s.dim.split("+")
+                and not {"dp", "edp"} & set(s.dim.split("+")))
     compute = _minus(_union((s.start, s.end) for s in mine if s.kind == "compute"), tp)
-    dp = _minus(_union((s.start, s.end) for s in mine if s.kind == "comm" and "dp" in s.dim.split("+")),
-                _union([*tp, *compute]))
+    dp = _minus(_union((s.start, s.end) for s in sums), _union([*tp, *compute]))
     # the schedule's last op on any rank: a stage done early waits for the drain (the bubble)
     end = min(t1, max((s.end for s in spans if s.kind == "compute"), default=t0))
     before = [[a, min(b, end)] for a, b in _union([*tp, *compute, *dp]) if a < end]
