@@ -78,8 +78,11 @@ class StageCost:
     # reduce-scatters' seconds, each waited for at the end of the round after its own
     round_reduce: float = 0.0
     # a schedule that splits its backwards (formulas.SPLIT): the seconds of W per micro-batch (all
-    # chunks), inside ``bwd`` (0: the formula's convention, half the backward)
+    # chunks), inside ``bwd`` (0: the formula's convention, half the backward); ``bwd`` is the whole
+    # backward, and a split one (B, then W) runs ``w_fused`` seconds less: the adds into .grad that
+    # W's GEMMs do themselves (runtime="course")
     w_time: float = 0.0
+    w_fused: float = 0.0
 
     @property
     def fwd_time(self) -> float:
@@ -142,7 +145,7 @@ def stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, runtime: str = "
             st.param_gather = r["param_gather"]            # ZeRO-1/2's gather at the step's start
             st.optimizer, st.loss_sync, st.kernels, st.calls = r["optimizer"], r["loss_sync"], r["kernels"], r["calls"]
             st.round_reduce = r["round_reduce"]
-            st.w_time = r["w_time"]
+            st.w_time, st.w_fused = r["w_time"], r["w_fused"]
             st.host = r["host"]
     return out
 

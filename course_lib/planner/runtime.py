@@ -313,8 +313,12 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     w_k = k["layer_w"].times(n_layers) + (k["head_w"] if last else Kernels()) if split else Kernels()
     w_params = [n_layers * k[f"layer_w_{x}"] + (k[f"head_w_{x}"] if last else 0) if split and not num.per_microbatch
                 else 0 for x in ("elements", "tensors")]     # (fp32 sums: W's hooks add, as autograd's)
+    fused = 0.0                               # per micro-batch: the adds a split backward's W does not run
     if not fsdp and (m > 1 or num.per_microbatch):   # every backward after a stage's first adds into .grad
-        acc = gradient_sums(hw, weights + norms + experts - w_params[0], tensors - w_params[1], num, m)   # per step;
+        acc = gradient_sums(hw, weights + norms + experts, tensors, num, m)   # the step's; per micro-batch:
+        if w_params[0]:
+            fused = (acc.device - gradient_sums(hw, weights + norms + experts - w_params[0], tensors - w_params[1],
+                                                num, m).device) / m
         bwd_k = Kernels(bwd_k.count + round(acc.count / m), bwd_k.flops + acc.flops / m,
                         bwd_k.bytes + acc.bytes / m, bwd_k.time + acc.time / m, bwd_k.device + acc.device / m)
         bwd["compute"] = bwd_k.time
@@ -400,7 +404,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels + step.count
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
                 round_reduce=rs_chunk, kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]),
-                w_time=w_k.device)
+                w_time=w_k.device, w_fused=fused)
 
 
 def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:

@@ -131,8 +131,8 @@ def action_program(layout, sc, where, rank, w_fraction=None):
         if a.op == "W":
             prog.append(("span", f"W{a.mb}.{a.stage}", "compute", w))
             continue
-        split_b = a.op == "B" and (a.stage, a.mb) in split
-        prog.append(("span", f"{a.op}{a.mb}.{a.stage}", "compute", work - w if split_b else work))
+        split_b = a.op == "B" and (a.stage, a.mb) in split      # (B + W: the whole less W's own adds)
+        prog.append(("span", f"{a.op}{a.mb}.{a.stage}", "compute", work - w - sc.w_fused / k if split_b else work))
         for kind in ("tp", "cp", "ep", "zero"):
             if parts[kind] > 0:
                 prog.append(("span", f"{kind} {a.op}{a.mb}", "comm", parts[kind] / k))
