@@ -359,6 +359,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         calls["pp"] = m * (F.p2p_sends(layout.schedule, p, stage) if layout.schedule in F.V_SCHEDULES
                            else (stage < p - 1) + (stage > 0))
 
+    # under SP a split backward's W gathers each column layer's input again (weight_grads.run_later):
+    # the re-gathers counted in bwd's TP (two a layer, the head's one) run in W, not in B
+    regather = (2 * n_layers + last) * costs["all_gather"] if split and layout.sp and t > 1 else 0.0
     replicas = ("dp", "cp")
     tail, sync_kernels, sync_seconds = 0.0, 0, None
     if fsdp and _size(layout, replicas) > 1:   # FSDP's collectives, per unit and micro-batch
@@ -404,7 +407,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     kernels = m * (fwd_k.count + bwd_k.count) + adam.count + sync_kernels + step.count
     return dict(fwd=fwd, bwd=bwd, p2p=p2p, grad_sync=tail, param_gather=gather, loss_sync=loss, optimizer=optimizer,
                 round_reduce=rs_chunk, kernels=kernels, calls=calls, host=(host["fwd"], host["bwd"]),
-                w_time=w_k.device, w_fused=fused)
+                w_time=w_k.device + regather, w_fused=fused)
 
 
 def accumulation(hw, elements: float, tensors: int, itemsize: int = 2) -> Kernels:
