@@ -131,6 +131,7 @@ class ComputeStream(TorchDispatchMode):
             clock.launch_blocking = False  # CUDA_LAUNCH_BLOCKING=1 (RankClock.launched)
         self._hooks, self._switched, self._thread = None, [], None
         self.tape = None                   # a list: every priced op's seconds appended (see replay)
+        self.live = None                   # a live_memory.LiveBytes: every new storage followed
         hw = clock.cluster.hw               # collectives take SMs from the kernels beside them
         self.contended = bool(getattr(hw, "nccl_channels", 0) and getattr(hw, "sm_count", 0))
         if not hasattr(clock, "sm_busy_until"):
@@ -175,6 +176,8 @@ class ComputeStream(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = getattr(func, "_op", func)     # an OpOverload's C++ operator: one Python frame less per op
         out = op(*args, **kwargs) if kwargs else op(*args)
+        if self.live is not None:
+            self.live.note(func, out)
         kind = _KIND_OF.get(op)
         if kind is None:
             kind = _KIND_OF[op] = _HOST_READ if func is _READ else kernel_kind(func)

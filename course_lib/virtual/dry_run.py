@@ -44,18 +44,25 @@ prices each tensor at its own dtype (``VirtualCluster(dtype=None)``), in time an
 (``lab.dry_runs.PRECISION`` states each source's).
 
 Memory (``peak_memory``): the largest over the running ranks and over the step of what its GPU
-holds (:func:`gpu_memory`, ``memory_by_stage[k]["peak"]``): the model states as they are at that
-moment (:class:`MemoryProbe`: parameters, masters and moments, and the gradient buffers as the
+holds at moments (:func:`gpu_memory`, ``memory_by_stage[k]["peak"]``). The pipeline runner
+asks after each forward and at the end of each backward: the model states as they are then
+(:class:`MemoryProbe`: parameters, masters and moments, and the gradient buffers as the
 program allocates and frees them, :func:`gradient_tensors`: ZeRO-2's fp32 sums live during the
 schedule and are gone after it, the masters' fp32 gradients of "bf16" appear after it) plus the
-activations autograd saved for backward then (the runner's count; the pipeline runner asks
-after each forward and at the end of each backward), and the states after the step.
-``memory_by_stage`` keeps "states" (after the step) and "activations" (their own peak) beside
-it. Not counted: temporaries inside an op; the collectives' flat buffers (ZeRO's and DDP's
-bucket being reduced, FSDP's gathered parameters); the stage outputs and messages the course's
-runner keeps (an output until its backward, every send until the step's end, RECV_DEPTH
-receive buffers), which Megatron-LM and Llama 3 free once sent (``deallocate_output_tensor``;
-:func:`course_lib.lab.llama3_memory.held_over_step` sizes them).
+activations autograd saved for backward then (the runner's count; a backward's end counts its
+saved tensors beside the gradients it made), and the states after the step. This count is
+what the planner walks moment by moment. Between two moments the program holds more for a
+while: the loss's logits and their gradient, a layer recomputed, FSDP's gathered parameters,
+a gradient on its way into ``.grad``, the bucket being reduced, the optimizer's temporaries.
+:mod:`.live_memory` follows every tensor the step's ops create: ``live_peak_memory``
+(``memory_by_stage[k]["live"]``) is each moment's count plus the most the program added
+after it (a replayed action, which runs no op, is given its real runs' rise), checked
+against torch's own ``MemTracker`` on a real step (``tests/test_dry_run_live_memory.py``).
+Not counted: an op's own workspace, module buffers, and the stage outputs and messages the
+course's runner keeps across moments (an output until its backward, every send until the
+step's end, RECV_DEPTH receive buffers), which Megatron-LM and Llama 3 free once sent
+(``deallocate_output_tensor``; :func:`course_lib.lab.llama3_memory.held_over_step` sizes
+them); ``memory_by_stage`` keeps "states" (after the step) and "activations" (their own peak) beside.
 """
 from __future__ import annotations
 
@@ -82,6 +89,7 @@ from course_lib.planner.presets import ModelSpec, get_hardware, get_model, runs_
 from course_lib.precision.mixed import check_precision
 from course_lib.schedules import chunks, make_schedule, placement_of, rank_stage_ids, validate
 from course_lib.virtual.compute import tensor_bytes
+from course_lib.virtual.live_memory import LiveBytes
 from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
@@ -99,7 +107,8 @@ class DryRun:
     mfu: float                 # model FLOPs (planner's count, full attention) / (step * GPUs * peak)
     peak_memory: int           # bytes, the largest over the GPUs (see the module's docstring)
     memory_by_stage: list      # per pipeline stage: {"states": after the step, "activations": their peak,
-                               #  "peak": the largest held over the step} (bytes)
+                               #  "peak": the largest count at a moment (no temporaries);
+                               #  "live": the largest held over the step, every tensor} (bytes)
     spans: list                # trace.Span of the running ranks, virtual seconds
     ranks_run: int
     kernels: int               # kernels priced on the running ranks' compute streams
@@ -111,6 +120,12 @@ class DryRun:
     @property
     def fits(self) -> bool:
         return self.peak_memory <= self.hardware.hbm_bytes
+
+    @property
+    def live_peak_memory(self) -> int:
+        """Bytes, the largest over the GPUs of every tensor the program held over the step
+        (``memory_by_stage[k]["live"]``: the moments' count plus the temporaries between them)."""
+        return max(m["live"] for m in self.memory_by_stage)
 
 
 def model_config(spec: ModelSpec, layout: Layout, recompute=None, dropout: float = 0.0) -> GPTConfig:
@@ -172,12 +187,22 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
         fold_token_places(net, cfg, layout, mesh, document_ids(layout.documents))
     if memo is not None:
         memo.install(net.runner)
-    net.runner.memory_probe = MemoryProbe(net, opt, clock.cluster)
-    net.step(x, x, doc_ids=document_ids(layout.documents))
-    opt.step()
+    stream = getattr(clock, "_mode", None)     # every tensor the step allocates followed (live_memory)
+    live = None if stream is None else LiveBytes(stream.sizes)
+    net.runner.memory_probe = probe = MemoryProbe(net, opt, clock.cluster, live)
+    probe.start()
+    if stream is not None:
+        stream.live = live
+    try:
+        net.step(x, x, doc_ids=document_ids(layout.documents))
+        opt.step()
+        net.runner.note_held()                  # the step's end: its reductions and the optimizer's
+    finally:
+        if stream is not None:
+            stream.live = None
     clock.settle()
     return {"t": clock.t, "kernels": clock.kernels, "replayed": memo.replays if memo is not None else 0,
-            **gpu_memory(net, opt, clock.cluster)}
+            **gpu_memory(net, opt, clock.cluster), "late_frees": 0 if live is None else live.late}
 
 
 def optimizer_state(opt) -> None:
@@ -248,14 +273,18 @@ class FusedAdamW:
 
 
 FP32 = 4
+# a running rank's memory (bytes): the states after the step, the peak of what autograd saved,
+# the largest count at a moment, and the peak over the step of every tensor the program held
+MEMORY_KEYS = ("states", "activations", "peak", "live")
 
 
 def gpu_memory(net, opt, cluster) -> dict:
     """Bytes this rank's GPU holds, as mixed-precision training on the virtual cluster keeps
     them: "states", after the step; "activations", the runner's peak of activations saved for
-    backward; "peak", the largest over the step of the states as they are at that moment plus
-    the activations saved then (:class:`MemoryProbe`, the runner's ``peak_held_bytes``), and the
-    states after the step. A cluster of one dtype (the course's float program standing for a
+    backward; "peak", the largest over the step of the states as they are at a moment plus
+    the activations saved then (:class:`MemoryProbe`), and the states after the step; "live",
+    the same with every tensor the program held between two moments (the runner's
+    ``peak_held_bytes``: :mod:`.live_memory`), the GPU's peak. A cluster of one dtype (the course's float program standing for a
     bf16 one): ZeRO's convention, K = 12, the parameters and gradients the stages compute with
     at the cluster's dtype, an fp32 master of every parameter the optimizer updates and its fp32
     optimizer states by formula; activations at the cluster's dtype. A cluster of each tensor's
@@ -266,7 +295,7 @@ def gpu_memory(net, opt, cluster) -> dict:
     probe = net.runner.memory_probe or MemoryProbe(net, opt, cluster)
     states = probe.states()
     return {"states": states, "activations": probe.activations(net.last_result.peak_activation_bytes),
-            "peak": max(states, net.last_result.peak_held_bytes)}
+            "peak": max(states, probe.top_moment), "live": max(states, net.last_result.peak_held_bytes)}
 
 
 class MemoryProbe:
@@ -274,10 +303,17 @@ class MemoryProbe:
     ``probe(saved, states_changed)`` -> its states now (the tensors that do not change during a step, counted
     once here, and :func:`gradient_tensors` as they are now) plus ``saved`` bytes of
     activations (the runner's count, at the cluster's dtype). Installed as the pipeline
-    runner's ``memory_probe`` before the step."""
+    runner's ``memory_probe`` before the step.
+    With ``live`` (:class:`~course_lib.virtual.live_memory.LiveBytes`, following every tensor
+    the program allocates), the most the GPU held since the previous moment: that moment's
+    count plus the most the program added after it (the loss's and the recompute's
+    temporaries, gathered parameters, buckets, the optimizer's temporaries), where larger;
+    ``excess`` (after the call) is how far that rose above both moments, which a replayed
+    action (no op runs) is given back (``excess=``)."""
 
-    def __init__(self, net, opt, cluster):
-        self.net, self.cluster = net, cluster
+    def __init__(self, net, opt, cluster, live=None):
+        self.net, self.cluster, self.live, self.excess, self.previous = net, cluster, live, 0, None
+        self.top_moment = 0             # the largest count at a moment (no temporaries)
         model, updated = net.model_parameters(), net.parameters()
         moments = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
         self.own = cluster.dtype is None
@@ -298,10 +334,24 @@ class MemoryProbe:
     def states(self) -> int:
         return self.fixed + tensor_bytes(self.cluster, gradient_tensors(self.net, self.model, self.updated, self.own))
 
-    def __call__(self, saved: int, states_changed: bool = True) -> int:
+    def __call__(self, saved: int, states_changed: bool = True, excess: int = 0, going: int = 0) -> int:
         if states_changed or self.last is None:     # (a forward changes no gradient buffer)
             self.last = self.states()
-        return self.last + self.activations(saved)
+        held = self.last + self.activations(saved)
+        before = held if self.previous is None else self.previous
+        # the count at this moment: a backward's end with its saved tensors (``going``) beside
+        # the gradients it made, where the two coexist at their largest (the planner's moment)
+        self.previous, self.top_moment = held, max(self.top_moment, held + self.activations(going))
+        if self.live is None:
+            return held
+        top = max(before + self.live.rise(), max(before, held) + excess)
+        self.live.mark()
+        self.excess = max(0, top - max(before, held))
+        return max(held, top)
+
+    def start(self) -> None:
+        """The step begins: its first moment is what the GPU holds now (states, nothing saved)."""
+        self.previous = self(0)
 
 
 def gradient_tensors(net, model, updated, own_dtype: bool) -> list:
@@ -422,7 +472,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     step = max(r["t"] for r in res)
     s = cfg.seq_len
     model_flops = formulas.flops_per_token(spec, s, "none") * layout.global_batch * s
-    memory = [{"states": r["states"], "activations": r["activations"], "peak": r["peak"]} for r in res]
+    memory = [{k: r[k] for k in MEMORY_KEYS} for r in res]
     spans = [sp for r in running for sp in records[r].resolve()]
     return DryRun(spec, hw, layout, step, model_flops / (step * shape.world_size * hw.peak_flops),
                   max(m["peak"] for m in memory), memory, spans, len(running),

@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from course_lib import trace
+from course_lib.virtual.live_memory import unfollowed
 
 REPLAYED = "replayed"    # runner.state's mark of a micro-batch whose forward was replayed
 
@@ -58,6 +59,8 @@ class ActionMemo:
         self.bad = set()            # (op, stage) never replayed
         self.runs = {}              # (op, stage) -> real runs so far
         self.extra = {}             # (op, stage) -> what the runner keeps (saved bytes)
+        self.excess = {}            # (op, stage) -> its last real run's MemoryProbe.excess
+        self.runner = None          # the runner it wraps (install)
         self.replays = 0
         self.sent = {}              # boundary -> the meta tensor replayed actions send
 
@@ -100,6 +103,8 @@ class ActionMemo:
         finally:
             self.taping = None
             self.clock.stream_tape(None)
+        # what the action held above both of the memory's moments around it, for its replays
+        self.excess[key] = getattr(getattr(self.runner, "memory_probe", None), "excess", 0)
         tape, self.tape = self.tape, None
         n = self.runs[key] = self.runs.get(key, 0) + 1
         if tape is None or clock.kernels - k0 != sum(1 for x in tape if x is not None and not isinstance(x, tuple)):
@@ -115,7 +120,8 @@ class ActionMemo:
         if n == 2:
             self.tapes[key] = signature
         elif signature == self.tapes[key]:
-            self.ready[key] = _segments(tape)
+            with unfollowed(clock.stream()):      # (templates, not the program's memory)
+                self.ready[key] = _segments(tape)
         else:
             self.bad.add(key)
 
@@ -149,6 +155,7 @@ class ActionMemo:
         splits some backwards (zero bubble: DualPipeV's first ones) replays a forward only once
         its stage's full backward has a tape: its first backwards do not tape the full one."""
         real_f, real_b = runner.F, runner.B
+        self.runner = runner
         if runner.split:
             self.early = False
 
@@ -165,7 +172,7 @@ class ActionMemo:
                 self.play(("F", s))
             runner.live[(s, mb)] = runner.out.saved_bytes[(s, mb)] = self.extra[("F", s)]
             runner.out.peak_activation_bytes = max(runner.out.peak_activation_bytes, sum(runner.live.values()))
-            runner.note_held(states_changed=False)
+            runner.note_held(states_changed=False, excess=self.excess.get(("F", s), 0))
             if s < runner.n - 1:
                 runner.send(self._sent(runner, s), "act", s + 1, mb)
             else:
@@ -183,8 +190,9 @@ class ActionMemo:
                 runner.recv(i, "grad", s, mb)
             with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
                 self.play(("B", s))
-            runner.note_held()          # (its gradients' buffers exist: its stage's first backward ran)
-            del runner.state[(s, mb)], runner.live[(s, mb)]
+            del runner.state[(s, mb)]
+            runner.note_held(excess=self.excess.get(("B", s), 0),     # (its stage's first backward
+                             going=runner.live.pop((s, mb)))           #  made its buffers)
             if s > 0:
                 runner.send(self._sent(runner, s - 1), "grad", s - 1, mb)
             runner.backward_done(s, mb)
@@ -197,7 +205,8 @@ class ActionMemo:
         t = self.sent.get(boundary)
         if t is None:
             shape, dtype = runner.shapes[boundary]
-            t = self.sent[boundary] = torch.empty(shape, dtype=dtype, device="meta")
+            with unfollowed(self.clock.stream()):
+                t = self.sent[boundary] = torch.empty(shape, dtype=dtype, device="meta")
         return t
 
 

@@ -147,9 +147,10 @@ class ScheduleRunner:
     ZeRO's reductions chunk by chunk (``ZeroSync.gradients_done``); ``gradients_starting`` (s),
     before each B or W of s: where ZeRO freed s's sums after a round, their buffers come back
     there, as a first backward makes them (``ZeroSync.gradients_starting``).
-    memory_probe (settable, default None): ``probe(saved, states_changed)`` -> the bytes the GPU
-    holds now, given the bytes saved for backward now; called after each forward and at the end of each backward
-    (B, W) before its saved tensors go, where states and activations coexist at their largest;
+    memory_probe (settable, default None): ``probe(saved, states_changed, excess)`` -> the bytes the GPU
+    holds now, given the bytes saved for backward now (or the most it held since the last call, where larger);
+    called after each forward and at the end of each backward (B, W), with the saved bytes the
+    backward let go of (``going``: counted beside the gradients it made, where they meet);
     the step's largest is ``peak_held_bytes`` (the dry run's peak over the step).
     """
 
@@ -272,15 +273,18 @@ class ScheduleRunner:
         with trace.span(f"B{mb}" + (f"@{s}" if s else ""), "compute", "pp"):
             if (s, mb) in self.split:
                 dx, for_w = backward_input(y, dy, x, record)
-                self.note_held()
                 self.state[(s, mb)] = (for_w, record.get("later", []))
+                saved = self.live[(s, mb)]
                 self.live[(s, mb)] = storage_bytes([t for _, inp, g in for_w for t in (inp, g)] +
                                                    held(record.get("later", [])))
+                del y, record
+                self.note_held(going=max(0, saved - self.live[(s, mb)]))
             else:
                 torch.autograd.backward(y, dy)
                 dx = None if x is None else x.grad
-                self.note_held()
-                del self.state[(s, mb)], self.live[(s, mb)]
+                saved = self.live.pop((s, mb))
+                del self.state[(s, mb)], y, record
+                self.note_held(going=saved)
         if s > 0:
             self.send(dx, "grad", s - 1, mb)
         elif (s, mb) in self.split and x is not None:
@@ -303,14 +307,17 @@ class ScheduleRunner:
             for_w, later = self.state.pop((s, mb))
             backward_weight(for_w)
             run_later(later)                 # the tensor-parallel layers' (weight_grads)
-        self.note_held()
-        del self.live[(s, mb)]
+            del for_w, later
+        self.note_held(going=self.live.pop((s, mb)))
 
-    def note_held(self, states_changed: bool = True):
+    def note_held(self, states_changed: bool = True, excess: int = 0, going: int = 0):
         """Ask ``memory_probe`` (if set) what the GPU holds now; keep the step's largest.
-        ``states_changed=False`` (after a forward): no gradient buffer came or went since the last ask."""
+        ``states_changed=False`` (after a forward): no gradient buffer came or went since the last ask.
+        ``excess``: what the action since the last ask held for a while above both asks, where
+        it ran no op (a dry run's replayed action: its real runs' excess). ``going``: the saved
+        bytes the action just let go of (a backward's), counted once more in the moment's count."""
         if self.memory_probe is not None:
-            held = self.memory_probe(sum(self.live.values()), states_changed)
+            held = self.memory_probe(sum(self.live.values()), states_changed, excess, going)
             self.out.peak_held_bytes = max(self.out.peak_held_bytes, held)
 
     def send(self, t, kind, s, mb):
