@@ -42,12 +42,12 @@ def test_peak_over_the_step_equals_the_schedule_model_and_a_real_launch():
     model = LM.held_over_step(SPEC, LAYOUT, 1, layer, mem["states"], stage_params,
                               owned=stage_params // LAYOUT.dp)
     assert model["count"] == mem["states"] + mem["activations"]     # the count before: states after + activations
-    assert mem["peak"] == model["held"]                             # to the byte
+    assert mem["moments"] == model["held"]                          # to the byte
     # the fp32 sums (4 bytes a parameter) are held with the activations; the slices' gradients are not
-    assert mem["peak"] - model["count"] == 4 * stage_params - 4 * (stage_params // LAYOUT.dp)
+    assert mem["moments"] - model["count"] == 4 * stage_params - 4 * (stage_params // LAYOUT.dp)
     # between the moments the program holds more for a while (the loss's logits, a gradient
     # on its way into its sum): the peak over the step is above every moment
-    assert all(m["live"] > m["peak"] for m in r.memory_by_stage)
+    assert all(m["peak"] > m["moments"] for m in r.memory_by_stage)
     assert r.peak_memory == max(m["peak"] for m in r.memory_by_stage) > max(m["states"] + m["activations"]
                                                                             for m in r.memory_by_stage)
     real = launch(_real_rank, LAYOUT.n_gpus, cfg, LAYOUT, FUSIONS, clock=VirtualCluster(HW, dtype=None))
@@ -71,11 +71,11 @@ def test_the_planner_counts_the_same_moments():
     for layout, at_end in ((LAYOUT, False), (bf16, True), (m_is_p, False)):
         est = estimate(SPEC, HW, layout, runtime="course")
         r = dry_run(SPEC, HW, layout, fusions=FUSIONS, progress=None)
-        assert abs(est.memory["total"] / r.peak_memory - 1) <= BOUND, (layout, est.memory, r.peak_memory)
+        assert abs(est.memory["total"] / r.moment_memory - 1) <= BOUND, (layout, est.memory, r.moment_memory)
         m = est.memory
         states_after = m["params"] + m["grads_after_step"] + m["optimizer"]
         assert (m["total"] == states_after) is at_end
-        assert (r.peak_memory == max(s["states"] for s in r.memory_by_stage)) is at_end
+        assert (r.moment_memory == max(s["states"] for s in r.memory_by_stage)) is at_end
         if at_end:      # during the schedule: the bf16 model's gradients, 2 bytes; after it: fp32, 4
             assert m["grads"] == m["grads_after_step"] == 2 * m["params"]
             assert m["total"] < states_after + m["activations"]

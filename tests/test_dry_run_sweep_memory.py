@@ -1,8 +1,8 @@
 """The earlier sweep's one peak-memory row over 10% (its draw before ZeRO-1/2 were drawn; its dry run
 kept in benchmarks/dry_run_vs_planner.json: Llama 3 8B, A100, DP4 ZeRO-3 x TP4 x PP2 x CP2, full
 recomputation, +18.9%) is the planner's temporaries, which
-the dry run's peak leaves out by its definition (states after the step + activations saved for
-backward): without them the two agree to 1.5% (0.01% on the clock whose lanes served transfers
+the dry run's count at moments leaves out by its definition (states + activations saved for
+backward, ``DryRun.moment_memory``; its peak over the step holds them): without them the two agree to 1.5% (0.01% on the clock whose lanes served transfers
 first come, first served, before 2026-11-29: the dry run's peak, taken at a moment of virtual
 time, moved by 1.4% when the lanes came to be shared). Read from the recorded dry run (no run
 here; benchmarks/dry_run_vs_planner.json keeps it beside the sweep's rows)."""

@@ -62,15 +62,16 @@ def test_held_over_step_model(tiny):
         LM.held_over_step(TINY, LAYOUT, 0, tiny["layer"], 0, 0)       # stage 0: the embedding's chunk
 
 
-def test_the_8192_row_fits_with_fused_kernels_and_the_sums_sent_each_round():
-    """The recorded what-if (``FUSED_ROUND_RECORDED``: the dry run) under 80 GiB, and the
-    planner's course runtime on the same row and Hardware: the same step and peak (to 0.1%,
-    instant; chapter 10 prints the planner's)."""
+def test_the_8192_row_with_fused_kernels_and_the_sums_sent_each_round():
+    """The recorded what-if (``FUSED_ROUND_RECORDED``: the dry run) under 80 GiB at moments,
+    over it with the temporaries between them, and the planner's course runtime on the same row
+    and Hardware: the same step and count at moments (to 0.1%, instant; chapter 10 prints the
+    planner's)."""
     from course_lib.planner import estimate
-    step, peak = LM.FUSED_ROUND_RECORDED
+    step, peak, gpu_peak = LM.FUSED_ROUND_RECORDED
     (_, _, model, hw, layout, *_), = LM.llama_rows([("Llama 3 405B, 8k", 8192)])
     hw = hw.with_(fused_kernels=True)
     est = estimate(model, hw, layout.with_(grad_reduce="round"), runtime="course")
-    assert peak < hw.hbm_bytes / 2**30 and est.fits
+    assert peak < hw.hbm_bytes / 2**30 < gpu_peak and est.fits
     assert est.step_time == pytest.approx(step, rel=1e-3)
     assert est.memory["total"] / 2**30 == pytest.approx(peak, rel=1e-3)

@@ -177,9 +177,9 @@ def cause(planner: dict, dry: dict, passes: tuple | None = None) -> str:
 def memory_cause(layout, est, dry_peak: float) -> str:
     """What a peak-memory difference over :data:`BOUND` is known to come from, or ''.
 
-    The dry run's peak is the states at each moment of the step and the activations saved for
-    backward then (:func:`course_lib.virtual.dry_run.gpu_memory`: "temporaries inside an op are
-    not counted");
+    The sweep compares the planner with the dry run's count at moments: the states at each
+    moment of the step and the activations saved for backward then (``DryRun.moment_memory``;
+    its ``peak_memory`` adds every tensor held between the moments, :mod:`course_lib.virtual.live_memory`);
     the planner's adds what a GPU holds only for a moment ("temporaries": the last stage's
     logits, under full recomputation the layer being recomputed, under ZeRO-3 the gathered
     parameters of two units). Said where the planner's peak without them is the dry run's
@@ -190,7 +190,7 @@ def memory_cause(layout, est, dry_peak: float) -> str:
     if abs(held / dry_peak - 1) > 0.02:
         return ""
     return (f"memory: the planner's temporaries ({est.memory['temporaries'] / 2**30:.2f} GiB), which the dry "
-            f"run's peak leaves out; without them {held / dry_peak - 1:+.1%}")
+            f"run's count at moments leaves out; without them {held / dry_peak - 1:+.1%}")
 
 
 def schedule_check(layout, dry: dict) -> float | None:
@@ -235,7 +235,9 @@ def dry_result(name, hw, layout) -> dict:
     began = time.perf_counter()
     r = dry_run(name, hw, layout, progress=None, optimizer="foreach")
     parts = step_breakdown(r.spans, min(s.rank for s in r.spans), r.step_time)
-    return {"step_time": r.step_time, "peak_memory": r.peak_memory, "parts": parts,
+    # "peak_memory": the count at moments (DryRun.moment_memory), which the planner walks (its
+    # temporaries beside); "gpu_peak": the GPU's peak over the step, every tensor (r.peak_memory)
+    return {"step_time": r.step_time, "peak_memory": r.moment_memory, "gpu_peak": r.peak_memory, "parts": parts,
             "passes": pass_times(r.spans), "wall_s": time.perf_counter() - began}
 
 

@@ -31,32 +31,36 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "attention; the twenty A100 rows again on 2026-11-30 (fifteenth session), Megatron-LM 2021-22's "
                "GEMMs at 0.797 of peak a tile (validation.MEGATRON_2022_GEMM, fitted on Korthikanti et al.'s "
                "one-layer Table 4), not the a100-80gb preset's 0.913 (MAMF's best shape on 2024's software): "
-               "each 8-13% slower; Llama 3's rows as before")
+               "each 8-13% slower; Llama 3's rows as before; every row again on 2026-11-30 (eighteenth session), "
+               "its peak memory now every tensor the program holds over the step, the temporaries between "
+               "the moments included (virtual.live_memory; 0.3-11.8 GiB more, the Narayanan 1.7B row's "
+               "micro-batch of 16 logits the most): every step time the same to the bit; wall_s two rows at a "
+               "time, the two 1T rows alone")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
-    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.09, True, 2, 2),
-    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.824352434312097, 54.46, True, 10, 11),
-    ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.85295751831817, 54.13, True, 69, 77),
-    ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96770626392949, 59.48, True, 141, 151),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 46.47, True, 1, 1),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 48.25, True, 8, 9),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 44.31, True, 75, 91),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 1T, full', 512): (100.36725131968122, 48.15, True, 138, 157),
-    ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.221980036517465, 54.13, True, 71, 79),
-    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.503093766797706, 34.6, True, 0, 0),
-    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.6336096169801544, 35.81, True, 0, 0),
-    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.6158294590100053, 39.11, True, 0, 0),
-    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.96067897435503, 42.91, True, 1, 1),
-    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.41098755984794, 43.18, True, 1, 1),
-    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.962901608649105, 42.63, True, 6, 7),
-    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.973516000279186, 46.84, True, 5, 6),
-    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.160710731271294, 47.89, True, 12, 15),
-    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.361866468659095, 44.31, True, 56, 72),
-    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54249383690686, 48.15, True, 71, 90),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (100.37779062703747, 40.86, True, 14, 16),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.395880728508223, 111.52, False, 47, 56),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.42544235536821, 92.26, False, 31, 39),
-    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.216690064696856, 96.89, False, 54, 79),
+    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.89, True, 6, 2),
+    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.824352434312097, 54.78, True, 19, 9),
+    ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.85295751831817, 54.74, True, 123, 64),
+    ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96770626392949, 60.37, True, 148, 151),
+    ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.221980036517465, 54.74, True, 99, 67),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (100.37779062703747, 49.57, True, 18, 9),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.395880728508223, 112.65, False, 62, 39),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.42544235536821, 93.23, False, 42, 34),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.216690064696856, 97.86, False, 67, 62),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 47.43, True, 7, 2),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 49.14, True, 16, 7),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 45.96, True, 112, 60),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 1T, full', 512): (100.36725131968122, 50.61, True, 149, 174),
+    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.503093766797706, 46.38, True, 2, 0),
+    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.6336096169801544, 42.99, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.6158294590100053, 43.53, True, 4, 1),
+    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.96067897435503, 45.33, True, 15, 5),
+    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.41098755984794, 44.86, True, 5, 1),
+    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.962901608649105, 43.77, True, 9, 3),
+    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.973516000279186, 48.25, True, 7, 4),
+    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.160710731271294, 49.18, True, 14, 8),
+    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.361866468659095, 45.92, True, 55, 34),
+    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54249383690686, 50.61, True, 92, 55),
 }
 
 

@@ -436,8 +436,8 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
         rows.append({"model": model.name, "GPU": hw, "layout": layout.describe(),
                      "planner_s": est.step_time, "dry_s": r.step_time, "time_diff": est.step_time / r.step_time - 1,
                      "planner_megatron_s": estimate(model, hw, layout).step_time,
-                     "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": r.peak_memory / 2**30,
-                     "memory_diff": est.memory["total"] / r.peak_memory - 1})
+                     "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": r.moment_memory / 2**30,
+                     "memory_diff": est.memory["total"] / r.moment_memory - 1})
         if progress is not None:
             row = rows[-1]
             print(f"{row['model'][:14]:14s} {hw:9s} {row['layout'][:70]:70s} time {row['time_diff']:+.1%} "

@@ -6,7 +6,9 @@ what Dubey et al. 2024 (arXiv 2407.21783) say about memory (:data:`PAPER`).
     print(format_breakdown(rows))
 
 The dry run's peak of a GPU is the largest over the step of its model states as they are at
-that moment plus the tensors autograd saved for backward then (``memory_by_stage[k]["peak"]``);
+that moment plus the tensors autograd saved for backward then, counted at moments
+(``memory_by_stage[k]["moments"]``, ``DryRun.moment_memory``: every number here; the GPU's peak
+over the step adds the temporaries between the moments, ``peak_memory``, chapter 10's table);
 its categories stay the states after the step and the runner's peak of saved activations
 (``peak_activation_bytes``: storages, parameters excluded), whose sum was the peak before
 (``total`` here, the "count"). Each Llama row's chunk is one layer (``llama3_layout``: 126 layers, the embedding
@@ -91,8 +93,10 @@ PAPER = {
 # the recorded rows (lab.dry_run_table.RECORDED) send them after the schedule, as Megatron-LM of
 # 2021-22 did, and the paper does not say when Llama 3's FSDP sent them. Measured 2026-11-30
 # (sixteenth session) on the 2-core machine by :func:`grad_reduce_rows` (38-52 s a row):
-# {(row, GPUs, mode): (step seconds, peak GiB)}; "step": the recorded rows.
+# {(row, GPUs, mode): (step seconds, GiB at moments)}; "step": the recorded row (its count at
+# moments; lab.dry_run_table.RECORDED keeps its peak with every tensor, 112.65 GiB).
 GRAD_REDUCE_RECORDED = {
+    ("Llama 3 405B, 8k", 8192, "step"): (11.395880728508223, 111.52),
     ("Llama 3 405B, 8k", 8192, "chunk"): (11.17636647504918, 111.52),
     ("Llama 3 405B, 8k", 8192, "round"): (11.22627858447414, 102.75),
     ("Llama 3 405B, 8k", 16384, "round"): (6.127437385781626, 92.26),    # one round: "chunk"'s
@@ -101,19 +105,22 @@ GRAD_REDUCE_RECORDED = {
 
 
 # The 8,192-GPU row with the sums sent each round AND fused RMSNorm and SwiGLU (a Hardware with
-# ``fused_kernels``: kernels the paper does not name), a what-if: (step seconds, peak GiB) of the
-# dry run, measured 2026-11-30 (seventeenth session, 22 s of CPU) by :func:`fused_round_row`; it
-# fits in 80 GiB with 0.38 GiB to spare (nothing left for an allocator's slack).
-FUSED_ROUND_RECORDED = (10.900856184473344, 79.62)
+# ``fused_kernels``: kernels the paper does not name), a what-if: (step seconds, GiB at moments,
+# GiB peak) of the dry run, measured 2026-11-30 by :func:`fused_round_row` (22 s of CPU). At
+# moments it holds 79.62 GiB, 0.38 GiB under 80 (seventeenth session); with every tensor the
+# program holds between the moments (eighteenth session, ``live_memory``: a layer's new fp32
+# sums and bf16 weight gradients beside its activation gradients and SP's gathered inputs during
+# a backward) it peaks at 82.05 GiB, and does not fit.
+FUSED_ROUND_RECORDED = (10.900856184473344, 79.62, 82.05)
 
 
 def fused_round_row(name="Llama 3 405B, 8k", gpus=8192) -> tuple:
     """The row run by the dry run with ``grad_reduce="round"`` on its Hardware with
-    ``fused_kernels``: (step seconds, peak GiB) (:data:`FUSED_ROUND_RECORDED`)."""
+    ``fused_kernels``: (step seconds, GiB at moments, GiB peak) (:data:`FUSED_ROUND_RECORDED`)."""
     (source, _, model, hw, layout, *_), = llama_rows([(name, gpus)])
     r = dry_run(model, hw.with_(fused_kernels=True), layout.with_(grad_reduce="round"),
                 fusions=row_software(source, name), dropout=DROPOUT[source], progress=None)
-    return r.step_time, round(r.peak_memory / GiB, 2)
+    return r.step_time, round(r.moment_memory / GiB, 2), round(r.peak_memory / GiB, 2)
 
 
 def grad_reduce_rows(cases=tuple(GRAD_REDUCE_RECORDED)) -> dict:
@@ -124,7 +131,7 @@ def grad_reduce_rows(cases=tuple(GRAD_REDUCE_RECORDED)) -> dict:
         (source, _, model, hw, layout, *_), = llama_rows([(name, gpus)])
         r = dry_run(model, hw, layout.with_(grad_reduce=mode), fusions=row_software(source, name),
                     dropout=DROPOUT[source], progress=None)
-        out[name, gpus, mode] = (r.step_time, round(r.peak_memory / GiB, 2))
+        out[name, gpus, mode] = (r.step_time, round(r.moment_memory / GiB, 2))
     return out
 
 
@@ -195,7 +202,7 @@ def stage_rows(run, layer: int) -> list[dict]:
     for k, mem in enumerate(run.memory_by_stage):
         held = peak_chunks(run.model, run.layout, k)
         out.append({"stage": k, "states": mem["states"], "activations": mem["activations"],
-                    "total": mem["states"] + mem["activations"], "peak": mem["peak"],
+                    "total": mem["states"] + mem["activations"], "peak": mem["moments"],
                     "in_flight_chunks": held["chunks"],
                     "formula_chunks": in_flight_chunks(run.layout, k), "layers_in_flight": held["layers"],
                     "no_layer_chunks": held["no_layer"], "rest": mem["activations"] - held["layers"] * layer})
@@ -297,7 +304,8 @@ def breakdown(run_row, progress=None) -> dict:
     held = {d: held_over_step(spec, layout, peak["stage"], layer, peak["states"], params, deallocate=d, owned=owned)
             for d in (False, True)}
     return {"model": name, "GPUs": layout.n_gpus, "m": layout.microbatches, "step_time": r.step_time,
-            "peak": r.peak_memory, "fits": r.fits, "stages": stages, "peak_stage": peak["stage"],
+            "peak": r.moment_memory, "fits": r.moment_memory <= hw.hbm_bytes, "gpu_peak": r.peak_memory,
+            "stages": stages, "peak_stage": peak["stage"],
             "layer": layer, "layer_units": layer / unit, "fit_units": budget / unit, "unit": unit,
             "uncounted": uncounted(spec, hw, layout, peak["stage"]), "held": held[False],
             "held_deallocated": held[True]}

@@ -44,25 +44,25 @@ prices each tensor at its own dtype (``VirtualCluster(dtype=None)``), in time an
 (``lab.dry_runs.PRECISION`` states each source's).
 
 Memory (``peak_memory``): the largest over the running ranks and over the step of what its GPU
-holds at moments (:func:`gpu_memory`, ``memory_by_stage[k]["peak"]``). The pipeline runner
-asks after each forward and at the end of each backward: the model states as they are then
-(:class:`MemoryProbe`: parameters, masters and moments, and the gradient buffers as the
-program allocates and frees them, :func:`gradient_tensors`: ZeRO-2's fp32 sums live during the
-schedule and are gone after it, the masters' fp32 gradients of "bf16" appear after it) plus the
-activations autograd saved for backward then (the runner's count; a backward's end counts its
-saved tensors beside the gradients it made), and the states after the step. This count is
-what the planner walks moment by moment. Between two moments the program holds more for a
-while: the loss's logits and their gradient, a layer recomputed, FSDP's gathered parameters,
-a gradient on its way into ``.grad``, the bucket being reduced, the optimizer's temporaries.
-:mod:`.live_memory` follows every tensor the step's ops create: ``live_peak_memory``
-(``memory_by_stage[k]["live"]``) is each moment's count plus the most the program added
-after it (a replayed action, which runs no op, is given its real runs' rise), checked
-against torch's own ``MemTracker`` on a real step (``tests/test_dry_run_live_memory.py``).
-Not counted: an op's own workspace, module buffers, and the stage outputs and messages the
-course's runner keeps across moments (an output until its backward, every send until the
-step's end, RECV_DEPTH receive buffers), which Megatron-LM and Llama 3 free once sent
-(``deallocate_output_tensor``; :func:`course_lib.lab.llama3_memory.held_over_step` sizes
-them); ``memory_by_stage`` keeps "states" (after the step) and "activations" (their own peak) beside.
+holds (:func:`gpu_memory`, ``memory_by_stage[k]["peak"]``), every tensor the program holds.
+At moments, the pipeline runner asks after each forward and at the end of each backward: the
+model states as they are then (:class:`MemoryProbe`: parameters, masters and moments, and the
+gradient buffers as the program allocates and frees them, :func:`gradient_tensors`: ZeRO-2's
+fp32 sums live during the schedule and are gone after it, the masters' fp32 gradients of
+"bf16" appear after it) plus the activations autograd saved for backward then (the runner's
+count; a backward's end counts its saved tensors beside the gradients it made), and the states
+after the step: ``moment_memory`` (``memory_by_stage[k]["moments"]``), what the planner walks
+moment by moment. Between two moments the program holds more for a while: the loss's logits
+and their gradient, a layer recomputed, FSDP's gathered parameters, a gradient on its way
+into ``.grad``, the bucket being reduced, the optimizer's temporaries. :mod:`.live_memory`
+follows every tensor the step's ops create, so the peak is each moment's count plus the most
+the program added after it (a replayed action, which runs no op, is given its real runs'
+rise); checked against torch's own ``MemTracker`` on a real step
+(``tests/test_dry_run_live_memory.py``). Not counted: an op's own workspace, module buffers,
+and the stage outputs and messages the course's runner keeps across moments (an output until
+its backward, every send until the step's end, RECV_DEPTH receive buffers), which Megatron-LM
+and Llama 3 free once sent (``deallocate_output_tensor``;
+:func:`course_lib.lab.llama3_memory.held_over_step` sizes them); ``memory_by_stage`` keeps "states" (after the step) and "activations" (their own peak) beside.
 """
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ class DryRun:
     mfu: float                 # model FLOPs (planner's count, full attention) / (step * GPUs * peak)
     peak_memory: int           # bytes, the largest over the GPUs (see the module's docstring)
     memory_by_stage: list      # per pipeline stage: {"states": after the step, "activations": their peak,
-                               #  "peak": the largest count at a moment (no temporaries);
-                               #  "live": the largest held over the step, every tensor} (bytes)
+                               #  "peak": the largest held over the step, every tensor;
+                               #  "moments": the largest count at a moment (no temporaries)} (bytes)
     spans: list                # trace.Span of the running ranks, virtual seconds
     ranks_run: int
     kernels: int               # kernels priced on the running ranks' compute streams
@@ -122,10 +122,10 @@ class DryRun:
         return self.peak_memory <= self.hardware.hbm_bytes
 
     @property
-    def live_peak_memory(self) -> int:
-        """Bytes, the largest over the GPUs of every tensor the program held over the step
-        (``memory_by_stage[k]["live"]``: the moments' count plus the temporaries between them)."""
-        return max(m["live"] for m in self.memory_by_stage)
+    def moment_memory(self) -> int:
+        """Bytes, the largest count at a moment over the GPUs (``memory_by_stage[k]["moments"]``:
+        states plus saved activations, no temporaries): what the planner walks moment by moment."""
+        return max(m["moments"] for m in self.memory_by_stage)
 
 
 def model_config(spec: ModelSpec, layout: Layout, recompute=None, dropout: float = 0.0) -> GPTConfig:
@@ -274,15 +274,15 @@ class FusedAdamW:
 
 FP32 = 4
 # a running rank's memory (bytes): the states after the step, the peak of what autograd saved,
-# the largest count at a moment, and the peak over the step of every tensor the program held
-MEMORY_KEYS = ("states", "activations", "peak", "live")
+# the peak over the step of every tensor the program held, and the largest count at a moment
+MEMORY_KEYS = ("states", "activations", "peak", "moments")
 
 
 def gpu_memory(net, opt, cluster) -> dict:
     """Bytes this rank's GPU holds, as mixed-precision training on the virtual cluster keeps
     them: "states", after the step; "activations", the runner's peak of activations saved for
-    backward; "peak", the largest over the step of the states as they are at a moment plus
-    the activations saved then (:class:`MemoryProbe`), and the states after the step; "live",
+    backward; "moments", the largest over the step of the states as they are at a moment plus
+    the activations saved then (:class:`MemoryProbe`), and the states after the step; "peak",
     the same with every tensor the program held between two moments (the runner's
     ``peak_held_bytes``: :mod:`.live_memory`), the GPU's peak. A cluster of one dtype (the course's float program standing for a
     bf16 one): ZeRO's convention, K = 12, the parameters and gradients the stages compute with
@@ -295,7 +295,7 @@ def gpu_memory(net, opt, cluster) -> dict:
     probe = net.runner.memory_probe or MemoryProbe(net, opt, cluster)
     states = probe.states()
     return {"states": states, "activations": probe.activations(net.last_result.peak_activation_bytes),
-            "peak": max(states, probe.top_moment), "live": max(states, net.last_result.peak_held_bytes)}
+            "peak": max(states, net.last_result.peak_held_bytes), "moments": max(states, probe.top_moment)}
 
 
 class MemoryProbe:
