@@ -310,6 +310,8 @@ def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | N
                "cause": cause(planner_parts(est), d["parts"], busiest_pass(est, layout, d.get("passes"))),
                "planner_parts": planner_parts(est),
                "dry_parts": d["parts"], "wall_s": d["wall_s"]}
+        if "gpu_peak" in d:         # (runs saved before 2026-11-30 kept only the count at moments)
+            row["gpu_peak_diff"] = est.memory["total"] / d["gpu_peak"] - 1
         row["memory_cause"] = memory_cause(layout, est, d["peak_memory"])
         row["schedule_check"] = schedule_check(layout, d)
         rows.append(row)
@@ -341,8 +343,11 @@ def sweep_summary(rows) -> str:
     if checks:
         lines.append(f"pipeline from the dry run's own passes by the planner's formula / the dry run's: "
                      f"{min(checks):+.1%} to {max(checks):+.1%} over {len(checks)} pipelined rows")
-    for key, what in (("time_diff", "step time"), ("memory_diff", "peak memory")):
-        errs = [abs(r[key]) for r in rows]
+    for key, what in (("time_diff", "step time"), ("memory_diff", "memory at the moments"),
+                      ("gpu_peak_diff", "the GPU's peak (every tensor)")):
+        errs = [abs(r[key]) for r in rows if key in r]
+        if not errs:
+            continue
         over = sum(e > BOUND for e in errs)
         lines.append(f"{what}: mean |planner/dry - 1| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%}, "
                      f"{over} of {len(rows)} over {BOUND:.0%}")
