@@ -62,7 +62,8 @@ rise); checked against torch's own ``MemTracker`` on a real step
 and the stage outputs and messages the course's runner keeps across moments (an output until
 its backward, every send until the step's end, RECV_DEPTH receive buffers), which Megatron-LM
 and Llama 3 free once sent (``deallocate_output_tensor``;
-:func:`course_lib.lab.llama3_memory.held_over_step` sizes them); ``memory_by_stage`` keeps "states" (after the step) and "activations" (their own peak) beside.
+:func:`course_lib.lab.llama3_memory.held_over_step` sizes them); ``memory_by_stage`` keeps
+"states" (after the step) and "activations" (their own peak) beside.
 """
 from __future__ import annotations
 
