@@ -21,40 +21,28 @@ HW = "a100-80gb"
 
 
 def _tracked_step(cfg, layout):
-    import importlib
-
+    """The course's step (``train_step``, torch's AdamW) with torch's MemTracker watching it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from course_lib import trace
-    from course_lib.gpt import TinyGPT
-    from course_lib.parallel.compose import parallelize_nd
     from course_lib.parallel.mesh import Mesh
-    D = importlib.import_module("course_lib.virtual.dry_run")
-    clock = trace.clock()
-    with clock.muted():
-        net = parallelize_nd(TinyGPT(cfg, seed=0), Mesh.from_layout(layout), layout)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
-        D.optimizer_state(opt)
-        x = torch.zeros(layout.global_batch, cfg.seq_len, dtype=torch.int64)
-    stream = clock._mode
-    live = D.LiveBytes(stream.sizes)
-    net.runner.memory_probe = probe = D.MemoryProbe(net, opt, clock.cluster, live)
-    probe.start()
-    stream.live = live
-    tracker = MemTracker()
-    tracker.track_external(*net.modules.values(), opt)
-    with tracker:
-        net.step(x, x)
-        opt.step()
-        net.runner.note_held()
-    stream.live = None
-    theirs = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    from course_lib.virtual.dry_run import train_step
+    seen = {}
+
+    def watch(net, opt):
+        tracker = MemTracker()
+        tracker.track_external(*net.modules.values(), opt)
+        seen.update(net=net, opt=opt, tracker=tracker)
+        return tracker
+
+    out = train_step(cfg, layout, Mesh.from_layout(layout), optimizer="foreach", watch=watch)
+    net, opt = seen["net"], seen["opt"]
+    theirs = sum(d["Total"] for d in seen["tracker"].get_tracker_snapshot("peak").values())
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
     buffers = nbytes({id(b): b for m in net.modules.values() for b in m.buffers()}.values())
     steps = nbytes(st["step"] for st in opt.state.values())
     masters = nbytes(net.master.parameters()) if net.master else 0
-    return {"ours": D.gpu_memory(net, opt, clock.cluster)["peak"], "theirs": theirs, "masters": masters,
-            "untracked": buffers + steps + 2 * x.numel() * x.element_size()}
+    batch = 2 * layout.global_batch * cfg.seq_len * 8          # the token batch, twice (inputs, targets)
+    return {"ours": out["peak"], "theirs": theirs, "masters": masters, "untracked": buffers + steps + batch}
 
 
 @pytest.mark.parametrize("precision", ["full", "bf16"])

@@ -75,3 +75,16 @@ def test_the_8192_row_with_fused_kernels_and_the_sums_sent_each_round():
     assert peak < hw.hbm_bytes / 2**30 < gpu_peak and est.fits
     assert est.step_time == pytest.approx(step, rel=1e-3)
     assert est.memory["total"] / 2**30 == pytest.approx(peak, rel=1e-3)
+
+
+def test_the_16384_rows_with_fused_kernels_fit_with_every_tensor():
+    """The recorded what-ifs (``FUSED_RECORDED``: the dry run) fit in 80 GiB with the temporaries
+    between the moments counted, each peak above its moments' count; the 8k row's count at moments
+    is the planner's course runtime on the same row and Hardware (to 0.1%, instant)."""
+    from course_lib.planner import estimate
+    for (name, gpus), (step, moments, peak) in LM.FUSED_RECORDED.items():
+        (_, _, model, hw, layout, *_), = LM.llama_rows([(name, gpus)])
+        assert moments < peak < hw.hbm_bytes / 2**30, name
+        if name.endswith(", 8k"):
+            est = estimate(model, hw.with_(fused_kernels=True), layout, runtime="course")
+            assert est.memory["total"] / 2**30 == pytest.approx(moments, rel=1e-3)

@@ -117,9 +117,23 @@ FUSED_ROUND_RECORDED = (10.900856184473344, 79.62, 82.05)
 def fused_round_row(name="Llama 3 405B, 8k", gpus=8192) -> tuple:
     """The row run by the dry run with ``grad_reduce="round"`` on its Hardware with
     ``fused_kernels``: (step seconds, GiB at moments, GiB peak) (:data:`FUSED_ROUND_RECORDED`)."""
+    return fused_row(name, gpus, grad_reduce="round")
+
+
+# The two 16,384-GPU rows with fused RMSNorm and SwiGLU alone (their sums sent as the table's
+# rows send them), a what-if: (step seconds, GiB at moments, GiB peak) of the dry run, measured
+# 2026-11-30 (eighteenth session) by :func:`fused_row` (about a minute of CPU each): both fit.
+FUSED_RECORDED = {("Llama 3 405B, 8k", 16384): (6.257622704704074, 71.26, 72.23),
+                  ("Llama 3 405B, 128k", 16384): (14.048617115135363, 75.89, 76.86)}
+
+
+def fused_row(name: str, gpus: int, grad_reduce=None) -> tuple:
+    """A Llama row run by the dry run on its Hardware with ``fused_kernels`` (and ``grad_reduce``
+    if given): (step seconds, GiB at moments, GiB peak)."""
     (source, _, model, hw, layout, *_), = llama_rows([(name, gpus)])
-    r = dry_run(model, hw.with_(fused_kernels=True), layout.with_(grad_reduce="round"),
-                fusions=row_software(source, name), dropout=DROPOUT[source], progress=None)
+    layout = layout if grad_reduce is None else layout.with_(grad_reduce=grad_reduce)
+    r = dry_run(model, hw.with_(fused_kernels=True), layout, fusions=row_software(source, name),
+                dropout=DROPOUT[source], progress=None)
     return r.step_time, round(r.moment_memory / GiB, 2), round(r.peak_memory / GiB, 2)
 
 
@@ -339,5 +353,5 @@ def format_breakdown(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PAPER", "SOURCE", "GRAD_REDUCE_RECORDED", "grad_reduce_rows", "FUSED_ROUND_RECORDED", "fused_round_row", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
+__all__ = ["PAPER", "SOURCE", "GRAD_REDUCE_RECORDED", "grad_reduce_rows", "FUSED_ROUND_RECORDED", "fused_round_row", "FUSED_RECORDED", "fused_row", "llama_rows", "boundary_bytes", "unit_bytes", "in_flight_chunks", "one_layer",
            "peak_chunks", "stage_rows", "uncounted", "held_over_step", "breakdown", "breakdown_rows", "format_breakdown"]

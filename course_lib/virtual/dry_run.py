@@ -67,6 +67,7 @@ and Llama 3 free once sent (``deallocate_output_tensor``;
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import sys
@@ -162,7 +163,7 @@ def moe_config(spec: ModelSpec, layout: Layout) -> dict:
 
 
 def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, model=None,
-               optimizer="fused", fusions=()) -> dict:
+               optimizer="fused", fusions=(), watch=None) -> dict:
     """One training step of the course's program on this rank: the model built (or ``model``,
     only read) and cut (not priced), then ``net.step`` of a global batch and an AdamW step
     (priced; ``optimizer``: "fused", :class:`FusedAdamW`, or "foreach", torch's AdamW as the clock
@@ -171,8 +172,10 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     kernels the model built here runs (:func:`.software.install`, and FlashAttention where the
     clock's Hardware states it, :func:`hardware_attention`, as the dry run does; a ``model``
     given has its own),
-    and the runtime behaviours the runner keeps (:func:`.software.install_runtime`). Returns the
-    clock's end, its kernels, and this GPU's memory (:func:`gpu_memory`)."""
+    and the runtime behaviours the runner keeps (:func:`.software.install_runtime`). ``watch``
+    (optional): ``watch(net, opt)`` -> a context manager entered around the step (another tool
+    watching the same step: the tests' torch ``MemTracker``). Returns the clock's end, its
+    kernels, and this GPU's memory (:func:`gpu_memory`)."""
     clock = trace.clock()
     with clock.muted():
         if model is None:
@@ -195,9 +198,10 @@ def train_step(cfg: GPTConfig, layout: Layout, mesh, device="cpu", memo=None, mo
     if stream is not None:
         stream.live = live
     try:
-        net.step(x, x, doc_ids=document_ids(layout.documents))
-        opt.step()
-        net.runner.note_held()                  # the step's end: its reductions and the optimizer's
+        with watch(net, opt) if watch is not None else contextlib.nullcontext():
+            net.step(x, x, doc_ids=document_ids(layout.documents))
+            opt.step()
+            net.runner.note_held()              # the step's end: its reductions and the optimizer's
     finally:
         if stream is not None:
             stream.live = None
