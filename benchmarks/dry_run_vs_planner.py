@@ -29,6 +29,9 @@ def main(argv=None):
                                                                  "tp 2 + SP and cp 2 (lab.dry_run_sweep.sweep_layouts)")
     ap.add_argument("--no-split", action="store_true", help="without each drawn pipeline layout again under ZB-H1, "
                                                             "ZB-V and DualPipeV (lab.dry_run_sweep.split_twins)")
+    ap.add_argument("--no-moe-zero", action="store_true",
+                    help="without each drawn MoE layout at dp > 1 again under ZeRO-1 and ZeRO-2 "
+                         "(lab.dry_run_sweep.sweep_layouts)")
     args = ap.parse_args(argv)
     dry = {}
     if args.saved and os.path.exists(args.saved):
@@ -40,7 +43,7 @@ def main(argv=None):
             json.dump(runs, f, indent=0, sort_keys=True)
     rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None,
                       run_missing=not args.saved_only, moe_groups=not args.no_moe_groups,
-                      split=not args.no_split)
+                      split=not args.no_split, moe_zero=not args.no_moe_zero)
     print()
     print(format_rows(rows))
     for part in rows[0]["dry_parts"]:

@@ -5,6 +5,7 @@ import torch
 
 from course_lib.launch import launch
 from course_lib.layout import Layout
+from course_lib.parallel.mesh import MeshShape
 from course_lib.planner.presets import gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
 from memory_parity import assert_same_memory
@@ -52,14 +53,24 @@ def test_context_parallel_dry_run_equals_a_real_launch(layout):
 @pytest.mark.parametrize("layout,dispatch", [
     (Layout(dp=2, pp=2, ep=2, micro_batch=1, global_batch=4, recompute="selective"), "all_to_all"),
     (Layout(dp=4, ep=2, etp=2, micro_batch=1, global_batch=4), "all_gather"),
-], ids=["a2a-dp2-pp2-ep2", "allgather-dp4-ep2-etp2"])
+    (Layout(dp=4, ep=2, zero=2, micro_batch=1, global_batch=4), "all_to_all"),
+], ids=["a2a-dp2-pp2-ep2", "allgather-dp4-ep2-etp2", "a2a-dp4-ep2-zero2"])
 def test_moe_dry_run_equals_a_real_launch_with_balanced_routing(layout, dispatch):
     """One running rank per stage: its ep (and etp) peers are folded, each sending what it
-    sends. With the router's top-k balanced on the real run (BalancedRouting), the same step."""
-    r, _ = _check_equal(MOE.with_(moe_dispatch=dispatch), layout)
+    sends. With the router's top-k balanced on the real run (BalancedRouting), the same step,
+    and the same memory per stage (under ZeRO-2 the experts' slices over the 2 ranks holding
+    each expert, "edp", reduce-scattered there)."""
+    r, real = _check_equal(MOE.with_(moe_dispatch=dispatch), layout)
     assert r.ranks_run == layout.pp
     names = {s.name for s in r.spans if s.kind == "comm"}
     assert "dispatch" in names and "combine" in names
+    shape = MeshShape(**layout.sizes, etp=layout.etp)
+    for stage in range(layout.pp):             # the rank at dp = 0 of each stage
+        rank = shape.rank_of(pp=stage)
+        assert_same_memory(r.memory_by_stage[stage], real[rank], rank)
+    if layout.zero:
+        assert any(s.name.startswith("reduce-scatter b") and "edp" in s.dim.split("+") for s in r.spans), \
+            {(s.name, s.dim) for s in r.spans if s.kind == "comm"}
 
 
 def test_round_robin_routing_is_balanced_and_dispatch_sizes_static():

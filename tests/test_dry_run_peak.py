@@ -60,10 +60,10 @@ def test_peak_over_the_step_equals_the_schedule_model_and_a_real_launch():
 def test_the_planner_counts_the_same_moments():
     """The planner's memory (estimate(...).memory) by the same rule: under ZeRO-2 with FP32
     accumulation the schedule holds 4 bytes a parameter of sums beside the activations (where
-    m = p, one chunk's: planner.formulas.gradient_moments); under
-    "bf16" without a pipeline the masters' fp32 gradients, which appear after the schedule,
-    make the step's end the peak (the dry run: its peak is the states after the step). Each
-    within the planner-vs-dry-run sweep's bound of the dry run."""
+    m = p, one chunk's: planner.formulas.gradient_moments); under "bf16" without a pipeline
+    the masters' fp32 gradients, which appear after the schedule beside DDP's bucket of the
+    16-bit ones (held all step), make the step's end the peak (the dry run: its peak is the
+    states after the step). Each within the planner-vs-dry-run sweep's bound of the dry run."""
     from course_lib.lab.dry_run_sweep import BOUND
     from course_lib.planner import estimate
     bf16 = LAYOUT.with_(zero=0, precision="bf16", pp=1, schedule="1f1b", v=1, stage_layers=None)
@@ -76,8 +76,9 @@ def test_the_planner_counts_the_same_moments():
         states_after = m["params"] + m["grads_after_step"] + m["optimizer"]
         assert (m["total"] == states_after) is at_end
         assert (r.moment_memory == max(s["states"] for s in r.memory_by_stage)) is at_end
-        if at_end:      # during the schedule: the bf16 model's gradients, 2 bytes; after it: fp32, 4
-            assert m["grads"] == m["grads_after_step"] == 2 * m["params"]
+        if at_end:      # during the schedule: the bf16 model's gradients, 2 bytes, and DDP's bucket
+            # of them, 2 (held all step); after it: the masters' fp32, 4, beside the bucket
+            assert m["grads"] == m["grads_after_step"] == 3 * m["params"]
             assert m["total"] < states_after + m["activations"]
         elif layout is LAYOUT:  # the whole fp32 sums during the schedule; the owned half's after it
             assert m["grads"] == 2 * m["params"] == 2 * m["grads_after_step"]

@@ -1,7 +1,7 @@
 """ZeRO-1 and ZeRO-2 in parallelize_nd (``Layout(zero=1 / 2)``, :mod:`course_lib.parallel.zero_nd`):
 equal to one device over several AdamW steps in float64 at dp 2 and dp 3 with pp 2 and tp 2
-(+ SP), the owned slices a partition of every parameter; the dry run of a ZeRO layout is a real
-launch of it on the clock (step time, kernels, memory per stage); bad input refused by name."""
+(+ SP), experts split over ep among them, the owned slices a partition of every parameter;
+the dry run of a ZeRO layout is a real launch of it on the clock (step time, kernels, memory per stage); bad input refused by name."""
 import dataclasses
 
 import pytest
@@ -12,7 +12,7 @@ from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.lab.nd_runs import LR, single_device
 from course_lib.layout import Layout
 from course_lib.parallel.compose import assemble_nd, check_layout
-from course_lib.parallel.mesh import MeshShape
+from course_lib.parallel.mesh import MeshShape, get_reduce_dims
 from course_lib.planner import estimate
 from course_lib.planner.presets import gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
@@ -50,6 +50,15 @@ def _cases(dp):
         cases["zero2-round-moe"] = (dataclasses.replace(CFG, n_layers=4, n_experts=8, top_k=1), dict(dp=4, pp=2),
                                     dict(zero=2, schedule="interleaved", v=2, microbatches=4,
                                          grad_reduce="round"), 16)
+        # experts split over ep: an expert's ZeRO group is the ranks holding it ("edp"): 2 of the
+        # 4 dp ranks here; at ep 4 over dp 2 x tp 2, one rank (its slices the whole expert)
+        cases["zero2-ep2"] = (dataclasses.replace(CFG, n_layers=4, n_experts=4, top_k=2), dict(dp=4, pp=2, ep=2),
+                              dict(zero=2, microbatches=2), 8)
+        cases["zero1-ep4-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=2), dict(dp=2, pp=2, tp=2, ep=4),
+                                  dict(zero=1, sp=True, microbatches=2), 4)
+    else:           # 3 ranks hold each expert (ep 2 over dp 3 x tp 2): an odd ZeRO group of experts
+        cases["zero1-ep2-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=1), dict(dp=3, pp=2, tp=2, ep=2),
+                                  dict(zero=1, sp=True, microbatches=1), 3)
     return cases
 
 
@@ -69,7 +78,8 @@ def _rank(dp):
         losses = reference.train_parallel(net, reference.gpt_batches(cfg, batch=batch, steps=STEPS), opt)
         owned = sum(q.numel() for q in net.parameters())
         held = sum(q.numel() for q in net.model_parameters())
-        out[name] = (losses, net.shards(), owned, held)
+        experts = sum(q.numel() for q in net.model_parameters() if "edp" in get_reduce_dims(q, ()))
+        out[name] = (losses, net.shards(), owned, held, experts)
     return out
 
 
@@ -94,11 +104,14 @@ def test_zero_1_and_2_equal_one_device(runs, dp):
         assert set(full) == set(ref.state), name
         tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR, what=name)
         # the optimizer's slices: every element of every parameter owned by exactly one rank of dp x cp
+        # (an expert: of the ranks holding it, one EP slot each: each slot's experts once)
         n = shape.sizes
         for pp in range(n["pp"]):
             for tp in range(n["tp"]):
                 members = [shape.rank_of(dp=d, cp=c, pp=pp, tp=tp) for d in range(n["dp"]) for c in range(n["cp"])]
-                assert sum(ranks[k][2] for k in members) == ranks[members[0]][3], (name, pp, tp)
+                slots = len({shape.coords(k)["ep"] for k in members}) if shape.ep > 1 else 1
+                _, _, _, held, experts = ranks[members[0]]
+                assert sum(ranks[k][2] for k in members) == held + (slots - 1) * experts, (name, pp, tp)
                 assert all(ranks[k][2] < ranks[k][3] for k in members), name   # each holds a part only
 
 
@@ -135,11 +148,6 @@ def test_bad_zero_layouts_are_refused_by_name(changes, match):
         check_layout(CFG, Layout(dp=2, global_batch=2, **changes))
 
 
-def test_zero_with_experts_split_over_ep_is_refused():
-    moe = dataclasses.replace(CFG, n_experts=4, top_k=2)
-    with pytest.raises(ValueError, match="ep=2"):
-        check_layout(moe, Layout(dp=2, ep=2, zero=1, global_batch=2))
-
 
 # ---------------------------------------------------------------- reduced chunk by chunk
 
@@ -175,3 +183,27 @@ def test_grad_reduce_moves_the_reductions_into_the_schedule():
         est = estimate(ROUNDS, "h100-sxm", layout.with_(grad_reduce=mode), runtime="course")
         assert est.step_time == pytest.approx(r.step_time, rel=0.05), mode
         assert est.memory["total"] == pytest.approx(r.moment_memory, rel=0.03), mode
+
+
+def test_the_planner_shards_an_expert_over_the_group_the_ranks_use():
+    """planner.layout.expert_zero_group (the course runtime's ZeRO group of an expert, and the
+    dims its slice is summed over after) is the ranks' rule read off the mesh: an expert's
+    reduce dims (MeshShape.expert_replicas) among zero_nd.SHARD_DIMS, sized by the expert
+    mesh; the rest of its dims (of size > 1) summed after. Every fold: over dp, dp x cp, dp x cp x tp."""
+    import itertools
+    import math
+
+    from course_lib.parallel.zero_nd import SHARD_DIMS
+    from course_lib.planner.layout import expert_zero_group
+    seen = set()
+    for dp, cp, tp, ep in itertools.product((1, 2, 3, 4), (1, 2), (1, 2, 4), (2, 4, 8)):
+        if (dp * cp * tp) % ep:
+            continue
+        shape = MeshShape(dp=dp, cp=cp, tp=tp, ep=ep)
+        sizes = {**shape.sizes, **shape.expert_sizes}
+        dims = [d for d in shape.expert_replicas() if sizes[d] > 1 or d == "edp"]
+        shard = [d for d in dims if d in SHARD_DIMS]
+        expected = (math.prod(sizes[d] for d in shard), tuple(d for d in dims if d not in SHARD_DIMS))
+        assert expert_zero_group(Layout(dp=dp, cp=cp, tp=tp, ep=ep, global_batch=dp)) == expected, (dp, cp, tp, ep)
+        seen.add(shape.fold)
+    assert seen == {("dp",), ("dp", "cp"), ("dp", "cp", "tp")}

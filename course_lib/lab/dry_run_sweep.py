@@ -16,7 +16,8 @@ the dry run's own forward + backward of a micro-batch (:func:`cause`: a longer p
 longer bubble; then the pass is named). :func:`schedule_check` applies the planner's pipeline
 formula to the dry run's own passes. The dry runs use torch's foreach AdamW, which the planner's
 course runtime counts. Data parallelism is drawn as DDP, ZeRO-1, ZeRO-2 or ZeRO-3 (the MoE:
-DDP, as the ranks refuse ZeRO-1/2 with ep > 1). The planner stays the instant search; the dry run is its check.
+DDP, each again under ZeRO-1 and ZeRO-2, :func:`sweep_layouts`' ``moe_zero``). The planner stays the instant
+search; the dry run is its check.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ BOUND = 0.10            # a row whose step time (or memory) differs more is expl
 
 
 def _draw(rng, moe: bool, s: int) -> Layout:
-    """One random layout (ZeRO-3 on a tied embedding with pp > 1 is refused by FSDP, ZeRO-1/2 with
-    ep > 1 by the ranks: the MoE draws ZeRO-0)."""
+    """One random layout (ZeRO-3 on a tied embedding with pp > 1 is refused by FSDP, as is FSDP with
+    ep > 1: the MoE draws ZeRO-0; :func:`sweep_layouts` runs its ZeRO-1/2 twins)."""
     tp = 1 if moe else rng.choice((1, 2, 4, 8))
     sp = tp > 1 and rng.random() < 0.7
     cp = 1 if moe or tp == 8 else rng.choice((1, 1, 2))
@@ -68,7 +69,7 @@ def split_twins(layout: Layout) -> list:
 
 
 def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bool = True,
-                  split: bool = True) -> list:
+                  split: bool = True, moe_zero: bool = True) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
     until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
     not change) says it fits; ``cp_methods``: after the n, each drawn CP layout (a ring) again
@@ -80,7 +81,9 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
     experts on the whole sequence divided by tp, not at their own s / tp rows (now
     ``ep_ops.install_ep(shard=)``: none over 10%). ``split``: then each drawn pipeline layout again
     under the schedules with W actions (:func:`split_twins`), where the ranks accept it and it
-    fits (2026-11-30, seventeenth session)."""
+    fits (2026-11-30, seventeenth session). ``moe_zero``: then each drawn MoE layout with dp > 1
+    again under ZeRO-1 and ZeRO-2, an expert's slices over the ranks holding it ("edp"), where
+    the ranks accept it and it fits (2026-11-30, nineteenth session)."""
     from course_lib.virtual.dry_run import check_dry_run
     out = _drawn(n, seed, check_dry_run)
     def accepted(name, hw, twin) -> bool:        # the ranks run it and the planner says it fits
@@ -101,6 +104,9 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
         twins += [(name, hw, twin) for twin in candidates if accepted(name, hw, twin)]
     for name, hw, layout in out if split else ():
         twins += [(name, hw, twin) for twin in split_twins(layout) if accepted(name, hw, twin)]
+    for name, hw, layout in out if moe_zero else ():
+        if get_model(name).n_experts > 1 and layout.dp > 1:
+            twins += [(name, hw, layout.with_(zero=z)) for z in (1, 2) if accepted(name, hw, layout.with_(zero=z))]
     return out + twins
 
 
@@ -277,14 +283,16 @@ def stable_keys(dry: dict) -> dict:
 
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
-               saved=None, run_missing: bool = True, moe_groups: bool = True, split: bool = True) -> list[dict]:
+               saved=None, run_missing: bool = True, moe_groups: bool = True, split: bool = True,
+               moe_zero: bool = True) -> list[dict]:
     """The rows of :func:`sweep_layouts`. ``dry``: {layout key: :func:`dry_result`} already run
     (the planner is instant, the dry runs take minutes: a saved sweep compares a changed
     planner at once); the runs made here are added to it, and ``saved(dry)`` called after each.
-    ``run_missing=False``: only the layouts ``dry`` holds; ``moe_groups``, ``split``: see :func:`sweep_layouts`."""
+    ``run_missing=False``: only the layouts ``dry`` holds; ``moe_groups``, ``split``, ``moe_zero``: see
+    :func:`sweep_layouts`."""
     dry = {} if dry is None else dry
     rows, failed = [], []
-    for name, hw, layout in sweep_layouts(n, seed, moe_groups=moe_groups, split=split):
+    for name, hw, layout in sweep_layouts(n, seed, moe_groups=moe_groups, split=split, moe_zero=moe_zero):
         key = layout_key(name, hw, layout)
         if key not in dry and not run_missing:
             continue

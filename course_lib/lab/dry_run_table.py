@@ -35,32 +35,35 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "its peak memory now every tensor the program holds over the step, the temporaries between "
                "the moments included (virtual.live_memory; 0.3-11.8 GiB more, the Narayanan 1.7B row's "
                "micro-batch of 16 logits the most): every step time the same to the bit; wall_s two rows at a "
-               "time, the two 1T rows alone")
+               "time, the two 1T rows alone; every row again on 2026-11-30 (nineteenth session), the "
+               "course's DDP buckets counted (made with the model, held all step: torch's DDP default; the "
+               "rows at dp > 1 without ZeRO 3.1-5.7 GiB more, the SP norms' buckets 0.02-0.1): every step "
+               "time the same to the bit, every Megatron-LM and BLOOM row still fits")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
-    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.89, True, 6, 2),
-    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.824352434312097, 54.78, True, 19, 9),
-    ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.85295751831817, 54.74, True, 123, 64),
-    ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96770626392949, 60.37, True, 148, 151),
-    ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.221980036517465, 54.74, True, 99, 67),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (100.37779062703747, 49.57, True, 18, 9),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.395880728508223, 112.65, False, 62, 39),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.42544235536821, 93.23, False, 42, 34),
-    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.216690064696856, 97.86, False, 67, 62),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 47.43, True, 7, 2),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 49.14, True, 16, 7),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 45.96, True, 112, 60),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 1T, full', 512): (100.36725131968122, 50.61, True, 149, 174),
-    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.503093766797706, 46.38, True, 2, 0),
-    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.6336096169801544, 42.99, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.6158294590100053, 43.53, True, 4, 1),
-    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.96067897435503, 45.33, True, 15, 5),
-    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.41098755984794, 44.86, True, 5, 1),
-    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.962901608649105, 43.77, True, 9, 3),
-    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.973516000279186, 48.25, True, 7, 4),
-    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.160710731271294, 49.18, True, 14, 8),
-    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.361866468659095, 45.92, True, 55, 34),
-    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54249383690686, 50.61, True, 92, 55),
+    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.91, True, 2, 2),
+    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.824352434312097, 54.83, True, 9, 8),
+    ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.85295751831817, 54.81, True, 73, 61),
+    ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96770626392949, 60.47, True, 135, 146),
+    ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.221980036517465, 58.57, True, 90, 66),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (100.37779062703747, 49.57, True, 13, 11),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.395880728508223, 112.65, False, 34, 31),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.42544235536821, 93.23, False, 26, 23),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.216690064696856, 97.86, False, 56, 59),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 47.43, True, 1, 1),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 49.14, True, 11, 9),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 45.96, True, 66, 60),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 1T, full', 512): (100.36725131968122, 50.61, True, 141, 146),
+    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.503093766797706, 49.46, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.6336096169801544, 46.32, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.6158294590100053, 47.02, True, 1, 1),
+    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.96067897435503, 49.64, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.41098755984794, 49.5, True, 2, 1),
+    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.962901608649105, 48.32, True, 3, 2),
+    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.973516000279186, 52.66, True, 4, 4),
+    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.160710731271294, 53.93, True, 12, 9),
+    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.361866468659095, 49.76, True, 41, 33),
+    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54249383690686, 54.67, True, 60, 54),
 }
 
 

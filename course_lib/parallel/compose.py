@@ -107,7 +107,7 @@ def data_dims(p, sizes, fsdp):
     shards over them."""
     marks = set(get_reduce_dims(p, ("dp",)))
     dims = marks if "edp" in marks else marks | {"cp", "dp"}
-    keep = {"dp", "cp"} if fsdp else set()
+    keep = {"dp", "cp", "edp"} if fsdp else set()
     size = {"edp": sizes["dp"] // sizes.get("ep", 1), **sizes}
     return tuple(d for d in DIMS + EXPERT_DIMS if d in dims and (size.get(d, 1) > 1 or d in keep))
 

@@ -6,8 +6,11 @@ sharded optimizer (:mod:`course_lib.parallel.zero`'s buckets and owned slices) o
     loss = net.step(x, y); opt.step(); opt.zero_grad()
 
 The ZeRO group of a parameter is the ranks that hold the same parameter and sum its gradient:
-its reduce dims among "dp" and "cp" (the plan's, :func:`~course_lib.parallel.compose.data_dims`).
-Its other reduce dims (a sequence-parallel norm weight's "tp") are summed after, on the slice.
+its reduce dims among "dp" and "cp" (the plan's, :func:`~course_lib.parallel.compose.data_dims`);
+an expert split over ep: "edp", the ranks of the expert fold holding it (and cp, where the fold
+leaves it out), as Megatron-Core's distributed optimizer shards experts over their
+expert-data-parallel group. Its other reduce dims (a sequence-parallel norm weight's "tp", an
+expert's tp outside the fold) are summed after, on the slice.
 Per step (``layout.grad_reduce``, :data:`~course_lib.layout.GRAD_REDUCE`):
 
     step start   all-gather the parameters from the owned slices (the optimizer updated them)
@@ -40,20 +43,17 @@ from course_lib.parallel.grad_sync import assign_buckets
 from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, owned_gradient
 from course_lib.precision.mixed import MainGrads, check_precision
 
-SHARD_DIMS = ("dp", "cp")   # the dims the ZeRO group spans (the ranks holding the same parameters)
+SHARD_DIMS = ("dp", "cp", "edp")   # the dims a ZeRO group spans (the ranks holding the same parameters)
 
 
 def rule_zero(cfg, layout):
-    """ZeRO-1/2 in ``parallelize_nd``: dense parameters in one dtype (under a mixed precision the
-    owned slices are the master weights), no experts split over ep; ``grad_reduce`` other than
-    "step" only with ZeRO-2 (ZeRO-1 keeps the whole gradients to the step anyway)."""
+    """ZeRO-1/2 in ``parallelize_nd``: parameters in one dtype (under a mixed precision the
+    owned slices are the master weights); ``grad_reduce`` other than "step" only with ZeRO-2
+    (ZeRO-1 keeps the whole gradients to the step anyway)."""
     rule_grad_reduce(layout)
     if layout.zero not in (1, 2):
         return
     check_precision(layout.precision)
-    if cfg.n_experts and layout.ep > 1:
-        raise ValueError(f"zero={layout.zero} with experts split over ep={layout.ep}: an expert's ZeRO group "
-                         f"is its EP slot's dp / ep ranks; not implemented, use zero=0 or ep=1")
 
 
 class ZeroSync:

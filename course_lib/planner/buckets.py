@@ -5,7 +5,7 @@ fills one bucket per set of reduce dims until the next parameter would overflow 
 larger parameter gets a bucket of its own); each bucket is one all-reduce. The planner sits
 below ``parallel/`` and imports none of it: it walks the same parameters, those the planner's own
 trace of a rank's model holds (:func:`course_lib.planner.kernels.trace_step`, ``"params"``), with
-the same rule; ``tests/test_planner_buckets.py`` checks the buckets against ``GradSync``'s own.
+the same rule; ``tests/test_planner_course_tp.py`` checks the buckets against ``GradSync``'s own.
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import (course_layer_activation_bytes, head_w_kept_bytes, layer_activation_bytes,
                                             w_kept_bytes_per_layer)
 from course_lib.layout import rank_order
-from course_lib.planner.layout import Layout, holds_head, intra_node, layers_per_chunk, layers_per_stage, strides
+from course_lib.planner.layout import (Layout, expert_zero_group, holds_head, intra_node, layers_per_chunk,
+                                      layers_per_stage, strides)
 from course_lib.planner.numerics import numerics
 from course_lib.schedules import stage_rank
 from course_lib.planner.pipeline_hops import stage_send_time
@@ -301,14 +302,18 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             else:
                 fwd["zero"], bwd["zero"] = z_f, z_b
         shard = n_shard if layout.zero >= 1 else 1
-        shard_e = n_exp_group if layout.zero >= 1 else 1
+        # an expert's ZeRO group: the course's ranks shard it over the ranks of its fold
+        # (expert_zero_group); Megatron-Core's distributed optimizer over its expert-data-parallel
+        # group, every rank holding it
+        e_group = expert_zero_group(layout)[0] if course and layout.zero in (1, 2) and expert else n_exp_group
+        shard_e = e_group if layout.zero >= 1 else 1
         optimizer = num.optimizer_bytes * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
         if num.masters:     # a mixed precision's gradient sums over the micro-batches, in the backward
             bwd["elementwise"] += num.accumulation_bytes(m) * (dense + expert) / m / ew_rate
 
         hpz = zeropp_node(layout, hw, n_shard) if "hpz" in layout.zeropp and layout.zero == 3 and n_shard > 1 \
             else None
-        mem = _memory(model, layout, st, n_l, dense, expert, n_shard, n_exp_group, s, fused,
+        mem = _memory(model, layout, st, n_l, dense, expert, n_shard, e_group, s, fused,
                       hw.fused_kernels, hpz_node=hpz, course=course)
         m_rs = rounds[0] if rounds else 1 if num.per_microbatch else m   # ZeRO-2's reduce-scatters a step (above)
         sends = m * layout.chunks * ((0 if last and layout.chunks == 1 else 1) + (0 if st == 0 and layout.chunks == 1 else 1))
@@ -335,6 +340,22 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
                              optimizer, comm, n_l * layer_ran + (head_ran if head else 0.0),
                              round_reduce=grad_rs / rounds[2] if rounds is not None else 0.0))
     return out
+
+
+def _ddp_buckets(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, num) -> float:
+    """Bytes of the course's DDP buckets (``GradSync``, without ZeRO or FSDP) on stage ``st``:
+    made with the model and held all step, one element per gradient summed over a dimension of
+    more than one rank (the dense ones over (dp, cp); with SP the norms' over tp too; the
+    experts' over the ranks holding the same experts), in the reduce dtype (the masters' fp32,
+    or the 16-bit model's; under "full", 2 bytes). torch's DDP holds the same by default
+    (``gradient_as_bucket_view=False``); Megatron-LM's contiguous buffer is the gradients
+    themselves (the planner's "megatron" runtime counts none)."""
+    if layout.data != "ddp" or layout.zero != 0:
+        return 0.0
+    per_norm = model.hidden * (2 if model.norm == "layernorm" else 1)       # (a LayerNorm's bias too)
+    norms = (2 * n_l + (1 if holds_head(layout, st) else 0)) * per_norm
+    dense_summed = dense if n_zero > 1 else (norms if layout.sp and layout.tp > 1 else 0.0)
+    return (dense_summed + (expert if n_exp_group > 1 else 0.0)) * (num.reduce if num.masters else 2)
 
 
 def _ep_time(model, layout, tokens, h, ep_link, etp_link) -> float:
@@ -395,7 +416,8 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
     ``hpz_node`` G: ZeRO++'s
     hpZ keeps a secondary copy of the 16-bit parameters sharded over the node, 2P/G more.
     ``course``: the activations the course's own program keeps
-    (:func:`~course_lib.planner.activations.course_layer_activation_bytes`)."""
+    (:func:`~course_lib.planner.activations.course_layer_activation_bytes`), and its DDP's
+    buckets beside the gradients all step (:func:`_ddp_buckets`; after the step they hold them)."""
     t, c, b, p = layout.tp, layout.cp, layout.micro_batch, layout.pp
     # a mixed precision's masters hold fp32 gradients after the step (the bf16 model's freed)
     num = numerics(layout.precision)
@@ -424,7 +446,9 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
         temporaries += 2 * 2 * (dense + expert) / n_l
     if hpz_node:
         z = {**z, "params": z["params"] + 2 * dense / hpz_node, "total": z["total"] + 2 * dense / hpz_node}
-    after = z["grads"] + ze["grads"]
+    buckets = _ddp_buckets(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, num) if course else 0.0
+    # after the sums a gradient is a view of its bucket; under "bf16" the masters' fp32 ones are apart
+    after = z["grads"] + ze["grads"] + (buckets if num.masters and num.reduce < 4 else 0.0)
     whole = (dense + expert) * num.accumulate
     rest = z["params"] + ze["params"] + z["optimizer"] + ze["optimizer"]
     # the schedule's moments: each chunk's gradient buffers from its first backward (ZeRO-3: its shards)
@@ -448,6 +472,7 @@ def _memory(model, layout, st, n_l, dense, expert, n_zero, n_exp_group, s, fused
                                {k: whole * share for k, share in _chunk_shares(model, layout, per_chunk).items()})
         activations = max(held for _, held in walk)
         moments = [(after if layout.zero == 3 else grads, held + temporaries) for grads, held in walk]
+    moments = [(grads + buckets, held) for grads, held in moments]
     grads, held = max(moments, key=sum)
     schedule = grads + held >= after
     return {"params": z["params"] + ze["params"], "grads": grads if schedule else after,

@@ -11,6 +11,8 @@ hop spans dp * cp * tp ranks): :func:`strides` follows it, as the Mesh does.
 """
 from __future__ import annotations
 
+import math
+
 from course_lib.layout import CP_COMM, Layout, expert_fold, rank_order, rule_grad_reduce, rule_stage_layers
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
@@ -142,17 +144,40 @@ def group_span(layout: Layout, dim: str) -> int:
     """How many consecutive ranks one group of ``dim`` spans: its stride times its size (in the
     layout's rank order, default TP, CP, PP, DP innermost first; the expert dims "ep" / "etp"
     folded over DP, CP and TP, numbered in that rank order: :class:`~course_lib.parallel.mesh.MeshShape`)."""
-    stride, sizes = strides(layout), layout.sizes
     if dim in ("ep", "etp"):
-        fold = expert_fold(layout.sizes, layout.ep, layout.etp)
-        step = layout.etp if dim == "ep" else 1                    # fold-index step between members
-        last = step * ((layout.ep if dim == "ep" else layout.etp) - 1)
-        span = 0
-        for d in sorted(fold, key=stride.get):                     # the last member's coordinates,
-            last, i = divmod(last, sizes[d])                       # innermost first
-            span += i * stride[d]
-        return span + 1
-    return stride[dim] * sizes[dim]
+        return max(fold_offsets(layout, dim)) + 1
+    return strides(layout)[dim] * layout.sizes[dim]
+
+
+def fold_offsets(layout: Layout, dim: str = "ep") -> list:
+    """The rank offsets from its first member of each member of one group of the expert mesh,
+    folded over DP, CP and TP in the layout's rank order (:func:`group_span`): "ep" (its members
+    etp fold indices apart), "etp", or "expert mesh" (all ep x etp of them)."""
+    stride, sizes = strides(layout), layout.sizes
+    fold = sorted(expert_fold(sizes, layout.ep, layout.etp), key=stride.get)   # innermost first
+    step = layout.etp if dim == "ep" else 1                        # fold-index step between members
+    count = {"ep": layout.ep, "etp": layout.etp, "expert mesh": layout.ep * layout.etp}[dim]
+    out = []
+    for k in range(count):
+        index, offset = k * step, 0
+        for d in fold:                                             # the member's coordinates
+            index, i = divmod(index, sizes[d])
+            offset += i * stride[d]
+        out.append(offset)
+    return out
+
+
+def expert_zero_group(layout: Layout) -> tuple:
+    """(ranks, dims summed after) of an expert's ZeRO-1/2 group as the course's ranks shard it
+    (``parallel/zero_nd.py``: a parameter's reduce dims among dp, cp and "edp"): the ranks of
+    the expert fold holding the same expert ("edp": the fold's ranks / (ep etp)), times cp
+    where the fold leaves cp out; a tp the fold leaves out sums the owned slice after (as the
+    sequence-parallel norms' tp). With tp = cp = 1: dp / (ep etp)."""
+    fold = expert_fold(layout.sizes, layout.ep, layout.etp)
+    ranks = math.prod(layout.sizes[d] for d in fold) // (layout.ep * layout.etp)
+    if "cp" not in fold:
+        ranks *= layout.cp
+    return ranks, (("tp",) if "tp" not in fold and layout.tp > 1 else ())
 
 
 def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:

@@ -53,7 +53,7 @@ from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
-from course_lib.planner.layout import holds_head, strides
+from course_lib.planner.layout import expert_zero_group, fold_offsets, holds_head, strides
 from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import runs_flash
@@ -381,8 +381,12 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         calls["tp"] = calls.get("tp", 0) + m * len(units)
     gather, rs_chunk = 0.0, 0.0
     if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
+        ranks, after = expert_zero_group(layout) if model.n_experts > 1 else (1, ())
+        nodes = expert_replica_nodes(layout, hw) if model.n_experts > 1 else 1
+        expert = (ranks, after, lambda kind, nbytes: F.nccl_time(hw, kind, nbytes, ranks, nodes)[0])
         tail, gather, sync_kernels, in_schedule, rs_chunk = zero_sync(model, hw, layout, k, n_layers, first, last,
-                                                                      calls, collective, _size, num.reduce)
+                                                                      calls, collective, _size, num.reduce,
+                                                                      expert)
         sync_seconds = 0.0                    # (its copies are in its chain)
         bwd["zero"] += (in_schedule + rounds_stretch(hw, layout, rs_chunk, fwd["compute"] + bwd["compute"])) / m
     elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
@@ -393,6 +397,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if loss_dims:
         calls["+".join(loss_dims)] = calls.get("+".join(loss_dims), 0) + 1
     shard = _size(layout, replicas) if layout.zero >= 1 else 1
+    # (ZeRO-1/2: an expert's slice of its own group; FSDP does not run with experts split over ep)
+    experts = experts / expert_zero_group(layout)[0] if layout.zero in (1, 2) and experts else experts
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
@@ -528,11 +534,12 @@ def ep_call_costs(model, hw, layout, tokens) -> dict:
     """{name: seconds} of each blocking call an EP rank makes in one MoE layer (all-to-all
     dispatch, balanced routing; :mod:`.ep_ops` marks them by these names): the expert counts'
     exchange, dispatch and combine, and the last two again in backward, each the same message.
-    The ep group is ep consecutive dp ranks (strided by the layout's rank order); the members on
-    this rank's node exchange over NVLink, the others over the network, at once
+    The ep group is ep consecutive ranks of the expert fold (dp, then cp and tp where ep needs
+    them, in the layout's rank order: :func:`~.layout.fold_offsets`); the members on this
+    rank's node exchange over NVLink, the others over the network, at once
     (:func:`F.all_to_all_time`)."""
-    stride, n = strides(layout)["dp"], layout.ep
-    local = sum(1 for i in range(n) if i * stride < hw.gpus_per_node)
+    n = layout.ep
+    local = sum(1 for offset in fold_offsets(layout, "ep") if offset < hw.gpus_per_node)
 
     def a2a(nbytes):
         return F.all_to_all_time(nbytes, n, local, hw.link(True), hw.link(False))
@@ -559,9 +566,8 @@ def routing_group(layout) -> tuple:
 def ep_time(model, hw, layout, tokens) -> float:
     """Seconds of one MoE layer's forward exchanges on the expert mesh, balanced routing:
     the expert counts' all-to-all, then dispatch and combine (:func:`F.moe_dispatch_payloads`;
-    the backward the same), the ep group folded over the stage's dp ranks (tp = cp = 1 here)."""
-    stride = strides(layout)["dp"]
-    alpha, bw = hw.link((layout.ep * layout.etp - 1) * stride < hw.gpus_per_node)
+    the backward the same), the expert mesh folded over the stage's ranks (:func:`~.layout.fold_offsets`)."""
+    alpha, bw = hw.link(max(fold_offsets(layout, "expert mesh")) < hw.gpus_per_node)
     gather = model.moe_dispatch == "all_gather"
     n = {"all_to_all": layout.ep, "all_gather": layout.ep * layout.etp if gather else layout.etp}
     n["reduce_scatter"] = n["all_gather"]

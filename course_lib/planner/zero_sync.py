@@ -2,7 +2,8 @@
 planner's ``runtime="course"``; the planner sits below ``parallel/`` and imports none of it.
 
 Per step, on GradSync's buckets (:mod:`.buckets`: the same 25 MiB rule, one bucket per set of
-reduce dims), the ZeRO group being a bucket's dims among (dp, cp), N ranks:
+reduce dims), the ZeRO group being a bucket's dims among (dp, cp), N ranks (an expert's: the
+ranks holding it, ``layout.expert_zero_group``):
 
 - step start: each bucket's owned slice packed (a copy per piece: a parameter's part inside
   it), all-gathered over the group, copied into the parameters (a copy per parameter);
@@ -26,13 +27,15 @@ SHARD_DIMS = ("dp", "cp")
 
 
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
-              collective, size, itemsize: int = 2) -> tuple:
+              collective, size, itemsize: int = 2, expert=None) -> tuple:
     """(seconds after the schedule, seconds of the step-start gather, kernels, seconds in the
     schedule, one chunk's reduce-scatters' seconds) of ZeRO-1/2 on one stage.
     ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``: :mod:`.runtime`'s;
     ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on the wire (the
-    precision's reduce dtype, :mod:`.numerics`). Reduced chunk by chunk (``layout.grad_reduce``,
-    ``formulas.zero_rounds``: R reductions of each of the stage's c chunks): the last chunk's
+    precision's reduce dtype, :mod:`.numerics`). ``expert``: (ranks, dims summed after,
+    ``seconds(kind, nbytes)`` of a collective over the ranks) of an expert's ZeRO group
+    (``layout.expert_zero_group``), for the experts' buckets. Reduced chunk by chunk
+    (``layout.grad_reduce``, ``formulas.zero_rounds``: R reductions of each of the stage's c chunks): the last chunk's
     1/c of the chain after the schedule; the others' packing copies and the buffers made again
     for a next round run in the schedule, the collectives under it."""
     floor = max(hw.kernel_floor, 0.0)
@@ -40,13 +43,20 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
     total, per = 0, (zero_rounds(layout) or (1,))[0]
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
         total += n
-        shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
-        rest = tuple(d for d in dims if d not in SHARD_DIMS and size(layout, (d,)) > 1)
-        group = size(layout, shard) if shard else 1
+        if dims == ("edp",):        # an expert's: its own ZeRO group (``expert``), its slice's sum after
+            group, rest = expert[0], tuple(d for d in expert[1] if size(layout, (d,)) > 1)
+            shard = ("edp",) if group > 1 else ()
+            gather_s, scatter_s = (expert[2](kind, nbytes) for kind, nbytes in
+                                   (("all_gather", n * 2), ("reduce_scatter", n * itemsize)))
+        else:
+            shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
+            rest = tuple(d for d in dims if d not in SHARD_DIMS and size(layout, (d,)) > 1)
+            group = size(layout, shard) if shard else 1
+            gather_s, scatter_s = (collective(layout, hw, kind, nbytes, shard) for kind, nbytes in
+                                   (("all_gather", n * 2), ("reduce_scatter", n * itemsize)))
         owned = -(-n // group)
         pieces = min(len(sizes), -(-len(sizes) // group) + 1)      # parameters the owned slice cuts
-        costs = {"ag": collective(layout, hw, "all_gather", n * 2, shard) if shard else 0.0,
-                 "rs": collective(layout, hw, "reduce_scatter", n * itemsize, shard) if shard else 0.0,
+        costs = {"ag": gather_s if shard else 0.0, "rs": scatter_s if shard else 0.0,
                  "ar": collective(layout, hw, "all_reduce", owned * itemsize, rest) if rest else 0.0}
         piece = bucket_copy(hw, -(-owned // pieces)).device
         seq_g = [piece] * pieces + ["ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]

@@ -49,12 +49,13 @@ At moments, the pipeline runner asks after each forward and at the end of each b
 model states as they are then (:class:`MemoryProbe`: parameters, masters and moments, and the
 gradient buffers as the program allocates and frees them, :func:`gradient_tensors`: ZeRO-2's
 fp32 sums live during the schedule and are gone after it, the masters' fp32 gradients of
-"bf16" appear after it) plus the activations autograd saved for backward then (the runner's
+"bf16" appear after it; DDP's buckets, made with the model, are held all step and after the
+sums hold the gradients) plus the activations autograd saved for backward then (the runner's
 count; a backward's end counts its saved tensors beside the gradients it made), and the states
 after the step: ``moment_memory`` (``memory_by_stage[k]["moments"]``), what the planner walks
 moment by moment. Between two moments the program holds more for a while: the loss's logits
 and their gradient, a layer recomputed, FSDP's gathered parameters, a gradient on its way
-into ``.grad``, the bucket being reduced, the optimizer's temporaries. :mod:`.live_memory`
+into ``.grad``, the optimizer's temporaries. :mod:`.live_memory`
 follows every tensor the step's ops create, so the peak is each moment's count plus the most
 the program added after it (a replayed action, which runs no op, is given its real runs'
 rise); checked against torch's own ``MemTracker`` on a real step
@@ -83,6 +84,7 @@ from course_lib import trace
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.layout import Layout
 from course_lib.parallel.compose import parallelize_nd
+from course_lib.parallel.grad_sync import GradSync
 from course_lib.parallel.layout_rules import check_layout
 from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
@@ -378,6 +380,12 @@ def gradient_tensors(net, model, updated, own_dtype: bool) -> list:
             grads += [t for t in (getattr(u, "grad_shard", None), getattr(u, "accumulated", None)) if t is not None]
     if own_dtype:
         grads += [q.grad for q in updated if q.grad is not None]
+    # DDP's buckets (GradSync): made with the model, held all step (torch's DDP the same, its
+    # default gradient_as_bucket_view=False); after the sums a gradient is a view of its bucket
+    sync = getattr(net, "grad_sync", None)
+    buffers = [b.buffer for b in sync.buckets] if isinstance(sync, GradSync) else []
+    inside = {id(b) for b in buffers}
+    grads = [g for g in grads if g._base is None or id(g._base) not in inside] + buffers
     return list({id(g): g for g in grads}.values())
 
 
