@@ -56,6 +56,10 @@ def _cases(dp):
                               dict(zero=2, microbatches=2), 8)
         cases["zero1-ep4-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=2), dict(dp=2, pp=2, tp=2, ep=4),
                                   dict(zero=1, sp=True, microbatches=2), 4)
+        # each expert's width split over etp 2 too: its slices over edp (1 rank), its w2 bias's
+        # sum over etp after, on the slice
+        cases["zero1-ep2-etp2-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=2, ffn_hidden=32),
+                                       dict(dp=4, tp=2, ep=2, etp=2), dict(zero=1, sp=True, microbatches=1), 4)
     else:           # 3 ranks hold each expert (ep 2 over dp 3 x tp 2): an odd ZeRO group of experts
         cases["zero1-ep2-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=1), dict(dp=3, pp=2, tp=2, ep=2),
                                   dict(zero=1, sp=True, microbatches=1), 3)
@@ -104,12 +108,12 @@ def test_zero_1_and_2_equal_one_device(runs, dp):
         assert set(full) == set(ref.state), name
         tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR, what=name)
         # the optimizer's slices: every element of every parameter owned by exactly one rank of dp x cp
-        # (an expert: of the ranks holding it, one EP slot each: each slot's experts once)
+        # (an expert: of the ranks holding it; each (ep, etp) slot's share of the experts once)
         n = shape.sizes
         for pp in range(n["pp"]):
             for tp in range(n["tp"]):
                 members = [shape.rank_of(dp=d, cp=c, pp=pp, tp=tp) for d in range(n["dp"]) for c in range(n["cp"])]
-                slots = len({shape.coords(k)["ep"] for k in members}) if shape.ep > 1 else 1
+                slots = len({(shape.coords(k)["ep"], shape.coords(k)["etp"]) for k in members})
                 _, _, _, held, experts = ranks[members[0]]
                 assert sum(ranks[k][2] for k in members) == held + (slots - 1) * experts, (name, pp, tp)
                 assert all(ranks[k][2] < ranks[k][3] for k in members), name   # each holds a part only
