@@ -64,23 +64,28 @@ class ShardedBucket:
 def owned_gradient(p, lo, hi, summed, stage):
     """The gradient of ``p``'s owned elements [lo, hi) given their ``summed`` gradient: ZeRO-2
     keeps the sum itself; ZeRO-1 writes it into that slice of ``p.grad`` (the full gradient it
-    keeps; made if this rank had none) and returns the slice."""
+    keeps; made if this rank had none) and returns the slice (``summed`` None: the slice, for
+    the caller to write)."""
     if stage == 2:
         return summed
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    return p.grad.view(-1)[lo:hi].copy_(summed)
+    view = p.grad.view(-1)[lo:hi]
+    return view if summed is None else view.copy_(summed)
 
 
 def all_gather_buckets(buckets, params, sources, comm_of):
     """The full ``params`` from every rank's owned slices: per bucket b, ``sources(b)`` (one
     tensor per piece of ``b.pieces``) packed and all-gathered over ``comm_of(b)``, then copied
-    into the parameters, ``BUCKETS_IN_FLIGHT`` buckets at a time."""
+    into the parameters, ``BUCKETS_IN_FLIGHT`` buckets at a time. The pack is one ``cat``
+    whatever the number of pieces, so every rank of the group does the same work before the
+    all-gather (the first the most bytes: its slice is never short)."""
     pending = []
     for b in buckets:
         send = b.empty(b.shard)
-        for (i, lo, hi, at, _), src in zip(b.pieces, sources(b)):
-            send[at:at + hi - lo].copy_(src)
+        srcs = [src.reshape(-1) for src in sources(b)]
+        if srcs:    # the pieces lie end to end from the slice's start: one kernel packs them all
+            torch.cat(srcs, out=send[:sum(src.numel() for src in srcs)])
         comm = comm_of(b)
         full = b.empty(b.shard * comm.size)
         pending.append((b, full, comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")))

@@ -243,16 +243,29 @@ class ZeroSync:
         if b.rest is not None:
             b.rest.all_reduce(out, name=f"all-reduce b{b.index} over {b.rest.dim}")
         used = (out[b.shard:] > 0).tolist()
-        for (i, lo, hi, at, _), q in zip(b.pieces, b.slices):
-            if not used[b.param_ids.index(i)]:
-                continue
-            g = out[at:at + hi - lo]
-            if q.grad is not None:      # not zeroed since the last step: accumulate, as on one device
-                q.grad.add_(g)
-            elif self.compute is not None:    # mixed precision: the master's gradient, in its dtype
-                q.grad = g.to(q.dtype)
-            else:                       # ZeRO-1: the sum in the owned slice of the full gradient
-                q.grad = owned_gradient(self.params[i], lo, hi, g, self.stage)
+        # each step below is one kernel for all the pieces, however many: every rank of the
+        # group does the same work (the first the most bytes: its slice is never short)
+        mine = [(i, lo, hi, at, q) for (i, lo, hi, at, _), q in zip(b.pieces, b.slices)
+                if used[b.param_ids.index(i)]]
+        held = [(out[at:at + hi - lo], q) for i, lo, hi, at, q in mine if q.grad is not None]
+        if held:                        # not zeroed since the last step: accumulate, as on one device
+            torch._foreach_add_([q.grad for _, q in held], [g for g, _ in held])
+        fresh = [m for m in mine if m[4].grad is None]
+        if not fresh:
+            return
+        if self.compute is not None:    # mixed precision: the masters' gradients, in their dtype
+            _, lo, hi, at, _ = b.pieces[-1]        # (the pieces lie end to end from 0)
+            cast = out[:at + hi - lo].to(fresh[0][4].dtype)
+            for i, lo, hi, at, q in fresh:
+                q.grad = cast[at:at + hi - lo]
+        elif self.stage == 2:           # the sums themselves
+            for i, lo, hi, at, q in fresh:
+                q.grad = out[at:at + hi - lo]
+        else:                           # ZeRO-1: the sums in the owned slices of the full gradients
+            views = [owned_gradient(self.params[i], lo, hi, None, 1) for i, lo, hi, at, q in fresh]
+            torch._foreach_copy_(views, [out[at:at + hi - lo] for i, lo, hi, at, q in fresh])
+            for view, (*_, q) in zip(views, fresh):
+                q.grad = view
 
 
 def _flat_range(flat, start, size):

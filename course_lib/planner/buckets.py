@@ -79,4 +79,15 @@ def bucket_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
     return Kernels(1, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor))
 
 
-__all__ = ["bucket_copy", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]
+def foreach_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
+    """ZeRO-1's sums written into the owned slices of the full gradients, one
+    ``torch._foreach_copy_`` over the pieces, priced as the clock prices it (one launch of
+    CUDA's multi-tensor apply on ``elements``)."""
+    with torch.device("meta"):
+        dst, src = torch.empty(elements), torch.empty(elements)
+        cost = op_cost(torch.ops.aten._foreach_copy_.default, ([dst], [src]), {}, None, itemsize)
+    seconds = KernelModel(hw).roofline(*cost)
+    return Kernels(1, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor))
+
+
+__all__ = ["bucket_copy", "foreach_copy", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]

@@ -386,7 +386,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         expert = (ranks, after, lambda kind, nbytes: F.nccl_time(hw, kind, nbytes, ranks, nodes)[0])
         tail, gather, sync_kernels, in_schedule, rs_chunk = zero_sync(model, hw, layout, k, n_layers, first, last,
                                                                       calls, collective, _size, num.reduce,
-                                                                      expert)
+                                                                      expert, num.masters and num.reduce < 4)
         sync_seconds = 0.0                    # (its copies are in its chain)
         bwd["zero"] += (in_schedule + rounds_stretch(hw, layout, rs_chunk, fwd["compute"] + bwd["compute"])) / m
     elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)

@@ -5,12 +5,15 @@ Per step, on GradSync's buckets (:mod:`.buckets`: the same 25 MiB rule, one buck
 reduce dims), the ZeRO group being a bucket's dims among (dp, cp), N ranks (an expert's: the
 ranks holding it, ``layout.expert_zero_group``):
 
-- step start: each bucket's owned slice packed (a copy per piece: a parameter's part inside
-  it), all-gathered over the group, copied into the parameters (a copy per parameter);
+- step start: each bucket's owned slice packed (one ``cat`` of its pieces, a parameter's part
+  each), all-gathered over the group, copied into the parameters (a copy per parameter);
 - after the schedule: each parameter's gradient copied into its bucket, the "used" flags made
   and copied in, the bucket reduce-scattered (blocking: the host waits for it), the owned
   slice then all-reduced over the bucket's other dims (the SP norms' tp), the flags tested and
-  read by the host; ZeRO-1 copies each piece's sum into its full gradient, ZeRO-2 keeps it.
+  read by the host; the sums handed out: cast once to the masters' dtype (a mixed precision
+  reducing in 16 bits), or written into the full gradients by one foreach copy (ZeRO-1), or
+  kept (ZeRO-2). One kernel per step whatever the pieces: every rank of the group does the
+  same work (what lets the dry run fold them).
 
 Every op through the host's issue chain (:func:`.issue.run_chain`: one op per
 ``launch_overhead``, a blocking collective or a read waits for the stream). ZeRO-1 and ZeRO-2
@@ -19,7 +22,7 @@ default runtime, which models the published systems, keeps that).
 """
 from __future__ import annotations
 
-from course_lib.planner.buckets import assign_buckets, bucket_copy, stage_params
+from course_lib.planner.buckets import assign_buckets, bucket_copy, foreach_copy, stage_params
 from course_lib.planner.formulas import zero_rounds
 from course_lib.planner.issue import run_chain
 
@@ -27,14 +30,15 @@ SHARD_DIMS = ("dp", "cp")
 
 
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
-              collective, size, itemsize: int = 2, expert=None) -> tuple:
+              collective, size, itemsize: int = 2, expert=None, cast: bool = False) -> tuple:
     """(seconds after the schedule, seconds of the step-start gather, kernels, seconds in the
     schedule, one chunk's reduce-scatters' seconds) of ZeRO-1/2 on one stage.
     ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``: :mod:`.runtime`'s;
     ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on the wire (the
     precision's reduce dtype, :mod:`.numerics`). ``expert``: (ranks, dims summed after,
     ``seconds(kind, nbytes)`` of a collective over the ranks) of an expert's ZeRO group
-    (``layout.expert_zero_group``), for the experts' buckets. Reduced chunk by chunk
+    (``layout.expert_zero_group``), for the experts' buckets. ``cast``: the sums handed to fp32
+    masters from a 16-bit reduce dtype. Reduced chunk by chunk
     (``layout.grad_reduce``, ``formulas.zero_rounds``: R reductions of each of the stage's c chunks): the last chunk's
     1/c of the chain after the schedule; the others' packing copies and the buffers made again
     for a next round run in the schedule, the collectives under it."""
@@ -55,13 +59,15 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
             gather_s, scatter_s = (collective(layout, hw, kind, nbytes, shard) for kind, nbytes in
                                    (("all_gather", n * 2), ("reduce_scatter", n * itemsize)))
         owned = -(-n // group)
-        pieces = min(len(sizes), -(-len(sizes) // group) + 1)      # parameters the owned slice cuts
         costs = {"ag": gather_s if shard else 0.0, "rs": scatter_s if shard else 0.0,
                  "ar": collective(layout, hw, "all_reduce", owned * itemsize, rest) if rest else 0.0}
-        piece = bucket_copy(hw, -(-owned // pieces)).device
-        seq_g = [piece] * pieces + ["ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
+        pack = bucket_copy(hw, owned).device            # the owned pieces packed by one cat
+        # the sums handed out: one cast to the masters' dtype, or ZeRO-1's one foreach copy
+        out = [bucket_copy(hw, owned).device] if cast else [foreach_copy(hw, owned).device] if layout.zero == 1 \
+            else []
+        seq_g = [pack, "ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
         seq_f = [bucket_copy(hw, n_i).device for n_i in sizes] + [floor, floor, "rs"] + (["ar"] if rest else []) \
-            + [floor, "read"] + ([piece] * pieces if layout.zero == 1 else [])
+            + [floor, "read"] + out
         run_chain(seq_g, gather, hw.launch_overhead, costs)
         run_chain(seq_f, finish, hw.launch_overhead, costs)
         copies += sum(x for x in seq_f if not isinstance(x, str)) + hw.launch_overhead * len(seq_f)
