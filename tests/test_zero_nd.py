@@ -142,22 +142,24 @@ def test_the_dry_run_of_zero_is_the_real_launch(runs, dp):
         assert ddp.memory_by_stage[i]["states"] > z1.memory_by_stage[i]["states"] > z2.memory_by_stage[i]["states"]
 
 
-@pytest.mark.parametrize("layout", [
-    Layout(dp=4, pp=2, zero=2, micro_batch=1, global_batch=8),
-    Layout(dp=3, pp=2, zero=1, micro_batch=1, global_batch=6, precision="bf16"),
-], ids=["zero2-dp4-pp2", "zero1-dp3-pp2-bf16"])
-def test_the_dry_run_folds_zero_members_that_own_different_pieces(layout):
+@pytest.mark.parametrize("spec,layout", [
+    (SPEC, Layout(dp=4, pp=2, zero=2, micro_batch=1, global_batch=8)),
+    (SPEC, Layout(dp=3, pp=2, zero=1, micro_batch=1, global_batch=6, precision="bf16")),
+    (SPEC.with_(name="GPT test MoE", n_experts=4, top_k=2), Layout(dp=4, pp=2, ep=2, zero=1, micro_batch=1,
+                                                                   global_batch=8)),
+], ids=["zero2-dp4-pp2", "zero1-dp3-pp2-bf16", "moe-zero1-dp4-pp2-ep2"])
+def test_the_dry_run_folds_zero_members_that_own_different_pieces(spec, layout):
     """The members of a ZeRO group own slices cut across different numbers of parameters
     (pieces). Each packs its slice with one cat and hands the sums out with one kernel (a cast,
     ZeRO-1's foreach copy), so no member arrives at a collective after the one the dry run runs
     (dp 0: its slice never short). Once packed a copy per piece: the dry run 37 us early here."""
     from course_lib.parallel.zero import ShardedBucket
-    real = launch(_real_dry_rank, layout.n_gpus, model_config(SPEC, layout), layout,
+    real = launch(_real_dry_rank, layout.n_gpus, model_config(spec, layout), layout,
                   clock=VirtualCluster(HW, dtype=None if layout.precision != "full" else torch.bfloat16))
-    r = dry_run(SPEC, HW, layout, progress=None)
+    r = dry_run(spec, HW, layout, progress=None)
     assert r.step_time == max(x["t"] for x in real), (r.step_time, max(x["t"] for x in real))
     with torch.device("meta"):
-        params = list(TinyGPT(model_config(SPEC, layout), seed=0).parameters())
+        params = list(TinyGPT(model_config(spec, layout), seed=0).parameters())
     pieces = {len(ShardedBucket(0, list(range(len(params))), params, k, layout.dp).pieces) for k in range(layout.dp)}
     assert len(pieces) > 1, pieces          # (the model cut in dp slices: the members' piece counts differ)
 
@@ -165,7 +167,9 @@ def test_the_dry_run_folds_zero_members_that_own_different_pieces(layout):
 def _real_dry_rank(cfg, layout):
     from course_lib.parallel.mesh import Mesh
     from course_lib.virtual.dry_run import train_step
-    return train_step(cfg, layout, Mesh.from_layout(layout))
+    from course_lib.virtual.priced import BalancedRouting
+    with BalancedRouting():            # (an MoE: the routing the dry run assumes)
+        return train_step(cfg, layout, Mesh.from_layout(layout))
 
 
 @pytest.mark.parametrize("changes,match", [

@@ -368,7 +368,8 @@ def gradient_tensors(net, model, updated, own_dtype: bool) -> list:
     shards reduced in the backward and the unsharded sums it keeps where it does not sync
     (before they are handed to the parameters' ``.grad``); under a precision
     (``own_dtype``) the gradients of what the optimizer updates (the masters', where the fp32
-    sums of "bf16-accumulate-fp32" live without ZeRO)."""
+    sums of "bf16-accumulate-fp32" live without ZeRO); DDP's buckets, each once with the
+    gradients that are views of it."""
     grads = [q.grad for q in model if q.grad is not None]
     zero = getattr(net, "zero", None)
     if zero is not None:

@@ -33,7 +33,9 @@ def fresh_returns(func) -> tuple:
     got = _FRESH.get(func)
     if got is None:
         schema = getattr(func, "_schema", None)
-        got = () if schema is None else tuple(
+        # (c10d's in-place collectives return the tensors they were handed, unannotated: a
+        # bucket all-reduced is not a new one)
+        got = () if schema is None or getattr(func, "namespace", "") == "c10d" else tuple(
             i for i, r in enumerate(schema.returns)
             if r.alias_info is None and "Tensor" in str(r.type))
         _FRESH[func] = got
