@@ -54,7 +54,8 @@ def test_context_parallel_dry_run_equals_a_real_launch(layout):
     (Layout(dp=2, pp=2, ep=2, micro_batch=1, global_batch=4, recompute="selective"), "all_to_all"),
     (Layout(dp=4, ep=2, etp=2, micro_batch=1, global_batch=4), "all_gather"),
     (Layout(dp=4, ep=2, zero=2, micro_batch=1, global_batch=4), "all_to_all"),
-], ids=["a2a-dp2-pp2-ep2", "allgather-dp4-ep2-etp2", "a2a-dp4-ep2-zero2"])
+    (Layout(dp=4, pp=2, ep=2, zero=1, micro_batch=1, global_batch=8), "all_to_all"),
+], ids=["a2a-dp2-pp2-ep2", "allgather-dp4-ep2-etp2", "a2a-dp4-ep2-zero2", "a2a-dp4-pp2-ep2-zero1"])
 def test_moe_dry_run_equals_a_real_launch_with_balanced_routing(layout, dispatch):
     """One running rank per stage: its ep (and etp) peers are folded, each sending what it
     sends. With the router's top-k balanced on the real run (BalancedRouting), the same step,

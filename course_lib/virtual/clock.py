@@ -45,6 +45,7 @@ from course_lib.virtual import links
 from course_lib.virtual.compute import ComputeStream, tensor_bytes
 from course_lib.virtual.contention import ctas
 from course_lib.virtual.exchange import exchange as _exchange
+from course_lib.virtual.live_memory import unfollowed
 from course_lib.virtual.overlap import OverlappedPair
 
 # Comm's collective -> NCCL's (all-to-all is grouped point-to-point; barrier an all-reduce)
@@ -337,7 +338,9 @@ class RankClock:
     def isend(self, comm, tensor, peer: int, tag: int):
         dst = comm.ranks[peer]
         flow, begin, end, told = self.sent(comm, tensor, dst, tag)
-        with self.muted():        # one message: the payload's bytes, then its start and ready times
+        # one message: the payload's bytes, then its start and ready times; gloo's staging copy,
+        # which a GPU's NCCL send does not make, is not the program's memory (live_memory)
+        with self.muted(), unfollowed(self._mode):
             header = torch.tensor(told, dtype=torch.float64, device=tensor.device)
             wire = torch.cat([_as_bytes(tensor), header.view(torch.uint8)])
             work = dist.isend(wire, dst, group=comm.group, tag=tag)
@@ -346,7 +349,7 @@ class RankClock:
 
     def irecv(self, comm, tensor, peer: int, tag: int):
         src = comm.ranks[peer]
-        with self.muted():
+        with self.muted(), unfollowed(self._mode):     # (the staging buffer: gloo's, as above)
             wire = torch.empty(tensor.numel() * tensor.element_size() + 16, dtype=torch.uint8, device=tensor.device)
             work = dist.irecv(wire, src, group=comm.group, tag=tag)
         flow, kind, latency, data = self._message(comm, src, self.rank, tag, tensor)
