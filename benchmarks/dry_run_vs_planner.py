@@ -30,7 +30,7 @@ def main(argv=None):
     ap.add_argument("--no-split", action="store_true", help="without each drawn pipeline layout again under ZB-H1, "
                                                             "ZB-V and DualPipeV (lab.dry_run_sweep.split_twins)")
     ap.add_argument("--no-moe-zero", action="store_true",
-                    help="without each drawn MoE layout at dp > 1 again under ZeRO-1 and ZeRO-2 "
+                    help="without each drawn MoE layout at dp > 1 again under ZeRO-1, 2 and 3 "
                          "(lab.dry_run_sweep.sweep_layouts)")
     args = ap.parse_args(argv)
     dry = {}

@@ -186,8 +186,8 @@ def test_planner_prices_the_folded_expert_mesh():
     (MOE, dict(cp=2, ep=2, etp=2), "must divide"),
     (dataclasses.replace(MOE, ffn_hidden=18), dict(dp=2, tp=2, etp=4), "not divisible"),
     (MOE, dict(tp=2, ep=2, sequence_parallel=False), "sequence_parallel=True"),
-    (MOE, dict(dp=2, cp=2, ep=2, data="fsdp"), "FSDP"),
-    (MOE, dict(dp=4, etp=4, data="hsdp", shard_size=4), "HSDP: it shards over dp x cp"),
+    (MOE, dict(dp=4, cp=2, ep=2, data="fsdp", zeropp=("hpz",), gpus_per_node=4), "zeropp"),
+    (MOE, dict(dp=4, etp=4, data="hsdp", shard_size=4), "under HSDP: its one shard group"),
     (dataclasses.replace(MOE, n_experts=0), dict(dp=2, etp=2), "has none"),
 ])
 def test_bad_expert_layouts_are_refused_before_any_rank_starts(cfg, kw, message):

@@ -84,8 +84,7 @@ def _box(q, placement=None):
 
 def _fsdp_placements(fsdp: FSDP) -> dict:
     """{id(shard parameter): Placement}: rank r holds rows r*c... of each parameter FSDP cut."""
-    rank = fsdp.comm.rank
-    return {id(piece): Placement(tuple(slot.shape), shard=tuple(fsdp.dims), rows=(rank * slot.chunk, slot.rows))
+    return {id(piece): Placement(tuple(slot.shape), shard=tuple(unit.dims), rows=(unit.rank * slot.chunk, slot.rows))
             for unit in fsdp.units for piece, slot in zip(unit.pieces, unit.slots)}
 
 

@@ -39,8 +39,8 @@ BOUND = 0.10            # a row whose step time (or memory) differs more is expl
 
 
 def _draw(rng, moe: bool, s: int) -> Layout:
-    """One random layout (ZeRO-3 on a tied embedding with pp > 1 is refused by FSDP, as is FSDP with
-    ep > 1: the MoE draws ZeRO-0; :func:`sweep_layouts` runs its ZeRO-1/2 twins)."""
+    """One random layout (ZeRO-3 on a tied embedding with pp > 1 is refused by FSDP; the MoE draws
+    ZeRO-0, :func:`sweep_layouts` runs its ZeRO-1/2/3 twins)."""
     tp = 1 if moe else rng.choice((1, 2, 4, 8))
     sp = tp > 1 and rng.random() < 0.7
     cp = 1 if moe or tp == 8 else rng.choice((1, 1, 2))
@@ -82,8 +82,9 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
     ``ep_ops.install_ep(shard=)``: none over 10%). ``split``: then each drawn pipeline layout again
     under the schedules with W actions (:func:`split_twins`), where the ranks accept it and it
     fits (2026-11-30, seventeenth session). ``moe_zero``: then each drawn MoE layout with dp > 1
-    again under ZeRO-1 and ZeRO-2, an expert's slices over the ranks holding it ("edp"), where
-    the ranks accept it and it fits (2026-11-30, nineteenth session)."""
+    again under ZeRO-1 and ZeRO-2, an expert's slices over the ranks holding it ("edp"), and
+    under ZeRO-3, each block's experts an FSDP unit over them, where the ranks accept it and it
+    fits (2026-11-30, nineteenth and twentieth sessions)."""
     from course_lib.virtual.dry_run import check_dry_run
     out = _drawn(n, seed, check_dry_run)
     def accepted(name, hw, twin) -> bool:        # the ranks run it and the planner says it fits
@@ -106,7 +107,7 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
         twins += [(name, hw, twin) for twin in split_twins(layout) if accepted(name, hw, twin)]
     for name, hw, layout in out if moe_zero else ():
         if get_model(name).n_experts > 1 and layout.dp > 1:
-            twins += [(name, hw, layout.with_(zero=z)) for z in (1, 2) if accepted(name, hw, layout.with_(zero=z))]
+            twins += [(name, hw, layout.with_(zero=z)) for z in (1, 2, 3) if accepted(name, hw, layout.with_(zero=z))]
     return out + twins
 
 

@@ -138,10 +138,13 @@ def apply_data_parallel(stages, mesh, layout, reduce):
     rule_zero(next(iter(stages.values())).part.config, layout)
     compute, reduce_dtype = check_precision(layout.precision)
     if layout.data != "ddp":
-        return {s: FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
-                        units=list(st.part.blocks), divisor=1, shard_size=layout.shard_size,
-                        zeropp=layout.zeropp, gpus_per_node=layout.gpus_per_node)
-                for s, st in stages.items()}, None, None
+        out = {}
+        for s, st in stages.items():
+            experts = expert_units(st, reduce)
+            out[s] = FSDP(st, compute, reduce_dtype=reduce_dtype, mesh=mesh, dims=("dp", "cp"), reduce_dims=reduce,
+                          units=list(st.part.blocks) + list(experts), unit_dims=experts, divisor=1,
+                          shard_size=layout.shard_size, zeropp=layout.zeropp, gpus_per_node=layout.gpus_per_node)
+        return out, None, None
     params = list({id(q): q for st in stages.values() for q in st.parameters()}.values())
     if layout.zero in (1, 2):                         # ZeRO-1/2: DDP's replicas, the optimizer sharded
         if compute is not None:
@@ -162,6 +165,20 @@ def apply_data_parallel(stages, mesh, layout, reduce):
             params = master.parameters()
     params = [q for q in params if dims[id(q)]]
     return dict(stages), (GradSync(params, mesh, divisor=1, dims=dims) if params else None), master
+
+
+def expert_units(stage, reduce) -> dict:
+    """{each block's experts (EP's :class:`LocalExperts`): the dims FSDP shards them over}: every
+    rank holding them (their gradient's dims: "edp" and the stage dims outside the fold; w2's
+    bias, also summed over "etp", sums its shard after). torchtitan: ``fully_shard(block.moe.
+    experts, mesh=...)`` on the experts' own mesh, before ``fully_shard(block)``."""
+    out = {}
+    for block in stage.part.blocks:
+        moe = getattr(getattr(block, "mlp", None), "moe", None)
+        if isinstance(moe, ExpertParallelMoE):
+            dims = [reduce[id(q)] for q in moe.experts.parameters()]
+            out[moe.experts] = tuple(d for d in dims[0] if all(d in ds for ds in dims))
+    return out
 
 
 def chunk_of(stages) -> dict:
@@ -188,9 +205,8 @@ def placements(stages, modules, mesh, before) -> dict:
         rows = _fsdp_rows(modules[s]) if isinstance(modules[s], FSDP) else {}
         for local, q in st.part.named_parameters(remove_duplicate=False):
             where, copies, reduce = before[s][local]
-            start, held, cut = rows.get(id(q), (None, None, tuple(q.shape)))
+            start, held, cut, shard = rows.get(id(q), (None, None, tuple(q.shape), ()))
             shape = tuple(where[3] if where and i == where[0] else n for i, n in enumerate(cut))
-            shard = ("dp", "cp") if rows else ()
             replicated = tuple(d for d in reduce if d not in shard) + \
                 (("tp",) if sizes["tp"] > 1 and (where is None or copies > 1) and "tp" not in reduce
                  and "edp" not in reduce else ())       # an expert: its copies are its reduce dims
@@ -201,9 +217,9 @@ def placements(stages, modules, mesh, before) -> dict:
 
 
 def _fsdp_rows(fsdp: FSDP) -> dict:
-    """{id(shard parameter): (first global row, rows held, shape FSDP cut)}: rank r holds rows r*c..."""
-    rank = fsdp.comm.rank
-    return {id(piece): (rank * slot.chunk, slot.rows, tuple(slot.shape))
+    """{id(shard parameter): (first global row, rows held, shape FSDP cut, the dims its unit shards
+    over)}: rank r of the unit's group holds rows r*c..."""
+    return {id(piece): (unit.rank * slot.chunk, slot.rows, tuple(slot.shape), unit.dims)
             for unit in fsdp.units for piece, slot in zip(unit.pieces, unit.slots)}
 
 
@@ -346,5 +362,5 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
 
 
 __all__ = ["check_layout", "parallelize_nd", "apply_tp", "apply_cp", "apply_ep", "mark_reduce_dims",
-           "apply_data_parallel", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement",
+           "apply_data_parallel", "expert_units", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement",
            "DATA", "SCHEDULES"]

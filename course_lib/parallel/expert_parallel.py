@@ -136,10 +136,10 @@ def rule_experts(cfg, layout):
     if tp > 1 and not layout.sp:
         raise ValueError(f"experts with tp={tp} need sequence_parallel=True: each TP rank routes its own "
                          f"s / tp tokens (without SP every TP rank would send the same tokens)")
-    if layout.data in ("fsdp", "hsdp") and ep * etp * layout.cp * tp > 1:
+    if layout.data == "hsdp" and ep * etp * layout.cp * tp > 1:
         raise ValueError(f"experts on a folded expert mesh (ep={ep}, etp={etp}, cp={layout.cp}, tp={tp}) under "
-                         f"{layout.data.upper()}: it shards over dp x cp, an expert lives on its expert mesh; "
-                         f"use data='ddp'")
+                         f"HSDP: its one shard group is dp x cp's, an expert lives on its expert mesh; "
+                         f"use data='fsdp' (each block's experts a unit of their own) or data='ddp'")
 
 
 def token_index(rows: int, seq_len: int, positions, tp: int = 1, tp_rank: int = 0):
@@ -174,6 +174,27 @@ def slice_expert(net, etp: int, rank: int):
     return out
 
 
+class LocalExperts(nn.ModuleList):
+    """This rank's experts (or their etp slices), run by one call: each expert on its own rows.
+    One module, so a hook around it sees all of them at once (FSDP's unit of a block's experts,
+    as torchtitan's ``GroupedExperts``); the parameters keep their names ``experts.<j>.*``."""
+
+    def __init__(self, nets, etp: int = 1, bias_here: bool = True):
+        super().__init__(nets)
+        self.etp, self.bias_here = etp, bias_here
+
+    def forward(self, rows):
+        """[rows (R_j, h) of local expert j] -> [their outputs (R_j, h)]; an etp slice gives a
+        partial output, w2's bias added on etp rank 0 only."""
+        return [self._one(net, x) for net, x in zip(self, rows)]
+
+    def _one(self, net, rows):
+        if self.etp == 1:
+            return net(rows)
+        out = F.linear(net.inner(rows), net.w2.weight)                # (R, h): my slice's share
+        return out + net.w2.bias if self.bias_here and net.w2.bias is not None else out
+
+
 class ExpertParallelMoE(nn.Module):
     """``moe``'s router and shared experts (replicated) and this rank's part of its experts
     (E/ep experts, 1/etp of each one's width) on ``mesh``'s expert mesh. Every rank builds it
@@ -202,8 +223,8 @@ class ExpertParallelMoE(nn.Module):
         self.router, self.shared = moe.router, moe.shared
         etp_rank = self.etp_comm.rank if etp > 1 else 0
         self.bias_here = etp_rank == 0                                # w2's bias: once per row
-        self.experts = nn.ModuleList(net if etp == 1 else slice_expert(net, etp, etp_rank)
-                                     for net in moe.experts[self.first:self.first + self.local])
+        self.experts = LocalExperts([net if etp == 1 else slice_expert(net, etp, etp_rank)
+                                     for net in moe.experts[self.first:self.first + self.local]], etp, self.bias_here)
         replicas = mesh.expert_replicas() if hasattr(mesh, "expert_replicas") else ("edp",)
         set_reduce_dims(self.experts, replicas)      # the ranks holding the same experts
         if etp > 1:                                  # the bias: added on etp rank 0 for the rows of all
@@ -242,13 +263,6 @@ class ExpertParallelMoE(nn.Module):
             return y + self._gathered(x, expert, weight, keep), aux
         return y + self._all_to_all(x, expert, weight, keep), aux
 
-    def _expert(self, net, rows):
-        """One expert (or its etp slice: a partial output, w2's bias on etp rank 0 only)."""
-        if self.etp == 1:
-            return net(rows)
-        out = F.linear(net.inner(rows), net.w2.weight)                # (R, h): my slice's share
-        return out + net.w2.bias if self.bias_here and net.w2.bias is not None else out
-
     def _run_experts(self, rows, local_e):
         """rows (R, h) for my experts ``local_e`` (R,) -> their outputs (R, h); with etp the
         rows of my etp peers join (all-gather) and the partial sums go back (reduce-scatter)."""
@@ -260,7 +274,7 @@ class ExpertParallelMoE(nn.Module):
         with trace.span("experts", kind="compute"):
             by_expert = torch.sort(local_e, stable=True).indices      # rows of expert 0, 1, ...
             counts = torch.bincount(local_e, minlength=self.local).tolist()
-            outs = [self._expert(net, chunk) for net, chunk in zip(self.experts, rows[by_expert].split(counts))]
+            outs = self.experts(rows[by_expert].split(counts))
             done = torch.cat(outs)[torch.argsort(by_expert)]          # back to the received order
         if self.etp > 1:
             done = ScatterRows.apply(done, self.etp_comm, sizes, "ETP reduce-scatter")
@@ -294,9 +308,9 @@ class ExpertParallelMoE(nn.Module):
         es = gather_rows(torch.where(keep, expert, -1), self.group_comm, sizes, "expert ids")   # -1: dropped
         out = torch.zeros_like(xs)
         with trace.span("experts", kind="compute"):
-            for i, net in enumerate(self.experts):
-                tok, j = torch.nonzero(es == self.first + i, as_tuple=True)
-                out = out.index_add(0, tok, self._expert(net, xs[tok]) * ws[tok, j, None])
+            picks = [torch.nonzero(es == self.first + i, as_tuple=True) for i in range(self.local)]
+            for (tok, j), y in zip(picks, self.experts([xs[tok] for tok, _ in picks])):
+                out = out.index_add(0, tok, y * ws[tok, j, None])
         return ScatterRows.apply(out, self.group_comm, sizes, "combine")                 # (T, h)
 
     def tokens_per_expert(self, x):
@@ -304,6 +318,6 @@ class ExpertParallelMoE(nn.Module):
         return self.route(x)[3]
 
 
-__all__ = ["AllToAll", "GatherRows", "ScatterRows", "ExpertParallelMoE", "DISPATCH", "dispatch_splits",
+__all__ = ["AllToAll", "GatherRows", "ScatterRows", "ExpertParallelMoE", "LocalExperts", "DISPATCH", "dispatch_splits",
            "experts_per_rank", "rule_experts", "token_index", "expert_tp_plan", "slice_expert", "gather_rows",
            "scatter_rows"]

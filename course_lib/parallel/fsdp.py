@@ -76,9 +76,14 @@ def rule_fsdp(cfg, layout):
                          f"sharded: zero_nd) or 3 (data='fsdp' / 'hsdp')")
     rule_hsdp(cfg, layout)
     rule_zeropp(cfg, layout)
-    if layout.data != "ddp" and cfg.n_experts and layout.ep > 1:
-        raise ValueError(f"experts split over ep={layout.ep} under FSDP: FSDP shards over dp x cp, but an expert is "
-                         f"held by the dp / ep ranks of its EP slot only; not supported here, use data='ddp'")
+    if layout.data == "hsdp" and cfg.n_experts and layout.ep * layout.etp > 1:
+        raise ValueError(f"experts split over ep={layout.ep}, etp={layout.etp} under HSDP: HSDP's one shard group "
+                         f"is dp x cp's, an expert's FSDP unit shards over the ranks of its EP slot; use "
+                         f"data='fsdp' (the experts sharded over their own group) or data='ddp'")
+    if layout.zeropp and cfg.n_experts and layout.ep * layout.etp * layout.cp * layout.tp > 1:
+        raise ValueError(f"zeropp={tuple(layout.zeropp)} with experts on a folded expert mesh (ep={layout.ep}, "
+                         f"etp={layout.etp}, cp={layout.cp}, tp={layout.tp}): ZeRO++'s groups are one shard group's, "
+                         f"an expert's FSDP unit shards over the ranks of its EP slot; drop zeropp")
     if layout.data != "ddp" and cfg.tie_embeddings and layout.pp * layout.v > 1:
         raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
                          "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
@@ -111,6 +116,11 @@ class FSDP(FSDPControls, FSDPGathering, FSDPGradients, FSDPGradNorm, FSDPStateDi
         root always is one; a parameter shared by two units (tied weights) is the root's.
         FSDP does not nest: torch's ``fully_shard(block)`` per block, then
         ``fully_shard(model)``, is here one ``FSDP(model, units=blocks)`` (refused otherwise).
+    unit_dims: {unit module: the mesh dims it shards over instead of ``dims``} (torch's
+        ``fully_shard(block.moe.experts, mesh=expert_mesh)`` before ``fully_shard(block)``): an
+        expert is held by the ranks of its EP slot only ("edp"), so its unit gathers and
+        reduce-scatters in that group; each unit's collectives run in its own group. Not with
+        HSDP, ZeRO++ or ``reshard_after_forward=k`` (one shard group for those).
 
     HSDP and FSDP's controls (torch's names):
 
@@ -135,7 +145,7 @@ class FSDP(FSDPControls, FSDPGathering, FSDPGradients, FSDPGradNorm, FSDPStateDi
 
     def __init__(self, module, compute_dtype=None, *, reduce_dtype=None, units=None, mesh=None, group=None,
                  dims="dp", reduce_dims=None, divisor=None, prefetch=True, shard_size=None,
-                 reshard_after_forward=None, zeropp=(), gpus_per_node=None):
+                 reshard_after_forward=None, zeropp=(), gpus_per_node=None, unit_dims=None):
         super().__init__()
         check_fsdp_module(module)
         _check_not_wrapped(module)
@@ -168,24 +178,27 @@ class FSDP(FSDPControls, FSDPGathering, FSDPGradients, FSDPGradNorm, FSDPStateDi
                 self.qgz = node_comms(self.comm, self.node, self.mesh.impl,
                                       every_group(self.mesh, self.dims, self.comm), self.mesh)
         self.reshard_after_forward, self.reshard_group = self._reshard_policy(reshard_after_forward)
+        unit_dims = self._unit_dims(unit_dims, unit_modules, shard_size, reshard_after_forward)
         self.divisor = every.size if divisor is None else divisor
         if isinstance(self.divisor, bool) or not isinstance(self.divisor, (int, float)) or self.divisor <= 0:
             raise ValueError(f"FSDP: divisor must be a positive number, got {divisor!r}")
         self.master_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
-        extra = self._extra_reduce_dims(module, reduce_dims)
+        assigned = assign_units(module, unit_modules)
+        shard_dims = {p: unit_dims.get(id(m), self.dims) for m, _, params, _ in assigned for p in params}
+        extra = self._extra_reduce_dims(module, reduce_dims, shard_dims)
         # one model: rank 0's values (over all the dims a parameter is replicated on), then shard
-        broadcast_module_states(module, every, lambda p: self.mesh.comm(self.dims + extra.get(p, ())),
+        broadcast_module_states(module, every, lambda p: self.mesh.comm(shard_dims[p] + extra.get(p, ())),
                                 what="FSDP")
         every.reset()
         if compute_dtype is not None:  # buffers (rotary tables...) computed with, in compute_dtype
             for buf in module.buffers():
                 if buf.is_floating_point():
                     buf.data = buf.data.to(compute_dtype)
-        self._norm_dims = self._grad_norm_dims(extra)
+        self._norm_dims = self._grad_norm_dims(extra, set(unit_dims.values()))
         self._norm_params = []  # [(shard Parameter, counted in the norm on this rank)]
-        self.units = self._build_units(module, unit_modules, extra)
+        self.units = self._build_units(assigned, unit_dims, extra)
         for m in module.modules():  # its parameters are shards now: wrapping it again is refused
             m._fsdp_sharded = True
         self._fwd_order = [u.index for u in self.units]  # refined after each forward
@@ -196,34 +209,55 @@ class FSDP(FSDPControls, FSDPGathering, FSDPGradients, FSDPGradNorm, FSDPStateDi
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
 
-    def _extra_reduce_dims(self, module, reduce_dims=None):
-        """{parameter: dims its gradient is summed over besides FSDP's} for the trainable ones."""
+    def _unit_dims(self, unit_dims, unit_modules, shard_size, reshard_after_forward) -> dict:
+        """{id(unit module): its shard dims} for the units sharded over dims of their own."""
+        if not unit_dims:
+            return {}
+        ids = {id(m) for m in unit_modules}
+        out = {}
+        for m, dims in dict(unit_dims).items():
+            if id(m) not in ids:
+                raise ValueError(f"FSDP: unit_dims names a {type(m).__name__} that is not one of the units: "
+                                 f"pass it in units=[...] too")
+            out[id(m)] = (dims,) if isinstance(dims, str) else tuple(dims)
+            self.mesh.comm(out[id(m)])   # a clear error now if the mesh lacks them
+        if shard_size is not None or self.zeropp or not isinstance(reshard_after_forward, (bool, type(None))):
+            raise ValueError("FSDP: unit_dims (units sharded over groups of their own) is not supported with "
+                             "shard_size (HSDP), zeropp or reshard_after_forward=k: those assume one shard group")
+        return out
+
+    def _extra_reduce_dims(self, module, reduce_dims, shard_dims):
+        """{parameter: dims its gradient is summed over besides the ones its unit shards over},
+        for the trainable ones."""
         extra = {}
         for name, p in module.named_parameters():
             dims = get_reduce_dims(p, default=self.dims) if reduce_dims is None else tuple(reduce_dims[id(p)])
             if not p.requires_grad:
                 continue
-            if not set(self.dims) <= set(dims):
-                raise ValueError(f"FSDP shards {name!r} over {self.dims}, but its gradient is reduced over "
+            mine = shard_dims[p]
+            if not set(mine) <= set(dims):
+                raise ValueError(f"FSDP shards {name!r} over {mine}, but its gradient is reduced over "
                                  f"{dims} (set_reduce_dims): a sharded parameter's gradient must be "
                                  f"reduced over the dimensions it is sharded on")
-            rest = tuple(d for d in dims if d not in self.dims)
+            rest = tuple(d for d in dims if d not in mine)
             if rest:
                 extra[p] = rest
                 self.mesh.comm(rest)  # a clear error now if the mesh lacks them
         return extra
 
-    def _build_units(self, module, unit_modules, extra):
+    def _build_units(self, assigned, unit_dims, extra):
         built = []
-        for m, name, params, where in assign_units(module, unit_modules):
-            unit = ShardedUnit(len(built), name, m, params, where, self.comm.rank, self.comm.size)
-            unit.is_root = m is module
+        for m, name, params, where in assigned:
+            dims = unit_dims.get(id(m), self.dims)
+            comm = self.comm if dims == self.dims else self.mesh.comm(dims)   # the group it shards over
+            unit = ShardedUnit(len(built), name, m, params, where, comm.rank, comm.size)
+            unit.is_root, unit.comm, unit.dims, unit.rank = m is self.module, comm, dims, comm.rank
             groups = {}  # parameters whose gradients are summed over more dims, by those dims
             for j, p in enumerate(params):
                 if p in extra:
                     groups.setdefault(extra[p], []).append(j)
             unit.extra = [(self.mesh.comm(dims), js) for dims, js in groups.items()]
-            self._norm_params += [(unit.pieces[j], self._counted_in_norm(p, extra.get(p, ())))
+            self._norm_params += [(unit.pieces[j], self._counted_in_norm(p, extra.get(p, ()), dims))
                                   for j, p in enumerate(params) if p.requires_grad]
             for mod, attr, i in where:
                 mod._parameters[attr] = unit.pieces[i]  # the module now holds its shard only

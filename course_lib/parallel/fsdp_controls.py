@@ -58,7 +58,7 @@ class FSDPControls:
         """Track the peaks: gathered parameters (in flight, gathered, kept 1/k after forward)
         and accumulated unsharded gradients, in bytes."""
         b = torch.empty((), dtype=self.compute_dtype, device="cpu").element_size()   # bytes, never sent
-        held = sum(u.numel * self.comm.size * ((u.full is not None) + (u.gather is not None)) +
+        held = sum(u.numel * u.world * ((u.full is not None) + (u.gather is not None)) +
                    (u.post.numel() if u.post is not None else 0) for u in self.units) * b
         grads = sum(u.accumulated.numel() * u.accumulated.element_size()
                     for u in self.units if u.accumulated is not None)

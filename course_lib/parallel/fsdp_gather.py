@@ -46,11 +46,11 @@ class FSDPGathering:
 
     # ------------------------------------------------------------------ gather / free
     def _start_gather(self, u):
-        """Launch one all-gather of all of u's shards: (S,) per rank -> (N * S,); after a
+        """Launch one all-gather of all of u's shards (in u's group): (S,) per rank -> (N * S,); after a
         reshard to k ranks, of the (N * S / k,) parts inside this rank's block of k."""
-        comm, send = (self.comm, u.flat_shard.to(self.compute_dtype)) if u.post is None \
+        comm, send = (u.comm, u.flat_shard.to(self.compute_dtype)) if u.post is None \
             else (self.reshard_group, u.post)  # a copy only when casting
-        gathered = send.new_empty(self.comm.size * u.numel)
+        gathered = send.new_empty(u.world * u.numel)
         if "qwz" in self.zeropp and u.post is None:   # qwZ: int8 blocks from the primary shards
             work = quantized_all_gather(comm, gathered, send, name=f"all-gather {u.name}")
         else:

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from course_lib.parallel.mesh import EXPERT_DIMS
 from course_lib.parallel.tp_plan import tp_slice_of
 
 
@@ -16,18 +17,26 @@ class FSDPGradNorm:
 
     A part of :class:`~course_lib.parallel.fsdp.FSDP`: its methods read the state FSDP's ``__init__`` builds."""
 
-    def _grad_norm_dims(self, extra):
+    def _grad_norm_dims(self, extra, unit_dims=()):
         """The mesh dims ``clip_grad_norm_`` sums over: FSDP's, the dims some gradient is also
-        reduced over, and "tp" if the mesh has it (TP slices differ between TP ranks)."""
-        others = set().union(*extra.values()) - set(self.dims)
+        reduced over and "tp" if the mesh has it (TP slices differ between TP ranks); the expert
+        mesh's dims (a unit sharded over "edp", a bias summed over "etp") as the stage dims
+        they fold over."""
+        others = set().union(*extra.values(), *unit_dims) - set(self.dims)
+        if others & set(EXPERT_DIMS):
+            others = (others - set(EXPERT_DIMS)) | set(self.mesh.fold)
         if self.mesh.sizes.get("tp", 1) > 1 and "tp" not in self.dims:
             others.add("tp")
-        return self.dims + tuple(sorted(others))
+        return self.dims + tuple(sorted(others - set(self.dims)))
 
-    def _counted_in_norm(self, p, extra_dims):
+    def _counted_in_norm(self, p, extra_dims, unit_dims=None):
         """Does this rank count (original, unsharded) parameter p in the norm? A copy held by
-        several ranks of the norm's extra dims counts once: on their coordinate 0."""
+        several ranks of the norm's extra dims counts once: on their coordinate 0. A unit
+        sharded over dims of its own (an expert) holds rows no other rank of the stage holds,
+        except along the dims its gradient is also summed over: counted on their coordinate 0."""
         coord = getattr(self.mesh, "coord", {})
+        if unit_dims is not None and tuple(unit_dims) != tuple(self.dims):
+            return all(coord[d] == 0 for d in extra_dims)
         where, copies = tp_slice_of(p)
         for d in self._norm_dims[len(self.dims):]:
             tp_slice = d == "tp" and where is not None

@@ -35,7 +35,7 @@ class FSDPGradients:
         packed = u.pack_gradients(grad_full, self.reduce_dtype)  # (N, S_grad + T) rank after rank
         out = packed.new_empty(packed.shape[1])                   # (S_grad + T,): my shard, summed
         if self.qgz is None:
-            work = self.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=True,
+            work = u.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=True,
                                                    name=f"reduce-scatter {u.name}")
         else:   # qgZ: gradients as int8 all-to-alls; the "used" flags exact, apart
             work = quantized_reduce_scatter(*self.qgz, out[:u.grad_numel], packed[:, :u.grad_numel],
@@ -85,7 +85,7 @@ class FSDPGradients:
         """Wait for the reduce-scatters; give each parameter shard its gradient."""
         for u in self.units:  # a unit that ran forward but got no gradient: reduce zeros (+ its sum
             if u.trainable and (u.accumulated is not None or (u.forward_ran and not u.reduced)):  # unsynced)
-                self._reduce_scatter(u, u.flat_shard.new_zeros(self.comm.size * u.numel, dtype=self.reduce_dtype),
+                self._reduce_scatter(u, u.flat_shard.new_zeros(u.world * u.numel, dtype=self.reduce_dtype),
                                      sync=True)
         self._drain(0)
         for u in self.units:

@@ -28,8 +28,8 @@ class FSDPStateDict:
         """The full state dict (original names, full shapes, master dtype) on every rank."""
         full = {}
         for u in self.units:
-            gathered = u.flat_shard.new_empty(self.comm.size * u.numel)
-            self.comm.all_gather_into_tensor(gathered, u.flat_shard, name=f"all-gather {u.name}")
+            gathered = u.flat_shard.new_empty(u.world * u.numel)
+            u.comm.all_gather_into_tensor(gathered, u.flat_shard, name=f"all-gather {u.name}")
             for piece, view in zip(u.pieces, u.full_views(u.copy_out(gathered))):
                 full[id(piece)] = view.clone()
         return OrderedDict((name, full.get(id(t), t.detach()))
@@ -75,7 +75,7 @@ class FSDPStateDict:
             else:
                 u, i = u_i
                 s = u.slots[i]
-                start = self.comm.rank * s.chunk
+                start = u.rank * s.chunk
                 t.copy_(value[start:start + s.rows])  # (rows, *trailing): my rows, maybe none
 
 

@@ -94,21 +94,25 @@ def _devices(counter) -> tuple:
     return tuple(k.device for _, k in counter.ops if k is not None)
 
 
-def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2) -> tuple:
+def fsdp_step_kernels(hw, units: list, world: int, m: int, itemsize: int = 2, experts=None) -> tuple:
     """(forward, backward) :class:`Kernels` per micro-batch (averaged over the step's ``m``) of
     FSDP's own ops on ``units`` (each a tuple of parameter shapes; the last is the root,
-    which the backward does not gather again)."""
+    which the backward does not gather again). ``experts``: (shapes, ranks, n) of the units of
+    a block's experts sharded over their own group (:func:`fsdp_expert_unit`), n of them."""
     fwd, bwd = Kernels(), Kernels()
-    for i, shapes in enumerate(units):
-        k = fsdp_unit_kernels(hw, tuple(shapes), world, itemsize)
+    every = [(shapes, world, i < len(units) - 1) for i, shapes in enumerate(units)]
+    if experts is not None:
+        every += [(experts[0], experts[1], True)] * experts[2]
+    for shapes, ranks, again in every:
+        k = fsdp_unit_kernels(hw, tuple(shapes), ranks, itemsize)
         fwd = fwd + k["fwd"]
         b = k["bwd_first"] if m == 1 else _mix(k["bwd_first"], k["bwd_later"], 1 / m)
-        bwd = bwd + b + (k["regather"] if i < len(units) - 1 else Kernels())
+        bwd = bwd + b + (k["regather"] if again else Kernels())
     return fwd, bwd
 
 
 def fsdp_chain(hw, units: list, world: int, n_layers: int, pieces: dict, phase: str, first: bool, last: bool,
-               m: int, costs: dict) -> float:
+               m: int, costs: dict, experts=None) -> float:
     """Seconds of one pass (``phase``, per micro-batch: averaged over the step's ``m``) through the
     host's issue chain (:func:`.issue.pass_time`) with FSDP's own kernels in the places the
     course's FSDP issues them: forward, the root's copy out before anything, each block's before
@@ -117,9 +121,13 @@ def fsdp_chain(hw, units: list, world: int, n_layers: int, pieces: dict, phase: 
     traced order (:func:`~.kernels.trace_step`'s "sequence"); ``units`` as :func:`fsdp_units`.
     Each such kernel is issued one ``launch_overhead`` after the last, as every kernel is: where
     they are short (a unit's many small parameters; contiguous copies at the streaming rate, as
-    over one rank), the host paces them, not the device."""
+    over one rank), the host paces them, not the device. ``experts`` (shapes, ranks, n): each
+    block's experts a unit of their own, their kernels with the block's."""
     root = units[-1] if len(units) > n_layers else None
     block = fsdp_unit_kernels(hw, tuple(units[0]), world)["order"] if n_layers else None
+    if block and experts is not None:
+        own = fsdp_unit_kernels(hw, tuple(experts[0]), experts[1])["order"]
+        block = {key: tuple(block[key]) + tuple(own[key]) for key in block}
     mine = fsdp_unit_kernels(hw, tuple(root), world)["order"] if root else None
     order = (("embedding",) if first else ()) + ("layer",) + (("head",) if last else ())
 
@@ -139,21 +147,36 @@ def fsdp_chain(hw, units: list, world: int, n_layers: int, pieces: dict, phase: 
     return run("bwd_first") / m + run("bwd_later") * (1 - 1 / m)
 
 
-def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int) -> list:
+def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int, experts_apart: bool = False) -> list:
     """The FSDP units of a stage's GPU, each a tuple of parameter shapes: its ``n_layers``
     blocks, then the root (the embedding on the first stage; the final norm and the head on
     the last). ``shapes``: the one-block model's ((name, shape), ...) (:func:`trace_step`); a
-    matrix cut by TP keeps 1/t of its rows (or columns: the same bytes)."""
-    def cut(shape):
-        if len(shape) < 2 or t == 1:
+    matrix cut by TP keeps 1/t of its rows (or columns: the same bytes), not an MoE's router
+    (replicated over tp). ``experts_apart``: a block's experts are a unit of their own
+    (:func:`fsdp_expert_unit`), not in the block's."""
+    def cut(name, shape):
+        if len(shape) < 2 or t == 1 or ".moe.router." in name:
             return shape
         return (shape[0] // t, *shape[1:]) if shape[0] % t == 0 else (shape[0], shape[1] // t, *shape[2:])
-    block = tuple(cut(x) for name, x in shapes if name.startswith("blocks."))
+    block = tuple(cut(name, x) for name, x in shapes if name.startswith("blocks.")
+                  and not (experts_apart and ".moe.experts." in name))
     # (a tied head is the embedding: FSDP refuses it on two stages, so pp = 1 holds it once)
     outside = [(name, x) for name, x in shapes if not name.startswith("blocks.")]
-    root = tuple(cut(x) for name, x in outside if (first and name.startswith(("tok_emb", "pos_emb")))
+    root = tuple(cut(name, x) for name, x in outside if (first and name.startswith(("tok_emb", "pos_emb")))
                  or (last and name.startswith(("norm", "lm_head"))))
     return [block] * n_layers + ([root] if root else [])
+
+
+def fsdp_expert_unit(shapes, local: int, etp: int = 1) -> tuple:
+    """The shapes of one block's experts on a GPU, the unit the course's FSDP shards over the
+    ranks holding them (``compose.expert_units``): its ``local`` = E / ep experts, each cut
+    over etp (``slice_expert``: w1's and w3's rows, w2's columns; w2's bias whole)."""
+    def cut(name, shape):
+        if etp == 1 or name.endswith("w2.bias"):
+            return shape
+        return (shape[0], shape[1] // etp) if name.endswith("w2.weight") else (shape[0] // etp, *shape[1:])
+    one = [(name, x) for name, x in shapes if ".moe.experts.0." in name]
+    return tuple(cut(name, x) for name, x in one) * local
 
 
 def fsdp_exposed(ag: list, rs: list, c_f: float, c_b: float, n_layers: int, root: bool) -> tuple:
@@ -287,6 +310,6 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
                    first.device * share + later.device * rest)
 
 
-__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_chain", "fsdp_units", "fsdp_exposed", "fsdp_exposed_tp",
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_chain", "fsdp_units", "fsdp_expert_unit", "fsdp_exposed", "fsdp_exposed_tp",
            "fsdp_exposed_unprefetched", "fsdp_order",
            "prefetched_share", "TP_COLLECTIVES"]

@@ -48,7 +48,7 @@ import math
 
 from course_lib.planner import formulas as F
 from course_lib.planner.async_tp import async_tp_hop
-from course_lib.planner.fsdp_ops import fsdp_chain, fsdp_order, fsdp_step_kernels, fsdp_units
+from course_lib.planner.fsdp_ops import fsdp_chain, fsdp_expert_unit, fsdp_order, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
@@ -304,9 +304,15 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         weights, norms, norm_tensors = weights + norms, 0, 0
     num = numerics(layout.precision)        # where the gradients are summed, in which dtype
     fsdp = layout.zero == 3                 # FSDP over dp x cp (also over one rank: the same program)
+    # experts on a folded expert mesh: each block's experts a unit of their own, sharded over the
+    # e_ranks holding them (compose.expert_units: "edp" and the stage dims outside the fold)
+    e_ranks = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
+    apart = fsdp and model.n_experts > 1 and layout.ep * layout.etp * layout.cp * t > 1
+    e_fsdp = (fsdp_expert_unit(k["param_shapes"], model.n_experts // layout.ep, layout.etp), e_ranks, n_layers) \
+        if apart else None
     if fsdp:                                # its own kernels around each unit (fsdp_ops)
-        units = fsdp_units(k["param_shapes"], t, first, last, n_layers)
-        zf, zb = fsdp_step_kernels(hw, units, _size(layout, ("dp", "cp")), m)
+        units = fsdp_units(k["param_shapes"], t, first, last, n_layers, experts_apart=apart)
+        zf, zb = fsdp_step_kernels(hw, units, _size(layout, ("dp", "cp")), m, experts=e_fsdp)
         fwd_k, bwd_k = fwd_k + zf, bwd_k + zb
         fwd["compute"], bwd["compute"] = fwd_k.time, bwd_k.time
     split = layout.schedule in F.SPLIT       # zero bubble: W's GEMMs add into .grad themselves
@@ -340,7 +346,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
             # in their places, the host pacing them where they are short (fsdp_ops.fsdp_chain)
             if fsdp:
                 chain = fsdp_chain(hw, units, _size(layout, ("dp", "cp")), n_layers, k["sequence"][phase], phase,
-                                   first, last, m, costs) - (zf if phase == "fwd" else zb).device
+                                   first, last, m, costs, e_fsdp) - (zf if phase == "fwd" else zb).device
             else:
                 chain = tp_chain(k["sequence"][phase], phase, first, last, n_layers, hw, costs)
             chain += kern.device - traced[phase]
@@ -364,10 +370,16 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     regather = (2 * n_layers + last) * costs["all_gather"] if split and layout.sp and t > 1 else 0.0
     replicas = ("dp", "cp")
     tail, sync_kernels, sync_seconds = 0.0, 0, None
-    if fsdp and _size(layout, replicas) > 1:   # FSDP's collectives, per unit and micro-batch
-        sizes = [sum(math.prod(x) for x in u) for u in units]
+    if fsdp and (_size(layout, replicas) > 1 or (apart and e_ranks > 1)):   # FSDP's collectives, per unit
+        sizes = [sum(math.prod(x) for x in u) for u in units]                # and micro-batch
         ag = [collective(layout, hw, "all_gather", n * 2, replicas) for n in sizes]
         rs = [collective(layout, hw, "reduce_scatter", n * 2, replicas) for n in sizes]
+        if apart and e_ranks > 1:           # a block's experts' after its own, on the same stream
+            e_bytes, nodes = 2 * sum(math.prod(x) for x in e_fsdp[0]), expert_replica_nodes(layout, hw)
+            e_ag, e_rs = (F.nccl_time(hw, kind, e_bytes, e_ranks, nodes)[0] for kind in ("all_gather", "reduce_scatter"))
+            ag = [a + e_ag for a in ag[:n_layers]] + ag[n_layers:]
+            rs = [r + e_rs for r in rs[:n_layers]] + rs[n_layers:]
+            calls["edp"] = calls.get("edp", 0) + m * 3 * n_layers
         per = max(1, n_layers)
         c_f = (fwd["compute"] + fwd["launch"] + fwd["tp"] + fwd["cp"] - zf.time) / per   # (the copy out precedes it)
         c_b = (bwd["compute"] + bwd["launch"] + bwd["tp"] + bwd["cp"]) / per
@@ -375,7 +387,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         fwd["zero"], bwd["zero"], tail = fsdp_order(hw, layout, stage, units, n_layers, _size(layout, replicas),
                                                     ag, rs, c_f, c_b, k["sequence"] if shared else None, costs,
                                                     lanes)
-        calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
+        if _size(layout, replicas) > 1:
+            calls["dp+cp"] = m * (2 * len(units) + len(units) - 1)
     if fsdp and layout.sp and t > 1:           # each unit's norms over tp, after its reduce-scatter
         bwd["tp"] += len(units) * collective(layout, hw, "all_reduce", 2 * model.hidden * 2, ("tp",))
         calls["tp"] = calls.get("tp", 0) + m * len(units)
@@ -397,8 +410,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if loss_dims:
         calls["+".join(loss_dims)] = calls.get("+".join(loss_dims), 0) + 1
     shard = _size(layout, replicas) if layout.zero >= 1 else 1
-    # (ZeRO-1/2: an expert's slice of its own group; FSDP does not run with experts split over ep)
-    experts = experts / expert_zero_group(layout)[0] if layout.zero in (1, 2) and experts else experts
+    # (ZeRO-1/2: an expert's slice of its own group; FSDP: of every rank holding it)
+    experts = experts / expert_zero_group(layout)[0] if layout.zero in (1, 2) and experts else \
+        experts / e_ranks if fsdp and experts else experts
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
