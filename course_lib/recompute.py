@@ -121,8 +121,10 @@ class Recompute(torch.autograd.Function):
         with torch.enable_grad(), _swapped(ctx.slots, leaves[ctx.n_inputs:]), _replay(ctx.rng):
             out = ctx.fn(*leaves[:ctx.n_inputs])
         wants = [t for t in leaves if t.requires_grad]
-        if wants:   # into the copies' .grad (autograd.grad would trip torch's module-tracking hooks)
-            torch.autograd.backward(out, grad, inputs=wants)
+        if wants:   # into the copies' .grad (autograd.grad would trip torch's module-tracking hooks),
+            # and every op of the graph run again: an FSDP unit inside the region (an MoE's experts,
+            # gathered by their own hook here) reduce-scatters its gradient from this graph
+            torch.autograd.backward(out, grad)
         return (None, None, None, None) + tuple(t.grad if t.requires_grad else None for t in leaves)
 
 

@@ -1,7 +1,8 @@
 """FSDP (ZeRO-3) with the experts split over ep (``compose.expert_units``): each block's experts
 one FSDP unit sharded over the ranks holding them ("edp" and the stage dims outside the fold),
 the rest of the block over dp x cp. Equal to one device over 3 AdamW steps in float64 at dp 4 x
-pp 2 x ep 2, ep 4 over dp 2 x tp 2 (one rank holds each expert), etp 2 (each expert's width
+pp 2 x ep 2 (full recomputation: the experts' unit gathered by its own hook inside the region
+run again, its reduce-scatter from that graph), ep 4 over dp 2 x tp 2 (one rank holds each expert), etp 2 (each expert's width
 split too), dp 2 x cp 2 x tp 2 (the experts sharded over cp x tp) and dp 3 x pp 2 x tp 2 (3
 ranks hold each expert: an odd group); every expert's rows a partition of it over its group;
 clipping's norm that of one device; the dry run is a real launch of it (step time to the bit,
@@ -29,7 +30,8 @@ CFG = GPTConfig(vocab_size=60, seq_len=12, n_layers=3, hidden=24, n_heads=6, n_k
 STEPS = 3
 # name: (config, mesh, layout fields, global batch, the size of an expert's FSDP group)
 CASES = {
-    "ep2-pp2": (dataclasses.replace(CFG, n_layers=4), dict(dp=4, pp=2, ep=2), dict(microbatches=2), 8, 2),
+    "ep2-pp2": (dataclasses.replace(CFG, n_layers=4), dict(dp=4, pp=2, ep=2), dict(microbatches=2, recompute="full"),
+                8, 2),
     "ep4-tp2": (CFG, dict(dp=2, pp=2, tp=2, ep=4), dict(sp=True, microbatches=2), 4, 1),
     "ep2-etp2": (dataclasses.replace(CFG, ffn_hidden=32), dict(dp=4, tp=2, ep=2, etp=2), dict(sp=True), 4, 2),
     "ep2-cp2-tp2": (CFG, dict(dp=2, cp=2, tp=2, ep=2), dict(sp=True), 4, 4),
@@ -104,7 +106,7 @@ def test_fsdp_with_experts_split_equals_one_device(runs, name):
 
 SPEC = gpt_spec("GPT test MoE", 4, 64, 4, V=256, s=32).with_(n_experts=4, top_k=2, tied=False)
 HW = "a100-80gb"
-DRY = [Layout(dp=4, pp=2, ep=2, zero=3, micro_batch=1, global_batch=8),
+DRY = [Layout(dp=4, pp=2, ep=2, zero=3, micro_batch=1, global_batch=8, recompute="full"),
        Layout(dp=2, cp=2, tp=2, ep=2, zero=3, sp=True, micro_batch=1, global_batch=4)]
 
 

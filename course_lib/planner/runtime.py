@@ -36,7 +36,8 @@ this module counts what IT issues, per mesh dimension, from the layout and the m
   at its device's pace (:func:`course_lib.planner.estimate.pipeline_time`);
 - DP (``GradSync``): after the schedule, one all-reduce per 25 MiB bucket and per set of
   reduce dims: the weights over (dp, cp), the sequence-parallel norm weights over
-  (dp, cp, tp); FSDP: an all-gather per unit (each block, the rest) forward, again per
+  (dp, cp, tp); FSDP: an all-gather per unit (each block, the rest; a block's experts on a
+  folded expert mesh, a unit of their own over the ranks holding them) forward, again per
   block backward, a reduce-scatter per unit, the SP norms' all-reduce over tp per unit, in
   the order the course's FSDP issues them (:func:`.fsdp_ops.fsdp_order`); ZeRO-1/2: the
   buckets gathered before the schedule, reduce-scattered after it (:mod:`.zero_sync`);
