@@ -151,3 +151,109 @@ def test_capacity_factor(capsys):
     fails_with(capsys, G.check_capacity_factor, ignores_budget, hint="smaller factor")
     fails_with(capsys, G.check_capacity_factor, always_switch, hint=("dropped", "smaller factor"))
     fails_with(capsys, G.check_capacity_factor, library_capacity, hint="write this yourself")
+
+
+# ----------------------------------------------------------------------------- 3. expert replicas
+def _slot(sizes, r, fold_first=("dp", "cp", "tp")):
+    """(pp, ep index, etp index) of rank r: which experts (and slices) it holds."""
+    ep, etp = sizes.get("ep", 1), sizes.get("etp", 1)
+    c, size, fold = _coords(sizes, r), 1, []
+    for d in fold_first:
+        size, fold = size * sizes.get(d, 1), fold + [d]
+        if size % (ep * etp) == 0:
+            break
+    f = _fold_index(sizes, c, [d for d in ("dp", "cp", "tp") if d in fold])
+    return c["pp"], (f // etp) % ep, f % etp
+
+
+def _world(sizes):
+    return math.prod(sizes.get(d, 1) for d in ("dp", "pp", "cp", "tp"))
+
+
+def replicas(sizes, rank):
+    """Every rank of the stage holding the same experts: the same EP and ETP index."""
+    return [r for r in range(_world(sizes)) if _slot(sizes, r) == _slot(sizes, rank)]
+
+
+def replicas_by_edp(sizes, rank):
+    """Written differently: walk edp along the fold, then every coordinate the fold leaves out."""
+    ep, etp = sizes.get("ep", 1), sizes.get("etp", 1)
+    size, fold = 1, []
+    for d in ("dp", "cp", "tp"):
+        size, fold = size * sizes.get(d, 1), fold + [d]
+        if size % (ep * etp) == 0:
+            break
+    fold = [d for d in ("dp", "cp", "tp") if d in fold]
+    me = _coords(sizes, rank)
+    f = _fold_index(sizes, me, fold)
+    out = []
+    for edp in range(size // (ep * etp)):
+        target = (edp * ep + (f // etp) % ep) * etp + f % etp
+        c = dict(me)
+        for d in reversed(fold):
+            target, c[d] = divmod(target, sizes.get(d, 1))
+        for cp in range(sizes.get("cp", 1)) if "cp" not in fold else (c["cp"],):
+            for tp in range(sizes.get("tp", 1)) if "tp" not in fold else (c["tp"],):
+                out.append(((c["dp"] * sizes.get("pp", 1) + c["pp"]) * sizes.get("cp", 1) + cp)
+                           * sizes.get("tp", 1) + tp)
+    return out
+
+
+def dense_group(sizes, rank):                                      # the dense weights' dp x cp
+    c = _coords(sizes, rank)
+    return [r for r in range(_world(sizes)) if [_coords(sizes, r)[d] for d in ("pp", "tp")] == [c["pp"], c["tp"]]]
+
+
+def ep_group(sizes, rank):                                         # the ranks holding the OTHER experts
+    return [r for r in range(_world(sizes)) if _slot(sizes, r)[2] == _slot(sizes, rank)[2]
+            and _same_edp(sizes, r, rank)]
+
+
+def _same_edp(sizes, a, b):
+    """Same stage, same edp index along the fold, same coordinates outside it: one EP x ETP group."""
+    ep, etp = sizes.get("ep", 1), sizes.get("etp", 1)
+    size, fold = 1, []
+    for d in ("dp", "cp", "tp"):
+        size, fold = size * sizes.get(d, 1), fold + [d]
+        if size % (ep * etp) == 0:
+            break
+    ca, cb = _coords(sizes, a), _coords(sizes, b)
+    fa, fb = (_fold_index(sizes, c, fold) // (ep * etp) for c in (ca, cb))
+    return fa == fb and all(ca[d] == cb[d] for d in ("pp", "dp", "cp", "tp") if d not in fold)
+
+
+def edp_only(sizes, rank):                                         # forgets the dims outside the fold
+    c = _coords(sizes, rank)
+    size, fold = 1, []
+    for d in ("dp", "cp", "tp"):
+        size, fold = size * sizes.get(d, 1), fold + [d]
+        if size % (sizes.get("ep", 1) * sizes.get("etp", 1)) == 0:
+            break
+    return [r for r in replicas(sizes, rank)
+            if all(_coords(sizes, r)[d] == c[d] for d in ("cp", "tp") if d not in fold)]
+
+
+def every_stage(sizes, rank):                                      # forgets the pipeline stage
+    _, ep_i, etp_i = _slot(sizes, rank)
+    return [r for r in range(_world(sizes)) if _slot(sizes, r)[1:] == (ep_i, etp_i)]
+
+
+def hard_coded_pairs(sizes, rank):                                 # dp4 x ep2 only
+    return [rank % 2, rank % 2 + 2]
+
+
+def library_replicas(sizes, rank):
+    from course_lib.parallel.mesh import MeshShape
+    shape = MeshShape(**sizes)
+    return next(g for g in shape.rank_sets(shape.expert_replicas()) if rank in g)
+
+
+def test_expert_replicas(capsys):
+    assert graded(capsys, G.check_expert_replicas, replicas)[0]
+    assert graded(capsys, G.check_expert_replicas, replicas_by_edp)[0]
+    fails_with(capsys, G.check_expert_replicas, dense_group, hint="dense weights")
+    fails_with(capsys, G.check_expert_replicas, ep_group, hint="OTHER experts")
+    fails_with(capsys, G.check_expert_replicas, edp_only, hint="leaves out")
+    fails_with(capsys, G.check_expert_replicas, every_stage, hint="same pipeline stage")
+    fails_with(capsys, G.check_expert_replicas, hard_coded_pairs, hint="expected")
+    fails_with(capsys, G.check_expert_replicas, library_replicas, hint="write this yourself")

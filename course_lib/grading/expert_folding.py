@@ -1,10 +1,12 @@
-"""Graders of chapter 8's folding part: where an EP x TP layout sends a token, and the capacity
-factor a drop budget allows. The expected answers come from the library (the folded
-:class:`~course_lib.parallel.mesh.MeshShape`, :func:`course_lib.moe.capacity`), computed
-before the learner's function runs with them switched off.
+"""Graders of chapter 8's folding part: where an EP x TP layout sends a token, the capacity
+factor a drop budget allows, and the ranks holding the same experts. The expected answers come
+from the library (the folded :class:`~course_lib.parallel.mesh.MeshShape`,
+:func:`course_lib.moe.capacity`), computed before the learner's function runs with them
+switched off.
 
     check_expert_destinations(expert_destinations)   # (sizes, n_experts, rank, experts) -> global ranks
     check_capacity_factor(smallest_capacity_factor)  # (counts, tokens, top_k, max_dropped) -> capacity factor
+    check_expert_replicas(expert_replicas)           # (sizes, rank) -> the ranks holding rank's experts
 
 Each prints one line (``expert_destinations: 6/6 cases passed`` or the first failing case
 with a hint) and returns True/False.
@@ -103,4 +105,49 @@ def check_capacity_factor(smallest_capacity_factor) -> bool:
                          exercise="choosing the capacity factor", differ=differ)
 
 
-__all__ = ["check_expert_destinations", "check_capacity_factor"]
+# ----------------------------------------------------------------------------- 3. expert replicas
+def check_expert_replicas(expert_replicas) -> bool:
+    """``expert_replicas(sizes, rank)``: on the folded mesh ``sizes`` (dp, pp, cp, tp, ep, etp),
+    the sorted GLOBAL ranks holding the same experts (the same etp slices) as ``rank``, itself
+    included: the group ZeRO-3 shards each block's experts over and DDP sums their gradient
+    over ("edp" and the stage dims the fold leaves out)."""
+    cases = [Case(dict(sizes=dict(dp=4, ep=2)), label="dp4, ep2: EP inside DP"),
+             Case(dict(sizes=dict(dp=2, cp=2, tp=2, ep=2)), label="dp2 x cp2 x tp2, ep2: cp and tp outside the fold"),
+             Case(dict(sizes=dict(dp=4, tp=2, ep=2, etp=2)), label="dp4 x tp2, ep2 x etp2"),
+             Case(dict(sizes=dict(dp=2, tp=2, ep=4)), label="dp2 x tp2, ep4: one rank holds each expert"),
+             Case(dict(sizes=dict(dp=3, pp=2, tp=2, ep=2)), label="dp3 x pp2 x tp2, ep2 (odd, two stages)"),
+             Case(dict(sizes=dict(dp=4, cp=2, ep=4)), label="dp4 x cp2, ep4")]
+    guarded = learner(expert_replicas, *FOLDING, exercise="the ranks holding the same experts")
+
+    def run(case):
+        sizes = case.params["sizes"]
+        shape = MeshShape(**sizes)
+        want = {r: sorted(next(g for g in shape.rank_sets(shape.expert_replicas()) if r in g))
+                for r in range(shape.world_size)}
+        same = {d: {r: sorted(next(g for g in shape.rank_sets(d) if r in g)) for r in range(shape.world_size)}
+                for d in (("dp", "cp"), ("ep",), ("edp",))}
+        for rank in range(shape.world_size):
+            got = guarded(dict(sizes), rank)
+            try:
+                got = sorted(int(r) for r in got)
+            except (TypeError, ValueError):
+                return f"return a list of global ranks, got {got!r}"
+            if got == want[rank]:
+                continue
+            where = f"rank {rank} on {shape.describe()}: got {got}, expected {want[rank]}"
+            if got == same[("dp", "cp")][rank]:
+                return where + "; those hold the dense weights: an expert lives only on the ranks of its EP slot"
+            if got == same[("ep",)][rank]:
+                return where + "; that is the EP group, the ranks holding the OTHER experts of the block"
+            if set(got) < set(want[rank]) and got == same[("edp",)][rank]:
+                return where + ("; the stage's dims the fold leaves out (cp, tp) hold the same experts too "
+                                "(each rank routes its own tokens)")
+            if any(shape.coords(r)["pp"] != shape.coords(rank)["pp"] for r in got if 0 <= r < shape.world_size):
+                return where + "; only ranks of the same pipeline stage hold its blocks"
+            return where
+        return None
+
+    return check("expert_replicas", cases, run)
+
+
+__all__ = ["check_expert_destinations", "check_capacity_factor", "check_expert_replicas"]

@@ -122,7 +122,8 @@ def experts_per_rank(n_experts: int, ep: int) -> int:
 def rule_experts(cfg, layout):
     """EP's rules for a TinyGPT config: experts to split evenly over ep; an expert mesh
     (ep x etp) that tiles one stage's dp x cp x tp ranks; the expert width split over etp;
-    sequence parallelism with TP (each TP rank routes its own s / tp tokens, Megatron's rule)."""
+    sequence parallelism with TP (each TP rank routes its own s / tp tokens, Megatron's rule);
+    not HSDP or ZeRO++ on a folded expert mesh (one shard group; FSDP's experts have their own)."""
     ep, etp, tp = layout.ep, layout.etp, layout.tp
     if not cfg.n_experts:
         if ep * etp > 1:
@@ -136,10 +137,15 @@ def rule_experts(cfg, layout):
     if tp > 1 and not layout.sp:
         raise ValueError(f"experts with tp={tp} need sequence_parallel=True: each TP rank routes its own "
                          f"s / tp tokens (without SP every TP rank would send the same tokens)")
+    # FSDP shards each block's experts as a unit of their own (compose.expert_units); HSDP and
+    # ZeRO++ assume one shard group
+    folded = f"experts on a folded expert mesh (ep={ep}, etp={etp}, cp={layout.cp}, tp={tp})"
     if layout.data == "hsdp" and ep * etp * layout.cp * tp > 1:
-        raise ValueError(f"experts on a folded expert mesh (ep={ep}, etp={etp}, cp={layout.cp}, tp={tp}) under "
-                         f"HSDP: its one shard group is dp x cp's, an expert lives on its expert mesh; "
-                         f"use data='fsdp' (each block's experts a unit of their own) or data='ddp'")
+        raise ValueError(f"{folded} under HSDP: its one shard group is dp x cp's, an expert lives on its "
+                         f"expert mesh; use data='fsdp' (each block's experts a unit of their own) or data='ddp'")
+    if layout.zeropp and ep * etp * layout.cp * tp > 1:
+        raise ValueError(f"{folded} with zeropp={tuple(layout.zeropp)}: ZeRO++'s groups are one shard group's, an "
+                         f"expert's FSDP unit shards over the ranks holding it; drop zeropp")
 
 
 def token_index(rows: int, seq_len: int, positions, tp: int = 1, tp_rank: int = 0):

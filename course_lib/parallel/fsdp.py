@@ -76,14 +76,6 @@ def rule_fsdp(cfg, layout):
                          f"sharded: zero_nd) or 3 (data='fsdp' / 'hsdp')")
     rule_hsdp(cfg, layout)
     rule_zeropp(cfg, layout)
-    if layout.data == "hsdp" and cfg.n_experts and layout.ep * layout.etp > 1:
-        raise ValueError(f"experts split over ep={layout.ep}, etp={layout.etp} under HSDP: HSDP's one shard group "
-                         f"is dp x cp's, an expert's FSDP unit shards over the ranks of its EP slot; use "
-                         f"data='fsdp' (the experts sharded over their own group) or data='ddp'")
-    if layout.zeropp and cfg.n_experts and layout.ep * layout.etp * layout.cp * layout.tp > 1:
-        raise ValueError(f"zeropp={tuple(layout.zeropp)} with experts on a folded expert mesh (ep={layout.ep}, "
-                         f"etp={layout.etp}, cp={layout.cp}, tp={layout.tp}): ZeRO++'s groups are one shard group's, "
-                         f"an expert's FSDP unit shards over the ranks of its EP slot; drop zeropp")
     if layout.data != "ddp" and cfg.tie_embeddings and layout.pp * layout.v > 1:
         raise ValueError("a tied embedding on two pipeline stages (pp > 1, or pp = 1 with v > 1 chunks) is "
                          "one weight in two FSDP units: not supported here; untie it or use data='ddp'")
@@ -256,7 +248,7 @@ class FSDP(FSDPControls, FSDPGathering, FSDPGradients, FSDPGradNorm, FSDPStateDi
             for j, p in enumerate(params):
                 if p in extra:
                     groups.setdefault(extra[p], []).append(j)
-            unit.extra = [(self.mesh.comm(dims), js) for dims, js in groups.items()]
+            unit.extra = [(self.mesh.comm(more), js) for more, js in groups.items()]
             self._norm_params += [(unit.pieces[j], self._counted_in_norm(p, extra.get(p, ()), dims))
                                   for j, p in enumerate(params) if p.requires_grad]
             for mod, attr, i in where:

@@ -77,9 +77,11 @@ class LiveBytes:
             item = outs[i]
             for t in (item if isinstance(item, (tuple, list)) else (item,)):
                 if isinstance(t, torch.Tensor):
-                    self._follow(t)
+                    self.follow(t)
 
-    def _follow(self, t: torch.Tensor) -> None:
+    def follow(self, t: torch.Tensor) -> None:
+        """Follow ``t``'s storage (once): a tensor the program holds that no followed op made
+        (one made while the clock was muted, handed to the program as an op's result)."""
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):     # (a tensor without storage)

@@ -499,6 +499,9 @@ class BalancedRouting(TorchDispatchMode):
                 n, k = args[0].shape[-1], idx.shape[-1]
                 pattern = round_robin(idx.numel() // max(k, 1), n, k, idx.device).view(idx.shape)
                 out = (torch.gather(args[0], -1, pattern).to(values.dtype), pattern)
+            live = getattr(getattr(clock, "_mode", None), "live", None)
+            for t in out if live is not None else ():   # the program holds these in place of the
+                live.follow(t)                           # top-k's own results (made muted, unfollowed)
         return out
 
 
