@@ -154,15 +154,21 @@ def test_capacity_factor(capsys):
 
 
 # ----------------------------------------------------------------------------- 3. expert replicas
-def _slot(sizes, r, fold_first=("dp", "cp", "tp")):
+def _fold(sizes, first=("dp", "cp", "tp")):
+    """(the fold's dims in rank order, its size): the shortest run of ``first`` ep * etp divides."""
+    size, fold = 1, []
+    for d in first:
+        size, fold = size * sizes.get(d, 1), fold + [d]
+        if size % (sizes.get("ep", 1) * sizes.get("etp", 1)) == 0:
+            break
+    return [d for d in ("dp", "cp", "tp") if d in fold], size
+
+
+def _slot(sizes, r):
     """(pp, ep index, etp index) of rank r: which experts (and slices) it holds."""
     ep, etp = sizes.get("ep", 1), sizes.get("etp", 1)
-    c, size, fold = _coords(sizes, r), 1, []
-    for d in fold_first:
-        size, fold = size * sizes.get(d, 1), fold + [d]
-        if size % (ep * etp) == 0:
-            break
-    f = _fold_index(sizes, c, [d for d in ("dp", "cp", "tp") if d in fold])
+    c = _coords(sizes, r)
+    f = _fold_index(sizes, c, _fold(sizes)[0])
     return c["pp"], (f // etp) % ep, f % etp
 
 
@@ -178,12 +184,7 @@ def replicas(sizes, rank):
 def replicas_by_edp(sizes, rank):
     """Written differently: walk edp along the fold, then every coordinate the fold leaves out."""
     ep, etp = sizes.get("ep", 1), sizes.get("etp", 1)
-    size, fold = 1, []
-    for d in ("dp", "cp", "tp"):
-        size, fold = size * sizes.get(d, 1), fold + [d]
-        if size % (ep * etp) == 0:
-            break
-    fold = [d for d in ("dp", "cp", "tp") if d in fold]
+    fold, size = _fold(sizes)
     me = _coords(sizes, rank)
     f = _fold_index(sizes, me, fold)
     out = []
@@ -205,30 +206,21 @@ def dense_group(sizes, rank):                                      # the dense w
 
 
 def ep_group(sizes, rank):                                         # the ranks holding the OTHER experts
-    return [r for r in range(_world(sizes)) if _slot(sizes, r)[2] == _slot(sizes, rank)[2]
-            and _same_edp(sizes, r, rank)]
+    """Same stage, edp index and coordinates outside the fold, same etp index: rank's EP group."""
+    fold, _ = _fold(sizes)
+    per = sizes.get("ep", 1) * sizes.get("etp", 1)
+    me = _coords(sizes, rank)
 
-
-def _same_edp(sizes, a, b):
-    """Same stage, same edp index along the fold, same coordinates outside it: one EP x ETP group."""
-    ep, etp = sizes.get("ep", 1), sizes.get("etp", 1)
-    size, fold = 1, []
-    for d in ("dp", "cp", "tp"):
-        size, fold = size * sizes.get(d, 1), fold + [d]
-        if size % (ep * etp) == 0:
-            break
-    ca, cb = _coords(sizes, a), _coords(sizes, b)
-    fa, fb = (_fold_index(sizes, c, fold) // (ep * etp) for c in (ca, cb))
-    return fa == fb and all(ca[d] == cb[d] for d in ("pp", "dp", "cp", "tp") if d not in fold)
+    def same(r):
+        c = _coords(sizes, r)
+        return (_fold_index(sizes, c, fold) // per == _fold_index(sizes, me, fold) // per
+                and _slot(sizes, r)[2] == _slot(sizes, rank)[2]
+                and all(c[d] == me[d] for d in ("pp", "dp", "cp", "tp") if d not in fold))
+    return [r for r in range(_world(sizes)) if same(r)]
 
 
 def edp_only(sizes, rank):                                         # forgets the dims outside the fold
-    c = _coords(sizes, rank)
-    size, fold = 1, []
-    for d in ("dp", "cp", "tp"):
-        size, fold = size * sizes.get(d, 1), fold + [d]
-        if size % (sizes.get("ep", 1) * sizes.get("etp", 1)) == 0:
-            break
+    c, fold = _coords(sizes, rank), _fold(sizes)[0]
     return [r for r in replicas(sizes, rank)
             if all(_coords(sizes, r)[d] == c[d] for d in ("cp", "tp") if d not in fold)]
 
