@@ -168,7 +168,7 @@ def runs(tmp_path_factory):
     resume from them."""
     d = tmp_path_factory.mktemp("ckpt")
     p = {name: str(d / name) for name in ("fsdp_tp", "pp_tp", "zero", "cp_tp", "moe", "pp_tied", "ddp", "tp_alone",
-                                                  "pp_alone", "hsdp")}
+                                                  "pp_alone", "hsdp", "moe_fsdp")}
     four = launch(_jobs, 4, [
         (CFG, dict(dp=2, tp=2), dict(data="fsdp", sequence_parallel=False), None, p["fsdp_tp"], K),
         (CFG, dict(pp=2, tp=2), dict(microbatches=2), None, p["pp_tp"], K),
@@ -181,6 +181,7 @@ def runs(tmp_path_factory):
         (CFG, dict(tp=4), dict(wrap="tp"), None, p["tp_alone"], 0),
         (TIED, dict(pp=2, dp=2), dict(wrap="pp"), None, p["pp_alone"], 0),
         (CFG, dict(dp=4), dict(data="hsdp", shard_size=2), None, p["hsdp"], K),   # 2 replicas x 2 shards
+        (MOE, dict(dp=4, ep=2), dict(data="fsdp"), None, p["moe_fsdp"], 1),       # experts' rows over edp
     ], threads=1, timeout=120)
     three = launch(_jobs, 3, [
         (CFG, dict(dp=3), {}, p["fsdp_tp"], None, STEPS),                          # FSDP (4) -> DDP (3)
@@ -245,6 +246,21 @@ def test_expert_parallel_names_its_experts(runs):
     expert = sum(q.numel() * 8 for n, q in model.named_parameters() if ".experts.1." in n)
     assert set(bytes_per_rank(p["moe"])) == {0, 1}        # ranks 2, 3 replicate 0, 1: they write nothing
     assert [r[4][2] for r in four][2:] == [0, 0] and expert > 0
+
+
+def test_fsdp_experts_are_written_by_the_rows_each_rank_holds(runs):
+    """dp4 x ep2 MoE under FSDP: each block's experts sharded over their 2 edp ranks, the rest
+    over all 4; every rank holds rows no other rank holds and writes them; loaded into one
+    device, the model is the ranks' own, every expert under its single-device name."""
+    from course_lib.checkpoint import bytes_per_rank, load
+    from course_lib.parallel.mesh import MeshShape
+
+    p, four, _ = runs
+    model = TinyGPT(MOE, seed=9).double()
+    load(p["moe_fsdp"], model, None)
+    want = assemble_nd([r[11][1] for r in four], MeshShape(dp=4, ep=2))
+    assert all(torch.equal(q, want[n]) for n, q in model.named_parameters())
+    assert set(bytes_per_rank(p["moe_fsdp"])) == {0, 1, 2, 3} and min(r[11][2] for r in four) > 0
 
 
 def test_hsdp_replicas_write_nothing(runs):

@@ -105,8 +105,9 @@ class FSDP(FSDPControls, FSDPGathering, FSDPGradients, FSDPGradNorm, FSDPStateDi
         (``set_reduce_dims``), default ``dims``.
     divisor: the summed gradients are divided by it (None: the number of FSDP ranks).
     units: submodules that get their own all-gather (default :func:`default_units`); the
-        root always is one; a parameter shared by two units (tied weights) is the root's.
-        FSDP does not nest: torch's ``fully_shard(block)`` per block, then
+        root always is one; a parameter shared by two units (tied weights) is the root's; a
+        unit inside a unit (a block's experts inside the block) takes its own parameters, the
+        outer one the rest (torch's ``fully_shard`` on both, inner first). FSDP does not nest: torch's ``fully_shard(block)`` per block, then
         ``fully_shard(model)``, is here one ``FSDP(model, units=blocks)`` (refused otherwise).
     unit_dims: {unit module: the mesh dims it shards over instead of ``dims``} (torch's
         ``fully_shard(block.moe.experts, mesh=expert_mesh)`` before ``fully_shard(block)``): an
