@@ -1,12 +1,13 @@
 """FSDP (ZeRO-3) with the experts split over ep (``compose.expert_units``): each block's experts
 one FSDP unit sharded over the ranks holding them ("edp" and the stage dims outside the fold),
-the rest of the block over dp x cp. Equal to one device over 3 AdamW steps in float64 at dp 4 x
-pp 2 x ep 2 (full recomputation: the experts' unit gathered by its own hook inside the region
-run again, its reduce-scatter from that graph), ep 4 over dp 2 x tp 2 (one rank holds each expert), etp 2 (each expert's width
-split too), dp 2 x cp 2 x tp 2 (the experts sharded over cp x tp) and dp 3 x pp 2 x tp 2 (3
-ranks hold each expert: an odd group); every expert's rows a partition of it over its group;
-clipping's norm that of one device; the dry run is a real launch of it (step time to the bit,
-memory per stage); the planner's course runtime next to the dry run; bad input refused by name."""
+the rest of the block over dp x cp. Equal to one device over 3 AdamW steps in float64 at:
+dp 4 x pp 2 x ep 2 (full recomputation: the experts' unit gathered by its own hook inside the
+region run again, its reduce-scatter from that graph); ep 4 over dp 2 x tp 2 (one rank holds
+each expert); etp 2 (each expert's width split too); dp 2 x cp 2 x tp 2 (the experts sharded
+over cp x tp); dp 3 x pp 2 x tp 2 (3 ranks hold each expert: an odd group). Every expert's rows
+a partition of it over its group; clipping's norm that of one device; the dry run is a real
+launch of it (step time to the bit, memory per stage); the planner's course runtime next to the
+dry run; bad input refused by name."""
 import dataclasses
 import math
 

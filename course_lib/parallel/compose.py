@@ -362,5 +362,6 @@ def assemble_nd(per_rank, shape: MeshShape) -> dict:
 
 
 __all__ = ["check_layout", "parallelize_nd", "apply_tp", "apply_cp", "apply_ep", "mark_reduce_dims",
-           "apply_data_parallel", "expert_units", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout", "Placement",
+           "apply_data_parallel", "expert_units", "data_dims", "placements", "NDParallel", "assemble_nd", "Layout",
+           "Placement",
            "DATA", "SCHEDULES"]

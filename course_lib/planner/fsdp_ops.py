@@ -152,10 +152,10 @@ def fsdp_units(shapes, t: int, first: bool, last: bool, n_layers: int, experts_a
     blocks, then the root (the embedding on the first stage; the final norm and the head on
     the last). ``shapes``: the one-block model's ((name, shape), ...) (:func:`trace_step`); a
     matrix cut by TP keeps 1/t of its rows (or columns: the same bytes), not an MoE's router
-    (replicated over tp). ``experts_apart``: a block's experts are a unit of their own
+    or shared experts (replicated over tp). ``experts_apart``: a block's experts are a unit of their own
     (:func:`fsdp_expert_unit`), not in the block's."""
     def cut(name, shape):
-        if len(shape) < 2 or t == 1 or ".moe.router." in name:
+        if len(shape) < 2 or t == 1 or ".moe.router." in name or ".moe.shared." in name:
             return shape
         return (shape[0] // t, *shape[1:]) if shape[0] % t == 0 else (shape[0], shape[1] // t, *shape[2:])
     block = tuple(cut(name, x) for name, x in shapes if name.startswith("blocks.")
@@ -310,6 +310,7 @@ def _mix(first: Kernels, later: Kernels, share: float) -> Kernels:
                    first.device * share + later.device * rest)
 
 
-__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_chain", "fsdp_units", "fsdp_expert_unit", "fsdp_exposed", "fsdp_exposed_tp",
+__all__ = ["fsdp_unit_kernels", "fsdp_step_kernels", "fsdp_chain", "fsdp_units", "fsdp_expert_unit", "fsdp_exposed",
+           "fsdp_exposed_tp",
            "fsdp_exposed_unprefetched", "fsdp_order",
            "prefetched_share", "TP_COLLECTIVES"]

@@ -371,8 +371,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     regather = (2 * n_layers + last) * costs["all_gather"] if split and layout.sp and t > 1 else 0.0
     replicas = ("dp", "cp")
     tail, sync_kernels, sync_seconds = 0.0, 0, None
-    if fsdp and (_size(layout, replicas) > 1 or (apart and e_ranks > 1)):   # FSDP's collectives, per unit
-        sizes = [sum(math.prod(x) for x in u) for u in units]                # and micro-batch
+    if fsdp and (_size(layout, replicas) > 1 or (apart and e_ranks > 1)):   # FSDP's collectives,
+        sizes = [sum(math.prod(x) for x in u) for u in units]                # per unit and micro-batch
         ag = [collective(layout, hw, "all_gather", n * 2, replicas) for n in sizes]
         rs = [collective(layout, hw, "reduce_scatter", n * 2, replicas) for n in sizes]
         if apart and e_ranks > 1:           # a block's experts' after its own, on the same stream
