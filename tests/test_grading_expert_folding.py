@@ -4,7 +4,7 @@ library's own code fail with a hint."""
 import math
 
 from course_lib.grading import expert_folding as G
-from grading_answers import fails_with, graded
+from grading_answers import fails_with, graded, refused
 
 
 # ----------------------------------------------------------------------------- 1. destinations
@@ -249,3 +249,23 @@ def test_expert_replicas(capsys):
     fails_with(capsys, G.check_expert_replicas, every_stage, hint="same pipeline stage")
     fails_with(capsys, G.check_expert_replicas, hard_coded_pairs, hint="expected")
     fails_with(capsys, G.check_expert_replicas, library_replicas, hint="write this yourself")
+
+
+def tampers_with_the_mesh(sizes, rank):                            # rebinds the grader's MeshShape
+    import sys
+
+    grader = sys.modules["course_lib.grading.expert_folding"]
+    real = grader.MeshShape
+
+    class Agrees(real):
+        def rank_sets(self, dims):
+            return [[r] for r in range(self.world_size)]
+    grader.MeshShape = Agrees
+    return [rank]
+
+
+def test_an_answer_that_rebinds_the_graders_mesh_fails_and_the_grader_is_restored(capsys):
+    real = G.MeshShape
+    refused(capsys, "expert_replicas", G.check_expert_replicas(tampers_with_the_mesh), "changed the grader")
+    assert G.MeshShape is real
+    assert graded(capsys, G.check_expert_replicas, replicas)[0]

@@ -38,7 +38,7 @@ from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import (course_layer_activation_bytes, head_w_kept_bytes, layer_activation_bytes,
                                             w_kept_bytes_per_layer)
 from course_lib.layout import rank_order
-from course_lib.planner.layout import (Layout, expert_zero_group, holds_head, intra_node, layers_per_chunk,
+from course_lib.planner.layout import (Layout, expert_holders, expert_zero_group, holds_head, intra_node, layers_per_chunk,
                                       layers_per_stage, strides)
 from course_lib.planner.numerics import numerics
 from course_lib.schedules import stage_rank
@@ -250,7 +250,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
     out = []
     for st, n_l in enumerate(layers_per_stage(model, layout)):
         dense, expert = _split_params(model, layout, st, n_l)
-        n_exp_group = max(1, n_zero * t // (layout.ep * layout.etp))   # the ranks holding the same experts
+        n_exp_group = expert_holders(layout)              # the ranks holding the same experts
         last, head = st == p - 1, holds_head(layout, st)
         fwd = {"compute": n_l * lf + (hf if head else 0.0),
                "elementwise": n_l * ew_fwd_layer, "tp": n_l * tp_fwd_layer, "cp": n_l * cp_fwd_layer, "ep": n_l * ep_layer, "zero": 0.0}

@@ -167,6 +167,13 @@ def fold_offsets(layout: Layout, dim: str = "ep") -> list:
     return out
 
 
+def expert_holders(layout: Layout) -> int:
+    """The ranks of a stage holding the same experts (the same etp slices): the stage's
+    dp x cp x tp ranks over the expert mesh's ep x etp ("edp" and the dims outside the fold,
+    ``MeshShape.expert_replicas``); DDP sums an expert's gradient over them, FSDP shards it."""
+    return max(1, layout.dp * layout.cp * layout.tp // (layout.ep * layout.etp))
+
+
 def expert_zero_group(layout: Layout) -> tuple:
     """(ranks, dims summed after) of an expert's ZeRO-1/2 group as the course's ranks shard it
     (``parallel/zero_nd.py``: a parameter's reduce dims among dp, cp and "edp"): the ranks of

@@ -54,7 +54,7 @@ from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
-from course_lib.planner.layout import expert_zero_group, fold_offsets, holds_head, strides
+from course_lib.planner.layout import expert_holders, expert_zero_group, fold_offsets, holds_head, strides
 from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import runs_flash
@@ -307,7 +307,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     fsdp = layout.zero == 3                 # FSDP over dp x cp (also over one rank: the same program)
     # experts on a folded expert mesh: each block's experts a unit of their own, sharded over the
     # e_ranks holding them (compose.expert_units: "edp" and the stage dims outside the fold)
-    e_ranks = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
+    e_ranks = expert_holders(layout)
     apart = fsdp and model.n_experts > 1 and layout.ep * layout.etp * layout.cp * t > 1
     e_fsdp = (fsdp_expert_unit(k["param_shapes"], model.n_experts // layout.ep, layout.etp), e_ranks, n_layers) \
         if apart else None
@@ -478,7 +478,7 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
     is; on links (NVLink or the network) that another communicator's all-reduce holds it shares
     their bandwidth, as the clock's lanes share it (slowed by at most its own bytes' time, its
     bytes after theirs); the step waits for the last."""
-    edp = _size(layout, ("dp", "cp", "tp")) // (layout.ep * layout.etp)
+    edp = expert_holders(layout)
     floor, state, kernels = hw.kernel_floor, [0.0, 0.0], 0
     free, links, done = {}, {}, 0.0       # a communicator's stream; a link's bytes; the last end
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last),
