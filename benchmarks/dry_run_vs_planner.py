@@ -32,6 +32,9 @@ def main(argv=None):
     ap.add_argument("--no-moe-zero", action="store_true",
                     help="without each drawn MoE layout at dp > 1 again under ZeRO-1, 2 and 3 "
                          "(lab.dry_run_sweep.sweep_layouts)")
+    ap.add_argument("--no-moe-etp", action="store_true",
+                    help="without each drawn MoE layout again with etp 2, alone and beside tp 2 + SP "
+                         "(lab.dry_run_sweep.sweep_layouts)")
     args = ap.parse_args(argv)
     dry = {}
     if args.saved and os.path.exists(args.saved):
@@ -43,7 +46,7 @@ def main(argv=None):
             json.dump(runs, f, indent=0, sort_keys=True)
     rows = sweep_rows(args.n, args.seed, progress=True, dry=dry, saved=save if args.saved else None,
                       run_missing=not args.saved_only, moe_groups=not args.no_moe_groups,
-                      split=not args.no_split, moe_zero=not args.no_moe_zero)
+                      split=not args.no_split, moe_zero=not args.no_moe_zero, moe_etp=not args.no_moe_etp)
     print()
     print(format_rows(rows))
     for part in rows[0]["dry_parts"]:

@@ -16,7 +16,8 @@ the dry run's own forward + backward of a micro-batch (:func:`cause`: a longer p
 longer bubble; then the pass is named). :func:`schedule_check` applies the planner's pipeline
 formula to the dry run's own passes. The dry runs use torch's foreach AdamW, which the planner's
 course runtime counts. Data parallelism is drawn as DDP, ZeRO-1, ZeRO-2 or ZeRO-3 (the MoE:
-DDP, each again under ZeRO-1 and ZeRO-2, :func:`sweep_layouts`' ``moe_zero``). The planner stays the instant
+DDP, each again under ZeRO-1, 2 and 3, :func:`sweep_layouts`' ``moe_zero``; and with etp 2, its
+``moe_etp``). The planner stays the instant
 search; the dry run is its check.
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ def split_twins(layout: Layout) -> list:
 
 
 def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bool = True,
-                  split: bool = True, moe_zero: bool = True) -> list:
+                  split: bool = True, moe_zero: bool = True, moe_etp: bool = True) -> list:
     """``n`` (preset, GPU, Layout), cycling over models x GPUs, each layout drawn at random
     until the ranks accept it and the planner (its ``runtime="megatron"``, which the sweep does
     not change) says it fits; ``cp_methods``: after the n, each drawn CP layout (a ring) again
@@ -84,7 +85,11 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
     fits (2026-11-30, seventeenth session). ``moe_zero``: then each drawn MoE layout with dp > 1
     again under ZeRO-1 and ZeRO-2, an expert's slices over the ranks holding it ("edp"), and
     under ZeRO-3, each block's experts an FSDP unit over them, where the ranks accept it and it
-    fits (2026-11-30, nineteenth and twentieth sessions)."""
+    fits (2026-11-30, nineteenth and twentieth sessions). ``moe_etp``: then each drawn MoE layout
+    again with each expert's width split over etp 2, alone and beside tp 2 with sequence
+    parallelism (the etp group inside the tp ranks), where the ranks accept it and it fits
+    (2026-11-30, twenty-first session: the planner had traced an etp rank as one device's loop
+    and counted E / (ep etp) experts' gradients, 16-22% slow or 9% fast on such layouts)."""
     from course_lib.virtual.dry_run import check_dry_run
     out = _drawn(n, seed, check_dry_run)
     def accepted(name, hw, twin) -> bool:        # the ranks run it and the planner says it fits
@@ -108,6 +113,10 @@ def sweep_layouts(n: int, seed: int = 0, cp_methods: bool = True, moe_groups: bo
     for name, hw, layout in out if moe_zero else ():
         if get_model(name).n_experts > 1 and layout.dp > 1:
             twins += [(name, hw, layout.with_(zero=z)) for z in (1, 2, 3) if accepted(name, hw, layout.with_(zero=z))]
+    for name, hw, layout in out if moe_etp else ():
+        if get_model(name).n_experts > 1:
+            candidates = (layout.with_(etp=2), layout.with_(tp=2, sp=True, etp=2))
+            twins += [(name, hw, twin) for twin in candidates if accepted(name, hw, twin)]
     return out + twins
 
 
@@ -285,15 +294,16 @@ def stable_keys(dry: dict) -> dict:
 
 def sweep_rows(n: int = 54, seed: int = 0, progress: bool = False, dry: dict | None = None,
                saved=None, run_missing: bool = True, moe_groups: bool = True, split: bool = True,
-               moe_zero: bool = True) -> list[dict]:
+               moe_zero: bool = True, moe_etp: bool = True) -> list[dict]:
     """The rows of :func:`sweep_layouts`. ``dry``: {layout key: :func:`dry_result`} already run
     (the planner is instant, the dry runs take minutes: a saved sweep compares a changed
     planner at once); the runs made here are added to it, and ``saved(dry)`` called after each.
-    ``run_missing=False``: only the layouts ``dry`` holds; ``moe_groups``, ``split``, ``moe_zero``: see
-    :func:`sweep_layouts`."""
+    ``run_missing=False``: only the layouts ``dry`` holds; ``moe_groups``, ``split``, ``moe_zero``,
+    ``moe_etp``: see :func:`sweep_layouts`."""
     dry = {} if dry is None else dry
     rows, failed = [], []
-    for name, hw, layout in sweep_layouts(n, seed, moe_groups=moe_groups, split=split, moe_zero=moe_zero):
+    for name, hw, layout in sweep_layouts(n, seed, moe_groups=moe_groups, split=split, moe_zero=moe_zero,
+                                          moe_etp=moe_etp):
         key = layout_key(name, hw, layout)
         if key not in dry and not run_missing:
             continue

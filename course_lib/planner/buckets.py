@@ -24,15 +24,17 @@ def stage_params(model, layout, params, n_layers: int, first: bool, last: bool) 
     """[(reduce dims, elements)] of one rank's parameters on a stage of ``n_layers`` blocks, in
     registration order. ``params``: (name, elements) of the one-block model on a TP rank. The
     norms' with SP are summed over (dp, cp, tp), an expert's over the ranks holding the same
-    expert ("edp"; E / (ep etp) of them here, each 1 / etp of its width), the rest over (dp, cp)."""
-    experts = model.n_experts // (layout.ep * layout.etp) if model.n_experts > 1 else 0
+    expert ("edp"; E / ep of them here, each 1 / etp of its width: w2's bias whole, summed over
+    etp too, ("edp", "etp")), the rest over (dp, cp)."""
+    experts = model.n_experts // layout.ep if model.n_experts > 1 else 0
     out = []
 
     def add(name, n):
         found = _EXPERT.search(name)
         if found:
             if int(found.group(1)) < experts:
-                out.append((("edp",), n // layout.etp))
+                whole = layout.etp > 1 and name.endswith("w2.bias")     # (added on etp rank 0)
+                out.append((("edp", "etp"), n) if whole else (("edp",), n // layout.etp))
             return
         norm = "norm" in name.rsplit(".", 2)[-2]
         out.append((("dp", "cp", "tp") if norm and layout.sp and layout.tp > 1 else ("dp", "cp"), n))

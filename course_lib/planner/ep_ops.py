@@ -14,10 +14,10 @@ Priced as one device's loop with the other experts' launches taken away, as the 
 did before, the sweep's EP 4 layouts of the GPT 1.3B MoE were 7.7-8.6% over the dry run
 (``benchmarks/dry_run_vs_planner.py``); traced as the rank runs, its 11 EP rows are within
 -2.7% to +0.3% (2026-11-30), the one across two nodes once its all-to-all was priced per link
-(:func:`~course_lib.planner.formulas.all_to_all_time`); with each MoE layout again beside
-tp 2 + SP and cp 2, none of the sweep's 108 rows is over 10%.
+(now as NCCL posts it, :func:`~course_lib.planner.async_tp.nccl_all_to_all`); with each MoE
+layout again beside tp 2 + SP and cp 2, none of the sweep's 108 rows is over 10%.
 
-Here: the all-to-all dispatch (the model's ``moe_dispatch``), ``etp`` 1, the routing group
+Here: the all-to-all dispatch (the model's ``moe_dispatch``), any ``etp``, the routing group
 the rank's own tokens or those of its cp x tp ranks (sequence parallelism: each TP rank routes
 its own s / tp tokens, traced on them: :func:`install_ep`'s ``shard``): the layouts the
 planner traces this way (:func:`traced_ep`). The planner sits below ``parallel/`` and imports
@@ -27,12 +27,20 @@ the code). A message is an empty buffer here (its time is the runtime's
 :func:`~.runtime.ep_call_costs`); the counts' exchange is balanced routing's, as the dry run
 folds it: every rank of the ep group sends this one what this one sends each of them (the
 running rank is ep rank 0, its experts the first E / ep, the busiest when E does not divide
-T k).
+T k). With ``etp`` > 1 it is etp rank 0 too: its experts' first 1/etp of the width (w1's and
+w3's rows, w2's columns, w2's bias added here), the rows of its etp peers all-gathered after
+their counts (a host read) and the partial outputs reduce-scattered back, as the ranks'
+``_run_experts``. Traced as one device's loop with the other experts' launches taken away, an
+etp 2 rank beside tp 2 or cp 2 was planned 16-22% slow against the dry run (GPT 1.3B MoE on
+H100s): the issue chain walked all E experts' kernels between the blocking calls.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from course_lib.moe import route, shared_output
@@ -41,11 +49,11 @@ from course_lib.moe import route, shared_output
 def traced_ep(model, layout) -> int:
     """The ep of ``layout`` whose rank :class:`EPRankMoE` traces for ``model``; 0 where the ranks
     run one device's MoE (no experts; ep, cp and tp all 1: nothing folded) or a case it does not
-    cover (etp > 1, the all-gather dispatch: one device's loop with the other experts' launches
-    taken away). With ep 1 beside cp or tp the ranks still run the folded layer (its routing
-    group across them): traced, ep 1."""
+    cover (the all-gather dispatch: one device's loop with the other experts' launches taken
+    away). With ep 1 beside cp or tp the ranks still run the folded layer (its routing
+    group across them): traced, ep 1. Its etp is the layout's (:class:`EPRankMoE`'s ``etp``)."""
     folded = layout.ep * layout.etp * layout.cp * layout.tp > 1
-    if model.n_experts <= 1 or not folded or layout.etp > 1 or model.moe_dispatch != "all_to_all":
+    if model.n_experts <= 1 or not folded or model.moe_dispatch != "all_to_all":
         return 0
     return layout.ep
 
@@ -75,24 +83,46 @@ class _Message(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _slice(net, etp: int):
+    """Expert ``net`` as etp rank 0 of ``etp`` holds it: the first f / etp of its width (w1's and
+    w3's rows with their bias, w2's columns; w2's bias whole), new parameters (copies: contiguous)."""
+    out = copy.deepcopy(net)
+    f = out.w1.out_features
+    n = f // etp
+    columns = [out.w1] + ([out.w3] if hasattr(out, "w3") else [])
+    cuts = [(lin, 0, name) for lin in columns for name in ("weight", "bias") if getattr(lin, name) is not None]
+    for lin, dim, name in cuts + [(out.w2, 1, "weight")]:
+        p = getattr(lin, name)
+        setattr(lin, name, nn.Parameter(p.detach().narrow(dim, 0, n).clone(), requires_grad=p.requires_grad))
+    for lin in columns:
+        lin.out_features = n
+    out.w2.in_features = n
+    return out
+
+
 class EPRankMoE(nn.Module):
     """EP rank 0 of ``ep`` of ``moe`` (a ``course_lib.moe.MoE``): the router and the shared
-    experts whole, the first E / ep experts; ``forward(x) -> (y, aux)`` as ``MoE.forward``.
+    experts whole, the first E / ep experts (``etp`` > 1: etp rank 0's slice of each);
+    ``forward(x) -> (y, aux)`` as ``MoE.forward``.
     ``group``: the ranks its routing group spans (cp x tp with sequence parallelism), which
     all-gather every member's token places and router logits and route the group's tokens in
     the single-device order, this rank (group rank 0) keeping its own rows. ``mark(name)`` is
     called where the ranks make a blocking call ("routing: token places", "routing: logits"
     on the group; "expert counts", "dispatch", "combine", and the last two's "(backward)" on
-    the ep group)."""
+    the ep group; with etp > 1 "ETP row counts", "ETP all-gather", "ETP expert ids", "ETP
+    reduce-scatter", and the second and fourth's "(backward)" on the etp group)."""
 
-    def __init__(self, moe, ep: int, mark=_unmarked, group: int = 1):
+    def __init__(self, moe, ep: int, mark=_unmarked, group: int = 1, etp: int = 1):
         super().__init__()
         if moe.n_experts % ep:
             raise ValueError(f"the number of experts ({moe.n_experts}) must be divisible by ep={ep}")
+        width = moe.experts[0].w1.out_features
+        if width % etp:
+            raise ValueError(f"the experts' width {width} must be divisible by etp={etp}")
         self.ep, self.n_experts, self.local, self.group = ep, moe.n_experts, moe.n_experts // ep, group
         self.top_k, self.capacity_factor, self.normalize_topk = moe.top_k, moe.capacity_factor, moe.normalize_topk
-        self.router, self.shared = moe.router, moe.shared
-        self.experts = nn.ModuleList(moe.experts[:self.local])
+        self.router, self.shared, self.etp = moe.router, moe.shared, etp
+        self.experts = nn.ModuleList([net if etp == 1 else _slice(net, etp) for net in moe.experts[:self.local]])
         self.mark = mark
 
     def forward(self, x):
@@ -121,16 +151,64 @@ class EPRankMoE(nn.Module):
         mine = torch.argsort(order).view(g, T)[0]
         return expert[mine], weight[mine], keep[mine], counts, aux
 
-    def _gathered(self, x, name, values=None):
-        """``gather_along(token_comm, x, 0, name)`` of the ranks: x's rows from every member of
-        the routing group, in group order (a host tensor gets ``values``); a blocking call."""
+    def _gathered(self, x, name, values=None, n=None):
+        """``gather_along(comm, x, 0, name)`` of the ranks: x's rows from every member of the
+        routing group (or of a group of ``n``), in group order; a host tensor gets ``values``,
+        else (``values`` "twins") what its folded twins hold, its own rows ``n`` times; a
+        blocking call."""
+        n = self.group if n is None else n
         x = x.movedim(0, 0).contiguous()
-        out = x.new_empty((self.group * x.shape[0], *x.shape[1:]))
-        if values is not None:
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        if values is not None and not out.is_meta:
             with _disable_current_modes():
-                out.copy_(values)
+                out.copy_(x.expand(n, *x.shape).reshape(out.shape) if isinstance(values, str) else values)
         self.mark(name)
         return out.movedim(0, 0).contiguous()
+
+    def _gather_rows(self, x, sizes, name):
+        """The ranks' ``gather_rows`` over the etp group: every peer's rows (a piece each,
+        padded to the largest), then cut."""
+        pad = max(sizes)
+        if pad == 0:
+            return x.new_zeros((0,) + tuple(x.shape[1:]))
+        out = self._gathered(torch.cat([x, x.new_zeros((pad - len(x),) + tuple(x.shape[1:]))]), name, "twins",
+                             len(sizes))
+        return torch.cat([piece[:n] for piece, n in zip(out.split(pad), sizes)])
+
+    def _scatter_rows(self, x, sizes, name):
+        """The ranks' ``scatter_rows`` over the etp group: each peer's rows (padded) reduce-
+        scattered, this rank (etp rank 0) keeping its own."""
+        pad = max(sizes)
+        if pad == 0:
+            return x.new_zeros((0,) + tuple(x.shape[1:]))
+        pieces = [torch.cat([p, p.new_zeros((pad - len(p),) + tuple(p.shape[1:]))]) for p in x.split(sizes)]
+        out = x.new_empty((pad,) + tuple(x.shape[1:]))
+        torch.cat(pieces).contiguous()
+        self.mark(name)
+        return out[:sizes[0]]
+
+    def _run_experts(self, rows, local_e):
+        """The ranks' ``_run_experts``: my experts on their rows; with etp the etp group's rows
+        joined first and the partial outputs summed back."""
+        if self.etp > 1:
+            count = torch.tensor([len(rows)], device=local_e.device)
+            sizes = self._gathered(count, "ETP row counts", "twins", self.etp).tolist()
+            rows = _Rows.apply(rows, self, sizes, "ETP all-gather", True)
+            local_e = self._gather_rows(local_e, sizes, "ETP expert ids")
+        by_expert = torch.sort(local_e, stable=True).indices
+        per_expert = torch.bincount(local_e, minlength=self.local).tolist()
+        outs = [self._one(net, chunk) for net, chunk in zip(self.experts, rows[by_expert].split(per_expert))]
+        done = torch.cat(outs)[torch.argsort(by_expert)]
+        if self.etp > 1:
+            done = _Rows.apply(done, self, sizes, "ETP reduce-scatter", False)
+        return done
+
+    def _one(self, net, rows):
+        """``LocalExperts._one``: an etp slice's partial output, w2's bias added on etp rank 0."""
+        if self.etp == 1:
+            return net(rows)
+        out = F.linear(net.inner(rows), net.w2.weight)
+        return out + net.w2.bias if net.w2.bias is not None else out
 
     def _all_to_all(self, x, expert, weight, keep):
         tok, j = torch.nonzero(keep, as_tuple=True)
@@ -148,12 +226,27 @@ class EPRankMoE(nn.Module):
         rows = _Message.apply(x[tok], sum(recv_splits), sum(send_splits), "dispatch", self.mark)
         local_e = torch.arange(self.local, device=counts.device)
         local_e = local_e.repeat(self.ep).repeat_interleave(recv_counts.flatten())
-        by_expert = torch.sort(local_e, stable=True).indices
-        per_expert = torch.bincount(local_e, minlength=self.local).tolist()
-        outs = [net(chunk) for net, chunk in zip(self.experts, rows[by_expert].split(per_expert))]
-        done = torch.cat(outs)[torch.argsort(by_expert)]
+        done = self._run_experts(rows, local_e)
         back = _Message.apply(done, sum(send_splits), sum(recv_splits), "combine", self.mark)
         return torch.zeros_like(x).index_add(0, tok, back * weight[tok, j, None])
+
+
+class _Rows(torch.autograd.Function):
+    """The ranks' ``GatherRows`` (``gather=True``: all-gather forward, reduce-scatter backward)
+    or ``ScatterRows`` (the other way) over ``layer``'s etp group, marked by ``name`` (the
+    backward's by ``name + " (backward)"``)."""
+
+    @staticmethod
+    def forward(ctx, x, layer, sizes, name, gather):
+        ctx.layer, ctx.sizes, ctx.name, ctx.gather = layer, sizes, name, gather
+        return layer._gather_rows(x, sizes, name) if gather else layer._scatter_rows(x, sizes, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        layer, name = ctx.layer, ctx.name + " (backward)"
+        out = layer._scatter_rows(g, ctx.sizes, name) if ctx.gather else layer._gather_rows(g.contiguous(), ctx.sizes,
+                                                                                           name)
+        return out, None, None, None, None
 
 
 class _Shard(torch.autograd.Function):
@@ -194,15 +287,15 @@ class _Unshard(torch.autograd.Function):
             return g[:, :ctx.n].clone(), None
 
 
-def install_ep(net, ep: int, mark=_unmarked, group: int = 1, shard: int = 1) -> None:
+def install_ep(net, ep: int, mark=_unmarked, group: int = 1, shard: int = 1, etp: int = 1) -> None:
     """Every MoE layer of ``net`` (a TinyGPT) as EP rank 0 of ``ep`` runs it (``mark``,
-    ``group``: see :class:`EPRankMoE`); ``shard`` > 1: on a TP rank's trace under SP, each MoE
+    ``group``, ``etp``: see :class:`EPRankMoE`); ``shard`` > 1: on a TP rank's trace under SP, each MoE
     layer runs on the rank's s / shard tokens, as the ranks' MoE does (its GEMMs at their own
     shape, not the whole sequence's divided by tp)."""
     for block in net.blocks:
         mlp = getattr(block, "mlp", None)
         if mlp is not None and hasattr(mlp, "moe"):
-            mlp.moe = EPRankMoE(mlp.moe, ep, mark, group)
+            mlp.moe = EPRankMoE(mlp.moe, ep, mark, group, etp)
             mlp.groups = 1
             if shard > 1:
                 whole = mlp.forward

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 
 from course_lib.planner import formulas as F
-from course_lib.planner.async_tp import async_tp_hop
+from course_lib.planner.async_tp import async_tp_hop, nccl_all_to_all
 from course_lib.planner.fsdp_ops import fsdp_chain, fsdp_expert_unit, fsdp_order, fsdp_step_kernels, fsdp_units
 from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
@@ -133,8 +133,14 @@ def expert_replica_nodes(layout, hw) -> int:
     rank (the ep group folded over consecutive dp ranks) with all of cp and tp
     (``MeshShape.expert_replicas``: "edp", and the stage dims outside the fold); where ep does
     not divide dp, the whole dp x cp x tp group."""
-    every = {"dp": layout.ep * layout.etp} if layout.dp % (layout.ep * layout.etp) == 0 else None
-    return group_nodes(layout, hw, ("dp", "cp", "tp"), every)
+    return group_nodes(layout, hw, ("dp", "cp", "tp"), expert_every(layout, layout.ep * layout.etp))
+
+
+def expert_every(layout, k: int) -> dict | None:
+    """``group_nodes``' ``every`` for ranks ``k`` expert-mesh slots apart: every k-th dp rank
+    where k divides dp (the expert mesh folded over consecutive dp ranks), else None (the
+    whole dp x cp x tp group)."""
+    return {"dp": k} if layout.dp % k == 0 else None
 
 
 def ring_alpha(hw, kind: str, n: int, nodes: int) -> float:
@@ -211,7 +217,7 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     traced_hw = hw.with_(fused_attention=runs_flash(hw, layout))    # what the ranks' attention runs
     k = trace_step(model, traced_hw, b, s, itemsize=None if own else 2, recompute=layout.recompute, tp=t,
                    sp=layout.sp, cp=c, ring=split, order=layout.zero == 3 or layout.pp > 1, method=method,
-                   ep=traced_ep(model, layout))
+                   ep=traced_ep(model, layout), etp=layout.etp)
     # (the order traced: FSDP's kernels join the issue chain, fsdp_ops.fsdp_chain; a pipeline's
     # passes are issued ahead or not by what waits inside them, the ``host`` below)
     fwd_k, bwd_k = k["layer_fwd"].times(n_layers), k["layer_bwd"].times(n_layers)
@@ -234,7 +240,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         fwd["ep"] = n_layers * sum(forward)
         bwd["ep"] = n_layers * (sum(v for name, v in ep_calls.items() if "backward" in name) + again * sum(forward))
         routing = routing_group(layout)
-        for dims, names in (("ep", [x for x in ep_calls if not x.startswith("routing")]),
+        for dims, names in (("ep", [x for x in ep_calls if not x.startswith(("routing", "ETP"))]),
+                            ("etp", [x for x in ep_calls if x.startswith("ETP")]),
                             ("+".join(routing), [x for x in ep_calls if x.startswith("routing")])):
             if names:
                 n_forward = sum("backward" not in x for x in names)
@@ -298,8 +305,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     weights = (n_layers * (parts["per_layer"] - expert_layer - 2 * model.hidden) + (parts["embedding"] if first else 0)
                + (head_weights(model, first) if last else 0)) / t
     tensors = n_layers * k["tensors_per_layer"] + (1 if first else 0) + ((k["tensors_outside"] - 1) if last else 0)
-    if model.n_experts > 1:     # the traced block holds all E experts (4 tensors each), this GPU E / (ep etp)
-        tensors -= n_layers * 4 * (model.n_experts - model.n_experts // (layout.ep * layout.etp))
+    if model.n_experts > 1:     # the traced block holds all E experts, this GPU E / ep (etp slices of them)
+        per_expert = sum(1 for name, _ in k["params"] if name.startswith("blocks.0.mlp.moe.experts.0."))
+        tensors -= n_layers * per_expert * (model.n_experts - model.n_experts // layout.ep)
     norm_tensors = (2 * n_layers + last) * (2 if model.norm == "layernorm" else 1)
     if not (layout.sp and t > 1):          # SP splits the norms only where there is a tp group
         weights, norms, norm_tensors = weights + norms, 0, 0
@@ -483,10 +491,13 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
     free, links, done = {}, {}, 0.0       # a communicator's stream; a link's bytes; the last end
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last),
                                          itemsize=held):
-        if dims == ("edp",):
-            if edp <= 1:
+        if dims[0] == "edp":      # an expert's (w2's bias under etp: with its etp peers too)
+            ranks = edp * (layout.etp if dims == ("edp", "etp") else 1)
+            if ranks <= 1:
                 continue
-            cost, own = F.nccl_time(hw, "all_reduce", n * itemsize, edp, expert_replica_nodes(layout, hw))
+            nodes = expert_replica_nodes(layout, hw) if dims == ("edp",) else \
+                group_nodes(layout, hw, ("dp", "cp", "tp"), expert_every(layout, layout.ep))
+            cost, own = F.nccl_time(hw, "all_reduce", n * itemsize, ranks, nodes)
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)
             if not dims:
@@ -496,7 +507,7 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
         chain = [x for n_i in sizes for x in (bucket_copy(hw, n_i, itemsize).device, floor)] + [floor]
         kernels += len(chain)
         run_chain(chain, state, hw.launch_overhead)
-        link = expert_replica_nodes(layout, hw) == 1 if dims == ("edp",) else group_in_node(layout, hw, dims)
+        link = nodes == 1 if dims[0] == "edp" else group_in_node(layout, hw, dims)
         ready, busy = max(state[1], free.get(dims, 0.0)), links.get(link, 0.0)
         start = ready + min(max(0.0, busy - ready), own)
         links[link] = max(busy, start) + own
@@ -536,11 +547,11 @@ def copy_kernel(hw, nbytes: float) -> Kernels:
 
 def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
     """(forward, backward) kernels per micro-batch that an MoE stage does NOT launch on an EP
-    rank: the traced layer runs all E experts (one device), an ep x etp rank E / (ep etp)
-    (the same rows in all: balanced routing, T k of them)."""
-    if model.n_experts <= 1 or layout.ep * layout.etp == 1 or traced_ep(model, layout):
+    rank: the traced layer runs all E experts (one device), an ep x etp rank E / ep of them
+    (etp slices; the same rows in all: balanced routing, T k of them)."""
+    if model.n_experts <= 1 or layout.ep == 1 or traced_ep(model, layout):
         return 0, 0                 # (an EP rank traced as it runs: its own kernels already)
-    gone = model.n_experts - model.n_experts // (layout.ep * layout.etp)
+    gone = model.n_experts - model.n_experts // layout.ep
     per_f, per_b = k["per_expert_kernels"]
     return round(n_layers * gone * per_f), round(n_layers * gone * per_b)
 
@@ -551,13 +562,13 @@ def ep_call_costs(model, hw, layout, tokens) -> dict:
     exchange, dispatch and combine, and the last two again in backward, each the same message.
     The ep group is ep consecutive ranks of the expert fold (dp, then cp and tp where ep needs
     them, in the layout's rank order: :func:`~.layout.fold_offsets`); the members on this
-    rank's node exchange over NVLink, the others over the network, at once
-    (:func:`F.all_to_all_time`)."""
+    rank's node exchange over NVLink, the others over the network, at once, as NCCL posts them
+    (:func:`~.async_tp.nccl_all_to_all`). With etp > 1, the etp group's calls (:func:`etp_call_costs`)."""
     n = layout.ep
     local = sum(1 for offset in fold_offsets(layout, "ep") if offset < hw.gpus_per_node)
 
     def a2a(nbytes):
-        return F.all_to_all_time(nbytes, n, local, hw.link(True), hw.link(False))
+        return nccl_all_to_all(hw, nbytes, n, local)
     payload = F.moe_dispatch_payloads(tokens, model.hidden, model.top_k, n, 1, "all_to_all")["all_to_all"]
     message = a2a(payload / 2)
     out = {}
@@ -567,9 +578,33 @@ def ep_call_costs(model, hw, layout, tokens) -> dict:
         out = {"routing: token places": collective(layout, hw, "all_gather", g * tokens * 8, group),
                "routing: logits": collective(layout, hw, "all_gather", g * tokens * model.n_experts * 2, group)}
     if n == 1:                  # (ep 1 beside cp or tp: the routing group's calls alone)
-        return out
-    return {**out, "expert counts": a2a(model.n_experts * 8), "dispatch": message, "combine": message,
+        return {**out, **etp_call_costs(model, hw, layout, tokens)}
+    return {**out, "expert counts": a2a(model.n_experts * 8), "dispatch": message,
+            **etp_call_costs(model, hw, layout, tokens), "combine": message,
             "combine (backward)": message, "dispatch (backward)": message}
+
+
+def etp_call_costs(model, hw, layout, tokens) -> dict:
+    """{name: seconds} of the etp group's blocking calls in one MoE layer (``_run_experts``,
+    :mod:`.ep_ops` marks them by these names), {} at etp 1: the rows' counts (int64), the
+    rows (bf16) and their expert ids (int64) all-gathered, the partial outputs reduce-
+    scattered; backward, the last one's all-gather and the rows' reduce-scatter. Balanced
+    routing: every etp rank holds the T k rows its ep rank received (the all-to-all's rows).
+    The etp group is etp consecutive ranks of the expert fold (:func:`~.layout.fold_offsets`),
+    priced as NCCL's tuning model prices each collective over the nodes it spans."""
+    n = layout.etp
+    if n == 1:
+        return {}
+    nodes = len({o // hw.gpus_per_node for o in fold_offsets(layout, "etp")})
+    rows = tokens * model.top_k
+
+    def call(kind, nbytes):     # (all-gather: its output; reduce-scatter: its input)
+        return F.nccl_time(hw, kind, nbytes, n, nodes)[0]
+    gathered, scattered = call("all_gather", n * rows * model.hidden * 2), \
+        call("reduce_scatter", n * rows * model.hidden * 2)
+    return {"ETP row counts": call("all_gather", n * 8), "ETP all-gather": gathered,
+            "ETP expert ids": call("all_gather", n * rows * 8), "ETP reduce-scatter": scattered,
+            "ETP reduce-scatter (backward)": gathered, "ETP all-gather (backward)": scattered}
 
 
 def routing_group(layout) -> tuple:
@@ -595,5 +630,5 @@ def ep_time(model, hw, layout, tokens) -> float:
     return out + counts
 
 
-__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "ep_call_costs", "routing_group", "tp_calls", "group_in_node",
+__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "ep_call_costs", "etp_call_costs", "routing_group", "tp_calls", "group_in_node",
            "collective", "BUCKET_CAP_BYTES"]
