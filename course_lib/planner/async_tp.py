@@ -50,7 +50,7 @@ def async_tp_hop(hw, nbytes: float, intra_node: bool = True) -> float:
     return latency + nbytes / bw
 
 
-def nccl_all_to_all(hw, nbytes: float, n: int, local: int) -> float:
+def nccl_all_to_all(hw, nbytes: float, n: int, local: int, latency: bool = True) -> float:
     """Seconds of NCCL's all-to-all of ``nbytes`` (one rank's input, n / N to each member) over
     ``n`` ranks of which ``local`` (this one included) share its node: a group of point-to-point
     sends and receives, every pair posted at once (``ncclGroupStart``/``End``), so one message's
@@ -58,7 +58,8 @@ def nccl_all_to_all(hw, nbytes: float, n: int, local: int) -> float:
     the bytes on NVLink ((local - 1) parts) and on the network ((n - local) parts), each link
     class its own lanes at its bandwidth. Priced as one alpha per pair in turn (the published
     systems' sequential exchange), an ep 2 dispatch on H100s was 3.4 us of latency where NCCL's
-    table gives 11.8 (a Simple message on NVLink)."""
+    table gives 11.8 (a Simple message on NVLink). ``latency=False``: the bytes' seconds alone
+    (what it holds the links for)."""
     if n <= 1:
         return 0.0
     part = nbytes / n
@@ -66,10 +67,10 @@ def nccl_all_to_all(hw, nbytes: float, n: int, local: int) -> float:
     kind = "nvlink" if inside else "net"
     alpha = hw.link(inside)[0]
     scale = alpha / (P2P_LATENCY_US[kind]["Simple"][1] * 1e-6)
-    latency = sum(P2P_LATENCY_US[kind]["LL" if part <= P2P_LL_MAX_BYTES else "Simple"]) * 1e-6 * scale
+    seconds = sum(P2P_LATENCY_US[kind]["LL" if part <= P2P_LL_MAX_BYTES else "Simple"]) * 1e-6 * scale
     on_node = (local - 1) * part / hw.link(True)[1]
     off_node = (n - local) * part / hw.link(False)[1]
-    return latency + max(on_node, off_node)
+    return (seconds if latency else 0.0) + max(on_node, off_node)
 
 
 def async_tp_exposed(hop: float, step: float, t: int) -> float:

@@ -105,11 +105,16 @@ def collective(layout, hw, kind, nbytes, dims, latency: bool = True) -> float:
     its bytes' seconds on the links alone, what it shares with other transfers there): an
     all-reduce, all-gather or reduce-scatter as NCCL's tuning model prices the algorithm and
     protocol it picks (:func:`~course_lib.planner.communication.nccl_time`: LL for small
-    messages, the ring's latency terms across nodes); another kind a ring, each step's latency
+    messages, the ring's latency terms across nodes); an all-to-all as NCCL posts it
+    (:func:`~.async_tp.nccl_all_to_all`); another kind a ring, each step's latency
     its own link's (:func:`ring_alpha`); the network's bandwidth once the group leaves a node."""
     n = _size(layout, dims)
     if n <= 1:
         return 0.0
+    if kind == "all_to_all":       # NCCL's grouped point-to-point: the members on the node, the rest
+        offsets = group_offsets(layout, dims)
+        local = sum(1 for o in offsets if o // hw.gpus_per_node == 0)
+        return nccl_all_to_all(hw, nbytes, n, local, latency)
     if kind in ("all_reduce", "all_gather", "reduce_scatter"):
         seconds, data = F.nccl_time(hw, kind, nbytes, n, group_nodes(layout, hw, dims))
         return seconds if latency else data
@@ -118,14 +123,19 @@ def collective(layout, hw, kind, nbytes, dims, latency: bool = True) -> float:
     return F.collective_time(kind, nbytes, n, alpha if latency else 0.0, bw)
 
 
-def group_nodes(layout, hw, dims, every: dict | None = None) -> int:
-    """The nodes the group of mesh ``dims`` spans (the first rank's group, the layout's rank
-    order); ``every``: {dim: k}, only every k-th index along that dim is a member."""
+def group_offsets(layout, dims, every: dict | None = None) -> list:
+    """The rank offsets of the first rank's group of mesh ``dims`` (the layout's rank order);
+    ``every``: {dim: k}, only every k-th index along that dim is a member."""
     stride, sizes, offsets = strides(layout), layout.sizes, [0]
     for d in dims:
         k = (every or {}).get(d, 1)
         offsets = [o + i * stride[d] for o in offsets for i in range(0, sizes[d], k)]
-    return len({o // hw.gpus_per_node for o in offsets})
+    return offsets
+
+
+def group_nodes(layout, hw, dims, every: dict | None = None) -> int:
+    """The nodes the group of mesh ``dims`` spans (:func:`group_offsets`' members)."""
+    return len({o // hw.gpus_per_node for o in group_offsets(layout, dims, every)})
 
 
 def expert_replica_nodes(layout, hw) -> int:
