@@ -17,7 +17,8 @@ did before, the sweep's EP 4 layouts of the GPT 1.3B MoE were 7.7-8.6% over the 
 (now as NCCL posts it, :func:`~course_lib.planner.async_tp.nccl_all_to_all`); with each MoE
 layout again beside tp 2 + SP and cp 2, none of the sweep's 108 rows is over 10%.
 
-Here: the all-to-all dispatch (the model's ``moe_dispatch``), any ``etp``, the routing group
+Here: either dispatch (the model's ``moe_dispatch``: the all-to-all, or the all-gather of the
+ep x etp group's tokens), any ``etp``, the routing group
 the rank's own tokens or those of its cp x tp ranks (sequence parallelism: each TP rank routes
 its own s / tp tokens, traced on them: :func:`install_ep`'s ``shard``): the layouts the
 planner traces this way (:func:`traced_ep`). The planner sits below ``parallel/`` and imports
@@ -48,12 +49,12 @@ from course_lib.moe import route, shared_output
 
 def traced_ep(model, layout) -> int:
     """The ep of ``layout`` whose rank :class:`EPRankMoE` traces for ``model``; 0 where the ranks
-    run one device's MoE (no experts; ep, cp and tp all 1: nothing folded) or a case it does not
-    cover (the all-gather dispatch: one device's loop with the other experts' launches taken
-    away). With ep 1 beside cp or tp the ranks still run the folded layer (its routing
-    group across them): traced, ep 1. Its etp is the layout's (:class:`EPRankMoE`'s ``etp``)."""
+    run one device's MoE (no experts; ep, etp, cp and tp all 1: nothing folded). With ep 1
+    beside cp or tp the ranks still run the folded layer (its routing group across them):
+    traced, ep 1. Its etp and dispatch are the layout's and the model's (:class:`EPRankMoE`'s
+    ``etp``, ``dispatch``)."""
     folded = layout.ep * layout.etp * layout.cp * layout.tp > 1
-    if model.n_experts <= 1 or not folded or model.moe_dispatch != "all_to_all":
+    if model.n_experts <= 1 or not folded:
         return 0
     return layout.ep
 
@@ -110,9 +111,11 @@ class EPRankMoE(nn.Module):
     called where the ranks make a blocking call ("routing: token places", "routing: logits"
     on the group; "expert counts", "dispatch", "combine", and the last two's "(backward)" on
     the ep group; with etp > 1 "ETP row counts", "ETP all-gather", "ETP expert ids", "ETP
-    reduce-scatter", and the second and fourth's "(backward)" on the etp group)."""
+    reduce-scatter", and the second and fourth's "(backward)" on the etp group). ``dispatch``
+    "all_gather": the model's other dispatch instead, on the ep x etp group ("dispatch",
+    "router weights", "expert ids", "combine", and all but the ids' "(backward)")."""
 
-    def __init__(self, moe, ep: int, mark=_unmarked, group: int = 1, etp: int = 1):
+    def __init__(self, moe, ep: int, mark=_unmarked, group: int = 1, etp: int = 1, dispatch: str = "all_to_all"):
         super().__init__()
         if moe.n_experts % ep:
             raise ValueError(f"the number of experts ({moe.n_experts}) must be divisible by ep={ep}")
@@ -121,13 +124,16 @@ class EPRankMoE(nn.Module):
             raise ValueError(f"the experts' width {width} must be divisible by etp={etp}")
         self.ep, self.n_experts, self.local, self.group = ep, moe.n_experts, moe.n_experts // ep, group
         self.top_k, self.capacity_factor, self.normalize_topk = moe.top_k, moe.capacity_factor, moe.normalize_topk
-        self.router, self.shared, self.etp = moe.router, moe.shared, etp
+        self.router, self.shared, self.etp, self.dispatch = moe.router, moe.shared, etp, dispatch
         self.experts = nn.ModuleList([net if etp == 1 else _slice(net, etp) for net in moe.experts[:self.local]])
         self.mark = mark
 
     def forward(self, x):
         expert, weight, keep, _, aux = self.route(x)
-        return shared_output(self.shared, x) + self._all_to_all(x, expert, weight, keep), aux
+        y = shared_output(self.shared, x)
+        if self.dispatch == "all_gather":
+            return y + self._all_gathered(x, expert, weight, keep), aux
+        return y + self._all_to_all(x, expert, weight, keep), aux
 
     def route(self, x):
         logits = self.router(x)
@@ -202,6 +208,23 @@ class EPRankMoE(nn.Module):
         if self.etp > 1:
             done = _Rows.apply(done, self, sizes, "ETP reduce-scatter", False)
         return done
+
+    def _all_gathered(self, x, expert, weight, keep):
+        """The ranks' all-gather dispatch (``ExpertParallelMoE._gathered``): the ep x etp group's
+        tokens, router weights and expert ids gathered (every member routes as this one does:
+        balanced routing's twins), my experts on the rows routed to them, the weighted sums
+        reduce-scattered back."""
+        n = self.ep * self.etp
+        sizes = [x.shape[0]] * n
+        xs = _Rows.apply(x, self, sizes, "dispatch", True)
+        ws = _Rows.apply(weight * keep, self, sizes, "router weights", True)
+        es = self._gather_rows(torch.where(keep, expert, -1), sizes, "expert ids")
+        out = torch.zeros_like(xs)
+        picks = [torch.nonzero(es == i, as_tuple=True) for i in range(self.local)]
+        rows = [xs[tok] for tok, _ in picks]
+        for (tok, j), y in zip(picks, [self._one(net, r) for net, r in zip(self.experts, rows)]):
+            out = out.index_add(0, tok, y * ws[tok, j, None])
+        return _Rows.apply(out, self, sizes, "combine", False)
 
     def _one(self, net, rows):
         """``LocalExperts._one``: an etp slice's partial output, w2's bias added on etp rank 0."""
@@ -287,15 +310,16 @@ class _Unshard(torch.autograd.Function):
             return g[:, :ctx.n].clone(), None
 
 
-def install_ep(net, ep: int, mark=_unmarked, group: int = 1, shard: int = 1, etp: int = 1) -> None:
+def install_ep(net, ep: int, mark=_unmarked, group: int = 1, shard: int = 1, etp: int = 1,
+               dispatch: str = "all_to_all") -> None:
     """Every MoE layer of ``net`` (a TinyGPT) as EP rank 0 of ``ep`` runs it (``mark``,
-    ``group``, ``etp``: see :class:`EPRankMoE`); ``shard`` > 1: on a TP rank's trace under SP, each MoE
+    ``group``, ``etp``, ``dispatch``: see :class:`EPRankMoE`); ``shard`` > 1: on a TP rank's trace under SP, each MoE
     layer runs on the rank's s / shard tokens, as the ranks' MoE does (its GEMMs at their own
     shape, not the whole sequence's divided by tp)."""
     for block in net.blocks:
         mlp = getattr(block, "mlp", None)
         if mlp is not None and hasattr(mlp, "moe"):
-            mlp.moe = EPRankMoE(mlp.moe, ep, mark, group, etp)
+            mlp.moe = EPRankMoE(mlp.moe, ep, mark, group, etp, dispatch)
             mlp.groups = 1
             if shard > 1:
                 whole = mlp.forward

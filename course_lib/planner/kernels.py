@@ -103,14 +103,14 @@ _TOPK = torch.ops.aten.topk.default
 _READ = torch.ops.aten._local_scalar_dense.default
 
 
-def course_config(model, layers, n_experts=None, recompute="none", seq_len=None):
+def course_config(model, layers, recompute="none", seq_len=None):
     """The course's GPTConfig of ``model`` at ``layers`` layers; a mixture of experts as the
-    course runs it (experts with the model's MLP, capacity factor 1.25; ``n_experts`` overrides the count);
+    course runs it (experts with the model's MLP, capacity factor 1.25);
     ``seq_len``: the sequence (else the model's)."""
     from course_lib.gpt import GPTConfig
     moe = {}
     if model.n_experts > 1:
-        moe = dict(n_experts=n_experts or model.n_experts, top_k=model.top_k, capacity_factor=1.25,
+        moe = dict(n_experts=model.n_experts, top_k=model.top_k, capacity_factor=1.25,
                    expert_mlp=model.mlp)
     return GPTConfig(vocab_size=model.vocab, seq_len=seq_len or model.seq_len, n_layers=layers, hidden=model.hidden,
                      n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn,
@@ -306,8 +306,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
 
     ring = ring if cp > 1 else None
 
-    def trace(layers, n_experts=None, t=1, rank=None):
-        cfg = course_config(model, layers, n_experts, recompute, seq_len=s)   # the traced sequence, as the dry run's
+    def trace(layers, t=1, rank=None):
+        cfg = course_config(model, layers, recompute=recompute, seq_len=s)   # the traced sequence, as the dry run's
         with torch.device("meta"):
             net = TinyGPT(cfg, seed=0)
             if getattr(hw, "fused_kernels", False):       # RMSNorm and SwiGLU as one kernel each way
@@ -340,10 +340,10 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         where = [[]]                                # the op list marks go to
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
-        if ep and n_experts is None:                # an EP rank's MoE layers (their experts E / ep), the
+        if ep:                                      # an EP rank's MoE layers (their experts E / ep), the
             group = cp * (tp if sp else 1)          # routing group's and the ep group's calls marked; a TP
             install_ep(net, ep, lambda what: where[-1].append(("|" + what, None)), group,   # rank's own
-                       shard=t if sp else 1, etp=etp)                         # tokens under SP
+                       shard=t if sp else 1, etp=etp, dispatch=model.moe_dispatch)   # tokens under SP
         with KernelCounter(hw, itemsize, record=True) as fwd:
             fwd.ops = where[-1]
             loss = net(x, x, n_tokens=b * s, **kw)[1]
@@ -355,10 +355,10 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
             loss.backward()
         return (fwd, bwd) + params + (linears,)
 
-    def run(layers, n_experts=None, rank=None):
-        fwd, bwd, params, shapes, linears = trace(layers, n_experts, rank=rank)
+    def run(layers, rank=None):
+        fwd, bwd, params, shapes, linears = trace(layers, rank=rank)
         if tp > 1:
-            fwd_t, bwd_t, params, _, linears = trace(layers, n_experts, tp, rank)
+            fwd_t, bwd_t, params, _, linears = trace(layers, tp, rank)
         else:
             fwd_t, bwd_t = fwd, bwd
         floor, c = hw.kernel_floor, 1 if ring else cp
@@ -378,12 +378,6 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
         return sum((c.by_op.get(k, Kernels()) for k in names), Kernels())
     emb_f, emb_b = part(f1, ("embedding",)), part(b1, ("embedding_dense_backward",))
     layer_f, layer_b = f2.total - f1.total, b2.total - b1.total
-    per_expert = (0, 0)
-    if model.n_experts > 1:   # kernels one more expert adds to a layer (its loop), fwd and bwd
-        half = max(model.top_k, model.n_experts // 2)
-        if half < model.n_experts:
-            (hf, hb, *_), fewer = run(1, half, 0 if ring else None), model.n_experts - half
-            per_expert = ((f1.total.count - hf.total.count) / fewer, (b1.total.count - hb.total.count) / fewer)
     ring_pass = {}
     if ring and method == "ring":   # the ring alone on the busiest rank: a K/V hop travels under one of its blocks
         busiest = traces.index(max(traces, key=lambda x: (x[4].total - x[0].total + x[5].total - x[1].total).device))
@@ -400,7 +394,6 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
             "layer_w": w2[0] - w1[0], "head_w": w1[0] - (w2[0] - w1[0]),      # zero bubble's W (_w_pass)
             "layer_w_elements": w2[1] - w1[1], "head_w_elements": w1[1] - (w2[1] - w1[1]),
             "layer_w_tensors": w2[2] - w1[2], "head_w_tensors": w1[2] - (w2[2] - w1[2]),
-            "per_expert_kernels": per_expert,
             "head_fwd": f1.total - layer_f - emb_f, "head_bwd": b1.total - layer_b - emb_b,
             "tensors_per_layer": n2 - n1, "tensors_outside": n1 - (n2 - n1), "params": p1, "param_shapes": shapes,
             "adamw_per_element": _adamw(hw, itemsize or 2)}     # (the runtime prices the masters' fp32)

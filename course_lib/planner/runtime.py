@@ -239,9 +239,6 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     fwd = {"compute": fwd_k.time, "elementwise": 0.0, "launch": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0, "zero": 0.0}
     bwd = {**fwd, "compute": bwd_k.time}
     calls = {}
-    ep_f, ep_b = moe_parts(model, hw, layout, k, n_layers)
-    fwd_k = Kernels(fwd_k.count - ep_f, fwd_k.flops, fwd_k.bytes, fwd_k.time, fwd_k.device)
-    bwd_k = Kernels(bwd_k.count - ep_b, bwd_k.flops, bwd_k.bytes, bwd_k.time, bwd_k.device)
     ep_calls = {}                            # an EP rank traced as it runs: its blocking calls, each's seconds
     if traced_ep(model, layout):
         ep_calls = ep_call_costs(model, hw, layout, b * s / c / (t if layout.sp else 1))   # the rank's tokens
@@ -250,15 +247,13 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
         fwd["ep"] = n_layers * sum(forward)
         bwd["ep"] = n_layers * (sum(v for name, v in ep_calls.items() if "backward" in name) + again * sum(forward))
         routing = routing_group(layout)
-        for dims, names in (("ep", [x for x in ep_calls if not x.startswith(("routing", "ETP"))]),
+        group = "ep+etp" if model.moe_dispatch == "all_gather" and layout.etp > 1 else "ep"   # (the code's comm)
+        for dims, names in ((group, [x for x in ep_calls if not x.startswith(("routing", "ETP"))]),
                             ("etp", [x for x in ep_calls if x.startswith("ETP")]),
                             ("+".join(routing), [x for x in ep_calls if x.startswith("routing")])):
             if names:
                 n_forward = sum("backward" not in x for x in names)
                 calls[dims] = calls.get(dims, 0) + m * n_layers * (len(names) + again * n_forward)
-    elif layout.ep * layout.etp > 1:
-        fwd["ep"] = bwd["ep"] = n_layers * ep_time(model, hw, layout, b * s / c)
-        calls["ep"] = m * n_layers * 2 * 3     # counts, dispatch, combine; forward and backward
 
     act = b * s / c * model.hidden * 2               # (b, s/cp, h) bf16: a TP collective's full tensor
     added = {"fwd": Kernels(), "bwd": Kernels()}     # TP's own kernels per micro-batch (see below)
@@ -555,17 +550,6 @@ def copy_kernel(hw, nbytes: float) -> Kernels:
     return Kernels(1, 0.0, 2 * nbytes, seconds, max(seconds, hw.kernel_floor))
 
 
-def moe_parts(model, hw, layout, k: dict, n_layers: int) -> tuple:
-    """(forward, backward) kernels per micro-batch that an MoE stage does NOT launch on an EP
-    rank: the traced layer runs all E experts (one device), an ep x etp rank E / ep of them
-    (etp slices; the same rows in all: balanced routing, T k of them)."""
-    if model.n_experts <= 1 or layout.ep == 1 or traced_ep(model, layout):
-        return 0, 0                 # (an EP rank traced as it runs: its own kernels already)
-    gone = model.n_experts - model.n_experts // layout.ep
-    per_f, per_b = k["per_expert_kernels"]
-    return round(n_layers * gone * per_f), round(n_layers * gone * per_b)
-
-
 def ep_call_costs(model, hw, layout, tokens) -> dict:
     """{name: seconds} of each blocking call an EP rank makes in one MoE layer (all-to-all
     dispatch, balanced routing; :mod:`.ep_ops` marks them by these names): the expert counts'
@@ -587,11 +571,35 @@ def ep_call_costs(model, hw, layout, tokens) -> dict:
         g = _size(layout, group)
         out = {"routing: token places": collective(layout, hw, "all_gather", g * tokens * 8, group),
                "routing: logits": collective(layout, hw, "all_gather", g * tokens * model.n_experts * 2, group)}
+    if model.moe_dispatch == "all_gather":
+        return {**out, **gather_call_costs(model, hw, layout, tokens)}
     if n == 1:                  # (ep 1 beside cp or tp: the routing group's calls alone)
         return {**out, **etp_call_costs(model, hw, layout, tokens)}
     return {**out, "expert counts": a2a(model.n_experts * 8), "dispatch": message,
             **etp_call_costs(model, hw, layout, tokens), "combine": message,
             "combine (backward)": message, "dispatch (backward)": message}
+
+
+def gather_call_costs(model, hw, layout, tokens) -> dict:
+    """{name: seconds} of the all-gather dispatch's blocking calls in one MoE layer
+    (``ExpertParallelMoE._gathered``, :mod:`.ep_ops` marks them by these names) on the ep x etp
+    group, {} for a group of one: the group's tokens (bf16), router weights (bf16) and expert
+    ids (int64) all-gathered, the weighted sums reduce-scattered; backward, the sums' all-
+    gather, the weights' and the tokens' reduce-scatters. The group is the expert mesh's
+    members (:func:`~.layout.fold_offsets`), priced as NCCL's tuning model prices each
+    collective over the nodes it spans."""
+    n = layout.ep * layout.etp
+    if n == 1:
+        return {}
+    nodes = len({o // hw.gpus_per_node for o in fold_offsets(layout, "expert mesh")})
+
+    def call(kind, nbytes):     # (all-gather: its output; reduce-scatter: its input)
+        return F.nccl_time(hw, kind, nbytes, n, nodes)[0]
+    rows, weights = n * tokens * model.hidden * 2, n * tokens * model.top_k * 2
+    return {"dispatch": call("all_gather", rows), "router weights": call("all_gather", weights),
+            "expert ids": call("all_gather", n * tokens * model.top_k * 8), "combine": call("reduce_scatter", rows),
+            "combine (backward)": call("all_gather", rows), "router weights (backward)": call("reduce_scatter", weights),
+            "dispatch (backward)": call("reduce_scatter", rows)}
 
 
 def etp_call_costs(model, hw, layout, tokens) -> dict:
@@ -623,22 +631,5 @@ def routing_group(layout) -> tuple:
     return tuple(d for d, n in (("cp", layout.cp), ("tp", layout.tp if layout.sp else 1)) if n > 1)
 
 
-def ep_time(model, hw, layout, tokens) -> float:
-    """Seconds of one MoE layer's forward exchanges on the expert mesh, balanced routing:
-    the expert counts' all-to-all, then dispatch and combine (:func:`F.moe_dispatch_payloads`;
-    the backward the same), the expert mesh folded over the stage's ranks (:func:`~.layout.fold_offsets`)."""
-    alpha, bw = hw.link(max(fold_offsets(layout, "expert mesh")) < hw.gpus_per_node)
-    gather = model.moe_dispatch == "all_gather"
-    n = {"all_to_all": layout.ep, "all_gather": layout.ep * layout.etp if gather else layout.etp}
-    n["reduce_scatter"] = n["all_gather"]
-    calls = {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}
-    payloads = F.moe_dispatch_payloads(tokens, model.hidden, model.top_k, layout.ep, layout.etp,
-                                       model.moe_dispatch)
-    out = sum(calls[kind] * F.collective_time(kind, nb / calls[kind], n[kind], alpha, bw)
-              for kind, nb in payloads.items() if n[kind] > 1)
-    counts = F.collective_time("all_to_all", model.n_experts * 8, layout.ep, alpha, bw) if not gather else 0.0
-    return out + counts
-
-
-__all__ = ["stage_parts", "accumulation", "moe_parts", "ep_time", "ep_call_costs", "etp_call_costs", "routing_group", "tp_calls", "group_in_node",
+__all__ = ["stage_parts", "accumulation", "ep_call_costs", "gather_call_costs", "etp_call_costs", "routing_group", "tp_calls", "group_in_node",
            "collective", "BUCKET_CAP_BYTES"]
