@@ -167,6 +167,29 @@ class _RowLinear(torch.nn.Linear):
         return y + self.bias if self.bias is not None else y
 
 
+def _copied(g) -> None:
+    if not (g.is_contiguous() and g._base is None):
+        g.contiguous().clone()
+
+
+def f_copies(net) -> None:
+    """Without SP, ``f`` (a tensor-parallel region's entry) all-reduces dX in backward in place
+    only where dX is a whole fresh tensor, else a copy of it, as the course's
+    ``comm_ops._all_reduce`` does: each region's input (attention's, a dense MLP's, the LM
+    head's) gets that copy in its gradient's hook, before the all-reduce's mark
+    (:func:`_mark_tp`, installed after). A column layer's dX reshaped from its GEMM's output is
+    a view (GPT-2's MLP, the head: one copy each); the attention's three dX, summed by
+    autograd, are fresh. On both traces, so that their ops pair."""
+    def pre(mod, args):
+        if isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(_copied)
+    for block in net.blocks:
+        block.attn.register_forward_pre_hook(pre)
+        if not hasattr(block.mlp, "moe"):
+            block.mlp.register_forward_pre_hook(pre)
+    net.lm_head.register_forward_pre_hook(pre)
+
+
 def row_outputs(net) -> list:
     """Each block's output Linears (attention's, a dense MLP's second) made :class:`_RowLinear`
     in place, as a TP rank runs them; the whole model's trace too, so that its ops pair with a
@@ -230,6 +253,7 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
     def on_grad(x, *what):
         if isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(lambda g: [mark(w) for w in what] and None)
+
 
     def sublayer(module, row):     # attention, MLP: column- then row-parallel
         def pre(mod, args):
@@ -338,6 +362,8 @@ def trace_step(model, hw, b: int, s: int, itemsize: int | None = 2, recompute: s
                 mod.register_forward_hook(lambda mod, a, o: linears.append(
                     (tuple(a[0].shape), tuple(o.shape), mod.bias is not None, mod.weight.dtype)))
         where = [[]]                                # the op list marks go to
+        if tp > 1 and not sp:                       # f's copies of dX (both traces: they pair)
+            f_copies(net)
         if t == tp:                                 # the rank's own trace: its parts (and TP's collectives) marked
             _mark_tp(net, where, sp, collectives=t > 1)
         if ep:                                      # an EP rank's MoE layers (their experts E / ep), the
