@@ -63,6 +63,8 @@ def test_a_tp_ranks_layer_launches_the_programs_kernels():
     hw = get_hardware("h100-sxm")
     k = trace_step(GPT22, hw.with_(fused_attention=runs_flash(hw, layout)), 1, 2048, recompute="selective", tp=8)
     assert ran[1] - ran[0] == k["layer_fwd"].count + k["layer_bwd"].count
+    # the host waits at each output layer's all-reduce, between its GEMM and its bias
+    assert [x for x in k["sequence"]["fwd"]["layer"] if isinstance(x, str)] == ["all_reduce"] * 2
 
 
 def test_an_moes_data_parallel_sums_are_the_programs_buckets():

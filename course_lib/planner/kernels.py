@@ -190,20 +190,15 @@ def f_copies(net) -> None:
     net.lm_head.register_forward_pre_hook(pre)
 
 
-def row_outputs(net) -> list:
+def row_outputs(net) -> None:
     """Each block's output Linears (attention's, a dense MLP's second) made :class:`_RowLinear`
     in place, as a TP rank runs them; the whole model's trace too, so that its ops pair with a
-    rank's one for one (:func:`_rank_pass`). Returns [(sublayer, its output Linear)]."""
-    out = []
+    rank's one for one (:func:`_rank_pass`)."""
     for block in net.blocks:
         mlp = block.mlp
-        pairs = [(block.attn, block.attn.wo)]
+        block.attn.wo.__class__ = _RowLinear
         if not hasattr(mlp, "moe"):
-            pairs.append((mlp, mlp.w2 if hasattr(mlp, "w2") else mlp.proj))
-        for sub, linear in pairs:
-            linear.__class__ = _RowLinear
-            out.append((sub, linear))
-    return out
+            (mlp.w2 if hasattr(mlp, "w2") else mlp.proj).__class__ = _RowLinear
 
 
 class _Pass:
@@ -253,7 +248,6 @@ def _mark_tp(net, where: list, sp: bool, collectives: bool = True) -> None:
     def on_grad(x, *what):
         if isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(lambda g: [mark(w) for w in what] and None)
-
 
     def sublayer(module, row):     # attention, MLP: column- then row-parallel
         def pre(mod, args):
