@@ -197,28 +197,19 @@ class _Group(_Comm):
         self.where[-1].append(("|" + name, None))
 
 
-@pytest.mark.parametrize("spec", [SMALL, SWIGLU], ids=["gelu-experts", "swiglu-experts"])
-@pytest.mark.parametrize("ep,group", [(1, 2), (2, 2), (4, 2), (2, 4), (8, 3)])
-def test_an_ep_layer_with_a_routing_group_is_the_codes(spec, ep, group):
-    """One MoE layer whose routing group spans ``group`` ranks (cp x tp: each routes its own
-    tokens after gathering the group's places and logits), EP rank 0 of ``ep``: the code's
-    ExpertParallelMoE against EPRankMoE, forward and backward, op for op and call for call."""
+def _layers_alike(spec, make):
+    """One MoE layer (E = 8, top-2, 24 tokens) forward and backward, ``make(which, moe, where)``'s
+    "code" layer against its "planner" layer: the same ops, priced alike, in one order, the same
+    calls in the same places. The planner's (forward, backward) ops."""
     from course_lib.moe import MoE
-    T = 24
     runs = []
     for which in ("code", "planner"):
         where = [[]]
         with torch.device("meta"):
             moe = MoE(spec.hidden, spec.ffn, 8, 2, 1.25, seed=0, mlp=spec.mlp)
-            x = torch.zeros(T, spec.hidden, requires_grad=True)
-        if which == "code":
-            comm, token_comm = _Comm(ep, where), _Group(group, where)
-            mesh = types.SimpleNamespace(size=lambda d: ep if d == "ep" else 1, sizes={"cp": group},
-                                         comm=lambda dims, impl=None: comm if dims == "ep" else token_comm)
-            layer = ExpertParallelMoE(moe, mesh)
-            layer.token_index = torch.arange(T)
-        else:
-            layer = EPRankMoE(moe, ep, lambda what: where[-1].append(("|" + what, None)), group)
+            x = torch.zeros(24, spec.hidden, requires_grad=True)
+        layer = make(which, moe, where)
+
         def loss(layer=layer):
             y, aux = layer(x)
             return y.sum() + aux
@@ -227,7 +218,30 @@ def test_an_ep_layer_with_a_routing_group_is_the_codes(spec, ep, group):
     _same(pf.total, cf.total)
     _same(pb.total, cb.total)
     assert [n for n, k in pf.ops] == [n for n, k in cf.ops] and [n for n, k in pb.ops] == [n for n, k in cb.ops]
-    assert [n for n, k in pf.ops if k is None][:2] == ["|routing: token places", "|routing: logits"]
+    return pf.ops, pb.ops
+
+
+def _code_or_planner(ep, etp=1, group=1, dispatch="all_to_all"):
+    """``_layers_alike``'s ``make``: the code's ExpertParallelMoE on rank 0 of a mesh whose
+    routing group spans ``group`` ranks (cp), or the planner's EPRankMoE of the same."""
+    def make(which, moe, where):
+        if which == "planner":
+            return EPRankMoE(moe, ep, lambda what: where[-1].append(("|" + what, None)), group, etp, dispatch)
+        token = _Group(group, where) if group > 1 else None
+        layer = ExpertParallelMoE(moe, _mesh(ep, where, etp, token, {"cp": group}), dispatch=dispatch)
+        layer.token_index = torch.arange(24)
+        return layer
+    return make
+
+
+@pytest.mark.parametrize("spec", [SMALL, SWIGLU], ids=["gelu-experts", "swiglu-experts"])
+@pytest.mark.parametrize("ep,group", [(1, 2), (2, 2), (4, 2), (2, 4), (8, 3)])
+def test_an_ep_layer_with_a_routing_group_is_the_codes(spec, ep, group):
+    """One MoE layer whose routing group spans ``group`` ranks (cp x tp: each routes its own
+    tokens after gathering the group's places and logits), EP rank 0 of ``ep``: the code's
+    ExpertParallelMoE against EPRankMoE, forward and backward, op for op and call for call."""
+    forward, _ = _layers_alike(spec, _code_or_planner(ep, group=group))
+    assert [n for n, k in forward if k is None][:2] == ["|routing: token places", "|routing: logits"]
 
 
 @pytest.mark.parametrize("spec", [SMALL, SWIGLU], ids=["gelu-experts", "swiglu-experts"])
@@ -239,30 +253,8 @@ def test_an_all_gather_dispatch_is_the_codes(spec, ep, etp, group):
     ExpertParallelMoE against EPRankMoE, one layer forward and backward, op for op and call for
     call. Priced as one device's loop less the other experts' launches, the planner was +18.3%
     (cp 2, ep 4) and -11.2% (ep 2 x etp 2) against the dry run at GPT 1.3B MoE's shapes."""
-    from course_lib.moe import MoE
-    T = 24
-    runs = []
-    for which in ("code", "planner"):
-        where = [[]]
-        with torch.device("meta"):
-            moe = MoE(spec.hidden, spec.ffn, 8, 2, 1.25, seed=0, mlp=spec.mlp)
-            x = torch.zeros(T, spec.hidden, requires_grad=True)
-        if which == "code":
-            token = _Group(group, where) if group > 1 else None
-            layer = ExpertParallelMoE(moe, _mesh(ep, where, etp, token, {"cp": group}), dispatch="all_gather")
-            layer.token_index = torch.arange(T)
-        else:
-            layer = EPRankMoE(moe, ep, lambda what: where[-1].append(("|" + what, None)), group, etp, "all_gather")
-
-        def loss(layer=layer):
-            y, aux = layer(x)
-            return y.sum() + aux
-        runs.append(_counted(loss, where))
-    (cf, cb), (pf, pb) = runs
-    _same(pf.total, cf.total)
-    _same(pb.total, cb.total)
-    assert [n for n, k in pf.ops] == [n for n, k in cf.ops] and [n for n, k in pb.ops] == [n for n, k in cb.ops]
-    calls = [n[1:] for n, k in pf.ops + pb.ops if k is None and not n.startswith(("|routing", "|read"))]
+    forward, backward = _layers_alike(spec, _code_or_planner(ep, etp, group, "all_gather"))
+    calls = [n[1:] for n, k in forward + backward if k is None and not n.startswith(("|routing", "|read"))]
     assert calls == ["dispatch", "router weights", "expert ids", "combine", "combine (backward)",
                      "router weights (backward)", "dispatch (backward)"]
 
