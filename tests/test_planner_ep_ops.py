@@ -358,6 +358,11 @@ def test_what_the_planner_does_not_trace_as_an_ep_rank():
     assert traced_ep(get_model("llama3-8b"), Layout(dp=4)) == 0
     with pytest.raises(ValueError, match="divisible by ep"):
         EPRankMoE(types.SimpleNamespace(n_experts=8), 3)
+    from course_lib.moe import MoE
+    with pytest.raises(ValueError, match="divisible by etp=3"):
+        EPRankMoE(MoE(16, 32, 4, 2, 1.25, seed=0), 2, etp=3)
+    with pytest.raises(ValueError, match="dispatch must be"):
+        EPRankMoE(MoE(16, 32, 4, 2, 1.25, seed=0), 2, dispatch="gather")
 
 
 def test_a_ring_across_nodes_pays_the_network_latency_on_its_crossing_steps_only():

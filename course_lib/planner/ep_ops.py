@@ -119,6 +119,8 @@ class EPRankMoE(nn.Module):
         super().__init__()
         if moe.n_experts % ep:
             raise ValueError(f"the number of experts ({moe.n_experts}) must be divisible by ep={ep}")
+        if dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(f"dispatch must be 'all_to_all' or 'all_gather', got {dispatch!r}")
         width = moe.experts[0].w1.out_features
         if width % etp:
             raise ValueError(f"the experts' width {width} must be divisible by etp={etp}")
