@@ -104,6 +104,21 @@ def test_an_etp_ranks_expert_sums_are_the_programs_buckets(kw):
     assert abs(planned / r.step_time - 1) <= BOUND / 2, (planned, r.step_time)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_with_etp_shards_each_expert_slice_and_sums_the_bias_over_etp(zero):
+    """ZeRO-1/2 beside expert tensor parallelism: each expert's etp slice sharded over the ranks
+    holding it, and w2's bias (whole on every etp rank, added on one) summed over etp after its
+    reduce-scatter, as ``ZeroSync`` does. (Until 2026-11-30 the planner raised KeyError 'edp'
+    on these layouts once the bias had its own bucket.) Every call on the etp group, the MoE's
+    exchanges and the bias's sum, is one the dry run's rank makes; the step within the bound."""
+    layout = Layout(dp=4, ep=2, etp=2, zero=zero, micro_batch=1, microbatches=2, seq_len=2048)
+    est, r, planned = _steps(MOE, layout)
+    ran = min(s.rank for s in r.spans)
+    etp = [s for s in r.spans if s.rank == ran and s.kind == "comm" and s.dim == "etp"]
+    assert est.stages[0].calls["etp"] == len(etp) > 6 * layout.microbatches * MOE.n_layers
+    assert abs(planned / r.step_time - 1) <= BOUND, (planned, r.step_time)
+
+
 def test_the_planners_buckets_follow_gradsyncs_rule():
     from course_lib.parallel.grad_sync import assign_buckets as program
     sizes = [(("dp",), 5 * 2**20), (("edp",), 3 * 2**20), (("dp",), 100), (("dp", "tp"), 7),

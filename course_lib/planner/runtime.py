@@ -410,7 +410,9 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
         ranks, after = expert_zero_group(layout) if model.n_experts > 1 else (1, ())
         nodes = expert_replica_nodes(layout, hw) if model.n_experts > 1 else 1
-        expert = (ranks, after, lambda kind, nbytes: F.nccl_time(hw, kind, nbytes, ranks, nodes)[0])
+        etp_nodes = len({o // hw.gpus_per_node for o in fold_offsets(layout, "etp")})   # (w2's bias, etp > 1)
+        expert = (ranks, after, lambda kind, nbytes: F.nccl_time(hw, kind, nbytes, ranks, nodes)[0],
+                  lambda nbytes: F.nccl_time(hw, "all_reduce", nbytes, _size(layout, after) * layout.etp, etp_nodes)[0])
         tail, gather, sync_kernels, in_schedule, rs_chunk = zero_sync(model, hw, layout, k, n_layers, first, last,
                                                                       calls, collective, _size, num.reduce,
                                                                       expert, num.masters and num.reduce < 4)

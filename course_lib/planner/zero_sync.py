@@ -36,8 +36,10 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
     ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``: :mod:`.runtime`'s;
     ``calls`` gets the calls per dims; ``itemsize``: a gradient's bytes on the wire (the
     precision's reduce dtype, :mod:`.numerics`). ``expert``: (ranks, dims summed after,
-    ``seconds(kind, nbytes)`` of a collective over the ranks) of an expert's ZeRO group
-    (``layout.expert_zero_group``), for the experts' buckets. ``cast``: the sums handed to fp32
+    ``seconds(kind, nbytes)`` of a collective over the ranks, ``seconds(nbytes)`` of the
+    all-reduce over the dims after and etp) of an expert's ZeRO group
+    (``layout.expert_zero_group``), for the experts' buckets (w2's bias under etp, which each
+    etp rank adds for its rows, is summed over etp too). ``cast``: the sums handed to fp32
     masters from a 16-bit reduce dtype. Reduced chunk by chunk
     (``layout.grad_reduce``, ``formulas.zero_rounds``: R reductions of each of the stage's c chunks): the last chunk's
     1/c of the chain after the schedule; the others' packing copies and the buffers made again
@@ -47,11 +49,15 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
     total, per = 0, (zero_rounds(layout) or (1,))[0]
     for dims, n, sizes in assign_buckets(stage_params(model, layout, k["params"], n_layers, first, last)):
         total += n
-        if dims == ("edp",):        # an expert's: its own ZeRO group (``expert``), its slice's sum after
+        summed = None               # the slice's sum after, where not over ``rest``'s mesh dims alone
+        if dims[0] == "edp":        # an expert's: its own ZeRO group (``expert``), its slice's sum after
             group, rest = expert[0], tuple(d for d in expert[1] if size(layout, (d,)) > 1)
             shard = ("edp",) if group > 1 else ()
             gather_s, scatter_s = (expert[2](kind, nbytes) for kind, nbytes in
                                    (("all_gather", n * 2), ("reduce_scatter", n * itemsize)))
+            if dims == ("edp", "etp"):      # w2's bias under etp: added on etp rank 0, summed over etp too
+                rest += ("etp",)
+                summed = expert[3](-(-n // group) * itemsize)
         else:
             shard = tuple(d for d in dims if d in SHARD_DIMS and size(layout, (d,)) > 1)
             rest = tuple(d for d in dims if d not in SHARD_DIMS and size(layout, (d,)) > 1)
@@ -59,8 +65,9 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
             gather_s, scatter_s = (collective(layout, hw, kind, nbytes, shard) for kind, nbytes in
                                    (("all_gather", n * 2), ("reduce_scatter", n * itemsize)))
         owned = -(-n // group)
-        costs = {"ag": gather_s if shard else 0.0, "rs": scatter_s if shard else 0.0,
-                 "ar": collective(layout, hw, "all_reduce", owned * itemsize, rest) if rest else 0.0}
+        if summed is None:
+            summed = collective(layout, hw, "all_reduce", owned * itemsize, rest) if rest else 0.0
+        costs = {"ag": gather_s if shard else 0.0, "rs": scatter_s if shard else 0.0, "ar": summed}
         pack = bucket_copy(hw, owned).device            # the owned pieces packed by one cat
         # the sums handed out: one cast to the masters' dtype, or ZeRO-1's one foreach copy
         out = [bucket_copy(hw, owned).device] if cast else [foreach_copy(hw, owned).device] if layout.zero == 1 \
