@@ -162,14 +162,13 @@ class EPRankMoE(nn.Module):
     def _gathered(self, x, name, values=None, n=None):
         """``gather_along(comm, x, 0, name)`` of the ranks: x's rows from every member of the
         routing group (or of a group of ``n``), in group order; a host tensor gets ``values``,
-        else (``values`` "twins") what its folded twins hold, its own rows ``n`` times; a
-        blocking call."""
+        or without them what its folded twins hold, its own rows ``n`` times; a blocking call."""
         n = self.group if n is None else n
         x = x.movedim(0, 0).contiguous()
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        if values is not None and not out.is_meta:
+        if not out.is_meta:
             with _disable_current_modes():
-                out.copy_(x.expand(n, *x.shape).reshape(out.shape) if isinstance(values, str) else values)
+                out.copy_(x.expand(n, *x.shape).reshape(out.shape) if values is None else values)
         self.mark(name)
         return out.movedim(0, 0).contiguous()
 
@@ -179,8 +178,7 @@ class EPRankMoE(nn.Module):
         pad = max(sizes)
         if pad == 0:
             return x.new_zeros((0,) + tuple(x.shape[1:]))
-        out = self._gathered(torch.cat([x, x.new_zeros((pad - len(x),) + tuple(x.shape[1:]))]), name, "twins",
-                             len(sizes))
+        out = self._gathered(torch.cat([x, x.new_zeros((pad - len(x),) + tuple(x.shape[1:]))]), name, n=len(sizes))
         return torch.cat([piece[:n] for piece, n in zip(out.split(pad), sizes)])
 
     def _scatter_rows(self, x, sizes, name):
@@ -200,7 +198,7 @@ class EPRankMoE(nn.Module):
         joined first and the partial outputs summed back."""
         if self.etp > 1:
             count = torch.tensor([len(rows)], device=local_e.device)
-            sizes = self._gathered(count, "ETP row counts", "twins", self.etp).tolist()
+            sizes = self._gathered(count, "ETP row counts", n=self.etp).tolist()
             rows = _Rows.apply(rows, self, sizes, "ETP all-gather", True)
             local_e = self._gather_rows(local_e, sizes, "ETP expert ids")
         by_expert = torch.sort(local_e, stable=True).indices

@@ -138,6 +138,12 @@ def group_nodes(layout, hw, dims, every: dict | None = None) -> int:
     return len({o // hw.gpus_per_node for o in group_offsets(layout, dims, every)})
 
 
+def fold_nodes(layout, hw, dim: str) -> int:
+    """The nodes one group of the expert fold spans: "ep", "etp" or "expert mesh"
+    (:func:`~.layout.fold_offsets`)."""
+    return len({o // hw.gpus_per_node for o in fold_offsets(layout, dim)})
+
+
 def expert_replica_nodes(layout, hw) -> int:
     """The nodes an expert's replicas span: the ranks holding the same expert, every ep-th dp
     rank (the ep group folded over consecutive dp ranks) with all of cp and tp
@@ -410,9 +416,10 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if layout.zero in (1, 2):                 # ZeRO-1/2 (zero_sync): gathered at the start, reduced after
         ranks, after = expert_zero_group(layout) if model.n_experts > 1 else (1, ())
         nodes = expert_replica_nodes(layout, hw) if model.n_experts > 1 else 1
-        etp_nodes = len({o // hw.gpus_per_node for o in fold_offsets(layout, "etp")})   # (w2's bias, etp > 1)
+        etp_nodes = fold_nodes(layout, hw, "etp")                  # (w2's bias, etp > 1)
         expert = (ranks, after, lambda kind, nbytes: F.nccl_time(hw, kind, nbytes, ranks, nodes)[0],
-                  lambda nbytes: F.nccl_time(hw, "all_reduce", nbytes, _size(layout, after) * layout.etp, etp_nodes)[0])
+                  lambda nbytes: F.nccl_time(hw, "all_reduce", nbytes, _size(layout, after) * layout.etp,
+                                             etp_nodes)[0])
         tail, gather, sync_kernels, in_schedule, rs_chunk = zero_sync(model, hw, layout, k, n_layers, first, last,
                                                                       calls, collective, _size, num.reduce,
                                                                       expert, num.masters and num.reduce < 4)
@@ -593,14 +600,15 @@ def gather_call_costs(model, hw, layout, tokens) -> dict:
     n = layout.ep * layout.etp
     if n == 1:
         return {}
-    nodes = len({o // hw.gpus_per_node for o in fold_offsets(layout, "expert mesh")})
+    nodes = fold_nodes(layout, hw, "expert mesh")
 
     def call(kind, nbytes):     # (all-gather: its output; reduce-scatter: its input)
         return F.nccl_time(hw, kind, nbytes, n, nodes)[0]
     rows, weights = n * tokens * model.hidden * 2, n * tokens * model.top_k * 2
     return {"dispatch": call("all_gather", rows), "router weights": call("all_gather", weights),
-            "expert ids": call("all_gather", n * tokens * model.top_k * 8), "combine": call("reduce_scatter", rows),
-            "combine (backward)": call("all_gather", rows), "router weights (backward)": call("reduce_scatter", weights),
+            "expert ids": call("all_gather", n * tokens * model.top_k * 8),
+            "combine": call("reduce_scatter", rows), "combine (backward)": call("all_gather", rows),
+            "router weights (backward)": call("reduce_scatter", weights),
             "dispatch (backward)": call("reduce_scatter", rows)}
 
 
@@ -615,7 +623,7 @@ def etp_call_costs(model, hw, layout, tokens) -> dict:
     n = layout.etp
     if n == 1:
         return {}
-    nodes = len({o // hw.gpus_per_node for o in fold_offsets(layout, "etp")})
+    nodes = fold_nodes(layout, hw, "etp")
     rows = tokens * model.top_k
 
     def call(kind, nbytes):     # (all-gather: its output; reduce-scatter: its input)
@@ -633,5 +641,5 @@ def routing_group(layout) -> tuple:
     return tuple(d for d, n in (("cp", layout.cp), ("tp", layout.tp if layout.sp else 1)) if n > 1)
 
 
-__all__ = ["stage_parts", "accumulation", "ep_call_costs", "gather_call_costs", "etp_call_costs", "routing_group", "tp_calls", "group_in_node",
-           "collective", "BUCKET_CAP_BYTES"]
+__all__ = ["stage_parts", "accumulation", "ep_call_costs", "gather_call_costs", "etp_call_costs",
+           "routing_group", "tp_calls", "group_in_node", "collective", "BUCKET_CAP_BYTES"]
