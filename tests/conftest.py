@@ -215,13 +215,14 @@ def pytest_configure(config):
                             'parameter ("strict" or "untouched"), made with the session\'s other runs')
 
 
-# The modules whose tests keep one core busy, or none (one process: the planner's traces and
-# searches; tests that wait out a timeout on purpose): run first, beside the notebook runs, which
-# fill the other core. Measured at 09093c9 (2026-11-30, 2 cores, a log of /proc/stat at each test's
-# start): run last, as their names sorted them, these modules kept the machine 14-66% busy once
-# the notebooks had finished, the modules of ranks among them 69-87%.
-BESIDE_NOTEBOOKS = ("test_planner", "test_grading_planner", "test_grading_pipeline", "test_grading_ring",
-                    "test_grading_nd", "test_launch")
+# The modules whose tests keep one core busy (one process: the planner's traces, searches and
+# dry runs beside it): run first, beside the notebook runs, which fill the other core. Measured at
+# 09093c9 (2026-11-30, 2 cores, a log of /proc/stat at each test's start): run last, as their
+# names sorted them, they kept the machine 50-64% busy once the notebooks had finished, the
+# modules of ranks among them 69-87%. (Not the tests that wait out a timeout of a few seconds,
+# the ring's and the pipeline's graders', launch's: beside the notebooks a slow case could
+# time out.)
+BESIDE_NOTEBOOKS = ("test_planner", "test_grading_planner")
 
 
 def _turn(item) -> int:
