@@ -215,28 +215,10 @@ def pytest_configure(config):
                             'parameter ("strict" or "untouched"), made with the session\'s other runs')
 
 
-# The modules whose tests keep one core busy (one process: the planner's traces, searches and
-# dry runs beside it): run first, beside the notebook runs, which fill the other core. Measured at
-# 09093c9 (2026-11-30, 2 cores, a log of /proc/stat at each test's start): run last, as their
-# names sorted them, they kept the machine 50-64% busy once the notebooks had finished, the
-# modules of ranks among them 69-87%. (Not the tests that wait out a timeout of a few seconds,
-# the ring's and the pipeline's graders', launch's: beside the notebooks a slow case could
-# time out.)
-BESIDE_NOTEBOOKS = ("test_planner", "test_grading_planner")
-
-
-def _turn(item) -> int:
-    """0: a module of :data:`BESIDE_NOTEBOOKS`; 1: the others; 2: a test that reads a notebook run."""
-    if item.get_closest_marker("notebook_run") is not None:
-        return 2
-    return 0 if os.path.basename(str(item.fspath)).startswith(BESIDE_NOTEBOOKS) else 1
-
-
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that read a notebook run go last: the others run while the notebooks do, the
-    one-core modules (:data:`BESIDE_NOTEBOOKS`) first (a stable sort: each module's order kept)."""
+    """The tests that read a notebook run go last: the others run while the notebooks do."""
     if JOBS > 0:
-        items[:] = sorted(items, key=_turn)
+        items[:] = sorted(items, key=lambda item: item.get_closest_marker("notebook_run") is not None)
 
 
 def pytest_collection_finish(session):
