@@ -241,32 +241,3 @@ def test_the_planner_shards_an_expert_over_the_group_the_ranks_use():
         assert expert_zero_group(Layout(dp=dp, cp=cp, tp=tp, ep=ep, global_batch=dp)) == expected, (dp, cp, tp, ep)
         seen.add(shape.fold)
     assert seen == {("dp",), ("dp", "cp"), ("dp", "cp", "tp")}
-
-
-def test_a_gradient_across_shard_rows_is_packed_in_at_most_three_copies():
-    """ZeroSync packs each gradient into its bucket's rows (one a rank, its "used" flags after
-    the shard): a range across rows is written exactly, the flags untouched, in at most three
-    copies however many rows it spans (one a row was 447k kernels a step at dp 1,024)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from course_lib.parallel.zero_nd import _flat_range
-
-    class Copies(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Copies.n += func is torch.ops.aten.copy_.default
-            return func(*args, **(kwargs or {}))
-
-    rows, shard, flags = 6, 7, 2
-    for start, size in [(0, 42), (3, 4), (3, 20), (6, 1), (7, 14), (2, 38), (0, 7), (13, 29), (5, 3)]:
-        packed = torch.full((rows, shard + flags), -1.0)
-        src = torch.arange(1.0, size + 1)
-        Copies.n = 0
-        with Copies():
-            _flat_range(packed[:, :shard], start, size).copy_(src)
-        want = torch.full((rows * shard,), -1.0)
-        want[start:start + size] = src
-        assert torch.equal(packed[:, :shard].reshape(-1), want), (start, size)
-        assert (packed[:, shard:] == -1).all(), (start, size)
-        assert Copies.n <= 3, (start, size, Copies.n)

@@ -38,13 +38,7 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "time, the two 1T rows alone; every row again on 2026-11-30 (nineteenth session), the "
                "course's DDP buckets counted (made with the model, held all step: torch's DDP default; the "
                "rows at dp > 1 without ZeRO 3.1-5.7 GiB more, the SP norms' buckets 0.02-0.1): every step "
-               "time the same to the bit, every Megatron-LM and BLOOM row still fits; the four ZeRO rows "
-               "(BLOOM's ZeRO-1, Llama 3's ZeRO-2) again on 2026-11-30 (twenty-second session), ZeRO-1/2 "
-               "packing a gradient that crosses shard rows with at most three copies (the whole rows one "
-               "2-D copy, priced at the clock's strided-copy rate), not one copy a row: BLOOM +0.04%, "
-               "Llama 3 +0.10-0.21%, memory the same; their wall_s and cpu_s on the twenty-second session's "
-               "2-core AVX2 machine (the 8k rows alone, the others beside other work), slower than the "
-               "one that ran the other rows")
+               "time the same to the bit, every Megatron-LM and BLOOM row still fits")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
     ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.91, True, 2, 2),
@@ -52,10 +46,10 @@ RECORDED = {
     ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.85295751831817, 54.81, True, 73, 61),
     ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96770626392949, 60.47, True, 135, 146),
     ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.221980036517465, 58.57, True, 90, 66),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (100.42195911845202, 49.57, True, 50, 61),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.415054197515785, 112.65, False, 170, 221),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.438983532014841, 93.23, False, 127, 163),
-    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.230231241343466, 97.86, False, 169, 208),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (100.37779062703747, 49.57, True, 13, 11),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.395880728508223, 112.65, False, 34, 31),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.42544235536821, 93.23, False, 26, 23),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.216690064696856, 97.86, False, 56, 59),
     ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 47.43, True, 1, 1),
     ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 49.14, True, 11, 9),
     ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 45.96, True, 66, 60),

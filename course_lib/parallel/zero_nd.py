@@ -280,27 +280,19 @@ def _flat_range(flat, start, size):
 
 
 class _RowSpan:
-    """A range of ``flat`` that crosses rows: ``copy_`` writes it in at most three kernels: the
-    head of its first row, the whole rows between (one copy of a (rows, S) view over the rows'
-    stride, however many rows: at dp 1,024 a tensor spans up to 1,024), the tail of its last."""
+    """A range of ``flat`` that crosses rows: ``copy_`` writes it row piece by row piece."""
 
     def __init__(self, flat, start, size):
         self.flat, self.start, self.size = flat, start, size
 
     def copy_(self, src):
-        s = self.flat.shape[1]
-        r, c = divmod(self.start, s)
-        done = 0
-        if c:                               # the head: the rest of row r
-            done = min(s - c, self.size)
-            self.flat[r, c:c + done].copy_(src[:done])
-            r += 1
-        rows = (self.size - done) // s
-        if rows:                            # the whole rows: one 2-D copy
-            self.flat[r:r + rows].copy_(src[done:done + rows * s].view(rows, s))
-            done, r = done + rows * s, r + rows
-        if done < self.size:                # the tail: the start of the last row
-            self.flat[r, :self.size - done].copy_(src[done:])
+        n, s = self.flat.shape
+        at, done = self.start, 0
+        while done < self.size:
+            r, c = divmod(at, s)
+            k = min(s - c, self.size - done)
+            self.flat[r, c:c + k].copy_(src[done:done + k])
+            at, done = at + k, done + k
         return self
 
 
