@@ -53,6 +53,9 @@ class Layout:
     ranks run. Experts: ``ep`` x ``etp`` (expert parallel x expert tensor parallel) fold
     over one stage's dp x cp x tp ranks (Megatron-Core's MoE parallel folding; ep * etp must
     divide dp * cp * tp); the rest of those ranks hold copies of the same experts.
+    ``fold_order`` (:data:`FOLDS`): where the fold takes its ranks first, "dp_first" (an EP
+    inside DP, the course's chapters) or "tp_first" (Megatron-Core's: the innermost ranks, so
+    with ``order=("pp", "dp", "cp", "tp")`` an expert group stays on one node's NVLink).
     """
 
     dp: int = 1
@@ -85,6 +88,7 @@ class Layout:
                                       # MESH_ORDER (dp, pp, cp, tp); DeepSpeed's ("pp", "dp", "tp")
     stage_layers: tuple = ()          # layers per virtual stage, model order; (): balanced
     grad_reduce: str = "step"         # ZeRO-2 under a pipeline: "step", "chunk" or "round"
+    fold_order: str = "dp_first"      # the expert fold takes dp first, or tp first (Megatron-Core's)
     given: frozenset = field(default=frozenset(), repr=False, compare=False)   # batch fields given
 
     def __post_init__(self):
@@ -177,10 +181,14 @@ class Layout:
             dims.append(f"EP{self.ep}")
         if self.etp > 1:
             dims.append(f"ETP{self.etp}")
+        if self.ep * self.etp > 1 and self.fold_order != "dp_first":
+            dims[-1] += f"(folded {self.fold_order.replace('_', ' ')})"
         return " x ".join(dims) + f", mbs {self.micro_batch}, gbs {self.global_batch}, recompute {self.recompute}"
 
 
 FOLD_ORDER = ("dp", "cp", "tp")     # the fold takes its ranks from these, dp first
+FOLDS = {"dp_first": FOLD_ORDER,     # Layout.fold_order: the dims the fold takes, in turn
+         "tp_first": ("tp", "cp", "dp")}   # Megatron-Core's: etp, ep, edp over tp, cp, dp
 MESH_ORDER = ("dp", "pp", "cp", "tp")   # the ranks' default order, outermost -> innermost (TP innermost)
 
 
@@ -208,15 +216,18 @@ def rank_order(order=None, sizes=None) -> tuple:
     return tuple(order) + tuple(missing)
 
 
-def expert_fold(sizes: dict, ep: int, etp: int = 1) -> tuple:
-    """The dims of one stage the expert mesh folds over: the shortest run of dp, cp, tp (dp
-    first) whose ranks ``ep * etp`` divides. ValueError if the stage's dp x cp x tp does not
-    tile into expert meshes."""
-    folded = 1
-    for i, d in enumerate(FOLD_ORDER):
+def expert_fold(sizes: dict, ep: int, etp: int = 1, fold_order: str = "dp_first") -> tuple:
+    """The dims of one stage the expert mesh folds over: the shortest run of dp, cp, tp (in
+    ``fold_order``'s turn, :data:`FOLDS`: dp first, or tp first as Megatron-Core) whose ranks
+    ``ep * etp`` divides. ValueError naming the rule if the stage's dp x cp x tp does not tile
+    into expert meshes, or the fold order is not one of :data:`FOLDS`."""
+    if fold_order not in FOLDS:
+        raise ValueError(f"fold_order must be one of {tuple(FOLDS)}, got {fold_order!r}")
+    folded, dims = 1, FOLDS[fold_order]
+    for i, d in enumerate(dims):
         folded *= sizes.get(d, 1)
         if folded % (ep * etp) == 0:
-            return FOLD_ORDER[:i + 1]
+            return dims[:i + 1]
     raise ValueError(f"the expert mesh folds over one stage's dp x cp x tp ranks: ep * etp = {ep} * {etp} "
                      f"must divide dp * cp * tp = {sizes.get('dp', 1)} * {sizes.get('cp', 1)} * "
                      f"{sizes.get('tp', 1)} = {folded}")
@@ -277,5 +288,5 @@ def split_with_ends(n_layers: int, n_stages: int, embedding: int = 1, head: int 
 DATA = ("ddp", "fsdp", "hsdp")
 CP_COMM = ("ring", "all_gather")   # Layout.cp_comm: how K/V move (the planner and the ranks both read it)
 
-__all__ = ["Layout", "DATA", "CP_COMM", "FOLD_ORDER", "MESH_ORDER", "expert_fold", "rank_order", "rule_stage_layers",
+__all__ = ["Layout", "DATA", "CP_COMM", "FOLD_ORDER", "FOLDS", "MESH_ORDER", "expert_fold", "rank_order", "rule_stage_layers",
            "split_with_ends"]

@@ -30,6 +30,59 @@ def test_expert_groups_are_carved_out_of_dp():
     assert m.size("ep") * m.size("edp") == m.size("dp")
 
 
+def megatron_expert_groups(tp, cp, dp, pp, ep, etp):
+    """Megatron-Core's expert groups, written from its rank generator's rule and not from the
+    course's mesh: the world in order tp-cp-dp-pp (tp fastest, pp outermost) for attention, the
+    same ranks read as etp-ep-edp-pp for the experts (``order="tp-ep-dp-pp"``): rank = etp_i +
+    etp * (ep_i + ep * (edp_i + edp * pp_i)). {"ep": groups, "etp": ..., "edp": ...}."""
+    edp = tp * cp * dp // (ep * etp)
+    sizes = {"etp": etp, "ep": ep, "edp": edp, "pp": pp}
+    names = ("etp", "ep", "edp", "pp")
+    groups = {}
+    for dim in ("ep", "etp", "edp"):
+        out = {}
+        for rank in range(tp * cp * dp * pp):
+            coords, r = {}, rank
+            for d in names:
+                r, coords[d] = divmod(r, sizes[d])
+            key = tuple(coords[d] for d in names if d != dim)
+            out.setdefault(key, []).append(rank)
+        groups[dim] = sorted(out.values())
+    return groups
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp, ep, etp", [(2, 1, 8, 8, 8, 1), (2, 1, 8, 2, 4, 2), (4, 2, 2, 2, 4, 2),
+                                                    (8, 1, 4, 1, 8, 1), (2, 1, 3, 2, 2, 1), (1, 2, 6, 1, 4, 1)])
+def test_tp_first_fold_is_megatron_cores(tp, cp, dp, pp, ep, etp):
+    """fold_order="tp_first" with PP outermost (Megatron's rank order) builds the ep, etp and
+    edp groups Megatron-Core's rank generator builds (an EP of 8 over TP 2 x DP 4: 8
+    consecutive ranks, one node); the default fold builds them inside DP instead."""
+    shape = MeshShape(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, etp=etp, order=("pp", "dp", "cp", "tp"),
+                      fold_order="tp_first")
+    want = megatron_expert_groups(tp, cp, dp, pp, ep, etp)
+    assert shape.rank_sets("ep") == want["ep"]
+    assert shape.rank_sets("etp") == want["etp"]
+    assert sorted(shape.rank_sets(shape.expert_replicas())) == want["edp"]   # the ranks holding an expert
+    if (tp, dp, ep) == (2, 8, 8):
+        assert shape.rank_sets("ep")[0] == list(range(8))
+        assert MeshShape(dp=dp, pp=pp, tp=tp, ep=ep, order=("pp", "dp", "cp", "tp")).rank_sets("ep")[0] == \
+            list(range(0, 16, 2))                                    # dp first: the tp-0 ranks of 2 nodes
+
+
+def test_fold_order_is_checked():
+    with pytest.raises(ValueError, match="fold_order must be one of"):
+        MeshShape(dp=2, ep=2, fold_order="dp")
+    with pytest.raises(ValueError, match="fold_order .tp_first. differs from the mesh's .dp_first."):
+        launch(_parallelize_tp_first, 2, timeout=60)
+
+
+def _parallelize_tp_first():
+    from course_lib.gpt import GPTConfig, TinyGPT
+    from course_lib.parallel.compose import parallelize_nd
+    cfg = GPTConfig(vocab_size=16, seq_len=8, n_layers=1, hidden=8, n_heads=2, ffn_hidden=8, n_experts=2, top_k=1)
+    parallelize_nd(TinyGPT(cfg, seed=0), Mesh(dp=2, ep=2), Layout(dp=2, ep=2, fold_order="tp_first"))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dp=0), "dp must be an integer >= 1"), (dict(tp=1.5), "tp must be an integer"),
     (dict(dp=3, ep=2), r"ep \* etp = 2 \* 1 must divide dp \* cp \* tp = 3")])
@@ -42,7 +95,7 @@ def test_bad_dimension_names():
     m = MeshShape(dp=2, tp=2)
     with pytest.raises(ValueError, match="unknown mesh dimension"):
         m.rank_sets("sp")
-    with pytest.raises(ValueError, match="parts of 'dp'"):
+    with pytest.raises(ValueError, match="expert dims are folded over"):
         m.rank_sets(("dp", "ep"))
     with pytest.raises(ValueError, match="outside the mesh"):
         m.rank_of(tp=2)

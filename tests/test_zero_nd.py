@@ -10,7 +10,7 @@ import torch
 from course_lib import launch, tolerance
 from course_lib.gpt import GPTConfig, TinyGPT
 from course_lib.lab.nd_runs import LR, single_device
-from course_lib.layout import Layout
+from course_lib.layout import FOLDS, Layout
 from course_lib.parallel.compose import assemble_nd, check_layout
 from course_lib.parallel.mesh import MeshShape, get_reduce_dims
 from course_lib.planner import estimate
@@ -56,13 +56,23 @@ def _cases(dp):
                               dict(zero=2, microbatches=2), 8)
         cases["zero1-ep4-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=2), dict(dp=2, pp=2, tp=2, ep=4),
                                   dict(zero=1, sp=True, microbatches=2), 4)
-        # each expert's width split over etp 2 too: its slices over edp (1 rank), its w2 bias's
-        # sum over etp after, on the slice
+        # each expert's width split over etp 2 too: its slices over the ranks holding it (edp 1
+        # x the tp pair outside the fold), its w2 bias's sum over etp after, on the slice
         cases["zero1-ep2-etp2-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=2, ffn_hidden=32),
                                        dict(dp=4, tp=2, ep=2, etp=2), dict(zero=1, sp=True, microbatches=1), 4)
+        # Megatron-Core's fold (TP first) in its rank order (PP outermost): the ep pair is the tp
+        # pair, an expert's copies lie along dp (outside the fold), its ZeRO group theirs; with
+        # dp first, an expert's copies along tp (ep 2 x etp 2 over dp 4) are sharded over tp too
+        cases["zero2-ep2-tp2-tpfirst"] = (dataclasses.replace(CFG, n_experts=4, top_k=2),
+                                          dict(dp=2, pp=2, tp=2, ep=2, fold_order="tp_first", order=("pp", "dp", "tp")),
+                                          dict(zero=2, sp=True, microbatches=2), 4)
     else:           # 3 ranks hold each expert (ep 2 over dp 3 x tp 2): an odd ZeRO group of experts
         cases["zero1-ep2-tp2"] = (dataclasses.replace(CFG, n_experts=4, top_k=1), dict(dp=3, pp=2, tp=2, ep=2),
                                   dict(zero=1, sp=True, microbatches=1), 3)
+        # TP first: the ep pair is the tp pair, an expert's copies lie along dp (3 ranks, outside the fold)
+        cases["zero1-ep2-tp2-tpfirst"] = (dataclasses.replace(CFG, n_experts=4, top_k=1),
+                                          dict(dp=3, pp=2, tp=2, ep=2, fold_order="tp_first"),
+                                          dict(zero=1, sp=True, microbatches=1), 3)
     return cases
 
 
@@ -107,16 +117,20 @@ def test_zero_1_and_2_equal_one_device(runs, dp):
         full = assemble_nd([r[1] for r in ranks], shape)
         assert set(full) == set(ref.state), name
         tolerance.assert_matches(full, ref.state, optimizer="adamw", steps=STEPS, lr=LR, what=name)
-        # the optimizer's slices: every element of every parameter owned by exactly one rank of dp x cp
-        # (an expert: of the ranks holding it; each (ep, etp) slot's share of the experts once)
+        # the optimizer's slices: every element of a dense parameter owned by exactly one rank of
+        # dp x cp (per tp rank: its slice); of an expert, by one of the ranks holding it, whichever
+        # dims they lie along (tp too): a stage owns its tp slices' dense parts and each (ep, etp)
+        # slot's share of the experts once
         n = shape.sizes
         for pp in range(n["pp"]):
-            for tp in range(n["tp"]):
-                members = [shape.rank_of(dp=d, cp=c, pp=pp, tp=tp) for d in range(n["dp"]) for c in range(n["cp"])]
-                slots = len({(shape.coords(k)["ep"], shape.coords(k)["etp"]) for k in members})
-                _, _, _, held, experts = ranks[members[0]]
-                assert sum(ranks[k][2] for k in members) == held + (slots - 1) * experts, (name, pp, tp)
-                assert all(ranks[k][2] < ranks[k][3] for k in members), name   # each holds a part only
+            stage = [shape.rank_of(dp=d, cp=c, pp=pp, tp=t) for d in range(n["dp"]) for c in range(n["cp"])
+                     for t in range(n["tp"])]
+            dense = sum(ranks[k][3] - ranks[k][4] for k in stage if shape.coords(k)["dp"] == shape.coords(k)["cp"] == 0)
+            slots = len({(shape.coords(k)["ep"], shape.coords(k)["etp"]) for k in stage})
+            experts = {ranks[k][4] for k in stage}
+            assert len(experts) == 1, name                       # every slot holds as many expert elements
+            assert sum(ranks[k][2] for k in stage) == dense + slots * experts.pop(), (name, pp)
+            assert all(ranks[k][2] < ranks[k][3] for k in stage), name   # each holds a part only
 
 
 @pytest.mark.parametrize("dp", [2, 3])
@@ -222,22 +236,23 @@ def test_grad_reduce_moves_the_reductions_into_the_schedule():
 def test_the_planner_shards_an_expert_over_the_group_the_ranks_use():
     """planner.layout.expert_zero_group (the course runtime's ZeRO group of an expert, and the
     dims its slice is summed over after) is the ranks' rule read off the mesh: an expert's
-    reduce dims (MeshShape.expert_replicas) among zero_nd.SHARD_DIMS, sized by the expert
-    mesh; the rest of its dims (of size > 1) summed after. Every fold: over dp, dp x cp, dp x cp x tp."""
+    reduce dims (MeshShape.expert_replicas) split by zero_nd.shard_dims, sized by the expert
+    mesh: every rank holding it. Every fold of both fold orders: over dp, dp x cp, dp x cp x tp;
+    tp, tp x cp, tp x cp x dp (Megatron-Core's)."""
     import itertools
     import math
 
-    from course_lib.parallel.zero_nd import SHARD_DIMS
-    from course_lib.planner.layout import expert_zero_group
+    from course_lib.parallel.zero_nd import shard_dims
+    from course_lib.planner.layout import expert_holders, expert_zero_group
     seen = set()
-    for dp, cp, tp, ep in itertools.product((1, 2, 3, 4), (1, 2), (1, 2, 4), (2, 4, 8)):
+    for dp, cp, tp, ep, order in itertools.product((1, 2, 3, 4), (1, 2), (1, 2, 4), (2, 4, 8), FOLDS):
         if (dp * cp * tp) % ep:
             continue
-        shape = MeshShape(dp=dp, cp=cp, tp=tp, ep=ep)
+        shape = MeshShape(dp=dp, cp=cp, tp=tp, ep=ep, fold_order=order)
         sizes = {**shape.sizes, **shape.expert_sizes}
-        dims = [d for d in shape.expert_replicas() if sizes[d] > 1 or d == "edp"]
-        shard = [d for d in dims if d in SHARD_DIMS]
-        expected = (math.prod(sizes[d] for d in shard), tuple(d for d in dims if d not in SHARD_DIMS))
-        assert expert_zero_group(Layout(dp=dp, cp=cp, tp=tp, ep=ep, global_batch=dp)) == expected, (dp, cp, tp, ep)
+        shard, after = shard_dims(shape.expert_replicas())
+        expected = (math.prod(sizes[d] for d in shard), after)
+        layout = Layout(dp=dp, cp=cp, tp=tp, ep=ep, global_batch=dp, fold_order=order)
+        assert expert_zero_group(layout) == expected == (expert_holders(layout), ()), (dp, cp, tp, ep, order)
         seen.add(shape.fold)
-    assert seen == {("dp",), ("dp", "cp"), ("dp", "cp", "tp")}
+    assert seen == {("dp",), ("dp", "cp"), ("dp", "cp", "tp"), ("tp",), ("tp", "cp"), ("tp", "cp", "dp")}

@@ -24,7 +24,7 @@ from course_lib.parallel.context_parallel import context_parallel, cp_method_of,
 from course_lib.parallel.expert_parallel import ExpertParallelMoE, expert_tp_plan, rule_experts, token_index
 from course_lib.parallel.fsdp import FSDP, rule_fsdp
 from course_lib.parallel.grad_sync import GradSync
-from course_lib.parallel.layout_rules import as_layout, check_layout, rule_names, rule_order
+from course_lib.parallel.layout_rules import as_layout, check_layout, rule_fold_order, rule_names, rule_order
 from course_lib.parallel.mesh import DIMS, EXPERT_DIMS, MeshShape, get_reduce_dims, set_reduce_dims
 from course_lib.parallel.pipeline.rules import rule_batch, rule_pipeline
 from course_lib.parallel.pipeline.runtime import PipelineRuntime
@@ -49,6 +49,8 @@ def parallelize_nd(model, mesh, layout: Layout = None, *, seed=0, dims_of=None, 
         keywords["recompute"] = model.config.recompute
     L = as_layout(layout, dict(mesh.sizes, ep=mesh.ep, etp=mesh.etp), **keywords)
     L = rule_order(L, getattr(mesh, "order", MESH_ORDER), given=layout is not None or "order" in keywords)
+    L = rule_fold_order(L, getattr(mesh, "fold_order", "dp_first"),
+                        given=layout is not None or "fold_order" in keywords)
     if not isinstance(L.schedule, str):     # an action list: checked once, here (the rules and the
         L = L.with_(schedule=validate(L.schedule, L.pp, L.microbatches, L.v))   # runner take it as is)
     for rule in (rule_names, rule_pipeline):

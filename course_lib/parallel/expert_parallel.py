@@ -130,7 +130,7 @@ def rule_experts(cfg, layout):
             raise ValueError(f"ep={ep}, etp={etp} split experts, but the model has none (GPTConfig(n_experts=...))")
         return
     experts_per_rank(cfg.n_experts, ep)
-    expert_fold({"dp": layout.dp, "cp": layout.cp, "tp": tp}, ep, etp)
+    expert_fold({"dp": layout.dp, "cp": layout.cp, "tp": tp}, ep, etp, layout.fold_order)
     if cfg.ffn_hidden % etp:
         raise ValueError(f"expert tensor parallelism splits each expert's width {cfg.ffn_hidden} over "
                          f"etp={etp}: not divisible")

@@ -56,6 +56,17 @@ def rule_order(L: Layout, mesh_order: tuple, given: bool) -> Layout:
     return L.with_(order=mesh_order)
 
 
+def rule_fold_order(L: Layout, mesh_fold_order: str, given: bool) -> Layout:
+    """The layout's expert fold order is the mesh's (as :func:`rule_order`): a layout given with
+    experts must say the mesh's; otherwise the layout takes the mesh's."""
+    if L.fold_order == mesh_fold_order:
+        return L
+    if given and L.ep * L.etp > 1:
+        raise ValueError(f"the layout's fold_order {L.fold_order!r} differs from the mesh's {mesh_fold_order!r}: "
+                         f"build the mesh with Mesh.from_layout(layout) (or give both one fold order)")
+    return L.with_(fold_order=mesh_fold_order)
+
+
 
 # ------------------------------------------------------------------------ the rules, in order
 def rule_names(cfg, L):
@@ -84,7 +95,7 @@ def check_layout(cfg, layout=None, *, world_size=None, batch=None, **keywords) -
     :class:`~course_lib.layout.Layout`, or its fields as keywords (parallelize_nd's too:
     ``microbatches``, ``schedule``, ``sequence_parallel``, ``data``, ..., and ``batch``)."""
     L = as_layout(layout, batch=batch, **keywords)
-    shape = MeshShape(**L.sizes, etp=L.etp, order=L.order)     # (the order: ValueError naming its rule)
+    shape = MeshShape(**L.sizes, etp=L.etp, order=L.order, fold_order=L.fold_order)   # (ValueError naming a rule)
     if world_size is not None and world_size != shape.world_size:
         s = shape.sizes
         raise ValueError(f"the layout dp*pp*cp*tp = {s['dp']}*{s['pp']}*{s['cp']}*{s['tp']} = {shape.world_size} "
@@ -96,5 +107,5 @@ def check_layout(cfg, layout=None, *, world_size=None, batch=None, **keywords) -
     return shape
 
 
-__all__ = ["check_layout", "as_layout", "rule_order", "RULES", "positive_int", "partition_layers", "local_heads",
+__all__ = ["check_layout", "as_layout", "rule_order", "rule_fold_order", "RULES", "positive_int", "partition_layers", "local_heads",
            "ulysses_heads", "rule_batch", "rule_names", "rule_pipeline", "splits_weight_gradients", "DATA"]

@@ -24,14 +24,16 @@ the order. A flattened group's ranks are in the mesh's order too (its outermost 
 The experts have a mesh of their own, folded over the same ranks (Megatron-Core's "MoE
 parallel folding"): inside one pipeline stage, the dp x cp x tp ranks are also
 etp x ep x edp (expert tensor parallel innermost, then expert parallel, then expert data
-parallel). ``ep * etp`` must divide ``dp * cp * tp``. The fold takes its ranks from DP
-first, then CP, then TP: the expert mesh lies on the shortest run of those dimensions
+parallel). ``ep * etp`` must divide ``dp * cp * tp``. By default the fold takes its ranks
+from DP first, then CP, then TP: the expert mesh lies on the shortest run of those dimensions
 whose size ``ep * etp`` divides (``fold``: ("dp",) when it divides dp, as an EP inside DP),
 so an "ep" group is ``ep`` consecutive indexes along the fold, numbered in rank order
 (same pp, and the same cp and tp where the fold does not reach them). The ranks that hold the same experts are
 "edp" and the dimensions outside the fold (:meth:`MeshShape.expert_replicas`).
-Megatron folds TP first instead (its EP on the NVLink ranks of attention's TP); here DP
-first keeps an EP that fits inside DP where the earlier chapters put it.
+``fold_order="tp_first"`` takes TP first, then CP, then DP, as Megatron-Core does (its
+etp x ep x edp over the innermost ranks of a stage: with PP outermost, ``order=("pp", "dp",
+"cp", "tp")``, an EP of 8 lies on one node's NVLink); DP first keeps an EP that fits inside DP
+where the earlier chapters put it.
 
 Every group, of every single dimension and of every combination of dimensions, is made
 in the constructor, in the same order on every rank (``dist.new_group`` is collective:
@@ -46,7 +48,7 @@ import itertools
 import torch.distributed as dist
 
 from course_lib.collectives.comm import Comm
-from course_lib.layout import FOLD_ORDER, MESH_ORDER, expert_fold, rank_order  # noqa: F401  (layout rules)
+from course_lib.layout import FOLD_ORDER, FOLDS, MESH_ORDER, expert_fold, rank_order  # noqa: F401  (layout rules)
 from course_lib.schedules import positive_int
 
 DIMS = MESH_ORDER                  # outermost -> innermost, unless a mesh's ``order`` says otherwise
@@ -57,13 +59,13 @@ class MeshShape:
     """The pure arithmetic of a mesh (no process group): coordinates and rank sets."""
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
-                 order=None):
+                 order=None, fold_order: str = "dp_first"):
         for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep), ("etp", etp)):
             positive_int(f"mesh dimension {name}", value)
         self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         self.order = rank_order(order, self.sizes)      # outermost -> innermost
-        self.ep, self.etp = ep, etp
-        self.fold = expert_fold(self.sizes, ep, etp)
+        self.ep, self.etp, self.fold_order = ep, etp, fold_order
+        self.fold = expert_fold(self.sizes, ep, etp, fold_order)
         self.world_size = dp * pp * cp * tp
 
     @property
@@ -77,7 +79,7 @@ class MeshShape:
     def expert_replicas(self) -> tuple:
         """The dims an expert's gradient is summed over: "edp" and the stage dims outside the
         fold (the ranks holding the same experts, each with tokens of its own)."""
-        return ("edp",) + tuple(d for d in FOLD_ORDER if d not in self.fold)
+        return ("edp",) + tuple(d for d in FOLDS[self.fold_order] if d not in self.fold)
 
     def size(self, dims) -> int:
         """Number of ranks along ``dims`` (a name or a tuple of names)."""
@@ -159,7 +161,8 @@ class MeshShape:
         experts = ""
         if self.ep * self.etp > 1:
             inside = " x ".join(self.fold)
-            experts = f" (ep={self.ep}" + (f" x etp={self.etp}" if self.etp > 1 else "") + f" inside {inside})"
+            experts = f" (ep={self.ep}" + (f" x etp={self.etp}" if self.etp > 1 else "") + f" inside {inside}" + \
+                ("" if self.fold_order == "dp_first" else f", {self.fold_order.replace('_', ' ')}") + ")"
         ordered = "" if self.order == MESH_ORDER else f", ranks in order {' > '.join(self.order)}"
         return dims + experts + f": {self.world_size} ranks" + ordered
 
@@ -178,9 +181,6 @@ def _invalid(names) -> str:
         return f"unknown mesh dimension(s) {unknown}; the mesh has {DIMS + EXPERT_DIMS}"
     if len(set(names)) != len(names):
         return f"a mesh dimension is named twice in {names}"
-    if "dp" in names and (set(EXPERT_DIMS) & set(names)):
-        return f"'ep', 'etp' and 'edp' are parts of 'dp' (and what the expert mesh folds over): do not " \
-               f"combine them with it ({names})"
     if {"ep", "edp"} <= set(names):
         return f"'ep' and 'edp' together are the dims they fold over: name those ({names})"
     return ""
@@ -195,8 +195,8 @@ class Mesh(MeshShape):
     """
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
-                 impl="torch", order=None):
-        super().__init__(dp, pp, cp, tp, ep, etp, order=order)
+                 impl="torch", order=None, fold_order: str = "dp_first"):
+        super().__init__(dp, pp, cp, tp, ep, etp, order=order, fold_order=fold_order)
         if not dist.is_initialized():
             raise RuntimeError("Mesh builds process groups: run it inside course_lib.launch(fn, world_size)")
         world = dist.get_world_size()
@@ -214,9 +214,11 @@ class Mesh(MeshShape):
 
     @classmethod
     def from_layout(cls, layout, **kw) -> "Mesh":
-        """The mesh of a :class:`~course_lib.layout.Layout` (dp, pp, cp, tp, ep, etp, order)."""
+        """The mesh of a :class:`~course_lib.layout.Layout` (dp, pp, cp, tp, ep, etp, order,
+        fold_order)."""
         return cls(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, ep=layout.ep,
-                   etp=getattr(layout, "etp", 1), order=getattr(layout, "order", None), **kw)
+                   etp=getattr(layout, "etp", 1), order=getattr(layout, "order", None),
+                   fold_order=getattr(layout, "fold_order", "dp_first"), **kw)
 
     def _all_dim_sets(self):
         """Every valid combination of dimensions, in one fixed order."""

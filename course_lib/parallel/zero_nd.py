@@ -7,10 +7,11 @@ sharded optimizer (:mod:`course_lib.parallel.zero`'s buckets and owned slices) o
 
 The ZeRO group of a parameter is the ranks that hold the same parameter and sum its gradient:
 its reduce dims among "dp" and "cp" (the plan's, :func:`~course_lib.parallel.compose.data_dims`);
-an expert split over ep: "edp", the ranks of the expert fold holding it (and cp, where the fold
-leaves it out), as Megatron-Core's distributed optimizer shards experts over their
-expert-data-parallel group. Its other reduce dims (a sequence-parallel norm weight's "tp", an
-expert's tp outside the fold) are summed after, on the slice.
+an expert split over ep: every rank holding it, "edp" (the ranks of the expert fold holding it)
+and the dims the fold leaves out (cp, tp, or dp under ``fold_order="tp_first"``), as
+Megatron-Core's distributed optimizer shards experts over their expert-data-parallel group and
+FSDP over every rank holding them (:func:`shard_dims`). The other reduce dims (a
+sequence-parallel norm weight's "tp", w2's bias's "etp") are summed after, on the slice.
 Per step (``layout.grad_reduce``, :data:`~course_lib.layout.GRAD_REDUCE`):
 
     step start   all-gather the parameters from the owned slices (the optimizer updated them)
@@ -44,6 +45,16 @@ from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, owned_gr
 from course_lib.precision.mixed import MainGrads, check_precision
 
 SHARD_DIMS = ("dp", "cp", "edp")   # the dims a ZeRO group spans (the ranks holding the same parameters)
+
+
+def shard_dims(dims: tuple) -> tuple:
+    """(ZeRO's group, the dims summed after on the owned slice) of a parameter summed over
+    ``dims``: a dense one's among :data:`SHARD_DIMS`; an expert's ("edp" in its dims) every
+    dim of the ranks holding it (a tp or dp outside the fold too: they hold the same expert),
+    only w2's bias's "etp" (each etp rank adds it for its rows) summed after."""
+    if "edp" in dims:
+        return tuple(x for x in dims if x != "etp"), tuple(x for x in dims if x == "etp")
+    return tuple(x for x in dims if x in SHARD_DIMS), tuple(x for x in dims if x not in SHARD_DIMS)
 
 
 def rule_zero(cfg, layout):
@@ -81,8 +92,7 @@ class ZeroSync:
         for ids in assign_buckets(self.params, bucket_cap_mb * 2**20,
                                   key=lambda q: (q.dtype, q.device, key[id(q)], chunk.get(id(q)))):
             d = key[id(self.params[ids[0]])]
-            shard = tuple(x for x in d if x in SHARD_DIMS)
-            rest = tuple(x for x in d if x not in SHARD_DIMS)
+            shard, rest = shard_dims(d)
             if not shard:
                 raise ValueError(f"ZeroSync: a parameter summed over {d} has no ZeRO group among {SHARD_DIMS}")
             comm = mesh.comm(shard)
@@ -296,4 +306,4 @@ class _RowSpan:
         return self
 
 
-__all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS"]
+__all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS", "shard_dims"]

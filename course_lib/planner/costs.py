@@ -302,9 +302,8 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
             else:
                 fwd["zero"], bwd["zero"] = z_f, z_b
         shard = n_shard if layout.zero >= 1 else 1
-        # an expert's ZeRO group: the course's ranks shard it over the ranks of its fold
-        # (expert_zero_group); Megatron-Core's distributed optimizer over its expert-data-parallel
-        # group, every rank holding it
+        # an expert's ZeRO group: every rank holding it, as Megatron-Core's distributed optimizer
+        # shards over its expert-data-parallel group and the course's ranks do (expert_zero_group)
         e_group = expert_zero_group(layout)[0] if course and layout.zero in (1, 2) and expert else n_exp_group
         shard_e = e_group if layout.zero >= 1 else 1
         optimizer = num.optimizer_bytes * (dense / shard + expert / shard_e) / hw.hbm_bandwidth

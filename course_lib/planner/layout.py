@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib.layout import CP_COMM, Layout, expert_fold, rank_order, rule_grad_reduce, rule_stage_layers
+from course_lib.layout import CP_COMM, FOLDS, Layout, expert_fold, rank_order, rule_grad_reduce, rule_stage_layers
 from course_lib.planner.formulas import RECOMPUTE, SCHEDULES
 from course_lib.planner.presets import Hardware, ModelSpec
 from course_lib.schedules import V_SCHEDULES, microbatch_group, stage_rank
@@ -82,6 +82,8 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
     rule_grad_reduce(layout)
     if layout.cp_comm not in CP_COMM:
         raise ValueError(f"cp_comm must be one of {CP_COMM}, got {layout.cp_comm!r}")
+    if layout.fold_order not in FOLDS:
+        raise ValueError(f"fold_order must be one of {tuple(FOLDS)}, got {layout.fold_order!r}")
     if s % layout.cp:
         raise ValueError(f"CP must divide the sequence length: seq_len = {s}, CP = {layout.cp}")
     if layout.ep > 1:
@@ -90,7 +92,7 @@ def validate(model: ModelSpec, hw: Hardware, layout: Layout, n_gpus: int | None 
         if model.n_experts % layout.ep:
             raise ValueError(f"EP must divide the experts: {model.n_experts} experts, EP = {layout.ep}")
     if layout.ep * layout.etp > 1:
-        expert_fold(layout.sizes, layout.ep, layout.etp)   # the expert mesh tiles a stage's dp x cp x tp
+        expert_fold(layout.sizes, layout.ep, layout.etp, layout.fold_order)   # tiles a stage's dp x cp x tp
         if model.n_experts <= 1:
             raise ValueError(f"ETP > 1 needs a mixture-of-experts model; {model.name} is dense")
         if model.ffn % layout.etp:
@@ -151,19 +153,40 @@ def group_span(layout: Layout, dim: str) -> int:
 
 def fold_offsets(layout: Layout, dim: str = "ep") -> list:
     """The rank offsets from its first member of each member of one group of the expert mesh,
-    folded over DP, CP and TP in the layout's rank order (:func:`group_span`): "ep" (its members
-    etp fold indices apart), "etp", or "expert mesh" (all ep x etp of them)."""
-    stride, sizes = strides(layout), layout.sizes
-    fold = sorted(expert_fold(sizes, layout.ep, layout.etp), key=stride.get)   # innermost first
+    folded over DP, CP and TP (in ``layout.fold_order``'s turn) and numbered in the layout's rank
+    order (:func:`group_span`): "ep" (its members etp fold indices apart), "etp", or "expert
+    mesh" (all ep x etp of them)."""
     step = layout.etp if dim == "ep" else 1                        # fold-index step between members
     count = {"ep": layout.ep, "etp": layout.etp, "expert mesh": layout.ep * layout.etp}[dim]
+    return _fold_index_offsets(layout, [k * step for k in range(count)])
+
+
+def _fold_index_offsets(layout: Layout, indexes) -> list:
+    """The rank offsets of the ranks at these indexes along the expert fold (innermost fastest)."""
+    stride, sizes = strides(layout), layout.sizes
+    fold = sorted(expert_fold(sizes, layout.ep, layout.etp, layout.fold_order), key=stride.get)   # innermost first
     out = []
-    for k in range(count):
-        index, offset = k * step, 0
+    for index in indexes:
+        offset = 0
         for d in fold:                                             # the member's coordinates
             index, i = divmod(index, sizes[d])
             offset += i * stride[d]
         out.append(offset)
+    return out
+
+
+def expert_replica_offsets(layout: Layout, etp: bool = False) -> list:
+    """The rank offsets of the ranks of a stage holding the same expert as its first rank
+    (``MeshShape.expert_replicas``: "edp", the fold's indexes ep x etp apart, times every rank
+    of the dims outside the fold); ``etp``: with its etp peers too (w2's bias's group)."""
+    fold = expert_fold(layout.sizes, layout.ep, layout.etp, layout.fold_order)
+    mesh = layout.ep * layout.etp
+    edp = math.prod(layout.sizes[d] for d in fold) // mesh
+    out = _fold_index_offsets(layout, [j * mesh + t for j in range(edp) for t in range(layout.etp if etp else 1)])
+    stride = strides(layout)
+    for d in ("dp", "cp", "tp"):
+        if d not in fold:
+            out = [o + i * stride[d] for o in out for i in range(layout.sizes[d])]
     return out
 
 
@@ -176,15 +199,12 @@ def expert_holders(layout: Layout) -> int:
 
 def expert_zero_group(layout: Layout) -> tuple:
     """(ranks, dims summed after) of an expert's ZeRO-1/2 group as the course's ranks shard it
-    (``parallel/zero_nd.py``: a parameter's reduce dims among dp, cp and "edp"): the ranks of
-    the expert fold holding the same expert ("edp": the fold's ranks / (ep etp)), times cp
-    where the fold leaves cp out; a tp the fold leaves out sums the owned slice after (as the
-    sequence-parallel norms' tp). With tp = cp = 1: dp / (ep etp)."""
-    fold = expert_fold(layout.sizes, layout.ep, layout.etp)
-    ranks = math.prod(layout.sizes[d] for d in fold) // (layout.ep * layout.etp)
-    if "cp" not in fold:
-        ranks *= layout.cp
-    return ranks, (("tp",) if "tp" not in fold and layout.tp > 1 else ())
+    (``parallel/zero_nd.shard_dims``): every rank holding the same expert, the fold's "edp" and
+    the dims outside the fold (:func:`expert_holders`), nothing summed after (w2's bias under
+    etp: over etp too, ``zero_sync``), as Megatron-Core's distributed optimizer shards over its
+    expert-data-parallel group. With tp = cp = 1: dp / (ep etp)."""
+    expert_fold(layout.sizes, layout.ep, layout.etp, layout.fold_order)     # (ValueError naming the rule)
+    return expert_holders(layout), ()
 
 
 def intra_node(layout: Layout, hw: Hardware, dim: str) -> bool:

@@ -54,7 +54,8 @@ from course_lib.planner.issue import pass_time, run_chain
 from course_lib.planner.buckets import BUCKET_CAP_BYTES, assign_buckets, bucket_copy, stage_params
 from course_lib.planner.kernel_cost import COPY, ELEMENTWISE, KernelModel
 from course_lib.planner.kernels import Kernels, trace_step
-from course_lib.planner.layout import expert_holders, expert_zero_group, fold_offsets, holds_head, strides
+from course_lib.planner.layout import (expert_holders, expert_replica_offsets, expert_zero_group, fold_offsets,
+                                      holds_head, strides)
 from course_lib.planner.numerics import gradient_sums, master_copies, numerics
 from course_lib.planner.pipeline_hops import stage_send_time
 from course_lib.planner.presets import runs_flash
@@ -144,19 +145,11 @@ def fold_nodes(layout, hw, dim: str) -> int:
     return len({o // hw.gpus_per_node for o in fold_offsets(layout, dim)})
 
 
-def expert_replica_nodes(layout, hw) -> int:
-    """The nodes an expert's replicas span: the ranks holding the same expert, every ep-th dp
-    rank (the ep group folded over consecutive dp ranks) with all of cp and tp
-    (``MeshShape.expert_replicas``: "edp", and the stage dims outside the fold); where ep does
-    not divide dp, the whole dp x cp x tp group."""
-    return group_nodes(layout, hw, ("dp", "cp", "tp"), expert_every(layout, layout.ep * layout.etp))
-
-
-def expert_every(layout, k: int) -> dict | None:
-    """``group_nodes``' ``every`` for ranks ``k`` expert-mesh slots apart: every k-th dp rank
-    where k divides dp (the expert mesh folded over consecutive dp ranks), else None (the
-    whole dp x cp x tp group)."""
-    return {"dp": k} if layout.dp % k == 0 else None
+def expert_replica_nodes(layout, hw, etp: bool = False) -> int:
+    """The nodes an expert's replicas span: the ranks holding the same expert
+    (:func:`~.layout.expert_replica_offsets`: "edp", and the stage dims outside the fold);
+    ``etp``: with its etp peers (w2's bias)."""
+    return len({o // hw.gpus_per_node for o in expert_replica_offsets(layout, etp)})
 
 
 def ring_alpha(hw, kind: str, n: int, nodes: int) -> float:
@@ -509,8 +502,7 @@ def dp_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, 
             ranks = edp * (layout.etp if dims == ("edp", "etp") else 1)
             if ranks <= 1:
                 continue
-            nodes = expert_replica_nodes(layout, hw) if dims == ("edp",) else \
-                group_nodes(layout, hw, ("dp", "cp", "tp"), expert_every(layout, layout.ep))
+            nodes = expert_replica_nodes(layout, hw, etp=dims != ("edp",))
             cost, own = F.nccl_time(hw, "all_reduce", n * itemsize, ranks, nodes)
         else:
             dims = tuple(d for d in dims if _size(layout, (d,)) > 1)

@@ -437,7 +437,7 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
                              dtype=None if check_precision(layout.precision)[0] is not None else dtype)
-    shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order)
+    shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order, fold_order=layout.fold_order)
     cluster.check(shape.world_size)
     running = running_ranks(shape, fold_cp=folds_cp(layout, fusions))
     run_layout = validated_once(layout)
@@ -461,7 +461,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
             # on meta, every element (tp rank 0 of a batch of token 0: what the real run selects);
             # torch's config patches hold in the thread that makes them
             with _ALL_NONZERO(meta_nonzero_assume_all_nonzero=True), MetaScalars(), rec.clock:
-                mesh = StageMesh(rank, **layout.sizes, etp=layout.etp, order=layout.order)
+                mesh = StageMesh(rank, **layout.sizes, etp=layout.etp, order=layout.order,
+                                 fold_order=layout.fold_order)
                 out[rank] = train_step(cfg, run_layout, mesh, device="meta", memo=rec.memo,
                                        model=stage_model(model, shape.coords(rank)["pp"], layout),
                                        optimizer=optimizer, fusions=fusions)

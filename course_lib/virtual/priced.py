@@ -373,8 +373,8 @@ class StageMesh(Mesh):
     :class:`PricedComm` (nothing to build: no process group)."""
 
     def __init__(self, rank: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1, *,
-                 order=None):
-        MeshShape.__init__(self, dp, pp, cp, tp, ep, etp, order=order)
+                 order=None, fold_order: str = "dp_first"):
+        MeshShape.__init__(self, dp, pp, cp, tp, ep, etp, order=order, fold_order=fold_order)
         self.impl, self.rank = "torch", rank
         self.coord = self.coords(rank)
         self._comms = {}
