@@ -55,7 +55,12 @@ def test_context_parallel_dry_run_equals_a_real_launch(layout):
     (Layout(dp=4, ep=2, etp=2, micro_batch=1, global_batch=4), "all_gather"),
     (Layout(dp=4, ep=2, zero=2, micro_batch=1, global_batch=4), "all_to_all"),
     (Layout(dp=4, pp=2, ep=2, zero=1, micro_batch=1, global_batch=8), "all_to_all"),
-], ids=["a2a-dp2-pp2-ep2", "allgather-dp4-ep2-etp2", "a2a-dp4-ep2-zero2", "a2a-dp4-pp2-ep2-zero1"])
+    # Megatron-Core's fold (TP first, PP outermost): the ep pair is the tp pair, an expert's
+    # copies and its ZeRO-1 group lie along dp, outside the fold
+    (Layout(dp=2, tp=2, sp=True, ep=2, zero=1, micro_batch=1, global_batch=2, fold_order="tp_first",
+            order=("pp", "dp", "cp", "tp")), "all_to_all"),
+], ids=["a2a-dp2-pp2-ep2", "allgather-dp4-ep2-etp2", "a2a-dp4-ep2-zero2", "a2a-dp4-pp2-ep2-zero1",
+        "a2a-dp2-tp2-ep2-tpfirst-zero1"])
 def test_moe_dry_run_equals_a_real_launch_with_balanced_routing(layout, dispatch):
     """One running rank per stage: its ep (and etp) peers are folded, each sending what it
     sends. With the router's top-k balanced on the real run (BalancedRouting), the same step,
@@ -65,7 +70,7 @@ def test_moe_dry_run_equals_a_real_launch_with_balanced_routing(layout, dispatch
     assert r.ranks_run == layout.pp
     names = {s.name for s in r.spans if s.kind == "comm"}
     assert "dispatch" in names and "combine" in names
-    shape = MeshShape(**layout.sizes, etp=layout.etp)
+    shape = MeshShape(**layout.sizes, etp=layout.etp, order=layout.order, fold_order=layout.fold_order)
     for stage in range(layout.pp):             # the rank at dp = 0 of each stage
         rank = shape.rank_of(pp=stage)
         assert_same_memory(r.memory_by_stage[stage], real[rank], rank)

@@ -54,3 +54,20 @@ def test_the_recorded_rows_are_what_todays_code_computes(source, name):
     dry_s, gib, fits, _, _ = RECORDED[(source, name, row["GPUs"])]
     assert row["dry_s"] == dry_s
     assert round(row["dry_GiB"], 2) == gib and row["fits"] == fits
+
+
+def test_the_moe_rows_run_megatron_cores_mapping_as_its_modelzoo_states_it():
+    """Liu et al. 2025's rows: the experts folded TP first in Megatron's rank order (an EP group
+    of 8 on one node of 8), the distributed optimizer (ZeRO-1) with fp32 gradients, 1F1B with
+    micro-batch 1, no dropout; the recorded dry run's rows are both there."""
+    from course_lib.lab.dry_runs import DROPOUT, MOE_FOLDING, PRECISION
+    from course_lib.planner.layout import fold_offsets
+    runs = [run for run in published_runs() if run[0] == MOE_FOLDING]
+    assert [run[1] for run in runs] == ["Mixtral 8x22B A1", "Mixtral 8x22B A2"]
+    for _, name, model, hw, layout, *_ in runs:
+        assert (layout.fold_order, layout.order, layout.zero, layout.precision) == \
+            ("tp_first", ("pp", "dp", "cp", "tp"), 1, PRECISION[MOE_FOLDING])
+        assert (layout.n_gpus, layout.micro_batch, layout.global_batch, layout.schedule) == (128, 1, 256, "1f1b")
+        assert {o // hw.gpus_per_node for o in fold_offsets(layout, "expert mesh")} == {0}
+        assert (MOE_FOLDING, name, 128) in RECORDED
+    assert DROPOUT[MOE_FOLDING] == 0.0 and PRECISION[MOE_FOLDING] == "bf16-accumulate-fp32"

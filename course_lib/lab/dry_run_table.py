@@ -38,7 +38,9 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "time, the two 1T rows alone; every row again on 2026-11-30 (nineteenth session), the "
                "course's DDP buckets counted (made with the model, held all step: torch's DDP default; the "
                "rows at dp > 1 without ZeRO 3.1-5.7 GiB more, the SP norms' buckets 0.02-0.1): every step "
-               "time the same to the bit, every Megatron-LM and BLOOM row still fits")
+               "time the same to the bit, every Megatron-LM and BLOOM row still fits; Liu et al. 2025's two Mixtral "
+               "8x22B rows (expert parallelism) on 2026-11-30 (twenty-third session), commit ddb786c's fold order "
+               "and ZeRO-1 over every replica of an expert, one row at a time")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
     ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.91, True, 2, 2),
@@ -64,6 +66,8 @@ RECORDED = {
     ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.160710731271294, 53.93, True, 12, 9),
     ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.361866468659095, 49.76, True, 41, 33),
     ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54249383690686, 54.67, True, 60, 54),
+    ('Liu 2025 T2-3', 'Mixtral 8x22B A1', 128): (5.122457550385539, 64.23, True, 25, 31),
+    ('Liu 2025 T2-3', 'Mixtral 8x22B A2', 128): (5.618418031928932, 66.79, True, 35, 41),
 }
 
 
@@ -95,8 +99,8 @@ def compact_table(rows) -> str:
     for r in rows:
         dry = "-" if r["dry_s"] is None else f"{r['dry_s']:.3f}"
         dry_err = "-" if r["dry_err"] is None else f"{r['dry_err']:+.1%}"
-        name = r["model"].replace("Llama 3 405B, ", "Llama 405B ").replace("GPT ", "")
-        layout = r["layout"].replace(" CP1 ", " ")
+        name = r["model"].replace("Llama 3 405B, ", "Llama 405B ").replace("GPT ", "").replace(" 8x22B", "")
+        layout = r["layout"].replace(" CP1 ", " ").replace(" ETP", "x")     # EP4x2: EP 4 x ETP 2
         lines.append(f"{name[:15]:<16}{layout[:21]:<22}{r['published_s']:8.3f}{dry:>8}"
                      f"{r['planner_s']:8.3f}{dry_err:>7}{r['planner_err']:+7.1%}")
     return "\n".join(lines)

@@ -33,13 +33,15 @@ from course_lib.layout import MESH_ORDER, Layout
 from course_lib.planner import estimate
 from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
 from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_DP8, KORTHIKANTI_FULL_RECOMPUTE,
-                                           KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022, NARAYANAN_TABLE1,
-                                           korthikanti_dp8_layout, korthikanti_layout, llama3_layout)
+                                           KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022, MOE_FOLDING_2025,
+                                           NARAYANAN_TABLE1, korthikanti_dp8_layout, korthikanti_layout,
+                                           llama3_layout, moe_folding_layout)
 from course_lib.virtual import dry_run
 
 FULL_RECOMPUTE = "Korthikanti 2022 T5 full recompute"     # Table 5's "Full Recompute" column
 DP8 = "Korthikanti 2022 Sec. 6.3"                         # its 530B row at 8-way DP
-SOURCES = ("Korthikanti 2022 T5", FULL_RECOMPUTE, DP8, "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
+MOE_FOLDING = "Liu 2025 T2-3"                             # MoE Parallel Folding: Mixtral 8x22B, EP
+SOURCES = ("Korthikanti 2022 T5", FULL_RECOMPUTE, DP8, "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4", MOE_FOLDING)
 # the rows the planner's validation uses (planner.validation.published_rows: issue #36's table);
 # FULL_RECOMPUTE and DP8 are the same paper's rows the course did not carry before
 PLANNER_SOURCES = ("Korthikanti 2022 T5", "Narayanan 2021 T1", "BLOOM 2022", "Llama 3 T4")
@@ -151,6 +153,19 @@ SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("sp_backwar
 SOFTWARE["Korthikanti 2022 T5"] = SOFTWARE["Korthikanti 2022 T5"] + ("tp_backward_overlap",)
 SOFTWARE[FULL_RECOMPUTE] = tuple(f for f in SOFTWARE["Korthikanti 2022 T5"] if f != "sp_backward_overlap")
 SOFTWARE[DP8] = SOFTWARE["Korthikanti 2022 T5"]     # Table 5's code; its DP all-reduce after the backward
+# Megatron-Core of 2025 as the authors' ModelZoo ran Mixtral 8x22B (Megatron-MoE-ModelZoo,
+# model_configs/benchmarking/Mixtral-8x22B.yaml): --use-flash-attn on Transformer Engine; one QKV
+# GEMM (SelfAttention's linear_qkv); RMSNorm and SwiGLU (TE's fused kernels: "rmsnorm_swiglu",
+# which the H100 preset's fused_kernels states too); (s, b, h) activations; the pipeline exchange
+# batched then synchronised (p2p_communication with batch_p2p_sync, its default); and
+# --tp-comm-overlap, of which the course runs the sequence-parallel backward's overlap (the
+# forward's all-gather under the QKV GEMM, TE's userbuffers, is not run). Not run either: the
+# distributed optimizer's --overlap-grad-reduce and --overlap-param-gather (the course's ZeRO-1
+# reduce-scatters after the schedule and gathers before it), grouped GEMMs and
+# --moe-permute-fusion (the course's dispatch sorts, indexes and scatters the rows in separate
+# kernels), and TE's cuDNN attention (the clock prices FlashAttention-2's measured rate).
+SOFTWARE[MOE_FOLDING] = ("flash_attention", "fused_qkv", "rmsnorm_swiglu", "sequence_first", "sp_backward_overlap",
+                         "megatron_p2p")
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
@@ -166,6 +181,7 @@ SOFTWARE[DP8] = SOFTWARE["Korthikanti 2022 T5"]     # Table 5's code; its DP all
 # and context parallelism run no dropout here).
 DROPOUT = {"Korthikanti 2022 T5": 0.1, "Narayanan 2021 T1": 0.1, "BLOOM 2022": 0.1, "Llama 3 T4": 0.0}
 DROPOUT[FULL_RECOMPUTE] = DROPOUT[DP8] = DROPOUT["Korthikanti 2022 T5"]
+DROPOUT[MOE_FOLDING] = 0.0           # the ModelZoo's --attention-dropout 0.0 and --hidden-dropout 0.0
 
 # How each source's software numbered its ranks (Layout.order, outermost first; None: the
 # course's dp, pp, cp, tp), which decides which groups sit inside a node. Megatron-LM of 2021-22
@@ -182,7 +198,10 @@ DROPOUT[FULL_RECOMPUTE] = DROPOUT[DP8] = DROPOUT["Korthikanti 2022 T5"]
 # Sec. 3.3.2), the course's own.
 _MEGATRON_ORDER = ("pp", "dp", "tp")
 ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, FULL_RECOMPUTE: _MEGATRON_ORDER, DP8: _MEGATRON_ORDER,
-         "Narayanan 2021 T1": _MEGATRON_ORDER, "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None}
+         "Narayanan 2021 T1": _MEGATRON_ORDER, "BLOOM 2022": BLOOM_ORDER, "Llama 3 T4": None,
+         # Megatron-Core's default order "tp-cp-ep-dp-pp" (tp fastest): pp outermost, then dp, cp,
+         # tp; its experts folded over the same ranks in etp-ep-edp (the layout's fold_order)
+         MOE_FOLDING: ("pp", "dp", "cp", "tp")}
 
 
 # The numerics each source trained with (Layout.precision, course_lib.precision.mixed), run by
@@ -220,7 +239,10 @@ ORDER = {"Korthikanti 2022 T5": _MEGATRON_ORDER, FULL_RECOMPUTE: _MEGATRON_ORDER
 # unscale and inf check (torch._amp_foreach_non_finite_check_and_unscale_ and an all-reduce of
 # found_inf in Float16OptimizerWithFloat16Params); the course's runtime does not run them.
 PRECISION = {"Korthikanti 2022 T5": "bf16", FULL_RECOMPUTE: "bf16", DP8: "bf16", "Narayanan 2021 T1": "bf16",
-             "BLOOM 2022": "bf16-accumulate-fp32", "Llama 3 T4": "bf16-accumulate-fp32"}
+             "BLOOM 2022": "bf16-accumulate-fp32", "Llama 3 T4": "bf16-accumulate-fp32",
+             # Megatron-Core's --bf16: "bfloat16 requires gradient accumulation and all-reduce to be
+             # done in fp32" (megatron/training/arguments.py; --grad-reduce-in-bf16 not set)
+             MOE_FOLDING: "bf16-accumulate-fp32"}
 
 
 # The runs of Narayanan et al. 2021's Table 1 as its authors scripted them: NVIDIA/Megatron-LM
@@ -317,6 +339,10 @@ def published_runs():
         rows.append(("Llama 3 T4", f"Llama 3 405B, {s // 1024}k", MODELS["llama3-405b"], h100,
                      llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
                      LLAMA3_CP_NOTE if cp > 1 else ""))
+    for name, tp, ep, etp, pp, dp, tflops in MOE_FOLDING_2025:
+        rows.append((MOE_FOLDING, f"Mixtral 8x22B {name}", MODELS["mixtral-8x22b"], h100,
+                     moe_folding_layout(tp, ep, etp, pp, dp), None, ("model", tflops),
+                     f"EP {ep} x ETP {etp}, TP first; ZeRO-1 not overlapped"))
     return [(source, name, model, hw, layout.with_(order=ORDER[source], precision=PRECISION[source]), *rest)
             for source, name, model, hw, layout, *rest in rows]
 
@@ -330,7 +356,9 @@ def published_row(source, name, model, hw, layout, seconds, flops_rate, note) ->
         flops = est.hardware_flops if convention == "hardware" else est.model_flops
         seconds = flops / (tflops * 1e12 * layout.n_gpus)
     return {"source": source, "model": name, "GPUs": layout.n_gpus,
-            "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}",
+            "layout": f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp} m{layout.microbatches}"
+                      + (f" EP{layout.ep}" + (f" ETP{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1
+                         else ""),
             "published_s": seconds, "planner_s": est.step_time, "planner_err": est.step_time / seconds - 1,
             "dry_s": None, "dry_err": None, "planner_GiB": est.memory["total"] / 2**30, "dry_GiB": None,
             "fits": None, "wall_s": None, "cpu_s": None, "note": note, "fusions": row_software(source, name),

@@ -229,6 +229,25 @@ def llama3_table4(hardware=None, tolerance: float = 0.15, recompute="selective")
     return rows
 
 
+# Liu et al. 2025, "MoE Parallel Folding" (arXiv 2504.14960v2), Tables 2-3: Mixtral 8x22B on 128
+# H100s in BF16 on Megatron-Core, global batch 256 of 4096 tokens, token dropping at capacity
+# factor 1, with and without folding the experts' mesh apart from attention's (TFLOP/s per GPU,
+# Megatron's model FLOPs: 487.7 is the paper's 49.3% MFU of 989). The authors' ModelZoo
+# (Megatron-MoE-ModelZoo, model_configs/benchmarking/Mixtral-8x22B.yaml) states what the paper
+# does not: micro-batch 1 (its runtime.conf), sequence parallelism, the distributed optimizer
+# (ZeRO-1 over each parameter's data-parallel ranks; an expert's over its expert-data-parallel
+# group), no dropout, no recomputation flag. (row, TP, EP, ETP, PP, DP, TFLOP/s per GPU).
+MOE_FOLDING_2025 = [("A1", 2, 8, 1, 8, 8, 487.7), ("A2", 2, 4, 2, 8, 8, 458.3)]   # A1 folded, A2 not
+
+
+def moe_folding_layout(tp: int, ep: int, etp: int, pp: int, dp: int) -> Layout:
+    """One row of :data:`MOE_FOLDING_2025`: Megatron-Core's expert mesh (etp x ep x edp over a
+    stage's innermost ranks: ``fold_order="tp_first"``), the distributed optimizer (ZeRO-1),
+    sequence parallelism, micro-batch 1 of 4096 tokens, 256 a step, 1F1B (VPP 1)."""
+    return Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, sp=True, zero=1, micro_batch=1, global_batch=256,
+                  seq_len=4096, recompute="none", fold_order="tp_first")
+
+
 # BLOOM (BigScience 2022; model card and training notes): 176B parameters, 70 layers, h = 14336,
 # 112 heads, vocabulary 250880, s = 2048, GeLU, LayerNorm, biases, tied embeddings, ALiBi (no
 # learned positions); 384 A100 80GB in 48 nodes of Jean Zay (4 x 100 Gb/s Omni-Path per node:
