@@ -6,7 +6,8 @@ draws ``cases`` layouts with a fixed seed: world sizes 2 to 8 (odd ones included
 dimension (dp, tp, pp, cp, and for an MoE model ep x etp folded over the stage), every
 schedule (GPipe, 1F1B, interleaved v = 2 or 3, ZB-H1, ZB-V, DualPipeV), DDP / FSDP / HSDP /
 ZeRO++'s hpZ, sequence parallelism and async TP, ring or Ulysses CP with either split,
-recompute policies, rank orders (``Mesh(order=...)``, two thirds of the layouts), odd layer
+recompute policies, rank orders (``Mesh(order=...)``, two thirds of the layouts), both expert fold
+orders (DP first, TP first as Megatron-Core folds: ``fold_order``, half the MoE layouts), odd layer
 counts, GQA, tied embeddings, token dropping, both MoE dispatches and both expert MLPs (GeLU,
 SwiGLU). Layouts that :func:`check_layout` refuses
 are drawn again (the refusal is the right answer for them); every accepted one trains 3 AdamW
@@ -29,7 +30,7 @@ from course_lib import reference, tolerance
 from course_lib.gpt import GPTConfig
 from course_lib.lab.nd_runs import LR, single_device
 from course_lib.launch import launch
-from course_lib.layout import MESH_ORDER
+from course_lib.layout import FOLDS, MESH_ORDER
 from course_lib.parallel.compose import assemble_nd, check_layout
 from course_lib.parallel.mesh import MeshShape
 
@@ -105,6 +106,7 @@ def draw(n: int, seed: int, worlds=(2, 3, 4, 4, 5, 6, 6, 8)) -> list:
     rng, out, tried = random.Random(seed), [], 0
     mlp_rng = random.Random(f"expert mlp {seed}")
     order_rng = random.Random(f"rank order {seed}")    # (its own stream too: the same layouts)
+    fold_rng = random.Random(f"fold order {seed}")     # (and the experts' fold order)
     while len(out) < n:
         tried += 1
         world = rng.choice(worlds)
@@ -117,6 +119,10 @@ def draw(n: int, seed: int, worlds=(2, 3, 4, 4, 5, 6, 6, 8)) -> list:
         order = _order(order_rng)
         if order is not None:
             dims["order"] = order
+        if dims.get("ep", 1) * dims.get("etp", 1) > 1:
+            fold = fold_rng.choice(sorted(FOLDS))
+            if fold != "dp_first":
+                dims["fold_order"] = fold
         try:
             check_layout(GPTConfig(**cfg), **dims, batch=batch, **kw)
         except ValueError:
