@@ -162,3 +162,29 @@ def wrong_world():
 def test_mesh_must_cover_the_world():
     with pytest.raises(Exception, match=r"dp\*pp\*cp\*tp = world size"):
         launch(wrong_world, 3, timeout=60)
+
+
+def test_the_planners_expert_groups_are_the_meshs():
+    """planner.layout's arithmetic (fold_offsets, expert_replica_offsets: no rank sets built)
+    places rank 0's ep, etp and expert-holder groups where the mesh does, for both fold orders,
+    every rank order and folds over one, two and three dims."""
+    import itertools
+
+    from course_lib.layout import FOLDS
+    from course_lib.planner.layout import expert_replica_offsets, fold_offsets
+    orders = [None, ("pp", "dp", "cp", "tp"), ("tp", "cp", "pp", "dp"), ("cp", "dp", "tp", "pp")]
+    seen = 0
+    for dp, cp, tp, ep, etp, order, fold in itertools.product((1, 2, 3, 4), (1, 2), (1, 2, 4), (1, 2, 4), (1, 2),
+                                                              orders, sorted(FOLDS)):
+        if ep * etp == 1 or (dp * cp * tp) % (ep * etp):
+            continue
+        shape = MeshShape(dp=dp, pp=2, cp=cp, tp=tp, ep=ep, etp=etp, order=order, fold_order=fold)
+        layout = Layout(dp=dp, pp=2, cp=cp, tp=tp, ep=ep, etp=etp, global_batch=dp, order=order, fold_order=fold)
+        group = lambda dims: sorted(next(s for s in shape.rank_sets(dims) if 0 in s))
+        assert sorted(fold_offsets(layout, "ep")) == group("ep"), (shape.describe(), "ep")
+        assert sorted(fold_offsets(layout, "etp")) == group("etp"), (shape.describe(), "etp")
+        replicas = shape.expert_replicas()
+        assert sorted(expert_replica_offsets(layout)) == group(replicas), (shape.describe(), replicas)
+        assert sorted(expert_replica_offsets(layout, etp=True)) == group(replicas + ("etp",)), shape.describe()
+        seen += 1
+    assert seen > 300
