@@ -38,7 +38,7 @@ from course_lib.planner.documents import attention_scale
 from course_lib.planner.activations import (course_layer_activation_bytes, head_w_kept_bytes, layer_activation_bytes,
                                             w_kept_bytes_per_layer)
 from course_lib.layout import rank_order
-from course_lib.planner.layout import (Layout, expert_holders, expert_zero_group, holds_head, intra_node, layers_per_chunk,
+from course_lib.planner.layout import (Layout, expert_holders, holds_head, intra_node, layers_per_chunk,
                                       layers_per_stage, strides)
 from course_lib.planner.numerics import numerics
 from course_lib.schedules import stage_rank
@@ -304,7 +304,7 @@ def _megatron_stage_costs(model: ModelSpec, hw: Hardware, layout: Layout, course
         shard = n_shard if layout.zero >= 1 else 1
         # an expert's ZeRO group: every rank holding it, as Megatron-Core's distributed optimizer
         # shards over its expert-data-parallel group and the course's ranks do (expert_zero_group)
-        e_group = expert_zero_group(layout)[0] if course and layout.zero in (1, 2) and expert else n_exp_group
+        e_group = n_exp_group
         shard_e = e_group if layout.zero >= 1 else 1
         optimizer = num.optimizer_bytes * (dense / shard + expert / shard_e) / hw.hbm_bandwidth
         if num.masters:     # a mixed precision's gradient sums over the micro-batches, in the backward

@@ -426,9 +426,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
     if loss_dims:
         calls["+".join(loss_dims)] = calls.get("+".join(loss_dims), 0) + 1
     shard = _size(layout, replicas) if layout.zero >= 1 else 1
-    # (ZeRO-1/2: an expert's slice of its own group; FSDP: of every rank holding it)
-    experts = experts / expert_zero_group(layout)[0] if layout.zero in (1, 2) and experts else \
-        experts / e_ranks if fsdp and experts else experts
+    # (ZeRO-1/2 and FSDP: an expert's slice of every rank holding it, expert_zero_group's)
+    experts = experts / e_ranks if (layout.zero in (1, 2) or fsdp) and experts else experts
     adam = k["adamw_per_element"]
     n_local = (weights + norms) / shard + experts
     # AdamW as on CUDA (foreach): adam.count ops per step, whatever the number of tensors
