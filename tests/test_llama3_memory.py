@@ -65,18 +65,15 @@ def test_held_over_step_model(tiny):
 def test_the_8192_row_with_fused_kernels_and_the_sums_sent_each_round():
     """The recorded what-if (``FUSED_ROUND_RECORDED``: the dry run) under 80 GiB at moments,
     over it with the temporaries between them, and the planner's course runtime on the same row
-    and Hardware: the same count at moments (to 0.1%) and step (to 0.5%), instant; chapter 10
-    prints the planner's. The step agreed to 0.006% until 2026-12-01; since the program packs a
-    ZeRO bucket with one foreach copy (not a copy per rank's row), the dry run is 0.28% shorter
-    than the planner (10.870 against 10.900 s): sent each round, the pack runs in the schedule,
-    and the planner's round-mode copies (``zero_sync``) are not yet the program's to the launch."""
+    and Hardware: the same step and count at moments (to 0.1%, instant; chapter 10 prints the
+    planner's)."""
     from course_lib.planner import estimate
     step, peak, gpu_peak = LM.FUSED_ROUND_RECORDED
     (_, _, model, hw, layout, *_), = LM.llama_rows([("Llama 3 405B, 8k", 8192)])
     hw = hw.with_(fused_kernels=True)
     est = estimate(model, hw, layout.with_(grad_reduce="round"), runtime="course")
     assert peak < hw.hbm_bytes / 2**30 < gpu_peak and est.fits
-    assert est.step_time == pytest.approx(step, rel=5e-3)
+    assert est.step_time == pytest.approx(step, rel=1e-3)
     assert est.memory["total"] / 2**30 == pytest.approx(peak, rel=1e-3)
 
 
