@@ -32,3 +32,33 @@ def test_a_fill_moves_twice_the_gradient():
     hw = get_hardware("h100-sxm")
     k = bucket_copy(hw, 2**20)
     assert (k.count, k.flops, k.bytes) == (1, 0, 2 * 2 * 2**20)
+
+
+def test_a_zero_bucket_fill_is_one_foreach_copy_priced_as_the_clock_prices_it():
+    """ZeRO-1/2 pack a bucket with one ``torch._foreach_copy_`` over its gradients cut at the
+    ends of the ranks' rows (parallel/zero_nd.py); the planner cuts them the same way
+    (``row_pieces``, written apart: it imports nothing of parallel/) and prices the op as the
+    clock does: 2 x the bytes (the destination written, not read), multi-tensor apply's launches."""
+    import torch
+
+    from course_lib.parallel.zero_nd import _row_pieces
+    from course_lib.planner.buckets import bucket_fill, row_pieces
+    from course_lib.planner.kernel_cost import op_cost
+
+    hw = get_hardware("h100-sxm")
+    sizes = [3 * 2**20 + 5, 7, 2**22, 100_003, 1]
+    for group in (1, 2, 3, 8, 1024):
+        shard = -(-sum(sizes) // group)
+        with torch.device("meta"):
+            flat = torch.empty(group, shard + len(sizes))[:, :shard]
+            ran, at = [], 0
+            for n in sizes:
+                ran += [dst.numel() for dst, _ in _row_pieces(flat, at, torch.empty(n))]
+                at += n
+            pieces = row_pieces(sizes, group)
+            assert pieces == ran, group
+            cost = op_cost(torch.ops.aten._foreach_copy_.default, ([torch.empty(n) for n in pieces],
+                                                                  [torch.empty(n) for n in pieces]), {}, None, 2)
+        k = bucket_fill(hw, sizes, group)
+        assert (k.count, k.flops, k.bytes) == (cost[3], cost[0], cost[1]) and k.bytes == 2 * 2 * sum(sizes)
+        assert k.count == (1 if group < 1024 else 17)   # 64 tensors a launch (two lists)

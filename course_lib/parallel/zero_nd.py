@@ -215,9 +215,10 @@ class ZeroSync:
         main = self.main_grads
         grads = [self.params[i].grad if main is None else main.pop(self.params[i]) if self.stage == 2
                  else main.grads.get(id(self.params[i])) for i in b.param_ids]   # (ZeRO-1 keeps them)
-        for i, g in zip(b.param_ids, grads):
-            if g is not None:           # (the flat vector runs row after row of ``flat``)
-                _flat_range(flat, b.offsets[i], g.numel()).copy_(g.view(-1))
+        pieces = [piece for i, g in zip(b.param_ids, grads) if g is not None
+                  for piece in _row_pieces(flat, b.offsets[i], g.view(-1))]
+        if pieces:                      # one foreach copy for the bucket (CUDA: a multi-tensor
+            torch._foreach_copy_(*zip(*pieces))   # apply launch per ~21M elements), not one per piece
         had = [float(g is not None) for g in grads]
         b.refill = [i for i, g in zip(b.param_ids, grads) if g is not None]   # (:meth:`gradients_starting`)
         packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
@@ -278,32 +279,18 @@ class ZeroSync:
                 q.grad = view
 
 
-def _flat_range(flat, start, size):
-    """Elements [start, start + size) of ``flat`` (n, S) read row after row, as one tensor; the
-    pieces are padded: only the last bucket slot is short, so a range crossing rows is a copy
-    target made of row pieces (written through ``flat``'s storage, contiguous per row)."""
-    n, s = flat.shape
-    if start // s == (start + size - 1) // s:
-        r = start // s
-        return flat[r, start - r * s:start - r * s + size]
-    return _RowSpan(flat, start, size)
-
-
-class _RowSpan:
-    """A range of ``flat`` that crosses rows: ``copy_`` writes it row piece by row piece."""
-
-    def __init__(self, flat, start, size):
-        self.flat, self.start, self.size = flat, start, size
-
-    def copy_(self, src):
-        n, s = self.flat.shape
-        at, done = self.start, 0
-        while done < self.size:
-            r, c = divmod(at, s)
-            k = min(s - c, self.size - done)
-            self.flat[r, c:c + k].copy_(src[done:done + k])
-            at, done = at + k, done + k
-        return self
+def _row_pieces(flat, start, src):
+    """[(destination, source)]: ``src`` written to elements [start, start + len) of ``flat``
+    (n, S) read row after row (the vector runs on through the rows; each row is a rank's slice
+    followed by its flags), one contiguous piece per row it reaches."""
+    s = flat.shape[1]
+    out, at, done = [], start, 0
+    while done < src.numel():
+        r, c = divmod(at, s)
+        k = min(s - c, src.numel() - done)
+        out.append((flat[r, c:c + k], src[done:done + k]))
+        at, done = at + k, done + k
+    return out
 
 
 __all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS", "shard_dims"]

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from course_lib.planner.kernel_cost import KernelModel, op_cost
+from course_lib.planner.kernel_cost import FOREACH, KernelModel, foreach_launches, op_cost
 from course_lib.planner.kernels import Kernels
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
@@ -92,4 +92,31 @@ def foreach_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
     return Kernels(1, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor))
 
 
-__all__ = ["bucket_copy", "foreach_copy", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]
+def row_pieces(sizes, group: int) -> list[int]:
+    """Elements of each piece ZeRO-1/2 packs a bucket in: the gradients ``sizes`` end to end,
+    cut where a rank's row of the reduce-scatter's buffer ends (rows of ceil(sum / group)
+    elements, each followed by that rank's flags: :mod:`course_lib.parallel.zero_nd`)."""
+    shard = -(-sum(sizes) // group)
+    out, at = [], 0
+    for n in sizes:
+        while n:
+            k = min(shard - at % shard, n)
+            out.append(k)
+            at, n = at + k, n - k
+    return out
+
+
+def bucket_fill(hw, sizes, group: int, itemsize: int = 2) -> Kernels:
+    """ZeRO-1/2's pack of one bucket's gradients into its buffer: one ``torch._foreach_copy_``
+    over the pieces (:func:`row_pieces`), as the clock prices that op (each piece read and its
+    destination written, not read: 2 x their bytes; CUDA's multi-tensor apply's launches for
+    two lists of them, at the foreach rate)."""
+    pieces = row_pieces(sizes, group)
+    n = sum(pieces)
+    launches = foreach_launches(pieces, 2)
+    cost = (n, 2 * n * itemsize, FOREACH, launches)
+    seconds = KernelModel(hw).roofline(*cost)
+    return Kernels(launches, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor * launches))
+
+
+__all__ = ["bucket_copy", "foreach_copy", "bucket_fill", "row_pieces", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]

@@ -71,7 +71,7 @@ _COPIES = {aten.copy_, aten.clone, aten._to_copy, aten.cat, aten.stack, aten.ind
 STREAMING_COPIES = {aten.copy_, aten.clone, aten._to_copy, aten.cat, aten.stack, aten.fill_, aten.zero_,
                      aten.zeros, aten.zeros_like, aten.ones, aten.ones_like, aten.full, aten.full_like,
                      aten.new_zeros, aten.new_ones, aten.new_full}
-WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_}
+WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten._foreach_copy_}
 
 
 def _causal(flops, is_causal):
@@ -400,11 +400,11 @@ def kind_cost(kind, func, args, kwargs, out, sizes):
         nbytes += _list_bytes(out, sizes)
         if cls is FOREACH:
             lists = (lists or 0) + 1
-    elif out is None and kind.writes:                  # in place, returns nothing (foreach): the writes
+    elif out is None and kind.writes and not kind.write_only:   # in place, returns nothing (foreach): the writes
         for i in kind.writes:
             v = args[i] if i < len(args) else None
             if isinstance(v, (list, tuple)):
-                nbytes += _list_bytes(v, sizes)
+                nbytes += _list_bytes(v, sizes)         # (a foreach copy's destination: written, not read)
     if kind.streams:
         if kind.write_only:                            # the destination is written (the result), not read
             nbytes -= _elements(args[0]) * sizes[args[0].dtype]

@@ -22,7 +22,7 @@ default runtime, which models the published systems, keeps that).
 """
 from __future__ import annotations
 
-from course_lib.planner.buckets import assign_buckets, bucket_copy, foreach_copy, stage_params
+from course_lib.planner.buckets import assign_buckets, bucket_copy, bucket_fill, foreach_copy, stage_params
 from course_lib.planner.formulas import zero_rounds
 from course_lib.planner.issue import run_chain
 
@@ -73,7 +73,7 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
         out = [bucket_copy(hw, owned).device] if cast else [foreach_copy(hw, owned).device] if layout.zero == 1 \
             else []
         seq_g = [pack, "ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
-        seq_f = [bucket_copy(hw, n_i).device for n_i in sizes] + [floor, floor, "rs"] + (["ar"] if rest else []) \
+        seq_f = [bucket_fill(hw, sizes, group if shard else 1).device, floor, floor, "rs"] + (["ar"] if rest else []) \
             + [floor, "read"] + out
         run_chain(seq_g, gather, hw.launch_overhead, costs)
         run_chain(seq_f, finish, hw.launch_overhead, costs)
