@@ -215,10 +215,12 @@ class ZeroSync:
         main = self.main_grads
         grads = [self.params[i].grad if main is None else main.pop(self.params[i]) if self.stage == 2
                  else main.grads.get(id(self.params[i])) for i in b.param_ids]   # (ZeRO-1 keeps them)
-        pieces = [piece for i, g in zip(b.param_ids, grads) if g is not None
-                  for piece in _row_pieces(flat, b.offsets[i], g.view(-1))]
-        if pieces:                      # one foreach copy for the bucket (CUDA: a multi-tensor
-            torch._foreach_copy_(*zip(*pieces))   # apply launch per ~21M elements), not one per piece
+        with torch.no_grad():           # (unbind's and split's views are written in place)
+            rows = flat.unbind(0)
+            pieces = [piece for i, g in zip(b.param_ids, grads) if g is not None
+                      for piece in _row_pieces(flat, b.offsets[i], g.view(-1), rows)]
+            if pieces:                  # one foreach copy for the bucket (CUDA: a multi-tensor
+                torch._foreach_copy_(*zip(*pieces))   # apply launch per ~21M elements), not one per piece
         had = [float(g is not None) for g in grads]
         b.refill = [i for i, g in zip(b.param_ids, grads) if g is not None]   # (:meth:`gradients_starting`)
         packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
@@ -279,17 +281,25 @@ class ZeroSync:
                 q.grad = view
 
 
-def _row_pieces(flat, start, src):
+def _row_pieces(flat, start, src, rows=None):
     """[(destination, source)]: ``src`` written to elements [start, start + len) of ``flat``
     (n, S) read row after row (the vector runs on through the rows; each row is a rank's slice
-    followed by its flags), one contiguous piece per row it reaches."""
+    followed by its flags), one contiguous piece per row it reaches. ``rows``: ``flat``'s rows
+    (``flat.unbind(0)``, made once a bucket). The views are made in bulk (one split of ``src``,
+    whole rows as they are): the dry run prices each view's dispatch in CPU, not in time."""
     s = flat.shape[1]
-    out, at, done = [], start, 0
-    while done < src.numel():
-        r, c = divmod(at, s)
-        k = min(s - c, src.numel() - done)
-        out.append((flat[r, c:c + k], src[done:done + k]))
-        at, done = at + k, done + k
+    rows = flat.unbind(0) if rows is None else rows
+    r, c = divmod(start, s)
+    sizes, left = [], src.numel()
+    while left:
+        sizes.append(min(s - c, left))
+        left -= sizes[-1]
+        c = 0
+    c = start - r * s
+    out = []
+    for k, piece in zip(sizes, src.split(sizes) if len(sizes) > 1 else (src,)):
+        out.append((rows[r] if k == s else rows[r][c:c + k], piece))
+        r, c = r + 1, 0
     return out
 
 
