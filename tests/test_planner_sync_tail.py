@@ -36,12 +36,12 @@ def test_a_fill_moves_twice_the_gradient():
 
 def test_a_zero_bucket_fill_is_one_foreach_copy_priced_as_the_clock_prices_it():
     """ZeRO-1/2 pack a bucket with one ``torch._foreach_copy_`` over its gradients cut at the
-    ends of the ranks' rows (parallel/zero_nd.py); the planner cuts them the same way
+    ends of the ranks' rows (parallel/zero_nd.py ``row_pieces``); the planner cuts them the same way
     (``row_pieces``, written apart: it imports nothing of parallel/) and prices the op as the
     clock does: 2 x the bytes (the destination written, not read), multi-tensor apply's launches."""
     import torch
 
-    from course_lib.parallel.zero_nd import _row_pieces
+    from course_lib.parallel.zero_nd import row_pieces as program_pieces
     from course_lib.planner.buckets import bucket_fill, row_pieces
     from course_lib.planner.kernel_cost import op_cost
 
@@ -53,7 +53,7 @@ def test_a_zero_bucket_fill_is_one_foreach_copy_priced_as_the_clock_prices_it():
             flat = torch.empty(group, shard + len(sizes))[:, :shard]
             ran, at = [], 0
             for n in sizes:
-                ran += [dst.numel() for dst, _ in _row_pieces(flat, at, torch.empty(n))]
+                ran += [dst.numel() for dst, _ in program_pieces(flat, at, torch.empty(n))]
                 at += n
             pieces = row_pieces(sizes, group)
             assert pieces == ran, group

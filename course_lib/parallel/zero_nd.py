@@ -218,7 +218,7 @@ class ZeroSync:
         with torch.no_grad():           # (unbind's and split's views are written in place)
             rows = flat.unbind(0)
             pieces = [piece for i, g in zip(b.param_ids, grads) if g is not None
-                      for piece in _row_pieces(flat, b.offsets[i], g.view(-1), rows)]
+                      for piece in row_pieces(flat, b.offsets[i], g.view(-1), rows)]
             if pieces:                  # one foreach copy for the bucket (CUDA: a multi-tensor
                 torch._foreach_copy_(*zip(*pieces))   # apply launch per ~21M elements), not one per piece
         had = [float(g is not None) for g in grads]
@@ -281,7 +281,7 @@ class ZeroSync:
                 q.grad = view
 
 
-def _row_pieces(flat, start, src, rows=None):
+def row_pieces(flat, start, src, rows=None):
     """[(destination, source)]: ``src`` written to elements [start, start + len) of ``flat``
     (n, S) read row after row (the vector runs on through the rows; each row is a rank's slice
     followed by its flags), one contiguous piece per row it reaches. ``rows``: ``flat``'s rows
@@ -303,4 +303,4 @@ def _row_pieces(flat, start, src, rows=None):
     return out
 
 
-__all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS", "shard_dims"]
+__all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS", "shard_dims", "row_pieces"]
