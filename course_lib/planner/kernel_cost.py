@@ -400,11 +400,12 @@ def kind_cost(kind, func, args, kwargs, out, sizes):
         nbytes += _list_bytes(out, sizes)
         if cls is FOREACH:
             lists = (lists or 0) + 1
-    elif out is None and kind.writes and not kind.write_only:   # in place, returns nothing (foreach): the writes
+    elif out is None and kind.writes and not kind.write_only:   # in place, returns nothing (foreach): the
+        # writes (a foreach copy's destinations: counted once, among its arguments; written, not read)
         for i in kind.writes:
             v = args[i] if i < len(args) else None
             if isinstance(v, (list, tuple)):
-                nbytes += _list_bytes(v, sizes)         # (a foreach copy's destination: written, not read)
+                nbytes += _list_bytes(v, sizes)
     if kind.streams:
         if kind.write_only:                            # the destination is written (the result), not read
             nbytes -= _elements(args[0]) * sizes[args[0].dtype]
