@@ -82,12 +82,14 @@ def all_gather_buckets(buckets, params, sources, comm_of):
     all-gather (the first the most bytes: its slice is never short)."""
     pending = []
     for b in buckets:
-        send = b.empty(b.shard)
+        # buffers made empty, as FSDP2's all-gather output: the slice's padding (the last rank's
+        # slice may be short) is sent and received but never read
+        send = torch.empty(b.shard, dtype=b.dtype, device=b.device)
         srcs = [src.reshape(-1) for src in sources(b)]
         if srcs:    # the pieces lie end to end from the slice's start: one kernel packs them all
             torch.cat(srcs, out=send[:sum(src.numel() for src in srcs)])
         comm = comm_of(b)
-        full = b.empty(b.shard * comm.size)
+        full = torch.empty(b.shard * comm.size, dtype=b.dtype, device=b.device)
         pending.append((b, full, comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")))
         if len(pending) >= BUCKETS_IN_FLIGHT or b is buckets[-1]:
             for b_, full_, work in pending:

@@ -210,7 +210,10 @@ class ZeroSync:
         """Pack bucket ``b``'s gradients (+ its flags) and start their reduce-scatter; ZeRO-2
         frees them (the packed copy is what is sent). Returns what :meth:`_arrive` takes."""
         n, t = b.comm.size, len(b.param_ids)
-        packed = torch.zeros(n * (b.shard + t), dtype=b.reduce_dtype, device=b.device).view(n, b.shard + t)
+        # torch.empty, as FSDP2's reduce-scatter input: every element is written below, the
+        # gradients by one copy, the holes (a parameter no backward reached, the rows' padding)
+        # by one zero, not the whole buffer zeroed first (a write of the bucket per launch)
+        packed = torch.empty(n * (b.shard + t), dtype=b.reduce_dtype, device=b.device).view(n, b.shard + t)
         flat = packed[:, :b.shard]
         main = self.main_grads
         grads = [self.params[i].grad if main is None else main.pop(self.params[i]) if self.stage == 2
@@ -221,6 +224,11 @@ class ZeroSync:
                       for piece in row_pieces(flat, b.offsets[i], g.view(-1), rows)]
             if pieces:                  # one foreach copy for the bucket (CUDA: a multi-tensor
                 torch._foreach_copy_(*zip(*pieces))   # apply launch per ~21M elements), not one per piece
+            holes = [(b.offsets[i], self.params[i].numel()) for i, g in zip(b.param_ids, grads) if g is None]
+            holes += [(b.numel, n * b.shard - b.numel)] if n * b.shard > b.numel else []
+            holes = [view for at, size in holes for view in row_views(rows, b.shard, at, size)]
+            if holes:
+                torch._foreach_zero_(holes)
         had = [float(g is not None) for g in grads]
         b.refill = [i for i, g in zip(b.param_ids, grads) if g is not None]   # (:meth:`gradients_starting`)
         packed[:, b.shard:].copy_(torch.tensor(had, dtype=b.reduce_dtype, device=b.device).expand(n, t))
@@ -228,7 +236,7 @@ class ZeroSync:
             work = b.comm.all_reduce(packed.view(-1), async_op=async_op, name=f"all-reduce b{b.index}")
             out = packed[b.comm.rank]
         else:
-            out = torch.zeros(b.shard + t, dtype=b.reduce_dtype, device=b.device)
+            out = torch.empty(b.shard + t, dtype=b.reduce_dtype, device=b.device)   # (all of it received)
             work = b.comm.reduce_scatter_tensor(out, packed.view(-1), async_op=async_op,
                                                 name=f"reduce-scatter b{b.index}")
         if self.stage == 2:
@@ -287,20 +295,21 @@ def row_pieces(flat, start, src, rows=None):
     followed by its flags), one contiguous piece per row it reaches. ``rows``: ``flat``'s rows
     (``flat.unbind(0)``, made once a bucket). The views are made in bulk (one split of ``src``,
     whole rows as they are): the dry run prices each view's dispatch in CPU, not in time."""
-    s = flat.shape[1]
     rows = flat.unbind(0) if rows is None else rows
+    views = row_views(rows, flat.shape[1], start, src.numel())
+    return list(zip(views, src.split([v.numel() for v in views]) if len(views) > 1 else (src,)))
+
+
+def row_views(rows, s: int, start: int, size: int) -> list:
+    """The views of elements [start, start + size) of rows of ``s`` elements read one after the
+    other (``rows``: a buffer's ``unbind(0)``), one per row the range reaches."""
     r, c = divmod(start, s)
-    sizes, left = [], src.numel()
-    while left:
-        sizes.append(min(s - c, left))
-        left -= sizes[-1]
-        c = 0
-    c = start - r * s
     out = []
-    for k, piece in zip(sizes, src.split(sizes) if len(sizes) > 1 else (src,)):
-        out.append((rows[r] if k == s else rows[r][c:c + k], piece))
-        r, c = r + 1, 0
+    while size:
+        k = min(s - c, size)
+        out.append(rows[r] if k == s else rows[r][c:c + k])
+        r, c, size = r + 1, 0, size - k
     return out
 
 
-__all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS", "shard_dims", "row_pieces"]
+__all__ = ["ZeroSync", "rule_zero", "SHARD_DIMS", "shard_dims", "row_pieces", "row_views"]

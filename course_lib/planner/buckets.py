@@ -20,12 +20,12 @@ BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU ru
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
 
 
-def stage_params(model, layout, params, n_layers: int, first: bool, last: bool) -> list:
+def stage_params(model, layout, params, n_layers: int, first: bool, last: bool, names: bool = False) -> list:
     """[(reduce dims, elements)] of one rank's parameters on a stage of ``n_layers`` blocks, in
     registration order. ``params``: (name, elements) of the one-block model on a TP rank. The
     norms' with SP are summed over (dp, cp, tp), an expert's over the ranks holding the same
     expert ("edp"; E / ep of them here, each 1 / etp of its width: w2's bias whole, summed over
-    etp too, ("edp", "etp")), the rest over (dp, cp)."""
+    etp too, ("edp", "etp")), the rest over (dp, cp). ``names``: [(name, reduce dims, elements)]."""
     experts = model.n_experts // layout.ep if model.n_experts > 1 else 0
     out = []
 
@@ -34,10 +34,10 @@ def stage_params(model, layout, params, n_layers: int, first: bool, last: bool) 
         if found:
             if int(found.group(1)) < experts:
                 whole = layout.etp > 1 and name.endswith("w2.bias")     # (added on etp rank 0)
-                out.append((("edp", "etp"), n) if whole else (("edp",), n // layout.etp))
+                out.append((name, ("edp", "etp"), n) if whole else (name, ("edp",), n // layout.etp))
             return
         norm = "norm" in name.rsplit(".", 2)[-2]
-        out.append((("dp", "cp", "tp") if norm and layout.sp and layout.tp > 1 else ("dp", "cp"), n))
+        out.append((name, ("dp", "cp", "tp") if norm and layout.sp and layout.tp > 1 else ("dp", "cp"), n))
     block = [(name.split(".", 2)[2], n) for name, n in params if name.startswith("blocks.0.")]
     before = [(name, n) for name, n in params if name.endswith("_emb.weight")]
     after = [(name, n) for name, n in params if not name.startswith("blocks.") and (name, n) not in before]
@@ -52,7 +52,7 @@ def stage_params(model, layout, params, n_layers: int, first: bool, last: bool) 
             add(name, n)
         if model.tied and not first:           # the tied head's own copy of the embedding
             add("lm_head.weight", dict(params)["tok_emb.weight"])
-    return out
+    return out if names else [(dims, n) for _, dims, n in out]
 
 
 def assign_buckets(params, cap: float = BUCKET_CAP_BYTES, itemsize: int = 4) -> list:
@@ -106,17 +106,46 @@ def row_pieces(sizes, group: int) -> list[int]:
     return out
 
 
-def bucket_fill(hw, sizes, group: int, itemsize: int = 2) -> Kernels:
+def bucket_fill(hw, sizes, group: int, itemsize: int = 2, source_itemsize: int | None = None) -> Kernels:
     """ZeRO-1/2's pack of one bucket's gradients into its buffer: one ``torch._foreach_copy_``
-    over the pieces (:func:`row_pieces`), as the clock prices that op (each piece read and its
-    destination written, not read: 2 x their bytes; CUDA's multi-tensor apply's launches for
-    two lists of them, at the foreach rate)."""
+    over the pieces (:func:`row_pieces`), as the clock prices that op (each piece read, at
+    ``source_itemsize`` bytes an element (the gradients' sums; default ``itemsize``), and its
+    destination written, not read, at ``itemsize`` (the buffer's, the reduce dtype's); CUDA's
+    multi-tensor apply's launches for two lists of them, at the foreach rate)."""
     pieces = row_pieces(sizes, group)
     n = sum(pieces)
     launches = foreach_launches(pieces, 2)
-    cost = (n, 2 * n * itemsize, FOREACH, launches)
+    cost = (n, n * (itemsize + (source_itemsize or itemsize)), FOREACH, launches)
     seconds = KernelModel(hw).roofline(*cost)
     return Kernels(launches, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor * launches))
 
 
-__all__ = ["bucket_copy", "foreach_copy", "bucket_fill", "row_pieces", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]
+def priced(hw, func, args, out=None, itemsize: int | None = None) -> Kernels:
+    """One aten op on meta tensors (``args``, ``out``) as the clock prices it: its
+    :func:`~course_lib.planner.kernel_cost.op_cost` (``itemsize``: every floating tensor's
+    bytes; None: each tensor's own dtype's) at :class:`KernelModel`'s seconds, floor included."""
+    flops, nbytes, cls, detail = op_cost(func, args, {}, out, itemsize)
+    model = KernelModel(hw)
+    seconds = model.roofline(flops, nbytes, cls, detail)
+    return Kernels(detail if cls is FOREACH else 1, flops, nbytes, seconds, model.seconds(flops, nbytes, cls, detail))
+
+
+def zeros_write(hw, elements: int, itemsize: int) -> Kernels:
+    """``torch.zeros`` of ``elements`` at ``itemsize`` bytes, as the clock prices it (written)."""
+    with torch.device("meta"):
+        out = torch.empty(elements, dtype=DTYPES[itemsize])
+        return priced(hw, torch.ops.aten.zeros.default, ([elements],), out)
+
+
+def add_into(hw, elements: int, itemsize: int) -> Kernels:
+    """``a.add_(b)`` of ``elements`` at ``itemsize`` bytes (two read, one written), as the clock
+    prices it."""
+    with torch.device("meta"):
+        a, b = (torch.empty(elements, dtype=DTYPES[itemsize]) for _ in range(2))
+        return priced(hw, torch.ops.aten.add_.Tensor, (a, b), a)
+
+
+DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+__all__ = ["bucket_copy", "foreach_copy", "bucket_fill", "priced", "zeros_write", "add_into", "DTYPES", "row_pieces", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]

@@ -415,7 +415,8 @@ def stage_parts(model, hw, layout, stage: int, n_layers: int) -> dict:
                                              etp_nodes)[0])
         tail, gather, sync_kernels, in_schedule, rs_chunk = zero_sync(model, hw, layout, k, n_layers, first, last,
                                                                       calls, collective, _size, num.reduce,
-                                                                      expert, num.masters and num.reduce < 4)
+                                                                      expert, num.masters and num.reduce < 4,
+                                                                      grad_itemsize=num.accumulate, stage=stage)
         sync_seconds = 0.0                    # (its copies are in its chain)
         bwd["zero"] += (in_schedule + rounds_stretch(hw, layout, rs_chunk, fwd["compute"] + bwd["compute"])) / m
     elif not fsdp:                            # GradSync after the schedule (:func:`dp_sync`)
