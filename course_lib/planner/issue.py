@@ -27,6 +27,31 @@ def run_chain(seq, state: list, issue: float, costs: dict | None = None) -> None
     state[0], state[1] = host, t
 
 
+def gather_chain(buckets, state: list, issue: float, in_flight: int = 2) -> None:
+    """``state`` [host, stream, communication stream] after ZeRO's step-start gathers of
+    ``buckets`` [(pack seconds, all-gather seconds, [copy seconds])], ``in_flight`` at a time
+    (``parallel.zero.all_gather_buckets``): each bucket's pack issued and run, its all-gather
+    issued async behind it (it starts when the stream has run the pack and the communication
+    stream is free, as the clock's ``RankClock.issue``); with ``in_flight`` of them issued (or
+    the last), each waited for by the stream (not the host) and its copies run, while the
+    next all-gathers may still be on the wire."""
+    host, t, comm = state
+    pending = []
+    for k, (pack, gather, copies) in enumerate(buckets):
+        host += issue
+        t = (t if t > host else host) + pack
+        comm = (comm if comm > t else t) + gather
+        pending.append((comm, copies))
+        if len(pending) >= in_flight or k == len(buckets) - 1:
+            for end, copies_ in pending:
+                t = t if t > end else end
+                for x in copies_:
+                    host += issue
+                    t = (t if t > host else host) + x
+            pending = []
+    state[0], state[1], state[2] = host, t, comm
+
+
 def pass_time(pieces: dict, order: tuple, n_layers: int, issue: float, costs: dict) -> float:
     """Seconds of one pass: ``pieces`` {"embedding" | "layer" | "head": sequence} run in ``order``
     ("layer" ``n_layers`` times), each kernel issued ``issue`` seconds after the last, each
@@ -52,4 +77,4 @@ def pass_time(pieces: dict, order: tuple, n_layers: int, issue: float, costs: di
     return state[1]
 
 
-__all__ = ["pass_time", "run_chain"]
+__all__ = ["pass_time", "run_chain", "gather_chain"]

@@ -7,7 +7,7 @@ ranks holding it, ``layout.expert_zero_group``):
 
 - step start: each bucket's owned slice packed (one ``cat`` of its pieces, a parameter's part
   each, into a buffer made empty), all-gathered over the group, copied into the parameters (a
-  copy per parameter);
+  copy per parameter), two buckets' all-gathers in flight (:func:`.issue.gather_chain`);
 - after the schedule: the bucket's gradients packed by one foreach copy into a buffer made
   empty (FSDP2's way: no zeroing pass over it), its padding zeroed where the group does not
   divide it, the "used" flags copied in, the bucket reduce-scattered (blocking: the host waits
@@ -28,7 +28,7 @@ from course_lib.planner.buckets import (add_into, assign_buckets, bucket_copy, b
                                        stage_params, zeros_write)
 from course_lib.planner.formulas import zero_rounds
 from course_lib.planner.layout import layers_per_chunk
-from course_lib.planner.issue import run_chain
+from course_lib.planner.issue import gather_chain, run_chain
 from course_lib.schedules import V_SCHEDULES, stage_rank
 
 SHARD_DIMS = ("dp", "cp")
@@ -84,8 +84,8 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
     else:
         entries = chunk_params(model, layout, k["params"], stage)
     lowest = min((c for (_, c), _ in entries if c is not None), default=None)
-    gather, launched, handed = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
-    kernels, sent, in_schedule, tail_adds = 0, 0.0, 0.0, 0.0
+    gather, gathers, finals = [0.0, 0.0, 0.0], [], []
+    kernels, sent, in_schedule = 0, 0.0, 0.0
     for (dims, chunk), n, sizes in assign_buckets(entries):
         summed = None               # the slice's sum after, where not over ``rest``'s mesh dims alone
         if dims[0] == "edp":        # an expert's: its own ZeRO group (``expert``), its slice's sum after
@@ -110,32 +110,35 @@ def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool
         # the sums handed out: one cast to the masters' dtype, or ZeRO-1's one foreach copy
         out = [bucket_copy(hw, owned).device] if cast else [foreach_copy(hw, owned).device] if layout.zero == 1 \
             else []
-        seq_g = [pack, "ag"] + [bucket_copy(hw, n_i).device for n_i in sizes]
+        gathers.append((pack, costs["ag"], [bucket_copy(hw, n_i).device for n_i in sizes]))
         # a reduction's launch: the gradients packed by one foreach copy into a buffer made
         # empty, its padding zeroed (when the group does not divide it), the flags copied in
         launch = [bucket_fill(hw, sizes, group if shard else 1, itemsize, grad_itemsize).device] \
             + ([floor] if n % group else []) + [floor]
         hand = (["ar"] if rest else []) + [floor, "read"] + out     # the flags tested and read
-        run_chain(seq_g, gather, hw.launch_overhead, costs)
         rounds_here = per if chunk is not None else 1       # (a bucket of no chunk: once, after)
-        if chunk is None or chunk == lowest:                # the step's last launch of it: in the tail
-            run_chain(launch + ["rs"], launched, hw.launch_overhead, costs)
+        add = add_into(hw, owned + len(sizes), itemsize).device if chunk is not None and per > 1 else 0.0
         if chunk is not None:
-            add = add_into(hw, owned + len(sizes), itemsize).device if per > 1 else 0.0
             last_here = chunk == lowest
             in_schedule += sum(launch) * (per - last_here) + add * (per - 1 - last_here) \
                 + (per - 1) * sum(zeros_write(hw, n_i, grad_itemsize).device for n_i in sizes)
-            tail_adds += add if last_here else 0.0
             kernels += round(per - 1) * (1 + len(sizes))      # the adds and the buffers made again
-        run_chain(hand, handed, hw.launch_overhead, costs)
+        finals.append((chunk, launch, hand, costs, add))
         sent += costs["rs"]
-        kernels += sum(not isinstance(x, str) for x in seq_g + hand) + round(rounds_here * len(launch))
+        kernels += 1 + len(sizes) + sum(not isinstance(x, str) for x in hand) + round(rounds_here * len(launch))
         for dims_, count in ((shard, 1 + round(rounds_here)), (rest, 1)):   # a gather; a reduce-scatter a round
             if dims_:
                 calls["+".join(dims_)] = calls.get("+".join(dims_), 0) + count
-    if rounds is None:          # after the schedule: each bucket packed, reduced, handed out
-        return launched[1] + handed[1], gather[1], kernels, 0.0, 0.0
-    return launched[1] + tail_adds + handed[1], gather[1], kernels, in_schedule, sent / rounds[2]
+    gather_chain(gathers, gather, hw.launch_overhead)     # two buckets' gathers in flight
+    tail, issue = [0.0, 0.0], hw.launch_overhead
+    if rounds is not None:      # the stage's last launches (its first chunk's) and their arrivals
+        for chunk, launch, hand, costs, add in finals:
+            if chunk == lowest:
+                run_chain(launch + ["rs"], tail, issue, costs)
+        run_chain([add for chunk, _, _, _, add in finals if chunk == lowest and add], tail, issue)
+    for chunk, launch, hand, costs, add in finals:     # (in bucket order, as finish runs them)
+        run_chain((launch + ["rs"] if chunk is None else []) + hand, tail, issue, costs)
+    return tail[1], gather[1], kernels, in_schedule, (sent / rounds[2] if rounds else 0.0)
 
 
 __all__ = ["zero_sync", "chunk_params", "SHARD_DIMS"]
