@@ -18,6 +18,7 @@ from course_lib.planner.kernels import Kernels
 
 BUCKET_CAP_BYTES = 25 * 2**20     # GradSync's bucket_cap_mb = 25, on the CPU run's fp32 gradients
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
+DTYPES = {2: torch.bfloat16, 4: torch.float32}   # a floating tensor's dtype by its bytes
 
 
 def stage_params(model, layout, params, n_layers: int, first: bool, last: bool, names: bool = False) -> list:
@@ -145,7 +146,5 @@ def add_into(hw, elements: int, itemsize: int) -> Kernels:
         return priced(hw, torch.ops.aten.add_.Tensor, (a, b), a)
 
 
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
-
-
-__all__ = ["bucket_copy", "foreach_copy", "bucket_fill", "priced", "zeros_write", "add_into", "DTYPES", "row_pieces", "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]
+__all__ = ["bucket_copy", "foreach_copy", "bucket_fill", "priced", "zeros_write", "add_into", "DTYPES", "row_pieces",
+           "BUCKET_CAP_BYTES", "stage_params", "assign_buckets"]

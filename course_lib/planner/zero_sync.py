@@ -52,7 +52,7 @@ def chunk_params(model, layout, params, stage: int) -> list:
 
 def zero_sync(model, hw, layout, k: dict, n_layers: int, first: bool, last: bool, calls: dict,
               collective, size, itemsize: int = 2, expert=None, cast: bool = False,
-              grad_itemsize: int | None = None, stage: int = 0) -> tuple:
+              grad_itemsize: int | None = None, *, stage: int) -> tuple:
     """(seconds after the schedule, seconds of the step-start gather, kernels, seconds in the
     schedule, one chunk's reduce-scatters' seconds) of ZeRO-1/2 on one stage.
     ``collective(layout, hw, kind, nbytes, dims)`` and ``size(layout, dims)``: :mod:`.runtime`'s;
