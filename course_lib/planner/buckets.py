@@ -77,9 +77,7 @@ def bucket_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
     clone's 2 (the sweep's dp rows: the dry run's 1.05 GB embedding fill 3.66 ms, not 2.44)."""
     with torch.device("meta"):
         dst = torch.empty(elements)
-        cost = op_cost(torch.ops.aten.copy_.default, (dst, torch.empty(elements)), {}, dst, itemsize)
-    seconds = KernelModel(hw).roofline(*cost)
-    return Kernels(1, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor))
+        return priced(hw, torch.ops.aten.copy_.default, (dst, torch.empty(elements)), dst, itemsize)
 
 
 def foreach_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
@@ -88,9 +86,7 @@ def foreach_copy(hw, elements: int, itemsize: int = 2) -> Kernels:
     CUDA's multi-tensor apply on ``elements``)."""
     with torch.device("meta"):
         dst, src = torch.empty(elements), torch.empty(elements)
-        cost = op_cost(torch.ops.aten._foreach_copy_.default, ([dst], [src]), {}, None, itemsize)
-    seconds = KernelModel(hw).roofline(*cost)
-    return Kernels(1, cost[0], cost[1], seconds, max(seconds, hw.kernel_floor))
+        return priced(hw, torch.ops.aten._foreach_copy_.default, ([dst], [src]), None, itemsize)
 
 
 def row_pieces(sizes, group: int) -> list[int]:
