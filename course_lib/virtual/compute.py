@@ -16,8 +16,12 @@ Two chains make a rank's compute stream, as in eager PyTorch on a GPU:
 ``wait()`` makes the stream wait, not the host, which keeps issuing ops that then run back to
 back once the data is there. A step whose kernels are long keeps its host ahead, one whose
 kernels are short is paced by the host. The host waits for the device where it reads a value
-(``.item()``, ``float(t)``, ``if t:``): ``clock.host`` moves to ``clock.t`` (an optimizer's
-step counters excepted: on CUDA they stay on the CPU). Under ``CUDA_LAUNCH_BLOCKING=1``
+(``.item()``, ``float(t)``, ``if t:``, and ``.tolist()``, ``.numpy()``, ``.cpu()``, a copy to
+the host that CUDA makes the host wait for): ``clock.host`` moves to ``clock.t`` (an
+optimizer's step counters excepted: on CUDA they stay on the CPU). The first three reach the
+dispatcher as ``_local_scalar_dense``; the others do not on the CPU (a CPU tensor's
+``.tolist()`` reads its memory and dispatches nothing), so :class:`HostCopies`, torch's methods
+wrapped while the stream is entered, tells it. Under ``CUDA_LAUNCH_BLOCKING=1``
 (``clock.launch_blocking``, :mod:`.software`'s ``"launch_blocking"``) every launch returns when
 its kernel ends: the host moves to ``clock.t`` after each op, so a kernel costs the host's issue
 interval plus its own time, never hidden behind the previous kernel.
@@ -31,6 +35,7 @@ same, bit for bit (tests/test_virtual_compute.py checks it on the course's model
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -110,6 +115,55 @@ def _cuda_path(optimizer) -> list:
     return groups
 
 
+class HostCopies:
+    """The host reads a tensor's values by a copy to the host (``.tolist()``, ``.numpy()``,
+    ``.cpu()``): on a GPU a blocking device-to-host copy, so the host waits for the stream
+    (:meth:`ComputeStream.host_read`). On the CPU these dispatch no aten op, so no dispatch
+    mode sees them; a ``TorchFunctionMode`` would, but it also makes every attribute read a
+    Python call (1.4M on the 175B dry run: 12-26% more CPU). So while any stream is entered
+    the three methods of ``torch.Tensor`` are wrapped: the wrapper tells the calling
+    thread's innermost stream, if it has one, then runs torch's method; the last stream to
+    leave puts torch's methods back."""
+
+    NAMES = ("tolist", "numpy", "cpu")
+    _lock, _entered, _saved = threading.Lock(), 0, {}
+    _local = threading.local()          # .streams: this thread's entered streams, innermost last
+
+    @classmethod
+    def enter(cls, stream) -> None:
+        streams = cls._local.__dict__.setdefault("streams", [])
+        streams.append(stream)
+        with cls._lock:
+            if cls._entered == 0:
+                for name in cls.NAMES:
+                    cls._saved[name] = method = getattr(torch.Tensor, name)
+                    setattr(torch.Tensor, name, cls._waiting(method))
+            cls._entered += 1
+
+    @classmethod
+    def leave(cls, stream) -> None:
+        streams = cls._local.streams
+        streams.remove(stream)
+        with cls._lock:
+            cls._entered -= 1
+            if cls._entered == 0:
+                for name in cls.NAMES:
+                    setattr(torch.Tensor, name, cls._saved.pop(name))
+
+    @classmethod
+    def _waiting(cls, method):
+        local = cls._local
+
+        @functools.wraps(method)
+        def read(self, *args, **kwargs):
+            streams = getattr(local, "streams", None)
+            if streams:
+                streams[-1].host_read()
+            return method(self, *args, **kwargs)
+        read.torch_method = method
+        return read
+
+
 class ComputeStream(TorchDispatchMode):
     """Advances ``clock.t`` (the device) and ``clock.host`` (the host's issue chain) by every op,
     unless the clock is muted (inside a communication call, or the clock's own bookkeeping);
@@ -146,12 +200,18 @@ class ComputeStream(TorchDispatchMode):
         pre = register_optimizer_step_pre_hook(self._step_begins)
         post = register_optimizer_step_post_hook(self._step_ends)
         self._hooks = (pre, post)
-        return super().__enter__()
+        HostCopies.enter(self)              # .tolist(), .numpy(), .cpu(): the host waits
+        try:
+            return super().__enter__()
+        except BaseException:
+            HostCopies.leave(self)
+            raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            HostCopies.leave(self)
             for h in self._hooks or ():
                 h.remove()
             self._hooks = None
@@ -184,11 +244,8 @@ class ComputeStream(TorchDispatchMode):
         if kind is False:                   # a view or metadata: free
             return out
         clock = self.clock
-        if kind is _HOST_READ:
-            if not self._switched and not clock.muted_depth:
-                clock.host = max(clock.host, clock.t)   # .item(): the host waits for the stream
-                if self.tape is not None:
-                    self.tape.append(None)
+        if kind is _HOST_READ:              # .item(), float(t), if t:
+            self.host_read()
             return out
         if not clock.muted_depth:           # op_time, inlined: one call less per op
             cost = kind_cost(kind, func, args, kwargs, out, self.sizes)
@@ -220,6 +277,15 @@ class ComputeStream(TorchDispatchMode):
             if self.tape is not None:
                 self.tape.append(seconds)
         return out
+
+    def host_read(self) -> None:
+        """The host reads a value: it waits for the stream's last kernel (not muted, not in an
+        optimizer's step, whose step counters stay on the CPU under CUDA)."""
+        clock = self.clock
+        if not self._switched and not clock.muted_depth:
+            clock.host = max(clock.host, clock.t)
+            if self.tape is not None:
+                self.tape.append(None)
 
     def _beside(self, start: float, seconds: float) -> float:
         """A kernel's seconds from ``start``: longer where a collective holds SMs meanwhile."""
@@ -254,4 +320,4 @@ class ComputeStream(TorchDispatchMode):
         clock.t, clock.host = t, host
 
 
-__all__ = ["op_time", "op_flops", "tensor_bytes", "ComputeStream", "FREE"]
+__all__ = ["op_time", "op_flops", "tensor_bytes", "ComputeStream", "HostCopies", "FREE"]

@@ -214,7 +214,8 @@ class DryStream(ComputeStream):
     """The compute stream of a running rank: a copy between the meta device and the host (a
     meta tensor read by the host, ``.tolist()``; CP's positions, which keep values, moved next
     to the activations) is free, as on the real launch the dry run equals, where both sides
-    are on one device and no copy runs (a read still waits for the stream)."""
+    are on one device and no copy runs (a read still waits for the stream:
+    :class:`~course_lib.virtual.compute.HostCopies`, on both)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _TO_COPY and args[0].is_meta != ((kwargs or {}).get("device", args[0].device).type == "meta"):
