@@ -17,6 +17,7 @@ from course_lib.planner import HARDWARE
 from course_lib.planner.gemm import attention_kernel_time
 from course_lib.planner.kernel_cost import ATTENTION, COPY, CPU_KERNELS, STREAMING_COPIES, foreach_launches, op_cost
 from course_lib.virtual import VirtualCluster, gpu_check
+from course_lib.virtual.priced import DryStream, MetaScalars
 
 H100 = HARDWARE["h100-sxm"]
 aten = torch.ops.aten
@@ -198,6 +199,34 @@ def test_the_host_issues_each_op_and_a_kernel_cannot_start_before():
         assert clock.host == t and clock.t == t
         x.add_(1)                                       # the next op is issued after the read
         assert clock.t == pytest.approx(t + H100.launch_overhead + H100.kernel_floor)
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy", "cpu", "item"])
+def test_a_copy_to_the_host_makes_the_host_wait(read):
+    """``.tolist()``, ``.numpy()`` and ``.cpu()`` are blocking copies to the host on a GPU: the
+    host waits for the stream, as at ``.item()``. On the CPU the first three dispatch no aten
+    op; the clock wraps torch's methods while a stream is entered and puts them back after.
+    The dry run's meta tensors (their copy to the host) wait the same."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+    for device in ("cpu", "meta") if read != "numpy" else ("cpu",):
+        clock, a = _clock(), torch.ones(2048, 2048, device=device)
+        x = torch.ones(4, device=device)
+        if device == "meta":                          # the dry run's stream: its copy to the host free
+            clock._mode = DryStream(clock)
+        with (MetaScalars() if device == "meta" else contextlib.nullcontext()), clock:
+            a @ a                                     # device-bound: the host is ahead
+            t, host = clock.t, clock.host
+            assert t > host + H100.launch_overhead
+            getattr(x[:1] if read == "item" else x, read)()           # (a view: free)
+            assert clock.host == t and clock.t == t, (device, read)
+            x.add_(1)                                 # the next op is issued after the read
+            assert clock.t == pytest.approx(t + H100.launch_overhead + H100.kernel_floor)
+            with clock.muted():
+                a @ a
+                getattr(x[:1] if read == "item" else x, read)()       # bookkeeping: no wait
+            assert clock.host == t + H100.launch_overhead
+    assert {name: getattr(torch.Tensor, name) for name in originals} == originals
+    getattr(torch.ones(1), read)()                    # no clock: torch's own methods
 
 
 def test_the_recorded_h100_workloads_are_within_15_percent(capsys):
