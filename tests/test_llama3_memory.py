@@ -72,7 +72,7 @@ def test_the_8192_row_with_fused_kernels_and_the_sums_sent_each_round():
     (188.7 against 188.8 ms on stage 0), but the planner's schedule (``pipeline_time`` over a
     chunk-op's priced parts, its sends in series) is 37 ms longer than the clock's, op by op
     (10.670 against 10.633 s from stage 0's first forward to its last backward, 2026-12-01):
-    0.26% on the step (10.893 against 10.864 s). Until the program packed a bucket with one
+    0.26% on the step (10.893 against 10.865 s). Until the program packed a bucket with one
     foreach copy the step agreed to 0.006%, by chance: the program's copy per rank's row, which
     the planner never counted, filled that gap."""
     from course_lib.planner import estimate

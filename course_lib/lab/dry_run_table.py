@@ -46,34 +46,39 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "same to the bit), beside other work on the AVX2 machine; the six ZeRO rows (BLOOM, Llama 3, "
                "Mixtral) again on 2026-12-01 (twenty-fifth session), ZeRO's buffers made empty as FSDP2's (no "
                "zeroing pass before the pack, the all-gather and the reduce-scatter's output): 0.02-0.11% "
-               "faster, memory unchanged, one source at a time beside one notebook")
+               "faster, memory unchanged, one source at a time beside one notebook; every row again on 2026-12-01 "
+               "(twenty-sixth session), commit ddd6353: the host waits at .tolist(), .numpy() and .cpu() as at "
+               ".item() (virtual.compute.HostCopies: DDP's and ZeRO's flags, the expert counts), 0 to 0.1% "
+               "slower (Mixtral A1 0.10%, A2 0.08%, Llama 3 0.005%, the Megatron-LM rows 12-900 us, BLOOM and "
+               "the full-recompute rows the same to the bit), memory unchanged; two sources at a time beside "
+               "the Llama 3 what-ifs")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
-    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567098122717136, 51.91, True, 2, 2),
-    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.824352434312097, 54.83, True, 9, 8),
-    ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.85295751831817, 54.81, True, 73, 61),
-    ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96770626392949, 60.47, True, 135, 146),
-    ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.221980036517465, 58.57, True, 90, 66),
-    ('BLOOM 2022', 'BLOOM 176B', 384): (100.35186689879647, 49.57, True, 27, 31),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.388428179509958, 112.65, False, 87, 90),
-    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.412365404693308, 93.23, False, 67, 72),
-    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.203630035850159, 97.86, False, 176, 205),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 47.43, True, 1, 1),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 49.14, True, 11, 9),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 45.96, True, 66, 60),
-    ('Korthikanti 2022 T5 full recompute', 'GPT 1T, full', 512): (100.36725131968122, 50.61, True, 141, 146),
-    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.503093766797706, 49.46, True, 1, 1),
-    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.6336096169801544, 46.32, True, 1, 1),
-    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.6158294590100053, 47.02, True, 1, 1),
-    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.96067897435503, 49.64, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.41098755984794, 49.5, True, 2, 1),
-    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.962901608649105, 48.32, True, 3, 2),
-    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.973516000279186, 52.66, True, 4, 4),
-    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.160710731271294, 53.93, True, 12, 9),
-    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.361866468659095, 49.76, True, 41, 33),
-    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54249383690686, 54.67, True, 60, 54),
-    ('Liu 2025 T2-3', 'Mixtral 8x22B A1', 128): (5.116644672444063, 64.23, True, 18, 17),
-    ('Liu 2025 T2-3', 'Mixtral 8x22B A2', 128): (5.612359717628865, 66.79, True, 20, 20),
+    ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567221322717135, 51.91, True, 7, 3),
+    ('Korthikanti 2022 T5', 'GPT 175B', 64): (13.824364754312096, 54.83, True, 41, 21),
+    ('Korthikanti 2022 T5', 'GPT 530B', 280): (38.852969838318174, 54.81, True, 153, 124),
+    ('Korthikanti 2022 T5', 'GPT 1T', 512): (76.96771858392948, 60.47, True, 557, 341),
+    ('Korthikanti 2022 Sec. 6.3', 'GPT 530B, dp 8', 2240): (39.22199235651747, 58.57, True, 173, 187),
+    ('BLOOM 2022', 'BLOOM 176B', 384): (100.35186689879647, 49.57, True, 26, 24),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 8192): (11.389032664025638, 112.65, False, 111, 76),
+    ('Llama 3 T4', 'Llama 3 405B, 8k', 16384): (6.412967725742626, 93.23, False, 52, 49),
+    ('Llama 3 T4', 'Llama 3 405B, 128k', 16384): (14.204232356899476, 97.86, False, 132, 137),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 22B, full', 8): (1.4020878430265458, 47.43, True, 5, 3),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 175B, full', 64): (18.59958100716221, 49.14, True, 20, 19),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 530B, full', 280): (50.94357915720968, 45.96, True, 186, 196),
+    ('Korthikanti 2022 T5 full recompute', 'GPT 1T, full', 512): (100.36725131968122, 50.61, True, 328, 320),
+    ('Narayanan 2021 T1', 'GPT 1.7B', 32): (3.503337766797686, 49.46, True, 4, 3),
+    ('Narayanan 2021 T1', 'GPT 3.6B', 64): (3.6339136169801294, 46.32, True, 2, 2),
+    ('Narayanan 2021 T1', 'GPT 7.5B', 128): (3.6161934590099754, 47.02, True, 2, 2),
+    ('Narayanan 2021 T1', 'GPT 18.4B', 256): (8.961082974355087, 49.64, True, 5, 4),
+    ('Narayanan 2021 T1', 'GPT 39.1B', 512): (14.41099987984794, 49.5, True, 5, 5),
+    ('Narayanan 2021 T1', 'GPT 76.1B', 1024): (14.962913928649105, 48.32, True, 9, 9),
+    ('Narayanan 2021 T1', 'GPT 145.6B', 1536): (23.973528320279186, 52.66, True, 15, 14),
+    ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.1607230512713, 53.93, True, 40, 31),
+    ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.3618787886591, 49.76, True, 153, 91),
+    ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54250615690685, 54.67, True, 183, 118),
+    ('Liu 2025 T2-3', 'Mixtral 8x22B A1', 128): (5.121629792444041, 64.23, True, 20, 19),
+    ('Liu 2025 T2-3', 'Mixtral 8x22B A2', 128): (5.616751822531952, 66.79, True, 28, 27),
 }
 
 

@@ -95,15 +95,16 @@ PAPER = {
 # (sixteenth session) on the 2-core machine by :func:`grad_reduce_rows` (38-52 s a row), again
 # 2026-12-01 with a bucket packed by one foreach copy (0.02-0.33% faster; 1,033 s for the five),
 # and again that day with ZeRO's buffers made empty (no zeroing pass; 0.01-0.05% faster; every
-# what-if of this module, the fused ones too, 31 min beside other work):
+# what-if of this module, the fused ones too, 31 min beside other work), and again that day
+# (twenty-sixth session) with the host waiting at .tolist() (ZeRO's and DDP's flags; 0.005% slower):
 # {(row, GPUs, mode): (step seconds, GiB at moments)}; "step": the recorded row (its count at
 # moments; lab.dry_run_table.RECORDED keeps its peak with every tensor, 112.65 GiB).
 GRAD_REDUCE_RECORDED = {
-    ("Llama 3 405B, 8k", 8192, "step"): (11.388428179509958, 111.52),
-    ("Llama 3 405B, 8k", 8192, "chunk"): (11.171167609038232, 111.52),
-    ("Llama 3 405B, 8k", 8192, "round"): (11.183946806466592, 102.75),
-    ("Llama 3 405B, 8k", 16384, "round"): (6.112887779066985, 92.26),    # one round: "chunk"'s
-    ("Llama 3 405B, 128k", 16384, "round"): (13.956815832312449, 96.89),
+    ("Llama 3 405B, 8k", 8192, "step"): (11.389032664025638, 111.52),
+    ("Llama 3 405B, 8k", 8192, "chunk"): (11.171693456221803, 111.52),
+    ("Llama 3 405B, 8k", 8192, "round"): (11.184472653650163, 102.75),
+    ("Llama 3 405B, 8k", 16384, "round"): (6.1134134832174905, 92.26),    # one round: "chunk"'s
+    ("Llama 3 405B, 128k", 16384, "round"): (13.95734153646296, 96.89),
 }
 
 
@@ -114,7 +115,7 @@ GRAD_REDUCE_RECORDED = {
 # program holds between the moments (eighteenth session, ``live_memory``: a layer's new fp32
 # sums and bf16 weight gradients beside its activation gradients and SP's gathered inputs during
 # a backward) it peaks at 82.05 GiB, and does not fit.
-FUSED_ROUND_RECORDED = (10.864301096103476, 79.62, 82.05)   # again 2026-12-01 (twice: see above)
+FUSED_ROUND_RECORDED = (10.864826943287047, 79.62, 82.05)   # again 2026-12-01 (twice: see above)
 
 
 def fused_round_row(name="Llama 3 405B, 8k", gpus=8192) -> tuple:
@@ -126,8 +127,8 @@ def fused_round_row(name="Llama 3 405B, 8k", gpus=8192) -> tuple:
 # The two 16,384-GPU rows with fused RMSNorm and SwiGLU alone (their sums sent as the table's
 # rows send them), a what-if: (step seconds, GiB at moments, GiB peak) of the dry run, measured
 # 2026-11-30 (eighteenth session) by :func:`fused_row` (about a minute of CPU each): both fit.
-FUSED_RECORDED = {("Llama 3 405B, 8k", 16384): (6.24454575402917, 71.26, 72.23),   # again 2026-12-01
-                  ("Llama 3 405B, 128k", 16384): (14.035557086288666, 75.89, 76.86)}
+FUSED_RECORDED = {("Llama 3 405B, 8k", 16384): (6.245148075078489, 71.26, 72.23),   # again 2026-12-01
+                  ("Llama 3 405B, 128k", 16384): (14.036159407337983, 75.89, 76.86)}
 
 
 def fused_row(name: str, gpus: int, grad_reduce=None) -> tuple:
