@@ -10,7 +10,7 @@ import course_lib
 from course_lib import reference, tolerance
 from course_lib.layout import Layout
 from course_lib.models import GPTConfig, TinyGPT
-from course_lib.parallel.mesh import Mesh
+from course_lib.parallel.mesh import Mesh, MeshShape
 from course_lib.parallel.pipeline import PipelineParallel
 from course_lib.planner.presets import gpt_spec
 from course_lib.virtual import VirtualCluster, dry_run
@@ -216,3 +216,37 @@ def test_sequence_first_unprices_the_layout_copies_only():
     assert two[1].step_time < two[0].step_time
     plain = [run(2, False, sw) for sw in ((), ("sequence_first",))]
     assert (plain[0].step_time, plain[0].kernels) == (plain[1].step_time, plain[1].kernels)
+
+
+def _gemm_weights_per_step(spec, layout) -> int:
+    """The GEMM weights whose fp32 sums each micro-batch after the first adds into, counted from
+    the spec (not from the code under test): per layer W_q, W_k, W_v, W_o and the MLP's two; the
+    last stage's copy of a tied LM head when the pipeline splits it from the embedding."""
+    per_layer = 6
+    head = 1 if (not spec.tied or layout.pp > 1) else 0
+    return (layout.microbatches - 1) * (per_layer * spec.n_layers + head)
+
+
+def test_gradient_accumulation_fusion_unprices_the_weight_sums_only():
+    """Megatron-LM's wgrad GEMM accumulating into the fp32 main_grad ("gradient_accumulation_fusion",
+    the Mixtral rows' Megatron-Core): the adds of each later micro-batch's gradient into a GEMM
+    weight's fp32 sum go unpriced, nothing else: the kernels fewer by exactly that count (the
+    embedding's, the norms' and the biases' adds stay), the step shorter, the memory the same.
+    Through ZeRO-1's sums and through the master weights' alike; the dry run is the real launch
+    to the bit. Under a precision that sums in 16 bits it is refused by name, before anything
+    runs (Megatron-LM turns it off there)."""
+    from course_lib.virtual.dry_run import model_config
+    fused = ("gradient_accumulation_fusion",)
+    for zero in (0, 1):
+        lay = Layout(pp=2, dp=2, zero=zero, micro_batch=1, global_batch=8, precision="bf16-accumulate-fp32")
+        plain, gaf = (dry_run(SPEC, HW, lay, progress=None, fusions=f) for f in ((), fused))
+        assert plain.kernels - gaf.kernels == _gemm_weights_per_step(SPEC, lay) == 111, zero
+        assert gaf.step_time < plain.step_time and gaf.peak_memory == plain.peak_memory
+        # (under a precision each tensor is priced at its own dtype: the dry run's cluster)
+        real = course_lib.launch(_real_rank, lay.n_gpus, model_config(SPEC, lay), lay, fused,
+                                 clock=VirtualCluster(HW, dtype=None))
+        stage_ranks = [MeshShape(**lay.sizes).rank_of(pp=i) for i in range(2)]
+        assert gaf.kernels == sum(real[k]["kernels"] for k in stage_ranks)
+        assert gaf.step_time == max(x["t"] for x in real)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion.*bf16-accumulate-fp32"):
+        dry_run(SPEC, HW, Layout(pp=2, micro_batch=1, global_batch=4), progress=None, fusions=fused)

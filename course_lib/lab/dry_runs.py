@@ -163,9 +163,12 @@ SOFTWARE[DP8] = SOFTWARE["Korthikanti 2022 T5"]     # Table 5's code; its DP all
 # distributed optimizer's --overlap-grad-reduce and --overlap-param-gather (the course's ZeRO-1
 # reduce-scatters after the schedule and gathers before it), grouped GEMMs and
 # --moe-permute-fusion (the course's dispatch sorts, indexes and scatters the rows in separate
-# kernels), and TE's cuDNN attention (the clock prices FlashAttention-2's measured rate).
+# kernels), and TE's cuDNN attention (the clock prices FlashAttention-2's measured rate). Its
+# weight-gradient GEMMs accumulate into the fp32 main_grad (--no-gradient-accumulation-fusion is
+# store_false and the yaml does not set it; --bf16 accumulates in fp32: "gradient_accumulation_
+# fusion", course_lib.virtual.software).
 SOFTWARE[MOE_FOLDING] = ("flash_attention", "fused_qkv", "rmsnorm_swiglu", "sequence_first", "sp_backward_overlap",
-                         "megatron_p2p")
+                         "megatron_p2p", "gradient_accumulation_fusion")
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a

@@ -31,6 +31,8 @@ FSDP they ARE FSDP's fp32 shards (1/N each), all-gathered in the compute dtype.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -60,16 +62,32 @@ class MainGrads:
         self.dtype, self.into, self.grads = dtype, into, {}
         self.params = [p for p in params if p.requires_grad]
         self.handles = [p.register_post_accumulate_grad_hook(self._add) for p in self.params]
+        # {id(parameter): a context manager} an add into an existing buffer runs in (None: none);
+        # the dry run's Megatron-Core software prices those adds inside the weight-gradient GEMM
+        # (course_lib.virtual.software's "gradient_accumulation_fusion"); the values are these
+        self.accumulating = None
 
     @torch.no_grad()
     def _add(self, p):
         if self.into is not None:
             m = self.into(p)
-            m.grad = p.grad.to(self.dtype) if m.grad is None else m.grad.add_(p.grad)
+            if m.grad is None:
+                m.grad = p.grad.to(self.dtype)
+            else:
+                with self._accumulating(p):
+                    m.grad.add_(p.grad)
         else:
             g = self.grads.get(id(p))
-            self.grads[id(p)] = p.grad.to(self.dtype) if g is None else g.add_(p.grad)
+            if g is None:
+                self.grads[id(p)] = p.grad.to(self.dtype)
+            else:
+                with self._accumulating(p):
+                    g.add_(p.grad)
         p.grad = None
+
+    def _accumulating(self, p):
+        ctx = self.accumulating.get(id(p)) if self.accumulating is not None else None
+        return ctx() if ctx is not None else contextlib.nullcontext()
 
     def holders(self) -> dict:
         """{id(parameter): an object whose ``.grad`` is its buffer (zeros if no backward reached

@@ -90,7 +90,7 @@ from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model, runs_flash
-from course_lib.precision.mixed import check_precision
+from course_lib.precision.mixed import accumulates, check_precision
 from course_lib.schedules import chunks, make_schedule, placement_of, rank_stage_ids, validate
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.live_memory import LiveBytes
@@ -434,6 +434,10 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     if getattr(hw, "fused_kernels", False) and "rmsnorm_swiglu" not in fusions:
         fusions += ("rmsnorm_swiglu",)     # the Hardware's statement, which the planner reads too
     fusions += hardware_attention(hw, layout, fusions, dropout)
+    if "gradient_accumulation_fusion" in fusions and not accumulates(layout.precision):
+        raise ValueError(f"fusions: 'gradient_accumulation_fusion' fuses the add into an fp32 gradient sum: "
+                         f"run it with precision='bf16-accumulate-fp32', not {layout.precision!r} "
+                         f"(Megatron-LM turns it off otherwise)")
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
                              dtype=None if check_precision(layout.precision)[0] is not None else dtype)

@@ -92,6 +92,25 @@ program, not a kernel:
   (:class:`~course_lib.parallel.zero_nd.ZeroSync`'s ``all_reduce``), in place of a
   reduce-scatter: the same sums, twice the bytes.
 
+* ``"gradient_accumulation_fusion"``: Megatron-LM's weight-gradient GEMM that accumulates into
+  the fp32 ``main_grad`` itself (NVIDIA/Megatron-LM commit 83b1e42f30, "gradient accumulation
+  fusion", 2022-02-13: ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``; Transformer
+  Engine's ``fuse_wgrad_accumulation`` in Megatron-Core). ``--no-gradient-accumulation-fusion``
+  is ``store_false`` (megatron/training/arguments.py at bbe933713d, 2025-04-14), so it is on
+  wherever gradients accumulate in fp32 and no script turns it off: Megatron-Core's ``--bf16``
+  accumulates in fp32, and the MoE ModelZoo's Mixtral-8x22B.yaml (78fd4d6) sets neither flag.
+  Megatron-LM 2022 turned it off unless gradients accumulate in fp32 (arguments.py at
+  55ba1f7b96, L182-188), so its ``--fp16`` rows ran without it. The course's program adds each
+  backward's 16-bit weight gradient into its fp32 sum (:class:`~course_lib.precision.mixed.
+  MainGrads`: ``add_``, 10 bytes an element); the fused GEMM reads and writes the fp32 sum in its
+  epilogue instead (8 bytes an element beside 2T FLOPs, for T rows: compute-bound when T
+  exceeds a quarter of the GPU's FLOP-per-byte balance, about 75 rows on an H100; the rows' T
+  is a micro-batch's 4,096 tokens, an expert's ~4,096 routed rows). So the adds into an
+  existing sum of a GEMM's weight (every Linear's, not an embedding's or the router's, which
+  Megatron-Core multiplies with a plain ``F.linear``) run unpriced (:func:`fuse_gradient_accumulation`);
+  the first backward's cast into a new sum stays priced, as Megatron's zeroing of its buffers
+  each step would be (4 bytes an element, against the cast's 6). The values are the course's.
+
 The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
 replace the attention core of the model the dry run builds (:func:`install`), nothing else:
@@ -109,7 +128,8 @@ from course_lib import fused, trace
 from course_lib.fused import flash_attention
 from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
-from course_lib.parallel.tensor_parallel import ColumnParallelLinear
+from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from course_lib.parallel.vocab_parallel import VocabParallelEmbedding
 from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder, install_partitioned_pipe
@@ -157,6 +177,7 @@ RUNTIME = RUNTIME + SP_RUNTIME + TP_RUNTIME
 # at micro-batches over 1). Run by the course's layers with those copies unpriced.
 LAYOUT_RUNTIME = ("sequence_first",)
 RUNTIME = RUNTIME + LAYOUT_RUNTIME
+RUNTIME = RUNTIME + ("gradient_accumulation_fusion",)     # Megatron's wgrad GEMM into main_grad
 
 
 def check_fusions(fusions) -> tuple:
@@ -322,10 +343,55 @@ def install_runtime(net, software) -> None:
         net.zero.all_reduce = "zero_all_reduce" in software
     overlap_sp_backward(net, "sp_backward_overlap" in software)
     overlap_tp_backward(net, "tp_backward_overlap" in software)
+    fuse_gradient_accumulation(net, "gradient_accumulation_fusion" in software)
     clock = trace.clock()
     install_launch_blocking(clock, software)
     if clock is not None:
         clock.sequence_first = "sequence_first" in software
+
+
+def gemm_weights(net) -> list:
+    """The weights ``net``'s stages (or ``net``, a module) multiply in a GEMM whose weight
+    gradient Megatron-LM's fused kernel accumulates: every Linear's (the course's column and
+    row layers, the experts' and the LM head's), not an embedding's (tied to the head too) or
+    a router's."""
+    stages = [net] if isinstance(net, torch.nn.Module) else getattr(net, "stages", {}).values()
+    mods = [mod for stage in stages for mod in stage.modules()]
+    skip = {id(q) for mod in mods if isinstance(mod, (torch.nn.Embedding, VocabParallelEmbedding))
+            for q in mod.parameters()}
+    skip |= {id(q) for mod in mods if isinstance(getattr(mod, "router", None), torch.nn.Module)
+             for q in mod.router.parameters()}
+    linear = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    weights = {id(mod.weight): mod.weight for mod in mods
+               if isinstance(mod, linear) and isinstance(getattr(mod, "weight", None), torch.nn.Parameter)}
+    return [q for k, q in weights.items() if k not in skip]
+
+
+def fuse_gradient_accumulation(net, on: bool = True) -> int:
+    """``on``: the adds of a GEMM weight's gradient into its existing fp32 sum (the
+    :class:`~course_lib.precision.mixed.MainGrads` of ``net``'s ZeRO or master weights) run
+    unpriced on this rank's clock, as inside Megatron-LM's fused weight-gradient GEMM
+    (``"gradient_accumulation_fusion"``, the module doc); off: priced again. ValueError where
+    no gradient accumulates in fp32 (Megatron turns the fusion off there too). Returns how many
+    weights it set."""
+    mains = [m for m in (getattr(getattr(net, "zero", None), "main_grads", None),
+                         getattr(getattr(net, "master", None), "main_grads", None)) if m is not None]
+    if not on:
+        for main in mains:
+            main.accumulating = None
+        return 0
+    if not mains:
+        raise ValueError("fusions: 'gradient_accumulation_fusion' fuses the add into an fp32 gradient sum: "
+                         "run it with precision='bf16-accumulate-fp32' (Megatron-LM turns it off otherwise)")
+
+    def unpriced():
+        clock = trace.clock()
+        return clock.muted() if clock is not None else contextlib.nullcontext()
+
+    ids = {id(q) for q in gemm_weights(net)}
+    for main in mains:
+        main.accumulating = {id(q): unpriced for q in main.params if id(q) in ids}
+    return sum(len(main.accumulating) for main in mains)
 
 
 def _column_layers(net):
