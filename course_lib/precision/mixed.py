@@ -64,7 +64,7 @@ class MainGrads:
         self.handles = [p.register_post_accumulate_grad_hook(self._add) for p in self.params]
         # {id(parameter): a context manager} an add into an existing buffer runs in (None: none);
         # the dry run's Megatron-Core software prices those adds inside the weight-gradient GEMM
-        # (course_lib.virtual.software's "gradient_accumulation_fusion"); the values are these
+        # (course_lib.virtual.software's "gradient_accumulation_fusion"); the same add runs
         self.accumulating = None
 
     @torch.no_grad()

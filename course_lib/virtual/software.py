@@ -103,9 +103,9 @@ program, not a kernel:
   55ba1f7b96, L182-188), so its ``--fp16`` rows ran without it. The course's program adds each
   backward's 16-bit weight gradient into its fp32 sum (:class:`~course_lib.precision.mixed.
   MainGrads`: ``add_``, 10 bytes an element); the fused GEMM reads and writes the fp32 sum in its
-  epilogue instead (8 bytes an element beside 2T FLOPs, for T rows: compute-bound when T
-  exceeds a quarter of the GPU's FLOP-per-byte balance, about 75 rows on an H100; the rows' T
-  is a micro-batch's 4,096 tokens, an expert's ~4,096 routed rows). So the adds into an
+  epilogue instead (8 bytes an element beside 2T FLOPs, for T rows: T/4 FLOPs a byte, under the
+  GEMM's compute when T exceeds about 1,200 rows on an H100, 989 TFLOP/s over 3.35 TB/s; the
+  rows' T is a micro-batch's 4,096 tokens, an expert's ~4,096 routed rows). So the adds into an
   existing sum of a GEMM's weight (every Linear's, not an embedding's or the router's, which
   Megatron-Core multiplies with a plain ``F.linear``) run unpriced (:func:`fuse_gradient_accumulation`);
   the first backward's cast into a new sum stays priced, as Megatron's zeroing of its buffers
