@@ -123,7 +123,9 @@ class HostCopies:
     Python call (1.4M on the 175B dry run: 12-26% more CPU). So while any stream is entered
     the three methods of ``torch.Tensor`` are wrapped: the wrapper tells the calling
     thread's innermost stream, if it has one, then runs torch's method; the last stream to
-    leave puts torch's methods back."""
+    leave puts torch's methods back. The wait is priced, not the copy's own bytes over PCIe
+    (the program copies a bucket's flags or a handful of counts). ``.to("cpu")`` is not
+    caught: the program does not read values that way."""
 
     NAMES = ("tolist", "numpy", "cpu")
     _lock, _entered, _saved = threading.Lock(), 0, {}
@@ -160,7 +162,6 @@ class HostCopies:
             if streams:
                 streams[-1].host_read()
             return method(self, *args, **kwargs)
-        read.torch_method = method
         return read
 
 

@@ -90,14 +90,14 @@ from course_lib.parallel.mesh import MeshShape
 from course_lib.parallel.pipeline.rules import partition_layers
 from course_lib.planner import formulas
 from course_lib.planner.presets import ModelSpec, get_hardware, get_model, runs_flash
-from course_lib.precision.mixed import accumulates, check_precision
+from course_lib.precision.mixed import check_precision
 from course_lib.schedules import chunks, make_schedule, placement_of, rank_stage_ids, validate
 from course_lib.virtual.compute import tensor_bytes
 from course_lib.virtual.live_memory import LiveBytes
 from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
-from course_lib.virtual.software import check_fusions, install, install_runtime
+from course_lib.virtual.software import check_fusions, fp32_sums_needed, install, install_runtime
 
 _ALL_NONZERO = _fx_config.patch
 
@@ -434,10 +434,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     if getattr(hw, "fused_kernels", False) and "rmsnorm_swiglu" not in fusions:
         fusions += ("rmsnorm_swiglu",)     # the Hardware's statement, which the planner reads too
     fusions += hardware_attention(hw, layout, fusions, dropout)
-    if "gradient_accumulation_fusion" in fusions and not accumulates(layout.precision):
-        raise ValueError(f"fusions: 'gradient_accumulation_fusion' fuses the add into an fp32 gradient sum: "
-                         f"run it with precision='bf16-accumulate-fp32', not {layout.precision!r} "
-                         f"(Megatron-LM turns it off otherwise)")
+    if "gradient_accumulation_fusion" in fusions and (error := fp32_sums_needed(layout.precision)):
+        raise error                           # (before any rank runs)
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
                              dtype=None if check_precision(layout.precision)[0] is not None else dtype)

@@ -130,6 +130,7 @@ from course_lib.gpt import Attention, Block
 from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from course_lib.parallel.vocab_parallel import VocabParallelEmbedding
+from course_lib.precision.mixed import accumulates
 from course_lib.recompute import recompute
 from course_lib.virtual.bias_dropout_add import bias_dropout_add, layer_bias_dropout_add, output_layer
 from course_lib.virtual.deepspeed_order import DeepSpeedP2POrder, install_partitioned_pipe
@@ -350,6 +351,17 @@ def install_runtime(net, software) -> None:
         clock.sequence_first = "sequence_first" in software
 
 
+def fp32_sums_needed(precision) -> ValueError | None:
+    """The error for ``"gradient_accumulation_fusion"`` under ``precision`` (None: a net with
+    no fp32 gradient sums), or None where gradients are summed in fp32 (Megatron-LM turns the
+    fusion off otherwise)."""
+    if precision is not None and accumulates(precision):
+        return None
+    got = "" if precision is None else f", not {precision!r}"
+    return ValueError(f"fusions: 'gradient_accumulation_fusion' fuses the add into an fp32 gradient sum: "
+                      f"run it with precision='bf16-accumulate-fp32'{got} (Megatron-LM turns it off otherwise)")
+
+
 def gemm_weights(net) -> list:
     """The weights ``net``'s stages (or ``net``, a module) multiply in a GEMM whose weight
     gradient Megatron-LM's fused kernel accumulates: every Linear's (the course's column and
@@ -381,8 +393,7 @@ def fuse_gradient_accumulation(net, on: bool = True) -> int:
             main.accumulating = None
         return 0
     if not mains:
-        raise ValueError("fusions: 'gradient_accumulation_fusion' fuses the add into an fp32 gradient sum: "
-                         "run it with precision='bf16-accumulate-fp32' (Megatron-LM turns it off otherwise)")
+        raise fp32_sums_needed(None)
 
     def unpriced():
         clock = trace.clock()
