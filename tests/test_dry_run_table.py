@@ -59,9 +59,11 @@ def test_the_recorded_rows_are_what_todays_code_computes(source, name):
 def test_the_moe_rows_run_megatron_cores_mapping_as_its_modelzoo_states_it():
     """Liu et al. 2025's rows: the experts folded TP first in Megatron's rank order (an EP group
     of 8 on one node of 8), the distributed optimizer (ZeRO-1) with fp32 gradients, 1F1B with
-    micro-batch 1, no dropout; the recorded dry run's rows are both there."""
-    from course_lib.lab.dry_runs import DROPOUT, MOE_FOLDING, PRECISION
+    micro-batch 1, no dropout, Transformer Engine's attention kernel on Hopper (cuDNN's), the
+    distributed optimizer overlapped as the yaml says; the recorded dry run's rows are both there."""
+    from course_lib.lab.dry_runs import DROPOUT, MOE_FOLDING, PRECISION, SOFTWARE
     from course_lib.planner.layout import fold_offsets
+    from course_lib.planner.presets import cudnn_attention
     runs = [run for run in published_runs() if run[0] == MOE_FOLDING]
     assert [run[1] for run in runs] == ["Mixtral 8x22B A1", "Mixtral 8x22B A2"]
     for _, name, model, hw, layout, *_ in runs:
@@ -70,4 +72,11 @@ def test_the_moe_rows_run_megatron_cores_mapping_as_its_modelzoo_states_it():
         assert (layout.n_gpus, layout.micro_batch, layout.global_batch, layout.schedule) == (128, 1, 256, "1f1b")
         assert {o // hw.gpus_per_node for o in fold_offsets(layout, "expert mesh")} == {0}
         assert (MOE_FOLDING, name, 128) in RECORDED
+        assert hw == cudnn_attention("h100-sxm")
     assert DROPOUT[MOE_FOLDING] == 0.0 and PRECISION[MOE_FOLDING] == "bf16-accumulate-fp32"
+    assert {"gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather"} <= set(SOFTWARE[MOE_FOLDING])
+    # the overlaps' what-ifs (chapter 10): the row as stated is the recorded row, to the bit
+    from course_lib.lab.dry_runs import MOE_OVERLAP, MOE_OVERLAP_RECORDED
+    assert set(MOE_OVERLAP_RECORDED) == {(run[1], v) for run in runs for v in MOE_OVERLAP}
+    for run in runs:
+        assert MOE_OVERLAP_RECORDED[(run[1], "both")] == RECORDED[(MOE_FOLDING, run[1], 128)][0]

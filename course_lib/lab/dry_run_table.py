@@ -54,7 +54,14 @@ RECORDED_ON = ("2026-11-29, commit 82b5952 (the 22B row) and its parent (the oth
                "the Llama 3 what-ifs; the two Mixtral rows again that day, Megatron-Core's weight-gradient GEMMs "
                "accumulating into the fp32 sums (software 'gradient_accumulation_fusion', on by default and not "
                "turned off by the ModelZoo's yaml): A1 5.122 -> 4.808 s, A2 5.617 -> 5.303 s, memory unchanged, "
-               "beside the test suite")
+               "beside the test suite; the two Mixtral rows again on 2026-12-01 (twenty-seventh session), "
+               "Megatron-Core's distributed optimizer overlapped as the yaml states (software 'overlap_grad_"
+               "reduce' and 'overlap_param_gather': the first stage's reduce-scatters under its last backward, "
+               "each stage's gathers in its own first forward): A1 4.808 -> 5.096 s, A2 5.303 -> 5.650 s "
+               "(the reductions alone: 4.739 s and 5.228 s), A2's peak 0.03 GiB more (the buckets in flight), "
+               "and their attention priced as the cuDNN kernel Transformer Engine picks on Hopper "
+               "(lab.dry_runs.MOE_HARDWARE, planner.presets.cudnn_attention): A1 5.096 -> 4.906 s, A2 "
+               "5.650 -> 5.460 s, on the Intel AVX-512 machine beside the test suite")
 # (source, model, GPUs): (dry_s, dry_GiB, fits, wall_s, cpu_s): the recorded run's dry-run columns
 RECORDED = {
     ('Korthikanti 2022 T5', 'GPT 22B', 8): (1.0567221322717135, 51.91, True, 7, 3),
@@ -80,8 +87,8 @@ RECORDED = {
     ('Narayanan 2021 T1', 'GPT 310.1B', 1920): (36.1607230512713, 53.93, True, 40, 31),
     ('Narayanan 2021 T1', 'GPT 529.6B', 2520): (52.3618787886591, 49.76, True, 153, 91),
     ('Narayanan 2021 T1', 'GPT 1008B', 3072): (102.54250615690685, 54.67, True, 183, 118),
-    ('Liu 2025 T2-3', 'Mixtral 8x22B A1', 128): (4.808324052006951, 64.23, True, 27, 26),
-    ('Liu 2025 T2-3', 'Mixtral 8x22B A2', 128): (5.303446082095163, 66.79, True, 36, 33),
+    ('Liu 2025 T2-3', 'Mixtral 8x22B A1', 128): (4.905835825835336, 64.23, True, 31, 37),
+    ('Liu 2025 T2-3', 'Mixtral 8x22B A2', 128): (5.459597240981879, 66.82, True, 36, 39),
 }
 
 

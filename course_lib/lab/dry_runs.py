@@ -31,7 +31,7 @@ import time
 
 from course_lib.layout import MESH_ORDER, Layout
 from course_lib.planner import estimate
-from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, gpt_spec
+from course_lib.planner.presets import HARDWARE, MODELS, ModelSpec, cudnn_attention, gpt_spec
 from course_lib.planner.validation import (BLOOM, BLOOM_ORDER, JEAN_ZAY, KORTHIKANTI_DP8, KORTHIKANTI_FULL_RECOMPUTE,
                                            KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_2022, MOE_FOLDING_2025,
                                            NARAYANAN_TABLE1, korthikanti_dp8_layout, korthikanti_layout,
@@ -159,16 +159,34 @@ SOFTWARE[DP8] = SOFTWARE["Korthikanti 2022 T5"]     # Table 5's code; its DP all
 # which the H100 preset's fused_kernels states too); (s, b, h) activations; the pipeline exchange
 # batched then synchronised (p2p_communication with batch_p2p_sync, its default); and
 # --tp-comm-overlap, of which the course runs the sequence-parallel backward's overlap (the
-# forward's all-gather under the QKV GEMM, TE's userbuffers, is not run). Not run either: the
-# distributed optimizer's --overlap-grad-reduce and --overlap-param-gather (the course's ZeRO-1
-# reduce-scatters after the schedule and gathers before it), grouped GEMMs and
-# --moe-permute-fusion (the course's dispatch sorts, indexes and scatters the rows in separate
-# kernels), and TE's cuDNN attention (the clock prices FlashAttention-2's measured rate). Its
-# weight-gradient GEMMs accumulate into the fp32 main_grad (--no-gradient-accumulation-fusion is
-# store_false and the yaml does not set it; --bf16 accumulates in fp32: "gradient_accumulation_
-# fusion", course_lib.virtual.software).
+# forward's all-gather under the QKV GEMM, TE's userbuffers, is not run). Not run either:
+# grouped GEMMs and --moe-permute-fusion (the course's dispatch sorts, indexes and scatters the
+# rows in separate kernels). Its attention is Transformer Engine's choice (Megatron-Core's
+# --attention-backend auto; --use-flash-attn only reaches the legacy model): on Hopper, cuDNN's
+# fused attention wherever it and FlashAttention both could run ("Disabling FlashAttention to
+# give FusedAttention preference on Hopper+ for performance reasons", NVIDIA/TransformerEngine
+# transformer_engine/pytorch/dot_product_attention/utils.py at 66d6afbf6, 2025-04-15, L901-907):
+# the rows' Hardware prices it as cuDNN's kernel (:data:`MOE_HARDWARE`). Its weight-gradient GEMMs accumulate into the fp32 main_grad
+# (--no-gradient-accumulation-fusion is store_false and the yaml does not set it; --bf16
+# accumulates in fp32: "gradient_accumulation_fusion", course_lib.virtual.software). Its
+# distributed optimizer runs --overlap-grad-reduce and --overlap-param-gather (the yaml): the
+# first stage's reduce-scatters under its last backward, the others' as their schedule ends
+# (align_grad_reduce, the default), and each stage's gathers in its own first forward
+# (align_param_gather is forced off without an interleaved schedule; runtime.conf's VPP is 1 at
+# 78fd4d6): "overlap_grad_reduce", "overlap_param_gather". What each moves, recorded
+# (MOE_OVERLAP_RECORDED): A1 4.614 s without them, 4.548 s with the first, 4.906 s with both;
+# A2 5.109, 5.037, 5.460 s: each stage's first forward waits for its gathers (72 ms a stage on
+# A1, beside 42 ms of forward), and the pipeline's fill carries the wait from stage to stage.
 SOFTWARE[MOE_FOLDING] = ("flash_attention", "fused_qkv", "rmsnorm_swiglu", "sequence_first", "sp_backward_overlap",
-                         "megatron_p2p", "gradient_accumulation_fusion")
+                         "megatron_p2p", "gradient_accumulation_fusion", "overlap_grad_reduce",
+                         "overlap_param_gather")
+
+# The Mixtral rows' H100s with the attention kernel their Transformer Engine ran: cuDNN's
+# (SOFTWARE[MOE_FOLDING]'s comment), priced by the tile x wave model fitted on cuDNN's measured
+# times on an H200 (planner.presets.cudnn_attention: the same SMs and clocks as the H100 SXM);
+# the planner's column reads the same Hardware. Measured on 2026-12-01 (A1, A2): the dry run
+# 5.096 -> 4.906 s and 5.650 -> 5.460 s, the planner 5.087 -> 4.897 s and 5.206 -> 5.017 s.
+MOE_HARDWARE = cudnn_attention("h100-sxm")
 
 # The hidden and attention dropout each source trained with, run by the course's own Dropout
 # modules (virtual.dry_run's ``dropout=``): one kernel per dropout forward and backward, a
@@ -343,9 +361,9 @@ def published_runs():
                      llama3_layout(tp, cp, pp, dp, s), None, ("model", tflops),
                      LLAMA3_CP_NOTE if cp > 1 else ""))
     for name, tp, ep, etp, pp, dp, tflops in MOE_FOLDING_2025:
-        rows.append((MOE_FOLDING, f"Mixtral 8x22B {name}", MODELS["mixtral-8x22b"], h100,
+        rows.append((MOE_FOLDING, f"Mixtral 8x22B {name}", MODELS["mixtral-8x22b"], MOE_HARDWARE,
                      moe_folding_layout(tp, ep, etp, pp, dp), None, ("model", tflops),
-                     f"EP {ep} x ETP {etp}, TP first; ZeRO-1 not overlapped"))
+                     f"EP {ep} x ETP {etp}, TP first; ZeRO-1 overlapped"))
     return [(source, name, model, hw, layout.with_(order=ORDER[source], precision=PRECISION[source]), *rest)
             for source, name, model, hw, layout, *rest in rows]
 
@@ -456,6 +474,38 @@ def random_layouts(n: int, seed: int = 0):
     return out
 
 
+# What Megatron-Core's overlapped distributed optimizer moves on the Mixtral rows: each row run
+# by the dry run with SOFTWARE[MOE_FOLDING] less the statements named ({variant: dropped}), the
+# last variant the row as stated (RECORDED's); recorded by moe_overlap_rows (a dry run of 30-40 s
+# of CPU each, more than chapter 10's budget), on 2026-12-01 (twenty-seventh session), the Intel
+# AVX-512 machine, beside the test suite.
+MOE_OVERLAP = {"neither": ("overlap_grad_reduce", "overlap_param_gather"), "reductions": ("overlap_param_gather",),
+               "both": ()}
+MOE_OVERLAP_RECORDED = {
+    ('Mixtral 8x22B A1', 'neither'): 4.613845182055181,
+    ('Mixtral 8x22B A1', 'reductions'): 4.547614883211637,
+    ('Mixtral 8x22B A1', 'both'): 4.905835825835336,
+    ('Mixtral 8x22B A2', 'neither'): 5.1089672121434795,
+    ('Mixtral 8x22B A2', 'reductions'): 5.037137290040476,
+    ('Mixtral 8x22B A2', 'both'): 5.459597240981879,
+}
+
+
+def moe_overlap_rows(progress: float | None = None) -> dict:
+    """{(row name, variant of :data:`MOE_OVERLAP`): the dry run's step seconds}: the literal of
+    :data:`MOE_OVERLAP_RECORDED`."""
+    out = {}
+    for run in published_runs():
+        source, name, model, hw, layout = run[:5]
+        if source != MOE_FOLDING:
+            continue
+        for variant, dropped in MOE_OVERLAP.items():
+            software = tuple(f for f in row_software(source, name) if f not in dropped)
+            out[(name, variant)] = dry_run(model, hw, layout, progress=progress, fusions=software,
+                                           dropout=DROPOUT[source]).step_time
+    return out
+
+
 def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) -> list[dict]:
     """The planner's step time and memory against the dry run's on :func:`random_layouts`: the
     planner's ``runtime="course"`` (the course's eager program, kernel by kernel, each op issued
@@ -478,4 +528,5 @@ def agreement_rows(n: int = 50, seed: int = 0, progress: float | None = None) ->
 
 __all__ = ["published_runs", "published_row", "FULL_RECOMPUTE", "DP8", "PLANNER_SOURCES", "NARAYANAN_SC21",
            "narayanan_sc21", "row_software", "validation_rows", "format_table", "summary", "SOURCES", "SOFTWARE",
-           "DROPOUT", "ORDER", "PRECISION", "random_layouts", "agreement_rows"]
+           "DROPOUT", "ORDER", "PRECISION", "random_layouts", "agreement_rows", "MOE_HARDWARE", "MOE_OVERLAP",
+           "MOE_OVERLAP_RECORDED", "moe_overlap_rows"]

@@ -82,22 +82,32 @@ def all_gather_buckets(buckets, params, sources, comm_of):
     all-gather (the first the most bytes: its slice is never short)."""
     pending = []
     for b in buckets:
-        # buffers made empty, as FSDP2's all-gather output: the slice's padding (the last rank's
-        # slice may be short) is sent and received but never read
-        send = torch.empty(b.shard, dtype=b.dtype, device=b.device)
-        srcs = [src.reshape(-1) for src in sources(b)]
-        if srcs:    # the pieces lie end to end from the slice's start: one kernel packs them all
-            torch.cat(srcs, out=send[:sum(src.numel() for src in srcs)])
-        comm = comm_of(b)
-        full = torch.empty(b.shard * comm.size, dtype=b.dtype, device=b.device)
-        pending.append((b, full, comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")))
+        pending.append((b, *start_gather(b, sources(b), comm_of(b))))
         if len(pending) >= BUCKETS_IN_FLIGHT or b is buckets[-1]:
-            for b_, full_, work in pending:
-                work.wait()
-                for i in b_.param_ids:
-                    p = params[i]
-                    p.detach().view(-1).copy_(full_[b_.offsets[i]:b_.offsets[i] + p.numel()])
+            for b_, full, work in pending:
+                end_gather(b_, params, full, work)
             pending = []
+
+
+def start_gather(b, sources, comm) -> tuple:
+    """Bucket ``b``'s owned slices (``sources``, one tensor per piece) packed and their
+    all-gather over ``comm`` started: (the full buffer it fills, its work)."""
+    # buffers made empty, as FSDP2's all-gather output: the slice's padding (the last rank's
+    # slice may be short) is sent and received but never read
+    send = torch.empty(b.shard, dtype=b.dtype, device=b.device)
+    srcs = [src.reshape(-1) for src in sources]
+    if srcs:    # the pieces lie end to end from the slice's start: one kernel packs them all
+        torch.cat(srcs, out=send[:sum(src.numel() for src in srcs)])
+    full = torch.empty(b.shard * comm.size, dtype=b.dtype, device=b.device)
+    return full, comm.all_gather_into_tensor(full, send, async_op=True, name=f"all-gather b{b.index}")
+
+
+def end_gather(b, params, full, work) -> None:
+    """Wait for bucket ``b``'s all-gather (:func:`start_gather`) and copy it into ``params``."""
+    work.wait()
+    for i in b.param_ids:
+        p = params[i]
+        p.detach().view(-1).copy_(full[b.offsets[i]:b.offsets[i] + p.numel()])
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -447,5 +457,5 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
 
 
-__all__ = ["ShardedOptimizer", "ShardedBucket", "BUCKETS_IN_FLIGHT", "all_gather_buckets",
+__all__ = ["ShardedOptimizer", "ShardedBucket", "BUCKETS_IN_FLIGHT", "all_gather_buckets", "start_gather", "end_gather",
            "owned_gradient"]

@@ -29,6 +29,14 @@ Per step (``layout.grad_reduce``, :data:`~course_lib.layout.GRAD_REDUCE`):
 
 The parameters are gathered once, at the step's start, in every mode.
 
+Megatron-Core's distributed optimizer overlaps both (``--overlap-grad-reduce``,
+``--overlap-param-gather``; :meth:`ZeroSync.overlap_grad_reduce` and
+:meth:`ZeroSync.overlap_param_gather`, run where a source states them,
+:mod:`course_lib.virtual.software`): each bucket reduce-scattered in the last backward of its
+chunk as soon as its gradients are complete (by default on the first pipeline stage only; the
+others launch theirs as their schedule ends), and each bucket gathered in the first forward
+just before a module uses it, the next bucket's gather started as this one's is waited for.
+
 ``stage=1`` keeps the full gradients to the next step (ZeRO-1: gradients not sharded; the owned
 slices' sums are written into them, as :class:`~course_lib.parallel.zero.ShardedOptimizer`
 does); ``stage=2`` frees them once reduced (only the owned slices' sums stay). The optimizer sees one
@@ -36,12 +44,14 @@ parameter per (parameter, owned slice): a parameter no rank used keeps no gradie
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from course_lib.layout import rule_grad_reduce
-from course_lib.parallel.grad_sync import assign_buckets
-from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, owned_gradient
+from course_lib.parallel.grad_sync import assign_buckets, register_grad_ready_hooks
+from course_lib.parallel.zero import ShardedBucket, all_gather_buckets, end_gather, owned_gradient, start_gather
 from course_lib.precision.mixed import MainGrads, check_precision
 
 SHARD_DIMS = ("dp", "cp", "edp")   # the dims a ZeRO group spans (the ranks holding the same parameters)
@@ -103,7 +113,9 @@ class ZeroSync:
             b.reduce_dtype = reduce or compute or b.dtype
             if compute is not None:
                 b.dtype = compute                       # gathered in the compute dtype
+            b.launched, b.ready, b.gathered, b.gathering, b.chunks, b.next_gather = False, 0, True, None, None, None
             self.buckets.append(b)
+        self.bucket_of = {i: b for b in self.buckets for i in b.param_ids}
         if compute is not None:
             for q in self.params:
                 q.data = q.data.to(compute)             # the model computes in 16 bits
@@ -112,6 +124,11 @@ class ZeroSync:
         self.rounds = None          # None: after the schedule; "chunk" / "round": :meth:`reduce_in_rounds`
         self.pending = []           # reductions launched in the schedule, in flight
         self.freed = set()          # chunks whose sums a round freed, their next backward to come
+        self.overlapped = False     # True: each chunk's buckets launched in its last backward (overlap_grad_reduce)
+        self.hooked = False         # True: by the gradients' hooks, each bucket as it fills
+        self.order = []             # the buckets launched so, in their order
+        self.armed = set()          # chunks whose last backward of the step has started
+        self.deferred = []          # buckets gathered in the first forward (overlap_param_gather)
 
     def reduce_in_rounds(self, per: str):
         """Reduce-scatter each chunk's buckets (those of ``chunks``) in the schedule, under the
@@ -131,6 +148,9 @@ class ZeroSync:
         complete (``round_end``: the last of a round of them; ``last``: of the step): then the
         reductions launched before are waited for (they had a round of backwards to run under)
         and this chunk's launched."""
+        if self.overlapped and last:        # its buckets left incomplete (a parameter no backward reached)
+            self._launch_complete(ended=chunk)
+            return
         if self.rounds is None or not (last or (round_end and self.rounds == "round")):
             return
         self._drain()
@@ -139,11 +159,14 @@ class ZeroSync:
             self.freed.add(chunk)
 
     @torch.no_grad()
-    def gradients_starting(self, chunk):
+    def gradients_starting(self, chunk, last: bool = False):
         """Before a backward of ``chunk``: if a round freed its sums, their buffers again, zeros
         (as the round's first backward would make them; every backward then adds into its
         buffers alike, and a dry run replays one price for all of them), for the parameters
-        that had one."""
+        that had one. ``last``: it is the chunk's last of the step: under
+        :meth:`overlap_grad_reduce` its gradient hooks count from now."""
+        if last and self.overlapped:
+            self.armed.add(chunk)
         if chunk not in self.freed:
             return
         self.freed.discard(chunk)
@@ -179,15 +202,23 @@ class ZeroSync:
             q.grad = None
         if self.main_grads is not None:
             self.main_grads.clear()
-        self.pending, self.freed = [], set()
+        self.pending, self.freed, self.armed = [], set(), set()
         for b in self.buckets:
-            b.arrived = None
-        self.gather()
+            b.arrived, b.launched, b.ready = None, False, 0
+            b.gathered, b.gathering = b not in self.deferred, None
+        self.gather([b for b in self.buckets if b not in self.deferred])
 
     @torch.no_grad()
-    def gather(self):
-        """All-gather every bucket's owned slices into the full parameters (two buckets in flight)."""
-        all_gather_buckets(self.buckets, self.params, lambda b: [q.detach() for q in b.slices], lambda b: b.comm)
+    def gather(self, buckets=None):
+        """All-gather every bucket's (or ``buckets``') owned slices into the full parameters (two
+        buckets in flight)."""
+        buckets = self.buckets if buckets is None else buckets
+        if buckets:
+            all_gather_buckets(buckets, self.params, self._sources, lambda b: b.comm)
+
+    @staticmethod
+    def _sources(b):
+        return [q.detach() for q in b.slices]
 
     @torch.no_grad()
     def finish(self):
@@ -198,9 +229,12 @@ class ZeroSync:
         then the buckets of no chunk."""
         self._drain()
         for b in self.buckets:
-            if self.rounds is None or b.chunk is None:
+            if not b.gathered:          # (a bucket no forward used: gathered now, as before the step)
+                self._wait_gather(b, chain=False)
+            if not b.launched:          # (after the schedule; or a bucket of no chunk)
                 self._arrive(self._launch(b))
             self._hand_out(b)
+            b.launched = False
 
     def _drain(self):
         while self.pending:
@@ -242,7 +276,101 @@ class ZeroSync:
         if self.stage == 2:
             for i in b.param_ids:
                 self.params[i].grad = None
+        b.launched = True
         return b, packed, out, work if async_op else None
+
+    # ------------------------------------------------ Megatron-Core's overlapped distributed optimizer
+    def overlap_grad_reduce(self, chunks: dict, hooked: bool = True):
+        """Reduce-scatter each bucket in its chunk's last backward of the step, as soon as that
+        backward has made all its gradients (Megatron-Core's ``--overlap-grad-reduce``: a
+        backward hook per parameter, ``register_grad_ready``; here a post-accumulate-grad hook,
+        after the fp32 sum's add), under the rest of the backward. ``chunks``: {id(parameter):
+        its pipeline chunk} (``compose.chunk_of``): a bucket holding a parameter of no chunk (a
+        tied embedding, summed over the pipeline after the schedule) goes after the schedule.
+        The buckets launch in their order (the same on every rank of a group), all in flight
+        until the schedule ends, as Megatron's (which reduce-scatters its contiguous gradient
+        buffer in place, where the course packs a copy of each bucket to send: that copy's
+        bytes are held meanwhile), and those a parameter without gradient left incomplete
+        launch when that backward ends. The runner tells when a chunk's last
+        backward starts (:meth:`gradients_starting`) and ends (:meth:`gradients_done`).
+        ``hooked=False``: no hook launches anything; each chunk's buckets all launch (in order,
+        without waiting) when its last backward ends, as Megatron-Core's pipeline stages other
+        than the first do by default (``align_grad_reduce``: "other pipeline stages do grad
+        reduction during pipeline bubble", megatron/core/pipeline_parallel/schedules.py).
+        ZeRO-1 keeps the gradients; ZeRO-2 frees them once packed."""
+        if self.rounds is not None:
+            raise ValueError(f"overlap_grad_reduce reduces each bucket in its chunk's last backward: run it with "
+                             f"grad_reduce='step', not {self.rounds!r}")
+        for b in self.buckets:
+            held = {chunks.get(id(self.params[i])) for i in b.param_ids}
+            b.chunks = None if None in held else held
+        if hooked and not self.hooked:
+            register_grad_ready_hooks(self, self.params, "ZeroSync")
+        self.hooked = hooked or self.hooked
+        self.overlapped, self.order = True, [b for b in self.buckets if b.chunks is not None]
+
+    def _grad_ready(self, i):
+        b = self.bucket_of[i]
+        if not self.hooked or b.chunks is None or not b.chunks <= self.armed or b.launched:
+            return
+        b.ready += 1
+        self._launch_complete()
+
+    def _launch_complete(self, ended=None):
+        """Launch the buckets now complete, in order (``ended``: that chunk's last backward is
+        over: its buckets count as complete)."""
+        for b in self.order:
+            if b.launched:
+                continue
+            if not (b.ready == len(b.param_ids) or (ended is not None and b.chunks <= self.armed
+                                                    and ended in b.chunks)):
+                return
+            self.pending.append(self._launch(b, async_op=True))
+
+    def overlap_param_gather(self, units, chunks: dict):
+        """Gather each bucket in the step's first forward, where a module first uses it
+        (Megatron-Core's ``--overlap-param-gather``: a forward pre-hook per module waits for its
+        parameters' buckets, ``finish_param_sync``, and starts the next bucket's all-gather).
+        ``units``: the modules whose forward reads their parameters (each waits for the buckets
+        of all of them); ``chunks``: {id(parameter): its pipeline chunk}; a bucket of several
+        chunks, or of none, or holding a parameter of no unit, is gathered at the step's start
+        as before. The next bucket of each chain (one per chunk
+        and group, as Megatron-Core keeps one per buffer of a model chunk) in forward order."""
+        where = {id(q): i for i, q in enumerate(self.params)}
+        covered = {where[id(q)] for mod in units for q in mod.parameters() if id(q) in where}
+        mine = []
+        for mod in units:
+            ids = [where[id(q)] for q in mod.parameters() if id(q) in where]
+            buckets = list({id(self.bucket_of[i]): self.bucket_of[i] for i in ids}.values())
+            mine += [b for b in buckets if b not in mine]
+            mod.register_forward_pre_hook(_GatherHook(self, buckets))
+        chunk = {}
+        for b in self.buckets:
+            held = {chunks.get(id(self.params[i])) for i in b.param_ids}
+            chunk[id(b)] = held.pop() if len(held) == 1 else None
+        self.deferred = [b for b in mine if chunk[id(b)] is not None and covered.issuperset(b.param_ids)]
+        for b in self.buckets:
+            b.next_gather = None
+        chains = {}
+        for b in sorted(self.deferred, key=self.buckets.index, reverse=True):   # forward order
+            key = (chunk[id(b)], id(b.comm))
+            if key in chains:
+                chains[key].next_gather = b
+            chains[key] = b
+
+    @torch.no_grad()
+    def _wait_gather(self, b, chain: bool = True):
+        """Bucket ``b``'s parameters gathered: its all-gather started if not yet, waited for,
+        copied in; then (``chain``) the next bucket's started."""
+        if b.gathered:
+            return
+        if b.gathering is None:
+            b.gathering = start_gather(b, self._sources(b), b.comm)
+        end_gather(b, self.params, *b.gathering)
+        b.gathered, b.gathering = True, None
+        nxt = b.next_gather if chain else None
+        if nxt is not None and not nxt.gathered and nxt.gathering is None:
+            nxt.gathering = start_gather(nxt, self._sources(nxt), nxt.comm)
 
     @staticmethod
     def _arrive(launched):
@@ -287,6 +415,20 @@ class ZeroSync:
             torch._foreach_copy_(views, [out[at:at + hi - lo] for i, lo, hi, at, q in fresh])
             for view, (*_, q) in zip(views, fresh):
                 q.grad = view
+
+
+class _GatherHook:
+    """Forward pre-hook of one unit: its buckets gathered before it runs (while the step's
+    first forward still gathers)."""
+
+    def __init__(self, zero, buckets):
+        self.zero, self.buckets = weakref.ref(zero), buckets
+
+    def __call__(self, module, args):
+        zero = self.zero()
+        if zero is not None:
+            for b in self.buckets:
+                zero._wait_gather(b)
 
 
 def row_pieces(flat, start, src, rows=None):

@@ -97,7 +97,7 @@ from course_lib.virtual.live_memory import LiveBytes
 from course_lib.virtual.moe_folding import check_balanced_folding, fold_token_places
 from course_lib.virtual.priced import DryRankClock, MetaScalars, StageMesh, Stages
 from course_lib.virtual.replay import ActionMemo, TapeRecorder
-from course_lib.virtual.software import check_fusions, fp32_sums_needed, install, install_runtime
+from course_lib.virtual.software import check_fusions, fp32_sums_needed, install, install_runtime, zero_runtime_error
 
 _ALL_NONZERO = _fx_config.patch
 
@@ -436,6 +436,8 @@ def dry_run(model, hardware, layout: Layout, *, gpus_per_node=None, dtype=torch.
     fusions += hardware_attention(hw, layout, fusions, dropout)
     if "gradient_accumulation_fusion" in fusions and (error := fp32_sums_needed(layout.precision)):
         raise error                           # (before any rank runs)
+    if (error := zero_runtime_error(layout, fusions)) is not None:
+        raise error
     # a layout's precision runs the GPU's dtypes for real: each tensor priced at its own
     cluster = VirtualCluster(hw, gpus_per_node=gpus_per_node,
                              dtype=None if check_precision(layout.precision)[0] is not None else dtype)

@@ -12,7 +12,9 @@ time, by the clock, with this moment's streams and lanes; a blocking one of the 
 on the clock, :meth:`.priced.PricedComm.replay_call`; an async one waited for where the action
 waited, its wait taped in order), between the same receive and send the runner makes. Where a
 tape cannot be trusted (an async collective not waited for inside the action, kernels outside
-the action's span, a zero-bubble split), the stage keeps running for real. ``tests/test_dry_run.py`` checks the step time with
+the action's span, a zero-bubble split), the stage keeps running for real, and so do the
+actions the runner says must (``ScheduleRunner.runs_real``: a last backward whose hooks launch
+the gradient reductions). ``tests/test_dry_run.py`` checks the step time with
 replays against a real launch.
 """
 from __future__ import annotations
@@ -160,7 +162,7 @@ class ActionMemo:
             self.early = False
 
         def F(i, s, mb):
-            if (s, mb) in runner.split or not self._replayable(s):
+            if (s, mb) in runner.split or not self._replayable(s) or runner.runs_real(s, mb):
                 before = dict(runner.live)
                 self._run_real(("F", s), lambda: real_f(i, s, mb))
                 if runner.live.keys() - before.keys() == {(s, mb)}:

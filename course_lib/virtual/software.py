@@ -111,6 +111,20 @@ program, not a kernel:
   the first backward's cast into a new sum stays priced, as Megatron's zeroing of its buffers
   each step would be (4 bytes an element, against the cast's 6). The values are the course's.
 
+* ``"overlap_grad_reduce"``, ``"overlap_param_gather"``: Megatron-Core's distributed optimizer
+  with ``--overlap-grad-reduce`` and ``--overlap-param-gather`` (the MoE ModelZoo's yaml sets
+  both; :data:`ZERO_RUNTIME`'s comment has the code read). On the course's ZeRO-1/2
+  (:func:`overlap_distributed_optimizer`): the first pipeline stage's buckets are
+  reduce-scattered from its last backward's gradient hooks, each as soon as it is complete,
+  the other stages' all at once when their schedule ends (Megatron's default
+  ``align_grad_reduce``); each bucket is gathered where a module's forward first uses it, in
+  the step's first forward, the next bucket's gather started as this one is waited for
+  (``align_param_gather`` off: forced so without an interleaved schedule). What it costs, in
+  a pipeline: a stage's first forward waits for the gathers its host starts there, after its
+  first activation arrived, and the fill hands that wait from stage to stage; what it saves:
+  the first stage's reductions under its last backward. The same sums and gathers
+  (``tests/test_zero_overlap.py``: as one device in float64, and the dry run a real launch).
+
 The kernels compute what the course's ops compute (``tests/test_dry_run.py`` checks them
 on the CPU against :func:`course_lib.attention.causal_attention`, values and gradients). They
 replace the attention core of the model the dry run builds (:func:`install`), nothing else:
@@ -127,6 +141,7 @@ import torch
 from course_lib import fused, trace
 from course_lib.fused import flash_attention
 from course_lib.gpt import Attention, Block
+from course_lib.parallel.compose import chunk_of
 from course_lib.parallel.grad_sync import OverlappedGradSync
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from course_lib.parallel.vocab_parallel import VocabParallelEmbedding
@@ -179,6 +194,23 @@ RUNTIME = RUNTIME + SP_RUNTIME + TP_RUNTIME
 LAYOUT_RUNTIME = ("sequence_first",)
 RUNTIME = RUNTIME + LAYOUT_RUNTIME
 RUNTIME = RUNTIME + ("gradient_accumulation_fusion",)     # Megatron's wgrad GEMM into main_grad
+# Megatron-Core's distributed optimizer with --overlap-grad-reduce and --overlap-param-gather
+# (megatron/core/distributed/param_and_grad_buffer.py at c45e651854, 2025-04-15): each bucket
+# group's reduce-scatter issued asynchronously from a parameter's backward hook once the last
+# micro-batch's backward has made every gradient in it (register_grad_ready, is_last_microbatch:
+# the schedule's no_sync() around the others), on the first pipeline stage only: by default
+# (--no-align-grad-reduce not set, arguments.py) the other stages launch theirs when their
+# schedule ends ("other pipeline stages do grad reduction during pipeline bubble",
+# core/pipeline_parallel/schedules.py: an asynchronous reduction slows the compute beside it,
+# and a slower last backward on every stage would add up along the pipeline's drain); waited
+# for in finish_grad_sync after the schedule; each bucket group's all-gather waited for in a forward pre-hook of the modules
+# that use it (finish_param_sync), which starts the next group's (next_param_gather_bucket_group,
+# one chain per buffer of a model chunk), the first started there too: each stage gathers in its
+# own first forward (align_param_gather, which starts every stage's gathers at once, is forced off
+# without an interleaved schedule: arguments.py L480-487). Run by the course's ZeRO-1/2 (course_lib.parallel.zero_nd.ZeroSync); the values
+# are the same sums and gathers.
+ZERO_RUNTIME = ("overlap_grad_reduce", "overlap_param_gather")
+RUNTIME = RUNTIME + ZERO_RUNTIME
 
 
 def check_fusions(fusions) -> tuple:
@@ -345,6 +377,7 @@ def install_runtime(net, software) -> None:
     overlap_sp_backward(net, "sp_backward_overlap" in software)
     overlap_tp_backward(net, "tp_backward_overlap" in software)
     fuse_gradient_accumulation(net, "gradient_accumulation_fusion" in software)
+    overlap_distributed_optimizer(net, software)
     clock = trace.clock()
     install_launch_blocking(clock, software)
     if clock is not None:
@@ -432,6 +465,67 @@ def overlap_tp_backward(net, on: bool = True) -> int:
     return len(layers)
 
 
+def zero_runtime_error(layout, software) -> ValueError | None:
+    """The error for :data:`ZERO_RUNTIME` items in ``software`` under ``layout`` (None: none):
+    they run Megatron-Core's distributed optimizer, the course's ZeRO-1/2 (``zero`` 1 or 2,
+    ``data="ddp"``), its gradients reduced in the schedule by bucket (``grad_reduce="step"``: not
+    chunk by chunk as well), in a schedule that neither interleaves nor splits a backward."""
+    asked = [f for f in ZERO_RUNTIME if f in software]
+    if not asked:
+        return None
+    if layout.zero not in (1, 2) or getattr(layout, "data", "ddp") != "ddp":
+        return ValueError(f"fusions: {asked} overlap Megatron-Core's distributed optimizer: run them with ZeRO-1 "
+                          f"or ZeRO-2 (zero=1 or 2, data='ddp'), got zero={layout.zero}, "
+                          f"data={getattr(layout, 'data', 'ddp')!r}")
+    if "overlap_grad_reduce" in asked and layout.grad_reduce != "step":
+        return ValueError(f"fusions: 'overlap_grad_reduce' reduces each bucket in its chunk's last backward: "
+                          f"run it with grad_reduce='step', got {layout.grad_reduce!r}")
+    sched = layout.schedule     # (a name, or the action lists a validated layout carries)
+    plain = sched in ("1f1b", "gpipe") if isinstance(sched, str) else \
+        not any(action[0] == "W" for row in sched for action in row)
+    if "overlap_grad_reduce" in asked and not (plain and layout.v == 1):
+        # (interleaved: Megatron-Core launches each chunk's reductions at one moment on every stage,
+        # align_grad_reduce, which the course does not run; zero bubble: a backward split in two)
+        got = repr(sched) if isinstance(sched, str) else "a list schedule that splits backwards"
+        return ValueError(f"fusions: 'overlap_grad_reduce' runs Megatron-Core's non-interleaved schedule: run it "
+                          f"with schedule='1f1b' (or 'gpipe') and v=1, got {got}, v={layout.v}")
+    return None
+
+
+def gather_units(net) -> list:
+    """The modules whose forward reads their parameters, for the parameter gathers of
+    ``overlap_param_gather``: each stage's embedding, final norm and head, and each block's
+    children that hold parameters (its norms, its attention, its MLP or MoE: each reads its own
+    weights, a fused kernel's or an expert's included, inside its forward)."""
+    units = []
+    for st in net.stages.values():
+        mods = [mod for name, mod in st.part.named_children() if name != "blocks"]
+        mods += [child for block in st.part.blocks for child in block.children()]
+        units += [mod for mod in mods if next(mod.parameters(), None) is not None]
+    return units
+
+
+def overlap_distributed_optimizer(net, software) -> None:
+    """``"overlap_grad_reduce"`` and ``"overlap_param_gather"`` in ``software`` (Megatron-Core's
+    flags, :data:`ZERO_RUNTIME`) run on ``net``'s ZeRO (:meth:`~course_lib.parallel.zero_nd.
+    ZeroSync.overlap_grad_reduce`, :meth:`~course_lib.parallel.zero_nd.ZeroSync.overlap_param_gather`):
+    the runner tells the ZeRO when each chunk's last backward starts and ends, and runs that
+    backward as the program (a dry run replays no price there)."""
+    software = check_fusions(software)
+    if not set(ZERO_RUNTIME) & set(software):
+        return
+    if (error := zero_runtime_error(net.layout, software)) is not None:
+        raise error
+    zero, runner, chunks = net.zero, net.runner, chunk_of(net.stages)
+    if "overlap_grad_reduce" in software:
+        first = runner.me == 0     # Megatron-Core's default (align_grad_reduce): the first stage's hooks
+        zero.overlap_grad_reduce(chunks, hooked=first)
+        runner.gradients_starting, runner.gradients_done = zero.gradients_starting, zero.gradients_done
+        runner.hooked_last = first
+    if "overlap_param_gather" in software:
+        zero.overlap_param_gather(gather_units(net), chunks)
+
+
 def install_launch_blocking(clock, software) -> None:
     """``"launch_blocking"`` in ``software``: ``clock`` (a rank's virtual clock; None, a wall-clock
     run: nothing to price) runs as under ``CUDA_LAUNCH_BLOCKING=1``, each launch returning when
@@ -466,4 +560,5 @@ def overlap_dp(net) -> None:
 __all__ = ["FUSIONS", "RUNTIME", "SP_RUNTIME", "TP_RUNTIME", "LAYOUT_RUNTIME", "overlap_sp_backward",
            "overlap_tp_backward", "check_fusions", "install", "install_runtime", "install_launch_blocking",
            "DeepSpeedP2POrder", "scale_mask_softmax_attention", "flash_attention", "CausalSoftmax",
-           "bias_dropout_add", "overlap_dp", "MegatronP2P"]
+           "bias_dropout_add", "overlap_dp", "MegatronP2P", "ZERO_RUNTIME", "zero_runtime_error", "gather_units",
+           "overlap_distributed_optimizer"]

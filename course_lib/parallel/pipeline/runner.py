@@ -144,9 +144,12 @@ class ScheduleRunner:
     gradients_done (settable, default None): called with (stage s, round_end, last) once a
     micro-batch's weight gradients of s are complete (after its B, or its W where one is split
     off): ``round_end``, the next such action is another stage's; ``last``, s's last this step.
-    ZeRO's reductions chunk by chunk (``ZeroSync.gradients_done``); ``gradients_starting`` (s),
-    before each B or W of s: where ZeRO freed s's sums after a round, their buffers come back
-    there, as a first backward makes them (``ZeroSync.gradients_starting``).
+    ZeRO's reductions chunk by chunk (``ZeroSync.gradients_done``); ``gradients_starting`` (s,
+    last), before each B or W of s (``last``: it completes s's last weight gradients of the
+    step): where ZeRO freed s's sums after a round, their buffers come back there, as a first
+    backward makes them, and where ZeRO reduces each bucket as that last backward fills it,
+    its hooks are armed (``ZeroSync.gradients_starting``). hooked_last (settable, default
+    False): that last backward and its forward always run as the program (:meth:`runs_real`).
     memory_probe (settable, default None): ``probe(saved, states_changed, excess)`` -> the bytes the GPU
     holds now, given the bytes saved for backward now (or the most it held since the last call, where larger);
     called after each forward and at the end of each backward (B, W), with the saved bytes the
@@ -163,7 +166,8 @@ class ScheduleRunner:
         self.overlap_fb, self.blocking_sends = overlap_fb, blocking_sends
         self.memory_probe = None
         self.gradients_done = None      # settable: (s, round_end, last) when a micro-batch's weight gradients of s are complete
-        self.gradients_starting = None  # settable: (s) before each backward (B or W) of stage s
+        self.gradients_starting = None  # settable: (s, last) before each backward (B or W) of stage s
+        self.hooked_last = False        # settable: each stage's last backward runs hooks (runs_real)
         if comm.size != p:
             raise ValueError(f"a schedule for p={p} stages runs on a pipeline group of p ranks; this one has {comm.size}")
         if not isinstance(scale_grads, bool):
@@ -215,7 +219,7 @@ class ScheduleRunner:
             if i in pairs and overlapped is not None:
                 self._post_recvs(i + 1)             # both receives posted before the pair starts
                 if self.gradients_starting is not None:
-                    self.gradients_starting(self.actions[i + 1][1])
+                    self.gradients_starting(self.actions[i + 1][1], self.last_gradients(*self.actions[i + 1]))
                 with overlapped() as pair:
                     self.F(i, s, mb)
                     pair.next()
@@ -224,7 +228,7 @@ class ScheduleRunner:
                 i += 2
                 continue
             if op != "F" and self.gradients_starting is not None:
-                self.gradients_starting(s)
+                self.gradients_starting(s, self.last_gradients(op, s, mb))
             getattr(self, op)(i, s, mb)
             self._gradients_complete(op, s, mb)
             i += 1
@@ -290,6 +294,17 @@ class ScheduleRunner:
         elif (s, mb) in self.split and x is not None:
             _accumulate(x, dx)                          # the caller's input: x.grad, as backward() gives
         self.backward_done(s, mb)
+
+    def last_gradients(self, op, s, mb) -> bool:
+        """Whether action (op, s, mb) completes stage s's last weight gradients of the step."""
+        return self.grad_ends.get((op, s, mb), (False, False))[1]
+
+    def runs_real(self, s, mb) -> bool:
+        """Whether the forward and backward of stage s, micro-batch mb, must run as the program
+        (a dry run replays the others' price, :mod:`course_lib.virtual.replay`): with
+        ``hooked_last`` set, the step's last backward of each stage, where gradient hooks
+        launch collectives (:meth:`ZeroSync.overlap_grad_reduce`), and its forward."""
+        return self.hooked_last and self.last_gradients("B", s, mb)
 
     def _gradients_complete(self, op, s, mb):
         """After an action (outside it: a dry run's replayed action runs no runner code): tell
